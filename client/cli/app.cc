@@ -1,0 +1,141 @@
+#include "client/cli/app.h"
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "client/cli/commands.h"
+#include "client/cli/options.h"
+#include "client/cli/replay.h"
+#include "client/lib/monitor.h"
+#include "client/lib/query_client.h"
+
+namespace gradwatch::cli {
+namespace {
+
+constexpr char kFooter[] = R"(Exit codes:
+  0  success
+  1  failure: daemon unreachable, RPC error, run or series not found, file unreadable,
+     steps not acknowledged
+  2  usage error
+  3  replay finished, but some lines were skipped or rejected by the daemon
+
+Environment:
+  GRADWATCH_ADDR  default for --addr)";
+
+std::string DefaultAddress() {
+  const char* env = std::getenv("GRADWATCH_ADDR");
+  return env != nullptr && *env != '\0' ? env : client::kDefaultAddress;
+}
+
+std::string Join(const std::vector<std::string>& words) {
+  std::string out;
+  for (const std::string& w : words) out += (out.empty() ? "" : " ") + w;
+  return out;
+}
+
+}  // namespace
+
+int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  CLI::App app{"gradwatch: query the gradwatch daemon and replay training histories into it",
+               "gradwatch"};
+  app.footer(kFooter);
+  app.set_version_flag("--version", "gradwatch 0.1.0");
+  app.require_subcommand(1);
+  // Lets global options follow the subcommand: `gradwatch runs --json`.
+  app.fallthrough();
+
+  GlobalOptions global;
+  global.address = DefaultAddress();
+  app.add_option("--addr", global.address, "Daemon gRPC address, host:port")
+      ->capture_default_str();
+  app.add_option("--timeout", global.timeout_seconds,
+                 "Deadline of each query, and how long replay waits for the daemon (seconds)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--json", global.json, "Machine-readable output on stdout");
+  app.add_flag("-v,--verbose", global.verbose, "Log connection details on stderr");
+
+  ReplayOptions replay;
+  bool replay_max = false;
+  auto* replay_cmd = app.add_subcommand(
+      "replay", "Stream a JSONL history (W&B history style) to the daemon as one trainer rank");
+  replay_cmd->add_option("FILE", replay.file, "JSONL file, one object per line")->required();
+  replay_cmd->add_option("--run", replay.run,
+                         "Run id (default: the header's \"run\", else the file's stem)");
+  auto* speed = replay_cmd->add_option(
+      "--speed", replay.speed, "Pace by _timestamp at X times real time")->check(CLI::PositiveNumber);
+  auto* max = replay_cmd->add_flag("--max", replay_max,
+                                   "Send as fast as the daemon acknowledges (the default)");
+  speed->excludes(max);
+  replay_cmd->add_option("--rank", replay.rank, "This rank")->capture_default_str();
+  replay_cmd->add_option("--world-size", replay.world_size, "Ranks reporting each step")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+
+  auto* runs_cmd = app.add_subcommand("runs", "List the runs the daemon holds");
+
+  std::string show_run;
+  auto* show_cmd = app.add_subcommand("show", "Summarise a run: info, config, catalog, latest values, events");
+  show_cmd->add_option("RUN", show_run, "Run id")->required();
+
+  SeriesOptions series;
+  auto* series_cmd = app.add_subcommand("series", "Print a series: step value min max count per point");
+  series_cmd->add_option("RUN", series.run, "Run id")->required();
+  series_cmd->add_option("KEY", series.key, "Series key, e.g. grad/norm/total")->required();
+  series_cmd->add_option("--from", series.from_step, "First step (inclusive)");
+  series_cmd->add_option("--to", series.to_step, "Last step (inclusive; 0: to the end)");
+  series_cmd->add_option("--max-points", series.max_points,
+                         "Merge into at most N points keeping min and max (0: no limit)");
+
+  std::string annotate_run;
+  uint64_t annotate_step = 0;
+  std::vector<std::string> annotate_text;
+  auto* annotate_cmd = app.add_subcommand("annotate", "Record an event on a run at a step");
+  annotate_cmd->add_option("RUN", annotate_run, "Run id")->required();
+  annotate_cmd->add_option("STEP", annotate_step, "Step the event took effect")->required();
+  annotate_cmd->add_option("TEXT", annotate_text, "What happened")->required();
+
+  try {
+    app.parse(argc, argv);
+    if (*replay_cmd && replay.rank >= replay.world_size) {
+      throw CLI::ValidationError("--rank", "must be below --world-size (" +
+                                               std::to_string(replay.world_size) + ")");
+    }
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e, out, err);
+    return code == 0 ? kExitOk : kExitUsage;
+  }
+
+  spdlog::set_level(global.verbose ? spdlog::level::debug : spdlog::level::warn);
+
+  if (*replay_cmd) return RunReplay(global, replay, out, err);
+  client::QueryClient query(global.address, global.timeout());
+  if (*runs_cmd) return RunRuns(global, query, out, err);
+  if (*show_cmd) return RunShow(global, query, show_run, out, err);
+  if (*series_cmd) return RunSeries(global, query, series, out, err);
+  if (*annotate_cmd) {
+    return RunAnnotate(global, query, annotate_run, annotate_step, Join(annotate_text), out, err);
+  }
+  return kExitUsage;
+}
+
+int Main(int argc, const char* const* argv) {
+  // Logging goes to stderr so that stdout stays clean for --json.
+  auto logger = spdlog::stderr_color_mt("gradwatch");
+  logger->set_pattern("gradwatch: %l: %v");
+  spdlog::set_default_logger(logger);
+  try {
+    return Run(argc, argv, std::cout, std::cerr);
+  } catch (const std::exception& e) {
+    std::cerr << "gradwatch: " << e.what() << "\n";
+    return kExitFailure;
+  }
+}
+
+}  // namespace gradwatch::cli

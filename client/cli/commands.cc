@@ -1,0 +1,87 @@
+#include "client/cli/commands.h"
+
+#include "client/cli/format.h"
+
+namespace gradwatch::cli {
+
+int ReportRpcError(const GlobalOptions& global, const std::string& what, const grpc::Status& status,
+                   std::ostream& err) {
+  err << "gradwatch: ";
+  switch (status.error_code()) {
+    case grpc::StatusCode::UNAVAILABLE:
+      err << "cannot reach the daemon at " << global.address << ": " << status.error_message();
+      break;
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      err << "no answer from the daemon at " << global.address << " within "
+          << FormatValue(global.timeout_seconds) << " s (" << what << ")";
+      break;
+    case grpc::StatusCode::NOT_FOUND:
+      err << what << ": " << (status.error_message().empty() ? "not found" : status.error_message());
+      break;
+    default:
+      err << what << " failed: code " << static_cast<int>(status.error_code()) << ": "
+          << status.error_message();
+      break;
+  }
+  err << "\n";
+  return kExitFailure;
+}
+
+int RunRuns(const GlobalOptions& global, client::QueryClient& query, std::ostream& out,
+            std::ostream& err) {
+  auto result = query.ListRuns();
+  if (!result.ok()) return ReportRpcError(global, "list runs", result.status, err);
+  if (global.json) {
+    out << ProtoToJson(result.response).dump(2) << "\n";
+  } else {
+    out << FormatRunsTable(result.response);
+  }
+  return kExitOk;
+}
+
+int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
+            std::ostream& out, std::ostream& err) {
+  auto result = query.GetRun(run);
+  if (!result.ok()) return ReportRpcError(global, "run " + run, result.status, err);
+  if (global.json) {
+    out << RunSummaryToJson(result.response).dump(2) << "\n";
+  } else {
+    out << FormatRunSummary(result.response);
+  }
+  return kExitOk;
+}
+
+int RunSeries(const GlobalOptions& global, client::QueryClient& query,
+              const SeriesOptions& options, std::ostream& out, std::ostream& err) {
+  v1::GetSeriesRequest request;
+  request.set_run_id(options.run);
+  request.set_key(options.key);
+  request.set_from_step(options.from_step);
+  request.set_to_step(options.to_step);
+  request.set_max_points(options.max_points);
+  auto result = query.GetSeries(request);
+  if (!result.ok()) {
+    return ReportRpcError(global, "series " + options.key + " of run " + options.run,
+                          result.status, err);
+  }
+  if (global.json) {
+    out << SeriesToJson(result.response).dump(2) << "\n";
+  } else {
+    out << FormatSeries(result.response);
+  }
+  return kExitOk;
+}
+
+int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
+                uint64_t step, const std::string& text, std::ostream& out, std::ostream& err) {
+  auto result = query.Annotate(run, step, text);
+  if (!result.ok()) return ReportRpcError(global, "annotate run " + run, result.status, err);
+  if (global.json) {
+    out << nlohmann::json{{"run", run}, {"step", step}, {"text", text}}.dump(2) << "\n";
+  } else {
+    out << "annotated run " << run << " at step " << step << "\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace gradwatch::cli

@@ -1,0 +1,36 @@
+// The query subcommands. Each returns the process exit code.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+#include <grpcpp/support/status.h>
+
+#include "client/cli/options.h"
+#include "client/lib/query_client.h"
+
+namespace gradwatch::cli {
+
+struct SeriesOptions {
+  std::string run;
+  std::string key;
+  uint64_t from_step = 0;
+  uint64_t to_step = 0;  // 0: to the end
+  uint32_t max_points = 0;
+};
+
+int RunRuns(const GlobalOptions& global, client::QueryClient& query, std::ostream& out,
+            std::ostream& err);
+int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
+            std::ostream& out, std::ostream& err);
+int RunSeries(const GlobalOptions& global, client::QueryClient& query,
+              const SeriesOptions& options, std::ostream& out, std::ostream& err);
+int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
+                uint64_t step, const std::string& text, std::ostream& out, std::ostream& err);
+
+// Explains a failed call on `err` ("cannot reach the daemon at ...") and returns kExitFailure.
+int ReportRpcError(const GlobalOptions& global, const std::string& what, const grpc::Status& status,
+                   std::ostream& err);
+
+}  // namespace gradwatch::cli

@@ -1,0 +1,364 @@
+#include "client/cli/format.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <ctime>
+#include <map>
+#include <sstream>
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/reflection.h>
+
+#include "client/cli/replay_parser.h"
+
+namespace gradwatch::cli {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+using google::protobuf::Reflection;
+using nlohmann::json;
+
+constexpr std::string_view kGradPrefix = "grad/norm/";
+constexpr std::string_view kParamPrefix = "params/norm/";
+constexpr std::string_view kUpdatePrefix = "updates/norm/";
+constexpr std::string_view kKeySeries[] = {"grad/norm/total", "train/loss", "train/z_loss",
+                                           "optim/learning_rate"};
+
+// One field value; `index` < 0 for a singular field.
+json FieldToJson(const Message& m, const Reflection* r, const FieldDescriptor* f, int index) {
+  const bool rep = index >= 0;
+  switch (f->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32:
+      return rep ? r->GetRepeatedInt32(m, f, index) : r->GetInt32(m, f);
+    case FieldDescriptor::CPPTYPE_INT64:
+      return rep ? r->GetRepeatedInt64(m, f, index) : r->GetInt64(m, f);
+    case FieldDescriptor::CPPTYPE_UINT32:
+      return rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f);
+    case FieldDescriptor::CPPTYPE_UINT64:
+      return rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f);
+    case FieldDescriptor::CPPTYPE_DOUBLE:
+      return JsonValue(rep ? r->GetRepeatedDouble(m, f, index) : r->GetDouble(m, f));
+    case FieldDescriptor::CPPTYPE_FLOAT:
+      return JsonValue(rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f));
+    case FieldDescriptor::CPPTYPE_BOOL:
+      return rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f);
+    case FieldDescriptor::CPPTYPE_ENUM: {
+      const int number = rep ? r->GetRepeatedEnumValue(m, f, index) : r->GetEnumValue(m, f);
+      const auto* value = f->enum_type()->FindValueByNumber(number);
+      return value != nullptr ? json(value->name()) : json(number);
+    }
+    case FieldDescriptor::CPPTYPE_STRING:
+      return rep ? r->GetRepeatedString(m, f, index) : r->GetString(m, f);
+    case FieldDescriptor::CPPTYPE_MESSAGE:
+      return ProtoToJson(rep ? r->GetRepeatedMessage(m, f, index) : r->GetMessage(m, f));
+  }
+  return nullptr;
+}
+
+std::string MapKey(const json& key) { return key.is_string() ? key.get<std::string>() : key.dump(); }
+
+std::string StateName(v1::RunState state) {
+  switch (state) {
+    case v1::RUN_STATE_ACTIVE: return "active";
+    case v1::RUN_STATE_ENDED: return "ended";
+    default: return "unknown";
+  }
+}
+
+std::string FormatWallTime(double seconds) {
+  if (!(seconds > 0) || !std::isfinite(seconds)) return "-";
+  const std::time_t t = static_cast<std::time_t>(seconds);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string FormatOptional(const std::optional<double>& v) { return v ? FormatValue(*v) : "-"; }
+
+std::string JoinMap(const google::protobuf::Map<std::string, std::string>& map) {
+  std::map<std::string, std::string> sorted(map.begin(), map.end());
+  std::string out;
+  for (const auto& [k, v] : sorted) {
+    if (!out.empty()) out += ", ";
+    out += k + "=" + v;
+  }
+  return out.empty() ? "-" : out;
+}
+
+std::string Indent(const std::string& block, const std::string& prefix) {
+  std::istringstream in(block);
+  std::string line, out;
+  while (std::getline(in, line)) out += prefix + line + "\n";
+  return out;
+}
+
+bool StartsWith(std::string_view s, std::string_view prefix) {
+  return s.size() > prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
+}
+
+// Larger first; NaN and ±Inf ahead of every finite value; absent last.
+bool GradNormBefore(const ParamLatest& a, const ParamLatest& b) {
+  auto rank = [](const std::optional<double>& v) {
+    if (!v) return 2;
+    return std::isfinite(*v) ? 1 : 0;
+  };
+  const int ra = rank(a.grad_norm), rb = rank(b.grad_norm);
+  if (ra != rb) return ra < rb;
+  if (ra == 1 && *a.grad_norm != *b.grad_norm) return *a.grad_norm > *b.grad_norm;
+  return a.name < b.name;
+}
+
+}  // namespace
+
+std::string FormatValue(double value) {
+  if (std::isnan(value)) return "NaN";
+  if (std::isinf(value)) return value > 0 ? "Infinity" : "-Infinity";
+  char buf[64];
+  const auto result = std::to_chars(buf, buf + sizeof buf, value);
+  return std::string(buf, result.ptr);
+}
+
+json JsonValue(double value) {
+  if (std::isfinite(value)) return value;
+  return FormatValue(value);
+}
+
+json ProtoToJson(const Message& message) {
+  json out = json::object();
+  const auto* descriptor = message.GetDescriptor();
+  const Reflection* r = message.GetReflection();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const FieldDescriptor* f = descriptor->field(i);
+    if (f->is_map()) {
+      json obj = json::object();
+      const FieldDescriptor* key = f->message_type()->map_key();
+      const FieldDescriptor* value = f->message_type()->map_value();
+      for (int j = 0; j < r->FieldSize(message, f); ++j) {
+        const Message& entry = r->GetRepeatedMessage(message, f, j);
+        const Reflection* er = entry.GetReflection();
+        obj[MapKey(FieldToJson(entry, er, key, -1))] = FieldToJson(entry, er, value, -1);
+      }
+      out[f->name()] = std::move(obj);
+    } else if (f->is_repeated()) {
+      json arr = json::array();
+      for (int j = 0; j < r->FieldSize(message, f); ++j) arr.push_back(FieldToJson(message, r, f, j));
+      out[f->name()] = std::move(arr);
+    } else if (!f->has_presence() || r->HasField(message, f)) {
+      out[f->name()] = FieldToJson(message, r, f, -1);
+    }
+  }
+  return out;
+}
+
+std::string FormatTable(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> widths;
+  for (const auto& row : rows) {
+    if (widths.size() < row.size()) widths.resize(row.size(), 0);
+    for (size_t c = 0; c < row.size(); ++c) widths[c] = std::max(widths[c], row[c].size());
+  }
+  std::string out;
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c) {
+      line += row[c];
+      if (c + 1 < row.size()) line += std::string(widths[c] - row[c].size() + 2, ' ');
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::string FormatRunsTable(const v1::ListRunsResponse& runs) {
+  if (runs.runs().empty()) return "no runs\n";
+  std::vector<std::vector<std::string>> rows = {
+      {"RUN", "STATE", "WORLD", "STEPS", "FIRST..LAST", "STEPS/S", "STREAMS"}};
+  for (const v1::RunInfo& run : runs.runs()) {
+    rows.push_back({
+        run.run_id(),
+        StateName(run.state()),
+        std::to_string(run.world_size()),
+        std::to_string(run.step_count()),
+        run.step_count() > 0
+            ? std::to_string(run.first_step()) + ".." + std::to_string(run.last_step())
+            : "-",
+        run.steps_per_second() > 0 ? FormatValue(std::round(run.steps_per_second() * 100) / 100)
+                                   : "-",
+        std::to_string(run.open_streams()),
+    });
+  }
+  return FormatTable(rows);
+}
+
+RunOverview BuildOverview(const v1::RunSummary& summary, size_t top_n) {
+  RunOverview overview;
+  std::map<std::string, const v1::LatestValue*> by_key;
+  for (const v1::LatestValue& v : summary.latest()) by_key[v.key()] = &v;
+  for (std::string_view key : kKeySeries) {
+    if (auto it = by_key.find(std::string(key)); it != by_key.end()) {
+      overview.key_series.push_back(*it->second);
+    }
+  }
+  std::map<std::string, ParamLatest> params;
+  for (const v1::ParamInfo& p : summary.params()) {
+    params[p.name()] = ParamLatest{.name = p.name(), .kind = p.kind()};
+  }
+  for (const v1::LatestValue& v : summary.latest()) {
+    const std::string& key = v.key();
+    if (key == kKeySeries[0]) continue;
+    std::optional<double> ParamLatest::*field = nullptr;
+    size_t prefix = 0;
+    if (StartsWith(key, kGradPrefix)) {
+      field = &ParamLatest::grad_norm;
+      prefix = kGradPrefix.size();
+    } else if (StartsWith(key, kParamPrefix)) {
+      field = &ParamLatest::param_norm;
+      prefix = kParamPrefix.size();
+    } else if (StartsWith(key, kUpdatePrefix)) {
+      field = &ParamLatest::update_norm;
+      prefix = kUpdatePrefix.size();
+    } else {
+      continue;
+    }
+    auto& p = params[key.substr(prefix)];
+    if (p.name.empty()) p.name = key.substr(prefix);
+    p.*field = v.value();
+  }
+  std::vector<ParamLatest> with_values;
+  for (auto& [name, p] : params) {
+    if (p.grad_norm || p.param_norm) with_values.push_back(std::move(p));
+  }
+  overview.params_with_values = with_values.size();
+  std::sort(with_values.begin(), with_values.end(), GradNormBefore);
+  if (with_values.size() > top_n) with_values.resize(top_n);
+  overview.top_params = std::move(with_values);
+  return overview;
+}
+
+std::string FormatRunSummary(const v1::RunSummary& summary) {
+  const v1::RunInfo& info = summary.info();
+  const RunOverview overview = BuildOverview(summary);
+  std::ostringstream out;
+
+  std::vector<std::vector<std::string>> head = {
+      {"run", info.run_id()},
+      {"state", StateName(info.state()) + ", world size " + std::to_string(info.world_size()) +
+                    ", " + std::to_string(info.open_streams()) + " open stream(s)"},
+  };
+  std::string steps = std::to_string(info.step_count());
+  if (info.step_count() > 0) {
+    steps += " (" + std::to_string(info.first_step()) + ".." + std::to_string(info.last_step()) + ")";
+  }
+  if (info.steps_per_second() > 0) steps += ", " + FormatValue(info.steps_per_second()) + " steps/s";
+  head.push_back({"steps", steps});
+  head.push_back({"last step at", FormatWallTime(info.last_wall_time())});
+  head.push_back({"partial steps", std::to_string(info.partial_steps())});
+  head.push_back({"labels", JoinMap(info.labels())});
+
+  const v1::RunConfig& c = summary.config();
+  std::string config;
+  auto add = [&config](const std::string& k, const std::string& v) {
+    config += (config.empty() ? "" : ", ") + k + "=" + v;
+  };
+  if (c.hidden_size() != 0) add("hidden_size", std::to_string(c.hidden_size()));
+  if (c.has_z_loss_coef()) add("z_loss_coef", FormatValue(c.z_loss_coef()));
+  if (!c.optimizer().empty()) add("optimizer", c.optimizer());
+  if (c.has_weight_decay()) add("weight_decay", FormatValue(c.weight_decay()));
+  std::map<std::string, std::string> extra(c.extra().begin(), c.extra().end());
+  for (const auto& [k, v] : extra) add(k, v);
+  head.push_back({"config", config.empty() ? "-" : config});
+  head.push_back({"non-finite values",
+                  std::to_string(summary.nonfinite_count()) +
+                      (summary.nonfinite_count() > 0
+                           ? " (last at step " + std::to_string(summary.last_nonfinite_step()) + ")"
+                           : "")});
+  head.push_back({"client-dropped steps", std::to_string(summary.client_dropped_steps())});
+  out << FormatTable(head);
+
+  out << "\nlatest values\n";
+  if (overview.key_series.empty()) {
+    out << "  -\n";
+  } else {
+    std::vector<std::vector<std::string>> rows = {{"SERIES", "VALUE", "STEP"}};
+    for (const v1::LatestValue& v : overview.key_series) {
+      rows.push_back({v.key(), FormatValue(v.value()), std::to_string(v.step())});
+    }
+    out << Indent(FormatTable(rows), "  ");
+  }
+
+  out << "\nparameters by grad norm (top " << overview.top_params.size() << " of "
+      << overview.params_with_values << ")\n";
+  if (overview.top_params.empty()) {
+    out << "  -\n";
+  } else {
+    std::vector<std::vector<std::string>> rows = {{"PARAM", "KIND", "GRAD NORM", "PARAM NORM"}};
+    for (const ParamLatest& p : overview.top_params) {
+      rows.push_back({p.name, std::string(ParamKindName(p.kind)), FormatOptional(p.grad_norm),
+                      FormatOptional(p.param_norm)});
+    }
+    out << Indent(FormatTable(rows), "  ");
+  }
+
+  out << "\ncatalog (" << summary.params_size() << " parameters)\n";
+  if (summary.params().empty()) {
+    out << "  -\n";
+  } else {
+    std::vector<std::vector<std::string>> rows = {{"NAME", "KIND", "NUMEL", "WD", "ROLE"}};
+    for (const v1::ParamInfo& p : summary.params()) {
+      rows.push_back({p.name(), std::string(ParamKindName(p.kind())), std::to_string(p.numel()),
+                      FormatValue(p.weight_decay()), p.role().empty() ? "-" : p.role()});
+    }
+    out << Indent(FormatTable(rows), "  ");
+  }
+
+  out << "\nevents (" << summary.events_size() << ")\n";
+  if (summary.events().empty()) {
+    out << "  -\n";
+  } else {
+    std::vector<std::vector<std::string>> rows = {{"STEP", "SOURCE", "TEXT"}};
+    for (const v1::EventInfo& e : summary.events()) {
+      rows.push_back({std::to_string(e.step()), e.source().empty() ? "-" : e.source(), e.text()});
+    }
+    out << Indent(FormatTable(rows), "  ");
+  }
+  return out.str();
+}
+
+json RunSummaryToJson(const v1::RunSummary& summary) {
+  json out = ProtoToJson(summary);
+  const RunOverview overview = BuildOverview(summary);
+  json key_series = json::array();
+  for (const v1::LatestValue& v : overview.key_series) key_series.push_back(ProtoToJson(v));
+  json top = json::array();
+  for (const ParamLatest& p : overview.top_params) {
+    json entry = {{"name", p.name}, {"kind", std::string(ParamKindName(p.kind))}};
+    entry["grad_norm"] = p.grad_norm ? JsonValue(*p.grad_norm) : json(nullptr);
+    entry["param_norm"] = p.param_norm ? JsonValue(*p.param_norm) : json(nullptr);
+    entry["update_norm"] = p.update_norm ? JsonValue(*p.update_norm) : json(nullptr);
+    top.push_back(std::move(entry));
+  }
+  out["overview"] = {{"key_series", std::move(key_series)},
+                     {"top_params", std::move(top)},
+                     {"params_with_values", overview.params_with_values}};
+  return out;
+}
+
+std::string FormatSeries(const v1::GetSeriesResponse& series) {
+  std::string out;
+  for (const v1::SeriesPoint& p : series.points()) {
+    out += std::to_string(p.step()) + " " + FormatValue(p.value()) + " " + FormatValue(p.min()) +
+           " " + FormatValue(p.max()) + " " + std::to_string(p.count()) + "\n";
+  }
+  return out;
+}
+
+json SeriesToJson(const v1::GetSeriesResponse& series) {
+  json out = json::array();
+  for (const v1::SeriesPoint& p : series.points()) out.push_back(ProtoToJson(p));
+  return out;
+}
+
+}  // namespace gradwatch::cli

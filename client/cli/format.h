@@ -1,0 +1,60 @@
+// Output of the query commands, human and JSON, as pure functions of the daemon's answers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <google/protobuf/message.h>
+#include <nlohmann/json.hpp>
+
+#include "gradwatch/v1/gradwatch.pb.h"
+
+namespace gradwatch::cli {
+
+// A double as text: shortest round-trip form, "NaN", "Infinity" or "-Infinity".
+std::string FormatValue(double value);
+// A double as JSON: a number, or the strings "NaN", "Infinity", "-Infinity" (protobuf's JSON
+// spelling; nlohmann-json would print null).
+nlohmann::json JsonValue(double value);
+
+// Any message as JSON: proto field names, enums by name, 64-bit integers as numbers, maps as
+// objects, proto3 scalars always, fields with presence only when set.
+nlohmann::json ProtoToJson(const google::protobuf::Message& message);
+
+// Rows of text as left-aligned columns separated by two spaces.
+std::string FormatTable(const std::vector<std::vector<std::string>>& rows);
+
+std::string FormatRunsTable(const v1::ListRunsResponse& runs);
+
+// The figures `show` leads with, drawn from a RunSummary's latest values.
+struct ParamLatest {
+  std::string name;
+  v1::ParamKind kind = v1::PARAM_KIND_UNSPECIFIED;
+  std::optional<double> grad_norm;
+  std::optional<double> param_norm;
+  std::optional<double> update_norm;
+};
+
+struct RunOverview {
+  // grad/norm/total, train/loss, train/z_loss, optim/learning_rate, those the daemon holds.
+  std::vector<v1::LatestValue> key_series;
+  // Parameters with a latest grad or param norm, by grad norm descending (non-finite first,
+  // those without a grad norm last), at most `top_n`.
+  std::vector<ParamLatest> top_params;
+  size_t params_with_values = 0;
+};
+
+RunOverview BuildOverview(const v1::RunSummary& summary, size_t top_n = 10);
+
+// `gradwatch show`: text, and JSON (the summary's fields plus "overview").
+std::string FormatRunSummary(const v1::RunSummary& summary);
+nlohmann::json RunSummaryToJson(const v1::RunSummary& summary);
+
+// `gradwatch series`: "step value min max count" per point.
+std::string FormatSeries(const v1::GetSeriesResponse& series);
+nlohmann::json SeriesToJson(const v1::GetSeriesResponse& series);
+
+}  // namespace gradwatch::cli

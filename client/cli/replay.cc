@@ -1,0 +1,351 @@
+#include "client/cli/replay.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include "client/cli/format.h"
+#include "client/lib/monitor.h"
+
+namespace gradwatch::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+constexpr size_t kSkippedInSummary = 5;
+constexpr size_t kDaemonMessagesShown = 100;
+constexpr auto kProgressInterval = std::chrono::milliseconds(200);
+
+std::string ReasonShortName(const std::string& reason) {
+  constexpr std::string_view kPrefix = "ERROR_REASON_";
+  return reason.rfind(kPrefix, 0) == 0 ? reason.substr(kPrefix.size()) : reason;
+}
+
+// Daemon messages arrive on the Monitor's reader thread; the main thread prints them, so that
+// `err` is only ever written from one thread.
+class DaemonMessages {
+ public:
+  void AddError(const v1::Error& e) {
+    std::lock_guard lock(mu_);
+    if (errors_.size() < kDaemonMessagesShown) errors_.push_back(e);
+  }
+  void AddAlert(const v1::Alert& a) {
+    std::lock_guard lock(mu_);
+    if (alerts_.size() < kDaemonMessagesShown) alerts_.push_back(a);
+  }
+  void Print(const std::string& file, const std::unordered_map<uint64_t, uint64_t>& line_of_step,
+             std::ostream& err) {
+    std::vector<v1::Error> errors;
+    std::vector<v1::Alert> alerts;
+    {
+      std::lock_guard lock(mu_);
+      errors.swap(errors_);
+      alerts.swap(alerts_);
+    }
+    for (const v1::Error& e : errors) {
+      auto it = line_of_step.find(e.step());
+      err << file;
+      if (it != line_of_step.end()) err << ":" << it->second;
+      err << ": daemon rejected step " << e.step() << " ("
+          << ReasonShortName(v1::ErrorReason_Name(e.reason())) << "): " << e.message() << "\n";
+    }
+    for (const v1::Alert& a : alerts) {
+      std::string state = v1::AlertState_Name(a.state());
+      if (state.rfind("ALERT_STATE_", 0) == 0) state.erase(0, 12);
+      err << "alert " << a.name() << " " << state << " at step " << a.step() << ", value "
+          << FormatValue(a.value());
+      if (auto s = a.annotations().find("summary"); s != a.annotations().end()) {
+        err << ": " << s->second;
+      }
+      err << "\n";
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<v1::Error> errors_;
+  std::vector<v1::Alert> alerts_;
+};
+
+void ClearProgress(bool progress, std::ostream& err) {
+  if (progress) err << "\r\033[K" << std::flush;
+}
+
+}  // namespace
+
+ReplayPlan ScanReplay(std::istream& in) {
+  ReplayPlan plan;
+  std::string text;
+  bool seen_content = false;
+  while (std::getline(in, text)) {
+    ++plan.lines;
+    LineResult result = ParseReplayLine(text, !seen_content);
+    if (!result.ok()) {
+      seen_content = true;
+      ++plan.bad_line_count;
+      if (plan.bad_lines.size() < kMaxBadLinesKept) {
+        plan.bad_lines.push_back({plan.lines, std::move(result.error)});
+      }
+      continue;
+    }
+    if (std::holds_alternative<BlankLine>(*result.line)) continue;
+    seen_content = true;
+    if (auto* header = std::get_if<HeaderRecord>(&*result.line)) {
+      plan.catalog.SetHeader(*header);
+      plan.header = std::move(*header);
+      continue;
+    }
+    const auto& record = std::get<StepRecord>(*result.line);
+    plan.catalog.AddFrom(record);
+    if (record.event) ++plan.events;
+    if (record.has_metrics || !record.event) ++plan.step_lines;
+  }
+  return plan;
+}
+
+std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const std::string& file) {
+  if (!flag.empty()) return flag;
+  if (plan.header && !plan.header->run.empty()) return plan.header->run;
+  std::string stem = std::filesystem::path(file).stem().string();
+  for (char& c : stem) {
+    const bool allowed = std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' ||
+                         c == ':' || c == '/' || c == '-';
+    if (!allowed) c = '-';
+  }
+  if (stem.size() > 128) stem.resize(128);
+  return stem.empty() ? "replay" : stem;
+}
+
+v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options,
+                     const std::string& run_id) {
+  v1::Hello hello;
+  hello.set_run_id(run_id);
+  hello.set_rank(options.rank);
+  hello.set_world_size(options.world_size);
+  hello.set_client("gradwatch-cli/0.1.0");
+  if (plan.header) {
+    hello.mutable_labels()->insert(plan.header->labels.begin(), plan.header->labels.end());
+    *hello.mutable_config() = plan.header->config;
+  }
+  for (v1::ParamInfo& p : plan.catalog.Params()) *hello.add_params() = std::move(p);
+  return hello;
+}
+
+json ReplaySummaryToJson(const ReplaySummary& s) {
+  json skipped = json::array();
+  for (const BadLine& b : s.first_skipped) skipped.push_back({{"line", b.line}, {"reason", b.reason}});
+  json errors = json::object();
+  for (const auto& [reason, count] : s.daemon_errors) errors[reason] = count;
+  return {
+      {"file", s.file},
+      {"run", s.run},
+      {"lines", s.lines},
+      {"steps_sent", s.steps_sent},
+      {"events", s.events_sent},
+      {"skipped_lines", s.skipped_lines},
+      {"first_skipped", std::move(skipped)},
+      {"daemon_errors", std::move(errors)},
+      {"last_acked_step", s.has_acked ? json(s.last_acked_step) : json(nullptr)},
+      {"seconds", s.seconds},
+      {"steps_per_second", s.seconds > 0 ? s.steps_sent / s.seconds : 0.0},
+      {"complete", s.complete},
+  };
+}
+
+std::string FormatReplaySummary(const ReplaySummary& s) {
+  std::string skipped = std::to_string(s.skipped_lines) + " skipped";
+  if (!s.first_skipped.empty()) {
+    skipped += " (line";
+    skipped += s.first_skipped.size() > 1 ? "s " : " ";
+    for (size_t i = 0; i < s.first_skipped.size(); ++i) {
+      skipped += (i ? ", " : "") + std::to_string(s.first_skipped[i].line);
+    }
+    if (s.skipped_lines > s.first_skipped.size()) skipped += ", ...";
+    skipped += ")";
+  }
+  std::string errors;
+  for (const auto& [reason, count] : s.daemon_errors) {
+    errors += (errors.empty() ? "" : ", ") + ReasonShortName(reason) + " " + std::to_string(count);
+  }
+  char rate[64];
+  std::snprintf(rate, sizeof rate, "%.1f s (%.0f steps/s)", s.seconds,
+                s.seconds > 0 ? s.steps_sent / s.seconds : 0.0);
+  std::vector<std::vector<std::string>> rows = {
+      {"lines", std::to_string(s.lines) + ", " + skipped},
+      {"steps sent", std::to_string(s.steps_sent)},
+      {"events", std::to_string(s.events_sent)},
+      {"daemon errors", errors.empty() ? "none" : errors},
+      {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
+      {"time", rate},
+  };
+  return "replayed " + s.file + " as run " + s.run + (s.complete ? "" : " (incomplete)") + "\n" +
+         FormatTable(rows);
+}
+
+int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::ostream& out,
+              std::ostream& err) {
+  std::ifstream in(options.file);
+  if (!in) {
+    err << "gradwatch: cannot open " << options.file << ": " << std::strerror(errno) << "\n";
+    return kExitFailure;
+  }
+  ReplayPlan plan = ScanReplay(in);
+  for (const BadLine& bad : plan.bad_lines) {
+    err << options.file << ":" << bad.line << ": " << bad.reason << "; line skipped\n";
+  }
+  if (plan.bad_line_count > plan.bad_lines.size()) {
+    err << options.file << ": " << plan.bad_line_count - plan.bad_lines.size()
+        << " more bad lines not shown\n";
+  }
+
+  ReplaySummary summary;
+  summary.file = options.file;
+  summary.run = ChooseRunId(options.run, plan, options.file);
+  summary.lines = plan.lines;
+  summary.skipped_lines = plan.bad_line_count;
+  for (size_t i = 0; i < plan.bad_lines.size() && i < kSkippedInSummary; ++i) {
+    summary.first_skipped.push_back(plan.bad_lines[i]);
+  }
+
+  DaemonMessages messages;
+  client::MonitorOptions monitor_options;
+  monitor_options.address = global.address;
+  monitor_options.hello = BuildHello(plan, options, summary.run);
+  monitor_options.on_error = [&messages](const v1::Error& e) { messages.AddError(e); };
+  monitor_options.on_alert = [&messages](const v1::Alert& a) { messages.AddAlert(a); };
+  client::Monitor monitor(std::move(monitor_options));
+  monitor.Start();
+
+  if (!monitor.WaitAccepted(global.timeout())) {
+    const client::MonitorStats stats = monitor.Stats();
+    monitor.Stop();
+    if (stats.rejected) {
+      err << "gradwatch: the daemon at " << global.address << " refused run " << summary.run
+          << " rank " << options.rank << ": " << stats.last_error << "\n";
+    } else {
+      err << "gradwatch: cannot reach the daemon at " << global.address << " within "
+          << global.timeout_seconds << " s"
+          << (stats.last_error.empty() ? "" : ": " + stats.last_error) << "\n";
+    }
+    return kExitFailure;
+  }
+
+  const bool progress = &err == &std::cerr && isatty(STDERR_FILENO) != 0;
+  const auto started = Clock::now();
+  auto last_progress = started;
+  std::unordered_map<uint64_t, uint64_t> line_of_step;
+  std::optional<double> first_timestamp;
+  Clock::time_point paced_from;
+
+  auto fail = [&](const std::string& what) {
+    ClearProgress(progress, err);
+    const client::MonitorStats stats = monitor.Stats();
+    monitor.Stop();
+    messages.Print(options.file, line_of_step, err);
+    err << "gradwatch: " << what;
+    if (!stats.last_error.empty()) err << " (last error: " << stats.last_error << ")";
+    err << "\n";
+    return kExitFailure;
+  };
+
+  in.clear();
+  in.seekg(0);
+  std::string text;
+  uint64_t line_number = 0;
+  bool seen_content = false;
+  while (std::getline(in, text)) {
+    ++line_number;
+    LineResult result = ParseReplayLine(text, !seen_content);
+    if (!result.ok()) {
+      seen_content = true;
+      continue;
+    }
+    if (std::holds_alternative<BlankLine>(*result.line)) continue;
+    seen_content = true;
+    const auto* record = std::get_if<StepRecord>(&*result.line);
+    if (record == nullptr) continue;
+
+    if (options.speed > 0 && record->timestamp) {
+      if (!first_timestamp) {
+        first_timestamp = record->timestamp;
+        paced_from = Clock::now();
+      }
+      const double offset = std::max(0.0, (*record->timestamp - *first_timestamp) / options.speed);
+      std::this_thread::sleep_until(
+          paced_from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(offset)));
+    }
+    if (record->event) {
+      const auto deadline = Clock::now() + global.timeout();
+      while (!monitor.Event(record->step, *record->event)) {
+        if (Clock::now() > deadline) {
+          return fail("event queue still full after " + FormatValue(global.timeout_seconds) +
+                      " s; the daemon at " + global.address + " is not keeping up");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      ++summary.events_sent;
+    }
+    if (record->has_metrics || !record->event) {
+      line_of_step[record->step] = line_number;
+      if (!monitor.LogBlocking(ToStepStats(*record, plan.catalog), global.timeout())) {
+        return fail("no room to send step " + std::to_string(record->step) + " for " +
+                    FormatValue(global.timeout_seconds) + " s: the daemon at " + global.address +
+                    " is not acknowledging");
+      }
+      ++summary.steps_sent;
+    }
+    const auto now = Clock::now();
+    if (now - last_progress >= kProgressInterval) {
+      last_progress = now;
+      ClearProgress(progress, err);
+      messages.Print(options.file, line_of_step, err);
+      if (progress) {
+        const client::MonitorStats stats = monitor.Stats();
+        err << "replay: line " << line_number << "/" << plan.lines << ", " << summary.steps_sent
+            << " steps sent, acked through "
+            << (stats.has_acked ? std::to_string(stats.acked_through_step) : "-") << std::flush;
+      }
+    }
+  }
+
+  // At most a queue's worth of steps is still outstanding; give each a millisecond.
+  const client::MonitorStats before_flush = monitor.Stats();
+  const auto flush_timeout = std::max(
+      global.timeout(), std::chrono::milliseconds(before_flush.queued + before_flush.unacked));
+  summary.complete = monitor.Flush(flush_timeout);
+  summary.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  const client::MonitorStats stats = monitor.Stats();
+  monitor.Stop();
+  ClearProgress(progress, err);
+  messages.Print(options.file, line_of_step, err);
+  summary.daemon_errors = stats.errors_by_reason;
+  summary.has_acked = stats.has_acked;
+  summary.last_acked_step = stats.acked_through_step;
+
+  if (global.json) {
+    out << ReplaySummaryToJson(summary).dump(2) << "\n";
+  } else {
+    out << FormatReplaySummary(summary);
+  }
+  if (!summary.complete) {
+    err << "gradwatch: " << stats.queued + stats.unacked << " steps not acknowledged by the daemon at "
+        << global.address << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")")
+        << "\n";
+    return kExitFailure;
+  }
+  return summary.skipped_lines > 0 || !summary.daemon_errors.empty() ? kExitPartial : kExitOk;
+}
+
+}  // namespace gradwatch::cli

@@ -1,0 +1,77 @@
+// `gradwatch replay`: streams a JSONL history to the daemon through a Monitor.
+#pragma once
+
+#include <cstdint>
+#include <istream>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "client/cli/options.h"
+#include "client/cli/replay_parser.h"
+#include "gradwatch/v1/gradwatch.pb.h"
+
+namespace gradwatch::cli {
+
+struct ReplayOptions {
+  std::string file;
+  std::string run;     // empty: the header's, else the file's stem
+  double speed = 0;    // > 0: pace by _timestamp at this multiple of real time; 0: as fast as acks allow
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+};
+
+struct BadLine {
+  uint64_t line = 0;  // 1-based
+  std::string reason;
+};
+
+// What the pre-scan learns about a file.
+struct ReplayPlan {
+  std::optional<HeaderRecord> header;
+  ReplayCatalog catalog;
+  uint64_t lines = 0;       // lines read, blank ones included
+  uint64_t step_lines = 0;  // lines that carry metrics
+  uint64_t events = 0;
+  uint64_t bad_line_count = 0;
+  std::vector<BadLine> bad_lines;  // the first kMaxBadLinesKept
+};
+
+inline constexpr size_t kMaxBadLinesKept = 100;
+
+// Reads the whole stream once: header, catalog, counts and bad lines.
+ReplayPlan ScanReplay(std::istream& in);
+
+// The run id: `flag` if set, else the header's, else the file's stem with characters the daemon
+// does not accept in a run id replaced by '-'.
+std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const std::string& file);
+
+v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options, const std::string& run_id);
+
+struct ReplaySummary {
+  std::string file;
+  std::string run;
+  uint64_t lines = 0;
+  uint64_t steps_sent = 0;
+  uint64_t events_sent = 0;
+  uint64_t skipped_lines = 0;
+  std::vector<BadLine> first_skipped;  // a few, for the report
+  std::map<std::string, uint64_t> daemon_errors;  // ErrorReason name → count
+  bool has_acked = false;
+  uint64_t last_acked_step = 0;
+  double seconds = 0;
+  bool complete = false;  // every sent step acknowledged durable
+};
+
+nlohmann::json ReplaySummaryToJson(const ReplaySummary& summary);
+std::string FormatReplaySummary(const ReplaySummary& summary);
+
+// Runs the command; returns the process exit code.
+int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::ostream& out,
+              std::ostream& err);
+
+}  // namespace gradwatch::cli

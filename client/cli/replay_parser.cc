@@ -1,0 +1,403 @@
+#include "client/cli/replay_parser.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+namespace gradwatch::cli {
+namespace {
+
+using nlohmann::json;
+
+constexpr std::string_view kGradPrefix = "grad/norm/";
+constexpr std::string_view kParamPrefix = "params/norm/";
+constexpr std::string_view kUpdatePrefix = "updates/norm/";
+constexpr std::string_view kTotalGradKey = "grad/norm/total";
+
+std::string Lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+bool Contains(std::string_view haystack, std::string_view needle) {
+  return haystack.find(needle) != std::string_view::npos;
+}
+
+bool IsValueEnd(char c) {
+  return c == ',' || c == '}' || c == ']' || std::isspace(static_cast<unsigned char>(c));
+}
+
+bool IsValueStart(char c) {
+  return c == ':' || c == ',' || c == '[' || std::isspace(static_cast<unsigned char>(c));
+}
+
+// A number, or one of the spellings of NaN and ±infinity as a string.
+std::optional<double> AsNumber(const json& v) {
+  if (v.is_number()) return v.get<double>();
+  if (!v.is_string()) return std::nullopt;
+  std::string s = Lower(v.get_ref<const std::string&>());
+  double sign = 1.0;
+  if (!s.empty() && (s[0] == '-' || s[0] == '+')) {
+    if (s[0] == '-') sign = -1.0;
+    s.erase(0, 1);
+  }
+  if (s == "nan") return std::numeric_limits<double>::quiet_NaN();
+  if (s == "inf" || s == "infinity") return sign * std::numeric_limits<double>::infinity();
+  return std::nullopt;
+}
+
+// Text of a config or label value: strings as they are, anything else as JSON.
+std::string AsText(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+std::optional<uint64_t> AsCount(const json& v) {
+  if (v.is_number_unsigned()) return v.get<uint64_t>();
+  if (v.is_number_integer()) return std::nullopt;  // negative
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (std::isfinite(d) && d >= 0 && d < 18446744073709551616.0 && std::floor(d) == d) {
+      return static_cast<uint64_t>(d);
+    }
+  }
+  return std::nullopt;
+}
+
+std::string StripJsonExceptionPrefix(std::string what) {
+  // "[json.exception.parse_error.101] parse error at ..." → "parse error at ..."
+  if (!what.empty() && what[0] == '[') {
+    const size_t close = what.find("] ");
+    if (close != std::string::npos) what.erase(0, close + 2);
+  }
+  return what;
+}
+
+LineResult Error(std::string reason) {
+  LineResult r;
+  r.error = std::move(reason);
+  return r;
+}
+
+LineResult ParseHeader(const json& obj) {
+  HeaderRecord h;
+  if (auto it = obj.find("run"); it != obj.end()) {
+    if (!it->is_string() || it->get_ref<const std::string&>().empty()) {
+      return Error("header \"run\" must be a non-empty string");
+    }
+    h.run = it->get<std::string>();
+  }
+  if (auto it = obj.find("config"); it != obj.end()) {
+    if (!it->is_object()) return Error("header \"config\" must be an object");
+    for (const auto& [key, value] : it->items()) {
+      if (key == "hidden_size") {
+        auto n = AsCount(value);
+        if (!n) return Error("config.hidden_size must be a non-negative integer");
+        h.config.set_hidden_size(*n);
+      } else if (key == "z_loss_coef") {
+        auto d = AsNumber(value);
+        if (!d) return Error("config.z_loss_coef must be a number");
+        h.config.set_z_loss_coef(*d);
+      } else if (key == "weight_decay") {
+        auto d = AsNumber(value);
+        if (!d) return Error("config.weight_decay must be a number");
+        h.config.set_weight_decay(*d);
+      } else if (key == "optimizer") {
+        h.config.set_optimizer(AsText(value));
+      } else {
+        (*h.config.mutable_extra())[key] = AsText(value);
+      }
+    }
+  }
+  if (auto it = obj.find("labels"); it != obj.end()) {
+    if (!it->is_object()) return Error("header \"labels\" must be an object");
+    for (const auto& [key, value] : it->items()) h.labels[key] = AsText(value);
+  }
+  if (auto it = obj.find("params"); it != obj.end()) {
+    if (!it->is_array()) return Error("header \"params\" must be an array");
+    size_t i = 0;
+    for (const json& p : *it) {
+      const std::string where = "params[" + std::to_string(i++) + "]";
+      if (!p.is_object()) return Error(where + " must be an object");
+      auto name = p.find("name");
+      if (name == p.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) {
+        return Error(where + " needs a non-empty string \"name\"");
+      }
+      v1::ParamInfo info;
+      info.set_name(name->get<std::string>());
+      for (const v1::ParamInfo& seen : h.params) {
+        if (seen.name() == info.name()) return Error(where + " repeats the name " + info.name());
+      }
+      bool kind_given = false;
+      bool wd_given = false;
+      if (auto f = p.find("numel"); f != p.end()) {
+        auto n = AsCount(*f);
+        if (!n) return Error(where + ".numel must be a non-negative integer");
+        info.set_numel(*n);
+      }
+      if (auto f = p.find("kind"); f != p.end()) {
+        auto kind = f->is_string() ? ParseParamKind(f->get_ref<const std::string&>()) : std::nullopt;
+        if (!kind) return Error(where + ".kind " + f->dump() + " is not a known kind");
+        info.set_kind(*kind);
+        kind_given = true;
+      }
+      if (auto f = p.find("weight_decay"); f != p.end()) {
+        auto d = AsNumber(*f);
+        if (!d) return Error(where + ".weight_decay must be a number");
+        info.set_weight_decay(*d);
+        wd_given = true;
+      }
+      if (auto f = p.find("init_norm"); f != p.end() && !f->is_null()) {
+        auto d = AsNumber(*f);
+        if (!d) return Error(where + ".init_norm must be a number");
+        info.set_init_norm(*d);
+      }
+      if (auto f = p.find("role"); f != p.end() && !f->is_null()) info.set_role(AsText(*f));
+      if (auto f = p.find("group"); f != p.end() && !f->is_null()) info.set_group(AsText(*f));
+      h.params.push_back(std::move(info));
+      h.kind_given.push_back(kind_given);
+      h.weight_decay_given.push_back(wd_given);
+    }
+  }
+  LineResult r;
+  r.line = std::move(h);
+  return r;
+}
+
+void AddMetric(StepRecord& rec, const std::string& key, double value) {
+  v1::StepStats& s = rec.stats;
+  rec.has_metrics = true;
+  if (key == kTotalGradKey) {
+    s.mutable_total_grad()->set_norm(value);
+    return;
+  }
+  const std::pair<std::string_view, NormField> prefixes[] = {
+      {kGradPrefix, NormField::kGrad},
+      {kParamPrefix, NormField::kParam},
+      {kUpdatePrefix, NormField::kUpdate},
+  };
+  for (const auto& [prefix, field] : prefixes) {
+    if (key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0) {
+      rec.params.push_back({key.substr(prefix.size()), field, value});
+      return;
+    }
+  }
+  if (key == "train/loss") {
+    s.set_loss(value);
+  } else if (key == "train/z_loss") {
+    s.set_z_loss(value);
+  } else if (key == "optim/learning_rate") {
+    s.set_learning_rate(value);
+  } else if (key == "train/tokens" && std::isfinite(value) && value >= 0 &&
+             value < 18446744073709551616.0) {
+    s.set_tokens(static_cast<uint64_t>(std::llround(value)));
+  } else {
+    // Includes a token count that is not a count: kept as a plain series rather than lost.
+    (*s.mutable_extra())[key] = value;
+  }
+}
+
+}  // namespace
+
+std::string QuoteNonFiniteTokens(std::string_view line) {
+  static constexpr std::string_view kTokens[] = {"-Infinity", "Infinity", "-NaN", "NaN"};
+  std::string out;
+  out.reserve(line.size() + 16);
+  bool in_string = false;
+  bool escaped = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (in_string) {
+      out += c;
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+      out += c;
+      continue;
+    }
+    bool replaced = false;
+    if (i == 0 || IsValueStart(line[i - 1])) {
+      for (std::string_view token : kTokens) {
+        if (line.substr(i, token.size()) == token &&
+            (i + token.size() == line.size() || IsValueEnd(line[i + token.size()]))) {
+          out += '"';
+          out += token;
+          out += '"';
+          i += token.size() - 1;
+          replaced = true;
+          break;
+        }
+      }
+    }
+    if (!replaced) out += c;
+  }
+  return out;
+}
+
+LineResult ParseReplayLine(std::string_view text, bool first_line) {
+  const auto first = text.find_first_not_of(" \t\r\n");
+  if (first == std::string_view::npos) {
+    LineResult r;
+    r.line = BlankLine{};
+    return r;
+  }
+  json obj;
+  try {
+    obj = json::parse(QuoteNonFiniteTokens(text));
+  } catch (const json::exception& e) {
+    return Error("invalid JSON: " + StripJsonExceptionPrefix(e.what()));
+  }
+  if (!obj.is_object()) return Error("not a JSON object");
+
+  auto step_it = obj.find("_step");
+  if (step_it == obj.end()) {
+    const bool looks_like_header = obj.contains("run") || obj.contains("config") ||
+                                   obj.contains("labels") || obj.contains("params");
+    if (looks_like_header && first_line) return ParseHeader(obj);
+    if (looks_like_header) return Error("a header is only allowed on the first line");
+    return Error("missing _step");
+  }
+  StepRecord rec;
+  const json& step = *step_it;
+  if (step.is_number_integer() && !step.is_number_unsigned()) return Error("negative _step");
+  if (step.is_number_float() && step.get<double>() < 0) return Error("negative _step");
+  if (!step.is_number()) return Error("_step is not a number: " + step.dump());
+  auto step_value = AsCount(step);
+  if (!step_value) return Error("non-integer _step: " + step.dump());
+  rec.step = *step_value;
+  rec.stats.set_step(rec.step);
+
+  if (auto it = obj.find("_timestamp"); it != obj.end()) {
+    auto ts = AsNumber(*it);
+    if (ts && std::isfinite(*ts)) {
+      rec.timestamp = *ts;
+      rec.stats.set_wall_time(*ts);
+    }
+  }
+  for (const auto& [key, value] : obj.items()) {
+    if (!key.empty() && key[0] == '_') continue;
+    if (key == "event") {
+      if (!value.is_string()) return Error("\"event\" must be a string");
+      if (value.get_ref<const std::string&>().empty()) return Error("empty event text");
+      rec.event = value.get<std::string>();
+      continue;
+    }
+    if (auto number = AsNumber(value)) AddMetric(rec, key, *number);
+  }
+  LineResult r;
+  r.line = std::move(rec);
+  return r;
+}
+
+v1::ParamKind InferParamKind(std::string_view name) {
+  const std::string n = Lower(name);
+  if (Contains(n, "norm") || Contains(n, "ln_f") || Contains(n, "ln_")) {
+    return v1::PARAM_KIND_NORM_GAIN;
+  }
+  if (Contains(n, "lm_head") || Contains(n, "output")) return v1::PARAM_KIND_OUTPUT;
+  if (Contains(n, "embed")) return v1::PARAM_KIND_EMBEDDING;
+  if (Contains(n, "router") || Contains(n, "gate")) return v1::PARAM_KIND_ROUTER;
+  if (Contains(n, "attn") || Contains(n, "attention")) return v1::PARAM_KIND_ATTENTION;
+  if (Contains(n, "mlp") || Contains(n, "expert") || Contains(n, "ffn")) return v1::PARAM_KIND_MLP;
+  return v1::PARAM_KIND_OTHER;
+}
+
+std::optional<v1::ParamKind> ParseParamKind(std::string_view name) {
+  std::string n = Lower(name);
+  if (n.rfind("param_kind_", 0) == 0) n.erase(0, 11);
+  if (n == "norm_gain" || n == "norm") return v1::PARAM_KIND_NORM_GAIN;
+  if (n == "output" || n == "lm_head") return v1::PARAM_KIND_OUTPUT;
+  if (n == "embedding" || n == "embed") return v1::PARAM_KIND_EMBEDDING;
+  if (n == "router") return v1::PARAM_KIND_ROUTER;
+  if (n == "attention") return v1::PARAM_KIND_ATTENTION;
+  if (n == "mlp") return v1::PARAM_KIND_MLP;
+  if (n == "other") return v1::PARAM_KIND_OTHER;
+  return std::nullopt;
+}
+
+std::string_view ParamKindName(v1::ParamKind kind) {
+  switch (kind) {
+    case v1::PARAM_KIND_NORM_GAIN: return "norm_gain";
+    case v1::PARAM_KIND_OUTPUT: return "output";
+    case v1::PARAM_KIND_EMBEDDING: return "embedding";
+    case v1::PARAM_KIND_ROUTER: return "router";
+    case v1::PARAM_KIND_ATTENTION: return "attention";
+    case v1::PARAM_KIND_MLP: return "mlp";
+    case v1::PARAM_KIND_OTHER: return "other";
+    default: return "unspecified";
+  }
+}
+
+void ReplayCatalog::SetHeader(const HeaderRecord& header) {
+  params_ = header.params;
+  kind_given_ = header.kind_given;
+  weight_decay_given_ = header.weight_decay_given;
+  kind_given_.resize(params_.size(), false);
+  weight_decay_given_.resize(params_.size(), false);
+  if (header.config.has_weight_decay()) default_weight_decay_ = header.config.weight_decay();
+  index_.clear();
+  for (uint32_t i = 0; i < params_.size(); ++i) index_.emplace(params_[i].name(), i);
+}
+
+void ReplayCatalog::AddFrom(const StepRecord& record) {
+  for (const ParamValue& v : record.params) {
+    if (index_.contains(v.param)) continue;
+    index_.emplace(v.param, static_cast<uint32_t>(params_.size()));
+    v1::ParamInfo info;
+    info.set_name(v.param);
+    params_.push_back(std::move(info));
+    kind_given_.push_back(false);
+    weight_decay_given_.push_back(false);
+  }
+}
+
+std::optional<uint32_t> ReplayCatalog::IndexOf(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::vector<v1::ParamInfo> ReplayCatalog::Params() const {
+  std::vector<v1::ParamInfo> out = params_;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!kind_given_[i]) out[i].set_kind(InferParamKind(out[i].name()));
+    if (!weight_decay_given_[i]) {
+      // Norm gains are conventionally excluded from weight decay.
+      out[i].set_weight_decay(out[i].kind() == v1::PARAM_KIND_NORM_GAIN
+                                  ? 0.0
+                                  : default_weight_decay_.value_or(0.0));
+    }
+  }
+  return out;
+}
+
+v1::StepStats ToStepStats(const StepRecord& record, const ReplayCatalog& catalog) {
+  v1::StepStats stats = record.stats;
+  std::map<uint32_t, v1::ParamStats> by_index;
+  for (const ParamValue& v : record.params) {
+    auto index = catalog.IndexOf(v.param);
+    if (!index) continue;
+    v1::ParamStats& p = by_index[*index];
+    p.set_index(*index);
+    switch (v.field) {
+      case NormField::kGrad: p.mutable_grad()->set_norm(v.value); break;
+      case NormField::kParam: p.mutable_param()->set_norm(v.value); break;
+      case NormField::kUpdate: p.mutable_update()->set_norm(v.value); break;
+    }
+  }
+  for (auto& [index, p] : by_index) *stats.add_params() = std::move(p);
+  return stats;
+}
+
+}  // namespace gradwatch::cli

@@ -1,0 +1,398 @@
+#include "client/lib/monitor.h"
+
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <exception>
+#include <utility>
+
+#include "gradwatch/v1/gradwatch.grpc.pb.h"
+
+namespace gradwatch::client {
+namespace {
+
+using Stream = grpc::ClientReaderWriter<v1::TrainerMessage, v1::DaemonMessage>;
+
+// Errors that name a message the daemon will never acknowledge.
+bool RefersToStep(v1::ErrorReason reason) {
+  switch (reason) {
+    case v1::ERROR_REASON_STEP_REGRESSION:
+    case v1::ERROR_REASON_STEP_CONFLICT:
+    case v1::ERROR_REASON_UNKNOWN_PARAM:
+    case v1::ERROR_REASON_NEGATIVE_NORM:
+    case v1::ERROR_REASON_OVERSIZED:
+    case v1::ERROR_REASON_INVALID_MESSAGE:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string ReasonName(v1::ErrorReason reason) {
+  const std::string& name = v1::ErrorReason_Name(reason);
+  return name.empty() ? "ERROR_REASON_" + std::to_string(static_cast<int>(reason)) : name;
+}
+
+template <typename Fn, typename Arg>
+void InvokeCallback(const Fn& fn, const Arg& arg, const char* what) {
+  if (!fn) return;
+  try {
+    fn(arg);
+  } catch (const std::exception& e) {
+    spdlog::error("gradwatch monitor: {} callback threw: {}", what, e.what());
+  } catch (...) {
+    spdlog::error("gradwatch monitor: {} callback threw", what);
+  }
+}
+
+}  // namespace
+
+struct Monitor::Connection {
+  grpc::ClientContext context;
+  std::unique_ptr<Stream> stream;
+  std::thread reader;
+  // Guarded by Monitor::mu_.
+  bool accepted = false;
+  bool ended = false;       // the reader saw the end of the stream
+  bool rejected = false;    // the daemon refused the Hello or superseded this stream
+  bool superseded = false;  // another stream took over this run and rank: do not reconnect
+  uint64_t max_message_bytes = 0;
+};
+
+Monitor::Monitor(MonitorOptions options)
+    : options_(std::move(options)),
+      buffer_(options_.queue_capacity, options_.event_capacity),
+      backoff_(options_.initial_backoff),
+      rng_(std::random_device{}()) {}
+
+Monitor::~Monitor() { Stop(); }
+
+void Monitor::Start() {
+  std::lock_guard lock(mu_);
+  if (started_ || stopping_) return;
+  started_ = true;
+  grpc::ChannelArguments args;
+  // gRPC's own reconnect back-off (up to 120 s by default) would otherwise keep a restarted
+  // daemon unreachable long after ours has expired.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, static_cast<int>(options_.initial_backoff.count()));
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, static_cast<int>(options_.initial_backoff.count()));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(options_.max_backoff.count()));
+  channel_ = grpc::CreateCustomChannel(options_.address, grpc::InsecureChannelCredentials(), args);
+  sender_ = std::thread([this] { SenderLoop(); });
+}
+
+bool Monitor::Log(v1::StepStats step) {
+  std::lock_guard lock(mu_);
+  if (stopping_) {
+    ++stats_.dropped;
+    return false;
+  }
+  if (!buffer_.PushStep(std::move(step))) return false;
+  sender_cv_.notify_one();
+  return true;
+}
+
+bool Monitor::LogBlocking(v1::StepStats step, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  space_cv_.wait_for(lock, timeout, [this] { return stopping_ || buffer_.HasRoomForStep(); });
+  if (stopping_) {
+    ++stats_.dropped;
+    return false;
+  }
+  if (!buffer_.PushStep(std::move(step))) return false;
+  sender_cv_.notify_one();
+  return true;
+}
+
+bool Monitor::Event(uint64_t step, std::string text) {
+  v1::Event event;
+  event.set_step(step);
+  event.set_text(std::move(text));
+  std::lock_guard lock(mu_);
+  if (stopping_ || !buffer_.PushEvent(std::move(event))) return false;
+  sender_cv_.notify_one();
+  return true;
+}
+
+bool Monitor::Flush(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  flush_cv_.wait_for(lock, timeout,
+                     [this] { return buffer_.empty() || stopping_ || stats_.rejected; });
+  return buffer_.empty();
+}
+
+bool Monitor::WaitAccepted(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  flush_cv_.wait_for(lock, timeout,
+                     [this] { return stats_.connected || stopping_ || stats_.rejected; });
+  return stats_.connected;
+}
+
+void Monitor::Stop() {
+  std::lock_guard stop_lock(stop_mu_);
+  std::unique_lock lock(mu_);
+  stopping_ = true;
+  sender_cv_.notify_all();
+  space_cv_.notify_all();
+  flush_cv_.notify_all();
+  if (!sender_.joinable()) return;
+  // The sender closes the stream itself unless it is stuck in a blocking gRPC call (a Write the
+  // daemon does not read, a connect that hangs); cancelling the context frees it.
+  const bool closed = flush_cv_.wait_for(lock, options_.close_grace * 2, [this] {
+    return current_ == nullptr;
+  });
+  if (!closed && current_ != nullptr) current_->context.TryCancel();
+  lock.unlock();
+  sender_.join();
+}
+
+MonitorStats Monitor::Stats() const {
+  std::lock_guard lock(mu_);
+  MonitorStats s = stats_;
+  s.queued = buffer_.queued();
+  s.unacked = buffer_.unacked();
+  s.dropped += buffer_.dropped();
+  return s;
+}
+
+void Monitor::SenderLoop() {
+  try {
+    while (true) {
+      Connection conn;
+      const bool accepted = RunConnection(conn);
+      std::chrono::milliseconds delay;
+      {
+        std::lock_guard lock(mu_);
+        if (stopping_) break;
+        if (conn.superseded) {
+          spdlog::warn("gradwatch monitor: another stream took over run {} rank {}; not reconnecting",
+                       options_.hello.run_id(), options_.hello.rank());
+          break;
+        }
+        if (accepted) backoff_ = options_.initial_backoff;
+        // A refused Hello will be refused again until someone changes the daemon: retry slowly.
+        if (conn.rejected) backoff_ = options_.max_backoff;
+      }
+      delay = NextBackoff();
+      spdlog::debug("gradwatch monitor: reconnecting to {} in {} ms", options_.address, delay.count());
+      SleepBackoff(delay);
+    }
+  } catch (const std::exception& e) {
+    spdlog::error("gradwatch monitor: sender thread failed: {}", e.what());
+  } catch (...) {
+    spdlog::error("gradwatch monitor: sender thread failed");
+  }
+  std::lock_guard lock(mu_);
+  current_ = nullptr;
+  stats_.connected = false;
+  flush_cv_.notify_all();
+}
+
+bool Monitor::RunConnection(Connection& conn) {
+  v1::TrainerMessage hello;
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return false;
+    current_ = &conn;
+    hello.set_seq(next_seq_++);
+  }
+  *hello.mutable_hello() = options_.hello;
+  if (hello.hello().client().empty()) hello.mutable_hello()->set_client(kClientName);
+
+  auto stub = v1::Ingest::NewStub(channel_);
+  conn.stream = stub->Stream(&conn.context);
+  const bool hello_written = conn.stream->Write(hello);
+  // The reader runs even when the Hello failed: it is what drains the stream so Finish can run.
+  conn.reader = std::thread([this, &conn] { ReaderLoop(conn); });
+
+  bool accepted = false;
+  if (hello_written) {
+    std::unique_lock lock(mu_);
+    sender_cv_.wait(lock, [&] { return conn.accepted || conn.ended || conn.rejected || stopping_; });
+    accepted = conn.accepted;
+    while (conn.accepted && !conn.ended && !conn.rejected && !stopping_) {
+      const StepBuffer::Entry* entry = buffer_.NextToWrite();
+      if (entry == nullptr) {
+        sender_cv_.wait(lock, [&] {
+          return conn.ended || conn.rejected || stopping_ || buffer_.NextToWrite() != nullptr;
+        });
+        continue;
+      }
+      v1::TrainerMessage msg = entry->message;
+      const uint64_t id = entry->id;
+      const uint64_t seq = next_seq_++;
+      msg.set_seq(seq);
+      if (conn.max_message_bytes != 0 && msg.ByteSizeLong() > conn.max_message_bytes) {
+        const uint64_t step = entry->step();
+        buffer_.Release(id);
+        lock.unlock();
+        RecordLocalError(v1::ERROR_REASON_OVERSIZED, step,
+                         "message of " + std::to_string(msg.ByteSizeLong()) +
+                             " bytes exceeds the daemon's limit of " +
+                             std::to_string(conn.max_message_bytes));
+        lock.lock();
+        continue;
+      }
+      lock.unlock();
+      const bool ok = conn.stream->Write(msg);
+      lock.lock();
+      if (!ok) break;
+      buffer_.MarkWritten(id, seq);
+      if (msg.has_step()) {
+        ++stats_.sent;
+      } else {
+        ++stats_.events_sent;
+      }
+      if (buffer_.empty()) flush_cv_.notify_all();
+    }
+  }
+
+  // Half-close and give the daemon a moment to finish the stream cleanly (it may still send
+  // acks); cancel if it does not.
+  conn.stream->WritesDone();
+  {
+    std::unique_lock lock(mu_);
+    sender_cv_.wait_for(lock, options_.close_grace, [&] { return conn.ended; });
+    if (!conn.ended) conn.context.TryCancel();
+  }
+  conn.reader.join();
+  const grpc::Status status = conn.stream->Finish();
+  bool stopping;
+  {
+    std::lock_guard lock(mu_);
+    stopping = stopping_;
+    current_ = nullptr;
+    stats_.connected = false;
+    if (!status.ok() && !stopping_) {
+      stats_.last_error = "stream to " + options_.address + " ended: " + status.error_message();
+    }
+    flush_cv_.notify_all();
+  }
+  if (stopping) {
+    spdlog::debug("gradwatch monitor: stream closed");
+  } else if (accepted) {
+    spdlog::warn("gradwatch monitor: stream to {} ended: {} ({})", options_.address,
+                 status.error_message(), static_cast<int>(status.error_code()));
+  } else {
+    spdlog::debug("gradwatch monitor: cannot open stream to {}: {}", options_.address,
+                  status.error_message());
+  }
+  return accepted;
+}
+
+void Monitor::ReaderLoop(Connection& conn) {
+  try {
+    v1::DaemonMessage msg;
+    while (conn.stream->Read(&msg)) HandleMessage(conn, msg);
+  } catch (const std::exception& e) {
+    spdlog::error("gradwatch monitor: reader thread failed: {}", e.what());
+    conn.context.TryCancel();
+  } catch (...) {
+    spdlog::error("gradwatch monitor: reader thread failed");
+    conn.context.TryCancel();
+  }
+  std::lock_guard lock(mu_);
+  conn.ended = true;
+  stats_.connected = false;
+  sender_cv_.notify_all();
+  flush_cv_.notify_all();
+}
+
+void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
+  switch (msg.body_case()) {
+    case v1::DaemonMessage::kAccepted: {
+      const v1::Accepted& a = msg.accepted();
+      {
+        std::lock_guard lock(mu_);
+        buffer_.OnAccepted(a);
+        conn.accepted = true;
+        conn.max_message_bytes = a.max_message_bytes();
+        if (a.has_durable_step()) {
+          stats_.has_acked = true;
+          stats_.acked_through_step = a.last_durable_step();
+        }
+        stats_.connected = true;
+        stats_.rejected = false;
+        if (++accepted_streams_ > 1) ++stats_.reconnects;
+        backoff_ = options_.initial_backoff;
+        sender_cv_.notify_all();
+        space_cv_.notify_all();
+        flush_cv_.notify_all();
+      }
+      spdlog::info("gradwatch monitor: stream accepted for run {} rank {}", a.run_id(), a.rank());
+      InvokeCallback(options_.on_accepted, a, "on_accepted");
+      break;
+    }
+    case v1::DaemonMessage::kAck: {
+      std::lock_guard lock(mu_);
+      buffer_.OnAck(msg.ack().durable_step());
+      stats_.has_acked = true;
+      stats_.acked_through_step = msg.ack().durable_step();
+      space_cv_.notify_all();
+      flush_cv_.notify_all();
+      break;
+    }
+    case v1::DaemonMessage::kError: {
+      const v1::Error& e = msg.error();
+      const std::string text =
+          ReasonName(e.reason()) + " at step " + std::to_string(e.step()) + ": " + e.message();
+      {
+        std::lock_guard lock(mu_);
+        ++stats_.errors;
+        ++stats_.errors_by_reason[ReasonName(e.reason())];
+        stats_.last_error = text;
+        if (!conn.accepted || e.reason() == v1::ERROR_REASON_SUPERSEDED) {
+          conn.rejected = true;
+          conn.superseded = e.reason() == v1::ERROR_REASON_SUPERSEDED;
+          stats_.rejected = true;
+        } else if (RefersToStep(e.reason())) {
+          buffer_.ReleaseRejected(e.seq(), e.step());
+        }
+        sender_cv_.notify_all();
+        space_cv_.notify_all();
+        flush_cv_.notify_all();
+      }
+      spdlog::debug("gradwatch monitor: daemon error {}", text);
+      InvokeCallback(options_.on_error, e, "on_error");
+      break;
+    }
+    case v1::DaemonMessage::kAlert:
+      InvokeCallback(options_.on_alert, msg.alert(), "on_alert");
+      break;
+    default:
+      break;
+  }
+}
+
+void Monitor::RecordLocalError(v1::ErrorReason reason, uint64_t step, std::string message) {
+  v1::Error e;
+  e.set_reason(reason);
+  e.set_step(step);
+  e.set_message(std::move(message));
+  {
+    std::lock_guard lock(mu_);
+    ++stats_.errors;
+    ++stats_.errors_by_reason[ReasonName(reason)];
+    stats_.last_error = ReasonName(reason) + " at step " + std::to_string(step) + ": " + e.message();
+    space_cv_.notify_all();
+    flush_cv_.notify_all();
+  }
+  InvokeCallback(options_.on_error, e, "on_error");
+}
+
+std::chrono::milliseconds Monitor::NextBackoff() {
+  std::lock_guard lock(mu_);
+  std::uniform_real_distribution<double> jitter(0.8, 1.2);
+  const auto delay = std::chrono::milliseconds(
+      static_cast<int64_t>(static_cast<double>(backoff_.count()) * jitter(rng_)));
+  backoff_ = std::min(backoff_ * 2, options_.max_backoff);
+  return delay;
+}
+
+void Monitor::SleepBackoff(std::chrono::milliseconds delay) {
+  std::unique_lock lock(mu_);
+  sender_cv_.wait_for(lock, delay, [this] { return stopping_; });
+}
+
+}  // namespace gradwatch::client

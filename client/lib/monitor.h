@@ -1,0 +1,133 @@
+// Monitor: the trainer-side client of Ingest.Stream. It buffers steps in memory and sends them
+// from a background thread, so the training loop never waits on the network.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "client/lib/step_buffer.h"
+#include "gradwatch/v1/gradwatch.pb.h"
+
+namespace grpc {
+class Channel;
+class ClientContext;
+}  // namespace grpc
+
+namespace gradwatch::client {
+
+inline constexpr char kDefaultAddress[] = "127.0.0.1:7390";
+inline constexpr char kClientName[] = "gradwatch-cpp/0.1.0";
+
+struct MonitorOptions {
+  // host:port of the daemon.
+  std::string address = kDefaultAddress;
+  // Sent at the start of every connection. `client` is filled in when empty.
+  v1::Hello hello;
+  // Steps held in memory: queued plus written but not yet durable.
+  size_t queue_capacity = 10'000;
+  // Events waiting to be written.
+  size_t event_capacity = 1'000;
+  // Reconnect back-off: doubles from initial to max after each failed attempt, with ±20% jitter,
+  // and starts over once the daemon accepts a stream.
+  std::chrono::milliseconds initial_backoff{100};
+  std::chrono::milliseconds max_backoff{10'000};
+  // How long Stop() lets the daemon close the stream after WritesDone before cancelling it.
+  std::chrono::milliseconds close_grace{500};
+
+  // Called on the Monitor's reader thread; keep them short. Exceptions they throw are caught
+  // and logged.
+  std::function<void(const v1::Error&)> on_error;
+  std::function<void(const v1::Alert&)> on_alert;
+  std::function<void(const v1::Accepted&)> on_accepted;
+};
+
+struct MonitorStats {
+  uint64_t queued = 0;    // steps and events waiting to be written
+  uint64_t unacked = 0;   // steps written, not yet durable
+  uint64_t sent = 0;      // step messages written, resends included
+  uint64_t events_sent = 0;
+  bool has_acked = false;
+  uint64_t acked_through_step = 0;  // last durable step; valid when has_acked
+  uint64_t dropped = 0;   // steps refused because the buffer was full
+  uint64_t errors = 0;    // Errors from the daemon plus messages refused locally
+  std::map<std::string, uint64_t> errors_by_reason;  // ErrorReason name → count
+  uint64_t reconnects = 0;  // streams accepted after the first one
+  bool connected = false;   // a stream is open and accepted
+  // The daemon refused this rank's Hello or handed it to another stream: nothing more can
+  // become durable, so Flush returns at once.
+  bool rejected = false;
+  std::string last_error;
+};
+
+// Thread safety: every method may be called from any thread. Log, Event and Stats take a mutex
+// that the background threads hold only for short bookkeeping, never across network calls.
+class Monitor {
+ public:
+  explicit Monitor(MonitorOptions options);
+  ~Monitor();  // calls Stop()
+  Monitor(const Monitor&) = delete;
+  Monitor& operator=(const Monitor&) = delete;
+
+  // Starts the sender thread, which connects in the background. Calling it again does nothing.
+  void Start();
+  // Enqueues a step without blocking. Returns false, and counts a drop, when the buffer is full
+  // or the Monitor is stopped; the next step that is enqueued reports the drops to the daemon.
+  bool Log(v1::StepStats step);
+  // Waits up to `timeout` for room, for callers that must not drop (replays).
+  bool LogBlocking(v1::StepStats step, std::chrono::milliseconds timeout);
+  // Enqueues an event, in order with the steps. Events are not acknowledged.
+  bool Event(uint64_t step, std::string text);
+  // Waits until every logged step is durable and every event written. False on timeout, when
+  // stopped, or when the daemon has rejected this stream (see MonitorStats::rejected).
+  bool Flush(std::chrono::milliseconds timeout);
+  // Waits until the daemon has accepted a stream. False on timeout or rejection.
+  bool WaitAccepted(std::chrono::milliseconds timeout);
+  // Closes the stream (WritesDone, then Finish; cancels it if the daemon does not close it
+  // within close_grace) and joins the threads. Unsent steps are discarded. Idempotent.
+  void Stop();
+
+  MonitorStats Stats() const;
+
+ private:
+  struct Connection;
+
+  void SenderLoop();
+  // Runs one stream from Hello to its end. Returns whether the daemon accepted it.
+  bool RunConnection(Connection& conn);
+  void ReaderLoop(Connection& conn);
+  void HandleMessage(Connection& conn, const v1::DaemonMessage& msg);
+  void HandleError(const v1::Error& error);
+  void RecordLocalError(v1::ErrorReason reason, uint64_t step, std::string message);
+  void SleepBackoff(std::chrono::milliseconds delay);
+  std::chrono::milliseconds NextBackoff();
+
+  const MonitorOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+
+  mutable std::mutex mu_;
+  std::condition_variable sender_cv_;  // work to write, accepted, connection ended, stop
+  std::condition_variable space_cv_;   // room in the buffer
+  std::condition_variable flush_cv_;   // buffer drained, accepted, rejected, stopped
+  StepBuffer buffer_;
+  bool started_ = false;
+  bool stopping_ = false;
+  uint64_t next_seq_ = 1;
+  uint64_t accepted_streams_ = 0;
+  MonitorStats stats_;
+  Connection* current_ = nullptr;  // guarded by mu_; cancelled by Stop()
+  std::chrono::milliseconds backoff_;
+  std::mt19937 rng_;
+
+  std::mutex stop_mu_;  // serialises Stop()
+  std::thread sender_;
+};
+
+}  // namespace gradwatch::client

@@ -1,0 +1,48 @@
+#include "client/lib/query_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <utility>
+
+namespace gradwatch::client {
+
+QueryClient::QueryClient(std::string address, std::chrono::milliseconds timeout)
+    : address_(std::move(address)),
+      timeout_(timeout),
+      stub_(v1::Query::NewStub(
+          grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {}
+
+template <typename Request, typename Response, typename Method>
+QueryResult<Response> QueryClient::Call(const Request& request, Method method) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout_);
+  QueryResult<Response> result;
+  result.status = ((*stub_).*method)(&context, request, &result.response);
+  return result;
+}
+
+QueryResult<v1::ListRunsResponse> QueryClient::ListRuns() {
+  return Call<v1::ListRunsRequest, v1::ListRunsResponse>(v1::ListRunsRequest{},
+                                                         &v1::Query::Stub::ListRuns);
+}
+
+QueryResult<v1::RunSummary> QueryClient::GetRun(const std::string& run_id) {
+  v1::GetRunRequest request;
+  request.set_run_id(run_id);
+  return Call<v1::GetRunRequest, v1::RunSummary>(request, &v1::Query::Stub::GetRun);
+}
+
+QueryResult<v1::GetSeriesResponse> QueryClient::GetSeries(const v1::GetSeriesRequest& request) {
+  return Call<v1::GetSeriesRequest, v1::GetSeriesResponse>(request, &v1::Query::Stub::GetSeries);
+}
+
+QueryResult<v1::AnnotateResponse> QueryClient::Annotate(const std::string& run_id, uint64_t step,
+                                                        const std::string& text) {
+  v1::AnnotateRequest request;
+  request.set_run_id(run_id);
+  request.set_step(step);
+  request.set_text(text);
+  return Call<v1::AnnotateRequest, v1::AnnotateResponse>(request, &v1::Query::Stub::Annotate);
+}
+
+}  // namespace gradwatch::client

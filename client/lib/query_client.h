@@ -1,0 +1,47 @@
+// QueryClient: the unary Query service, one deadline per call. Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/support/status.h>
+
+#include "gradwatch/v1/gradwatch.grpc.pb.h"
+#include "gradwatch/v1/gradwatch.pb.h"
+
+namespace gradwatch::client {
+
+// A response, or the gRPC status that prevented it (UNAVAILABLE when the daemon cannot be
+// reached, DEADLINE_EXCEEDED when it did not answer in time, NOT_FOUND for an unknown run).
+template <typename Response>
+struct QueryResult {
+  grpc::Status status;
+  Response response;
+  bool ok() const { return status.ok(); }
+};
+
+class QueryClient {
+ public:
+  // `timeout` is the deadline of each call, counted from its start.
+  QueryClient(std::string address, std::chrono::milliseconds timeout);
+
+  QueryResult<v1::ListRunsResponse> ListRuns();
+  QueryResult<v1::RunSummary> GetRun(const std::string& run_id);
+  QueryResult<v1::GetSeriesResponse> GetSeries(const v1::GetSeriesRequest& request);
+  QueryResult<v1::AnnotateResponse> Annotate(const std::string& run_id, uint64_t step,
+                                             const std::string& text);
+
+  const std::string& address() const { return address_; }
+
+ private:
+  template <typename Request, typename Response, typename Method>
+  QueryResult<Response> Call(const Request& request, Method method);
+
+  std::string address_;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<v1::Query::Stub> stub_;
+};
+
+}  // namespace gradwatch::client

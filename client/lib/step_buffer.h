@@ -1,0 +1,87 @@
+// The Monitor's send buffer: steps and events in log order, with what the daemon still owes us.
+// Pure bookkeeping, no I/O and no locking: the Monitor guards it with its mutex, tests drive it
+// directly.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+
+#include "gradwatch/v1/gradwatch.pb.h"
+
+namespace gradwatch::client {
+
+class StepBuffer {
+ public:
+  // One logged message. `message` holds a step or an event; its seq is set by the sender.
+  struct Entry {
+    uint64_t id = 0;        // buffer-local, increasing in log order
+    bool written = false;   // written on the current connection (steps only: events leave)
+    uint64_t last_seq = 0;  // seq of the last write, to match an Error to its step
+    v1::TrainerMessage message;
+
+    bool is_step() const { return message.has_step(); }
+    uint64_t step() const { return is_step() ? message.step().step() : message.event().step(); }
+  };
+
+  // `step_capacity` bounds steps held (queued plus written but not yet durable); events have
+  // their own bound so a burst of them cannot starve steps.
+  StepBuffer(size_t step_capacity, size_t event_capacity);
+
+  // Appends a step. When the buffer is full the step is dropped, counted, and false returned;
+  // the next step that gets in carries the count in client_dropped_steps.
+  bool PushStep(v1::StepStats step);
+  // Appends an event; false (and nothing counted as a dropped step) when the event bound is hit.
+  bool PushEvent(v1::Event event);
+
+  bool HasRoomForStep() const { return steps_ < step_capacity_; }
+
+  // The oldest entry not yet written on this connection, or nullptr. The pointer is valid until
+  // the next mutating call.
+  const Entry* NextToWrite();
+  // Records that entry `id` was written with `seq`: a step now waits for its durable ack, an
+  // event leaves the buffer. Unknown ids (released meanwhile) are ignored.
+  void MarkWritten(uint64_t id, uint64_t seq);
+
+  // Applies the daemon's answer to a Hello: steps already durable leave; steps the daemon has
+  // received wait for their ack; everything else is written again, in order.
+  // Returns the number of steps released.
+  size_t OnAccepted(const v1::Accepted& accepted);
+  // Releases every step ≤ durable_step. Returns the number released.
+  size_t OnAck(uint64_t durable_step);
+  // Releases the step an Error refers to, which will never be acknowledged: the entry last
+  // written with `seq` if there is one, else the first written step numbered `step`.
+  // Returns whether a step was released.
+  bool ReleaseRejected(uint64_t seq, uint64_t step);
+  // Releases one entry by id (a message the sender refused to write, e.g. oversized).
+  bool Release(uint64_t id);
+
+  size_t steps() const { return steps_; }              // steps held
+  size_t events() const { return events_; }            // events waiting to be written
+  size_t unacked() const { return written_steps_; }    // steps written, not yet durable
+  size_t queued() const { return entries_.size() - written_steps_; }  // waiting to be written
+  bool empty() const { return entries_.empty(); }
+  uint64_t dropped() const { return dropped_; }        // steps refused since construction
+
+ private:
+  // Removes the entries of [0, limit) that match `pred`, keeping order; cheap at the front.
+  template <typename Pred>
+  size_t EraseFront(size_t limit, Pred pred);
+  void Erase(size_t index);
+  size_t IndexOf(uint64_t id) const;
+  void Account(const Entry& e, int sign);
+
+  size_t step_capacity_;
+  size_t event_capacity_;
+  std::deque<Entry> entries_;
+  // Every entry before cursor_ is written; NextToWrite scans from here.
+  size_t cursor_ = 0;
+  uint64_t next_id_ = 1;
+  size_t steps_ = 0;
+  size_t events_ = 0;
+  size_t written_steps_ = 0;
+  uint64_t dropped_ = 0;
+  uint64_t dropped_since_push_ = 0;
+};
+
+}  // namespace gradwatch::client

@@ -1,0 +1,70 @@
+# Shell helpers shared by deploy/demo.sh and tests/run.sh. Source it; it defines functions only.
+# shellcheck shell=bash
+
+# Repository root: the parent of the folder holding this file.
+GW_REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Debian's interpreter: the python3 first on PATH may be another one. Used by the sourcing scripts.
+# shellcheck disable=SC2034
+GW_PYTHON=/usr/bin/python3
+
+gw_log() {
+  printf '[%s] %s\n' "$(basename "$0")" "$*" >&2
+}
+
+gw_die() {
+  gw_log "error: $*"
+  exit 1
+}
+
+# Prints the package names listed in the given files (comments and blank lines skipped).
+gw_read_packages() {
+  local file
+  for file in "$@"; do
+    [[ -r "$file" ]] || gw_die "cannot read package list $file"
+    sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' "$file"
+  done
+}
+
+# Prints, one per line, those of the named packages that are not installed.
+gw_missing_packages() {
+  local pkg
+  for pkg in "$@"; do
+    if [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" != "install ok installed" ]]; then
+      printf '%s\n' "$pkg"
+    fi
+  done
+}
+
+# Installs whatever the given package lists name and the machine lacks. Runs `apt-get update` only
+# when something is missing; needs root only then.
+gw_ensure_packages() {
+  local -a wanted missing
+  mapfile -t wanted < <(gw_read_packages "$@")
+  mapfile -t missing < <(gw_missing_packages "${wanted[@]}")
+  if ((${#missing[@]} == 0)); then
+    gw_log "all ${#wanted[@]} required Debian packages are installed"
+    return 0
+  fi
+  gw_log "missing Debian packages: ${missing[*]}"
+  if [[ "$(id -u)" != 0 ]]; then
+    gw_die "run as root, or install them first: apt-get install -y ${missing[*]}"
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update
+  apt-get install -y --no-install-recommends "${missing[@]}"
+}
+
+# Configures (Ninja, unless the build folder already uses another generator) and builds.
+# Usage: gw_build BUILD_DIR BUILD_TYPE [extra cmake -D options...]
+gw_build() {
+  local build_dir="$1" build_type="$2"
+  shift 2
+  local -a generator=()
+  if [[ ! -f "$build_dir/CMakeCache.txt" ]]; then
+    generator=(-G Ninja)
+  fi
+  gw_log "configuring $build_dir ($build_type)"
+  cmake -S "$GW_REPO_ROOT" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE="$build_type" "$@"
+  gw_log "building with $(nproc) jobs"
+  cmake --build "$build_dir" --parallel "$(nproc)"
+}

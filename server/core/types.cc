@@ -1,0 +1,90 @@
+#include "server/core/types.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace gradwatch {
+
+std::string_view ParamKindName(ParamKind kind) {
+  switch (kind) {
+    case ParamKind::kUnspecified: return "unspecified";
+    case ParamKind::kNormGain: return "norm_gain";
+    case ParamKind::kOutput: return "output";
+    case ParamKind::kEmbedding: return "embedding";
+    case ParamKind::kRouter: return "router";
+    case ParamKind::kAttention: return "attention";
+    case ParamKind::kMlp: return "mlp";
+    case ParamKind::kOther: return "other";
+  }
+  return "unspecified";
+}
+
+std::optional<ParamKind> ParseParamKind(std::string_view name) {
+  struct Alias {
+    std::string_view name;
+    ParamKind kind;
+  };
+  static constexpr Alias kAliases[] = {
+      {"unspecified", ParamKind::kUnspecified}, {"", ParamKind::kUnspecified},
+      {"norm_gain", ParamKind::kNormGain},      {"norm", ParamKind::kNormGain},
+      {"gain", ParamKind::kNormGain},           {"output", ParamKind::kOutput},
+      {"lm_head", ParamKind::kOutput},          {"embedding", ParamKind::kEmbedding},
+      {"embed", ParamKind::kEmbedding},         {"router", ParamKind::kRouter},
+      {"gate", ParamKind::kRouter},             {"attention", ParamKind::kAttention},
+      {"attn", ParamKind::kAttention},          {"mlp", ParamKind::kMlp},
+      {"expert", ParamKind::kMlp},              {"other", ParamKind::kOther},
+  };
+  for (const auto& a : kAliases) {
+    if (a.name == name) return a.kind;
+  }
+  return std::nullopt;
+}
+
+std::string_view ParamInfo::EffectiveGroup() const {
+  return group.empty() ? ParamKindName(kind) : std::string_view(group);
+}
+
+namespace keys {
+std::string GradNorm(std::string_view param) { return std::string(kGradNormPrefix) + std::string(param); }
+std::string ParamNorm(std::string_view param) { return std::string(kParamNormPrefix) + std::string(param); }
+std::string UpdateNorm(std::string_view param) {
+  return std::string(kUpdateNormPrefix) + std::string(param);
+}
+}  // namespace keys
+
+namespace {
+// Bitwise equality so that NaN repeats compare equal to themselves.
+bool SameDouble(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
+bool SameOpt(const std::optional<double>& a, const std::optional<double>& b) {
+  if (a.has_value() != b.has_value()) return false;
+  return !a || SameDouble(*a, *b);
+}
+bool SameNorm(const NormContribution& a, const NormContribution& b) {
+  return a.present == b.present && (!a.present || SameDouble(a.sq, b.sq));
+}
+}  // namespace
+
+bool RankStep::SameValues(const RankStep& o) const {
+  if (step != o.step || !SameDouble(wall_time, o.wall_time) || !SameOpt(loss, o.loss) ||
+      !SameOpt(z_loss, o.z_loss) || !SameOpt(learning_rate, o.learning_rate) || tokens != o.tokens ||
+      !SameNorm(total_grad, o.total_grad) || params.size() != o.params.size() ||
+      extra.size() != o.extra.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].index != o.params[i].index) return false;
+    for (int f = 0; f < kNormFields; ++f) {
+      if (!SameNorm(params[i].norms[f], o.params[i].norms[f])) return false;
+    }
+  }
+  for (size_t i = 0; i < extra.size(); ++i) {
+    if (extra[i].first != o.extra[i].first || !SameDouble(extra[i].second, o.extra[i].second)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool IsFinite(double v) { return std::isfinite(v); }
+
+}  // namespace gradwatch

@@ -1,0 +1,147 @@
+// Leaf types shared by every server module. No gRPC, no protobuf: ingest converts into these.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace gradwatch {
+
+enum class ParamKind : int {
+  kUnspecified = 0,
+  kNormGain = 1,
+  kOutput = 2,
+  kEmbedding = 3,
+  kRouter = 4,
+  kAttention = 5,
+  kMlp = 6,
+  kOther = 7,
+};
+
+// "norm_gain", "output", ... ; the names used in YAML, JSON and the `group` label.
+std::string_view ParamKindName(ParamKind kind);
+// Accepts the names above and common aliases ("lm_head", "norm", "embed"); nullopt when unknown.
+std::optional<ParamKind> ParseParamKind(std::string_view name);
+
+struct ParamInfo {
+  std::string name;
+  uint64_t numel = 0;
+  ParamKind kind = ParamKind::kUnspecified;
+  double weight_decay = 0.0;
+  std::optional<double> init_norm;
+  std::string role;
+  std::string group;  // empty: the kind's name
+
+  // The aggregation group: `group` if set, else the kind's name.
+  std::string_view EffectiveGroup() const;
+  bool operator==(const ParamInfo&) const = default;
+};
+
+struct RunConfig {
+  uint64_t hidden_size = 0;
+  std::optional<double> z_loss_coef;
+  std::string optimizer;
+  std::optional<double> weight_decay;
+  std::map<std::string, std::string> extra;
+  bool operator==(const RunConfig&) const = default;
+};
+
+// What a run is: fixed by its first Hello, catalog extended by later ones.
+struct RunMeta {
+  std::string run_id;
+  uint32_t world_size = 1;
+  std::map<std::string, std::string> labels;
+  RunConfig config;
+  std::vector<ParamInfo> params;
+  double created_at = 0;  // seconds since the Unix epoch
+};
+
+// Index of a series within its run's SeriesCatalog.
+using SeriesId = uint32_t;
+inline constexpr SeriesId kNoSeries = std::numeric_limits<SeriesId>::max();
+
+// Series keys follow the W&B / Levanter convention.
+namespace keys {
+inline constexpr std::string_view kTotalGradNorm = "grad/norm/total";
+inline constexpr std::string_view kLoss = "train/loss";
+inline constexpr std::string_view kZLoss = "train/z_loss";
+inline constexpr std::string_view kLearningRate = "optim/learning_rate";
+inline constexpr std::string_view kTokens = "train/tokens";
+inline constexpr std::string_view kGradNormPrefix = "grad/norm/";
+inline constexpr std::string_view kParamNormPrefix = "params/norm/";
+inline constexpr std::string_view kUpdateNormPrefix = "updates/norm/";
+std::string GradNorm(std::string_view param);
+std::string ParamNorm(std::string_view param);
+std::string UpdateNorm(std::string_view param);
+}  // namespace keys
+
+// Which of a parameter's three norms.
+enum class NormField : int { kGrad = 0, kParam = 1, kUpdate = 2 };
+inline constexpr int kNormFields = 3;
+
+// A norm as a rank reported it. Ranks merge as sqrt(sum of squares), so both forms become a
+// squared contribution.
+struct NormContribution {
+  bool present = false;
+  double sq = 0.0;  // squared contribution (norm² or the reported squared sum)
+
+  static NormContribution FromNorm(double norm) { return {true, norm * norm}; }
+  static NormContribution FromSqSum(double sq_sum) { return {true, sq_sum}; }
+  bool operator==(const NormContribution&) const = default;
+};
+
+struct ParamContribution {
+  uint32_t index = 0;
+  NormContribution norms[kNormFields];
+  bool operator==(const ParamContribution&) const = default;
+};
+
+// One rank's report of one step, after validation against the catalog.
+struct RankStep {
+  uint64_t step = 0;
+  double wall_time = 0;
+  std::optional<double> loss;
+  std::optional<double> z_loss;
+  std::optional<double> learning_rate;
+  std::optional<uint64_t> tokens;
+  NormContribution total_grad;
+  std::vector<ParamContribution> params;
+  std::vector<std::pair<std::string, double>> extra;  // sorted by key
+  uint64_t client_dropped_steps = 0;
+  uint64_t seq = 0;
+
+  // Equality of the reported values (not seq or client_dropped_steps): a repeat that compares
+  // equal is idempotent.
+  bool SameValues(const RankStep& other) const;
+};
+
+struct SeriesValue {
+  SeriesId id = kNoSeries;
+  double value = 0;
+};
+
+// A step of a run once every rank reported it (or the assembly timed out): the unit that is
+// stored, journaled and analysed.
+struct CompletedStep {
+  uint64_t step = 0;
+  double wall_time = 0;         // seconds since the Unix epoch; 0 when unknown
+  bool partial = false;         // completed by timeout or overtaken, not every rank reported
+  uint32_t ranks_reported = 0;
+  std::vector<SeriesValue> values;
+  uint64_t client_dropped_steps = 0;
+};
+
+struct EventRecord {
+  uint64_t step = 0;
+  std::string text;
+  std::string source;  // "trainer" or "annotate"
+  double recorded_at = 0;
+};
+
+bool IsFinite(double v);
+
+}  // namespace gradwatch

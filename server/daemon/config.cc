@@ -1,0 +1,148 @@
+#include "server/daemon/config.h"
+
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include <yaml-cpp/yaml.h>
+
+namespace gradwatch::daemon {
+
+namespace {
+
+std::string Where(const std::string& source, const YAML::Node& node, const std::string& key) {
+  const YAML::Mark mark = node.Mark();
+  std::string where = source;
+  if (mark.line >= 0) where += ":" + std::to_string(mark.line + 1);
+  return where + ": " + key;
+}
+
+// Reads one scalar into *out, with a message naming source:line and key on failure.
+template <typename T>
+Status Read(const YAML::Node& node, const std::string& source, const std::string& key, T* out) {
+  try {
+    *out = node.as<T>();
+    return Status::Ok();
+  } catch (const YAML::Exception&) {
+    return Status::InvalidArgument(Where(source, node, key) + ": cannot read '" +
+                                   (node.IsScalar() ? node.Scalar() : std::string("(not a scalar)")) +
+                                   "' as the expected type");
+  }
+}
+
+using Setter = std::function<Status(const YAML::Node&, const std::string&, const std::string&, Config*)>;
+
+template <typename T>
+Setter Field(T Config::*member) {
+  return [member](const YAML::Node& n, const std::string& src, const std::string& key, Config* c) {
+    return Read(n, src, key, &(c->*member));
+  };
+}
+
+const std::map<std::string, std::map<std::string, Setter>>& Schema() {
+  static const auto* kSchema = new std::map<std::string, std::map<std::string, Setter>>{
+      {"", {{"listen", Field(&Config::listen)},
+            {"metrics_listen", Field(&Config::metrics_listen)},
+            {"data_dir", Field(&Config::data_dir)}}},
+      {"log", {{"format", Field(&Config::log_format)}, {"level", Field(&Config::log_level)}}},
+      {"limits", {{"max_message_bytes", Field(&Config::max_message_bytes)},
+                  {"max_runs", Field(&Config::max_runs)},
+                  {"max_params_per_run", Field(&Config::max_params_per_run)},
+                  {"max_series_per_run", Field(&Config::max_series_per_run)},
+                  {"max_streams", Field(&Config::max_streams)}}},
+      {"assembly", {{"timeout_seconds", Field(&Config::assembly_timeout_seconds)}}},
+      {"store", {{"recent_points", Field(&Config::recent_points)},
+                 {"history_buckets", Field(&Config::history_buckets)}}},
+      {"journal", {{"batch_max", Field(&Config::journal_batch_max)},
+                   {"max_delay_ms", Field(&Config::journal_max_delay_ms)}}},
+      {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)}}},
+  };
+  return *kSchema;
+}
+
+bool ValidAddress(const std::string& addr) {
+  const auto colon = addr.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 >= addr.size()) return false;
+  const std::string port = addr.substr(colon + 1);
+  if (port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5) return false;
+  return std::stoi(port) <= 65535;
+}
+
+}  // namespace
+
+StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source, Config base) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml);
+  } catch (const YAML::Exception& e) {
+    return Status::InvalidArgument(source + ":" + std::to_string(e.mark.line + 1) + ": " + e.msg);
+  }
+  if (root.IsNull()) return base;
+  if (!root.IsMap()) return Status::InvalidArgument(source + ": the top level must be a mapping");
+  const auto& schema = Schema();
+  const auto& top = schema.at("");
+  for (const auto& kv : root) {
+    const std::string key = kv.first.as<std::string>();
+    if (auto it = top.find(key); it != top.end()) {
+      if (Status s = it->second(kv.second, source, key, &base); !s.ok()) return s;
+      continue;
+    }
+    auto section = schema.find(key);
+    if (section == schema.end() || key.empty()) {
+      return Status::InvalidArgument(Where(source, kv.first, key) + ": unknown key");
+    }
+    if (kv.second.IsNull()) continue;
+    if (!kv.second.IsMap()) {
+      return Status::InvalidArgument(Where(source, kv.second, key) + ": must be a mapping");
+    }
+    for (const auto& sub : kv.second) {
+      const std::string subkey = sub.first.as<std::string>();
+      const std::string full = key + "." + subkey;
+      auto field = section->second.find(subkey);
+      if (field == section->second.end()) {
+        return Status::InvalidArgument(Where(source, sub.first, full) + ": unknown key");
+      }
+      if (Status s = field->second(sub.second, source, full, &base); !s.ok()) return s;
+    }
+  }
+  return base;
+}
+
+StatusOr<Config> LoadConfigFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound("cannot read config file " + path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseConfig(text.str(), path);
+}
+
+Status ValidateConfig(const Config& c) {
+  auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
+  if (!ValidAddress(c.listen)) return bad("listen: '" + c.listen + "' is not HOST:PORT");
+  if (!ValidAddress(c.metrics_listen)) return bad("metrics_listen: '" + c.metrics_listen + "' is not HOST:PORT");
+  if (c.data_dir.empty()) return bad("data_dir: must not be empty");
+  if (c.log_format != "text" && c.log_format != "json") return bad("log.format: must be text or json");
+  static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+  bool level_ok = false;
+  for (const char* l : kLevels) level_ok = level_ok || c.log_level == l;
+  if (!level_ok) return bad("log.level: must be one of trace, debug, info, warn, error, critical, off");
+  if (c.max_message_bytes < 1024 || c.max_message_bytes > (256u << 20)) {
+    return bad("limits.max_message_bytes: must be between 1 KiB and 256 MiB");
+  }
+  if (c.max_runs == 0) return bad("limits.max_runs: must be at least 1");
+  if (c.max_params_per_run == 0) return bad("limits.max_params_per_run: must be at least 1");
+  if (c.max_series_per_run < 8) return bad("limits.max_series_per_run: must be at least 8");
+  if (c.max_streams == 0) return bad("limits.max_streams: must be at least 1");
+  if (!(c.assembly_timeout_seconds > 0)) return bad("assembly.timeout_seconds: must be > 0");
+  if (c.recent_points < 2) return bad("store.recent_points: must be at least 2");
+  if (c.history_buckets < 2) return bad("store.history_buckets: must be at least 2");
+  if (c.journal_batch_max == 0) return bad("journal.batch_max: must be at least 1");
+  if (c.journal_max_delay_ms < 0 || c.journal_max_delay_ms > 10000) {
+    return bad("journal.max_delay_ms: must be between 0 and 10000");
+  }
+  if (!(c.run_end_after_seconds > 0)) return bad("runs.end_after_seconds: must be > 0");
+  return Status::Ok();
+}
+
+}  // namespace gradwatch::daemon

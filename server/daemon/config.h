@@ -1,0 +1,41 @@
+// gradwatchd's configuration: a YAML file, then command-line flags on top (flags win).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+#include "server/core/status.h"
+
+namespace gradwatch::daemon {
+
+struct Config {
+  std::string listen = "127.0.0.1:7390";          // gRPC: Ingest, Query, health, reflection
+  std::string metrics_listen = "127.0.0.1:9390";  // Prometheus /metrics
+  std::string data_dir = "/var/lib/gradwatch";
+  std::string log_format = "text";  // text | json
+  std::string log_level = "info";   // trace | debug | info | warn | error
+
+  size_t max_message_bytes = 4 << 20;
+  size_t max_runs = 256;
+  size_t max_params_per_run = 65536;
+  size_t max_series_per_run = 262144;
+  size_t max_streams = 4096;
+
+  double assembly_timeout_seconds = 30;
+  size_t recent_points = 4096;
+  size_t history_buckets = 1024;
+  size_t journal_batch_max = 4096;
+  int journal_max_delay_ms = 20;
+  double run_end_after_seconds = 600;
+};
+
+// Reads a YAML config file over the defaults. Unknown keys and bad values are errors that name
+// the file, line and key.
+StatusOr<Config> LoadConfigFile(const std::string& path);
+// Parses YAML text (the file's contents) over `base`; `source` names it in errors.
+StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source, Config base = {});
+// Checks ranges and addresses; the message names the offending key.
+Status ValidateConfig(const Config& config);
+
+}  // namespace gradwatch::daemon

@@ -1,0 +1,139 @@
+#include "server/daemon/daemon.h"
+
+#include <filesystem>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <prometheus/exposer.h>
+#include <spdlog/spdlog.h>
+
+#include "server/export/metrics_collector.h"
+#include "server/ingest/ingest_service.h"
+#include "server/ingest/query_service.h"
+#include "server/runs/daemon_stats.h"
+#include "server/runs/registry.h"
+#include "server/store/journal.h"
+
+namespace gradwatch::daemon {
+
+namespace {
+constexpr auto kTickInterval = std::chrono::milliseconds(200);
+
+std::chrono::nanoseconds Seconds(double s) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(s));
+}
+}  // namespace
+
+Daemon::Daemon(Config config, const Clock* clock) : config_(std::move(config)), clock_(clock) {}
+
+Daemon::~Daemon() { Stop(); }
+
+Status Daemon::Start() {
+  std::error_code ec;
+  std::filesystem::create_directories(config_.data_dir, ec);
+  if (ec) return Status::IoError("cannot create data_dir " + config_.data_dir + ": " + ec.message());
+
+  stats_ = std::make_unique<runs::DaemonStats>();
+  runs::RunOptions run_options;
+  run_options.assembly_timeout = Seconds(config_.assembly_timeout_seconds);
+  run_options.series.recent_points = config_.recent_points;
+  run_options.series.history_buckets = config_.history_buckets;
+  run_options.max_params = config_.max_params_per_run;
+  run_options.max_series = config_.max_series_per_run;
+  run_options.end_after = Seconds(config_.run_end_after_seconds);
+  registry_ = std::make_unique<runs::RunRegistry>(run_options, config_.max_runs, stats_.get(), clock_);
+
+  store::JournalOptions journal_options;
+  journal_options.path = (std::filesystem::path(config_.data_dir) / "journal.db").string();
+  journal_options.batch_max = config_.journal_batch_max;
+  journal_options.max_delay = std::chrono::milliseconds(config_.journal_max_delay_ms);
+  runs::RunRegistry* registry = registry_.get();
+  auto journal = store::Journal::Open(journal_options, [registry](const store::CommitReport& report) {
+    registry->OnCommit(report);
+  });
+  if (!journal.ok()) return journal.status();
+  journal_ = std::move(journal).value();
+  registry_->set_journal(journal_.get());
+
+  const auto load_start = std::chrono::steady_clock::now();
+  if (Status s = registry_->Load(); !s.ok()) {
+    return Status(s.code(), "rebuilding from the journal " + journal_options.path + ": " + s.message());
+  }
+  spdlog::info("rebuilt {} runs from {} in {:.2f} s", registry_->run_count(), journal_options.path,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
+
+  ingest::IngestOptions ingest_options;
+  ingest_options.max_message_bytes = config_.max_message_bytes;
+  ingest_options.hello.max_params = config_.max_params_per_run;
+  ingest_options.max_streams = config_.max_streams;
+  ingest_ = std::make_unique<ingest::IngestService>(ingest_options, registry_.get(), stats_.get(), clock_);
+  query_ = std::make_unique<ingest::QueryService>(registry_.get(), clock_);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &grpc_port_);
+  // Let oversized messages through to the service (up to a margin) so that they get a
+  // per-message error instead of breaking the stream.
+  const size_t transport_max = std::max<size_t>(64u << 20, 4 * config_.max_message_bytes);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<size_t>(transport_max, INT32_MAX)));
+  builder.RegisterService(ingest_.get());
+  builder.RegisterService(query_.get());
+  server_ = builder.BuildAndStart();
+  if (!server_ || grpc_port_ == 0) {
+    return Status::Unavailable("cannot listen for gRPC on " + config_.listen);
+  }
+  server_->GetHealthCheckService()->SetServingStatus(true);
+
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(config_.metrics_listen);
+  } catch (const std::exception& e) {
+    return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " + e.what());
+  }
+  collector_ = std::make_shared<exporter::MetricsCollector>(registry_.get(), stats_.get(), journal_.get());
+  exposer_->RegisterCollectable(collector_);
+  const auto ports = exposer_->GetListeningPorts();
+  metrics_port_ = ports.empty() ? 0 : ports.front();
+
+  ticker_ = std::thread([this] { TickLoop(); });
+  spdlog::info("serving gRPC on {} (port {}), /metrics on {} (port {}), data in {}", config_.listen,
+               grpc_port_, config_.metrics_listen, metrics_port_, config_.data_dir);
+  return Status::Ok();
+}
+
+void Daemon::TickLoop() {
+  std::unique_lock lock(tick_mu_);
+  while (!stopping_) {
+    tick_cv_.wait_for(lock, kTickInterval);
+    if (stopping_) break;
+    lock.unlock();
+    registry_->Tick();
+    lock.lock();
+  }
+}
+
+void Daemon::Stop(std::chrono::milliseconds grace) {
+  if (stopped_) return;
+  stopped_ = true;
+  if (server_) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    // Stop accepting; streams get `grace` to finish, then are cancelled.
+    server_->Shutdown(std::chrono::system_clock::now() + grace);
+    server_->Wait();
+  }
+  {
+    std::lock_guard lock(tick_mu_);
+    stopping_ = true;
+  }
+  tick_cv_.notify_all();
+  if (ticker_.joinable()) ticker_.join();
+  exposer_.reset();
+  if (journal_) {
+    if (Status s = journal_->Flush(); !s.ok()) spdlog::error("journal flush at shutdown: {}", s.ToString());
+    journal_->Stop();
+  }
+  spdlog::info("stopped");
+}
+
+}  // namespace gradwatch::daemon

@@ -1,0 +1,77 @@
+// Wires the daemon together: journal → run registry → gRPC services and /metrics, plus the
+// ticker that drives assembly timeouts and run ending. Only this module sees everything.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "server/core/clock.h"
+#include "server/core/status.h"
+#include "server/daemon/config.h"
+
+namespace grpc {
+class Server;
+}
+namespace prometheus {
+class Exposer;
+}
+
+namespace gradwatch {
+namespace runs {
+class RunRegistry;
+struct DaemonStats;
+}  // namespace runs
+namespace store {
+class Journal;
+}
+namespace ingest {
+class IngestService;
+class QueryService;
+}  // namespace ingest
+namespace exporter {
+class MetricsCollector;
+}
+
+namespace daemon {
+
+class Daemon {
+ public:
+  explicit Daemon(Config config, const Clock* clock = SystemClock::Default());
+  ~Daemon();
+
+  // Opens the journal, rebuilds the runs from it, and starts serving gRPC and /metrics.
+  Status Start();
+  // Stops accepting, lets streams finish (up to `grace`), commits the journal and closes it.
+  void Stop(std::chrono::milliseconds grace = std::chrono::seconds(5));
+
+  int grpc_port() const { return grpc_port_; }
+  int metrics_port() const { return metrics_port_; }
+
+ private:
+  void TickLoop();
+
+  const Config config_;
+  const Clock* const clock_;
+  std::unique_ptr<runs::DaemonStats> stats_;
+  std::unique_ptr<runs::RunRegistry> registry_;
+  std::unique_ptr<store::Journal> journal_;
+  std::unique_ptr<ingest::IngestService> ingest_;
+  std::unique_ptr<ingest::QueryService> query_;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<exporter::MetricsCollector> collector_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int grpc_port_ = 0;
+  int metrics_port_ = 0;
+
+  std::mutex tick_mu_;
+  std::condition_variable tick_cv_;
+  bool stopping_ = false;  // guarded by tick_mu_
+  std::thread ticker_;
+  bool stopped_ = false;
+};
+
+}  // namespace daemon
+}  // namespace gradwatch

@@ -1,0 +1,152 @@
+#include "server/export/metrics_collector.h"
+
+#include <limits>
+#include <string>
+
+namespace gradwatch::exporter {
+
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+MetricFamily Family(std::string name, std::string help, MetricType type) {
+  MetricFamily f;
+  f.name = std::move(name);
+  f.help = std::move(help);
+  f.type = type;
+  return f;
+}
+
+ClientMetric Sample(std::vector<ClientMetric::Label> labels, double value, MetricType type) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  if (type == MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  return m;
+}
+
+void Add(MetricFamily& f, std::vector<ClientMetric::Label> labels, double value) {
+  f.metric.push_back(Sample(std::move(labels), value, f.type));
+}
+
+}  // namespace
+
+MetricsCollector::MetricsCollector(const runs::RunRegistry* registry, const runs::DaemonStats* stats,
+                                   const store::Journal* journal)
+    : registry_(registry), stats_(stats), journal_(journal) {}
+
+std::vector<MetricFamily> MetricsCollector::Collect() const {
+  auto grad_total = Family("gradwatch_total_grad_norm",
+                           "Total gradient L2 norm of the run's latest step (merged over ranks).",
+                           MetricType::Gauge);
+  auto grad = Family("gradwatch_grad_norm", "Gradient L2 norm of one parameter at the latest step.",
+                     MetricType::Gauge);
+  auto param = Family("gradwatch_param_norm", "L2 norm of one parameter at the latest step.",
+                      MetricType::Gauge);
+  auto update = Family("gradwatch_update_norm", "L2 norm of one parameter's optimizer update at the latest step.",
+                       MetricType::Gauge);
+  auto loss = Family("gradwatch_loss", "Training loss at the latest step (nats per token).", MetricType::Gauge);
+  auto z_loss = Family("gradwatch_z_loss", "Logit z-loss term at the latest step.", MetricType::Gauge);
+  auto lr = Family("gradwatch_learning_rate", "Learning rate at the latest step.", MetricType::Gauge);
+  auto last_step = Family("gradwatch_last_step", "Latest completed optimizer step of the run.", MetricType::Gauge);
+  auto speed = Family("gradwatch_steps_per_second", "Training speed over the recent steps.", MetricType::Gauge);
+  auto partial = Family("gradwatch_partial_steps_total",
+                        "Steps completed without every rank (assembly timeout or overtaken).",
+                        MetricType::Counter);
+  auto nonfinite = Family("gradwatch_nonfinite_values_total", "NaN or infinite values received for the run.",
+                          MetricType::Counter);
+  auto dropped = Family("gradwatch_client_dropped_steps_total",
+                        "Steps the trainer's client dropped because its queue overflowed.", MetricType::Counter);
+  auto run_streams = Family("gradwatch_run_open_streams", "Trainer streams open for the run.", MetricType::Gauge);
+
+  uint64_t active = 0, ended = 0;
+  size_t memory = 0;
+  for (const auto& run : registry_->All()) {
+    memory += run->MemoryBytes();
+    runs::RunMetricsSnapshot s = run->MetricsSnapshot();
+    if (s.info.ended) {
+      ++ended;
+      continue;  // ended runs leave /metrics but stay queryable
+    }
+    ++active;
+    const ClientMetric::Label run_label{"run", s.info.run_id};
+    if (s.total_grad_norm) Add(grad_total, {run_label}, *s.total_grad_norm);
+    if (s.loss) Add(loss, {run_label}, *s.loss);
+    if (s.z_loss) Add(z_loss, {run_label}, *s.z_loss);
+    if (s.learning_rate) Add(lr, {run_label}, *s.learning_rate);
+    if (s.info.step_count > 0) Add(last_step, {run_label}, static_cast<double>(s.info.last_step));
+    Add(speed, {run_label}, s.info.steps_per_second);
+    Add(partial, {run_label}, static_cast<double>(s.info.partial_steps));
+    Add(nonfinite, {run_label}, static_cast<double>(s.info.nonfinite_count));
+    Add(dropped, {run_label}, static_cast<double>(s.info.client_dropped_steps));
+    Add(run_streams, {run_label}, s.info.open_streams);
+    for (const auto& p : s.params) {
+      std::vector<ClientMetric::Label> labels{run_label, {"param", p.name}, {"group", p.group}};
+      if (p.norms[0]) Add(grad, labels, *p.norms[0]);
+      if (p.norms[1]) Add(param, labels, *p.norms[1]);
+      if (p.norms[2]) Add(update, labels, *p.norms[2]);
+    }
+  }
+
+  auto runs_family = Family("gradwatch_runs", "Runs the daemon holds, by state.", MetricType::Gauge);
+  Add(runs_family, {{"state", "active"}}, static_cast<double>(active));
+  Add(runs_family, {{"state", "ended"}}, static_cast<double>(ended));
+  auto open_streams = Family("gradwatch_open_streams", "Trainer streams open.", MetricType::Gauge);
+  Add(open_streams, {}, static_cast<double>(stats_->open_streams.load()));
+  auto messages = Family("gradwatch_messages_received_total", "Trainer messages received.", MetricType::Counter);
+  Add(messages, {}, static_cast<double>(stats_->messages_received.load()));
+  auto samples = Family("gradwatch_samples_received_total",
+                        "Series samples stored from completed steps.", MetricType::Counter);
+  Add(samples, {}, static_cast<double>(stats_->samples_received.load()));
+  auto errors = Family("gradwatch_ingest_errors_total", "Trainer messages refused, by reason.", MetricType::Counter);
+  for (runs::IngestErrorReason r : runs::AllIngestErrorReasons()) {
+    Add(errors, {{"reason", std::string(runs::IngestErrorReasonName(r))}},
+        static_cast<double>(stats_->ErrorCount(r)));
+  }
+  auto journal_dropped = Family("gradwatch_journal_dropped_records_total",
+                                "Records that could not be queued for the journal (queue full or stopped).",
+                                MetricType::Counter);
+  Add(journal_dropped, {}, static_cast<double>(stats_->journal_dropped_records.load()));
+  auto store_memory = Family("gradwatch_store_memory_bytes", "Memory held by the in-memory series store.",
+                             MetricType::Gauge);
+  Add(store_memory, {}, static_cast<double>(memory));
+
+  auto commit = Family("gradwatch_journal_commit_duration_seconds",
+                       "Duration of journal transactions (group commits).", MetricType::Histogram);
+  {
+    const auto h = stats_->journal_commit_seconds.Read();
+    ClientMetric m;
+    m.histogram.sample_count = h.count;
+    m.histogram.sample_sum = h.sum;
+    for (size_t i = 0; i < h.cumulative.size(); ++i) {
+      const double bound = i < h.bounds.size() ? h.bounds[i] : std::numeric_limits<double>::infinity();
+      m.histogram.bucket.push_back({h.cumulative[i], bound});
+    }
+    commit.metric.push_back(std::move(m));
+  }
+
+  std::vector<MetricFamily> out;
+  for (auto* f : {&grad_total, &grad, &param, &update, &loss, &z_loss, &lr, &last_step, &speed, &partial,
+                  &nonfinite, &dropped, &run_streams, &runs_family, &open_streams, &messages, &samples,
+                  &errors, &journal_dropped, &store_memory, &commit}) {
+    out.push_back(std::move(*f));
+  }
+  if (journal_ != nullptr) {
+    auto depth = Family("gradwatch_journal_queue_depth", "Records waiting for a journal commit.",
+                        MetricType::Gauge);
+    Add(depth, {}, static_cast<double>(journal_->queue_depth()));
+    auto failed = Family("gradwatch_journal_failed_commits_total", "Journal transactions that failed.",
+                         MetricType::Counter);
+    Add(failed, {}, static_cast<double>(journal_->failed_commit_count()));
+    out.push_back(std::move(depth));
+    out.push_back(std::move(failed));
+  }
+  return out;
+}
+
+}  // namespace gradwatch::exporter

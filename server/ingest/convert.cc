@@ -1,0 +1,243 @@
+#include "server/ingest/convert.h"
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+
+namespace gradwatch::ingest {
+
+using runs::IngestError;
+using runs::IngestErrorReason;
+
+namespace {
+
+constexpr size_t kMaxParamName = 256;
+constexpr size_t kMaxEventText = 1024;
+constexpr size_t kMaxLabelBytes = 1024;
+
+bool ValidParamName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxParamName || name == "total") return false;
+  return std::none_of(name.begin(), name.end(),
+                      [](unsigned char c) { return c < 0x20 || c == 0x7f; });
+}
+
+// Reads a NormValue; a negative finite value is an error.
+std::optional<IngestError> ReadNorm(const v1::NormValue& in, const char* what, uint64_t step,
+                                    NormContribution* out) {
+  switch (in.value_case()) {
+    case v1::NormValue::kNorm: {
+      const double v = in.norm();
+      if (v < 0 && std::isfinite(v)) {
+        return IngestError{IngestErrorReason::kNegativeNorm,
+                           std::string(what) + " norm is negative (" + std::to_string(v) + ")", step};
+      }
+      *out = NormContribution::FromNorm(v);
+      return std::nullopt;
+    }
+    case v1::NormValue::kSqSum: {
+      const double v = in.sq_sum();
+      if (v < 0 && std::isfinite(v)) {
+        return IngestError{IngestErrorReason::kNegativeNorm,
+                           std::string(what) + " squared sum is negative (" + std::to_string(v) + ")",
+                           step};
+      }
+      *out = NormContribution::FromSqSum(v);
+      return std::nullopt;
+    }
+    case v1::NormValue::VALUE_NOT_SET:
+      *out = {};
+      return std::nullopt;
+  }
+  *out = {};
+  return std::nullopt;
+}
+
+}  // namespace
+
+bool ValidRunId(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(), [](unsigned char c) {
+    return std::isalnum(c) || c == '.' || c == '_' || c == ':' || c == '/' || c == '-';
+  });
+}
+
+std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits& limits,
+                                          RunMeta* meta, uint32_t* rank) {
+  auto invalid = [](std::string m) { return IngestError{IngestErrorReason::kInvalidHello, std::move(m)}; };
+  if (!ValidRunId(in.run_id())) {
+    return invalid("run_id '" + in.run_id().substr(0, 160) +
+                   "' is invalid: use 1 to 128 characters of [A-Za-z0-9._:/-]");
+  }
+  if (in.world_size() == 0 || in.world_size() > limits.max_world_size) {
+    return invalid("world_size " + std::to_string(in.world_size()) + " is out of range 1.." +
+                   std::to_string(limits.max_world_size));
+  }
+  if (in.rank() >= in.world_size()) {
+    return invalid("rank " + std::to_string(in.rank()) + " is not below world_size " +
+                   std::to_string(in.world_size()));
+  }
+  if (static_cast<size_t>(in.params_size()) > limits.max_params) {
+    return IngestError{IngestErrorReason::kLimitExceeded,
+                       "catalog has " + std::to_string(in.params_size()) + " parameters; the limit is " +
+                           std::to_string(limits.max_params)};
+  }
+  for (const auto& [k, v] : in.labels()) {
+    if (k.empty() || k.size() > kMaxLabelBytes || v.size() > kMaxLabelBytes) {
+      return invalid("label '" + k.substr(0, 64) + "' has an empty or oversized name or value");
+    }
+  }
+  meta->run_id = in.run_id();
+  meta->world_size = in.world_size();
+  meta->labels = {in.labels().begin(), in.labels().end()};
+  const v1::RunConfig& c = in.config();
+  meta->config.hidden_size = c.hidden_size();
+  meta->config.z_loss_coef = c.has_z_loss_coef() ? std::optional(c.z_loss_coef()) : std::nullopt;
+  meta->config.optimizer = c.optimizer();
+  meta->config.weight_decay = c.has_weight_decay() ? std::optional(c.weight_decay()) : std::nullopt;
+  meta->config.extra = {c.extra().begin(), c.extra().end()};
+  meta->params.clear();
+  meta->params.reserve(in.params_size());
+  std::unordered_set<std::string> names;
+  for (int i = 0; i < in.params_size(); ++i) {
+    const v1::ParamInfo& p = in.params(i);
+    const std::string where = "catalog entry " + std::to_string(i);
+    if (!ValidParamName(p.name())) {
+      return invalid(where + ": name '" + p.name().substr(0, 64) +
+                     "' is invalid (1..256 printable bytes, not 'total')");
+    }
+    if (!names.insert(p.name()).second) return invalid(where + ": duplicate name '" + p.name() + "'");
+    if (!v1::ParamKind_IsValid(p.kind())) return invalid(where + ": unknown kind");
+    if (!std::isfinite(p.weight_decay()) || p.weight_decay() < 0) {
+      return invalid(where + " '" + p.name() + "': weight_decay must be finite and ≥ 0");
+    }
+    if (p.has_init_norm() && (!std::isfinite(p.init_norm()) || p.init_norm() <= 0)) {
+      return invalid(where + " '" + p.name() + "': init_norm must be finite and > 0");
+    }
+    ParamInfo info;
+    info.name = p.name();
+    info.numel = p.numel();
+    info.kind = static_cast<ParamKind>(p.kind());
+    info.weight_decay = p.weight_decay();
+    if (p.has_init_norm()) info.init_norm = p.init_norm();
+    info.role = p.role();
+    info.group = p.group();
+    meta->params.push_back(std::move(info));
+  }
+  *rank = in.rank();
+  return std::nullopt;
+}
+
+std::optional<IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, RankStep* out) {
+  out->step = in.step();
+  out->seq = seq;
+  out->wall_time = in.wall_time();
+  out->loss = in.has_loss() ? std::optional(in.loss()) : std::nullopt;
+  out->z_loss = in.has_z_loss() ? std::optional(in.z_loss()) : std::nullopt;
+  out->learning_rate = in.has_learning_rate() ? std::optional(in.learning_rate()) : std::nullopt;
+  out->tokens = in.has_tokens() ? std::optional(in.tokens()) : std::nullopt;
+  out->client_dropped_steps = in.client_dropped_steps();
+  if (auto err = ReadNorm(in.total_grad(), "total gradient", in.step(), &out->total_grad)) return err;
+  out->params.resize(in.params_size());
+  static constexpr const char* kFieldNames[kNormFields] = {"gradient", "parameter", "update"};
+  for (int i = 0; i < in.params_size(); ++i) {
+    const v1::ParamStats& ps = in.params(i);
+    ParamContribution& pc = out->params[i];
+    pc.index = ps.index();
+    const v1::NormValue* fields[kNormFields] = {&ps.grad(), &ps.param(), &ps.update()};
+    for (int f = 0; f < kNormFields; ++f) {
+      if (auto err = ReadNorm(*fields[f], kFieldNames[f], in.step(), &pc.norms[f])) {
+        err->message = "parameter index " + std::to_string(ps.index()) + ": " + err->message;
+        return err;
+      }
+    }
+  }
+  // Protobuf maps iterate in no fixed order: sort so repeats compare equal.
+  out->extra.resize(in.extra_size());
+  size_t e = 0;
+  for (const auto& [k, v] : in.extra()) {
+    out->extra[e].first.assign(k);
+    out->extra[e].second = v;
+    ++e;
+  }
+  std::sort(out->extra.begin(), out->extra.end());
+  for (const auto& [k, v] : out->extra) {
+    if (k.empty() || k.size() > kMaxParamName) {
+      return IngestError{IngestErrorReason::kInvalidMessage,
+                         "extra series key '" + k.substr(0, 64) + "' is empty or longer than 256 bytes",
+                         in.step()};
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<IngestError> EventFromProto(const v1::Event& in, EventRecord* out) {
+  if (in.text().empty() || in.text().size() > kMaxEventText) {
+    return IngestError{IngestErrorReason::kInvalidMessage,
+                       "event text must be 1 to 1024 bytes (got " + std::to_string(in.text().size()) + ")",
+                       in.step()};
+  }
+  out->step = in.step();
+  out->text = in.text();
+  return std::nullopt;
+}
+
+v1::ErrorReason ReasonToProto(runs::IngestErrorReason reason) {
+  const int r = static_cast<int>(reason);
+  return v1::ErrorReason_IsValid(r) ? static_cast<v1::ErrorReason>(r) : v1::ERROR_REASON_UNSPECIFIED;
+}
+
+void ConfigToProto(const RunConfig& in, v1::RunConfig* out) {
+  out->set_hidden_size(in.hidden_size);
+  if (in.z_loss_coef) out->set_z_loss_coef(*in.z_loss_coef);
+  out->set_optimizer(in.optimizer);
+  if (in.weight_decay) out->set_weight_decay(*in.weight_decay);
+  out->mutable_extra()->insert(in.extra.begin(), in.extra.end());
+}
+
+void ParamToProto(const ParamInfo& in, v1::ParamInfo* out) {
+  out->set_name(in.name);
+  out->set_numel(in.numel);
+  out->set_kind(static_cast<v1::ParamKind>(in.kind));
+  out->set_weight_decay(in.weight_decay);
+  if (in.init_norm) out->set_init_norm(*in.init_norm);
+  out->set_role(in.role);
+  out->set_group(in.group);
+}
+
+void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out) {
+  out->set_run_id(in.run_id);
+  out->set_state(in.ended ? v1::RUN_STATE_ENDED : v1::RUN_STATE_ACTIVE);
+  out->set_world_size(in.world_size);
+  out->mutable_labels()->insert(in.labels.begin(), in.labels.end());
+  out->set_step_count(in.step_count);
+  out->set_first_step(in.first_step);
+  out->set_last_step(in.last_step);
+  out->set_last_wall_time(in.last_wall_time);
+  out->set_open_streams(in.open_streams);
+  out->set_steps_per_second(in.steps_per_second);
+  out->set_partial_steps(in.partial_steps);
+}
+
+void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out) {
+  RunInfoToProto(in.info, out->mutable_info());
+  ConfigToProto(in.config, out->mutable_config());
+  for (const ParamInfo& p : in.params) ParamToProto(p, out->add_params());
+  for (const runs::LatestSample& l : in.latest) {
+    v1::LatestValue* v = out->add_latest();
+    v->set_key(l.key);
+    v->set_step(l.step);
+    v->set_value(l.value);
+  }
+  for (const EventRecord& e : in.events) {
+    v1::EventInfo* ev = out->add_events();
+    ev->set_step(e.step);
+    ev->set_text(e.text);
+    ev->set_source(e.source);
+    ev->set_recorded_at(e.recorded_at);
+  }
+  out->set_nonfinite_count(in.info.nonfinite_count);
+  out->set_last_nonfinite_step(in.info.last_nonfinite_step);
+  out->set_client_dropped_steps(in.info.client_dropped_steps);
+}
+
+}  // namespace gradwatch::ingest

@@ -1,0 +1,39 @@
+// Conversion between the wire schema and core types, with the validation that needs only the
+// message itself. Generated proto types stop at this module.
+#pragma once
+
+#include <optional>
+
+#include "gradwatch/v1/gradwatch.pb.h"
+#include "server/core/types.h"
+#include "server/runs/errors.h"
+#include "server/runs/run.h"
+
+namespace gradwatch::ingest {
+
+struct HelloLimits {
+  uint32_t max_world_size = 1 << 20;
+  size_t max_params = 65536;
+};
+
+// Validates a Hello (run id, rank < world size, catalog entries) and converts it.
+std::optional<runs::IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits& limits,
+                                                RunMeta* meta, uint32_t* rank);
+
+// Converts StepStats into *out (whose buffers are reused). Rejects negative finite norms;
+// NaN and ±Inf pass (they are signals). Catalog checks happen in the run.
+std::optional<runs::IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, RankStep* out);
+
+// Validates an event's text (1..1024 bytes) and converts it.
+std::optional<runs::IngestError> EventFromProto(const v1::Event& in, EventRecord* out);
+
+// A run id is 1..128 bytes of [A-Za-z0-9._:/-].
+bool ValidRunId(const std::string& id);
+
+v1::ErrorReason ReasonToProto(runs::IngestErrorReason reason);
+void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out);
+void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out);
+void ParamToProto(const ParamInfo& in, v1::ParamInfo* out);
+void ConfigToProto(const RunConfig& in, v1::RunConfig* out);
+
+}  // namespace gradwatch::ingest

@@ -1,0 +1,300 @@
+#include "server/ingest/ingest_service.h"
+
+#include <deque>
+#include <memory>
+#include <mutex>
+
+#include <spdlog/spdlog.h>
+
+namespace gradwatch::ingest {
+
+namespace {
+
+using runs::IngestError;
+using runs::IngestErrorReason;
+
+class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>,
+                           public runs::StreamSink {
+ public:
+  IngestStream(IngestService* service, grpc::CallbackServerContext* context)
+      : service_(service), peer_(context->peer()) {
+    const int64_t open = service_->stats()->open_streams.fetch_add(1, std::memory_order_relaxed) + 1;
+    if (static_cast<size_t>(open) > service_->options().max_streams) {
+      spdlog::warn("refusing a stream from {}: {} streams open (limits.max_streams)", peer_, open - 1);
+      FinishWhenDrained(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                     "too many open streams (limits.max_streams)"));
+      return;
+    }
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client half-closed or the call broke
+      DetachFromRun();
+      FinishWhenDrained(grpc::Status::OK);
+      return;
+    }
+    try {
+      Handle();
+    } catch (const std::exception& e) {
+      spdlog::error("stream from {}: unexpected error handling a message: {}", peer_, e.what());
+      SendError({IngestErrorReason::kInvalidMessage, "internal error handling this message"}, in_.seq());
+    }
+    {
+      std::lock_guard lock(mu_);
+      if (finishing_) return;
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::unique_lock lock(mu_);
+    out_.pop_front();
+    if (!ok) {
+      broken_ = true;
+      out_.clear();
+    }
+    if (!out_.empty()) {
+      v1::DaemonMessage* next = &out_.front();
+      lock.unlock();
+      StartWrite(next);
+      return;
+    }
+    writing_ = false;
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override { DetachFromRun(); }
+
+  void OnDone() override {
+    DetachFromRun();
+    service_->stats()->open_streams.fetch_sub(1, std::memory_order_relaxed);
+    delete this;
+  }
+
+  // StreamSink: called with the run's mutex held; only queue.
+  void SendAck(uint64_t durable_step, uint64_t seq) override {
+    std::unique_lock lock(mu_);
+    if (finishing_ || broken_) return;
+    // Coalesce with an ack that is still waiting to be written.
+    if (out_.size() > (writing_ ? 1u : 0u) && out_.back().has_ack()) {
+      v1::Ack* ack = out_.back().mutable_ack();
+      ack->set_durable_step(std::max(ack->durable_step(), durable_step));
+      ack->set_seq(std::max(ack->seq(), seq));
+      return;
+    }
+    v1::DaemonMessage msg;
+    msg.mutable_ack()->set_durable_step(durable_step);
+    msg.mutable_ack()->set_seq(seq);
+    QueueLocked(std::move(msg), lock);
+  }
+
+  void SendError(const IngestError& error) override { SendError(error, 0); }
+
+  void Supersede() override {
+    SendError({IngestErrorReason::kSuperseded,
+               "another stream opened for run " + run_id_ + " rank " + std::to_string(rank_) +
+                   "; this one is closed"},
+              0);
+    std::lock_guard lock(mu_);
+    run_.reset();  // the run already detached us; do not detach the new stream
+    finishing_ = true;
+    finish_status_ = grpc::Status(grpc::StatusCode::ABORTED, "superseded by a newer stream");
+    MaybeFinishLocked();
+  }
+
+ private:
+  void Handle() {
+    runs::DaemonStats& stats = *service_->stats();
+    stats.messages_received.fetch_add(1, std::memory_order_relaxed);
+    const uint64_t seq = in_.seq();
+    const size_t size = in_.ByteSizeLong();
+    if (size > service_->options().max_message_bytes) {
+      const uint64_t step = in_.has_step() ? in_.step().step() : in_.has_event() ? in_.event().step() : 0;
+      Reject({IngestErrorReason::kOversized,
+              "message of " + std::to_string(size) + " bytes exceeds the limit of " +
+                  std::to_string(service_->options().max_message_bytes) + " bytes",
+              step},
+             seq);
+      return;
+    }
+    switch (in_.body_case()) {
+      case v1::TrainerMessage::kHello: return HandleHello(seq);
+      case v1::TrainerMessage::kStep: return HandleStep(seq);
+      case v1::TrainerMessage::kEvent: return HandleEvent(seq);
+      case v1::TrainerMessage::BODY_NOT_SET:
+        Reject({IngestErrorReason::kInvalidMessage, "message has no body (hello, step or event)"}, seq);
+        return;
+    }
+  }
+
+  void HandleHello(uint64_t seq) {
+    RunMeta meta;
+    uint32_t rank = 0;
+    if (auto err = HelloFromProto(in_.hello(), service_->options().hello, &meta, &rank)) {
+      Reject(*err, seq);
+      return;
+    }
+    if (run_ && (meta.run_id != run_id_ || rank != rank_)) {
+      Reject({IngestErrorReason::kInvalidHello,
+              "this stream already carries run " + run_id_ + " rank " + std::to_string(rank_) +
+                  "; open a new stream for another run or rank"},
+             seq);
+      return;
+    }
+    runs::AttachInfo info;
+    IngestError error{IngestErrorReason::kInvalidHello, ""};
+    auto run = service_->registry()->Attach(meta, rank, this, &info, &error);
+    if (!run) {
+      Reject(error, seq);
+      return;
+    }
+    {
+      std::lock_guard lock(mu_);
+      run_ = std::move(run);
+    }
+    run_id_ = meta.run_id;
+    rank_ = rank;
+    spdlog::info("run {} rank {}/{}: stream from {} ({}), {} parameters", run_id_, rank_, meta.world_size,
+                 peer_, in_.hello().client().empty() ? "unknown client" : in_.hello().client(),
+                 meta.params.size());
+    v1::DaemonMessage msg;
+    v1::Accepted* a = msg.mutable_accepted();
+    a->set_run_id(run_id_);
+    a->set_rank(rank_);
+    a->set_has_durable_step(info.has_durable_step);
+    a->set_last_durable_step(info.last_durable_step);
+    a->set_has_received_step(info.has_received_step);
+    a->set_last_received_step(info.last_received_step);
+    a->set_max_message_bytes(service_->options().max_message_bytes);
+    Queue(std::move(msg));
+  }
+
+  void HandleStep(uint64_t seq) {
+    std::shared_ptr<runs::Run> run = CurrentRun();
+    if (!run) {
+      Reject({IngestErrorReason::kNoHello, "step before hello: send a Hello first", in_.step().step()}, seq);
+      return;
+    }
+    if (auto err = StepFromProto(in_.step(), seq, &step_)) {
+      Reject(*err, seq);
+      return;
+    }
+    if (auto err = run->AddStep(rank_, step_, this)) Reject(*err, seq);
+  }
+
+  void HandleEvent(uint64_t seq) {
+    std::shared_ptr<runs::Run> run = CurrentRun();
+    if (!run) {
+      Reject({IngestErrorReason::kNoHello, "event before hello: send a Hello first", in_.event().step()},
+             seq);
+      return;
+    }
+    EventRecord event;
+    if (auto err = EventFromProto(in_.event(), &event)) {
+      Reject(*err, seq);
+      return;
+    }
+    event.source = "trainer";
+    event.recorded_at = service_->clock()->UnixSeconds();
+    if (auto err = run->AddEvent(std::move(event))) Reject(*err, seq);
+  }
+
+  std::shared_ptr<runs::Run> CurrentRun() {
+    std::lock_guard lock(mu_);
+    return run_;
+  }
+
+  void Reject(const IngestError& error, uint64_t seq) {
+    service_->stats()->CountError(error.reason);
+    spdlog::debug("stream from {}: rejected message seq {}: {} ({})", peer_, seq, error.message,
+                  runs::IngestErrorReasonName(error.reason));
+    SendError(error, seq);
+  }
+
+  void SendError(const IngestError& error, uint64_t seq) {
+    v1::DaemonMessage msg;
+    v1::Error* e = msg.mutable_error();
+    e->set_seq(seq);
+    e->set_reason(ReasonToProto(error.reason));
+    e->set_step(error.step);
+    e->set_message(error.message);
+    Queue(std::move(msg));
+  }
+
+  void Queue(v1::DaemonMessage msg) {
+    std::unique_lock lock(mu_);
+    QueueLocked(std::move(msg), lock);
+  }
+
+  void QueueLocked(v1::DaemonMessage msg, std::unique_lock<std::mutex>& lock) {
+    if (finishing_ || broken_) return;
+    if (out_.size() >= service_->options().max_queued_answers) {
+      // The client is not reading its answers; acks coalesce, so only errors are dropped here.
+      ++dropped_answers_;
+      return;
+    }
+    out_.push_back(std::move(msg));
+    if (writing_) return;
+    writing_ = true;
+    v1::DaemonMessage* next = &out_.front();
+    lock.unlock();
+    StartWrite(next);
+    lock.lock();
+  }
+
+  void DetachFromRun() {
+    std::shared_ptr<runs::Run> run;
+    {
+      std::lock_guard lock(mu_);
+      run = std::move(run_);
+      run_.reset();
+    }
+    if (run) run->Detach(rank_, this);
+  }
+
+  void FinishWhenDrained(grpc::Status status) {
+    std::lock_guard lock(mu_);
+    if (finishing_) return;
+    finishing_ = true;
+    finish_status_ = std::move(status);
+    MaybeFinishLocked();
+  }
+
+  // Finish once every queued answer is written (gRPC allows one outstanding write).
+  void MaybeFinishLocked() {
+    if (!finishing_ || finished_ || writing_) return;
+    finished_ = true;
+    Finish(finish_status_);
+  }
+
+  IngestService* const service_;
+  const std::string peer_;
+  v1::TrainerMessage in_;  // only touched by the read path
+  RankStep step_;          // reused conversion buffer, read path only
+  std::string run_id_;     // set by the read path at hello
+  uint32_t rank_ = 0;
+
+  std::mutex mu_;
+  std::shared_ptr<runs::Run> run_;      // guarded by mu_
+  std::deque<v1::DaemonMessage> out_;   // guarded by mu_; front is being written when writing_
+  bool writing_ = false;                // guarded by mu_
+  bool finishing_ = false;              // guarded by mu_
+  bool finished_ = false;               // guarded by mu_
+  bool broken_ = false;                 // guarded by mu_
+  grpc::Status finish_status_;          // guarded by mu_
+  uint64_t dropped_answers_ = 0;        // guarded by mu_
+};
+
+}  // namespace
+
+IngestService::IngestService(const IngestOptions& options, runs::RunRegistry* registry,
+                             runs::DaemonStats* stats, const Clock* clock)
+    : options_(options), registry_(registry), stats_(stats), clock_(clock) {}
+
+grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>* IngestService::Stream(
+    grpc::CallbackServerContext* context) {
+  return new IngestStream(this, context);
+}
+
+}  // namespace gradwatch::ingest

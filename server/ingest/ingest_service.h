@@ -1,0 +1,45 @@
+// The Ingest service: one callback reactor per trainer stream. Handlers only convert and hand on
+// to the run registry; answers (accepted, acks, errors) are queued and written one at a time.
+#pragma once
+
+#include <cstddef>
+
+#include "gradwatch/v1/gradwatch.grpc.pb.h"
+#include "server/core/clock.h"
+#include "server/ingest/convert.h"
+#include "server/runs/daemon_stats.h"
+#include "server/runs/registry.h"
+
+namespace gradwatch::ingest {
+
+struct IngestOptions {
+  // Largest TrainerMessage accepted (bytes); larger ones get an OVERSIZED error. gRPC itself is
+  // configured to let messages up to a margin above this through, so the stream survives them.
+  size_t max_message_bytes = 4 << 20;
+  // Answers waiting to be written on one stream before errors are dropped (acks coalesce).
+  size_t max_queued_answers = 1024;
+  HelloLimits hello;
+  size_t max_streams = 4096;
+};
+
+class IngestService final : public v1::Ingest::CallbackService {
+ public:
+  IngestService(const IngestOptions& options, runs::RunRegistry* registry, runs::DaemonStats* stats,
+                const Clock* clock);
+
+  grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>* Stream(
+      grpc::CallbackServerContext* context) override;
+
+  const IngestOptions& options() const { return options_; }
+  runs::RunRegistry* registry() const { return registry_; }
+  runs::DaemonStats* stats() const { return stats_; }
+  const Clock* clock() const { return clock_; }
+
+ private:
+  const IngestOptions options_;
+  runs::RunRegistry* const registry_;
+  runs::DaemonStats* const stats_;
+  const Clock* const clock_;
+};
+
+}  // namespace gradwatch::ingest

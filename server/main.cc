@@ -1,0 +1,126 @@
+// gradwatchd: the training-monitor daemon. Parses configuration, wires the daemon, and waits for
+// SIGTERM/SIGINT to stop it cleanly.
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include "server/daemon/config.h"
+#include "server/daemon/daemon.h"
+#include "server/daemon/logging.h"
+
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitConfig = 2;
+constexpr int kExitStart = 1;
+
+bool WriteReadyFile(const std::string& path, int grpc_port, int metrics_port) {
+  const nlohmann::json ready = {{"grpc_port", grpc_port}, {"metrics_port", metrics_port}, {"pid", getpid()}};
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) return false;
+    out << ready.dump() << "\n";
+    if (!out) return false;
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  return !ec;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"gradwatchd — live training-monitor daemon: trainers stream per-step gradient and "
+               "parameter norms over gRPC; it keeps them durably and exports Prometheus metrics."};
+  app.footer(
+      "Flags override the config file. Exit codes: 0 clean stop or valid config, 1 failed to start, "
+      "2 bad configuration or usage.\nSignals: SIGTERM/SIGINT stop accepting, commit the journal, exit 0.");
+  std::string config_path, listen, metrics_listen, data_dir, log_format, log_level, ready_file;
+  bool check_config = false;
+  app.add_option("-c,--config", config_path, "YAML config file")->check(CLI::ExistingFile);
+  app.add_option("--listen", listen, "gRPC address HOST:PORT (port 0: any free port)");
+  app.add_option("--metrics-listen", metrics_listen, "/metrics address HOST:PORT (port 0: any free port)");
+  app.add_option("--data-dir", data_dir, "directory for the journal");
+  app.add_option("--log-format", log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
+  app.add_option("--ready-file", ready_file,
+                 "once serving, write {\"grpc_port\",\"metrics_port\",\"pid\"} as JSON to this file");
+  app.add_flag("--check-config", check_config, "validate the configuration, print it as JSON, and exit");
+  CLI11_PARSE(app, argc, argv);
+
+  gradwatch::daemon::Config config;
+  if (!config_path.empty()) {
+    auto loaded = gradwatch::daemon::LoadConfigFile(config_path);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "gradwatchd: %s\n", loaded.status().message().c_str());
+      return kExitConfig;
+    }
+    config = std::move(loaded).value();
+  }
+  if (!listen.empty()) config.listen = listen;
+  if (!metrics_listen.empty()) config.metrics_listen = metrics_listen;
+  if (!data_dir.empty()) config.data_dir = data_dir;
+  if (!log_format.empty()) config.log_format = log_format;
+  if (!log_level.empty()) config.log_level = log_level;
+  if (auto s = gradwatch::daemon::ValidateConfig(config); !s.ok()) {
+    std::fprintf(stderr, "gradwatchd: invalid configuration: %s\n", s.message().c_str());
+    return kExitConfig;
+  }
+  if (check_config) {
+    const nlohmann::json shown = {
+        {"listen", config.listen},
+        {"metrics_listen", config.metrics_listen},
+        {"data_dir", config.data_dir},
+        {"log", {{"format", config.log_format}, {"level", config.log_level}}},
+        {"limits",
+         {{"max_message_bytes", config.max_message_bytes},
+          {"max_runs", config.max_runs},
+          {"max_params_per_run", config.max_params_per_run},
+          {"max_series_per_run", config.max_series_per_run},
+          {"max_streams", config.max_streams}}},
+        {"assembly", {{"timeout_seconds", config.assembly_timeout_seconds}}},
+        {"store", {{"recent_points", config.recent_points}, {"history_buckets", config.history_buckets}}},
+        {"journal", {{"batch_max", config.journal_batch_max}, {"max_delay_ms", config.journal_max_delay_ms}}},
+        {"runs", {{"end_after_seconds", config.run_end_after_seconds}}},
+    };
+    std::cout << shown.dump(2) << "\nconfiguration OK\n";
+    return kExitOk;
+  }
+  if (auto s = gradwatch::daemon::SetUpLogging(config.log_format, config.log_level); !s.ok()) {
+    std::fprintf(stderr, "gradwatchd: %s\n", s.message().c_str());
+    return kExitConfig;
+  }
+
+  // Block the stop signals in every thread; the main thread waits for them below.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  gradwatch::daemon::Daemon daemon(config);
+  if (auto s = daemon.Start(); !s.ok()) {
+    spdlog::critical("cannot start: {}", s.ToString());
+    daemon.Stop();
+    return kExitStart;
+  }
+  if (!ready_file.empty() && !WriteReadyFile(ready_file, daemon.grpc_port(), daemon.metrics_port())) {
+    spdlog::critical("cannot write ready file {}", ready_file);
+    daemon.Stop();
+    return kExitStart;
+  }
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("received {}: stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  daemon.Stop();
+  return kExitOk;
+}

@@ -1,0 +1,469 @@
+#include "server/runs/run.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <spdlog/spdlog.h>
+
+namespace gradwatch::runs {
+
+namespace {
+
+constexpr size_t kTotalGrad = 0, kLoss = 1, kZLoss = 2, kLearningRate = 3, kTokens = 4;
+const std::array<std::string_view, 5> kScalarKeys = {keys::kTotalGradNorm, keys::kLoss, keys::kZLoss,
+                                                     keys::kLearningRate, keys::kTokens};
+
+std::string FieldKey(NormField field, std::string_view param) {
+  switch (field) {
+    case NormField::kGrad: return keys::GradNorm(param);
+    case NormField::kParam: return keys::ParamNorm(param);
+    case NormField::kUpdate: return keys::UpdateNorm(param);
+  }
+  return {};
+}
+
+bool SameCatalogEntry(const ParamInfo& a, const ParamInfo& b) {
+  return a.name == b.name && a.kind == b.kind && a.numel == b.numel;
+}
+
+}  // namespace
+
+Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, DaemonStats* stats,
+         const Clock* clock, bool journal_new)
+    : id_(meta.run_id),
+      options_(options),
+      journal_(journal),
+      stats_(stats),
+      clock_(clock),
+      assembler_(std::max<uint32_t>(1, meta.world_size), options.assembly_timeout,
+                 options.max_pending_steps),
+      ranks_(std::max<uint32_t>(1, meta.world_size)),
+      last_activity_(clock->Now()) {
+  std::vector<ParamInfo> params = std::move(meta.params);
+  meta.params.clear();
+  meta_ = std::move(meta);
+  if (journal_new) {
+    JournalLocked(store::RunRecord{meta_});
+    for (size_t i = 0; i < kScalarKeys.size(); ++i) {
+      scalar_series_[i] = SeriesForKeyLocked(std::string(kScalarKeys[i]), true);
+    }
+    ExtendCatalogLocked(params);
+  } else {
+    // Restored: series ids come from the journal (RestoreSeries), mapped in FinishRestore.
+    meta_.params = std::move(params);
+    scalar_series_.fill(kNoSeries);
+  }
+}
+
+void Run::FinishRestore() {
+  std::lock_guard lock(mu_);
+  for (size_t i = 0; i < kScalarKeys.size(); ++i) {
+    scalar_series_[i] = SeriesForKeyLocked(std::string(kScalarKeys[i]), true);
+  }
+  param_series_.clear();
+  for (const ParamInfo& p : meta_.params) {
+    std::array<SeriesId, kNormFields> ids{};
+    for (int f = 0; f < kNormFields; ++f) {
+      ids[f] = SeriesForKeyLocked(FieldKey(static_cast<NormField>(f), p.name), true);
+    }
+    param_series_.push_back(ids);
+  }
+  assembler_.SetParamCount(meta_.params.size());
+}
+
+void Run::JournalLocked(store::JournalRecord record) {
+  if (journal_ == nullptr) return;
+  if (!journal_->Enqueue(std::move(record))) {
+    if (stats_) stats_->journal_dropped_records.fetch_add(1, std::memory_order_relaxed);
+    spdlog::error("run {}: journal queue full or stopped; a record was not journaled", id_);
+  }
+}
+
+SeriesId Run::SeriesForKeyLocked(const std::string& key, bool journal) {
+  if (auto it = series_by_key_.find(key); it != series_by_key_.end()) return it->second;
+  if (series_.size() >= options_.max_series) return kNoSeries;
+  const auto id = static_cast<SeriesId>(series_.size());
+  series_.push_back({key, std::make_unique<store::Series>(options_.series)});
+  series_by_key_.emplace(key, id);
+  if (journal) JournalLocked(store::SeriesRecord{id_, id, key});
+  return id;
+}
+
+std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello) const {
+  if (hello.world_size != meta_.world_size) {
+    return IngestError{IngestErrorReason::kWorldSizeChanged,
+                       "run " + id_ + " has world size " + std::to_string(meta_.world_size) +
+                           "; a hello cannot change it to " + std::to_string(hello.world_size)};
+  }
+  const size_t common = std::min(hello.params.size(), meta_.params.size());
+  for (size_t i = 0; i < common; ++i) {
+    if (!SameCatalogEntry(hello.params[i], meta_.params[i])) {
+      return IngestError{IngestErrorReason::kCatalogMismatch,
+                         "catalog entry " + std::to_string(i) + " is '" + hello.params[i].name +
+                             "' but the run has '" + meta_.params[i].name +
+                             "' (name, kind and numel must match; new entries may only be appended)"};
+    }
+  }
+  for (size_t i = common; i < hello.params.size(); ++i) {
+    if (series_by_key_.count(keys::GradNorm(hello.params[i].name)) != 0) {
+      return IngestError{IngestErrorReason::kCatalogMismatch,
+                         "catalog entry " + std::to_string(i) + " '" + hello.params[i].name +
+                             "' names a parameter or series the run already has"};
+    }
+  }
+  if (meta_.params.size() + (hello.params.size() - common) > options_.max_params) {
+    return IngestError{IngestErrorReason::kLimitExceeded,
+                       "catalog would exceed " + std::to_string(options_.max_params) + " parameters"};
+  }
+  return std::nullopt;
+}
+
+std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>& params) {
+  const size_t first = meta_.params.size();
+  if (params.size() <= first) return std::nullopt;
+  if (series_.size() + (params.size() - first) * kNormFields > options_.max_series) {
+    return IngestError{IngestErrorReason::kLimitExceeded,
+                       "catalog would exceed " + std::to_string(options_.max_series) + " series"};
+  }
+  store::ParamsRecord record{id_, static_cast<uint32_t>(first), {}};
+  for (size_t i = first; i < params.size(); ++i) {
+    meta_.params.push_back(params[i]);
+    record.params.push_back(params[i]);
+  }
+  JournalLocked(std::move(record));
+  for (size_t i = first; i < params.size(); ++i) {
+    std::array<SeriesId, kNormFields> ids{};
+    for (int f = 0; f < kNormFields; ++f) {
+      ids[f] = SeriesForKeyLocked(FieldKey(static_cast<NormField>(f), params[i].name), true);
+    }
+    param_series_.push_back(ids);
+  }
+  assembler_.SetParamCount(meta_.params.size());
+  return std::nullopt;
+}
+
+std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink,
+                                       AttachInfo* info) {
+  std::lock_guard lock(mu_);
+  if (auto err = ValidateCatalogLocked(hello)) return err;
+  if (auto err = ExtendCatalogLocked(hello.params)) return err;
+  RankState& rs = ranks_[rank];
+  if (rs.sink != sink) {
+    if (rs.sink != nullptr) {
+      spdlog::warn("run {} rank {}: a new stream takes over from the previous one", id_, rank);
+      rs.sink->Supersede();
+    } else {
+      ++open_streams_;
+    }
+    rs.sink = sink;
+  }
+  if (ended_) {
+    ended_ = false;
+    JournalLocked(store::RunEndedRecord{id_, 0});
+  }
+  last_activity_ = clock_->Now();
+  info->has_durable_step = rs.has_durable;
+  info->last_durable_step = rs.durable_step;
+  info->has_received_step = rs.has_received;
+  info->last_received_step = rs.last_received;
+  return std::nullopt;
+}
+
+void Run::Detach(uint32_t rank, StreamSink* sink) {
+  std::lock_guard lock(mu_);
+  if (rank >= ranks_.size() || ranks_[rank].sink != sink) return;
+  ranks_[rank].sink = nullptr;
+  --open_streams_;
+  last_activity_ = clock_->Now();
+}
+
+std::optional<IngestError> Run::ValidateStepLocked(const RankStep& report) {
+  const size_t n = meta_.params.size();
+  seen_scratch_.assign(n, 0);
+  for (const ParamContribution& pc : report.params) {
+    if (pc.index >= n) {
+      return IngestError{IngestErrorReason::kUnknownParam,
+                         "parameter index " + std::to_string(pc.index) + " is not in the catalog (" +
+                             std::to_string(n) + " entries)",
+                         report.step};
+    }
+    if (seen_scratch_[pc.index]) {
+      return IngestError{IngestErrorReason::kInvalidMessage,
+                         "parameter index " + std::to_string(pc.index) + " ('" +
+                             meta_.params[pc.index].name + "') appears twice in one step",
+                         report.step};
+    }
+    seen_scratch_[pc.index] = 1;
+  }
+  return std::nullopt;
+}
+
+std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, StreamSink* sink) {
+  std::lock_guard lock(mu_);
+  RankState& rs = ranks_[rank];
+  if (rs.has_received && report.step < rs.last_received) {
+    return IngestError{IngestErrorReason::kStepRegression,
+                       "step " + std::to_string(report.step) + " is older than step " +
+                           std::to_string(rs.last_received) + " already received from rank " +
+                           std::to_string(rank),
+                       report.step};
+  }
+  if (rs.has_received && report.step == rs.last_received) {
+    if (rs.has_last_report && !rs.last_report.SameValues(report)) {
+      return IngestError{IngestErrorReason::kStepConflict,
+                         "step " + std::to_string(report.step) +
+                             " was already received from rank " + std::to_string(rank) +
+                             " with different values",
+                         report.step};
+    }
+    // An idempotent repeat: acknowledge if already durable, else the pending ack covers it.
+    if (rs.has_durable && rs.durable_step >= report.step && sink != nullptr) {
+      sink->SendAck(rs.durable_step, std::max(rs.durable_seq, report.seq));
+    }
+    return std::nullopt;
+  }
+  if (auto err = ValidateStepLocked(report)) return err;
+
+  const SteadyTime now = clock_->Now();
+  last_activity_ = now;
+  const AddResult result =
+      assembler_.Add(rank, report, now, [this](const PendingStep& p) { CompleteLocked(p); });
+  rs.has_received = true;
+  rs.last_received = report.step;
+  if (result == AddResult::kLate) {
+    rs.has_last_report = false;
+    return IngestError{IngestErrorReason::kLateForStep,
+                       "step " + std::to_string(report.step) +
+                           " was already completed without rank " + std::to_string(rank) +
+                           " (assembly timeout or a later step completed first); this report is not stored",
+                       report.step};
+  }
+  rs.last_report = report;
+  rs.has_last_report = true;
+  return std::nullopt;
+}
+
+void Run::CompleteLocked(const PendingStep& p) {
+  CompletedStep& out = scratch_;
+  out.step = p.step;
+  out.wall_time = p.wall_time;
+  out.partial = p.partial;
+  out.ranks_reported = p.ranks_reported;
+  out.client_dropped_steps = p.client_dropped_steps;
+  out.values.clear();
+  auto put = [&out](SeriesId id, double v) {
+    if (id != kNoSeries) out.values.push_back({id, v});
+  };
+  const size_t n = std::min(param_series_.size(), p.param_sq.size() / kNormFields);
+  if (p.total_grad.present) {
+    put(scalar_series_[kTotalGrad], std::sqrt(p.total_grad.sq));
+  } else {
+    // The trainer did not send a total: derive it from the parameters' gradient norms.
+    double sq = 0;
+    bool any = false;
+    for (size_t i = 0; i < n; ++i) {
+      if (p.param_present[i * kNormFields]) sq += p.param_sq[i * kNormFields], any = true;
+    }
+    if (any) put(scalar_series_[kTotalGrad], std::sqrt(sq));
+  }
+  if (p.loss_n) put(scalar_series_[kLoss], p.loss_sum / p.loss_n);
+  if (p.z_loss_n) put(scalar_series_[kZLoss], p.z_loss_sum / p.z_loss_n);
+  if (p.lr_n) put(scalar_series_[kLearningRate], p.lr_sum / p.lr_n);
+  if (p.tokens_present) put(scalar_series_[kTokens], static_cast<double>(p.tokens_sum));
+  for (size_t i = 0; i < n; ++i) {
+    for (int f = 0; f < kNormFields; ++f) {
+      if (p.param_present[i * kNormFields + f]) {
+        put(param_series_[i][f], std::sqrt(p.param_sq[i * kNormFields + f]));
+      }
+    }
+  }
+  for (size_t e = 0; e < p.extra_used; ++e) {
+    put(SeriesForKeyLocked(p.extra[e].key, true), p.extra[e].sum / p.extra[e].n);
+  }
+  AppendLocked(out);
+  if (stats_) stats_->samples_received.fetch_add(out.values.size(), std::memory_order_relaxed);
+
+  store::StepJournalRecord record{id_, out, {}};
+  record.progress.reserve(p.contributors.size());
+  for (const auto& [rank, seq] : p.contributors) {
+    record.progress.push_back({id_, rank, p.step, seq});
+  }
+  JournalLocked(std::move(record));
+}
+
+void Run::AppendLocked(const CompletedStep& step) {
+  for (const SeriesValue& sv : step.values) {
+    if (sv.id >= series_.size() || !series_[sv.id].data) continue;
+    series_[sv.id].data->Append(step.step, sv.value);
+    if (!std::isfinite(sv.value)) {
+      ++nonfinite_count_;
+      last_nonfinite_step_ = step.step;
+    }
+  }
+  if (step_count_ == 0) first_step_ = step.step;
+  ++step_count_;
+  last_step_ = step.step;
+  if (step.wall_time > 0) last_wall_time_ = step.wall_time;
+  if (step.partial) ++partial_steps_;
+  client_dropped_steps_ += step.client_dropped_steps;
+  const double t = step.wall_time > 0
+                       ? step.wall_time
+                       : std::chrono::duration<double>(clock_->Now().time_since_epoch()).count();
+  speed_ring_[speed_count_ % kSpeedWindow] = {t, step.step};
+  ++speed_count_;
+}
+
+std::optional<IngestError> Run::AddEvent(EventRecord event) {
+  std::lock_guard lock(mu_);
+  auto pos = std::upper_bound(events_.begin(), events_.end(), event.step,
+                              [](uint64_t s, const EventRecord& e) { return s < e.step; });
+  events_.insert(pos, event);
+  JournalLocked(store::EventJournalRecord{id_, std::move(event)});
+  last_activity_ = clock_->Now();
+  return std::nullopt;
+}
+
+void Run::Tick() {
+  std::lock_guard lock(mu_);
+  const SteadyTime now = clock_->Now();
+  assembler_.Expire(now, [this](const PendingStep& p) { CompleteLocked(p); });
+  if (!ended_ && open_streams_ == 0 && assembler_.pending() == 0 &&
+      now - last_activity_ >= options_.end_after) {
+    ended_ = true;
+    spdlog::info("run {}: ended (no stream and no step for {:.0f} s)", id_,
+                 std::chrono::duration<double>(options_.end_after).count());
+    JournalLocked(store::RunEndedRecord{id_, clock_->UnixSeconds()});
+  }
+}
+
+void Run::OnDurable(const store::RankProgress& progress) {
+  std::lock_guard lock(mu_);
+  if (progress.rank >= ranks_.size()) return;
+  RankState& rs = ranks_[progress.rank];
+  if (rs.has_durable && progress.step < rs.durable_step) return;
+  rs.has_durable = true;
+  rs.durable_step = progress.step;
+  rs.durable_seq = std::max(rs.durable_seq, progress.seq);
+  if (rs.sink != nullptr) rs.sink->SendAck(rs.durable_step, rs.durable_seq);
+}
+
+RunInfo Run::InfoLocked() const {
+  RunInfo info;
+  info.run_id = id_;
+  info.ended = ended_;
+  info.world_size = meta_.world_size;
+  info.labels = meta_.labels;
+  info.step_count = step_count_;
+  info.first_step = first_step_;
+  info.last_step = last_step_;
+  info.last_wall_time = last_wall_time_;
+  info.open_streams = open_streams_;
+  info.partial_steps = partial_steps_;
+  info.nonfinite_count = nonfinite_count_;
+  info.last_nonfinite_step = last_nonfinite_step_;
+  info.client_dropped_steps = client_dropped_steps_;
+  if (speed_count_ >= 2) {
+    const size_t n = std::min(speed_count_, kSpeedWindow);
+    const auto& newest = speed_ring_[(speed_count_ - 1) % kSpeedWindow];
+    const auto& oldest = speed_ring_[(speed_count_ - n) % kSpeedWindow];
+    const double dt = newest.first - oldest.first;
+    if (dt > 0) info.steps_per_second = static_cast<double>(newest.second - oldest.second) / dt;
+  }
+  return info;
+}
+
+RunInfo Run::Info() const {
+  std::lock_guard lock(mu_);
+  return InfoLocked();
+}
+
+RunMetricsSnapshot Run::MetricsSnapshot() const {
+  std::lock_guard lock(mu_);
+  RunMetricsSnapshot s;
+  s.info = InfoLocked();
+  auto latest = [this](SeriesId id) -> std::optional<double> {
+    if (id == kNoSeries || id >= series_.size() || !series_[id].data) return std::nullopt;
+    auto p = series_[id].data->Latest();
+    if (!p) return std::nullopt;
+    return p->last;
+  };
+  s.total_grad_norm = latest(scalar_series_[kTotalGrad]);
+  s.loss = latest(scalar_series_[kLoss]);
+  s.z_loss = latest(scalar_series_[kZLoss]);
+  s.learning_rate = latest(scalar_series_[kLearningRate]);
+  s.params.reserve(meta_.params.size());
+  for (size_t i = 0; i < meta_.params.size() && i < param_series_.size(); ++i) {
+    RunMetricsSnapshot::Param p;
+    p.name = meta_.params[i].name;
+    p.group = std::string(meta_.params[i].EffectiveGroup());
+    for (int f = 0; f < kNormFields; ++f) p.norms[f] = latest(param_series_[i][f]);
+    s.params.push_back(std::move(p));
+  }
+  return s;
+}
+
+RunSummary Run::Summary() const {
+  std::lock_guard lock(mu_);
+  RunSummary s;
+  s.info = InfoLocked();
+  s.config = meta_.config;
+  s.params = meta_.params;
+  for (const SeriesEntry& e : series_) {
+    if (!e.data) continue;
+    if (auto p = e.data->Latest()) s.latest.push_back({e.key, p->last_step, p->last});
+  }
+  s.events = events_;
+  return s;
+}
+
+std::optional<std::vector<store::Point>> Run::QuerySeries(const std::string& key, uint64_t from_step,
+                                                          uint64_t to_step, size_t max_points) const {
+  std::lock_guard lock(mu_);
+  auto it = series_by_key_.find(key);
+  if (it == series_by_key_.end() || !series_[it->second].data) return std::nullopt;
+  return series_[it->second].data->Query(from_step, to_step, max_points);
+}
+
+size_t Run::MemoryBytes() const {
+  std::lock_guard lock(mu_);
+  size_t bytes = sizeof(*this);
+  for (const SeriesEntry& e : series_) {
+    if (e.data) bytes += e.data->MemoryBytes() + e.key.capacity();
+  }
+  return bytes;
+}
+
+void Run::RestoreSeries(SeriesId id, const std::string& key) {
+  std::lock_guard lock(mu_);
+  if (id >= series_.size()) series_.resize(id + 1);
+  series_[id] = {key, std::make_unique<store::Series>(options_.series)};
+  series_by_key_[key] = id;
+}
+
+void Run::RestoreProgress(const store::RankProgress& progress) {
+  std::lock_guard lock(mu_);
+  if (progress.rank >= ranks_.size()) return;
+  RankState& rs = ranks_[progress.rank];
+  rs.has_durable = rs.has_received = true;
+  rs.durable_step = rs.last_received = progress.step;
+  rs.durable_seq = progress.seq;
+  rs.has_last_report = false;
+}
+
+void Run::RestoreStep(const CompletedStep& step) {
+  std::lock_guard lock(mu_);
+  AppendLocked(step);
+  assembler_.RestoreLastCompleted(step.step);
+}
+
+void Run::RestoreEvent(const EventRecord& event) {
+  std::lock_guard lock(mu_);
+  events_.push_back(event);
+}
+
+void Run::RestoreEnded(bool ended) {
+  std::lock_guard lock(mu_);
+  ended_ = ended;
+}
+
+}  // namespace gradwatch::runs

@@ -1,0 +1,212 @@
+// The live state of one training run: its catalog, the assembly of steps across ranks, its
+// series, events and the streams attached to it. Thread-safe: every public method takes the run's
+// mutex for a bounded, I/O-free amount of work (journal records are only queued).
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "server/core/clock.h"
+#include "server/core/types.h"
+#include "server/runs/daemon_stats.h"
+#include "server/runs/errors.h"
+#include "server/runs/step_assembler.h"
+#include "server/store/journal.h"
+#include "server/store/series.h"
+
+namespace gradwatch::runs {
+
+struct RunOptions {
+  std::chrono::nanoseconds assembly_timeout = std::chrono::seconds(30);
+  size_t max_pending_steps = 1024;
+  store::SeriesOptions series;
+  size_t max_params = 65536;
+  size_t max_series = 262144;
+  // A run with no open stream and no step for this long is ended (dropped from /metrics).
+  std::chrono::nanoseconds end_after = std::chrono::minutes(10);
+};
+
+// Where a run sends answers to a trainer's stream. Implemented by the ingest reactor; methods are
+// called with the run's mutex held, from ingest and journal threads, and must only queue.
+class StreamSink {
+ public:
+  virtual ~StreamSink() = default;
+  // Every step ≤ durable_step from this stream's rank is durable.
+  virtual void SendAck(uint64_t durable_step, uint64_t seq) = 0;
+  // An error not tied to the message being processed (late step, superseded stream).
+  virtual void SendError(const IngestError& error) = 0;
+  // Another stream took over this run and rank: finish this one.
+  virtual void Supersede() = 0;
+};
+
+struct AttachInfo {
+  bool has_durable_step = false;
+  uint64_t last_durable_step = 0;
+  bool has_received_step = false;
+  uint64_t last_received_step = 0;
+  bool created = false;  // this hello created the run
+};
+
+struct RunInfo {
+  std::string run_id;
+  bool ended = false;
+  uint32_t world_size = 1;
+  std::map<std::string, std::string> labels;
+  uint64_t step_count = 0;
+  uint64_t first_step = 0;
+  uint64_t last_step = 0;
+  double last_wall_time = 0;
+  uint32_t open_streams = 0;
+  double steps_per_second = 0;
+  uint64_t partial_steps = 0;
+  uint64_t nonfinite_count = 0;
+  uint64_t last_nonfinite_step = 0;
+  uint64_t client_dropped_steps = 0;
+};
+
+struct LatestSample {
+  std::string key;
+  uint64_t step = 0;
+  double value = 0;
+};
+
+// What /metrics needs of a run, copied under the lock.
+struct RunMetricsSnapshot {
+  RunInfo info;
+  std::optional<double> total_grad_norm, loss, z_loss, learning_rate;
+  struct Param {
+    std::string name;
+    std::string group;
+    std::array<std::optional<double>, kNormFields> norms;
+  };
+  std::vector<Param> params;
+};
+
+struct RunSummary {
+  RunInfo info;
+  RunConfig config;
+  std::vector<ParamInfo> params;
+  std::vector<LatestSample> latest;
+  std::vector<EventRecord> events;
+};
+
+class Run {
+ public:
+  // journal and stats may be null (tests). The run registers its fixed series on creation; when
+  // `journal_new` is true it journals the run, its catalog and series (a new run, not a restore).
+  Run(RunMeta meta, const RunOptions& options, store::Journal* journal, DaemonStats* stats,
+      const Clock* clock, bool journal_new);
+
+  Run(const Run&) = delete;
+  Run& operator=(const Run&) = delete;
+
+  const std::string& id() const { return id_; }
+
+  // Validates a Hello against the run (world size, catalog prefix), extends the catalog, and
+  // attaches `sink` to `rank` (a stream already attached there is superseded).
+  std::optional<IngestError> Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink,
+                                    AttachInfo* info);
+  // Detaches `sink` if it is still the one attached to `rank`.
+  void Detach(uint32_t rank, StreamSink* sink);
+
+  // Validates and adds one rank's step. An idempotent repeat that is already durable is acked
+  // through `sink` at once. Returns the error to send on the stream, if any.
+  std::optional<IngestError> AddStep(uint32_t rank, const RankStep& report, StreamSink* sink);
+
+  // Adds an event (from a trainer or an annotation).
+  std::optional<IngestError> AddEvent(EventRecord event);
+
+  // Completes steps whose assembly timed out; ends the run when idle long enough. Steps still
+  // pending at shutdown are not completed: they were never acked, so their ranks resend them.
+  void Tick();
+
+  // The journal committed progress for a rank of this run.
+  void OnDurable(const store::RankProgress& progress);
+
+  RunInfo Info() const;
+  RunMetricsSnapshot MetricsSnapshot() const;
+  RunSummary Summary() const;
+  // nullopt when the key is unknown.
+  std::optional<std::vector<store::Point>> QuerySeries(const std::string& key, uint64_t from_step,
+                                                       uint64_t to_step, size_t max_points) const;
+  size_t MemoryBytes() const;
+
+  // Restore from the journal (start-up, before any stream).
+  void RestoreSeries(SeriesId id, const std::string& key);
+  void RestoreProgress(const store::RankProgress& progress);
+  void RestoreStep(const CompletedStep& step);
+  void RestoreEvent(const EventRecord& event);
+  void RestoreEnded(bool ended);
+  // After the journal is loaded: maps the fixed and catalog series to their restored ids,
+  // creating (and journaling) any that are missing.
+  void FinishRestore();
+
+ private:
+  struct SeriesEntry {
+    std::string key;
+    std::unique_ptr<store::Series> data;
+  };
+  struct RankState {
+    StreamSink* sink = nullptr;
+    bool has_received = false;
+    uint64_t last_received = 0;
+    bool has_last_report = false;  // last_report holds the values of last_received
+    RankStep last_report;
+    bool has_durable = false;
+    uint64_t durable_step = 0;
+    uint64_t durable_seq = 0;
+  };
+
+  std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello) const;
+  std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params);
+  std::optional<IngestError> ValidateStepLocked(const RankStep& report);
+  RunInfo InfoLocked() const;
+  SeriesId SeriesForKeyLocked(const std::string& key, bool journal);
+  void CompleteLocked(const PendingStep& p);
+  void AppendLocked(const CompletedStep& step);
+  void JournalLocked(store::JournalRecord record);
+
+  const std::string id_;
+  const RunOptions options_;
+  store::Journal* const journal_;
+  DaemonStats* const stats_;
+  const Clock* const clock_;
+
+  mutable std::mutex mu_;
+  RunMeta meta_;
+  StepAssembler assembler_;
+  std::vector<SeriesEntry> series_;
+  std::unordered_map<std::string, SeriesId> series_by_key_;
+  std::vector<std::array<SeriesId, kNormFields>> param_series_;
+  std::array<SeriesId, 5> scalar_series_{};  // total grad, loss, z-loss, lr, tokens
+  std::vector<RankState> ranks_;
+  std::vector<EventRecord> events_;  // ordered by step
+  uint32_t open_streams_ = 0;
+  bool ended_ = false;
+  SteadyTime last_activity_;
+
+  uint64_t step_count_ = 0;
+  uint64_t first_step_ = 0;
+  uint64_t last_step_ = 0;
+  double last_wall_time_ = 0;
+  uint64_t partial_steps_ = 0;
+  uint64_t nonfinite_count_ = 0;
+  uint64_t last_nonfinite_step_ = 0;
+  uint64_t client_dropped_steps_ = 0;
+  // Recent (time, step) pairs for the speed estimate; time is trainer wall time when known.
+  static constexpr size_t kSpeedWindow = 64;
+  std::array<std::pair<double, uint64_t>, kSpeedWindow> speed_ring_{};
+  size_t speed_count_ = 0;
+
+  CompletedStep scratch_;             // reused for every completed step
+  std::vector<uint8_t> seen_scratch_;  // reused by ValidateStepLocked
+};
+
+}  // namespace gradwatch::runs

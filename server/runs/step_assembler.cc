@@ -1,0 +1,95 @@
+#include "server/runs/step_assembler.h"
+
+#include <algorithm>
+
+namespace gradwatch::runs {
+
+void PendingStep::Reset(uint64_t new_step, SteadyTime now, uint32_t world_size, size_t param_count) {
+  step = new_step;
+  first_seen = now;
+  wall_time = 0;
+  ranks_reported = 0;
+  partial = false;
+  rank_seen.assign(world_size, 0);
+  contributors.clear();
+  total_grad = {};
+  loss_sum = z_loss_sum = lr_sum = 0;
+  loss_n = z_loss_n = lr_n = 0;
+  tokens_sum = 0;
+  tokens_present = false;
+  param_sq.assign(param_count * kNormFields, 0.0);
+  param_present.assign(param_count * kNormFields, 0);
+  extra_used = 0;
+  client_dropped_steps = 0;
+}
+
+void PendingStep::Accumulate(uint32_t rank, const RankStep& r) {
+  rank_seen[rank] = 1;
+  ++ranks_reported;
+  contributors.emplace_back(rank, r.seq);
+  wall_time = std::max(wall_time, r.wall_time);
+  if (r.total_grad.present) {
+    total_grad.present = true;
+    total_grad.sq += r.total_grad.sq;
+  }
+  if (r.loss) loss_sum += *r.loss, ++loss_n;
+  if (r.z_loss) z_loss_sum += *r.z_loss, ++z_loss_n;
+  if (r.learning_rate) lr_sum += *r.learning_rate, ++lr_n;
+  if (r.tokens) tokens_sum += *r.tokens, tokens_present = true;
+  for (const ParamContribution& pc : r.params) {
+    const size_t base = static_cast<size_t>(pc.index) * kNormFields;
+    if (base + kNormFields > param_sq.size()) {  // the catalog grew after this step started
+      param_sq.resize(base + kNormFields, 0.0);
+      param_present.resize(base + kNormFields, 0);
+    }
+    for (int f = 0; f < kNormFields; ++f) {
+      if (!pc.norms[f].present) continue;
+      param_sq[base + f] += pc.norms[f].sq;
+      param_present[base + f] = 1;
+    }
+  }
+  for (const auto& [key, value] : r.extra) {
+    auto it = std::find_if(extra.begin(), extra.begin() + extra_used,
+                           [&](const Extra& e) { return e.key == key; });
+    if (it == extra.begin() + extra_used) {
+      if (extra_used == extra.size()) extra.emplace_back();
+      it = extra.begin() + extra_used++;
+      it->key = key;
+      it->sum = 0;
+      it->n = 0;
+    }
+    it->sum += value;
+    ++it->n;
+  }
+  client_dropped_steps += r.client_dropped_steps;
+}
+
+StepAssembler::StepAssembler(uint32_t world_size, std::chrono::nanoseconds timeout, size_t max_pending)
+    : world_size_(world_size), timeout_(timeout), max_pending_(std::max<size_t>(1, max_pending)) {}
+
+void StepAssembler::RestoreLastCompleted(uint64_t step) {
+  if (!has_completed_ || step > last_completed_step_) last_completed_step_ = step;
+  has_completed_ = true;
+}
+
+PendingStep* StepAssembler::FindOrInsert(uint64_t step, SteadyTime now) {
+  // Reports arrive nearly in order: search from the newest pending step.
+  auto it = pending_.end();
+  while (it != pending_.begin()) {
+    auto prev = std::prev(it);
+    if ((*prev)->step == step) return prev->get();
+    if ((*prev)->step < step) break;
+    it = prev;
+  }
+  std::unique_ptr<PendingStep> p;
+  if (!free_.empty()) {
+    p = std::move(free_.back());
+    free_.pop_back();
+  } else {
+    p = std::make_unique<PendingStep>();
+  }
+  p->Reset(step, now, world_size_, param_count_);
+  return pending_.insert(it, std::move(p))->get();
+}
+
+}  // namespace gradwatch::runs

@@ -1,0 +1,134 @@
+// Assembles one step of a run from the reports of its ranks. A step is complete when every rank
+// of the world has reported it; a step still waiting when a later step completes, or when the
+// assembly timeout passes, is completed as partial (ranks report steps in increasing order, so a
+// rank that reported a later step will never report the earlier one). Norms merge as the sum of
+// squared contributions.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server/core/clock.h"
+#include "server/core/types.h"
+
+namespace gradwatch::runs {
+
+// Sums of one step's reports so far. Buffers are reused across steps (allocation-free once warm).
+struct PendingStep {
+  uint64_t step = 0;
+  SteadyTime first_seen{};
+  double wall_time = 0;  // the latest wall time any rank reported
+  uint32_t ranks_reported = 0;
+  bool partial = false;  // set when completed without every rank
+  std::vector<uint8_t> rank_seen;                           // per rank
+  std::vector<std::pair<uint32_t, uint64_t>> contributors;  // (rank, seq)
+
+  NormContribution total_grad;  // summed squares
+  double loss_sum = 0, z_loss_sum = 0, lr_sum = 0;
+  uint32_t loss_n = 0, z_loss_n = 0, lr_n = 0;
+  uint64_t tokens_sum = 0;
+  bool tokens_present = false;
+  // Per catalog index × NormField: summed squares and whether any rank reported it.
+  std::vector<double> param_sq;
+  std::vector<uint8_t> param_present;
+  struct Extra {
+    std::string key;
+    double sum = 0;
+    uint32_t n = 0;
+  };
+  std::vector<Extra> extra;
+  size_t extra_used = 0;
+  uint64_t client_dropped_steps = 0;
+
+  void Reset(uint64_t step, SteadyTime now, uint32_t world_size, size_t param_count);
+  void Accumulate(uint32_t rank, const RankStep& report);
+};
+
+enum class AddResult {
+  kAccepted,   // the report was added (the step may have completed)
+  kDuplicate,  // this rank already reported this pending step
+  kLate,       // the step was already completed without this rank
+};
+
+class StepAssembler {
+ public:
+  // world_size ≥ 1; pending steps beyond max_pending complete the oldest as partial.
+  StepAssembler(uint32_t world_size, std::chrono::nanoseconds timeout, size_t max_pending = 1024);
+
+  // The catalog grew: later steps have room for param_count parameters.
+  void SetParamCount(size_t param_count) { param_count_ = param_count; }
+
+  // Adds one rank's report. Completed steps are passed to on_complete in step order, then recycled
+  // (on_complete must not keep the reference).
+  template <typename OnComplete>
+  AddResult Add(uint32_t rank, const RankStep& report, SteadyTime now, OnComplete&& on_complete);
+
+  // Completes (as partial) the steps whose first report is older than the timeout.
+  template <typename OnComplete>
+  void Expire(SteadyTime now, OnComplete&& on_complete);
+
+  size_t pending() const { return pending_.size(); }
+  bool has_completed() const { return has_completed_; }
+  uint64_t last_completed_step() const { return last_completed_step_; }
+  // Restores the high-water mark after a restart from the journal.
+  void RestoreLastCompleted(uint64_t step);
+
+ private:
+  PendingStep* FindOrInsert(uint64_t step, SteadyTime now);
+  template <typename OnComplete>
+  void CompleteFront(OnComplete& on_complete);
+
+  const uint32_t world_size_;
+  const std::chrono::nanoseconds timeout_;
+  const size_t max_pending_;
+  size_t param_count_ = 0;
+  std::deque<std::unique_ptr<PendingStep>> pending_;  // ordered by step
+  std::vector<std::unique_ptr<PendingStep>> free_;
+  bool has_completed_ = false;
+  uint64_t last_completed_step_ = 0;
+};
+
+template <typename OnComplete>
+void StepAssembler::CompleteFront(OnComplete& on_complete) {
+  std::unique_ptr<PendingStep> p = std::move(pending_.front());
+  pending_.pop_front();
+  p->partial = p->ranks_reported < world_size_;
+  has_completed_ = true;
+  last_completed_step_ = p->step;
+  on_complete(static_cast<const PendingStep&>(*p));
+  free_.push_back(std::move(p));
+}
+
+template <typename OnComplete>
+AddResult StepAssembler::Add(uint32_t rank, const RankStep& report, SteadyTime now,
+                             OnComplete&& on_complete) {
+  if (has_completed_ && report.step <= last_completed_step_) return AddResult::kLate;
+  PendingStep* p = FindOrInsert(report.step, now);
+  if (p->rank_seen[rank]) return AddResult::kDuplicate;
+  p->Accumulate(rank, report);
+  if (p->ranks_reported == world_size_) {
+    // Every step before it can no longer get reports: complete them (partial) and then it.
+    while (!pending_.empty() && pending_.front()->step <= report.step) CompleteFront(on_complete);
+  }
+  while (pending_.size() > max_pending_) CompleteFront(on_complete);
+  return AddResult::kAccepted;
+}
+
+template <typename OnComplete>
+void StepAssembler::Expire(SteadyTime now, OnComplete&& on_complete) {
+  // Steps are ordered by number, not by age; a step whose first report is old completes and
+  // takes every earlier step with it.
+  size_t last_expired = pending_.size();
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (now - pending_[i]->first_seen >= timeout_) last_expired = i;
+  }
+  if (last_expired == pending_.size()) return;
+  for (size_t i = 0; i <= last_expired; ++i) CompleteFront(on_complete);
+}
+
+}  // namespace gradwatch::runs

@@ -1,0 +1,819 @@
+#include "server/store/journal.h"
+
+#include <sqlite3.h>
+
+#include <algorithm>
+#include <bit>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+#include <string_view>
+#include <system_error>
+#include <type_traits>
+#include <utility>
+
+namespace gradwatch::store {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+constexpr int kSchemaVersion = 1;
+constexpr int kBusyTimeoutMs = 5000;
+// One (uint32 series id, float64 value) pair in a step's value blob.
+constexpr size_t kValueEntryBytes = 4 + 8;
+// A larger catalog index can only come from corruption; refuse it rather than allocate for it.
+constexpr int64_t kMaxParamIndex = 1 << 24;
+
+constexpr const char* kSchema = R"sql(
+CREATE TABLE IF NOT EXISTS runs(
+  run_id TEXT PRIMARY KEY,
+  world_size INTEGER NOT NULL,
+  labels_json TEXT NOT NULL,
+  config_json TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  ended_at REAL);
+CREATE TABLE IF NOT EXISTS params(
+  run_id TEXT NOT NULL,
+  idx INTEGER NOT NULL,
+  name TEXT NOT NULL,
+  numel INTEGER NOT NULL,
+  kind INTEGER NOT NULL,
+  weight_decay REAL NOT NULL,
+  init_norm REAL,
+  role TEXT NOT NULL,
+  grp TEXT NOT NULL,
+  PRIMARY KEY(run_id, idx));
+CREATE TABLE IF NOT EXISTS series(
+  run_id TEXT NOT NULL,
+  id INTEGER NOT NULL,
+  key TEXT NOT NULL,
+  PRIMARY KEY(run_id, id));
+CREATE TABLE IF NOT EXISTS steps(
+  run_id TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  wall_time REAL NOT NULL,
+  partial INTEGER NOT NULL,
+  ranks_reported INTEGER NOT NULL,
+  client_dropped INTEGER NOT NULL,
+  vals BLOB NOT NULL,
+  PRIMARY KEY(run_id, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rank_progress(
+  run_id TEXT NOT NULL,
+  rank INTEGER NOT NULL,
+  step INTEGER NOT NULL,
+  seq INTEGER NOT NULL,
+  PRIMARY KEY(run_id, rank));
+CREATE TABLE IF NOT EXISTS events(
+  id INTEGER PRIMARY KEY,
+  run_id TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  text TEXT NOT NULL,
+  source TEXT NOT NULL,
+  recorded_at REAL NOT NULL);
+PRAGMA user_version = 1;
+)sql";
+
+Status SqliteError(sqlite3* db, std::string_view what) {
+  return Status::IoError(std::string(what) + ": " + (db ? sqlite3_errmsg(db) : "out of memory"));
+}
+
+// Runs SQL that returns no rows we need.
+Status Exec(sqlite3* db, const char* sql) {
+  char* err = nullptr;
+  if (sqlite3_exec(db, sql, nullptr, nullptr, &err) != SQLITE_OK) {
+    std::string message = std::string("'") + sql + "': " + (err ? err : sqlite3_errmsg(db));
+    sqlite3_free(err);
+    return Status::IoError(std::move(message));
+  }
+  return Status::Ok();
+}
+
+// An owned prepared statement.
+class Stmt {
+ public:
+  Stmt() = default;
+  explicit Stmt(sqlite3_stmt* stmt) : stmt_(stmt) {}
+  Stmt(Stmt&& o) noexcept : stmt_(std::exchange(o.stmt_, nullptr)) {}
+  Stmt& operator=(Stmt&& o) noexcept {
+    std::swap(stmt_, o.stmt_);
+    return *this;
+  }
+  ~Stmt() { sqlite3_finalize(stmt_); }
+
+  sqlite3_stmt* get() const { return stmt_; }
+
+ private:
+  sqlite3_stmt* stmt_ = nullptr;
+};
+
+Status Prepare(sqlite3* db, const char* sql, bool persistent, Stmt& out) {
+  sqlite3_stmt* stmt = nullptr;
+  const unsigned flags = persistent ? SQLITE_PREPARE_PERSISTENT : 0;
+  if (sqlite3_prepare_v3(db, sql, -1, flags, &stmt, nullptr) != SQLITE_OK) {
+    sqlite3_finalize(stmt);
+    return SqliteError(db, std::string("preparing '") + sql + "'");
+  }
+  out = Stmt(stmt);
+  return Status::Ok();
+}
+
+// Resets the statement when a use of it ends, so that no statement stays active across a
+// COMMIT and bound text never outlives the record it points into.
+class StmtUse {
+ public:
+  explicit StmtUse(const Stmt& stmt) : stmt_(stmt.get()) {}
+  ~StmtUse() {
+    sqlite3_reset(stmt_);
+    sqlite3_clear_bindings(stmt_);
+  }
+  StmtUse(const StmtUse&) = delete;
+  StmtUse& operator=(const StmtUse&) = delete;
+
+  void Text(int i, const std::string& s) {
+    Check(sqlite3_bind_text(stmt_, i, s.data(), static_cast<int>(s.size()), SQLITE_STATIC));
+  }
+  void Int(int i, int64_t v) { Check(sqlite3_bind_int64(stmt_, i, v)); }
+  void Unsigned(int i, uint64_t v) { Int(i, static_cast<int64_t>(v)); }  // bit-preserving
+  void Real(int i, double v) { Check(sqlite3_bind_double(stmt_, i, v)); }
+  void Null(int i) { Check(sqlite3_bind_null(stmt_, i)); }
+  void Blob(int i, const std::string& b) {
+    Check(sqlite3_bind_blob(stmt_, i, b.data(), static_cast<int>(b.size()), SQLITE_STATIC));
+  }
+
+  // Steps a statement that returns no rows.
+  Status Done(std::string_view what) {
+    if (bind_rc_ != SQLITE_OK) return Error(what);
+    if (sqlite3_step(stmt_) != SQLITE_DONE) return Error(what);
+    return Status::Ok();
+  }
+  // Steps a query: true with a row, false at the end; an error sets *status.
+  bool Row(Status* status, std::string_view what) {
+    if (bind_rc_ != SQLITE_OK) {
+      *status = Error(what);
+      return false;
+    }
+    const int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc != SQLITE_DONE) *status = Error(what);
+    return false;
+  }
+
+  std::string ColText(int i) const {
+    const auto* p = reinterpret_cast<const char*>(sqlite3_column_text(stmt_, i));
+    return p ? std::string(p, static_cast<size_t>(sqlite3_column_bytes(stmt_, i))) : std::string();
+  }
+  std::string_view ColBlob(int i) const {
+    const auto* p = static_cast<const char*>(sqlite3_column_blob(stmt_, i));
+    return p ? std::string_view(p, static_cast<size_t>(sqlite3_column_bytes(stmt_, i)))
+             : std::string_view();
+  }
+  int64_t ColInt(int i) const { return sqlite3_column_int64(stmt_, i); }
+  uint64_t ColUnsigned(int i) const { return static_cast<uint64_t>(ColInt(i)); }
+  double ColReal(int i) const { return sqlite3_column_double(stmt_, i); }
+  bool ColNull(int i) const { return sqlite3_column_type(stmt_, i) == SQLITE_NULL; }
+
+ private:
+  void Check(int rc) {
+    if (bind_rc_ == SQLITE_OK) bind_rc_ = rc;
+  }
+  Status Error(std::string_view what) const {
+    return SqliteError(sqlite3_db_handle(stmt_), what);
+  }
+
+  sqlite3_stmt* stmt_;
+  int bind_rc_ = SQLITE_OK;
+};
+
+void PutLe(std::string& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+uint64_t GetLe(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= uint64_t{static_cast<unsigned char>(p[i])} << (8 * i);
+  return v;
+}
+
+// Bit copies, never arithmetic, so NaN payloads and infinities survive exactly.
+void EncodeValues(const std::vector<SeriesValue>& values, std::string& out) {
+  out.clear();
+  out.reserve(values.size() * kValueEntryBytes);
+  for (const SeriesValue& v : values) {
+    PutLe(out, v.id, 4);
+    PutLe(out, std::bit_cast<uint64_t>(v.value), 8);
+  }
+}
+
+bool DecodeValues(std::string_view blob, std::vector<SeriesValue>& out) {
+  if (blob.size() % kValueEntryBytes != 0) return false;
+  out.clear();
+  out.reserve(blob.size() / kValueEntryBytes);
+  for (size_t off = 0; off < blob.size(); off += kValueEntryBytes) {
+    const char* p = blob.data() + off;
+    out.push_back({static_cast<SeriesId>(GetLe(p, 4)), std::bit_cast<double>(GetLe(p + 4, 8))});
+  }
+  return true;
+}
+
+// nlohmann-json throws; these adapters turn every failure into a value. Invalid UTF-8 is
+// replaced rather than thrown on, so odd labels never cost a commit.
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+std::string LabelsJson(const std::map<std::string, std::string>& labels) {
+  try {
+    return Dump(json(labels));
+  } catch (const std::exception& e) {
+    spdlog::error("journal: encoding labels: {}", e.what());
+    return "{}";
+  }
+}
+
+std::string ConfigJson(const RunConfig& config) {
+  try {
+    json j = {{"hidden_size", config.hidden_size},
+              {"optimizer", config.optimizer},
+              {"extra", config.extra}};
+    if (config.z_loss_coef) j["z_loss_coef"] = *config.z_loss_coef;
+    if (config.weight_decay) j["weight_decay"] = *config.weight_decay;
+    return Dump(j);
+  } catch (const std::exception& e) {
+    spdlog::error("journal: encoding run config: {}", e.what());
+    return "{}";
+  }
+}
+
+bool ParseStringMap(const json& j, std::map<std::string, std::string>& out) {
+  if (!j.is_object()) return false;
+  for (const auto& [k, v] : j.items()) {
+    if (!v.is_string()) return false;
+    out[k] = v.get<std::string>();
+  }
+  return true;
+}
+
+// A non-finite number is written as JSON null; it reads back as absent.
+bool ParseOptionalDouble(const json& j, const char* key, std::optional<double>& out) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return true;
+  if (!it->is_number()) return false;
+  out = it->get<double>();
+  return true;
+}
+
+Status ParseLabels(const std::string& text, const std::string& run_id,
+                   std::map<std::string, std::string>& out) {
+  try {
+    const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded() && ParseStringMap(j, out)) return Status::Ok();
+  } catch (const std::exception&) {
+  }
+  return Status::Internal("journal: run '" + run_id + "': labels are not a JSON object of strings");
+}
+
+Status ParseConfig(const std::string& text, const std::string& run_id, RunConfig& out) {
+  try {
+    const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded() && j.is_object()) {
+      bool ok = true;
+      if (const auto it = j.find("hidden_size"); it != j.end()) {
+        ok = ok && it->is_number_unsigned();
+        if (ok) out.hidden_size = it->get<uint64_t>();
+      }
+      if (const auto it = j.find("optimizer"); it != j.end()) {
+        ok = ok && it->is_string();
+        if (ok) out.optimizer = it->get<std::string>();
+      }
+      if (const auto it = j.find("extra"); it != j.end()) {
+        ok = ok && ParseStringMap(*it, out.extra);
+      }
+      ok = ok && ParseOptionalDouble(j, "z_loss_coef", out.z_loss_coef);
+      ok = ok && ParseOptionalDouble(j, "weight_decay", out.weight_decay);
+      if (ok) return Status::Ok();
+    }
+  } catch (const std::exception&) {
+  }
+  return Status::Internal("journal: run '" + run_id + "': config is not valid JSON of the expected shape");
+}
+
+// Merges progress into one entry per (run, rank) holding the highest step and seq.
+void MergeProgress(const std::vector<RankProgress>& in,
+                   std::map<std::pair<std::string, uint32_t>, RankProgress>& merged) {
+  for (const RankProgress& p : in) {
+    auto [it, inserted] = merged.try_emplace({p.run_id, p.rank}, p);
+    if (!inserted) {
+      it->second.step = std::max(it->second.step, p.step);
+      it->second.seq = std::max(it->second.seq, p.seq);
+    }
+  }
+}
+
+// Ends a read or write transaction on scope exit unless it was committed.
+class Transaction {
+ public:
+  Transaction(sqlite3* db, const Stmt& rollback) : db_(db), rollback_(rollback) {}
+  ~Transaction() {
+    if (!open_) return;
+    StmtUse use(rollback_);
+    // A failed statement may already have rolled the transaction back; that is fine.
+    if (!use.Done("rollback").ok() && sqlite3_get_autocommit(db_) == 0) {
+      spdlog::error("journal: rollback failed: {}", sqlite3_errmsg(db_));
+    }
+  }
+  Transaction(const Transaction&) = delete;
+  Transaction& operator=(const Transaction&) = delete;
+
+  Status Begin(const Stmt& begin) {
+    StmtUse use(begin);
+    Status s = use.Done("journal: begin transaction");
+    open_ = s.ok();
+    return s;
+  }
+  Status Commit(const Stmt& commit) {
+    StmtUse use(commit);
+    Status s = use.Done("journal: commit");
+    if (s.ok()) open_ = false;
+    return s;
+  }
+
+ private:
+  sqlite3* db_;
+  const Stmt& rollback_;
+  bool open_ = false;
+};
+
+// Creates the schema on a new database and refuses one written by a newer version.
+Status SetUpSchema(sqlite3* db, const std::string& path) {
+  int64_t found = 0;
+  {
+    Stmt version;
+    if (Status s = Prepare(db, "PRAGMA user_version", false, version); !s.ok()) return s;
+    StmtUse use(version);
+    Status s;
+    if (!use.Row(&s, "journal: reading user_version")) {
+      return s.ok() ? Status::Internal("journal: PRAGMA user_version returned no row") : s;
+    }
+    found = use.ColInt(0);
+  }
+  if (found > kSchemaVersion) {
+    return Status::FailedPrecondition("journal '" + path + "' has schema version " +
+                                      std::to_string(found) + ", newer than the supported " +
+                                      std::to_string(kSchemaVersion));
+  }
+  if (found == kSchemaVersion) return Status::Ok();
+  if (Status s = Exec(db, "BEGIN IMMEDIATE"); !s.ok()) return s;
+  if (Status s = Exec(db, kSchema); !s.ok()) {
+    Exec(db, "ROLLBACK");
+    return s;
+  }
+  return Exec(db, "COMMIT");
+}
+
+}  // namespace
+
+struct Journal::Statements {
+  Stmt begin, commit, rollback;
+  Stmt insert_run, insert_param, insert_series, insert_step, upsert_progress, insert_event,
+      end_run;
+  std::string scratch;  // the value blob being written; reused to spare allocations
+
+  Status PrepareAll(sqlite3* db) {
+    const std::pair<Stmt*, const char*> all[] = {
+        {&begin, "BEGIN IMMEDIATE"},
+        {&commit, "COMMIT"},
+        {&rollback, "ROLLBACK"},
+        {&insert_run,
+         "INSERT OR REPLACE INTO runs(run_id, world_size, labels_json, config_json, created_at, "
+         "ended_at) VALUES(?1, ?2, ?3, ?4, ?5, NULL)"},
+        {&insert_param,
+         "INSERT OR REPLACE INTO params(run_id, idx, name, numel, kind, weight_decay, init_norm, "
+         "role, grp) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"},
+        // Replacing keeps a re-registered series from failing the whole batch.
+        {&insert_series, "INSERT OR REPLACE INTO series(run_id, id, key) VALUES(?1, ?2, ?3)"},
+        {&insert_step,
+         "INSERT OR REPLACE INTO steps(run_id, step, wall_time, partial, ranks_reported, "
+         "client_dropped, vals) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)"},
+        {&upsert_progress,
+         "INSERT INTO rank_progress(run_id, rank, step, seq) VALUES(?1, ?2, ?3, ?4) "
+         "ON CONFLICT(run_id, rank) DO UPDATE SET step = max(step, excluded.step), "
+         "seq = max(seq, excluded.seq)"},
+        {&insert_event,
+         "INSERT INTO events(run_id, step, text, source, recorded_at) VALUES(?1, ?2, ?3, ?4, ?5)"},
+        {&end_run, "UPDATE runs SET ended_at = ?2 WHERE run_id = ?1"},
+    };
+    for (const auto& [stmt, sql] : all) {
+      if (Status s = Prepare(db, sql, true, *stmt); !s.ok()) return s;
+    }
+    return Status::Ok();
+  }
+};
+
+StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
+                                                 CommitCallback on_commit) {
+  // SQLite's own message for a missing directory is only "unable to open database file".
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::path(options.path).parent_path();
+  if (!dir.empty() && !std::filesystem::is_directory(dir, ec)) {
+    return Status::IoError("cannot open journal '" + options.path + "': directory '" +
+                           dir.string() + "' does not exist");
+  }
+
+  sqlite3* db = nullptr;
+  const int rc = sqlite3_open_v2(options.path.c_str(), &db,
+                                 SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
+                                 nullptr);
+  // Closes the handle on every early return; the Journal takes it over on success.
+  std::unique_ptr<sqlite3, int (*)(sqlite3*)> owned(db, sqlite3_close);
+  if (rc != SQLITE_OK) return SqliteError(db, "cannot open journal '" + options.path + "'");
+  if (sqlite3_busy_timeout(db, kBusyTimeoutMs) != SQLITE_OK) {
+    return SqliteError(db, "journal: setting busy timeout");
+  }
+
+  {
+    Stmt mode;
+    if (Status s = Prepare(db, "PRAGMA journal_mode=WAL", false, mode); !s.ok()) return s;
+    StmtUse use(mode);
+    Status s;
+    if (!use.Row(&s, "journal: enabling WAL mode")) {
+      return s.ok() ? Status::Internal("journal: PRAGMA journal_mode returned no row") : s;
+    }
+    if (const std::string got = use.ColText(0); got != "wal") {
+      return Status::IoError("journal '" + options.path + "': cannot use WAL mode (got '" + got + "')");
+    }
+  }
+  // WAL with FULL fsyncs the log at every commit: an acked step survives a power cut.
+  if (Status s = Exec(db, "PRAGMA synchronous=FULL"); !s.ok()) return s;
+  if (Status s = SetUpSchema(db, options.path); !s.ok()) return s;
+
+  auto statements = std::make_unique<Statements>();
+  if (Status s = statements->PrepareAll(db); !s.ok()) return s;
+
+  JournalOptions normalized = options;
+  normalized.batch_max = std::max<size_t>(normalized.batch_max, 1);
+  std::unique_ptr<Journal> journal(
+      new Journal(std::move(normalized), std::move(on_commit), owned.release(), std::move(statements)));
+  try {
+    journal->thread_ = std::thread(&Journal::Run, journal.get());
+  } catch (const std::exception& e) {
+    return Status::ResourceExhausted(std::string("journal: cannot start writer thread: ") + e.what());
+  }
+  return journal;
+}
+
+Journal::Journal(JournalOptions options, CommitCallback on_commit, sqlite3* db,
+                 std::unique_ptr<Statements> statements)
+    : options_(std::move(options)),
+      on_commit_(std::move(on_commit)),
+      db_(db),
+      statements_(std::move(statements)) {}
+
+Journal::~Journal() { Stop(); }
+
+void Journal::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  std::lock_guard<std::mutex> stop_lock(stop_mu_);
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> db_lock(db_mu_);
+  if (db_ == nullptr) return;
+  statements_.reset();  // sqlite3_close refuses a connection with live statements
+  if (sqlite3_close(db_) != SQLITE_OK) {
+    spdlog::error("journal '{}': close failed: {}", options_.path, sqlite3_errmsg(db_));
+  }
+  db_ = nullptr;
+}
+
+bool Journal::Enqueue(JournalRecord record) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_ || queue_.size() >= options_.queue_max) return false;
+  queue_.push_back(std::move(record));
+  ++enqueued_;
+  // Waking the writer per record would cost a context switch each; it only needs to know that
+  // work arrived or that a batch is full.
+  if (queue_.size() == 1 || queue_.size() == options_.batch_max) cv_.notify_one();
+  return true;
+}
+
+Status Journal::Flush() {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t target = enqueued_;
+  const uint64_t failures_before = failed_commits_;
+  ++flush_waiters_;
+  cv_.notify_one();
+  flushed_cv_.wait(lock, [&] { return committed_ >= target; });
+  --flush_waiters_;
+  return failed_commits_ != failures_before ? last_failure_ : last_status_;
+}
+
+size_t Journal::queue_depth() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size();
+}
+
+uint64_t Journal::commit_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return commits_;
+}
+
+uint64_t Journal::failed_commit_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failed_commits_;
+}
+
+void Journal::Run() {
+  std::vector<JournalRecord> batch;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) break;  // stopping and drained
+    // Group commit: give companions a moment to arrive so one fsync covers many records.
+    const auto deadline = Clock::now() + options_.max_delay;
+    cv_.wait_until(lock, deadline, [&] {
+      return stopping_ || flush_waiters_ > 0 || queue_.size() >= options_.batch_max;
+    });
+    const size_t n = std::min(queue_.size(), options_.batch_max);
+    batch.clear();
+    batch.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      batch.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+    lock.unlock();
+
+    CommitReport report;
+    Status status = Commit(batch, report);
+    if (status.ok()) {
+      if (on_commit_) {
+        try {
+          on_commit_(report);
+        } catch (const std::exception& e) {
+          spdlog::error("journal: commit callback threw: {}", e.what());
+        } catch (...) {
+          spdlog::error("journal: commit callback threw");
+        }
+      }
+    } else {
+      spdlog::error("journal '{}': commit of {} records failed, they are lost: {}", options_.path,
+                    batch.size(), status.ToString());
+    }
+
+    lock.lock();
+    if (status.ok()) {
+      ++commits_;
+    } else {
+      ++failed_commits_;
+      last_failure_ = status;
+    }
+    last_status_ = std::move(status);
+    committed_ += batch.size();
+    flushed_cv_.notify_all();
+  }
+}
+
+Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) {
+  std::lock_guard<std::mutex> db_lock(db_mu_);
+  if (db_ == nullptr) return Status::FailedPrecondition("journal is closed");
+  const auto start = Clock::now();
+  Transaction txn(db_, statements_->rollback);
+  if (Status s = txn.Begin(statements_->begin); !s.ok()) return s;
+  std::map<std::pair<std::string, uint32_t>, RankProgress> progress;
+  for (const JournalRecord& record : batch) {
+    if (Status s = Apply(record); !s.ok()) return s;
+    if (const auto* step = std::get_if<StepJournalRecord>(&record)) {
+      MergeProgress(step->progress, progress);
+    }
+  }
+  if (Status s = txn.Commit(statements_->commit); !s.ok()) return s;
+  report.duration = Clock::now() - start;
+  report.records = batch.size();
+  report.progress.reserve(progress.size());
+  for (auto& [key, p] : progress) report.progress.push_back(std::move(p));
+  return Status::Ok();
+}
+
+Status Journal::Apply(const JournalRecord& record) {
+  Statements& st = *statements_;
+  return std::visit(
+      [&](const auto& r) -> Status {
+        using T = std::decay_t<decltype(r)>;
+        if constexpr (std::is_same_v<T, RunRecord>) {
+          StmtUse use(st.insert_run);
+          const std::string labels = LabelsJson(r.meta.labels);
+          const std::string config = ConfigJson(r.meta.config);
+          use.Text(1, r.meta.run_id);
+          use.Int(2, r.meta.world_size);
+          use.Text(3, labels);
+          use.Text(4, config);
+          use.Real(5, r.meta.created_at);
+          return use.Done("journal: writing run '" + r.meta.run_id + "'");
+        } else if constexpr (std::is_same_v<T, ParamsRecord>) {
+          for (size_t i = 0; i < r.params.size(); ++i) {
+            const ParamInfo& p = r.params[i];
+            StmtUse use(st.insert_param);
+            use.Text(1, r.run_id);
+            use.Int(2, int64_t{r.first_index} + static_cast<int64_t>(i));
+            use.Text(3, p.name);
+            use.Unsigned(4, p.numel);
+            use.Int(5, static_cast<int>(p.kind));
+            use.Real(6, p.weight_decay);
+            if (p.init_norm) {
+              use.Real(7, *p.init_norm);
+            } else {
+              use.Null(7);
+            }
+            use.Text(8, p.role);
+            use.Text(9, p.group);
+            if (Status s = use.Done("journal: writing parameter '" + p.name + "' of run '" +
+                                    r.run_id + "'");
+                !s.ok()) {
+              return s;
+            }
+          }
+          return Status::Ok();
+        } else if constexpr (std::is_same_v<T, SeriesRecord>) {
+          StmtUse use(st.insert_series);
+          use.Text(1, r.run_id);
+          use.Int(2, r.id);
+          use.Text(3, r.key);
+          return use.Done("journal: writing series '" + r.key + "' of run '" + r.run_id + "'");
+        } else if constexpr (std::is_same_v<T, StepJournalRecord>) {
+          {
+            StmtUse use(st.insert_step);
+            EncodeValues(r.step.values, st.scratch);
+            use.Text(1, r.run_id);
+            use.Unsigned(2, r.step.step);
+            use.Real(3, r.step.wall_time);
+            use.Int(4, r.step.partial ? 1 : 0);
+            use.Int(5, r.step.ranks_reported);
+            use.Unsigned(6, r.step.client_dropped_steps);
+            use.Blob(7, st.scratch);
+            if (Status s = use.Done("journal: writing step " + std::to_string(r.step.step) +
+                                    " of run '" + r.run_id + "'");
+                !s.ok()) {
+              return s;
+            }
+          }
+          for (const RankProgress& p : r.progress) {
+            StmtUse use(st.upsert_progress);
+            use.Text(1, p.run_id);
+            use.Int(2, p.rank);
+            use.Unsigned(3, p.step);
+            use.Unsigned(4, p.seq);
+            if (Status s = use.Done("journal: writing progress of rank " + std::to_string(p.rank) +
+                                    " of run '" + p.run_id + "'");
+                !s.ok()) {
+              return s;
+            }
+          }
+          return Status::Ok();
+        } else if constexpr (std::is_same_v<T, EventJournalRecord>) {
+          StmtUse use(st.insert_event);
+          use.Text(1, r.run_id);
+          use.Unsigned(2, r.event.step);
+          use.Text(3, r.event.text);
+          use.Text(4, r.event.source);
+          use.Real(5, r.event.recorded_at);
+          return use.Done("journal: writing event of run '" + r.run_id + "'");
+        } else {
+          static_assert(std::is_same_v<T, RunEndedRecord>);
+          StmtUse use(st.end_run);
+          use.Text(1, r.run_id);
+          if (r.ended_at == 0) {
+            use.Null(2);
+          } else {
+            use.Real(2, r.ended_at);
+          }
+          return use.Done("journal: ending run '" + r.run_id + "'");
+        }
+      },
+      record);
+}
+
+Status Journal::Load(JournalVisitor& visitor) {
+  std::lock_guard<std::mutex> db_lock(db_mu_);
+  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
+
+  Stmt begin, runs, params, series, progress, steps, events;
+  const std::pair<Stmt*, const char*> all[] = {
+      {&begin, "BEGIN"},
+      {&runs,
+       "SELECT run_id, world_size, labels_json, config_json, created_at, ended_at FROM runs "
+       "ORDER BY created_at, run_id"},
+      {&params,
+       "SELECT idx, name, numel, kind, weight_decay, init_norm, role, grp FROM params "
+       "WHERE run_id = ?1 ORDER BY idx"},
+      {&series, "SELECT id, key FROM series WHERE run_id = ?1 ORDER BY id"},
+      {&progress, "SELECT rank, step, seq FROM rank_progress WHERE run_id = ?1 ORDER BY rank"},
+      {&steps,
+       "SELECT run_id, step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
+       "ORDER BY run_id, step"},
+      {&events, "SELECT run_id, step, text, source, recorded_at FROM events ORDER BY id"},
+  };
+  for (const auto& [stmt, sql] : all) {
+    if (Status s = Prepare(db_, sql, false, *stmt); !s.ok()) return s;
+  }
+  // One read transaction, so every table is read from the same snapshot.
+  Transaction txn(db_, statements_->rollback);
+  if (Status s = txn.Begin(begin); !s.ok()) return s;
+
+  Status status;
+  StmtUse run_rows(runs);
+  while (run_rows.Row(&status, "journal: reading runs")) {
+    RunMeta meta;
+    meta.run_id = run_rows.ColText(0);
+    meta.world_size = static_cast<uint32_t>(run_rows.ColInt(1));
+    if (Status s = ParseLabels(run_rows.ColText(2), meta.run_id, meta.labels); !s.ok()) return s;
+    if (Status s = ParseConfig(run_rows.ColText(3), meta.run_id, meta.config); !s.ok()) return s;
+    meta.created_at = run_rows.ColReal(4);
+    const double ended_at = run_rows.ColNull(5) ? 0 : run_rows.ColReal(5);
+
+    {
+      StmtUse rows(params);
+      rows.Text(1, meta.run_id);
+      while (rows.Row(&status, "journal: reading parameters of run '" + meta.run_id + "'")) {
+        const int64_t idx = rows.ColInt(0);
+        if (idx < 0 || idx >= kMaxParamIndex) {
+          return Status::Internal("journal: run '" + meta.run_id + "': parameter index " +
+                                  std::to_string(idx) + " is out of range");
+        }
+        if (static_cast<size_t>(idx) > meta.params.size()) {
+          spdlog::warn("journal: run '{}': parameters {}..{} are missing; keeping their slots",
+                       meta.run_id, meta.params.size(), idx - 1);
+        }
+        meta.params.resize(std::max(meta.params.size(), static_cast<size_t>(idx) + 1));
+        ParamInfo& p = meta.params[static_cast<size_t>(idx)];
+        p.name = rows.ColText(1);
+        p.numel = rows.ColUnsigned(2);
+        p.kind = static_cast<ParamKind>(rows.ColInt(3));
+        p.weight_decay = rows.ColReal(4);
+        if (!rows.ColNull(5)) p.init_norm = rows.ColReal(5);
+        p.role = rows.ColText(6);
+        p.group = rows.ColText(7);
+      }
+      if (!status.ok()) return status;
+    }
+    visitor.OnRun(meta, ended_at);
+
+    {
+      StmtUse rows(series);
+      rows.Text(1, meta.run_id);
+      while (rows.Row(&status, "journal: reading series of run '" + meta.run_id + "'")) {
+        visitor.OnSeries(meta.run_id, static_cast<SeriesId>(rows.ColInt(0)), rows.ColText(1));
+      }
+      if (!status.ok()) return status;
+    }
+    {
+      StmtUse rows(progress);
+      rows.Text(1, meta.run_id);
+      while (rows.Row(&status, "journal: reading progress of run '" + meta.run_id + "'")) {
+        visitor.OnRankProgress(RankProgress{meta.run_id, static_cast<uint32_t>(rows.ColInt(0)),
+                                            rows.ColUnsigned(1), rows.ColUnsigned(2)});
+      }
+      if (!status.ok()) return status;
+    }
+  }
+  if (!status.ok()) return status;
+
+  {
+    StmtUse rows(steps);
+    CompletedStep step;
+    while (rows.Row(&status, "journal: reading steps")) {
+      const std::string run_id = rows.ColText(0);
+      step.step = rows.ColUnsigned(1);
+      step.wall_time = rows.ColReal(2);
+      step.partial = rows.ColInt(3) != 0;
+      step.ranks_reported = static_cast<uint32_t>(rows.ColInt(4));
+      step.client_dropped_steps = rows.ColUnsigned(5);
+      const std::string_view blob = rows.ColBlob(6);
+      if (!DecodeValues(blob, step.values)) {
+        return Status::Internal("journal: run '" + run_id + "' step " + std::to_string(step.step) +
+                                ": value blob of " + std::to_string(blob.size()) +
+                                " bytes is not a whole number of " +
+                                std::to_string(kValueEntryBytes) + "-byte entries");
+      }
+      visitor.OnStep(run_id, step);
+    }
+    if (!status.ok()) return status;
+  }
+  {
+    StmtUse rows(events);
+    while (rows.Row(&status, "journal: reading events")) {
+      EventRecord event;
+      event.step = rows.ColUnsigned(1);
+      event.text = rows.ColText(2);
+      event.source = rows.ColText(3);
+      event.recorded_at = rows.ColReal(4);
+      visitor.OnEvent(rows.ColText(0), event);
+    }
+    if (!status.ok()) return status;
+  }
+  return Status::Ok();
+}
+
+}  // namespace gradwatch::store

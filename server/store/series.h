@@ -1,0 +1,82 @@
+// In-memory series with bounded memory: the most recent points at full resolution, older ones
+// merged into buckets that keep min, max and mean so spikes survive downsampling.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace gradwatch::store {
+
+// Capacities below 2 are raised to 2.
+struct SeriesOptions {
+  // Points kept at full resolution (≥ 2).
+  size_t recent_points = 4096;
+  // Downsampled buckets kept for older history (≥ 2). When they are all used, adjacent buckets
+  // are merged pairwise (halving resolution) so the whole history stays within the bound.
+  size_t history_buckets = 1024;
+};
+
+// A point covers the steps [step, last_step]; at full resolution step == last_step, count == 1.
+struct Point {
+  uint64_t step = 0;
+  uint64_t last_step = 0;
+  double mean = 0;  // mean of the finite samples; NaN when none was finite
+  double min = 0;   // of the finite samples; NaN when none was finite
+  double max = 0;
+  uint32_t count = 0;      // samples covered
+  uint32_t nonfinite = 0;  // of which NaN or ±Inf
+  // The last sample's value (NaN/Inf kept as is); equals mean at full resolution.
+  double last = 0;
+};
+
+// Not thread-safe: the owner serialises access. Allocation-free in steady state: its buffers are
+// allocated once, at construction.
+class Series {
+ public:
+  explicit Series(const SeriesOptions& options = {});
+
+  // Appends a sample. Steps must strictly increase: returns false and keeps nothing otherwise.
+  // NaN and ±Inf are kept (counted in `nonfinite`).
+  bool Append(uint64_t step, double value);
+
+  // The newest sample, if any.
+  std::optional<Point> Latest() const;
+
+  // Points overlapping [from_step, to_step], oldest first: history buckets, then recent points.
+  // With max_points > 0 the result is merged into at most max_points points: the matching points
+  // are split into max_points runs of (nearly) equal length and each run is combined by MergeInto,
+  // so a one-step spike keeps its min/max. Empty when from_step > to_step.
+  std::vector<Point> Query(uint64_t from_step, uint64_t to_step, size_t max_points = 0) const;
+
+  // Samples ever appended (not only those kept at full resolution).
+  uint64_t sample_count() const { return sample_count_; }
+  // Bytes this series holds (fixed after construction).
+  size_t MemoryBytes() const;
+
+ private:
+  // Merges a point evicted from recent_ into the newest history bucket, or opens a new one.
+  void PushHistory(const Point& evicted);
+  // Merges adjacent history buckets pairwise and doubles bucket_width_.
+  void CompactHistory();
+
+  SeriesOptions options_;
+  std::vector<Point> recent_;   // ring buffer, capacity options_.recent_points
+  size_t recent_start_ = 0;     // index of the oldest
+  size_t recent_size_ = 0;
+  // Buckets, oldest first, capacity options_.history_buckets. It only grows at the end and is
+  // compacted in place, so unlike recent_ it needs no ring offset.
+  std::vector<Point> history_;
+  size_t history_size_ = 0;
+  uint64_t bucket_width_ = 1;   // samples per history bucket
+  uint64_t sample_count_ = 0;
+  uint64_t last_step_ = 0;
+};
+
+// Combines b (later) into a (earlier): a covers [a.step, b.last_step] afterwards; counts add,
+// mean is weighted by finite counts, min/max ignore non-finite samples, last becomes b.last.
+// A point with count 0 is treated as empty.
+void MergeInto(Point& a, const Point& b);
+
+}  // namespace gradwatch::store

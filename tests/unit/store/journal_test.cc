@@ -1,0 +1,529 @@
+#include <catch2/catch.hpp>
+#include <sqlite3.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "server/core/types.h"
+#include "server/store/journal.h"
+
+using namespace gradwatch;
+using namespace gradwatch::store;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fresh directory per test, removed with everything in it at the end.
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    std::random_device rd;
+    path_ = fs::temp_directory_path() /
+            ("gradwatch_journal_test_" + std::to_string(::getpid()) + "_" +
+             std::to_string(counter++) + "_" + std::to_string(rd()));
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+  std::string db() const { return (path_ / "journal.db").string(); }
+
+ private:
+  fs::path path_;
+};
+
+// Collects what Load hands out, in order.
+struct Recorder : JournalVisitor {
+  struct Run {
+    RunMeta meta;
+    double ended_at;
+  };
+  struct Series {
+    std::string run_id;
+    SeriesId id;
+    std::string key;
+  };
+  struct Step {
+    std::string run_id;
+    CompletedStep step;
+  };
+  struct Event {
+    std::string run_id;
+    EventRecord event;
+  };
+  std::vector<Run> runs;
+  std::vector<Series> series;
+  std::vector<RankProgress> progress;
+  std::vector<Step> steps;
+  std::vector<Event> events;
+  std::vector<std::string> order;  // "run:a", "series:a", "progress:a", "step:a", "event:a"
+
+  void OnRun(const RunMeta& meta, double ended_at) override {
+    runs.push_back({meta, ended_at});
+    order.push_back("run:" + meta.run_id);
+  }
+  void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) override {
+    series.push_back({run_id, id, key});
+    order.push_back("series:" + run_id);
+  }
+  void OnRankProgress(const RankProgress& p) override {
+    progress.push_back(p);
+    order.push_back("progress:" + p.run_id);
+  }
+  void OnStep(const std::string& run_id, const CompletedStep& step) override {
+    steps.push_back({run_id, step});
+    order.push_back("step:" + run_id);
+  }
+  void OnEvent(const std::string& run_id, const EventRecord& event) override {
+    events.push_back({run_id, event});
+    order.push_back("event:" + run_id);
+  }
+};
+
+std::unique_ptr<Journal> OpenOrFail(const JournalOptions& options,
+                                    Journal::CommitCallback on_commit = nullptr) {
+  auto journal = Journal::Open(options, std::move(on_commit));
+  INFO(journal.status().ToString());
+  REQUIRE(journal.ok());
+  return std::move(journal).value();
+}
+
+Recorder LoadFrom(const std::string& path) {
+  auto journal = OpenOrFail({.path = path});
+  Recorder recorder;
+  const Status s = journal->Load(recorder);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  return recorder;
+}
+
+StepJournalRecord MakeStep(const std::string& run_id, uint64_t step, std::vector<SeriesValue> values,
+                           std::vector<RankProgress> progress = {}) {
+  StepJournalRecord r;
+  r.run_id = run_id;
+  r.step.step = step;
+  r.step.wall_time = 1.7e9 + static_cast<double>(step);
+  r.step.ranks_reported = 2;
+  r.step.values = std::move(values);
+  r.progress = std::move(progress);
+  return r;
+}
+
+uint64_t Bits(double v) { return std::bit_cast<uint64_t>(v); }
+
+// A second connection, as another process would see the database.
+class RawDb {
+ public:
+  explicit RawDb(const std::string& path) {
+    REQUIRE(sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE, nullptr) == SQLITE_OK);
+    sqlite3_busy_timeout(db_, 5000);
+  }
+  ~RawDb() { sqlite3_close(db_); }
+  void Exec(const std::string& sql) {
+    char* err = nullptr;
+    const int rc = sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &err);
+    INFO((err ? err : ""));
+    sqlite3_free(err);
+    REQUIRE(rc == SQLITE_OK);
+  }
+  // The first column of the first row as text; empty without a row.
+  std::string Query(const std::string& sql) {
+    sqlite3_stmt* stmt = nullptr;
+    REQUIRE(sqlite3_prepare_v2(db_, sql.c_str(), -1, &stmt, nullptr) == SQLITE_OK);
+    std::string out;
+    if (sqlite3_step(stmt) == SQLITE_ROW) {
+      const auto* text = sqlite3_column_text(stmt, 0);
+      if (text) out = reinterpret_cast<const char*>(text);
+    }
+    sqlite3_finalize(stmt);
+    return out;
+  }
+
+ private:
+  sqlite3* db_ = nullptr;
+};
+
+// Counts stored steps on a connection of its own; -1 on error. Free of Catch2 macros, which
+// must not run on the journal's thread.
+int64_t CountStepsOutside(const std::string& path) {
+  sqlite3* db = nullptr;
+  sqlite3_stmt* stmt = nullptr;
+  int64_t count = -1;
+  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK &&
+      sqlite3_prepare_v2(db, "SELECT count(*) FROM steps", -1, &stmt, nullptr) == SQLITE_OK &&
+      sqlite3_step(stmt) == SQLITE_ROW) {
+    count = sqlite3_column_int64(stmt, 0);
+  }
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+  return count;
+}
+
+}  // namespace
+
+TEST_CASE("journal round-trips runs, catalogs, series, steps, events and progress through reopen",
+          "[store]") {
+  TempDir dir;
+  const double kNaN = std::numeric_limits<double>::quiet_NaN();
+  const double kPayloadNaN = std::bit_cast<double>(uint64_t{0x7ff8dead'beef0001});
+  const double kInf = std::numeric_limits<double>::infinity();
+
+  RunMeta moe;
+  moe.run_id = "moe-6144";
+  moe.world_size = 64;
+  moe.labels = {{"team", "pretrain"}, {"cluster", "a3"}};
+  moe.config.hidden_size = 6144;
+  moe.config.z_loss_coef = 1e-4;
+  moe.config.optimizer = "adamw";
+  moe.config.weight_decay = 0.1;
+  moe.config.extra = {{"routing", "dropless"}};
+  moe.created_at = 1'700'000'000.5;
+
+  RunMeta small;
+  small.run_id = "small";
+  small.config.optimizer = "sgd";
+  small.created_at = 1'700'000'100.0;
+
+  std::vector<ParamInfo> params(2);
+  params[0].name = "final_norm.weight";
+  params[0].numel = 6144;
+  params[0].kind = ParamKind::kNormGain;
+  params[0].init_norm = std::sqrt(6144.0);
+  params[0].role = "final_norm";
+  params[1].name = "lm_head.weight";
+  params[1].numel = 788'000'000;
+  params[1].kind = ParamKind::kOutput;
+  params[1].weight_decay = 0.1;
+  params[1].group = "head";
+
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    // Enqueued out of creation order: Load orders runs by created_at.
+    REQUIRE(journal->Enqueue(RunRecord{small}));
+    REQUIRE(journal->Enqueue(RunRecord{moe}));
+    REQUIRE(journal->Enqueue(ParamsRecord{"moe-6144", 0, {params[0]}}));
+    REQUIRE(journal->Enqueue(ParamsRecord{"moe-6144", 1, {params[1]}}));
+    REQUIRE(journal->Enqueue(SeriesRecord{"moe-6144", 0, "grad/norm/total"}));
+    REQUIRE(journal->Enqueue(SeriesRecord{"moe-6144", 1, "params/norm/final_norm.weight"}));
+    REQUIRE(journal->Enqueue(SeriesRecord{"small", 0, "train/loss"}));
+    REQUIRE(journal->Enqueue(MakeStep("moe-6144", 81716, {{0, 0.59}, {1, 360.25}},
+                                      {{"moe-6144", 0, 81716, 900}, {"moe-6144", 1, 81716, 901}})));
+    StepJournalRecord odd = MakeStep("moe-6144", 81717, {{0, kNaN}, {1, kInf}, {2, -kInf}, {3, kPayloadNaN}});
+    odd.step.partial = true;
+    odd.step.client_dropped_steps = 3;
+    REQUIRE(journal->Enqueue(odd));
+    REQUIRE(journal->Enqueue(MakeStep("small", 1, {})));
+    REQUIRE(journal->Enqueue(EventJournalRecord{"moe-6144", {81716, "dropless EP on", "trainer", 1.7e9}}));
+    REQUIRE(journal->Enqueue(EventJournalRecord{"small", {1, "note", "annotate", 1.8e9}}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"small", 1'700'000'200.0}));
+    REQUIRE(journal->Flush().ok());
+    journal->Stop();
+  }
+
+  const Recorder got = LoadFrom(dir.db());
+
+  CHECK(got.order == std::vector<std::string>{
+                         "run:moe-6144", "series:moe-6144", "series:moe-6144",
+                         "progress:moe-6144", "progress:moe-6144", "run:small", "series:small",
+                         "step:moe-6144", "step:moe-6144", "step:small", "event:moe-6144",
+                         "event:small"});
+
+  REQUIRE(got.runs.size() == 2);
+  const RunMeta& loaded = got.runs[0].meta;
+  CHECK(loaded.run_id == moe.run_id);
+  CHECK(loaded.world_size == 64);
+  CHECK(loaded.labels == moe.labels);
+  CHECK(loaded.config == moe.config);
+  CHECK(loaded.created_at == moe.created_at);
+  CHECK(loaded.params == params);
+  CHECK(got.runs[0].ended_at == 0);
+  CHECK(got.runs[0].meta.params[0].init_norm.has_value());
+  CHECK_FALSE(got.runs[0].meta.params[1].init_norm.has_value());
+  CHECK(got.runs[1].meta.run_id == "small");
+  CHECK_FALSE(got.runs[1].meta.config.z_loss_coef.has_value());
+  CHECK_FALSE(got.runs[1].meta.config.weight_decay.has_value());
+  CHECK(got.runs[1].meta.params.empty());
+  CHECK(got.runs[1].ended_at == 1'700'000'200.0);
+
+  REQUIRE(got.series.size() == 3);
+  CHECK(got.series[1].id == 1);
+  CHECK(got.series[1].key == "params/norm/final_norm.weight");
+
+  REQUIRE(got.progress.size() == 2);
+  CHECK(got.progress[1].rank == 1);
+  CHECK(got.progress[1].step == 81716);
+  CHECK(got.progress[1].seq == 901);
+
+  REQUIRE(got.steps.size() == 3);
+  const CompletedStep& first = got.steps[0].step;
+  CHECK(first.step == 81716);
+  CHECK(first.wall_time == 1.7e9 + 81716);
+  CHECK_FALSE(first.partial);
+  CHECK(first.ranks_reported == 2);
+  REQUIRE(first.values.size() == 2);
+  CHECK(first.values[1].id == 1);
+  CHECK(first.values[1].value == 360.25);
+
+  const CompletedStep& second = got.steps[1].step;
+  CHECK(second.partial);
+  CHECK(second.client_dropped_steps == 3);
+  REQUIRE(second.values.size() == 4);
+  CHECK(Bits(second.values[0].value) == Bits(kNaN));
+  CHECK(Bits(second.values[1].value) == Bits(kInf));
+  CHECK(Bits(second.values[2].value) == Bits(-kInf));
+  CHECK(Bits(second.values[3].value) == Bits(kPayloadNaN));
+  CHECK(second.values[3].id == 3);
+  CHECK(got.steps[2].step.values.empty());
+
+  REQUIRE(got.events.size() == 2);
+  CHECK(got.events[0].event.text == "dropless EP on");
+  CHECK(got.events[0].event.step == 81716);
+  CHECK(got.events[0].event.source == "trainer");
+  CHECK(got.events[1].event.recorded_at == 1.8e9);
+}
+
+TEST_CASE("ending a run with ended_at 0 marks it active again", "[store]") {
+  TempDir dir;
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    RunMeta meta;
+    meta.run_id = "r";
+    REQUIRE(journal->Enqueue(RunRecord{meta}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"r", 5.0}));
+    REQUIRE(journal->Flush().ok());
+    Recorder ended;
+    REQUIRE(journal->Load(ended).ok());
+    REQUIRE(ended.runs.size() == 1);
+    CHECK(ended.runs[0].ended_at == 5.0);
+    REQUIRE(journal->Enqueue(RunEndedRecord{"r", 0}));
+    REQUIRE(journal->Flush().ok());
+  }
+  const Recorder got = LoadFrom(dir.db());
+  REQUIRE(got.runs.size() == 1);
+  CHECK(got.runs[0].ended_at == 0);
+}
+
+TEST_CASE("progress is reported after commit, merged to one entry per run and rank", "[store]") {
+  TempDir dir;
+  std::mutex mu;
+  std::vector<CommitReport> reports;
+  std::vector<int64_t> visible_in_callback;
+  // A long window holds the records together until Flush cuts it short.
+  JournalOptions options{.path = dir.db(), .max_delay = std::chrono::seconds(5)};
+  auto journal = OpenOrFail(options, [&](const CommitReport& report) {
+    // What another connection sees at callback time is what the commit made durable.
+    const int64_t visible = CountStepsOutside(dir.db());
+    std::lock_guard<std::mutex> lock(mu);
+    visible_in_callback.push_back(visible);
+    reports.push_back(report);
+  });
+
+  REQUIRE(journal->Enqueue(MakeStep("a", 1, {{0, 1.0}}, {{"a", 0, 1, 10}, {"a", 1, 1, 11}})));
+  REQUIRE(journal->Enqueue(MakeStep("a", 2, {{0, 2.0}}, {{"a", 0, 2, 20}, {"a", 1, 2, 21}})));
+  REQUIRE(journal->Enqueue(MakeStep("a", 3, {{0, 3.0}}, {{"a", 0, 3, 30}})));
+  REQUIRE(journal->Enqueue(MakeStep("b", 7, {{0, 3.0}}, {{"b", 0, 7, 70}})));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    CHECK(reports.empty());  // nothing is durable before its commit
+  }
+  REQUIRE(journal->Flush().ok());
+
+  std::lock_guard<std::mutex> lock(mu);
+  REQUIRE(reports.size() == 1);
+  CHECK(visible_in_callback[0] == 4);
+  CHECK(reports[0].records == 4);
+  CHECK(reports[0].duration.count() >= 0);
+  const auto& p = reports[0].progress;
+  REQUIRE(p.size() == 3);
+  CHECK((p[0].run_id == "a" && p[0].rank == 0 && p[0].step == 3 && p[0].seq == 30));
+  CHECK((p[1].run_id == "a" && p[1].rank == 1 && p[1].step == 2 && p[1].seq == 21));
+  CHECK((p[2].run_id == "b" && p[2].rank == 0 && p[2].step == 7 && p[2].seq == 70));
+}
+
+TEST_CASE("stored rank progress never moves backwards", "[store]") {
+  TempDir dir;
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    RunMeta meta;
+    meta.run_id = "a";
+    REQUIRE(journal->Enqueue(RunRecord{meta}));
+    REQUIRE(journal->Enqueue(MakeStep("a", 10, {}, {{"a", 0, 10, 100}})));
+    REQUIRE(journal->Flush().ok());
+    // An older step re-completed later (a late rank) must not rewind rank 0's progress.
+    REQUIRE(journal->Enqueue(MakeStep("a", 5, {}, {{"a", 0, 5, 50}, {"a", 1, 5, 51}})));
+    REQUIRE(journal->Flush().ok());
+  }
+  const Recorder got = LoadFrom(dir.db());
+  REQUIRE(got.progress.size() == 2);
+  CHECK(got.progress[0].rank == 0);
+  CHECK(got.progress[0].step == 10);
+  CHECK(got.progress[0].seq == 100);
+  CHECK(got.progress[1].rank == 1);
+  CHECK(got.progress[1].step == 5);
+  CHECK(got.progress[1].seq == 51);
+}
+
+TEST_CASE("group commit puts many records in few transactions", "[store]") {
+  TempDir dir;
+  std::atomic<size_t> reported{0};
+  auto journal = OpenOrFail({.path = dir.db()}, [&](const CommitReport& report) {
+    reported += report.records;
+  });
+  constexpr uint64_t kSteps = 10'000;
+  for (uint64_t s = 0; s < kSteps; ++s) {
+    REQUIRE(journal->Enqueue(MakeStep("run", s, {{0, static_cast<double>(s)}}, {{"run", 0, s, s}})));
+  }
+  REQUIRE(journal->Flush().ok());
+  CHECK(journal->queue_depth() == 0);
+  CHECK(reported == kSteps);
+  CHECK(journal->commit_count() >= 1);
+  CHECK(journal->commit_count() < kSteps / 10);
+  CHECK(journal->failed_commit_count() == 0);
+  journal->Stop();
+
+  RawDb raw(dir.db());
+  CHECK(raw.Query("SELECT count(*) FROM steps") == std::to_string(kSteps));
+  CHECK(raw.Query("SELECT step FROM rank_progress WHERE run_id = 'run' AND rank = 0") == "9999");
+}
+
+TEST_CASE("enqueue after stop is refused and flush still returns", "[store]") {
+  TempDir dir;
+  auto journal = OpenOrFail({.path = dir.db()});
+  REQUIRE(journal->Enqueue(MakeStep("a", 1, {{0, 1.0}})));
+  journal->Stop();
+  journal->Stop();  // idempotent
+  CHECK_FALSE(journal->Enqueue(MakeStep("a", 2, {{0, 2.0}})));
+  CHECK(journal->Flush().ok());
+  Recorder recorder;
+  CHECK(journal->Load(recorder).code() == StatusCode::kFailedPrecondition);
+  // Stop committed what was queued before it.
+  RawDb raw(dir.db());
+  CHECK(raw.Query("SELECT count(*) FROM steps") == "1");
+}
+
+TEST_CASE("enqueue beyond queue_max is refused", "[store]") {
+  TempDir dir;
+  // The long window keeps the queued records waiting, so the queue fills.
+  auto journal = OpenOrFail({.path = dir.db(), .max_delay = std::chrono::seconds(5), .queue_max = 2});
+  CHECK(journal->Enqueue(MakeStep("a", 1, {})));
+  CHECK(journal->Enqueue(MakeStep("a", 2, {})));
+  CHECK_FALSE(journal->Enqueue(MakeStep("a", 3, {})));
+  REQUIRE(journal->Flush().ok());
+  CHECK(journal->Enqueue(MakeStep("a", 3, {})));
+}
+
+TEST_CASE("a re-completed step replaces the stored one", "[store]") {
+  TempDir dir;
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    REQUIRE(journal->Enqueue(MakeStep("a", 5, {{0, 1.0}})));
+    REQUIRE(journal->Flush().ok());
+    StepJournalRecord again = MakeStep("a", 5, {{0, 2.0}, {1, 3.0}});
+    again.step.ranks_reported = 4;
+    REQUIRE(journal->Enqueue(again));
+    REQUIRE(journal->Flush().ok());
+  }
+  const Recorder got = LoadFrom(dir.db());
+  REQUIRE(got.steps.size() == 1);
+  CHECK(got.steps[0].step.ranks_reported == 4);
+  REQUIRE(got.steps[0].step.values.size() == 2);
+  CHECK(got.steps[0].step.values[0].value == 2.0);
+}
+
+TEST_CASE("opening a journal in a missing directory fails with a clear message", "[store]") {
+  TempDir dir;
+  const std::string path = (dir.path() / "no" / "such" / "dir" / "journal.db").string();
+  auto journal = Journal::Open({.path = path}, nullptr);
+  REQUIRE_FALSE(journal.ok());
+  CHECK(journal.status().code() == StatusCode::kIoError);
+  CHECK_THAT(journal.status().message(), Catch::Contains(path));
+  CHECK_THAT(journal.status().message(), Catch::Contains("does not exist"));
+}
+
+TEST_CASE("the journal runs in WAL mode", "[store]") {
+  TempDir dir;
+  auto journal = OpenOrFail({.path = dir.db()});
+  REQUIRE(journal->Enqueue(MakeStep("a", 1, {})));
+  REQUIRE(journal->Flush().ok());
+  CHECK(fs::exists(dir.db() + "-wal"));
+  RawDb raw(dir.db());
+  CHECK(raw.Query("PRAGMA journal_mode") == "wal");
+  CHECK(raw.Query("PRAGMA user_version") == "1");
+}
+
+TEST_CASE("a failed commit is counted, reported by Flush, and its progress not acked", "[store]") {
+  TempDir dir;
+  std::mutex mu;
+  std::vector<RankProgress> acked;
+  auto journal = OpenOrFail({.path = dir.db()}, [&](const CommitReport& report) {
+    std::lock_guard<std::mutex> lock(mu);
+    acked.insert(acked.end(), report.progress.begin(), report.progress.end());
+  });
+  {
+    // Fault injection from outside: step 13 cannot be written.
+    RawDb raw(dir.db());
+    raw.Exec(
+        "CREATE TRIGGER fail_13 BEFORE INSERT ON steps WHEN NEW.step = 13 "
+        "BEGIN SELECT RAISE(ABORT, 'injected fault'); END");
+  }
+  REQUIRE(journal->Enqueue(MakeStep("a", 13, {{0, 1.0}}, {{"a", 0, 13, 130}})));
+  const Status failed = journal->Flush();
+  CHECK_FALSE(failed.ok());
+  CHECK_THAT(failed.message(), Catch::Contains("injected fault"));
+  CHECK(journal->failed_commit_count() == 1);
+  CHECK(journal->commit_count() == 0);
+
+  REQUIRE(journal->Enqueue(MakeStep("a", 14, {{0, 1.0}}, {{"a", 0, 14, 140}})));
+  CHECK(journal->Flush().ok());
+  CHECK(journal->commit_count() == 1);
+  std::lock_guard<std::mutex> lock(mu);
+  REQUIRE(acked.size() == 1);
+  CHECK(acked[0].step == 14);
+}
+
+TEST_CASE("a corrupt value blob fails Load with an error naming run and step", "[store]") {
+  TempDir dir;
+  auto journal = OpenOrFail({.path = dir.db()});
+  REQUIRE(journal->Enqueue(MakeStep("bad-run", 42, {{0, 1.0}})));
+  REQUIRE(journal->Flush().ok());
+  {
+    RawDb raw(dir.db());
+    raw.Exec("UPDATE steps SET vals = x'0102030405' WHERE step = 42");
+  }
+  Recorder recorder;
+  const Status s = journal->Load(recorder);
+  CHECK(s.code() == StatusCode::kInternal);
+  CHECK_THAT(s.message(), Catch::Contains("bad-run") && Catch::Contains("42"));
+}
+
+TEST_CASE("corrupt run JSON fails Load with an error naming the run", "[store]") {
+  TempDir dir;
+  auto journal = OpenOrFail({.path = dir.db()});
+  RunMeta meta;
+  meta.run_id = "json-run";
+  REQUIRE(journal->Enqueue(RunRecord{meta}));
+  REQUIRE(journal->Flush().ok());
+  {
+    RawDb raw(dir.db());
+    raw.Exec("UPDATE runs SET config_json = '{\"hidden_size\": ' WHERE run_id = 'json-run'");
+  }
+  Recorder recorder;
+  const Status s = journal->Load(recorder);
+  CHECK(s.code() == StatusCode::kInternal);
+  CHECK_THAT(s.message(), Catch::Contains("json-run"));
+  CHECK(recorder.runs.empty());
+}
