@@ -1,0 +1,260 @@
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "client/lib/monitor.h"
+#include "tests/unit/client/fake_daemon.h"
+
+using gradwatch::client::Monitor;
+using gradwatch::client::MonitorOptions;
+using gradwatch::testing::FakeIngest;
+using gradwatch::testing::FakeServer;
+using namespace std::chrono_literals;
+namespace v1 = gradwatch::v1;
+
+namespace {
+
+MonitorOptions Options(const std::string& address) {
+  MonitorOptions o;
+  o.address = address;
+  o.hello.set_run_id("unit-run");
+  o.hello.set_world_size(1);
+  auto* p = o.hello.add_params();
+  p->set_name("final_norm.weight");
+  p->set_kind(v1::PARAM_KIND_NORM_GAIN);
+  o.initial_backoff = 20ms;
+  o.max_backoff = 200ms;
+  o.close_grace = 200ms;
+  return o;
+}
+
+v1::StepStats Step(uint64_t n) {
+  v1::StepStats s;
+  s.set_step(n);
+  s.set_loss(2.0);
+  auto* p = s.add_params();
+  p->set_index(0);
+  p->mutable_param()->set_norm(78.4 + static_cast<double>(n));
+  return s;
+}
+
+std::vector<uint64_t> Range(uint64_t first, uint64_t last) {
+  std::vector<uint64_t> v;
+  for (uint64_t n = first; n <= last; ++n) v.push_back(n);
+  return v;
+}
+
+// A port nothing listens on: bind a server, note its port, shut it down.
+int UnusedPort() {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  return server.port();
+}
+
+}  // namespace
+
+TEST_CASE("monitor sends hello then steps in order and flush waits for durable acks",
+          "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  REQUIRE(server.ok());
+  Monitor monitor(Options(server.address()));
+  monitor.Start();
+  for (uint64_t n = 1; n <= 100; ++n) REQUIRE(monitor.Log(Step(n)));
+  REQUIRE(monitor.Flush(10s));
+
+  const auto messages = ingest.Messages();
+  REQUIRE(messages.size() == 101);
+  REQUIRE(messages[0].has_hello());
+  CHECK(messages[0].hello().run_id() == "unit-run");
+  CHECK(messages[0].hello().client() == gradwatch::client::kClientName);
+  CHECK(ingest.Steps() == Range(1, 100));
+  for (size_t i = 1; i < messages.size(); ++i) CHECK(messages[i].seq() > messages[i - 1].seq());
+
+  const auto stats = monitor.Stats();
+  CHECK(stats.connected);
+  CHECK(stats.has_acked);
+  CHECK(stats.acked_through_step == 100);
+  CHECK(stats.sent == 100);
+  CHECK(stats.dropped == 0);
+  CHECK(stats.queued == 0);
+  CHECK(stats.unacked == 0);
+  CHECK(stats.errors == 0);
+  monitor.Stop();
+  monitor.Stop();
+}
+
+TEST_CASE("monitor reconnects after the daemon restarts and resends what it did not receive",
+          "[client]") {
+  auto first = std::make_unique<FakeIngest>();
+  first->set_ack_limit(50);
+  auto server = std::make_unique<FakeServer>(std::vector<grpc::Service*>{first.get()});
+  REQUIRE(server->ok());
+  const int port = server->port();
+
+  std::atomic<int> accepted_calls{0};
+  MonitorOptions options = Options(server->address());
+  options.on_accepted = [&](const v1::Accepted&) { ++accepted_calls; };
+  Monitor monitor(options);
+  monitor.Start();
+  for (uint64_t n = 1; n <= 100; ++n) REQUIRE(monitor.Log(Step(n)));
+  REQUIRE(first->WaitForMessages(101, 10s));
+  CHECK_FALSE(monitor.Flush(200ms));
+  auto stats = monitor.Stats();
+  CHECK(stats.acked_through_step == 50);
+  CHECK(stats.unacked == 50);
+
+  server->Shutdown();
+  // The restarted daemon had made 50 durable and still knows it received up to 70.
+  FakeIngest second(FakeIngest::Progress{true, 50, true, 70});
+  FakeServer restarted({&second}, port);
+  REQUIRE(restarted.ok());
+  // Logged while the daemon was away: queued, sent after the resend.
+  REQUIRE(monitor.Log(Step(101)));
+  REQUIRE(monitor.Flush(15s));
+
+  const auto messages = second.Messages();
+  REQUIRE_FALSE(messages.empty());
+  CHECK(messages[0].has_hello());
+  CHECK(second.Steps() == Range(71, 101));
+  stats = monitor.Stats();
+  CHECK(stats.reconnects >= 1);
+  CHECK(accepted_calls >= 2);
+  CHECK(stats.acked_through_step == 101);
+  CHECK(stats.connected);
+}
+
+TEST_CASE("errors about a step release it so that flush does not hang", "[client]") {
+  FakeIngest ingest;
+  ingest.set_reject([](const v1::TrainerMessage& m) -> std::optional<v1::Error> {
+    if (!m.has_step() || m.step().step() % 2 == 0) return std::nullopt;
+    v1::Error e;
+    e.set_seq(m.seq());
+    e.set_step(m.step().step());
+    e.set_reason(v1::ERROR_REASON_NEGATIVE_NORM);
+    e.set_message("negative norm");
+    return e;
+  });
+  FakeServer server({&ingest});
+  std::atomic<int> on_error_calls{0};
+  MonitorOptions options = Options(server.address());
+  options.on_error = [&](const v1::Error& e) {
+    CHECK(e.reason() == v1::ERROR_REASON_NEGATIVE_NORM);
+    ++on_error_calls;
+  };
+  Monitor monitor(options);
+  monitor.Start();
+  // Odd steps are rejected, and the last one is odd: no ack ever covers it.
+  for (uint64_t n = 1; n <= 9; ++n) monitor.Log(Step(n));
+  REQUIRE(monitor.Flush(10s));
+  const auto stats = monitor.Stats();
+  CHECK(stats.errors == 5);
+  CHECK(stats.errors_by_reason.at("ERROR_REASON_NEGATIVE_NORM") == 5);
+  CHECK_THAT(stats.last_error, Catch::Contains("NEGATIVE_NORM"));
+  CHECK(on_error_calls == 5);
+  CHECK(stats.acked_through_step == 8);
+}
+
+TEST_CASE("a refused hello is reported and flush returns at once", "[client]") {
+  FakeIngest ingest;
+  ingest.set_reject([](const v1::TrainerMessage& m) -> std::optional<v1::Error> {
+    if (!m.has_hello()) return std::nullopt;
+    v1::Error e;
+    e.set_seq(m.seq());
+    e.set_reason(v1::ERROR_REASON_WORLD_SIZE_CHANGED);
+    e.set_message("world size 1, run has 8");
+    return e;
+  });
+  FakeServer server({&ingest});
+  Monitor monitor(Options(server.address()));
+  monitor.Start();
+  monitor.Log(Step(1));
+  CHECK_FALSE(monitor.WaitAccepted(5s));
+  const auto started = std::chrono::steady_clock::now();
+  CHECK_FALSE(monitor.Flush(10s));
+  CHECK(std::chrono::steady_clock::now() - started < 2s);
+  const auto stats = monitor.Stats();
+  CHECK(stats.rejected);
+  CHECK_FALSE(stats.connected);
+  CHECK_THAT(stats.last_error, Catch::Contains("WORLD_SIZE_CHANGED"));
+}
+
+TEST_CASE("events travel in order with steps", "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  Monitor monitor(Options(server.address()));
+  monitor.Start();
+  monitor.Log(Step(1));
+  REQUIRE(monitor.Event(2, "switched to near-dropless EP routing"));
+  monitor.Log(Step(2));
+  REQUIRE(monitor.Flush(10s));
+  const auto messages = ingest.Messages();
+  REQUIRE(messages.size() == 4);
+  CHECK(messages[1].has_step());
+  REQUIRE(messages[2].has_event());
+  CHECK(messages[2].event().text() == "switched to near-dropless EP routing");
+  CHECK(messages[3].has_step());
+  CHECK(monitor.Stats().events_sent == 1);
+}
+
+TEST_CASE("alerts reach the on_alert callback", "[client]") {
+  FakeIngest ingest;
+  v1::Alert alert;
+  alert.set_name("GradNormContingency");
+  alert.set_state(v1::ALERT_STATE_FIRING);
+  ingest.set_alert_on_step(3, alert);
+  FakeServer server({&ingest});
+  std::mutex mu;
+  std::vector<std::string> seen;
+  MonitorOptions options = Options(server.address());
+  options.on_alert = [&](const v1::Alert& a) {
+    std::lock_guard lock(mu);
+    seen.push_back(a.name());
+  };
+  Monitor monitor(options);
+  monitor.Start();
+  for (uint64_t n = 1; n <= 5; ++n) monitor.Log(Step(n));
+  REQUIRE(monitor.Flush(10s));
+  monitor.Stop();
+  std::lock_guard lock(mu);
+  CHECK(seen == std::vector<std::string>{"GradNormContingency"});
+}
+
+TEST_CASE("without a daemon, Log never blocks, drops past capacity and Stop is prompt",
+          "[client]") {
+  MonitorOptions options = Options("127.0.0.1:" + std::to_string(UnusedPort()));
+  options.queue_capacity = 5;
+  Monitor monitor(options);
+  monitor.Start();
+  int accepted = 0;
+  const auto started = std::chrono::steady_clock::now();
+  for (uint64_t n = 1; n <= 8; ++n) accepted += monitor.Log(Step(n)) ? 1 : 0;
+  CHECK(std::chrono::steady_clock::now() - started < 100ms);
+  CHECK(accepted == 5);
+  CHECK_FALSE(monitor.LogBlocking(Step(9), 50ms));
+  CHECK_FALSE(monitor.Flush(100ms));
+  auto stats = monitor.Stats();
+  CHECK(stats.dropped == 4);
+  CHECK_FALSE(stats.connected);
+
+  const auto stopping = std::chrono::steady_clock::now();
+  monitor.Stop();
+  CHECK(std::chrono::steady_clock::now() - stopping < 2s);
+  CHECK_FALSE(monitor.Log(Step(10)));
+  CHECK(monitor.Stats().dropped == 5);
+}
+
+TEST_CASE("LogBlocking waits for acks to make room", "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  MonitorOptions options = Options(server.address());
+  options.queue_capacity = 4;
+  Monitor monitor(options);
+  monitor.Start();
+  for (uint64_t n = 1; n <= 200; ++n) REQUIRE(monitor.LogBlocking(Step(n), 10s));
+  REQUIRE(monitor.Flush(10s));
+  CHECK(ingest.Steps() == Range(1, 200));
+  CHECK(monitor.Stats().dropped == 0);
+}

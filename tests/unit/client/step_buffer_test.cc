@@ -1,0 +1,226 @@
+#include <catch2/catch.hpp>
+
+#include <vector>
+
+#include "client/lib/step_buffer.h"
+
+using gradwatch::client::StepBuffer;
+namespace v1 = gradwatch::v1;
+
+namespace {
+
+v1::StepStats Step(uint64_t n) {
+  v1::StepStats s;
+  s.set_step(n);
+  s.set_loss(1.0 / static_cast<double>(n + 1));
+  return s;
+}
+
+v1::Event EventAt(uint64_t n, const std::string& text) {
+  v1::Event e;
+  e.set_step(n);
+  e.set_text(text);
+  return e;
+}
+
+// Writes everything that is waiting, as the sender would; returns what was written.
+std::vector<v1::TrainerMessage> WriteAll(StepBuffer& buffer, uint64_t& seq) {
+  std::vector<v1::TrainerMessage> written;
+  while (const StepBuffer::Entry* e = buffer.NextToWrite()) {
+    written.push_back(e->message);
+    buffer.MarkWritten(e->id, seq++);
+  }
+  return written;
+}
+
+std::vector<uint64_t> StepsOf(const std::vector<v1::TrainerMessage>& messages) {
+  std::vector<uint64_t> steps;
+  for (const auto& m : messages) {
+    if (m.has_step()) steps.push_back(m.step().step());
+  }
+  return steps;
+}
+
+v1::Accepted Accepted(std::optional<uint64_t> durable, std::optional<uint64_t> received) {
+  v1::Accepted a;
+  a.set_has_durable_step(durable.has_value());
+  a.set_last_durable_step(durable.value_or(0));
+  a.set_has_received_step(received.has_value());
+  a.set_last_received_step(received.value_or(0));
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("a full buffer refuses steps, counts the drops and reports them on the next step",
+          "[client]") {
+  StepBuffer buffer(3, 10);
+  CHECK(buffer.PushStep(Step(1)));
+  CHECK(buffer.PushStep(Step(2)));
+  CHECK(buffer.PushStep(Step(3)));
+  CHECK_FALSE(buffer.PushStep(Step(4)));
+  CHECK_FALSE(buffer.PushStep(Step(5)));
+  CHECK(buffer.dropped() == 2);
+  CHECK(buffer.steps() == 3);
+
+  uint64_t seq = 1;
+  auto written = WriteAll(buffer, seq);
+  CHECK(StepsOf(written) == std::vector<uint64_t>{1, 2, 3});
+  // Written but not durable still counts against the capacity.
+  CHECK_FALSE(buffer.HasRoomForStep());
+  CHECK_FALSE(buffer.PushStep(Step(6)));
+  CHECK(buffer.dropped() == 3);
+
+  CHECK(buffer.OnAck(2) == 2);
+  CHECK(buffer.PushStep(Step(7)));
+  written = WriteAll(buffer, seq);
+  REQUIRE(written.size() == 1);
+  CHECK(written[0].step().step() == 7);
+  CHECK(written[0].step().client_dropped_steps() == 3);
+
+  CHECK(buffer.PushStep(Step(8)));
+  written = WriteAll(buffer, seq);
+  CHECK(written[0].step().client_dropped_steps() == 0);
+}
+
+TEST_CASE("acks release the steps they cover and nothing newer", "[client]") {
+  StepBuffer buffer(100, 10);
+  for (uint64_t n = 1; n <= 10; ++n) buffer.PushStep(Step(n));
+  uint64_t seq = 1;
+  WriteAll(buffer, seq);
+  CHECK(buffer.unacked() == 10);
+  CHECK(buffer.OnAck(4) == 4);
+  CHECK(buffer.steps() == 6);
+  CHECK(buffer.unacked() == 6);
+  CHECK(buffer.OnAck(4) == 0);
+  CHECK(buffer.OnAck(10) == 6);
+  CHECK(buffer.empty());
+}
+
+TEST_CASE("an ack may arrive before later steps are written", "[client]") {
+  StepBuffer buffer(100, 10);
+  for (uint64_t n = 1; n <= 4; ++n) buffer.PushStep(Step(n));
+  uint64_t seq = 1;
+  WriteAll(buffer, seq);
+  for (uint64_t n = 5; n <= 8; ++n) buffer.PushStep(Step(n));
+  CHECK(buffer.queued() == 4);
+  CHECK(buffer.OnAck(3) == 3);
+  const auto written = WriteAll(buffer, seq);
+  CHECK(StepsOf(written) == std::vector<uint64_t>{5, 6, 7, 8});
+  CHECK(buffer.unacked() == 5);
+}
+
+TEST_CASE("events are written in order with steps and leave once written", "[client]") {
+  StepBuffer buffer(100, 10);
+  buffer.PushStep(Step(1));
+  CHECK(buffer.PushEvent(EventAt(2, "switched routing")));
+  buffer.PushStep(Step(2));
+  uint64_t seq = 1;
+  const auto written = WriteAll(buffer, seq);
+  REQUIRE(written.size() == 3);
+  CHECK(written[0].has_step());
+  CHECK(written[1].has_event());
+  CHECK(written[1].event().text() == "switched routing");
+  CHECK(written[2].has_step());
+  CHECK(buffer.events() == 0);
+  CHECK(buffer.OnAck(2) == 2);
+  CHECK(buffer.empty());
+}
+
+TEST_CASE("the event bound is separate from the step capacity", "[client]") {
+  StepBuffer buffer(1, 2);
+  CHECK(buffer.PushEvent(EventAt(1, "a")));
+  CHECK(buffer.PushEvent(EventAt(1, "b")));
+  CHECK_FALSE(buffer.PushEvent(EventAt(1, "c")));
+  CHECK(buffer.PushStep(Step(1)));
+  CHECK(buffer.dropped() == 0);
+}
+
+TEST_CASE("after Accepted, durable steps leave, received ones wait, the rest is resent", "[client]") {
+  using Case = std::tuple<std::optional<uint64_t>, std::optional<uint64_t>, std::vector<uint64_t>,
+                          size_t>;
+  // durable, received → steps resent, steps still held
+  const std::vector<Case> cases = {
+      {std::nullopt, std::nullopt, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, 10},
+      {4, 4, {5, 6, 7, 8, 9, 10}, 6},
+      {4, 7, {8, 9, 10}, 6},
+      {std::nullopt, 7, {8, 9, 10}, 10},
+      {10, 10, {}, 0},
+      {12, 12, {}, 0},
+  };
+  for (const auto& [durable, received, resent, held] : cases) {
+    CAPTURE(durable, received);
+    StepBuffer buffer(100, 10);
+    for (uint64_t n = 1; n <= 10; ++n) buffer.PushStep(Step(n));
+    uint64_t seq = 1;
+    WriteAll(buffer, seq);
+    buffer.OnAccepted(Accepted(durable, received));
+    CHECK(StepsOf(WriteAll(buffer, seq)) == resent);
+    CHECK(buffer.steps() == held);
+    CHECK(buffer.unacked() == held);
+    CHECK(buffer.OnAck(10) == held);
+    CHECK(buffer.empty());
+  }
+}
+
+TEST_CASE("Accepted on a fresh stream holds back steps the daemon already received", "[client]") {
+  // A second process replaying the same history: nothing was written on this connection yet.
+  StepBuffer buffer(100, 10);
+  for (uint64_t n = 1; n <= 6; ++n) buffer.PushStep(Step(n));
+  buffer.OnAccepted(Accepted(2, 4));
+  uint64_t seq = 1;
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{5, 6});
+  CHECK(buffer.unacked() == 4);
+}
+
+TEST_CASE("an unwritten event survives a reconnect and is written in its place", "[client]") {
+  StepBuffer buffer(100, 10);
+  buffer.PushStep(Step(1));
+  uint64_t seq = 1;
+  WriteAll(buffer, seq);
+  buffer.PushEvent(EventAt(2, "lr drop"));
+  buffer.PushStep(Step(2));
+  buffer.OnAccepted(Accepted(std::nullopt, 1));
+  const auto written = WriteAll(buffer, seq);
+  REQUIRE(written.size() == 2);
+  CHECK(written[0].has_event());
+  CHECK(written[1].step().step() == 2);
+}
+
+TEST_CASE("a rejected step is released by seq, else by step number", "[client]") {
+  StepBuffer buffer(100, 10);
+  for (uint64_t n = 1; n <= 5; ++n) buffer.PushStep(Step(n));
+  uint64_t seq = 100;
+  WriteAll(buffer, seq);  // steps 1..5 got seq 100..104
+  CHECK(buffer.ReleaseRejected(102, 0));  // seq 102 is step 3
+  CHECK(buffer.steps() == 4);
+  CHECK(buffer.ReleaseRejected(0, 5));
+  CHECK_FALSE(buffer.ReleaseRejected(0, 5));
+  CHECK_FALSE(buffer.ReleaseRejected(999, 42));
+  CHECK(buffer.OnAck(4) == 3);
+  CHECK(buffer.empty());
+}
+
+TEST_CASE("a message refused before writing can be released by id", "[client]") {
+  StepBuffer buffer(100, 10);
+  buffer.PushStep(Step(1));
+  buffer.PushStep(Step(2));
+  const StepBuffer::Entry* e = buffer.NextToWrite();
+  REQUIRE(e != nullptr);
+  CHECK(buffer.Release(e->id));
+  e = buffer.NextToWrite();
+  REQUIRE(e != nullptr);
+  CHECK(e->step() == 2);
+}
+
+TEST_CASE("marking a released entry as written is harmless", "[client]") {
+  StepBuffer buffer(100, 10);
+  buffer.PushStep(Step(1));
+  buffer.PushStep(Step(2));
+  const StepBuffer::Entry* e = buffer.NextToWrite();
+  const uint64_t id = e->id;
+  CHECK(buffer.OnAck(1) == 1);  // the daemon already had it
+  buffer.MarkWritten(id, 7);
+  CHECK(buffer.unacked() == 0);
+  CHECK(buffer.queued() == 1);
+}

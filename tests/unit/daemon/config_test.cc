@@ -1,0 +1,62 @@
+#include <catch2/catch.hpp>
+
+#include "server/daemon/config.h"
+
+using namespace gradwatch::daemon;
+
+TEST_CASE("an empty config gives the loopback defaults", "[daemon]") {
+  auto c = ParseConfig("", "test.yaml");
+  REQUIRE(c.ok());
+  CHECK(c->listen == "127.0.0.1:7390");
+  CHECK(c->metrics_listen == "127.0.0.1:9390");
+  CHECK(ValidateConfig(*c).ok());
+}
+
+TEST_CASE("config keys are read from their sections", "[daemon]") {
+  auto c = ParseConfig(R"(
+listen: 127.0.0.1:7000
+data_dir: /tmp/x
+log: {format: json, level: debug}
+limits: {max_message_bytes: 65536, max_runs: 3}
+assembly: {timeout_seconds: 2.5}
+store: {recent_points: 100, history_buckets: 10}
+journal: {batch_max: 10, max_delay_ms: 5}
+runs: {end_after_seconds: 30}
+)",
+                       "test.yaml");
+  REQUIRE(c.ok());
+  CHECK(c->listen == "127.0.0.1:7000");
+  CHECK(c->log_format == "json");
+  CHECK(c->max_message_bytes == 65536);
+  CHECK(c->max_runs == 3);
+  CHECK(c->assembly_timeout_seconds == 2.5);
+  CHECK(c->recent_points == 100);
+  CHECK(c->journal_max_delay_ms == 5);
+  CHECK(c->run_end_after_seconds == 30);
+  CHECK(ValidateConfig(*c).ok());
+}
+
+TEST_CASE("config errors name the file, line and key", "[daemon]") {
+  auto unknown = ParseConfig("listen: 127.0.0.1:1\nstore:\n  recent_pints: 5\n", "gw.yaml");
+  REQUIRE_FALSE(unknown.ok());
+  CHECK(unknown.status().message() == "gw.yaml:3: store.recent_pints: unknown key");
+
+  auto badtype = ParseConfig("limits:\n  max_runs: many\n", "gw.yaml");
+  REQUIRE_FALSE(badtype.ok());
+  CHECK(badtype.status().message().find("gw.yaml:2: limits.max_runs") == 0);
+
+  auto syntax = ParseConfig("listen: [\n", "gw.yaml");
+  CHECK_FALSE(syntax.ok());
+}
+
+TEST_CASE("validation rejects bad values with the key's name", "[daemon]") {
+  Config c;
+  c.listen = "nowhere";
+  CHECK(ValidateConfig(c).message().find("listen") == 0);
+  c = Config{};
+  c.log_format = "xml";
+  CHECK(ValidateConfig(c).message().find("log.format") == 0);
+  c = Config{};
+  c.assembly_timeout_seconds = 0;
+  CHECK(ValidateConfig(c).message().find("assembly.timeout_seconds") == 0);
+}

@@ -1,0 +1,120 @@
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+
+#include "server/ingest/convert.h"
+
+using namespace gradwatch;
+using namespace gradwatch::ingest;
+using gradwatch::runs::IngestErrorReason;
+
+namespace {
+v1::Hello GoodHello() {
+  v1::Hello h;
+  h.set_run_id("moe-6b/run:1");
+  h.set_rank(1);
+  h.set_world_size(2);
+  (*h.mutable_labels())["job"] = "pretrain";
+  h.mutable_config()->set_hidden_size(6144);
+  h.mutable_config()->set_z_loss_coef(1e-4);
+  auto* p = h.add_params();
+  p->set_name("final_norm.weight");
+  p->set_numel(6144);
+  p->set_kind(v1::PARAM_KIND_NORM_GAIN);
+  p->set_role("final_norm");
+  auto* q = h.add_params();
+  q->set_name("lm_head.weight");
+  q->set_kind(v1::PARAM_KIND_OUTPUT);
+  q->set_weight_decay(0.1);
+  q->set_init_norm(12.5);
+  return h;
+}
+}  // namespace
+
+TEST_CASE("a valid hello converts with its catalog and config", "[ingest]") {
+  RunMeta meta;
+  uint32_t rank = 0;
+  REQUIRE_FALSE(HelloFromProto(GoodHello(), {}, &meta, &rank));
+  CHECK(rank == 1);
+  CHECK(meta.world_size == 2);
+  CHECK(meta.labels.at("job") == "pretrain");
+  CHECK(meta.config.z_loss_coef == 1e-4);
+  CHECK_FALSE(meta.config.weight_decay.has_value());
+  REQUIRE(meta.params.size() == 2);
+  CHECK(meta.params[0].kind == ParamKind::kNormGain);
+  CHECK_FALSE(meta.params[0].init_norm.has_value());
+  CHECK(meta.params[1].init_norm == 12.5);
+}
+
+TEST_CASE("invalid hellos are refused with a reason", "[ingest]") {
+  RunMeta meta;
+  uint32_t rank = 0;
+  struct Case {
+    const char* what;
+    void (*mutate)(v1::Hello&);
+  };
+  const Case cases[] = {
+      {"empty run id", [](v1::Hello& h) { h.set_run_id(""); }},
+      {"run id with a space", [](v1::Hello& h) { h.set_run_id("a b"); }},
+      {"rank not below world size", [](v1::Hello& h) { h.set_rank(2); }},
+      {"world size 0", [](v1::Hello& h) { h.set_world_size(0); }},
+      {"duplicate param name", [](v1::Hello& h) { h.mutable_params(1)->set_name("final_norm.weight"); }},
+      {"param named total", [](v1::Hello& h) { h.mutable_params(1)->set_name("total"); }},
+      {"negative weight decay", [](v1::Hello& h) { h.mutable_params(1)->set_weight_decay(-1); }},
+      {"zero init norm", [](v1::Hello& h) { h.mutable_params(1)->set_init_norm(0); }},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    v1::Hello h = GoodHello();
+    c.mutate(h);
+    auto err = HelloFromProto(h, {}, &meta, &rank);
+    REQUIRE(err);
+    CHECK(err->reason == IngestErrorReason::kInvalidHello);
+    CHECK_FALSE(err->message.empty());
+  }
+}
+
+TEST_CASE("step stats convert norms and squared sums; negatives are refused, NaN passes", "[ingest]") {
+  v1::StepStats s;
+  s.set_step(42);
+  s.set_loss(2.5);
+  s.mutable_total_grad()->set_norm(3.0);
+  auto* p = s.add_params();
+  p->set_index(0);
+  p->mutable_grad()->set_sq_sum(16.0);
+  p->mutable_param()->set_norm(std::nan(""));
+  (*s.mutable_extra())["b"] = 2;
+  (*s.mutable_extra())["a"] = 1;
+  RankStep out;
+  REQUIRE_FALSE(StepFromProto(s, 7, &out));
+  CHECK(out.step == 42);
+  CHECK(out.seq == 7);
+  CHECK(out.total_grad.sq == Approx(9.0));
+  CHECK(out.params[0].norms[0].sq == Approx(16.0));
+  CHECK(std::isnan(out.params[0].norms[1].sq));
+  CHECK_FALSE(out.params[0].norms[2].present);
+  REQUIRE(out.extra.size() == 2);
+  CHECK(out.extra[0].first == "a");
+
+  p->mutable_update()->set_norm(-0.5);
+  auto err = StepFromProto(s, 8, &out);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kNegativeNorm);
+  CHECK(err->step == 42);
+
+  p->mutable_update()->set_sq_sum(-std::numeric_limits<double>::infinity());
+  CHECK_FALSE(StepFromProto(s, 9, &out));  // -Inf is a signal, not a negative number
+}
+
+TEST_CASE("events need text of 1 to 1024 bytes", "[ingest]") {
+  v1::Event e;
+  e.set_step(81716);
+  EventRecord out;
+  CHECK(EventFromProto(e, &out));
+  e.set_text("switched to near-dropless EP routing");
+  REQUIRE_FALSE(EventFromProto(e, &out));
+  CHECK(out.step == 81716);
+  e.set_text(std::string(1025, 'x'));
+  CHECK(EventFromProto(e, &out));
+}

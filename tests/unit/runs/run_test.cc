@@ -1,0 +1,267 @@
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "server/runs/run.h"
+
+using namespace gradwatch;
+using namespace gradwatch::runs;
+using namespace std::chrono_literals;
+
+namespace {
+
+class RecordingSink final : public StreamSink {
+ public:
+  void SendAck(uint64_t durable_step, uint64_t seq) override { acks.push_back({durable_step, seq}); }
+  void SendError(const IngestError& error) override { errors.push_back(error); }
+  void Supersede() override { superseded = true; }
+  std::vector<std::pair<uint64_t, uint64_t>> acks;
+  std::vector<IngestError> errors;
+  bool superseded = false;
+};
+
+RunMeta Meta(uint32_t world_size = 1) {
+  RunMeta m;
+  m.run_id = "r1";
+  m.world_size = world_size;
+  m.params = {{.name = "final_norm.weight", .numel = 6144, .kind = ParamKind::kNormGain},
+              {.name = "lm_head.weight", .numel = 1000, .kind = ParamKind::kOutput, .weight_decay = 0.1}};
+  return m;
+}
+
+RankStep Step(uint64_t step, double grad0, double grad1, uint64_t seq = 0) {
+  RankStep r;
+  r.step = step;
+  r.seq = seq;
+  r.params.push_back({.index = 0, .norms = {NormContribution::FromNorm(grad0), {}, {}}});
+  r.params.push_back({.index = 1, .norms = {NormContribution::FromNorm(grad1), {}, {}}});
+  return r;
+}
+
+std::optional<double> Latest(const Run& run, const std::string& key) {
+  for (const auto& l : run.Summary().latest) {
+    if (l.key == key) return l.value;
+  }
+  return std::nullopt;
+}
+
+struct Fixture {
+  FakeClock clock;
+  RunOptions options;
+  DaemonStats stats;
+  std::unique_ptr<Run> run;
+  RecordingSink sink;
+  explicit Fixture(uint32_t world_size = 1) {
+    options.assembly_timeout = 10s;
+    options.end_after = 60s;
+    run = std::make_unique<Run>(Meta(world_size), options, nullptr, &stats, &clock, true);
+  }
+  void Attach(uint32_t rank, StreamSink* s) {
+    AttachInfo info;
+    REQUIRE_FALSE(run->Attach(Meta(run->Info().world_size), rank, s, &info).has_value());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a step's norms are stored and the total is derived when not sent", "[runs]") {
+  Fixture f;
+  f.Attach(0, &f.sink);
+  REQUIRE_FALSE(f.run->AddStep(0, Step(100, 3.0, 4.0), &f.sink));
+  CHECK(Latest(*f.run, "grad/norm/final_norm.weight") == Approx(3.0));
+  CHECK(Latest(*f.run, "grad/norm/lm_head.weight") == Approx(4.0));
+  CHECK(Latest(*f.run, "grad/norm/total") == Approx(5.0));
+  CHECK(f.run->Info().last_step == 100);
+}
+
+TEST_CASE("two ranks' squared partial sums merge into one norm", "[runs]") {
+  Fixture f(2);
+  RecordingSink sink1;
+  f.Attach(0, &f.sink);
+  f.Attach(1, &sink1);
+  RankStep r0, r1;
+  r0.step = r1.step = 10;
+  r0.params.push_back({.index = 1, .norms = {NormContribution::FromSqSum(9.0), {}, {}}});
+  r1.params.push_back({.index = 1, .norms = {NormContribution::FromSqSum(16.0), {}, {}}});
+  REQUIRE_FALSE(f.run->AddStep(0, r0, &f.sink));
+  CHECK_FALSE(Latest(*f.run, "grad/norm/lm_head.weight").has_value());
+  REQUIRE_FALSE(f.run->AddStep(1, r1, &sink1));
+  CHECK(Latest(*f.run, "grad/norm/lm_head.weight") == Approx(5.0));
+  CHECK(f.run->Info().partial_steps == 0);
+}
+
+TEST_CASE("steps are validated against the catalog and the rank's history", "[runs]") {
+  Fixture f;
+  f.Attach(0, &f.sink);
+  REQUIRE_FALSE(f.run->AddStep(0, Step(10, 1.0, 1.0, 1), &f.sink));
+
+  RankStep unknown = Step(11, 1.0, 1.0);
+  unknown.params.push_back({.index = 9, .norms = {NormContribution::FromNorm(1.0), {}, {}}});
+  auto err = f.run->AddStep(0, unknown, &f.sink);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kUnknownParam);
+
+  RankStep twice = Step(11, 1.0, 1.0);
+  twice.params.push_back(twice.params[0]);
+  err = f.run->AddStep(0, twice, &f.sink);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kInvalidMessage);
+
+  err = f.run->AddStep(0, Step(9, 1.0, 1.0), &f.sink);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kStepRegression);
+
+  err = f.run->AddStep(0, Step(10, 1.0, 2.0), &f.sink);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kStepConflict);
+
+  // The stream goes on: a good step after the errors is stored.
+  REQUIRE_FALSE(f.run->AddStep(0, Step(11, 1.0, 1.0), &f.sink));
+  CHECK(f.run->Info().last_step == 11);
+  CHECK(f.run->Info().step_count == 2);
+}
+
+TEST_CASE("an identical repeat is idempotent and acked once durable", "[runs]") {
+  Fixture f;
+  f.Attach(0, &f.sink);
+  REQUIRE_FALSE(f.run->AddStep(0, Step(10, 1.0, 1.0, 1), &f.sink));
+  f.run->OnDurable({"r1", 0, 10, 1});
+  REQUIRE(f.sink.acks.size() == 1);
+  CHECK(f.sink.acks[0].first == 10);
+  REQUIRE_FALSE(f.run->AddStep(0, Step(10, 1.0, 1.0, 2), &f.sink));
+  REQUIRE(f.sink.acks.size() == 2);
+  CHECK(f.sink.acks[1] == std::pair<uint64_t, uint64_t>{10, 2});
+  CHECK(f.run->Info().step_count == 1);
+}
+
+TEST_CASE("durable progress never moves backwards", "[runs]") {
+  Fixture f;
+  f.Attach(0, &f.sink);
+  f.run->AddStep(0, Step(10, 1.0, 1.0), &f.sink);
+  f.run->AddStep(0, Step(20, 1.0, 1.0), &f.sink);
+  f.run->OnDurable({"r1", 0, 20, 2});
+  f.run->OnDurable({"r1", 0, 10, 1});
+  REQUIRE(f.sink.acks.size() == 1);
+  AttachInfo info;
+  RecordingSink again;
+  REQUIRE_FALSE(f.run->Attach(Meta(), 0, &again, &info));
+  CHECK(info.last_durable_step == 20);
+  CHECK(info.last_received_step == 20);
+}
+
+TEST_CASE("a hello cannot change the world size or rewrite the catalog, but may extend it", "[runs]") {
+  Fixture f;
+  AttachInfo info;
+  RunMeta other = Meta(2);
+  auto err = f.run->Attach(other, 0, &f.sink, &info);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kWorldSizeChanged);
+
+  RunMeta renamed = Meta();
+  renamed.params[1].name = "output.weight";
+  err = f.run->Attach(renamed, 0, &f.sink, &info);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kCatalogMismatch);
+
+  RunMeta extended = Meta();
+  extended.params.push_back({.name = "embed.weight", .kind = ParamKind::kEmbedding});
+  REQUIRE_FALSE(f.run->Attach(extended, 0, &f.sink, &info));
+  RankStep r;
+  r.step = 1;
+  r.params.push_back({.index = 2, .norms = {{}, NormContribution::FromNorm(7.0), {}}});
+  REQUIRE_FALSE(f.run->AddStep(0, r, &f.sink));
+  CHECK(Latest(*f.run, "params/norm/embed.weight") == Approx(7.0));
+  CHECK(f.run->Summary().params.size() == 3);
+}
+
+TEST_CASE("NaN and Inf are stored and counted, not rejected", "[runs]") {
+  Fixture f;
+  f.Attach(0, &f.sink);
+  REQUIRE_FALSE(f.run->AddStep(0, Step(5, std::nan(""), std::numeric_limits<double>::infinity()), &f.sink));
+  const RunInfo info = f.run->Info();
+  CHECK(info.nonfinite_count >= 2);
+  CHECK(info.last_nonfinite_step == 5);
+  auto v = Latest(*f.run, "grad/norm/final_norm.weight");
+  REQUIRE(v);
+  CHECK(std::isnan(*v));
+}
+
+TEST_CASE("a second stream for the same rank supersedes the first", "[runs]") {
+  Fixture f;
+  RecordingSink newer;
+  f.Attach(0, &f.sink);
+  f.Attach(0, &newer);
+  CHECK(f.sink.superseded);
+  CHECK(f.run->Info().open_streams == 1);
+  f.run->Detach(0, &f.sink);  // the old stream's late detach changes nothing
+  CHECK(f.run->Info().open_streams == 1);
+  f.run->AddStep(0, Step(1, 1.0, 1.0), &newer);
+  f.run->OnDurable({"r1", 0, 1, 0});
+  CHECK(newer.acks.size() == 1);
+  CHECK(f.sink.acks.empty());
+}
+
+TEST_CASE("a rank that reports a step completed by timeout is told it is late", "[runs]") {
+  Fixture f(2);
+  RecordingSink sink1;
+  f.Attach(0, &f.sink);
+  f.Attach(1, &sink1);
+  f.run->AddStep(0, Step(3, 1.0, 1.0), &f.sink);
+  f.clock.Advance(11s);
+  f.run->Tick();
+  CHECK(f.run->Info().partial_steps == 1);
+  auto err = f.run->AddStep(1, Step(3, 1.0, 1.0), &sink1);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kLateForStep);
+  REQUIRE_FALSE(f.run->AddStep(1, Step(4, 1.0, 1.0), &sink1));
+}
+
+TEST_CASE("a run with no stream and no step for end_after ends, and a hello revives it", "[runs]") {
+  Fixture f;
+  f.Attach(0, &f.sink);
+  f.run->AddStep(0, Step(1, 1.0, 1.0), &f.sink);
+  f.clock.Advance(120s);
+  f.run->Tick();
+  CHECK_FALSE(f.run->Info().ended);  // a stream is still open
+  f.run->Detach(0, &f.sink);
+  f.clock.Advance(59s);
+  f.run->Tick();
+  CHECK_FALSE(f.run->Info().ended);
+  f.clock.Advance(2s);
+  f.run->Tick();
+  CHECK(f.run->Info().ended);
+  CHECK(f.run->MetricsSnapshot().info.ended);
+  f.Attach(0, &f.sink);
+  CHECK_FALSE(f.run->Info().ended);
+}
+
+TEST_CASE("extra keys become series and events are kept in step order", "[runs]") {
+  Fixture f;
+  f.Attach(0, &f.sink);
+  RankStep r = Step(1, 1.0, 1.0);
+  r.extra = {{"train/accuracy", 0.5}};
+  r.loss = 2.0;
+  f.run->AddStep(0, r, &f.sink);
+  CHECK(Latest(*f.run, "train/accuracy") == Approx(0.5));
+  CHECK(Latest(*f.run, "train/loss") == Approx(2.0));
+  f.run->AddEvent({.step = 50, .text = "b", .source = "trainer"});
+  f.run->AddEvent({.step = 10, .text = "a", .source = "annotate"});
+  const auto events = f.run->Summary().events;
+  REQUIRE(events.size() == 2);
+  CHECK(events[0].text == "a");
+  CHECK(events[1].text == "b");
+}
+
+TEST_CASE("series queries return the stored points", "[runs]") {
+  Fixture f;
+  f.Attach(0, &f.sink);
+  for (uint64_t s = 1; s <= 10; ++s) f.run->AddStep(0, Step(s, static_cast<double>(s), 1.0), &f.sink);
+  auto pts = f.run->QuerySeries("grad/norm/final_norm.weight", 3, 5, 0);
+  REQUIRE(pts);
+  REQUIRE(pts->size() == 3);
+  CHECK((*pts)[0].step == 3);
+  CHECK((*pts)[2].last == Approx(5.0));
+  CHECK_FALSE(f.run->QuerySeries("no/such/key", 0, 100, 0).has_value());
+}

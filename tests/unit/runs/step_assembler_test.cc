@@ -1,0 +1,164 @@
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <vector>
+
+#include "server/runs/step_assembler.h"
+
+using namespace gradwatch;
+using namespace gradwatch::runs;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Done {
+  uint64_t step;
+  bool partial;
+  uint32_t ranks;
+  double grad_sq0;
+  bool total_present;
+  double total_sq;
+};
+
+RankStep Report(uint64_t step, double grad_sq0, uint64_t seq = 0) {
+  RankStep r;
+  r.step = step;
+  r.seq = seq;
+  r.params.push_back({.index = 0, .norms = {NormContribution::FromSqSum(grad_sq0), {}, {}}});
+  return r;
+}
+
+auto Collect(std::vector<Done>& out) {
+  return [&out](const PendingStep& p) {
+    out.push_back({p.step, p.partial, p.ranks_reported, p.param_sq[0], p.total_grad.present, p.total_grad.sq});
+  };
+}
+
+const SteadyTime kT0 = SteadyTime(1s);
+
+}  // namespace
+
+TEST_CASE("a single-rank step completes at once", "[runs]") {
+  StepAssembler a(1, 30s);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  CHECK(a.Add(0, Report(10, 4.0), kT0, Collect(done)) == AddResult::kAccepted);
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].step == 10);
+  CHECK_FALSE(done[0].partial);
+  CHECK(done[0].grad_sq0 == 4.0);
+  CHECK(a.pending() == 0);
+}
+
+TEST_CASE("a step completes when every rank reported, summing squares", "[runs]") {
+  StepAssembler a(3, 30s);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  a.Add(0, Report(5, 1.0), kT0, Collect(done));
+  a.Add(2, Report(5, 4.0), kT0, Collect(done));
+  CHECK(done.empty());
+  a.Add(1, Report(5, 9.0), kT0, Collect(done));
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].grad_sq0 == 14.0);
+  CHECK(done[0].ranks == 3);
+  CHECK_FALSE(done[0].partial);
+}
+
+TEST_CASE("a step still waiting when a later step completes is completed as partial first", "[runs]") {
+  StepAssembler a(2, 30s);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  a.Add(0, Report(1, 1.0), kT0, Collect(done));  // rank 1 never sends step 1
+  a.Add(0, Report(2, 1.0), kT0, Collect(done));
+  a.Add(1, Report(2, 1.0), kT0, Collect(done));
+  REQUIRE(done.size() == 2);
+  CHECK(done[0].step == 1);
+  CHECK(done[0].partial);
+  CHECK(done[0].ranks == 1);
+  CHECK(done[1].step == 2);
+  CHECK_FALSE(done[1].partial);
+}
+
+TEST_CASE("a step past the assembly timeout is completed as partial", "[runs]") {
+  StepAssembler a(2, 30s);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  a.Add(0, Report(7, 2.0), kT0, Collect(done));
+  a.Expire(kT0 + 29s, Collect(done));
+  CHECK(done.empty());
+  a.Expire(kT0 + 30s, Collect(done));
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].partial);
+  CHECK(done[0].grad_sq0 == 2.0);
+}
+
+TEST_CASE("a report for a step already completed is late", "[runs]") {
+  StepAssembler a(2, 1s);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  a.Add(0, Report(7, 2.0), kT0, Collect(done));
+  a.Expire(kT0 + 2s, Collect(done));
+  CHECK(a.Add(1, Report(7, 2.0), kT0 + 3s, Collect(done)) == AddResult::kLate);
+  CHECK(done.size() == 1);
+}
+
+TEST_CASE("the same rank reporting a pending step twice is a duplicate", "[runs]") {
+  StepAssembler a(2, 30s);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  a.Add(0, Report(7, 2.0), kT0, Collect(done));
+  CHECK(a.Add(0, Report(7, 2.0), kT0, Collect(done)) == AddResult::kDuplicate);
+  a.Add(1, Report(7, 3.0), kT0, Collect(done));
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].grad_sq0 == 5.0);
+}
+
+TEST_CASE("pending steps beyond the bound complete the oldest as partial", "[runs]") {
+  StepAssembler a(2, 30s, 4);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  for (uint64_t s = 1; s <= 6; ++s) a.Add(0, Report(s, 1.0), kT0, Collect(done));
+  REQUIRE(done.size() == 2);
+  CHECK(done[0].step == 1);
+  CHECK(done[1].step == 2);
+  CHECK(a.pending() == 4);
+}
+
+TEST_CASE("out-of-order arrival across ranks still completes in step order", "[runs]") {
+  StepAssembler a(2, 30s);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  a.Add(0, Report(1, 1.0), kT0, Collect(done));
+  a.Add(0, Report(2, 1.0), kT0, Collect(done));
+  a.Add(0, Report(3, 1.0), kT0, Collect(done));
+  a.Add(1, Report(1, 1.0), kT0, Collect(done));
+  a.Add(1, Report(2, 1.0), kT0, Collect(done));
+  REQUIRE(done.size() == 2);
+  CHECK(done[0].step == 1);
+  CHECK(done[1].step == 2);
+  CHECK_FALSE(done[1].partial);
+  CHECK(a.pending() == 1);
+}
+
+TEST_CASE("scalars merge: total grad squares summed, tokens summed, loss averaged", "[runs]") {
+  StepAssembler a(2, 30s);
+  a.SetParamCount(1);
+  double loss = 0;
+  uint64_t tokens = 0;
+  double total_sq = 0;
+  auto grab = [&](const PendingStep& p) {
+    loss = p.loss_sum / p.loss_n;
+    tokens = p.tokens_sum;
+    total_sq = p.total_grad.sq;
+  };
+  RankStep r0 = Report(3, 0.0), r1 = Report(3, 0.0);
+  r0.loss = 2.0, r1.loss = 3.0;
+  r0.tokens = 100, r1.tokens = 150;
+  r0.total_grad = NormContribution::FromNorm(3.0);
+  r1.total_grad = NormContribution::FromSqSum(16.0);
+  a.Add(0, r0, kT0, grab);
+  a.Add(1, r1, kT0, grab);
+  CHECK(loss == Approx(2.5));
+  CHECK(tokens == 250);
+  CHECK(total_sq == Approx(25.0));
+}
