@@ -30,7 +30,8 @@ class FakeIngest final : public v1::Ingest::Service {
     uint64_t received = 0;
   };
 
-  explicit FakeIngest(Progress progress = {}) : progress_(progress) {}
+  FakeIngest() = default;
+  explicit FakeIngest(Progress progress) : progress_(progress) {}
 
   // Steps above this are received but never acknowledged.
   void set_ack_limit(uint64_t limit) {
@@ -48,8 +49,9 @@ class FakeIngest final : public v1::Ingest::Service {
     alert_ = std::move(alert);
   }
 
-  grpc::Status Stream(grpc::ServerContext*,
-                      grpc::ServerReaderWriter<v1::DaemonMessage, v1::TrainerMessage>* stream) override {
+  grpc::Status Stream(
+      grpc::ServerContext*,
+      grpc::ServerReaderWriter<v1::DaemonMessage, v1::TrainerMessage>* stream) override {
     v1::TrainerMessage msg;
     while (stream->Read(&msg)) {
       std::vector<v1::DaemonMessage> replies;

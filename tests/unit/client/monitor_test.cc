@@ -1,10 +1,10 @@
-#include <catch2/catch.hpp>
+#include "client/lib/monitor.h"
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <thread>
 
-#include "client/lib/monitor.h"
 #include "tests/unit/client/fake_daemon.h"
 
 using gradwatch::client::Monitor;
@@ -55,8 +55,7 @@ int UnusedPort() {
 
 }  // namespace
 
-TEST_CASE("monitor sends hello then steps in order and flush waits for durable acks",
-          "[client]") {
+TEST_CASE("monitor sends hello then steps in order and flush waits for durable acks", "[client]") {
   FakeIngest ingest;
   FakeServer server({&ingest});
   REQUIRE(server.ok());

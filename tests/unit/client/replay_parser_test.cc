@@ -1,10 +1,10 @@
-#include <catch2/catch.hpp>
+#include "client/cli/replay_parser.h"
 
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <sstream>
 
 #include "client/cli/replay.h"
-#include "client/cli/replay_parser.h"
 
 using namespace gradwatch::cli;
 namespace v1 = gradwatch::v1;
@@ -76,7 +76,8 @@ TEST_CASE("every kind of key lands in its StepStats field", "[client]") {
 TEST_CASE("NaN and infinities are accepted as bare tokens and as strings", "[client]") {
   StepRecord r = ParseStep(
       R"({"_step": 3, "grad/norm/total": NaN, "train/loss": Infinity, "train/z_loss": -Infinity,)"
-      R"( "grad/norm/lm_head": "nan", "params/norm/lm_head": "inf", "updates/norm/lm_head": "-inf",)"
+      R"( "grad/norm/lm_head": "nan", "params/norm/lm_head": "inf",)"
+      R"( "updates/norm/lm_head": "-inf",)"
       R"( "x/a": "NaN", "x/b": "Infinity", "x/c": "-Infinity"})");
   CHECK(std::isnan(r.stats.total_grad().norm()));
   CHECK(r.stats.loss() == std::numeric_limits<double>::infinity());
@@ -124,10 +125,11 @@ TEST_CASE("bad lines are rejected with a reason", "[client]") {
 
 TEST_CASE("a header gives run, config, labels and catalog entries", "[client]") {
   LineResult r = ParseReplayLine(
-      R"({"run": "moe-6b", "config": {"hidden_size": 6144, "z_loss_coef": 1e-4, "optimizer": "adamw",)"
-      R"( "weight_decay": 0.1, "routing": "dropless-ep", "layers": 48}, "labels": {"job": "pretrain"},)"
-      R"( "params": [{"name": "final_norm.weight", "numel": 6144, "kind": "norm", "weight_decay": 0,)"
-      R"( "init_norm": 78.38, "role": "final_norm"}, {"name": "lm_head.weight", "numel": 788000000,)"
+      R"({"run": "moe-6b", "config": {"hidden_size": 6144, "z_loss_coef": 1e-4,)"
+      R"( "optimizer": "adamw", "weight_decay": 0.1, "routing": "dropless-ep", "layers": 48},)"
+      R"( "labels": {"job": "pretrain"}, "params": [{"name": "final_norm.weight", "numel": 6144,)"
+      R"( "kind": "norm", "weight_decay": 0, "init_norm": 78.38, "role": "final_norm"},)"
+      R"( {"name": "lm_head.weight", "numel": 788000000,)"
       R"( "kind": "lm_head", "group": "head"}, {"name": "blocks.0.w1"}]})",
       true);
   INFO(r.error);
@@ -186,12 +188,13 @@ TEST_CASE("param kinds are inferred from names", "[client]") {
   CHECK_FALSE(ParseParamKind("bogus"));
 }
 
-TEST_CASE("the pre-scan builds the catalog from header and keys and counts bad lines",
-          "[client]") {
+TEST_CASE("the pre-scan builds the catalog from header and keys and counts bad lines", "[client]") {
   std::istringstream in(
-      R"({"run": "r1", "config": {"weight_decay": 0.05}, "params": [{"name": "lm_head.weight", "numel": 10}]})"
+      R"({"run": "r1", "config": {"weight_decay": 0.05},)"
+      R"( "params": [{"name": "lm_head.weight", "numel": 10}]})"
       "\n"
-      R"({"_step": 1, "grad/norm/lm_head.weight": 0.3, "grad/norm/final_norm.weight": 0.01, "train/loss": NaN})"
+      R"({"_step": 1, "grad/norm/lm_head.weight": 0.3, "grad/norm/final_norm.weight": 0.01,)"
+      R"( "train/loss": NaN})"
       "\n"
       "\n"
       R"({"_step": 2, "params/norm/blocks.0.attn.qkv": 12.5})"

@@ -1,8 +1,10 @@
-#include <catch2/catch.hpp>
-
-#include <vector>
-
 #include "client/lib/step_buffer.h"
+
+#include <catch2/catch.hpp>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
 
 using gradwatch::client::StepBuffer;
 namespace v1 = gradwatch::v1;
@@ -41,7 +43,7 @@ std::vector<uint64_t> StepsOf(const std::vector<v1::TrainerMessage>& messages) {
   return steps;
 }
 
-v1::Accepted Accepted(std::optional<uint64_t> durable, std::optional<uint64_t> received) {
+v1::Accepted MakeAccepted(std::optional<uint64_t> durable, std::optional<uint64_t> received) {
   v1::Accepted a;
   a.set_has_durable_step(durable.has_value());
   a.set_last_durable_step(durable.value_or(0));
@@ -136,9 +138,10 @@ TEST_CASE("the event bound is separate from the step capacity", "[client]") {
   CHECK(buffer.dropped() == 0);
 }
 
-TEST_CASE("after Accepted, durable steps leave, received ones wait, the rest is resent", "[client]") {
-  using Case = std::tuple<std::optional<uint64_t>, std::optional<uint64_t>, std::vector<uint64_t>,
-                          size_t>;
+TEST_CASE("after Accepted, durable steps leave, received ones wait, the rest is resent",
+          "[client]") {
+  using Case =
+      std::tuple<std::optional<uint64_t>, std::optional<uint64_t>, std::vector<uint64_t>, size_t>;
   // durable, received → steps resent, steps still held
   const std::vector<Case> cases = {
       {std::nullopt, std::nullopt, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, 10},
@@ -154,7 +157,7 @@ TEST_CASE("after Accepted, durable steps leave, received ones wait, the rest is 
     for (uint64_t n = 1; n <= 10; ++n) buffer.PushStep(Step(n));
     uint64_t seq = 1;
     WriteAll(buffer, seq);
-    buffer.OnAccepted(Accepted(durable, received));
+    buffer.OnAccepted(MakeAccepted(durable, received));
     CHECK(StepsOf(WriteAll(buffer, seq)) == resent);
     CHECK(buffer.steps() == held);
     CHECK(buffer.unacked() == held);
@@ -167,7 +170,7 @@ TEST_CASE("Accepted on a fresh stream holds back steps the daemon already receiv
   // A second process replaying the same history: nothing was written on this connection yet.
   StepBuffer buffer(100, 10);
   for (uint64_t n = 1; n <= 6; ++n) buffer.PushStep(Step(n));
-  buffer.OnAccepted(Accepted(2, 4));
+  buffer.OnAccepted(MakeAccepted(2, 4));
   uint64_t seq = 1;
   CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{5, 6});
   CHECK(buffer.unacked() == 4);
@@ -180,7 +183,7 @@ TEST_CASE("an unwritten event survives a reconnect and is written in its place",
   WriteAll(buffer, seq);
   buffer.PushEvent(EventAt(2, "lr drop"));
   buffer.PushStep(Step(2));
-  buffer.OnAccepted(Accepted(std::nullopt, 1));
+  buffer.OnAccepted(MakeAccepted(std::nullopt, 1));
   const auto written = WriteAll(buffer, seq);
   REQUIRE(written.size() == 2);
   CHECK(written[0].has_event());
@@ -191,7 +194,7 @@ TEST_CASE("a rejected step is released by seq, else by step number", "[client]")
   StepBuffer buffer(100, 10);
   for (uint64_t n = 1; n <= 5; ++n) buffer.PushStep(Step(n));
   uint64_t seq = 100;
-  WriteAll(buffer, seq);  // steps 1..5 got seq 100..104
+  WriteAll(buffer, seq);                  // steps 1..5 got seq 100..104
   CHECK(buffer.ReleaseRejected(102, 0));  // seq 102 is step 3
   CHECK(buffer.steps() == 4);
   CHECK(buffer.ReleaseRejected(0, 5));

@@ -1,0 +1,113 @@
+#include "tests/integration/stream_client.h"
+
+#include <stdexcept>
+
+namespace gradwatch::testing {
+
+StreamClient::StreamClient(const std::string& target)
+    : channel_(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())),
+      stub_(v1::Ingest::NewStub(channel_)) {
+  context_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  stream_ = stub_->Stream(&context_);
+  reader_ = std::thread([this] {
+    v1::DaemonMessage msg;
+    while (stream_->Read(&msg)) {
+      std::lock_guard lock(mu_);
+      received_.push_back(msg);
+      cv_.notify_all();
+    }
+    std::lock_guard lock(mu_);
+    done_ = true;
+    cv_.notify_all();
+  });
+}
+
+StreamClient::~StreamClient() {
+  if (!closed_) {
+    context_.TryCancel();
+  }
+  if (reader_.joinable()) reader_.join();
+  if (!closed_) stream_->Finish().ok();
+}
+
+bool StreamClient::Send(const v1::TrainerMessage& msg) { return stream_->Write(msg); }
+
+bool StreamClient::Hello(const v1::Hello& hello, uint64_t seq) {
+  v1::TrainerMessage m;
+  m.set_seq(seq);
+  *m.mutable_hello() = hello;
+  return Send(m);
+}
+
+bool StreamClient::Step(const v1::StepStats& step, uint64_t seq) {
+  v1::TrainerMessage m;
+  m.set_seq(seq);
+  *m.mutable_step() = step;
+  return Send(m);
+}
+
+grpc::Status StreamClient::Close() {
+  stream_->WritesDone();
+  if (reader_.joinable()) reader_.join();
+  closed_ = true;
+  return stream_->Finish();
+}
+
+v1::DaemonMessage StreamClient::WaitFor(const std::function<bool(const v1::DaemonMessage&)>& pred,
+                                        std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  size_t checked = 0;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    for (; checked < received_.size(); ++checked) {
+      if (pred(received_[checked])) return received_[checked];
+    }
+    if (done_) throw std::runtime_error("stream ended before the awaited answer");
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && checked == received_.size()) {
+      throw std::runtime_error("timed out waiting for an answer on the stream");
+    }
+  }
+}
+
+v1::Accepted StreamClient::WaitAccepted() {
+  return WaitFor([](const v1::DaemonMessage& m) { return m.has_accepted(); }).accepted();
+}
+
+v1::Error StreamClient::WaitError(uint64_t seq) {
+  return WaitFor([seq](const v1::DaemonMessage& m) { return m.has_error() && m.error().seq() == seq; })
+      .error();
+}
+
+v1::Ack StreamClient::WaitAck(uint64_t step) {
+  return WaitFor([step](const v1::DaemonMessage& m) { return m.has_ack() && m.ack().durable_step() >= step; })
+      .ack();
+}
+
+std::vector<v1::DaemonMessage> StreamClient::Received() {
+  std::lock_guard lock(mu_);
+  return received_;
+}
+
+v1::Hello MakeHello(const std::string& run, uint32_t rank, uint32_t world,
+                    const std::vector<std::pair<std::string, v1::ParamKind>>& params) {
+  v1::Hello h;
+  h.set_run_id(run);
+  h.set_rank(rank);
+  h.set_world_size(world);
+  h.set_client("integration-test");
+  (*h.mutable_labels())["job"] = "it";
+  h.mutable_config()->set_hidden_size(6144);
+  h.mutable_config()->set_z_loss_coef(1e-4);
+  for (const auto& [name, kind] : params) {
+    auto* p = h.add_params();
+    p->set_name(name);
+    p->set_kind(kind);
+  }
+  return h;
+}
+
+std::unique_ptr<v1::Query::Stub> QueryStub(const std::string& target) {
+  return v1::Query::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+}
+
+}  // namespace gradwatch::testing

@@ -1,0 +1,313 @@
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "client/cli/app.h"
+#include "client/cli/format.h"
+#include "tests/unit/client/fake_daemon.h"
+
+using gradwatch::testing::FakeIngest;
+using gradwatch::testing::FakeQuery;
+using gradwatch::testing::FakeServer;
+namespace v1 = gradwatch::v1;
+
+namespace {
+
+struct CliResult {
+  int code;
+  std::string out;
+  std::string err;
+};
+
+CliResult RunCli(std::vector<std::string> args) {
+  args.insert(args.begin(), "gradwatch");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  const int code = gradwatch::cli::Run(static_cast<int>(argv.size()), argv.data(), out, err);
+  return {code, out.str(), err.str()};
+}
+
+// A file under the system temp dir, removed at the end of the test.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& content) {
+    path_ = std::filesystem::temp_directory_path() /
+            ("gradwatch-cli-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++) +
+             ".jsonl");
+    std::ofstream(path_) << content;
+  }
+  ~TempFile() { std::filesystem::remove(path_); }
+  std::string path() const { return path_.string(); }
+
+ private:
+  static inline int counter_ = 0;
+  std::filesystem::path path_;
+};
+
+v1::RunSummary SampleSummary() {
+  v1::RunSummary s;
+  v1::RunInfo* info = s.mutable_info();
+  info->set_run_id("moe-6b");
+  info->set_state(v1::RUN_STATE_ACTIVE);
+  info->set_world_size(8);
+  info->set_step_count(3);
+  info->set_first_step(81714);
+  info->set_last_step(81716);
+  info->set_steps_per_second(1.5);
+  (*info->mutable_labels())["job"] = "pretrain";
+  s.mutable_config()->set_hidden_size(6144);
+  s.mutable_config()->set_z_loss_coef(1e-4);
+  auto add_param = [&](const std::string& name, v1::ParamKind kind, uint64_t numel, double wd) {
+    auto* p = s.add_params();
+    p->set_name(name);
+    p->set_kind(kind);
+    p->set_numel(numel);
+    p->set_weight_decay(wd);
+  };
+  add_param("final_norm.weight", v1::PARAM_KIND_NORM_GAIN, 6144, 0);
+  add_param("lm_head.weight", v1::PARAM_KIND_OUTPUT, 788'000'000, 0.1);
+  add_param("blocks.0.attn.qkv", v1::PARAM_KIND_ATTENTION, 1000, 0.1);
+  auto latest = [&](const std::string& key, double value) {
+    auto* v = s.add_latest();
+    v->set_key(key);
+    v->set_step(81716);
+    v->set_value(value);
+  };
+  latest("grad/norm/total", 0.59);
+  latest("train/loss", 1.23);
+  latest("grad/norm/lm_head.weight", 0.57);
+  latest("grad/norm/final_norm.weight", 0.01);
+  latest("params/norm/final_norm.weight", 360.5);
+  latest("grad/norm/blocks.0.attn.qkv", std::nan(""));
+  auto* e = s.add_events();
+  e->set_step(81716);
+  e->set_text("switched to near-dropless EP routing");
+  e->set_source("trainer");
+  s.set_nonfinite_count(1);
+  s.set_last_nonfinite_step(81716);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("replay sends the file's steps, events and catalog and exits 3 on a bad line",
+          "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  TempFile file(
+      R"({"run": "hist-1", "config": {"weight_decay": 0.1}, "labels": {"job": "replay"}})"
+      "\n"
+      R"({"_step": 1, "_timestamp": 100.0, "grad/norm/total": 0.28,)"
+      R"( "grad/norm/lm_head.weight": 0.27, "params/norm/final_norm.weight": 78.4,)"
+      R"( "train/loss": 2.5})"
+      "\n"
+      R"({"_step": 2, "_timestamp": 101.0, "grad/norm/total": NaN,)"
+      R"( "params/norm/final_norm.weight": Infinity})"
+      "\n"
+      R"({"_step": 2, "event": "switched routing"})"
+      "\n"
+      R"({"_step": "three"})"
+      "\n"
+      R"({"_step": 3, "_timestamp": 102.0, "grad/norm/total": 0.3})"
+      "\n");
+  const CliResult r = RunCli({"--addr", server.address(), "--json", "replay", file.path()});
+  INFO(r.err);
+  CHECK(r.code == 3);
+  CHECK_THAT(r.err, Catch::Contains(":5: _step is not a number"));
+  const auto summary = nlohmann::json::parse(r.out);
+  CHECK(summary["run"] == "hist-1");
+  CHECK(summary["lines"] == 6);
+  CHECK(summary["steps_sent"] == 3);
+  CHECK(summary["events"] == 1);
+  CHECK(summary["skipped_lines"] == 1);
+  CHECK(summary["first_skipped"][0]["line"] == 5);
+  CHECK(summary["last_acked_step"] == 3);
+  CHECK(summary["complete"] == true);
+
+  const auto messages = ingest.Messages();
+  REQUIRE(messages.size() == 5);
+  const v1::Hello& hello = messages[0].hello();
+  CHECK(hello.run_id() == "hist-1");
+  CHECK(hello.labels().at("job") == "replay");
+  REQUIRE(hello.params_size() == 2);
+  CHECK(hello.params(0).name() == "lm_head.weight");
+  CHECK(hello.params(0).kind() == v1::PARAM_KIND_OUTPUT);
+  CHECK(hello.params(0).weight_decay() == Approx(0.1));
+  CHECK(hello.params(1).name() == "final_norm.weight");
+  CHECK(hello.params(1).weight_decay() == 0.0);
+  CHECK(messages[1].step().loss() == Approx(2.5));
+  CHECK(messages[1].step().wall_time() == Approx(100.0));
+  CHECK(std::isnan(messages[2].step().total_grad().norm()));
+  CHECK(std::isinf(messages[2].step().params(0).param().norm()));
+  CHECK(messages[3].event().text() == "switched routing");
+  CHECK(messages[4].step().step() == 3);
+}
+
+TEST_CASE("a clean replay exits 0; daemon rejections make it exit 3", "[client]") {
+  const std::string content = R"({"_step": 1, "grad/norm/total": 0.28})"
+                              "\n"
+                              R"({"_step": 2, "grad/norm/total": -1})"
+                              "\n";
+  TempFile file(content);
+  {
+    FakeIngest ingest;
+    FakeServer server({&ingest});
+    const CliResult r =
+        RunCli({"--addr", server.address(), "replay", file.path(), "--run", "clean"});
+    INFO(r.err);
+    CHECK(r.code == 0);
+    CHECK_THAT(r.out, Catch::Contains("as run clean"));
+  }
+  {
+    FakeIngest ingest;
+    ingest.set_reject([](const v1::TrainerMessage& m) -> std::optional<v1::Error> {
+      if (!m.has_step() || m.step().total_grad().norm() >= 0) return std::nullopt;
+      v1::Error e;
+      e.set_seq(m.seq());
+      e.set_step(m.step().step());
+      e.set_reason(v1::ERROR_REASON_NEGATIVE_NORM);
+      e.set_message("grad/norm/total is negative");
+      return e;
+    });
+    FakeServer server({&ingest});
+    const CliResult r = RunCli({"--addr", server.address(), "--json", "replay", file.path()});
+    CHECK(r.code == 3);
+    CHECK_THAT(r.err, Catch::Contains(":2: daemon rejected step 2 (NEGATIVE_NORM)"));
+    const auto summary = nlohmann::json::parse(r.out);
+    CHECK(summary["daemon_errors"]["ERROR_REASON_NEGATIVE_NORM"] == 1);
+    CHECK(summary["complete"] == true);
+  }
+}
+
+TEST_CASE("replay paces by timestamps with --speed", "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  TempFile file(R"({"_step": 1, "_timestamp": 10.0, "train/loss": 1})"
+                "\n"
+                R"({"_step": 2, "_timestamp": 11.0, "train/loss": 1})"
+                "\n");
+  const auto started = std::chrono::steady_clock::now();
+  const CliResult r = RunCli({"--addr", server.address(), "replay", file.path(), "--speed", "4"});
+  CHECK(r.code == 0);
+  CHECK(std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(240));
+}
+
+TEST_CASE("replay fails with 1 when the daemon is unreachable or the file is missing", "[client]") {
+  int port = 0;
+  {
+    FakeIngest ingest;
+    FakeServer server({&ingest});
+    port = server.port();
+  }
+  TempFile file(R"({"_step": 1, "train/loss": 1})"
+                "\n");
+  CliResult r = RunCli(
+      {"--addr", "127.0.0.1:" + std::to_string(port), "--timeout", "0.5", "replay", file.path()});
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon"));
+  r = RunCli({"replay", "/nonexistent/history.jsonl"});
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("cannot open"));
+}
+
+TEST_CASE("usage errors exit 2 and help exits 0 with the exit codes", "[client]") {
+  CHECK(RunCli({}).code == 2);
+  CHECK(RunCli({"bogus"}).code == 2);
+  CHECK(RunCli({"replay"}).code == 2);
+  CHECK(RunCli({"replay", "f", "--speed", "2", "--max"}).code == 2);
+  CHECK(RunCli({"replay", "f", "--rank", "3", "--world-size", "2"}).code == 2);
+  CHECK(RunCli({"series", "run-only"}).code == 2);
+  const CliResult help = RunCli({"--help"});
+  CHECK(help.code == 0);
+  CHECK_THAT(help.out, Catch::Contains("Exit codes"));
+  CHECK_THAT(help.out, Catch::Contains("3  replay finished"));
+  for (const char* sub : {"replay", "runs", "show", "series", "annotate"}) {
+    CAPTURE(sub);
+    CHECK(RunCli({sub, "--help"}).code == 0);
+  }
+}
+
+TEST_CASE("runs, show, series and annotate query the daemon", "[client]") {
+  FakeQuery query;
+  query.runs["moe-6b"] = SampleSummary();
+  v1::GetSeriesResponse series;
+  for (uint64_t s = 1; s <= 3; ++s) {
+    auto* p = series.add_points();
+    p->set_step(s);
+    p->set_last_step(s);
+    p->set_value(s == 2 ? std::nan("") : 0.25 * static_cast<double>(s));
+    p->set_min(0.1);
+    p->set_max(0.9);
+    p->set_count(1);
+  }
+  query.series["grad/norm/total"] = series;
+  FakeServer server({&query});
+  const std::string addr = server.address();
+
+  CliResult r = RunCli({"--addr", addr, "runs"});
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("moe-6b") && Catch::Contains("active") &&
+                        Catch::Contains("81714..81716"));
+  r = RunCli({"--addr", addr, "runs", "--json"});
+  CHECK(r.code == 0);
+  CHECK(nlohmann::json::parse(r.out)["runs"][0]["world_size"] == 8);
+
+  r = RunCli({"--addr", addr, "show", "moe-6b"});
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("hidden_size=6144") && Catch::Contains("lm_head.weight") &&
+                        Catch::Contains("switched to near-dropless EP routing"));
+  r = RunCli({"--addr", addr, "--json", "show", "moe-6b"});
+  CHECK(r.code == 0);
+  const auto shown = nlohmann::json::parse(r.out);
+  CHECK(shown["info"]["last_step"] == 81716);
+  CHECK(shown["overview"]["top_params"][0]["grad_norm"] == "NaN");
+  CHECK(shown["overview"]["top_params"][1]["name"] == "lm_head.weight");
+
+  r = RunCli({"--addr", addr, "show", "nope"});
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("not found"));
+
+  r = RunCli({"--addr", addr, "series", "moe-6b", "grad/norm/total", "--max-points", "10"});
+  CHECK(r.code == 0);
+  CHECK(r.out == "1 0.25 0.1 0.9 1\n2 NaN 0.1 0.9 1\n3 0.75 0.1 0.9 1\n");
+  r = RunCli({"--addr", addr, "--json", "series", "moe-6b", "grad/norm/total"});
+  CHECK(nlohmann::json::parse(r.out)[1]["value"] == "NaN");
+
+  r = RunCli({"--addr", addr, "annotate", "moe-6b", "81716", "enabled", "wd", "on", "final_norm"});
+  CHECK(r.code == 0);
+  REQUIRE(query.annotations.size() == 1);
+  CHECK(query.annotations[0].step() == 81716);
+  CHECK(query.annotations[0].text() == "enabled wd on final_norm");
+}
+
+TEST_CASE("show ranks parameters by grad norm with non-finite values first", "[client]") {
+  const auto overview = gradwatch::cli::BuildOverview(SampleSummary(), 2);
+  REQUIRE(overview.top_params.size() == 2);
+  CHECK(overview.top_params[0].name == "blocks.0.attn.qkv");
+  CHECK(overview.top_params[1].name == "lm_head.weight");
+  CHECK(overview.params_with_values == 3);
+  REQUIRE(overview.key_series.size() == 2);
+  CHECK(overview.key_series[0].key() == "grad/norm/total");
+  CHECK(overview.key_series[1].key() == "train/loss");
+}
+
+TEST_CASE("proto JSON keeps integers as numbers and non-finite doubles as strings", "[client]") {
+  v1::LatestValue v;
+  v.set_key("k");
+  v.set_step(18446744073709551615ull);
+  v.set_value(-std::numeric_limits<double>::infinity());
+  const auto j = gradwatch::cli::ProtoToJson(v);
+  CHECK(j["step"] == 18446744073709551615ull);
+  CHECK(j["value"] == "-Infinity");
+  v1::RunConfig c;
+  CHECK_FALSE(gradwatch::cli::ProtoToJson(c).contains("z_loss_coef"));
+  c.set_z_loss_coef(0);
+  CHECK(gradwatch::cli::ProtoToJson(c)["z_loss_coef"] == 0.0);
+}
