@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <thread>
 
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
@@ -265,4 +266,32 @@ TEST_CASE("killed with SIGKILL, the daemon still has every step it acked", "[int
   const v1::RunSummary summary = GetRun(daemon.grpc_target(), "crash");
   CHECK(summary.info().last_step() >= acked);
   CHECK(summary.info().step_count() >= acked);
+}
+
+TEST_CASE("an ended run leaves /metrics but stays queryable", "[integration]") {
+  DaemonOptions options;
+  options.config_yaml = "runs: {end_after_seconds: 1}\n";
+  DaemonProcess daemon(options);
+  {
+    StreamClient stream(daemon.grpc_target());
+    REQUIRE(stream.Hello(MakeHello("short-lived", 0, 1, kCatalog), 1));
+    stream.WaitAccepted();
+    REQUIRE(stream.Step(ShardStep(1, 4.0, 1.0), 2));
+    stream.WaitAck(1);
+    CHECK(ParseMetric(daemon.ScrapeMetrics(), "gradwatch_last_step", {{"run", "short-lived"}}) == 1);
+    CHECK(stream.Close().ok());
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::string metrics;
+  do {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    metrics = daemon.ScrapeMetrics();
+  } while (ParseMetric(metrics, "gradwatch_runs", {{"state", "ended"}}) != 1.0 &&
+           std::chrono::steady_clock::now() < deadline);
+  CHECK(ParseMetric(metrics, "gradwatch_runs", {{"state", "ended"}}) == 1);
+  CHECK(metrics.find("short-lived") == std::string::npos);
+  const v1::RunSummary summary = GetRun(daemon.grpc_target(), "short-lived");
+  CHECK(summary.info().state() == v1::RUN_STATE_ENDED);
+  CHECK(summary.info().step_count() == 1);
+  CHECK(GetSeries(daemon.grpc_target(), "short-lived", "grad/norm/total").size() == 1);
 }
