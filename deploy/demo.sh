@@ -141,9 +141,8 @@ until grpc_port="$(ready_value grpc_port)" && metrics_port="$(ready_value metric
   sleep 0.1
 done
 gw_log "gradwatchd (pid $daemon_pid) is ready: gRPC on 127.0.0.1:$grpc_port, /metrics on 127.0.0.1:$metrics_port"
-if [[ "$grpc_port" != 7390 ]]; then
-  gw_log "warning: the CLI talks to 127.0.0.1:7390 by default, but the daemon listens on $grpc_port"
-fi
+# The CLI defaults to 127.0.0.1:7390 (the config's port); say where the daemon really is.
+export GRADWATCH_ADDR="127.0.0.1:$grpc_port"
 
 echo
 echo "\$ gradwatch replay $RUN_ID.jsonl --max"
@@ -164,7 +163,7 @@ echo "Prometheus metrics: $metrics_url (scrape it, or curl it as above)"
 
 if [[ "$serve" == true ]]; then
   echo "gradwatchd keeps running as pid $daemon_pid (data: $data_dir, log: $data_dir/gradwatchd.log)."
-  echo "Try: $CLI series $RUN_ID grad/norm/total"
+  echo "Try: $CLI --addr 127.0.0.1:$grpc_port series $RUN_ID grad/norm/total --max-points 20"
   echo "Stop it with: kill $daemon_pid"
   daemon_pid=""
   exit 0
