@@ -283,10 +283,23 @@ void Run::CompleteLocked(const PendingStep& p) {
   AppendLocked(out);
   if (stats_) stats_->samples_received.fetch_add(out.values.size(), std::memory_order_relaxed);
 
-  store::StepJournalRecord record{id_, out, {}};
-  record.progress.reserve(p.contributors.size());
-  for (const auto& [rank, seq] : p.contributors) {
-    record.progress.push_back({id_, rank, p.step, seq});
+  if (journal_ == nullptr) return;
+  // Reuse a committed record's buffers: assignments below keep their capacity.
+  store::StepJournalRecord record = journal_->AcquireStepRecord();
+  record.run_id = id_;
+  record.step.step = out.step;
+  record.step.wall_time = out.wall_time;
+  record.step.partial = out.partial;
+  record.step.ranks_reported = out.ranks_reported;
+  record.step.client_dropped_steps = out.client_dropped_steps;
+  record.step.values.assign(out.values.begin(), out.values.end());
+  record.progress.resize(p.contributors.size());
+  for (size_t i = 0; i < p.contributors.size(); ++i) {
+    store::RankProgress& rp = record.progress[i];
+    rp.run_id = id_;
+    rp.rank = p.contributors[i].first;
+    rp.step = p.step;
+    rp.seq = p.contributors[i].second;
   }
   JournalLocked(std::move(record));
 }

@@ -468,7 +468,9 @@ Journal::Journal(JournalOptions options, CommitCallback on_commit, sqlite3* db,
     : options_(std::move(options)),
       on_commit_(std::move(on_commit)),
       db_(db),
-      statements_(std::move(statements)) {}
+      statements_(std::move(statements)) {
+  free_steps_.reserve(std::min<size_t>(2 * options_.batch_max, 8192));
+}
 
 Journal::~Journal() { Stop(); }
 
@@ -511,6 +513,14 @@ Status Journal::Flush() {
   return failed_commits_ != failures_before ? last_failure_ : last_status_;
 }
 
+StepJournalRecord Journal::AcquireStepRecord() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_steps_.empty()) return {};
+  StepJournalRecord record = std::move(free_steps_.back());
+  free_steps_.pop_back();
+  return record;
+}
+
 size_t Journal::queue_depth() const {
   std::lock_guard<std::mutex> lock(mu_);
   return queue_.size();
@@ -537,12 +547,13 @@ void Journal::Run() {
     cv_.wait_until(lock, deadline, [&] {
       return stopping_ || flush_waiters_ > 0 || queue_.size() >= options_.batch_max;
     });
-    const size_t n = std::min(queue_.size(), options_.batch_max);
     batch.clear();
-    batch.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      batch.push_back(std::move(queue_.front()));
-      queue_.pop_front();
+    if (queue_.size() <= options_.batch_max) {
+      std::swap(batch, queue_);  // both buffers keep their capacity: no allocation when warm
+    } else {
+      const auto end = queue_.begin() + static_cast<std::ptrdiff_t>(options_.batch_max);
+      batch.insert(batch.end(), std::make_move_iterator(queue_.begin()), std::make_move_iterator(end));
+      queue_.erase(queue_.begin(), end);
     }
     lock.unlock();
 
@@ -572,6 +583,12 @@ void Journal::Run() {
     }
     last_status_ = std::move(status);
     committed_ += batch.size();
+    for (JournalRecord& record : batch) {
+      auto* step = std::get_if<StepJournalRecord>(&record);
+      if (step != nullptr && free_steps_.size() < free_steps_.capacity()) {
+        free_steps_.push_back(std::move(*step));
+      }
+    }
     flushed_cv_.notify_all();
   }
 }

@@ -6,7 +6,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -121,6 +120,10 @@ class Journal {
   // Commits what is queued, stops the thread, closes the database. Idempotent.
   void Stop();
 
+  // A step record for Enqueue whose buffers come from already committed records, so that the
+  // ingest path does not allocate once warm. Fields hold stale values: overwrite all of them.
+  StepJournalRecord AcquireStepRecord();
+
   // Records waiting for a commit (not counting the batch being committed).
   size_t queue_depth() const;
   // Successful commits, and failed (rolled back) commits, since open.
@@ -147,7 +150,8 @@ class Journal {
   mutable std::mutex mu_;
   std::condition_variable cv_;          // wakes the writer thread
   std::condition_variable flushed_cv_;  // wakes Flush() waiters
-  std::deque<JournalRecord> queue_;     // guarded by mu_
+  std::vector<JournalRecord> queue_;    // guarded by mu_; swapped with the writer's batch
+  std::vector<StepJournalRecord> free_steps_;  // guarded by mu_: committed records for reuse
   uint64_t enqueued_ = 0;               // guarded by mu_
   uint64_t committed_ = 0;              // guarded by mu_: records committed or failed
   Status last_status_;                  // guarded by mu_

@@ -101,22 +101,21 @@ TEST_CASE("replay sends the file's steps, events and catalog and exits 3 on a ba
           "[client]") {
   FakeIngest ingest;
   FakeServer server({&ingest});
-  TempFile file(
-      R"({"run": "hist-1", "config": {"weight_decay": 0.1}, "labels": {"job": "replay"}})"
-      "\n"
-      R"({"_step": 1, "_timestamp": 100.0, "grad/norm/total": 0.28,)"
-      R"( "grad/norm/lm_head.weight": 0.27, "params/norm/final_norm.weight": 78.4,)"
-      R"( "train/loss": 2.5})"
-      "\n"
-      R"({"_step": 2, "_timestamp": 101.0, "grad/norm/total": NaN,)"
-      R"( "params/norm/final_norm.weight": Infinity})"
-      "\n"
-      R"({"_step": 2, "event": "switched routing"})"
-      "\n"
-      R"({"_step": "three"})"
-      "\n"
-      R"({"_step": 3, "_timestamp": 102.0, "grad/norm/total": 0.3})"
-      "\n");
+  TempFile file(R"({"run": "hist-1", "config": {"weight_decay": 0.1}, "labels": {"job": "replay"}})"
+                "\n"
+                R"({"_step": 1, "_timestamp": 100.0, "grad/norm/total": 0.28,)"
+                R"( "grad/norm/lm_head.weight": 0.27, "params/norm/final_norm.weight": 78.4,)"
+                R"( "train/loss": 2.5})"
+                "\n"
+                R"({"_step": 2, "_timestamp": 101.0, "grad/norm/total": NaN,)"
+                R"( "params/norm/final_norm.weight": Infinity})"
+                "\n"
+                R"({"_step": 2, "event": "switched routing"})"
+                "\n"
+                R"({"_step": "three"})"
+                "\n"
+                R"({"_step": 3, "_timestamp": 102.0, "grad/norm/total": 0.3})"
+                "\n");
   const CliResult r = RunCli({"--addr", server.address(), "--json", "replay", file.path()});
   INFO(r.err);
   CHECK(r.code == 3);
@@ -179,11 +178,39 @@ TEST_CASE("a clean replay exits 0; daemon rejections make it exit 3", "[client]"
     FakeServer server({&ingest});
     const CliResult r = RunCli({"--addr", server.address(), "--json", "replay", file.path()});
     CHECK(r.code == 3);
-    CHECK_THAT(r.err, Catch::Contains(":2: daemon rejected step 2 (NEGATIVE_NORM)"));
+    CHECK_THAT(r.err, Catch::Contains(":2: daemon error at step 2 (NEGATIVE_NORM)"));
     const auto summary = nlohmann::json::parse(r.out);
     CHECK(summary["daemon_errors"]["ERROR_REASON_NEGATIVE_NORM"] == 1);
     CHECK(summary["complete"] == true);
   }
+}
+
+TEST_CASE("a replay run again sends only the steps the daemon has not received", "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  std::string lines;
+  for (int step = 1; step <= 3; ++step) {
+    lines += R"({"_step": )" + std::to_string(step) +
+             R"(, "train/loss": 1.5})"
+             "\n";
+  }
+  TempFile first(lines);
+  CliResult r = RunCli({"--addr", server.address(), "replay", first.path(), "--run", "again"});
+  REQUIRE(r.code == 0);
+  lines += R"({"_step": 4, "train/loss": 1.4})"
+           "\n"
+           R"({"_step": 5, "train/loss": 1.3})"
+           "\n";
+  TempFile second(lines);
+  r = RunCli({"--addr", server.address(), "--json", "replay", second.path(), "--run", "again"});
+  INFO(r.err);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.err, Catch::Contains("through step 3"));
+  const auto summary = nlohmann::json::parse(r.out);
+  CHECK(summary["steps_sent"] == 2);
+  CHECK(summary["already_held_steps"] == 3);
+  CHECK(summary["last_acked_step"] == 5);
+  CHECK(ingest.Steps() == std::vector<uint64_t>{1, 2, 3, 4, 5});
 }
 
 TEST_CASE("replay paces by timestamps with --speed", "[client]") {

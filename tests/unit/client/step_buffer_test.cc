@@ -28,9 +28,10 @@ v1::Event EventAt(uint64_t n, const std::string& text) {
 // Writes everything that is waiting, as the sender would; returns what was written.
 std::vector<v1::TrainerMessage> WriteAll(StepBuffer& buffer, uint64_t& seq) {
   std::vector<v1::TrainerMessage> written;
-  while (const StepBuffer::Entry* e = buffer.NextToWrite()) {
-    written.push_back(e->message);
-    buffer.MarkWritten(e->id, seq++);
+  while (auto claimed = buffer.NextToWrite(seq)) {
+    ++seq;
+    written.push_back(claimed->message);
+    buffer.MarkWritten(claimed->id);
   }
   return written;
 }
@@ -195,11 +196,13 @@ TEST_CASE("a rejected step is released by seq, else by step number", "[client]")
   for (uint64_t n = 1; n <= 5; ++n) buffer.PushStep(Step(n));
   uint64_t seq = 100;
   WriteAll(buffer, seq);                  // steps 1..5 got seq 100..104
-  CHECK(buffer.ReleaseRejected(102, 0));  // seq 102 is step 3
+  CHECK(buffer.ReleaseRejected(102, 3));  // seq 102 is step 3
   CHECK(buffer.steps() == 4);
+  // A seq that names no step (an event's) releases nothing, whatever its step number.
+  CHECK_FALSE(buffer.ReleaseRejected(999, 4));
   CHECK(buffer.ReleaseRejected(0, 5));
   CHECK_FALSE(buffer.ReleaseRejected(0, 5));
-  CHECK_FALSE(buffer.ReleaseRejected(999, 42));
+  CHECK_FALSE(buffer.ReleaseRejected(0, 42));
   CHECK(buffer.OnAck(4) == 3);
   CHECK(buffer.empty());
 }
@@ -208,22 +211,34 @@ TEST_CASE("a message refused before writing can be released by id", "[client]") 
   StepBuffer buffer(100, 10);
   buffer.PushStep(Step(1));
   buffer.PushStep(Step(2));
-  const StepBuffer::Entry* e = buffer.NextToWrite();
-  REQUIRE(e != nullptr);
-  CHECK(buffer.Release(e->id));
-  e = buffer.NextToWrite();
-  REQUIRE(e != nullptr);
-  CHECK(e->step() == 2);
+  auto claimed = buffer.NextToWrite(1);
+  REQUIRE(claimed);
+  CHECK(claimed->message.seq() == 1);
+  CHECK(buffer.Release(claimed->id));
+  claimed = buffer.NextToWrite(2);
+  REQUIRE(claimed);
+  CHECK(claimed->message.step().step() == 2);
+}
+
+TEST_CASE("an error that overtakes its write still releases the step", "[client]") {
+  StepBuffer buffer(100, 10);
+  buffer.PushStep(Step(1));
+  auto claimed = buffer.NextToWrite(9);
+  REQUIRE(claimed);
+  CHECK(buffer.ReleaseRejected(9, 1));
+  buffer.MarkWritten(claimed->id);
+  CHECK(buffer.empty());
+  CHECK(buffer.unacked() == 0);
 }
 
 TEST_CASE("marking a released entry as written is harmless", "[client]") {
   StepBuffer buffer(100, 10);
   buffer.PushStep(Step(1));
   buffer.PushStep(Step(2));
-  const StepBuffer::Entry* e = buffer.NextToWrite();
-  const uint64_t id = e->id;
+  auto claimed = buffer.NextToWrite(1);
+  REQUIRE(claimed);
   CHECK(buffer.OnAck(1) == 1);  // the daemon already had it
-  buffer.MarkWritten(id, 7);
+  buffer.MarkWritten(claimed->id);
   CHECK(buffer.unacked() == 0);
   CHECK(buffer.queued() == 1);
 }

@@ -527,3 +527,16 @@ TEST_CASE("corrupt run JSON fails Load with an error naming the run", "[store]")
   CHECK_THAT(s.message(), Catch::Contains("json-run"));
   CHECK(recorder.runs.empty());
 }
+
+TEST_CASE("committed step records are handed back for reuse with their buffers", "[store]") {
+  TempDir dir;
+  auto journal = OpenOrFail({.path = dir.db()}, nullptr);
+  CHECK(journal->AcquireStepRecord().step.values.capacity() == 0);  // nothing committed yet
+  std::vector<SeriesValue> values;
+  for (SeriesId id = 0; id < 64; ++id) values.push_back({id, 1.0});
+  REQUIRE(journal->Enqueue(MakeStep("run", 1, values, {{"run", 0, 1, 1}})));
+  REQUIRE(journal->Flush().ok());
+  const StepJournalRecord reused = journal->AcquireStepRecord();
+  CHECK(reused.step.values.capacity() >= 64);
+  CHECK(reused.progress.capacity() >= 1);
+}
