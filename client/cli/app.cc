@@ -52,8 +52,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
 
   GlobalOptions global;
   global.address = DefaultAddress();
-  app.add_option("--addr", global.address, "Daemon gRPC address, host:port")
-      ->capture_default_str();
+  app.add_option("--addr", global.address, "Daemon gRPC address, host:port")->capture_default_str();
   app.add_option("--timeout", global.timeout_seconds,
                  "Deadline of each query, and how long replay waits for the daemon (seconds)")
       ->capture_default_str()
@@ -68,8 +67,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   replay_cmd->add_option("FILE", replay.file, "JSONL file, one object per line")->required();
   replay_cmd->add_option("--run", replay.run,
                          "Run id (default: the header's \"run\", else the file's stem)");
-  auto* speed = replay_cmd->add_option(
-      "--speed", replay.speed, "Pace by _timestamp at X times real time")->check(CLI::PositiveNumber);
+  auto* speed =
+      replay_cmd->add_option("--speed", replay.speed, "Pace by _timestamp at X times real time")
+          ->check(CLI::PositiveNumber);
   auto* max = replay_cmd->add_flag("--max", replay_max,
                                    "Send as fast as the daemon acknowledges (the default)");
   speed->excludes(max);
@@ -81,11 +81,13 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   auto* runs_cmd = app.add_subcommand("runs", "List the runs the daemon holds");
 
   std::string show_run;
-  auto* show_cmd = app.add_subcommand("show", "Summarise a run: info, config, catalog, latest values, events");
+  auto* show_cmd =
+      app.add_subcommand("show", "Summarise a run: info, config, catalog, latest values, events");
   show_cmd->add_option("RUN", show_run, "Run id")->required();
 
   SeriesOptions series;
-  auto* series_cmd = app.add_subcommand("series", "Print a series: step value min max count per point");
+  auto* series_cmd =
+      app.add_subcommand("series", "Print a series: step value min max count per point");
   series_cmd->add_option("RUN", series.run, "Run id")->required();
   series_cmd->add_option("KEY", series.key, "Series key, e.g. grad/norm/total")->required();
   series_cmd->add_option("--from", series.from_step, "First step (inclusive)");
@@ -104,8 +106,8 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   try {
     app.parse(argc, argv);
     if (*replay_cmd && replay.rank >= replay.world_size) {
-      throw CLI::ValidationError("--rank", "must be below --world-size (" +
-                                               std::to_string(replay.world_size) + ")");
+      throw CLI::ValidationError(
+          "--rank", "must be below --world-size (" + std::to_string(replay.world_size) + ")");
     }
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e, out, err);
@@ -128,7 +130,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
 int Main(int argc, const char* const* argv) {
   // Logging goes to stderr so that stdout stays clean for --json.
   auto logger = spdlog::stderr_color_mt("gradwatch");
-  logger->set_pattern("gradwatch: %l: %v");
+  logger->set_pattern("[%l] %v");
   spdlog::set_default_logger(logger);
   try {
     return Run(argc, argv, std::cout, std::cerr);

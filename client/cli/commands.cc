@@ -16,7 +16,8 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
           << FormatValue(global.timeout_seconds) << " s (" << what << ")";
       break;
     case grpc::StatusCode::NOT_FOUND:
-      err << what << ": " << (status.error_message().empty() ? "not found" : status.error_message());
+      err << what << ": "
+          << (status.error_message().empty() ? "not found" : status.error_message());
       break;
     default:
       err << what << " failed: code " << static_cast<int>(status.error_code()) << ": "
@@ -51,8 +52,8 @@ int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::
   return kExitOk;
 }
 
-int RunSeries(const GlobalOptions& global, client::QueryClient& query,
-              const SeriesOptions& options, std::ostream& out, std::ostream& err) {
+int RunSeries(const GlobalOptions& global, client::QueryClient& query, const SeriesOptions& options,
+              std::ostream& out, std::ostream& err) {
   v1::GetSeriesRequest request;
   request.set_run_id(options.run);
   request.set_key(options.key);
@@ -61,8 +62,8 @@ int RunSeries(const GlobalOptions& global, client::QueryClient& query,
   request.set_max_points(options.max_points);
   auto result = query.GetSeries(request);
   if (!result.ok()) {
-    return ReportRpcError(global, "series " + options.key + " of run " + options.run,
-                          result.status, err);
+    return ReportRpcError(global, "series " + options.key + " of run " + options.run, result.status,
+                          err);
   }
   if (global.json) {
     out << SeriesToJson(result.response).dump(2) << "\n";
@@ -77,7 +78,7 @@ int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const s
   auto result = query.Annotate(run, step, text);
   if (!result.ok()) return ReportRpcError(global, "annotate run " + run, result.status, err);
   if (global.json) {
-    out << nlohmann::json{{"run", run}, {"step", step}, {"text", text}}.dump(2) << "\n";
+    out << nlohmann::ordered_json{{"run", run}, {"step", step}, {"text", text}}.dump(2) << "\n";
   } else {
     out << "annotated run " << run << " at step " << step << "\n";
   }

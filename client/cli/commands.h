@@ -1,11 +1,11 @@
 // The query subcommands. Each returns the process exit code.
 #pragma once
 
+#include <grpcpp/support/status.h>
+
 #include <cstdint>
 #include <ostream>
 #include <string>
-
-#include <grpcpp/support/status.h>
 
 #include "client/cli/options.h"
 #include "client/lib/query_client.h"
@@ -24,8 +24,8 @@ int RunRuns(const GlobalOptions& global, client::QueryClient& query, std::ostrea
             std::ostream& err);
 int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
             std::ostream& out, std::ostream& err);
-int RunSeries(const GlobalOptions& global, client::QueryClient& query,
-              const SeriesOptions& options, std::ostream& out, std::ostream& err);
+int RunSeries(const GlobalOptions& global, client::QueryClient& query, const SeriesOptions& options,
+              std::ostream& out, std::ostream& err);
 int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
                 uint64_t step, const std::string& text, std::ostream& out, std::ostream& err);
 

@@ -1,14 +1,15 @@
 #include "client/cli/format.h"
 
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/reflection.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <ctime>
 #include <map>
 #include <sstream>
-
-#include <google/protobuf/descriptor.h>
-#include <google/protobuf/reflection.h>
 
 #include "client/cli/replay_parser.h"
 
@@ -18,7 +19,7 @@ namespace {
 using google::protobuf::FieldDescriptor;
 using google::protobuf::Message;
 using google::protobuf::Reflection;
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 constexpr std::string_view kGradPrefix = "grad/norm/";
 constexpr std::string_view kParamPrefix = "params/norm/";
@@ -57,13 +58,18 @@ json FieldToJson(const Message& m, const Reflection* r, const FieldDescriptor* f
   return nullptr;
 }
 
-std::string MapKey(const json& key) { return key.is_string() ? key.get<std::string>() : key.dump(); }
+std::string MapKey(const json& key) {
+  return key.is_string() ? key.get<std::string>() : key.dump();
+}
 
 std::string StateName(v1::RunState state) {
   switch (state) {
-    case v1::RUN_STATE_ACTIVE: return "active";
-    case v1::RUN_STATE_ENDED: return "ended";
-    default: return "unknown";
+    case v1::RUN_STATE_ACTIVE:
+      return "active";
+    case v1::RUN_STATE_ENDED:
+      return "ended";
+    default:
+      return "unknown";
   }
 }
 
@@ -74,6 +80,13 @@ std::string FormatWallTime(double seconds) {
   gmtime_r(&t, &tm);
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// A speed for people to read: two decimals are plenty.
+std::string FormatRate(double per_second) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", per_second);
   return buf;
 }
 
@@ -145,7 +158,8 @@ json ProtoToJson(const Message& message) {
       out[f->name()] = std::move(obj);
     } else if (f->is_repeated()) {
       json arr = json::array();
-      for (int j = 0; j < r->FieldSize(message, f); ++j) arr.push_back(FieldToJson(message, r, f, j));
+      for (int j = 0; j < r->FieldSize(message, f); ++j)
+        arr.push_back(FieldToJson(message, r, f, j));
       out[f->name()] = std::move(arr);
     } else if (!f->has_presence() || r->HasField(message, f)) {
       out[f->name()] = FieldToJson(message, r, f, -1);
@@ -185,8 +199,7 @@ std::string FormatRunsTable(const v1::ListRunsResponse& runs) {
         run.step_count() > 0
             ? std::to_string(run.first_step()) + ".." + std::to_string(run.last_step())
             : "-",
-        run.steps_per_second() > 0 ? FormatValue(std::round(run.steps_per_second() * 100) / 100)
-                                   : "-",
+        run.steps_per_second() > 0 ? FormatRate(run.steps_per_second()) : "-",
         std::to_string(run.open_streams()),
     });
   }
@@ -204,7 +217,9 @@ RunOverview BuildOverview(const v1::RunSummary& summary, size_t top_n) {
   }
   std::map<std::string, ParamLatest> params;
   for (const v1::ParamInfo& p : summary.params()) {
-    params[p.name()] = ParamLatest{.name = p.name(), .kind = p.kind()};
+    ParamLatest& latest = params[p.name()];
+    latest.name = p.name();
+    latest.kind = p.kind();
   }
   for (const v1::LatestValue& v : summary.latest()) {
     const std::string& key = v.key();
@@ -250,9 +265,10 @@ std::string FormatRunSummary(const v1::RunSummary& summary) {
   };
   std::string steps = std::to_string(info.step_count());
   if (info.step_count() > 0) {
-    steps += " (" + std::to_string(info.first_step()) + ".." + std::to_string(info.last_step()) + ")";
+    steps +=
+        " (" + std::to_string(info.first_step()) + ".." + std::to_string(info.last_step()) + ")";
   }
-  if (info.steps_per_second() > 0) steps += ", " + FormatValue(info.steps_per_second()) + " steps/s";
+  if (info.steps_per_second() > 0) steps += ", " + FormatRate(info.steps_per_second()) + " steps/s";
   head.push_back({"steps", steps});
   head.push_back({"last step at", FormatWallTime(info.last_wall_time())});
   head.push_back({"partial steps", std::to_string(info.partial_steps())});

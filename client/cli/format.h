@@ -1,14 +1,14 @@
 // Output of the query commands, human and JSON, as pure functions of the daemon's answers.
 #pragma once
 
+#include <google/protobuf/message.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <google/protobuf/message.h>
-#include <nlohmann/json.hpp>
 
 #include "gradwatch/v1/gradwatch.pb.h"
 
@@ -18,11 +18,11 @@ namespace gradwatch::cli {
 std::string FormatValue(double value);
 // A double as JSON: a number, or the strings "NaN", "Infinity", "-Infinity" (protobuf's JSON
 // spelling; nlohmann-json would print null).
-nlohmann::json JsonValue(double value);
+nlohmann::ordered_json JsonValue(double value);
 
 // Any message as JSON: proto field names, enums by name, 64-bit integers as numbers, maps as
 // objects, proto3 scalars always, fields with presence only when set.
-nlohmann::json ProtoToJson(const google::protobuf::Message& message);
+nlohmann::ordered_json ProtoToJson(const google::protobuf::Message& message);
 
 // Rows of text as left-aligned columns separated by two spaces.
 std::string FormatTable(const std::vector<std::vector<std::string>>& rows);
@@ -51,10 +51,10 @@ RunOverview BuildOverview(const v1::RunSummary& summary, size_t top_n = 10);
 
 // `gradwatch show`: text, and JSON (the summary's fields plus "overview").
 std::string FormatRunSummary(const v1::RunSummary& summary);
-nlohmann::json RunSummaryToJson(const v1::RunSummary& summary);
+nlohmann::ordered_json RunSummaryToJson(const v1::RunSummary& summary);
 
 // `gradwatch series`: "step value min max count" per point.
 std::string FormatSeries(const v1::GetSeriesResponse& series);
-nlohmann::json SeriesToJson(const v1::GetSeriesResponse& series);
+nlohmann::ordered_json SeriesToJson(const v1::GetSeriesResponse& series);
 
 }  // namespace gradwatch::cli

@@ -17,12 +17,13 @@
 
 #include "client/cli/format.h"
 #include "client/lib/monitor.h"
+#include "client/lib/query_client.h"
 
 namespace gradwatch::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 constexpr size_t kSkippedInSummary = 5;
 constexpr size_t kDaemonMessagesShown = 100;
@@ -34,33 +35,38 @@ std::string ReasonShortName(const std::string& reason) {
 }
 
 // Daemon messages arrive on the Monitor's reader thread; the main thread prints them, so that
-// `err` is only ever written from one thread.
+// `err` is only ever written from one thread. At most kDaemonMessagesShown of each are kept.
 class DaemonMessages {
  public:
   void AddError(const v1::Error& e) {
     std::lock_guard lock(mu_);
-    if (errors_.size() < kDaemonMessagesShown) errors_.push_back(e);
+    if (errors_seen_++ < kDaemonMessagesShown) errors_.push_back(e);
   }
   void AddAlert(const v1::Alert& a) {
     std::lock_guard lock(mu_);
-    if (alerts_.size() < kDaemonMessagesShown) alerts_.push_back(a);
+    if (alerts_seen_++ < kDaemonMessagesShown) alerts_.push_back(a);
   }
   void Print(const std::string& file, const std::unordered_map<uint64_t, uint64_t>& line_of_step,
              std::ostream& err) {
     std::vector<v1::Error> errors;
     std::vector<v1::Alert> alerts;
+    bool announce_limit = false;
     {
       std::lock_guard lock(mu_);
       errors.swap(errors_);
       alerts.swap(alerts_);
+      if (errors_seen_ > kDaemonMessagesShown && !limit_announced_) {
+        announce_limit = limit_announced_ = true;
+      }
     }
     for (const v1::Error& e : errors) {
       auto it = line_of_step.find(e.step());
       err << file;
       if (it != line_of_step.end()) err << ":" << it->second;
-      err << ": daemon rejected step " << e.step() << " ("
+      err << ": daemon error at step " << e.step() << " ("
           << ReasonShortName(v1::ErrorReason_Name(e.reason())) << "): " << e.message() << "\n";
     }
+    if (announce_limit) err << file << ": further daemon errors are only counted\n";
     for (const v1::Alert& a : alerts) {
       std::string state = v1::AlertState_Name(a.state());
       if (state.rfind("ALERT_STATE_", 0) == 0) state.erase(0, 12);
@@ -77,41 +83,53 @@ class DaemonMessages {
   std::mutex mu_;
   std::vector<v1::Error> errors_;
   std::vector<v1::Alert> alerts_;
+  size_t errors_seen_ = 0;
+  size_t alerts_seen_ = 0;
+  bool limit_announced_ = false;
 };
 
 void ClearProgress(bool progress, std::ostream& err) {
   if (progress) err << "\r\033[K" << std::flush;
 }
 
+// Calls fn(line_number, result) for every line that is not blank, allowing a header on the
+// first of them, until fn returns false. Returns the number of lines read.
+template <typename Fn>
+uint64_t ForEachLine(std::istream& in, Fn fn) {
+  std::string text;
+  uint64_t line_number = 0;
+  bool first = true;
+  while (std::getline(in, text)) {
+    ++line_number;
+    LineResult result = ParseReplayLine(text, first);
+    if (result.ok() && std::holds_alternative<BlankLine>(*result.line)) continue;
+    first = false;
+    if (!fn(line_number, result)) break;
+  }
+  return line_number;
+}
+
 }  // namespace
 
 ReplayPlan ScanReplay(std::istream& in) {
   ReplayPlan plan;
-  std::string text;
-  bool seen_content = false;
-  while (std::getline(in, text)) {
-    ++plan.lines;
-    LineResult result = ParseReplayLine(text, !seen_content);
+  plan.lines = ForEachLine(in, [&plan](uint64_t line_number, LineResult& result) {
     if (!result.ok()) {
-      seen_content = true;
       ++plan.bad_line_count;
       if (plan.bad_lines.size() < kMaxBadLinesKept) {
-        plan.bad_lines.push_back({plan.lines, std::move(result.error)});
+        plan.bad_lines.push_back({line_number, std::move(result.error)});
       }
-      continue;
-    }
-    if (std::holds_alternative<BlankLine>(*result.line)) continue;
-    seen_content = true;
-    if (auto* header = std::get_if<HeaderRecord>(&*result.line)) {
+    } else if (auto* header = std::get_if<HeaderRecord>(&*result.line)) {
       plan.catalog.SetHeader(*header);
       plan.header = std::move(*header);
-      continue;
+    } else {
+      const auto& record = std::get<StepRecord>(*result.line);
+      plan.catalog.AddFrom(record);
+      if (record.event) ++plan.events;
+      if (record.has_metrics || !record.event) ++plan.step_lines;
     }
-    const auto& record = std::get<StepRecord>(*result.line);
-    plan.catalog.AddFrom(record);
-    if (record.event) ++plan.events;
-    if (record.has_metrics || !record.event) ++plan.step_lines;
-  }
+    return true;
+  });
   return plan;
 }
 
@@ -145,7 +163,8 @@ v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options,
 
 json ReplaySummaryToJson(const ReplaySummary& s) {
   json skipped = json::array();
-  for (const BadLine& b : s.first_skipped) skipped.push_back({{"line", b.line}, {"reason", b.reason}});
+  for (const BadLine& b : s.first_skipped)
+    skipped.push_back({{"line", b.line}, {"reason", b.reason}});
   json errors = json::object();
   for (const auto& [reason, count] : s.daemon_errors) errors[reason] = count;
   return {
@@ -154,6 +173,7 @@ json ReplaySummaryToJson(const ReplaySummary& s) {
       {"lines", s.lines},
       {"steps_sent", s.steps_sent},
       {"events", s.events_sent},
+      {"already_held_steps", s.already_held_steps},
       {"skipped_lines", s.skipped_lines},
       {"first_skipped", std::move(skipped)},
       {"daemon_errors", std::move(errors)},
@@ -184,7 +204,10 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
                 s.seconds > 0 ? s.steps_sent / s.seconds : 0.0);
   std::vector<std::vector<std::string>> rows = {
       {"lines", std::to_string(s.lines) + ", " + skipped},
-      {"steps sent", std::to_string(s.steps_sent)},
+      {"steps sent", std::to_string(s.steps_sent) +
+                         (s.already_held_steps > 0
+                              ? " (" + std::to_string(s.already_held_steps) + " already held)"
+                              : "")},
       {"events", std::to_string(s.events_sent)},
       {"daemon errors", errors.empty() ? "none" : errors},
       {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
@@ -220,11 +243,17 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   }
 
   DaemonMessages messages;
+  std::mutex accepted_mu;
+  std::optional<v1::Accepted> first_accepted;
   client::MonitorOptions monitor_options;
   monitor_options.address = global.address;
   monitor_options.hello = BuildHello(plan, options, summary.run);
   monitor_options.on_error = [&messages](const v1::Error& e) { messages.AddError(e); };
   monitor_options.on_alert = [&messages](const v1::Alert& a) { messages.AddAlert(a); };
+  monitor_options.on_accepted = [&](const v1::Accepted& a) {
+    std::lock_guard lock(accepted_mu);
+    if (!first_accepted) first_accepted = a;
+  };
   client::Monitor monitor(std::move(monitor_options));
   monitor.Start();
 
@@ -235,11 +264,26 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
       err << "gradwatch: the daemon at " << global.address << " refused run " << summary.run
           << " rank " << options.rank << ": " << stats.last_error << "\n";
     } else {
+      // The Monitor waits for the daemon without failing; a fail-fast call says why it cannot.
+      const auto probe = client::QueryClient(global.address, std::chrono::seconds(1)).ListRuns();
+      std::string why = probe.ok() ? stats.last_error : probe.status.error_message();
       err << "gradwatch: cannot reach the daemon at " << global.address << " within "
-          << global.timeout_seconds << " s"
-          << (stats.last_error.empty() ? "" : ": " + stats.last_error) << "\n";
+          << FormatValue(global.timeout_seconds) << " s" << (why.empty() ? "" : ": " + why) << "\n";
     }
     return kExitFailure;
+  }
+  // The daemon refuses steps older than the last one it received from this rank, so a replay
+  // that is run again resumes after it instead of drawing an error for every line.
+  std::optional<uint64_t> resume_after;
+  {
+    std::lock_guard lock(accepted_mu);
+    if (first_accepted && first_accepted->has_received_step()) {
+      resume_after = first_accepted->last_received_step();
+    }
+  }
+  if (resume_after) {
+    err << "gradwatch: the daemon already holds run " << summary.run << " rank " << options.rank
+        << " through step " << *resume_after << "; sending only later steps\n";
   }
 
   const bool progress = &err == &std::cerr && isatty(STDERR_FILENO) != 0;
@@ -248,50 +292,32 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   std::unordered_map<uint64_t, uint64_t> line_of_step;
   std::optional<double> first_timestamp;
   Clock::time_point paced_from;
+  std::string failure;
 
-  auto fail = [&](const std::string& what) {
-    ClearProgress(progress, err);
-    const client::MonitorStats stats = monitor.Stats();
-    monitor.Stop();
-    messages.Print(options.file, line_of_step, err);
-    err << "gradwatch: " << what;
-    if (!stats.last_error.empty()) err << " (last error: " << stats.last_error << ")";
-    err << "\n";
-    return kExitFailure;
-  };
-
-  in.clear();
-  in.seekg(0);
-  std::string text;
-  uint64_t line_number = 0;
-  bool seen_content = false;
-  while (std::getline(in, text)) {
-    ++line_number;
-    LineResult result = ParseReplayLine(text, !seen_content);
-    if (!result.ok()) {
-      seen_content = true;
-      continue;
-    }
-    if (std::holds_alternative<BlankLine>(*result.line)) continue;
-    seen_content = true;
+  auto send = [&](uint64_t line_number, LineResult& result) {
+    if (!result.ok()) return true;
     const auto* record = std::get_if<StepRecord>(&*result.line);
-    if (record == nullptr) continue;
-
+    if (record == nullptr) return true;
+    if (resume_after && record->step <= *resume_after) {
+      if (record->has_metrics || !record->event) ++summary.already_held_steps;
+      return true;
+    }
     if (options.speed > 0 && record->timestamp) {
       if (!first_timestamp) {
         first_timestamp = record->timestamp;
         paced_from = Clock::now();
       }
       const double offset = std::max(0.0, (*record->timestamp - *first_timestamp) / options.speed);
-      std::this_thread::sleep_until(
-          paced_from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(offset)));
+      std::this_thread::sleep_until(paced_from + std::chrono::duration_cast<Clock::duration>(
+                                                     std::chrono::duration<double>(offset)));
     }
     if (record->event) {
       const auto deadline = Clock::now() + global.timeout();
       while (!monitor.Event(record->step, *record->event)) {
         if (Clock::now() > deadline) {
-          return fail("event queue still full after " + FormatValue(global.timeout_seconds) +
-                      " s; the daemon at " + global.address + " is not keeping up");
+          failure = "event queue still full after " + FormatValue(global.timeout_seconds) +
+                    " s; the daemon at " + global.address + " is not keeping up";
+          return false;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
@@ -300,9 +326,10 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     if (record->has_metrics || !record->event) {
       line_of_step[record->step] = line_number;
       if (!monitor.LogBlocking(ToStepStats(*record, plan.catalog), global.timeout())) {
-        return fail("no room to send step " + std::to_string(record->step) + " for " +
-                    FormatValue(global.timeout_seconds) + " s: the daemon at " + global.address +
-                    " is not acknowledging");
+        failure = "no room to send step " + std::to_string(record->step) + " for " +
+                  FormatValue(global.timeout_seconds) + " s: the daemon at " + global.address +
+                  " is not acknowledging";
+        return false;
       }
       ++summary.steps_sent;
     }
@@ -318,6 +345,21 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
             << (stats.has_acked ? std::to_string(stats.acked_through_step) : "-") << std::flush;
       }
     }
+    return true;
+  };
+  in.clear();
+  in.seekg(0);
+  ForEachLine(in, send);
+
+  if (!failure.empty()) {
+    ClearProgress(progress, err);
+    const client::MonitorStats stats = monitor.Stats();
+    monitor.Stop();
+    messages.Print(options.file, line_of_step, err);
+    err << "gradwatch: " << failure;
+    if (!stats.last_error.empty()) err << " (last error: " << stats.last_error << ")";
+    err << "\n";
+    return kExitFailure;
   }
 
   // At most a queue's worth of steps is still outstanding; give each a millisecond.
@@ -340,9 +382,9 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     out << FormatReplaySummary(summary);
   }
   if (!summary.complete) {
-    err << "gradwatch: " << stats.queued + stats.unacked << " steps not acknowledged by the daemon at "
-        << global.address << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")")
-        << "\n";
+    err << "gradwatch: " << stats.queued + stats.unacked
+        << " steps not acknowledged by the daemon at " << global.address
+        << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")") << "\n";
     return kExitFailure;
   }
   return summary.skipped_lines > 0 || !summary.daemon_errors.empty() ? kExitPartial : kExitOk;

@@ -4,12 +4,11 @@
 #include <cstdint>
 #include <istream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "client/cli/options.h"
 #include "client/cli/replay_parser.h"
@@ -19,8 +18,9 @@ namespace gradwatch::cli {
 
 struct ReplayOptions {
   std::string file;
-  std::string run;     // empty: the header's, else the file's stem
-  double speed = 0;    // > 0: pace by _timestamp at this multiple of real time; 0: as fast as acks allow
+  std::string run;  // empty: the header's, else the file's stem
+  double speed =
+      0;  // > 0: pace by _timestamp at this multiple of real time; 0: as fast as acks allow
   uint32_t rank = 0;
   uint32_t world_size = 1;
 };
@@ -50,7 +50,8 @@ ReplayPlan ScanReplay(std::istream& in);
 // does not accept in a run id replaced by '-'.
 std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const std::string& file);
 
-v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options, const std::string& run_id);
+v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options,
+                     const std::string& run_id);
 
 struct ReplaySummary {
   std::string file;
@@ -58,8 +59,10 @@ struct ReplaySummary {
   uint64_t lines = 0;
   uint64_t steps_sent = 0;
   uint64_t events_sent = 0;
+  // Steps not sent because the daemon had already received them (a replay run again).
+  uint64_t already_held_steps = 0;
   uint64_t skipped_lines = 0;
-  std::vector<BadLine> first_skipped;  // a few, for the report
+  std::vector<BadLine> first_skipped;             // a few, for the report
   std::map<std::string, uint64_t> daemon_errors;  // ErrorReason name → count
   bool has_acked = false;
   uint64_t last_acked_step = 0;
@@ -67,7 +70,7 @@ struct ReplaySummary {
   bool complete = false;  // every sent step acknowledged durable
 };
 
-nlohmann::json ReplaySummaryToJson(const ReplaySummary& summary);
+nlohmann::ordered_json ReplaySummaryToJson(const ReplaySummary& summary);
 std::string FormatReplaySummary(const ReplaySummary& summary);
 
 // Runs the command; returns the process exit code.

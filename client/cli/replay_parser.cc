@@ -4,9 +4,8 @@
 #include <cctype>
 #include <cmath>
 #include <limits>
-#include <utility>
-
 #include <nlohmann/json.hpp>
+#include <utility>
 
 namespace gradwatch::cli {
 namespace {
@@ -139,7 +138,8 @@ LineResult ParseHeader(const json& obj) {
         info.set_numel(*n);
       }
       if (auto f = p.find("kind"); f != p.end()) {
-        auto kind = f->is_string() ? ParseParamKind(f->get_ref<const std::string&>()) : std::nullopt;
+        auto kind =
+            f->is_string() ? ParseParamKind(f->get_ref<const std::string&>()) : std::nullopt;
         if (!kind) return Error(where + ".kind " + f->dump() + " is not a known kind");
         info.set_kind(*kind);
         kind_given = true;
@@ -204,6 +204,11 @@ void AddMetric(StepRecord& rec, const std::string& key, double value) {
 
 std::string QuoteNonFiniteTokens(std::string_view line) {
   static constexpr std::string_view kTokens[] = {"-Infinity", "Infinity", "-NaN", "NaN"};
+  // Most lines have neither token: skip the character walk for them.
+  if (line.find("NaN") == std::string_view::npos &&
+      line.find("Infinity") == std::string_view::npos) {
+    return std::string(line);
+  }
   std::string out;
   out.reserve(line.size() + 16);
   bool in_string = false;
@@ -227,7 +232,7 @@ std::string QuoteNonFiniteTokens(std::string_view line) {
       continue;
     }
     bool replaced = false;
-    if (i == 0 || IsValueStart(line[i - 1])) {
+    if ((c == 'N' || c == 'I' || c == '-') && (i == 0 || IsValueStart(line[i - 1]))) {
       for (std::string_view token : kTokens) {
         if (line.substr(i, token.size()) == token &&
             (i + token.size() == line.size() || IsValueEnd(line[i + token.size()]))) {
@@ -328,14 +333,22 @@ std::optional<v1::ParamKind> ParseParamKind(std::string_view name) {
 
 std::string_view ParamKindName(v1::ParamKind kind) {
   switch (kind) {
-    case v1::PARAM_KIND_NORM_GAIN: return "norm_gain";
-    case v1::PARAM_KIND_OUTPUT: return "output";
-    case v1::PARAM_KIND_EMBEDDING: return "embedding";
-    case v1::PARAM_KIND_ROUTER: return "router";
-    case v1::PARAM_KIND_ATTENTION: return "attention";
-    case v1::PARAM_KIND_MLP: return "mlp";
-    case v1::PARAM_KIND_OTHER: return "other";
-    default: return "unspecified";
+    case v1::PARAM_KIND_NORM_GAIN:
+      return "norm_gain";
+    case v1::PARAM_KIND_OUTPUT:
+      return "output";
+    case v1::PARAM_KIND_EMBEDDING:
+      return "embedding";
+    case v1::PARAM_KIND_ROUTER:
+      return "router";
+    case v1::PARAM_KIND_ATTENTION:
+      return "attention";
+    case v1::PARAM_KIND_MLP:
+      return "mlp";
+    case v1::PARAM_KIND_OTHER:
+      return "other";
+    default:
+      return "unspecified";
   }
 }
 
@@ -374,9 +387,8 @@ std::vector<v1::ParamInfo> ReplayCatalog::Params() const {
     if (!kind_given_[i]) out[i].set_kind(InferParamKind(out[i].name()));
     if (!weight_decay_given_[i]) {
       // Norm gains are conventionally excluded from weight decay.
-      out[i].set_weight_decay(out[i].kind() == v1::PARAM_KIND_NORM_GAIN
-                                  ? 0.0
-                                  : default_weight_decay_.value_or(0.0));
+      out[i].set_weight_decay(
+          out[i].kind() == v1::PARAM_KIND_NORM_GAIN ? 0.0 : default_weight_decay_.value_or(0.0));
     }
   }
   return out;
@@ -391,9 +403,15 @@ v1::StepStats ToStepStats(const StepRecord& record, const ReplayCatalog& catalog
     v1::ParamStats& p = by_index[*index];
     p.set_index(*index);
     switch (v.field) {
-      case NormField::kGrad: p.mutable_grad()->set_norm(v.value); break;
-      case NormField::kParam: p.mutable_param()->set_norm(v.value); break;
-      case NormField::kUpdate: p.mutable_update()->set_norm(v.value); break;
+      case NormField::kGrad:
+        p.mutable_grad()->set_norm(v.value);
+        break;
+      case NormField::kParam:
+        p.mutable_param()->set_norm(v.value);
+        break;
+      case NormField::kUpdate:
+        p.mutable_update()->set_norm(v.value);
+        break;
     }
   }
   for (auto& [index, p] : by_index) *stats.add_params() = std::move(p);

@@ -23,6 +23,7 @@ bool RefersToStep(v1::ErrorReason reason) {
     case v1::ERROR_REASON_NEGATIVE_NORM:
     case v1::ERROR_REASON_OVERSIZED:
     case v1::ERROR_REASON_INVALID_MESSAGE:
+    case v1::ERROR_REASON_LATE_FOR_STEP:
       return true;
     default:
       return false;
@@ -75,8 +76,10 @@ void Monitor::Start() {
   grpc::ChannelArguments args;
   // gRPC's own reconnect back-off (up to 120 s by default) would otherwise keep a restarted
   // daemon unreachable long after ours has expired.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, static_cast<int>(options_.initial_backoff.count()));
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, static_cast<int>(options_.initial_backoff.count()));
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+              static_cast<int>(options_.initial_backoff.count()));
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+              static_cast<int>(options_.initial_backoff.count()));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(options_.max_backoff.count()));
   channel_ = grpc::CreateCustomChannel(options_.address, grpc::InsecureChannelCredentials(), args);
   sender_ = std::thread([this] { SenderLoop(); });
@@ -137,9 +140,11 @@ void Monitor::Stop() {
   space_cv_.notify_all();
   flush_cv_.notify_all();
   if (!sender_.joinable()) return;
-  // The sender closes the stream itself unless it is stuck in a blocking gRPC call (a Write the
-  // daemon does not read, a connect that hangs); cancelling the context frees it.
+  // An accepted stream is closed by the sender itself, unless it is stuck in a blocking gRPC call
+  // (a Write the daemon does not read); cancelling the context frees it. A stream not yet
+  // accepted (still waiting for the daemon) has nothing to close cleanly.
   const bool closed = flush_cv_.wait_for(lock, options_.close_grace * 2, [this] {
+    if (current_ != nullptr && !current_->accepted) current_->context.TryCancel();
     return current_ == nullptr;
   });
   if (!closed && current_ != nullptr) current_->context.TryCancel();
@@ -166,8 +171,9 @@ void Monitor::SenderLoop() {
         std::lock_guard lock(mu_);
         if (stopping_) break;
         if (conn.superseded) {
-          spdlog::warn("gradwatch monitor: another stream took over run {} rank {}; not reconnecting",
-                       options_.hello.run_id(), options_.hello.rank());
+          spdlog::warn(
+              "gradwatch monitor: another stream took over run {} rank {}; not reconnecting",
+              options_.hello.run_id(), options_.hello.rank());
           break;
         }
         if (accepted) backoff_ = options_.initial_backoff;
@@ -175,7 +181,8 @@ void Monitor::SenderLoop() {
         if (conn.rejected) backoff_ = options_.max_backoff;
       }
       delay = NextBackoff();
-      spdlog::debug("gradwatch monitor: reconnecting to {} in {} ms", options_.address, delay.count());
+      spdlog::debug("gradwatch monitor: reconnecting to {} in {} ms", options_.address,
+                    delay.count());
       SleepBackoff(delay);
     }
   } catch (const std::exception& e) {
@@ -200,6 +207,10 @@ bool Monitor::RunConnection(Connection& conn) {
   *hello.mutable_hello() = options_.hello;
   if (hello.hello().client().empty()) hello.mutable_hello()->set_client(kClientName);
 
+  // Waiting for the channel, rather than failing fast, lets gRPC reconnect as soon as the daemon
+  // listens again (a fail-fast call only sees the channel's cached failure until its own
+  // back-off expires). Stop() cancels the wait.
+  conn.context.set_wait_for_ready(true);
   auto stub = v1::Ingest::NewStub(channel_);
   conn.stream = stub->Stream(&conn.context);
   const bool hello_written = conn.stream->Write(hello);
@@ -209,36 +220,38 @@ bool Monitor::RunConnection(Connection& conn) {
   bool accepted = false;
   if (hello_written) {
     std::unique_lock lock(mu_);
-    sender_cv_.wait(lock, [&] { return conn.accepted || conn.ended || conn.rejected || stopping_; });
+    sender_cv_.wait(lock,
+                    [&] { return conn.accepted || conn.ended || conn.rejected || stopping_; });
     accepted = conn.accepted;
     while (conn.accepted && !conn.ended && !conn.rejected && !stopping_) {
-      const StepBuffer::Entry* entry = buffer_.NextToWrite();
-      if (entry == nullptr) {
+      std::optional<StepBuffer::Claimed> claimed = buffer_.NextToWrite(next_seq_);
+      if (!claimed) {
         sender_cv_.wait(lock, [&] {
-          return conn.ended || conn.rejected || stopping_ || buffer_.NextToWrite() != nullptr;
+          return conn.ended || conn.rejected || stopping_ || buffer_.HasUnwritten();
         });
         continue;
       }
-      v1::TrainerMessage msg = entry->message;
-      const uint64_t id = entry->id;
-      const uint64_t seq = next_seq_++;
-      msg.set_seq(seq);
-      if (conn.max_message_bytes != 0 && msg.ByteSizeLong() > conn.max_message_bytes) {
-        const uint64_t step = entry->step();
-        buffer_.Release(id);
+      ++next_seq_;
+      const v1::TrainerMessage& msg = claimed->message;
+      const size_t size = msg.ByteSizeLong();
+      if (conn.max_message_bytes != 0 && size > conn.max_message_bytes) {
+        const uint64_t step = msg.has_step() ? msg.step().step() : msg.event().step();
+        const std::string text = "message of " + std::to_string(size) +
+                                 " bytes exceeds the daemon's limit of " +
+                                 std::to_string(conn.max_message_bytes);
         lock.unlock();
-        RecordLocalError(v1::ERROR_REASON_OVERSIZED, step,
-                         "message of " + std::to_string(msg.ByteSizeLong()) +
-                             " bytes exceeds the daemon's limit of " +
-                             std::to_string(conn.max_message_bytes));
+        RecordLocalError(v1::ERROR_REASON_OVERSIZED, step, text);
         lock.lock();
+        buffer_.Release(claimed->id);
+        flush_cv_.notify_all();
+        space_cv_.notify_all();
         continue;
       }
       lock.unlock();
       const bool ok = conn.stream->Write(msg);
       lock.lock();
       if (!ok) break;
-      buffer_.MarkWritten(id, seq);
+      buffer_.MarkWritten(claimed->id);
       if (msg.has_step()) {
         ++stats_.sent;
       } else {
@@ -303,25 +316,24 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
   switch (msg.body_case()) {
     case v1::DaemonMessage::kAccepted: {
       const v1::Accepted& a = msg.accepted();
-      {
-        std::lock_guard lock(mu_);
-        buffer_.OnAccepted(a);
-        conn.accepted = true;
-        conn.max_message_bytes = a.max_message_bytes();
-        if (a.has_durable_step()) {
-          stats_.has_acked = true;
-          stats_.acked_through_step = a.last_durable_step();
-        }
-        stats_.connected = true;
-        stats_.rejected = false;
-        if (++accepted_streams_ > 1) ++stats_.reconnects;
-        backoff_ = options_.initial_backoff;
-        sender_cv_.notify_all();
-        space_cv_.notify_all();
-        flush_cv_.notify_all();
-      }
       spdlog::info("gradwatch monitor: stream accepted for run {} rank {}", a.run_id(), a.rank());
+      // Before the stream counts as accepted: once WaitAccepted returns, the callback has run.
       InvokeCallback(options_.on_accepted, a, "on_accepted");
+      std::lock_guard lock(mu_);
+      buffer_.OnAccepted(a);
+      conn.accepted = true;
+      conn.max_message_bytes = a.max_message_bytes();
+      if (a.has_durable_step()) {
+        stats_.has_acked = true;
+        stats_.acked_through_step = a.last_durable_step();
+      }
+      stats_.connected = true;
+      stats_.rejected = false;
+      if (++accepted_streams_ > 1) ++stats_.reconnects;
+      backoff_ = options_.initial_backoff;
+      sender_cv_.notify_all();
+      space_cv_.notify_all();
+      flush_cv_.notify_all();
       break;
     }
     case v1::DaemonMessage::kAck: {
@@ -337,24 +349,23 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
       const v1::Error& e = msg.error();
       const std::string text =
           ReasonName(e.reason()) + " at step " + std::to_string(e.step()) + ": " + e.message();
-      {
-        std::lock_guard lock(mu_);
-        ++stats_.errors;
-        ++stats_.errors_by_reason[ReasonName(e.reason())];
-        stats_.last_error = text;
-        if (!conn.accepted || e.reason() == v1::ERROR_REASON_SUPERSEDED) {
-          conn.rejected = true;
-          conn.superseded = e.reason() == v1::ERROR_REASON_SUPERSEDED;
-          stats_.rejected = true;
-        } else if (RefersToStep(e.reason())) {
-          buffer_.ReleaseRejected(e.seq(), e.step());
-        }
-        sender_cv_.notify_all();
-        space_cv_.notify_all();
-        flush_cv_.notify_all();
-      }
       spdlog::debug("gradwatch monitor: daemon error {}", text);
+      // Before the step is released: once Flush returns, every callback about it has run.
       InvokeCallback(options_.on_error, e, "on_error");
+      std::lock_guard lock(mu_);
+      ++stats_.errors;
+      ++stats_.errors_by_reason[ReasonName(e.reason())];
+      stats_.last_error = text;
+      if (!conn.accepted || e.reason() == v1::ERROR_REASON_SUPERSEDED) {
+        conn.rejected = true;
+        conn.superseded = e.reason() == v1::ERROR_REASON_SUPERSEDED;
+        stats_.rejected = true;
+      } else if (RefersToStep(e.reason())) {
+        buffer_.ReleaseRejected(e.seq(), e.step());
+      }
+      sender_cv_.notify_all();
+      space_cv_.notify_all();
+      flush_cv_.notify_all();
       break;
     }
     case v1::DaemonMessage::kAlert:
@@ -370,15 +381,13 @@ void Monitor::RecordLocalError(v1::ErrorReason reason, uint64_t step, std::strin
   e.set_reason(reason);
   e.set_step(step);
   e.set_message(std::move(message));
-  {
-    std::lock_guard lock(mu_);
-    ++stats_.errors;
-    ++stats_.errors_by_reason[ReasonName(reason)];
-    stats_.last_error = ReasonName(reason) + " at step " + std::to_string(step) + ": " + e.message();
-    space_cv_.notify_all();
-    flush_cv_.notify_all();
-  }
   InvokeCallback(options_.on_error, e, "on_error");
+  std::lock_guard lock(mu_);
+  ++stats_.errors;
+  ++stats_.errors_by_reason[ReasonName(reason)];
+  stats_.last_error = ReasonName(reason) + " at step " + std::to_string(step) + ": " + e.message();
+  space_cv_.notify_all();
+  flush_cv_.notify_all();
 }
 
 std::chrono::milliseconds Monitor::NextBackoff() {

@@ -35,32 +35,34 @@ struct MonitorOptions {
   size_t queue_capacity = 10'000;
   // Events waiting to be written.
   size_t event_capacity = 1'000;
-  // Reconnect back-off: doubles from initial to max after each failed attempt, with ±20% jitter,
-  // and starts over once the daemon accepts a stream.
+  // Reconnect back-off after a stream breaks or is refused: doubles from initial to max, with
+  // ±20% jitter, and starts over once the daemon accepts a stream. While the daemon is down the
+  // stream waits for the channel, whose connection back-off uses the same bounds.
   std::chrono::milliseconds initial_backoff{100};
   std::chrono::milliseconds max_backoff{10'000};
   // How long Stop() lets the daemon close the stream after WritesDone before cancelling it.
   std::chrono::milliseconds close_grace{500};
 
-  // Called on the Monitor's reader thread; keep them short. Exceptions they throw are caught
-  // and logged.
+  // Called on the Monitor's reader thread, before the state they announce is visible (Flush
+  // and WaitAccepted return after the callbacks of what they waited for). Keep them short, do
+  // not call Stop() from them. Exceptions they throw are caught and logged.
   std::function<void(const v1::Error&)> on_error;
   std::function<void(const v1::Alert&)> on_alert;
   std::function<void(const v1::Accepted&)> on_accepted;
 };
 
 struct MonitorStats {
-  uint64_t queued = 0;    // steps and events waiting to be written
-  uint64_t unacked = 0;   // steps written, not yet durable
-  uint64_t sent = 0;      // step messages written, resends included
+  uint64_t queued = 0;   // steps and events waiting to be written
+  uint64_t unacked = 0;  // steps written, not yet durable
+  uint64_t sent = 0;     // step messages written, resends included
   uint64_t events_sent = 0;
   bool has_acked = false;
   uint64_t acked_through_step = 0;  // last durable step; valid when has_acked
-  uint64_t dropped = 0;   // steps refused because the buffer was full
-  uint64_t errors = 0;    // Errors from the daemon plus messages refused locally
+  uint64_t dropped = 0;             // steps refused because the buffer was full
+  uint64_t errors = 0;              // Errors from the daemon plus messages refused locally
   std::map<std::string, uint64_t> errors_by_reason;  // ErrorReason name → count
-  uint64_t reconnects = 0;  // streams accepted after the first one
-  bool connected = false;   // a stream is open and accepted
+  uint64_t reconnects = 0;                           // streams accepted after the first one
+  bool connected = false;                            // a stream is open and accepted
   // The daemon refused this rank's Hello or handed it to another stream: nothing more can
   // become durable, so Flush returns at once.
   bool rejected = false;
@@ -104,7 +106,6 @@ class Monitor {
   bool RunConnection(Connection& conn);
   void ReaderLoop(Connection& conn);
   void HandleMessage(Connection& conn, const v1::DaemonMessage& msg);
-  void HandleError(const v1::Error& error);
   void RecordLocalError(v1::ErrorReason reason, uint64_t step, std::string message);
   void SleepBackoff(std::chrono::milliseconds delay);
   std::chrono::milliseconds NextBackoff();
@@ -112,6 +113,7 @@ class Monitor {
   const MonitorOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
 
+  // Guards everything from here to stop_mu_.
   mutable std::mutex mu_;
   std::condition_variable sender_cv_;  // work to write, accepted, connection ended, stop
   std::condition_variable space_cv_;   // room in the buffer
@@ -122,7 +124,7 @@ class Monitor {
   uint64_t next_seq_ = 1;
   uint64_t accepted_streams_ = 0;
   MonitorStats stats_;
-  Connection* current_ = nullptr;  // guarded by mu_; cancelled by Stop()
+  Connection* current_ = nullptr;  // the open stream, cancelled by Stop()
   std::chrono::milliseconds backoff_;
   std::mt19937 rng_;
 

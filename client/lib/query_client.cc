@@ -9,8 +9,8 @@ namespace gradwatch::client {
 QueryClient::QueryClient(std::string address, std::chrono::milliseconds timeout)
     : address_(std::move(address)),
       timeout_(timeout),
-      stub_(v1::Query::NewStub(
-          grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {}
+      stub_(v1::Query::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {
+}
 
 template <typename Request, typename Response, typename Method>
 QueryResult<Response> QueryClient::Call(const Request& request, Method method) {

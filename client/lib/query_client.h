@@ -1,12 +1,12 @@
 // QueryClient: the unary Query service, one deadline per call. Thread-safe.
 #pragma once
 
+#include <grpcpp/support/status.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <grpcpp/support/status.h>
 
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "gradwatch/v1/gradwatch.pb.h"

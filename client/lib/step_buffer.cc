@@ -20,7 +20,7 @@ bool StepBuffer::PushStep(v1::StepStats step) {
   Entry e;
   e.id = next_id_++;
   *e.message.mutable_step() = std::move(step);
-  Account(e, +1);
+  Count(e);
   entries_.push_back(std::move(e));
   return true;
 }
@@ -30,17 +30,26 @@ bool StepBuffer::PushEvent(v1::Event event) {
   Entry e;
   e.id = next_id_++;
   *e.message.mutable_event() = std::move(event);
-  Account(e, +1);
+  Count(e);
   entries_.push_back(std::move(e));
   return true;
 }
 
-const StepBuffer::Entry* StepBuffer::NextToWrite() {
+bool StepBuffer::HasUnwritten() {
   while (cursor_ < entries_.size() && entries_[cursor_].written) ++cursor_;
-  return cursor_ < entries_.size() ? &entries_[cursor_] : nullptr;
+  return cursor_ < entries_.size();
 }
 
-void StepBuffer::MarkWritten(uint64_t id, uint64_t seq) {
+std::optional<StepBuffer::Claimed> StepBuffer::NextToWrite(uint64_t seq) {
+  if (!HasUnwritten()) return std::nullopt;
+  Entry& e = entries_[cursor_];
+  e.last_seq = seq;
+  Claimed claimed{e.id, e.message};
+  claimed.message.set_seq(seq);
+  return claimed;
+}
+
+void StepBuffer::MarkWritten(uint64_t id) {
   size_t index = (cursor_ < entries_.size() && entries_[cursor_].id == id) ? cursor_ : IndexOf(id);
   if (index == entries_.size()) return;
   Entry& e = entries_[index];
@@ -48,7 +57,6 @@ void StepBuffer::MarkWritten(uint64_t id, uint64_t seq) {
     Erase(index);
     return;
   }
-  e.last_seq = seq;
   if (!e.written) {
     e.written = true;
     ++written_steps_;
@@ -64,8 +72,8 @@ size_t StepBuffer::OnAccepted(const v1::Accepted& accepted) {
   }
   written_steps_ = 0;
   for (Entry& e : entries_) {
-    e.written = e.is_step() && accepted.has_received_step() &&
-                e.step() <= accepted.last_received_step();
+    e.written =
+        e.is_step() && accepted.has_received_step() && e.step() <= accepted.last_received_step();
     e.last_seq = 0;
     if (e.written) ++written_steps_;
   }
@@ -81,25 +89,26 @@ size_t StepBuffer::OnAck(uint64_t durable_step) {
          (!entries_[limit].is_step() || entries_[limit].step() <= durable_step)) {
     ++limit;
   }
-  return EraseFront(limit, [durable_step](const Entry& e) {
-    return e.is_step() && e.step() <= durable_step;
-  });
+  return EraseFront(
+      limit, [durable_step](const Entry& e) { return e.is_step() && e.step() <= durable_step; });
 }
 
 bool StepBuffer::ReleaseRejected(uint64_t seq, uint64_t step) {
   size_t found = entries_.size();
   if (seq != 0) {
+    // An unmatched seq named an event, or a step an ack has released already.
     for (size_t i = 0; i < entries_.size() && found == entries_.size(); ++i) {
       if (entries_[i].is_step() && entries_[i].last_seq == seq) found = i;
     }
-  }
-  // Prefer a written step: an unwritten one with the same number is a later, separate log call.
-  for (int pass = 0; pass < 2 && found == entries_.size(); ++pass) {
-    for (size_t i = 0; i < entries_.size(); ++i) {
-      const Entry& e = entries_[i];
-      if (e.is_step() && e.step() == step && (pass == 1 || e.written)) {
-        found = i;
-        break;
+  } else {
+    // Prefer a written step: an unwritten one with the same number is a later, separate call.
+    for (int pass = 0; pass < 2 && found == entries_.size(); ++pass) {
+      for (size_t i = 0; i < entries_.size(); ++i) {
+        const Entry& e = entries_[i];
+        if (e.is_step() && e.step() == step && (pass == 1 || e.written)) {
+          found = i;
+          break;
+        }
       }
     }
   }
@@ -123,7 +132,7 @@ size_t StepBuffer::EraseFront(size_t limit, Pred pred) {
   size_t removed_before_cursor = 0;
   for (size_t i = limit; i-- > 0;) {
     if (pred(entries_[i])) {
-      Account(entries_[i], -1);
+      Uncount(entries_[i]);
       if (i < cursor_) ++removed_before_cursor;
       continue;
     }
@@ -136,7 +145,7 @@ size_t StepBuffer::EraseFront(size_t limit, Pred pred) {
 }
 
 void StepBuffer::Erase(size_t index) {
-  Account(entries_[index], -1);
+  Uncount(entries_[index]);
   entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(index));
   if (index < cursor_) --cursor_;
 }
@@ -148,12 +157,21 @@ size_t StepBuffer::IndexOf(uint64_t id) const {
   return static_cast<size_t>(it - entries_.begin());
 }
 
-void StepBuffer::Account(const Entry& e, int sign) {
+void StepBuffer::Count(const Entry& e) {
   if (e.is_step()) {
-    steps_ += sign;
-    if (e.written) written_steps_ += sign;
+    ++steps_;
+    if (e.written) ++written_steps_;
   } else {
-    events_ += sign;
+    ++events_;
+  }
+}
+
+void StepBuffer::Uncount(const Entry& e) {
+  if (e.is_step()) {
+    --steps_;
+    if (e.written) --written_steps_;
+  } else {
+    --events_;
   }
 }
 

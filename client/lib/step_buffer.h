@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <optional>
 
 #include "gradwatch/v1/gradwatch.pb.h"
 
@@ -17,7 +18,7 @@ class StepBuffer {
   struct Entry {
     uint64_t id = 0;        // buffer-local, increasing in log order
     bool written = false;   // written on the current connection (steps only: events leave)
-    uint64_t last_seq = 0;  // seq of the last write, to match an Error to its step
+    uint64_t last_seq = 0;  // seq of the last claim, to match an Error to its step
     v1::TrainerMessage message;
 
     bool is_step() const { return message.has_step(); }
@@ -36,12 +37,20 @@ class StepBuffer {
 
   bool HasRoomForStep() const { return steps_ < step_capacity_; }
 
-  // The oldest entry not yet written on this connection, or nullptr. The pointer is valid until
-  // the next mutating call.
-  const Entry* NextToWrite();
-  // Records that entry `id` was written with `seq`: a step now waits for its durable ack, an
-  // event leaves the buffer. Unknown ids (released meanwhile) are ignored.
-  void MarkWritten(uint64_t id, uint64_t seq);
+  // A message claimed for writing: a copy, its seq set.
+  struct Claimed {
+    uint64_t id = 0;
+    v1::TrainerMessage message;
+  };
+
+  // Whether some entry is not yet written on this connection.
+  bool HasUnwritten();
+  // Claims the oldest entry not yet written on this connection for a write with `seq`, or
+  // nullopt. The seq is recorded first, because the daemon may answer before the write returns.
+  std::optional<Claimed> NextToWrite(uint64_t seq);
+  // Records that entry `id` was written: a step now waits for its durable ack, an event leaves
+  // the buffer. Unknown ids (released meanwhile) are ignored.
+  void MarkWritten(uint64_t id);
 
   // Applies the daemon's answer to a Hello: steps already durable leave; steps the daemon has
   // received wait for their ack; everything else is written again, in order.
@@ -49,19 +58,19 @@ class StepBuffer {
   size_t OnAccepted(const v1::Accepted& accepted);
   // Releases every step ≤ durable_step. Returns the number released.
   size_t OnAck(uint64_t durable_step);
-  // Releases the step an Error refers to, which will never be acknowledged: the entry last
-  // written with `seq` if there is one, else the first written step numbered `step`.
-  // Returns whether a step was released.
+  // Releases the step an Error refers to, which will never be acknowledged: the step last
+  // written with `seq`; when the daemon did not echo a seq (0), the first step numbered `step`,
+  // written ones first. Returns whether a step was released.
   bool ReleaseRejected(uint64_t seq, uint64_t step);
   // Releases one entry by id (a message the sender refused to write, e.g. oversized).
   bool Release(uint64_t id);
 
-  size_t steps() const { return steps_; }              // steps held
-  size_t events() const { return events_; }            // events waiting to be written
-  size_t unacked() const { return written_steps_; }    // steps written, not yet durable
+  size_t steps() const { return steps_; }            // steps held
+  size_t events() const { return events_; }          // events waiting to be written
+  size_t unacked() const { return written_steps_; }  // steps written, not yet durable
   size_t queued() const { return entries_.size() - written_steps_; }  // waiting to be written
   bool empty() const { return entries_.empty(); }
-  uint64_t dropped() const { return dropped_; }        // steps refused since construction
+  uint64_t dropped() const { return dropped_; }  // steps refused since construction
 
  private:
   // Removes the entries of [0, limit) that match `pred`, keeping order; cheap at the front.
@@ -69,7 +78,8 @@ class StepBuffer {
   size_t EraseFront(size_t limit, Pred pred);
   void Erase(size_t index);
   size_t IndexOf(uint64_t id) const;
-  void Account(const Entry& e, int sign);
+  void Count(const Entry& e);
+  void Uncount(const Entry& e);
 
   size_t step_capacity_;
   size_t event_capacity_;

@@ -149,7 +149,7 @@ TEST_CASE("replay sends the file's steps, events and catalog and exits 3 on a ba
   CHECK(messages[4].step().step() == 3);
 }
 
-TEST_CASE("a clean replay exits 0; daemon rejections make it exit 3", "[client]") {
+TEST_CASE("a clean replay exits 0 and daemon rejections make it exit 3", "[client]") {
   const std::string content = R"({"_step": 1, "grad/norm/total": 0.28})"
                               "\n"
                               R"({"_step": 2, "grad/norm/total": -1})"
