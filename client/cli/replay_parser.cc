@@ -310,11 +310,17 @@ v1::ParamKind InferParamKind(std::string_view name) {
   if (Contains(n, "norm") || Contains(n, "ln_f") || Contains(n, "ln_")) {
     return v1::PARAM_KIND_NORM_GAIN;
   }
-  if (Contains(n, "lm_head") || Contains(n, "output")) return v1::PARAM_KIND_OUTPUT;
+  if (Contains(n, "lm_head")) return v1::PARAM_KIND_OUTPUT;
   if (Contains(n, "embed")) return v1::PARAM_KIND_EMBEDDING;
-  if (Contains(n, "router") || Contains(n, "gate")) return v1::PARAM_KIND_ROUTER;
+  // Attention and MLP before "gate" and "output": `mlp.gate_proj` is not a router and
+  // `attention.output.dense` is not the lm_head.
   if (Contains(n, "attn") || Contains(n, "attention")) return v1::PARAM_KIND_ATTENTION;
-  if (Contains(n, "mlp") || Contains(n, "expert") || Contains(n, "ffn")) return v1::PARAM_KIND_MLP;
+  if (Contains(n, "mlp") || Contains(n, "expert") || Contains(n, "ffn") || Contains(n, "gate_proj") ||
+      Contains(n, "up_proj") || Contains(n, "down_proj")) {
+    return v1::PARAM_KIND_MLP;
+  }
+  if (Contains(n, "router") || Contains(n, "gate")) return v1::PARAM_KIND_ROUTER;
+  if (Contains(n, "output")) return v1::PARAM_KIND_OUTPUT;
   return v1::PARAM_KIND_OTHER;
 }
 

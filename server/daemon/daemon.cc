@@ -1,6 +1,13 @@
 #include "server/daemon/daemon.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <string>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -33,6 +40,7 @@ Status Daemon::Start() {
   std::error_code ec;
   std::filesystem::create_directories(config_.data_dir, ec);
   if (ec) return Status::IoError("cannot create data_dir " + config_.data_dir + ": " + ec.message());
+  if (Status s = LockDataDir(); !s.ok()) return s;
 
   stats_ = std::make_unique<runs::DaemonStats>();
   runs::RunOptions run_options;
@@ -73,6 +81,8 @@ Status Daemon::Start() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // A second daemon must not share the port while this one runs or shuts down.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &grpc_port_);
   // Let oversized messages through to the service (up to a margin) so that they get a
   // per-message error instead of breaking the stream.
@@ -99,6 +109,28 @@ Status Daemon::Start() {
   ticker_ = std::thread([this] { TickLoop(); });
   spdlog::info("serving gRPC on {} (port {}), /metrics on {} (port {}), data in {}", config_.listen,
                grpc_port_, config_.metrics_listen, metrics_port_, config_.data_dir);
+  return Status::Ok();
+}
+
+Status Daemon::LockDataDir() {
+  // Two daemons on one journal would each believe they hold the durable state: refuse.
+  const std::string path = (std::filesystem::path(config_.data_dir) / "LOCK").string();
+  lock_fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0) return Status::IoError("cannot open " + path + ": " + std::strerror(errno));
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    char holder[32] = {0};
+    const ssize_t n = ::pread(lock_fd_, holder, sizeof(holder) - 1, 0);
+    ::close(lock_fd_);
+    lock_fd_ = -1;
+    std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : std::string("?");
+    while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
+    return Status::FailedPrecondition("data_dir " + config_.data_dir +
+                                      " is already in use by another gradwatchd (pid " + who + ")");
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(lock_fd_, 0) != 0 || ::pwrite(lock_fd_, pid.data(), pid.size(), 0) < 0) {
+    spdlog::warn("cannot write the pid into {}: {}", path, std::strerror(errno));
+  }
   return Status::Ok();
 }
 
@@ -132,6 +164,10 @@ void Daemon::Stop(std::chrono::milliseconds grace) {
   if (journal_) {
     if (Status s = journal_->Flush(); !s.ok()) spdlog::error("journal flush at shutdown: {}", s.ToString());
     journal_->Stop();
+  }
+  if (lock_fd_ >= 0) {
+    ::close(lock_fd_);  // releases the flock
+    lock_fd_ = -1;
   }
   spdlog::info("stopped");
 }

@@ -52,6 +52,8 @@ class Daemon {
 
  private:
   void TickLoop();
+  // Takes an exclusive lock on data_dir/LOCK for the daemon's life.
+  Status LockDataDir();
 
   const Config config_;
   const Clock* const clock_;
@@ -71,6 +73,7 @@ class Daemon {
   bool stopping_ = false;  // guarded by tick_mu_
   std::thread ticker_;
   bool stopped_ = false;
+  int lock_fd_ = -1;
 };
 
 }  // namespace daemon

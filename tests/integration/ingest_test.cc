@@ -295,3 +295,15 @@ TEST_CASE("an ended run leaves /metrics but stays queryable", "[integration]") {
   CHECK(summary.info().step_count() == 1);
   CHECK(GetSeries(daemon.grpc_target(), "short-lived", "grad/norm/total").size() == 1);
 }
+
+TEST_CASE("a second daemon on the same data directory refuses to start", "[integration]") {
+  DaemonProcess first;
+  const CommandResult second =
+      RunCommand({DaemonBinaryPath(), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--data-dir",
+                  first.data_dir().string()},
+                 std::nullopt, std::chrono::seconds(20));
+  CHECK(second.exit_code == 1);
+  CHECK(second.err.find("already in use by another gradwatchd (pid " + std::to_string(first.pid()) + ")") !=
+        std::string::npos);
+  CHECK(first.running());
+}

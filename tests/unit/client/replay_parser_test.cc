@@ -177,6 +177,10 @@ TEST_CASE("param kinds are inferred from names", "[client]") {
       {"layers.3.experts.w2", v1::PARAM_KIND_MLP},
       {"layers.3.ffn.w1", v1::PARAM_KIND_MLP},
       {"rotary.inv_freq", v1::PARAM_KIND_OTHER},
+      {"model.layers.3.mlp.gate_proj.weight", v1::PARAM_KIND_MLP},
+      {"layers.3.feed_forward.up_proj.weight", v1::PARAM_KIND_MLP},
+      {"bert.encoder.layer.0.attention.output.dense.weight", v1::PARAM_KIND_ATTENTION},
+      {"output.weight", v1::PARAM_KIND_OUTPUT},
   };
   for (const auto& [name, kind] : cases) {
     CAPTURE(name);
