@@ -14,8 +14,13 @@ namespace {
 std::string Where(const std::string& source, const YAML::Node& node, const std::string& key) {
   const YAML::Mark mark = node.Mark();
   std::string where = source;
-  if (mark.line >= 0) where += ":" + std::to_string(mark.line + 1);
-  return where + ": " + key;
+  if (mark.line >= 0) {
+    where += ':';
+    where += std::to_string(mark.line + 1);
+  }
+  where += ": ";
+  where += key;
+  return where;
 }
 
 // Reads one scalar into *out, with a message naming source:line and key on failure.
