@@ -90,6 +90,19 @@ int main(int argc, char** argv) {
         {"store", {{"recent_points", config.recent_points}, {"history_buckets", config.history_buckets}}},
         {"journal", {{"batch_max", config.journal_batch_max}, {"max_delay_ms", config.journal_max_delay_ms}}},
         {"runs", {{"end_after_seconds", config.run_end_after_seconds}}},
+        {"analytics",
+         {{"windows", config.slope_windows},
+          {"max_buckets", config.slope_max_buckets},
+          {"event_window_steps", config.event_window_steps},
+          {"forecast_window_steps", config.forecast_window_steps},
+          {"forecasts", [&] {
+             nlohmann::json list = nlohmann::json::array();
+             for (const auto& [series, threshold] : config.forecasts) {
+               list.push_back({{"series", series}, {"threshold", threshold}});
+             }
+             return list;
+           }()},
+          {"change_point_window_steps", config.change_point_window_steps}}},
     };
     std::cout << shown.dump(2) << "\nconfiguration OK\n";
     return kExitOk;

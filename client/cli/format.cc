@@ -253,6 +253,115 @@ RunOverview BuildOverview(const v1::RunSummary& summary, size_t top_n) {
   return overview;
 }
 
+namespace {
+
+// 48000 → "48,000".
+std::string WithThousands(double v) {
+  if (!std::isfinite(v)) return v > 0 ? "∞" : "-";
+  std::string digits = std::to_string(static_cast<long long>(std::llround(v)));
+  std::string out;
+  const size_t lead = digits.size() % 3 == 0 ? 3 : digits.size() % 3;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (i - lead) % 3 == 0 && i >= lead && digits[i - 1] != '-') out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string Percent(double share) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * share);
+  return buf;
+}
+
+std::string Trend(double slope_per_kstep, double scale) {
+  const double relative = scale != 0 ? slope_per_kstep / scale : slope_per_kstep;
+  if (!std::isfinite(relative) || std::abs(relative) < 1e-3) return "steady";
+  return slope_per_kstep > 0 ? "rising" : "falling";
+}
+
+// Four significant digits: enough to read a slope or a ratio.
+std::string Short(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  return buf;
+}
+
+std::string Signed(double v) { return (v >= 0 ? "+" : "") + Short(v); }
+
+}  // namespace
+
+std::string FormatDiagnosis(const v1::RunSummary& summary) {
+  const v1::Analysis& a = summary.analysis();
+  std::ostringstream out;
+  const std::string total_key = "grad/norm/total";
+  // The total grad norm and its slope over the forecast window (the middle one by default).
+  const v1::ThresholdForecast* forecast = nullptr;
+  for (const auto& f : a.forecasts()) {
+    if (f.key() == total_key) forecast = &f;
+  }
+  double total_now = std::nan("");
+  for (const auto& v : summary.latest()) {
+    if (v.key() == total_key) total_now = v.value();
+  }
+  if (std::isfinite(total_now) || forecast != nullptr) {
+    out << "total grad norm " << Short(total_now);
+    if (forecast != nullptr) {
+      out << ", " << Trend(forecast->slope_per_kstep(), forecast->current_value()) << " "
+          << Signed(forecast->slope_per_kstep()) << " per 1k steps (" << WithThousands(forecast->window_steps())
+          << "-step window)";
+    }
+    out << "\n";
+  }
+  for (const auto& f : a.forecasts()) {
+    out << "forecast: " << f.key() << " ";
+    if (f.current_value() >= f.threshold()) {
+      out << "is at or above " << Short(f.threshold()) << " now\n";
+    } else if (!f.reachable()) {
+      out << "is not rising: it does not reach " << Short(f.threshold()) << " at the current slope\n";
+    } else {
+      out << "reaches " << Short(f.threshold()) << " in ~" << WithThousands(f.steps_to_threshold())
+          << " steps, near step " << WithThousands(static_cast<double>(f.at_step())) << "\n";
+    }
+  }
+  int shown = 0;
+  std::string shares;
+  for (const auto& s : a.shares()) {
+    if (s.is_group() || shown == 3) continue;
+    shares += (shown++ ? "; " : "") + s.name() + " " + Percent(s.share()) + " and " +
+              Trend(s.slope_per_kstep(), 1.0) + " (" + Signed(100.0 * s.slope_per_kstep()) + " pts per 1k steps)";
+  }
+  if (!shares.empty()) out << "largest shares of the squared grad norm: " << shares << "\n";
+  for (const auto& g : a.growth_without_decay()) {
+    out << "growing without weight decay: " << g.param() << " ×" << Short(g.growth_factor()) << " over the last "
+        << WithThousands(static_cast<double>(g.window_steps())) << " steps, " << Signed(g.slope_per_kstep())
+        << " per 1k steps, norm " << Short(g.norm());
+    if (std::isfinite(g.amplification())) out << " (" << Short(g.amplification()) << "× its init norm)";
+    out << "\n";
+  }
+  for (const auto& am : a.amplifications()) {
+    bool listed = false;
+    for (const auto& g : a.growth_without_decay()) listed = listed || g.param() == am.param();
+    if (!listed) {
+      out << "norm gain " << am.param() << ": " << Short(am.amplification()) << "× its init norm ("
+          << Short(am.norm()) << " / " << Short(am.init_norm()) << ")\n";
+    }
+  }
+  for (const auto& c : a.slope_changes()) {
+    if (c.key() != total_key && c.key().rfind("params/norm/", 0) != 0) continue;
+    out << "at step " << WithThousands(static_cast<double>(c.event_step())) << " (" << c.event_text() << "): "
+        << c.key() << " slope ×" << Short(c.ratio()) << ", " << Short(c.before_per_kstep()) << " → "
+        << Short(c.after_per_kstep()) << " per 1k steps"
+        << (c.after_window_full() ? "" : " (after-window still filling)") << "\n";
+  }
+  for (const auto& c : a.change_points()) {
+    out << "slope change without an event: " << c.key() << " at step " << WithThousands(static_cast<double>(c.step()))
+        << ", " << Short(c.before_per_kstep()) << " → " << Short(c.after_per_kstep())
+        << " per 1k steps (×" << Short(c.ratio()) << ")\n";
+  }
+  return out.str();
+}
+
 std::string FormatRunSummary(const v1::RunSummary& summary) {
   const v1::RunInfo& info = summary.info();
   const RunOverview overview = BuildOverview(summary);
@@ -293,6 +402,9 @@ std::string FormatRunSummary(const v1::RunSummary& summary) {
                            : "")});
   head.push_back({"client-dropped steps", std::to_string(summary.client_dropped_steps())});
   out << FormatTable(head);
+
+  const std::string diagnosis = FormatDiagnosis(summary);
+  if (!diagnosis.empty()) out << "\ndiagnosis\n" << Indent(diagnosis, "  ");
 
   out << "\nlatest values\n";
   if (overview.key_series.empty()) {

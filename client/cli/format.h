@@ -51,6 +51,9 @@ RunOverview BuildOverview(const v1::RunSummary& summary, size_t top_n = 10);
 
 // `gradwatch show`: text, and JSON (the summary's fields plus "overview").
 std::string FormatRunSummary(const v1::RunSummary& summary);
+// The analysis as a few sentences: total grad norm and slope, forecast, largest shares, growth
+// without decay, slope changes at events and without them. Empty when there is nothing to say.
+std::string FormatDiagnosis(const v1::RunSummary& summary);
 nlohmann::ordered_json RunSummaryToJson(const v1::RunSummary& summary);
 
 // `gradwatch series`: "step value min max count" per point.

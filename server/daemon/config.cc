@@ -1,5 +1,6 @@
 #include "server/daemon/config.h"
 
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -45,6 +46,24 @@ Setter Field(T Config::*member) {
   };
 }
 
+// forecasts: [{series: grad/norm/total, threshold: 5.0}, ...]
+Status ReadForecasts(const YAML::Node& node, const std::string& source, const std::string& key, Config* c) {
+  if (!node.IsSequence()) return Status::InvalidArgument(Where(source, node, key) + ": must be a list");
+  std::vector<std::pair<std::string, double>> forecasts;
+  for (const auto& item : node) {
+    if (!item.IsMap() || !item["series"] || !item["threshold"]) {
+      return Status::InvalidArgument(Where(source, item, key) + ": each entry needs series and threshold");
+    }
+    std::string series;
+    double threshold = 0;
+    if (Status s = Read(item["series"], source, key + ".series", &series); !s.ok()) return s;
+    if (Status s = Read(item["threshold"], source, key + ".threshold", &threshold); !s.ok()) return s;
+    forecasts.emplace_back(series, threshold);
+  }
+  c->forecasts = std::move(forecasts);
+  return Status::Ok();
+}
+
 const std::map<std::string, std::map<std::string, Setter>>& Schema() {
   static const auto* kSchema = new std::map<std::string, std::map<std::string, Setter>>{
       {"", {{"listen", Field(&Config::listen)},
@@ -62,6 +81,12 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
       {"journal", {{"batch_max", Field(&Config::journal_batch_max)},
                    {"max_delay_ms", Field(&Config::journal_max_delay_ms)}}},
       {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)}}},
+      {"analytics", {{"windows", Field(&Config::slope_windows)},
+                     {"max_buckets", Field(&Config::slope_max_buckets)},
+                     {"event_window_steps", Field(&Config::event_window_steps)},
+                     {"forecast_window_steps", Field(&Config::forecast_window_steps)},
+                     {"forecasts", ReadForecasts},
+                     {"change_point_window_steps", Field(&Config::change_point_window_steps)}}},
   };
   return *kSchema;
 }
@@ -147,6 +172,23 @@ Status ValidateConfig(const Config& c) {
     return bad("journal.max_delay_ms: must be between 0 and 10000");
   }
   if (!(c.run_end_after_seconds > 0)) return bad("runs.end_after_seconds: must be > 0");
+  if (c.slope_windows.empty() || c.slope_windows.size() > 8) {
+    return bad("analytics.windows: give 1 to 8 windows (steps)");
+  }
+  for (uint64_t w : c.slope_windows) {
+    if (w < 2) return bad("analytics.windows: every window must be at least 2 steps");
+  }
+  if (c.slope_max_buckets < 2 || c.slope_max_buckets > 65536) {
+    return bad("analytics.max_buckets: must be between 2 and 65536");
+  }
+  if (c.event_window_steps < 2) return bad("analytics.event_window_steps: must be at least 2");
+  if (c.forecast_window_steps < 2) return bad("analytics.forecast_window_steps: must be at least 2");
+  if (c.change_point_window_steps < 10) return bad("analytics.change_point_window_steps: must be at least 10");
+  for (const auto& [series, threshold] : c.forecasts) {
+    if (series.empty() || !std::isfinite(threshold)) {
+      return bad("analytics.forecasts: every entry needs a series key and a finite threshold");
+    }
+  }
   return Status::Ok();
 }
 

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstddef>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "server/core/status.h"
 
@@ -28,6 +30,14 @@ struct Config {
   size_t journal_batch_max = 4096;
   int journal_max_delay_ms = 20;
   double run_end_after_seconds = 600;
+
+  std::vector<uint64_t> slope_windows = {1000, 5000, 20000};  // steps
+  size_t slope_max_buckets = 128;
+  uint64_t event_window_steps = 5000;
+  uint64_t forecast_window_steps = 5000;
+  // (series key, threshold) pairs forecast for every run.
+  std::vector<std::pair<std::string, double>> forecasts = {{"grad/norm/total", 5.0}};
+  uint64_t change_point_window_steps = 3000;
 };
 
 // Reads a YAML config file over the defaults. Unknown keys and bad values are errors that name

@@ -50,6 +50,12 @@ Status Daemon::Start() {
   run_options.max_params = config_.max_params_per_run;
   run_options.max_series = config_.max_series_per_run;
   run_options.end_after = Seconds(config_.run_end_after_seconds);
+  run_options.analytics.windows = config_.slope_windows;
+  run_options.analytics.max_buckets = config_.slope_max_buckets;
+  run_options.analytics.event_window_steps = config_.event_window_steps;
+  run_options.analytics.forecast_window_steps = config_.forecast_window_steps;
+  run_options.analytics.forecasts = config_.forecasts;
+  run_options.analytics.change_points.window_steps = config_.change_point_window_steps;
   registry_ = std::make_unique<runs::RunRegistry>(run_options, config_.max_runs, stats_.get(), clock_);
 
   store::JournalOptions journal_options;

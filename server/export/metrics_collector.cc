@@ -1,6 +1,9 @@
 #include "server/export/metrics_collector.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <map>
 #include <string>
 
 namespace gradwatch::exporter {
@@ -34,6 +37,16 @@ void Add(MetricFamily& f, std::vector<ClientMetric::Label> labels, double value)
   f.metric.push_back(Sample(std::move(labels), value, f.type));
 }
 
+// "5" for 5.0, "0.25" for 0.25: the shortest text that reads back as the same number.
+std::string FormatThreshold(double v) {
+  char buf[32];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
 }  // namespace
 
 MetricsCollector::MetricsCollector(const runs::RunRegistry* registry, const runs::DaemonStats* stats,
@@ -64,6 +77,29 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
                         "Steps the trainer's client dropped because its queue overflowed.", MetricType::Counter);
   auto run_streams = Family("gradwatch_run_open_streams", "Trainer streams open for the run.", MetricType::Gauge);
 
+  auto slope = Family("gradwatch_slope_per_kstep",
+                      "Least-squares slope of a series over a window of steps, per 1,000 steps.", MetricType::Gauge);
+  auto slope_ratio = Family("gradwatch_slope_change_ratio",
+                            "Slope after an event over the slope before it.", MetricType::Gauge);
+  auto slope_at_event = Family("gradwatch_slope_at_event_per_kstep",
+                               "Slope over the window before or after an event, per 1,000 steps.", MetricType::Gauge);
+  auto change_point = Family("gradwatch_change_point_step",
+                             "Step of the latest slope change found without an event.", MetricType::Gauge);
+  auto change_point_ratio = Family("gradwatch_change_point_ratio",
+                                   "Slope after over slope before the latest change point.", MetricType::Gauge);
+  auto to_threshold = Family("gradwatch_steps_to_threshold",
+                             "Steps until a series reaches a threshold at its current slope (+Inf: not rising).",
+                             MetricType::Gauge);
+  auto share = Family("gradwatch_grad_norm_share",
+                      "A parameter's share of the squared total gradient norm.", MetricType::Gauge);
+  auto group_share = Family("gradwatch_group_grad_norm_share",
+                            "A parameter group's share of the squared total gradient norm.", MetricType::Gauge);
+  auto amplification = Family("gradwatch_norm_amplification",
+                              "A norm gain's norm over its initial norm.", MetricType::Gauge);
+  auto growth = Family("gradwatch_growth_without_decay_factor",
+                       "Norm growth over the long window of a parameter with weight decay 0 whose norm rises.",
+                       MetricType::Gauge);
+
   uint64_t active = 0, ended = 0;
   size_t memory = 0;
   for (const auto& run : registry_->All()) {
@@ -85,6 +121,41 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     Add(nonfinite, {run_label}, static_cast<double>(s.info.nonfinite_count));
     Add(dropped, {run_label}, static_cast<double>(s.info.client_dropped_steps));
     Add(run_streams, {run_label}, s.info.open_streams);
+    const runs::RunAnalysis& a = s.analysis;
+    for (const auto& sl : a.slopes) {
+      Add(slope, {run_label, {"series", sl.key}, {"window", std::to_string(sl.window_steps)}},
+          sl.fit.slope_per_kstep());
+    }
+    for (const auto& c : a.slope_changes) {
+      const std::string event = std::to_string(c.change.event_step);
+      Add(slope_ratio, {run_label, {"series", c.key}, {"event", event}}, c.change.ratio);
+      Add(slope_at_event, {run_label, {"series", c.key}, {"event", event}, {"side", "before"}},
+          c.change.before.slope_per_kstep());
+      Add(slope_at_event, {run_label, {"series", c.key}, {"event", event}, {"side", "after"}},
+          c.change.after.slope_per_kstep());
+    }
+    {
+      // Only the latest change point per series: one sample each.
+      std::map<std::string, const runs::ChangePointInfo*> latest_change;
+      for (const auto& c : a.change_points) latest_change[c.key] = &c;
+      for (const auto& [key, c] : latest_change) {
+        Add(change_point, {run_label, {"series", key}}, static_cast<double>(c->change.step));
+        Add(change_point_ratio, {run_label, {"series", key}}, c->change.ratio);
+      }
+    }
+    for (const auto& f : a.forecasts) {
+      Add(to_threshold, {run_label, {"series", f.key}, {"threshold", FormatThreshold(f.threshold)}},
+          f.steps_to_threshold);
+    }
+    for (const auto& sh : a.shares) {
+      if (sh.is_group) {
+        Add(group_share, {run_label, {"group", sh.name}}, sh.share);
+      } else {
+        Add(share, {run_label, {"param", sh.name}}, sh.share);
+      }
+    }
+    for (const auto& am : a.amplifications) Add(amplification, {run_label, {"param", am.param}}, am.amplification);
+    for (const auto& g : a.growth_without_decay) Add(growth, {run_label, {"param", g.param}}, g.growth_factor);
     for (const auto& p : s.params) {
       std::vector<ClientMetric::Label> labels{run_label, {"param", p.name}, {"group", p.group}};
       if (p.norms[0]) Add(grad, labels, *p.norms[0]);
@@ -132,7 +203,8 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
 
   std::vector<MetricFamily> out;
   for (auto* f : {&grad_total, &grad, &param, &update, &loss, &z_loss, &lr, &last_step, &speed, &partial,
-                  &nonfinite, &dropped, &run_streams, &runs_family, &open_streams, &messages, &samples,
+                  &nonfinite, &dropped, &run_streams, &slope, &slope_ratio, &slope_at_event, &change_point,
+                  &change_point_ratio, &to_threshold, &share, &group_share, &amplification, &growth, &runs_family, &open_streams, &messages, &samples,
                   &errors, &journal_dropped, &store_memory, &commit}) {
     out.push_back(std::move(*f));
   }

@@ -218,6 +218,74 @@ void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out) {
   out->set_partial_steps(in.partial_steps);
 }
 
+void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out) {
+  for (const auto& s : in.slopes) {
+    v1::SeriesSlope* p = out->add_slopes();
+    p->set_key(s.key);
+    p->set_window_steps(s.window_steps);
+    p->set_slope_per_kstep(s.fit.slope_per_kstep());
+    p->set_stderr_per_kstep(s.fit.slope_stderr_per_kstep());
+    p->set_samples(static_cast<uint32_t>(s.fit.samples));
+    p->set_fitted_value(s.fit.value_at_last_step);
+  }
+  for (const auto& c : in.slope_changes) {
+    v1::SlopeChangeAtEvent* p = out->add_slope_changes();
+    p->set_key(c.key);
+    p->set_event_step(c.change.event_step);
+    p->set_event_text(c.event_text);
+    p->set_before_per_kstep(c.change.before.slope_per_kstep());
+    p->set_after_per_kstep(c.change.after.slope_per_kstep());
+    p->set_before_stderr_per_kstep(c.change.before_stderr_per_kstep);
+    p->set_after_stderr_per_kstep(c.change.after_stderr_per_kstep);
+    p->set_ratio(c.change.ratio);
+    p->set_difference_per_kstep(c.change.difference_per_kstep);
+    p->set_after_samples(static_cast<uint32_t>(c.after_samples));
+    p->set_after_window_full(c.change.after_window_full);
+  }
+  for (const auto& c : in.change_points) {
+    v1::ChangePoint* p = out->add_change_points();
+    p->set_key(c.key);
+    p->set_step(c.change.step);
+    p->set_before_per_kstep(c.change.slope_before_per_kstep);
+    p->set_after_per_kstep(c.change.slope_after_per_kstep);
+    p->set_ratio(c.change.ratio);
+  }
+  for (const auto& f : in.forecasts) {
+    v1::ThresholdForecast* p = out->add_forecasts();
+    p->set_key(f.key);
+    p->set_threshold(f.threshold);
+    p->set_current_value(f.current_value);
+    p->set_slope_per_kstep(f.slope_per_kstep);
+    p->set_window_steps(f.window_steps);
+    p->set_reachable(f.reachable);
+    p->set_steps_to_threshold(f.steps_to_threshold);
+    p->set_at_step(f.at_step);
+  }
+  for (const auto& s : in.shares) {
+    v1::GradNormShare* p = out->add_shares();
+    p->set_name(s.name);
+    p->set_is_group(s.is_group);
+    p->set_share(s.share);
+    p->set_slope_per_kstep(s.slope_per_kstep);
+  }
+  for (const auto& a : in.amplifications) {
+    v1::NormAmplification* p = out->add_amplifications();
+    p->set_param(a.param);
+    p->set_norm(a.norm);
+    p->set_init_norm(a.init_norm);
+    p->set_amplification(a.amplification);
+  }
+  for (const auto& g : in.growth_without_decay) {
+    v1::GrowthWithoutDecay* p = out->add_growth_without_decay();
+    p->set_param(g.param);
+    p->set_growth_factor(g.growth_factor);
+    p->set_slope_per_kstep(g.slope_per_kstep);
+    p->set_window_steps(g.window_steps);
+    p->set_amplification(g.amplification);
+    p->set_norm(g.norm);
+  }
+}
+
 void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out) {
   RunInfoToProto(in.info, out->mutable_info());
   ConfigToProto(in.config, out->mutable_config());
@@ -235,6 +303,7 @@ void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out) {
     ev->set_source(e.source);
     ev->set_recorded_at(e.recorded_at);
   }
+  AnalysisToProto(in.analysis, out->mutable_analysis());
   out->set_nonfinite_count(in.info.nonfinite_count);
   out->set_last_nonfinite_step(in.info.last_nonfinite_step);
   out->set_client_dropped_steps(in.info.client_dropped_steps);

@@ -32,6 +32,7 @@ bool ValidRunId(const std::string& id);
 
 v1::ErrorReason ReasonToProto(runs::IngestErrorReason reason);
 void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out);
+void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out);
 void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out);
 void ParamToProto(const ParamInfo& in, v1::ParamInfo* out);
 void ConfigToProto(const RunConfig& in, v1::RunConfig* out);

@@ -38,6 +38,7 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
       assembler_(std::max<uint32_t>(1, meta.world_size), options.assembly_timeout,
                  options.max_pending_steps),
       ranks_(std::max<uint32_t>(1, meta.world_size)),
+      analytics_(options.analytics),
       last_activity_(clock->Now()) {
   std::vector<ParamInfo> params = std::move(meta.params);
   meta.params.clear();
@@ -51,6 +52,7 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
   } else {
     // Restored: series ids come from the journal (RestoreSeries), mapped in FinishRestore.
     meta_.params = std::move(params);
+    analytics_.SetCatalog(meta_.params);
     scalar_series_.fill(kNoSeries);
   }
 }
@@ -85,6 +87,7 @@ SeriesId Run::SeriesForKeyLocked(const std::string& key, bool journal) {
   const auto id = static_cast<SeriesId>(series_.size());
   series_.push_back({key, std::make_unique<store::Series>(options_.series)});
   series_by_key_.emplace(key, id);
+  analytics_.AddSeries(id, key);
   if (journal) JournalLocked(store::SeriesRecord{id_, id, key});
   return id;
 }
@@ -131,6 +134,7 @@ std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>
     record.params.push_back(params[i]);
   }
   JournalLocked(std::move(record));
+  analytics_.SetCatalog(meta_.params);
   for (size_t i = first; i < params.size(); ++i) {
     std::array<SeriesId, kNormFields> ids{};
     for (int f = 0; f < kNormFields; ++f) {
@@ -305,6 +309,7 @@ void Run::CompleteLocked(const PendingStep& p) {
 }
 
 void Run::AppendLocked(const CompletedStep& step) {
+  analytics_.OnStep(step);
   for (const SeriesValue& sv : step.values) {
     if (sv.id >= series_.size() || !series_[sv.id].data) continue;
     series_[sv.id].data->Append(step.step, sv.value);
@@ -331,6 +336,7 @@ std::optional<IngestError> Run::AddEvent(EventRecord event) {
   auto pos = std::upper_bound(events_.begin(), events_.end(), event.step,
                               [](uint64_t s, const EventRecord& e) { return s < e.step; });
   events_.insert(pos, event);
+  analytics_.OnEvent(event);
   JournalLocked(store::EventJournalRecord{id_, std::move(event)});
   last_activity_ = clock_->Now();
   return std::nullopt;
@@ -412,6 +418,7 @@ RunMetricsSnapshot Run::MetricsSnapshot() const {
     for (int f = 0; f < kNormFields; ++f) p.norms[f] = latest(param_series_[i][f]);
     s.params.push_back(std::move(p));
   }
+  s.analysis = analytics_.Analysis();
   return s;
 }
 
@@ -426,6 +433,7 @@ RunSummary Run::Summary() const {
     if (auto p = e.data->Latest()) s.latest.push_back({e.key, p->last_step, p->last});
   }
   s.events = events_;
+  s.analysis = analytics_.Analysis();
   return s;
 }
 
@@ -451,6 +459,7 @@ void Run::RestoreSeries(SeriesId id, const std::string& key) {
   if (id >= series_.size()) series_.resize(id + 1);
   series_[id] = {key, std::make_unique<store::Series>(options_.series)};
   series_by_key_[key] = id;
+  analytics_.AddSeries(id, key);
 }
 
 void Run::RestoreProgress(const store::RankProgress& progress) {
@@ -472,6 +481,7 @@ void Run::RestoreStep(const CompletedStep& step) {
 void Run::RestoreEvent(const EventRecord& event) {
   std::lock_guard lock(mu_);
   events_.push_back(event);
+  analytics_.OnEvent(event);
 }
 
 void Run::RestoreEnded(bool ended) {

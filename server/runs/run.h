@@ -17,6 +17,7 @@
 #include "server/core/types.h"
 #include "server/runs/daemon_stats.h"
 #include "server/runs/errors.h"
+#include "server/runs/run_analytics.h"
 #include "server/runs/step_assembler.h"
 #include "server/store/journal.h"
 #include "server/store/series.h"
@@ -31,6 +32,7 @@ struct RunOptions {
   size_t max_series = 262144;
   // A run with no open stream and no step for this long is ended (dropped from /metrics).
   std::chrono::nanoseconds end_after = std::chrono::minutes(10);
+  AnalyticsOptions analytics;
 };
 
 // Where a run sends answers to a trainer's stream. Implemented by the ingest reactor; methods are
@@ -87,6 +89,7 @@ struct RunMetricsSnapshot {
     std::array<std::optional<double>, kNormFields> norms;
   };
   std::vector<Param> params;
+  RunAnalysis analysis;
 };
 
 struct RunSummary {
@@ -95,6 +98,7 @@ struct RunSummary {
   std::vector<ParamInfo> params;
   std::vector<LatestSample> latest;
   std::vector<EventRecord> events;
+  RunAnalysis analysis;
 };
 
 class Run {
@@ -188,6 +192,7 @@ class Run {
   std::array<SeriesId, 5> scalar_series_{};  // total grad, loss, z-loss, lr, tokens
   std::vector<RankState> ranks_;
   std::vector<EventRecord> events_;  // ordered by step
+  RunAnalytics analytics_;
   uint32_t open_streams_ = 0;
   bool ended_ = false;
   SteadyTime last_activity_;
@@ -205,7 +210,7 @@ class Run {
   std::array<std::pair<double, uint64_t>, kSpeedWindow> speed_ring_{};
   size_t speed_count_ = 0;
 
-  CompletedStep scratch_;             // reused for every completed step
+ CompletedStep scratch_;             // reused for every completed step
   std::vector<uint8_t> seen_scratch_;  // reused by ValidateStepLocked
 };
 

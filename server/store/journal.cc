@@ -798,6 +798,18 @@ Status Journal::Load(JournalVisitor& visitor) {
   if (!status.ok()) return status;
 
   {
+    StmtUse rows(events);
+    while (rows.Row(&status, "journal: reading events")) {
+      EventRecord event;
+      event.step = rows.ColUnsigned(1);
+      event.text = rows.ColText(2);
+      event.source = rows.ColText(3);
+      event.recorded_at = rows.ColReal(4);
+      visitor.OnEvent(rows.ColText(0), event);
+    }
+    if (!status.ok()) return status;
+  }
+  {
     StmtUse rows(steps);
     CompletedStep step;
     while (rows.Row(&status, "journal: reading steps")) {
@@ -815,18 +827,6 @@ Status Journal::Load(JournalVisitor& visitor) {
                                 std::to_string(kValueEntryBytes) + "-byte entries");
       }
       visitor.OnStep(run_id, step);
-    }
-    if (!status.ok()) return status;
-  }
-  {
-    StmtUse rows(events);
-    while (rows.Row(&status, "journal: reading events")) {
-      EventRecord event;
-      event.step = rows.ColUnsigned(1);
-      event.text = rows.ColText(2);
-      event.source = rows.ColText(3);
-      event.recorded_at = rows.ColReal(4);
-      visitor.OnEvent(rows.ColText(0), event);
     }
     if (!status.ok()) return status;
   }

@@ -77,7 +77,8 @@ struct CommitReport {
 };
 
 // Receives everything the journal holds, in order: all runs (each followed by its params,
-// series, rank progress), then steps ordered by run and step, then events.
+// series, rank progress), then events (so that analytics know them before the steps they
+// concern), then steps ordered by run and step.
 class JournalVisitor {
  public:
   virtual ~JournalVisitor() = default;

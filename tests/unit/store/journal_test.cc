@@ -239,8 +239,8 @@ TEST_CASE("journal round-trips runs, catalogs, series, steps, events and progres
   CHECK(got.order == std::vector<std::string>{
                          "run:moe-6144", "series:moe-6144", "series:moe-6144",
                          "progress:moe-6144", "progress:moe-6144", "run:small", "series:small",
-                         "step:moe-6144", "step:moe-6144", "step:small", "event:moe-6144",
-                         "event:small"});
+                         "event:moe-6144", "event:small", "step:moe-6144", "step:moe-6144",
+                         "step:small"});
 
   REQUIRE(got.runs.size() == 2);
   const RunMeta& loaded = got.runs[0].meta;

@@ -1,0 +1,313 @@
+#include "server/analytics/regression.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+namespace gradwatch::analytics {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// a − b as a double, for steps on either side of each other.
+double StepDelta(uint64_t a, uint64_t b) {
+  return a >= b ? static_cast<double>(a - b) : -static_cast<double>(b - a);
+}
+
+}  // namespace
+
+double LinearFit::PredictAt(uint64_t step) const {
+  return value_at_last_step + slope_per_step * StepDelta(step, last_step);
+}
+
+void CompensatedSum::Add(double x) {
+  const double t = sum_ + x;
+  if (std::isinf(t)) {
+    compensation_ = 0;  // as Prometheus does: the compensation of an overflowed sum means nothing
+  } else if (std::fabs(sum_) >= std::fabs(x)) {
+    compensation_ += (sum_ - t) + x;  // Neumaier: the low bits of x were lost
+  } else {
+    compensation_ += (x - t) + sum_;  // the low bits of sum_ were lost
+  }
+  sum_ = t;
+}
+
+void CompensatedSum::Add(const CompensatedSum& other) {
+  Add(other.sum_);
+  Add(other.compensation_);
+}
+
+void CompensatedSum::Subtract(const CompensatedSum& other) {
+  Add(-other.sum_);
+  Add(-other.compensation_);
+}
+
+RegressionSums::RegressionSums(uint64_t origin_step, double value_origin)
+    : has_origin_(true), origin_step_(origin_step), value_origin_(value_origin) {}
+
+bool RegressionSums::Add(uint64_t step, double value) {
+  if (!std::isfinite(value)) {
+    return false;
+  }
+  if (!has_origin_) {
+    has_origin_ = true;
+    origin_step_ = step;
+    value_origin_ = value;
+  }
+  const double x = StepDelta(step, origin_step_);
+  const double y = value - value_origin_;
+  sum_x_.Add(x);
+  sum_y_.Add(y);
+  sum_xx_.Add(x * x);
+  sum_xy_.Add(x * y);
+  sum_yy_.Add(y * y);
+  if (count_ == 0) {
+    first_step_ = last_step_ = step;
+  } else {
+    first_step_ = std::min(first_step_, step);
+    last_step_ = std::max(last_step_, step);
+  }
+  ++count_;
+  return true;
+}
+
+void RegressionSums::Merge(const RegressionSums& other) {
+  if (other.count_ == 0) {
+    return;
+  }
+  const bool was_empty = count_ == 0;
+  Accumulate(other, 1.0);
+  if (was_empty) {
+    first_step_ = other.first_step_;
+    last_step_ = other.last_step_;
+  } else {
+    first_step_ = std::min(first_step_, other.first_step_);
+    last_step_ = std::max(last_step_, other.last_step_);
+  }
+}
+
+void RegressionSums::Subtract(const RegressionSums& other) {
+  if (other.count_ == 0) {
+    return;
+  }
+  if (other.count_ >= count_) {
+    Clear();
+    return;
+  }
+  Accumulate(other, -1.0);
+}
+
+void RegressionSums::Accumulate(const RegressionSums& other, double sign) {
+  if (!has_origin_) {
+    has_origin_ = true;
+    origin_step_ = other.origin_step_;
+    value_origin_ = other.value_origin_;
+  }
+  // other's samples are (x + d, y + e) in this object's coordinates.
+  const double d = StepDelta(other.origin_step_, origin_step_);
+  const double e = other.value_origin_ - value_origin_;
+  const double n = static_cast<double>(other.count_);
+  const double ox = other.sum_x_.value();
+  const double oy = other.sum_y_.value();
+
+  auto add = [sign](CompensatedSum& sum, const CompensatedSum& term) {
+    if (sign > 0) {
+      sum.Add(term);
+    } else {
+      sum.Subtract(term);
+    }
+  };
+  add(sum_x_, other.sum_x_);
+  add(sum_y_, other.sum_y_);
+  add(sum_xx_, other.sum_xx_);
+  add(sum_xy_, other.sum_xy_);
+  add(sum_yy_, other.sum_yy_);
+  if (d != 0) {
+    sum_x_.Add(sign * n * d);
+    sum_xx_.Add(sign * 2 * d * ox);
+    sum_xx_.Add(sign * n * d * d);
+    sum_xy_.Add(sign * d * oy);
+  }
+  if (e != 0) {
+    sum_y_.Add(sign * n * e);
+    sum_xy_.Add(sign * e * ox);
+    sum_yy_.Add(sign * 2 * e * oy);
+    sum_yy_.Add(sign * n * e * e);
+  }
+  if (d != 0 && e != 0) {
+    sum_xy_.Add(sign * n * d * e);
+  }
+  if (sign > 0) {
+    count_ += other.count_;
+  } else {
+    count_ -= other.count_;
+  }
+}
+
+void RegressionSums::SetStepRange(uint64_t first_step, uint64_t last_step) {
+  first_step_ = first_step;
+  last_step_ = last_step;
+}
+
+void RegressionSums::Clear() {
+  count_ = 0;
+  first_step_ = last_step_ = 0;
+  sum_x_ = sum_y_ = sum_xx_ = sum_xy_ = sum_yy_ = CompensatedSum();
+}
+
+std::optional<LinearFit> RegressionSums::Fit() const {
+  if (count_ < 2 || first_step_ == last_step_) {
+    return std::nullopt;
+  }
+  const double n = static_cast<double>(count_);
+  const double sx = sum_x_.value();
+  const double sy = sum_y_.value();
+  // Prometheus's covXY and varX.
+  const double cov_xy = sum_xy_.value() - sx * sy / n;
+  const double var_x = sum_xx_.value() - sx * sx / n;
+  if (!(var_x > 0) || !std::isfinite(cov_xy)) {
+    return std::nullopt;
+  }
+  LinearFit fit;
+  fit.samples = count_;
+  fit.first_step = first_step_;
+  fit.last_step = last_step_;
+  fit.slope_per_step = cov_xy / var_x;
+  // The line passes through the means; evaluate it at last_step (Prometheus's intercept at the
+  // evaluation time, sumY/n − slope·sumX/n with x measured from there).
+  const double mean_x = sx / n;
+  const double mean_y = sy / n;
+  fit.value_at_last_step =
+      value_origin_ + (mean_y + fit.slope_per_step * (StepDelta(last_step_, origin_step_) - mean_x));
+  if (count_ >= 3) {
+    const double var_y = sum_yy_.value() - sy * sy / n;
+    const double residual_ss = std::max(0.0, var_y - fit.slope_per_step * cov_xy);
+    fit.residual_stddev = std::sqrt(residual_ss / (n - 2));
+    fit.slope_stderr_per_step = fit.residual_stddev / std::sqrt(var_x);
+  } else {
+    fit.residual_stddev = kNaN;
+    fit.slope_stderr_per_step = kNaN;
+  }
+  return fit;
+}
+
+WindowedSlope::WindowedSlope(uint64_t window_steps, size_t max_buckets)
+    : window_steps_(std::max<uint64_t>(window_steps, 1)),
+      bucket_steps_(1),
+      max_buckets_(std::max<size_t>(max_buckets, 1)) {
+  const uint64_t buckets = max_buckets_;
+  bucket_steps_ = window_steps_ / buckets + (window_steps_ % buckets != 0 ? 1 : 0);
+  // Samples in a window of window_steps steps fall into at most ceil(window / bucket) + 1 buckets.
+  const uint64_t spanned =
+      window_steps_ / bucket_steps_ + (window_steps_ % bucket_steps_ != 0 ? 1 : 0) + 1;
+  ring_.resize(static_cast<size_t>(spanned));
+}
+
+bool WindowedSlope::AddSample(uint64_t step, double value) {
+  if (!std::isfinite(value)) {
+    ++ignored_non_finite_;
+    return false;
+  }
+  if (has_samples_ && step < last_step_) {
+    ++ignored_out_of_order_;
+    return false;
+  }
+  has_samples_ = true;
+  last_step_ = step;
+  ExpireBefore(step);
+  if (held_ == 0) {
+    window_ = RegressionSums(step, value);
+    expiries_since_recompute_ = 0;
+  }
+  const uint64_t index = step / bucket_steps_;
+  if (held_ == 0 || held(held_ - 1).index != index) {
+    assert(held_ < ring_.size());
+    Bucket& bucket = ring_[(head_ + held_) % ring_.size()];
+    bucket.index = index;
+    bucket.sums = RegressionSums(step, value);
+    ++held_;
+  }
+  ring_[(head_ + held_ - 1) % ring_.size()].sums.Add(step, value);
+  window_.Add(step, value);
+  window_.SetStepRange(held(0).sums.first_step(), step);
+  if (expiries_since_recompute_ >= max_buckets_ ||
+      (step - window_.origin_step()) / 4 >= window_steps_) {
+    Recompute();
+  }
+  return true;
+}
+
+void WindowedSlope::ExpireBefore(uint64_t newest_step) {
+  while (held_ > 0 && newest_step - held(0).sums.first_step() >= window_steps_) {
+    window_.Subtract(held(0).sums);
+    head_ = (head_ + 1) % ring_.size();
+    --held_;
+    ++expiries_since_recompute_;
+  }
+}
+
+void WindowedSlope::Recompute() {
+  const RegressionSums& oldest = held(0).sums;
+  RegressionSums exact(oldest.origin_step(), oldest.value_origin());
+  for (size_t i = 0; i < held_; ++i) {
+    exact.Merge(held(i).sums);
+  }
+  window_ = exact;
+  expiries_since_recompute_ = 0;
+  ++recomputes_;
+}
+
+std::optional<LinearFit> WindowedSlope::Fit() const { return window_.Fit(); }
+
+RegressionSums WindowedSlope::SumsInRange(uint64_t from_step, uint64_t to_step) const {
+  RegressionSums sums;
+  for (size_t i = 0; i < held_; ++i) {
+    const RegressionSums& bucket = held(i).sums;
+    if (bucket.first_step() > to_step) {
+      break;
+    }
+    if (bucket.first_step() >= from_step && bucket.last_step() <= to_step) {
+      sums.Merge(bucket);
+    }
+  }
+  return sums;
+}
+
+std::optional<LinearFit> WindowedSlope::FitRange(uint64_t from_step, uint64_t to_step) const {
+  return SumsInRange(from_step, to_step).Fit();
+}
+
+SlopeTracker::SlopeTracker(std::vector<uint64_t> windows, size_t max_buckets) {
+  if (windows.empty()) {
+    windows = DefaultWindows();
+  }
+  windows_.reserve(windows.size());
+  for (uint64_t window_steps : windows) {
+    windows_.emplace_back(window_steps, max_buckets);
+  }
+  for (size_t i = 1; i < windows_.size(); ++i) {
+    if (windows_[i].window_steps() > windows_[longest_].window_steps()) {
+      longest_ = i;
+    }
+  }
+}
+
+bool SlopeTracker::AddSample(uint64_t step, double value) {
+  bool accepted = false;
+  for (WindowedSlope& window : windows_) {
+    accepted = window.AddSample(step, value);
+  }
+  return accepted;
+}
+
+std::optional<LinearFit> SlopeTracker::FitRange(uint64_t from_step, uint64_t to_step) const {
+  return longest().FitRange(from_step, to_step);
+}
+
+RegressionSums SlopeTracker::SumsInRange(uint64_t from_step, uint64_t to_step) const {
+  return longest().SumsInRange(from_step, to_step);
+}
+
+}  // namespace gradwatch::analytics

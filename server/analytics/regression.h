@@ -1,0 +1,206 @@
+// Least-squares slopes over steps: running sums with compensated summation, a sliding window
+// with O(1) updates, and several windows per series.
+//
+// The arithmetic is Prometheus's `linearRegression` (promql/functions.go), which `deriv()` and
+// `predict_linear()` use: sums of x, y, xy and x² with Kahan–Neumaier compensation,
+// slope = (Σxy − ΣxΣy/n) / (Σx² − (Σx)²/n). With one step taken as one second and the evaluation
+// time at the last sample, `slope_per_step` is `deriv(v[W])` and
+// `PredictAt(last_step + d)` is `predict_linear(v[W], d)`.
+//
+// Pure maths: no I/O, no locks. Not thread-safe: the owner serialises access.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace gradwatch::analytics {
+
+inline constexpr double kStepsPerKstep = 1000.0;
+
+// A fitted line over `samples` samples with steps in [first_step, last_step].
+struct LinearFit {
+  size_t samples = 0;
+  uint64_t first_step = 0;
+  uint64_t last_step = 0;
+  double slope_per_step = 0;
+  // The line's value at last_step (Prometheus's intercept at the evaluation time).
+  double value_at_last_step = 0;
+  // Standard error of the slope, from the residuals; NaN with fewer than 3 samples.
+  double slope_stderr_per_step = 0;
+  // sqrt(Σ residual² / (samples − 2)); NaN with fewer than 3 samples.
+  double residual_stddev = 0;
+
+  double slope_per_kstep() const { return slope_per_step * kStepsPerKstep; }
+  double slope_stderr_per_kstep() const { return slope_stderr_per_step * kStepsPerKstep; }
+  // value_at_last_step + slope_per_step · (step − last_step); steps before last_step work too.
+  double PredictAt(uint64_t step) const;
+};
+
+// A Kahan–Neumaier compensated sum (the variant Prometheus's kahanSumInc uses).
+class CompensatedSum {
+ public:
+  void Add(double x);
+  // Adds another compensated sum, keeping its compensation term.
+  void Add(const CompensatedSum& other);
+  void Subtract(const CompensatedSum& other);
+  double value() const { return sum_ + compensation_; }
+
+ private:
+  double sum_ = 0;
+  double compensation_ = 0;
+};
+
+// Running least-squares sums n, Σx, Σy, Σxx, Σxy, Σyy with x = step − origin_step and
+// y = value − value_origin: both origins keep the terms small, so a window far along the step axis
+// or values near 1e6 with a small slope lose no precision to cancellation. The origins are fixed
+// at construction (or by the first Add of a default-constructed object); Merge and Subtract shift
+// the other object's sums to this object's origins.
+class RegressionSums {
+ public:
+  // Origins are taken from the first sample added (or the first object merged).
+  RegressionSums() = default;
+  RegressionSums(uint64_t origin_step, double value_origin);
+
+  // Adds one sample. A non-finite value is ignored and false returned.
+  bool Add(uint64_t step, double value);
+  // Adds all of other's samples; the step range becomes the union.
+  void Merge(const RegressionSums& other);
+  // Removes other's samples, which must have been added to (or merged into) this object. The sums
+  // cannot know which steps remain, so the step range is left as it was: callers that know it
+  // (a window dropping its oldest samples) set it with SetStepRange. Removing every sample clears
+  // the sums exactly.
+  void Subtract(const RegressionSums& other);
+  void SetStepRange(uint64_t first_step, uint64_t last_step);
+  void Clear();  // keeps the origins
+
+  // Needs ≥ 2 samples at distinct steps; the standard errors need ≥ 3 samples (NaN otherwise).
+  std::optional<LinearFit> Fit() const;
+
+  size_t count() const { return count_; }
+  bool empty() const { return count_ == 0; }
+  uint64_t first_step() const { return first_step_; }  // meaningful when !empty()
+  uint64_t last_step() const { return last_step_; }
+  uint64_t origin_step() const { return origin_step_; }
+  double value_origin() const { return value_origin_; }
+
+ private:
+  // Adds (sign = +1) or removes (sign = −1) other's sums, shifted to this object's origins.
+  void Accumulate(const RegressionSums& other, double sign);
+
+  bool has_origin_ = false;
+  uint64_t origin_step_ = 0;
+  double value_origin_ = 0;
+  size_t count_ = 0;
+  uint64_t first_step_ = 0;
+  uint64_t last_step_ = 0;
+  CompensatedSum sum_x_, sum_y_, sum_xx_, sum_xy_, sum_yy_;
+};
+
+// Least-squares slope over the samples whose step lies in the left-open window
+// (last_step − window_steps, last_step], last_step being the newest sample's step: with one step
+// as one second that is the range Prometheus 3 gives `deriv(v[W])` at the newest sample (Prometheus
+// 2 includes the left edge, i.e. equals WindowedSlope(W + 1) for integer steps).
+//
+// O(1) amortised per sample and allocation-free after construction: samples are aggregated into
+// buckets of bucket_steps = ceil(window_steps / max_buckets) consecutive steps (bucket k holds steps
+// [k·bucket_steps, (k+1)·bucket_steps)), kept in a ring; the window sums add each new sample and
+// subtract each bucket that expires, and are recomputed exactly from the buckets every max_buckets
+// expiries (or when the window has moved 4 windows past the sums' origin), so rounding error cannot
+// build up.
+//
+// Window edge: a bucket expires, with all its samples, as soon as its oldest sample leaves the
+// window. With bucket_steps == 1 (window_steps ≤ max_buckets) the window is exact for every
+// sample; otherwise up to bucket_steps − 1 of the oldest steps may be dropped early, never a sample
+// outside the window kept. Every sample held counts in the fit (buckets hold sums, not averages).
+//
+// The x-axis is the step number, so irregular reporting (every 10 steps, gaps) needs nothing
+// special; a gap longer than the window empties it. Non-finite values are ignored and counted, and
+// so are samples whose step is older than the newest one (a repeated step is accepted).
+class WindowedSlope {
+ public:
+  static constexpr size_t kDefaultMaxBuckets = 1024;
+
+  // window_steps and max_buckets below 1 are raised to 1.
+  explicit WindowedSlope(uint64_t window_steps, size_t max_buckets = kDefaultMaxBuckets);
+
+  // Returns false when the sample was ignored (non-finite value, or step older than last_step()).
+  bool AddSample(uint64_t step, double value);
+
+  // The fit over the window; nullopt until it holds samples at 2 distinct steps.
+  std::optional<LinearFit> Fit() const;
+  // The fit over the held buckets whose samples all lie in [from_step, to_step]; nullopt when fewer
+  // than 2 distinct steps qualify. O(buckets held).
+  std::optional<LinearFit> FitRange(uint64_t from_step, uint64_t to_step) const;
+  // The sums behind FitRange (empty when no bucket qualifies), for callers that keep adding.
+  RegressionSums SumsInRange(uint64_t from_step, uint64_t to_step) const;
+
+  uint64_t window_steps() const { return window_steps_; }
+  uint64_t bucket_steps() const { return bucket_steps_; }
+  size_t samples_in_window() const { return window_.count(); }
+  // Whether any sample was ever accepted; last_step() is meaningful only then.
+  bool has_samples() const { return has_samples_; }
+  uint64_t last_step() const { return last_step_; }
+  uint64_t ignored_non_finite() const { return ignored_non_finite_; }
+  uint64_t ignored_out_of_order() const { return ignored_out_of_order_; }
+  // Exact recomputations of the window sums so far.
+  uint64_t recomputes() const { return recomputes_; }
+
+ private:
+  struct Bucket {
+    uint64_t index = 0;  // step / bucket_steps_
+    RegressionSums sums;
+  };
+
+  const Bucket& held(size_t i) const { return ring_[(head_ + i) % ring_.size()]; }
+  void ExpireBefore(uint64_t newest_step);
+  void Recompute();
+
+  uint64_t window_steps_;
+  uint64_t bucket_steps_;
+  size_t max_buckets_;
+  std::vector<Bucket> ring_;  // capacity fixed at construction; non-empty buckets, oldest first
+  size_t head_ = 0;
+  size_t held_ = 0;
+  RegressionSums window_;
+  bool has_samples_ = false;
+  uint64_t last_step_ = 0;
+  uint64_t expiries_since_recompute_ = 0;
+  uint64_t recomputes_ = 0;
+  uint64_t ignored_non_finite_ = 0;
+  uint64_t ignored_out_of_order_ = 0;
+};
+
+// One series, several windows (by default 1k, 5k and 20k steps), each a WindowedSlope with the
+// same max_buckets.
+class SlopeTracker {
+ public:
+  static std::vector<uint64_t> DefaultWindows() { return {1000, 5000, 20000}; }
+
+  // An empty list means DefaultWindows(). Windows keep the given order.
+  explicit SlopeTracker(std::vector<uint64_t> windows = DefaultWindows(),
+                        size_t max_buckets = WindowedSlope::kDefaultMaxBuckets);
+
+  // Feeds every window; false when the sample was ignored (see WindowedSlope::AddSample).
+  bool AddSample(uint64_t step, double value);
+
+  size_t window_count() const { return windows_.size(); }
+  const WindowedSlope& window(size_t i) const { return windows_.at(i); }
+  const std::vector<WindowedSlope>& windows() const { return windows_; }
+  // The window with the most steps (the first of them on a tie).
+  const WindowedSlope& longest() const { return windows_[longest_]; }
+
+  // Delegated to the longest window: only steps it still holds, at its bucket granularity.
+  std::optional<LinearFit> FitRange(uint64_t from_step, uint64_t to_step) const;
+  RegressionSums SumsInRange(uint64_t from_step, uint64_t to_step) const;
+
+  bool has_samples() const { return longest().has_samples(); }
+  uint64_t last_step() const { return longest().last_step(); }
+
+ private:
+  std::vector<WindowedSlope> windows_;
+  size_t longest_ = 0;
+};
+
+}  // namespace gradwatch::analytics

@@ -1,0 +1,253 @@
+#include "server/runs/run_analytics.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "server/analytics/attribution.h"
+#include "server/analytics/forecast.h"
+
+namespace gradwatch::runs {
+
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+std::vector<uint64_t> WindowsWith(std::vector<uint64_t> windows, uint64_t extra) {
+  if (std::find(windows.begin(), windows.end(), extra) == windows.end()) windows.push_back(extra);
+  std::sort(windows.begin(), windows.end());
+  return windows;
+}
+
+bool StartsWith(const std::string& s, std::string_view prefix) {
+  return s.size() > prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
+}
+
+}  // namespace
+
+RunAnalytics::RunAnalytics(const AnalyticsOptions& options)
+    : options_([&] {
+        AnalyticsOptions o = options;
+        o.windows = WindowsWith(o.windows, o.forecast_window_steps);
+        return o;
+      }()) {}
+
+void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
+  for (size_t i = params_.size(); i < params.size(); ++i) {
+    const ParamInfo& p = params[i];
+    param_by_name_[p.name] = static_cast<int>(i);
+    ParamState state;
+    const std::string group(p.EffectiveGroup());
+    auto g = std::find_if(groups_.begin(), groups_.end(), [&](const GroupState& s) { return s.name == group; });
+    if (g == groups_.end()) {
+      groups_.push_back({group, std::make_unique<analytics::WindowedSlope>(options_.forecast_window_steps,
+                                                                           options_.max_buckets)});
+      g = groups_.end() - 1;
+    }
+    state.group = static_cast<int>(g - groups_.begin());
+    state.init_norm = analytics::InitNorm(p);
+    state.share_trend =
+        std::make_unique<analytics::WindowedSlope>(options_.forecast_window_steps, options_.max_buckets);
+    param_state_.push_back(std::move(state));
+    params_.push_back(p);
+    group_of_param_.push_back(static_cast<uint32_t>(param_state_.back().group));
+  }
+  grad_scratch_.assign(params_.size(), kNaN);
+  param_share_scratch_.assign(params_.size(), 0.0);
+  group_share_scratch_.assign(groups_.size(), 0.0);
+  // Series added before their parameter was known (restore order) are classified again.
+  for (Tracked& t : series_) {
+    if (t.role == Role::kExtra) ClassifyLocked(t);
+  }
+}
+
+void RunAnalytics::ClassifyLocked(Tracked& t) const {
+  t.role = Role::kExtra;
+  t.param = -1;
+  if (t.key == keys::kTotalGradNorm) {
+    t.role = Role::kTotalGrad;
+  } else if (t.key == keys::kLoss || t.key == keys::kZLoss || t.key == keys::kLearningRate ||
+             t.key == keys::kTokens) {
+    t.role = Role::kScalar;
+  } else {
+    struct Prefix {
+      std::string_view prefix;
+      Role role;
+    };
+    static constexpr Prefix kPrefixes[] = {{keys::kGradNormPrefix, Role::kParamGrad},
+                                           {keys::kParamNormPrefix, Role::kParamNorm},
+                                           {keys::kUpdateNormPrefix, Role::kParamUpdate}};
+    for (const Prefix& p : kPrefixes) {
+      if (!StartsWith(t.key, p.prefix)) continue;
+      auto it = param_by_name_.find(t.key.substr(p.prefix.size()));
+      if (it != param_by_name_.end()) {
+        t.role = p.role;
+        t.param = it->second;
+      }
+      break;
+    }
+  }
+  t.key_series = IsKeySeries(t.role, t.param);
+}
+
+bool RunAnalytics::IsKeySeries(Role role, int param) const {
+  // Change points and event slopes are tracked where the incident lives: the total grad norm,
+  // the loss, the norms of parameters without weight decay, and the output layer's gradient.
+  switch (role) {
+    case Role::kTotalGrad: return true;
+    case Role::kScalar: return false;
+    case Role::kParamNorm: return param >= 0 && params_[param].weight_decay == 0.0;
+    case Role::kParamGrad: return param >= 0 && params_[param].kind == ParamKind::kOutput;
+    case Role::kParamUpdate:
+    case Role::kExtra: return false;
+  }
+  return false;
+}
+
+void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
+  if (id >= series_.size()) series_.resize(id + 1);
+  Tracked& t = series_[id];
+  t.key = key;
+  ClassifyLocked(t);
+  if (key == keys::kLoss) t.key_series = true;
+  t.slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, options_.max_buckets);
+  if (t.key_series) {
+    t.detector = std::make_unique<analytics::SlopeChangeDetector>(options_.change_points);
+    for (const EventRecord& e : events_) {
+      analytics::EventSlope slope(e.step, options_.event_window_steps, options_.event_min_after_samples);
+      slope.Seed(*t.slopes);
+      t.events.emplace_back(e.text, std::move(slope));
+    }
+  }
+  if (t.role == Role::kTotalGrad) total_grad_ = id;
+  if (t.param >= 0 && t.role == Role::kParamGrad) param_state_[t.param].grad = id;
+  if (t.param >= 0 && t.role == Role::kParamNorm) param_state_[t.param].norm = id;
+}
+
+void RunAnalytics::OnEvent(const EventRecord& event) {
+  events_.push_back(event);
+  if (events_.size() > options_.max_events) events_.erase(events_.begin());
+  for (Tracked& t : series_) {
+    if (!t.key_series || !t.slopes) continue;
+    analytics::EventSlope slope(event.step, options_.event_window_steps, options_.event_min_after_samples);
+    slope.Seed(*t.slopes);
+    t.events.emplace_back(event.text, std::move(slope));
+    if (t.events.size() > options_.max_events) t.events.erase(t.events.begin());
+  }
+}
+
+void RunAnalytics::OnStep(const CompletedStep& step) {
+  for (const SeriesValue& sv : step.values) {
+    if (sv.id >= series_.size()) continue;
+    Tracked& t = series_[sv.id];
+    if (!t.slopes) continue;
+    t.last_value = sv.value;
+    t.has_value = true;
+    if (!std::isfinite(sv.value)) continue;  // a NaN is a signal for alerts, not a slope sample
+    t.slopes->AddSample(step.step, sv.value);
+    if (t.detector) t.detector->AddSample(step.step, sv.value);
+    for (auto& [text, slope] : t.events) slope.AddSample(step.step, sv.value);
+  }
+  UpdateShares(step);
+}
+
+void RunAnalytics::UpdateShares(const CompletedStep& step) {
+  if (params_.empty()) return;
+  std::fill(grad_scratch_.begin(), grad_scratch_.end(), kNaN);
+  std::optional<double> total;
+  bool any = false;
+  for (const SeriesValue& sv : step.values) {
+    if (sv.id >= series_.size()) continue;
+    const Tracked& t = series_[sv.id];
+    if (t.role == Role::kParamGrad && t.param >= 0) {
+      grad_scratch_[t.param] = sv.value;
+      any = true;
+    } else if (t.role == Role::kTotalGrad && std::isfinite(sv.value)) {
+      total = sv.value;
+    }
+  }
+  if (!any) return;
+  analytics::ComputeShares(grad_scratch_, group_of_param_, groups_.size(), total, param_share_scratch_,
+                           group_share_scratch_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!std::isfinite(grad_scratch_[i]) || !std::isfinite(param_share_scratch_[i])) continue;
+    ParamState& ps = param_state_[i];
+    ps.share = param_share_scratch_[i];
+    ps.has_share = true;
+    ps.share_trend->AddSample(step.step, ps.share);
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!std::isfinite(group_share_scratch_[g])) continue;
+    groups_[g].share = group_share_scratch_[g];
+    groups_[g].has_share = true;
+    groups_[g].share_trend->AddSample(step.step, groups_[g].share);
+  }
+}
+
+const analytics::WindowedSlope* RunAnalytics::Window(const Tracked& t, uint64_t window_steps) const {
+  for (const auto& w : t.slopes->windows()) {
+    if (w.window_steps() == window_steps) return &w;
+  }
+  return nullptr;
+}
+
+RunAnalysis RunAnalytics::Analysis() const {
+  RunAnalysis out;
+  for (const Tracked& t : series_) {
+    if (!t.slopes) continue;
+    for (const auto& w : t.slopes->windows()) {
+      if (auto fit = w.Fit()) out.slopes.push_back({t.key, w.window_steps(), *fit});
+    }
+    for (const auto& [text, slope] : t.events) {
+      if (auto change = slope.Current()) out.slope_changes.push_back({t.key, text, *change, slope.after_samples()});
+    }
+    if (t.detector) {
+      for (const auto& c : t.detector->changes()) out.change_points.push_back({t.key, c});
+    }
+  }
+  for (const auto& [key, threshold] : options_.forecasts) {
+    auto it = std::find_if(series_.begin(), series_.end(), [&](const Tracked& t) { return t.key == key; });
+    if (it == series_.end() || !it->slopes) continue;
+    const analytics::WindowedSlope* w = Window(*it, options_.forecast_window_steps);
+    if (w == nullptr) continue;
+    auto fit = w->Fit();
+    if (!fit) continue;
+    const analytics::Forecast f = analytics::StepsToThreshold(*fit, threshold);
+    out.forecasts.push_back({key, threshold, w->window_steps(), f.reachable, f.steps_to_threshold, f.at_step,
+                             f.current_value, f.slope_per_kstep});
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParamState& ps = param_state_[i];
+    if (ps.has_share) {
+      auto fit = ps.share_trend->Fit();
+      out.shares.push_back({params_[i].name, false, ps.share, fit ? fit->slope_per_kstep() : 0.0});
+    }
+    if (ps.norm == kNoSeries || !series_[ps.norm].has_value) continue;
+    const Tracked& norm = series_[ps.norm];
+    const double amplification =
+        ps.init_norm ? analytics::Amplification(norm.last_value, *ps.init_norm) : kNaN;
+    if (ps.init_norm && params_[i].kind == ParamKind::kNormGain) {
+      out.amplifications.push_back({params_[i].name, norm.last_value, *ps.init_norm, amplification});
+    }
+    const analytics::WindowedSlope& longest = norm.slopes->longest();
+    if (auto fit = longest.Fit()) {
+      analytics::GrowthOptions growth_options;
+      growth_options.min_growth = options_.min_growth;
+      if (auto g = analytics::AssessGrowth(params_[i], static_cast<uint32_t>(i), fit->PredictAt(fit->first_step),
+                                           fit->value_at_last_step, fit->slope_per_kstep(), growth_options)) {
+        out.growth_without_decay.push_back({params_[i].name, g->growth_factor, g->slope_per_kstep,
+                                            longest.window_steps(), amplification, norm.last_value});
+      }
+    }
+  }
+  for (const GroupState& g : groups_) {
+    if (!g.has_share) continue;
+    auto fit = g.share_trend->Fit();
+    out.shares.push_back({g.name, true, g.share, fit ? fit->slope_per_kstep() : 0.0});
+  }
+  std::stable_sort(out.shares.begin(), out.shares.end(),
+                   [](const ShareInfo& a, const ShareInfo& b) { return a.share > b.share; });
+  return out;
+}
+
+}  // namespace gradwatch::runs

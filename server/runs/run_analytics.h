@@ -1,0 +1,162 @@
+// The analytics of one run: windowed slopes of every series, slope changes at events and without
+// them, forecasts to thresholds, grad-norm attribution, norm-gain amplification and growth
+// without decay. Owned by its Run and guarded by the run's mutex; O(series × windows) per step,
+// buffers sized when a series appears.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "server/analytics/change_point.h"
+#include "server/analytics/event_slope.h"
+#include "server/analytics/regression.h"
+#include "server/core/types.h"
+
+namespace gradwatch::runs {
+
+struct AnalyticsOptions {
+  // Slope windows (steps); the forecast and share trends use forecast_window_steps, which is
+  // added to the list when missing.
+  std::vector<uint64_t> windows = {1000, 5000, 20000};
+  // Buckets per window: memory per tracked series is about windows × max_buckets × 120 bytes;
+  // a window's edge has a granularity of window / max_buckets steps.
+  size_t max_buckets = 128;
+  uint64_t event_window_steps = 5000;
+  size_t event_min_after_samples = 10;
+  // Events kept per series for slope changes (the most recent).
+  size_t max_events = 16;
+  uint64_t forecast_window_steps = 5000;
+  // (series key, threshold) pairs to forecast.
+  std::vector<std::pair<std::string, double>> forecasts = {{"grad/norm/total", 5.0}};
+  analytics::ChangePointOptions change_points;
+  // Growth without decay is reported when the norm rose by at least this fraction over the
+  // longest window.
+  double min_growth = 0.02;
+};
+
+struct SeriesSlopeInfo {
+  std::string key;
+  uint64_t window_steps = 0;
+  analytics::LinearFit fit;
+};
+struct SlopeChangeInfo {
+  std::string key;
+  std::string event_text;
+  analytics::SlopeChange change;
+  size_t after_samples = 0;
+};
+struct ChangePointInfo {
+  std::string key;
+  analytics::ChangePoint change;
+};
+struct ForecastInfo {
+  std::string key;
+  double threshold = 0;
+  uint64_t window_steps = 0;
+  bool reachable = false;
+  double steps_to_threshold = 0;
+  uint64_t at_step = 0;
+  double current_value = 0;
+  double slope_per_kstep = 0;
+};
+struct ShareInfo {
+  std::string name;
+  bool is_group = false;
+  double share = 0;
+  double slope_per_kstep = 0;
+};
+struct AmplificationInfo {
+  std::string param;
+  double norm = 0;
+  double init_norm = 0;
+  double amplification = 0;
+};
+struct GrowthInfo {
+  std::string param;
+  double growth_factor = 0;
+  double slope_per_kstep = 0;
+  uint64_t window_steps = 0;
+  double amplification = 0;  // NaN when the init norm is unknown
+  double norm = 0;
+};
+
+struct RunAnalysis {
+  std::vector<SeriesSlopeInfo> slopes;
+  std::vector<SlopeChangeInfo> slope_changes;
+  std::vector<ChangePointInfo> change_points;
+  std::vector<ForecastInfo> forecasts;
+  std::vector<ShareInfo> shares;  // largest first
+  std::vector<AmplificationInfo> amplifications;
+  std::vector<GrowthInfo> growth_without_decay;
+};
+
+class RunAnalytics {
+ public:
+  explicit RunAnalytics(const AnalyticsOptions& options);
+
+  // The catalog, grown or not; call before adding the series of new parameters.
+  void SetCatalog(const std::vector<ParamInfo>& params);
+  // A series exists under `id`; its role is read from the key and the catalog.
+  void AddSeries(SeriesId id, const std::string& key);
+  // One completed step's values.
+  void OnStep(const CompletedStep& step);
+  // An event: the slopes of the key series before and after it are tracked.
+  void OnEvent(const EventRecord& event);
+
+  RunAnalysis Analysis() const;
+
+ private:
+  enum class Role { kTotalGrad, kScalar, kParamGrad, kParamNorm, kParamUpdate, kExtra };
+  struct Tracked {
+    std::string key;
+    Role role = Role::kExtra;
+    int param = -1;
+    std::unique_ptr<analytics::SlopeTracker> slopes;
+    std::unique_ptr<analytics::SlopeChangeDetector> detector;  // key series only
+    std::vector<std::pair<std::string, analytics::EventSlope>> events;  // (event text, slope)
+    bool key_series = false;
+    double last_value = 0;
+    bool has_value = false;
+  };
+  struct ParamState {
+    SeriesId grad = kNoSeries;
+    SeriesId norm = kNoSeries;
+    int group = 0;
+    std::optional<double> init_norm;
+    std::unique_ptr<analytics::WindowedSlope> share_trend;
+    double share = 0;
+    bool has_share = false;
+  };
+  struct GroupState {
+    std::string name;
+    std::unique_ptr<analytics::WindowedSlope> share_trend;
+    double share = 0;
+    bool has_share = false;
+  };
+
+  bool IsKeySeries(Role role, int param) const;
+  void ClassifyLocked(Tracked& t) const;
+  void UpdateShares(const CompletedStep& step);
+  const analytics::WindowedSlope* Window(const Tracked& t, uint64_t window_steps) const;
+
+  const AnalyticsOptions options_;
+  std::vector<ParamInfo> params_;
+  std::unordered_map<std::string, int> param_by_name_;
+  std::vector<ParamState> param_state_;
+  std::vector<GroupState> groups_;
+  std::vector<Tracked> series_;  // by SeriesId
+  SeriesId total_grad_ = kNoSeries;
+  std::vector<EventRecord> events_;
+  // Per-step scratch, reused.
+  std::vector<double> grad_scratch_;
+  std::vector<uint32_t> group_of_param_;
+  std::vector<double> param_share_scratch_;
+  std::vector<double> group_share_scratch_;
+};
+
+}  // namespace gradwatch::runs
