@@ -218,6 +218,23 @@ void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out) {
   out->set_partial_steps(in.partial_steps);
 }
 
+void AlertToProto(const alerts::Alert& in, v1::Alert* out) {
+  out->set_fingerprint(alerts::FingerprintHex(in.labels));
+  out->set_name(in.name);
+  switch (in.state) {
+    case alerts::AlertState::kPending: out->set_state(v1::ALERT_STATE_PENDING); break;
+    case alerts::AlertState::kFiring: out->set_state(v1::ALERT_STATE_FIRING); break;
+    case alerts::AlertState::kResolved: out->set_state(v1::ALERT_STATE_RESOLVED); break;
+    case alerts::AlertState::kInactive: out->set_state(v1::ALERT_STATE_UNSPECIFIED); break;
+  }
+  out->mutable_labels()->insert(in.labels.begin(), in.labels.end());
+  out->mutable_annotations()->insert(in.annotations.begin(), in.annotations.end());
+  out->set_step(in.step);
+  out->set_value(in.value);
+  out->set_starts_at(in.starts_at);
+  out->set_ends_at(in.ends_at);
+}
+
 void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out) {
   for (const auto& s : in.slopes) {
     v1::SeriesSlope* p = out->add_slopes();

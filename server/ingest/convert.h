@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "gradwatch/v1/gradwatch.pb.h"
+#include "alerts/alert.h"
 #include "server/core/types.h"
 #include "server/runs/errors.h"
 #include "server/runs/run.h"
@@ -32,6 +33,7 @@ bool ValidRunId(const std::string& id);
 
 v1::ErrorReason ReasonToProto(runs::IngestErrorReason reason);
 void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out);
+void AlertToProto(const alerts::Alert& in, v1::Alert* out);
 void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out);
 void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out);
 void ParamToProto(const ParamInfo& in, v1::ParamInfo* out);

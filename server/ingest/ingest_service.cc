@@ -91,6 +91,12 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
 
   void SendError(const IngestError& error) override { SendError(error, 0); }
 
+  void SendAlert(const alerts::Alert& alert) override {
+    v1::DaemonMessage msg;
+    AlertToProto(alert, msg.mutable_alert());
+    Queue(std::move(msg));
+  }
+
   void Supersede() override {
     SendError({IngestErrorReason::kSuperseded,
                "another stream opened for run " + run_id_ + " rank " + std::to_string(rank_) +

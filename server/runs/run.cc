@@ -355,6 +355,13 @@ void Run::Tick() {
   }
 }
 
+void Run::BroadcastAlert(const alerts::Alert& alert) {
+  std::lock_guard lock(mu_);
+  for (RankState& rs : ranks_) {
+    if (rs.sink != nullptr) rs.sink->SendAlert(alert);
+  }
+}
+
 void Run::OnDurable(const store::RankProgress& progress) {
   std::lock_guard lock(mu_);
   if (progress.rank >= ranks_.size()) return;

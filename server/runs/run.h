@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "alerts/alert.h"
 #include "server/core/clock.h"
 #include "server/core/types.h"
 #include "server/runs/daemon_stats.h"
@@ -46,6 +47,8 @@ class StreamSink {
   virtual void SendError(const IngestError& error) = 0;
   // Another stream took over this run and rank: finish this one.
   virtual void Supersede() = 0;
+  // An alert about this run changed state (firing or resolved), for the trainer.
+  virtual void SendAlert(const alerts::Alert& alert) = 0;
 };
 
 struct AttachInfo {
@@ -130,6 +133,9 @@ class Run {
   // Completes steps whose assembly timed out; ends the run when idle long enough. Steps still
   // pending at shutdown are not completed: they were never acked, so their ranks resend them.
   void Tick();
+
+  // Sends an alert down every stream attached to this run.
+  void BroadcastAlert(const alerts::Alert& alert);
 
   // The journal committed progress for a rank of this run.
   void OnDurable(const store::RankProgress& progress);

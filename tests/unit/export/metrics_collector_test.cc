@@ -16,6 +16,7 @@ class NullSink final : public runs::StreamSink {
   void SendAck(uint64_t, uint64_t) override {}
   void SendError(const runs::IngestError&) override {}
   void Supersede() override {}
+  void SendAlert(const alerts::Alert&) override {}
 };
 
 const prometheus::MetricFamily* FindFamily(const std::vector<prometheus::MetricFamily>& families,

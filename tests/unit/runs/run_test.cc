@@ -17,6 +17,8 @@ class RecordingSink final : public StreamSink {
   void SendAck(uint64_t durable_step, uint64_t seq) override { acks.push_back({durable_step, seq}); }
   void SendError(const IngestError& error) override { errors.push_back(error); }
   void Supersede() override { superseded = true; }
+  void SendAlert(const alerts::Alert& alert) override { alerts.push_back(alert); }
+  std::vector<alerts::Alert> alerts;
   std::vector<std::pair<uint64_t, uint64_t>> acks;
   std::vector<IngestError> errors;
   bool superseded = false;
@@ -264,4 +266,21 @@ TEST_CASE("series queries return the stored points", "[runs]") {
   CHECK((*pts)[0].step == 3);
   CHECK((*pts)[2].last == Approx(5.0));
   CHECK_FALSE(f.run->QuerySeries("no/such/key", 0, 100, 0).has_value());
+}
+
+TEST_CASE("an alert reaches every stream attached to the run", "[runs]") {
+  Fixture f(2);
+  RecordingSink sink1;
+  f.Attach(0, &f.sink);
+  f.Attach(1, &sink1);
+  alerts::Alert alert;
+  alert.name = "GradNormContingency";
+  alert.state = alerts::AlertState::kFiring;
+  alert.labels = {{"alertname", "GradNormContingency"}, {"run", "r1"}};
+  f.run->BroadcastAlert(alert);
+  f.run->Detach(1, &sink1);
+  f.run->BroadcastAlert(alert);
+  CHECK(f.sink.alerts.size() == 2);
+  CHECK(sink1.alerts.size() == 1);
+  CHECK(sink1.alerts[0].name == "GradNormContingency");
 }

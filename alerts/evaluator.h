@@ -1,0 +1,51 @@
+// Evaluates one rule against one run's facts: which instances the rule has and whether each one's
+// condition holds. Stateless and pure; `for_steps`, hysteresis and notifications belong to the
+// state machine.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "alerts/alert.h"
+#include "alerts/facts.h"
+#include "alerts/rules.h"
+#include "alerts/templates.h"
+
+namespace gradwatch::alerts {
+
+struct Condition {
+  // alertname, run, the rule's labels (severity among them), the run's labels, and the
+  // instance's own: `series` (threshold, forecast, slope_change, non_finite), `param` or `group`
+  // (share, growth_without_decay), `event_step` and `trigger` (slope_change).
+  LabelSet labels;
+  double value = 0;  // in the unit the rule compares: the series' value, a share, a ratio, ...
+  TemplateVars vars;  // formatted for templates (see TemplateVariablesFor); no "recommendation"
+  bool active = false;
+};
+
+// One Condition per instance the rule matches in `facts` (per series matching the glob, per
+// parameter passing the filters, per event, ...), active or not. An instance without data at
+// this step is not returned. Per kind:
+//  - threshold: every series in facts.latest matching `series`; active when value op threshold
+//    (a NaN value is never active; +Inf ≥ 5 is).
+//  - forecast: every forecast of a matching series at the rule's threshold; active when
+//    reachable within `within_steps` (already at or above counts). value: the fitted current value.
+//  - slope_change: every slope change at an event (at: event|any) and every change point
+//    (at: change_point|any) of a matching series; active when ratio ≥ min_ratio. value: the ratio.
+//    Change points are one instance per series (their step is refined), events one per event step.
+//  - share: every share passing the param/group/param_kind filters; active when ≥ min_share.
+//  - growth_without_decay: every parameter passing the kind and name filters with weight decay
+//    ≤ max_weight_decay; active when its norm is rising (growth reported, or a positive slope)
+//    and its amplification ≥ min_amplification and/or growth ≥ min_growth. value: the
+//    amplification when min_amplification is set, else the growth as a fraction.
+//  - non_finite: every matching series in facts.latest and facts.nonfinite; active when NaN/±Inf.
+//  - stalled: one per run; active when the run has open streams and seconds_since_last_step ≥
+//    seconds. value: seconds_since_last_step.
+std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts);
+
+// The labels every alert of `rule` in run `run_id` carries: run labels, the rule's labels,
+// alertname and run (the last ones win).
+LabelSet BaseLabels(const Rule& rule, const RunFacts& facts);
+
+}  // namespace gradwatch::alerts

@@ -1,0 +1,124 @@
+// RunFacts: what the rule engine knows about one run at one evaluation. The daemon fills it from
+// the run's latest step and its analytics; the alerts library only reads it. Plain data: no
+// locks, no references into the daemon, cheap to build in tests.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "alerts/alert.h"
+#include "server/core/types.h"
+
+namespace gradwatch::alerts {
+
+// A series' value at the evaluated step, by key ("grad/norm/total", "params/norm/<param>").
+// Unlike gradwatch::SeriesValue it is keyed by name: rules match keys, not catalog ids.
+struct SeriesValue {
+  std::string key;
+  double value = 0;  // may be NaN or ±Inf: the non_finite rules look for exactly that
+};
+
+// When a series reaches `threshold` at its current pace (analytics::Forecast).
+struct ForecastFact {
+  std::string key;
+  double threshold = 0;
+  bool reachable = false;         // true when already at or above
+  double steps_to_threshold = 0;  // 0 when already at or above; +inf when not reachable
+  uint64_t at_step = 0;
+  double current_value = 0;  // the fitted value at the fit's last step
+  double slope_per_kstep = 0;
+};
+
+// A series' slope before and after an event (analytics::SlopeChange).
+struct SlopeChangeFact {
+  std::string key;
+  uint64_t event_step = 0;
+  std::string event_text;
+  double ratio = 0;  // after / before; ±inf when before was 0, NaN when unknown
+  double before_per_kstep = 0;
+  double after_per_kstep = 0;
+  size_t after_samples = 0;
+};
+
+// A slope change found without an event (analytics::ChangePoint).
+struct ChangePointFact {
+  std::string key;
+  uint64_t step = 0;  // estimated break step
+  double ratio = 0;
+  double before_per_kstep = 0;
+  double after_per_kstep = 0;
+};
+
+// A parameter's or a group's share of the squared total grad norm.
+struct ShareFact {
+  std::string name;  // parameter name, or group name when is_group
+  bool is_group = false;
+  double share = 0;  // a fraction, 0..1 (NaN when unknown)
+  double slope_per_kstep = 0;
+};
+
+// One catalog parameter and what analytics says about it. Optional fields are unknown when empty.
+struct ParamFact {
+  ParamInfo info;
+  std::optional<double> norm;           // params/norm/<name> at the evaluated step
+  std::optional<double> grad_norm;      // grad/norm/<name> at the evaluated step
+  std::optional<double> init_norm;      // catalog init_norm, else sqrt(numel) for a norm gain
+  std::optional<double> amplification;  // norm / init_norm
+  // Set when analytics reports growth without decay: norm now / norm at the window's start, and
+  // the norm's slope per 1,000 steps over that window.
+  std::optional<double> growth_factor;
+  std::optional<double> growth_slope_per_kstep;
+  std::optional<double> norm_slope_per_kstep;  // the norm's slope over the forecast window
+};
+
+// The run's training configuration, as far as it matters to recommendations.
+struct ConfigFacts {
+  std::optional<double> z_loss_coef;
+  std::optional<double> weight_decay;  // the optimizer's default weight decay
+};
+
+// A non-finite value seen at the evaluated step.
+struct NonFiniteFact {
+  std::string key;
+  uint64_t step = 0;
+};
+
+struct RunFacts {
+  std::string run_id;
+  // The run's own labels (job, cluster, ...), copied onto every alert of the run. A rule's labels
+  // and the alert's own (alertname, run, series, ...) win over them.
+  LabelSet run_labels;
+  uint64_t step = 0;      // the completed step being evaluated
+  double wall_time = 0;   // the step's wall time, seconds since the Unix epoch; 0 when unknown
+  double now = 0;         // seconds since the Unix epoch, when the facts were taken
+  uint32_t open_streams = 0;
+  double seconds_since_last_step = 0;  // for stalled rules
+
+  std::vector<SeriesValue> latest;  // sorted by key (FindLatest binary-searches it)
+  std::vector<ForecastFact> forecasts;
+  std::vector<SlopeChangeFact> slope_changes;
+  std::vector<ChangePointFact> change_points;
+  std::vector<ShareFact> shares;
+  std::vector<ParamFact> params;
+  ConfigFacts config;
+  std::vector<NonFiniteFact> nonfinite;
+};
+
+// The value of `key` in facts.latest (which must be sorted by key); nullptr when absent.
+inline const SeriesValue* FindLatest(const RunFacts& facts, std::string_view key) {
+  auto it = std::lower_bound(facts.latest.begin(), facts.latest.end(), key,
+                             [](const SeriesValue& v, std::string_view k) { return v.key < k; });
+  return it != facts.latest.end() && it->key == key ? &*it : nullptr;
+}
+
+// Sorts facts.latest by key, for callers that fill it in another order.
+inline void SortLatest(RunFacts& facts) {
+  std::sort(facts.latest.begin(), facts.latest.end(),
+            [](const SeriesValue& a, const SeriesValue& b) { return a.key < b.key; });
+}
+
+}  // namespace gradwatch::alerts

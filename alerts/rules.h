@@ -1,0 +1,146 @@
+// Alert rules and their YAML files, in the shape of Prometheus rule files:
+//
+//   groups:
+//     - name: gradwatch-contingency
+//       rules:
+//         - alert: GradNormContingency
+//           kind: threshold
+//           series: grad/norm/total
+//           op: ">="            # quoted: a bare > starts a YAML block scalar
+//           value: 5
+//           for_steps: 10
+//           clear_below: 4.5
+//           labels: {severity: page}
+//           annotations:
+//             summary: "Total grad norm {{ value }} ≥ 5 at step {{ step }} in run {{ run }}"
+//             recommendation: "{{ recommendation }}"
+//
+// Keys of every rule: alert (the name, unique across all files), kind, labels (severity is
+// required; alertname and run are reserved), annotations (templates, see templates.h),
+// for_steps, resolve_for_steps, and per kind:
+//   threshold             series (key or glob, or a list), op (">=", ">", "<=", "<"; also ge, gt,
+//                         le, lt), value, clear_below (with >=, >) or clear_above (with <=, <)
+//   forecast              series, threshold, within_steps
+//   slope_change          series, min_ratio, at (event | change_point | any; default event),
+//                         clear_below
+//   share                 one or more of param (name or glob, "*" any), group (name or glob),
+//                         param_kind (norm_gain, output, ...); min_share (a fraction, 0.9 = 90%),
+//                         clear_below
+//   growth_without_decay  param_kind, param (glob), min_amplification and/or min_growth (a
+//                         fraction: 0.05 = the norm grew 5% over the analytics window),
+//                         max_weight_decay (default 0), clear_below
+//   non_finite            series (default: every grad, param and update norm and train/loss);
+//                         fires at once, so no for_steps
+//   stalled               seconds (a number, or "90s", "10m", "1h"); evaluated on a timer, so no
+//                         for_steps or resolve_for_steps
+//
+// Loading never throws. Errors read "file:line: rule 'name': what is wrong", one per line, all of
+// them at once.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "alerts/alert.h"
+#include "server/core/status.h"
+#include "server/core/types.h"
+
+namespace gradwatch::alerts {
+
+enum class RuleKind : int {
+  kThreshold = 0,
+  kForecast,
+  kSlopeChange,
+  kShare,
+  kGrowthWithoutDecay,
+  kNonFinite,
+  kStalled,
+};
+std::string_view RuleKindName(RuleKind kind);  // "threshold", "forecast", ...
+std::optional<RuleKind> ParseRuleKind(std::string_view name);
+
+enum class CompareOp : int { kGe = 0, kGt, kLe, kLt };
+std::string_view CompareOpSymbol(CompareOp op);  // ">=", ">", "<=", "<"
+bool Compare(double value, CompareOp op, double bound);  // false when value is NaN
+
+enum class SlopeChangeAt : int { kEvent = 0, kChangePoint, kAny };
+
+// The series a non_finite rule watches when it names none.
+const std::vector<std::string>& DefaultNonFiniteSeries();
+
+struct Rule {
+  std::string name;
+  RuleKind kind = RuleKind::kThreshold;
+
+  // threshold, forecast, slope_change, non_finite: series keys or globs (`*` any run of
+  // characters, `?` one character).
+  std::vector<std::string> series;
+
+  // threshold
+  CompareOp op = CompareOp::kGe;
+  double value = 0;
+
+  // forecast: the threshold must be one the daemon forecasts (analytics forecasts).
+  double threshold = 0;
+  uint64_t within_steps = 0;
+
+  // slope_change
+  double min_ratio = 0;
+  SlopeChangeAt at = SlopeChangeAt::kEvent;
+
+  // share, growth_without_decay: filters on the parameter (name glob, group glob, kind). An
+  // empty glob matches nothing of its own sort; see rules.cc for how they combine.
+  std::string param;
+  std::string group;
+  std::optional<ParamKind> param_kind;
+  double min_share = 0;
+
+  // growth_without_decay
+  std::optional<double> min_amplification;
+  std::optional<double> min_growth;
+  double max_weight_decay = 0;
+
+  // stalled
+  double stalled_seconds = 0;
+
+  // Pending until the condition has held for this many steps (see state_machine.h).
+  uint64_t for_steps = 0;
+  // Hysteresis: a firing alert stays firing while its value has not crossed the clear bound
+  // (below clear_below / above clear_above), and resolves only once the condition has stopped
+  // holding for resolve_for_steps steps.
+  std::optional<double> clear_below;
+  std::optional<double> clear_above;
+  uint64_t resolve_for_steps = 0;
+
+  LabelSet labels;       // severity among them
+  LabelSet annotations;  // templates
+  std::string source;    // "file:line" of the rule
+  bool operator==(const Rule&) const = default;
+};
+
+// The template variables a rule of `kind` provides (besides labels.<name>).
+const std::set<std::string>& TemplateVariablesFor(RuleKind kind);
+
+// Parses a rules file. source_name is used in error messages ("alerts/rules/default.yaml").
+StatusOr<std::vector<Rule>> LoadRules(const std::string& yaml_text, const std::string& source_name);
+// Reads and parses one file; IoError when it cannot be read.
+StatusOr<std::vector<Rule>> LoadRuleFile(const std::string& path);
+// Several files in order, rule names unique across all of them.
+StatusOr<std::vector<Rule>> LoadRuleFiles(const std::vector<std::string>& paths);
+// For `gradwatch rules check`: OK, or every error in every file.
+Status CheckRuleFiles(const std::vector<std::string>& paths);
+
+// The rules shipped in alerts/rules/default.yaml, compiled into the library, and their text.
+inline constexpr std::string_view kDefaultRulesSource = "alerts/rules/default.yaml";
+std::string_view DefaultRulesYaml();
+StatusOr<std::vector<Rule>> LoadDefaultRules();
+
+// Glob match used for series, param and group patterns: `*` any run of characters (including
+// '/'), `?` one character, everything else literal.
+bool GlobMatch(std::string_view pattern, std::string_view text);
+
+}  // namespace gradwatch::alerts

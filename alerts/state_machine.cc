@@ -1,0 +1,372 @@
+#include "alerts/state_machine.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <tuple>
+#include <unordered_set>
+#include <utility>
+
+#include "alerts/recommendation.h"
+
+namespace gradwatch::alerts {
+namespace {
+
+// non_finite and stalled rules fire at once whatever a hand-built Rule says.
+uint64_t EffectiveForSteps(const Rule& rule) {
+  return rule.kind == RuleKind::kNonFinite || rule.kind == RuleKind::kStalled ? 0 : rule.for_steps;
+}
+
+// A firing instance whose condition no longer holds stays firing while its value has not crossed
+// the clear bound. NaN has crossed nothing.
+bool InClearBand(const Rule& rule, double value) {
+  return (rule.clear_below && !(value < *rule.clear_below)) ||
+         (rule.clear_above && !(value > *rule.clear_above));
+}
+
+std::optional<uint64_t> ParseFingerprint(std::string_view hex) {
+  if (hex.empty() || hex.size() > 16) return std::nullopt;
+  uint64_t v = 0;
+  for (char c : hex) {
+    int d;
+    if (c >= '0' && c <= '9') {
+      d = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      d = c - 'a' + 10;
+    } else if (c >= 'A' && c <= 'F') {
+      d = c - 'A' + 10;
+    } else {
+      return std::nullopt;
+    }
+    v = (v << 4) | static_cast<uint64_t>(d);
+  }
+  return v;
+}
+
+bool SilenceMatches(const Silence& s, const Alert& alert, double now) {
+  if (!(s.starts_at <= now && now < s.ends_at)) return false;
+  for (const auto& [name, value] : s.matchers) {
+    auto it = alert.labels.find(name);
+    const std::string_view actual = it == alert.labels.end() ? std::string_view() : it->second;
+    if (actual != value) return false;
+  }
+  return true;
+}
+
+LabelSet Render(const Rule& rule, const TemplateVars& vars, const LabelSet& labels,
+                const std::string* recommendation) {
+  LabelSet out;
+  if (recommendation) {
+    TemplateVars with = vars;
+    with["recommendation"] = *recommendation;
+    for (const auto& [name, text] : rule.annotations) out[name] = RenderTemplate(text, with, labels);
+  } else {
+    for (const auto& [name, text] : rule.annotations) out[name] = RenderTemplate(text, vars, labels);
+  }
+  return out;
+}
+
+}  // namespace
+
+AlertEngine::AlertEngine(std::vector<Rule> rules) { SetRulesLocked(std::move(rules)); }
+
+void AlertEngine::SetRulesLocked(std::vector<Rule> rules) {
+  rules_ = std::move(rules);
+  uses_recommendation_.assign(rules_.size(), false);
+  for (size_t i = 0; i < rules_.size(); ++i) {
+    for (const auto& [name, text] : rules_[i].annotations) {
+      if (TemplateUses(text, "recommendation")) uses_recommendation_[i] = true;
+    }
+  }
+}
+
+std::vector<Transition> AlertEngine::ReplaceRules(std::vector<Rule> rules, double now) {
+  std::lock_guard lock(mu_);
+  std::unordered_set<std::string> names;
+  for (const Rule& r : rules) names.insert(r.name);
+  std::vector<Transition> out;
+  EndInstances([&](const Instance& inst) { return names.count(inst.rule) == 0; }, now, &out);
+  SetRulesLocked(std::move(rules));
+  return out;
+}
+
+std::vector<Rule> AlertEngine::Rules() const {
+  std::lock_guard lock(mu_);
+  return rules_;
+}
+
+bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step,
+                          double now, const std::string* recommendation,
+                          std::vector<Transition>* out) {
+  const AlertState state = inst.alert.state;
+  const bool holds = cond && cond->active;
+  const bool in_band = !holds && cond && state == AlertState::kFiring && InClearBand(rule, cond->value);
+  auto emit = [&](AlertState from, bool notify) {
+    out->push_back(Transition{inst.alert, from, inst.alert.state, notify});
+  };
+  if (cond && (holds || in_band)) {
+    inst.alert.value = cond->value;
+    inst.alert.annotations = Render(rule, cond->vars, inst.alert.labels, recommendation);
+  }
+
+  switch (state) {
+    case AlertState::kInactive:
+    case AlertState::kResolved: {
+      if (!holds) return false;
+      inst.held_since_step = step;
+      inst.alert.starts_at = now;
+      inst.alert.ends_at = 0;
+      inst.alert.step = step;
+      if (EffectiveForSteps(rule) == 0) {
+        inst.alert.state = AlertState::kFiring;
+        inst.notified = !IsMutedLocked(inst.alert, now);
+        emit(state, inst.notified);
+      } else {
+        inst.alert.state = AlertState::kPending;
+        emit(state, false);
+      }
+      return true;
+    }
+    case AlertState::kPending: {
+      if (!holds) {
+        inst.alert.state = AlertState::kInactive;
+        inst.alert.step = step;
+        emit(AlertState::kPending, false);
+        return false;
+      }
+      if (step < inst.held_since_step) inst.held_since_step = step;  // the run went back in steps
+      if (step >= inst.held_since_step + EffectiveForSteps(rule)) {
+        inst.alert.state = AlertState::kFiring;
+        inst.alert.step = step;
+        inst.notified = !IsMutedLocked(inst.alert, now);
+        emit(AlertState::kPending, inst.notified);
+      }
+      return true;
+    }
+    case AlertState::kFiring: {
+      if (holds || in_band) {
+        inst.clearing = false;
+        return true;
+      }
+      if (!inst.clearing || step < inst.clearing_since_step) {
+        inst.clearing = true;
+        inst.clearing_since_step = step;
+      }
+      if (step < inst.clearing_since_step + rule.resolve_for_steps) return true;
+      inst.alert.state = AlertState::kResolved;
+      inst.alert.step = step;
+      inst.alert.ends_at = now;
+      emit(AlertState::kFiring, inst.notified);
+      return false;
+    }
+  }
+  return false;
+}
+
+void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double now,
+                               std::optional<std::string>* recommendation,
+                               std::vector<Transition>* out) {
+  const Rule& rule = rules_[rule_index];
+  const std::vector<Condition> conditions = Evaluate(rule, facts);
+  // Only instances that exist or start now reach Advance, so the recommendation is computed
+  // (once per evaluation) only when some alert will carry it.
+  auto recommendation_for = [&]() -> const std::string* {
+    if (!uses_recommendation_[rule_index]) return nullptr;
+    if (!*recommendation) *recommendation = Recommend(facts);
+    return &**recommendation;
+  };
+
+  std::unordered_set<uint64_t> seen;
+  seen.reserve(conditions.size());
+  for (const Condition& c : conditions) {
+    const uint64_t fp = Fingerprint(c.labels);
+    if (!seen.insert(fp).second) continue;  // one instance, one evaluation
+    auto it = instances_.find(fp);
+    if (it == instances_.end()) {
+      if (!c.active) continue;
+      Instance inst;
+      inst.rule = rule.name;
+      inst.run = facts.run_id;
+      inst.alert.name = rule.name;
+      inst.alert.labels = c.labels;
+      it = instances_.emplace(fp, std::move(inst)).first;
+    }
+    if (!Advance(rule, it->second, &c, facts.step, now, recommendation_for(), out)) instances_.erase(it);
+  }
+  for (auto it = instances_.begin(); it != instances_.end();) {
+    Instance& inst = it->second;
+    if (inst.rule != rule.name || inst.run != facts.run_id || seen.count(it->first)) {
+      ++it;
+      continue;
+    }
+    if (!Advance(rule, inst, nullptr, facts.step, now, nullptr, out)) {
+      it = instances_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::vector<Transition> AlertEngine::EvaluateStep(const RunFacts& facts, double now) {
+  std::lock_guard lock(mu_);
+  std::vector<Transition> out;
+  std::optional<std::string> recommendation;  // computed once, only if some alert needs it
+  for (size_t i = 0; i < rules_.size(); ++i) {
+    if (rules_[i].kind == RuleKind::kStalled) continue;
+    EvaluateRule(i, facts, now, &recommendation, &out);
+  }
+  CatchUpLocked(facts.run_id, now, &out);
+  return out;
+}
+
+std::vector<Transition> AlertEngine::EvaluateTimer(const std::vector<RunFacts>& runs, double now) {
+  std::lock_guard lock(mu_);
+  std::vector<Transition> out;
+  std::unordered_set<std::string_view> listed;
+  for (const RunFacts& facts : runs) {
+    listed.insert(facts.run_id);
+    std::optional<std::string> recommendation;
+    for (size_t i = 0; i < rules_.size(); ++i) {
+      if (rules_[i].kind == RuleKind::kStalled) EvaluateRule(i, facts, now, &recommendation, &out);
+    }
+  }
+  std::unordered_set<std::string_view> stalled_rules;
+  for (const Rule& r : rules_) {
+    if (r.kind == RuleKind::kStalled) stalled_rules.insert(r.name);
+  }
+  EndInstances(
+      [&](const Instance& inst) { return stalled_rules.count(inst.rule) && !listed.count(inst.run); },
+      now, &out);
+  for (auto it = silences_.begin(); it != silences_.end();) {
+    it = it->second.ends_at <= now ? silences_.erase(it) : std::next(it);
+  }
+  CatchUpLocked({}, now, &out);
+  return out;
+}
+
+std::vector<Transition> AlertEngine::ForgetRun(const std::string& run_id, double now) {
+  std::lock_guard lock(mu_);
+  std::vector<Transition> out;
+  EndInstances([&](const Instance& inst) { return inst.run == run_id; }, now, &out);
+  return out;
+}
+
+template <typename Pred>
+void AlertEngine::EndInstances(Pred ends, double now, std::vector<Transition>* out) {
+  for (auto it = instances_.begin(); it != instances_.end();) {
+    Instance& inst = it->second;
+    if (!ends(inst)) {
+      ++it;
+      continue;
+    }
+    const AlertState from = inst.alert.state;
+    if (from == AlertState::kFiring) {
+      inst.alert.state = AlertState::kResolved;
+      inst.alert.ends_at = now;
+      out->push_back(Transition{inst.alert, from, AlertState::kResolved, inst.notified});
+    } else if (from == AlertState::kPending) {
+      inst.alert.state = AlertState::kInactive;
+      out->push_back(Transition{inst.alert, from, AlertState::kInactive, false});
+    }
+    it = instances_.erase(it);
+  }
+}
+
+void AlertEngine::CatchUpLocked(std::string_view run, double now, std::vector<Transition>* out) {
+  for (auto& [fp, inst] : instances_) {
+    if (inst.alert.state != AlertState::kFiring || inst.notified) continue;
+    if (!run.empty() && inst.run != run) continue;
+    if (IsMutedLocked(inst.alert, now)) continue;
+    inst.notified = true;
+    out->push_back(Transition{inst.alert, AlertState::kFiring, AlertState::kFiring, true});
+  }
+}
+
+std::vector<Alert> AlertEngine::Active(std::string_view run) const {
+  std::lock_guard lock(mu_);
+  std::vector<Alert> out;
+  for (const auto& [fp, inst] : instances_) {
+    if (!run.empty() && inst.run != run) continue;
+    if (inst.alert.state == AlertState::kPending || inst.alert.state == AlertState::kFiring) {
+      out.push_back(inst.alert);
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const Alert& a, const Alert& b) {
+    return std::tie(a.name, a.labels) < std::tie(b.name, b.labels);
+  });
+  return out;
+}
+
+Status AlertEngine::AddSilence(Silence silence) {
+  if (silence.id.empty()) return Status::InvalidArgument("a silence needs an id");
+  if (silence.matchers.empty()) {
+    return Status::InvalidArgument("a silence needs at least one matcher: it would mute every alert");
+  }
+  for (const auto& [name, value] : silence.matchers) {
+    if (name.empty()) return Status::InvalidArgument("a silence matcher needs a label name");
+  }
+  if (!(silence.ends_at > silence.starts_at)) {
+    return Status::InvalidArgument("a silence must end after it starts");
+  }
+  std::lock_guard lock(mu_);
+  silences_[silence.id] = std::move(silence);
+  return Status::Ok();
+}
+
+Status AlertEngine::RemoveSilence(std::string_view id) {
+  std::lock_guard lock(mu_);
+  auto it = silences_.find(id);
+  if (it == silences_.end()) return Status::NotFound("no silence with id '" + std::string(id) + "'");
+  silences_.erase(it);
+  return Status::Ok();
+}
+
+std::vector<Silence> AlertEngine::Silences() const {
+  std::lock_guard lock(mu_);
+  std::vector<Silence> out;
+  out.reserve(silences_.size());
+  for (const auto& [id, s] : silences_) out.push_back(s);
+  return out;
+}
+
+Status AlertEngine::Ack(std::string_view fingerprint, std::string by, std::string comment, double now) {
+  const std::optional<uint64_t> fp = ParseFingerprint(fingerprint);
+  if (!fp) {
+    return Status::InvalidArgument("bad fingerprint '" + std::string(fingerprint) + "': 16 hex digits");
+  }
+  std::lock_guard lock(mu_);
+  auto it = instances_.find(*fp);
+  if (it == instances_.end()) {
+    return Status::NotFound("no active alert with fingerprint " + std::string(fingerprint));
+  }
+  if (it->second.alert.state != AlertState::kFiring) {
+    return Status::FailedPrecondition("alert " + std::string(fingerprint) +
+                                      " is pending: only a firing alert can be acknowledged");
+  }
+  it->second.ack = Acknowledgement{std::move(by), std::move(comment), now};
+  return Status::Ok();
+}
+
+std::optional<Acknowledgement> AlertEngine::AckOf(std::string_view fingerprint) const {
+  const std::optional<uint64_t> fp = ParseFingerprint(fingerprint);
+  if (!fp) return std::nullopt;
+  std::lock_guard lock(mu_);
+  auto it = instances_.find(*fp);
+  if (it == instances_.end()) return std::nullopt;
+  return it->second.ack;
+}
+
+bool AlertEngine::IsMuted(const Alert& alert, double now) const {
+  std::lock_guard lock(mu_);
+  return IsMutedLocked(alert, now);
+}
+
+bool AlertEngine::IsMutedLocked(const Alert& alert, double now) const {
+  for (const auto& [id, s] : silences_) {
+    if (SilenceMatches(s, alert, now)) return true;
+  }
+  if (alert.state != AlertState::kFiring) return false;
+  auto it = instances_.find(Fingerprint(alert.labels));
+  return it != instances_.end() && it->second.ack.has_value() && it->second.alert.state == AlertState::kFiring;
+}
+
+}  // namespace gradwatch::alerts

@@ -1,0 +1,155 @@
+// The alert state machine, with Prometheus semantics counted in steps:
+//
+//   inactive → pending → firing → resolved
+//
+// Instances are keyed by the fingerprint of their labels (alert.h). For a rule with
+// `for_steps: N`, s0 is the first step at which an instance's condition held; it fires at the
+// first evaluation whose step is ≥ s0 + N, so a trainer reporting every step or every 10 steps
+// pages at the same point. N = 0 fires at once (inactive → firing), as do non_finite and
+// stalled rules. A pending instance whose condition stops holding goes back to inactive
+// silently: pending is never notified.
+//
+// A firing instance stays firing while its condition holds or its value has not crossed the
+// rule's clear bound (clear_below / clear_above), so a value flapping around the threshold does
+// not re-fire. Once the condition has stopped holding (and the value crossed the clear bound) at
+// step r0, it resolves at the first evaluation whose step is ≥ r0 + resolve_for_steps: one more
+// transition, with ends_at = now. An instance the rule no longer produces (its series or event
+// is gone) counts as not holding.
+//
+// Notifications: Transition::notify is true for pending → firing (or inactive → firing) unless a
+// silence or an acknowledgement mutes the alert, and for firing → resolved exactly when its
+// firing was notified, so a receiver is told of the end of every incident it was told of and of
+// no other. A firing alert that was muted when it fired and is no longer muted (its silence
+// ended or was removed) is notified at the next evaluation, as a firing → firing transition.
+// Muting never changes states: muted alerts are still listed by Active(). An acknowledged
+// firing alert stays muted (IsMuted, used by the notifier's resends) until it resolves; the next
+// incident of the same instance is notified again.
+//
+// Time is passed in (`now`, seconds since the Unix epoch), never read. Thread-safe: every method
+// may be called from any thread; calls are serialised by an internal mutex.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "alerts/alert.h"
+#include "alerts/evaluator.h"
+#include "alerts/facts.h"
+#include "alerts/rules.h"
+#include "alerts/templates.h"
+#include "server/core/status.h"
+
+namespace gradwatch::alerts {
+
+struct Transition {
+  Alert alert;  // as it is after the transition (state == to)
+  AlertState from = AlertState::kInactive;
+  AlertState to = AlertState::kInactive;
+  bool notify = false;  // send it to the receivers; false when pending, muted or never notified
+};
+
+// Mutes notifications of every alert whose labels equal all `matchers` (a matcher with an empty
+// value matches an alert without that label) while starts_at ≤ now < ends_at.
+struct Silence {
+  std::string id;
+  LabelSet matchers;
+  double starts_at = 0;  // seconds since the Unix epoch
+  double ends_at = 0;
+  std::string comment;
+  std::string created_by;
+  bool operator==(const Silence&) const = default;
+};
+
+struct Acknowledgement {
+  std::string by;
+  std::string comment;
+  double at = 0;  // seconds since the Unix epoch
+};
+
+class AlertEngine {
+ public:
+  explicit AlertEngine(std::vector<Rule> rules);
+
+  AlertEngine(const AlertEngine&) = delete;
+  AlertEngine& operator=(const AlertEngine&) = delete;
+
+  // Reload. Instances of rules whose name still exists keep their state (s0, firing, acks),
+  // even if the rule's definition changed; their labels decide at the next evaluation whether
+  // they are still the same instances. Instances of removed rules end: firing ones resolve
+  // (returned, with notify as for any resolve), pending ones go inactive silently.
+  std::vector<Transition> ReplaceRules(std::vector<Rule> rules, double now);
+  std::vector<Rule> Rules() const;
+
+  // Evaluates every rule except stalled ones against one run's completed step. Transitions in
+  // rule order.
+  std::vector<Transition> EvaluateStep(const RunFacts& facts, double now);
+  // Evaluates the stalled rules against every run the daemon holds (`runs`); a stalled alert of
+  // a run not listed resolves. Also notifies firing alerts whose mute ended and drops silences
+  // that have ended.
+  std::vector<Transition> EvaluateTimer(const std::vector<RunFacts>& runs, double now);
+  // The run is gone (finished and forgotten, or deleted): its firing alerts resolve, its pending
+  // ones go inactive, and it holds no state any more.
+  std::vector<Transition> ForgetRun(const std::string& run_id, double now);
+
+  // Pending and firing alerts, of one run (or of all runs when `run` is empty), sorted by name
+  // and labels. Muted ones included.
+  std::vector<Alert> Active(std::string_view run = {}) const;
+
+  // Adds a silence, or replaces the one with the same id. InvalidArgument when the id or the
+  // matchers are empty or ends_at ≤ starts_at.
+  Status AddSilence(Silence silence);
+  // NotFound when no silence has this id.
+  Status RemoveSilence(std::string_view id);
+  std::vector<Silence> Silences() const;  // sorted by id
+
+  // Acknowledges the firing alert with this fingerprint (16 hex digits, FingerprintHex):
+  // NotFound when there is none, FailedPrecondition when it is only pending.
+  Status Ack(std::string_view fingerprint, std::string by, std::string comment, double now);
+  std::optional<Acknowledgement> AckOf(std::string_view fingerprint) const;
+
+  // Whether notifications of `alert` are muted at `now`: an active silence matches it, or it is
+  // a firing alert that was acknowledged.
+  bool IsMuted(const Alert& alert, double now) const;
+
+ private:
+  struct Instance {
+    std::string rule;
+    std::string run;
+    Alert alert;
+    uint64_t held_since_step = 0;      // s0
+    bool clearing = false;
+    uint64_t clearing_since_step = 0;  // r0
+    bool notified = false;             // its firing was notified
+    std::optional<Acknowledgement> ack;
+  };
+
+  void SetRulesLocked(std::vector<Rule> rules);
+  bool IsMutedLocked(const Alert& alert, double now) const;
+  // Advances one instance. `cond` is null when the rule did not produce the instance this time.
+  // Returns false when the instance ended and must be erased.
+  bool Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step, double now,
+               const std::string* recommendation, std::vector<Transition>* out);
+  // Evaluates `rule` for one run and advances its instances of that run.
+  void EvaluateRule(size_t rule_index, const RunFacts& facts, double now,
+                    std::optional<std::string>* recommendation, std::vector<Transition>* out);
+  // Ends every instance for which `ends` is true (resolve firing, drop pending).
+  template <typename Pred>
+  void EndInstances(Pred ends, double now, std::vector<Transition>* out);
+  // Notifies firing alerts (of `run`, or all when empty) that were muted and no longer are.
+  void CatchUpLocked(std::string_view run, double now, std::vector<Transition>* out);
+
+  mutable std::mutex mu_;
+  std::vector<Rule> rules_;
+  std::vector<bool> uses_recommendation_;  // by rule index
+  std::unordered_map<uint64_t, Instance> instances_;  // by fingerprint
+  std::map<std::string, Silence, std::less<>> silences_;  // by id
+};
+
+}  // namespace gradwatch::alerts

@@ -1,0 +1,275 @@
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "alerts/evaluator.h"
+
+using namespace gradwatch::alerts;
+using gradwatch::ParamKind;
+
+namespace {
+
+Rule LoadOne(const std::string& body) {
+  auto rules = LoadRules("groups:\n  - name: g\n    rules:\n      - alert: R\n" + body +
+                             "        labels: {severity: warning}\n",
+                         "test.yaml");
+  INFO(rules.status().message());
+  REQUIRE(rules.ok());
+  REQUIRE(rules->size() == 1);
+  return (*rules)[0];
+}
+
+RunFacts Facts(std::vector<SeriesValue> latest) {
+  RunFacts f;
+  f.run_id = "r1";
+  f.step = 1000;
+  f.latest = std::move(latest);
+  SortLatest(f);
+  return f;
+}
+
+const Condition* ByLabel(const std::vector<Condition>& cs, const std::string& name, const std::string& value) {
+  for (const Condition& c : cs) {
+    auto it = c.labels.find(name);
+    if (it != c.labels.end() && it->second == value) return &c;
+  }
+  return nullptr;
+}
+
+ParamFact Param(const std::string& name, ParamKind kind, double wd) {
+  ParamFact p;
+  p.info.name = name;
+  p.info.kind = kind;
+  p.info.weight_decay = wd;
+  p.info.numel = 6144;
+  return p;
+}
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+}  // namespace
+
+TEST_CASE("threshold: one condition per matching series, NaN never active", "[alerts]") {
+  const Rule rule = LoadOne(
+      "        kind: threshold\n        series: \"grad/norm/*\"\n        op: \">=\"\n        value: 5\n");
+  RunFacts facts = Facts({{"grad/norm/total", 5.0},
+                          {"grad/norm/a", 4.99},
+                          {"grad/norm/b", NAN},
+                          {"grad/norm/c", kInf},
+                          {"params/norm/a", 100}});
+  facts.run_labels = {{"job", "pretrain"}, {"severity", "overridden"}};
+  const auto cs = Evaluate(rule, facts);
+  REQUIRE(cs.size() == 4);
+  const Condition* total = ByLabel(cs, "series", "grad/norm/total");
+  REQUIRE(total);
+  CHECK(total->active);
+  CHECK(total->value == 5.0);
+  CHECK(total->labels == LabelSet{{"alertname", "R"}, {"run", "r1"}, {"severity", "warning"},
+                                  {"job", "pretrain"}, {"series", "grad/norm/total"}});
+  CHECK(total->vars.at("value") == "5");
+  CHECK(total->vars.at("step") == "1,000");
+  CHECK(total->vars.at("threshold") == "5");
+  CHECK_FALSE(ByLabel(cs, "series", "grad/norm/a")->active);
+  CHECK_FALSE(ByLabel(cs, "series", "grad/norm/b")->active);
+  CHECK(ByLabel(cs, "series", "grad/norm/c")->active);
+}
+
+TEST_CASE("threshold: a series without a value at this step has no condition", "[alerts]") {
+  const Rule rule = LoadOne(
+      "        kind: threshold\n        series: grad/norm/total\n        op: \"<\"\n        value: 1\n");
+  CHECK(Evaluate(rule, Facts({{"train/loss", 0.5}})).empty());
+  const auto cs = Evaluate(rule, Facts({{"grad/norm/total", 0.5}}));
+  REQUIRE(cs.size() == 1);
+  CHECK(cs[0].active);
+}
+
+TEST_CASE("forecast: active when the threshold is reached within the horizon", "[alerts]") {
+  const Rule rule = LoadOne(
+      "        kind: forecast\n        series: grad/norm/total\n        threshold: 5\n        within_steps: 20000\n");
+  RunFacts facts = Facts({});
+  facts.forecasts = {
+      {"grad/norm/total", 5.0, true, 18000, 118000, 0.59, 0.245},
+      {"grad/norm/total", 10.0, true, 5000, 105000, 0.59, 0.245},  // another threshold: ignored
+  };
+  auto cs = Evaluate(rule, facts);
+  REQUIRE(cs.size() == 1);
+  CHECK(cs[0].active);
+  CHECK(cs[0].value == 0.59);
+  CHECK(cs[0].vars.at("steps_to_threshold") == "18,000");
+  CHECK(cs[0].vars.at("at_step") == "118,000");
+
+  facts.forecasts[0].steps_to_threshold = 48000;
+  CHECK_FALSE(Evaluate(rule, facts)[0].active);
+  facts.forecasts[0] = {"grad/norm/total", 5.0, false, kInf, 0, 0.59, -0.1};
+  cs = Evaluate(rule, facts);
+  CHECK_FALSE(cs[0].active);
+  CHECK(cs[0].vars.at("at_step") == "never");
+}
+
+TEST_CASE("slope_change: events and change points are separate instances", "[alerts]") {
+  const Rule at_event = LoadOne(
+      "        kind: slope_change\n        series: grad/norm/total\n        min_ratio: 1.5\n");
+  RunFacts facts = Facts({});
+  facts.slope_changes = {{"grad/norm/total", 81716, "switched to near-dropless EP routing", 2.1, 0.005, 0.0105, 40},
+                         {"grad/norm/total", 60000, "lr warmup ended", 1.1, 0.005, 0.0055, 40},
+                         {"train/loss", 81716, "switched", 3.0, -1, -3, 40}};
+  facts.change_points = {{"grad/norm/total", 81700, 2.0, 0.005, 0.01}};
+
+  auto cs = Evaluate(at_event, facts);
+  REQUIRE(cs.size() == 2);
+  const Condition* routing = ByLabel(cs, "event_step", "81716");
+  REQUIRE(routing);
+  CHECK(routing->active);
+  CHECK(routing->labels.at("trigger") == "event");
+  CHECK(routing->vars.at("event") == "switched to near-dropless EP routing");
+  CHECK(routing->vars.at("event_step") == "81,716");
+  CHECK(routing->vars.at("ratio") == "2.1");
+  CHECK_FALSE(ByLabel(cs, "event_step", "60000")->active);
+
+  Rule at_any = at_event;
+  at_any.at = SlopeChangeAt::kAny;
+  cs = Evaluate(at_any, facts);
+  REQUIRE(cs.size() == 3);
+  const Condition* cp = ByLabel(cs, "trigger", "change_point");
+  REQUIRE(cp);
+  CHECK(cp->active);
+  CHECK(cp->labels.count("event_step") == 0);  // refined change points stay one instance
+}
+
+TEST_CASE("share: parameters by kind, groups by name", "[alerts]") {
+  const Rule by_kind = LoadOne("        kind: share\n        param_kind: output\n        min_share: 0.9\n");
+  RunFacts facts = Facts({});
+  facts.params = {Param("lm_head.weight", ParamKind::kOutput, 0.1), Param("final_norm.weight", ParamKind::kNormGain, 0)};
+  facts.shares = {{"lm_head.weight", false, 0.939, 0.01},
+                  {"final_norm.weight", false, 0.001, 0},
+                  {"output", true, 0.939, 0.01}};
+  auto cs = Evaluate(by_kind, facts);
+  REQUIRE(cs.size() == 1);
+  CHECK(cs[0].active);
+  CHECK(cs[0].labels.at("param") == "lm_head.weight");
+  CHECK(cs[0].vars.at("share") == "93.9%");
+  CHECK(cs[0].vars.at("min_share") == "90%");
+
+  const Rule by_group = LoadOne("        kind: share\n        group: output\n        min_share: 0.95\n");
+  cs = Evaluate(by_group, facts);
+  REQUIRE(cs.size() == 1);
+  CHECK(cs[0].labels.at("group") == "output");
+  CHECK_FALSE(cs[0].active);
+}
+
+TEST_CASE("growth_without_decay: rising norm gains without decay above the amplification", "[alerts]") {
+  const Rule rule = LoadOne(
+      "        kind: growth_without_decay\n        param_kind: norm_gain\n        min_amplification: 4\n");
+  RunFacts facts = Facts({});
+  ParamFact final_norm = Param("final_norm.weight", ParamKind::kNormGain, 0);
+  final_norm.norm = 362.1;  // init: sqrt(6144) = 78.38 → 4.62×
+  final_norm.norm_slope_per_kstep = 2.5;
+  ParamFact flat = Param("layers.0.norm.weight", ParamKind::kNormGain, 0);
+  flat.norm = 400;
+  flat.norm_slope_per_kstep = -0.1;  // amplified but not rising
+  ParamFact decayed = Param("layers.1.norm.weight", ParamKind::kNormGain, 0.1);
+  decayed.norm = 400;
+  decayed.norm_slope_per_kstep = 1;
+  ParamFact head = Param("lm_head.weight", ParamKind::kOutput, 0);
+  facts.params = {final_norm, flat, decayed, head};
+
+  auto cs = Evaluate(rule, facts);
+  REQUIRE(cs.size() == 2);  // the decayed gain and the output layer are not instances
+  const Condition* fn = ByLabel(cs, "param", "final_norm.weight");
+  REQUIRE(fn);
+  CHECK(fn->active);
+  CHECK(fn->value == Approx(362.1 / std::sqrt(6144.0)));
+  CHECK(fn->vars.at("amplification") == "4.62");
+  CHECK(fn->vars.at("init_norm") == "78.38");
+  CHECK(fn->vars.at("weight_decay") == "0");
+  CHECK_FALSE(ByLabel(cs, "param", "layers.0.norm.weight")->active);
+
+  const Rule by_growth = LoadOne("        kind: growth_without_decay\n        min_growth: 0.05\n");
+  facts.params = {final_norm};
+  facts.params[0].growth_factor = 1.04;
+  CHECK_FALSE(Evaluate(by_growth, facts)[0].active);
+  facts.params[0].growth_factor = 1.08;
+  cs = Evaluate(by_growth, facts);
+  CHECK(cs[0].active);
+  CHECK(cs[0].value == Approx(0.08));
+  CHECK(cs[0].vars.at("growth") == "8%");
+}
+
+TEST_CASE("non_finite: NaN or Inf in any norm or the loss", "[alerts]") {
+  auto rules = LoadDefaultRules();
+  REQUIRE(rules.ok());
+  const Rule* rule = nullptr;
+  for (const Rule& r : *rules) {
+    if (r.kind == RuleKind::kNonFinite) rule = &r;
+  }
+  REQUIRE(rule);
+  RunFacts facts = Facts({{"grad/norm/total", 0.4},
+                          {"params/norm/final_norm.weight", kInf},
+                          {"train/loss", NAN},
+                          {"optim/learning_rate", NAN}});  // not watched by default
+  facts.nonfinite = {{"updates/norm/lm_head.weight", 1000}};
+  auto cs = Evaluate(*rule, facts);
+  REQUIRE(cs.size() == 4);
+  CHECK_FALSE(ByLabel(cs, "series", "grad/norm/total")->active);
+  CHECK(ByLabel(cs, "series", "params/norm/final_norm.weight")->active);
+  CHECK(ByLabel(cs, "series", "train/loss")->active);
+  CHECK(ByLabel(cs, "series", "train/loss")->vars.at("value") == "NaN");
+  CHECK(ByLabel(cs, "series", "updates/norm/lm_head.weight")->active);
+}
+
+TEST_CASE("stalled: an open run silent for the limit", "[alerts]") {
+  const Rule rule = LoadOne("        kind: stalled\n        seconds: 600\n");
+  RunFacts facts = Facts({});
+  facts.open_streams = 8;
+  facts.seconds_since_last_step = 599;
+  auto cs = Evaluate(rule, facts);
+  REQUIRE(cs.size() == 1);
+  CHECK_FALSE(cs[0].active);
+  CHECK(cs[0].labels == LabelSet{{"alertname", "R"}, {"run", "r1"}, {"severity", "warning"}});
+  facts.seconds_since_last_step = 600;
+  CHECK(Evaluate(rule, facts)[0].active);
+  facts.open_streams = 0;  // finished, not hung
+  CHECK_FALSE(Evaluate(rule, facts)[0].active);
+}
+
+TEST_CASE("every default rule matches an incident-shaped run and renders its annotations", "[alerts]") {
+  auto rules = LoadDefaultRules();
+  REQUIRE(rules.ok());
+  RunFacts facts = Facts({{"grad/norm/total", 5.2}, {"train/loss", NAN}});
+  facts.run_id = "moe-incident-demo";
+  facts.step = 100000;
+  facts.open_streams = 8;
+  facts.seconds_since_last_step = 900;
+  facts.forecasts = {{"grad/norm/total", 5.0, true, 0, 100000, 5.2, 0.25}};
+  facts.slope_changes = {{"grad/norm/total", 81716, "switched to near-dropless EP routing", 2.0, 0.005, 0.01, 40}};
+  ParamFact final_norm = Param("final_norm.weight", ParamKind::kNormGain, 0);
+  final_norm.norm = 362.1;
+  final_norm.growth_factor = 1.1;
+  final_norm.growth_slope_per_kstep = 2.5;
+  facts.params = {final_norm, Param("lm_head.weight", ParamKind::kOutput, 0.1)};
+  facts.shares = {{"lm_head.weight", false, 0.939, 0.01}};
+
+  for (const Rule& rule : *rules) {
+    INFO(rule.name);
+    const auto cs = Evaluate(rule, facts);
+    REQUIRE(cs.size() >= 1);
+    const Condition* active = nullptr;
+    for (const Condition& c : cs) {
+      if (c.active) active = &c;
+    }
+    REQUIRE(active);
+    TemplateVars vars = active->vars;
+    vars["recommendation"] = "enable weight decay on final_norm.weight";
+    for (const auto& [name, text] : rule.annotations) {
+      const std::string rendered = RenderTemplate(text, vars, active->labels);
+      INFO(name << ": " << rendered);
+      CHECK_FALSE(rendered.empty());
+      CHECK(rendered.find("{{") == std::string::npos);
+      CHECK(rendered.find("unknown") == std::string::npos);
+      CHECK(rendered.find("  ") == std::string::npos);  // no variable rendered empty mid-sentence
+    }
+  }
+}

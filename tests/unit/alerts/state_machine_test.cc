@@ -1,0 +1,439 @@
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "alerts/state_machine.h"
+
+using namespace gradwatch::alerts;
+using gradwatch::ParamKind;
+
+namespace {
+
+constexpr double kT0 = 1.8e9;  // the fake clock: step s is reported at kT0 + s seconds
+
+std::vector<Rule> Load(const std::string& rules) {
+  auto loaded = LoadRules("groups:\n  - name: g\n    rules:\n" + rules, "test.yaml");
+  INFO(loaded.status().message());
+  REQUIRE(loaded.ok());
+  return *loaded;
+}
+
+Rule DefaultRule(const std::string& name) {
+  auto rules = LoadDefaultRules();
+  REQUIRE(rules.ok());
+  for (const Rule& r : *rules) {
+    if (r.name == name) return r;
+  }
+  FAIL("no default rule " << name);
+  return {};
+}
+
+// The contingency without its hysteresis, for contrast.
+Rule PlainThreshold(uint64_t for_steps) {
+  return Load(
+      "      - alert: Plain\n        kind: threshold\n        series: grad/norm/total\n"
+      "        op: \">=\"\n        value: 5\n        for_steps: " +
+      std::to_string(for_steps) + "\n        labels: {severity: page}\n")[0];
+}
+
+RunFacts Step(uint64_t step, double total, const std::string& run = "r1") {
+  RunFacts f;
+  f.run_id = run;
+  f.step = step;
+  f.now = kT0 + static_cast<double>(step);
+  f.open_streams = 1;
+  f.latest = {{"grad/norm/total", total}};
+  return f;
+}
+
+// Feeds the engine one report and returns its transitions.
+struct Driver {
+  AlertEngine& engine;
+  std::vector<Transition> Report(uint64_t step, double total, const std::string& run = "r1") {
+    return engine.EvaluateStep(Step(step, total, run), kT0 + static_cast<double>(step));
+  }
+  // Reports steps [from, to) every `every` steps with `total`; returns every transition.
+  std::vector<Transition> Run(uint64_t from, uint64_t to, uint64_t every, double total) {
+    std::vector<Transition> all;
+    for (uint64_t s = from; s < to; s += every) {
+      auto t = Report(s, total);
+      all.insert(all.end(), t.begin(), t.end());
+    }
+    return all;
+  }
+};
+
+bool AnyNotified(const std::vector<Transition>& ts) {
+  for (const Transition& t : ts) {
+    if (t.notify) return true;
+  }
+  return false;
+}
+
+// The step at which the first transition into `to` happened, if any.
+std::optional<uint64_t> StepOf(const std::vector<Transition>& ts, AlertState to) {
+  for (const Transition& t : ts) {
+    if (t.to == to) return t.alert.step;
+  }
+  return std::nullopt;
+}
+
+std::string Fp(const Alert& a) { return FingerprintHex(a.labels); }
+
+}  // namespace
+
+TEST_CASE("a pending alert is never notified", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Driver d{engine};
+  auto ts = d.Report(100, 5.2);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].from == AlertState::kInactive);
+  CHECK(ts[0].to == AlertState::kPending);
+  CHECK_FALSE(ts[0].notify);
+  REQUIRE(engine.Active("r1").size() == 1);
+  CHECK(engine.Active("r1")[0].state == AlertState::kPending);  // visible, not sent
+
+  CHECK(d.Run(101, 110, 1, 5.3).empty());  // still pending: s0 + 10 not reached
+  ts = d.Report(110, 4.9);                 // stops holding one step short
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].from == AlertState::kPending);
+  CHECK(ts[0].to == AlertState::kInactive);
+  CHECK_FALSE(ts[0].notify);
+  CHECK(engine.Active().empty());
+}
+
+TEST_CASE("for_steps with a report every step fires at s0 + 10 exactly", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Driver d{engine};
+  CHECK(d.Run(90, 100, 1, 4.8).empty());
+  auto ts = d.Run(100, 110, 1, 5.1);  // s0 = 100
+  CHECK(StepOf(ts, AlertState::kPending) == 100u);
+  CHECK_FALSE(StepOf(ts, AlertState::kFiring));
+  CHECK_FALSE(AnyNotified(ts));
+
+  ts = d.Report(110, 5.1);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].from == AlertState::kPending);
+  CHECK(ts[0].to == AlertState::kFiring);
+  CHECK(ts[0].notify);
+  const Alert& a = ts[0].alert;
+  CHECK(a.step == 110);
+  CHECK(a.state == AlertState::kFiring);
+  CHECK(a.value == 5.1);
+  CHECK(a.starts_at == kT0 + 100);  // when the condition began, as Prometheus's activeAt
+  CHECK(a.ends_at == 0);
+  CHECK(a.labels == LabelSet{{"alertname", "GradNormContingency"}, {"run", "r1"}, {"severity", "page"},
+                             {"series", "grad/norm/total"}});
+  CHECK(a.annotations.at("summary") == "Total grad norm 5.1 ≥ 5 at step 110 in run r1");
+  CHECK(d.Run(111, 200, 1, 5.5).empty());  // firing: no more transitions while it holds
+}
+
+TEST_CASE("for_steps with a report every 10 steps fires at the first report at or after s0 + 10", "[alerts]") {
+  SECTION("reports aligned with s0 + 10") {
+    AlertEngine engine({DefaultRule("GradNormContingency")});
+    Driver d{engine};
+    auto ts = d.Run(0, 100, 10, 1.0);
+    ts = d.Run(100, 300, 10, 5.2);  // s0 = 100
+    CHECK(StepOf(ts, AlertState::kFiring) == 110u);  // the same step as reporting every step
+  }
+  SECTION("reports not aligned with s0 + 10") {
+    AlertEngine engine({DefaultRule("GradNormContingency")});
+    Driver d{engine};
+    d.Run(5, 105, 10, 1.0);
+    auto ts = d.Run(105, 300, 10, 5.2);  // s0 = 105, reports at 115 ≥ 115
+    CHECK(StepOf(ts, AlertState::kFiring) == 115u);
+  }
+  SECTION("sparser reports fire at the first one past the mark") {
+    AlertEngine engine({DefaultRule("GradNormContingency")});
+    Driver d{engine};
+    auto ts = d.Run(98, 200, 7, 5.2);  // s0 = 98; 105 < 108 ≤ 112
+    CHECK(StepOf(ts, AlertState::kPending) == 98u);
+    CHECK(StepOf(ts, AlertState::kFiring) == 112u);
+  }
+}
+
+TEST_CASE("for_steps 0 fires at once", "[alerts]") {
+  AlertEngine engine({PlainThreshold(0)});
+  auto ts = Driver{engine}.Report(100, 5);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].from == AlertState::kInactive);
+  CHECK(ts[0].to == AlertState::kFiring);
+  CHECK(ts[0].notify);
+}
+
+TEST_CASE("flapping around the threshold with clear_below does not re-fire", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Driver d{engine};
+  auto ts = d.Run(100, 111, 1, 5.1);
+  REQUIRE(StepOf(ts, AlertState::kFiring) == 110u);
+
+  const double flapping[] = {4.9, 5.05, 4.6, 5.2, 4.51, 4.99, 5.0, 4.7};
+  uint64_t step = 111;
+  for (double v : flapping) CHECK(d.Report(step++, v).empty());
+  REQUIRE(engine.Active().size() == 1);
+  CHECK(engine.Active()[0].state == AlertState::kFiring);
+  CHECK(engine.Active()[0].value == 4.7);
+
+  ts = d.Report(step, 4.4);  // below clear_below: resolves
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].to == AlertState::kResolved);
+
+  // Without hysteresis the same stream resolves at the first dip and pages again.
+  AlertEngine plain({PlainThreshold(0)});
+  Driver p{plain};
+  std::vector<Transition> all = p.Run(100, 111, 1, 5.1);
+  step = 111;
+  for (double v : flapping) {
+    auto t = p.Report(step++, v);
+    all.insert(all.end(), t.begin(), t.end());
+  }
+  int pages = 0;
+  for (const Transition& t : all) pages += t.to == AlertState::kFiring && t.notify;
+  CHECK(pages == 4);
+}
+
+TEST_CASE("a firing alert resolves once, sent with ends_at = now", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Driver d{engine};
+  d.Run(100, 111, 1, 5.1);
+  auto ts = d.Report(150, 4.0);
+  REQUIRE(ts.size() == 1);
+  const Transition& t = ts[0];
+  CHECK(t.from == AlertState::kFiring);
+  CHECK(t.to == AlertState::kResolved);
+  CHECK(t.notify);
+  CHECK(t.alert.state == AlertState::kResolved);
+  CHECK(t.alert.ends_at == kT0 + 150);
+  CHECK(t.alert.starts_at == kT0 + 100);
+  CHECK(t.alert.step == 150);
+  CHECK(t.alert.annotations.count("summary") == 1);
+  CHECK(engine.Active().empty());
+  CHECK(d.Run(151, 300, 1, 4.0).empty());  // sent once, then nothing
+}
+
+TEST_CASE("resolve_for_steps keeps an alert firing until the condition stayed clear that long", "[alerts]") {
+  AlertEngine engine(Load(
+      "      - alert: Slow\n        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n"
+      "        value: 5\n        resolve_for_steps: 20\n        labels: {severity: page}\n"));
+  Driver d{engine};
+  REQUIRE(StepOf(d.Report(100, 6), AlertState::kFiring) == 100u);
+  CHECK(d.Run(101, 115, 1, 4).empty());  // r0 = 101
+  CHECK(d.Report(115, 6).empty());        // holds again: the clock restarts
+  CHECK(d.Run(116, 136, 1, 4).empty());  // r0 = 116, resolves at 136
+  auto ts = d.Report(136, 4);
+  CHECK(StepOf(ts, AlertState::kResolved) == 136u);
+}
+
+TEST_CASE("a silence mutes notifications without hiding state", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Driver d{engine};
+  REQUIRE(engine.AddSilence({"s1", {{"alertname", "GradNormContingency"}, {"run", "r1"}}, kT0, kT0 + 200,
+                             "known: weight decay change scheduled", "alice"})
+              .ok());
+  CHECK(engine.Silences().size() == 1);
+
+  auto ts = d.Run(100, 111, 1, 5.1);
+  REQUIRE(StepOf(ts, AlertState::kFiring) == 110u);
+  CHECK_FALSE(AnyNotified(ts));
+  REQUIRE(engine.Active().size() == 1);
+  const Alert firing = engine.Active()[0];
+  CHECK(firing.state == AlertState::kFiring);
+  CHECK(engine.IsMuted(firing, kT0 + 150));
+
+  // Another run is not silenced.
+  CHECK(AnyNotified(d.engine.EvaluateStep(Step(100, 5.1, "r2"), kT0 + 100)) == false);  // pending
+  ts = engine.EvaluateStep(Step(110, 5.1, "r2"), kT0 + 110);
+  CHECK(AnyNotified(ts));
+
+  // The silence ends while the alert still fires: it is notified then, once.
+  CHECK(d.Report(199, 5.1).empty());
+  ts = d.Report(200, 5.1);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].from == AlertState::kFiring);
+  CHECK(ts[0].to == AlertState::kFiring);
+  CHECK(ts[0].notify);
+  CHECK(d.Report(201, 5.1).empty());
+  ts = d.Report(202, 4.0);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].notify);  // its firing was sent, so its end is
+}
+
+TEST_CASE("an alert that fires and resolves under a silence is never sent", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Driver d{engine};
+  REQUIRE(engine.AddSilence({"s1", {{"severity", "page"}}, kT0, kT0 + 1000, "", "bob"}).ok());
+  auto ts = d.Run(100, 111, 1, 5.1);
+  auto end = d.Report(120, 1.0);
+  ts.insert(ts.end(), end.begin(), end.end());
+  CHECK(StepOf(ts, AlertState::kResolved) == 120u);
+  CHECK_FALSE(AnyNotified(ts));
+
+  CHECK(engine.RemoveSilence("s1").ok());
+  CHECK(engine.RemoveSilence("s1").code() == gradwatch::StatusCode::kNotFound);
+  CHECK(engine.AddSilence({"s2", {}, kT0, kT0 + 1, "", ""}).code() == gradwatch::StatusCode::kInvalidArgument);
+  CHECK(engine.AddSilence({"s3", {{"run", "r1"}}, kT0, kT0, "", ""}).code() ==
+        gradwatch::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("an acknowledged alert is not re-notified until it resolves", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Driver d{engine};
+  d.Report(100, 5.1);
+  const std::string fp = Fp(engine.Active()[0]);
+  CHECK(engine.Ack(fp, "alice", "on it", kT0 + 105).code() == gradwatch::StatusCode::kFailedPrecondition);
+  CHECK(engine.Ack("0123456789abcdef", "alice", "", kT0).code() == gradwatch::StatusCode::kNotFound);
+  CHECK(engine.Ack("not hex", "alice", "", kT0).code() == gradwatch::StatusCode::kInvalidArgument);
+
+  REQUIRE(AnyNotified(d.Run(101, 111, 1, 5.1)));
+  const Alert firing = engine.Active()[0];
+  CHECK_FALSE(engine.IsMuted(firing, kT0 + 111));
+  REQUIRE(engine.Ack(fp, "alice", "enabling wd on final_norm", kT0 + 111).ok());
+  CHECK(engine.IsMuted(firing, kT0 + 112));  // the notifier's resends stop
+  REQUIRE(engine.AckOf(fp));
+  CHECK(engine.AckOf(fp)->by == "alice");
+  CHECK(engine.Active().size() == 1);  // still visible
+
+  CHECK(d.Run(112, 150, 1, 5.3).empty());
+  auto ts = d.Report(150, 4.0);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].to == AlertState::kResolved);
+  CHECK(ts[0].notify);  // the end of the incident is sent
+  CHECK_FALSE(engine.AckOf(fp));
+
+  // The next incident of the same instance pages again.
+  ts = d.Run(200, 211, 1, 5.2);
+  REQUIRE(StepOf(ts, AlertState::kFiring) == 210u);
+  CHECK(AnyNotified(ts));
+  CHECK_FALSE(engine.IsMuted(engine.Active()[0], kT0 + 211));
+}
+
+TEST_CASE("reload keeps the states of alerts whose rule still exists", "[alerts]") {
+  const Rule contingency = DefaultRule("GradNormContingency");
+  const Rule other = PlainThreshold(0);
+  AlertEngine engine({contingency, other});
+  Driver d{engine};
+  d.Run(100, 105, 1, 5.1);  // contingency pending since 100, Plain firing since 100
+  REQUIRE(engine.Active().size() == 2);
+
+  Rule edited = contingency;
+  edited.annotations["description"] = "edited";
+  auto ts = engine.ReplaceRules({edited}, kT0 + 105);
+  REQUIRE(ts.size() == 1);  // the removed rule's firing alert ends, and is sent
+  CHECK(ts[0].alert.name == "Plain");
+  CHECK(ts[0].to == AlertState::kResolved);
+  CHECK(ts[0].alert.ends_at == kT0 + 105);
+  CHECK(ts[0].notify);
+  REQUIRE(engine.Rules().size() == 1);
+
+  ts = d.Run(105, 111, 1, 5.1);
+  CHECK(StepOf(ts, AlertState::kFiring) == 110u);  // s0 survived the reload
+  CHECK(engine.Active()[0].annotations.at("description") == "edited");
+}
+
+TEST_CASE("non_finite fires at once and is sent", "[alerts]") {
+  AlertEngine engine({DefaultRule("NonFiniteValue")});
+  RunFacts f = Step(200, NAN);
+  f.latest.push_back({"train/loss", 2.0});
+  SortLatest(f);
+  auto ts = engine.EvaluateStep(f, kT0 + 200);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].from == AlertState::kInactive);
+  CHECK(ts[0].to == AlertState::kFiring);
+  CHECK(ts[0].notify);
+  CHECK(ts[0].alert.step == 200);
+  CHECK(ts[0].alert.labels.at("series") == "grad/norm/total");
+  CHECK(ts[0].alert.annotations.at("summary") == "grad/norm/total is NaN at step 200 in run r1");
+
+  // Finite again: it resolves after resolve_for_steps (100) finite steps.
+  Driver d{engine};
+  CHECK(d.Run(201, 301, 1, 0.4).empty());
+  CHECK(StepOf(d.Report(301, 0.4), AlertState::kResolved) == 301u);
+}
+
+TEST_CASE("stalled alerts come from the timer and resolve when steps resume", "[alerts]") {
+  AlertEngine engine({DefaultRule("RunStalled"), DefaultRule("GradNormContingency")});
+  RunFacts r = Step(5000, 0.4);
+  r.open_streams = 8;
+  r.seconds_since_last_step = 599;
+  CHECK(engine.EvaluateTimer({r}, kT0 + 10000).empty());
+
+  r.seconds_since_last_step = 601;
+  CHECK(engine.EvaluateStep(r, kT0 + 10001).empty());  // steps do not evaluate stalled rules
+  auto ts = engine.EvaluateTimer({r}, kT0 + 10002);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].to == AlertState::kFiring);
+  CHECK(ts[0].notify);
+  CHECK(ts[0].alert.labels.at("alertname") == "RunStalled");
+  CHECK(ts[0].alert.annotations.at("summary") == "Run r1 sent no step for 601 s (last step 5,000)");
+  CHECK(engine.EvaluateTimer({r}, kT0 + 10030).empty());
+
+  r.step = 5001;
+  r.seconds_since_last_step = 2;
+  ts = engine.EvaluateTimer({r}, kT0 + 10060);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].to == AlertState::kResolved);
+  CHECK(ts[0].alert.ends_at == kT0 + 10060);
+
+  // A run that is gone from the daemon's list resolves too.
+  r.seconds_since_last_step = 700;
+  REQUIRE(engine.EvaluateTimer({r}, kT0 + 10800).size() == 1);
+  ts = engine.EvaluateTimer({}, kT0 + 10900);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].to == AlertState::kResolved);
+}
+
+TEST_CASE("instances are keyed by their labels: one alert per series and per run", "[alerts]") {
+  AlertEngine engine(Load(
+      "      - alert: ParamGrad\n        kind: threshold\n        series: \"grad/norm/*\"\n        op: \">\"\n"
+      "        value: 1\n        labels: {severity: warning}\n"));
+  RunFacts f = Step(10, 0.5);
+  f.latest = {{"grad/norm/a", 2}, {"grad/norm/b", 3}, {"grad/norm/total", 0.5}};
+  auto ts = engine.EvaluateStep(f, kT0);
+  CHECK(ts.size() == 2);
+  f.run_id = "r2";
+  ts = engine.EvaluateStep(f, kT0);
+  CHECK(ts.size() == 2);
+  CHECK(engine.Active().size() == 4);
+  CHECK(engine.Active("r2").size() == 2);
+
+  // A series that disappears counts as not holding: its alert resolves.
+  f.run_id = "r1";
+  f.step = 11;
+  f.latest = {{"grad/norm/a", 2}};
+  ts = engine.EvaluateStep(f, kT0 + 1);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].alert.labels.at("series") == "grad/norm/b");
+  CHECK(ts[0].to == AlertState::kResolved);
+
+  ts = engine.ForgetRun("r2", kT0 + 2);
+  CHECK(ts.size() == 2);
+  CHECK(engine.Active().size() == 1);
+}
+
+TEST_CASE("the contingency page carries the recommendation", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  std::vector<Transition> ts;
+  for (uint64_t s = 100000; s <= 100010; ++s) {
+    RunFacts f = Step(s, 5.01);
+    f.run_id = "moe-incident-demo";
+    f.config.z_loss_coef = 1e-4;
+    f.config.weight_decay = 0.1;
+    ParamFact gain;
+    gain.info = {"final_norm.weight", 6144, ParamKind::kNormGain, 0.0, std::nullopt, "final_norm", ""};
+    gain.norm = 362.1;
+    f.params = {gain};
+    ts = engine.EvaluateStep(f, kT0 + static_cast<double>(s));
+  }
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].to == AlertState::kFiring);
+  const LabelSet& an = ts[0].alert.annotations;
+  CHECK(an.at("summary") == "Total grad norm 5.01 ≥ 5 at step 100,010 in run moe-incident-demo");
+  CHECK_THAT(an.at("recommendation"),
+             Catch::StartsWith("final_norm.weight has weight decay 0; its norm is 362.1, 4.62× its init norm") &&
+                 Catch::EndsWith("Recommendation: enable weight decay on final_norm.weight (the run uses 0.1 "
+                                 "for its decayed parameters)."));
+  CHECK_THAT(an.at("description"), !Catch::Contains("{{"));
+}
