@@ -103,6 +103,7 @@ int main(int argc, char** argv) {
              return list;
            }()},
           {"change_point_window_steps", config.change_point_window_steps}}},
+        {"alerts", {{"default_rules", config.default_rules}, {"rule_files", config.rule_files}}},
     };
     std::cout << shown.dump(2) << "\nconfiguration OK\n";
     return kExitOk;

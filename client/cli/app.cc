@@ -103,6 +103,17 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   annotate_cmd->add_option("STEP", annotate_step, "Step the event took effect")->required();
   annotate_cmd->add_option("TEXT", annotate_text, "What happened")->required();
 
+  std::string alerts_run;
+  auto* alerts_cmd = app.add_subcommand("alerts", "List pending and firing alerts, with their recommendations");
+  alerts_cmd->add_option("RUN", alerts_run, "Only this run's alerts");
+
+  auto* rules_cmd = app.add_subcommand("rules", "Alert rule files");
+  rules_cmd->require_subcommand(1);
+  std::vector<std::string> rule_files;
+  auto* rules_check_cmd =
+      rules_cmd->add_subcommand("check", "Validate rule files (errors give file:line); needs no daemon");
+  rules_check_cmd->add_option("FILE", rule_files, "Rule files")->required()->check(CLI::ExistingFile);
+
   try {
     app.parse(argc, argv);
     if (*replay_cmd && replay.rank >= replay.world_size) {
@@ -117,8 +128,10 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   spdlog::set_level(global.verbose ? spdlog::level::debug : spdlog::level::warn);
 
   if (*replay_cmd) return RunReplay(global, replay, out, err);
+  if (*rules_check_cmd) return RunRulesCheck(global, rule_files, out, err);
   client::QueryClient query(global.address, global.timeout());
   if (*runs_cmd) return RunRuns(global, query, out, err);
+  if (*alerts_cmd) return RunAlerts(global, query, alerts_run, out, err);
   if (*show_cmd) return RunShow(global, query, show_run, out, err);
   if (*series_cmd) return RunSeries(global, query, series, out, err);
   if (*annotate_cmd) {

@@ -1,5 +1,6 @@
 #include "client/cli/commands.h"
 
+#include "alerts/rules.h"
 #include "client/cli/format.h"
 
 namespace gradwatch::cli {
@@ -26,6 +27,40 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
   }
   err << "\n";
   return kExitFailure;
+}
+
+int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std::string& run, std::ostream& out,
+              std::ostream& err) {
+  auto result = query.ListAlerts(run);
+  if (!result.ok()) return ReportRpcError(global, "list alerts", result.status, err);
+  if (global.json) {
+    out << ProtoToJson(result.response).dump(2) << "\n";
+  } else {
+    out << FormatAlerts(result.response);
+  }
+  return kExitOk;
+}
+
+int RunRulesCheck(const GlobalOptions& global, const std::vector<std::string>& files, std::ostream& out,
+                  std::ostream& err) {
+  auto rules = alerts::LoadRuleFiles(files);
+  if (!rules.ok()) {
+    if (global.json) {
+      out << nlohmann::ordered_json{{"ok", false}, {"error", rules.status().message()}}.dump(2) << "\n";
+    }
+    err << rules.status().message() << "\n";
+    return kExitFailure;
+  }
+  if (global.json) {
+    nlohmann::ordered_json names = nlohmann::ordered_json::array();
+    for (const alerts::Rule& r : rules.value()) names.push_back(r.name);
+    out << nlohmann::ordered_json{{"ok", true}, {"rules", names}}.dump(2) << "\n";
+  } else {
+    out << rules->size() << " rule(s) OK:";
+    for (const alerts::Rule& r : rules.value()) out << " " << r.name;
+    out << "\n";
+  }
+  return kExitOk;
 }
 
 int RunRuns(const GlobalOptions& global, client::QueryClient& query, std::ostream& out,

@@ -26,6 +26,13 @@ int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::
             std::ostream& out, std::ostream& err);
 int RunSeries(const GlobalOptions& global, client::QueryClient& query, const SeriesOptions& options,
               std::ostream& out, std::ostream& err);
+// `gradwatch alerts [RUN]`: pending and firing alerts.
+int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std::string& run, std::ostream& out,
+              std::ostream& err);
+// `gradwatch rules check FILE...`: loads the files as the daemon would; exit 1 with file:line
+// errors when one is invalid. Needs no daemon.
+int RunRulesCheck(const GlobalOptions& global, const std::vector<std::string>& files, std::ostream& out,
+                  std::ostream& err);
 int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
                 uint64_t step, const std::string& text, std::ostream& out, std::ostream& err);
 

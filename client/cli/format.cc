@@ -362,6 +362,27 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
   return out.str();
 }
 
+std::string FormatAlerts(const v1::ListAlertsResponse& alerts) {
+  if (alerts.alerts().empty()) return "no pending or firing alerts\n";
+  std::vector<std::vector<std::string>> rows = {{"STATE", "ALERT", "RUN", "SEVERITY", "STEP", "VALUE", "SUMMARY"}};
+  for (const v1::Alert& a : alerts.alerts()) {
+    auto label = [&a](const char* name) {
+      auto it = a.labels().find(name);
+      return it == a.labels().end() ? std::string("-") : it->second;
+    };
+    auto summary = a.annotations().find("summary");
+    std::string state = a.state() == v1::ALERT_STATE_FIRING ? "firing" : a.state() == v1::ALERT_STATE_PENDING ? "pending" : "resolved";
+    rows.push_back({state, a.name(), label("run"), label("severity"), std::to_string(a.step()), Short(a.value()),
+                    summary == a.annotations().end() ? "" : summary->second});
+  }
+  std::string out = FormatTable(rows);
+  for (const v1::Alert& a : alerts.alerts()) {
+    auto rec = a.annotations().find("recommendation");
+    if (rec != a.annotations().end() && !rec->second.empty()) out += "\n" + a.name() + ": " + rec->second + "\n";
+  }
+  return out;
+}
+
 std::string FormatRunSummary(const v1::RunSummary& summary) {
   const v1::RunInfo& info = summary.info();
   const RunOverview overview = BuildOverview(summary);

@@ -56,6 +56,9 @@ std::string FormatRunSummary(const v1::RunSummary& summary);
 std::string FormatDiagnosis(const v1::RunSummary& summary);
 nlohmann::ordered_json RunSummaryToJson(const v1::RunSummary& summary);
 
+// `gradwatch alerts`: one line per alert (state, name, run, severity, step, value, summary).
+std::string FormatAlerts(const v1::ListAlertsResponse& alerts);
+
 // `gradwatch series`: "step value min max count" per point.
 std::string FormatSeries(const v1::GetSeriesResponse& series);
 nlohmann::ordered_json SeriesToJson(const v1::GetSeriesResponse& series);

@@ -26,6 +26,12 @@ QueryResult<v1::ListRunsResponse> QueryClient::ListRuns() {
                                                          &v1::Query::Stub::ListRuns);
 }
 
+QueryResult<v1::ListAlertsResponse> QueryClient::ListAlerts(const std::string& run_id) {
+  v1::ListAlertsRequest request;
+  request.set_run_id(run_id);
+  return Call<v1::ListAlertsRequest, v1::ListAlertsResponse>(request, &v1::Query::Stub::ListAlerts);
+}
+
 QueryResult<v1::RunSummary> QueryClient::GetRun(const std::string& run_id) {
   v1::GetRunRequest request;
   request.set_run_id(run_id);

@@ -33,6 +33,8 @@ class QueryClient {
   QueryResult<v1::AnnotateResponse> Annotate(const std::string& run_id, uint64_t step,
                                              const std::string& text);
 
+  QueryResult<v1::ListAlertsResponse> ListAlerts(const std::string& run_id);
+
   const std::string& address() const { return address_; }
 
  private:

@@ -87,6 +87,7 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                      {"forecast_window_steps", Field(&Config::forecast_window_steps)},
                      {"forecasts", ReadForecasts},
                      {"change_point_window_steps", Field(&Config::change_point_window_steps)}}},
+      {"alerts", {{"default_rules", Field(&Config::default_rules)}, {"rule_files", Field(&Config::rule_files)}}},
   };
   return *kSchema;
 }

@@ -38,6 +38,9 @@ struct Config {
   // (series key, threshold) pairs forecast for every run.
   std::vector<std::pair<std::string, double>> forecasts = {{"grad/norm/total", 5.0}};
   uint64_t change_point_window_steps = 3000;
+
+  bool default_rules = true;            // load alerts/rules/default.yaml (built in)
+  std::vector<std::string> rule_files;  // more rule files
 };
 
 // Reads a YAML config file over the defaults. Unknown keys and bad values are errors that name

@@ -15,6 +15,7 @@
 #include <prometheus/exposer.h>
 #include <spdlog/spdlog.h>
 
+#include "server/daemon/alerting.h"
 #include "server/export/metrics_collector.h"
 #include "server/ingest/ingest_service.h"
 #include "server/ingest/query_service.h"
@@ -43,6 +44,10 @@ Status Daemon::Start() {
   if (Status s = LockDataDir(); !s.ok()) return s;
 
   stats_ = std::make_unique<runs::DaemonStats>();
+  auto rules = LoadConfiguredRules(config_.default_rules, config_.rule_files);
+  if (!rules.ok()) return Status(rules.status().code(), "alert rules: " + rules.status().message());
+  spdlog::info("{} alert rules in force", rules->size());
+  alerting_ = std::make_unique<Alerting>(std::move(rules).value());
   runs::RunOptions run_options;
   run_options.assembly_timeout = Seconds(config_.assembly_timeout_seconds);
   run_options.series.recent_points = config_.recent_points;
@@ -56,6 +61,7 @@ Status Daemon::Start() {
   run_options.analytics.forecast_window_steps = config_.forecast_window_steps;
   run_options.analytics.forecasts = config_.forecasts;
   run_options.analytics.change_points.window_steps = config_.change_point_window_steps;
+  run_options.alert_hook = alerting_.get();
   registry_ = std::make_unique<runs::RunRegistry>(run_options, config_.max_runs, stats_.get(), clock_);
 
   store::JournalOptions journal_options;
@@ -82,7 +88,7 @@ Status Daemon::Start() {
   ingest_options.hello.max_params = config_.max_params_per_run;
   ingest_options.max_streams = config_.max_streams;
   ingest_ = std::make_unique<ingest::IngestService>(ingest_options, registry_.get(), stats_.get(), clock_);
-  query_ = std::make_unique<ingest::QueryService>(registry_.get(), clock_);
+  query_ = std::make_unique<ingest::QueryService>(registry_.get(), clock_, &alerting_->engine());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -141,12 +147,15 @@ Status Daemon::LockDataDir() {
 }
 
 void Daemon::TickLoop() {
+  constexpr int kTicksPerAlertTimer = 5;  // timer rules (stalled) once a second
+  int ticks = 0;
   std::unique_lock lock(tick_mu_);
   while (!stopping_) {
     tick_cv_.wait_for(lock, kTickInterval);
     if (stopping_) break;
     lock.unlock();
     registry_->Tick();
+    if (++ticks % kTicksPerAlertTimer == 0) alerting_->Tick(*registry_, clock_->UnixSeconds());
     lock.lock();
   }
 }

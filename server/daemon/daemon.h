@@ -36,6 +36,7 @@ class MetricsCollector;
 }
 
 namespace daemon {
+class Alerting;
 
 class Daemon {
  public:
@@ -58,6 +59,7 @@ class Daemon {
   const Config config_;
   const Clock* const clock_;
   std::unique_ptr<runs::DaemonStats> stats_;
+  std::unique_ptr<Alerting> alerting_;
   std::unique_ptr<runs::RunRegistry> registry_;
   std::unique_ptr<store::Journal> journal_;
   std::unique_ptr<ingest::IngestService> ingest_;

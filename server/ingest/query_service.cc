@@ -20,8 +20,17 @@ grpc::Status RunNotFound(const std::string& run_id) {
 
 }  // namespace
 
-QueryService::QueryService(runs::RunRegistry* registry, const Clock* clock)
-    : registry_(registry), clock_(clock) {}
+QueryService::QueryService(runs::RunRegistry* registry, const Clock* clock, const alerts::AlertEngine* engine)
+    : registry_(registry), clock_(clock), engine_(engine) {}
+
+grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* context,
+                                                   const v1::ListAlertsRequest* request,
+                                                   v1::ListAlertsResponse* response) {
+  if (engine_ != nullptr) {
+    for (const alerts::Alert& a : engine_->Active(request->run_id())) AlertToProto(a, response->add_alerts());
+  }
+  return Done(context, grpc::Status::OK);
+}
 
 grpc::ServerUnaryReactor* QueryService::ListRuns(grpc::CallbackServerContext* context,
                                                  const v1::ListRunsRequest*,

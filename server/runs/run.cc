@@ -39,7 +39,8 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
                  options.max_pending_steps),
       ranks_(std::max<uint32_t>(1, meta.world_size)),
       analytics_(options.analytics),
-      last_activity_(clock->Now()) {
+      last_activity_(clock->Now()),
+      last_step_seen_(clock->Now()) {
   std::vector<ParamInfo> params = std::move(meta.params);
   meta.params.clear();
   meta_ = std::move(meta);
@@ -285,7 +286,14 @@ void Run::CompleteLocked(const PendingStep& p) {
     put(SeriesForKeyLocked(p.extra[e].key, true), p.extra[e].sum / p.extra[e].n);
   }
   AppendLocked(out);
+  last_step_seen_ = clock_->Now();
   if (stats_) stats_->samples_received.fetch_add(out.values.size(), std::memory_order_relaxed);
+  if (options_.alert_hook != nullptr) {
+    for (const alerts::Transition& t : options_.alert_hook->OnStep(FactsLocked(&out))) {
+      // The trainer hears of firing and resolved alerts even when a silence mutes the pagers.
+      if (t.to == alerts::AlertState::kFiring || t.to == alerts::AlertState::kResolved) BroadcastLocked(t.alert);
+    }
+  }
 
   if (journal_ == nullptr) return;
   // Reuse a committed record's buffers: assignments below keep their capacity.
@@ -357,9 +365,87 @@ void Run::Tick() {
 
 void Run::BroadcastAlert(const alerts::Alert& alert) {
   std::lock_guard lock(mu_);
+  BroadcastLocked(alert);
+}
+
+void Run::BroadcastLocked(const alerts::Alert& alert) {
   for (RankState& rs : ranks_) {
     if (rs.sink != nullptr) rs.sink->SendAlert(alert);
   }
+}
+
+alerts::RunFacts Run::Facts() const {
+  std::lock_guard lock(mu_);
+  return FactsLocked(nullptr);
+}
+
+alerts::RunFacts Run::FactsLocked(const CompletedStep* step) const {
+  alerts::RunFacts f;
+  f.run_id = id_;
+  f.run_labels = meta_.labels;
+  f.step = step ? step->step : last_step_;
+  f.wall_time = step ? step->wall_time : last_wall_time_;
+  f.now = clock_->UnixSeconds();
+  f.open_streams = open_streams_;
+  f.seconds_since_last_step = std::chrono::duration<double>(clock_->Now() - last_step_seen_).count();
+  if (ended_) f.open_streams = 0;
+  // Values of this step (or the latest of every series for timer evaluations).
+  if (step != nullptr) {
+    for (const SeriesValue& sv : step->values) {
+      if (sv.id >= series_.size()) continue;
+      f.latest.push_back({series_[sv.id].key, sv.value});
+      if (!std::isfinite(sv.value)) f.nonfinite.push_back({series_[sv.id].key, step->step});
+    }
+  } else {
+    for (const SeriesEntry& e : series_) {
+      if (!e.data) continue;
+      if (auto p = e.data->Latest()) f.latest.push_back({e.key, p->last});
+    }
+  }
+  alerts::SortLatest(f);
+  const RunAnalysis a = analytics_.Analysis();
+  for (const auto& x : a.forecasts) {
+    f.forecasts.push_back({x.key, x.threshold, x.reachable, x.steps_to_threshold, x.at_step, x.current_value,
+                           x.slope_per_kstep});
+  }
+  for (const auto& x : a.slope_changes) {
+    f.slope_changes.push_back({x.key, x.change.event_step, x.event_text, x.change.ratio,
+                               x.change.before.slope_per_kstep(), x.change.after.slope_per_kstep(), x.after_samples});
+  }
+  for (const auto& x : a.change_points) {
+    f.change_points.push_back({x.key, x.change.step, x.change.ratio, x.change.slope_before_per_kstep,
+                               x.change.slope_after_per_kstep});
+  }
+  for (const auto& x : a.shares) f.shares.push_back({x.name, x.is_group, x.share, x.slope_per_kstep});
+  for (const ParamInfo& p : meta_.params) {
+    alerts::ParamFact pf;
+    pf.info = p;
+    if (const auto* v = alerts::FindLatest(f, keys::ParamNorm(p.name))) pf.norm = v->value;
+    if (const auto* v = alerts::FindLatest(f, keys::GradNorm(p.name))) pf.grad_norm = v->value;
+    for (const auto& am : a.amplifications) {
+      if (am.param == p.name) {
+        pf.init_norm = am.init_norm;
+        pf.amplification = am.amplification;
+        if (!pf.norm) pf.norm = am.norm;
+      }
+    }
+    for (const auto& g : a.growth_without_decay) {
+      if (g.param == p.name) {
+        pf.growth_factor = g.growth_factor;
+        pf.growth_slope_per_kstep = g.slope_per_kstep;
+      }
+    }
+    const std::string norm_key = keys::ParamNorm(p.name);
+    for (const auto& sl : a.slopes) {
+      if (sl.key == norm_key && sl.window_steps == options_.analytics.forecast_window_steps) {
+        pf.norm_slope_per_kstep = sl.fit.slope_per_kstep();
+      }
+    }
+    f.params.push_back(std::move(pf));
+  }
+  f.config.z_loss_coef = meta_.config.z_loss_coef;
+  f.config.weight_decay = meta_.config.weight_decay;
+  return f;
 }
 
 void Run::OnDurable(const store::RankProgress& progress) {

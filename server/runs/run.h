@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "alerts/alert.h"
+#include "alerts/facts.h"
+#include "alerts/state_machine.h"
 #include "server/core/clock.h"
 #include "server/core/types.h"
 #include "server/runs/daemon_stats.h"
@@ -25,6 +27,14 @@
 
 namespace gradwatch::runs {
 
+// Evaluates alert rules on each completed step. Called with the run's mutex held: it must only
+// compute and queue. Returns the transitions the engine made, to be sent to the run's streams.
+class AlertHook {
+ public:
+  virtual ~AlertHook() = default;
+  virtual std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) = 0;
+};
+
 struct RunOptions {
   std::chrono::nanoseconds assembly_timeout = std::chrono::seconds(30);
   size_t max_pending_steps = 1024;
@@ -34,6 +44,7 @@ struct RunOptions {
   // A run with no open stream and no step for this long is ended (dropped from /metrics).
   std::chrono::nanoseconds end_after = std::chrono::minutes(10);
   AnalyticsOptions analytics;
+  AlertHook* alert_hook = nullptr;  // not owned; may be null
 };
 
 // Where a run sends answers to a trainer's stream. Implemented by the ingest reactor; methods are
@@ -134,6 +145,9 @@ class Run {
   // pending at shutdown are not completed: they were never acked, so their ranks resend them.
   void Tick();
 
+  // The run as the alert rules see it, now (for timer rules such as stalled).
+  alerts::RunFacts Facts() const;
+
   // Sends an alert down every stream attached to this run.
   void BroadcastAlert(const alerts::Alert& alert);
 
@@ -178,6 +192,8 @@ class Run {
   std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params);
   std::optional<IngestError> ValidateStepLocked(const RankStep& report);
   RunInfo InfoLocked() const;
+  alerts::RunFacts FactsLocked(const CompletedStep* step) const;
+  void BroadcastLocked(const alerts::Alert& alert);
   SeriesId SeriesForKeyLocked(const std::string& key, bool journal);
   void CompleteLocked(const PendingStep& p);
   void AppendLocked(const CompletedStep& step);
@@ -202,6 +218,7 @@ class Run {
   uint32_t open_streams_ = 0;
   bool ended_ = false;
   SteadyTime last_activity_;
+  SteadyTime last_step_seen_;  // when the last step completed (or the run was created/restored)
 
   uint64_t step_count_ = 0;
   uint64_t first_step_ = 0;

@@ -1,0 +1,358 @@
+#include "alerts/notify/http_client.h"
+
+#include <openssl/ssl.h>
+
+#include <algorithm>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/address.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
+#include <cctype>
+#include <charconv>
+#include <exception>
+#include <mutex>
+#include <optional>
+
+namespace gradwatch::notify {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace ssl = asio::ssl;
+using tcp = asio::ip::tcp;
+using Error = HttpResult::Error;
+
+namespace {
+
+HttpResult Failure(Error error, std::string message) {
+  HttpResult result;
+  result.error = error;
+  result.message = std::move(message);
+  return result;
+}
+
+std::string Lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+bool IsIpLiteral(const std::string& host) {
+  boost::system::error_code ec;
+  asio::ip::make_address(host, ec);
+  return !ec;
+}
+
+std::string HostHeader(const Url& url) {
+  const bool ipv6 = url.host.find(':') != std::string::npos;
+  std::string host = ipv6 ? "[" + url.host + "]" : url.host;
+  const uint16_t default_port = url.scheme == "https" ? 443 : 80;
+  if (url.port != default_port) host += ":" + std::to_string(url.port);
+  return host;
+}
+
+bool HasControlChars(std::string_view s) {
+  return std::any_of(s.begin(), s.end(),
+                     [](char c) { return c == '\r' || c == '\n' || c == '\0'; });
+}
+
+Error ClassifyError(const beast::error_code& ec) {
+  if (ec == beast::error::timeout) return Error::kTimeout;
+  if (ec.category() == asio::error::get_ssl_category()) return Error::kTls;
+  return Error::kNetwork;
+}
+
+// Writes the request and reads the response on a connected (and, for TLS, handshaken) stream.
+// Every operation shares the deadline set on the lowest layer.
+template <typename Stream>
+asio::awaitable<void> Exchange(Stream& stream, http::request<http::string_body>& request,
+                               size_t max_response_bytes, HttpResult& out) {
+  beast::error_code ec;
+  co_await http::async_write(stream, request, asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) {
+    out = Failure(ClassifyError(ec), "write: " + ec.message());
+    co_return;
+  }
+  beast::flat_buffer buffer;
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(max_response_bytes);
+  co_await http::async_read(stream, buffer, parser, asio::redirect_error(asio::use_awaitable, ec));
+  if (ec && !(ec == http::error::body_limit && parser.is_header_done())) {
+    out = Failure(ClassifyError(ec), "read: " + ec.message());
+    co_return;
+  }
+  out = HttpResult{};
+  out.status = static_cast<int>(parser.get().result_int());
+  out.body = parser.get().body();
+}
+
+}  // namespace
+
+std::string_view HttpErrorName(HttpResult::Error error) {
+  switch (error) {
+    case Error::kNone: return "none";
+    case Error::kNetwork: return "network";
+    case Error::kTimeout: return "timeout";
+    case Error::kTls: return "tls";
+    case Error::kInvalidRequest: return "invalid_request";
+    case Error::kAborted: return "aborted";
+  }
+  return "none";
+}
+
+Result<Url> ParseUrl(std::string_view text) {
+  const size_t scheme_end = text.find("://");
+  if (scheme_end == std::string_view::npos)
+    return Status::Error("url: no scheme in '" + std::string(text) + "'");
+  Url url;
+  url.scheme = Lower(text.substr(0, scheme_end));
+  if (url.scheme != "http" && url.scheme != "https") {
+    return Status::Error("url: scheme must be http or https, not '" + url.scheme + "'");
+  }
+  std::string_view rest = text.substr(scheme_end + 3);
+  const size_t authority_end = rest.find_first_of("/?#");
+  std::string_view authority = rest.substr(0, authority_end);
+  std::string_view tail =
+      authority_end == std::string_view::npos ? std::string_view() : rest.substr(authority_end);
+  if (authority.find('@') != std::string_view::npos) {
+    return Status::Error("url: user info is not supported; use headers for credentials");
+  }
+  std::string_view port_text;
+  if (!authority.empty() && authority.front() == '[') {
+    const size_t close = authority.find(']');
+    if (close == std::string_view::npos) return Status::Error("url: unterminated IPv6 address");
+    url.host = std::string(authority.substr(1, close - 1));
+    std::string_view after = authority.substr(close + 1);
+    if (!after.empty()) {
+      if (after.front() != ':') return Status::Error("url: junk after IPv6 address");
+      port_text = after.substr(1);
+      if (port_text.empty()) return Status::Error("url: empty port");
+    }
+  } else {
+    const size_t colon = authority.rfind(':');
+    url.host = std::string(authority.substr(0, colon));
+    if (colon != std::string_view::npos) {
+      port_text = authority.substr(colon + 1);
+      if (port_text.empty()) return Status::Error("url: empty port");
+    }
+  }
+  if (url.host.empty()) return Status::Error("url: empty host in '" + std::string(text) + "'");
+  url.port = url.scheme == "https" ? 443 : 80;
+  if (!port_text.empty()) {
+    unsigned port = 0;
+    auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
+    if (ec != std::errc() || end != port_text.data() + port_text.size() || port == 0 ||
+        port > 65535) {
+      return Status::Error("url: bad port '" + std::string(port_text) + "'");
+    }
+    url.port = static_cast<uint16_t>(port);
+  }
+  const size_t fragment = tail.find('#');
+  if (fragment != std::string_view::npos) tail = tail.substr(0, fragment);
+  if (tail.empty() || tail.front() != '/') {
+    url.target = "/" + std::string(tail);
+  } else {
+    url.target = std::string(tail);
+  }
+  if (HasControlChars(url.target) || url.target.find(' ') != std::string::npos) {
+    return Status::Error("url: spaces or control characters in the path");
+  }
+  return url;
+}
+
+struct HttpClient::Impl {
+  HttpClientOptions options;
+  ssl::context tls{ssl::context::tls_client};
+
+  std::mutex mu;
+  asio::io_context* running = nullptr;  // guarded by mu
+  bool aborted = false;                 // guarded by mu
+
+  asio::awaitable<void> Run(const Url& url, http::request<http::string_body>& request,
+                            std::chrono::steady_clock::time_point deadline, HttpResult& out) {
+    auto executor = co_await asio::this_coro::executor;
+    beast::error_code ec;
+    tcp::resolver resolver(executor);
+    auto endpoints = co_await resolver.async_resolve(url.host, std::to_string(url.port),
+                                                     asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) {
+      out = Failure(Error::kNetwork, "resolve " + url.host + ": " + ec.message());
+      co_return;
+    }
+    if (url.scheme == "http") {
+      beast::tcp_stream stream(executor);
+      stream.expires_at(deadline);
+      co_await stream.async_connect(endpoints, asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) {
+        out = Failure(ClassifyError(ec),
+                      "connect " + url.host + ":" + std::to_string(url.port) + ": " + ec.message());
+        co_return;
+      }
+      co_await Exchange(stream, request, options.max_response_bytes, out);
+      stream.socket().shutdown(tcp::socket::shutdown_both, ec);
+      co_return;
+    }
+
+    beast::ssl_stream<beast::tcp_stream> stream(executor, tls);
+    if (!IsIpLiteral(url.host) &&
+        !SSL_set_tlsext_host_name(stream.native_handle(), url.host.c_str())) {
+      out = Failure(Error::kTls, "cannot set SNI host name " + url.host);
+      co_return;
+    }
+    if (options.tls.verify_peer) {
+      stream.set_verify_mode(ssl::verify_peer);
+      stream.set_verify_callback(ssl::host_name_verification(url.host));
+    } else {
+      stream.set_verify_mode(ssl::verify_none);
+    }
+    beast::get_lowest_layer(stream).expires_at(deadline);
+    co_await beast::get_lowest_layer(stream).async_connect(
+        endpoints, asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) {
+      out = Failure(ClassifyError(ec),
+                    "connect " + url.host + ":" + std::to_string(url.port) + ": " + ec.message());
+      co_return;
+    }
+    co_await stream.async_handshake(ssl::stream_base::client,
+                                    asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) {
+      std::string message = "TLS handshake with " + url.host + ": " + ec.message();
+      const long verify = SSL_get_verify_result(stream.native_handle());
+      if (verify != X509_V_OK)
+        message += " (" + std::string(X509_verify_cert_error_string(verify)) + ")";
+      out =
+          Failure(ec == beast::error::timeout ? Error::kTimeout : Error::kTls, std::move(message));
+      co_return;
+    }
+    co_await Exchange(stream, request, options.max_response_bytes, out);
+    // One request per connection: close without waiting for the peer's close_notify.
+    beast::get_lowest_layer(stream).socket().shutdown(tcp::socket::shutdown_both, ec);
+  }
+};
+
+HttpClient::HttpClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HttpClient::~HttpClient() = default;
+
+Result<std::unique_ptr<HttpClient>> HttpClient::Create(HttpClientOptions options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = std::move(options);
+  const TlsOptions& tls = impl->options.tls;
+  SSL_CTX_set_min_proto_version(impl->tls.native_handle(), TLS1_2_VERSION);
+  boost::system::error_code ec;
+  if (tls.verify_peer) {
+    impl->tls.set_verify_mode(ssl::verify_peer);
+    if (tls.use_system_ca) {
+      impl->tls.set_default_verify_paths(ec);
+      if (ec) return Status::Error("TLS: cannot load the system CA store: " + ec.message());
+    }
+    if (!tls.ca_file.empty()) {
+      impl->tls.load_verify_file(tls.ca_file, ec);
+      if (ec) return Status::Error("TLS: cannot load CA file " + tls.ca_file + ": " + ec.message());
+    }
+    if (!tls.ca_pem.empty()) {
+      impl->tls.add_certificate_authority(asio::buffer(tls.ca_pem), ec);
+      if (ec) return Status::Error("TLS: cannot load the CA PEM text: " + ec.message());
+    }
+  } else {
+    impl->tls.set_verify_mode(ssl::verify_none);
+  }
+  return std::unique_ptr<HttpClient>(new HttpClient(std::move(impl)));
+}
+
+HttpResult HttpClient::Send(const HttpRequest& request) {
+  return Send(request, impl_->options.timeout);
+}
+
+HttpResult HttpClient::Send(const HttpRequest& request, std::chrono::milliseconds timeout) {
+  auto url = ParseUrl(request.url);
+  if (!url.ok()) return Failure(Error::kInvalidRequest, url.status().message());
+  if (request.method.empty() || HasControlChars(request.method) ||
+      request.method.find(' ') != std::string::npos) {
+    return Failure(Error::kInvalidRequest, "bad method '" + request.method + "'");
+  }
+  for (const auto& [name, value] : request.headers) {
+    if (name.empty() || HasControlChars(name) || HasControlChars(value) ||
+        name.find(':') != std::string::npos) {
+      return Failure(Error::kInvalidRequest, "bad header '" + name + "'");
+    }
+  }
+
+  HttpResult out =
+      Failure(Error::kTimeout, "no response within " + std::to_string(timeout.count()) + " ms");
+  try {
+    http::request<http::string_body> req;
+    req.method_string(request.method);
+    req.target(url->target);
+    req.version(11);
+    req.set(http::field::host, HostHeader(url.value()));
+    req.set(http::field::user_agent, impl_->options.user_agent);
+    req.set(http::field::connection, "close");
+    bool has_content_type = false;
+    for (const auto& [name, value] : request.headers) {
+      if (Lower(name) == "content-type") has_content_type = true;
+      req.set(name, value);
+    }
+    if (!request.body.empty() && !has_content_type)
+      req.set(http::field::content_type, "application/json");
+    req.body() = request.body;
+    req.prepare_payload();
+
+    asio::io_context io;
+    {
+      std::lock_guard lock(impl_->mu);
+      if (impl_->aborted) return Failure(Error::kAborted, "aborted");
+      impl_->running = &io;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    bool finished = false;
+    std::string exception_message;
+    asio::co_spawn(io, impl_->Run(url.value(), req, deadline, out), [&](std::exception_ptr e) {
+      finished = true;
+      if (!e) return;
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& ex) {
+        exception_message = ex.what();
+      } catch (...) {
+        exception_message = "unknown exception";
+      }
+    });
+    // The stream's own deadline ends connect, handshake, write and read; this bound also covers
+    // name resolution.
+    io.run_until(deadline + std::chrono::milliseconds(50));
+    bool aborted;
+    {
+      std::lock_guard lock(impl_->mu);
+      impl_->running = nullptr;
+      aborted = impl_->aborted;
+    }
+    if (!finished) {
+      out = aborted ? Failure(Error::kAborted, "aborted")
+                    : Failure(Error::kTimeout,
+                              "no response within " + std::to_string(timeout.count()) + " ms");
+    } else if (!exception_message.empty()) {
+      out = Failure(Error::kNetwork, exception_message);
+    }
+    // Destroying io here abandons whatever is still pending; handlers never run.
+  } catch (const std::exception& e) {
+    std::lock_guard lock(impl_->mu);
+    impl_->running = nullptr;
+    return Failure(Error::kInvalidRequest, e.what());
+  }
+  return out;
+}
+
+void HttpClient::Abort() {
+  std::lock_guard lock(impl_->mu);
+  impl_->aborted = true;
+  if (impl_->running != nullptr) impl_->running->stop();
+}
+
+}  // namespace gradwatch::notify

@@ -1,0 +1,74 @@
+#include "alerts/notify/outbox.h"
+
+namespace gradwatch::notify {
+
+Result<std::vector<uint64_t>> MemoryOutbox::Add(std::vector<OutboxEntry> entries) {
+  std::lock_guard lock(mu_);
+  std::vector<uint64_t> ids;
+  ids.reserve(entries.size());
+  for (OutboxEntry& entry : entries) {
+    entry.id = next_id_++;
+    ids.push_back(entry.id);
+    records_.emplace(entry.id, Record{std::move(entry), EntryState::kPending, {}});
+  }
+  return ids;
+}
+
+Result<std::vector<OutboxEntry>> MemoryOutbox::Pending(std::string_view receiver, size_t limit) {
+  std::lock_guard lock(mu_);
+  std::vector<OutboxEntry> pending;
+  for (const auto& [id, record] : records_) {
+    if (pending.size() >= limit) break;
+    if (record.state == EntryState::kPending && record.entry.receiver == receiver) {
+      pending.push_back(record.entry);
+    }
+  }
+  return pending;
+}
+
+Result<uint64_t> MemoryOutbox::PendingCount(std::string_view receiver) {
+  std::lock_guard lock(mu_);
+  uint64_t count = 0;
+  for (const auto& [id, record] : records_) {
+    if (record.state == EntryState::kPending && record.entry.receiver == receiver) ++count;
+  }
+  return count;
+}
+
+Status MemoryOutbox::MarkDelivered(uint64_t id) {
+  std::lock_guard lock(mu_);
+  auto it = records_.find(id);
+  if (it == records_.end()) return Status::Error("outbox: no entry " + std::to_string(id));
+  it->second.state = EntryState::kDelivered;
+  return Status::Ok();
+}
+
+Status MemoryOutbox::MarkFailed(uint64_t id, std::string_view error) {
+  std::lock_guard lock(mu_);
+  auto it = records_.find(id);
+  if (it == records_.end()) return Status::Error("outbox: no entry " + std::to_string(id));
+  it->second.state = EntryState::kFailed;
+  it->second.last_error = std::string(error);
+  return Status::Ok();
+}
+
+Status MemoryOutbox::MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts,
+                               std::string_view error) {
+  std::lock_guard lock(mu_);
+  auto it = records_.find(id);
+  if (it == records_.end()) return Status::Error("outbox: no entry " + std::to_string(id));
+  it->second.entry.next_attempt_at = next_attempt_at;
+  it->second.entry.attempts = attempts;
+  it->second.last_error = std::string(error);
+  return Status::Ok();
+}
+
+std::vector<MemoryOutbox::Record> MemoryOutbox::Snapshot() const {
+  std::lock_guard lock(mu_);
+  std::vector<Record> all;
+  all.reserve(records_.size());
+  for (const auto& [id, record] : records_) all.push_back(record);
+  return all;
+}
+
+}  // namespace gradwatch::notify

@@ -1,0 +1,83 @@
+// The durable outbox: every alert state change is written here for each receiver before any
+// delivery is tried, so a receiver that is down, or a daemon restart, loses nothing. The daemon
+// implements Outbox on its journal; MemoryOutbox serves tests and the journal-less case.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "alerts/alert.h"
+#include "alerts/notify/status.h"
+
+namespace gradwatch::notify {
+
+struct OutboxEntry {
+  uint64_t id = 0;          // assigned by Add(); increases in the order entries were added
+  std::string receiver;     // Receiver::name()
+  std::string fingerprint;  // NotifiedFingerprint(alert): its labels with alertname, in hex
+  alerts::AlertState state = alerts::AlertState::kFiring;  // kFiring or kResolved
+  std::string payload;    // the alert as JSON (AlertToJson), rendered into a request at send time
+  double created_at = 0;  // seconds since the Unix epoch
+  uint32_t attempts = 0;  // attempts made so far
+  double next_attempt_at = 0;  // not tried again before this time (seconds since the Unix epoch)
+};
+
+// Implementations must be safe for concurrent use: the dispatcher's caller adds while every
+// receiver's worker reads and marks.
+class Outbox {
+ public:
+  virtual ~Outbox() = default;
+
+  // Stores the entries atomically (all or none), ignoring their id, and returns their ids in
+  // order. Each starts pending.
+  virtual Result<std::vector<uint64_t>> Add(std::vector<OutboxEntry> entries) = 0;
+
+  // Up to limit pending entries of the receiver, oldest (lowest id) first, whether due or not:
+  // the dispatcher needs an entry that is waiting for its retry to hold back the later entries of
+  // the same fingerprint, so that they are delivered in order.
+  virtual Result<std::vector<OutboxEntry>> Pending(std::string_view receiver, size_t limit) = 0;
+
+  // Pending entries of the receiver (for the queue-depth gauge).
+  virtual Result<uint64_t> PendingCount(std::string_view receiver) = 0;
+
+  // The entry leaves the pending set for good.
+  virtual Status MarkDelivered(uint64_t id) = 0;
+  virtual Status MarkFailed(uint64_t id, std::string_view error) = 0;
+
+  // The entry stays pending with these attempts and is not due before next_attempt_at.
+  virtual Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts,
+                           std::string_view error) = 0;
+};
+
+// An Outbox in memory: survives a Dispatcher, not the process.
+class MemoryOutbox final : public Outbox {
+ public:
+  enum class EntryState { kPending, kDelivered, kFailed };
+  struct Record {
+    OutboxEntry entry;
+    EntryState state = EntryState::kPending;
+    std::string last_error;
+  };
+
+  Result<std::vector<uint64_t>> Add(std::vector<OutboxEntry> entries) override;
+  Result<std::vector<OutboxEntry>> Pending(std::string_view receiver, size_t limit) override;
+  Result<uint64_t> PendingCount(std::string_view receiver) override;
+  Status MarkDelivered(uint64_t id) override;
+  Status MarkFailed(uint64_t id, std::string_view error) override;
+  Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts,
+                   std::string_view error) override;
+
+  // Every entry ever added, by id, for inspection.
+  std::vector<Record> Snapshot() const;
+
+ private:
+  mutable std::mutex mu_;
+  uint64_t next_id_ = 1;                // guarded by mu_
+  std::map<uint64_t, Record> records_;  // guarded by mu_
+};
+
+}  // namespace gradwatch::notify

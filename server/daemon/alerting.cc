@@ -1,0 +1,73 @@
+#include "server/daemon/alerting.h"
+
+#include <set>
+
+#include <spdlog/spdlog.h>
+
+#include "alerts/rules.h"
+
+namespace gradwatch::daemon {
+
+StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, const std::vector<std::string>& files) {
+  std::vector<alerts::Rule> rules;
+  if (default_rules) {
+    auto defaults = alerts::LoadDefaultRules();
+    if (!defaults.ok()) return Status(defaults.status().code(), "built-in rules: " + defaults.status().message());
+    rules = std::move(defaults).value();
+  }
+  if (!files.empty()) {
+    auto loaded = alerts::LoadRuleFiles(files);
+    if (!loaded.ok()) return loaded.status();
+    std::set<std::string> names;
+    for (const alerts::Rule& r : rules) names.insert(r.name);
+    for (alerts::Rule& r : loaded.value()) {
+      if (!names.insert(r.name).second) {
+        return Status::InvalidArgument(r.source + ": rule '" + r.name +
+                                       "' has the name of a built-in rule; rename it or set alerts.default_rules: false");
+      }
+      rules.push_back(std::move(r));
+    }
+  }
+  return rules;
+}
+
+Alerting::Alerting(std::vector<alerts::Rule> rules) : engine_(std::move(rules)) {}
+
+void Alerting::Count(const std::vector<alerts::Transition>& transitions) {
+  for (const alerts::Transition& t : transitions) {
+    if (t.to == alerts::AlertState::kFiring && t.from != alerts::AlertState::kFiring) {
+      ++firing_;
+      auto summary = t.alert.annotations.find("summary");
+      spdlog::warn("alert {} firing for run {} at step {}: {}", t.alert.name,
+                   t.alert.labels.count("run") ? t.alert.labels.at("run") : "-", t.alert.step,
+                   summary != t.alert.annotations.end() ? summary->second : "");
+    } else if (t.to == alerts::AlertState::kResolved) {
+      ++resolved_;
+      spdlog::info("alert {} resolved for run {} at step {}", t.alert.name,
+                   t.alert.labels.count("run") ? t.alert.labels.at("run") : "-", t.alert.step);
+    }
+  }
+}
+
+std::vector<alerts::Transition> Alerting::OnStep(const alerts::RunFacts& facts) {
+  std::vector<alerts::Transition> transitions = engine_.EvaluateStep(facts, facts.now);
+  Count(transitions);
+  return transitions;
+}
+
+void Alerting::Tick(const runs::RunRegistry& registry, double now) {
+  std::vector<alerts::RunFacts> facts;
+  const auto runs = registry.All();
+  facts.reserve(runs.size());
+  for (const auto& run : runs) facts.push_back(run->Facts());
+  const std::vector<alerts::Transition> transitions = engine_.EvaluateTimer(facts, now);
+  Count(transitions);
+  for (const alerts::Transition& t : transitions) {
+    if (t.to != alerts::AlertState::kFiring && t.to != alerts::AlertState::kResolved) continue;
+    auto run = t.alert.labels.find("run");
+    if (run == t.alert.labels.end()) continue;
+    if (auto r = registry.Find(run->second)) r->BroadcastAlert(t.alert);
+  }
+}
+
+}  // namespace gradwatch::daemon

@@ -1,0 +1,60 @@
+#include "alerts/notify/outbox.h"
+
+#include <catch2/catch.hpp>
+
+using gradwatch::alerts::AlertState;
+namespace notify = gradwatch::notify;
+
+namespace {
+
+notify::OutboxEntry Entry(std::string receiver, std::string fingerprint) {
+  notify::OutboxEntry entry;
+  entry.receiver = std::move(receiver);
+  entry.fingerprint = std::move(fingerprint);
+  entry.state = AlertState::kFiring;
+  entry.payload = "{}";
+  entry.created_at = 10;
+  entry.next_attempt_at = 10;
+  return entry;
+}
+
+}  // namespace
+
+TEST_CASE("memory outbox gives increasing ids and pending entries oldest first", "[notify]") {
+  notify::MemoryOutbox outbox;
+  auto ids = outbox.Add({Entry("a", "f1"), Entry("b", "f1"), Entry("a", "f2")});
+  REQUIRE(ids.ok());
+  REQUIRE(ids->size() == 3);
+  CHECK(ids.value()[0] < ids.value()[1]);
+  CHECK(ids.value()[1] < ids.value()[2]);
+
+  auto pending = outbox.Pending("a", 10);
+  REQUIRE(pending.ok());
+  REQUIRE(pending->size() == 2);
+  CHECK(pending.value()[0].fingerprint == "f1");
+  CHECK(pending.value()[1].fingerprint == "f2");
+  CHECK(outbox.Pending("a", 1)->size() == 1);
+  CHECK(outbox.PendingCount("a").value() == 2);
+  CHECK(outbox.PendingCount("b").value() == 1);
+}
+
+TEST_CASE("memory outbox: delivered and failed entries leave, retried ones stay", "[notify]") {
+  notify::MemoryOutbox outbox;
+  auto ids = outbox.Add({Entry("a", "f1"), Entry("a", "f2"), Entry("a", "f3")}).value();
+  REQUIRE(outbox.MarkDelivered(ids[0]).ok());
+  REQUIRE(outbox.MarkFailed(ids[1], "HTTP 400").ok());
+  REQUIRE(outbox.MarkRetry(ids[2], 99.5, 3, "HTTP 503").ok());
+  auto pending = outbox.Pending("a", 10).value();
+  REQUIRE(pending.size() == 1);
+  CHECK(pending[0].id == ids[2]);
+  CHECK(pending[0].attempts == 3);
+  CHECK(pending[0].next_attempt_at == 99.5);
+
+  const auto all = outbox.Snapshot();
+  REQUIRE(all.size() == 3);
+  CHECK(all[0].state == notify::MemoryOutbox::EntryState::kDelivered);
+  CHECK(all[1].state == notify::MemoryOutbox::EntryState::kFailed);
+  CHECK(all[1].last_error == "HTTP 400");
+  CHECK(all[2].last_error == "HTTP 503");
+  CHECK_FALSE(outbox.MarkDelivered(12345).ok());
+}
