@@ -33,7 +33,51 @@ StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, cons
 
 Alerting::Alerting(std::vector<alerts::Rule> rules) : engine_(std::move(rules)) {}
 
+Alerting::~Alerting() { Stop(); }
+
+void Alerting::StartNotifying(std::unique_ptr<notify::Dispatcher> dispatcher) {
+  dispatcher_ = std::move(dispatcher);
+  notifier_ = std::thread([this] { NotifyLoop(); });
+}
+
+void Alerting::NotifyLoop() {
+  std::unique_lock lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [this] { return stopping_ || !to_notify_.empty(); });
+    if (to_notify_.empty()) return;  // stopping and drained
+    alerts::Alert alert = std::move(to_notify_.front());
+    to_notify_.pop_front();
+    lock.unlock();
+    if (notify::Status s = dispatcher_->Enqueue(alert); !s.ok()) {
+      spdlog::error("alert {}: cannot queue its notification: {}", alert.name, s.message());
+    }
+    lock.lock();
+  }
+}
+
+void Alerting::Stop() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (notifier_.joinable()) notifier_.join();
+  if (dispatcher_) dispatcher_->Stop();
+}
+
+std::vector<notify::ReceiverStats> Alerting::ReceiverStats() const {
+  return dispatcher_ ? dispatcher_->Stats() : std::vector<notify::ReceiverStats>{};
+}
+
 void Alerting::Count(const std::vector<alerts::Transition>& transitions) {
+  if (dispatcher_) {
+    std::lock_guard lock(mu_);
+    for (const alerts::Transition& t : transitions) {
+      if (t.notify && !stopping_) to_notify_.push_back(t.alert);
+    }
+  }
+  cv_.notify_one();
   for (const alerts::Transition& t : transitions) {
     if (t.to == alerts::AlertState::kFiring && t.from != alerts::AlertState::kFiring) {
       ++firing_;
@@ -62,6 +106,16 @@ void Alerting::Tick(const runs::RunRegistry& registry, double now) {
   for (const auto& run : runs) facts.push_back(run->Facts());
   const std::vector<alerts::Transition> transitions = engine_.EvaluateTimer(facts, now);
   Count(transitions);
+  if (dispatcher_) {
+    // Alertmanager forgets alerts that are not re-sent before their endsAt.
+    std::vector<alerts::Alert> active;
+    for (alerts::Alert& a : engine_.Active()) {
+      if (a.state == alerts::AlertState::kFiring && !engine_.IsMuted(a, now)) active.push_back(std::move(a));
+    }
+    if (notify::Status s = dispatcher_->Refresh(active, now); !s.ok()) {
+      spdlog::error("alerts: re-sending firing alerts: {}", s.message());
+    }
+  }
   for (const alerts::Transition& t : transitions) {
     if (t.to != alerts::AlertState::kFiring && t.to != alerts::AlertState::kResolved) continue;
     auto run = t.alert.labels.find("run");

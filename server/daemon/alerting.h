@@ -4,8 +4,15 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "alerts/notify/dispatcher.h"
 
 #include "alerts/state_machine.h"
 #include "server/core/status.h"
@@ -20,6 +27,14 @@ StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, cons
 class Alerting final : public runs::AlertHook {
  public:
   explicit Alerting(std::vector<alerts::Rule> rules);
+  ~Alerting() override;
+
+  // Starts notifying through `dispatcher` (owned): state changes are handed to it on a thread of
+  // their own, so evaluation (on the ingest path) never waits for the outbox.
+  void StartNotifying(std::unique_ptr<notify::Dispatcher> dispatcher);
+  // Delivers what is queued to the outbox and stops the dispatcher. Idempotent.
+  void Stop();
+  std::vector<notify::ReceiverStats> ReceiverStats() const;
 
   std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) override;
   // Timer rules over every run the registry holds; sends transitions to the runs' streams.
@@ -32,7 +47,15 @@ class Alerting final : public runs::AlertHook {
  private:
   void Count(const std::vector<alerts::Transition>& transitions);
 
+  void NotifyLoop();
+
   alerts::AlertEngine engine_;
+  std::unique_ptr<notify::Dispatcher> dispatcher_;
+  std::thread notifier_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<alerts::Alert> to_notify_;  // guarded by mu_
+  bool stopping_ = false;                // guarded by mu_
   std::atomic<uint64_t> firing_{0};
   std::atomic<uint64_t> resolved_{0};
 };

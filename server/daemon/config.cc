@@ -64,6 +64,43 @@ Status ReadForecasts(const YAML::Node& node, const std::string& source, const st
   return Status::Ok();
 }
 
+// receivers: [{type: alertmanager, name: am, url: http://127.0.0.1:9093, resend_interval_seconds: 60}, ...]
+Status ReadReceivers(const YAML::Node& node, const std::string& source, const std::string& key, Config* c) {
+  if (!node.IsSequence()) return Status::InvalidArgument(Where(source, node, key) + ": must be a list");
+  std::vector<Config::Receiver> receivers;
+  for (const auto& item : node) {
+    if (!item.IsMap()) return Status::InvalidArgument(Where(source, item, key) + ": each receiver is a mapping");
+    Config::Receiver r;
+    for (const auto& kv : item) {
+      const std::string k = kv.first.as<std::string>();
+      const std::string full = key + "." + k;
+      Status s;
+      if (k == "type") s = Read(kv.second, source, full, &r.type);
+      else if (k == "name") s = Read(kv.second, source, full, &r.name);
+      else if (k == "url") s = Read(kv.second, source, full, &r.url);
+      else if (k == "routing_key") s = Read(kv.second, source, full, &r.routing_key);
+      else if (k == "bearer_token") s = Read(kv.second, source, full, &r.bearer_token);
+      else if (k == "resend_interval_seconds") s = Read(kv.second, source, full, &r.resend_interval_seconds);
+      else s = Status::InvalidArgument(Where(source, kv.first, full) + ": unknown key");
+      if (!s.ok()) return s;
+    }
+    if (r.type != "alertmanager" && r.type != "webhook" && r.type != "pagerduty" && r.type != "slack") {
+      return Status::InvalidArgument(Where(source, item, key) +
+                                     ": type must be alertmanager, webhook, pagerduty or slack");
+    }
+    if (r.url.empty() && r.type != "pagerduty") {
+      return Status::InvalidArgument(Where(source, item, key) + ": url is required");
+    }
+    if (r.type == "pagerduty" && r.routing_key.empty()) {
+      return Status::InvalidArgument(Where(source, item, key) + ": routing_key is required for pagerduty");
+    }
+    if (r.name.empty()) r.name = r.type + "-" + std::to_string(receivers.size());
+    receivers.push_back(std::move(r));
+  }
+  c->receivers = std::move(receivers);
+  return Status::Ok();
+}
+
 const std::map<std::string, std::map<std::string, Setter>>& Schema() {
   static const auto* kSchema = new std::map<std::string, std::map<std::string, Setter>>{
       {"", {{"listen", Field(&Config::listen)},
@@ -87,7 +124,10 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                      {"forecast_window_steps", Field(&Config::forecast_window_steps)},
                      {"forecasts", ReadForecasts},
                      {"change_point_window_steps", Field(&Config::change_point_window_steps)}}},
-      {"alerts", {{"default_rules", Field(&Config::default_rules)}, {"rule_files", Field(&Config::rule_files)}}},
+      {"alerts", {{"default_rules", Field(&Config::default_rules)},
+                  {"rule_files", Field(&Config::rule_files)},
+                  {"receivers", ReadReceivers},
+                  {"external_url", Field(&Config::external_url)}}},
   };
   return *kSchema;
 }

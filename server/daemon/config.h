@@ -39,6 +39,17 @@ struct Config {
   std::vector<std::pair<std::string, double>> forecasts = {{"grad/norm/total", 5.0}};
   uint64_t change_point_window_steps = 3000;
 
+  struct Receiver {
+    std::string type;  // alertmanager | webhook | pagerduty | slack
+    std::string name;
+    std::string url;
+    std::string routing_key;             // pagerduty
+    std::string bearer_token;            // webhook
+    double resend_interval_seconds = 60;  // alertmanager
+  };
+  std::vector<Receiver> receivers;
+  std::string external_url = "http://127.0.0.1:9390";  // base of generatorURL links
+
   bool default_rules = true;            // load alerts/rules/default.yaml (built in)
   std::vector<std::string> rule_files;  // more rule files
 };

@@ -21,7 +21,9 @@
 #include "server/ingest/query_service.h"
 #include "server/runs/daemon_stats.h"
 #include "server/runs/registry.h"
+#include "alerts/notify/receivers.h"
 #include "server/store/journal.h"
+#include "server/store/outbox.h"
 
 namespace gradwatch::daemon {
 
@@ -75,6 +77,8 @@ Status Daemon::Start() {
   if (!journal.ok()) return journal.status();
   journal_ = std::move(journal).value();
   registry_->set_journal(journal_.get());
+
+  if (Status s = StartNotifiers(journal_options.path); !s.ok()) return s;
 
   const auto load_start = std::chrono::steady_clock::now();
   if (Status s = registry_->Load(); !s.ok()) {
@@ -146,6 +150,41 @@ Status Daemon::LockDataDir() {
   return Status::Ok();
 }
 
+Status Daemon::StartNotifiers(const std::string& journal_path) {
+  if (config_.receivers.empty()) return Status::Ok();
+  auto outbox = store::SqliteOutbox::Open(journal_path);
+  if (!outbox.ok()) return outbox.status();
+  outbox_ = std::move(outbox).value();
+  std::vector<std::unique_ptr<notify::Receiver>> receivers;
+  for (const Config::Receiver& r : config_.receivers) {
+    notify::ReceiverConfig base;
+    base.name = r.name;
+    base.url = r.url;
+    base.external_url = config_.external_url;
+    if (r.type == "alertmanager") {
+      receivers.push_back(std::make_unique<notify::AlertmanagerReceiver>(
+          notify::AlertmanagerConfig{base, r.resend_interval_seconds}));
+    } else if (r.type == "webhook") {
+      notify::WebhookConfig c;
+      c.receiver = base;
+      c.bearer_token = r.bearer_token;
+      receivers.push_back(std::make_unique<notify::WebhookReceiver>(c));
+    } else if (r.type == "pagerduty") {
+      if (base.url.empty()) base.url = "https://events.pagerduty.com/v2/enqueue";
+      receivers.push_back(std::make_unique<notify::PagerDutyReceiver>(notify::PagerDutyConfig{base, r.routing_key}));
+    } else {
+      receivers.push_back(std::make_unique<notify::SlackReceiver>(notify::SlackConfig{base}));
+    }
+  }
+  auto dispatcher = std::make_unique<notify::Dispatcher>(*outbox_, std::move(receivers));
+  if (notify::Status s = dispatcher->Start(); !s.ok()) {
+    return Status::InvalidArgument("alert receivers: " + s.message());
+  }
+  alerting_->StartNotifying(std::move(dispatcher));
+  spdlog::info("notifying {} receiver(s); outbox in {}", config_.receivers.size(), journal_path);
+  return Status::Ok();
+}
+
 void Daemon::TickLoop() {
   constexpr int kTicksPerAlertTimer = 5;  // timer rules (stalled) once a second
   int ticks = 0;
@@ -175,6 +214,7 @@ void Daemon::Stop(std::chrono::milliseconds grace) {
   }
   tick_cv_.notify_all();
   if (ticker_.joinable()) ticker_.join();
+  if (alerting_) alerting_->Stop();
   exposer_.reset();
   if (journal_) {
     if (Status s = journal_->Flush(); !s.ok()) spdlog::error("journal flush at shutdown: {}", s.ToString());

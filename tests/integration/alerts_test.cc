@@ -2,7 +2,19 @@
 // stream at the right step, with the recommendation, and resolves when the norm falls back.
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
@@ -135,4 +147,118 @@ TEST_CASE("gradwatch alerts lists a firing page with its recommendation; rules c
   CHECK(rejected.exit_code == 1);
   CHECK(rejected.err.find("bad.yaml:7") != std::string::npos);
   stream.Close();
+}
+
+namespace {
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  socklen_t len = sizeof addr;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// A real prometheus-alertmanager on loopback, with no gossip port and a receiver that drops.
+class Alertmanager {
+ public:
+  Alertmanager() : dir_("gradwatch-am"), port_(FreePort()) {
+    const std::string config = (dir_.path() / "am.yml").string();
+    std::ofstream(config) << "route:\n  receiver: drop\n  group_wait: 1s\nreceivers:\n  - name: drop\n";
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const std::string log = (dir_.path() / "am.log").string();
+      ::freopen(log.c_str(), "w", stderr);
+      ::freopen(log.c_str(), "a", stdout);
+      const std::string listen = "--web.listen-address=127.0.0.1:" + std::to_string(port_);
+      const std::string cfg = "--config.file=" + config;
+      const std::string storage = "--storage.path=" + (dir_.path() / "data").string();
+      ::execlp("prometheus-alertmanager", "prometheus-alertmanager", cfg.c_str(), storage.c_str(), listen.c_str(),
+               "--cluster.listen-address=", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < deadline) {
+      try {
+        if (HttpRequest("GET", "127.0.0.1", port_, "/-/ready").status == 200) return;
+      } catch (const std::exception&) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    FAIL("alertmanager did not become ready");
+  }
+  ~Alertmanager() {
+    ::kill(pid_, SIGTERM);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  int port() const { return port_; }
+  nlohmann::json Alerts(const std::string& query = "") const {
+    return nlohmann::json::parse(HttpGet("127.0.0.1", port_, "/api/v2/alerts" + query));
+  }
+
+ private:
+  TempDir dir_;
+  int port_;
+  pid_t pid_ = -1;
+};
+
+}  // namespace
+
+TEST_CASE("the contingency pages a real Alertmanager with the recommendation, and resolves", "[integration]") {
+  if (::system("command -v prometheus-alertmanager > /dev/null 2>&1") != 0) {
+    FAIL("prometheus-alertmanager is not installed (tests/run.sh installs deploy/packages-test.txt)");
+  }
+  Alertmanager am;
+  DaemonOptions options;
+  options.config_yaml = "alerts:\n  external_url: http://gradwatch.test:9390\n  receivers:\n"
+                        "    - {type: alertmanager, name: am, url: http://127.0.0.1:" +
+                        std::to_string(am.port()) + ", resend_interval_seconds: 1}\n";
+  DaemonProcess daemon(options);
+  StreamClient stream(daemon.grpc_target());
+  REQUIRE(stream.Hello(IncidentHello("am-run"), 1));
+  stream.WaitAccepted();
+  uint64_t seq = 2;
+  for (uint64_t s = 1; s <= 70; ++s) REQUIRE(stream.Step(Step(s, s >= 50 ? 5.5 : 1.0), seq++));
+  CHECK(stream.WaitFor([](const v1::DaemonMessage& m) { return IsContingency(m, v1::ALERT_STATE_FIRING); })
+            .alert()
+            .step() == 60);
+
+  nlohmann::json page;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (page.is_null() && std::chrono::steady_clock::now() < deadline) {
+    for (const auto& a : am.Alerts()) {
+      if (a["labels"]["alertname"] == "GradNormContingency") page = a;
+    }
+    if (page.is_null()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  REQUIRE_FALSE(page.is_null());
+  INFO(page.dump(2));
+  CHECK(page["labels"]["run"] == "am-run");
+  CHECK(page["labels"]["severity"] == "page");
+  CHECK(page["status"]["state"] == "active");
+  CHECK(page["annotations"]["recommendation"].get<std::string>().find("enable weight decay on final_norm.weight") !=
+        std::string::npos);
+  CHECK(page["annotations"]["summary"].get<std::string>().find("60") != std::string::npos);
+  CHECK(page["generatorURL"] == "http://gradwatch.test:9390/runs/am-run");
+
+  // The norm falls back: the page resolves in Alertmanager.
+  for (uint64_t s = 71; s <= 80; ++s) REQUIRE(stream.Step(Step(s, 1.0), seq++));
+  stream.WaitFor([](const v1::DaemonMessage& m) { return IsContingency(m, v1::ALERT_STATE_RESOLVED); });
+  bool resolved = false;
+  const auto resolve_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!resolved && std::chrono::steady_clock::now() < resolve_deadline) {
+    resolved = true;
+    for (const auto& a : am.Alerts()) {
+      if (a["labels"]["alertname"] == "GradNormContingency" && a["status"]["state"] == "active") resolved = false;
+    }
+    if (!resolved) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  CHECK(resolved);
+  stream.Close();
+  CHECK(daemon.Stop() == 0);
 }
