@@ -42,7 +42,8 @@ int main(int argc, char** argv) {
                "parameter norms over gRPC; it keeps them durably and exports Prometheus metrics."};
   app.footer(
       "Flags override the config file. Exit codes: 0 clean stop or valid config, 1 failed to start, "
-      "2 bad configuration or usage.\nSignals: SIGTERM/SIGINT stop accepting, commit the journal, exit 0.");
+      "2 bad configuration or usage.\nSignals: SIGTERM/SIGINT stop accepting, commit the journal, exit 0; SIGHUP reloads "
+      "the rule files.");
   std::string config_path, listen, metrics_listen, data_dir, log_format, log_level, ready_file;
   bool check_config = false;
   app.add_option("-c,--config", config_path, "YAML config file")->check(CLI::ExistingFile);
@@ -118,6 +119,7 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
@@ -133,7 +135,10 @@ int main(int argc, char** argv) {
     return kExitStart;
   }
   int sig = 0;
-  sigwait(&signals, &sig);
+  while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
+    spdlog::info("received SIGHUP: reloading the rule files");
+    daemon.ReloadRules();  // logs the outcome; invalid files leave the rules unchanged
+  }
   spdlog::info("received {}: stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   daemon.Stop();
   return kExitOk;

@@ -114,6 +114,30 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       rules_cmd->add_subcommand("check", "Validate rule files (errors give file:line); needs no daemon");
   rules_check_cmd->add_option("FILE", rule_files, "Rule files")->required()->check(CLI::ExistingFile);
 
+  auto* rules_reload_cmd = rules_cmd->add_subcommand("reload", "Make the daemon reload its rule files (as SIGHUP)");
+
+  auto* silence_cmd = app.add_subcommand("silence", "Mute notifications of matching alerts (state stays visible)");
+  silence_cmd->require_subcommand(1);
+  SilenceOptions silence;
+  auto* silence_add_cmd = silence_cmd->add_subcommand("add", "Add a silence");
+  silence_add_cmd->add_option("MATCHER", silence.matchers, "label=value pairs, e.g. run=my-run alertname=X")
+      ->required();
+  silence_add_cmd->add_option("--duration", silence.duration_seconds, "Seconds the silence lasts")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  silence_add_cmd->add_option("--comment", silence.comment, "Why");
+  silence_add_cmd->add_option("--by", silence.by, "Who");
+  auto* silence_list_cmd = silence_cmd->add_subcommand("list", "List silences");
+  std::string silence_id;
+  auto* silence_remove_cmd = silence_cmd->add_subcommand("remove", "Remove a silence");
+  silence_remove_cmd->add_option("ID", silence_id, "Silence id")->required();
+
+  std::string ack_fingerprint, ack_by, ack_comment;
+  auto* ack_cmd = app.add_subcommand("ack", "Acknowledge a firing alert: no re-notification until it resolves");
+  ack_cmd->add_option("FINGERPRINT", ack_fingerprint, "The alert's fingerprint (see gradwatch alerts)")->required();
+  ack_cmd->add_option("--by", ack_by, "Who");
+  ack_cmd->add_option("--comment", ack_comment, "Why");
+
   try {
     app.parse(argc, argv);
     if (*replay_cmd && replay.rank >= replay.world_size) {
@@ -132,6 +156,11 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   client::QueryClient query(global.address, global.timeout());
   if (*runs_cmd) return RunRuns(global, query, out, err);
   if (*alerts_cmd) return RunAlerts(global, query, alerts_run, out, err);
+  if (*rules_reload_cmd) return RunRulesReload(global, query, out, err);
+  if (*silence_add_cmd) return RunSilenceAdd(global, query, silence, out, err);
+  if (*silence_list_cmd) return RunSilenceList(global, query, out, err);
+  if (*silence_remove_cmd) return RunSilenceRemove(global, query, silence_id, out, err);
+  if (*ack_cmd) return RunAck(global, query, ack_fingerprint, ack_by, ack_comment, out, err);
   if (*show_cmd) return RunShow(global, query, show_run, out, err);
   if (*series_cmd) return RunSeries(global, query, series, out, err);
   if (*annotate_cmd) {

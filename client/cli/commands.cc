@@ -1,5 +1,8 @@
 #include "client/cli/commands.h"
 
+#include <chrono>
+#include <map>
+
 #include "alerts/rules.h"
 #include "client/cli/format.h"
 
@@ -60,6 +63,84 @@ int RunRulesCheck(const GlobalOptions& global, const std::vector<std::string>& f
     for (const alerts::Rule& r : rules.value()) out << " " << r.name;
     out << "\n";
   }
+  return kExitOk;
+}
+
+int RunRulesReload(const GlobalOptions& global, client::QueryClient& query, std::ostream& out, std::ostream& err) {
+  auto result = query.ReloadRules();
+  if (!result.ok()) {
+    err << "gradwatch: rules not reloaded (the rules in force are unchanged):\n"
+        << result.status.error_message() << "\n";
+    return kExitFailure;
+  }
+  if (global.json) {
+    out << ProtoToJson(result.response).dump(2) << "\n";
+  } else {
+    out << "rules reloaded: " << result.response.rule_count() << " rule(s) in force\n";
+  }
+  return kExitOk;
+}
+
+int RunSilenceAdd(const GlobalOptions& global, client::QueryClient& query, const SilenceOptions& options,
+                  std::ostream& out, std::ostream& err) {
+  v1::Silence silence;
+  for (const std::string& m : options.matchers) {
+    const auto eq = m.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      err << "gradwatch: matcher '" << m << "' is not name=value\n";
+      return kExitUsage;
+    }
+    (*silence.mutable_matchers())[m.substr(0, eq)] = m.substr(eq + 1);
+  }
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  silence.set_starts_at(now);
+  silence.set_ends_at(now + options.duration_seconds);
+  silence.set_comment(options.comment);
+  silence.set_created_by(options.by);
+  auto result = query.AddSilence(silence);
+  if (!result.ok()) return ReportRpcError(global, "add silence", result.status, err);
+  if (global.json) {
+    out << ProtoToJson(result.response).dump(2) << "\n";
+  } else {
+    out << "silence " << result.response.id() << " added\n";
+  }
+  return kExitOk;
+}
+
+int RunSilenceList(const GlobalOptions& global, client::QueryClient& query, std::ostream& out, std::ostream& err) {
+  auto result = query.ListSilences();
+  if (!result.ok()) return ReportRpcError(global, "list silences", result.status, err);
+  if (global.json) {
+    out << ProtoToJson(result.response).dump(2) << "\n";
+    return kExitOk;
+  }
+  if (result.response.silences().empty()) {
+    out << "no silences\n";
+    return kExitOk;
+  }
+  for (const v1::Silence& s : result.response.silences()) {
+    std::map<std::string, std::string> matchers(s.matchers().begin(), s.matchers().end());
+    out << s.id() << "  until " << FormatValue(s.ends_at()) << "  ";
+    for (const auto& [k, v] : matchers) out << k << "=" << v << " ";
+    out << " " << s.comment() << "\n";
+  }
+  return kExitOk;
+}
+
+int RunSilenceRemove(const GlobalOptions& global, client::QueryClient& query, const std::string& id,
+                     std::ostream& out, std::ostream& err) {
+  auto result = query.RemoveSilence(id);
+  if (!result.ok()) return ReportRpcError(global, "remove silence " + id, result.status, err);
+  if (!global.json) out << "silence " << id << " removed\n";
+  return kExitOk;
+}
+
+int RunAck(const GlobalOptions& global, client::QueryClient& query, const std::string& fingerprint,
+           const std::string& by, const std::string& comment, std::ostream& out, std::ostream& err) {
+  auto result = query.Ack(fingerprint, by, comment);
+  if (!result.ok()) return ReportRpcError(global, "ack " + fingerprint, result.status, err);
+  if (!global.json) out << "alert " << fingerprint << " acknowledged\n";
   return kExitOk;
 }
 

@@ -33,6 +33,24 @@ int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std
 // errors when one is invalid. Needs no daemon.
 int RunRulesCheck(const GlobalOptions& global, const std::vector<std::string>& files, std::ostream& out,
                   std::ostream& err);
+// `gradwatch rules reload`: the daemon reloads its rule files, or says why it kept the old ones.
+int RunRulesReload(const GlobalOptions& global, client::QueryClient& query, std::ostream& out, std::ostream& err);
+
+struct SilenceOptions {
+  std::vector<std::string> matchers;  // name=value
+  double duration_seconds = 3600;
+  std::string comment;
+  std::string by;
+};
+// `gradwatch silence add|list|remove`.
+int RunSilenceAdd(const GlobalOptions& global, client::QueryClient& query, const SilenceOptions& options,
+                  std::ostream& out, std::ostream& err);
+int RunSilenceList(const GlobalOptions& global, client::QueryClient& query, std::ostream& out, std::ostream& err);
+int RunSilenceRemove(const GlobalOptions& global, client::QueryClient& query, const std::string& id,
+                     std::ostream& out, std::ostream& err);
+// `gradwatch ack FINGERPRINT`: a firing alert is not re-notified until it resolves.
+int RunAck(const GlobalOptions& global, client::QueryClient& query, const std::string& fingerprint,
+           const std::string& by, const std::string& comment, std::ostream& out, std::ostream& err);
 int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
                 uint64_t step, const std::string& text, std::ostream& out, std::ostream& err);
 

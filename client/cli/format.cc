@@ -364,7 +364,8 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
 
 std::string FormatAlerts(const v1::ListAlertsResponse& alerts) {
   if (alerts.alerts().empty()) return "no pending or firing alerts\n";
-  std::vector<std::vector<std::string>> rows = {{"STATE", "ALERT", "RUN", "SEVERITY", "STEP", "VALUE", "SUMMARY"}};
+  std::vector<std::vector<std::string>> rows = {
+      {"STATE", "ALERT", "RUN", "SEVERITY", "STEP", "VALUE", "FINGERPRINT", "SUMMARY"}};
   for (const v1::Alert& a : alerts.alerts()) {
     auto label = [&a](const char* name) {
       auto it = a.labels().find(name);
@@ -373,7 +374,7 @@ std::string FormatAlerts(const v1::ListAlertsResponse& alerts) {
     auto summary = a.annotations().find("summary");
     std::string state = a.state() == v1::ALERT_STATE_FIRING ? "firing" : a.state() == v1::ALERT_STATE_PENDING ? "pending" : "resolved";
     rows.push_back({state, a.name(), label("run"), label("severity"), std::to_string(a.step()), Short(a.value()),
-                    summary == a.annotations().end() ? "" : summary->second});
+                    a.fingerprint(), summary == a.annotations().end() ? "" : summary->second});
   }
   std::string out = FormatTable(rows);
   for (const v1::Alert& a : alerts.alerts()) {

@@ -32,6 +32,37 @@ QueryResult<v1::ListAlertsResponse> QueryClient::ListAlerts(const std::string& r
   return Call<v1::ListAlertsRequest, v1::ListAlertsResponse>(request, &v1::Query::Stub::ListAlerts);
 }
 
+QueryResult<v1::ReloadRulesResponse> QueryClient::ReloadRules() {
+  return Call<v1::ReloadRulesRequest, v1::ReloadRulesResponse>(v1::ReloadRulesRequest{},
+                                                               &v1::Query::Stub::ReloadRules);
+}
+
+QueryResult<v1::AddSilenceResponse> QueryClient::AddSilence(const v1::Silence& silence) {
+  v1::AddSilenceRequest request;
+  *request.mutable_silence() = silence;
+  return Call<v1::AddSilenceRequest, v1::AddSilenceResponse>(request, &v1::Query::Stub::AddSilence);
+}
+
+QueryResult<v1::ListSilencesResponse> QueryClient::ListSilences() {
+  return Call<v1::ListSilencesRequest, v1::ListSilencesResponse>(v1::ListSilencesRequest{},
+                                                                 &v1::Query::Stub::ListSilences);
+}
+
+QueryResult<v1::RemoveSilenceResponse> QueryClient::RemoveSilence(const std::string& id) {
+  v1::RemoveSilenceRequest request;
+  request.set_id(id);
+  return Call<v1::RemoveSilenceRequest, v1::RemoveSilenceResponse>(request, &v1::Query::Stub::RemoveSilence);
+}
+
+QueryResult<v1::AckResponse> QueryClient::Ack(const std::string& fingerprint, const std::string& by,
+                                              const std::string& comment) {
+  v1::AckRequest request;
+  request.set_fingerprint(fingerprint);
+  request.set_by(by);
+  request.set_comment(comment);
+  return Call<v1::AckRequest, v1::AckResponse>(request, &v1::Query::Stub::Ack);
+}
+
 QueryResult<v1::RunSummary> QueryClient::GetRun(const std::string& run_id) {
   v1::GetRunRequest request;
   request.set_run_id(run_id);

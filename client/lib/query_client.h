@@ -34,6 +34,11 @@ class QueryClient {
                                              const std::string& text);
 
   QueryResult<v1::ListAlertsResponse> ListAlerts(const std::string& run_id);
+  QueryResult<v1::ReloadRulesResponse> ReloadRules();
+  QueryResult<v1::AddSilenceResponse> AddSilence(const v1::Silence& silence);
+  QueryResult<v1::ListSilencesResponse> ListSilences();
+  QueryResult<v1::RemoveSilenceResponse> RemoveSilence(const std::string& id);
+  QueryResult<v1::AckResponse> Ack(const std::string& fingerprint, const std::string& by, const std::string& comment);
 
   const std::string& address() const { return address_; }
 

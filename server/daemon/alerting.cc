@@ -93,6 +93,18 @@ void Alerting::Count(const std::vector<alerts::Transition>& transitions) {
   }
 }
 
+StatusOr<size_t> Alerting::Reload(bool default_rules, const std::vector<std::string>& files, double now) {
+  auto rules = LoadConfiguredRules(default_rules, files);
+  if (!rules.ok()) {
+    spdlog::error("rule reload refused, the rules in force are unchanged: {}", rules.status().message());
+    return rules.status();
+  }
+  const size_t count = rules->size();
+  Count(engine_.ReplaceRules(std::move(rules).value(), now));
+  spdlog::info("rules reloaded: {} rules in force", count);
+  return count;
+}
+
 std::vector<alerts::Transition> Alerting::OnStep(const alerts::RunFacts& facts) {
   std::vector<alerts::Transition> transitions = engine_.EvaluateStep(facts, facts.now);
   Count(transitions);

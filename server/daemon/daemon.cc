@@ -92,7 +92,8 @@ Status Daemon::Start() {
   ingest_options.hello.max_params = config_.max_params_per_run;
   ingest_options.max_streams = config_.max_streams;
   ingest_ = std::make_unique<ingest::IngestService>(ingest_options, registry_.get(), stats_.get(), clock_);
-  query_ = std::make_unique<ingest::QueryService>(registry_.get(), clock_, &alerting_->engine());
+  query_ = std::make_unique<ingest::QueryService>(registry_.get(), clock_, &alerting_->engine(),
+                                                  [this] { return ReloadRules(); });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -148,6 +149,10 @@ Status Daemon::LockDataDir() {
     spdlog::warn("cannot write the pid into {}: {}", path, std::strerror(errno));
   }
   return Status::Ok();
+}
+
+StatusOr<size_t> Daemon::ReloadRules() {
+  return alerting_->Reload(config_.default_rules, config_.rule_files, clock_->UnixSeconds());
 }
 
 Status Daemon::StartNotifiers(const std::string& journal_path) {

@@ -49,6 +49,9 @@ class Daemon {
   // Stops accepting, lets streams finish (up to `grace`), commits the journal and closes it.
   void Stop(std::chrono::milliseconds grace = std::chrono::seconds(5));
 
+  // Reloads the rule files (SIGHUP, `gradwatch rules reload`); invalid files change nothing.
+  StatusOr<size_t> ReloadRules();
+
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
 

@@ -20,8 +20,89 @@ grpc::Status RunNotFound(const std::string& run_id) {
 
 }  // namespace
 
-QueryService::QueryService(runs::RunRegistry* registry, const Clock* clock, const alerts::AlertEngine* engine)
-    : registry_(registry), clock_(clock), engine_(engine) {}
+QueryService::QueryService(runs::RunRegistry* registry, const Clock* clock, alerts::AlertEngine* engine,
+                           RuleReloader reload)
+    : registry_(registry), clock_(clock), engine_(engine), reload_(std::move(reload)) {}
+
+namespace {
+grpc::Status NoAlerting() { return {grpc::StatusCode::FAILED_PRECONDITION, "alerting is not configured"}; }
+}  // namespace
+
+grpc::ServerUnaryReactor* QueryService::ReloadRules(grpc::CallbackServerContext* context,
+                                                    const v1::ReloadRulesRequest*,
+                                                    v1::ReloadRulesResponse* response) {
+  if (!reload_) return Done(context, NoAlerting());
+  auto result = reload_();
+  if (!result.ok()) return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, result.status().message()});
+  response->set_rule_count(static_cast<uint32_t>(result.value()));
+  return Done(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* QueryService::AddSilence(grpc::CallbackServerContext* context,
+                                                   const v1::AddSilenceRequest* request,
+                                                   v1::AddSilenceResponse* response) {
+  if (engine_ == nullptr) return Done(context, NoAlerting());
+  const v1::Silence& in = request->silence();
+  if (in.matchers().empty()) {
+    return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, "a silence needs at least one matcher"});
+  }
+  alerts::Silence silence;
+  silence.id = in.id().empty() ? "s" + std::to_string(static_cast<long long>(clock_->UnixSeconds() * 1e6)) : in.id();
+  silence.matchers = {in.matchers().begin(), in.matchers().end()};
+  silence.starts_at = in.starts_at() > 0 ? in.starts_at() : clock_->UnixSeconds();
+  silence.ends_at = in.ends_at();
+  silence.comment = in.comment();
+  silence.created_by = in.created_by();
+  if (!(silence.ends_at > silence.starts_at)) {
+    return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, "a silence must end after it starts"});
+  }
+  if (auto s = engine_->AddSilence(silence); !s.ok()) {
+    return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, s.message()});
+  }
+  spdlog::info("silence {} added until {:.0f} by '{}': {}", silence.id, silence.ends_at, silence.created_by,
+               silence.comment);
+  response->set_id(silence.id);
+  return Done(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* QueryService::ListSilences(grpc::CallbackServerContext* context,
+                                                     const v1::ListSilencesRequest*,
+                                                     v1::ListSilencesResponse* response) {
+  if (engine_ == nullptr) return Done(context, NoAlerting());
+  for (const alerts::Silence& s : engine_->Silences()) {
+    v1::Silence* out = response->add_silences();
+    out->set_id(s.id);
+    out->mutable_matchers()->insert(s.matchers.begin(), s.matchers.end());
+    out->set_starts_at(s.starts_at);
+    out->set_ends_at(s.ends_at);
+    out->set_comment(s.comment);
+    out->set_created_by(s.created_by);
+  }
+  return Done(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* QueryService::RemoveSilence(grpc::CallbackServerContext* context,
+                                                      const v1::RemoveSilenceRequest* request,
+                                                      v1::RemoveSilenceResponse*) {
+  if (engine_ == nullptr) return Done(context, NoAlerting());
+  if (auto s = engine_->RemoveSilence(request->id()); !s.ok()) {
+    return Done(context, {grpc::StatusCode::NOT_FOUND, s.message()});
+  }
+  return Done(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* QueryService::Ack(grpc::CallbackServerContext* context, const v1::AckRequest* request,
+                                            v1::AckResponse*) {
+  if (engine_ == nullptr) return Done(context, NoAlerting());
+  if (auto s = engine_->Ack(request->fingerprint(), request->by(), request->comment(), clock_->UnixSeconds());
+      !s.ok()) {
+    return Done(context, {s.code() == StatusCode::kNotFound ? grpc::StatusCode::NOT_FOUND
+                                                             : grpc::StatusCode::FAILED_PRECONDITION,
+                          s.message()});
+  }
+  spdlog::info("alert {} acknowledged by '{}': {}", request->fingerprint(), request->by(), request->comment());
+  return Done(context, grpc::Status::OK);
+}
 
 grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* context,
                                                    const v1::ListAlertsRequest* request,

@@ -3,15 +3,21 @@
 
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "alerts/state_machine.h"
+#include <functional>
+
 #include "server/core/clock.h"
+#include "server/core/status.h"
 #include "server/runs/registry.h"
 
 namespace gradwatch::ingest {
 
 class QueryService final : public v1::Query::CallbackService {
  public:
-  // engine may be null (no alerting).
-  QueryService(runs::RunRegistry* registry, const Clock* clock, const alerts::AlertEngine* engine = nullptr);
+  // Reloads the rule files; returns the number of rules in force or why nothing changed.
+  using RuleReloader = std::function<StatusOr<size_t>()>;
+  // engine may be null (no alerting); reload may be empty.
+  QueryService(runs::RunRegistry* registry, const Clock* clock, alerts::AlertEngine* engine = nullptr,
+               RuleReloader reload = {});
 
   grpc::ServerUnaryReactor* ListRuns(grpc::CallbackServerContext* context, const v1::ListRunsRequest* request,
                                      v1::ListRunsResponse* response) override;
@@ -26,11 +32,24 @@ class QueryService final : public v1::Query::CallbackService {
   grpc::ServerUnaryReactor* ListAlerts(grpc::CallbackServerContext* context,
                                        const v1::ListAlertsRequest* request,
                                        v1::ListAlertsResponse* response) override;
+  grpc::ServerUnaryReactor* ReloadRules(grpc::CallbackServerContext* context, const v1::ReloadRulesRequest* request,
+                                        v1::ReloadRulesResponse* response) override;
+  grpc::ServerUnaryReactor* AddSilence(grpc::CallbackServerContext* context, const v1::AddSilenceRequest* request,
+                                       v1::AddSilenceResponse* response) override;
+  grpc::ServerUnaryReactor* ListSilences(grpc::CallbackServerContext* context,
+                                         const v1::ListSilencesRequest* request,
+                                         v1::ListSilencesResponse* response) override;
+  grpc::ServerUnaryReactor* RemoveSilence(grpc::CallbackServerContext* context,
+                                          const v1::RemoveSilenceRequest* request,
+                                          v1::RemoveSilenceResponse* response) override;
+  grpc::ServerUnaryReactor* Ack(grpc::CallbackServerContext* context, const v1::AckRequest* request,
+                                v1::AckResponse* response) override;
 
  private:
   runs::RunRegistry* const registry_;
   const Clock* const clock_;
-  const alerts::AlertEngine* const engine_;
+  alerts::AlertEngine* const engine_;
+  const RuleReloader reload_;
 };
 
 }  // namespace gradwatch::ingest

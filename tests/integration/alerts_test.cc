@@ -262,3 +262,66 @@ TEST_CASE("the contingency pages a real Alertmanager with the recommendation, an
   stream.Close();
   CHECK(daemon.Stop() == 0);
 }
+
+TEST_CASE("rules reload via the CLI and SIGHUP keeps the old rules when a file is invalid; silences and acks",
+          "[integration]") {
+  TempDir rules_dir("gradwatch-rules-reload");
+  const std::string rules = (rules_dir.path() / "extra.yaml").string();
+  const std::string good_rules =
+      "groups:\n  - name: extra\n    rules:\n      - alert: LossHigh\n        kind: threshold\n"
+      "        series: train/loss\n        op: \">=\"\n        value: 10\n        labels: {severity: warning}\n"
+      "        annotations: {summary: \"loss {{ value }}\"}\n";
+  std::ofstream(rules) << good_rules;
+  DaemonOptions options;
+  options.config_yaml = "alerts:\n  rule_files: [" + rules + "]\n";
+  DaemonProcess daemon(options);
+  auto cli = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv);
+  };
+
+  const CommandResult reloaded = cli({"rules", "reload"});
+  INFO(reloaded.out << reloaded.err);
+  CHECK(reloaded.exit_code == 0);
+  CHECK(reloaded.out.find("8 rule(s) in force") != std::string::npos);
+
+  std::ofstream(rules) << "groups:\n  - name: extra\n    rules:\n      - alert: LossHigh\n        kind: nope\n";
+  const CommandResult refused = cli({"rules", "reload"});
+  INFO(refused.err);
+  CHECK(refused.exit_code == 1);
+  CHECK(refused.err.find("unchanged") != std::string::npos);
+  CHECK(refused.err.find("extra.yaml:5") != std::string::npos);
+  daemon.Signal(SIGHUP);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (daemon.LogText().find("rule reload refused") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  CHECK(daemon.LogText().find("rule reload refused") != std::string::npos);
+  CHECK(daemon.running());
+  std::ofstream(rules) << good_rules;
+  CHECK(cli({"rules", "reload"}).out.find("8 rule(s) in force") != std::string::npos);
+
+  // A page, then an ack by fingerprint; an unknown fingerprint is refused.
+  StreamClient stream(daemon.grpc_target());
+  REQUIRE(stream.Hello(IncidentHello("ack-run"), 1));
+  stream.WaitAccepted();
+  for (uint64_t s = 1; s <= 20; ++s) REQUIRE(stream.Step(Step(s, 6.0), s + 1));
+  const v1::Alert page =
+      stream.WaitFor([](const v1::DaemonMessage& m) { return IsContingency(m, v1::ALERT_STATE_FIRING); }).alert();
+  const CommandResult listed = cli({"alerts", "ack-run"});
+  CHECK(listed.out.find(page.fingerprint()) != std::string::npos);
+  CHECK(cli({"ack", page.fingerprint(), "--by", "oncall", "--comment", "looking"}).exit_code == 0);
+  CHECK(cli({"ack", "0123456789abcdef"}).exit_code == 1);
+
+  const CommandResult added = cli({"silence", "add", "run=ack-run", "--duration", "600", "--comment", "maintenance"});
+  INFO(added.out << added.err);
+  REQUIRE(added.exit_code == 0);
+  const std::string id = added.out.substr(std::string("silence ").size(), added.out.find(" added") - 8);
+  CHECK(cli({"silence", "list"}).out.find("run=ack-run") != std::string::npos);
+  CHECK(cli({"silence", "remove", id}).exit_code == 0);
+  CHECK(cli({"silence", "list"}).out.find("no silences") != std::string::npos);
+  CHECK(cli({"silence", "add", "nonsense"}).exit_code == 2);
+  stream.Close();
+}

@@ -155,6 +155,22 @@ TEST_CASE("the incident is explained: slope change at the event, shares, amplifi
     CHECK(lint.exit_code == 0);
   }
 
+  // A healthy run with noise and one-step spikes, its total grad norm far below 5, pages nobody
+  // (warnings such as the lm_head share may fire: they are true).
+  {
+    auto stub = QueryStub(daemon.grpc_target());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ListAlertsRequest req;
+    req.set_run_id(kRun);
+    v1::ListAlertsResponse resp;
+    REQUIRE(stub->ListAlerts(&ctx, req, &resp).ok());
+    for (const auto& alert : resp.alerts()) {
+      INFO(alert.name());
+      CHECK(alert.labels().at("severity") != "page");
+    }
+  }
+
   // Rebuilt from the journal after a restart, the analysis says the same. Restored events are
   // known before their steps, so their windows are exact; live ones are seeded from the tracker's
   // buckets (edges at window / max_buckets granularity): the two agree closely, not bit for bit.
