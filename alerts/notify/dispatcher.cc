@@ -98,21 +98,21 @@ double Dispatcher::Now() const { return options_.clock->UnixSeconds(); }
 
 Status Dispatcher::Start() {
   std::lock_guard lock(mu_);
-  if (started_ || stopped_) return Status::Error("dispatcher: already started or stopped");
+  if (started_ || stopped_) return NotifyError("dispatcher: already started or stopped");
   std::set<std::string> names;
   for (auto& worker : workers_) {
     const Receiver& receiver = *worker->receiver;
-    if (receiver.name().empty()) return Status::Error("dispatcher: a receiver has no name");
+    if (receiver.name().empty()) return NotifyError("dispatcher: a receiver has no name");
     if (!names.insert(receiver.name()).second) {
-      return Status::Error("dispatcher: duplicate receiver name '" + receiver.name() + "'");
+      return NotifyError("dispatcher: duplicate receiver name '" + receiver.name() + "'");
     }
     auto url = ParseUrl(receiver.config().url);
     if (!url.ok()) {
-      return Status::Error("receiver " + receiver.name() + ": " + url.status().message());
+      return NotifyError("receiver " + receiver.name() + ": " + url.status().message());
     }
     auto http = HttpClient::Create(receiver.config().http);
     if (!http.ok()) {
-      return Status::Error("receiver " + receiver.name() + ": " + http.status().message());
+      return NotifyError("receiver " + receiver.name() + ": " + http.status().message());
     }
     worker->http = std::move(http).value();
   }

@@ -110,11 +110,11 @@ std::string_view HttpErrorName(HttpResult::Error error) {
 Result<Url> ParseUrl(std::string_view text) {
   const size_t scheme_end = text.find("://");
   if (scheme_end == std::string_view::npos)
-    return Status::Error("url: no scheme in '" + std::string(text) + "'");
+    return NotifyError("url: no scheme in '" + std::string(text) + "'");
   Url url;
   url.scheme = Lower(text.substr(0, scheme_end));
   if (url.scheme != "http" && url.scheme != "https") {
-    return Status::Error("url: scheme must be http or https, not '" + url.scheme + "'");
+    return NotifyError("url: scheme must be http or https, not '" + url.scheme + "'");
   }
   std::string_view rest = text.substr(scheme_end + 3);
   const size_t authority_end = rest.find_first_of("/?#");
@@ -122,35 +122,35 @@ Result<Url> ParseUrl(std::string_view text) {
   std::string_view tail =
       authority_end == std::string_view::npos ? std::string_view() : rest.substr(authority_end);
   if (authority.find('@') != std::string_view::npos) {
-    return Status::Error("url: user info is not supported; use headers for credentials");
+    return NotifyError("url: user info is not supported; use headers for credentials");
   }
   std::string_view port_text;
   if (!authority.empty() && authority.front() == '[') {
     const size_t close = authority.find(']');
-    if (close == std::string_view::npos) return Status::Error("url: unterminated IPv6 address");
+    if (close == std::string_view::npos) return NotifyError("url: unterminated IPv6 address");
     url.host = std::string(authority.substr(1, close - 1));
     std::string_view after = authority.substr(close + 1);
     if (!after.empty()) {
-      if (after.front() != ':') return Status::Error("url: junk after IPv6 address");
+      if (after.front() != ':') return NotifyError("url: junk after IPv6 address");
       port_text = after.substr(1);
-      if (port_text.empty()) return Status::Error("url: empty port");
+      if (port_text.empty()) return NotifyError("url: empty port");
     }
   } else {
     const size_t colon = authority.rfind(':');
     url.host = std::string(authority.substr(0, colon));
     if (colon != std::string_view::npos) {
       port_text = authority.substr(colon + 1);
-      if (port_text.empty()) return Status::Error("url: empty port");
+      if (port_text.empty()) return NotifyError("url: empty port");
     }
   }
-  if (url.host.empty()) return Status::Error("url: empty host in '" + std::string(text) + "'");
+  if (url.host.empty()) return NotifyError("url: empty host in '" + std::string(text) + "'");
   url.port = url.scheme == "https" ? 443 : 80;
   if (!port_text.empty()) {
     unsigned port = 0;
     auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
     if (ec != std::errc() || end != port_text.data() + port_text.size() || port == 0 ||
         port > 65535) {
-      return Status::Error("url: bad port '" + std::string(port_text) + "'");
+      return NotifyError("url: bad port '" + std::string(port_text) + "'");
     }
     url.port = static_cast<uint16_t>(port);
   }
@@ -162,7 +162,7 @@ Result<Url> ParseUrl(std::string_view text) {
     url.target = std::string(tail);
   }
   if (HasControlChars(url.target) || url.target.find(' ') != std::string::npos) {
-    return Status::Error("url: spaces or control characters in the path");
+    return NotifyError("url: spaces or control characters in the path");
   }
   return url;
 }
@@ -250,15 +250,15 @@ Result<std::unique_ptr<HttpClient>> HttpClient::Create(HttpClientOptions options
     impl->tls.set_verify_mode(ssl::verify_peer);
     if (tls.use_system_ca) {
       impl->tls.set_default_verify_paths(ec);
-      if (ec) return Status::Error("TLS: cannot load the system CA store: " + ec.message());
+      if (ec) return NotifyError("TLS: cannot load the system CA store: " + ec.message());
     }
     if (!tls.ca_file.empty()) {
       impl->tls.load_verify_file(tls.ca_file, ec);
-      if (ec) return Status::Error("TLS: cannot load CA file " + tls.ca_file + ": " + ec.message());
+      if (ec) return NotifyError("TLS: cannot load CA file " + tls.ca_file + ": " + ec.message());
     }
     if (!tls.ca_pem.empty()) {
       impl->tls.add_certificate_authority(asio::buffer(tls.ca_pem), ec);
-      if (ec) return Status::Error("TLS: cannot load the CA PEM text: " + ec.message());
+      if (ec) return NotifyError("TLS: cannot load the CA PEM text: " + ec.message());
     }
   } else {
     impl->tls.set_verify_mode(ssl::verify_none);

@@ -38,7 +38,7 @@ Result<uint64_t> MemoryOutbox::PendingCount(std::string_view receiver) {
 Status MemoryOutbox::MarkDelivered(uint64_t id) {
   std::lock_guard lock(mu_);
   auto it = records_.find(id);
-  if (it == records_.end()) return Status::Error("outbox: no entry " + std::to_string(id));
+  if (it == records_.end()) return NotifyError("outbox: no entry " + std::to_string(id));
   it->second.state = EntryState::kDelivered;
   return Status::Ok();
 }
@@ -46,7 +46,7 @@ Status MemoryOutbox::MarkDelivered(uint64_t id) {
 Status MemoryOutbox::MarkFailed(uint64_t id, std::string_view error) {
   std::lock_guard lock(mu_);
   auto it = records_.find(id);
-  if (it == records_.end()) return Status::Error("outbox: no entry " + std::to_string(id));
+  if (it == records_.end()) return NotifyError("outbox: no entry " + std::to_string(id));
   it->second.state = EntryState::kFailed;
   it->second.last_error = std::string(error);
   return Status::Ok();
@@ -56,7 +56,7 @@ Status MemoryOutbox::MarkRetry(uint64_t id, double next_attempt_at, uint32_t att
                                std::string_view error) {
   std::lock_guard lock(mu_);
   auto it = records_.find(id);
-  if (it == records_.end()) return Status::Error("outbox: no entry " + std::to_string(id));
+  if (it == records_.end()) return NotifyError("outbox: no entry " + std::to_string(id));
   it->second.entry.next_attempt_at = next_attempt_at;
   it->second.entry.attempts = attempts;
   it->second.last_error = std::string(error);

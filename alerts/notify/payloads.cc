@@ -338,7 +338,7 @@ std::string AlertToJson(const Alert& alert) {
 
 Result<Alert> AlertFromJson(std::string_view text) {
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return Status::Error("alert: not a JSON object");
+  if (j.is_discarded() || !j.is_object()) return NotifyError("alert: not a JSON object");
   try {
     Alert alert;
     alert.name = j.value("name", std::string());
@@ -360,7 +360,7 @@ Result<Alert> AlertFromJson(std::string_view text) {
     alert.ends_at = j.value("ends_at", 0.0);
     return alert;
   } catch (const json::exception& e) {
-    return Status::Error(std::string("alert: ") + e.what());
+    return NotifyError(std::string("alert: ") + e.what());
   }
 }
 

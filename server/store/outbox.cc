@@ -22,7 +22,7 @@ class Stmt {
 };
 
 notify::Status Error(sqlite3* db, const std::string& what) {
-  return notify::Status::Error("outbox: " + what + ": " + sqlite3_errmsg(db));
+  return notify::NotifyError("outbox: " + what + ": " + sqlite3_errmsg(db));
 }
 
 void BindText(sqlite3_stmt* s, int i, std::string_view v) {
@@ -59,7 +59,7 @@ notify::Status SqliteOutbox::Exec(const char* sql) {
   if (sqlite3_exec(db_, sql, nullptr, nullptr, &err) != SQLITE_OK) {
     std::string message = err ? err : "unknown error";
     sqlite3_free(err);
-    return notify::Status::Error(std::string("outbox: ") + sql + ": " + message);
+    return notify::NotifyError(std::string("outbox: ") + sql + ": " + message);
   }
   return notify::Status::Ok();
 }
