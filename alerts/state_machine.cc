@@ -52,6 +52,13 @@ bool SilenceMatches(const Silence& s, const Alert& alert, double now) {
   return true;
 }
 
+// The fields whose change must reach the disk; the value and annotations follow every step and
+// are saved with the next such change.
+auto DurableKey(const InstanceState& inst) {
+  return std::make_tuple(inst.alert.state, inst.held_since_step, inst.clearing, inst.clearing_since_step,
+                         inst.notified);
+}
+
 LabelSet Render(const Rule& rule, const TemplateVars& vars, const LabelSet& labels,
                 const std::string* recommendation) {
   LabelSet out;
@@ -67,7 +74,57 @@ LabelSet Render(const Rule& rule, const TemplateVars& vars, const LabelSet& labe
 
 }  // namespace
 
+void StateChanges::Merge(StateChanges later) {
+  for (auto& [fp, state] : later.instances) instances[fp] = std::move(state);
+  for (auto& [id, silence] : later.silences) silences[id] = std::move(silence);
+}
+
 AlertEngine::AlertEngine(std::vector<Rule> rules) { SetRulesLocked(std::move(rules)); }
+
+void AlertEngine::SetChangeSink(ChangeSink sink) {
+  std::lock_guard lock(mu_);
+  sink_ = std::move(sink);
+}
+
+void AlertEngine::PublishLocked(const std::vector<Transition>& transitions) {
+  if (dirty_instances_.empty() && dirty_silences_.empty() && transitions.empty()) return;
+  StateChanges changes;
+  if (sink_) {
+    for (uint64_t fp : dirty_instances_) {
+      auto it = instances_.find(fp);
+      changes.instances[fp] = it == instances_.end() ? std::nullopt : std::optional<InstanceState>(it->second);
+    }
+    for (const std::string& id : dirty_silences_) {
+      auto it = silences_.find(id);
+      changes.silences[id] = it == silences_.end() ? std::nullopt : std::optional<Silence>(it->second);
+    }
+  }
+  dirty_instances_.clear();
+  dirty_silences_.clear();
+  if (sink_) sink_(std::move(changes), transitions);
+}
+
+std::vector<Transition> AlertEngine::Restore(SavedState saved, double now) {
+  std::lock_guard lock(mu_);
+  for (InstanceState& inst : saved.instances) {
+    if (inst.alert.state != AlertState::kPending && inst.alert.state != AlertState::kFiring) continue;
+    const uint64_t fp = Fingerprint(inst.alert.labels);
+    instances_[fp] = std::move(inst);
+  }
+  for (Silence& silence : saved.silences) {
+    if (silence.ends_at > now) {
+      silences_[silence.id] = std::move(silence);
+    } else {
+      TouchSilence(silence.id);  // ended while the daemon was down: forget it
+    }
+  }
+  std::unordered_set<std::string> names;
+  for (const Rule& r : rules_) names.insert(r.name);
+  std::vector<Transition> out;
+  EndInstances([&](const Instance& inst) { return names.count(inst.rule) == 0; }, now, &out);
+  PublishLocked(out);
+  return out;
+}
 
 void AlertEngine::SetRulesLocked(std::vector<Rule> rules) {
   rules_ = std::move(rules);
@@ -86,6 +143,7 @@ std::vector<Transition> AlertEngine::ReplaceRules(std::vector<Rule> rules, doubl
   std::vector<Transition> out;
   EndInstances([&](const Instance& inst) { return names.count(inst.rule) == 0; }, now, &out);
   SetRulesLocked(std::move(rules));
+  PublishLocked(out);
   return out;
 }
 
@@ -175,6 +233,13 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
     return &**recommendation;
   };
 
+  // Advances one instance, recording a durable change; false when it ended.
+  auto advance = [&](auto it, const Condition* c, const std::string* rec) {
+    const auto before = DurableKey(it->second);
+    const bool keep = Advance(rule, it->second, c, facts.step, now, rec, out);
+    if (!keep || DurableKey(it->second) != before) Touch(it->first);
+    return keep;
+  };
   std::unordered_set<uint64_t> seen;
   seen.reserve(conditions.size());
   for (const Condition& c : conditions) {
@@ -190,7 +255,7 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
       inst.alert.labels = c.labels;
       it = instances_.emplace(fp, std::move(inst)).first;
     }
-    if (!Advance(rule, it->second, &c, facts.step, now, recommendation_for(), out)) instances_.erase(it);
+    if (!advance(it, &c, recommendation_for())) instances_.erase(it);
   }
   for (auto it = instances_.begin(); it != instances_.end();) {
     Instance& inst = it->second;
@@ -198,7 +263,7 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
       ++it;
       continue;
     }
-    if (!Advance(rule, inst, nullptr, facts.step, now, nullptr, out)) {
+    if (!advance(it, nullptr, nullptr)) {
       it = instances_.erase(it);
     } else {
       ++it;
@@ -215,6 +280,7 @@ std::vector<Transition> AlertEngine::EvaluateStep(const RunFacts& facts, double 
     EvaluateRule(i, facts, now, &recommendation, &out);
   }
   CatchUpLocked(facts.run_id, now, &out);
+  PublishLocked(out);
   return out;
 }
 
@@ -237,9 +303,15 @@ std::vector<Transition> AlertEngine::EvaluateTimer(const std::vector<RunFacts>& 
       [&](const Instance& inst) { return stalled_rules.count(inst.rule) && !listed.count(inst.run); },
       now, &out);
   for (auto it = silences_.begin(); it != silences_.end();) {
-    it = it->second.ends_at <= now ? silences_.erase(it) : std::next(it);
+    if (it->second.ends_at <= now) {
+      TouchSilence(it->first);
+      it = silences_.erase(it);
+    } else {
+      ++it;
+    }
   }
   CatchUpLocked({}, now, &out);
+  PublishLocked(out);
   return out;
 }
 
@@ -247,6 +319,7 @@ std::vector<Transition> AlertEngine::ForgetRun(const std::string& run_id, double
   std::lock_guard lock(mu_);
   std::vector<Transition> out;
   EndInstances([&](const Instance& inst) { return inst.run == run_id; }, now, &out);
+  PublishLocked(out);
   return out;
 }
 
@@ -267,6 +340,7 @@ void AlertEngine::EndInstances(Pred ends, double now, std::vector<Transition>* o
       inst.alert.state = AlertState::kInactive;
       out->push_back(Transition{inst.alert, from, AlertState::kInactive, false});
     }
+    Touch(it->first);
     it = instances_.erase(it);
   }
 }
@@ -277,6 +351,7 @@ void AlertEngine::CatchUpLocked(std::string_view run, double now, std::vector<Tr
     if (!run.empty() && inst.run != run) continue;
     if (IsMutedLocked(inst.alert, now)) continue;
     inst.notified = true;
+    Touch(fp);
     out->push_back(Transition{inst.alert, AlertState::kFiring, AlertState::kFiring, true});
   }
 }
@@ -308,7 +383,9 @@ Status AlertEngine::AddSilence(Silence silence) {
     return Status::InvalidArgument("a silence must end after it starts");
   }
   std::lock_guard lock(mu_);
+  TouchSilence(silence.id);
   silences_[silence.id] = std::move(silence);
+  PublishLocked({});
   return Status::Ok();
 }
 
@@ -316,7 +393,9 @@ Status AlertEngine::RemoveSilence(std::string_view id) {
   std::lock_guard lock(mu_);
   auto it = silences_.find(id);
   if (it == silences_.end()) return Status::NotFound("no silence with id '" + std::string(id) + "'");
+  TouchSilence(it->first);
   silences_.erase(it);
+  PublishLocked({});
   return Status::Ok();
 }
 
@@ -343,6 +422,8 @@ Status AlertEngine::Ack(std::string_view fingerprint, std::string by, std::strin
                                       " is pending: only a firing alert can be acknowledged");
   }
   it->second.ack = Acknowledgement{std::move(by), std::move(comment), now};
+  Touch(it->first);
+  PublishLocked({});
   return Status::Ok();
 }
 

@@ -34,6 +34,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -71,6 +72,37 @@ struct Acknowledgement {
   std::string by;
   std::string comment;
   double at = 0;  // seconds since the Unix epoch
+  bool operator==(const Acknowledgement&) const = default;
+};
+
+// Everything the engine keeps of one pending or firing alert: what a restart must restore.
+struct InstanceState {
+  std::string rule;
+  std::string run;
+  Alert alert;
+  uint64_t held_since_step = 0;      // s0
+  bool clearing = false;
+  uint64_t clearing_since_step = 0;  // r0
+  bool notified = false;             // its firing was notified
+  std::optional<Acknowledgement> ack;
+};
+
+// Changes of the engine's durable state since the last report, latest wins per key: an
+// instance created or changed (its state, s0, r0, notified or ack; not merely its value) maps to
+// its new state, an instance that ended maps to nullopt; likewise silences by id.
+struct StateChanges {
+  std::map<uint64_t, std::optional<InstanceState>> instances;  // by fingerprint
+  std::map<std::string, std::optional<Silence>> silences;      // by id
+
+  bool empty() const { return instances.empty() && silences.empty(); }
+  // Folds later changes into these.
+  void Merge(StateChanges later);
+};
+
+// What a restart gives back to the engine.
+struct SavedState {
+  std::vector<InstanceState> instances;
+  std::vector<Silence> silences;
 };
 
 class AlertEngine {
@@ -86,6 +118,18 @@ class AlertEngine {
   // (returned, with notify as for any resolve), pending ones go inactive silently.
   std::vector<Transition> ReplaceRules(std::vector<Rule> rules, double now);
   std::vector<Rule> Rules() const;
+
+  // Called, under the engine's lock and so in the order the changes happened, at the end of
+  // every call that changed the durable state or produced transitions, with the changes and the
+  // transitions of that call. The daemon writes both to disk in one transaction. It must not
+  // call back into the engine. Set it before the first evaluation.
+  using ChangeSink = std::function<void(StateChanges changes, const std::vector<Transition>& transitions)>;
+  void SetChangeSink(ChangeSink sink);
+
+  // Takes back a saved state (call on a fresh engine, before any evaluation): instances and
+  // silences are restored as they were. Instances of rules that no longer exist end, as on
+  // ReplaceRules (returned); silences that have ended are dropped.
+  std::vector<Transition> Restore(SavedState saved, double now);
 
   // Evaluates every rule except stalled ones against one run's completed step. Transitions in
   // rule order.
@@ -119,16 +163,7 @@ class AlertEngine {
   bool IsMuted(const Alert& alert, double now) const;
 
  private:
-  struct Instance {
-    std::string rule;
-    std::string run;
-    Alert alert;
-    uint64_t held_since_step = 0;      // s0
-    bool clearing = false;
-    uint64_t clearing_since_step = 0;  // r0
-    bool notified = false;             // its firing was notified
-    std::optional<Acknowledgement> ack;
-  };
+  using Instance = InstanceState;
 
   void SetRulesLocked(std::vector<Rule> rules);
   bool IsMutedLocked(const Alert& alert, double now) const;
@@ -144,12 +179,20 @@ class AlertEngine {
   void EndInstances(Pred ends, double now, std::vector<Transition>* out);
   // Notifies firing alerts (of `run`, or all when empty) that were muted and no longer are.
   void CatchUpLocked(std::string_view run, double now, std::vector<Transition>* out);
+  // Records that an instance changed or ended, for the next Publish.
+  void Touch(uint64_t fingerprint) { dirty_instances_.insert(fingerprint); }
+  void TouchSilence(const std::string& id) { dirty_silences_.insert(id); }
+  // Hands the changes and transitions of this call to the sink.
+  void PublishLocked(const std::vector<Transition>& transitions);
 
   mutable std::mutex mu_;
   std::vector<Rule> rules_;
   std::vector<bool> uses_recommendation_;  // by rule index
   std::unordered_map<uint64_t, Instance> instances_;  // by fingerprint
   std::map<std::string, Silence, std::less<>> silences_;  // by id
+  ChangeSink sink_;
+  std::set<uint64_t> dirty_instances_;   // since the last Publish
+  std::set<std::string> dirty_silences_;  // since the last Publish
 };
 
 }  // namespace gradwatch::alerts

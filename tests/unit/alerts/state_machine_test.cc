@@ -437,3 +437,147 @@ TEST_CASE("the contingency page carries the recommendation", "[alerts]") {
                                  "for its decayed parameters)."));
   CHECK_THAT(an.at("description"), !Catch::Contains("{{"));
 }
+
+namespace {
+
+// Collects what the engine hands its change sink, folded as the daemon's writer folds it.
+struct Recorder {
+  StateChanges folded;
+  std::vector<Transition> transitions;
+  int calls = 0;
+  void Attach(AlertEngine& engine) {
+    engine.SetChangeSink([this](StateChanges changes, const std::vector<Transition>& ts) {
+      ++calls;
+      folded.Merge(std::move(changes));
+      transitions.insert(transitions.end(), ts.begin(), ts.end());
+    });
+  }
+  // The state a restart would load: what is saved and not erased.
+  SavedState Saved() const {
+    SavedState saved;
+    for (const auto& [fp, inst] : folded.instances) {
+      if (inst) saved.instances.push_back(*inst);
+    }
+    for (const auto& [id, s] : folded.silences) {
+      if (s) saved.silences.push_back(*s);
+    }
+    return saved;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("every durable change reaches the sink; value-only updates do not", "[alerts][persistence]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Recorder rec;
+  rec.Attach(engine);
+  Driver d{engine};
+  d.Report(100, 5.1);  // pending, s0 = 100
+  REQUIRE(rec.folded.instances.size() == 1);
+  const auto& [fp, first] = *rec.folded.instances.begin();
+  REQUIRE(first);
+  CHECK(first->alert.state == AlertState::kPending);
+  CHECK(first->held_since_step == 100);
+  CHECK(first->rule == "GradNormContingency");
+  CHECK(first->run == "r1");
+
+  const int calls = rec.calls;
+  d.Run(101, 110, 1, 5.2);  // still pending: nothing durable changed
+  CHECK(rec.calls == calls);
+
+  d.Report(110, 5.3);  // fires
+  REQUIRE(rec.folded.instances.at(fp));
+  CHECK(rec.folded.instances.at(fp)->alert.state == AlertState::kFiring);
+  CHECK(rec.folded.instances.at(fp)->notified);
+  CHECK(rec.transitions.back().to == AlertState::kFiring);
+
+  REQUIRE(engine.Ack(Fp(engine.Active()[0]), "alice", "on it", kT0 + 111).ok());
+  REQUIRE(rec.folded.instances.at(fp)->ack);
+  CHECK(rec.folded.instances.at(fp)->ack->by == "alice");
+
+  REQUIRE(engine.AddSilence({"s1", {{"run", "r1"}}, kT0, kT0 + 500, "", "bob"}).ok());
+  REQUIRE(rec.folded.silences.at("s1"));
+  REQUIRE(engine.RemoveSilence("s1").ok());
+  CHECK_FALSE(rec.folded.silences.at("s1"));
+
+  d.Report(150, 4.0);  // resolves: the instance is gone
+  CHECK_FALSE(rec.folded.instances.at(fp));
+  CHECK(rec.Saved().instances.empty());
+}
+
+TEST_CASE("a restored firing alert resolves, and is sent resolved, when the condition cleared", "[alerts][persistence]") {
+  Recorder rec;
+  std::string fp;
+  {
+    AlertEngine before({DefaultRule("GradNormContingency")});
+    rec.Attach(before);
+    Driver d{before};
+    REQUIRE(StepOf(d.Run(100, 111, 1, 5.1), AlertState::kFiring) == 110u);
+    fp = Fp(before.Active()[0]);
+  }  // the daemon stops
+
+  AlertEngine after({DefaultRule("GradNormContingency")});
+  CHECK(after.Restore(rec.Saved(), kT0 + 120).empty());
+  REQUIRE(after.Active().size() == 1);
+  const Alert restored = after.Active()[0];
+  CHECK(restored.state == AlertState::kFiring);
+  CHECK(Fp(restored) == fp);
+  CHECK(restored.starts_at == kT0 + 100);
+  CHECK(restored.step == 110);
+
+  Driver d{after};
+  CHECK(d.Report(121, 5.2).empty());  // still firing: not paged again
+  auto ts = d.Report(130, 4.0);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].to == AlertState::kResolved);
+  CHECK(ts[0].notify);  // the receivers were told it fired, so they hear it ended
+  CHECK(ts[0].alert.starts_at == kT0 + 100);
+}
+
+TEST_CASE("a restored pending alert keeps its s0", "[alerts][persistence]") {
+  Recorder rec;
+  {
+    AlertEngine before({DefaultRule("GradNormContingency")});
+    rec.Attach(before);
+    Driver{before}.Run(100, 105, 1, 5.1);
+  }
+  AlertEngine after({DefaultRule("GradNormContingency")});
+  after.Restore(rec.Saved(), kT0 + 106);
+  Driver d{after};
+  CHECK(d.Run(105, 110, 1, 5.1).empty());
+  CHECK(StepOf(d.Report(110, 5.1), AlertState::kFiring) == 110u);  // s0 + 10, as without the restart
+}
+
+TEST_CASE("restore ends alerts of rules that are gone, keeps acks, drops ended silences", "[alerts][persistence]") {
+  Recorder rec;
+  std::string fp;
+  {
+    AlertEngine before({DefaultRule("GradNormContingency"), PlainThreshold(0)});
+    rec.Attach(before);
+    Driver d{before};
+    d.Run(100, 111, 1, 5.1);
+    for (const Alert& a : before.Active()) {
+      if (a.name == "GradNormContingency") fp = Fp(a);
+    }
+    REQUIRE(before.Ack(fp, "alice", "", kT0 + 111).ok());
+    REQUIRE(before.AddSilence({"short", {{"run", "r9"}}, kT0, kT0 + 150, "", "bob"}).ok());
+    REQUIRE(before.AddSilence({"long", {{"run", "r9"}}, kT0, kT0 + 5000, "", "bob"}).ok());
+  }
+  AlertEngine after({DefaultRule("GradNormContingency")});
+  Recorder rec2;
+  rec2.Attach(after);
+  auto ts = after.Restore(rec.Saved(), kT0 + 200);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].alert.name == "Plain");
+  CHECK(ts[0].to == AlertState::kResolved);
+  CHECK(ts[0].notify);
+  REQUIRE(after.AckOf(fp));
+  CHECK(after.AckOf(fp)->by == "alice");
+  REQUIRE(after.Silences().size() == 1);
+  CHECK(after.Silences()[0].id == "long");
+  // The restore's own changes are persisted too: the ended instance and silence are erased.
+  CHECK(rec2.folded.silences.count("short") == 1);
+  CHECK_FALSE(rec2.folded.silences.at("short"));
+  CHECK(rec2.folded.instances.size() == 1);
+  CHECK_FALSE(rec2.folded.instances.begin()->second);
+}
