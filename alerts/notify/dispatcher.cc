@@ -148,36 +148,45 @@ void Dispatcher::Wake() {
   for (auto& worker : workers_) worker->Wake();
 }
 
-Status Dispatcher::Enqueue(const Alert& alert) {
-  if (!IsNotified(alert.state)) return Status::Ok();
+Status Dispatcher::Record(const std::vector<Alert>& alerts, const alerts::StateChanges& states) {
   const double now = Now();
-  const std::string fingerprint = NotifiedFingerprint(alert);
-  const std::string payload = AlertToJson(alert);
   std::vector<OutboxEntry> entries;
-  std::vector<size_t> targets;
-  for (const auto& worker : workers_) {
-    if (!worker->receiver->Accepts(alert)) continue;
-    OutboxEntry entry;
-    entry.receiver = worker->receiver->name();
-    entry.fingerprint = fingerprint;
-    entry.state = alert.state;
-    entry.payload = payload;
-    entry.created_at = now;
-    entry.next_attempt_at = now;
-    entries.push_back(std::move(entry));
-    targets.push_back(worker->index);
+  struct Target {
+    size_t alert;
+    size_t worker;
+    std::string fingerprint;
+  };
+  std::vector<Target> targets;
+  for (size_t a = 0; a < alerts.size(); ++a) {
+    const Alert& alert = alerts[a];
+    if (!IsNotified(alert.state)) continue;
+    const std::string fingerprint = NotifiedFingerprint(alert);
+    const std::string payload = AlertToJson(alert);
+    for (const auto& worker : workers_) {
+      if (!worker->receiver->Accepts(alert)) continue;
+      OutboxEntry entry;
+      entry.receiver = worker->receiver->name();
+      entry.fingerprint = fingerprint;
+      entry.state = alert.state;
+      entry.payload = payload;
+      entry.created_at = now;
+      entry.next_attempt_at = now;
+      entries.push_back(std::move(entry));
+      targets.push_back({a, worker->index, fingerprint});
+    }
   }
-  if (entries.empty()) return Status::Ok();
+  if (entries.empty() && states.empty()) return Status::Ok();
 
   std::lock_guard lock(mu_);
-  auto ids = outbox_.Add(std::move(entries));
+  auto ids = outbox_.Write(std::move(entries), states);
   if (!ids.ok()) return ids.status();
-  FingerprintRecord& record = records_[fingerprint];
-  if (alert.state == AlertState::kResolved) {
-    record.resolved_ends_at = alert.ends_at > 0 ? alert.ends_at : now;
-  }
   for (size_t i = 0; i < targets.size(); ++i) {
-    Worker& worker = *workers_[targets[i]];
+    const Alert& alert = alerts[targets[i].alert];
+    FingerprintRecord& record = records_[targets[i].fingerprint];
+    if (alert.state == AlertState::kResolved) {
+      record.resolved_ends_at = alert.ends_at > 0 ? alert.ends_at : now;
+    }
+    Worker& worker = *workers_[targets[i].worker];
     if (worker.receiver->resend_interval_seconds() > 0) {
       if (alert.state == AlertState::kFiring) {
         record.receivers[worker.index] = ResendState{ids.value()[i], false, 0};
@@ -187,8 +196,8 @@ Status Dispatcher::Enqueue(const Alert& alert) {
     }
     ++worker.queue_depth;
     worker.Wake();
+    if (record.receivers.empty() && record.resolved_ends_at == 0) records_.erase(targets[i].fingerprint);
   }
-  if (record.receivers.empty() && record.resolved_ends_at == 0) records_.erase(fingerprint);
   return Status::Ok();
 }
 

@@ -82,7 +82,10 @@ class Dispatcher {
   // kResolved are sent; other states are ignored (a pending alert is never notified). Writes to
   // the outbox and returns; never waits for the network. Thread-safe; may be called before
   // Start() (entries wait in the outbox).
-  Status Enqueue(const Alert& alert);
+  Status Enqueue(const Alert& alert) { return Record({alert}, {}); }
+  // Enqueue for several alerts, in order, and the engine's state changes that produced them, all
+  // in one outbox write (Outbox::Write).
+  Status Record(const std::vector<Alert>& alerts, const alerts::StateChanges& states);
 
   // Called periodically with every alert currently firing: for receivers with a resend interval
   // (Alertmanager), re-sends each firing alert whose last notification was delivered at least an

@@ -2,8 +2,23 @@
 
 namespace gradwatch::notify {
 
-Result<std::vector<uint64_t>> MemoryOutbox::Add(std::vector<OutboxEntry> entries) {
+Result<std::vector<uint64_t>> MemoryOutbox::Write(std::vector<OutboxEntry> entries,
+                                                  const alerts::StateChanges& states) {
   std::lock_guard lock(mu_);
+  for (const auto& [fp, inst] : states.instances) {
+    if (inst) {
+      instances_[fp] = *inst;
+    } else {
+      instances_.erase(fp);
+    }
+  }
+  for (const auto& [id, silence] : states.silences) {
+    if (silence) {
+      silences_[id] = *silence;
+    } else {
+      silences_.erase(id);
+    }
+  }
   std::vector<uint64_t> ids;
   ids.reserve(entries.size());
   for (OutboxEntry& entry : entries) {
@@ -12,6 +27,14 @@ Result<std::vector<uint64_t>> MemoryOutbox::Add(std::vector<OutboxEntry> entries
     records_.emplace(entry.id, Record{std::move(entry), EntryState::kPending, {}});
   }
   return ids;
+}
+
+Result<alerts::SavedState> MemoryOutbox::LoadState() {
+  std::lock_guard lock(mu_);
+  alerts::SavedState saved;
+  for (const auto& [fp, inst] : instances_) saved.instances.push_back(inst);
+  for (const auto& [id, silence] : silences_) saved.silences.push_back(silence);
+  return saved;
 }
 
 Result<std::vector<OutboxEntry>> MemoryOutbox::Pending(std::string_view receiver, size_t limit) {

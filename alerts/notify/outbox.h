@@ -1,6 +1,9 @@
 // The durable outbox: every alert state change is written here for each receiver before any
-// delivery is tried, so a receiver that is down, or a daemon restart, loses nothing. The daemon
-// implements Outbox on its journal; MemoryOutbox serves tests and the journal-less case.
+// delivery is tried, so a receiver that is down, or a daemon restart, loses nothing. The engine's
+// durable state (alert instances, silences) is written with it, in the same transaction, so that
+// after a crash the restored states and the notifications agree: a firing alert whose page was
+// recorded is restored firing, and is sent resolved when it ends. The daemon implements Outbox on
+// its journal's database; MemoryOutbox serves tests.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +14,7 @@
 #include <vector>
 
 #include "alerts/alert.h"
+#include "alerts/state_machine.h"
 #include "alerts/notify/status.h"
 
 namespace gradwatch::notify {
@@ -32,9 +36,14 @@ class Outbox {
  public:
   virtual ~Outbox() = default;
 
-  // Stores the entries atomically (all or none), ignoring their id, and returns their ids in
-  // order. Each starts pending.
-  virtual Result<std::vector<uint64_t>> Add(std::vector<OutboxEntry> entries) = 0;
+  // Stores the entries and applies the state changes atomically (all or none), ignoring the
+  // entries' ids, and returns their ids in order. Each entry starts pending.
+  virtual Result<std::vector<uint64_t>> Write(std::vector<OutboxEntry> entries,
+                                              const alerts::StateChanges& states) = 0;
+  Result<std::vector<uint64_t>> Add(std::vector<OutboxEntry> entries) { return Write(std::move(entries), {}); }
+
+  // The alert states and silences stored by Write, for a restart.
+  virtual Result<alerts::SavedState> LoadState() = 0;
 
   // Up to limit pending entries of the receiver, oldest (lowest id) first, whether due or not:
   // the dispatcher needs an entry that is waiting for its retry to hold back the later entries of
@@ -63,7 +72,8 @@ class MemoryOutbox final : public Outbox {
     std::string last_error;
   };
 
-  Result<std::vector<uint64_t>> Add(std::vector<OutboxEntry> entries) override;
+  Result<std::vector<uint64_t>> Write(std::vector<OutboxEntry> entries, const alerts::StateChanges& states) override;
+  Result<alerts::SavedState> LoadState() override;
   Result<std::vector<OutboxEntry>> Pending(std::string_view receiver, size_t limit) override;
   Result<uint64_t> PendingCount(std::string_view receiver) override;
   Status MarkDelivered(uint64_t id) override;
@@ -78,6 +88,8 @@ class MemoryOutbox final : public Outbox {
   mutable std::mutex mu_;
   uint64_t next_id_ = 1;                // guarded by mu_
   std::map<uint64_t, Record> records_;  // guarded by mu_
+  std::map<uint64_t, alerts::InstanceState> instances_;  // guarded by mu_
+  std::map<std::string, alerts::Silence> silences_;      // guarded by mu_
 };
 
 }  // namespace gradwatch::notify

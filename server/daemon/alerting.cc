@@ -1,5 +1,7 @@
 #include "server/daemon/alerting.h"
 
+#include <algorithm>
+#include <optional>
 #include <set>
 
 #include <spdlog/spdlog.h>
@@ -31,27 +33,81 @@ StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, cons
   return rules;
 }
 
+namespace {
+constexpr auto kRetryFirst = std::chrono::milliseconds(200);
+constexpr auto kRetryMax = std::chrono::seconds(10);
+}  // namespace
+
 Alerting::Alerting(std::vector<alerts::Rule> rules) : engine_(std::move(rules)) {}
 
 Alerting::~Alerting() { Stop(); }
 
-void Alerting::StartNotifying(std::unique_ptr<notify::Dispatcher> dispatcher) {
+void Alerting::Start(notify::Outbox* store, std::unique_ptr<notify::Dispatcher> dispatcher) {
+  store_ = store;
   dispatcher_ = std::move(dispatcher);
-  notifier_ = std::thread([this] { NotifyLoop(); });
+  engine_.SetChangeSink([this](alerts::StateChanges changes, const std::vector<alerts::Transition>& transitions) {
+    OnChanges(std::move(changes), transitions);
+  });
+  writer_ = std::thread([this] { WriterLoop(); });
 }
 
-void Alerting::NotifyLoop() {
-  std::unique_lock lock(mu_);
-  for (;;) {
-    cv_.wait(lock, [this] { return stopping_ || !to_notify_.empty(); });
-    if (to_notify_.empty()) return;  // stopping and drained
-    alerts::Alert alert = std::move(to_notify_.front());
-    to_notify_.pop_front();
-    lock.unlock();
-    if (notify::Status s = dispatcher_->Enqueue(alert); !s.ok()) {
-      spdlog::error("alert {}: cannot queue its notification: {}", alert.name, s.message());
+void Alerting::OnChanges(alerts::StateChanges changes, const std::vector<alerts::Transition>& transitions) {
+  Batch batch;
+  batch.changes = std::move(changes);
+  if (dispatcher_) {
+    for (const alerts::Transition& t : transitions) {
+      if (t.notify) batch.notify.push_back(t.alert);
     }
+  }
+  if (batch.changes.empty() && batch.notify.empty()) return;
+  {
+    std::lock_guard lock(mu_);
+    queue_.push_back(std::move(batch));
+  }
+  cv_.notify_one();
+}
+
+notify::Status Alerting::Write(const Batch& batch) {
+  if (dispatcher_) return dispatcher_->Record(batch.notify, batch.changes);
+  auto written = store_->Write({}, batch.changes);
+  return written.ok() ? notify::Status::Ok() : written.status();
+}
+
+void Alerting::WriterLoop() {
+  std::unique_lock lock(mu_);
+  std::optional<Batch> carry;  // a batch whose write failed: it goes first, with what followed it
+  auto retry_delay = kRetryFirst;
+  for (;;) {
+    if (!carry) cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    if (!carry && queue_.empty()) return;  // stopping and drained
+    Batch batch = carry ? std::move(*carry) : Batch{};
+    carry.reset();
+    for (Batch& next : queue_) {
+      batch.changes.Merge(std::move(next.changes));
+      for (alerts::Alert& a : next.notify) batch.notify.push_back(std::move(a));
+    }
+    queue_.clear();
+    const bool stopping = stopping_;
+    lock.unlock();
+    const notify::Status written = Write(batch);
     lock.lock();
+    if (written.ok()) {
+      retry_delay = kRetryFirst;
+      continue;
+    }
+    ++write_failures_;
+    if (stopping_ && stopping) {
+      spdlog::error("alerts: {} alert state change(s) and {} notification(s) are lost: {}",
+                    batch.changes.instances.size() + batch.changes.silences.size(), batch.notify.size(),
+                    written.message());
+      if (queue_.empty()) return;
+      continue;
+    }
+    spdlog::error("alerts: cannot write alert states and notifications, retrying in {} ms: {}",
+                  retry_delay.count(), written.message());
+    carry = std::move(batch);
+    cv_.wait_for(lock, retry_delay, [this] { return stopping_; });
+    retry_delay = std::min<std::chrono::milliseconds>(retry_delay * 2, kRetryMax);
   }
 }
 
@@ -62,8 +118,30 @@ void Alerting::Stop() {
     stopping_ = true;
   }
   cv_.notify_all();
-  if (notifier_.joinable()) notifier_.join();
+  if (writer_.joinable()) writer_.join();
   if (dispatcher_) dispatcher_->Stop();
+}
+
+Status Alerting::Restore(const runs::RunRegistry& registry, double now) {
+  auto saved = store_->LoadState();
+  if (!saved.ok()) return Status::IoError("alert store: " + saved.status().message());
+  const size_t silences = saved->silences.size();
+  Count(engine_.Restore(std::move(saved).value(), now));
+  for (const auto& run : registry.All()) Count(engine_.EvaluateStep(run->Facts(), now));
+  std::set<std::string> gone;
+  for (const alerts::Alert& a : engine_.Active()) {
+    auto run = a.labels.find("run");
+    if (run != a.labels.end() && !registry.Find(run->second)) gone.insert(run->second);
+  }
+  for (const std::string& run : gone) Count(engine_.ForgetRun(run, now));
+  size_t firing = 0, pending = 0;
+  for (const alerts::Alert& a : engine_.Active()) (a.state == alerts::AlertState::kFiring ? firing : pending)++;
+  spdlog::info("alerts: restored {} firing and {} pending alert(s) and {} silence(s)", firing, pending,
+               engine_.Silences().size());
+  if (engine_.Silences().size() != silences) {
+    spdlog::info("alerts: {} silence(s) ended while the daemon was down", silences - engine_.Silences().size());
+  }
+  return Status::Ok();
 }
 
 std::vector<notify::ReceiverStats> Alerting::ReceiverStats() const {
@@ -71,13 +149,6 @@ std::vector<notify::ReceiverStats> Alerting::ReceiverStats() const {
 }
 
 void Alerting::Count(const std::vector<alerts::Transition>& transitions) {
-  if (dispatcher_) {
-    std::lock_guard lock(mu_);
-    for (const alerts::Transition& t : transitions) {
-      if (t.notify && !stopping_) to_notify_.push_back(t.alert);
-    }
-  }
-  cv_.notify_one();
   for (const alerts::Transition& t : transitions) {
     if (t.to == alerts::AlertState::kFiring && t.from != alerts::AlertState::kFiring) {
       ++firing_;

@@ -1,6 +1,8 @@
 // The daemon's alerting: loads the rules, evaluates them on every completed step (through the
 // runs' AlertHook) and on a timer (stalled runs), and sends firing and resolved alerts to the
-// trainers' streams. Thread-safe.
+// trainers' streams. Every durable change of the engine (alert instances, acks, silences) is
+// written to the alert store together with the notifications it causes, in one transaction, so a
+// restart restores the alerts exactly as the receivers were told of them. Thread-safe.
 #pragma once
 
 #include <atomic>
@@ -29,10 +31,17 @@ class Alerting final : public runs::AlertHook {
   explicit Alerting(std::vector<alerts::Rule> rules);
   ~Alerting() override;
 
-  // Starts notifying through `dispatcher` (owned): state changes are handed to it on a thread of
-  // their own, so evaluation (on the ingest path) never waits for the outbox.
-  void StartNotifying(std::unique_ptr<notify::Dispatcher> dispatcher);
-  // Delivers what is queued to the outbox and stops the dispatcher. Idempotent.
+  // Starts writing state changes to `store` (not owned; it must outlive Stop()) and, when
+  // receivers are configured, notifying through `dispatcher` (owned, may be null), on a thread of
+  // their own, so evaluation (on the ingest path) never waits for the disk. Call once, before
+  // Restore and before any evaluation.
+  void Start(notify::Outbox* store, std::unique_ptr<notify::Dispatcher> dispatcher);
+  // Restores the alerts and silences saved in the store (call once the runs are rebuilt from the
+  // journal, before serving), then evaluates every run at its last journaled step, so that a
+  // change whose write the last stop or crash cut short is made again, and ends the alerts of
+  // runs the daemon no longer holds. Fails only if the store cannot be read at all.
+  Status Restore(const runs::RunRegistry& registry, double now);
+  // Writes what is queued to the store and stops the dispatcher. Idempotent.
   void Stop();
   std::vector<notify::ReceiverStats> ReceiverStats() const;
 
@@ -47,19 +56,31 @@ class Alerting final : public runs::AlertHook {
   alerts::AlertEngine& engine() { return engine_; }
   uint64_t firing_transitions() const { return firing_.load(); }
   uint64_t resolved_transitions() const { return resolved_.load(); }
+  // Failed writes of alert states and notifications to the store (each is retried).
+  uint64_t store_write_failures() const { return write_failures_.load(); }
 
  private:
-  void Count(const std::vector<alerts::Transition>& transitions);
+  // State changes and the notifications they cause, waiting for the writer.
+  struct Batch {
+    alerts::StateChanges changes;
+    std::vector<alerts::Alert> notify;
+  };
 
-  void NotifyLoop();
+  void Count(const std::vector<alerts::Transition>& transitions);
+  // The engine's change sink: queues, never blocks on I/O.
+  void OnChanges(alerts::StateChanges changes, const std::vector<alerts::Transition>& transitions);
+  void WriterLoop();
+  notify::Status Write(const Batch& batch);
 
   alerts::AlertEngine engine_;
+  notify::Outbox* store_ = nullptr;
   std::unique_ptr<notify::Dispatcher> dispatcher_;
-  std::thread notifier_;
+  std::thread writer_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<alerts::Alert> to_notify_;  // guarded by mu_
-  bool stopping_ = false;                // guarded by mu_
+  std::deque<Batch> queue_;  // guarded by mu_
+  bool stopping_ = false;    // guarded by mu_
+  std::atomic<uint64_t> write_failures_{0};
   std::atomic<uint64_t> firing_{0};
   std::atomic<uint64_t> resolved_{0};
 };

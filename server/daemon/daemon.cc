@@ -23,7 +23,7 @@
 #include "server/runs/registry.h"
 #include "alerts/notify/receivers.h"
 #include "server/store/journal.h"
-#include "server/store/outbox.h"
+#include "server/store/alert_store.h"
 
 namespace gradwatch::daemon {
 
@@ -78,7 +78,7 @@ Status Daemon::Start() {
   journal_ = std::move(journal).value();
   registry_->set_journal(journal_.get());
 
-  if (Status s = StartNotifiers(journal_options.path); !s.ok()) return s;
+  if (Status s = StartAlerting(journal_options.path); !s.ok()) return s;
 
   const auto load_start = std::chrono::steady_clock::now();
   if (Status s = registry_->Load(); !s.ok()) {
@@ -86,6 +86,9 @@ Status Daemon::Start() {
   }
   spdlog::info("rebuilt {} runs from {} in {:.2f} s", registry_->run_count(), journal_options.path,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
+  if (Status s = alerting_->Restore(*registry_, clock_->UnixSeconds()); !s.ok()) {
+    return Status(s.code(), "restoring alerts from " + journal_options.path + ": " + s.message());
+  }
 
   ingest::IngestOptions ingest_options;
   ingest_options.max_message_bytes = config_.max_message_bytes;
@@ -155,11 +158,15 @@ StatusOr<size_t> Daemon::ReloadRules() {
   return alerting_->Reload(config_.default_rules, config_.rule_files, clock_->UnixSeconds());
 }
 
-Status Daemon::StartNotifiers(const std::string& journal_path) {
-  if (config_.receivers.empty()) return Status::Ok();
-  auto outbox = store::SqliteOutbox::Open(journal_path);
-  if (!outbox.ok()) return outbox.status();
-  outbox_ = std::move(outbox).value();
+Status Daemon::StartAlerting(const std::string& journal_path) {
+  auto store = store::AlertStore::Open(journal_path);
+  if (!store.ok()) return store.status();
+  alert_store_ = std::move(store).value();
+  if (config_.receivers.empty()) {
+    alerting_->Start(alert_store_.get(), nullptr);
+    spdlog::info("no alert receivers configured: alerts go to the trainers' streams and the Query API only");
+    return Status::Ok();
+  }
   std::vector<std::unique_ptr<notify::Receiver>> receivers;
   for (const Config::Receiver& r : config_.receivers) {
     notify::ReceiverConfig base;
@@ -181,11 +188,11 @@ Status Daemon::StartNotifiers(const std::string& journal_path) {
       receivers.push_back(std::make_unique<notify::SlackReceiver>(notify::SlackConfig{base}));
     }
   }
-  auto dispatcher = std::make_unique<notify::Dispatcher>(*outbox_, std::move(receivers));
+  auto dispatcher = std::make_unique<notify::Dispatcher>(*alert_store_, std::move(receivers));
   if (notify::Status s = dispatcher->Start(); !s.ok()) {
     return Status::InvalidArgument("alert receivers: " + s.message());
   }
-  alerting_->StartNotifying(std::move(dispatcher));
+  alerting_->Start(alert_store_.get(), std::move(dispatcher));
   spdlog::info("notifying {} receiver(s); outbox in {}", config_.receivers.size(), journal_path);
   return Status::Ok();
 }

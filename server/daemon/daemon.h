@@ -26,7 +26,7 @@ struct DaemonStats;
 }  // namespace runs
 namespace store {
 class Journal;
-class SqliteOutbox;
+class AlertStore;
 }
 namespace ingest {
 class IngestService;
@@ -59,8 +59,8 @@ class Daemon {
   void TickLoop();
   // Takes an exclusive lock on data_dir/LOCK for the daemon's life.
   Status LockDataDir();
-  // Opens the outbox and starts the dispatcher when receivers are configured.
-  Status StartNotifiers(const std::string& journal_path);
+  // Opens the alert store, builds the dispatcher when receivers are configured, starts alerting.
+  Status StartAlerting(const std::string& journal_path);
 
   const Config config_;
   const Clock* const clock_;
@@ -68,7 +68,7 @@ class Daemon {
   std::unique_ptr<Alerting> alerting_;
   std::unique_ptr<runs::RunRegistry> registry_;
   std::unique_ptr<store::Journal> journal_;
-  std::unique_ptr<store::SqliteOutbox> outbox_;
+  std::unique_ptr<store::AlertStore> alert_store_;  // outlives alerting_'s writer: Stop() stops it first
   std::unique_ptr<ingest::IngestService> ingest_;
   std::unique_ptr<ingest::QueryService> query_;
   std::unique_ptr<grpc::Server> server_;

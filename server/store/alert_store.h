@@ -1,0 +1,45 @@
+// The alerting's durable state in the journal's SQLite database, on a connection of its own:
+// the notifier outbox (so that notifications survive a receiver being down and a daemon
+// restart), the alert instances (pending and firing, with s0, acks...) and the silences. Write()
+// stores notifications and state changes in one transaction. Thread-safe.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "alerts/notify/outbox.h"
+#include "server/core/status.h"
+
+struct sqlite3;
+
+namespace gradwatch::store {
+
+class AlertStore final : public notify::Outbox {
+ public:
+  // Opens `path` (the journal's file; WAL mode lets both connections work) and creates the tables.
+  static StatusOr<std::unique_ptr<AlertStore>> Open(const std::string& path);
+  ~AlertStore() override;
+
+  notify::Result<std::vector<uint64_t>> Write(std::vector<notify::OutboxEntry> entries,
+                                              const alerts::StateChanges& states) override;
+  // A row that cannot be read (bad JSON) is skipped with an error in the log: one damaged alert
+  // must not keep the daemon from starting.
+  notify::Result<alerts::SavedState> LoadState() override;
+  notify::Result<std::vector<notify::OutboxEntry>> Pending(std::string_view receiver, size_t limit) override;
+  notify::Result<uint64_t> PendingCount(std::string_view receiver) override;
+  notify::Status MarkDelivered(uint64_t id) override;
+  notify::Status MarkFailed(uint64_t id, std::string_view error) override;
+  notify::Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts, std::string_view error) override;
+
+ private:
+  explicit AlertStore(sqlite3* db) : db_(db) {}
+  notify::Status Exec(const char* sql);
+  notify::Status ApplyLocked(const alerts::StateChanges& states);  // inside a transaction
+  notify::Status SetState(uint64_t id, int state, std::string_view error);
+
+  std::mutex mu_;
+  sqlite3* db_;  // guarded by mu_
+};
+
+}  // namespace gradwatch::store

@@ -1,0 +1,162 @@
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <random>
+#include <string>
+
+#include <sqlite3.h>
+
+#include "alerts/alert.h"
+#include "server/store/alert_store.h"
+
+using namespace gradwatch;
+
+namespace {
+
+std::filesystem::path TempPath() {
+  std::random_device rd;
+  auto dir = std::filesystem::temp_directory_path() / ("gradwatch-outbox-" + std::to_string(rd()));
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+notify::OutboxEntry Entry(const std::string& receiver, const std::string& fingerprint, alerts::AlertState state) {
+  notify::OutboxEntry e;
+  e.receiver = receiver;
+  e.fingerprint = fingerprint;
+  e.state = state;
+  e.payload = R"({"name":"GradNormContingency"})";
+  e.created_at = 1.7e9;
+  return e;
+}
+
+alerts::InstanceState Firing(const std::string& run, uint64_t step) {
+  alerts::InstanceState inst;
+  inst.rule = "GradNormContingency";
+  inst.run = run;
+  inst.alert.name = "GradNormContingency";
+  inst.alert.state = alerts::AlertState::kFiring;
+  inst.alert.labels = {{"alertname", "GradNormContingency"}, {"run", run}, {"severity", "page"}};
+  inst.alert.annotations = {{"summary", "total grad norm 5.5 at step " + std::to_string(step)}};
+  inst.alert.step = step;
+  inst.alert.value = 5.5;
+  inst.alert.starts_at = 1.7e9;
+  inst.held_since_step = step - 10;
+  inst.clearing = true;
+  inst.clearing_since_step = step + 3;
+  inst.notified = true;
+  inst.ack = alerts::Acknowledgement{"alice", "enabling wd", 1.7e9 + 60};
+  return inst;
+}
+
+}  // namespace
+
+TEST_CASE("the SQLite outbox keeps pending entries in order across a reopen until delivered", "[store]") {
+  const auto dir = TempPath();
+  const std::string path = (dir / "journal.db").string();
+  {
+    auto outbox = store::AlertStore::Open(path);
+    REQUIRE(outbox.ok());
+    auto ids = (*outbox)->Add({Entry("am", "f1", alerts::AlertState::kFiring), Entry("pd", "f1", alerts::AlertState::kFiring),
+                               Entry("am", "f1", alerts::AlertState::kResolved)});
+    REQUIRE(ids.ok());
+    REQUIRE(ids->size() == 3);
+    CHECK(ids.value()[0] < ids.value()[2]);
+    REQUIRE((*outbox)->MarkRetry(ids.value()[0], 1.7e9 + 5, 1, "connection refused").ok());
+    REQUIRE((*outbox)->MarkDelivered(ids.value()[1]).ok());
+  }
+  auto outbox = store::AlertStore::Open(path);  // a restart
+  REQUIRE(outbox.ok());
+  auto am = (*outbox)->Pending("am", 10);
+  REQUIRE(am.ok());
+  REQUIRE(am->size() == 2);
+  CHECK(am.value()[0].state == alerts::AlertState::kFiring);
+  CHECK(am.value()[0].attempts == 1);
+  CHECK(am.value()[0].next_attempt_at == Approx(1.7e9 + 5));
+  CHECK(am.value()[1].state == alerts::AlertState::kResolved);
+  CHECK(am.value()[1].payload == R"({"name":"GradNormContingency"})");
+  CHECK((*outbox)->PendingCount("pd").value() == 0);
+  REQUIRE((*outbox)->MarkFailed(am.value()[0].id, "400 bad request").ok());
+  CHECK((*outbox)->PendingCount("am").value() == 1);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("opening the outbox in a missing directory fails with a clear message", "[store]") {
+  auto outbox = store::AlertStore::Open("/nonexistent-gradwatch-dir/journal.db");
+  REQUIRE_FALSE(outbox.ok());
+  CHECK(outbox.status().message().find("/nonexistent-gradwatch-dir/journal.db") != std::string::npos);
+}
+
+TEST_CASE("alert states and silences are written with the notifications and read back after a reopen",
+          "[store]") {
+  const auto dir = TempPath();
+  const std::string path = (dir / "journal.db").string();
+  const alerts::InstanceState a = Firing("run-a", 60);
+  const alerts::InstanceState b = Firing("run-b", 70);
+  const uint64_t fa = alerts::Fingerprint(a.alert.labels), fb = alerts::Fingerprint(b.alert.labels);
+  {
+    auto store = store::AlertStore::Open(path);
+    REQUIRE(store.ok());
+    alerts::StateChanges first;
+    first.instances[fa] = a;
+    first.instances[fb] = b;
+    first.silences["s1"] = alerts::Silence{"s1", {{"run", "run-a"}}, 1.7e9, 1.7e9 + 600, "maintenance", "bob"};
+    first.silences["s2"] = alerts::Silence{"s2", {{"run", "run-b"}}, 1.7e9, 1.7e9 + 600, "", "bob"};
+    auto ids = (*store)->Write({Entry("am", alerts::FingerprintHex(a.alert.labels), alerts::AlertState::kFiring)}, first);
+    REQUIRE(ids.ok());
+    CHECK(ids->size() == 1);
+    alerts::StateChanges second;  // b resolved, s2 removed: no notification for these in this write
+    second.instances[fb] = std::nullopt;
+    second.silences["s2"] = std::nullopt;
+    REQUIRE((*store)->Write({}, second).ok());
+  }
+  auto store = store::AlertStore::Open(path);
+  REQUIRE(store.ok());
+  auto saved = (*store)->LoadState();
+  REQUIRE(saved.ok());
+  REQUIRE(saved->instances.size() == 1);
+  const alerts::InstanceState& got = saved->instances[0];
+  CHECK(got.rule == a.rule);
+  CHECK(got.run == "run-a");
+  CHECK(got.alert.state == alerts::AlertState::kFiring);
+  CHECK(got.alert.labels == a.alert.labels);
+  CHECK(got.alert.annotations == a.alert.annotations);
+  CHECK(got.alert.step == 60);
+  CHECK(got.alert.starts_at == a.alert.starts_at);
+  CHECK(got.held_since_step == 50);
+  CHECK(got.clearing);
+  CHECK(got.clearing_since_step == 63);
+  CHECK(got.notified);
+  REQUIRE(got.ack);
+  CHECK(*got.ack == *a.ack);
+  REQUIRE(saved->silences.size() == 1);
+  CHECK(saved->silences[0] == alerts::Silence{"s1", {{"run", "run-a"}}, 1.7e9, 1.7e9 + 600, "maintenance", "bob"});
+  CHECK((*store)->PendingCount("am").value() == 1);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a damaged alert row is skipped on load and the others are restored", "[store]") {
+  const auto dir = TempPath();
+  const std::string path = (dir / "journal.db").string();
+  {
+    auto store = store::AlertStore::Open(path);
+    REQUIRE(store.ok());
+    alerts::StateChanges changes;
+    const alerts::InstanceState a = Firing("run-a", 60), b = Firing("run-b", 70);
+    changes.instances[alerts::Fingerprint(a.alert.labels)] = a;
+    changes.instances[alerts::Fingerprint(b.alert.labels)] = b;
+    REQUIRE((*store)->Write({}, changes).ok());
+  }
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+  REQUIRE(sqlite3_exec(db, "UPDATE alert_instances SET alert = '{not json' WHERE run = 'run-b'", nullptr, nullptr,
+                       nullptr) == SQLITE_OK);
+  sqlite3_close(db);
+  auto store = store::AlertStore::Open(path);
+  REQUIRE(store.ok());
+  auto saved = (*store)->LoadState();
+  REQUIRE(saved.ok());
+  REQUIRE(saved->instances.size() == 1);
+  CHECK(saved->instances[0].run == "run-a");
+  std::filesystem::remove_all(dir);
+}
