@@ -110,4 +110,20 @@ std::unique_ptr<v1::Query::Stub> QueryStub(const std::string& target) {
   return v1::Query::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
 }
 
+std::vector<v1::Alert> ListAlerts(const std::string& target, const std::string& run,
+                                  std::chrono::milliseconds timeout) {
+  auto stub = QueryStub(target);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  v1::ListAlertsRequest req;
+  req.set_run_id(run);
+  v1::ListAlertsResponse resp;
+  const grpc::Status status = stub->ListAlerts(&ctx, req, &resp);
+  if (!status.ok()) {
+    throw std::runtime_error("Query.ListAlerts on " + target + " failed: code " +
+                             std::to_string(static_cast<int>(status.error_code())) + ": " + status.error_message());
+  }
+  return {resp.alerts().begin(), resp.alerts().end()};
+}
+
 }  // namespace gradwatch::testing

@@ -57,4 +57,9 @@ v1::Hello MakeHello(const std::string& run, uint32_t rank, uint32_t world,
 // A unary Query stub on `target`.
 std::unique_ptr<v1::Query::Stub> QueryStub(const std::string& target);
 
+// Query.ListAlerts on `target`: the pending and firing alerts of `run` (of every run when empty).
+// Throws std::runtime_error, with the status, unless the call succeeds within `timeout`.
+std::vector<v1::Alert> ListAlerts(const std::string& target, const std::string& run = "",
+                                  std::chrono::milliseconds timeout = std::chrono::seconds(5));
+
 }  // namespace gradwatch::testing
