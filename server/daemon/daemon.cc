@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "server/daemon/alerting.h"
+#include "server/export/alert_metrics.h"
 #include "server/export/metrics_collector.h"
 #include "server/ingest/ingest_service.h"
 #include "server/ingest/query_service.h"
@@ -123,6 +124,18 @@ Status Daemon::Start() {
   }
   collector_ = std::make_shared<exporter::MetricsCollector>(registry_.get(), stats_.get(), journal_.get());
   exposer_->RegisterCollectable(collector_);
+  Alerting* alerting = alerting_.get();
+  alert_collector_ = std::make_shared<exporter::AlertMetricsCollector>([alerting] {
+    exporter::AlertingView view;
+    view.active = alerting->engine().Active();
+    view.silences = alerting->engine().Silences().size();
+    view.firing_transitions = alerting->firing_transitions();
+    view.resolved_transitions = alerting->resolved_transitions();
+    view.store_write_failures = alerting->store_write_failures();
+    view.receivers = alerting->ReceiverStats();
+    return view;
+  });
+  exposer_->RegisterCollectable(alert_collector_);
   const auto ports = exposer_->GetListeningPorts();
   metrics_port_ = ports.empty() ? 0 : ports.front();
 

@@ -34,6 +34,7 @@ class QueryService;
 }  // namespace ingest
 namespace exporter {
 class MetricsCollector;
+class AlertMetricsCollector;
 }
 
 namespace daemon {
@@ -73,6 +74,7 @@ class Daemon {
   std::unique_ptr<ingest::QueryService> query_;
   std::unique_ptr<grpc::Server> server_;
   std::shared_ptr<exporter::MetricsCollector> collector_;
+  std::shared_ptr<exporter::AlertMetricsCollector> alert_collector_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;

@@ -6,6 +6,8 @@
 #include <map>
 #include <string>
 
+#include "server/export/families.h"
+
 namespace gradwatch::exporter {
 
 namespace {
@@ -13,29 +15,6 @@ namespace {
 using prometheus::ClientMetric;
 using prometheus::MetricFamily;
 using prometheus::MetricType;
-
-MetricFamily Family(std::string name, std::string help, MetricType type) {
-  MetricFamily f;
-  f.name = std::move(name);
-  f.help = std::move(help);
-  f.type = type;
-  return f;
-}
-
-ClientMetric Sample(std::vector<ClientMetric::Label> labels, double value, MetricType type) {
-  ClientMetric m;
-  m.label = std::move(labels);
-  if (type == MetricType::Counter) {
-    m.counter.value = value;
-  } else {
-    m.gauge.value = value;
-  }
-  return m;
-}
-
-void Add(MetricFamily& f, std::vector<ClientMetric::Label> labels, double value) {
-  f.metric.push_back(Sample(std::move(labels), value, f.type));
-}
 
 // "5" for 5.0, "0.25" for 0.25: the shortest text that reads back as the same number.
 std::string FormatThreshold(double v) {

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <csignal>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -78,6 +79,18 @@ std::optional<v1::Alert> FindPage(const DaemonProcess& daemon, const std::string
   return std::nullopt;
 }
 
+// gradwatch_alerts samples of the contingency page for `run`, by alertstate.
+std::map<std::string, double> PageSamples(const std::string& exposition, const std::string& run) {
+  std::map<std::string, double> out;
+  for (const MetricSample& m : ParseExposition(exposition)) {
+    if (m.name == "gradwatch_alerts" && m.labels.count("alertname") && m.labels.at("alertname") == kPage &&
+        m.labels.count("run") && m.labels.at("run") == run) {
+      out[m.labels.at("alertstate")] = m.value;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("a firing page survives a crash and is sent resolved exactly once", "[integration]") {
@@ -111,6 +124,15 @@ TEST_CASE("a firing page survives a crash and is sent resolved exactly once", "[
   CHECK(after->fingerprint() == before->fingerprint());
   CHECK(after->step() == 60);
   CHECK(after->starts_at() == before->starts_at());
+  const std::string restored_metrics = daemon.ScrapeMetrics();
+  CHECK(PageSamples(restored_metrics, "crash-run") == std::map<std::string, double>{{"firing", 1.0}});
+  if (!PromtoolPath().empty()) {  // the alerting families pass Prometheus's own linter
+    const CommandResult lint = RunCommand({PromtoolPath(), "check", "metrics"}, restored_metrics);
+    INFO(lint.out << lint.err);
+    CHECK(lint.exit_code == 0);
+    CHECK(lint.out.empty());
+    CHECK(lint.err.empty());
+  }
 
   // The trainer comes back and the norm has fallen back.
   StreamClient stream(daemon.grpc_target());
@@ -129,6 +151,12 @@ TEST_CASE("a firing page survives a crash and is sent resolved exactly once", "[
   const std::vector<Notice> expected = {{"firing", kPage, "crash-run", before->fingerprint()},
                                         {"resolved", kPage, "crash-run", before->fingerprint()}};
   CHECK(notices == expected);
+  const std::string metrics = daemon.ScrapeMetrics();
+  CHECK(ParseMetric(metrics, "gradwatch_notifications_sent_total", {{"receiver", "hook"}}) == 1.0);  // this process
+  CHECK(ParseMetric(metrics, "gradwatch_notification_queue_depth", {{"receiver", "hook"}}) == 0.0);
+  CHECK(ParseMetric(metrics, "gradwatch_alert_transitions_total", {{"to", "resolved"}}) == 1.0);
+  CHECK(ParseMetric(metrics, "gradwatch_alert_store_write_failures_total") == 0.0);
+  CHECK(PageSamples(metrics, "crash-run").empty());
   stream.Close();
   CHECK(daemon.Stop() == 0);
 }
@@ -175,6 +203,9 @@ TEST_CASE("a receiver down across a restart gets every state change once and in 
     CHECK(n.run == "down-run");
     CHECK(n.fingerprint == notices[0].fingerprint);
   }
+  const std::string metrics = daemon.ScrapeMetrics();
+  CHECK(ParseMetric(metrics, "gradwatch_notifications_sent_total", {{"receiver", "hook"}}) == 4.0);
+  CHECK(ParseMetric(metrics, "gradwatch_notification_retries_total", {{"receiver", "hook"}}) >= 1.0);
   CHECK(daemon.Stop() == 0);
 }
 

@@ -1,0 +1,39 @@
+// The Prometheus view of alerting, built at scrape time: alerts pending and firing (in the shape
+// of Prometheus's own ALERTS series), transitions, silences, and each receiver's deliveries,
+// retries, failures and queue, so that a dashboard shows when paging itself is broken.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include <prometheus/collectable.h>
+#include <prometheus/metric_family.h>
+
+#include "alerts/alert.h"
+#include "alerts/notify/dispatcher.h"
+
+namespace gradwatch::exporter {
+
+// What a scrape reads of the daemon's alerting.
+struct AlertingView {
+  std::vector<alerts::Alert> active;  // pending and firing
+  size_t silences = 0;                // not ended
+  uint64_t firing_transitions = 0;    // since start
+  uint64_t resolved_transitions = 0;  // since start
+  uint64_t store_write_failures = 0;  // since start
+  std::vector<notify::ReceiverStats> receivers;
+};
+
+class AlertMetricsCollector final : public prometheus::Collectable {
+ public:
+  // `view` is called once per scrape, from the exposer's thread.
+  explicit AlertMetricsCollector(std::function<AlertingView()> view) : view_(std::move(view)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  const std::function<AlertingView()> view_;
+};
+
+}  // namespace gradwatch::exporter
