@@ -127,11 +127,16 @@ Status Alerting::Restore(const runs::RunRegistry& registry, double now) {
   if (!saved.ok()) return Status::IoError("alert store: " + saved.status().message());
   const size_t silences = saved->silences.size();
   Count(engine_.Restore(std::move(saved).value(), now));
-  for (const auto& run : registry.All()) Count(engine_.EvaluateStep(run->Facts(), now));
+  for (const auto& run : registry.All()) {
+    if (!run->Info().ended) Count(engine_.EvaluateStep(run->Facts(), now));
+  }
+  // Alerts of runs that ended or that the daemon no longer holds resolve.
   std::set<std::string> gone;
   for (const alerts::Alert& a : engine_.Active()) {
     auto run = a.labels.find("run");
-    if (run != a.labels.end() && !registry.Find(run->second)) gone.insert(run->second);
+    if (run == a.labels.end()) continue;
+    auto held = registry.Find(run->second);
+    if (!held || held->Info().ended) gone.insert(run->second);
   }
   for (const std::string& run : gone) Count(engine_.ForgetRun(run, now));
   size_t firing = 0, pending = 0;
@@ -181,6 +186,8 @@ std::vector<alerts::Transition> Alerting::OnStep(const alerts::RunFacts& facts) 
   Count(transitions);
   return transitions;
 }
+
+void Alerting::OnRunEnded(const std::string& run_id, double now) { Count(engine_.ForgetRun(run_id, now)); }
 
 void Alerting::Tick(const runs::RunRegistry& registry, double now) {
   std::vector<alerts::RunFacts> facts;

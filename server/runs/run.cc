@@ -360,6 +360,7 @@ void Run::Tick() {
     spdlog::info("run {}: ended (no stream and no step for {:.0f} s)", id_,
                  std::chrono::duration<double>(options_.end_after).count());
     JournalLocked(store::RunEndedRecord{id_, clock_->UnixSeconds()});
+    if (options_.alert_hook != nullptr) options_.alert_hook->OnRunEnded(id_, clock_->UnixSeconds());
   }
 }
 

@@ -28,11 +28,15 @@
 namespace gradwatch::runs {
 
 // Evaluates alert rules on each completed step. Called with the run's mutex held: it must only
-// compute and queue. Returns the transitions the engine made, to be sent to the run's streams.
+// compute and queue.
 class AlertHook {
  public:
   virtual ~AlertHook() = default;
+  // Returns the transitions the engine made, to be sent to the run's streams.
   virtual std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) = 0;
+  // The run ended (no stream, no step for end_after): its alerts resolve, as a Prometheus alert
+  // does when its series vanish, so no page stays open for a job that is gone.
+  virtual void OnRunEnded(const std::string& run_id, double now) = 0;
 };
 
 struct RunOptions {

@@ -1,6 +1,7 @@
-// Alert states across daemon restarts and receiver outages, through the real gradwatchd: a page
-// survives a crash and is sent resolved exactly once; a receiver that is down across a restart
-// gets every state change exactly once and in order; silences survive a restart.
+// Alert states across daemon restarts, receiver outages and the end of runs, through the real
+// gradwatchd: a page survives a crash and is sent resolved exactly once; a receiver that is down
+// across a restart gets every state change exactly once and in order; a page resolves when its
+// run ends and does not come back after a restart; silences survive a restart.
 #include <catch2/catch.hpp>
 
 #include <csignal>
@@ -23,10 +24,11 @@ namespace {
 
 constexpr const char* kPage = "GradNormContingency";
 
-DaemonOptions WithWebhook(const TempDir& data, const notify::testing::TestReceiver& receiver) {
+DaemonOptions WithWebhook(const TempDir& data, const notify::testing::TestReceiver& receiver,
+                          const std::string& more_yaml = "") {
   DaemonOptions options;
   options.data_dir = data.path();
-  options.config_yaml = "log: {format: text, level: debug}\nalerts:\n  receivers:\n"
+  options.config_yaml = "log: {format: text, level: debug}\n" + more_yaml + "alerts:\n  receivers:\n"
                         "    - {type: webhook, name: hook, url: " + receiver.url("/hook") + "}\n";
   return options;
 }
@@ -209,7 +211,34 @@ TEST_CASE("a receiver down across a restart gets every state change once and in 
   CHECK(daemon.Stop() == 0);
 }
 
-TEST_CASE("silences survive a restart; ended ones do not", "[integration]") {
+TEST_CASE("a page resolves when its run ends, and stays resolved after a restart", "[integration]") {
+  notify::testing::TestReceiver receiver;
+  TempDir data("gradwatch-persist-end");
+  DaemonProcess daemon(WithWebhook(data, receiver, "runs: {end_after_seconds: 1}\n"));
+  uint64_t seq = 1;
+  {
+    StreamClient stream(daemon.grpc_target());
+    Hello(stream, "ending-run", &seq);
+    Send(stream, 1, 20, 6.0, &seq);  // fires at 11
+    REQUIRE(FindPage(daemon, "ending-run"));
+    stream.Close();
+  }
+  // The job is gone: once the run ends its page resolves instead of staying open for ever.
+  REQUIRE(receiver.WaitForDelivered(2, std::chrono::seconds(20)));
+  CHECK_FALSE(FindPage(daemon, "ending-run"));
+  CHECK(daemon.LogText().find("run ending-run: ended") != std::string::npos);
+
+  daemon.Restart();
+  CHECK_FALSE(FindPage(daemon, "ending-run"));  // an ended run is not evaluated again
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const std::vector<Notice> notices = Delivered(receiver);
+  REQUIRE(notices.size() == 2);
+  CHECK(notices[0].status == "firing");
+  CHECK(notices[1].status == "resolved");
+  CHECK(daemon.Stop() == 0);
+}
+
+TEST_CASE("silences survive a restart, and ended ones do not", "[integration]") {
   TempDir data("gradwatch-persist-silence");
   DaemonOptions options;
   options.data_dir = data.path();

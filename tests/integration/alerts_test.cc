@@ -1,5 +1,6 @@
 // The contingency rule end to end through the real gradwatchd: the page reaches the trainer's own
-// stream at the right step, with the recommendation, and resolves when the norm falls back.
+// stream, and a real Alertmanager from a `gradwatch replay`, at the right step, with the
+// recommendation, and resolves when the norm falls back.
 #include <catch2/catch.hpp>
 
 #include <arpa/inet.h>
@@ -51,17 +52,6 @@ bool IsContingency(const v1::DaemonMessage& m, v1::AlertState state) {
   return m.has_alert() && m.alert().name() == "GradNormContingency" && m.alert().state() == state;
 }
 
-std::vector<v1::Alert> ListAlerts(const DaemonProcess& daemon, const std::string& run) {
-  auto stub = QueryStub(daemon.grpc_target());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  v1::ListAlertsRequest req;
-  req.set_run_id(run);
-  v1::ListAlertsResponse resp;
-  REQUIRE(stub->ListAlerts(&ctx, req, &resp).ok());
-  return {resp.alerts().begin(), resp.alerts().end()};
-}
-
 // Streams steps `first`, `first + every`, ... ≤ last with total grad norm 5.5 on [high_from,
 // high_to] and 1.0 elsewhere; returns the steps at which the page fired and resolved.
 std::pair<uint64_t, uint64_t> Run(const DaemonProcess& daemon, const std::string& run, uint64_t every) {
@@ -75,7 +65,7 @@ std::pair<uint64_t, uint64_t> Run(const DaemonProcess& daemon, const std::string
     if (s == 100) {
       stream.WaitAck(100);  // step 100 is processed (and evaluated) before it is acked
       bool firing = false;
-      for (const auto& a : ListAlerts(daemon, run)) {
+      for (const auto& a : ListAlerts(daemon.grpc_target(), run)) {
         firing = firing || (a.name() == "GradNormContingency" && a.state() == v1::ALERT_STATE_FIRING);
       }
       CHECK(firing);
@@ -116,7 +106,7 @@ TEST_CASE("the grad-norm contingency pages the trainer's stream at s0 + 10 and r
   }
 }
 
-TEST_CASE("gradwatch alerts lists a firing page with its recommendation; rules check validates files",
+TEST_CASE("gradwatch alerts lists a firing page with its recommendation, and rules check validates files",
           "[integration]") {
   DaemonProcess daemon;
   StreamClient stream(daemon.grpc_target());
@@ -207,63 +197,219 @@ class Alertmanager {
   pid_t pid_ = -1;
 };
 
+using nlohmann::json;
+
+// The Alertmanager test's run: its total grad norm first reaches 5 at step kHighFrom (s0).
+constexpr const char* kAmRun = "am-run";
+constexpr uint64_t kHighFrom = 50;
+constexpr uint64_t kHighTo = 70;
+constexpr uint64_t kPageStep = kHighFrom + 10;  // for_steps: 10
+constexpr uint64_t kResolveStep = kHighTo + 1;  // the first step below the clear level, 4.5
+constexpr uint64_t kLastStep = 90;
+
+// Rises from 1.0 to 4.84 over steps 1..s0-1 (below 5, but above the clear level at the end), is 5.5
+// on [s0, kHighTo] and 1.0 after.
+double AmTotalNorm(uint64_t step) {
+  if (step < kHighFrom) return 1.0 + 0.08 * static_cast<double>(step - 1);
+  return step <= kHighTo ? 5.5 : 1.0;
+}
+
+// Writes steps 1..last of the run in the JSONL `gradwatch replay` reads: a header with the
+// catalog (final_norm.weight: a norm gain of 6144 entries without weight decay; lm_head.weight with
+// the run's 0.1), then one line per step with the lm_head carrying 81% of the squared total grad
+// norm (below the LmHeadGradShareHigh warning's 90%: the page is the only alert Alertmanager gets)
+// and ||final_norm|| = 362, 4.618× its init norm sqrt(6144).
+std::string WriteAmReplay(const TempDir& dir, uint64_t last) {
+  const std::string path = (dir.path() / ("to-step-" + std::to_string(last) + ".jsonl")).string();
+  std::ofstream out(path);
+  const json header = {
+      {"run", kAmRun},
+      {"labels", {{"job", "it"}}},
+      {"config", {{"hidden_size", 6144}, {"z_loss_coef", 1e-4}, {"weight_decay", 0.1}}},
+      {"params",
+       json::array({{{"name", "final_norm.weight"}, {"numel", 6144}, {"kind", "norm_gain"}, {"weight_decay", 0.0},
+                     {"role", "final_norm"}},
+                    {{"name", "lm_head.weight"}, {"numel", 6144 * 1024}, {"kind", "output"}, {"weight_decay", 0.1}}})}};
+  out << header.dump() << "\n";
+  for (uint64_t s = 1; s <= last; ++s) {
+    const double total = AmTotalNorm(s);
+    const json line = {{"_step", s},
+                       {"_timestamp", 1.7e9 + static_cast<double>(s)},
+                       {"grad/norm/total", total},
+                       {"grad/norm/lm_head.weight", 0.9 * total},
+                       {"params/norm/final_norm.weight", 362.0},
+                       {"train/loss", 2.0}};
+    out << line.dump() << "\n";
+  }
+  out.close();
+  REQUIRE(out);
+  return path;
+}
+
+CommandResult Cli(const DaemonProcess& daemon, std::vector<std::string> args) {
+  std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+}
+
+// `gradwatch replay FILE --max --json`, which must succeed; returns the command (its JSON summary
+// on stdout, the alerts the daemon sent down the replay's stream on stderr).
+CommandResult Replay(const DaemonProcess& daemon, const std::string& file) {
+  const CommandResult r = Cli(daemon, {"--timeout", "30", "replay", file, "--max", "--json"});
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  return r;
+}
+
+// The run's GradNormContingency as `gradwatch alerts RUN --json` lists it; null when not listed
+// (neither pending nor firing).
+json CliContingency(const DaemonProcess& daemon) {
+  const CommandResult r = Cli(daemon, {"--json", "alerts", kAmRun});
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const json listed = json::parse(r.out);
+  json found;
+  for (const json& a : listed.at("alerts")) {
+    if (a["name"] == "GradNormContingency") {
+      CHECK(found.is_null());  // one instance per run
+      found = a;
+    }
+  }
+  return found;
+}
+
+// The run's GradNormContingency among Alertmanager's active alerts; null when absent.
+json AmPage(const Alertmanager& am) {
+  json found;
+  for (const json& a : am.Alerts()) {
+    if (a["labels"]["alertname"] == "GradNormContingency" && a["labels"]["run"] == kAmRun) found = a;
+  }
+  return found;
+}
+
+// Alerts Alertmanager has received with `status` ("firing" or "resolved"), from its own /metrics.
+double AmReceived(const Alertmanager& am, const std::string& status) {
+  double total = 0;
+  for (const MetricSample& m : ParseExposition(HttpGet("127.0.0.1", am.port(), "/metrics"))) {
+    if (m.name == "alertmanager_alerts_received_total" && m.labels.count("status") && m.labels.at("status") == status) {
+      total += m.value;
+    }
+  }
+  return total;
+}
+
 }  // namespace
 
+// The issue's end-to-end check: a replay (the real `gradwatch replay`) whose total grad norm first
+// reaches 5 at step s0 = 50 pages a real Alertmanager exactly at step s0 + 10 = 60, with the
+// recommendation, and the page resolves there when the norm falls back. The history is replayed in
+// three growing files; each replay resumes after the steps the daemon already holds.
 TEST_CASE("the contingency pages a real Alertmanager with the recommendation, and resolves", "[integration]") {
   if (::system("command -v prometheus-alertmanager > /dev/null 2>&1") != 0) {
     FAIL("prometheus-alertmanager is not installed (tests/run.sh installs deploy/packages-test.txt)");
   }
   Alertmanager am;
+  // A firing alert is sent at once and re-sent every 30 s with endsAt = now + 120 s: within this
+  // test only gradwatch's resolved notification can end it in Alertmanager, not expiry, and the
+  // page Alertmanager holds is the one sent at the firing step (annotations are re-rendered later).
   DaemonOptions options;
   options.config_yaml = "alerts:\n  external_url: http://gradwatch.test:9390\n  receivers:\n"
                         "    - {type: alertmanager, name: am, url: http://127.0.0.1:" +
-                        std::to_string(am.port()) + ", resend_interval_seconds: 1}\n";
+                        std::to_string(am.port()) + ", resend_interval_seconds: 30}\n";
   DaemonProcess daemon(options);
-  StreamClient stream(daemon.grpc_target());
-  REQUIRE(stream.Hello(IncidentHello("am-run"), 1));
-  stream.WaitAccepted();
-  uint64_t seq = 2;
-  for (uint64_t s = 1; s <= 70; ++s) REQUIRE(stream.Step(Step(s, s >= 50 ? 5.5 : 1.0), seq++));
-  CHECK(stream.WaitFor([](const v1::DaemonMessage& m) { return IsContingency(m, v1::ALERT_STATE_FIRING); })
-            .alert()
-            .step() == 60);
+  TempDir dir("gradwatch-am-replay");
+  const std::string firing_log = "alert GradNormContingency firing for run am-run at step ";
+  const std::string page_summary = "Total grad norm 5.5 ≥ 5 at step " + std::to_string(kPageStep) + " in run am-run";
 
-  nlohmann::json page;
+  // Steps 1..s0+9: the norm has been ≥ 5 for 9 steps; the alert is pending since s0, nobody paged.
+  {
+    const CommandResult r = Replay(daemon, WriteAmReplay(dir, kPageStep - 1));
+    INFO(r.out << r.err);
+    const json summary = json::parse(r.out);
+    CHECK(summary["run"] == kAmRun);
+    CHECK(summary["steps_sent"] == kPageStep - 1);
+    CHECK(summary["last_acked_step"] == kPageStep - 1);  // acked only once evaluated
+    CHECK(r.err.find("alert GradNormContingency FIRING") == std::string::npos);
+    const json pending = CliContingency(daemon);
+    INFO(pending.dump(2));
+    REQUIRE_FALSE(pending.is_null());
+    CHECK(pending["state"] == "ALERT_STATE_PENDING");
+    CHECK(pending["step"] == kHighFrom);
+    CHECK(daemon.LogText().find(firing_log) == std::string::npos);
+    CHECK(AmPage(am).is_null());
+  }
+
+  // On to step 70: the page fires at exactly s0 + 10 and reaches Alertmanager.
+  {
+    const CommandResult r = Replay(daemon, WriteAmReplay(dir, kHighTo));
+    INFO(r.out << r.err);
+    const json summary = json::parse(r.out);
+    CHECK(summary["already_held_steps"] == kPageStep - 1);
+    CHECK(summary["steps_sent"] == kHighTo - kPageStep + 1);
+    CHECK(summary["last_acked_step"] == kHighTo);
+    // The replay's own stream got the page, once.
+    const std::string streamed = "alert GradNormContingency FIRING at step " + std::to_string(kPageStep) + ",";
+    CHECK(r.err.find(streamed) != std::string::npos);
+    CHECK(r.err.find("alert GradNormContingency FIRING") == r.err.rfind("alert GradNormContingency FIRING"));
+  }
+  {
+    const std::string log = daemon.LogText();
+    INFO(log);
+    CHECK(log.find(firing_log + std::to_string(kPageStep) + ":") != std::string::npos);
+    CHECK(log.find(firing_log) == log.rfind(firing_log));  // it fired once
+  }
+  const json firing = CliContingency(daemon);
+  INFO(firing.dump(2));
+  REQUIRE_FALSE(firing.is_null());
+  CHECK(firing["state"] == "ALERT_STATE_FIRING");
+  CHECK(firing["step"] == kPageStep);
+  CHECK(firing["value"].get<double>() == Approx(5.5));
+
+  json page;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (page.is_null() && std::chrono::steady_clock::now() < deadline) {
-    for (const auto& a : am.Alerts()) {
-      if (a["labels"]["alertname"] == "GradNormContingency") page = a;
-    }
+    page = AmPage(am);
     if (page.is_null()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   REQUIRE_FALSE(page.is_null());
   INFO(page.dump(2));
-  CHECK(page["labels"]["run"] == "am-run");
+  CHECK(page["labels"]["alertname"] == "GradNormContingency");
+  CHECK(page["labels"]["run"] == kAmRun);
   CHECK(page["labels"]["severity"] == "page");
   CHECK(page["status"]["state"] == "active");
-  CHECK(page["annotations"]["recommendation"].get<std::string>().find("enable weight decay on final_norm.weight") !=
-        std::string::npos);
-  CHECK(page["annotations"]["summary"].get<std::string>().find("60") != std::string::npos);
+  CHECK(page["annotations"]["summary"] == page_summary);
+  const std::string rec = page["annotations"]["recommendation"].get<std::string>();
+  CHECK(rec.find("enable weight decay on final_norm.weight") != std::string::npos);
+  CHECK(rec.find("4.618× its init norm") != std::string::npos);  // 362 / sqrt(6144)
+  CHECK(rec.find("0.1") != std::string::npos);
+  CHECK(page["annotations"]["recommendation"] == firing["annotations"]["recommendation"]);
   CHECK(page["generatorURL"] == "http://gradwatch.test:9390/runs/am-run");
+  CHECK(AmReceived(am, "resolved") == 0);
 
-  // The norm falls back: the page resolves in Alertmanager.
-  for (uint64_t s = 71; s <= 80; ++s) REQUIRE(stream.Step(Step(s, 1.0), seq++));
-  stream.WaitFor([](const v1::DaemonMessage& m) { return IsContingency(m, v1::ALERT_STATE_RESOLVED); });
+  // The norm falls back to 1.0 from step 71: the page resolves at once, in Alertmanager too.
+  {
+    const CommandResult r = Replay(daemon, WriteAmReplay(dir, kLastStep));
+    INFO(r.out << r.err);
+    const json summary = json::parse(r.out);
+    CHECK(summary["already_held_steps"] == kHighTo);
+    CHECK(summary["last_acked_step"] == kLastStep);
+    CHECK(r.err.find("alert GradNormContingency RESOLVED at step " + std::to_string(kResolveStep) + ",") !=
+          std::string::npos);
+  }
+  CHECK(daemon.LogText().find("alert GradNormContingency resolved for run am-run at step " +
+                              std::to_string(kResolveStep) + "\n") != std::string::npos);
+  CHECK(CliContingency(daemon).is_null());
   bool resolved = false;
   const auto resolve_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (!resolved && std::chrono::steady_clock::now() < resolve_deadline) {
-    resolved = true;
-    for (const auto& a : am.Alerts()) {
-      if (a["labels"]["alertname"] == "GradNormContingency" && a["status"]["state"] == "active") resolved = false;
-    }
+    resolved = AmPage(am).is_null() && AmReceived(am, "resolved") >= 1;
     if (!resolved) std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   CHECK(resolved);
-  stream.Close();
   CHECK(daemon.Stop() == 0);
 }
 
-TEST_CASE("rules reload via the CLI and SIGHUP keeps the old rules when a file is invalid; silences and acks",
+TEST_CASE("rules reload via the CLI and SIGHUP keeps the old rules when a file is invalid, and silences and acks",
           "[integration]") {
   TempDir rules_dir("gradwatch-rules-reload");
   const std::string rules = (rules_dir.path() / "extra.yaml").string();

@@ -60,7 +60,7 @@ std::vector<v1::SeriesPoint> GetSeries(const std::string& target, const std::str
 
 }  // namespace
 
-TEST_CASE("two ranks stream sharded squared sums; merged norms show in the query API and /metrics",
+TEST_CASE("two ranks stream sharded squared sums, and merged norms show in the query API and /metrics",
           "[integration]") {
   DaemonProcess daemon;
   StreamClient rank0(daemon.grpc_target()), rank1(daemon.grpc_target());

@@ -467,7 +467,7 @@ struct Recorder {
 
 }  // namespace
 
-TEST_CASE("every durable change reaches the sink; value-only updates do not", "[alerts][persistence]") {
+TEST_CASE("every durable change reaches the sink, value-only updates do not", "[alerts][persistence]") {
   AlertEngine engine({DefaultRule("GradNormContingency")});
   Recorder rec;
   rec.Attach(engine);

@@ -78,7 +78,7 @@ TEST_CASE("an unusable reported total falls back to the parameters' sum", "[anal
   }
 }
 
-TEST_CASE("group shares add their members' shares; a group without members is NaN",
+TEST_CASE("group shares add their members' shares, and a group without members is NaN",
           "[analytics]") {
   // lm_head 0.9² = 0.81, two norms 0.3² = 0.09 each, an embedding 0.1² = 0.01: total² = 1.
   const std::vector<double> grads = {0.9, 0.3, 0.3, 0.1};
@@ -185,7 +185,7 @@ TEST_CASE("a trend is steady below the threshold or when unknown", "[analytics]"
   CHECK(ClassifyTrend(0.05, 0.1) == Trend::kSteady);
 }
 
-TEST_CASE("a 6144-entry norm gain initialised at ones starts at norm 78.38; at 362 it amplifies "
+TEST_CASE("a 6144-entry norm gain initialised at ones starts at norm 78.38, and at 362 it amplifies "
           "4.62x",
           "[analytics]") {
   const std::optional<double> init = InitNorm(FinalNorm());

@@ -1,6 +1,9 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include <prometheus/text_serializer.h>
 
@@ -42,29 +45,52 @@ RunMeta Meta(const std::string& id) {
   return m;
 }
 
-}  // namespace
-
-TEST_CASE("the collector reports live runs' latest values with run, param and group labels", "[export]") {
-  FakeClock clock;
-  runs::DaemonStats stats;
+runs::RunOptions EndAfterOneMinute() {
   runs::RunOptions options;
   options.end_after = 60s;
-  runs::RunRegistry registry(options, 8, &stats, &clock);
-  NullSink sink;
-  runs::AttachInfo info;
-  runs::IngestError error{runs::IngestErrorReason::kInvalidHello, ""};
-  auto run = registry.Attach(Meta("live"), 0, &sink, &info, &error);
-  REQUIRE(run);
+  return options;
+}
+
+// A run registry on a fake clock (a run ends 60 s after its last stream and step), its daemon
+// stats, and a collector's view of both.
+class CollectorFixture {
+ protected:
+  // Attaches rank 0 of run `id` (catalog: final_norm.weight, lm_head.weight in group "head").
+  std::shared_ptr<runs::Run> Attach(const std::string& id) {
+    runs::AttachInfo info;
+    runs::IngestError error{runs::IngestErrorReason::kInvalidHello, ""};
+    auto run = registry_.Attach(Meta(id), 0, &sink_, &info, &error);
+    INFO(error.message);
+    REQUIRE(run);
+    return run;
+  }
+
+  // What a scrape would see now.
+  std::vector<prometheus::MetricFamily> Collect() {
+    exporter::MetricsCollector collector(&registry_, &stats_, nullptr);
+    return collector.Collect();
+  }
+
+  FakeClock clock_;
+  runs::DaemonStats stats_;
+  NullSink sink_;
+  runs::RunRegistry registry_{EndAfterOneMinute(), 8, &stats_, &clock_};
+};
+
+}  // namespace
+
+TEST_CASE_METHOD(CollectorFixture, "the collector reports live runs' latest values with run, param and group labels",
+                 "[export]") {
+  auto run = Attach("live");
   RankStep step;
   step.step = 42;
   step.loss = 2.5;
   step.params.push_back({.index = 1, .norms = {NormContribution::FromNorm(0.4), {}, {}}});
   step.params.push_back({.index = 0, .norms = {{}, NormContribution::FromNorm(340.0), {}}});
-  REQUIRE_FALSE(run->AddStep(0, step, &sink));
-  stats.CountError(runs::IngestErrorReason::kUnknownParam);
+  REQUIRE_FALSE(run->AddStep(0, step, &sink_));
+  stats_.CountError(runs::IngestErrorReason::kUnknownParam);
 
-  exporter::MetricsCollector collector(&registry, &stats, nullptr);
-  const auto families = collector.Collect();
+  const auto families = Collect();
 
   const auto* grad = FindFamily(families, "gradwatch_grad_norm");
   REQUIRE(grad);
@@ -108,32 +134,27 @@ TEST_CASE("the collector reports live runs' latest values with run, param and gr
         std::string::npos);
 }
 
-TEST_CASE("an ended run's series leave the collector's output", "[export]") {
-  FakeClock clock;
-  runs::DaemonStats stats;
-  runs::RunOptions options;
-  options.end_after = 60s;
-  runs::RunRegistry registry(options, 8, &stats, &clock);
-  NullSink sink;
-  runs::AttachInfo info;
-  runs::IngestError error{runs::IngestErrorReason::kInvalidHello, ""};
-  auto run = registry.Attach(Meta("finished"), 0, &sink, &info, &error);
+TEST_CASE_METHOD(CollectorFixture, "an ended run's series leave the collector's output", "[export]") {
+  auto run = Attach("finished");
   RankStep step;
   step.step = 1;
   step.loss = 1.0;
-  REQUIRE_FALSE(run->AddStep(0, step, &sink));
-  run->Detach(0, &sink);
-  clock.Advance(61s);
-  registry.Tick();
+  REQUIRE_FALSE(run->AddStep(0, step, &sink_));
+  run->Detach(0, &sink_);
+  clock_.Advance(61s);
+  registry_.Tick();
 
-  exporter::MetricsCollector collector(&registry, &stats, nullptr);
-  const auto families = collector.Collect();
-  CHECK(FindFamily(families, "gradwatch_loss")->metric.empty());
-  CHECK(FindFamily(families, "gradwatch_last_step")->metric.empty());
+  const auto families = Collect();
+  const auto* loss = FindFamily(families, "gradwatch_loss");
+  REQUIRE(loss);
+  CHECK(loss->metric.empty());
+  const auto* last = FindFamily(families, "gradwatch_last_step");
+  REQUIRE(last);
+  CHECK(last->metric.empty());
   const auto* runs_family = FindFamily(families, "gradwatch_runs");
   REQUIRE(runs_family);
   for (const auto& m : runs_family->metric) {
     CHECK(m.gauge.value == (Label(m, "state") == "ended" ? 1 : 0));
   }
-  CHECK(registry.Find("finished"));  // still queryable
+  CHECK(registry_.Find("finished"));  // still queryable
 }

@@ -75,7 +75,7 @@ TEST_CASE("invalid hellos are refused with a reason", "[ingest]") {
   }
 }
 
-TEST_CASE("step stats convert norms and squared sums; negatives are refused, NaN passes", "[ingest]") {
+TEST_CASE("step stats convert norms and squared sums, refuse negatives and pass NaN", "[ingest]") {
   v1::StepStats s;
   s.set_step(42);
   s.set_loss(2.5);
