@@ -58,3 +58,32 @@ TEST_CASE("memory outbox: delivered and failed entries leave, retried ones stay"
   CHECK(all[2].last_error == "HTTP 503");
   CHECK_FALSE(outbox.MarkDelivered(12345).ok());
 }
+
+TEST_CASE("memory outbox keeps the state changes written with the entries, latest wins", "[notify]") {
+  namespace alerts = gradwatch::alerts;
+  notify::MemoryOutbox outbox;
+  alerts::InstanceState firing;
+  firing.rule = "GradNormContingency";
+  firing.run = "r1";
+  firing.alert.state = AlertState::kFiring;
+  firing.alert.labels = {{"alertname", "GradNormContingency"}, {"run", "r1"}};
+  alerts::InstanceState other = firing;
+  other.run = "r2";
+  other.alert.labels["run"] = "r2";
+  alerts::StateChanges first;
+  first.instances[1] = firing;
+  first.instances[2] = other;
+  first.silences["s1"] = alerts::Silence{"s1", {{"run", "r1"}}, 0, 100, "", "bob"};
+  REQUIRE(outbox.Write({Entry("am", "f1")}, first).ok());
+  alerts::StateChanges second;
+  second.instances[2] = std::nullopt;
+  second.silences["s1"] = std::nullopt;
+  REQUIRE(outbox.Write({}, second).ok());
+
+  const auto saved = outbox.LoadState();
+  REQUIRE(saved.ok());
+  REQUIRE(saved->instances.size() == 1);
+  CHECK(saved->instances[0].run == "r1");
+  CHECK(saved->silences.empty());
+  CHECK(outbox.PendingCount("am").value() == 1);
+}
