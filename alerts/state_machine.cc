@@ -436,6 +436,15 @@ std::optional<Acknowledgement> AlertEngine::AckOf(std::string_view fingerprint) 
   return it->second.ack;
 }
 
+std::vector<std::string> AlertEngine::SilencesMuting(const Alert& alert, double now) const {
+  std::lock_guard lock(mu_);
+  std::vector<std::string> ids;
+  for (const auto& [id, s] : silences_) {
+    if (SilenceMatches(s, alert, now)) ids.push_back(id);
+  }
+  return ids;
+}
+
 bool AlertEngine::IsMuted(const Alert& alert, double now) const {
   std::lock_guard lock(mu_);
   return IsMutedLocked(alert, now);

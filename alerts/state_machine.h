@@ -161,6 +161,8 @@ class AlertEngine {
   // Whether notifications of `alert` are muted at `now`: an active silence matches it, or it is
   // a firing alert that was acknowledged.
   bool IsMuted(const Alert& alert, double now) const;
+  // The ids of the silences that mute `alert` at `now`, sorted.
+  std::vector<std::string> SilencesMuting(const Alert& alert, double now) const;
 
  private:
   using Instance = InstanceState;

@@ -373,10 +373,26 @@ std::string FormatAlerts(const v1::ListAlertsResponse& alerts) {
     };
     auto summary = a.annotations().find("summary");
     std::string state = a.state() == v1::ALERT_STATE_FIRING ? "firing" : a.state() == v1::ALERT_STATE_PENDING ? "pending" : "resolved";
+    if (a.has_ack()) {
+      state += " (acked)";
+    } else if (!a.silenced_by().empty()) {
+      state += " (silenced)";
+    }
     rows.push_back({state, a.name(), label("run"), label("severity"), std::to_string(a.step()), Short(a.value()),
                     a.fingerprint(), summary == a.annotations().end() ? "" : summary->second});
   }
   std::string out = FormatTable(rows);
+  for (const v1::Alert& a : alerts.alerts()) {
+    if (a.has_ack()) {
+      out += "\n" + a.name() + " " + a.fingerprint() + " acknowledged by " + a.ack().by() + " at " +
+             FormatWallTime(a.ack().at()) + (a.ack().comment().empty() ? "" : ": " + a.ack().comment()) + "\n";
+    }
+    if (!a.silenced_by().empty()) {
+      std::string ids;
+      for (const std::string& id : a.silenced_by()) ids += (ids.empty() ? "" : ", ") + id;
+      out += "\n" + a.name() + " " + a.fingerprint() + " silenced by " + ids + "\n";
+    }
+  }
   for (const v1::Alert& a : alerts.alerts()) {
     auto rec = a.annotations().find("recommendation");
     if (rec != a.annotations().end() && !rec->second.empty()) out += "\n" + a.name() + ": " + rec->second + "\n";

@@ -56,7 +56,8 @@ std::string FormatRunSummary(const v1::RunSummary& summary);
 std::string FormatDiagnosis(const v1::RunSummary& summary);
 nlohmann::ordered_json RunSummaryToJson(const v1::RunSummary& summary);
 
-// `gradwatch alerts`: one line per alert (state, name, run, severity, step, value, summary).
+// `gradwatch alerts`: one line per alert (state, acked or silenced, name, run, severity, step,
+// value, summary), then who acknowledged which and the silences muting them, then recommendations.
 std::string FormatAlerts(const v1::ListAlertsResponse& alerts);
 
 // `gradwatch series`: "step value min max count" per point.

@@ -108,7 +108,17 @@ grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* 
                                                    const v1::ListAlertsRequest* request,
                                                    v1::ListAlertsResponse* response) {
   if (engine_ != nullptr) {
-    for (const alerts::Alert& a : engine_->Active(request->run_id())) AlertToProto(a, response->add_alerts());
+    const double now = clock_->UnixSeconds();
+    for (const alerts::Alert& a : engine_->Active(request->run_id())) {
+      v1::Alert* out = response->add_alerts();
+      AlertToProto(a, out);
+      for (std::string& id : engine_->SilencesMuting(a, now)) out->add_silenced_by(std::move(id));
+      if (auto ack = engine_->AckOf(out->fingerprint())) {
+        out->mutable_ack()->set_by(ack->by);
+        out->mutable_ack()->set_comment(ack->comment);
+        out->mutable_ack()->set_at(ack->at);
+      }
+    }
   }
   return Done(context, grpc::Status::OK);
 }

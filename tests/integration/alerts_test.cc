@@ -459,6 +459,11 @@ TEST_CASE("rules reload via the CLI and SIGHUP keeps the old rules when a file i
   const CommandResult listed = cli({"alerts", "ack-run"});
   CHECK(listed.out.find(page.fingerprint()) != std::string::npos);
   CHECK(cli({"ack", page.fingerprint(), "--by", "oncall", "--comment", "looking"}).exit_code == 0);
+  const CommandResult acked = cli({"alerts", "ack-run"});
+  INFO(acked.out);
+  CHECK(acked.out.find("firing (acked)") != std::string::npos);
+  CHECK(acked.out.find("GradNormContingency " + page.fingerprint() + " acknowledged by oncall at ") !=
+        std::string::npos);
   CHECK(cli({"ack", "0123456789abcdef"}).exit_code == 1);
 
   const CommandResult added = cli({"silence", "add", "run=ack-run", "--duration", "600", "--comment", "maintenance"});
@@ -466,6 +471,8 @@ TEST_CASE("rules reload via the CLI and SIGHUP keeps the old rules when a file i
   REQUIRE(added.exit_code == 0);
   const std::string id = added.out.substr(std::string("silence ").size(), added.out.find(" added") - 8);
   CHECK(cli({"silence", "list"}).out.find("run=ack-run") != std::string::npos);
+  CHECK(cli({"alerts", "ack-run"}).out.find("GradNormContingency " + page.fingerprint() + " silenced by " + id) !=
+        std::string::npos);
   CHECK(cli({"silence", "remove", id}).exit_code == 0);
   CHECK(cli({"silence", "list"}).out.find("no silences") != std::string::npos);
   CHECK(cli({"silence", "add", "nonsense"}).exit_code == 2);

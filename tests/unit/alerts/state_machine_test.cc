@@ -242,6 +242,8 @@ TEST_CASE("a silence mutes notifications without hiding state", "[alerts]") {
   const Alert firing = engine.Active()[0];
   CHECK(firing.state == AlertState::kFiring);
   CHECK(engine.IsMuted(firing, kT0 + 150));
+  CHECK(engine.SilencesMuting(firing, kT0 + 150) == std::vector<std::string>{"s1"});
+  CHECK(engine.SilencesMuting(firing, kT0 + 200).empty());  // ended
 
   // Another run is not silenced.
   CHECK(AnyNotified(d.engine.EvaluateStep(Step(100, 5.1, "r2"), kT0 + 100)) == false);  // pending

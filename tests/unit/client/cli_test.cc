@@ -338,3 +338,33 @@ TEST_CASE("proto JSON keeps integers as numbers and non-finite doubles as string
   c.set_z_loss_coef(0);
   CHECK(gradwatch::cli::ProtoToJson(c)["z_loss_coef"] == 0.0);
 }
+
+TEST_CASE("alerts show who acknowledged a page and which silences mute one", "[client]") {
+  v1::ListAlertsResponse resp;
+  v1::Alert* page = resp.add_alerts();
+  page->set_name("GradNormContingency");
+  page->set_state(v1::ALERT_STATE_FIRING);
+  page->set_fingerprint("0123456789abcdef");
+  (*page->mutable_labels())["run"] = "r1";
+  page->mutable_ack()->set_by("alice");
+  page->mutable_ack()->set_comment("enabling wd on final_norm");
+  page->mutable_ack()->set_at(1.8e9);
+  v1::Alert* warning = resp.add_alerts();
+  warning->set_name("LmHeadGradShareHigh");
+  warning->set_state(v1::ALERT_STATE_FIRING);
+  warning->set_fingerprint("fedcba9876543210");
+  warning->add_silenced_by("s-1");
+  warning->add_silenced_by("s-2");
+  v1::Alert* plain = resp.add_alerts();
+  plain->set_name("GradNormForecast");
+  plain->set_state(v1::ALERT_STATE_PENDING);
+
+  const std::string text = gradwatch::cli::FormatAlerts(resp);
+  INFO(text);
+  CHECK(text.find("firing (acked)") != std::string::npos);
+  CHECK(text.find("firing (silenced)") != std::string::npos);
+  CHECK(text.find("GradNormContingency 0123456789abcdef acknowledged by alice at 2027-01-15T08:00:00Z: "
+                  "enabling wd on final_norm") != std::string::npos);
+  CHECK(text.find("LmHeadGradShareHigh fedcba9876543210 silenced by s-1, s-2") != std::string::npos);
+  CHECK(text.find("pending (") == std::string::npos);
+}
