@@ -393,10 +393,20 @@ std::string FormatAlerts(const v1::ListAlertsResponse& alerts) {
       out += "\n" + a.name() + " " + a.fingerprint() + " silenced by " + ids + "\n";
     }
   }
+  // Alerts of one run share their recommendation: print each text once, headed by the alerts carrying it.
+  std::vector<std::pair<std::string, std::string>> recommendations;  // names, text
   for (const v1::Alert& a : alerts.alerts()) {
     auto rec = a.annotations().find("recommendation");
-    if (rec != a.annotations().end() && !rec->second.empty()) out += "\n" + a.name() + ": " + rec->second + "\n";
+    if (rec == a.annotations().end() || rec->second.empty()) continue;
+    auto same = std::find_if(recommendations.begin(), recommendations.end(),
+                             [&](const auto& r) { return r.second == rec->second; });
+    if (same == recommendations.end()) {
+      recommendations.emplace_back(a.name(), rec->second);
+    } else {
+      same->first += ", " + a.name();
+    }
   }
+  for (const auto& [names, text] : recommendations) out += "\n" + names + ": " + text + "\n";
   return out;
 }
 

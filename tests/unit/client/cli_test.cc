@@ -368,3 +368,24 @@ TEST_CASE("alerts show who acknowledged a page and which silences mute one", "[c
   CHECK(text.find("LmHeadGradShareHigh fedcba9876543210 silenced by s-1, s-2") != std::string::npos);
   CHECK(text.find("pending (") == std::string::npos);
 }
+
+TEST_CASE("alerts print a recommendation they share once", "[client]") {
+  v1::ListAlertsResponse resp;
+  for (const char* name : {"GradNormContingency", "LmHeadGradShareHigh"}) {
+    v1::Alert* a = resp.add_alerts();
+    a->set_name(name);
+    a->set_state(v1::ALERT_STATE_FIRING);
+    (*a->mutable_annotations())["recommendation"] = "enable weight decay on final_norm.weight";
+  }
+  v1::Alert* other = resp.add_alerts();
+  other->set_name("NonFiniteValues");
+  other->set_state(v1::ALERT_STATE_FIRING);
+  (*other->mutable_annotations())["recommendation"] = "look at the last checkpoint";
+
+  const std::string text = gradwatch::cli::FormatAlerts(resp);
+  INFO(text);
+  const std::string shared = "GradNormContingency, LmHeadGradShareHigh: enable weight decay on final_norm.weight";
+  CHECK(text.find(shared) != std::string::npos);
+  CHECK(text.find("enable weight decay") == text.rfind("enable weight decay"));
+  CHECK(text.find("NonFiniteValues: look at the last checkpoint") != std::string::npos);
+}
