@@ -83,7 +83,8 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
                       std::vector<Condition>* out) {
   for (const ForecastFact& f : facts.forecasts) {
     if (!SameThreshold(f.threshold, rule.threshold) || !MatchesAny(rule.series, f.key)) continue;
-    const bool active = f.reachable && f.steps_to_threshold >= 0 &&
+    // A forecast is about the future: once the value is there, the threshold's own rule speaks.
+    const bool active = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0 &&
                         f.steps_to_threshold <= static_cast<double>(rule.within_steps);
     Condition c = Make(base, facts, f.current_value, active);
     c.labels["series"] = f.key;

@@ -20,7 +20,7 @@
 // for_steps, resolve_for_steps, and per kind:
 //   threshold             series (key or glob, or a list), op (">=", ">", "<=", "<"; also ge, gt,
 //                         le, lt), value, clear_below (with >=, >) or clear_above (with <=, <)
-//   forecast              series, threshold, within_steps
+//   forecast              series, threshold, within_steps (holds while the value is still below)
 //   slope_change          series, min_ratio, at (event | change_point | any; default event),
 //                         clear_below
 //   share                 one or more of param (name or glob, "*" any), group (name or glob),

@@ -34,7 +34,7 @@ struct Config {
   std::vector<uint64_t> slope_windows = {1000, 5000, 20000};  // steps
   size_t slope_max_buckets = 128;
   uint64_t event_window_steps = 5000;
-  uint64_t forecast_window_steps = 5000;
+  uint64_t forecast_window_steps = 20000;
   // (series key, threshold) pairs forecast for every run.
   std::vector<std::pair<std::string, double>> forecasts = {{"grad/norm/total", 5.0}};
   uint64_t change_point_window_steps = 3000;

@@ -111,11 +111,16 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   ClassifyLocked(t);
   if (key == keys::kLoss) t.key_series = true;
   t.slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, options_.max_buckets);
+  if (t.key_series || IsForecastKey(key)) {
+    t.spike_filter = std::make_unique<analytics::SpikeFilter>();
+    t.robust = std::make_unique<analytics::SlopeTracker>(WindowsWith(options_.windows, options_.event_window_steps),
+                                                         options_.max_buckets);
+  }
   if (t.key_series) {
     t.detector = std::make_unique<analytics::SlopeChangeDetector>(options_.change_points);
     for (const EventRecord& e : events_) {
       analytics::EventSlope slope(e.step, options_.event_window_steps, options_.event_min_after_samples);
-      slope.Seed(*t.slopes);
+      slope.Seed(*t.robust);
       t.events.emplace_back(e.text, std::move(slope));
     }
   }
@@ -128,9 +133,9 @@ void RunAnalytics::OnEvent(const EventRecord& event) {
   events_.push_back(event);
   if (events_.size() > options_.max_events) events_.erase(events_.begin());
   for (Tracked& t : series_) {
-    if (!t.key_series || !t.slopes) continue;
+    if (!t.key_series || !t.robust) continue;
     analytics::EventSlope slope(event.step, options_.event_window_steps, options_.event_min_after_samples);
-    slope.Seed(*t.slopes);
+    slope.Seed(*t.robust);
     t.events.emplace_back(event.text, std::move(slope));
     if (t.events.size() > options_.max_events) t.events.erase(t.events.begin());
   }
@@ -146,7 +151,11 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
     if (!std::isfinite(sv.value)) continue;  // a NaN is a signal for alerts, not a slope sample
     t.slopes->AddSample(step.step, sv.value);
     if (t.detector) t.detector->AddSample(step.step, sv.value);
-    for (auto& [text, slope] : t.events) slope.AddSample(step.step, sv.value);
+    if (!t.spike_filter) continue;
+    if (const auto p = t.spike_filter->Add(step.step, sv.value)) {
+      t.robust->AddSample(p->step, p->value);
+      for (auto& [text, slope] : t.events) slope.AddSample(p->step, p->value);
+    }
   }
   UpdateShares(step);
 }
@@ -184,8 +193,13 @@ void RunAnalytics::UpdateShares(const CompletedStep& step) {
   }
 }
 
+bool RunAnalytics::IsForecastKey(const std::string& key) const {
+  return std::any_of(options_.forecasts.begin(), options_.forecasts.end(),
+                     [&](const auto& f) { return f.first == key; });
+}
+
 const analytics::WindowedSlope* RunAnalytics::Window(const Tracked& t, uint64_t window_steps) const {
-  for (const auto& w : t.slopes->windows()) {
+  for (const auto& w : (t.robust ? t.robust : t.slopes)->windows()) {
     if (w.window_steps() == window_steps) return &w;
   }
   return nullptr;

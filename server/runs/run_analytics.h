@@ -15,6 +15,7 @@
 #include "server/analytics/change_point.h"
 #include "server/analytics/event_slope.h"
 #include "server/analytics/regression.h"
+#include "server/analytics/spike_filter.h"
 #include "server/core/types.h"
 
 namespace gradwatch::runs {
@@ -30,7 +31,7 @@ struct AnalyticsOptions {
   size_t event_min_after_samples = 10;
   // Events kept per series for slope changes (the most recent).
   size_t max_events = 16;
-  uint64_t forecast_window_steps = 5000;
+  uint64_t forecast_window_steps = 20000;
   // (series key, threshold) pairs to forecast.
   std::vector<std::pair<std::string, double>> forecasts = {{"grad/norm/total", 5.0}};
   analytics::ChangePointOptions change_points;
@@ -116,8 +117,12 @@ class RunAnalytics {
     std::string key;
     Role role = Role::kExtra;
     int param = -1;
-    std::unique_ptr<analytics::SlopeTracker> slopes;
+    std::unique_ptr<analytics::SlopeTracker> slopes;  // raw samples: the slopes shown, as Prometheus's deriv
     std::unique_ptr<analytics::SlopeChangeDetector> detector;  // key series only
+    // Key series and forecast series: the same windows over a spike filter's output, which feeds
+    // event slopes and forecasts, so that a one-step spike does not bend them.
+    std::unique_ptr<analytics::SpikeFilter> spike_filter;
+    std::unique_ptr<analytics::SlopeTracker> robust;
     std::vector<std::pair<std::string, analytics::EventSlope>> events;  // (event text, slope)
     bool key_series = false;
     double last_value = 0;
@@ -142,7 +147,9 @@ class RunAnalytics {
   bool IsKeySeries(Role role, int param) const;
   void ClassifyLocked(Tracked& t) const;
   void UpdateShares(const CompletedStep& step);
+  // The window of this length of the series' robust tracker (its raw one when it has none).
   const analytics::WindowedSlope* Window(const Tracked& t, uint64_t window_steps) const;
+  bool IsForecastKey(const std::string& key) const;
 
   const AnalyticsOptions options_;
   std::vector<ParamInfo> params_;

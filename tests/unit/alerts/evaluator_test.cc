@@ -107,6 +107,9 @@ TEST_CASE("forecast: active when the threshold is reached within the horizon", "
   cs = Evaluate(rule, facts);
   CHECK_FALSE(cs[0].active);
   CHECK(cs[0].vars.at("at_step") == "never");
+  // Reached: no longer a forecast (the threshold's own rule pages).
+  facts.forecasts[0] = {"grad/norm/total", 5.0, true, 0, 100000, 5.2, 0.25};
+  CHECK_FALSE(Evaluate(rule, facts)[0].active);
 }
 
 TEST_CASE("slope_change: events and change points are separate instances", "[alerts]") {
@@ -243,7 +246,7 @@ TEST_CASE("every default rule matches an incident-shaped run and renders its ann
   facts.step = 100000;
   facts.open_streams = 8;
   facts.seconds_since_last_step = 900;
-  facts.forecasts = {{"grad/norm/total", 5.0, true, 0, 100000, 5.2, 0.25}};
+  facts.forecasts = {{"grad/norm/total", 5.0, true, 800, 100800, 4.8, 0.25}};
   facts.slope_changes = {{"grad/norm/total", 81716, "switched to near-dropless EP routing", 2.0, 0.005, 0.01, 40}};
   ParamFact final_norm = Param("final_norm.weight", ParamKind::kNormGain, 0);
   final_norm.norm = 362.1;

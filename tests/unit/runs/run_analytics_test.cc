@@ -73,7 +73,7 @@ TEST_CASE("a norm gain without decay that rises is reported with its amplificati
   CHECK(r.growth_without_decay[0].slope_per_kstep == Approx(10.0));
 }
 
-TEST_CASE("slopes are reported for every series and window, and forecasts use the middle window", "[runs]") {
+TEST_CASE("slopes are reported for every series and window, and forecasts use the forecast window", "[runs]") {
   RunAnalytics a = Make();
   for (uint64_t s = 0; s <= 10000; ++s) {
     CompletedStep step = Step(s, 0.3 + 1e-5 * s, 0.0, 78.4);
@@ -91,7 +91,8 @@ TEST_CASE("slopes are reported for every series and window, and forecasts use th
   CHECK(total_windows == 3);
   REQUIRE(r.forecasts.size() == 1);
   CHECK(r.forecasts[0].reachable);
-  CHECK(r.forecasts[0].window_steps == 5000);
+  CHECK(r.forecasts[0].window_steps == 20000);  // the default forecast_window_steps
+  CHECK(r.forecasts[0].at_step == Approx(470000));
   CHECK(r.forecasts[0].steps_to_threshold == Approx((5.0 - 0.4) / 1e-5));
 }
 
@@ -109,6 +110,24 @@ TEST_CASE("an event known before its steps (journal restore order) still gets it
     found = true;
     CHECK(c.event_text == "routing switch");
     CHECK(c.change.ratio == Approx(2.0).epsilon(1e-6));
+  }
+  CHECK(found);
+}
+
+TEST_CASE("one-step spikes in sparse reports do not bend the slope change at an event", "[runs]") {
+  // A report every 50 steps; the slope doubles at the event; every 4,000 steps one report is ×1.5.
+  RunAnalytics a = Make();
+  a.OnEvent({.step = 81716, .text = "switched to near-dropless EP routing"});
+  for (uint64_t s = 70000; s <= 90000; s += 50) {
+    double v = s < 81716 ? 0.4 + 5e-6 * (s - 70000.0) : 0.4585 + 1e-5 * (s - 81716.0);
+    if (s % 4000 == 0) v *= 1.5;
+    a.OnStep(Step(s, v, 0.0, 78.4));
+  }
+  bool found = false;
+  for (const auto& c : a.Analysis().slope_changes) {
+    if (c.key != "grad/norm/total") continue;
+    found = true;
+    CHECK(c.change.ratio == Approx(2.0).epsilon(0.02));  // plain least squares on raw reports: ×1.67
   }
   CHECK(found);
 }
