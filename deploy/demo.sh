@@ -9,7 +9,9 @@ Usage: deploy/demo.sh [--serve] [--keep] [--help]
 Installs the Debian packages listed in deploy/packages.txt that are missing (needs root then),
 builds gradwatch into build/ (Release), starts gradwatchd with deploy/gradwatchd.yaml, replays an
 incident-shaped training run (deploy/examples/make_incident_run.py) into it, shows the run with the
-`gradwatch` CLI and a few of its /metrics lines, then stops the daemon with SIGTERM.
+`gradwatch` CLI, a few of its /metrics lines and its alerts, then lets the run go on untreated
+until the total grad norm reaches 5 and the contingency pages (with its recommendation), and stops
+the daemon with SIGTERM.
 
 Options:
   --serve   leave the daemon running at the end and print its PID and how to stop it
@@ -116,6 +118,10 @@ work_dir="$(mktemp -d -t gradwatch-demo-run.XXXXXX)"
 run_file="$work_dir/$RUN_ID.jsonl"
 "$GW_PYTHON" "$GW_REPO_ROOT/deploy/examples/make_incident_run.py" --out "$run_file"
 gw_log "generated $run_file ($(wc -l <"$run_file") lines)"
+later_file="$work_dir/$RUN_ID-untreated.jsonl"
+"$GW_PYTHON" "$GW_REPO_ROOT/deploy/examples/make_incident_run.py" --out "$later_file" \
+  --from-step 110100 --to-step 600000 --every 100
+gw_log "generated $later_file ($(wc -l <"$later_file") lines)"
 
 prepare_data_dir
 gw_log "starting gradwatchd on $data_dir (log: $data_dir/gradwatchd.log)"
@@ -160,6 +166,16 @@ metrics="$(curl -fsS --max-time 10 "$metrics_url")"
 awk -v run="$RUN_ID" 'index($0, run) && n < 12 { print; n++ }' <<<"$metrics"
 echo
 echo "Prometheus metrics: $metrics_url (scrape it, or curl it as above)"
+echo
+echo "\$ gradwatch alerts $RUN_ID"
+"$CLI" alerts "$RUN_ID"
+echo
+echo "If nothing is done, the run goes on to step 600,000 (a report every 100 steps):"
+echo "\$ gradwatch replay $RUN_ID-untreated.jsonl --max"
+"$CLI" replay "$later_file" --max
+echo
+echo "\$ gradwatch alerts $RUN_ID"
+"$CLI" alerts "$RUN_ID"
 
 if [[ "$serve" == true ]]; then
   echo "gradwatchd keeps running as pid $daemon_pid (data: $data_dir, log: $data_dir/gradwatchd.log)."
