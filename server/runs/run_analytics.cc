@@ -112,9 +112,12 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   if (key == keys::kLoss) t.key_series = true;
   t.slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, options_.max_buckets);
   if (t.key_series || IsForecastKey(key)) {
+    // The longest window lets an event registered after its step find its before-window (as on
+    // the raw tracker); a forecast needs its own window.
+    std::vector<uint64_t> windows = {std::max(options_.windows.back(), options_.event_window_steps)};
+    if (IsForecastKey(key)) windows = WindowsWith(windows, options_.forecast_window_steps);
     t.spike_filter = std::make_unique<analytics::SpikeFilter>();
-    t.robust = std::make_unique<analytics::SlopeTracker>(WindowsWith(options_.windows, options_.event_window_steps),
-                                                         options_.max_buckets);
+    t.robust = std::make_unique<analytics::SlopeTracker>(windows, options_.max_buckets);
   }
   if (t.key_series) {
     t.detector = std::make_unique<analytics::SlopeChangeDetector>(options_.change_points);

@@ -119,8 +119,9 @@ class RunAnalytics {
     int param = -1;
     std::unique_ptr<analytics::SlopeTracker> slopes;  // raw samples: the slopes shown, as Prometheus's deriv
     std::unique_ptr<analytics::SlopeChangeDetector> detector;  // key series only
-    // Key series and forecast series: the same windows over a spike filter's output, which feeds
-    // event slopes and forecasts, so that a one-step spike does not bend them.
+    // Key series and forecast series: a spike filter's output, which feeds event slopes and
+    // forecasts so that a one-step spike does not bend them (the longest window, and the
+    // forecast's).
     std::unique_ptr<analytics::SpikeFilter> spike_filter;
     std::unique_ptr<analytics::SlopeTracker> robust;
     std::vector<std::pair<std::string, analytics::EventSlope>> events;  // (event text, slope)
