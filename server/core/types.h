@@ -58,6 +58,9 @@ struct RunMeta {
   RunConfig config;
   std::vector<ParamInfo> params;
   double created_at = 0;  // seconds since the Unix epoch
+  // Hello only (never journaled with the run): the step this process resumed from, when it
+  // resumed from a checkpoint (see Hello.resume_from_step).
+  std::optional<uint64_t> resume_from_step;
 };
 
 // Index of a series within its run's SeriesCatalog.
@@ -138,7 +141,7 @@ struct CompletedStep {
 struct EventRecord {
   uint64_t step = 0;
   std::string text;
-  std::string source;  // "trainer" or "annotate"
+  std::string source;  // "trainer", "annotate" or "daemon" (recorded by the daemon itself)
   double recorded_at = 0;
 };
 

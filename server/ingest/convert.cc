@@ -88,6 +88,8 @@ std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits
   }
   meta->run_id = in.run_id();
   meta->world_size = in.world_size();
+  meta->resume_from_step =
+      in.has_resume_from_step() ? std::optional<uint64_t>(in.resume_from_step()) : std::nullopt;
   meta->labels = {in.labels().begin(), in.labels().end()};
   const v1::RunConfig& c = in.config();
   meta->config.hidden_size = c.hidden_size();

@@ -47,6 +47,20 @@ TEST_CASE("a valid hello converts with its catalog and config", "[ingest]") {
   CHECK(meta.params[1].init_norm == 12.5);
 }
 
+TEST_CASE("a hello's resume point is told apart from no resume, step 0 included", "[ingest]") {
+  RunMeta meta;
+  uint32_t rank = 0;
+  v1::Hello h = GoodHello();
+  REQUIRE_FALSE(HelloFromProto(h, {}, &meta, &rank));
+  CHECK_FALSE(meta.resume_from_step.has_value());
+  h.set_resume_from_step(0);
+  REQUIRE_FALSE(HelloFromProto(h, {}, &meta, &rank));
+  CHECK(meta.resume_from_step == 0u);
+  h.set_resume_from_step(20000);
+  REQUIRE_FALSE(HelloFromProto(h, {}, &meta, &rank));
+  CHECK(meta.resume_from_step == 20000u);
+}
+
 TEST_CASE("invalid hellos are refused with a reason", "[ingest]") {
   RunMeta meta;
   uint32_t rank = 0;
