@@ -5,10 +5,12 @@
 // squared contributions.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -72,6 +74,16 @@ class StepAssembler {
   template <typename OnComplete>
   void Expire(SteadyTime now, OnComplete&& on_complete);
 
+  // A rewind to from_step (a resume from a checkpoint). Pending steps below from_step complete
+  // now, as partial, through on_complete: the resumed ranks start at from_step and will never
+  // report them. Pending steps at or above it are discarded: their reports belong to the
+  // abandoned branch. The high-water mark becomes last_kept_step, the newest completed step the
+  // run keeps (none: nothing completed is kept), and the world becomes world_size ranks (≥ 1),
+  // so an elastic job may resume with another size.
+  template <typename OnComplete>
+  void Rewind(uint64_t from_step, std::optional<uint64_t> last_kept_step, uint32_t world_size,
+              OnComplete&& on_complete);
+
   size_t pending() const { return pending_.size(); }
   bool has_completed() const { return has_completed_; }
   uint64_t last_completed_step() const { return last_completed_step_; }
@@ -83,7 +95,7 @@ class StepAssembler {
   template <typename OnComplete>
   void CompleteFront(OnComplete& on_complete);
 
-  const uint32_t world_size_;
+  uint32_t world_size_;
   const std::chrono::nanoseconds timeout_;
   const size_t max_pending_;
   size_t param_count_ = 0;
@@ -129,6 +141,19 @@ void StepAssembler::Expire(SteadyTime now, OnComplete&& on_complete) {
   }
   if (last_expired == pending_.size()) return;
   for (size_t i = 0; i <= last_expired; ++i) CompleteFront(on_complete);
+}
+
+template <typename OnComplete>
+void StepAssembler::Rewind(uint64_t from_step, std::optional<uint64_t> last_kept_step, uint32_t world_size,
+                           OnComplete&& on_complete) {
+  while (!pending_.empty() && pending_.front()->step < from_step) CompleteFront(on_complete);
+  while (!pending_.empty()) {
+    free_.push_back(std::move(pending_.back()));
+    pending_.pop_back();
+  }
+  has_completed_ = last_kept_step.has_value();
+  last_completed_step_ = last_kept_step.value_or(0);
+  world_size_ = std::max<uint32_t>(1, world_size);
 }
 
 }  // namespace gradwatch::runs

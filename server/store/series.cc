@@ -105,8 +105,37 @@ void Series::CompactHistory() {
   bucket_width_ *= 2;
 }
 
+uint64_t Series::TruncateFrom(uint64_t from_step) {
+  uint64_t dropped = 0;
+  // Recent points are ordered and newer than every bucket: drop from the newest end.
+  while (recent_size_ > 0) {
+    const Point& newest = recent_[(recent_start_ + recent_size_ - 1) % recent_.size()];
+    if (newest.last_step < from_step) break;
+    dropped += newest.count;
+    --recent_size_;
+  }
+  if (recent_size_ == 0) {
+    recent_start_ = 0;
+    while (history_size_ > 0 && history_[history_size_ - 1].last_step >= from_step) {
+      dropped += history_[history_size_ - 1].count;
+      --history_size_;
+    }
+  }
+  sample_count_ -= dropped;
+  if (const auto latest = Latest()) {
+    last_step_ = latest->last_step;
+  } else {
+    sample_count_ = 0;
+    last_step_ = 0;
+  }
+  return dropped;
+}
+
 std::optional<Point> Series::Latest() const {
-  if (recent_size_ == 0) return std::nullopt;
+  if (recent_size_ == 0) {
+    if (history_size_ == 0) return std::nullopt;
+    return history_[history_size_ - 1];
+  }
   return recent_[(recent_start_ + recent_size_ - 1) % recent_.size()];
 }
 

@@ -41,7 +41,16 @@ class Series {
   // NaN and ±Inf are kept (counted in `nonfinite`).
   bool Append(uint64_t step, double value);
 
-  // The newest sample, if any.
+  // Drops every point covering a step ≥ from_step (a rewind to a checkpoint: those steps belong
+  // to an abandoned branch). A downsampled bucket that straddles from_step (its first step below
+  // it, its last at or above it) is dropped whole, since its mean, min and max cannot be split:
+  // no abandoned value is ever shown, at the cost of up to one bucket of older history just
+  // before from_step. Later appends need only exceed the newest kept step. Returns the samples
+  // dropped. O(points held).
+  uint64_t TruncateFrom(uint64_t from_step);
+
+  // The newest sample (or, after a truncation emptied the recent points, the newest bucket), if
+  // any.
   std::optional<Point> Latest() const;
 
   // Points overlapping [from_step, to_step], oldest first: history buckets, then recent points.
@@ -50,7 +59,7 @@ class Series {
   // so a one-step spike keeps its min/max. Empty when from_step > to_step.
   std::vector<Point> Query(uint64_t from_step, uint64_t to_step, size_t max_points = 0) const;
 
-  // Samples ever appended (not only those kept at full resolution).
+  // Samples appended and not truncated (not only those kept at full resolution).
   uint64_t sample_count() const { return sample_count_; }
   // Bytes this series holds (fixed after construction).
   size_t MemoryBytes() const;

@@ -162,3 +162,46 @@ TEST_CASE("scalars merge: total grad squares summed, tokens summed, loss average
   CHECK(tokens == 250);
   CHECK(total_sq == Approx(25.0));
 }
+
+TEST_CASE("a rewind completes pending steps below it, discards the rest and may resize the world", "[runs][rewind]") {
+  StepAssembler a(2, 30s);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  for (uint64_t s = 10; s <= 30; s += 10) {
+    a.Add(0, Report(s, 1.0), kT0, Collect(done));
+    a.Add(1, Report(s, 1.0), kT0, Collect(done));
+  }
+  a.Add(0, Report(40, 1.0), kT0, Collect(done));  // pending below the resume point
+  a.Add(0, Report(50, 1.0), kT0, Collect(done));  // pending at the resume point
+  a.Add(1, Report(60, 1.0), kT0, Collect(done));  // pending above it
+  REQUIRE(done.size() == 3);
+
+  a.Rewind(50, 30, 3, Collect(done));
+  REQUIRE(done.size() == 4);
+  CHECK(done.back().step == 40);
+  CHECK(done.back().partial);
+  CHECK(a.pending() == 0);
+  CHECK(a.last_completed_step() == 30);
+
+  // Step 50 again, from the resumed world of three ranks: not late, complete only with all three.
+  CHECK(a.Add(0, Report(50, 4.0), kT0, Collect(done)) == AddResult::kAccepted);
+  CHECK(a.Add(1, Report(50, 4.0), kT0, Collect(done)) == AddResult::kAccepted);
+  REQUIRE(done.size() == 4);
+  CHECK(a.Add(2, Report(50, 4.0), kT0, Collect(done)) == AddResult::kAccepted);
+  REQUIRE(done.size() == 5);
+  CHECK(done.back().step == 50);
+  CHECK_FALSE(done.back().partial);
+  CHECK(done.back().ranks == 3);
+  CHECK(done.back().grad_sq0 == 12.0);  // the discarded reports of step 50 are not summed in
+}
+
+TEST_CASE("a rewind to before every completed step accepts any step again", "[runs][rewind]") {
+  StepAssembler a(1, 30s);
+  a.SetParamCount(1);
+  std::vector<Done> done;
+  a.Add(0, Report(100, 1.0), kT0, Collect(done));
+  a.Rewind(0, std::nullopt, 1, Collect(done));
+  CHECK_FALSE(a.has_completed());
+  CHECK(a.Add(0, Report(0, 1.0), kT0, Collect(done)) == AddResult::kAccepted);
+  CHECK(done.back().step == 0);
+}

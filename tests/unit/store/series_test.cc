@@ -295,3 +295,61 @@ TEST_CASE("capacities below two are raised to two", "[store]") {
   CHECK(TotalCount(points) == 100);
   CHECK(series.Latest()->step == 100);
 }
+
+TEST_CASE("a rewind drops recent points from its step on and later appends go on from there", "[store][rewind]") {
+  Series series({.recent_points = 64, .history_buckets = 8});
+  for (uint64_t s = 0; s <= 300; s += 10) REQUIRE(series.Append(s, 1.0 + s));
+  CHECK(series.TruncateFrom(200) == 11);  // 200..300
+  CHECK(series.sample_count() == 20);
+  REQUIRE(series.Latest());
+  CHECK(series.Latest()->step == 190);
+  CHECK_FALSE(series.Append(190, 0.0));
+  REQUIRE(series.Append(200, -5.0));
+  const std::vector<Point> points = series.Query(150, kAllSteps);
+  REQUIRE(points.size() == 6);
+  CHECK(points.back().step == 200);
+  CHECK(points.back().mean == -5.0);
+  CHECK(points[4].step == 190);
+  CHECK(points[4].mean == 191.0);
+}
+
+TEST_CASE("a rewind drops whole history buckets, the one straddling the step included", "[store][rewind]") {
+  // 4 recent points; older samples go to buckets that end up holding 2 or 4 samples each.
+  Series series({.recent_points = 4, .history_buckets = 4});
+  for (uint64_t s = 0; s < 40; ++s) REQUIRE(series.Append(s, static_cast<double>(s)));
+  const std::vector<Point> before = series.Query(0, kAllSteps);
+  // Find a bucket that straddles a step: first < cut ≤ last.
+  const Point* straddling = nullptr;
+  for (const Point& p : before) {
+    if (p.count > 1) straddling = &p;  // the newest multi-sample bucket
+  }
+  REQUIRE(straddling != nullptr);
+  const uint64_t cut = straddling->step + 1;
+  const uint64_t kept_before = straddling->step;  // steps below the bucket stay
+  series.TruncateFrom(cut);
+
+  const std::vector<Point> after = series.Query(0, kAllSteps);
+  REQUIRE_FALSE(after.empty());
+  for (const Point& p : after) {
+    CHECK(p.last_step < cut);
+    CHECK(p.max < static_cast<double>(cut));  // no value of a dropped step is left in any bucket
+  }
+  CHECK(after.back().last_step < kept_before);
+  CHECK(TotalCount(after) == series.sample_count());
+  REQUIRE(series.Latest());
+  CHECK(series.Latest()->last_step == after.back().last_step);
+  // The series goes on from the cut, at full resolution.
+  REQUIRE(series.Append(cut, 1000.0));
+  CHECK(series.Query(cut, cut).at(0).mean == 1000.0);
+}
+
+TEST_CASE("a rewind to a step before everything empties the series", "[store][rewind]") {
+  Series series({.recent_points = 4, .history_buckets = 2});
+  for (uint64_t s = 100; s < 120; ++s) REQUIRE(series.Append(s, 1.0));
+  CHECK(series.TruncateFrom(0) == 20);
+  CHECK(series.sample_count() == 0);
+  CHECK_FALSE(series.Latest());
+  CHECK(series.Query(0, kAllSteps).empty());
+  REQUIRE(series.Append(5, 2.0));
+  CHECK(series.Latest()->step == 5);
+}
