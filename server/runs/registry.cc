@@ -105,4 +105,6 @@ void RunRegistry::OnEvent(const std::string& run_id, const EventRecord& event) {
   if (auto run = Find(run_id)) run->RestoreEvent(event);
 }
 
+void RunRegistry::OnRewind(const std::string&, uint64_t) {}
+
 }  // namespace gradwatch::runs

@@ -21,7 +21,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-constexpr int kSchemaVersion = 1;
+// Version 2 adds the rewind tables; a version-1 journal gets them (CREATE ... IF NOT EXISTS) at open.
+constexpr int kSchemaVersion = 2;
 constexpr int kBusyTimeoutMs = 5000;
 // One (uint32 series id, float64 value) pair in a step's value blob.
 constexpr size_t kValueEntryBytes = 4 + 8;
@@ -74,7 +75,32 @@ CREATE TABLE IF NOT EXISTS events(
   text TEXT NOT NULL,
   source TEXT NOT NULL,
   recorded_at REAL NOT NULL);
-PRAGMA user_version = 1;
+CREATE TABLE IF NOT EXISTS rewinds(
+  run_id TEXT NOT NULL,
+  branch INTEGER NOT NULL,
+  from_step INTEGER NOT NULL,
+  world_size INTEGER NOT NULL,
+  rewound_at REAL NOT NULL,
+  PRIMARY KEY(run_id, branch));
+CREATE TABLE IF NOT EXISTS abandoned_steps(
+  run_id TEXT NOT NULL,
+  branch INTEGER NOT NULL,
+  step INTEGER NOT NULL,
+  wall_time REAL NOT NULL,
+  partial INTEGER NOT NULL,
+  ranks_reported INTEGER NOT NULL,
+  client_dropped INTEGER NOT NULL,
+  vals BLOB NOT NULL,
+  PRIMARY KEY(run_id, branch, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS abandoned_events(
+  id INTEGER PRIMARY KEY,
+  run_id TEXT NOT NULL,
+  branch INTEGER NOT NULL,
+  step INTEGER NOT NULL,
+  text TEXT NOT NULL,
+  source TEXT NOT NULL,
+  recorded_at REAL NOT NULL);
+PRAGMA user_version = 2;
 )sql";
 
 Status SqliteError(sqlite3* db, std::string_view what) {
@@ -304,7 +330,9 @@ void MergeProgress(const std::vector<RankProgress>& in,
                    std::map<std::pair<std::string, uint32_t>, RankProgress>& merged) {
   for (const RankProgress& p : in) {
     auto [it, inserted] = merged.try_emplace({p.run_id, p.rank}, p);
-    if (!inserted) {
+    if (!inserted && p.branch > it->second.branch) {
+      it->second = p;  // the run rewound within the batch: older progress is stale
+    } else if (!inserted && p.branch == it->second.branch) {
       it->second.step = std::max(it->second.step, p.step);
       it->second.seq = std::max(it->second.seq, p.seq);
     }
@@ -378,6 +406,8 @@ struct Journal::Statements {
   Stmt begin, commit, rollback;
   Stmt insert_run, insert_param, insert_series, insert_step, upsert_progress, insert_event,
       end_run;
+  Stmt count_rewinds, insert_rewind, abandon_steps, delete_steps, abandon_events, delete_events,
+      rewind_progress, drop_progress, set_world_size;
   std::string scratch;  // the value blob being written; reused to spare allocations
 
   Status PrepareAll(sqlite3* db) {
@@ -403,6 +433,23 @@ struct Journal::Statements {
         {&insert_event,
          "INSERT INTO events(run_id, step, text, source, recorded_at) VALUES(?1, ?2, ?3, ?4, ?5)"},
         {&end_run, "UPDATE runs SET ended_at = ?2 WHERE run_id = ?1"},
+        {&count_rewinds, "SELECT count(*) FROM rewinds WHERE run_id = ?1"},
+        {&insert_rewind,
+         "INSERT INTO rewinds(run_id, branch, from_step, world_size, rewound_at) "
+         "VALUES(?1, ?2, ?3, ?4, ?5)"},
+        {&abandon_steps,
+         "INSERT OR REPLACE INTO abandoned_steps(run_id, branch, step, wall_time, partial, "
+         "ranks_reported, client_dropped, vals) SELECT run_id, ?2, step, wall_time, partial, "
+         "ranks_reported, client_dropped, vals FROM steps WHERE run_id = ?1 AND step >= ?3"},
+        {&delete_steps, "DELETE FROM steps WHERE run_id = ?1 AND step >= ?2"},
+        {&abandon_events,
+         "INSERT INTO abandoned_events(run_id, branch, step, text, source, recorded_at) "
+         "SELECT run_id, ?2, step, text, source, recorded_at FROM events "
+         "WHERE run_id = ?1 AND step >= ?3 ORDER BY id"},
+        {&delete_events, "DELETE FROM events WHERE run_id = ?1 AND step >= ?2"},
+        {&rewind_progress, "UPDATE rank_progress SET step = ?2 - 1 WHERE run_id = ?1 AND step >= ?2"},
+        {&drop_progress, "DELETE FROM rank_progress WHERE run_id = ?1 AND (rank >= ?2 OR step >= ?3)"},
+        {&set_world_size, "UPDATE runs SET world_size = ?2 WHERE run_id = ?1"},
     };
     for (const auto& [stmt, sql] : all) {
       if (Status s = Prepare(db, sql, true, *stmt); !s.ok()) return s;
@@ -697,6 +744,8 @@ Status Journal::Apply(const JournalRecord& record) {
           use.Text(4, r.event.source);
           use.Real(5, r.event.recorded_at);
           return use.Done("journal: writing event of run '" + r.run_id + "'");
+        } else if constexpr (std::is_same_v<T, RewindRecord>) {
+          return ApplyRewind(r);
         } else {
           static_assert(std::is_same_v<T, RunEndedRecord>);
           StmtUse use(st.end_run);
@@ -712,11 +761,97 @@ Status Journal::Apply(const JournalRecord& record) {
       record);
 }
 
+Status Journal::ApplyRewind(const RewindRecord& r) {
+  Statements& st = *statements_;
+  const std::string what = "journal: rewinding run '" + r.run_id + "' to step " + std::to_string(r.from_step);
+  int64_t branch = 0;  // the branch that ends here
+  {
+    StmtUse use(st.count_rewinds);
+    use.Text(1, r.run_id);
+    Status s;
+    if (!use.Row(&s, what)) return s.ok() ? Status::Internal(what + ": count returned no row") : s;
+    branch = use.ColInt(0);
+  }
+  {
+    StmtUse use(st.insert_rewind);
+    use.Text(1, r.run_id);
+    use.Int(2, branch);
+    use.Unsigned(3, r.from_step);
+    use.Int(4, r.world_size);
+    use.Real(5, r.rewound_at);
+    if (Status s = use.Done(what); !s.ok()) return s;
+  }
+  for (Stmt* move : {&st.abandon_steps, &st.abandon_events}) {
+    StmtUse use(*move);
+    use.Text(1, r.run_id);
+    use.Int(2, branch);
+    use.Unsigned(3, r.from_step);
+    if (Status s = use.Done(what); !s.ok()) return s;
+  }
+  for (Stmt* drop : {&st.delete_steps, &st.delete_events}) {
+    StmtUse use(*drop);
+    use.Text(1, r.run_id);
+    use.Unsigned(2, r.from_step);
+    if (Status s = use.Done(what); !s.ok()) return s;
+  }
+  if (r.from_step > 0) {
+    StmtUse use(st.rewind_progress);
+    use.Text(1, r.run_id);
+    use.Unsigned(2, r.from_step);
+    if (Status s = use.Done(what); !s.ok()) return s;
+  }
+  {
+    // After the update only a rewind to step 0 leaves progress at or above from_step: none is kept.
+    StmtUse use(st.drop_progress);
+    use.Text(1, r.run_id);
+    use.Int(2, r.world_size);
+    use.Unsigned(3, r.from_step);
+    if (Status s = use.Done(what); !s.ok()) return s;
+  }
+  StmtUse use(st.set_world_size);
+  use.Text(1, r.run_id);
+  use.Int(2, r.world_size);
+  return use.Done(what);
+}
+
+Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
+                             const std::function<void(const CompletedStep&)>& on_step) {
+  std::lock_guard<std::mutex> db_lock(db_mu_);
+  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
+  Stmt steps;
+  if (Status s = Prepare(db_,
+                         "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
+                         "WHERE run_id = ?1 AND step < ?2 ORDER BY step",
+                         false, steps);
+      !s.ok()) {
+    return s;
+  }
+  StmtUse rows(steps);
+  rows.Text(1, run_id);
+  rows.Unsigned(2, before_step);
+  Status status;
+  CompletedStep step;
+  while (rows.Row(&status, "journal: reading steps of run '" + run_id + "'")) {
+    step.step = rows.ColUnsigned(0);
+    step.wall_time = rows.ColReal(1);
+    step.partial = rows.ColInt(2) != 0;
+    step.ranks_reported = static_cast<uint32_t>(rows.ColInt(3));
+    step.client_dropped_steps = rows.ColUnsigned(4);
+    const std::string_view blob = rows.ColBlob(5);
+    if (!DecodeValues(blob, step.values)) {
+      return Status::Internal("journal: run '" + run_id + "' step " + std::to_string(step.step) +
+                              ": value blob of " + std::to_string(blob.size()) + " bytes is corrupt");
+    }
+    on_step(step);
+  }
+  return status;
+}
+
 Status Journal::Load(JournalVisitor& visitor) {
   std::lock_guard<std::mutex> db_lock(db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
 
-  Stmt begin, runs, params, series, progress, steps, events;
+  Stmt begin, runs, params, series, progress, rewind, steps, events;
   const std::pair<Stmt*, const char*> all[] = {
       {&begin, "BEGIN"},
       {&runs,
@@ -727,6 +862,7 @@ Status Journal::Load(JournalVisitor& visitor) {
        "WHERE run_id = ?1 ORDER BY idx"},
       {&series, "SELECT id, key FROM series WHERE run_id = ?1 ORDER BY id"},
       {&progress, "SELECT rank, step, seq FROM rank_progress WHERE run_id = ?1 ORDER BY rank"},
+      {&rewind, "SELECT from_step FROM rewinds WHERE run_id = ?1 ORDER BY branch DESC LIMIT 1"},
       {&steps,
        "SELECT run_id, step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
        "ORDER BY run_id, step"},
@@ -791,6 +927,14 @@ Status Journal::Load(JournalVisitor& visitor) {
       while (rows.Row(&status, "journal: reading progress of run '" + meta.run_id + "'")) {
         visitor.OnRankProgress(RankProgress{meta.run_id, static_cast<uint32_t>(rows.ColInt(0)),
                                             rows.ColUnsigned(1), rows.ColUnsigned(2)});
+      }
+      if (!status.ok()) return status;
+    }
+    {
+      StmtUse rows(rewind);
+      rows.Text(1, meta.run_id);
+      if (rows.Row(&status, "journal: reading rewinds of run '" + meta.run_id + "'")) {
+        visitor.OnRewind(meta.run_id, rows.ColUnsigned(0));
       }
       if (!status.ok()) return status;
     }

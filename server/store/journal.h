@@ -1,5 +1,8 @@
 // The durable journal: runs, catalogs, series keys, completed steps and events in SQLite (WAL
-// mode), written by one thread with group commit. Callers enqueue without blocking on I/O; after
+// mode), written by one thread with group commit. A rewind (a run resumed from a checkpoint)
+// moves the run's steps and events from the resume step on into abandoned_steps /
+// abandoned_events, numbered by the branch they belonged to (0 for the run's first), so the
+// abandoned branch stays inspectable but is never mixed with the new one nor returned by Load. Callers enqueue without blocking on I/O; after
 // each commit the journal reports the durable progress so that acks can go out.
 #pragma once
 
@@ -52,6 +55,9 @@ struct RankProgress {
   uint32_t rank = 0;
   uint64_t step = 0;
   uint64_t seq = 0;  // highest TrainerMessage.seq covered
+  // In memory only: the run's rewinds in this process's life when the step completed. Progress
+  // from an older branch is stale once the run rewound (see Run::OnDurable).
+  uint64_t branch = 0;
 };
 struct StepJournalRecord {
   std::string run_id;
@@ -67,8 +73,18 @@ struct RunEndedRecord {
   double ended_at = 0;  // seconds since the Unix epoch; 0 marks the run active again
 };
 
+// The run resumed from a checkpoint at from_step: its steps and events at or after from_step
+// become the abandoned branch, rank progress drops to from_step − 1 (none when from_step is 0)
+// and to ranks below world_size, and the run's world size becomes world_size.
+struct RewindRecord {
+  std::string run_id;
+  uint64_t from_step = 0;
+  uint32_t world_size = 1;
+  double rewound_at = 0;  // seconds since the Unix epoch
+};
+
 using JournalRecord = std::variant<RunRecord, ParamsRecord, SeriesRecord, StepJournalRecord,
-                                   EventJournalRecord, RunEndedRecord>;
+                                   EventJournalRecord, RunEndedRecord, RewindRecord>;
 
 struct CommitReport {
   size_t records = 0;
@@ -87,6 +103,9 @@ class JournalVisitor {
   virtual void OnRankProgress(const RankProgress& progress) = 0;
   virtual void OnStep(const std::string& run_id, const CompletedStep& step) = 0;
   virtual void OnEvent(const std::string& run_id, const EventRecord& event) = 0;
+  // The run's latest rewind (after its rank progress, only for a run that rewound): steps and
+  // events of abandoned branches are not visited.
+  virtual void OnRewind(const std::string& run_id, uint64_t from_step) = 0;
 };
 
 // Thread-safe. The commit callback runs on the journal's thread after each commit; it must not
@@ -108,6 +127,12 @@ class Journal {
   // a catalog (their ParamsRecord was lost) are filled with default ParamInfo so that later
   // indexes keep their position. Returns FailedPrecondition after Stop().
   Status Load(JournalVisitor& visitor);
+
+  // Calls on_step with every step of the run's current branch below before_step, in step order,
+  // as committed now (Flush first to include what is queued). Serialised with commits; O(steps
+  // read). For rebuilding a run's analytics after a rewind; never call it on the ingest hot path.
+  Status LoadRunSteps(const std::string& run_id, uint64_t before_step,
+                      const std::function<void(const CompletedStep&)>& on_step);
 
   // Queues a record for the next commit. Never blocks on I/O. Returns false if the queue is full
   // or the journal is stopped (the record is not kept).
@@ -139,6 +164,7 @@ class Journal {
   void Run();
   Status Commit(std::vector<JournalRecord>& batch, CommitReport& report);
   Status Apply(const JournalRecord& record);  // caller holds db_mu_ inside a transaction
+  Status ApplyRewind(const RewindRecord& record);  // likewise
 
   const JournalOptions options_;
   const CommitCallback on_commit_;

@@ -2,6 +2,7 @@
 #include <sqlite3.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <chrono>
@@ -91,6 +92,11 @@ struct Recorder : JournalVisitor {
   void OnEvent(const std::string& run_id, const EventRecord& event) override {
     events.push_back({run_id, event});
     order.push_back("event:" + run_id);
+  }
+  std::vector<std::pair<std::string, uint64_t>> rewinds;
+  void OnRewind(const std::string& run_id, uint64_t from_step) override {
+    rewinds.emplace_back(run_id, from_step);
+    order.push_back("rewind:" + run_id);
   }
 };
 
@@ -462,7 +468,7 @@ TEST_CASE("the journal runs in WAL mode", "[store]") {
   CHECK(fs::exists(dir.db() + "-wal"));
   RawDb raw(dir.db());
   CHECK(raw.Query("PRAGMA journal_mode") == "wal");
-  CHECK(raw.Query("PRAGMA user_version") == "1");
+  CHECK(raw.Query("PRAGMA user_version") == "2");
 }
 
 TEST_CASE("a failed commit is counted, reported by Flush, and its progress not acked", "[store]") {
@@ -539,4 +545,183 @@ TEST_CASE("committed step records are handed back for reuse with their buffers",
   const StepJournalRecord reused = journal->AcquireStepRecord();
   CHECK(reused.step.values.capacity() >= 64);
   CHECK(reused.progress.capacity() >= 1);
+}
+
+TEST_CASE("a rewind moves the abandoned branch aside and Load returns only the new one, across reopen",
+          "[store][rewind]") {
+  TempDir dir;
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    RunMeta meta;
+    meta.run_id = "a";
+    meta.world_size = 2;
+    REQUIRE(journal->Enqueue(RunRecord{meta}));
+    RunMeta other;
+    other.run_id = "b";
+    REQUIRE(journal->Enqueue(RunRecord{other}));
+    for (uint64_t s = 0; s <= 300; s += 100) {
+      REQUIRE(journal->Enqueue(MakeStep("a", s, {{0, 1.0 + static_cast<double>(s)}},
+                                        {{"a", 0, s, s + 1}, {"a", 1, s, s + 2}})));
+    }
+    REQUIRE(journal->Enqueue(MakeStep("b", 250, {{0, 7.0}}, {{"b", 0, 250, 9}})));
+    REQUIRE(journal->Enqueue(EventJournalRecord{"a", {100, "lr warmup done", "trainer", 1.0}}));
+    REQUIRE(journal->Enqueue(EventJournalRecord{"a", {250, "switched routing", "trainer", 2.0}}));
+    // Crashed at 300, resumed from the checkpoint at 200 with one rank: 200 and 300 are abandoned.
+    REQUIRE(journal->Enqueue(RewindRecord{"a", 200, 1, 3.0}));
+    REQUIRE(journal->Enqueue(EventJournalRecord{"a", {200, "resumed from the checkpoint at step 200", "daemon", 3.0}}));
+    REQUIRE(journal->Enqueue(MakeStep("a", 200, {{0, -200.0}}, {{"a", 0, 200, 50}})));
+    REQUIRE(journal->Flush().ok());
+
+    std::vector<uint64_t> kept;
+    REQUIRE(journal->LoadRunSteps("a", 250, [&](const CompletedStep& s) { kept.push_back(s.step); }).ok());
+    CHECK(kept == std::vector<uint64_t>{0, 100, 200});
+  }
+  const Recorder got = LoadFrom(dir.db());
+  std::vector<std::pair<uint64_t, double>> steps_a;
+  for (const auto& s : got.steps) {
+    if (s.run_id == "a") steps_a.emplace_back(s.step.step, s.step.values.at(0).value);
+  }
+  CHECK(steps_a == std::vector<std::pair<uint64_t, double>>{{0, 1.0}, {100, 101.0}, {200, -200.0}});
+  std::vector<std::string> events_a;
+  for (const auto& e : got.events) {
+    if (e.run_id == "a") events_a.push_back(e.event.text);
+  }
+  CHECK(events_a == std::vector<std::string>{"lr warmup done", "resumed from the checkpoint at step 200"});
+  REQUIRE(got.rewinds.size() == 1);
+  CHECK(got.rewinds[0] == std::pair<std::string, uint64_t>{"a", 200});
+  // Rank 1 left the world; rank 0 was cut back to 199, then moved on to the new branch's 200.
+  std::vector<std::pair<uint32_t, uint64_t>> progress_a;
+  for (const auto& p : got.progress) {
+    if (p.run_id == "a") progress_a.emplace_back(p.rank, p.step);
+  }
+  CHECK(progress_a == std::vector<std::pair<uint32_t, uint64_t>>{{0, 200}});
+  REQUIRE(got.runs.size() == 2);
+  CHECK(got.runs[0].meta.world_size == 1);
+  // The other run is untouched.
+  CHECK(std::count_if(got.steps.begin(), got.steps.end(), [](const auto& s) { return s.run_id == "b"; }) == 1);
+
+  // The abandoned branch is kept aside, marked with its branch number.
+  RawDb raw(dir.db());
+  CHECK(raw.Query("SELECT group_concat(step) FROM (SELECT step FROM abandoned_steps WHERE run_id = 'a' "
+                  "AND branch = 0 ORDER BY step)") == "200,300");
+  CHECK(raw.Query("SELECT text FROM abandoned_events WHERE run_id = 'a' AND branch = 0") == "switched routing");
+}
+
+TEST_CASE("a second rewind abandons a second branch and a rewind to 0 keeps no progress", "[store][rewind]") {
+  TempDir dir;
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    RunMeta meta;
+    meta.run_id = "a";
+    REQUIRE(journal->Enqueue(RunRecord{meta}));
+    REQUIRE(journal->Enqueue(MakeStep("a", 10, {{0, 1.0}}, {{"a", 0, 10, 1}})));
+    REQUIRE(journal->Enqueue(RewindRecord{"a", 5, 1, 1.0}));
+    REQUIRE(journal->Enqueue(MakeStep("a", 6, {{0, 2.0}}, {{"a", 0, 6, 2}})));
+    REQUIRE(journal->Enqueue(RewindRecord{"a", 0, 1, 2.0}));
+    REQUIRE(journal->Flush().ok());
+  }
+  const Recorder got = LoadFrom(dir.db());
+  CHECK(got.steps.empty());
+  CHECK(got.progress.empty());
+  REQUIRE(got.rewinds.size() == 1);
+  CHECK(got.rewinds[0].second == 0);
+  RawDb raw(dir.db());
+  CHECK(raw.Query("SELECT group_concat(branch || ':' || step) FROM abandoned_steps") == "0:10,1:6");
+}
+
+TEST_CASE("progress of the branch a batch rewound is superseded by the new branch's", "[store][rewind]") {
+  TempDir dir;
+  std::mutex mu;
+  std::vector<RankProgress> progress;
+  JournalOptions options{.path = dir.db(), .max_delay = std::chrono::seconds(5)};
+  auto journal = OpenOrFail(options, [&](const CommitReport& report) {
+    std::lock_guard<std::mutex> lock(mu);
+    progress = report.progress;
+  });
+  RankProgress old_branch{"a", 0, 300, 30, 0};
+  RankProgress new_branch{"a", 0, 200, 31, 1};
+  StepJournalRecord before = MakeStep("a", 300, {}, {old_branch});
+  StepJournalRecord after = MakeStep("a", 200, {}, {new_branch});
+  REQUIRE(journal->Enqueue(std::move(before)));
+  REQUIRE(journal->Enqueue(RewindRecord{"a", 200, 1, 1.0}));
+  REQUIRE(journal->Enqueue(std::move(after)));
+  REQUIRE(journal->Flush().ok());
+  std::lock_guard<std::mutex> lock(mu);
+  REQUIRE(progress.size() == 1);
+  CHECK(progress[0].step == 200);
+  CHECK(progress[0].branch == 1);
+}
+
+TEST_CASE("a version-1 journal gains the rewind tables when opened", "[store][rewind]") {
+  TempDir dir;
+  {
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open_v2(dir.db().c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr) ==
+            SQLITE_OK);
+    // The version-1 schema, as released.
+    const char* v1 = R"sql(
+CREATE TABLE IF NOT EXISTS runs(
+  run_id TEXT PRIMARY KEY,
+  world_size INTEGER NOT NULL,
+  labels_json TEXT NOT NULL,
+  config_json TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  ended_at REAL);
+CREATE TABLE IF NOT EXISTS params(
+  run_id TEXT NOT NULL,
+  idx INTEGER NOT NULL,
+  name TEXT NOT NULL,
+  numel INTEGER NOT NULL,
+  kind INTEGER NOT NULL,
+  weight_decay REAL NOT NULL,
+  init_norm REAL,
+  role TEXT NOT NULL,
+  grp TEXT NOT NULL,
+  PRIMARY KEY(run_id, idx));
+CREATE TABLE IF NOT EXISTS series(
+  run_id TEXT NOT NULL,
+  id INTEGER NOT NULL,
+  key TEXT NOT NULL,
+  PRIMARY KEY(run_id, id));
+CREATE TABLE IF NOT EXISTS steps(
+  run_id TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  wall_time REAL NOT NULL,
+  partial INTEGER NOT NULL,
+  ranks_reported INTEGER NOT NULL,
+  client_dropped INTEGER NOT NULL,
+  vals BLOB NOT NULL,
+  PRIMARY KEY(run_id, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rank_progress(
+  run_id TEXT NOT NULL,
+  rank INTEGER NOT NULL,
+  step INTEGER NOT NULL,
+  seq INTEGER NOT NULL,
+  PRIMARY KEY(run_id, rank));
+CREATE TABLE IF NOT EXISTS events(
+  id INTEGER PRIMARY KEY,
+  run_id TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  text TEXT NOT NULL,
+  source TEXT NOT NULL,
+  recorded_at REAL NOT NULL);
+PRAGMA user_version = 1;
+)sql";
+    const int rc = sqlite3_exec(db, v1, nullptr, nullptr, nullptr);
+    sqlite3_close(db);
+    REQUIRE(rc == SQLITE_OK);
+  }
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    RunMeta meta;
+    meta.run_id = "a";
+    REQUIRE(journal->Enqueue(RunRecord{meta}));
+    REQUIRE(journal->Enqueue(MakeStep("a", 10, {{0, 1.0}})));
+    REQUIRE(journal->Enqueue(RewindRecord{"a", 5, 1, 1.0}));
+    REQUIRE(journal->Flush().ok());
+  }
+  CHECK(LoadFrom(dir.db()).steps.empty());
+  RawDb raw(dir.db());
+  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("SELECT count(*) FROM abandoned_steps") == "1");
 }
