@@ -323,6 +323,27 @@ std::vector<Transition> AlertEngine::ForgetRun(const std::string& run_id, double
   return out;
 }
 
+std::vector<Transition> AlertEngine::RewindRun(const std::string& run_id, uint64_t from_step, double now) {
+  std::lock_guard lock(mu_);
+  std::vector<Transition> out;
+  EndInstances(
+      [&](const Instance& inst) {
+        if (inst.run != run_id) return false;
+        if (inst.alert.state == AlertState::kPending) return inst.held_since_step >= from_step;
+        // A firing alert's step is the step it fired at (it changes only with its state).
+        return inst.alert.state == AlertState::kFiring && inst.alert.step >= from_step;
+      },
+      now, &out);
+  for (auto& [fingerprint, inst] : instances_) {
+    if (inst.run == run_id && inst.clearing && inst.clearing_since_step >= from_step) {
+      inst.clearing = false;
+      Touch(fingerprint);
+    }
+  }
+  PublishLocked(out);
+  return out;
+}
+
 template <typename Pred>
 void AlertEngine::EndInstances(Pred ends, double now, std::vector<Transition>* out) {
   for (auto it = instances_.begin(); it != instances_.end();) {

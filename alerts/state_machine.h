@@ -142,6 +142,14 @@ class AlertEngine {
   // ones go inactive, and it holds no state any more.
   std::vector<Transition> ForgetRun(const std::string& run_id, double now);
 
+  // The run rewound to a checkpoint: its steps ≥ from_step were abandoned and will be reported
+  // again with other values, so states are judged again from from_step. A pending instance
+  // whose s0 ≥ from_step goes inactive (silently); a firing one that fired at a step ≥ from_step
+  // resolves (notified as any resolve). Instances that started before from_step keep their
+  // state and s0, as the kept history still supports them; a resolve countdown that started at
+  // r0 ≥ from_step is forgotten. Returns the transitions.
+  std::vector<Transition> RewindRun(const std::string& run_id, uint64_t from_step, double now);
+
   // Pending and firing alerts, of one run (or of all runs when `run` is empty), sorted by name
   // and labels. Muted ones included.
   std::vector<Alert> Active(std::string_view run = {}) const;

@@ -189,6 +189,12 @@ std::vector<alerts::Transition> Alerting::OnStep(const alerts::RunFacts& facts) 
 
 void Alerting::OnRunEnded(const std::string& run_id, double now) { Count(engine_.ForgetRun(run_id, now)); }
 
+std::vector<alerts::Transition> Alerting::OnRewind(const std::string& run_id, uint64_t from_step, double now) {
+  std::vector<alerts::Transition> transitions = engine_.RewindRun(run_id, from_step, now);
+  Count(transitions);
+  return transitions;
+}
+
 void Alerting::Tick(const runs::RunRegistry& registry, double now) {
   std::vector<alerts::RunFacts> facts;
   const auto runs = registry.All();

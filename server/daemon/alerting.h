@@ -47,6 +47,7 @@ class Alerting final : public runs::AlertHook {
 
   std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) override;
   void OnRunEnded(const std::string& run_id, double now) override;
+  std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step, double now) override;
   // Replaces the rules with freshly loaded ones; on any error the rules in force stay unchanged
   // and the status says exactly why. Alerts of deleted rules resolve.
   StatusOr<size_t> Reload(bool default_rules, const std::vector<std::string>& files, double now);

@@ -105,6 +105,8 @@ void RunRegistry::OnEvent(const std::string& run_id, const EventRecord& event) {
   if (auto run = Find(run_id)) run->RestoreEvent(event);
 }
 
-void RunRegistry::OnRewind(const std::string&, uint64_t) {}
+void RunRegistry::OnRewind(const std::string& run_id, uint64_t from_step) {
+  if (auto run = Find(run_id)) run->RestoreRewind(from_step);
+}
 
 }  // namespace gradwatch::runs

@@ -50,7 +50,6 @@ class RunRegistry : private store::JournalVisitor {
   void OnRankProgress(const store::RankProgress& progress) override;
   void OnStep(const std::string& run_id, const CompletedStep& step) override;
   void OnEvent(const std::string& run_id, const EventRecord& event) override;
-  // Runs do not rewind yet: Load already yields only the current branch.
   void OnRewind(const std::string& run_id, uint64_t from_step) override;
 
   const RunOptions options_;

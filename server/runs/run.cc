@@ -38,7 +38,7 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
       assembler_(std::max<uint32_t>(1, meta.world_size), options.assembly_timeout,
                  options.max_pending_steps),
       ranks_(std::max<uint32_t>(1, meta.world_size)),
-      analytics_(options.analytics),
+      analytics_(std::make_unique<RunAnalytics>(options.analytics)),
       last_activity_(clock->Now()),
       last_step_seen_(clock->Now()) {
   std::vector<ParamInfo> params = std::move(meta.params);
@@ -53,7 +53,7 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
   } else {
     // Restored: series ids come from the journal (RestoreSeries), mapped in FinishRestore.
     meta_.params = std::move(params);
-    analytics_.SetCatalog(meta_.params);
+    analytics_->SetCatalog(meta_.params);
     scalar_series_.fill(kNoSeries);
   }
 }
@@ -88,16 +88,18 @@ SeriesId Run::SeriesForKeyLocked(const std::string& key, bool journal) {
   const auto id = static_cast<SeriesId>(series_.size());
   series_.push_back({key, std::make_unique<store::Series>(options_.series)});
   series_by_key_.emplace(key, id);
-  analytics_.AddSeries(id, key);
+  analytics_->AddSeries(id, key);
   if (journal) JournalLocked(store::SeriesRecord{id_, id, key});
   return id;
 }
 
-std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello) const {
-  if (hello.world_size != meta_.world_size) {
+std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const {
+  if (!world_may_change && hello.world_size != meta_.world_size) {
     return IngestError{IngestErrorReason::kWorldSizeChanged,
                        "run " + id_ + " has world size " + std::to_string(meta_.world_size) +
-                           "; a hello cannot change it to " + std::to_string(hello.world_size)};
+                           "; a hello cannot change it to " + std::to_string(hello.world_size) +
+                           (hello.resume_from_step ? " (the ranks of one resume must agree on it)"
+                                                   : " (only a resume, with resume_from_step, can)")};
   }
   const size_t common = std::min(hello.params.size(), meta_.params.size());
   for (size_t i = 0; i < common; ++i) {
@@ -135,7 +137,7 @@ std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>
     record.params.push_back(params[i]);
   }
   JournalLocked(std::move(record));
-  analytics_.SetCatalog(meta_.params);
+  analytics_->SetCatalog(meta_.params);
   for (size_t i = first; i < params.size(); ++i) {
     std::array<SeriesId, kNormFields> ids{};
     for (int f = 0; f < kNormFields; ++f) {
@@ -149,9 +151,24 @@ std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>
 
 std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink,
                                        AttachInfo* info) {
-  std::lock_guard lock(mu_);
-  if (auto err = ValidateCatalogLocked(hello)) return err;
-  if (auto err = ExtendCatalogLocked(hello.params)) return err;
+  std::optional<RebuildJob> job;
+  {
+    std::lock_guard lock(mu_);
+    const bool rewind = hello.resume_from_step && RewindsLocked(*hello.resume_from_step, rank);
+    if (auto err = ValidateCatalogLocked(hello, rewind)) return err;
+    if (auto err = ExtendCatalogLocked(hello.params)) return err;
+    if (rewind) job = RewindLocked(*hello.resume_from_step, hello.world_size);
+    AttachLocked(rank, sink, info);
+    // Told once the resumed rank's stream is attached, so that it hears of them too.
+    if (job) {
+      for (const alerts::Alert& alert : job->resolved) BroadcastLocked(alert);
+    }
+  }
+  if (job) RebuildAnalytics(std::move(*job));
+  return std::nullopt;
+}
+
+void Run::AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info) {
   RankState& rs = ranks_[rank];
   if (rs.sink != sink) {
     if (rs.sink != nullptr) {
@@ -171,7 +188,146 @@ std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, Stre
   info->last_durable_step = rs.durable_step;
   info->has_received_step = rs.has_received;
   info->last_received_step = rs.last_received;
-  return std::nullopt;
+}
+
+bool Run::RewindsLocked(uint64_t from_step, uint32_t rank) const {
+  if (last_resume_step_ != from_step) return true;
+  // The same resume point again: another rank of the same resume, unless this rank has already
+  // reported on the new branch (then it crashed and resumed from the same checkpoint again).
+  return rank < ranks_.size() && ranks_[rank].has_received && ranks_[rank].last_received >= from_step;
+}
+
+Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
+  const double now = clock_->UnixSeconds();
+  spdlog::info("run {}: resumed from the checkpoint at step {} (world size {} → {}); the branch from there on "
+               "is abandoned",
+               id_, from_step, meta_.world_size, world_size);
+  // Pending steps below the resume point complete as they are (nobody will report them again).
+  assembler_.Rewind(from_step, world_size, [this](const PendingStep& p) { CompleteLocked(p); });
+
+  std::optional<uint64_t> last_kept;
+  for (SeriesEntry& e : series_) {
+    if (!e.data) continue;
+    e.data->TruncateFrom(from_step);
+    if (const auto p = e.data->Latest()) last_kept = std::max(last_kept.value_or(0), p->last_step);
+  }
+  events_.erase(std::lower_bound(events_.begin(), events_.end(), from_step,
+                                 [](const EventRecord& e, uint64_t s) { return e.step < s; }),
+                events_.end());
+
+  // Ranks beyond an elastic job's new size belong to the old world.
+  for (size_t r = world_size; r < ranks_.size(); ++r) {
+    if (ranks_[r].sink != nullptr) {
+      ranks_[r].sink->Supersede();
+      --open_streams_;
+    }
+  }
+  ranks_.resize(world_size);
+  meta_.world_size = world_size;
+  for (RankState& rs : ranks_) {
+    if (rs.has_received && rs.last_received >= from_step) {
+      rs.has_received = from_step > 0;
+      rs.last_received = from_step > 0 ? from_step - 1 : 0;
+      rs.has_last_report = false;
+    }
+    if (rs.has_durable && rs.durable_step >= from_step) {
+      rs.has_durable = from_step > 0;
+      rs.durable_step = from_step > 0 ? from_step - 1 : 0;
+    }
+  }
+
+  // Counts restart; the rebuild adds those of the kept steps.
+  step_count_ = partial_steps_ = nonfinite_count_ = client_dropped_steps_ = 0;
+  has_first_step_ = false;
+  last_step_ = last_kept.value_or(0);
+  if (last_nonfinite_step_ >= from_step) last_nonfinite_step_ = 0;
+  std::array<std::pair<double, uint64_t>, kSpeedWindow> kept_speed{};
+  size_t kept = 0;
+  for (size_t i = speed_count_ > kSpeedWindow ? speed_count_ - kSpeedWindow : 0; i < speed_count_; ++i) {
+    const auto& entry = speed_ring_[i % kSpeedWindow];
+    if (entry.second < from_step) kept_speed[kept++] = entry;
+  }
+  speed_ring_ = kept_speed;
+  speed_count_ = kept;
+
+  JournalLocked(store::RewindRecord{id_, from_step, world_size, now});
+  RebuildJob job;
+  if (options_.alert_hook != nullptr) {
+    for (const alerts::Transition& t : options_.alert_hook->OnRewind(id_, from_step, now)) {
+      if (t.to == alerts::AlertState::kResolved) job.resolved.push_back(t.alert);
+    }
+  }
+  EventRecord resumed{from_step, "resumed from the checkpoint at step " + std::to_string(from_step), "daemon", now};
+  events_.push_back(resumed);
+  JournalLocked(store::EventJournalRecord{id_, std::move(resumed)});
+  last_activity_ = clock_->Now();
+
+  last_resume_step_ = from_step;
+  ++branch_;
+  rebuilding_ = true;
+  deferred_.clear();
+  job.from_step = from_step;
+  job.branch = branch_;
+  job.params = meta_.params;
+  for (size_t id = 0; id < series_.size(); ++id) {
+    if (series_[id].data) job.series.emplace_back(static_cast<SeriesId>(id), series_[id].key);
+  }
+  job.events = events_;
+  // Until the rebuild is installed, the analytics hold only the kept events.
+  analytics_ = std::make_unique<RunAnalytics>(options_.analytics);
+  analytics_->SetCatalog(job.params);
+  for (const auto& [id, key] : job.series) analytics_->AddSeries(id, key);
+  for (const EventRecord& e : job.events) analytics_->OnEvent(e);
+  return job;
+}
+
+void Run::RebuildAnalytics(RebuildJob job) {
+  auto rebuilt = std::make_unique<RunAnalytics>(options_.analytics);
+  rebuilt->SetCatalog(job.params);
+  for (const auto& [id, key] : job.series) rebuilt->AddSeries(id, key);
+  for (const EventRecord& e : job.events) rebuilt->OnEvent(e);
+  StepTotals kept;
+  if (journal_ != nullptr) {
+    // The rewind record and every step completed before it must be committed to be read back.
+    Status s = journal_->Flush();
+    if (s.ok()) {
+      s = journal_->LoadRunSteps(id_, job.from_step, [&](const CompletedStep& step) {
+        rebuilt->OnStep(step);
+        if (!kept.has_first) kept.first_step = step.step, kept.has_first = true;
+        ++kept.count;
+        kept.last_step = step.step;
+        if (step.partial) ++kept.partial;
+        kept.client_dropped += step.client_dropped_steps;
+        for (const SeriesValue& sv : step.values) {
+          if (!std::isfinite(sv.value)) ++kept.nonfinite, kept.last_nonfinite_step = step.step;
+        }
+      });
+    }
+    if (!s.ok()) {
+      spdlog::error("run {}: reading the history kept at the rewind to step {}: {}; analytics miss it",
+                    id_, job.from_step, s.ToString());
+    }
+  }
+
+  std::lock_guard lock(mu_);
+  if (branch_ != job.branch) return;  // a newer rewind rebuilds for itself
+  analytics_ = std::move(rebuilt);
+  rebuilding_ = false;
+  step_count_ += kept.count;
+  partial_steps_ += kept.partial;
+  nonfinite_count_ += kept.nonfinite;
+  client_dropped_steps_ += kept.client_dropped;
+  last_nonfinite_step_ = std::max(last_nonfinite_step_, kept.last_nonfinite_step);
+  if (kept.has_first) {
+    first_step_ = kept.first_step;
+    has_first_step_ = true;
+  }
+  for (const CompletedStep& step : deferred_) {
+    // A late step below the resume point may have been committed in time to be read back.
+    if (!kept.has_first || step.step > kept.last_step) AnalyzeLocked(step);
+  }
+  deferred_.clear();
+  spdlog::info("run {}: analytics rebuilt from {} kept steps below step {}", id_, kept.count, job.from_step);
 }
 
 void Run::Detach(uint32_t rank, StreamSink* sink) {
@@ -205,6 +361,12 @@ std::optional<IngestError> Run::ValidateStepLocked(const RankStep& report) {
 
 std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, StreamSink* sink) {
   std::lock_guard lock(mu_);
+  if (rank >= ranks_.size()) {
+    return IngestError{IngestErrorReason::kSuperseded,
+                       "rank " + std::to_string(rank) + " is not in the run's world of " +
+                           std::to_string(ranks_.size()) + " since it resumed; this report is not stored",
+                       report.step};
+  }
   RankState& rs = ranks_[rank];
   if (rs.has_received && report.step < rs.last_received) {
     return IngestError{IngestErrorReason::kStepRegression,
@@ -288,11 +450,14 @@ void Run::CompleteLocked(const PendingStep& p) {
   AppendLocked(out);
   last_step_seen_ = clock_->Now();
   if (stats_) stats_->samples_received.fetch_add(out.values.size(), std::memory_order_relaxed);
-  if (options_.alert_hook != nullptr) {
-    for (const alerts::Transition& t : options_.alert_hook->OnStep(FactsLocked(&out))) {
-      // The trainer hears of firing and resolved alerts even when a silence mutes the pagers.
-      if (t.to == alerts::AlertState::kFiring || t.to == alerts::AlertState::kResolved) BroadcastLocked(t.alert);
-    }
+  if (!rebuilding_) {
+    AnalyzeLocked(out);
+  } else if (deferred_.size() < options_.max_pending_steps) {
+    deferred_.push_back(out);
+  } else {
+    spdlog::warn("run {}: step {} completed while the analytics are rebuilt after a rewind and more than {} "
+                 "steps wait; it is stored but its analytics and alerts are skipped",
+                 id_, out.step, options_.max_pending_steps);
   }
 
   if (journal_ == nullptr) return;
@@ -312,12 +477,21 @@ void Run::CompleteLocked(const PendingStep& p) {
     rp.rank = p.contributors[i].first;
     rp.step = p.step;
     rp.seq = p.contributors[i].second;
+    rp.branch = branch_;
   }
   JournalLocked(std::move(record));
 }
 
+void Run::AnalyzeLocked(const CompletedStep& step) {
+  analytics_->OnStep(step);
+  if (options_.alert_hook == nullptr) return;
+  for (const alerts::Transition& t : options_.alert_hook->OnStep(FactsLocked(&step))) {
+    // The trainer hears of firing and resolved alerts even when a silence mutes the pagers.
+    if (t.to == alerts::AlertState::kFiring || t.to == alerts::AlertState::kResolved) BroadcastLocked(t.alert);
+  }
+}
+
 void Run::AppendLocked(const CompletedStep& step) {
-  analytics_.OnStep(step);
   for (const SeriesValue& sv : step.values) {
     if (sv.id >= series_.size() || !series_[sv.id].data) continue;
     series_[sv.id].data->Append(step.step, sv.value);
@@ -326,7 +500,10 @@ void Run::AppendLocked(const CompletedStep& step) {
       last_nonfinite_step_ = step.step;
     }
   }
-  if (step_count_ == 0) first_step_ = step.step;
+  if (!has_first_step_) {
+    first_step_ = step.step;
+    has_first_step_ = true;
+  }
   ++step_count_;
   last_step_ = step.step;
   if (step.wall_time > 0) last_wall_time_ = step.wall_time;
@@ -344,7 +521,7 @@ std::optional<IngestError> Run::AddEvent(EventRecord event) {
   auto pos = std::upper_bound(events_.begin(), events_.end(), event.step,
                               [](uint64_t s, const EventRecord& e) { return s < e.step; });
   events_.insert(pos, event);
-  analytics_.OnEvent(event);
+  analytics_->OnEvent(event);
   JournalLocked(store::EventJournalRecord{id_, std::move(event)});
   last_activity_ = clock_->Now();
   return std::nullopt;
@@ -404,7 +581,7 @@ alerts::RunFacts Run::FactsLocked(const CompletedStep* step) const {
     }
   }
   alerts::SortLatest(f);
-  const RunAnalysis a = analytics_.Analysis();
+  const RunAnalysis a = analytics_->Analysis();
   for (const auto& x : a.forecasts) {
     f.forecasts.push_back({x.key, x.threshold, x.reachable, x.steps_to_threshold, x.at_step, x.current_value,
                            x.slope_per_kstep});
@@ -453,6 +630,7 @@ void Run::OnDurable(const store::RankProgress& progress) {
   std::lock_guard lock(mu_);
   if (progress.rank >= ranks_.size()) return;
   RankState& rs = ranks_[progress.rank];
+  if (progress.branch < branch_) return;  // committed before a rewind: that branch is gone
   if (rs.has_durable && progress.step < rs.durable_step) return;
   rs.has_durable = true;
   rs.durable_step = progress.step;
@@ -512,7 +690,7 @@ RunMetricsSnapshot Run::MetricsSnapshot() const {
     for (int f = 0; f < kNormFields; ++f) p.norms[f] = latest(param_series_[i][f]);
     s.params.push_back(std::move(p));
   }
-  s.analysis = analytics_.Analysis();
+  s.analysis = analytics_->Analysis();
   return s;
 }
 
@@ -527,7 +705,7 @@ RunSummary Run::Summary() const {
     if (auto p = e.data->Latest()) s.latest.push_back({e.key, p->last_step, p->last});
   }
   s.events = events_;
-  s.analysis = analytics_.Analysis();
+  s.analysis = analytics_->Analysis();
   return s;
 }
 
@@ -553,7 +731,7 @@ void Run::RestoreSeries(SeriesId id, const std::string& key) {
   if (id >= series_.size()) series_.resize(id + 1);
   series_[id] = {key, std::make_unique<store::Series>(options_.series)};
   series_by_key_[key] = id;
-  analytics_.AddSeries(id, key);
+  analytics_->AddSeries(id, key);
 }
 
 void Run::RestoreProgress(const store::RankProgress& progress) {
@@ -569,18 +747,24 @@ void Run::RestoreProgress(const store::RankProgress& progress) {
 void Run::RestoreStep(const CompletedStep& step) {
   std::lock_guard lock(mu_);
   AppendLocked(step);
+  analytics_->OnStep(step);
   assembler_.RestoreLastCompleted(step.step);
 }
 
 void Run::RestoreEvent(const EventRecord& event) {
   std::lock_guard lock(mu_);
   events_.push_back(event);
-  analytics_.OnEvent(event);
+  analytics_->OnEvent(event);
 }
 
 void Run::RestoreEnded(bool ended) {
   std::lock_guard lock(mu_);
   ended_ = ended;
+}
+
+void Run::RestoreRewind(uint64_t from_step) {
+  std::lock_guard lock(mu_);
+  last_resume_step_ = from_step;
 }
 
 }  // namespace gradwatch::runs

@@ -1,6 +1,8 @@
 // The live state of one training run: its catalog, the assembly of steps across ranks, its
 // series, events and the streams attached to it. Thread-safe: every public method takes the run's
-// mutex for a bounded, I/O-free amount of work (journal records are only queued).
+// mutex for a bounded, I/O-free amount of work (journal records are only queued); the one
+// exception is a rewind (see Attach), which reads the kept history back from the journal
+// without holding the mutex.
 #pragma once
 
 #include <array>
@@ -37,6 +39,10 @@ class AlertHook {
   // The run ended (no stream, no step for end_after): its alerts resolve, as a Prometheus alert
   // does when its series vanish, so no page stays open for a job that is gone.
   virtual void OnRunEnded(const std::string& run_id, double now) = 0;
+  // The run rewound to a checkpoint at from_step: alert states are judged again from there
+  // (alerts::AlertEngine::RewindRun). Returns the transitions, to be sent to the run's streams.
+  virtual std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step,
+                                                   double now) = 0;
 };
 
 struct RunOptions {
@@ -133,6 +139,28 @@ class Run {
 
   // Validates a Hello against the run (world size, catalog prefix), extends the catalog, and
   // attaches `sink` to `rank` (a stream already attached there is superseded).
+  //
+  // A Hello with resume_from_step N rewinds the run to N, unless the run's latest rewind was to
+  // N and this rank has reported no step ≥ N since (another rank of the same resume: idempotent,
+  // so steps of the new branch that other ranks already reported are kept). A rewind:
+  //  - completes pending steps below N (as partial) and discards pending steps ≥ N;
+  //  - drops every point ≥ N from the series (store::Series::TruncateFrom), and the events ≥ N
+  //    (they happened on the abandoned branch; a trainer that re-reaches them reports them again);
+  //  - rewinds every rank's progress to N − 1 (none when N is 0), so Accepted tells a resumed
+  //    rank to send from N; progress of an older branch arriving late is ignored;
+  //  - may change the world size (an elastic job): streams of ranks beyond it are superseded;
+  //  - journals the rewind (the abandoned branch is moved aside, see store::RewindRecord), has
+  //    the alert hook judge alert states again from N, and records the event "resumed from the
+  //    checkpoint at step N" (source "daemon") at step N;
+  //  - rebuilds the analytics from the kept history: the kept events, then the kept steps read
+  //    back from the journal, so that slopes, event windows, change points and forecasts see
+  //    steps < N followed by the new branch, never the jump between them. The read is
+  //    O(history), once per rewind, and runs after the mutex is released (Attach returns when it
+  //    is done, so the resumed rank's first steps follow it). Steps that complete meanwhile are
+  //    stored and journaled at once; their analytics and alert evaluation wait for the rebuild
+  //    and then run in step order. Without a journal (tests) the analytics restart empty.
+  // A Hello without resume_from_step never rewinds: a changed world size is refused, and steps
+  // the run holds are still answered with STEP_REGRESSION / STEP_CONFLICT.
   std::optional<IngestError> Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink,
                                     AttachInfo* info);
   // Detaches `sink` if it is still the one attached to `rank`.
@@ -172,6 +200,8 @@ class Run {
   void RestoreStep(const CompletedStep& step);
   void RestoreEvent(const EventRecord& event);
   void RestoreEnded(bool ended);
+  // The run's latest rewind was to from_step (so a Hello resuming from it again is idempotent).
+  void RestoreRewind(uint64_t from_step);
   // After the journal is loaded: maps the fixed and catalog series to their restored ids,
   // creating (and journaling) any that are missing.
   void FinishRestore();
@@ -192,7 +222,35 @@ class Run {
     uint64_t durable_seq = 0;
   };
 
-  std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello) const;
+  // What a rewind hands from the locked part to the rebuild of the analytics.
+  struct RebuildJob {
+    uint64_t from_step = 0;
+    uint64_t branch = 0;
+    std::vector<ParamInfo> params;
+    std::vector<std::pair<SeriesId, std::string>> series;
+    std::vector<EventRecord> events;  // kept events and the resume event
+    std::vector<alerts::Alert> resolved;  // by the rewind, for the run's streams
+  };
+  // Totals of the kept steps, which the rebuild counts as it reads them.
+  struct StepTotals {
+    uint64_t count = 0;
+    bool has_first = false;
+    uint64_t first_step = 0;
+    uint64_t last_step = 0;
+    uint64_t partial = 0;
+    uint64_t nonfinite = 0;
+    uint64_t last_nonfinite_step = 0;
+    uint64_t client_dropped = 0;
+  };
+
+  // Whether a Hello resuming from `from_step` on `rank` rewinds (see Attach).
+  bool RewindsLocked(uint64_t from_step, uint32_t rank) const;
+  // The locked part of a rewind: everything but the analytics rebuild, which it prepares.
+  RebuildJob RewindLocked(uint64_t from_step, uint32_t world_size);
+  // Rebuilds the analytics off the lock and installs them, unless a newer rewind came first.
+  void RebuildAnalytics(RebuildJob job);
+  std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const;
+  void AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info);
   std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params);
   std::optional<IngestError> ValidateStepLocked(const RankStep& report);
   RunInfo InfoLocked() const;
@@ -200,6 +258,8 @@ class Run {
   void BroadcastLocked(const alerts::Alert& alert);
   SeriesId SeriesForKeyLocked(const std::string& key, bool journal);
   void CompleteLocked(const PendingStep& p);
+  // Analytics and alert evaluation of one completed step (deferred while rebuilding).
+  void AnalyzeLocked(const CompletedStep& step);
   void AppendLocked(const CompletedStep& step);
   void JournalLocked(store::JournalRecord record);
 
@@ -218,13 +278,19 @@ class Run {
   std::array<SeriesId, 5> scalar_series_{};  // total grad, loss, z-loss, lr, tokens
   std::vector<RankState> ranks_;
   std::vector<EventRecord> events_;  // ordered by step
-  RunAnalytics analytics_;
+  std::unique_ptr<RunAnalytics> analytics_;  // replaced at a rewind
+  std::optional<uint64_t> last_resume_step_;  // the latest rewind's step (journaled)
+  uint64_t branch_ = 0;  // rewinds in this process's life; tags journal progress
+  bool rebuilding_ = false;  // a rewind's analytics rebuild is running off the lock
+  // Steps completed while rebuilding, for the rebuilt analytics; at most max_pending_steps.
+  std::vector<CompletedStep> deferred_;
   uint32_t open_streams_ = 0;
   bool ended_ = false;
   SteadyTime last_activity_;
   SteadyTime last_step_seen_;  // when the last step completed (or the run was created/restored)
 
   uint64_t step_count_ = 0;
+  bool has_first_step_ = false;
   uint64_t first_step_ = 0;
   uint64_t last_step_ = 0;
   double last_wall_time_ = 0;

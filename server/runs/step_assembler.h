@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -77,12 +76,11 @@ class StepAssembler {
   // A rewind to from_step (a resume from a checkpoint). Pending steps below from_step complete
   // now, as partial, through on_complete: the resumed ranks start at from_step and will never
   // report them. Pending steps at or above it are discarded: their reports belong to the
-  // abandoned branch. The high-water mark becomes last_kept_step, the newest completed step the
-  // run keeps (none: nothing completed is kept), and the world becomes world_size ranks (≥ 1),
-  // so an elastic job may resume with another size.
+  // abandoned branch. Completed steps at or above it no longer make reports late (the high-water
+  // mark drops to from_step − 1), and the world becomes world_size ranks (≥ 1), so an elastic
+  // job may resume with another size.
   template <typename OnComplete>
-  void Rewind(uint64_t from_step, std::optional<uint64_t> last_kept_step, uint32_t world_size,
-              OnComplete&& on_complete);
+  void Rewind(uint64_t from_step, uint32_t world_size, OnComplete&& on_complete);
 
   size_t pending() const { return pending_.size(); }
   bool has_completed() const { return has_completed_; }
@@ -144,15 +142,16 @@ void StepAssembler::Expire(SteadyTime now, OnComplete&& on_complete) {
 }
 
 template <typename OnComplete>
-void StepAssembler::Rewind(uint64_t from_step, std::optional<uint64_t> last_kept_step, uint32_t world_size,
-                           OnComplete&& on_complete) {
+void StepAssembler::Rewind(uint64_t from_step, uint32_t world_size, OnComplete&& on_complete) {
   while (!pending_.empty() && pending_.front()->step < from_step) CompleteFront(on_complete);
   while (!pending_.empty()) {
     free_.push_back(std::move(pending_.back()));
     pending_.pop_back();
   }
-  has_completed_ = last_kept_step.has_value();
-  last_completed_step_ = last_kept_step.value_or(0);
+  if (has_completed_ && last_completed_step_ >= from_step) {
+    has_completed_ = from_step > 0;
+    last_completed_step_ = has_completed_ ? from_step - 1 : 0;
+  }
   world_size_ = std::max<uint32_t>(1, world_size);
 }
 
