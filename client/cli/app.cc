@@ -74,6 +74,10 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                                    "Send as fast as the daemon acknowledges (the default)");
   speed->excludes(max);
   replay_cmd->add_option("--rank", replay.rank, "This rank")->capture_default_str();
+  replay_cmd->add_option("--resume-from", replay.resume_from,
+                         "The history resumes the run from its checkpoint at step N: the daemon "
+                         "replaces the steps it holds from N on (default: the header's "
+                         "\"resume_from_step\")");
   replay_cmd->add_option("--world-size", replay.world_size, "Ranks reporting each step")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -146,9 +146,16 @@ std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const s
   return stem.empty() ? "replay" : stem;
 }
 
+std::optional<uint64_t> ResumeFromStep(const ReplayPlan& plan, const ReplayOptions& options) {
+  if (options.resume_from) return options.resume_from;
+  if (plan.header) return plan.header->resume_from_step;
+  return std::nullopt;
+}
+
 v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options,
                      const std::string& run_id) {
   v1::Hello hello;
+  if (const auto resume = ResumeFromStep(plan, options)) hello.set_resume_from_step(*resume);
   hello.set_run_id(run_id);
   hello.set_rank(options.rank);
   hello.set_world_size(options.world_size);
@@ -174,6 +181,7 @@ json ReplaySummaryToJson(const ReplaySummary& s) {
       {"steps_sent", s.steps_sent},
       {"events", s.events_sent},
       {"already_held_steps", s.already_held_steps},
+      {"resumed_from_step", s.resumed_from_step ? json(*s.resumed_from_step) : json(nullptr)},
       {"skipped_lines", s.skipped_lines},
       {"first_skipped", std::move(skipped)},
       {"daemon_errors", std::move(errors)},
@@ -209,6 +217,7 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
                               ? " (" + std::to_string(s.already_held_steps) + " already held)"
                               : "")},
       {"events", std::to_string(s.events_sent)},
+      {"resumed from", s.resumed_from_step ? "the checkpoint at step " + std::to_string(*s.resumed_from_step) : "no"},
       {"daemon errors", errors.empty() ? "none" : errors},
       {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
       {"time", rate},
@@ -280,6 +289,18 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     if (first_accepted && first_accepted->has_received_step()) {
       resume_after = first_accepted->last_received_step();
     }
+  }
+  // A resume replaces what the daemon holds from the checkpoint on: those steps are sent again
+  // (the daemon has rewound its progress to before the checkpoint; this holds even if it had not).
+  summary.resumed_from_step = ResumeFromStep(plan, options);
+  if (const auto resume = summary.resumed_from_step) {
+    if (*resume == 0) {
+      resume_after.reset();
+    } else if (resume_after) {
+      resume_after = std::min(*resume_after, *resume - 1);
+    }
+    err << "gradwatch: resuming run " << summary.run << " from the checkpoint at step " << *resume
+        << ": the daemon replaces what it held from there on\n";
   }
   if (resume_after) {
     err << "gradwatch: the daemon already holds run " << summary.run << " rank " << options.rank

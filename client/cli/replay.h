@@ -23,6 +23,9 @@ struct ReplayOptions {
       0;  // > 0: pace by _timestamp at this multiple of real time; 0: as fast as acks allow
   uint32_t rank = 0;
   uint32_t world_size = 1;
+  // --resume-from: the history resumes the run from its checkpoint at this step; overrides the
+  // header's resume_from_step.
+  std::optional<uint64_t> resume_from;
 };
 
 struct BadLine {
@@ -50,6 +53,10 @@ ReplayPlan ScanReplay(std::istream& in);
 // does not accept in a run id replaced by '-'.
 std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const std::string& file);
 
+// The step the replay resumes from: the flag's, else the header's, else none.
+std::optional<uint64_t> ResumeFromStep(const ReplayPlan& plan, const ReplayOptions& options);
+
+// The Hello for the replay; carries ResumeFromStep as resume_from_step.
 v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options,
                      const std::string& run_id);
 
@@ -61,6 +68,8 @@ struct ReplaySummary {
   uint64_t events_sent = 0;
   // Steps not sent because the daemon had already received them (a replay run again).
   uint64_t already_held_steps = 0;
+  // The checkpoint step this replay resumed the run from, if it did.
+  std::optional<uint64_t> resumed_from_step;
   uint64_t skipped_lines = 0;
   std::vector<BadLine> first_skipped;             // a few, for the report
   std::map<std::string, uint64_t> daemon_errors;  // ErrorReason name → count

@@ -89,6 +89,11 @@ LineResult ParseHeader(const json& obj) {
     }
     h.run = it->get<std::string>();
   }
+  if (auto it = obj.find("resume_from_step"); it != obj.end()) {
+    const std::optional<uint64_t> n = AsCount(*it);
+    if (!n) return Error("header \"resume_from_step\" must be a non-negative integer (a step)");
+    h.resume_from_step = *n;
+  }
   if (auto it = obj.find("config"); it != obj.end()) {
     if (!it->is_object()) return Error("header \"config\" must be an object");
     for (const auto& [key, value] : it->items()) {
@@ -268,7 +273,8 @@ LineResult ParseReplayLine(std::string_view text, bool first_line) {
   auto step_it = obj.find("_step");
   if (step_it == obj.end()) {
     const bool looks_like_header = obj.contains("run") || obj.contains("config") ||
-                                   obj.contains("labels") || obj.contains("params");
+                                   obj.contains("labels") || obj.contains("params") ||
+                                   obj.contains("resume_from_step");
     if (looks_like_header && first_line) return ParseHeader(obj);
     if (looks_like_header) return Error("a header is only allowed on the first line");
     return Error("missing _step");

@@ -46,6 +46,8 @@ struct HeaderRecord {
   std::string run;
   v1::RunConfig config;
   std::map<std::string, std::string> labels;
+  // `"resume_from_step": N`: the history resumes a run from its checkpoint at step N (steps).
+  std::optional<uint64_t> resume_from_step;
   std::vector<v1::ParamInfo> params;
   // Which params entries gave a kind / weight decay (the others are inferred).
   std::vector<bool> kind_given;

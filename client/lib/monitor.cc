@@ -198,13 +198,16 @@ void Monitor::SenderLoop() {
 
 bool Monitor::RunConnection(Connection& conn) {
   v1::TrainerMessage hello;
+  bool resumed = false;  // a stream was accepted before: the resume, if any, is done
   {
     std::lock_guard lock(mu_);
     if (stopping_) return false;
     current_ = &conn;
     hello.set_seq(next_seq_++);
+    resumed = accepted_streams_ > 0;
   }
   *hello.mutable_hello() = options_.hello;
+  if (resumed) hello.mutable_hello()->clear_resume_from_step();  // declared once, when it happened
   if (hello.hello().client().empty()) hello.mutable_hello()->set_client(kClientName);
 
   // Waiting for the channel, rather than failing fast, lets gRPC reconnect as soon as the daemon

@@ -29,7 +29,10 @@ inline constexpr char kClientName[] = "gradwatch-cpp/0.1.0";
 struct MonitorOptions {
   // host:port of the daemon.
   std::string address = kDefaultAddress;
-  // Sent at the start of every connection. `client` is filled in when empty.
+  // Sent at the start of every connection. `client` is filled in when empty. A trainer that
+  // resumed from a checkpoint sets hello.resume_from_step to the first step it will log: it is
+  // sent until the daemon accepts a stream, and left out of later reconnects, which must not
+  // rewind the steps this process has already reported.
   v1::Hello hello;
   // Steps held in memory: queued plus written but not yet durable.
   size_t queue_capacity = 10'000;

@@ -213,6 +213,40 @@ TEST_CASE("a replay run again sends only the steps the daemon has not received",
   CHECK(ingest.Steps() == std::vector<uint64_t>{1, 2, 3, 4, 5});
 }
 
+TEST_CASE("a resumed replay sends the steps from its checkpoint on, even those the daemon held", "[client][rewind]") {
+  // The daemon says it received through step 30; the history resumes from the checkpoint at 20.
+  FakeIngest ingest(FakeIngest::Progress{true, 30, true, 30});
+  FakeServer server({&ingest});
+  std::string lines = R"({"run": "resumed", "resume_from_step": 20})"
+                      "\n";
+  for (int step = 10; step <= 40; step += 10) {
+    lines += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": 1.5})"
+             "\n";
+  }
+  TempFile file(lines);
+  SECTION("from the header") {
+    const CliResult r = RunCli({"--addr", server.address(), "--json", "replay", file.path()});
+    INFO(r.err);
+    CHECK(r.code == 0);
+    CHECK_THAT(r.err, Catch::Contains("from the checkpoint at step 20"));
+    const auto summary = nlohmann::json::parse(r.out);
+    CHECK(summary["resumed_from_step"] == 20);
+    CHECK(summary["steps_sent"] == 3);
+    CHECK(summary["already_held_steps"] == 1);
+    CHECK(ingest.Steps() == std::vector<uint64_t>{20, 30, 40});
+    REQUIRE(ingest.Messages()[0].hello().has_resume_from_step());
+    CHECK(ingest.Messages()[0].hello().resume_from_step() == 20);
+  }
+  SECTION("--resume-from overrides the header") {
+    const CliResult r =
+        RunCli({"--addr", server.address(), "--json", "replay", file.path(), "--resume-from", "30"});
+    INFO(r.err);
+    CHECK(r.code == 0);
+    CHECK(ingest.Steps() == std::vector<uint64_t>{30, 40});
+    CHECK(ingest.Messages()[0].hello().resume_from_step() == 30);
+  }
+}
+
 TEST_CASE("replay paces by timestamps with --speed", "[client]") {
   FakeIngest ingest;
   FakeServer server({&ingest});

@@ -125,6 +125,32 @@ TEST_CASE("monitor reconnects after the daemon restarts and resends what it did 
   CHECK(stats.connected);
 }
 
+TEST_CASE("a resume is declared on the first accepted hello only, not on reconnects", "[client][rewind]") {
+  auto first = std::make_unique<FakeIngest>();
+  auto server = std::make_unique<FakeServer>(std::vector<grpc::Service*>{first.get()});
+  REQUIRE(server->ok());
+  const int port = server->port();
+  MonitorOptions options = Options(server->address());
+  options.hello.set_resume_from_step(20000);
+  Monitor monitor(options);
+  monitor.Start();
+  REQUIRE(monitor.Log(Step(20000)));
+  REQUIRE(monitor.Flush(10s));
+  REQUIRE(first->Messages()[0].hello().has_resume_from_step());
+  CHECK(first->Messages()[0].hello().resume_from_step() == 20000);
+
+  server->Shutdown();
+  FakeIngest second(FakeIngest::Progress{true, 20000, true, 20000});
+  FakeServer restarted({&second}, port);
+  REQUIRE(restarted.ok());
+  REQUIRE(monitor.Log(Step(20001)));
+  REQUIRE(monitor.Flush(15s));
+  const auto messages = second.Messages();
+  REQUIRE(messages[0].has_hello());
+  CHECK_FALSE(messages[0].hello().has_resume_from_step());
+  CHECK(second.Steps() == std::vector<uint64_t>{20001});
+}
+
 TEST_CASE("errors about a step release it so that flush does not hang", "[client]") {
   FakeIngest ingest;
   ingest.set_reject([](const v1::TrainerMessage& m) -> std::optional<v1::Error> {

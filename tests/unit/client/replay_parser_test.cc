@@ -258,3 +258,31 @@ TEST_CASE("without a config weight decay, inferred params are not decayed", "[cl
   catalog.AddFrom(ParseStep(R"({"_step": 1, "grad/norm/lm_head.weight": 1})"));
   CHECK(catalog.Params()[0].weight_decay() == 0.0);
 }
+
+TEST_CASE("a header's resume_from_step becomes the hello's and --resume-from overrides it", "[client][rewind]") {
+  std::istringstream in(R"({"run": "r1", "resume_from_step": 20000})"
+                        "\n"
+                        R"({"_step": 20000, "train/loss": 2.0})"
+                        "\n");
+  const ReplayPlan plan = ScanReplay(in);
+  REQUIRE(plan.header);
+  CHECK(plan.header->resume_from_step == 20000u);
+  ReplayOptions options;
+  v1::Hello hello = BuildHello(plan, options, "r1");
+  REQUIRE(hello.has_resume_from_step());
+  CHECK(hello.resume_from_step() == 20000);
+  options.resume_from = 0;  // 0 is a resume too: start over
+  hello = BuildHello(plan, options, "r1");
+  REQUIRE(hello.has_resume_from_step());
+  CHECK(hello.resume_from_step() == 0);
+
+  std::istringstream plain(R"({"_step": 1, "train/loss": 2.0})");
+  CHECK_FALSE(BuildHello(ScanReplay(plain), ReplayOptions{}, "r1").has_resume_from_step());
+
+  // A header with nothing but the resume point is a header; a bad value is refused.
+  LineResult only = ParseReplayLine(R"({"resume_from_step": 5})", true);
+  REQUIRE(only.ok());
+  CHECK(std::get<HeaderRecord>(*only.line).resume_from_step == 5u);
+  CHECK_THAT(ErrorOf(R"({"resume_from_step": -1})", true), Catch::Contains("resume_from_step"));
+  CHECK_THAT(ErrorOf(R"({"resume_from_step": "20000"})", true), Catch::Contains("resume_from_step"));
+}
