@@ -326,8 +326,9 @@ void Run::RebuildAnalytics(RebuildJob job) {
     // A late step below the resume point may have been committed in time to be read back.
     if (!kept.has_first || step.step > kept.last_step) AnalyzeLocked(step);
   }
+  spdlog::info("run {}: analytics rebuilt from {} kept steps below step {}, then {} that arrived meanwhile", id_,
+               kept.count, job.from_step, deferred_.size());
   deferred_.clear();
-  spdlog::info("run {}: analytics rebuilt from {} kept steps below step {}", id_, kept.count, job.from_step);
 }
 
 void Run::Detach(uint32_t rank, StreamSink* sink) {
