@@ -23,9 +23,12 @@ constexpr uint64_t kResumeStep = 20000;
 constexpr uint64_t kNewEnd = 40000;
 constexpr uint64_t kEvery = 10;
 
-// The abandoned branch rises slowly; the new one, from the checkpoint, rises faster and sits
-// above it, so that every value tells which branch it came from.
-double OldTotal(uint64_t s) { return 0.3 + 1e-5 * static_cast<double>(s); }
+// The abandoned branch rises slowly, then (after its routing switch at 25,000) steeply through 5,
+// which pages; the new one, from the checkpoint, rises faster than the old one did before 25,000
+// and stays far below 5, so that every value tells which branch it came from.
+double OldTotal(uint64_t s) {
+  return s < 25000 ? 0.3 + 1e-5 * static_cast<double>(s) : 0.55 + 1e-3 * static_cast<double>(s - 25000);
+}
 double NewTotal(uint64_t s) { return 1.0 + 2e-5 * static_cast<double>(s - kResumeStep); }
 
 CommandResult Cli(const DaemonProcess& daemon, std::vector<std::string> args) {
@@ -59,6 +62,23 @@ std::vector<v1::SeriesPoint> Series(const DaemonProcess& daemon, const std::stri
   INFO(s.error_message());
   REQUIRE(s.ok());
   return {resp.points().begin(), resp.points().end()};
+}
+
+std::vector<v1::Alert> ActiveAlerts(const DaemonProcess& daemon, const std::string& name) {
+  auto stub = QueryStub(daemon.grpc_target());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::ListAlertsRequest req;
+  req.set_run_id("resumed-job");
+  v1::ListAlertsResponse resp;
+  const grpc::Status s = stub->ListAlerts(&ctx, req, &resp);
+  INFO(s.error_message());
+  REQUIRE(s.ok());
+  std::vector<v1::Alert> out;
+  for (const auto& a : resp.alerts()) {
+    if (a.name() == name) out.push_back(a);
+  }
+  return out;
 }
 
 v1::RunSummary Run(const DaemonProcess& daemon) {
@@ -121,6 +141,10 @@ TEST_CASE("a run resumed from a checkpoint replaces the abandoned branch everywh
   INFO(first.out << first.err);
   REQUIRE(first.exit_code == 0);
   CHECK(json::parse(first.out)["last_acked_step"] == kCrashStep);
+  const auto paged = ActiveAlerts(daemon, "GradNormContingency");
+  REQUIRE(paged.size() == 1);
+  CHECK(paged[0].state() == v1::ALERT_STATE_FIRING);
+  CHECK(paged[0].step() > kResumeStep);
 
   const CommandResult resumed = Cli(daemon, {"replay", new_file, "--json"});
   INFO(resumed.out << resumed.err);
@@ -134,6 +158,8 @@ TEST_CASE("a run resumed from a checkpoint replaces the abandoned branch everywh
   CHECK(summary["complete"] == true);
 
   CheckHoldsTheNewBranch(daemon);
+  // The page came from the abandoned branch: the rewind resolved it and the new branch is clear.
+  CHECK(ActiveAlerts(daemon, "GradNormContingency").empty());
 
   {
     // Without a resume, re-reporting steps with other values is still refused.
@@ -158,6 +184,7 @@ TEST_CASE("a run resumed from a checkpoint replaces the abandoned branch everywh
 
   daemon.Restart();
   CheckHoldsTheNewBranch(daemon);
+  CHECK(ActiveAlerts(daemon, "GradNormContingency").empty());
   {
     // A reconnecting trainer is told to go on after the new branch's last step.
     StreamClient stream(daemon.grpc_target());
