@@ -92,9 +92,9 @@ struct CommitReport {
   std::vector<RankProgress> progress;        // durable progress made by this commit
 };
 
-// Receives everything the journal holds, in order: all runs (each followed by its params,
-// series, rank progress), then events (so that analytics know them before the steps they
-// concern), then steps ordered by run and step.
+// Receives everything the journal holds of the runs' current branches, in order: all runs (each
+// followed by its params, series, rank progress and latest rewind), then events (so that
+// analytics know them before the steps they concern), then steps ordered by run and step.
 class JournalVisitor {
  public:
   virtual ~JournalVisitor() = default;
