@@ -217,11 +217,14 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
                               ? " (" + std::to_string(s.already_held_steps) + " already held)"
                               : "")},
       {"events", std::to_string(s.events_sent)},
-      {"resumed from", s.resumed_from_step ? "the checkpoint at step " + std::to_string(*s.resumed_from_step) : "no"},
       {"daemon errors", errors.empty() ? "none" : errors},
       {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
       {"time", rate},
   };
+  if (s.resumed_from_step) {
+    rows.insert(rows.begin() + 2,
+                {"resumed from", "the checkpoint at step " + std::to_string(*s.resumed_from_step)});
+  }
   return "replayed " + s.file + " as run " + s.run + (s.complete ? "" : " (incomplete)") + "\n" +
          FormatTable(rows);
 }

@@ -244,6 +244,11 @@ TEST_CASE("a resumed replay sends the steps from its checkpoint on, even those t
     CHECK(r.code == 0);
     CHECK(ingest.Steps() == std::vector<uint64_t>{30, 40});
     CHECK(ingest.Messages()[0].hello().resume_from_step() == 30);
+  }  SECTION("the text summary says so") {
+    const CliResult r = RunCli({"--addr", server.address(), "replay", file.path()});
+    INFO(r.err);
+    CHECK(r.code == 0);
+    CHECK_THAT(r.out, Catch::Contains("resumed from") && Catch::Contains("the checkpoint at step 20"));
   }
 }
 
