@@ -8,6 +8,37 @@
 namespace gradwatch::alerts {
 namespace {
 
+bool Upward(CompareOp op) { return op == CompareOp::kGe || op == CompareOp::kGt; }
+
+// The measure that neither holds nor stays in the clear band: a failed precondition.
+double Shut(CompareOp op) { return Upward(op) ? -INFINITY : INFINITY; }
+
+LevelTest PlainLevel(CompareOp op, double bound, std::optional<double> clear_bound, double measure,
+                     bool gate) {
+  LevelTest t;
+  t.op = op;
+  t.bound = bound;
+  t.clear_bound = clear_bound;
+  t.hold_measure = t.clear_measure = gate ? measure : Shut(op);
+  return t;
+}
+
+// The interval of a slope ratio after/before from the slopes' standard errors: the lowest and
+// highest ratio within kEstimateZ errors of each slope, for a positive slope before. NaN when
+// unknown (an error not yet known, or a before slope that is not clearly positive).
+std::pair<double, double> RatioInterval(double before, double after, double before_se, double after_se) {
+  const double z = kEstimateZ;
+  if (!std::isfinite(before) || !std::isfinite(after) || !std::isfinite(before_se) || !std::isfinite(after_se)) {
+    return {NAN, NAN};
+  }
+  const double low_den = before + z * before_se;
+  const double high_den = before - z * before_se;
+  if (!(low_den > 0)) return {NAN, NAN};
+  const double low = (after - z * after_se) / low_den;
+  const double high = high_den > 0 ? (after + z * after_se) / high_den : INFINITY;
+  return {low, high};
+}
+
 bool IsGlob(std::string_view pattern) { return pattern.find_first_of("*?") != std::string_view::npos; }
 
 bool MatchesAny(const std::vector<std::string>& patterns, std::string_view key) {
@@ -71,6 +102,7 @@ void EvaluateThreshold(const Rule& rule, const RunFacts& facts, const LabelSet& 
                        std::vector<Condition>* out) {
   ForEachLatest(rule.series, facts, [&](const SeriesValue& v) {
     Condition c = Make(base, facts, v.value, Compare(v.value, rule.op, rule.value));
+    c.level = PlainLevel(rule.op, rule.value, Upward(rule.op) ? rule.clear_below : rule.clear_above, v.value, true);
     c.labels["series"] = v.key;
     c.vars["series"] = v.key;
     c.vars["threshold"] = FormatNumber(rule.value);
@@ -87,6 +119,11 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
     const bool active = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0 &&
                         f.steps_to_threshold <= static_cast<double>(rule.within_steps);
     Condition c = Make(base, facts, f.current_value, active);
+    // Judged on the steps to the threshold: the forecast itself is the value's fitted level.
+    const bool gate = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0;
+    c.level = PlainLevel(CompareOp::kLe, static_cast<double>(rule.within_steps), std::nullopt,
+                         f.steps_to_threshold, gate);
+    c.level->shows_level = false;
     c.labels["series"] = f.key;
     c.vars["series"] = f.key;
     c.vars["threshold"] = FormatNumber(rule.threshold);
@@ -97,6 +134,17 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
     c.vars["current"] = FormatNumber(f.current_value);
     out->push_back(std::move(c));
   }
+}
+
+LevelTest EstimateLevel(const Rule& rule, double low, double high) {
+  LevelTest t;
+  t.op = CompareOp::kGe;
+  t.bound = rule.min_ratio;
+  t.clear_bound = rule.clear_below;
+  t.hold_measure = low;
+  t.clear_measure = high;
+  t.shows_level = false;
+  return t;
 }
 
 void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet& base,
@@ -119,7 +167,10 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
       if (MatchesAny(rule.series, s.key)) events[{s.key, s.event_step}] = &s;
     }
     for (const auto& [key, s] : events) {
-      Condition c = Make(base, facts, s->ratio, s->ratio >= rule.min_ratio);
+      const auto [low, high] =
+          RatioInterval(s->before_per_kstep, s->after_per_kstep, s->before_stderr_per_kstep, s->after_stderr_per_kstep);
+      Condition c = Make(base, facts, s->ratio, low >= rule.min_ratio);
+      c.level = EstimateLevel(rule, low, high);
       fill(c, s->key, s->ratio, s->before_per_kstep, s->after_per_kstep, s->event_step, s->event_text);
       c.labels["trigger"] = "event";
       c.labels["event_step"] = std::to_string(s->event_step);
@@ -134,7 +185,17 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
       if (!slot || p.step >= slot->step) slot = &p;
     }
     for (const auto& [key, p] : latest) {
-      Condition c = Make(base, facts, p->ratio, p->ratio >= rule.min_ratio);
+      // The detector gives the z-score of the slope difference: its standard error, carried to
+      // the ratio with the slope before taken as known.
+      const double diff = p->after_per_kstep - p->before_per_kstep;
+      const double diff_se = p->z_score > 0 && std::isfinite(p->z_score) ? std::fabs(diff) / p->z_score : 0;
+      double low = NAN, high = NAN;
+      if (p->before_per_kstep > 0) {
+        low = 1 + (diff - kEstimateZ * diff_se) / p->before_per_kstep;
+        high = 1 + (diff + kEstimateZ * diff_se) / p->before_per_kstep;
+      }
+      Condition c = Make(base, facts, p->ratio, low >= rule.min_ratio);
+      c.level = EstimateLevel(rule, low, high);
       fill(c, p->key, p->ratio, p->before_per_kstep, p->after_per_kstep, p->step, "");
       c.labels["trigger"] = "change_point";
       out->push_back(std::move(c));
@@ -162,6 +223,8 @@ void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base
     }
     if (!match) continue;
     Condition c = Make(base, facts, s.share, s.share >= rule.min_share);
+    c.level = PlainLevel(CompareOp::kGe, rule.min_share, rule.clear_below, s.share, true);
+    c.level->percent = true;
     c.labels[s.is_group ? "group" : "param"] = s.name;
     c.vars["param"] = s.name;
     c.vars["share"] = FormatPercent(s.share);
@@ -192,6 +255,11 @@ void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& bas
 
     const double value = rule.min_amplification ? amplification : growth;
     Condition c = Make(base, facts, value, active);
+    // The measure is the value; the other criterion and the rise are preconditions.
+    bool gate = rising;
+    if (rule.min_amplification && rule.min_growth) gate = gate && growth >= *rule.min_growth;
+    c.level = PlainLevel(CompareOp::kGe, rule.min_amplification ? *rule.min_amplification : rule.min_growth.value_or(0),
+                         rule.clear_below, value, gate);
     c.labels["param"] = p.info.name;
     c.vars["param"] = p.info.name;
     c.vars["amplification"] = std::isfinite(amplification) ? FormatNumber(amplification) : "unknown";
@@ -235,6 +303,14 @@ void EvaluateStalled(const Rule& rule, const RunFacts& facts, const LabelSet& ba
 }
 
 }  // namespace
+
+bool LevelHolds(const LevelTest& test, double measure) { return Compare(measure, test.op, test.bound); }
+
+bool LevelPastClear(const LevelTest& test, double measure) {
+  if (std::isnan(measure)) return false;
+  if (!test.clear_bound) return !Compare(measure, test.op, test.bound);
+  return Upward(test.op) ? measure < *test.clear_bound : measure > *test.clear_bound;
+}
 
 LabelSet BaseLabels(const Rule& rule, const RunFacts& facts) {
   LabelSet labels = facts.run_labels;

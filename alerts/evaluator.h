@@ -4,6 +4,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,33 @@
 
 namespace gradwatch::alerts {
 
+// How the state machine judges a condition report after report (state_machine.h, "Noisy
+// series"): a measure compared with a bound. Plain values (a series, a share, an amplification)
+// are their own measure; an estimate with an error (a slope ratio) is judged by the end of its
+// interval that is hardest to satisfy: the low end for the hold, the high end for the clearing.
+// A precondition that fails (a forecast of a value already there, a norm no longer rising) sets
+// both measures to the extreme that neither holds nor stays in the clear band.
+// How many standard errors an estimate must clear its bound by (slope_change).
+inline constexpr double kEstimateZ = 2.0;
+
+struct LevelTest {
+  CompareOp op = CompareOp::kGe;  // holds when hold_measure op bound
+  double bound = 0;
+  // Past the clear band when clear_measure is below it (op ≥, >) or above it (op ≤, <); without
+  // one, past it when clear_measure does not hold.
+  std::optional<double> clear_bound;
+  double hold_measure = 0;
+  double clear_measure = 0;
+  // Condition::value is the measure itself, so templates show the level (the median of the
+  // recent reports) as `value`, formatted as a percentage when `percent`.
+  bool shows_level = true;
+  bool percent = false;
+};
+
+// Whether `measure` holds / is past the clear band of `test`. NaN does neither.
+bool LevelHolds(const LevelTest& test, double measure);
+bool LevelPastClear(const LevelTest& test, double measure);
+
 struct Condition {
   // alertname, run, the rule's labels (severity among them), the run's labels, and the
   // instance's own: `series` (threshold, forecast, slope_change, non_finite), `param` or `group`
@@ -22,6 +50,10 @@ struct Condition {
   double value = 0;  // in the unit the rule compares: the series' value, a share, a ratio, ...
   TemplateVars vars;  // formatted for templates (see TemplateVariablesFor); no "recommendation"
   bool active = false;
+  // Set for every kind that holds (threshold, forecast, slope_change, share,
+  // growth_without_decay); active == LevelHolds(*level, level->hold_measure). non_finite and
+  // stalled act on each report alone.
+  std::optional<LevelTest> level;
 };
 
 // One Condition per instance the rule matches in `facts` (per series matching the glob, per
@@ -32,7 +64,9 @@ struct Condition {
 //  - forecast: every forecast of a matching series at the rule's threshold; active when
 //    reachable within `within_steps` (already at or above counts). value: the fitted current value.
 //  - slope_change: every slope change at an event (at: event|any) and every change point
-//    (at: change_point|any) of a matching series; active when ratio ≥ min_ratio. value: the ratio.
+//    (at: change_point|any) of a matching series; active when the ratio is significantly at least
+//    min_ratio: its low end, from the slopes' standard errors (kEstimateZ of them), reaches it.
+//    value: the ratio.
 //    Change points are one instance per series (their step is refined), events one per event step.
 //  - share: every share passing the param/group/param_kind filters; active when ≥ min_share.
 //  - growth_without_decay: every parameter passing the kind and name filters with weight decay

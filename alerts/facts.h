@@ -42,6 +42,10 @@ struct SlopeChangeFact {
   double before_per_kstep = 0;
   double after_per_kstep = 0;
   size_t after_samples = 0;
+  // The slopes' standard errors per 1,000 steps; NaN while unknown. 0 (as in a fact built by
+  // hand) means exact.
+  double before_stderr_per_kstep = 0;
+  double after_stderr_per_kstep = 0;
 };
 
 // A slope change found without an event (analytics::ChangePoint).
@@ -51,6 +55,9 @@ struct ChangePointFact {
   double ratio = 0;
   double before_per_kstep = 0;
   double after_per_kstep = 0;
+  // The slope difference over its standard error; +inf or 0 (unknown, as in a fact built by
+  // hand) for exact.
+  double z_score = 0;
 };
 
 // A parameter's or a group's share of the squared total grad norm.

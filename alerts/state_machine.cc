@@ -1,7 +1,9 @@
 #include "alerts/state_machine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <tuple>
 #include <unordered_set>
 #include <utility>
@@ -59,18 +61,38 @@ auto DurableKey(const InstanceState& inst) {
                          inst.notified);
 }
 
+constexpr std::string_view kResolvedSummary = "resolved_summary";
+
 LabelSet Render(const Rule& rule, const TemplateVars& vars, const LabelSet& labels,
                 const std::string* recommendation) {
   LabelSet out;
   if (recommendation) {
     TemplateVars with = vars;
     with["recommendation"] = *recommendation;
-    for (const auto& [name, text] : rule.annotations) out[name] = RenderTemplate(text, with, labels);
+    for (const auto& [name, text] : rule.annotations) {
+      if (name != kResolvedSummary) out[name] = RenderTemplate(text, with, labels);
+    }
   } else {
-    for (const auto& [name, text] : rule.annotations) out[name] = RenderTemplate(text, vars, labels);
+    for (const auto& [name, text] : rule.annotations) {
+      if (name != kResolvedSummary) out[name] = RenderTemplate(text, vars, labels);
+    }
   }
   return out;
 }
+
+// The summary of a resolved alert, from the value and step that resolved it.
+std::string ResolvedSummary(const Rule& rule, const TemplateVars& vars, const LabelSet& labels) {
+  if (auto it = rule.annotations.find(std::string(kResolvedSummary)); it != rule.annotations.end()) {
+    return RenderTemplate(it->second, vars, labels);
+  }
+  auto var = [&](const char* name) {
+    auto v = vars.find(name);
+    return v == vars.end() ? std::string() : v->second;
+  };
+  return rule.name + " resolved at step " + var("step") + " in run " + var("run") + ": value " + var("value");
+}
+
+bool Upward(CompareOp op) { return op == CompareOp::kGe || op == CompareOp::kGt; }
 
 }  // namespace
 
@@ -142,6 +164,7 @@ std::vector<Transition> AlertEngine::ReplaceRules(std::vector<Rule> rules, doubl
   for (const Rule& r : rules) names.insert(r.name);
   std::vector<Transition> out;
   EndInstances([&](const Instance& inst) { return names.count(inst.rule) == 0; }, now, &out);
+  DropTrackers([&](const LevelTracker& t) { return names.count(t.rule) == 0; });
   SetRulesLocked(std::move(rules));
   PublishLocked(out);
   return out;
@@ -220,6 +243,125 @@ bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* con
   return false;
 }
 
+bool AlertEngine::AdvanceLevel(const Rule& rule, Instance& inst, const Condition& cond, LevelTracker& tracker,
+                               uint64_t step, double now, const std::string* recommendation,
+                               std::vector<Transition>* out) {
+  using Column = ReportWindow::Column;
+  const LevelTest& level = *cond.level;
+  const ReportWindow& window = tracker.window;
+  const AlertState state = inst.alert.state;
+  const bool up = Upward(level.op);
+  const size_t k = std::min(window.size(), kLevelReports);
+  const double sigma = window.Noise();
+  const double scale = std::max(std::fabs(level.bound), std::numeric_limits<double>::min());
+  const bool noise_free = sigma <= kNoiseFreeRelative * scale;
+  const double margin = kLevelZ * 1.2533 * sigma / std::sqrt(static_cast<double>(std::max<size_t>(k, 1)));
+  // Whether the level holds / is past the clear band significantly (see the header).
+  auto level_holds = [&] {
+    if (noise_free && tracker.all_since_mark) return true;
+    const double m = window.Median(Column::kHold, k);
+    return LevelHolds(level, up ? m - margin : m + margin);
+  };
+  auto level_cleared = [&] {
+    if (noise_free && tracker.all_since_mark) return true;
+    const double m = window.Median(Column::kClear, k);
+    return LevelPastClear(level, up ? m + margin : m - margin);
+  };
+  auto recent = [&](Column column) { return window.Median(column, std::min(tracker.since_mark, kLevelReports)); };
+  // The value shown: the level of the reports since the mark, or the estimate itself.
+  auto render = [&](double shown) {
+    TemplateVars vars = cond.vars;
+    if (level.shows_level && std::isfinite(shown)) {
+      vars["value"] = level.percent ? FormatPercent(shown) : FormatNumber(shown);
+    }
+    inst.alert.value = level.shows_level && std::isfinite(shown) ? shown : cond.value;
+    return vars;
+  };
+  auto emit = [&](AlertState from, bool notify) {
+    out->push_back(Transition{inst.alert, from, inst.alert.state, notify});
+  };
+  auto fire = [&](AlertState from) {
+    inst.alert.state = AlertState::kFiring;
+    inst.alert.step = step;
+    inst.notified = !IsMutedLocked(inst.alert, now);
+    emit(from, inst.notified);
+  };
+  const bool holds = cond.active;
+  const bool past = LevelPastClear(level, level.clear_measure);
+  const uint64_t for_steps = EffectiveForSteps(rule);
+
+  switch (state) {
+    case AlertState::kInactive:
+    case AlertState::kResolved: {
+      if (!holds) return false;
+      tracker.Mark();
+      inst.held_since_step = step;
+      inst.clearing = false;
+      inst.alert.starts_at = now;
+      inst.alert.ends_at = 0;
+      inst.alert.step = step;
+      inst.alert.annotations = Render(rule, render(recent(Column::kValue)), inst.alert.labels, recommendation);
+      if (for_steps == 0 && level_holds()) {
+        fire(state);
+      } else {
+        inst.alert.state = AlertState::kPending;
+        emit(state, false);
+      }
+      return true;
+    }
+    case AlertState::kPending: {
+      tracker.Count(holds);
+      if (!LevelHolds(level, recent(Column::kHold))) {
+        inst.alert.state = AlertState::kInactive;
+        inst.alert.step = step;
+        emit(AlertState::kPending, false);
+        return false;
+      }
+      if (step < inst.held_since_step) inst.held_since_step = step;  // the run went back in steps
+      inst.alert.annotations = Render(rule, render(recent(Column::kValue)), inst.alert.labels, recommendation);
+      if (step >= inst.held_since_step + for_steps && level_holds()) fire(AlertState::kPending);
+      return true;
+    }
+    case AlertState::kFiring: {
+      if (!inst.clearing) {
+        tracker.Count(holds);
+        inst.alert.annotations =
+            Render(rule, render(recent(Column::kValue)), inst.alert.labels, recommendation);
+        if (!past) return true;
+        inst.clearing = true;
+        inst.clearing_since_step = step;
+        tracker.Mark();
+      } else {
+        tracker.Count(past);
+        if (!LevelPastClear(level, recent(Column::kClear))) {
+          inst.clearing = false;
+          tracker.since_mark = kLevelReports;  // the level shown is that of the last reports again
+          inst.alert.annotations =
+              Render(rule, render(recent(Column::kValue)), inst.alert.labels, recommendation);
+          return true;
+        }
+        if (step < inst.clearing_since_step) inst.clearing_since_step = step;
+      }
+      if (step < inst.clearing_since_step + rule.resolve_for_steps || !level_cleared()) return true;
+      const TemplateVars vars = render(recent(Column::kValue));
+      inst.alert.annotations["summary"] = ResolvedSummary(rule, vars, inst.alert.labels);
+      inst.alert.state = AlertState::kResolved;
+      inst.alert.step = step;
+      inst.alert.ends_at = now;
+      emit(AlertState::kFiring, inst.notified);
+      return false;
+    }
+  }
+  return false;
+}
+
+template <typename Pred>
+void AlertEngine::DropTrackers(Pred drop) {
+  for (auto it = levels_.begin(); it != levels_.end();) {
+    it = drop(it->second) ? levels_.erase(it) : std::next(it);
+  }
+}
+
 void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double now,
                                std::optional<std::string>* recommendation,
                                std::vector<Transition>* out) {
@@ -245,6 +387,14 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
   for (const Condition& c : conditions) {
     const uint64_t fp = Fingerprint(c.labels);
     if (!seen.insert(fp).second) continue;  // one instance, one evaluation
+    LevelTracker* tracker = nullptr;
+    if (c.level) {
+      if (std::isnan(c.level->hold_measure) || std::isnan(c.level->clear_measure)) continue;  // no report
+      auto [t, created] = levels_.try_emplace(fp);
+      if (created) t->second.rule = rule.name, t->second.run = facts.run_id;
+      tracker = &t->second;
+      tracker->window.Add(c.value, c.level->hold_measure, c.level->clear_measure);
+    }
     auto it = instances_.find(fp);
     if (it == instances_.end()) {
       if (!c.active) continue;
@@ -255,7 +405,15 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
       inst.alert.labels = c.labels;
       it = instances_.emplace(fp, std::move(inst)).first;
     }
-    if (!advance(it, &c, recommendation_for())) instances_.erase(it);
+    bool keep;
+    if (tracker != nullptr) {
+      const auto before = DurableKey(it->second);
+      keep = AdvanceLevel(rule, it->second, c, *tracker, facts.step, now, recommendation_for(), out);
+      if (!keep || DurableKey(it->second) != before) Touch(it->first);
+    } else {
+      keep = advance(it, &c, recommendation_for());
+    }
+    if (!keep) instances_.erase(it);
   }
   for (auto it = instances_.begin(); it != instances_.end();) {
     Instance& inst = it->second;
@@ -319,6 +477,7 @@ std::vector<Transition> AlertEngine::ForgetRun(const std::string& run_id, double
   std::lock_guard lock(mu_);
   std::vector<Transition> out;
   EndInstances([&](const Instance& inst) { return inst.run == run_id; }, now, &out);
+  DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
   PublishLocked(out);
   return out;
 }
@@ -340,6 +499,8 @@ std::vector<Transition> AlertEngine::RewindRun(const std::string& run_id, uint64
       Touch(fingerprint);
     }
   }
+  // The reports of the abandoned branch say nothing about the new one.
+  DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
   PublishLocked(out);
   return out;
 }

@@ -16,6 +16,36 @@
 // transition, with ends_at = now. An instance the rule no longer produces (its series or event
 // is gone) counts as not holding.
 //
+// Noisy series. Every kind that holds (threshold, forecast, slope_change, share,
+// growth_without_decay) is judged on the level of its recent reports, not on one sample; the
+// engine keeps the last reports of every instance such a rule produces (ReportWindow), firing or
+// not. Let σ be the series' report-to-report noise (ReportWindow::Noise) and the level the median
+// of the last kLevelReports (9) reports, or of those since s0 (r0) when fewer:
+//  - pending starts at the first report that holds (s0), as above, and goes back to inactive
+//    when the median of the reports since s0 no longer holds: a lone spike does not stay
+//    pending, a lone dip does not cancel a pending alert;
+//  - it fires at the first report with step ≥ s0 + for_steps at which the level holds
+//    significantly: the median of the last 9 reports, moved kLevelZ (2) standard errors of a
+//    median (1.2533 σ / √9) against the alert, still holds;
+//  - a firing alert starts clearing (r0) at the first report past the clear bound, stops
+//    clearing when the median of the reports since r0 is no longer past it, and resolves at the
+//    first report with step ≥ r0 + resolve_for_steps at which the level is significantly past it.
+// On a noise-free series (σ ≤ 1e-4 of the bound: a constant, a line, a step) "every report since
+// s0 (r0) held" is enough too, which keeps the exact timing of the rules above: a first
+// report ≥ 5 at s0 fires at the first report with step ≥ s0 + 10, reported every step or every
+// 10 steps. On a noisy one the level lags the reports by about 4 of them, so a sustained jump
+// pages at s0 + for_steps or 5 reports after s0, whichever is later; a trend that rises through
+// the threshold under 5 % noise fires once, while the trend is within a few percent of it; and
+// the clear band plus the median keep it from resolving until the trend has really fallen.
+// Estimates (slope ratios) carry their error bars in the measure (evaluator.h), so they fire
+// only once significant. A NaN measure is no report: it changes nothing.
+//
+// The value and step of a transition are those that decided it: a firing alert carries the
+// level that fired it, a resolved one the level and step that resolved it, and its summary is
+// the rule's `resolved_summary` annotation rendered with them (or "<alert> resolved at step S in
+// run R: value V"); its other annotations stay as they were while it fired. `resolved_summary`
+// is a template, never an annotation of its own.
+//
 // Notifications: Transition::notify is true for pending → firing (or inactive → firing) unless a
 // silence or an acknowledgement mutes the alert, and for firing → resolved exactly when its
 // firing was notified, so a receiver is told of the end of every incident it was told of and of
@@ -43,6 +73,7 @@
 #include "alerts/alert.h"
 #include "alerts/evaluator.h"
 #include "alerts/facts.h"
+#include "alerts/report_window.h"
 #include "alerts/rules.h"
 #include "alerts/templates.h"
 #include "server/core/status.h"
@@ -104,6 +135,13 @@ struct SavedState {
   std::vector<InstanceState> instances;
   std::vector<Silence> silences;
 };
+
+// The level of a noisy series: the median of this many recent reports (state_machine.h).
+inline constexpr size_t kLevelReports = 9;
+// How many standard errors of that median the level must clear its bound by.
+inline constexpr double kLevelZ = 2.0;
+// A series whose noise is at most this fraction of its bound counts as noise-free.
+inline constexpr double kNoiseFreeRelative = 1e-4;
 
 class AlertEngine {
  public:
@@ -174,6 +212,16 @@ class AlertEngine {
 
  private:
   using Instance = InstanceState;
+  // The recent reports of one instance of a rule that holds, whether it is active or not.
+  struct LevelTracker {
+    std::string rule;
+    std::string run;
+    ReportWindow window;
+    size_t since_mark = 0;        // reports since s0 (pending, firing) or r0 (clearing)
+    bool all_since_mark = true;   // every one of them held (pending) / was past the clear band
+    void Mark() { since_mark = 1, all_since_mark = true; }
+    void Count(bool ok) { ++since_mark, all_since_mark = all_since_mark && ok; }
+  };
 
   void SetRulesLocked(std::vector<Rule> rules);
   bool IsMutedLocked(const Alert& alert, double now) const;
@@ -181,6 +229,14 @@ class AlertEngine {
   // Returns false when the instance ended and must be erased.
   bool Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step, double now,
                const std::string* recommendation, std::vector<Transition>* out);
+  // Advance for a condition judged on its level (Condition::level), with the instance's reports
+  // (this one already added).
+  bool AdvanceLevel(const Rule& rule, Instance& inst, const Condition& cond, LevelTracker& tracker,
+                    uint64_t step, double now, const std::string* recommendation,
+                    std::vector<Transition>* out);
+  // Drops the trackers for which `drop` is true.
+  template <typename Pred>
+  void DropTrackers(Pred drop);
   // Evaluates `rule` for one run and advances its instances of that run.
   void EvaluateRule(size_t rule_index, const RunFacts& facts, double now,
                     std::optional<std::string>* recommendation, std::vector<Transition>* out);
@@ -199,6 +255,7 @@ class AlertEngine {
   std::vector<Rule> rules_;
   std::vector<bool> uses_recommendation_;  // by rule index
   std::unordered_map<uint64_t, Instance> instances_;  // by fingerprint
+  std::unordered_map<uint64_t, LevelTracker> levels_;  // by fingerprint; not persisted
   std::map<std::string, Silence, std::less<>> silences_;  // by id
   ChangeSink sink_;
   std::set<uint64_t> dirty_instances_;   // since the last Publish

@@ -589,11 +589,12 @@ alerts::RunFacts Run::FactsLocked(const CompletedStep* step) const {
   }
   for (const auto& x : a.slope_changes) {
     f.slope_changes.push_back({x.key, x.change.event_step, x.event_text, x.change.ratio,
-                               x.change.before.slope_per_kstep(), x.change.after.slope_per_kstep(), x.after_samples});
+                               x.change.before.slope_per_kstep(), x.change.after.slope_per_kstep(), x.after_samples,
+                               x.change.before_stderr_per_kstep, x.change.after_stderr_per_kstep});
   }
   for (const auto& x : a.change_points) {
     f.change_points.push_back({x.key, x.change.step, x.change.ratio, x.change.slope_before_per_kstep,
-                               x.change.slope_after_per_kstep});
+                               x.change.slope_after_per_kstep, x.change.z_score});
   }
   for (const auto& x : a.shares) f.shares.push_back({x.name, x.is_group, x.share, x.slope_per_kstep});
   for (const ParamInfo& p : meta_.params) {

@@ -96,13 +96,26 @@ TEST_CASE("a pending alert is never notified", "[alerts]") {
   REQUIRE(engine.Active("r1").size() == 1);
   CHECK(engine.Active("r1")[0].state == AlertState::kPending);  // visible, not sent
 
-  CHECK(d.Run(101, 110, 1, 5.3).empty());  // still pending: s0 + 10 not reached
-  ts = d.Report(110, 4.9);                 // stops holding one step short
+  CHECK(d.Run(101, 106, 1, 5.3).empty());  // still pending: s0 + 10 not reached
+  // Its level (the median of the last 9 reports since s0) falls below 5 at the fifth report of
+  // 4.0, the step it would have fired at: back to inactive, silently.
+  CHECK(d.Run(106, 110, 1, 4.0).empty());
+  ts = d.Report(110, 4.0);
   REQUIRE(ts.size() == 1);
   CHECK(ts[0].from == AlertState::kPending);
   CHECK(ts[0].to == AlertState::kInactive);
   CHECK_FALSE(ts[0].notify);
   CHECK(engine.Active().empty());
+}
+
+TEST_CASE("a lone dip neither cancels a pending alert nor restarts its count", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Driver d{engine};
+  CHECK(d.Run(100, 105, 1, 5.3).size() == 1);  // pending at 100
+  CHECK(d.Report(105, 4.2).empty());           // one report below: still pending
+  auto ts = d.Run(106, 111, 1, 5.3);
+  REQUIRE(StepOf(ts, AlertState::kFiring) == 110u);  // s0 + 10, as without the dip
+  CHECK(ts.back().alert.value == Approx(5.3));       // the level, not the last report
 }
 
 TEST_CASE("for_steps with a report every step fires at s0 + 10 exactly", "[alerts]") {
@@ -175,7 +188,7 @@ TEST_CASE("flapping around the threshold with clear_below does not re-fire", "[a
   for (double v : flapping) CHECK(d.Report(step++, v).empty());
   REQUIRE(engine.Active().size() == 1);
   CHECK(engine.Active()[0].state == AlertState::kFiring);
-  CHECK(engine.Active()[0].value == 4.7);
+  CHECK(engine.Active()[0].value == Approx(4.99));  // the level: the median of the last 9 reports
 
   ts = d.Report(step, 4.4);  // below clear_below: resolves
   REQUIRE(ts.size() == 1);
@@ -221,10 +234,21 @@ TEST_CASE("resolve_for_steps keeps an alert firing until the condition stayed cl
   Driver d{engine};
   REQUIRE(StepOf(d.Report(100, 6), AlertState::kFiring) == 100u);
   CHECK(d.Run(101, 115, 1, 4).empty());  // r0 = 101
-  CHECK(d.Report(115, 6).empty());        // holds again: the clock restarts
-  CHECK(d.Run(116, 136, 1, 4).empty());  // r0 = 116, resolves at 136
-  auto ts = d.Report(136, 4);
-  CHECK(StepOf(ts, AlertState::kResolved) == 136u);
+  CHECK(d.Run(115, 120, 1, 6).empty());  // back above for 5 reports: the level holds, the clock stops
+  CHECK(d.Run(120, 140, 1, 4).empty());  // r0 = 120, resolves at 140
+  auto ts = d.Report(140, 4);
+  CHECK(StepOf(ts, AlertState::kResolved) == 140u);
+
+  // One report back above is a blip: the clock goes on.
+  AlertEngine blip(Load(
+      "      - alert: Slow\n        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n"
+      "        value: 5\n        resolve_for_steps: 20\n        labels: {severity: page}\n"));
+  Driver b{blip};
+  REQUIRE(StepOf(b.Report(100, 6), AlertState::kFiring) == 100u);
+  CHECK(b.Run(101, 115, 1, 4).empty());
+  CHECK(b.Report(115, 6).empty());
+  CHECK(b.Run(116, 121, 1, 4).empty());
+  CHECK(StepOf(b.Report(121, 4), AlertState::kResolved) == 121u);  // r0 + 20
 }
 
 TEST_CASE("a silence mutes notifications without hiding state", "[alerts]") {
