@@ -233,6 +233,12 @@ bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* con
         inst.clearing_since_step = step;
       }
       if (step < inst.clearing_since_step + rule.resolve_for_steps) return true;
+      if (cond) inst.alert.value = cond->value;
+      const TemplateVars vars = cond ? cond->vars
+                                     : TemplateVars{{"step", FormatStep(step)},
+                                                    {"run", inst.run},
+                                                    {"value", FormatNumber(inst.alert.value)}};
+      inst.alert.annotations["summary"] = ResolvedSummary(rule, vars, inst.alert.labels);
       inst.alert.state = AlertState::kResolved;
       inst.alert.step = step;
       inst.alert.ends_at = now;

@@ -64,7 +64,7 @@ TEST_CASE("the default rules load: the contingency page and six warnings", "[ale
   CHECK(page->labels.at("severity") == "page");
   CHECK(page->annotations.at("recommendation") == "{{ recommendation }}");
   CHECK(page->annotations.at("summary") == "Total grad norm {{ value }} ≥ 5 at step {{ step }} in run {{ run }}");
-  CHECK(page->source == "alerts/rules/default.yaml:9");
+  CHECK(page->source == "alerts/rules/default.yaml:11");
 
   const Rule* forecast = Find(*rules, "GradNormForecast");
   REQUIRE(forecast);
