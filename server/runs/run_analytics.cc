@@ -216,7 +216,15 @@ RunAnalysis RunAnalytics::Analysis() const {
       if (auto fit = w.Fit()) out.slopes.push_back({t.key, w.window_steps(), *fit});
     }
     for (const auto& [text, slope] : t.events) {
-      if (auto change = slope.Current()) out.slope_changes.push_back({t.key, text, *change, slope.after_samples()});
+      if (auto change = slope.Current()) {
+        // Event slopes fit the spike filter's medians, and neighbouring medians share all but one
+        // of their samples: the fit sees about one independent sample in `width`, so its least-
+        // squares errors are scaled by √width to stay honest (they decide when a warning fires).
+        const double correlated = std::sqrt(static_cast<double>(t.spike_filter->width()));
+        change->before_stderr_per_kstep *= correlated;
+        change->after_stderr_per_kstep *= correlated;
+        out.slope_changes.push_back({t.key, text, *change, slope.after_samples()});
+      }
     }
     if (t.detector) {
       for (const auto& c : t.detector->changes()) out.change_points.push_back({t.key, c});

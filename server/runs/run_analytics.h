@@ -48,6 +48,8 @@ struct SeriesSlopeInfo {
 struct SlopeChangeInfo {
   std::string key;
   std::string event_text;
+  // Fit on the spike-filtered series; its standard errors are scaled by √(filter width) for
+  // the correlation between neighbouring medians (run_analytics.cc).
   analytics::SlopeChange change;
   size_t after_samples = 0;
 };
