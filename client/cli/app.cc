@@ -73,6 +73,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   auto* max = replay_cmd->add_flag("--max", replay_max,
                                    "Send as fast as the daemon acknowledges (the default)");
   speed->excludes(max);
+  replay_cmd->add_flag("--finish", replay.finish,
+                       "Once every step is acknowledged, say Goodbye: the run is recorded as finished "
+                       "(its alerts resolve; it does not page as dead)");
   replay_cmd->add_option("--rank", replay.rank, "This rank")->capture_default_str();
   replay_cmd->add_option("--world-size", replay.world_size, "Ranks reporting each step")
       ->capture_default_str()

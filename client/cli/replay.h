@@ -23,6 +23,8 @@ struct ReplayOptions {
       0;  // > 0: pace by _timestamp at this multiple of real time; 0: as fast as acks allow
   uint32_t rank = 0;
   uint32_t world_size = 1;
+  // Once every step is acknowledged, say Goodbye: the daemon records the run as finished.
+  bool finish = false;
 };
 
 struct BadLine {
@@ -68,6 +70,8 @@ struct ReplaySummary {
   uint64_t last_acked_step = 0;
   double seconds = 0;
   bool complete = false;  // every sent step acknowledged durable
+  // With --finish: whether the daemon recorded the run as finished; nullopt without --finish.
+  std::optional<bool> finished;
 };
 
 nlohmann::ordered_json ReplaySummaryToJson(const ReplaySummary& summary);

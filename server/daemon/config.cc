@@ -117,7 +117,8 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                  {"history_buckets", Field(&Config::history_buckets)}}},
       {"journal", {{"batch_max", Field(&Config::journal_batch_max)},
                    {"max_delay_ms", Field(&Config::journal_max_delay_ms)}}},
-      {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)}}},
+      {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)},
+                {"stalled_after_seconds", Field(&Config::run_stalled_after_seconds)}}},
       {"analytics", {{"windows", Field(&Config::slope_windows)},
                      {"max_buckets", Field(&Config::slope_max_buckets)},
                      {"event_window_steps", Field(&Config::event_window_steps)},
@@ -213,6 +214,9 @@ Status ValidateConfig(const Config& c) {
     return bad("journal.max_delay_ms: must be between 0 and 10000");
   }
   if (!(c.run_end_after_seconds > 0)) return bad("runs.end_after_seconds: must be > 0");
+  if (!(c.run_stalled_after_seconds > 0) || !std::isfinite(c.run_stalled_after_seconds)) {
+    return bad("runs.stalled_after_seconds: must be > 0");
+  }
   if (c.slope_windows.empty() || c.slope_windows.size() > 8) {
     return bad("analytics.windows: give 1 to 8 windows (steps)");
   }

@@ -47,7 +47,7 @@ Status Daemon::Start() {
   if (Status s = LockDataDir(); !s.ok()) return s;
 
   stats_ = std::make_unique<runs::DaemonStats>();
-  auto rules = LoadConfiguredRules(config_.default_rules, config_.rule_files);
+  auto rules = LoadConfiguredRules(config_.default_rules, config_.rule_files, config_.run_stalled_after_seconds);
   if (!rules.ok()) return Status(rules.status().code(), "alert rules: " + rules.status().message());
   spdlog::info("{} alert rules in force", rules->size());
   alerting_ = std::make_unique<Alerting>(std::move(rules).value());
@@ -168,7 +168,8 @@ Status Daemon::LockDataDir() {
 }
 
 StatusOr<size_t> Daemon::ReloadRules() {
-  return alerting_->Reload(config_.default_rules, config_.rule_files, clock_->UnixSeconds());
+  return alerting_->Reload(config_.default_rules, config_.rule_files, config_.run_stalled_after_seconds,
+                           clock_->UnixSeconds());
 }
 
 Status Daemon::StartAlerting(const std::string& journal_path) {

@@ -28,6 +28,10 @@ std::optional<runs::IngestError> StepFromProto(const v1::StepStats& in, uint64_t
 // Validates an event's text (1..1024 bytes) and converts it.
 std::optional<runs::IngestError> EventFromProto(const v1::Event& in, EventRecord* out);
 
+// Validates a Goodbye (message of at most 1024 bytes, a known reason; UNSPECIFIED reads as
+// FINISHED) and converts it.
+std::optional<runs::IngestError> GoodbyeFromProto(const v1::Goodbye& in, EndReason* reason, std::string* message);
+
 // A run id is 1..128 bytes of [A-Za-z0-9._:/-].
 bool ValidRunId(const std::string& id);
 

@@ -80,11 +80,14 @@ void RunRegistry::OnCommit(const store::CommitReport& report) {
   for (const store::RankProgress& p : report.progress) {
     if (auto run = Find(p.run_id)) run->OnDurable(p);
   }
+  for (const std::string& run_id : report.clean_ends) {
+    if (auto run = Find(run_id)) run->OnCleanEndDurable();
+  }
 }
 
-void RunRegistry::OnRun(const RunMeta& meta, double ended_at) {
+void RunRegistry::OnRun(const RunMeta& meta, const RunEnd& end) {
   auto run = std::make_shared<Run>(meta, options_, journal_, stats_, clock_, false);
-  run->RestoreEnded(ended_at > 0);
+  run->RestoreEnded(end);
   std::unique_lock lock(mu_);
   runs_[meta.run_id] = std::move(run);
 }

@@ -45,7 +45,7 @@ class RunRegistry : private store::JournalVisitor {
   size_t run_count() const;
 
  private:
-  void OnRun(const RunMeta& meta, double ended_at) override;
+  void OnRun(const RunMeta& meta, const RunEnd& end) override;
   void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) override;
   void OnRankProgress(const store::RankProgress& progress) override;
   void OnStep(const std::string& run_id, const CompletedStep& step) override;

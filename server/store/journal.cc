@@ -21,7 +21,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-constexpr int kSchemaVersion = 1;
+constexpr int kSchemaVersion = 2;
 constexpr int kBusyTimeoutMs = 5000;
 // One (uint32 series id, float64 value) pair in a step's value blob.
 constexpr size_t kValueEntryBytes = 4 + 8;
@@ -35,7 +35,9 @@ CREATE TABLE IF NOT EXISTS runs(
   labels_json TEXT NOT NULL,
   config_json TEXT NOT NULL,
   created_at REAL NOT NULL,
-  ended_at REAL);
+  ended_at REAL,
+  end_reason INTEGER NOT NULL DEFAULT 0,
+  end_message TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS params(
   run_id TEXT NOT NULL,
   idx INTEGER NOT NULL,
@@ -74,7 +76,17 @@ CREATE TABLE IF NOT EXISTS events(
   text TEXT NOT NULL,
   source TEXT NOT NULL,
   recorded_at REAL NOT NULL);
-PRAGMA user_version = 1;
+CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, step);
+PRAGMA user_version = 2;
+)sql";
+
+// Version 1 → 2: how a run ended (a Goodbye or inactivity), and events found by run.
+constexpr const char* kMigrateFrom1 = R"sql(
+ALTER TABLE runs ADD COLUMN end_reason INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE runs ADD COLUMN end_message TEXT NOT NULL DEFAULT '';
+UPDATE runs SET end_reason = 1 WHERE ended_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, step);
+PRAGMA user_version = 2;
 )sql";
 
 Status SqliteError(sqlite3* db, std::string_view what) {
@@ -365,7 +377,7 @@ Status SetUpSchema(sqlite3* db, const std::string& path) {
   }
   if (found == kSchemaVersion) return Status::Ok();
   if (Status s = Exec(db, "BEGIN IMMEDIATE"); !s.ok()) return s;
-  if (Status s = Exec(db, kSchema); !s.ok()) {
+  if (Status s = Exec(db, found == 1 ? kMigrateFrom1 : kSchema); !s.ok()) {
     Exec(db, "ROLLBACK");
     return s;
   }
@@ -402,7 +414,8 @@ struct Journal::Statements {
          "seq = max(seq, excluded.seq)"},
         {&insert_event,
          "INSERT INTO events(run_id, step, text, source, recorded_at) VALUES(?1, ?2, ?3, ?4, ?5)"},
-        {&end_run, "UPDATE runs SET ended_at = ?2 WHERE run_id = ?1"},
+        {&end_run,
+         "UPDATE runs SET ended_at = ?2, end_reason = ?3, end_message = ?4 WHERE run_id = ?1"},
     };
     for (const auto& [stmt, sql] : all) {
       if (Status s = Prepare(db, sql, true, *stmt); !s.ok()) return s;
@@ -604,6 +617,10 @@ Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) 
     if (Status s = Apply(record); !s.ok()) return s;
     if (const auto* step = std::get_if<StepJournalRecord>(&record)) {
       MergeProgress(step->progress, progress);
+    } else if (const auto* end = std::get_if<RunEndedRecord>(&record)) {
+      const bool clean = end->ended_at != 0 &&
+                         (end->reason == EndReason::kFinished || end->reason == EndReason::kStopped);
+      if (clean) report.clean_ends.push_back(end->run_id);
     }
   }
   if (Status s = txn.Commit(statements_->commit); !s.ok()) return s;
@@ -703,9 +720,12 @@ Status Journal::Apply(const JournalRecord& record) {
           use.Text(1, r.run_id);
           if (r.ended_at == 0) {
             use.Null(2);
+            use.Int(3, static_cast<int>(EndReason::kNone));
           } else {
             use.Real(2, r.ended_at);
+            use.Int(3, static_cast<int>(r.reason));
           }
+          use.Text(4, r.message);
           return use.Done("journal: ending run '" + r.run_id + "'");
         }
       },
@@ -720,8 +740,8 @@ Status Journal::Load(JournalVisitor& visitor) {
   const std::pair<Stmt*, const char*> all[] = {
       {&begin, "BEGIN"},
       {&runs,
-       "SELECT run_id, world_size, labels_json, config_json, created_at, ended_at FROM runs "
-       "ORDER BY created_at, run_id"},
+       "SELECT run_id, world_size, labels_json, config_json, created_at, ended_at, end_reason, "
+       "end_message FROM runs ORDER BY created_at, run_id"},
       {&params,
        "SELECT idx, name, numel, kind, weight_decay, init_norm, role, grp FROM params "
        "WHERE run_id = ?1 ORDER BY idx"},
@@ -748,7 +768,15 @@ Status Journal::Load(JournalVisitor& visitor) {
     if (Status s = ParseLabels(run_rows.ColText(2), meta.run_id, meta.labels); !s.ok()) return s;
     if (Status s = ParseConfig(run_rows.ColText(3), meta.run_id, meta.config); !s.ok()) return s;
     meta.created_at = run_rows.ColReal(4);
-    const double ended_at = run_rows.ColNull(5) ? 0 : run_rows.ColReal(5);
+    RunEnd end;
+    if (!run_rows.ColNull(5)) {
+      end.ended_at = run_rows.ColReal(5);
+      const int64_t reason = run_rows.ColInt(6);
+      end.reason = reason >= static_cast<int>(EndReason::kInactive) && reason <= static_cast<int>(EndReason::kStopped)
+                       ? static_cast<EndReason>(reason)
+                       : EndReason::kInactive;
+      end.message = run_rows.ColText(7);
+    }
 
     {
       StmtUse rows(params);
@@ -775,7 +803,7 @@ Status Journal::Load(JournalVisitor& visitor) {
       }
       if (!status.ok()) return status;
     }
-    visitor.OnRun(meta, ended_at);
+    visitor.OnRun(meta, end);
 
     {
       StmtUse rows(series);

@@ -65,6 +65,8 @@ struct EventJournalRecord {
 struct RunEndedRecord {
   std::string run_id;
   double ended_at = 0;  // seconds since the Unix epoch; 0 marks the run active again
+  EndReason reason = EndReason::kInactive;  // ignored when ended_at is 0
+  std::string message;                      // the Goodbye's message
 };
 
 using JournalRecord = std::variant<RunRecord, ParamsRecord, SeriesRecord, StepJournalRecord,
@@ -74,6 +76,7 @@ struct CommitReport {
   size_t records = 0;
   std::chrono::duration<double> duration{};  // of the transaction, BEGIN to COMMIT
   std::vector<RankProgress> progress;        // durable progress made by this commit
+  std::vector<std::string> clean_ends;       // runs whose Goodbye (finished, stopped) it made durable
 };
 
 // Receives everything the journal holds, in order: all runs (each followed by its params,
@@ -82,7 +85,7 @@ struct CommitReport {
 class JournalVisitor {
  public:
   virtual ~JournalVisitor() = default;
-  virtual void OnRun(const RunMeta& meta, double ended_at) = 0;  // meta.params filled
+  virtual void OnRun(const RunMeta& meta, const RunEnd& end) = 0;  // meta.params filled
   virtual void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) = 0;
   virtual void OnRankProgress(const RankProgress& progress) = 0;
   virtual void OnStep(const std::string& run_id, const CompletedStep& step) = 0;

@@ -21,7 +21,7 @@ limits: {max_message_bytes: 65536, max_runs: 3}
 assembly: {timeout_seconds: 2.5}
 store: {recent_points: 100, history_buckets: 10}
 journal: {batch_max: 10, max_delay_ms: 5}
-runs: {end_after_seconds: 30}
+runs: {end_after_seconds: 30, stalled_after_seconds: 45}
 )",
                        "test.yaml");
   REQUIRE(c.ok());
@@ -33,6 +33,7 @@ runs: {end_after_seconds: 30}
   CHECK(c->recent_points == 100);
   CHECK(c->journal_max_delay_ms == 5);
   CHECK(c->run_end_after_seconds == 30);
+  CHECK(c->run_stalled_after_seconds == 45);
   CHECK(ValidateConfig(*c).ok());
 }
 
@@ -56,6 +57,9 @@ TEST_CASE("validation rejects bad values with the key's name", "[daemon]") {
   c = Config{};
   c.log_format = "xml";
   CHECK(ValidateConfig(c).message().find("log.format") == 0);
+  c = Config{};
+  c.run_stalled_after_seconds = 0;
+  CHECK(ValidateConfig(c).message().find("runs.stalled_after_seconds") == 0);
   c = Config{};
   c.assembly_timeout_seconds = 0;
   CHECK(ValidateConfig(c).message().find("assembly.timeout_seconds") == 0);

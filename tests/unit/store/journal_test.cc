@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <random>
 #include <string>
@@ -51,6 +52,7 @@ struct Recorder : JournalVisitor {
   struct Run {
     RunMeta meta;
     double ended_at;
+    RunEnd end;
   };
   struct Series {
     std::string run_id;
@@ -72,8 +74,8 @@ struct Recorder : JournalVisitor {
   std::vector<Event> events;
   std::vector<std::string> order;  // "run:a", "series:a", "progress:a", "step:a", "event:a"
 
-  void OnRun(const RunMeta& meta, double ended_at) override {
-    runs.push_back({meta, ended_at});
+  void OnRun(const RunMeta& meta, const RunEnd& end) override {
+    runs.push_back({meta, end.ended_at, end});
     order.push_back("run:" + meta.run_id);
   }
   void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) override {
@@ -317,6 +319,70 @@ TEST_CASE("ending a run with ended_at 0 marks it active again", "[store]") {
   CHECK(got.runs[0].ended_at == 0);
 }
 
+TEST_CASE("how a run ended survives, and only a Goodbye's end is reported as a clean end", "[store]") {
+  TempDir dir;
+  std::mutex mu;
+  std::vector<std::string> clean;
+  {
+    auto journal = OpenOrFail({.path = dir.db()}, [&](const CommitReport& report) {
+      std::lock_guard<std::mutex> lock(mu);
+      clean.insert(clean.end(), report.clean_ends.begin(), report.clean_ends.end());
+    });
+    for (const char* id : {"done", "stopped", "dead", "back"}) {
+      RunMeta meta;
+      meta.run_id = id;
+      REQUIRE(journal->Enqueue(RunRecord{meta}));
+    }
+    REQUIRE(journal->Enqueue(RunEndedRecord{"done", 10.0, EndReason::kFinished, "reached max_steps"}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"stopped", 11.0, EndReason::kStopped, "cancelled"}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"dead", 12.0}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"back", 13.0, EndReason::kFinished, "first stage"}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"back", 0, EndReason::kNone, {}}));
+    REQUIRE(journal->Flush().ok());
+  }
+  CHECK(clean == std::vector<std::string>{"done", "stopped", "back"});
+  const Recorder got = LoadFrom(dir.db());
+  std::map<std::string, RunEnd> ends;
+  for (const auto& r : got.runs) ends[r.meta.run_id] = r.end;
+  CHECK(ends["done"] == RunEnd{10.0, EndReason::kFinished, "reached max_steps"});
+  CHECK(ends["stopped"] == RunEnd{11.0, EndReason::kStopped, "cancelled"});
+  CHECK(ends["dead"] == RunEnd{12.0, EndReason::kInactive, ""});
+  CHECK(ends["back"] == RunEnd{});
+}
+
+TEST_CASE("a version 1 journal is migrated: its ended runs ended by inactivity", "[store]") {
+  TempDir dir;
+  {
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open(dir.db().c_str(), &db) == SQLITE_OK);
+    const char* v1 =
+        "CREATE TABLE runs(run_id TEXT PRIMARY KEY, world_size INTEGER NOT NULL, labels_json TEXT NOT NULL, "
+        "config_json TEXT NOT NULL, created_at REAL NOT NULL, ended_at REAL);"
+        "CREATE TABLE params(run_id TEXT NOT NULL, idx INTEGER NOT NULL, name TEXT NOT NULL, numel INTEGER NOT "
+        "NULL, kind INTEGER NOT NULL, weight_decay REAL NOT NULL, init_norm REAL, role TEXT NOT NULL, grp TEXT NOT "
+        "NULL, PRIMARY KEY(run_id, idx));"
+        "CREATE TABLE series(run_id TEXT NOT NULL, id INTEGER NOT NULL, key TEXT NOT NULL, PRIMARY KEY(run_id, id));"
+        "CREATE TABLE steps(run_id TEXT NOT NULL, step INTEGER NOT NULL, wall_time REAL NOT NULL, partial INTEGER "
+        "NOT NULL, ranks_reported INTEGER NOT NULL, client_dropped INTEGER NOT NULL, vals BLOB NOT NULL, PRIMARY "
+        "KEY(run_id, step)) WITHOUT ROWID;"
+        "CREATE TABLE rank_progress(run_id TEXT NOT NULL, rank INTEGER NOT NULL, step INTEGER NOT NULL, seq "
+        "INTEGER NOT NULL, PRIMARY KEY(run_id, rank));"
+        "CREATE TABLE events(id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL, text TEXT NOT "
+        "NULL, source TEXT NOT NULL, recorded_at REAL NOT NULL);"
+        "INSERT INTO runs VALUES('old', 1, '{}', '{}', 1.0, 5.0);"
+        "INSERT INTO runs VALUES('live', 1, '{}', '{}', 2.0, NULL);"
+        "PRAGMA user_version = 1;";
+    REQUIRE(sqlite3_exec(db, v1, nullptr, nullptr, nullptr) == SQLITE_OK);
+    sqlite3_close(db);
+  }
+  const Recorder got = LoadFrom(dir.db());
+  REQUIRE(got.runs.size() == 2);
+  CHECK(got.runs[0].end == RunEnd{5.0, EndReason::kInactive, ""});
+  CHECK(got.runs[1].end == RunEnd{});
+  RawDb raw(dir.db());
+  CHECK(raw.Query("PRAGMA user_version") == "2");
+}
+
 TEST_CASE("progress is reported after commit, merged to one entry per run and rank", "[store]") {
   TempDir dir;
   std::mutex mu;
@@ -462,7 +528,7 @@ TEST_CASE("the journal runs in WAL mode", "[store]") {
   CHECK(fs::exists(dir.db() + "-wal"));
   RawDb raw(dir.db());
   CHECK(raw.Query("PRAGMA journal_mode") == "wal");
-  CHECK(raw.Query("PRAGMA user_version") == "1");
+  CHECK(raw.Query("PRAGMA user_version") == "2");
 }
 
 TEST_CASE("a failed commit is counted, reported by Flush, and its progress not acked", "[store]") {
