@@ -81,7 +81,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
 
+  bool runs_all = false;
   auto* runs_cmd = app.add_subcommand("runs", "List the runs the daemon holds");
+  runs_cmd->add_flag("--all", runs_all, "Also the runs that left memory but are still in the journal (archived)");
 
   std::string show_run;
   auto* show_cmd =
@@ -157,7 +159,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   if (*replay_cmd) return RunReplay(global, replay, out, err);
   if (*rules_check_cmd) return RunRulesCheck(global, rule_files, out, err);
   client::QueryClient query(global.address, global.timeout());
-  if (*runs_cmd) return RunRuns(global, query, out, err);
+  if (*runs_cmd) return RunRuns(global, query, runs_all, out, err);
   if (*alerts_cmd) return RunAlerts(global, query, alerts_run, out, err);
   if (*rules_reload_cmd) return RunRulesReload(global, query, out, err);
   if (*silence_add_cmd) return RunSilenceAdd(global, query, silence, out, err);

@@ -205,6 +205,10 @@ void Alerting::OnRunEnded(const std::string& run_id, bool clean, double now) {
                        now));
 }
 
+void Alerting::OnRunLeftMemory(const std::string& run_id, double now) {
+  Count(engine_.EndRun(run_id, alerts::AlertEngine::RunEnding::kLeftMemory, now));
+}
+
 void Alerting::Tick(const runs::RunRegistry& registry, double now) {
   std::vector<alerts::RunFacts> facts;
   const auto runs = registry.All();

@@ -49,6 +49,7 @@ class Alerting final : public runs::AlertHook {
 
   std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) override;
   void OnRunEnded(const std::string& run_id, bool clean, double now) override;
+  void OnRunLeftMemory(const std::string& run_id, double now) override;
   // Replaces the rules with freshly loaded ones (as LoadConfiguredRules); on any error the rules
   // in force stay unchanged and the status says exactly why. Alerts of deleted rules resolve.
   StatusOr<size_t> Reload(bool default_rules, const std::vector<std::string>& files, double run_died_seconds,

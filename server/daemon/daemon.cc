@@ -58,6 +58,7 @@ Status Daemon::Start() {
   run_options.max_params = config_.max_params_per_run;
   run_options.max_series = config_.max_series_per_run;
   run_options.end_after = Seconds(config_.run_end_after_seconds);
+  run_options.retention = Seconds(config_.run_retention_seconds);
   run_options.analytics.windows = config_.slope_windows;
   run_options.analytics.max_buckets = config_.slope_max_buckets;
   run_options.analytics.event_window_steps = config_.event_window_steps;
@@ -220,8 +221,24 @@ void Daemon::TickLoop() {
     if (stopping_) break;
     lock.unlock();
     registry_->Tick();
-    if (++ticks % kTicksPerAlertTimer == 0) alerting_->Tick(*registry_, clock_->UnixSeconds());
+    if (++ticks % kTicksPerAlertTimer == 0) {
+      alerting_->Tick(*registry_, clock_->UnixSeconds());
+      PruneOld();
+    }
     lock.lock();
+  }
+}
+
+void Daemon::PruneOld() {
+  constexpr double kDay = 86400;
+  constexpr size_t kOutboxBatch = 1000;
+  const double now = clock_->UnixSeconds();
+  if (config_.journal_retention_days > 0) journal_->SetPruneCutoff(now - config_.journal_retention_days * kDay);
+  auto pruned = alert_store_->PruneDone(now - config_.outbox_retention_days * kDay, kOutboxBatch);
+  if (pruned.ok()) {
+    stats_->outbox_pruned_rows.fetch_add(pruned.value(), std::memory_order_relaxed);
+  } else {
+    spdlog::error("alerts: pruning the outbox: {}", pruned.status().message());
   }
 }
 

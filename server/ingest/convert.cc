@@ -243,6 +243,23 @@ void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out) {
   }
 }
 
+void StoredRunToProto(const store::StoredRun& in, v1::RunInfo* out) {
+  out->set_run_id(in.meta.run_id);
+  out->set_state(v1::RUN_STATE_ARCHIVED);
+  out->set_world_size(in.meta.world_size);
+  out->mutable_labels()->insert(in.meta.labels.begin(), in.meta.labels.end());
+  out->set_step_count(in.step_count);
+  out->set_first_step(in.first_step);
+  out->set_last_step(in.last_step);
+  out->set_last_wall_time(in.last_wall_time);
+  out->set_ended_at(in.end.ended_at);
+  if (in.end.clean()) {
+    out->set_end_reason(in.end.reason == EndReason::kStopped ? v1::GOODBYE_REASON_STOPPED
+                                                             : v1::GOODBYE_REASON_FINISHED);
+    out->set_end_message(in.end.message);
+  }
+}
+
 void AlertToProto(const alerts::Alert& in, v1::Alert* out) {
   out->set_fingerprint(alerts::FingerprintHex(in.labels));
   out->set_name(in.name);

@@ -9,6 +9,7 @@
 #include "server/core/types.h"
 #include "server/runs/errors.h"
 #include "server/runs/run.h"
+#include "server/store/journal.h"
 
 namespace gradwatch::ingest {
 
@@ -37,6 +38,8 @@ bool ValidRunId(const std::string& id);
 
 v1::ErrorReason ReasonToProto(runs::IngestErrorReason reason);
 void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out);
+// A run only the journal holds: state ARCHIVED.
+void StoredRunToProto(const store::StoredRun& in, v1::RunInfo* out);
 void AlertToProto(const alerts::Alert& in, v1::Alert* out);
 void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out);
 void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out);

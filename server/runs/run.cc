@@ -525,6 +525,11 @@ RunInfo Run::InfoLocked() const {
   return info;
 }
 
+double Run::IdleEndedAt() const {
+  std::lock_guard lock(mu_);
+  return end_.ended() && open_streams_ == 0 ? end_.ended_at : 0;
+}
+
 RunInfo Run::Info() const {
   std::lock_guard lock(mu_);
   return InfoLocked();

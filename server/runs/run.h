@@ -38,6 +38,9 @@ class AlertHook {
   // resolve, as a Prometheus alert does when its series vanish, except that a run that ended
   // without a Goodbye keeps its RunDied page: a job that is gone is what that rule is about.
   virtual void OnRunEnded(const std::string& run_id, bool clean, double now) = 0;
+  // The daemon dropped the ended run from memory (its retention is over, or room was needed):
+  // alerts it still has end, but for an unacknowledged RunDied page. Called without any lock held.
+  virtual void OnRunLeftMemory(const std::string& run_id, double now) = 0;
 };
 
 struct RunOptions {
@@ -48,6 +51,8 @@ struct RunOptions {
   size_t max_series = 262144;
   // A run with no open stream and no step for this long is ended (dropped from /metrics).
   std::chrono::nanoseconds end_after = std::chrono::minutes(10);
+  // An ended run with no open stream stays in memory this long, then the registry drops it.
+  std::chrono::nanoseconds retention = std::chrono::hours(24);
   AnalyticsOptions analytics;
   AlertHook* alert_hook = nullptr;  // not owned; may be null
 };
@@ -172,6 +177,8 @@ class Run {
   void OnDurable(const store::RankProgress& progress);
 
   RunInfo Info() const;
+  // When the run ended (seconds since the Unix epoch) if it has and no stream is open; else 0.
+  double IdleEndedAt() const;
   RunMetricsSnapshot MetricsSnapshot() const;
   RunSummary Summary() const;
   // nullopt when the key is unknown.

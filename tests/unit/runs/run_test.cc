@@ -246,6 +246,8 @@ namespace {
 struct EndHook final : AlertHook {
   std::vector<alerts::Transition> OnStep(const alerts::RunFacts&) override { return {}; }
   void OnRunEnded(const std::string& run_id, bool clean, double) override { ends.push_back({run_id, clean}); }
+  void OnRunLeftMemory(const std::string& run_id, double) override { left.push_back(run_id); }
+  std::vector<std::string> left;
   std::vector<std::pair<std::string, bool>> ends;
 };
 }  // namespace

@@ -12,7 +12,9 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "server/core/types.h"
@@ -74,10 +76,12 @@ struct Recorder : JournalVisitor {
   std::vector<Event> events;
   std::vector<std::string> order;  // "run:a", "series:a", "progress:a", "step:a", "event:a"
 
-  void OnRun(const RunMeta& meta, const RunEnd& end) override {
+  bool OnRun(const RunMeta& meta, const RunEnd& end) override {
     runs.push_back({meta, end.ended_at, end});
     order.push_back("run:" + meta.run_id);
+    return skip.count(meta.run_id) == 0;
   }
+  std::set<std::string> skip;  // runs OnRun declines
   void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) override {
     series.push_back({run_id, id, key});
     order.push_back("series:" + run_id);
@@ -239,10 +243,9 @@ TEST_CASE("journal round-trips runs, catalogs, series, steps, events and progres
   const Recorder got = LoadFrom(dir.db());
 
   CHECK(got.order == std::vector<std::string>{
-                         "run:moe-6144", "series:moe-6144", "series:moe-6144",
-                         "progress:moe-6144", "progress:moe-6144", "run:small", "series:small",
-                         "event:moe-6144", "event:small", "step:moe-6144", "step:moe-6144",
-                         "step:small"});
+                         "run:moe-6144", "series:moe-6144", "series:moe-6144", "progress:moe-6144",
+                         "progress:moe-6144", "event:moe-6144", "step:moe-6144", "step:moe-6144",
+                         "run:small", "series:small", "event:small", "step:small"});
 
   REQUIRE(got.runs.size() == 2);
   const RunMeta& loaded = got.runs[0].meta;
@@ -496,6 +499,9 @@ TEST_CASE("a re-completed step replaces the stored one", "[store]") {
   TempDir dir;
   {
     auto journal = OpenOrFail({.path = dir.db()});
+    RunMeta meta;
+    meta.run_id = "a";
+    REQUIRE(journal->Enqueue(RunRecord{meta}));
     REQUIRE(journal->Enqueue(MakeStep("a", 5, {{0, 1.0}})));
     REQUIRE(journal->Flush().ok());
     StepJournalRecord again = MakeStep("a", 5, {{0, 2.0}, {1, 3.0}});
@@ -564,6 +570,9 @@ TEST_CASE("a failed commit is counted, reported by Flush, and its progress not a
 TEST_CASE("a corrupt value blob fails Load with an error naming run and step", "[store]") {
   TempDir dir;
   auto journal = OpenOrFail({.path = dir.db()});
+  RunMeta meta;
+  meta.run_id = "bad-run";
+  REQUIRE(journal->Enqueue(RunRecord{meta}));
   REQUIRE(journal->Enqueue(MakeStep("bad-run", 42, {{0, 1.0}})));
   REQUIRE(journal->Flush().ok());
   {
@@ -605,4 +614,114 @@ TEST_CASE("committed step records are handed back for reuse with their buffers",
   const StepJournalRecord reused = journal->AcquireStepRecord();
   CHECK(reused.step.values.capacity() >= 64);
   CHECK(reused.progress.capacity() >= 1);
+}
+
+namespace {
+
+// Journals run `id`: its catalog, series, `steps` steps with progress, an event, and its end.
+void JournalRun(Journal& journal, const std::string& id, uint64_t steps, double ended_at) {
+  RunMeta meta;
+  meta.run_id = id;
+  meta.created_at = 1.0;
+  REQUIRE(journal.Enqueue(RunRecord{meta}));
+  ParamInfo p;
+  p.name = "w";
+  REQUIRE(journal.Enqueue(ParamsRecord{id, 0, {p}}));
+  REQUIRE(journal.Enqueue(SeriesRecord{id, 0, "grad/norm/total"}));
+  for (uint64_t s = 1; s <= steps; ++s) REQUIRE(journal.Enqueue(MakeStep(id, s, {{0, 0.5}}, {{id, 0, s, s}})));
+  REQUIRE(journal.Enqueue(EventJournalRecord{id, {1, "started", "trainer", 1.0}}));
+  if (ended_at > 0) REQUIRE(journal.Enqueue(RunEndedRecord{id, ended_at, EndReason::kFinished, "done"}));
+}
+
+int64_t RowsOf(RawDb& raw, const std::string& id) {
+  int64_t n = 0;
+  for (const char* table : {"runs", "params", "series", "steps", "rank_progress", "events"}) {
+    n += std::stoll(raw.Query(std::string("SELECT count(*) FROM ") + table + " WHERE run_id = '" + id + "'"));
+  }
+  return n;
+}
+
+bool WaitPrunedRuns(const Journal& journal, uint64_t n) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (journal.pruned_runs() < n) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("pruning deletes every row of ended runs not held, in bounded batches, and only those", "[store]") {
+  TempDir dir;
+  auto journal = OpenOrFail({.path = dir.db(), .prune_batch_rows = 7});
+  JournalRun(*journal, "old", 50, 100.0);
+  JournalRun(*journal, "old-but-held", 50, 100.0);
+  JournalRun(*journal, "recent", 5, 1000.0);
+  JournalRun(*journal, "active", 5, 0);
+  REQUIRE(journal->Flush().ok());
+  // The daemon holds two of them in memory.
+  Recorder held;
+  held.skip = {"old", "recent"};
+  REQUIRE(journal->Load(held).ok());
+  CHECK(journal->IsHeld("old-but-held"));
+  CHECK_FALSE(journal->IsHeld("old"));
+
+  RawDb raw(dir.db());
+  const int64_t old_rows = RowsOf(raw, "old");
+  CHECK(old_rows == 1 + 1 + 1 + 50 + 1 + 1);
+  journal->SetPruneCutoff(500.0);
+  REQUIRE(WaitPrunedRuns(*journal, 1));
+  CHECK(RowsOf(raw, "old") == 0);
+  CHECK(journal->pruned_rows() == static_cast<uint64_t>(old_rows));
+  CHECK(RowsOf(raw, "old-but-held") == old_rows);
+  CHECK(RowsOf(raw, "recent") == 1 + 1 + 1 + 5 + 1 + 1);
+  CHECK(RowsOf(raw, "active") == 1 + 1 + 1 + 5 + 1 + 1);
+
+  // Not held: listed as archived, with its steps.
+  auto listed = journal->ListReleased();
+  REQUIRE(listed.ok());
+  REQUIRE(listed->size() == 1);
+  CHECK(listed->at(0).meta.run_id == "recent");
+  CHECK(listed->at(0).step_count == 5);
+  CHECK(listed->at(0).last_step == 5);
+  CHECK(listed->at(0).end == RunEnd{1000.0, EndReason::kFinished, "done"});
+
+  // A run that comes back is read again and held: no longer archived, never pruned.
+  Recorder back;
+  REQUIRE(journal->LoadRun("recent", back).ok());
+  REQUIRE(back.runs.size() == 1);
+  CHECK(back.steps.size() == 5);
+  CHECK(back.events.size() == 1);
+  CHECK(back.progress.size() == 1);
+  CHECK(journal->ListReleased()->empty());
+  Recorder none;
+  CHECK(journal->LoadRun("never-seen", none).code() == StatusCode::kNotFound);
+
+  // Released once it leaves memory again: its turn comes.
+  journal->Release("old-but-held");
+  journal->SetPruneCutoff(500.0);
+  REQUIRE(WaitPrunedRuns(*journal, 2));
+  CHECK(RowsOf(raw, "old-but-held") == 0);
+  CHECK(RowsOf(raw, "recent") > 0);
+  CHECK(journal->DiskBytes() > 0);
+}
+
+TEST_CASE("under churn of pruned runs the database file stops growing", "[store]") {
+  TempDir dir;
+  auto journal = OpenOrFail({.path = dir.db(), .prune_batch_rows = 500});
+  // Pages in the database (the WAL's committed pages included), free ones too.
+  auto pages = [&] { return std::stoll(RawDb(dir.db()).Query("PRAGMA page_count")); };
+  int64_t pages_after_warmup = 0;
+  for (int round = 0; round < 40; ++round) {
+    const std::string id = "run-" + std::to_string(round);
+    JournalRun(*journal, id, 200, 10.0 + round);
+    REQUIRE(journal->Flush().ok());
+    journal->SetPruneCutoff(11.0 + round);  // every run ended so far may go
+    REQUIRE(WaitPrunedRuns(*journal, static_cast<uint64_t>(round) + 1));
+    if (round == 9) pages_after_warmup = pages();
+  }
+  INFO("after 10 runs " << pages_after_warmup << " pages, after 40 " << pages());
+  CHECK(pages() <= pages_after_warmup + 2);
+  CHECK(journal->pruned_runs() == 40);
 }
