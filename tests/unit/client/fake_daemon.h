@@ -83,6 +83,10 @@ class FakeIngest final : public v1::Ingest::Service {
             ack->set_seq(msg.seq());
           }
           if (alert_step_ && *alert_step_ == step) *replies.emplace_back().mutable_alert() = alert_;
+        } else if (msg.has_goodbye()) {
+          v1::Finished* f = replies.emplace_back().mutable_finished();
+          f->set_seq(msg.seq());
+          f->set_run_id("fake");
         }
       }
       cv_.notify_all();
