@@ -200,9 +200,8 @@ std::vector<alerts::Transition> Alerting::OnStep(const alerts::RunFacts& facts) 
 }
 
 void Alerting::OnRunEnded(const std::string& run_id, bool clean, double now) {
-  Count(engine_.EndRun(run_id,
-                       clean ? alerts::AlertEngine::RunEnding::kGoodbye : alerts::AlertEngine::RunEnding::kWithoutGoodbye,
-                       now));
+  using Ending = alerts::AlertEngine::RunEnding;
+  Count(engine_.EndRun(run_id, clean ? Ending::kGoodbye : Ending::kWithoutGoodbye, now));
 }
 
 void Alerting::OnRunLeftMemory(const std::string& run_id, double now) {

@@ -1,5 +1,5 @@
 // The daemon's alerting: loads the rules, evaluates them on every completed step (through the
-// runs' AlertHook) and on a timer (stalled runs), and sends firing and resolved alerts to the
+// runs' AlertHook) and on a timer (stalled and dead runs), and sends firing and resolved alerts to the
 // trainers' streams. Every durable change of the engine (alert instances, acks, silences) is
 // written to the alert store together with the notifications it causes, in one transaction, so a
 // restart restores the alerts exactly as the receivers were told of them. Thread-safe.

@@ -630,7 +630,8 @@ void Run::RestoreEnded(const RunEnd& end) {
   if (!end.ended()) return;  // an active run gets a fresh grace period to reconnect
   // Its last sign of life: an inactive run ended end_after after it; a Goodbye was it.
   const double ago = std::max(0.0, clock_->UnixSeconds() - end.ended_at);
-  last_activity_ = clock_->Now() - std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(ago));
+  last_activity_ =
+      clock_->Now() - std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(ago));
   if (!end.clean()) last_activity_ -= options_.end_after;
 }
 

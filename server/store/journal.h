@@ -128,8 +128,9 @@ class Journal {
   Journal& operator=(const Journal&) = delete;
 
   // Reads everything back (call before enqueueing, typically at start-up); the runs the visitor
-  // keeps become held. Serialised with commits, so it sees a consistent committed state. A corrupt row (bad value blob, bad JSON)
-  // stops the load with Status::Internal naming the run and step. Parameter indexes missing from
+  // keeps become held. Serialised with commits, so it sees a consistent committed state. A
+  // corrupt row (bad value blob, bad JSON) stops the load with Status::Internal naming the run and
+  // step. Rows of a run missing from the runs table are not read. Parameter indexes missing from
   // a catalog (their ParamsRecord was lost) are filled with default ParamInfo so that later
   // indexes keep their position. Returns FailedPrecondition after Stop().
   Status Load(JournalVisitor& visitor);

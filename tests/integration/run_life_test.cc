@@ -161,7 +161,9 @@ constexpr uint64_t kChurnSteps = 20;
 
 v1::Hello ChurnHello(const std::string& run) {
   std::vector<std::pair<std::string, v1::ParamKind>> params;
-  for (int p = 0; p < kChurnParams; ++p) params.push_back({"layer" + std::to_string(p) + ".weight", v1::PARAM_KIND_MLP});
+  for (int p = 0; p < kChurnParams; ++p) {
+    params.push_back({"layer" + std::to_string(p) + ".weight", v1::PARAM_KIND_MLP});
+  }
   return MakeHello(run, 0, 1, params);
 }
 
@@ -184,8 +186,8 @@ v1::StepStats ChurnStep(uint64_t step) {
 void ChurnRun(const DaemonProcess& daemon, const std::string& run, bool dies) {
   StreamClient stream(daemon.grpc_target());
   REQUIRE(stream.Hello(ChurnHello(run), 1));
-  const v1::DaemonMessage first = stream.WaitFor([](const v1::DaemonMessage& m) { return m.has_accepted() || m.has_error(); },
-                                                 std::chrono::seconds(30));
+  const v1::DaemonMessage first = stream.WaitFor(
+      [](const v1::DaemonMessage& m) { return m.has_accepted() || m.has_error(); }, std::chrono::seconds(30));
   INFO(run << ": " << first.DebugString());
   REQUIRE(first.has_accepted());
   for (uint64_t s = 1; s <= kChurnSteps; ++s) REQUIRE(stream.Step(ChurnStep(s), 1 + s));
