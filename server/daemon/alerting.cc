@@ -135,6 +135,16 @@ Status Alerting::Restore(const runs::RunRegistry& registry, double now) {
   for (const auto& run : registry.All()) {
     if (!run->Info().ended) Count(engine_.EvaluateStep(run->Facts(), now));
   }
+  // A dead run that was still active when the daemon stopped stays dead: it keeps its page.
+  std::set<std::string> run_died_rules;
+  for (const alerts::Rule& r : engine_.Rules()) {
+    if (r.kind == alerts::RuleKind::kRunDied) run_died_rules.insert(r.name);
+  }
+  for (const alerts::Alert& a : engine_.Active()) {
+    auto run = a.labels.find("run");
+    if (!run_died_rules.count(a.name) || run == a.labels.end()) continue;
+    if (auto held = registry.Find(run->second)) held->RestoreSilentSince(a.starts_at - a.value);
+  }
   // Alerts of runs that ended or that the daemon no longer holds resolve, but for the run_died
   // pages of runs that ended without a Goodbye (see AlertEngine::EndRun).
   std::map<std::string, alerts::AlertEngine::RunEnding> gone;

@@ -623,6 +623,15 @@ void Run::RestoreEvent(const EventRecord& event) {
   analytics_.OnEvent(event);
 }
 
+void Run::RestoreSilentSince(double unix_seconds) {
+  std::lock_guard lock(mu_);
+  if (open_streams_ > 0 || end_.ended()) return;
+  const double ago = std::max(0.0, clock_->UnixSeconds() - unix_seconds);
+  last_activity_ = std::min(
+      last_activity_,
+      clock_->Now() - std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(ago)));
+}
+
 void Run::RestoreEnded(const RunEnd& end) {
   std::lock_guard lock(mu_);
   end_ = end;

@@ -195,6 +195,10 @@ class Run {
   // from it, so a dead run keeps paging across a daemon restart; an active one starts a fresh
   // grace period, as if its streams had just closed.
   void RestoreEnded(const RunEnd& end);
+  // A RunDied page restored from before a restart says the run was last alive at `unix_seconds`:
+  // an active run with no stream yet is treated as silent since then (not given a fresh grace
+  // period), so the page neither resolves nor pages again. Ignored once a stream is open.
+  void RestoreSilentSince(double unix_seconds);
   // After the journal is loaded: maps the fixed and catalog series to their restored ids,
   // creating (and journaling) any that are missing.
   void FinishRestore();

@@ -129,6 +129,24 @@ TEST_CASE("replay --finish ends the run cleanly, and a run gone without a Goodby
   back->Close();
 }
 
+TEST_CASE("a run paged as dead before it ended stays paged across a restart, neither resolved nor paged again",
+          "[integration]") {
+  DaemonOptions options;
+  options.config_yaml = "runs: {end_after_seconds: 600, stalled_after_seconds: 2}\n";
+  DaemonProcess daemon(options);
+  Report(daemon, "gone", 3)->Close();
+  REQUIRE(WaitUntil([&] { return FindAlert(daemon, "gone", "RunDied").has_value(); }));
+  CHECK(RunState(daemon, "gone").state() == v1::RUN_STATE_ACTIVE);  // not ended yet
+  daemon.Restart();
+  // A sentinel that dies after the restart: once its page fires, the timer has run for seconds.
+  Report(daemon, "sentinel", 1)->Close();
+  REQUIRE(WaitUntil([&] { return FindAlert(daemon, "sentinel", "RunDied").has_value(); }));
+  CHECK(FindAlert(daemon, "gone", "RunDied"));
+  const std::string metrics = daemon.ScrapeMetrics();
+  CHECK(ParseMetric(metrics, "gradwatch_alert_transitions_total", {{"to", "resolved"}}).value_or(-1) == 0);
+  CHECK(ParseMetric(metrics, "gradwatch_alert_transitions_total", {{"to", "firing"}}).value_or(-1) == 1);
+}
+
 TEST_CASE("a hung run that is still connected warns RunStalled and does not page RunDied", "[integration]") {
   TempDir rules_dir("gradwatch-life-rules");
   const std::string rules = (rules_dir.path() / "fast.yaml").string();

@@ -307,6 +307,21 @@ TEST_CASE("a run whose streams vanish ends by inactivity, not cleanly, and its f
   CHECK_FALSE(f.run->Facts().ended_cleanly);
 }
 
+TEST_CASE("a run restored with a RunDied page stays silent since its last sign of life", "[runs]") {
+  Fixture f;
+  f.clock.Advance(10000s);
+  f.run = std::make_unique<Run>(Meta(), f.options, nullptr, &f.stats, &f.clock, false);  // as restored
+  f.run->RestoreEnded({});  // active when the daemon stopped: a fresh grace period
+  CHECK(f.run->Facts().seconds_since_activity == Approx(0));
+  f.run->RestoreSilentSince(f.clock.UnixSeconds() - 900);  // its page fired for 900 s of silence
+  CHECK(f.run->Facts().seconds_since_activity == Approx(900));
+  f.run->RestoreSilentSince(f.clock.UnixSeconds() - 100);  // never moves the last sign of life later
+  CHECK(f.run->Facts().seconds_since_activity == Approx(900));
+  f.Attach(0, &f.sink);  // it came back
+  f.run->RestoreSilentSince(f.clock.UnixSeconds() - 5000);
+  CHECK(f.run->Facts().seconds_since_activity == Approx(0));
+}
+
 TEST_CASE("extra keys become series and events are kept in step order", "[runs]") {
   Fixture f;
   f.Attach(0, &f.sink);
