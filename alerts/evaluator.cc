@@ -302,6 +302,16 @@ void EvaluateStalled(const Rule& rule, const RunFacts& facts, const LabelSet& ba
   out->push_back(std::move(c));
 }
 
+void EvaluateRunDied(const Rule& rule, const RunFacts& facts, const LabelSet& base,
+                     std::vector<Condition>* out) {
+  const double seconds = rule.stalled_seconds > 0 ? rule.stalled_seconds : kDefaultRunDiedSeconds;
+  const bool active = !facts.ended_cleanly && facts.open_streams == 0 && facts.seconds_since_activity >= seconds;
+  Condition c = Make(base, facts, facts.seconds_since_activity, active);
+  c.vars["seconds"] = FormatCount(facts.seconds_since_activity);
+  c.vars["threshold"] = FormatCount(seconds);
+  out->push_back(std::move(c));
+}
+
 }  // namespace
 
 bool LevelHolds(const LevelTest& test, double measure) { return Compare(measure, test.op, test.bound); }
@@ -331,6 +341,7 @@ std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts) {
     case RuleKind::kGrowthWithoutDecay: EvaluateGrowth(rule, facts, base, &out); break;
     case RuleKind::kNonFinite: EvaluateNonFinite(rule, facts, base, &out); break;
     case RuleKind::kStalled: EvaluateStalled(rule, facts, base, &out); break;
+    case RuleKind::kRunDied: EvaluateRunDied(rule, facts, base, &out); break;
   }
   return out;
 }

@@ -76,6 +76,8 @@ struct Condition {
 //  - non_finite: every matching series in facts.latest and facts.nonfinite; active when NaN/±Inf.
 //  - stalled: one per run; active when the run has open streams and seconds_since_last_step ≥
 //    seconds. value: seconds_since_last_step.
+//  - run_died: one per run; active when the run did not end cleanly, has no open stream and
+//    seconds_since_activity ≥ seconds (kDefaultRunDiedSeconds when 0). value: seconds_since_activity.
 std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts);
 
 // The labels every alert of `rule` in run `run_id` carries: run labels, the rule's labels,

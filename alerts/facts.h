@@ -104,6 +104,10 @@ struct RunFacts {
   double now = 0;         // seconds since the Unix epoch, when the facts were taken
   uint32_t open_streams = 0;
   double seconds_since_last_step = 0;  // for stalled rules
+  // For run_died rules: seconds since the run last showed a sign of life (a hello, a stream
+  // closing, a step or an event), and whether it ended with a Goodbye (then it never died).
+  double seconds_since_activity = 0;
+  bool ended_cleanly = false;
 
   std::vector<SeriesValue> latest;  // sorted by key (FindLatest binary-searches it)
   std::vector<ForecastFact> forecasts;

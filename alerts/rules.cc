@@ -24,14 +24,17 @@ std::string_view RuleKindName(RuleKind kind) {
     case RuleKind::kGrowthWithoutDecay: return "growth_without_decay";
     case RuleKind::kNonFinite: return "non_finite";
     case RuleKind::kStalled: return "stalled";
+    case RuleKind::kRunDied: return "run_died";
   }
   return "threshold";
 }
 
+bool IsTimerRule(RuleKind kind) { return kind == RuleKind::kStalled || kind == RuleKind::kRunDied; }
+
 std::optional<RuleKind> ParseRuleKind(std::string_view name) {
   for (RuleKind k : {RuleKind::kThreshold, RuleKind::kForecast, RuleKind::kSlopeChange,
                      RuleKind::kShare, RuleKind::kGrowthWithoutDecay, RuleKind::kNonFinite,
-                     RuleKind::kStalled}) {
+                     RuleKind::kStalled, RuleKind::kRunDied}) {
     if (RuleKindName(k) == name) return k;
   }
   return std::nullopt;
@@ -81,6 +84,7 @@ const std::set<std::string>& TemplateVariablesFor(RuleKind kind) {
           "min_amplification", "min_growth"}},
         {RuleKind::kNonFinite, {"series"}},
         {RuleKind::kStalled, {"seconds", "threshold", "open_streams"}},
+        {RuleKind::kRunDied, {"seconds", "threshold"}},
     };
     std::map<RuleKind, std::set<std::string>> all;
     for (const auto& [k, names] : own) {
@@ -134,13 +138,14 @@ const std::set<std::string>& KindKeys(RuleKind kind) {
        {"param", "param_kind", "min_amplification", "min_growth", "max_weight_decay"}},
       {RuleKind::kNonFinite, {"series"}},
       {RuleKind::kStalled, {"seconds"}},
+      {RuleKind::kRunDied, {"seconds"}},
   };
   return k.at(kind);
 }
 
 bool IsKnownKey(const std::string& key) {
   if (CommonKeys().count(key)) return true;
-  for (int k = 0; k <= static_cast<int>(RuleKind::kStalled); ++k) {
+  for (int k = 0; k <= static_cast<int>(RuleKind::kRunDied); ++k) {
     if (KindKeys(static_cast<RuleKind>(k)).count(key)) return true;
   }
   return false;
@@ -391,11 +396,11 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
   std::optional<RuleKind> kind;
   if (!kind_node) {
     Error(at, "missing 'kind' (threshold, forecast, slope_change, share, growth_without_decay, "
-              "non_finite or stalled)");
+              "non_finite, stalled or run_died)");
   } else if (!kind_node.IsScalar() || !(kind = ParseRuleKind(kind_node.Scalar()))) {
     Error(kind_node.Mark(), "unknown kind " + Shown(kind_node) +
                                 " (threshold, forecast, slope_change, share, "
-                                "growth_without_decay, non_finite or stalled)");
+                                "growth_without_decay, non_finite, stalled or run_died)");
   }
   if (!kind) return std::nullopt;  // every other key depends on the kind
   rule.kind = *kind;
@@ -423,7 +428,7 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
   };
 
   if (has("for_steps")) {
-    if (rule.kind == RuleKind::kNonFinite || rule.kind == RuleKind::kStalled) {
+    if (rule.kind == RuleKind::kNonFinite || IsTimerRule(rule.kind)) {
       Error(get("for_steps").Mark(),
             "for_steps does not apply to kind " + kind_name +
                 (rule.kind == RuleKind::kNonFinite ? ": it fires at once"
@@ -433,9 +438,11 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
     }
   }
   if (has("resolve_for_steps")) {
-    if (rule.kind == RuleKind::kStalled) {
+    if (IsTimerRule(rule.kind)) {
       Error(get("resolve_for_steps").Mark(),
-            "resolve_for_steps does not apply to kind stalled: it resolves when a step arrives");
+            "resolve_for_steps does not apply to kind " + kind_name +
+                (rule.kind == RuleKind::kStalled ? ": it resolves when a step arrives"
+                                                 : ": it resolves when the run comes back"));
     } else if (auto v = Steps(get("resolve_for_steps"), "resolve_for_steps")) {
       rule.resolve_for_steps = *v;
     }
@@ -629,6 +636,12 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
     }
     case RuleKind::kStalled: {
       if (require("seconds")) {
+        if (auto v = Seconds(get("seconds"), "seconds")) rule.stalled_seconds = *v;
+      }
+      break;
+    }
+    case RuleKind::kRunDied: {
+      if (has("seconds")) {
         if (auto v = Seconds(get("seconds"), "seconds")) rule.stalled_seconds = *v;
       }
       break;

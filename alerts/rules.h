@@ -33,6 +33,10 @@
 //                         fires at once, so no for_steps
 //   stalled               seconds (a number, or "90s", "10m", "1h"); evaluated on a timer, so no
 //                         for_steps or resolve_for_steps
+//   run_died              seconds (optional: the daemon's runs.stalled_after_seconds when absent);
+//                         a run with no open stream that said no Goodbye and showed no sign of life
+//                         for that long. Evaluated on a timer; fires at once, resolves when the run
+//                         comes back (a stream attaches, a step arrives), not when the run ends.
 //
 // Loading never throws. Errors read "file:line: rule 'name': what is wrong", one per line, all of
 // them at once.
@@ -59,7 +63,10 @@ enum class RuleKind : int {
   kGrowthWithoutDecay,
   kNonFinite,
   kStalled,
+  kRunDied,
 };
+// Timer rules (stalled, run_died) are evaluated on the daemon's timer, not on steps.
+bool IsTimerRule(RuleKind kind);
 std::string_view RuleKindName(RuleKind kind);  // "threshold", "forecast", ...
 std::optional<RuleKind> ParseRuleKind(std::string_view name);
 
@@ -104,7 +111,8 @@ struct Rule {
   std::optional<double> min_growth;
   double max_weight_decay = 0;
 
-  // stalled
+  // stalled, run_died (0 for run_died: the daemon's runs.stalled_after_seconds, else
+  // kDefaultRunDiedSeconds)
   double stalled_seconds = 0;
 
   // Pending until the condition has held for this many steps (see state_machine.h).
@@ -121,6 +129,9 @@ struct Rule {
   std::string source;    // "file:line" of the rule
   bool operator==(const Rule&) const = default;
 };
+
+// A run_died rule without `seconds` outside the daemon waits this long (seconds).
+inline constexpr double kDefaultRunDiedSeconds = 600;
 
 // The template variables a rule of `kind` provides (besides labels.<name>).
 const std::set<std::string>& TemplateVariablesFor(RuleKind kind);

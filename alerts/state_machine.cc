@@ -13,9 +13,9 @@
 namespace gradwatch::alerts {
 namespace {
 
-// non_finite and stalled rules fire at once whatever a hand-built Rule says.
+// non_finite and timer rules fire at once whatever a hand-built Rule says.
 uint64_t EffectiveForSteps(const Rule& rule) {
-  return rule.kind == RuleKind::kNonFinite || rule.kind == RuleKind::kStalled ? 0 : rule.for_steps;
+  return rule.kind == RuleKind::kNonFinite || IsTimerRule(rule.kind) ? 0 : rule.for_steps;
 }
 
 // A firing instance whose condition no longer holds stays firing while its value has not crossed
@@ -440,7 +440,7 @@ std::vector<Transition> AlertEngine::EvaluateStep(const RunFacts& facts, double 
   std::vector<Transition> out;
   std::optional<std::string> recommendation;  // computed once, only if some alert needs it
   for (size_t i = 0; i < rules_.size(); ++i) {
-    if (rules_[i].kind == RuleKind::kStalled) continue;
+    if (IsTimerRule(rules_[i].kind)) continue;
     EvaluateRule(i, facts, now, &recommendation, &out);
   }
   CatchUpLocked(facts.run_id, now, &out);
@@ -456,7 +456,7 @@ std::vector<Transition> AlertEngine::EvaluateTimer(const std::vector<RunFacts>& 
     listed.insert(facts.run_id);
     std::optional<std::string> recommendation;
     for (size_t i = 0; i < rules_.size(); ++i) {
-      if (rules_[i].kind == RuleKind::kStalled) EvaluateRule(i, facts, now, &recommendation, &out);
+      if (IsTimerRule(rules_[i].kind)) EvaluateRule(i, facts, now, &recommendation, &out);
     }
   }
   std::unordered_set<std::string_view> stalled_rules;
@@ -466,6 +466,8 @@ std::vector<Transition> AlertEngine::EvaluateTimer(const std::vector<RunFacts>& 
   EndInstances(
       [&](const Instance& inst) { return stalled_rules.count(inst.rule) && !listed.count(inst.run); },
       now, &out);
+  EndRunDiedLocked(RunEnding::kLeftMemory, [&](const Instance& inst) { return !listed.count(inst.run); }, now,
+                   &out);
   for (auto it = silences_.begin(); it != silences_.end();) {
     if (it->second.ends_at <= now) {
       TouchSilence(it->first);
@@ -509,6 +511,35 @@ std::vector<Transition> AlertEngine::RewindRun(const std::string& run_id, uint64
   DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
   PublishLocked(out);
   return out;
+}
+
+std::vector<Transition> AlertEngine::EndRun(const std::string& run_id, RunEnding how, double now) {
+  std::lock_guard lock(mu_);
+  std::vector<Transition> out;
+  EndInstances([&](const Instance& inst) { return inst.run == run_id && !IsRunDiedRuleLocked(inst.rule); }, now,
+               &out);
+  EndRunDiedLocked(how, [&](const Instance& inst) { return inst.run == run_id; }, now, &out);
+  DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
+  PublishLocked(out);
+  return out;
+}
+
+bool AlertEngine::IsRunDiedRuleLocked(std::string_view rule_name) const {
+  for (const Rule& r : rules_) {
+    if (r.name == rule_name) return r.kind == RuleKind::kRunDied;
+  }
+  return false;
+}
+
+template <typename Pred>
+void AlertEngine::EndRunDiedLocked(RunEnding how, Pred of_run, double now, std::vector<Transition>* out) {
+  if (how == RunEnding::kWithoutGoodbye) return;
+  EndInstances(
+      [&](const Instance& inst) {
+        if (!of_run(inst) || !IsRunDiedRuleLocked(inst.rule)) return false;
+        return how == RunEnding::kGoodbye || inst.ack.has_value();
+      },
+      now, out);
 }
 
 template <typename Pred>

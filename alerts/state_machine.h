@@ -6,7 +6,7 @@
 // `for_steps: N`, s0 is the first step at which an instance's condition held; it fires at the
 // first evaluation whose step is ≥ s0 + N, so a trainer reporting every step or every 10 steps
 // pages at the same point. N = 0 fires at once (inactive → firing), as do non_finite and
-// stalled rules. A pending instance whose condition stops holding goes back to inactive
+// timer (stalled, run_died) rules. A pending instance whose condition stops holding goes back to inactive
 // silently: pending is never notified.
 //
 // A firing instance stays firing while its condition holds or its value has not crossed the
@@ -169,12 +169,12 @@ class AlertEngine {
   // ReplaceRules (returned); silences that have ended are dropped.
   std::vector<Transition> Restore(SavedState saved, double now);
 
-  // Evaluates every rule except stalled ones against one run's completed step. Transitions in
+  // Evaluates every rule except timer rules against one run's completed step. Transitions in
   // rule order.
   std::vector<Transition> EvaluateStep(const RunFacts& facts, double now);
-  // Evaluates the stalled rules against every run the daemon holds (`runs`); a stalled alert of
-  // a run not listed resolves. Also notifies firing alerts whose mute ended and drops silences
-  // that have ended.
+  // Evaluates the timer rules (stalled, run_died) against every run the daemon holds (`runs`); a
+  // stalled alert of a run not listed resolves, a run_died alert of a run not listed resolves once
+  // acknowledged. Also notifies firing alerts whose mute ended and drops silences that have ended.
   std::vector<Transition> EvaluateTimer(const std::vector<RunFacts>& runs, double now);
   // The run is gone (finished and forgotten, or deleted): its firing alerts resolve, its pending
   // ones go inactive, and it holds no state any more.
@@ -187,6 +187,16 @@ class AlertEngine {
   // state and s0, as the kept history still supports them; a resolve countdown that started at
   // r0 ≥ from_step is forgotten. Returns the transitions.
   std::vector<Transition> RewindRun(const std::string& run_id, uint64_t from_step, double now);
+  // How a run stopped being watched, for EndRun.
+  enum class RunEnding {
+    kGoodbye,         // it said Goodbye: every alert of the run ends
+    kWithoutGoodbye,  // it ended by inactivity: every alert ends except its run_died ones
+    kLeftMemory,      // the daemon dropped it: every alert ends except unacknowledged run_died ones
+  };
+  // Ends the alerts of a run that ended. A run_died alert outlives the run's end: it pages until
+  // the run comes back (the timer evaluation resolves it) or, once acknowledged, until the run
+  // leaves memory; EvaluateTimer also ends the acknowledged run_died alerts of runs not listed.
+  std::vector<Transition> EndRun(const std::string& run_id, RunEnding how, double now);
 
   // Pending and firing alerts, of one run (or of all runs when `run` is empty), sorted by name
   // and labels. Muted ones included.
@@ -243,6 +253,10 @@ class AlertEngine {
   // Ends every instance for which `ends` is true (resolve firing, drop pending).
   template <typename Pred>
   void EndInstances(Pred ends, double now, std::vector<Transition>* out);
+  bool IsRunDiedRuleLocked(std::string_view rule_name) const;
+  // Ends the run_died instances for which `of_run` is true, as EndRun does for `how`.
+  template <typename Pred>
+  void EndRunDiedLocked(RunEnding how, Pred of_run, double now, std::vector<Transition>* out);
   // Notifies firing alerts (of `run`, or all when empty) that were muted and no longer are.
   void CatchUpLocked(std::string_view run, double now, std::vector<Transition>* out);
   // Records that an instance changed or ended, for the next Publish.

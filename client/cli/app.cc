@@ -73,6 +73,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   auto* max = replay_cmd->add_flag("--max", replay_max,
                                    "Send as fast as the daemon acknowledges (the default)");
   speed->excludes(max);
+  replay_cmd->add_flag("--finish", replay.finish,
+                       "Once every step is acknowledged, say Goodbye: the run is recorded as finished "
+                       "(its alerts resolve; it does not page as dead)");
   replay_cmd->add_option("--rank", replay.rank, "This rank")->capture_default_str();
   replay_cmd->add_option("--resume-from", replay.resume_from,
                          "The history resumes the run from its checkpoint at step N: the daemon "
@@ -82,7 +85,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
 
+  bool runs_all = false;
   auto* runs_cmd = app.add_subcommand("runs", "List the runs the daemon holds");
+  runs_cmd->add_flag("--all", runs_all, "Also the runs that left memory but are still in the journal (archived)");
 
   std::string show_run;
   auto* show_cmd =
@@ -158,7 +163,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   if (*replay_cmd) return RunReplay(global, replay, out, err);
   if (*rules_check_cmd) return RunRulesCheck(global, rule_files, out, err);
   client::QueryClient query(global.address, global.timeout());
-  if (*runs_cmd) return RunRuns(global, query, out, err);
+  if (*runs_cmd) return RunRuns(global, query, runs_all, out, err);
   if (*alerts_cmd) return RunAlerts(global, query, alerts_run, out, err);
   if (*rules_reload_cmd) return RunRulesReload(global, query, out, err);
   if (*silence_add_cmd) return RunSilenceAdd(global, query, silence, out, err);

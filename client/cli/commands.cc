@@ -144,9 +144,9 @@ int RunAck(const GlobalOptions& global, client::QueryClient& query, const std::s
   return kExitOk;
 }
 
-int RunRuns(const GlobalOptions& global, client::QueryClient& query, std::ostream& out,
+int RunRuns(const GlobalOptions& global, client::QueryClient& query, bool all, std::ostream& out,
             std::ostream& err) {
-  auto result = query.ListRuns();
+  auto result = query.ListRuns(all);
   if (!result.ok()) return ReportRpcError(global, "list runs", result.status, err);
   if (global.json) {
     out << ProtoToJson(result.response).dump(2) << "\n";

@@ -20,7 +20,9 @@ struct SeriesOptions {
   uint32_t max_points = 0;
 };
 
-int RunRuns(const GlobalOptions& global, client::QueryClient& query, std::ostream& out,
+// `gradwatch runs [--all]`: with `all`, runs that left memory but are in the journal too
+// (state archived).
+int RunRuns(const GlobalOptions& global, client::QueryClient& query, bool all, std::ostream& out,
             std::ostream& err);
 int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
             std::ostream& out, std::ostream& err);

@@ -68,6 +68,10 @@ std::string StateName(v1::RunState state) {
       return "active";
     case v1::RUN_STATE_ENDED:
       return "ended";
+    case v1::RUN_STATE_FINISHED:
+      return "finished";
+    case v1::RUN_STATE_ARCHIVED:
+      return "archived";
     default:
       return "unknown";
   }

@@ -189,6 +189,7 @@ json ReplaySummaryToJson(const ReplaySummary& s) {
       {"seconds", s.seconds},
       {"steps_per_second", s.seconds > 0 ? s.steps_sent / s.seconds : 0.0},
       {"complete", s.complete},
+      {"finished", s.finished ? json(*s.finished) : json(nullptr)},
   };
 }
 
@@ -225,6 +226,7 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
     rows.insert(rows.begin() + 2,
                 {"resumed from", "the checkpoint at step " + std::to_string(*s.resumed_from_step)});
   }
+  if (s.finished) rows.push_back({"finished", *s.finished ? "yes (Goodbye acknowledged)" : "no"});
   return "replayed " + s.file + " as run " + s.run + (s.complete ? "" : " (incomplete)") + "\n" +
          FormatTable(rows);
 }
@@ -391,6 +393,10 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   const auto flush_timeout = std::max(
       global.timeout(), std::chrono::milliseconds(before_flush.queued + before_flush.unacked));
   summary.complete = monitor.Flush(flush_timeout);
+  if (options.finish) {
+    summary.finished = summary.complete &&
+                       monitor.Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED, "replayed " + options.file);
+  }
   summary.seconds = std::chrono::duration<double>(Clock::now() - started).count();
   const client::MonitorStats stats = monitor.Stats();
   monitor.Stop();
@@ -408,6 +414,11 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   if (!summary.complete) {
     err << "gradwatch: " << stats.queued + stats.unacked
         << " steps not acknowledged by the daemon at " << global.address
+        << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")") << "\n";
+    return kExitFailure;
+  }
+  if (summary.finished && !*summary.finished) {
+    err << "gradwatch: the daemon at " << global.address << " did not confirm the end of run " << summary.run
         << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")") << "\n";
     return kExitFailure;
   }

@@ -26,6 +26,8 @@ struct ReplayOptions {
   // --resume-from: the history resumes the run from its checkpoint at this step; overrides the
   // header's resume_from_step.
   std::optional<uint64_t> resume_from;
+  // Once every step is acknowledged, say Goodbye: the daemon records the run as finished.
+  bool finish = false;
 };
 
 struct BadLine {
@@ -77,6 +79,8 @@ struct ReplaySummary {
   uint64_t last_acked_step = 0;
   double seconds = 0;
   bool complete = false;  // every sent step acknowledged durable
+  // With --finish: whether the daemon recorded the run as finished; nullopt without --finish.
+  std::optional<bool> finished;
 };
 
 nlohmann::ordered_json ReplaySummaryToJson(const ReplaySummary& summary);

@@ -58,6 +58,7 @@ struct Monitor::Connection {
   bool ended = false;       // the reader saw the end of the stream
   bool rejected = false;    // the daemon refused the Hello or superseded this stream
   bool superseded = false;  // another stream took over this run and rank: do not reconnect
+  bool goodbye_sent = false;
   uint64_t max_message_bytes = 0;
 };
 
@@ -123,6 +124,23 @@ bool Monitor::Flush(std::chrono::milliseconds timeout) {
   flush_cv_.wait_for(lock, timeout,
                      [this] { return buffer_.empty() || stopping_ || stats_.rejected; });
   return buffer_.empty();
+}
+
+bool Monitor::Finish(std::chrono::milliseconds timeout, v1::GoodbyeReason reason, std::string message) {
+  bool finished = false;
+  {
+    std::unique_lock lock(mu_);
+    if (!started_ || stopping_) return false;
+    v1::Goodbye goodbye;
+    goodbye.set_reason(reason);
+    goodbye.set_message(std::move(message));
+    goodbye_ = std::move(goodbye);
+    sender_cv_.notify_all();
+    flush_cv_.wait_for(lock, timeout, [this] { return stats_.finished || stopping_ || stats_.rejected; });
+    finished = stats_.finished;
+  }
+  Stop();
+  return finished;
 }
 
 bool Monitor::WaitAccepted(std::chrono::milliseconds timeout) {
@@ -227,10 +245,25 @@ bool Monitor::RunConnection(Connection& conn) {
                     [&] { return conn.accepted || conn.ended || conn.rejected || stopping_; });
     accepted = conn.accepted;
     while (conn.accepted && !conn.ended && !conn.rejected && !stopping_) {
+      // The Goodbye goes once every step is durable, so the run ends with all of them kept.
+      const auto goodbye_due = [&] {
+        return goodbye_ && !conn.goodbye_sent && !stats_.finished && buffer_.empty();
+      };
+      if (goodbye_due()) {
+        v1::TrainerMessage goodbye;
+        goodbye.set_seq(next_seq_++);
+        *goodbye.mutable_goodbye() = *goodbye_;
+        conn.goodbye_sent = true;
+        lock.unlock();
+        const bool ok = conn.stream->Write(goodbye);
+        lock.lock();
+        if (!ok) break;
+        continue;
+      }
       std::optional<StepBuffer::Claimed> claimed = buffer_.NextToWrite(next_seq_);
       if (!claimed) {
         sender_cv_.wait(lock, [&] {
-          return conn.ended || conn.rejected || stopping_ || buffer_.HasUnwritten();
+          return conn.ended || conn.rejected || stopping_ || buffer_.HasUnwritten() || goodbye_due();
         });
         continue;
       }
@@ -344,6 +377,7 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
       buffer_.OnAck(msg.ack().durable_step());
       stats_.has_acked = true;
       stats_.acked_through_step = msg.ack().durable_step();
+      if (goodbye_) sender_cv_.notify_all();  // the Goodbye may be due now
       space_cv_.notify_all();
       flush_cv_.notify_all();
       break;
@@ -374,6 +408,14 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
     case v1::DaemonMessage::kAlert:
       InvokeCallback(options_.on_alert, msg.alert(), "on_alert");
       break;
+    case v1::DaemonMessage::kFinished: {
+      spdlog::info("gradwatch monitor: run {} recorded as finished", msg.finished().run_id());
+      std::lock_guard lock(mu_);
+      stats_.finished = true;
+      sender_cv_.notify_all();
+      flush_cv_.notify_all();
+      break;
+    }
     default:
       break;
   }

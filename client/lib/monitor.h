@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -69,6 +70,7 @@ struct MonitorStats {
   // The daemon refused this rank's Hello or handed it to another stream: nothing more can
   // become durable, so Flush returns at once.
   bool rejected = false;
+  bool finished = false;  // the daemon confirmed the Goodbye sent by Finish
   std::string last_error;
 };
 
@@ -95,8 +97,17 @@ class Monitor {
   bool Flush(std::chrono::milliseconds timeout);
   // Waits until the daemon has accepted a stream. False on timeout or rejection.
   bool WaitAccepted(std::chrono::milliseconds timeout);
+  // Ends the run cleanly, then Stop()s: waits until every logged step is durable, sends a Goodbye
+  // (`reason`, `message`) and waits for the daemon's answer that the run is recorded as finished
+  // (its alerts resolve; it will not page as dead). Call it after the last Log. Returns true when
+  // the daemon confirmed within `timeout`; false on timeout, rejection or a Monitor that is not
+  // running (stopped either way). A run whose trainer stops without Finish is presumed dead by the
+  // daemon once its streams are gone for runs.stalled_after_seconds, which pages (RunDied).
+  bool Finish(std::chrono::milliseconds timeout, v1::GoodbyeReason reason = v1::GOODBYE_REASON_FINISHED,
+              std::string message = {});
   // Closes the stream (WritesDone, then Finish; cancels it if the daemon does not close it
-  // within close_grace) and joins the threads. Unsent steps are discarded. Idempotent.
+  // within close_grace) and joins the threads. Unsent steps are discarded. It says no Goodbye:
+  // to end the run cleanly, call Finish instead. Idempotent.
   void Stop();
 
   MonitorStats Stats() const;
@@ -124,6 +135,7 @@ class Monitor {
   StepBuffer buffer_;
   bool started_ = false;
   bool stopping_ = false;
+  std::optional<v1::Goodbye> goodbye_;  // set by Finish; sent once the buffer is drained
   uint64_t next_seq_ = 1;
   uint64_t accepted_streams_ = 0;
   MonitorStats stats_;

@@ -21,9 +21,10 @@ QueryResult<Response> QueryClient::Call(const Request& request, Method method) {
   return result;
 }
 
-QueryResult<v1::ListRunsResponse> QueryClient::ListRuns() {
-  return Call<v1::ListRunsRequest, v1::ListRunsResponse>(v1::ListRunsRequest{},
-                                                         &v1::Query::Stub::ListRuns);
+QueryResult<v1::ListRunsResponse> QueryClient::ListRuns(bool include_archived) {
+  v1::ListRunsRequest request;
+  request.set_include_archived(include_archived);
+  return Call<v1::ListRunsRequest, v1::ListRunsResponse>(request, &v1::Query::Stub::ListRuns);
 }
 
 QueryResult<v1::ListAlertsResponse> QueryClient::ListAlerts(const std::string& run_id) {

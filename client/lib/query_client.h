@@ -27,7 +27,8 @@ class QueryClient {
   // `timeout` is the deadline of each call, counted from its start.
   QueryClient(std::string address, std::chrono::milliseconds timeout);
 
-  QueryResult<v1::ListRunsResponse> ListRuns();
+  // The runs the daemon holds in memory; with `include_archived`, also those only its journal holds.
+  QueryResult<v1::ListRunsResponse> ListRuns(bool include_archived = false);
   QueryResult<v1::RunSummary> GetRun(const std::string& run_id);
   QueryResult<v1::GetSeriesResponse> GetSeries(const v1::GetSeriesRequest& request);
   QueryResult<v1::AnnotateResponse> Annotate(const std::string& run_id, uint64_t step,

@@ -44,6 +44,16 @@ std::string_view ParamInfo::EffectiveGroup() const {
   return group.empty() ? ParamKindName(kind) : std::string_view(group);
 }
 
+std::string_view EndReasonName(EndReason reason) {
+  switch (reason) {
+    case EndReason::kNone: return "active";
+    case EndReason::kInactive: return "inactive";
+    case EndReason::kFinished: return "finished";
+    case EndReason::kStopped: return "stopped";
+  }
+  return "active";
+}
+
 namespace keys {
 std::string GradNorm(std::string_view param) { return std::string(kGradNormPrefix) + std::string(param); }
 std::string ParamNorm(std::string_view param) { return std::string(kParamNormPrefix) + std::string(param); }

@@ -63,6 +63,28 @@ struct RunMeta {
   std::optional<uint64_t> resume_from_step;
 };
 
+// How a run ended. A Goodbye on the wire is a clean end (finished or stopped); a run whose streams
+// closed without one ends by inactivity and is presumed dead.
+enum class EndReason : int {
+  kNone = 0,      // not ended
+  kInactive = 1,  // no stream and no step for runs.end_after_seconds, without a Goodbye
+  kFinished = 2,  // Goodbye FINISHED
+  kStopped = 3,   // Goodbye STOPPED
+};
+// "active", "inactive", "finished", "stopped".
+std::string_view EndReasonName(EndReason reason);
+
+struct RunEnd {
+  double ended_at = 0;  // seconds since the Unix epoch; 0 while the run is active
+  EndReason reason = EndReason::kNone;
+  std::string message;  // the Goodbye's message
+
+  bool ended() const { return ended_at > 0; }
+  // Said on the wire: such a run never pages as dead.
+  bool clean() const { return reason == EndReason::kFinished || reason == EndReason::kStopped; }
+  bool operator==(const RunEnd&) const = default;
+};
+
 // Index of a series within its run's SeriesCatalog.
 using SeriesId = uint32_t;
 inline constexpr SeriesId kNoSeries = std::numeric_limits<SeriesId>::max();

@@ -1,6 +1,7 @@
 #include "server/daemon/alerting.h"
 
 #include <algorithm>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -10,7 +11,8 @@
 
 namespace gradwatch::daemon {
 
-StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, const std::vector<std::string>& files) {
+StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, const std::vector<std::string>& files,
+                                                        double run_died_seconds) {
   std::vector<alerts::Rule> rules;
   if (default_rules) {
     auto defaults = alerts::LoadDefaultRules();
@@ -29,6 +31,9 @@ StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, cons
       }
       rules.push_back(std::move(r));
     }
+  }
+  for (alerts::Rule& r : rules) {
+    if (r.kind == alerts::RuleKind::kRunDied && r.stalled_seconds == 0) r.stalled_seconds = run_died_seconds;
   }
   return rules;
 }
@@ -130,15 +135,31 @@ Status Alerting::Restore(const runs::RunRegistry& registry, double now) {
   for (const auto& run : registry.All()) {
     if (!run->Info().ended) Count(engine_.EvaluateStep(run->Facts(), now));
   }
-  // Alerts of runs that ended or that the daemon no longer holds resolve.
-  std::set<std::string> gone;
+  // A dead run that was still active when the daemon stopped stays dead: it keeps its page.
+  std::set<std::string> run_died_rules;
+  for (const alerts::Rule& r : engine_.Rules()) {
+    if (r.kind == alerts::RuleKind::kRunDied) run_died_rules.insert(r.name);
+  }
+  for (const alerts::Alert& a : engine_.Active()) {
+    auto run = a.labels.find("run");
+    if (!run_died_rules.count(a.name) || run == a.labels.end()) continue;
+    if (auto held = registry.Find(run->second)) held->RestoreSilentSince(a.starts_at - a.value);
+  }
+  // Alerts of runs that ended or that the daemon no longer holds resolve, but for the run_died
+  // pages of runs that ended without a Goodbye (see AlertEngine::EndRun).
+  std::map<std::string, alerts::AlertEngine::RunEnding> gone;
   for (const alerts::Alert& a : engine_.Active()) {
     auto run = a.labels.find("run");
     if (run == a.labels.end()) continue;
     auto held = registry.Find(run->second);
-    if (!held || held->Info().ended) gone.insert(run->second);
+    if (!held) {
+      gone[run->second] = alerts::AlertEngine::RunEnding::kLeftMemory;
+    } else if (const runs::RunInfo info = held->Info(); info.ended) {
+      gone[run->second] = info.end.clean() ? alerts::AlertEngine::RunEnding::kGoodbye
+                                           : alerts::AlertEngine::RunEnding::kWithoutGoodbye;
+    }
   }
-  for (const std::string& run : gone) Count(engine_.ForgetRun(run, now));
+  for (const auto& [run, how] : gone) Count(engine_.EndRun(run, how, now));
   size_t firing = 0, pending = 0;
   for (const alerts::Alert& a : engine_.Active()) (a.state == alerts::AlertState::kFiring ? firing : pending)++;
   spdlog::info("alerts: restored {} firing and {} pending alert(s) and {} silence(s)", firing, pending,
@@ -169,8 +190,9 @@ void Alerting::Count(const std::vector<alerts::Transition>& transitions) {
   }
 }
 
-StatusOr<size_t> Alerting::Reload(bool default_rules, const std::vector<std::string>& files, double now) {
-  auto rules = LoadConfiguredRules(default_rules, files);
+StatusOr<size_t> Alerting::Reload(bool default_rules, const std::vector<std::string>& files,
+                                  double run_died_seconds, double now) {
+  auto rules = LoadConfiguredRules(default_rules, files, run_died_seconds);
   if (!rules.ok()) {
     spdlog::error("rule reload refused, the rules in force are unchanged: {}", rules.status().message());
     return rules.status();
@@ -187,7 +209,14 @@ std::vector<alerts::Transition> Alerting::OnStep(const alerts::RunFacts& facts) 
   return transitions;
 }
 
-void Alerting::OnRunEnded(const std::string& run_id, double now) { Count(engine_.ForgetRun(run_id, now)); }
+void Alerting::OnRunEnded(const std::string& run_id, bool clean, double now) {
+  using Ending = alerts::AlertEngine::RunEnding;
+  Count(engine_.EndRun(run_id, clean ? Ending::kGoodbye : Ending::kWithoutGoodbye, now));
+}
+
+void Alerting::OnRunLeftMemory(const std::string& run_id, double now) {
+  Count(engine_.EndRun(run_id, alerts::AlertEngine::RunEnding::kLeftMemory, now));
+}
 
 std::vector<alerts::Transition> Alerting::OnRewind(const std::string& run_id, uint64_t from_step, double now) {
   std::vector<alerts::Transition> transitions = engine_.RewindRun(run_id, from_step, now);

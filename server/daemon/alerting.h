@@ -1,5 +1,5 @@
 // The daemon's alerting: loads the rules, evaluates them on every completed step (through the
-// runs' AlertHook) and on a timer (stalled runs), and sends firing and resolved alerts to the
+// runs' AlertHook) and on a timer (stalled and dead runs), and sends firing and resolved alerts to the
 // trainers' streams. Every durable change of the engine (alert instances, acks, silences) is
 // written to the alert store together with the notifications it causes, in one transaction, so a
 // restart restores the alerts exactly as the receivers were told of them. Thread-safe.
@@ -23,8 +23,10 @@
 namespace gradwatch::daemon {
 
 // The rules in force: the built-in defaults (unless disabled) and the given files. Rule names
-// must be unique across all of them.
-StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, const std::vector<std::string>& files);
+// must be unique across all of them. run_died rules without `seconds` get `run_died_seconds`
+// (runs.stalled_after_seconds).
+StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, const std::vector<std::string>& files,
+                                                        double run_died_seconds);
 
 class Alerting final : public runs::AlertHook {
  public:
@@ -46,11 +48,13 @@ class Alerting final : public runs::AlertHook {
   std::vector<notify::ReceiverStats> ReceiverStats() const;
 
   std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) override;
-  void OnRunEnded(const std::string& run_id, double now) override;
   std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step, double now) override;
-  // Replaces the rules with freshly loaded ones; on any error the rules in force stay unchanged
-  // and the status says exactly why. Alerts of deleted rules resolve.
-  StatusOr<size_t> Reload(bool default_rules, const std::vector<std::string>& files, double now);
+  void OnRunEnded(const std::string& run_id, bool clean, double now) override;
+  void OnRunLeftMemory(const std::string& run_id, double now) override;
+  // Replaces the rules with freshly loaded ones (as LoadConfiguredRules); on any error the rules
+  // in force stay unchanged and the status says exactly why. Alerts of deleted rules resolve.
+  StatusOr<size_t> Reload(bool default_rules, const std::vector<std::string>& files, double run_died_seconds,
+                          double now);
 
   // Timer rules over every run the registry holds; sends transitions to the runs' streams.
   void Tick(const runs::RunRegistry& registry, double now);

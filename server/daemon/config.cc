@@ -117,7 +117,11 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                  {"history_buckets", Field(&Config::history_buckets)}}},
       {"journal", {{"batch_max", Field(&Config::journal_batch_max)},
                    {"max_delay_ms", Field(&Config::journal_max_delay_ms)}}},
-      {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)}}},
+      {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)},
+                {"stalled_after_seconds", Field(&Config::run_stalled_after_seconds)},
+                {"retention_seconds", Field(&Config::run_retention_seconds)}}},
+      {"retention", {{"journal_days", Field(&Config::journal_retention_days)},
+                     {"outbox_days", Field(&Config::outbox_retention_days)}}},
       {"analytics", {{"windows", Field(&Config::slope_windows)},
                      {"max_buckets", Field(&Config::slope_max_buckets)},
                      {"event_window_steps", Field(&Config::event_window_steps)},
@@ -213,6 +217,21 @@ Status ValidateConfig(const Config& c) {
     return bad("journal.max_delay_ms: must be between 0 and 10000");
   }
   if (!(c.run_end_after_seconds > 0)) return bad("runs.end_after_seconds: must be > 0");
+  if (!(c.run_stalled_after_seconds > 0) || !std::isfinite(c.run_stalled_after_seconds)) {
+    return bad("runs.stalled_after_seconds: must be > 0");
+  }
+  if (!(c.run_retention_seconds >= 0) || !std::isfinite(c.run_retention_seconds)) {
+    return bad("runs.retention_seconds: must be ≥ 0");
+  }
+  if (!(c.journal_retention_days >= 0) || !std::isfinite(c.journal_retention_days)) {
+    return bad("retention.journal_days: must be ≥ 0 (0 keeps every run)");
+  }
+  if (c.journal_retention_days > 0 && c.journal_retention_days * 86400 < c.run_retention_seconds) {
+    return bad("retention.journal_days: must cover runs.retention_seconds (a run in memory stays in the journal)");
+  }
+  if (!(c.outbox_retention_days > 0) || !std::isfinite(c.outbox_retention_days)) {
+    return bad("retention.outbox_days: must be > 0");
+  }
   if (c.slope_windows.empty() || c.slope_windows.size() > 8) {
     return bad("analytics.windows: give 1 to 8 windows (steps)");
   }

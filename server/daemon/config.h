@@ -30,6 +30,15 @@ struct Config {
   size_t journal_batch_max = 4096;
   int journal_max_delay_ms = 20;
   double run_end_after_seconds = 600;
+  // A run with no open stream that said no Goodbye and showed no sign of life for this long is
+  // presumed dead: the RunDied page (rules of kind run_died without their own `seconds`).
+  double run_stalled_after_seconds = 600;
+  // An ended run stays in memory (queryable) this long, then only the journal has it.
+  double run_retention_seconds = 86400;
+  // Ended runs leave the journal this long after they ended (0: never); must cover the retention.
+  double journal_retention_days = 30;
+  // Delivered or given-up notifications leave the outbox this long after they were queued.
+  double outbox_retention_days = 7;
 
   std::vector<uint64_t> slope_windows = {1000, 5000, 20000};  // steps
   size_t slope_max_buckets = 128;

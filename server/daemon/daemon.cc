@@ -47,7 +47,7 @@ Status Daemon::Start() {
   if (Status s = LockDataDir(); !s.ok()) return s;
 
   stats_ = std::make_unique<runs::DaemonStats>();
-  auto rules = LoadConfiguredRules(config_.default_rules, config_.rule_files);
+  auto rules = LoadConfiguredRules(config_.default_rules, config_.rule_files, config_.run_stalled_after_seconds);
   if (!rules.ok()) return Status(rules.status().code(), "alert rules: " + rules.status().message());
   spdlog::info("{} alert rules in force", rules->size());
   alerting_ = std::make_unique<Alerting>(std::move(rules).value());
@@ -58,6 +58,7 @@ Status Daemon::Start() {
   run_options.max_params = config_.max_params_per_run;
   run_options.max_series = config_.max_series_per_run;
   run_options.end_after = Seconds(config_.run_end_after_seconds);
+  run_options.retention = Seconds(config_.run_retention_seconds);
   run_options.analytics.windows = config_.slope_windows;
   run_options.analytics.max_buckets = config_.slope_max_buckets;
   run_options.analytics.event_window_steps = config_.event_window_steps;
@@ -168,7 +169,8 @@ Status Daemon::LockDataDir() {
 }
 
 StatusOr<size_t> Daemon::ReloadRules() {
-  return alerting_->Reload(config_.default_rules, config_.rule_files, clock_->UnixSeconds());
+  return alerting_->Reload(config_.default_rules, config_.rule_files, config_.run_stalled_after_seconds,
+                           clock_->UnixSeconds());
 }
 
 Status Daemon::StartAlerting(const std::string& journal_path) {
@@ -219,8 +221,24 @@ void Daemon::TickLoop() {
     if (stopping_) break;
     lock.unlock();
     registry_->Tick();
-    if (++ticks % kTicksPerAlertTimer == 0) alerting_->Tick(*registry_, clock_->UnixSeconds());
+    if (++ticks % kTicksPerAlertTimer == 0) {
+      alerting_->Tick(*registry_, clock_->UnixSeconds());
+      PruneOld();
+    }
     lock.lock();
+  }
+}
+
+void Daemon::PruneOld() {
+  constexpr double kDay = 86400;
+  constexpr size_t kOutboxBatch = 1000;
+  const double now = clock_->UnixSeconds();
+  if (config_.journal_retention_days > 0) journal_->SetPruneCutoff(now - config_.journal_retention_days * kDay);
+  auto pruned = alert_store_->PruneDone(now - config_.outbox_retention_days * kDay, kOutboxBatch);
+  if (pruned.ok()) {
+    stats_->outbox_pruned_rows.fetch_add(pruned.value(), std::memory_order_relaxed);
+  } else {
+    spdlog::error("alerts: pruning the outbox: {}", pruned.status().message());
   }
 }
 

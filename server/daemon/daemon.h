@@ -58,6 +58,9 @@ class Daemon {
 
  private:
   void TickLoop();
+  // Moves the journal's pruning cutoff (retention.journal_days) and prunes one batch of delivered
+  // or given-up notifications (retention.outbox_days). On the ticker, never on the ingest path.
+  void PruneOld();
   // Takes an exclusive lock on data_dir/LOCK for the daemon's life.
   Status LockDataDir();
   // Opens the alert store, builds the dispatcher when receivers are configured, starts alerting.

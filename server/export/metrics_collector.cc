@@ -79,13 +79,13 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
                        "Norm growth over the long window of a parameter with weight decay 0 whose norm rises.",
                        MetricType::Gauge);
 
-  uint64_t active = 0, ended = 0;
+  uint64_t active = 0, ended = 0, finished = 0;
   size_t memory = 0;
   for (const auto& run : registry_->All()) {
     memory += run->MemoryBytes();
     runs::RunMetricsSnapshot s = run->MetricsSnapshot();
     if (s.info.ended) {
-      ++ended;
+      ++(s.info.end.clean() ? finished : ended);
       continue;  // ended runs leave /metrics but stay queryable
     }
     ++active;
@@ -143,9 +143,20 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     }
   }
 
-  auto runs_family = Family("gradwatch_runs", "Runs the daemon holds, by state.", MetricType::Gauge);
+  auto runs_family = Family("gradwatch_runs",
+                            "Runs the daemon holds in memory, by state (ended: without a Goodbye).",
+                            MetricType::Gauge);
   Add(runs_family, {{"state", "active"}}, static_cast<double>(active));
   Add(runs_family, {{"state", "ended"}}, static_cast<double>(ended));
+  Add(runs_family, {{"state", "finished"}}, static_cast<double>(finished));
+  auto evicted = Family("gradwatch_runs_evicted_total",
+                        "Ended runs dropped from memory (retention over, or room needed); the journal keeps them.",
+                        MetricType::Counter);
+  Add(evicted, {}, static_cast<double>(stats_->runs_evicted.load()));
+  auto outbox_pruned = Family("gradwatch_outbox_pruned_rows_total",
+                              "Delivered or given-up notifications deleted from the outbox (retention.outbox_days).",
+                              MetricType::Counter);
+  Add(outbox_pruned, {}, static_cast<double>(stats_->outbox_pruned_rows.load()));
   auto open_streams = Family("gradwatch_open_streams", "Trainer streams open.", MetricType::Gauge);
   Add(open_streams, {}, static_cast<double>(stats_->open_streams.load()));
   auto messages = Family("gradwatch_messages_received_total", "Trainer messages received.", MetricType::Counter);
@@ -184,7 +195,7 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   for (auto* f : {&grad_total, &grad, &param, &update, &loss, &z_loss, &lr, &last_step, &speed, &partial,
                   &nonfinite, &dropped, &run_streams, &slope, &slope_ratio, &slope_at_event, &change_point,
                   &change_point_ratio, &to_threshold, &share, &group_share, &amplification, &growth, &runs_family, &open_streams, &messages, &samples,
-                  &errors, &journal_dropped, &store_memory, &commit}) {
+                  &errors, &journal_dropped, &store_memory, &commit, &evicted, &outbox_pruned}) {
     out.push_back(std::move(*f));
   }
   if (journal_ != nullptr) {
@@ -194,8 +205,22 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     auto failed = Family("gradwatch_journal_failed_commits_total", "Journal transactions that failed.",
                          MetricType::Counter);
     Add(failed, {}, static_cast<double>(journal_->failed_commit_count()));
+    auto disk = Family("gradwatch_journal_disk_bytes",
+                       "Size of the journal database with its WAL and shared-memory files (outbox included).",
+                       MetricType::Gauge);
+    Add(disk, {}, static_cast<double>(journal_->DiskBytes()));
+    auto pruned_runs = Family("gradwatch_journal_pruned_runs_total",
+                              "Ended runs deleted from the journal (retention.journal_days).", MetricType::Counter);
+    Add(pruned_runs, {}, static_cast<double>(journal_->pruned_runs()));
+    auto pruned_rows = Family("gradwatch_journal_pruned_rows_total",
+                              "Rows (steps, events, series, catalog, progress, runs) deleted from the journal.",
+                              MetricType::Counter);
+    Add(pruned_rows, {}, static_cast<double>(journal_->pruned_rows()));
     out.push_back(std::move(depth));
     out.push_back(std::move(failed));
+    out.push_back(std::move(disk));
+    out.push_back(std::move(pruned_runs));
+    out.push_back(std::move(pruned_rows));
   }
   return out;
 }

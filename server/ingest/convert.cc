@@ -183,6 +183,23 @@ std::optional<IngestError> EventFromProto(const v1::Event& in, EventRecord* out)
   return std::nullopt;
 }
 
+std::optional<IngestError> GoodbyeFromProto(const v1::Goodbye& in, EndReason* reason, std::string* message) {
+  if (in.message().size() > kMaxEventText) {
+    return IngestError{IngestErrorReason::kInvalidMessage,
+                       "goodbye message must be at most 1024 bytes (got " + std::to_string(in.message().size()) + ")"};
+  }
+  switch (in.reason()) {
+    case v1::GOODBYE_REASON_UNSPECIFIED:
+    case v1::GOODBYE_REASON_FINISHED: *reason = EndReason::kFinished; break;
+    case v1::GOODBYE_REASON_STOPPED: *reason = EndReason::kStopped; break;
+    default:
+      return IngestError{IngestErrorReason::kInvalidMessage,
+                         "unknown goodbye reason " + std::to_string(static_cast<int>(in.reason()))};
+  }
+  *message = in.message();
+  return std::nullopt;
+}
+
 v1::ErrorReason ReasonToProto(runs::IngestErrorReason reason) {
   const int r = static_cast<int>(reason);
   return v1::ErrorReason_IsValid(r) ? static_cast<v1::ErrorReason>(r) : v1::ERROR_REASON_UNSPECIFIED;
@@ -208,7 +225,9 @@ void ParamToProto(const ParamInfo& in, v1::ParamInfo* out) {
 
 void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out) {
   out->set_run_id(in.run_id);
-  out->set_state(in.ended ? v1::RUN_STATE_ENDED : v1::RUN_STATE_ACTIVE);
+  out->set_state(!in.ended         ? v1::RUN_STATE_ACTIVE
+                 : in.end.clean() ? v1::RUN_STATE_FINISHED
+                                  : v1::RUN_STATE_ENDED);
   out->set_world_size(in.world_size);
   out->mutable_labels()->insert(in.labels.begin(), in.labels.end());
   out->set_step_count(in.step_count);
@@ -218,6 +237,29 @@ void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out) {
   out->set_open_streams(in.open_streams);
   out->set_steps_per_second(in.steps_per_second);
   out->set_partial_steps(in.partial_steps);
+  out->set_ended_at(in.end.ended_at);
+  if (in.end.clean()) {
+    out->set_end_reason(in.end.reason == EndReason::kStopped ? v1::GOODBYE_REASON_STOPPED
+                                                             : v1::GOODBYE_REASON_FINISHED);
+    out->set_end_message(in.end.message);
+  }
+}
+
+void StoredRunToProto(const store::StoredRun& in, v1::RunInfo* out) {
+  out->set_run_id(in.meta.run_id);
+  out->set_state(v1::RUN_STATE_ARCHIVED);
+  out->set_world_size(in.meta.world_size);
+  out->mutable_labels()->insert(in.meta.labels.begin(), in.meta.labels.end());
+  out->set_step_count(in.step_count);
+  out->set_first_step(in.first_step);
+  out->set_last_step(in.last_step);
+  out->set_last_wall_time(in.last_wall_time);
+  out->set_ended_at(in.end.ended_at);
+  if (in.end.clean()) {
+    out->set_end_reason(in.end.reason == EndReason::kStopped ? v1::GOODBYE_REASON_STOPPED
+                                                             : v1::GOODBYE_REASON_FINISHED);
+    out->set_end_message(in.end.message);
+  }
 }
 
 void AlertToProto(const alerts::Alert& in, v1::Alert* out) {

@@ -9,6 +9,7 @@
 #include "server/core/types.h"
 #include "server/runs/errors.h"
 #include "server/runs/run.h"
+#include "server/store/journal.h"
 
 namespace gradwatch::ingest {
 
@@ -28,11 +29,17 @@ std::optional<runs::IngestError> StepFromProto(const v1::StepStats& in, uint64_t
 // Validates an event's text (1..1024 bytes) and converts it.
 std::optional<runs::IngestError> EventFromProto(const v1::Event& in, EventRecord* out);
 
+// Validates a Goodbye (message of at most 1024 bytes, a known reason; UNSPECIFIED reads as
+// FINISHED) and converts it.
+std::optional<runs::IngestError> GoodbyeFromProto(const v1::Goodbye& in, EndReason* reason, std::string* message);
+
 // A run id is 1..128 bytes of [A-Za-z0-9._:/-].
 bool ValidRunId(const std::string& id);
 
 v1::ErrorReason ReasonToProto(runs::IngestErrorReason reason);
 void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out);
+// A run only the journal holds: state ARCHIVED.
+void StoredRunToProto(const store::StoredRun& in, v1::RunInfo* out);
 void AlertToProto(const alerts::Alert& in, v1::Alert* out);
 void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out);
 void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out);

@@ -97,6 +97,13 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     Queue(std::move(msg));
   }
 
+  void SendFinished(const std::string& run_id, uint64_t seq) override {
+    v1::DaemonMessage msg;
+    msg.mutable_finished()->set_seq(seq);
+    msg.mutable_finished()->set_run_id(run_id);
+    Queue(std::move(msg));
+  }
+
   void Supersede() override {
     SendError({IngestErrorReason::kSuperseded,
                "another stream opened for run " + run_id_ + " rank " + std::to_string(rank_) +
@@ -128,8 +135,9 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       case v1::TrainerMessage::kHello: return HandleHello(seq);
       case v1::TrainerMessage::kStep: return HandleStep(seq);
       case v1::TrainerMessage::kEvent: return HandleEvent(seq);
+      case v1::TrainerMessage::kGoodbye: return HandleGoodbye(seq);
       case v1::TrainerMessage::BODY_NOT_SET:
-        Reject({IngestErrorReason::kInvalidMessage, "message has no body (hello, step or event)"}, seq);
+        Reject({IngestErrorReason::kInvalidMessage, "message has no body (hello, step, event or goodbye)"}, seq);
         return;
     }
   }
@@ -204,6 +212,21 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     event.source = "trainer";
     event.recorded_at = service_->clock()->UnixSeconds();
     if (auto err = run->AddEvent(std::move(event))) Reject(*err, seq);
+  }
+
+  void HandleGoodbye(uint64_t seq) {
+    std::shared_ptr<runs::Run> run = CurrentRun();
+    if (!run) {
+      Reject({IngestErrorReason::kNoHello, "goodbye before hello: send a Hello first"}, seq);
+      return;
+    }
+    EndReason reason = EndReason::kFinished;
+    std::string message;
+    if (auto err = GoodbyeFromProto(in_.goodbye(), &reason, &message)) {
+      Reject(*err, seq);
+      return;
+    }
+    run->Finish(rank_, reason, std::move(message), seq, this);
   }
 
   std::shared_ptr<runs::Run> CurrentRun() {

@@ -1,5 +1,7 @@
 #include "server/ingest/query_service.h"
 
+#include <algorithm>
+
 #include <spdlog/spdlog.h>
 
 #include "server/ingest/convert.h"
@@ -124,9 +126,18 @@ grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* 
 }
 
 grpc::ServerUnaryReactor* QueryService::ListRuns(grpc::CallbackServerContext* context,
-                                                 const v1::ListRunsRequest*,
+                                                 const v1::ListRunsRequest* request,
                                                  v1::ListRunsResponse* response) {
   for (const auto& run : registry_->All()) RunInfoToProto(run->Info(), response->add_runs());
+  if (request->include_archived()) {
+    auto archived = registry_->Archived();
+    if (!archived.ok()) {
+      return Done(context, {grpc::StatusCode::INTERNAL, "reading archived runs: " + archived.status().message()});
+    }
+    for (const store::StoredRun& r : archived.value()) StoredRunToProto(r, response->add_runs());
+    std::sort(response->mutable_runs()->begin(), response->mutable_runs()->end(),
+              [](const v1::RunInfo& a, const v1::RunInfo& b) { return a.run_id() < b.run_id(); });
+  }
   return Done(context, grpc::Status::OK);
 }
 

@@ -36,6 +36,8 @@ struct DaemonStats {
   std::atomic<uint64_t> messages_received{0};
   std::atomic<uint64_t> samples_received{0};
   std::atomic<uint64_t> journal_dropped_records{0};
+  std::atomic<uint64_t> runs_evicted{0};         // ended runs dropped from memory
+  std::atomic<uint64_t> outbox_pruned_rows{0};   // delivered or given-up notifications deleted
   std::array<std::atomic<uint64_t>, kIngestErrorReasonCount> errors{};
   LatencyHistogram journal_commit_seconds{
       {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5}};

@@ -1,8 +1,10 @@
-// All runs the daemon knows, by id. Creates runs on their first Hello, restores them from the
-// journal at start-up, routes journal progress to the runs, and drives timeouts.
+// All runs the daemon holds in memory, by id. Creates runs on their first Hello, restores them
+// from the journal at start-up (and a run that left memory when it comes back), routes journal
+// progress to the runs, drives timeouts, and drops ended runs from memory after their retention.
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <shared_mutex>
 #include <string>
@@ -18,26 +20,39 @@
 namespace gradwatch::runs {
 
 // Thread-safe. Runs are shared_ptrs so a stream keeps its run alive while it works on it.
-class RunRegistry : private store::JournalVisitor {
+//
+// Memory: at most `max_runs` runs are held, active or ended. An ended run with no open stream
+// stays held (queryable, on /metrics' run counts) for options.retention after it ended, then is
+// dropped from memory: the journal keeps it (an "archived" run) until pruned. When a Hello needs
+// room and every slot is taken, the run that ended first (and has no open stream) is dropped early;
+// only when every held run is active is the Hello refused with LIMIT_EXCEEDED.
+//
+// A run id that comes back after it left memory is restored from the journal (its catalog,
+// history, events and durable progress, as at start-up) and goes on; if the journal no longer has
+// it (pruned), it starts afresh as a new run.
+class RunRegistry {
  public:
   RunRegistry(const RunOptions& options, size_t max_runs, DaemonStats* stats, const Clock* clock);
 
   // The journal to write to; set once, before Load and before any stream.
   void set_journal(store::Journal* journal) { journal_ = journal; }
 
-  // Rebuilds every run from the journal.
+  // Rebuilds the runs from the journal: the active ones and those that ended less than
+  // options.retention ago; older ones stay archived in the journal.
   Status Load();
 
-  // Handles a Hello: finds or creates the run, validates, attaches the sink. On error returns
-  // nullptr and fills *error.
+  // Handles a Hello: finds, restores or creates the run, validates, attaches the sink. On error
+  // returns nullptr and fills *error. Restoring a run reads the journal (once, on this thread).
   std::shared_ptr<Run> Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink, AttachInfo* info,
                               IngestError* error);
 
   std::shared_ptr<Run> Find(const std::string& run_id) const;
-  // Every run, ordered by id.
+  // Every run held, ordered by id.
   std::vector<std::shared_ptr<Run>> All() const;
+  // The runs the journal holds that are not in memory (empty without a journal).
+  StatusOr<std::vector<store::StoredRun>> Archived() const;
 
-  // Assembly timeouts and run ending; call periodically.
+  // Assembly timeouts, run ending, and dropping runs past their retention; call periodically.
   void Tick();
   // Journal commit callback: routes durable progress to the runs (and so to their streams).
   void OnCommit(const store::CommitReport& report);
@@ -45,12 +60,17 @@ class RunRegistry : private store::JournalVisitor {
   size_t run_count() const;
 
  private:
-  void OnRun(const RunMeta& meta, double ended_at) override;
-  void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) override;
-  void OnRankProgress(const store::RankProgress& progress) override;
-  void OnStep(const std::string& run_id, const CompletedStep& step) override;
-  void OnEvent(const std::string& run_id, const EventRecord& event) override;
-  void OnRewind(const std::string& run_id, uint64_t from_step) override;
+  class Loader;
+
+  std::shared_ptr<Run> AttachOnce(const RunMeta& hello, uint32_t rank, StreamSink* sink, AttachInfo* info,
+                                  IngestError* error);
+
+  // Makes room for one more run, dropping the held run that ended first if every slot is taken.
+  // False when every held run is active. Caller holds admit_mu_.
+  bool MakeRoom();
+  // Drops these runs from memory (already removed from runs_): the journal may prune them, their
+  // alerts are told.
+  void Forget(const std::vector<std::string>& run_ids);
 
   const RunOptions options_;
   const size_t max_runs_;
@@ -58,6 +78,8 @@ class RunRegistry : private store::JournalVisitor {
   const Clock* const clock_;
   store::Journal* journal_ = nullptr;
 
+  std::mutex admit_mu_;  // serialises restoring and creating runs (not the ingest of held ones)
+  // Lock order: admit_mu_, then mu_, then a run's mutex.
   mutable std::shared_mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<Run>> runs_;  // guarded by mu_
 };

@@ -178,10 +178,13 @@ void Run::AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info) {
       ++open_streams_;
     }
     rs.sink = sink;
+    rs.goodbye_waiting = false;
   }
-  if (ended_) {
-    ended_ = false;
-    JournalLocked(store::RunEndedRecord{id_, 0});
+  if (end_.ended()) {
+    spdlog::info("run {}: active again ({} before)", id_, EndReasonName(end_.reason));
+    end_ = {};
+    end_durable_ = false;
+    JournalLocked(store::RunEndedRecord{id_, 0, EndReason::kNone, {}});
   }
   last_activity_ = clock_->Now();
   info->has_durable_step = rs.has_durable;
@@ -335,6 +338,7 @@ void Run::Detach(uint32_t rank, StreamSink* sink) {
   std::lock_guard lock(mu_);
   if (rank >= ranks_.size() || ranks_[rank].sink != sink) return;
   ranks_[rank].sink = nullptr;
+  ranks_[rank].goodbye_waiting = false;
   --open_streams_;
   last_activity_ = clock_->Now();
 }
@@ -532,13 +536,46 @@ void Run::Tick() {
   std::lock_guard lock(mu_);
   const SteadyTime now = clock_->Now();
   assembler_.Expire(now, [this](const PendingStep& p) { CompleteLocked(p); });
-  if (!ended_ && open_streams_ == 0 && assembler_.pending() == 0 &&
+  if (!end_.ended() && open_streams_ == 0 && assembler_.pending() == 0 &&
       now - last_activity_ >= options_.end_after) {
-    ended_ = true;
-    spdlog::info("run {}: ended (no stream and no step for {:.0f} s)", id_,
+    end_ = {clock_->UnixSeconds(), EndReason::kInactive, {}};
+    spdlog::info("run {}: ended without a Goodbye (no stream and no step for {:.0f} s)", id_,
                  std::chrono::duration<double>(options_.end_after).count());
-    JournalLocked(store::RunEndedRecord{id_, clock_->UnixSeconds()});
-    if (options_.alert_hook != nullptr) options_.alert_hook->OnRunEnded(id_, clock_->UnixSeconds());
+    JournalLocked(store::RunEndedRecord{id_, end_.ended_at, end_.reason, {}});
+    if (options_.alert_hook != nullptr) options_.alert_hook->OnRunEnded(id_, false, end_.ended_at);
+  }
+}
+
+void Run::Finish(uint32_t rank, EndReason reason, std::string message, uint64_t seq, StreamSink* sink) {
+  std::lock_guard lock(mu_);
+  last_activity_ = clock_->Now();
+  if (rank < ranks_.size() && ranks_[rank].sink == sink) {
+    ranks_[rank].goodbye_waiting = true;
+    ranks_[rank].goodbye_seq = seq;
+  }
+  if (!end_.clean()) {
+    end_ = {clock_->UnixSeconds(), reason, std::move(message)};
+    end_durable_ = journal_ == nullptr;
+    spdlog::info("run {}: {} (Goodbye from rank {}){}{}", id_, EndReasonName(reason), rank,
+                 end_.message.empty() ? "" : ": ", end_.message);
+    JournalLocked(store::RunEndedRecord{id_, end_.ended_at, end_.reason, end_.message});
+    if (options_.alert_hook != nullptr) options_.alert_hook->OnRunEnded(id_, true, end_.ended_at);
+  }
+  if (end_durable_) AnswerGoodbyesLocked();
+}
+
+void Run::OnCleanEndDurable() {
+  std::lock_guard lock(mu_);
+  if (!end_.clean()) return;  // a Hello reopened the run since
+  end_durable_ = true;
+  AnswerGoodbyesLocked();
+}
+
+void Run::AnswerGoodbyesLocked() {
+  for (RankState& rs : ranks_) {
+    if (!rs.goodbye_waiting) continue;
+    rs.goodbye_waiting = false;
+    if (rs.sink != nullptr) rs.sink->SendFinished(id_, rs.goodbye_seq);
   }
 }
 
@@ -567,7 +604,9 @@ alerts::RunFacts Run::FactsLocked(const CompletedStep* step) const {
   f.now = clock_->UnixSeconds();
   f.open_streams = open_streams_;
   f.seconds_since_last_step = std::chrono::duration<double>(clock_->Now() - last_step_seen_).count();
-  if (ended_) f.open_streams = 0;
+  f.seconds_since_activity = std::chrono::duration<double>(clock_->Now() - last_activity_).count();
+  f.ended_cleanly = end_.clean();
+  if (end_.ended()) f.open_streams = 0;
   // Values of this step (or the latest of every series for timer evaluations).
   if (step != nullptr) {
     for (const SeriesValue& sv : step->values) {
@@ -643,7 +682,8 @@ void Run::OnDurable(const store::RankProgress& progress) {
 RunInfo Run::InfoLocked() const {
   RunInfo info;
   info.run_id = id_;
-  info.ended = ended_;
+  info.ended = end_.ended();
+  info.end = end_;
   info.world_size = meta_.world_size;
   info.labels = meta_.labels;
   info.step_count = step_count_;
@@ -663,6 +703,11 @@ RunInfo Run::InfoLocked() const {
     if (dt > 0) info.steps_per_second = static_cast<double>(newest.second - oldest.second) / dt;
   }
   return info;
+}
+
+double Run::IdleEndedAt() const {
+  std::lock_guard lock(mu_);
+  return end_.ended() && open_streams_ == 0 ? end_.ended_at : 0;
 }
 
 RunInfo Run::Info() const {
@@ -759,9 +804,25 @@ void Run::RestoreEvent(const EventRecord& event) {
   analytics_->OnEvent(event);
 }
 
-void Run::RestoreEnded(bool ended) {
+void Run::RestoreSilentSince(double unix_seconds) {
   std::lock_guard lock(mu_);
-  ended_ = ended;
+  if (open_streams_ > 0 || end_.ended()) return;
+  const double ago = std::max(0.0, clock_->UnixSeconds() - unix_seconds);
+  last_activity_ = std::min(
+      last_activity_,
+      clock_->Now() - std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(ago)));
+}
+
+void Run::RestoreEnded(const RunEnd& end) {
+  std::lock_guard lock(mu_);
+  end_ = end;
+  end_durable_ = end.clean();
+  if (!end.ended()) return;  // an active run gets a fresh grace period to reconnect
+  // Its last sign of life: an inactive run ended end_after after it; a Goodbye was it.
+  const double ago = std::max(0.0, clock_->UnixSeconds() - end.ended_at);
+  last_activity_ =
+      clock_->Now() - std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(ago));
+  if (!end.clean()) last_activity_ -= options_.end_after;
 }
 
 void Run::RestoreRewind(uint64_t from_step) {

@@ -36,13 +36,17 @@ class AlertHook {
   virtual ~AlertHook() = default;
   // Returns the transitions the engine made, to be sent to the run's streams.
   virtual std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) = 0;
-  // The run ended (no stream, no step for end_after): its alerts resolve, as a Prometheus alert
-  // does when its series vanish, so no page stays open for a job that is gone.
-  virtual void OnRunEnded(const std::string& run_id, double now) = 0;
   // The run rewound to a checkpoint at from_step: alert states are judged again from there
   // (alerts::AlertEngine::RewindRun). Returns the transitions, to be sent to the run's streams.
   virtual std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step,
                                                    double now) = 0;
+  // The run ended: said Goodbye (`clean`), or had no stream and no step for end_after. Its alerts
+  // resolve, as a Prometheus alert does when its series vanish, except that a run that ended
+  // without a Goodbye keeps its RunDied page: a job that is gone is what that rule is about.
+  virtual void OnRunEnded(const std::string& run_id, bool clean, double now) = 0;
+  // The daemon dropped the ended run from memory (its retention is over, or room was needed):
+  // alerts it still has end, but for an unacknowledged RunDied page. Called without any lock held.
+  virtual void OnRunLeftMemory(const std::string& run_id, double now) = 0;
 };
 
 struct RunOptions {
@@ -53,6 +57,8 @@ struct RunOptions {
   size_t max_series = 262144;
   // A run with no open stream and no step for this long is ended (dropped from /metrics).
   std::chrono::nanoseconds end_after = std::chrono::minutes(10);
+  // An ended run with no open stream stays in memory this long, then the registry drops it.
+  std::chrono::nanoseconds retention = std::chrono::hours(24);
   AnalyticsOptions analytics;
   AlertHook* alert_hook = nullptr;  // not owned; may be null
 };
@@ -70,6 +76,8 @@ class StreamSink {
   virtual void Supersede() = 0;
   // An alert about this run changed state (firing or resolved), for the trainer.
   virtual void SendAlert(const alerts::Alert& alert) = 0;
+  // The Goodbye sent with `seq` on this stream is durable: run `run_id` is recorded as finished.
+  virtual void SendFinished(const std::string& run_id, uint64_t seq) = 0;
 };
 
 struct AttachInfo {
@@ -82,7 +90,8 @@ struct AttachInfo {
 
 struct RunInfo {
   std::string run_id;
-  bool ended = false;
+  bool ended = false;  // end.ended()
+  RunEnd end;
   uint32_t world_size = 1;
   std::map<std::string, std::string> labels;
   uint64_t step_count = 0;
@@ -173,6 +182,15 @@ class Run {
   // Adds an event (from a trainer or an annotation).
   std::optional<IngestError> AddEvent(EventRecord event);
 
+  // A Goodbye from `rank` on `sink`: the run ends at once, cleanly (`reason` is kFinished or
+  // kStopped), for every rank; its alerts resolve. `sink` gets SendFinished(seq) once the end is
+  // durable (at once without a journal). A Goodbye on a run that already ended cleanly is only
+  // answered. Streams still open stay attached and may still deliver steps; a later Hello makes
+  // the run active again.
+  void Finish(uint32_t rank, EndReason reason, std::string message, uint64_t seq, StreamSink* sink);
+  // The journal committed this run's clean end: answers the Goodbyes waiting for it.
+  void OnCleanEndDurable();
+
   // Completes steps whose assembly timed out; ends the run when idle long enough. Steps still
   // pending at shutdown are not completed: they were never acked, so their ranks resend them.
   void Tick();
@@ -187,6 +205,8 @@ class Run {
   void OnDurable(const store::RankProgress& progress);
 
   RunInfo Info() const;
+  // When the run ended (seconds since the Unix epoch) if it has and no stream is open; else 0.
+  double IdleEndedAt() const;
   RunMetricsSnapshot MetricsSnapshot() const;
   RunSummary Summary() const;
   // nullopt when the key is unknown.
@@ -199,9 +219,16 @@ class Run {
   void RestoreProgress(const store::RankProgress& progress);
   void RestoreStep(const CompletedStep& step);
   void RestoreEvent(const EventRecord& event);
-  void RestoreEnded(bool ended);
   // The run's latest rewind was to from_step (so a Hello resuming from it again is idempotent).
   void RestoreRewind(uint64_t from_step);
+  // How the run ended (not at all when !end.ended()). An ended run's last sign of life is dated
+  // from it, so a dead run keeps paging across a daemon restart; an active one starts a fresh
+  // grace period, as if its streams had just closed.
+  void RestoreEnded(const RunEnd& end);
+  // A RunDied page restored from before a restart says the run was last alive at `unix_seconds`:
+  // an active run with no stream yet is treated as silent since then (not given a fresh grace
+  // period), so the page neither resolves nor pages again. Ignored once a stream is open.
+  void RestoreSilentSince(double unix_seconds);
   // After the journal is loaded: maps the fixed and catalog series to their restored ids,
   // creating (and journaling) any that are missing.
   void FinishRestore();
@@ -220,6 +247,8 @@ class Run {
     bool has_durable = false;
     uint64_t durable_step = 0;
     uint64_t durable_seq = 0;
+    bool goodbye_waiting = false;  // a Goodbye from this rank awaits its durable end
+    uint64_t goodbye_seq = 0;
   };
 
   // What a rewind hands from the locked part to the rebuild of the analytics.
@@ -256,6 +285,7 @@ class Run {
   RunInfo InfoLocked() const;
   alerts::RunFacts FactsLocked(const CompletedStep* step) const;
   void BroadcastLocked(const alerts::Alert& alert);
+  void AnswerGoodbyesLocked();
   SeriesId SeriesForKeyLocked(const std::string& key, bool journal);
   void CompleteLocked(const PendingStep& p);
   // Analytics and alert evaluation of one completed step (deferred while rebuilding).
@@ -285,8 +315,9 @@ class Run {
   // Steps completed while rebuilding, for the rebuilt analytics; at most max_pending_steps.
   std::vector<CompletedStep> deferred_;
   uint32_t open_streams_ = 0;
-  bool ended_ = false;
-  SteadyTime last_activity_;
+  RunEnd end_;
+  bool end_durable_ = false;  // end_ is clean and committed
+  SteadyTime last_activity_;  // the last hello, detach, step or event
   SteadyTime last_step_seen_;  // when the last step completed (or the run was created/restored)
 
   uint64_t step_count_ = 0;

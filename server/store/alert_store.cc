@@ -2,6 +2,9 @@
 
 #include <sqlite3.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
@@ -290,6 +293,20 @@ notify::Status AlertStore::SetState(uint64_t id, int state, std::string_view err
   sqlite3_bind_int64(u.get(), 3, static_cast<sqlite3_int64>(id));
   if (sqlite3_step(u.get()) != SQLITE_DONE) return Error(db_, "updating entry " + std::to_string(id));
   return notify::Status::Ok();
+}
+
+notify::Result<uint64_t> AlertStore::PruneDone(double created_before, size_t max_rows) {
+  std::lock_guard lock(mu_);
+  Stmt d(db_,
+         "DELETE FROM outbox WHERE id IN (SELECT id FROM outbox WHERE delivery IN (?, ?) AND created_at < ? "
+         "ORDER BY id LIMIT ?)");
+  if (!d.ok()) return Error(db_, "preparing prune");
+  sqlite3_bind_int(d.get(), 1, kDelivered);
+  sqlite3_bind_int(d.get(), 2, kFailed);
+  sqlite3_bind_double(d.get(), 3, created_before);
+  sqlite3_bind_int64(d.get(), 4, static_cast<sqlite3_int64>(std::min<size_t>(max_rows, INT64_MAX)));
+  if (sqlite3_step(d.get()) != SQLITE_DONE) return Error(db_, "pruning delivered entries");
+  return static_cast<uint64_t>(sqlite3_changes(db_));
 }
 
 notify::Status AlertStore::MarkDelivered(uint64_t id) { return SetState(id, kDelivered, ""); }

@@ -32,6 +32,11 @@ class AlertStore final : public notify::Outbox {
   notify::Status MarkFailed(uint64_t id, std::string_view error) override;
   notify::Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts, std::string_view error) override;
 
+  // Deletes at most `max_rows` delivered or given-up notifications queued before `created_before`
+  // (seconds since the Unix epoch), oldest first, in one short transaction; returns how many. Pending
+  // ones are never deleted. Call periodically (the daemon's ticker does, off the ingest path).
+  notify::Result<uint64_t> PruneDone(double created_before, size_t max_rows);
+
  private:
   explicit AlertStore(sqlite3* db) : db_(db) {}
   notify::Status Exec(const char* sql);

@@ -6,6 +6,7 @@
 #include <bit>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -21,7 +22,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-// Version 2 adds the rewind tables; a version-1 journal gets them (CREATE ... IF NOT EXISTS) at open.
+// Version 2 adds how a run ended, events found by run, and the rewind tables (kRewindTables); a
+// version-1 journal is migrated at open.
 constexpr int kSchemaVersion = 2;
 constexpr int kBusyTimeoutMs = 5000;
 // One (uint32 series id, float64 value) pair in a step's value blob.
@@ -36,7 +38,9 @@ CREATE TABLE IF NOT EXISTS runs(
   labels_json TEXT NOT NULL,
   config_json TEXT NOT NULL,
   created_at REAL NOT NULL,
-  ended_at REAL);
+  ended_at REAL,
+  end_reason INTEGER NOT NULL DEFAULT 0,
+  end_message TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS params(
   run_id TEXT NOT NULL,
   idx INTEGER NOT NULL,
@@ -75,6 +79,22 @@ CREATE TABLE IF NOT EXISTS events(
   text TEXT NOT NULL,
   source TEXT NOT NULL,
   recorded_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, step);
+PRAGMA user_version = 2;
+)sql";
+
+// Version 1 → 2: how a run ended (a Goodbye or inactivity), and events found by run.
+constexpr const char* kMigrateFrom1 = R"sql(
+ALTER TABLE runs ADD COLUMN end_reason INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE runs ADD COLUMN end_message TEXT NOT NULL DEFAULT '';
+UPDATE runs SET end_reason = 1 WHERE ended_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, step);
+PRAGMA user_version = 2;
+)sql";
+
+// The rewind tables: the abandoned branches of runs resumed from a checkpoint. Part of version 2,
+// created after kSchema or kMigrateFrom1.
+constexpr const char* kRewindTables = R"sql(
 CREATE TABLE IF NOT EXISTS rewinds(
   run_id TEXT NOT NULL,
   branch INTEGER NOT NULL,
@@ -100,7 +120,6 @@ CREATE TABLE IF NOT EXISTS abandoned_events(
   text TEXT NOT NULL,
   source TEXT NOT NULL,
   recorded_at REAL NOT NULL);
-PRAGMA user_version = 2;
 )sql";
 
 Status SqliteError(sqlite3* db, std::string_view what) {
@@ -393,9 +412,11 @@ Status SetUpSchema(sqlite3* db, const std::string& path) {
   }
   if (found == kSchemaVersion) return Status::Ok();
   if (Status s = Exec(db, "BEGIN IMMEDIATE"); !s.ok()) return s;
-  if (Status s = Exec(db, kSchema); !s.ok()) {
-    Exec(db, "ROLLBACK");
-    return s;
+  for (const char* sql : {found == 1 ? kMigrateFrom1 : kSchema, kRewindTables}) {
+    if (Status s = Exec(db, sql); !s.ok()) {
+      Exec(db, "ROLLBACK");
+      return s;
+    }
   }
   return Exec(db, "COMMIT");
 }
@@ -408,6 +429,8 @@ struct Journal::Statements {
       end_run;
   Stmt count_rewinds, insert_rewind, abandon_steps, delete_steps, abandon_events, delete_events,
       rewind_progress, drop_progress, set_world_size;
+  Stmt prune_candidates, prune_steps, prune_events, prune_series, prune_params, prune_progress, prune_run,
+      prune_rewinds, prune_abandoned_steps, prune_abandoned_events;
   std::string scratch;  // the value blob being written; reused to spare allocations
 
   Status PrepareAll(sqlite3* db) {
@@ -432,7 +455,29 @@ struct Journal::Statements {
          "seq = max(seq, excluded.seq)"},
         {&insert_event,
          "INSERT INTO events(run_id, step, text, source, recorded_at) VALUES(?1, ?2, ?3, ?4, ?5)"},
-        {&end_run, "UPDATE runs SET ended_at = ?2 WHERE run_id = ?1"},
+        {&end_run,
+         "UPDATE runs SET ended_at = ?2, end_reason = ?3, end_message = ?4 WHERE run_id = ?1"},
+        {&prune_candidates,
+         "SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?1 ORDER BY ended_at LIMIT 64"},
+        {&prune_steps,
+         "DELETE FROM steps WHERE run_id = ?1 AND step IN "
+         "(SELECT step FROM steps WHERE run_id = ?1 ORDER BY step LIMIT ?2)"},
+        {&prune_events,
+         "DELETE FROM events WHERE id IN (SELECT id FROM events WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_series,
+         "DELETE FROM series WHERE rowid IN (SELECT rowid FROM series WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_params,
+         "DELETE FROM params WHERE rowid IN (SELECT rowid FROM params WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_progress,
+         "DELETE FROM rank_progress WHERE rowid IN (SELECT rowid FROM rank_progress WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_rewinds,
+         "DELETE FROM rewinds WHERE rowid IN (SELECT rowid FROM rewinds WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_abandoned_steps,
+         "DELETE FROM abandoned_steps WHERE run_id = ?1 AND (branch, step) IN "
+         "(SELECT branch, step FROM abandoned_steps WHERE run_id = ?1 ORDER BY branch, step LIMIT ?2)"},
+        {&prune_abandoned_events,
+         "DELETE FROM abandoned_events WHERE id IN (SELECT id FROM abandoned_events WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_run, "DELETE FROM runs WHERE run_id = ?1"},
         {&count_rewinds, "SELECT count(*) FROM rewinds WHERE run_id = ?1"},
         {&insert_rewind,
          "INSERT INTO rewinds(run_id, branch, from_step, world_size, rewound_at) "
@@ -493,6 +538,8 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
   }
   // WAL with FULL fsyncs the log at every commit: an acked step survives a power cut.
   if (Status s = Exec(db, "PRAGMA synchronous=FULL"); !s.ok()) return s;
+  // Pruning frees pages that later writes reuse; the WAL shrinks back to this after checkpoints.
+  if (Status s = Exec(db, "PRAGMA journal_size_limit=67108864"); !s.ok()) return s;
   if (Status s = SetUpSchema(db, options.path); !s.ok()) return s;
 
   auto statements = std::make_unique<Statements>();
@@ -587,8 +634,12 @@ void Journal::Run() {
   std::vector<JournalRecord> batch;
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-    if (queue_.empty()) break;  // stopping and drained
+    cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || prune_due_; });
+    if (queue_.empty()) {
+      if (stopping_) break;  // stopping and drained
+      PruneOnce(lock);
+      continue;
+    }
     // Group commit: give companions a moment to arrive so one fsync covers many records.
     const auto deadline = Clock::now() + options_.max_delay;
     cv_.wait_until(lock, deadline, [&] {
@@ -637,6 +688,25 @@ void Journal::Run() {
       }
     }
     flushed_cv_.notify_all();
+    // Pruning takes turns with commits, so a busy ingest neither starves it nor waits for more
+    // than one batch.
+    if (prune_due_ && !stopping_) PruneOnce(lock);
+  }
+}
+
+void Journal::PruneOnce(std::unique_lock<std::mutex>& lock) {
+  lock.unlock();
+  Status pruned;
+  {
+    std::lock_guard<std::mutex> db_lock(db_mu_);
+    pruned = db_ == nullptr ? Status::FailedPrecondition("journal is closed")
+                            : PruneBatchLocked(options_.prune_batch_rows);
+  }
+  lock.lock();
+  if (!pruned.ok()) {
+    spdlog::error("journal '{}': pruning failed, retried at the next cutoff: {}", options_.path,
+                  pruned.ToString());
+    prune_due_ = false;
   }
 }
 
@@ -651,6 +721,10 @@ Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) 
     if (Status s = Apply(record); !s.ok()) return s;
     if (const auto* step = std::get_if<StepJournalRecord>(&record)) {
       MergeProgress(step->progress, progress);
+    } else if (const auto* end = std::get_if<RunEndedRecord>(&record)) {
+      const bool clean = end->ended_at != 0 &&
+                         (end->reason == EndReason::kFinished || end->reason == EndReason::kStopped);
+      if (clean) report.clean_ends.push_back(end->run_id);
     }
   }
   if (Status s = txn.Commit(statements_->commit); !s.ok()) return s;
@@ -752,9 +826,12 @@ Status Journal::Apply(const JournalRecord& record) {
           use.Text(1, r.run_id);
           if (r.ended_at == 0) {
             use.Null(2);
+            use.Int(3, static_cast<int>(EndReason::kNone));
           } else {
             use.Real(2, r.ended_at);
+            use.Int(3, static_cast<int>(r.reason));
           }
+          use.Text(4, r.message);
           return use.Done("journal: ending run '" + r.run_id + "'");
         }
       },
@@ -847,50 +924,61 @@ Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
   return status;
 }
 
-Status Journal::Load(JournalVisitor& visitor) {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
-  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
+// Reads one run's rows for Load and LoadRun, inside their read transaction.
+struct Journal::Reader {
+  Stmt begin, runs, one_run, params, series, progress, rewind, steps, events;
 
-  Stmt begin, runs, params, series, progress, rewind, steps, events;
-  const std::pair<Stmt*, const char*> all[] = {
-      {&begin, "BEGIN"},
-      {&runs,
-       "SELECT run_id, world_size, labels_json, config_json, created_at, ended_at FROM runs "
-       "ORDER BY created_at, run_id"},
-      {&params,
-       "SELECT idx, name, numel, kind, weight_decay, init_norm, role, grp FROM params "
-       "WHERE run_id = ?1 ORDER BY idx"},
-      {&series, "SELECT id, key FROM series WHERE run_id = ?1 ORDER BY id"},
-      {&progress, "SELECT rank, step, seq FROM rank_progress WHERE run_id = ?1 ORDER BY rank"},
-      {&rewind, "SELECT from_step FROM rewinds WHERE run_id = ?1 ORDER BY branch DESC LIMIT 1"},
-      {&steps,
-       "SELECT run_id, step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
-       "ORDER BY run_id, step"},
-      {&events, "SELECT run_id, step, text, source, recorded_at FROM events ORDER BY id"},
-  };
-  for (const auto& [stmt, sql] : all) {
-    if (Status s = Prepare(db_, sql, false, *stmt); !s.ok()) return s;
+  Status Prepare(sqlite3* db) {
+    const std::pair<Stmt*, const char*> all[] = {
+        {&begin, "BEGIN"},
+        {&runs,
+         "SELECT run_id, world_size, labels_json, config_json, created_at, ended_at, end_reason, "
+         "end_message FROM runs ORDER BY created_at, run_id"},
+        {&one_run,
+         "SELECT run_id, world_size, labels_json, config_json, created_at, ended_at, end_reason, "
+         "end_message FROM runs WHERE run_id = ?1"},
+        {&params,
+         "SELECT idx, name, numel, kind, weight_decay, init_norm, role, grp FROM params "
+         "WHERE run_id = ?1 ORDER BY idx"},
+        {&series, "SELECT id, key FROM series WHERE run_id = ?1 ORDER BY id"},
+        {&progress, "SELECT rank, step, seq FROM rank_progress WHERE run_id = ?1 ORDER BY rank"},
+        {&rewind, "SELECT from_step FROM rewinds WHERE run_id = ?1 ORDER BY branch DESC LIMIT 1"},
+        {&steps,
+         "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
+         "WHERE run_id = ?1 ORDER BY step"},
+        {&events,
+         "SELECT step, text, source, recorded_at FROM events WHERE run_id = ?1 ORDER BY id"},
+    };
+    for (const auto& [stmt, sql] : all) {
+      if (Status s = gradwatch::store::Prepare(db, sql, false, *stmt); !s.ok()) return s;
+    }
+    return Status::Ok();
   }
-  // One read transaction, so every table is read from the same snapshot.
-  Transaction txn(db_, statements_->rollback);
-  if (Status s = txn.Begin(begin); !s.ok()) return s;
 
-  Status status;
-  StmtUse run_rows(runs);
-  while (run_rows.Row(&status, "journal: reading runs")) {
+  // Reads the run at the current row of `rows` and hands it, then (if the visitor keeps it) its
+  // series, progress, latest rewind, events and steps, to `visitor`.
+  Status Visit(StmtUse& rows, JournalVisitor& visitor, bool* kept) {
     RunMeta meta;
-    meta.run_id = run_rows.ColText(0);
-    meta.world_size = static_cast<uint32_t>(run_rows.ColInt(1));
-    if (Status s = ParseLabels(run_rows.ColText(2), meta.run_id, meta.labels); !s.ok()) return s;
-    if (Status s = ParseConfig(run_rows.ColText(3), meta.run_id, meta.config); !s.ok()) return s;
-    meta.created_at = run_rows.ColReal(4);
-    const double ended_at = run_rows.ColNull(5) ? 0 : run_rows.ColReal(5);
-
+    meta.run_id = rows.ColText(0);
+    meta.world_size = static_cast<uint32_t>(rows.ColInt(1));
+    if (Status s = ParseLabels(rows.ColText(2), meta.run_id, meta.labels); !s.ok()) return s;
+    if (Status s = ParseConfig(rows.ColText(3), meta.run_id, meta.config); !s.ok()) return s;
+    meta.created_at = rows.ColReal(4);
+    RunEnd end;
+    if (!rows.ColNull(5)) {
+      end.ended_at = rows.ColReal(5);
+      const int64_t reason = rows.ColInt(6);
+      end.reason = reason >= static_cast<int>(EndReason::kInactive) && reason <= static_cast<int>(EndReason::kStopped)
+                       ? static_cast<EndReason>(reason)
+                       : EndReason::kInactive;
+      end.message = rows.ColText(7);
+    }
+    Status status;
     {
-      StmtUse rows(params);
-      rows.Text(1, meta.run_id);
-      while (rows.Row(&status, "journal: reading parameters of run '" + meta.run_id + "'")) {
-        const int64_t idx = rows.ColInt(0);
+      StmtUse q(params);
+      q.Text(1, meta.run_id);
+      while (q.Row(&status, "journal: reading parameters of run '" + meta.run_id + "'")) {
+        const int64_t idx = q.ColInt(0);
         if (idx < 0 || idx >= kMaxParamIndex) {
           return Status::Internal("journal: run '" + meta.run_id + "': parameter index " +
                                   std::to_string(idx) + " is out of range");
@@ -901,80 +989,262 @@ Status Journal::Load(JournalVisitor& visitor) {
         }
         meta.params.resize(std::max(meta.params.size(), static_cast<size_t>(idx) + 1));
         ParamInfo& p = meta.params[static_cast<size_t>(idx)];
-        p.name = rows.ColText(1);
-        p.numel = rows.ColUnsigned(2);
-        p.kind = static_cast<ParamKind>(rows.ColInt(3));
-        p.weight_decay = rows.ColReal(4);
-        if (!rows.ColNull(5)) p.init_norm = rows.ColReal(5);
-        p.role = rows.ColText(6);
-        p.group = rows.ColText(7);
+        p.name = q.ColText(1);
+        p.numel = q.ColUnsigned(2);
+        p.kind = static_cast<ParamKind>(q.ColInt(3));
+        p.weight_decay = q.ColReal(4);
+        if (!q.ColNull(5)) p.init_norm = q.ColReal(5);
+        p.role = q.ColText(6);
+        p.group = q.ColText(7);
       }
       if (!status.ok()) return status;
     }
-    visitor.OnRun(meta, ended_at);
+    *kept = visitor.OnRun(meta, end);
+    if (!*kept) return Status::Ok();
+    {
+      StmtUse q(series);
+      q.Text(1, meta.run_id);
+      while (q.Row(&status, "journal: reading series of run '" + meta.run_id + "'")) {
+        visitor.OnSeries(meta.run_id, static_cast<SeriesId>(q.ColInt(0)), q.ColText(1));
+      }
+      if (!status.ok()) return status;
+    }
+    {
+      StmtUse q(progress);
+      q.Text(1, meta.run_id);
+      while (q.Row(&status, "journal: reading progress of run '" + meta.run_id + "'")) {
+        visitor.OnRankProgress(RankProgress{meta.run_id, static_cast<uint32_t>(q.ColInt(0)),
+                                            q.ColUnsigned(1), q.ColUnsigned(2)});
+      }
+      if (!status.ok()) return status;
+    }
+    {
+      StmtUse q(rewind);
+      q.Text(1, meta.run_id);
+      if (q.Row(&status, "journal: reading rewinds of run '" + meta.run_id + "'")) {
+        visitor.OnRewind(meta.run_id, q.ColUnsigned(0));
+      }
+      if (!status.ok()) return status;
+    }
+    {
+      StmtUse q(events);
+      q.Text(1, meta.run_id);
+      while (q.Row(&status, "journal: reading events of run '" + meta.run_id + "'")) {
+        EventRecord event;
+        event.step = q.ColUnsigned(0);
+        event.text = q.ColText(1);
+        event.source = q.ColText(2);
+        event.recorded_at = q.ColReal(3);
+        visitor.OnEvent(meta.run_id, event);
+      }
+      if (!status.ok()) return status;
+    }
+    {
+      StmtUse q(steps);
+      q.Text(1, meta.run_id);
+      CompletedStep step;
+      while (q.Row(&status, "journal: reading steps of run '" + meta.run_id + "'")) {
+        step.step = q.ColUnsigned(0);
+        step.wall_time = q.ColReal(1);
+        step.partial = q.ColInt(2) != 0;
+        step.ranks_reported = static_cast<uint32_t>(q.ColInt(3));
+        step.client_dropped_steps = q.ColUnsigned(4);
+        const std::string_view blob = q.ColBlob(5);
+        if (!DecodeValues(blob, step.values)) {
+          return Status::Internal("journal: run '" + meta.run_id + "' step " + std::to_string(step.step) +
+                                  ": value blob of " + std::to_string(blob.size()) +
+                                  " bytes is not a whole number of " + std::to_string(kValueEntryBytes) +
+                                  "-byte entries");
+        }
+        visitor.OnStep(meta.run_id, step);
+      }
+      if (!status.ok()) return status;
+    }
+    return Status::Ok();
+  }
+};
 
-    {
-      StmtUse rows(series);
-      rows.Text(1, meta.run_id);
-      while (rows.Row(&status, "journal: reading series of run '" + meta.run_id + "'")) {
-        visitor.OnSeries(meta.run_id, static_cast<SeriesId>(rows.ColInt(0)), rows.ColText(1));
-      }
-      if (!status.ok()) return status;
+Status Journal::Load(JournalVisitor& visitor) {
+  std::lock_guard<std::mutex> db_lock(db_mu_);
+  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
+  Reader reader;
+  if (Status s = reader.Prepare(db_); !s.ok()) return s;
+  // One read transaction, so every table is read from the same snapshot.
+  Transaction txn(db_, statements_->rollback);
+  if (Status s = txn.Begin(reader.begin); !s.ok()) return s;
+  Status status;
+  StmtUse rows(reader.runs);
+  while (rows.Row(&status, "journal: reading runs")) {
+    bool kept = false;
+    if (Status s = reader.Visit(rows, visitor, &kept); !s.ok()) return s;
+    if (kept) {
+      std::lock_guard<std::mutex> held_lock(held_mu_);
+      held_.insert(rows.ColText(0));
     }
-    {
-      StmtUse rows(progress);
-      rows.Text(1, meta.run_id);
-      while (rows.Row(&status, "journal: reading progress of run '" + meta.run_id + "'")) {
-        visitor.OnRankProgress(RankProgress{meta.run_id, static_cast<uint32_t>(rows.ColInt(0)),
-                                            rows.ColUnsigned(1), rows.ColUnsigned(2)});
-      }
-      if (!status.ok()) return status;
+  }
+  return status;
+}
+
+Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
+  std::lock_guard<std::mutex> db_lock(db_mu_);
+  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
+  {
+    std::lock_guard<std::mutex> held_lock(held_mu_);
+    held_.insert(run_id);
+  }
+  if (run_id == pruning_run_) {
+    // Half pruned: finish the job, and the caller starts the run afresh.
+    while (!pruning_run_.empty()) {
+      if (Status s = PruneBatchLocked(std::numeric_limits<size_t>::max()); !s.ok()) return s;
     }
-    {
-      StmtUse rows(rewind);
-      rows.Text(1, meta.run_id);
-      if (rows.Row(&status, "journal: reading rewinds of run '" + meta.run_id + "'")) {
-        visitor.OnRewind(meta.run_id, rows.ColUnsigned(0));
-      }
-      if (!status.ok()) return status;
+    return Status::NotFound("run '" + run_id + "' was pruned from the journal");
+  }
+  Reader reader;
+  if (Status s = reader.Prepare(db_); !s.ok()) return s;
+  Transaction txn(db_, statements_->rollback);
+  if (Status s = txn.Begin(reader.begin); !s.ok()) return s;
+  Status status;
+  StmtUse rows(reader.one_run);
+  rows.Text(1, run_id);
+  if (!rows.Row(&status, "journal: reading run '" + run_id + "'")) {
+    return status.ok() ? Status::NotFound("no run '" + run_id + "' in the journal") : status;
+  }
+  bool kept = false;
+  return reader.Visit(rows, visitor, &kept);
+}
+
+void Journal::Release(const std::string& run_id) {
+  std::lock_guard<std::mutex> held_lock(held_mu_);
+  held_.erase(run_id);
+}
+
+bool Journal::IsHeld(const std::string& run_id) const {
+  std::lock_guard<std::mutex> held_lock(held_mu_);
+  return held_.count(run_id) != 0;
+}
+
+StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
+  std::lock_guard<std::mutex> db_lock(db_mu_);
+  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
+  Stmt runs, steps;
+  if (Status s = gradwatch::store::Prepare(
+          db_, "SELECT run_id, world_size, labels_json, created_at, ended_at, end_reason, end_message FROM runs "
+               "ORDER BY run_id", false, runs);
+      !s.ok()) {
+    return s;
+  }
+  if (Status s = gradwatch::store::Prepare(
+          db_, "SELECT count(*), min(step), max(step), max(wall_time) FROM steps WHERE run_id = ?1", false, steps);
+      !s.ok()) {
+    return s;
+  }
+  std::vector<StoredRun> out;
+  Status status;
+  StmtUse rows(runs);
+  while (rows.Row(&status, "journal: listing runs")) {
+    StoredRun r;
+    r.meta.run_id = rows.ColText(0);
+    if (IsHeld(r.meta.run_id) || r.meta.run_id == pruning_run_) continue;
+    r.meta.world_size = static_cast<uint32_t>(rows.ColInt(1));
+    if (!ParseLabels(rows.ColText(2), r.meta.run_id, r.meta.labels).ok()) r.meta.labels.clear();
+    r.meta.created_at = rows.ColReal(3);
+    if (!rows.ColNull(4)) {
+      r.end.ended_at = rows.ColReal(4);
+      const int64_t reason = rows.ColInt(5);
+      r.end.reason = reason >= static_cast<int>(EndReason::kInactive) && reason <= static_cast<int>(EndReason::kStopped)
+                         ? static_cast<EndReason>(reason)
+                         : EndReason::kInactive;
+      r.end.message = rows.ColText(6);
     }
+    StmtUse q(steps);
+    q.Text(1, r.meta.run_id);
+    if (q.Row(&status, "journal: counting steps of run '" + r.meta.run_id + "'")) {
+      r.step_count = q.ColUnsigned(0);
+      r.first_step = q.ColUnsigned(1);
+      r.last_step = q.ColUnsigned(2);
+      r.last_wall_time = q.ColReal(3);
+    }
+    if (!status.ok()) return status;
+    out.push_back(std::move(r));
   }
   if (!status.ok()) return status;
+  return out;
+}
 
+void Journal::SetPruneCutoff(double ended_before) {
   {
-    StmtUse rows(events);
-    while (rows.Row(&status, "journal: reading events")) {
-      EventRecord event;
-      event.step = rows.ColUnsigned(1);
-      event.text = rows.ColText(2);
-      event.source = rows.ColText(3);
-      event.recorded_at = rows.ColReal(4);
-      visitor.OnEvent(rows.ColText(0), event);
-    }
-    if (!status.ok()) return status;
+    std::lock_guard<std::mutex> lock(mu_);
+    prune_cutoff_ = std::max(prune_cutoff_, ended_before);
+    prune_due_ = true;
   }
+  cv_.notify_one();
+}
+
+Status Journal::PruneBatchLocked(size_t max_rows) {
+  double cutoff;
   {
-    StmtUse rows(steps);
-    CompletedStep step;
-    while (rows.Row(&status, "journal: reading steps")) {
-      const std::string run_id = rows.ColText(0);
-      step.step = rows.ColUnsigned(1);
-      step.wall_time = rows.ColReal(2);
-      step.partial = rows.ColInt(3) != 0;
-      step.ranks_reported = static_cast<uint32_t>(rows.ColInt(4));
-      step.client_dropped_steps = rows.ColUnsigned(5);
-      const std::string_view blob = rows.ColBlob(6);
-      if (!DecodeValues(blob, step.values)) {
-        return Status::Internal("journal: run '" + run_id + "' step " + std::to_string(step.step) +
-                                ": value blob of " + std::to_string(blob.size()) +
-                                " bytes is not a whole number of " +
-                                std::to_string(kValueEntryBytes) + "-byte entries");
+    std::lock_guard<std::mutex> lock(mu_);
+    cutoff = prune_cutoff_;
+  }
+  Statements& st = *statements_;
+  Transaction txn(db_, st.rollback);
+  if (Status s = txn.Begin(st.begin); !s.ok()) return s;
+  if (pruning_run_.empty()) {
+    Status status;
+    StmtUse rows(st.prune_candidates);
+    rows.Real(1, cutoff);
+    while (rows.Row(&status, "journal: finding runs to prune")) {
+      std::string id = rows.ColText(0);
+      if (!IsHeld(id)) {
+        pruning_run_ = std::move(id);
+        break;
       }
-      visitor.OnStep(run_id, step);
     }
     if (!status.ok()) return status;
+    if (pruning_run_.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      prune_due_ = false;  // until the cutoff moves
+      return Status::Ok();
+    }
+  }
+  // A run's rows go table by table, at most max_rows per transaction; its runs row goes last, so a
+  // half pruned run stays listed (and is finished by LoadRun) rather than leaving orphans.
+  uint64_t deleted = 0;
+  for (Stmt* del : {&st.prune_steps, &st.prune_events, &st.prune_series, &st.prune_params, &st.prune_progress,
+                    &st.prune_rewinds, &st.prune_abandoned_steps, &st.prune_abandoned_events}) {
+    if (deleted >= max_rows) break;
+    StmtUse use(*del);
+    use.Text(1, pruning_run_);
+    use.Int(2, static_cast<int64_t>(std::min<size_t>(max_rows - deleted, INT64_MAX)));
+    if (Status s = use.Done("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
+    deleted += static_cast<uint64_t>(sqlite3_changes(db_));
+  }
+  bool run_done = false;
+  if (deleted < max_rows) {
+    StmtUse use(st.prune_run);
+    use.Text(1, pruning_run_);
+    if (Status s = use.Done("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
+    deleted += static_cast<uint64_t>(sqlite3_changes(db_));
+    run_done = true;
+  }
+  if (Status s = txn.Commit(st.commit); !s.ok()) return s;
+  pruned_rows_.fetch_add(deleted, std::memory_order_relaxed);
+  if (run_done) {
+    spdlog::info("journal: run {} pruned (ended before the retention cutoff)", pruning_run_);
+    pruning_run_.clear();
+    pruned_runs_.fetch_add(1, std::memory_order_relaxed);
   }
   return Status::Ok();
+}
+
+uint64_t Journal::DiskBytes() const {
+  uint64_t total = 0;
+  for (const std::string& file : {options_.path, options_.path + "-wal", options_.path + "-shm"}) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(file, ec);
+    if (!ec) total += size;
+  }
+  return total;
 }
 
 }  // namespace gradwatch::store

@@ -6,12 +6,14 @@
 // each commit the journal reports the durable progress so that acks can go out.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <variant>
@@ -33,6 +35,8 @@ struct JournalOptions {
   std::chrono::milliseconds max_delay{20};
   // Most records waiting; Enqueue returns false beyond it (the caller reports the loss).
   size_t queue_max = 1 << 20;
+  // Most rows one pruning transaction deletes; commits wait at most for one such batch.
+  size_t prune_batch_rows = 2000;
 };
 
 // Journal record types. A run's records are committed in the order they were enqueued.
@@ -71,6 +75,8 @@ struct EventJournalRecord {
 struct RunEndedRecord {
   std::string run_id;
   double ended_at = 0;  // seconds since the Unix epoch; 0 marks the run active again
+  EndReason reason = EndReason::kInactive;  // ignored when ended_at is 0
+  std::string message;                      // the Goodbye's message
 };
 
 // The run resumed from a checkpoint at from_step: its steps and events at or after from_step
@@ -90,15 +96,17 @@ struct CommitReport {
   size_t records = 0;
   std::chrono::duration<double> duration{};  // of the transaction, BEGIN to COMMIT
   std::vector<RankProgress> progress;        // durable progress made by this commit
+  std::vector<std::string> clean_ends;       // runs whose Goodbye (finished, stopped) it made durable
 };
 
-// Receives everything the journal holds of the runs' current branches, in order: all runs (each
-// followed by its params, series, rank progress and latest rewind), then events (so that
-// analytics know them before the steps they concern), then steps ordered by run and step.
+// Receives runs from the journal, one after the other in creation order: each run, then (unless
+// OnRun declines it) its series, rank progress and latest rewind, its events (so that analytics
+// know them before the steps they concern), then its steps in step order: the current branch only.
 class JournalVisitor {
  public:
   virtual ~JournalVisitor() = default;
-  virtual void OnRun(const RunMeta& meta, double ended_at) = 0;  // meta.params filled
+  // meta.params filled. Returns whether to read the run's rows (false: skip the run).
+  virtual bool OnRun(const RunMeta& meta, const RunEnd& end) = 0;
   virtual void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) = 0;
   virtual void OnRankProgress(const RankProgress& progress) = 0;
   virtual void OnStep(const std::string& run_id, const CompletedStep& step) = 0;
@@ -108,8 +116,25 @@ class JournalVisitor {
   virtual void OnRewind(const std::string& run_id, uint64_t from_step) = 0;
 };
 
+// A run that the journal holds but the daemon no longer holds in memory (an archived run).
+struct StoredRun {
+  RunMeta meta;  // params not filled
+  RunEnd end;
+  uint64_t step_count = 0;
+  uint64_t first_step = 0, last_step = 0;  // valid when step_count > 0
+  double last_wall_time = 0;
+};
+
 // Thread-safe. The commit callback runs on the journal's thread after each commit; it must not
 // block for long and must not call back into the journal's Flush or Stop.
+//
+// Retention: the journal knows which runs the daemon holds in memory ("held": those Load kept,
+// those LoadRun read, until Release). SetPruneCutoff lets the journal's own thread delete the rows
+// of ended runs that are not held and ended before the cutoff (steps, events, series, params,
+// progress, then the run), in transactions of at most prune_batch_rows rows taken between group
+// commits, so ingest waits for at most one batch. Freed pages are reused by later writes (no
+// VACUUM), so under steady churn the file stops growing; the WAL is truncated to 64 MiB after
+// checkpoints.
 class Journal {
  public:
   using CommitCallback = std::function<void(const CommitReport&)>;
@@ -121,9 +146,10 @@ class Journal {
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
 
-  // Reads everything back (call before enqueueing, typically at start-up). Serialised with
-  // commits, so it sees a consistent committed state. A corrupt row (bad value blob, bad JSON)
-  // stops the load with Status::Internal naming the run and step. Parameter indexes missing from
+  // Reads everything back (call before enqueueing, typically at start-up); the runs the visitor
+  // keeps become held. Serialised with commits, so it sees a consistent committed state. A
+  // corrupt row (bad value blob, bad JSON) stops the load with Status::Internal naming the run and
+  // step. Rows of a run missing from the runs table are not read. Parameter indexes missing from
   // a catalog (their ParamsRecord was lost) are filled with default ParamInfo so that later
   // indexes keep their position. Returns FailedPrecondition after Stop().
   Status Load(JournalVisitor& visitor);
@@ -133,6 +159,23 @@ class Journal {
   // read). For rebuilding a run's analytics after a rewind; never call it on the ingest hot path.
   Status LoadRunSteps(const std::string& run_id, uint64_t before_step,
                       const std::function<void(const CompletedStep&)>& on_step);
+  // Reads one run back (a run that left memory and came back) as committed: a record still queued
+  // for it (possible only when it left memory a moment ago) is not seen, and lands after. The run
+  // becomes held, found or not; NotFound when the journal does not have it (never had, or pruned: a
+  // run half pruned is finished off first). Blocks for the read.
+  Status LoadRun(const std::string& run_id, JournalVisitor& visitor);
+  // The daemon dropped the run from memory: its rows may be pruned once it ended before the cutoff.
+  void Release(const std::string& run_id);
+  bool IsHeld(const std::string& run_id) const;
+  // The runs in the journal that are not held, by id, with their step counts (for `runs --all`).
+  StatusOr<std::vector<StoredRun>> ListReleased();
+  // Runs that ended before `ended_before` (seconds since the Unix epoch) and are not held may be
+  // pruned; call periodically (the cutoff only moves forward). Returns at once.
+  void SetPruneCutoff(double ended_before);
+  // Runs and rows pruned since open; bytes of the database, its WAL and shared-memory files.
+  uint64_t pruned_runs() const { return pruned_runs_.load(std::memory_order_relaxed); }
+  uint64_t pruned_rows() const { return pruned_rows_.load(std::memory_order_relaxed); }
+  uint64_t DiskBytes() const;
 
   // Queues a record for the next commit. Never blocks on I/O. Returns false if the queue is full
   // or the journal is stopped (the record is not kept).
@@ -158,6 +201,7 @@ class Journal {
 
  private:
   struct Statements;  // prepared once at open, reused by every commit
+  struct Reader;      // the queries of Load and LoadRun
 
   Journal(JournalOptions options, CommitCallback on_commit, sqlite3* db,
           std::unique_ptr<Statements> statements);
@@ -165,6 +209,10 @@ class Journal {
   Status Commit(std::vector<JournalRecord>& batch, CommitReport& report);
   Status Apply(const JournalRecord& record);  // caller holds db_mu_ inside a transaction
   Status ApplyRewind(const RewindRecord& record);  // likewise
+  // One pruning transaction of at most max_rows rows; caller holds db_mu_.
+  Status PruneBatchLocked(size_t max_rows);
+  // One batch from the writer thread; `lock` holds mu_ on entry and exit, not during the batch.
+  void PruneOnce(std::unique_lock<std::mutex>& lock);
 
   const JournalOptions options_;
   const CommitCallback on_commit_;
@@ -173,6 +221,13 @@ class Journal {
   std::mutex db_mu_;
   sqlite3* db_;                             // guarded by db_mu_; null once stopped
   std::unique_ptr<Statements> statements_;  // guarded by db_mu_
+  std::string pruning_run_;                 // guarded by db_mu_: the run being pruned, if any
+
+  // Lock order: db_mu_, then held_mu_, then mu_.
+  mutable std::mutex held_mu_;
+  std::set<std::string> held_;  // guarded by held_mu_
+  std::atomic<uint64_t> pruned_runs_{0};
+  std::atomic<uint64_t> pruned_rows_{0};
 
   mutable std::mutex mu_;
   std::condition_variable cv_;          // wakes the writer thread
@@ -187,6 +242,8 @@ class Journal {
   size_t flush_waiters_ = 0;            // guarded by mu_: a waiter cuts the group window short
   uint64_t commits_ = 0;                // guarded by mu_
   uint64_t failed_commits_ = 0;         // guarded by mu_
+  double prune_cutoff_ = 0;             // guarded by mu_
+  bool prune_due_ = false;              // guarded by mu_: SetPruneCutoff asked, not yet done
 
   std::mutex stop_mu_;  // makes concurrent Stop() calls join and close once
   std::thread thread_;

@@ -255,9 +255,13 @@ TEST_CASE("every default rule matches an incident-shaped run and renders its ann
   facts.params = {final_norm, Param("lm_head.weight", ParamKind::kOutput, 0.1)};
   facts.shares = {{"lm_head.weight", false, 0.939, 0.01}};
 
+  RunFacts gone = facts;  // the same run once its job vanished without a Goodbye
+  gone.open_streams = 0;
+  gone.seconds_since_activity = 900;
+
   for (const Rule& rule : *rules) {
     INFO(rule.name);
-    const auto cs = Evaluate(rule, facts);
+    const auto cs = Evaluate(rule, rule.kind == RuleKind::kRunDied ? gone : facts);
     REQUIRE(cs.size() >= 1);
     const Condition* active = nullptr;
     for (const Condition& c : cs) {

@@ -48,10 +48,10 @@ class TempDir {
 
 }  // namespace
 
-TEST_CASE("the default rules load: the contingency page and six warnings", "[alerts]") {
+TEST_CASE("the default rules load: two pages (the contingency, a dead run) and six warnings", "[alerts]") {
   auto rules = LoadDefaultRules();
   REQUIRE(rules.ok());
-  REQUIRE(rules->size() == 7);
+  REQUIRE(rules->size() == 8);
 
   const Rule* page = Find(*rules, "GradNormContingency");
   REQUIRE(page);
@@ -89,13 +89,18 @@ TEST_CASE("the default rules load: the contingency page and six warnings", "[ale
   const Rule* stalled = Find(*rules, "RunStalled");
   REQUIRE(stalled);
   CHECK(stalled->stalled_seconds == 600);
+  const Rule* died = Find(*rules, "RunDied");
+  REQUIRE(died);
+  CHECK(died->kind == RuleKind::kRunDied);
+  CHECK(died->stalled_seconds == 0);  // the daemon's runs.stalled_after_seconds
+  CHECK(died->labels.at("severity") == "page");
 
   for (const Rule& r : *rules) {
     INFO(r.name);
     CHECK(r.labels.count("severity") == 1);
     CHECK(r.annotations.count("summary") == 1);
     CHECK(r.annotations.count("description") == 1);
-    if (&r != page) CHECK(r.labels.at("severity") == "warning");
+    if (&r != page && &r != died) CHECK(r.labels.at("severity") == "warning");
   }
 }
 
@@ -107,7 +112,7 @@ TEST_CASE("the compiled-in default rules are the file in the tree", "[alerts]") 
   CHECK(DefaultRulesYaml() == text.str());
   auto from_file = LoadRuleFile(DefaultRulesPath().string());
   REQUIRE(from_file.ok());
-  CHECK(from_file->size() == 7);
+  CHECK(from_file->size() == 8);
 }
 
 TEST_CASE("every rule kind loads with its own fields", "[alerts]") {

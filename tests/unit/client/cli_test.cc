@@ -213,8 +213,9 @@ TEST_CASE("a replay run again sends only the steps the daemon has not received",
   CHECK(ingest.Steps() == std::vector<uint64_t>{1, 2, 3, 4, 5});
 }
 
-TEST_CASE("a resumed replay sends the steps from its checkpoint on, even those the daemon held", "[client][rewind]") {
-  // The daemon says it received through step 30; the history resumes from the checkpoint at 20.
+TEST_CASE("a resumed replay sends the steps from its checkpoint on even those the daemon held", "[client][rewind]") {
+  // The daemon received through step 30; the history resumes from the checkpoint at 20, so the
+  // daemon (here its fake) rewinds and answers that it holds through step 19.
   FakeIngest ingest(FakeIngest::Progress{true, 30, true, 30});
   FakeServer server({&ingest});
   std::string lines = R"({"run": "resumed", "resume_from_step": 20})"
@@ -244,7 +245,8 @@ TEST_CASE("a resumed replay sends the steps from its checkpoint on, even those t
     CHECK(r.code == 0);
     CHECK(ingest.Steps() == std::vector<uint64_t>{30, 40});
     CHECK(ingest.Messages()[0].hello().resume_from_step() == 30);
-  }  SECTION("the text summary says so") {
+  }
+  SECTION("the text summary says so") {
     const CliResult r = RunCli({"--addr", server.address(), "replay", file.path()});
     INFO(r.err);
     CHECK(r.code == 0);

@@ -63,6 +63,17 @@ class FakeIngest final : public v1::Ingest::Service {
         if (error) {
           *replies.emplace_back().mutable_error() = *error;
         } else if (msg.has_hello()) {
+          if (msg.hello().has_resume_from_step()) {
+            // As the daemon does at a rewind: what it held from the resume step on is dropped.
+            const uint64_t from = msg.hello().resume_from_step();
+            for (auto [has, step] : {std::pair{&progress_.has_durable, &progress_.durable},
+                                     std::pair{&progress_.has_received, &progress_.received}}) {
+              if (*has && *step >= from) {
+                *has = from > 0;
+                *step = from > 0 ? from - 1 : 0;
+              }
+            }
+          }
           v1::Accepted* a = replies.emplace_back().mutable_accepted();
           a->set_run_id(msg.hello().run_id());
           a->set_rank(msg.hello().rank());
@@ -83,6 +94,10 @@ class FakeIngest final : public v1::Ingest::Service {
             ack->set_seq(msg.seq());
           }
           if (alert_step_ && *alert_step_ == step) *replies.emplace_back().mutable_alert() = alert_;
+        } else if (msg.has_goodbye()) {
+          v1::Finished* f = replies.emplace_back().mutable_finished();
+          f->set_seq(msg.seq());
+          f->set_run_id("fake");
         }
       }
       cv_.notify_all();

@@ -85,6 +85,38 @@ TEST_CASE("monitor sends hello then steps in order and flush waits for durable a
   monitor.Stop();
 }
 
+TEST_CASE("Finish says Goodbye after every step is durable and returns when the daemon confirms", "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  REQUIRE(server.ok());
+  Monitor monitor(Options(server.address()));
+  monitor.Start();
+  for (uint64_t n = 1; n <= 5; ++n) REQUIRE(monitor.Log(Step(n)));
+  CHECK(monitor.Finish(10s, v1::GOODBYE_REASON_FINISHED, "reached max_steps"));
+  const auto messages = ingest.Messages();
+  REQUIRE(messages.size() == 7);
+  REQUIRE(messages.back().has_goodbye());
+  CHECK(messages.back().goodbye().reason() == v1::GOODBYE_REASON_FINISHED);
+  CHECK(messages.back().goodbye().message() == "reached max_steps");
+  CHECK(messages.back().seq() > messages[5].seq());
+  CHECK(monitor.Stats().finished);
+  CHECK_FALSE(monitor.Finish(1s));  // stopped: nothing more to say
+}
+
+TEST_CASE("Finish sends no Goodbye while a step is not durable", "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  REQUIRE(server.ok());
+  ingest.set_ack_limit(3);  // steps 4 and 5 are never acknowledged
+  Monitor monitor(Options(server.address()));
+  monitor.Start();
+  for (uint64_t n = 1; n <= 5; ++n) REQUIRE(monitor.Log(Step(n)));
+  REQUIRE(ingest.WaitForMessages(6, 10s));
+  CHECK_FALSE(monitor.Finish(300ms));
+  for (const auto& m : ingest.Messages()) CHECK_FALSE(m.has_goodbye());
+  CHECK_FALSE(monitor.Stats().finished);
+}
+
 TEST_CASE("monitor reconnects after the daemon restarts and resends what it did not receive",
           "[client]") {
   auto first = std::make_unique<FakeIngest>();

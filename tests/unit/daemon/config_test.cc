@@ -21,7 +21,8 @@ limits: {max_message_bytes: 65536, max_runs: 3}
 assembly: {timeout_seconds: 2.5}
 store: {recent_points: 100, history_buckets: 10}
 journal: {batch_max: 10, max_delay_ms: 5}
-runs: {end_after_seconds: 30}
+runs: {end_after_seconds: 30, stalled_after_seconds: 45, retention_seconds: 3600}
+retention: {journal_days: 0.5, outbox_days: 2}
 )",
                        "test.yaml");
   REQUIRE(c.ok());
@@ -33,6 +34,10 @@ runs: {end_after_seconds: 30}
   CHECK(c->recent_points == 100);
   CHECK(c->journal_max_delay_ms == 5);
   CHECK(c->run_end_after_seconds == 30);
+  CHECK(c->run_stalled_after_seconds == 45);
+  CHECK(c->run_retention_seconds == 3600);
+  CHECK(c->journal_retention_days == 0.5);
+  CHECK(c->outbox_retention_days == 2);
   CHECK(ValidateConfig(*c).ok());
 }
 
@@ -56,6 +61,15 @@ TEST_CASE("validation rejects bad values with the key's name", "[daemon]") {
   c = Config{};
   c.log_format = "xml";
   CHECK(ValidateConfig(c).message().find("log.format") == 0);
+  c = Config{};
+  c.run_stalled_after_seconds = 0;
+  CHECK(ValidateConfig(c).message().find("runs.stalled_after_seconds") == 0);
+  c = Config{};
+  c.run_retention_seconds = 86400;
+  c.journal_retention_days = 0.5;  // the journal must keep what memory keeps
+  CHECK(ValidateConfig(c).message().find("retention.journal_days") == 0);
+  c.journal_retention_days = 0;  // never prune
+  CHECK(ValidateConfig(c).ok());
   c = Config{};
   c.assembly_timeout_seconds = 0;
   CHECK(ValidateConfig(c).message().find("assembly.timeout_seconds") == 0);

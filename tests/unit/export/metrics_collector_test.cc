@@ -20,6 +20,7 @@ class NullSink final : public runs::StreamSink {
   void SendError(const runs::IngestError&) override {}
   void Supersede() override {}
   void SendAlert(const alerts::Alert&) override {}
+  void SendFinished(const std::string&, uint64_t) override {}
 };
 
 const prometheus::MetricFamily* FindFamily(const std::vector<prometheus::MetricFamily>& families,

@@ -45,6 +45,7 @@ class RecordingSink final : public StreamSink {
   void SendError(const IngestError& error) override { errors.push_back(error); }
   void Supersede() override { superseded = true; }
   void SendAlert(const alerts::Alert& alert) override { alerts.push_back(alert); }
+  void SendFinished(const std::string&, uint64_t) override {}
   std::vector<alerts::Alert> alerts;
   std::vector<std::pair<uint64_t, uint64_t>> acks;
   std::vector<IngestError> errors;
@@ -55,7 +56,8 @@ class RecordingSink final : public StreamSink {
 class RecordingHook final : public AlertHook {
  public:
   std::vector<alerts::Transition> OnStep(const alerts::RunFacts&) override { return {}; }
-  void OnRunEnded(const std::string&, double) override {}
+  void OnRunEnded(const std::string&, bool, double) override {}
+  void OnRunLeftMemory(const std::string&, double) override {}
   std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step, double) override {
     rewinds.emplace_back(run_id, from_step);
     alerts::Transition t;

@@ -18,7 +18,9 @@ class RecordingSink final : public StreamSink {
   void SendError(const IngestError& error) override { errors.push_back(error); }
   void Supersede() override { superseded = true; }
   void SendAlert(const alerts::Alert& alert) override { alerts.push_back(alert); }
+  void SendFinished(const std::string&, uint64_t seq) override { finished.push_back(seq); }
   std::vector<alerts::Alert> alerts;
+  std::vector<uint64_t> finished;
   std::vector<std::pair<uint64_t, uint64_t>> acks;
   std::vector<IngestError> errors;
   bool superseded = false;
@@ -237,6 +239,88 @@ TEST_CASE("a run with no stream and no step for end_after ends, and a hello revi
   CHECK(f.run->MetricsSnapshot().info.ended);
   f.Attach(0, &f.sink);
   CHECK_FALSE(f.run->Info().ended);
+}
+
+namespace {
+// Records how the run reported its ends.
+struct EndHook final : AlertHook {
+  std::vector<alerts::Transition> OnStep(const alerts::RunFacts&) override { return {}; }
+  void OnRunEnded(const std::string& run_id, bool clean, double) override { ends.push_back({run_id, clean}); }
+  void OnRunLeftMemory(const std::string& run_id, double) override { left.push_back(run_id); }
+  std::vector<alerts::Transition> OnRewind(const std::string&, uint64_t, double) override { return {}; }
+  std::vector<std::string> left;
+  std::vector<std::pair<std::string, bool>> ends;
+};
+}  // namespace
+
+TEST_CASE("a Goodbye ends the run cleanly at once, for every rank, and is answered", "[runs]") {
+  Fixture f(2);
+  EndHook hook;
+  f.options.alert_hook = &hook;
+  f.run = std::make_unique<Run>(Meta(2), f.options, nullptr, &f.stats, &f.clock, true);
+  RecordingSink rank1;
+  f.Attach(0, &f.sink);
+  f.Attach(1, &rank1);
+  f.run->Finish(0, EndReason::kFinished, "reached max_steps", 7, &f.sink);
+  const RunInfo info = f.run->Info();
+  CHECK(info.ended);  // though rank 1 is still connected
+  CHECK(info.end.reason == EndReason::kFinished);
+  CHECK(info.end.message == "reached max_steps");
+  CHECK(info.end.ended_at == f.clock.UnixSeconds());
+  CHECK(f.sink.finished == std::vector<uint64_t>{7});  // no journal: durable at once
+  CHECK(rank1.finished.empty());
+  REQUIRE(hook.ends.size() == 1);
+  CHECK(hook.ends[0] == std::pair<std::string, bool>{"r1", true});
+  CHECK(f.run->Facts().ended_cleanly);
+
+  // Rank 1 says Goodbye too: answered, the end is not reported twice.
+  f.run->Finish(1, EndReason::kFinished, "", 3, &rank1);
+  CHECK(rank1.finished == std::vector<uint64_t>{3});
+  CHECK(hook.ends.size() == 1);
+
+  // A later Hello reopens it.
+  f.run->Detach(0, &f.sink);
+  f.Attach(0, &f.sink);
+  CHECK_FALSE(f.run->Info().ended);
+  CHECK_FALSE(f.run->Facts().ended_cleanly);
+}
+
+TEST_CASE("a run whose streams vanish ends by inactivity, not cleanly, and its facts say how long", "[runs]") {
+  Fixture f;
+  EndHook hook;
+  f.options.alert_hook = &hook;
+  f.run = std::make_unique<Run>(Meta(), f.options, nullptr, &f.stats, &f.clock, true);
+  f.Attach(0, &f.sink);
+  f.run->AddStep(0, Step(1, 1.0, 1.0), &f.sink);
+  f.clock.Advance(30s);
+  f.run->Detach(0, &f.sink);
+  f.clock.Advance(45s);
+  alerts::RunFacts facts = f.run->Facts();
+  CHECK(facts.open_streams == 0);
+  CHECK(facts.seconds_since_activity == Approx(45));  // since the stream closed
+  CHECK(facts.seconds_since_last_step == Approx(75));
+  CHECK_FALSE(facts.ended_cleanly);
+  f.clock.Advance(20s);
+  f.run->Tick();
+  REQUIRE(hook.ends.size() == 1);
+  CHECK(hook.ends[0] == std::pair<std::string, bool>{"r1", false});
+  CHECK(f.run->Info().end.reason == EndReason::kInactive);
+  CHECK_FALSE(f.run->Facts().ended_cleanly);
+}
+
+TEST_CASE("a run restored with a RunDied page stays silent since its last sign of life", "[runs]") {
+  Fixture f;
+  f.clock.Advance(10000s);
+  f.run = std::make_unique<Run>(Meta(), f.options, nullptr, &f.stats, &f.clock, false);  // as restored
+  f.run->RestoreEnded({});  // active when the daemon stopped: a fresh grace period
+  CHECK(f.run->Facts().seconds_since_activity == Approx(0));
+  f.run->RestoreSilentSince(f.clock.UnixSeconds() - 900);  // its page fired for 900 s of silence
+  CHECK(f.run->Facts().seconds_since_activity == Approx(900));
+  f.run->RestoreSilentSince(f.clock.UnixSeconds() - 100);  // never moves the last sign of life later
+  CHECK(f.run->Facts().seconds_since_activity == Approx(900));
+  f.Attach(0, &f.sink);  // it came back
+  f.run->RestoreSilentSince(f.clock.UnixSeconds() - 5000);
+  CHECK(f.run->Facts().seconds_since_activity == Approx(0));
 }
 
 TEST_CASE("extra keys become series and events are kept in step order", "[runs]") {

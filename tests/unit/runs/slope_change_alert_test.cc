@@ -42,7 +42,8 @@ class Hook final : public AlertHook {
     }
     return ts;
   }
-  void OnRunEnded(const std::string&, double) override {}
+  void OnRunEnded(const std::string&, bool, double) override {}
+  void OnRunLeftMemory(const std::string&, double) override {}
   std::vector<alerts::Transition> OnRewind(const std::string&, uint64_t, double) override { return {}; }
 
   std::optional<alerts::Transition> fired;

@@ -160,3 +160,43 @@ TEST_CASE("a damaged alert row is skipped on load and the others are restored", 
   CHECK(saved->instances[0].run == "run-a");
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("pruning the outbox deletes old delivered and given-up entries, never pending ones", "[store]") {
+  const auto dir = TempPath();
+  auto store = store::AlertStore::Open((dir / "journal.db").string());
+  REQUIRE(store.ok());
+  std::vector<notify::OutboxEntry> entries;
+  for (int i = 0; i < 6; ++i) {
+    notify::OutboxEntry e = Entry("am", "fp" + std::to_string(i), alerts::AlertState::kFiring);
+    e.created_at = 1000.0 + i;  // entries 0..2 old, 3..5 recent
+    entries.push_back(e);
+  }
+  auto ids = (*store)->Write(entries, {});
+  REQUIRE(ids.ok());
+  REQUIRE((*store)->MarkDelivered(ids.value()[0]).ok());
+  REQUIRE((*store)->MarkFailed(ids.value()[1], "410 Gone").ok());
+  // ids[2] is old but still pending
+  REQUIRE((*store)->MarkDelivered(ids.value()[3]).ok());  // recent
+
+  auto pruned = (*store)->PruneDone(1003.0, 1);  // bounded: one row per call
+  REQUIRE(pruned.ok());
+  CHECK(pruned.value() == 1);
+  pruned = (*store)->PruneDone(1003.0, 100);
+  REQUIRE(pruned.ok());
+  CHECK(pruned.value() == 1);
+  CHECK((*store)->PruneDone(1003.0, 100).value() == 0);
+
+  auto pending = (*store)->Pending("am", 100);
+  REQUIRE(pending.ok());
+  REQUIRE(pending->size() == 3);  // 2, 4, 5 are still to deliver
+  CHECK(pending->at(0).fingerprint == "fp2");
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open((dir / "journal.db").string().c_str(), &db) == SQLITE_OK);
+  sqlite3_stmt* q = nullptr;
+  REQUIRE(sqlite3_prepare_v2(db, "SELECT count(*) FROM outbox", -1, &q, nullptr) == SQLITE_OK);
+  REQUIRE(sqlite3_step(q) == SQLITE_ROW);
+  CHECK(sqlite3_column_int(q, 0) == 4);  // 2 pruned; the recent delivered one stays
+  sqlite3_finalize(q);
+  sqlite3_close(db);
+  std::filesystem::remove_all(dir);
+}

@@ -10,9 +10,12 @@
 #include <cstdint>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "server/core/types.h"
@@ -52,6 +55,7 @@ struct Recorder : JournalVisitor {
   struct Run {
     RunMeta meta;
     double ended_at;
+    RunEnd end;
   };
   struct Series {
     std::string run_id;
@@ -73,10 +77,12 @@ struct Recorder : JournalVisitor {
   std::vector<Event> events;
   std::vector<std::string> order;  // "run:a", "series:a", "progress:a", "step:a", "event:a"
 
-  void OnRun(const RunMeta& meta, double ended_at) override {
-    runs.push_back({meta, ended_at});
+  bool OnRun(const RunMeta& meta, const RunEnd& end) override {
+    runs.push_back({meta, end.ended_at, end});
     order.push_back("run:" + meta.run_id);
+    return skip.count(meta.run_id) == 0;
   }
+  std::set<std::string> skip;  // runs OnRun declines
   void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) override {
     series.push_back({run_id, id, key});
     order.push_back("series:" + run_id);
@@ -243,10 +249,9 @@ TEST_CASE("journal round-trips runs, catalogs, series, steps, events and progres
   const Recorder got = LoadFrom(dir.db());
 
   CHECK(got.order == std::vector<std::string>{
-                         "run:moe-6144", "series:moe-6144", "series:moe-6144",
-                         "progress:moe-6144", "progress:moe-6144", "run:small", "series:small",
-                         "event:moe-6144", "event:small", "step:moe-6144", "step:moe-6144",
-                         "step:small"});
+                         "run:moe-6144", "series:moe-6144", "series:moe-6144", "progress:moe-6144",
+                         "progress:moe-6144", "event:moe-6144", "step:moe-6144", "step:moe-6144",
+                         "run:small", "series:small", "event:small", "step:small"});
 
   REQUIRE(got.runs.size() == 2);
   const RunMeta& loaded = got.runs[0].meta;
@@ -321,6 +326,70 @@ TEST_CASE("ending a run with ended_at 0 marks it active again", "[store]") {
   const Recorder got = LoadFrom(dir.db());
   REQUIRE(got.runs.size() == 1);
   CHECK(got.runs[0].ended_at == 0);
+}
+
+TEST_CASE("how a run ended survives, and only a Goodbye's end is reported as a clean end", "[store]") {
+  TempDir dir;
+  std::mutex mu;
+  std::vector<std::string> clean;
+  {
+    auto journal = OpenOrFail({.path = dir.db()}, [&](const CommitReport& report) {
+      std::lock_guard<std::mutex> lock(mu);
+      clean.insert(clean.end(), report.clean_ends.begin(), report.clean_ends.end());
+    });
+    for (const char* id : {"done", "stopped", "dead", "back"}) {
+      RunMeta meta;
+      meta.run_id = id;
+      REQUIRE(journal->Enqueue(RunRecord{meta}));
+    }
+    REQUIRE(journal->Enqueue(RunEndedRecord{"done", 10.0, EndReason::kFinished, "reached max_steps"}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"stopped", 11.0, EndReason::kStopped, "cancelled"}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"dead", 12.0}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"back", 13.0, EndReason::kFinished, "first stage"}));
+    REQUIRE(journal->Enqueue(RunEndedRecord{"back", 0, EndReason::kNone, {}}));
+    REQUIRE(journal->Flush().ok());
+  }
+  CHECK(clean == std::vector<std::string>{"done", "stopped", "back"});
+  const Recorder got = LoadFrom(dir.db());
+  std::map<std::string, RunEnd> ends;
+  for (const auto& r : got.runs) ends[r.meta.run_id] = r.end;
+  CHECK(ends["done"] == RunEnd{10.0, EndReason::kFinished, "reached max_steps"});
+  CHECK(ends["stopped"] == RunEnd{11.0, EndReason::kStopped, "cancelled"});
+  CHECK(ends["dead"] == RunEnd{12.0, EndReason::kInactive, ""});
+  CHECK(ends["back"] == RunEnd{});
+}
+
+TEST_CASE("a version 1 journal is migrated: its ended runs ended by inactivity", "[store]") {
+  TempDir dir;
+  {
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open(dir.db().c_str(), &db) == SQLITE_OK);
+    const char* v1 =
+        "CREATE TABLE runs(run_id TEXT PRIMARY KEY, world_size INTEGER NOT NULL, labels_json TEXT NOT NULL, "
+        "config_json TEXT NOT NULL, created_at REAL NOT NULL, ended_at REAL);"
+        "CREATE TABLE params(run_id TEXT NOT NULL, idx INTEGER NOT NULL, name TEXT NOT NULL, numel INTEGER NOT "
+        "NULL, kind INTEGER NOT NULL, weight_decay REAL NOT NULL, init_norm REAL, role TEXT NOT NULL, grp TEXT NOT "
+        "NULL, PRIMARY KEY(run_id, idx));"
+        "CREATE TABLE series(run_id TEXT NOT NULL, id INTEGER NOT NULL, key TEXT NOT NULL, PRIMARY KEY(run_id, id));"
+        "CREATE TABLE steps(run_id TEXT NOT NULL, step INTEGER NOT NULL, wall_time REAL NOT NULL, partial INTEGER "
+        "NOT NULL, ranks_reported INTEGER NOT NULL, client_dropped INTEGER NOT NULL, vals BLOB NOT NULL, PRIMARY "
+        "KEY(run_id, step)) WITHOUT ROWID;"
+        "CREATE TABLE rank_progress(run_id TEXT NOT NULL, rank INTEGER NOT NULL, step INTEGER NOT NULL, seq "
+        "INTEGER NOT NULL, PRIMARY KEY(run_id, rank));"
+        "CREATE TABLE events(id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL, text TEXT NOT "
+        "NULL, source TEXT NOT NULL, recorded_at REAL NOT NULL);"
+        "INSERT INTO runs VALUES('old', 1, '{}', '{}', 1.0, 5.0);"
+        "INSERT INTO runs VALUES('live', 1, '{}', '{}', 2.0, NULL);"
+        "PRAGMA user_version = 1;";
+    REQUIRE(sqlite3_exec(db, v1, nullptr, nullptr, nullptr) == SQLITE_OK);
+    sqlite3_close(db);
+  }
+  const Recorder got = LoadFrom(dir.db());
+  REQUIRE(got.runs.size() == 2);
+  CHECK(got.runs[0].end == RunEnd{5.0, EndReason::kInactive, ""});
+  CHECK(got.runs[1].end == RunEnd{});
+  RawDb raw(dir.db());
+  CHECK(raw.Query("PRAGMA user_version") == "2");
 }
 
 TEST_CASE("progress is reported after commit, merged to one entry per run and rank", "[store]") {
@@ -436,6 +505,9 @@ TEST_CASE("a re-completed step replaces the stored one", "[store]") {
   TempDir dir;
   {
     auto journal = OpenOrFail({.path = dir.db()});
+    RunMeta meta;
+    meta.run_id = "a";
+    REQUIRE(journal->Enqueue(RunRecord{meta}));
     REQUIRE(journal->Enqueue(MakeStep("a", 5, {{0, 1.0}})));
     REQUIRE(journal->Flush().ok());
     StepJournalRecord again = MakeStep("a", 5, {{0, 2.0}, {1, 3.0}});
@@ -504,6 +576,9 @@ TEST_CASE("a failed commit is counted, reported by Flush, and its progress not a
 TEST_CASE("a corrupt value blob fails Load with an error naming run and step", "[store]") {
   TempDir dir;
   auto journal = OpenOrFail({.path = dir.db()});
+  RunMeta meta;
+  meta.run_id = "bad-run";
+  REQUIRE(journal->Enqueue(RunRecord{meta}));
   REQUIRE(journal->Enqueue(MakeStep("bad-run", 42, {{0, 1.0}})));
   REQUIRE(journal->Flush().ok());
   {
@@ -724,4 +799,114 @@ PRAGMA user_version = 1;
   RawDb raw(dir.db());
   CHECK(raw.Query("PRAGMA user_version") == "2");
   CHECK(raw.Query("SELECT count(*) FROM abandoned_steps") == "1");
+}
+
+namespace {
+
+// Journals run `id`: its catalog, series, `steps` steps with progress, an event, and its end.
+void JournalRun(Journal& journal, const std::string& id, uint64_t steps, double ended_at) {
+  RunMeta meta;
+  meta.run_id = id;
+  meta.created_at = 1.0;
+  REQUIRE(journal.Enqueue(RunRecord{meta}));
+  ParamInfo p;
+  p.name = "w";
+  REQUIRE(journal.Enqueue(ParamsRecord{id, 0, {p}}));
+  REQUIRE(journal.Enqueue(SeriesRecord{id, 0, "grad/norm/total"}));
+  for (uint64_t s = 1; s <= steps; ++s) REQUIRE(journal.Enqueue(MakeStep(id, s, {{0, 0.5}}, {{id, 0, s, s}})));
+  REQUIRE(journal.Enqueue(EventJournalRecord{id, {1, "started", "trainer", 1.0}}));
+  if (ended_at > 0) REQUIRE(journal.Enqueue(RunEndedRecord{id, ended_at, EndReason::kFinished, "done"}));
+}
+
+int64_t RowsOf(RawDb& raw, const std::string& id) {
+  int64_t n = 0;
+  for (const char* table : {"runs", "params", "series", "steps", "rank_progress", "events"}) {
+    n += std::stoll(raw.Query(std::string("SELECT count(*) FROM ") + table + " WHERE run_id = '" + id + "'"));
+  }
+  return n;
+}
+
+bool WaitPrunedRuns(const Journal& journal, uint64_t n) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (journal.pruned_runs() < n) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("pruning deletes every row of ended runs not held, in bounded batches, and only those", "[store]") {
+  TempDir dir;
+  auto journal = OpenOrFail({.path = dir.db(), .prune_batch_rows = 7});
+  JournalRun(*journal, "old", 50, 100.0);
+  JournalRun(*journal, "old-but-held", 50, 100.0);
+  JournalRun(*journal, "recent", 5, 1000.0);
+  JournalRun(*journal, "active", 5, 0);
+  REQUIRE(journal->Flush().ok());
+  // The daemon holds two of them in memory.
+  Recorder held;
+  held.skip = {"old", "recent"};
+  REQUIRE(journal->Load(held).ok());
+  CHECK(journal->IsHeld("old-but-held"));
+  CHECK_FALSE(journal->IsHeld("old"));
+
+  RawDb raw(dir.db());
+  const int64_t old_rows = RowsOf(raw, "old");
+  CHECK(old_rows == 1 + 1 + 1 + 50 + 1 + 1);
+  journal->SetPruneCutoff(500.0);
+  REQUIRE(WaitPrunedRuns(*journal, 1));
+  CHECK(RowsOf(raw, "old") == 0);
+  CHECK(journal->pruned_rows() == static_cast<uint64_t>(old_rows));
+  CHECK(RowsOf(raw, "old-but-held") == old_rows);
+  CHECK(RowsOf(raw, "recent") == 1 + 1 + 1 + 5 + 1 + 1);
+  CHECK(RowsOf(raw, "active") == 1 + 1 + 1 + 5 + 1 + 1);
+
+  // Not held: listed as archived, with its steps.
+  auto listed = journal->ListReleased();
+  REQUIRE(listed.ok());
+  REQUIRE(listed->size() == 1);
+  CHECK(listed->at(0).meta.run_id == "recent");
+  CHECK(listed->at(0).step_count == 5);
+  CHECK(listed->at(0).last_step == 5);
+  CHECK(listed->at(0).end == RunEnd{1000.0, EndReason::kFinished, "done"});
+
+  // A run that comes back is read again and held: no longer archived, never pruned.
+  Recorder back;
+  REQUIRE(journal->LoadRun("recent", back).ok());
+  REQUIRE(back.runs.size() == 1);
+  CHECK(back.steps.size() == 5);
+  CHECK(back.events.size() == 1);
+  CHECK(back.progress.size() == 1);
+  CHECK(journal->ListReleased()->empty());
+  Recorder none;
+  CHECK(journal->LoadRun("never-seen", none).code() == StatusCode::kNotFound);
+
+  // Released once it leaves memory again: its turn comes.
+  journal->Release("old-but-held");
+  journal->SetPruneCutoff(500.0);
+  REQUIRE(WaitPrunedRuns(*journal, 2));
+  CHECK(RowsOf(raw, "old-but-held") == 0);
+  CHECK(RowsOf(raw, "recent") > 0);
+  CHECK(journal->DiskBytes() > 0);
+}
+
+TEST_CASE("under churn of pruned runs the database file stops growing", "[store]") {
+  TempDir dir;
+  auto journal = OpenOrFail({.path = dir.db(), .prune_batch_rows = 500});
+  // Pages in the database (the WAL's committed pages included), free ones too.
+  auto pages = [&] { return std::stoll(RawDb(dir.db()).Query("PRAGMA page_count")); };
+  int64_t pages_after_warmup = 0;
+  for (int round = 0; round < 40; ++round) {
+    const std::string id = "run-" + std::to_string(round);
+    JournalRun(*journal, id, 200, 10.0 + round);
+    REQUIRE(journal->Flush().ok());
+    journal->SetPruneCutoff(11.0 + round);  // every run ended so far may go
+    REQUIRE(WaitPrunedRuns(*journal, static_cast<uint64_t>(round) + 1));
+    if (round == 9) pages_after_warmup = pages();
+  }
+  INFO("after 10 runs " << pages_after_warmup << " pages, after 40 " << pages());
+  CHECK(pages() <= pages_after_warmup + 2);
+  CHECK(journal->pruned_runs() == 40);
 }
