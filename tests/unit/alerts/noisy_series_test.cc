@@ -259,3 +259,32 @@ TEST_CASE("a slope change fires only once its error bars clear min_ratio", "[ale
   f.slope_changes[0].after_stderr_per_kstep = NAN;
   CHECK(fresh.EvaluateStep(f, kT0).empty());
 }
+
+TEST_CASE("a change point fires only once its z-score puts the ratio above min_ratio", "[alerts]") {
+  auto rules = LoadRules(
+      "groups:\n  - name: g\n    rules:\n      - alert: Bend\n        kind: slope_change\n"
+      "        series: grad/norm/total\n        at: change_point\n        min_ratio: 1.5\n"
+      "        labels: {severity: warning}\n",
+      "test.yaml");
+  REQUIRE(rules.ok());
+  AlertEngine engine(*rules);
+  RunFacts f;
+  f.run_id = "r1";
+  f.step = 30'000;
+  f.now = kT0;
+  // A doubling whose slope difference is 1.5 standard errors: the ratio's low end is 0.33.
+  f.change_points = {{.key = "grad/norm/total",
+                      .step = 25'000,
+                      .ratio = 2.0,
+                      .before_per_kstep = 1.0,
+                      .after_per_kstep = 2.0,
+                      .z_score = 1.5}};
+  CHECK(engine.EvaluateStep(f, kT0).empty());
+  // Ten standard errors: the low end is 1.8.
+  f.step = 31'000;
+  f.change_points[0].z_score = 10;
+  auto ts = engine.EvaluateStep(f, kT0 + 1);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].to == AlertState::kFiring);
+  CHECK(ts[0].alert.value == Approx(2.0));
+}
