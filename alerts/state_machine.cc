@@ -94,6 +94,16 @@ std::string ResolvedSummary(const Rule& rule, const TemplateVars& vars, const La
 
 bool Upward(CompareOp op) { return op == CompareOp::kGe || op == CompareOp::kGt; }
 
+// Firing → resolved at `step`, its summary rendered from the values that resolved it.
+void Resolve(const Rule& rule, InstanceState& inst, const TemplateVars& vars, uint64_t step, double now,
+             std::vector<Transition>* out) {
+  inst.alert.annotations["summary"] = ResolvedSummary(rule, vars, inst.alert.labels);
+  inst.alert.state = AlertState::kResolved;
+  inst.alert.step = step;
+  inst.alert.ends_at = now;
+  out->push_back(Transition{inst.alert, AlertState::kFiring, AlertState::kResolved, inst.notified});
+}
+
 }  // namespace
 
 void StateChanges::Merge(StateChanges later) {
@@ -234,15 +244,10 @@ bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* con
       }
       if (step < inst.clearing_since_step + rule.resolve_for_steps) return true;
       if (cond) inst.alert.value = cond->value;
-      const TemplateVars vars = cond ? cond->vars
-                                     : TemplateVars{{"step", FormatStep(step)},
-                                                    {"run", inst.run},
-                                                    {"value", FormatNumber(inst.alert.value)}};
-      inst.alert.annotations["summary"] = ResolvedSummary(rule, vars, inst.alert.labels);
-      inst.alert.state = AlertState::kResolved;
-      inst.alert.step = step;
-      inst.alert.ends_at = now;
-      emit(AlertState::kFiring, inst.notified);
+      Resolve(rule, inst,
+              cond ? cond->vars
+                   : TemplateVars{{"step", FormatStep(step)}, {"run", inst.run}, {"value", FormatNumber(inst.alert.value)}},
+              step, now, out);
       return false;
     }
   }
@@ -349,12 +354,7 @@ bool AlertEngine::AdvanceLevel(const Rule& rule, Instance& inst, const Condition
         if (step < inst.clearing_since_step) inst.clearing_since_step = step;
       }
       if (step < inst.clearing_since_step + rule.resolve_for_steps || !level_cleared()) return true;
-      const TemplateVars vars = render(recent(Column::kValue));
-      inst.alert.annotations["summary"] = ResolvedSummary(rule, vars, inst.alert.labels);
-      inst.alert.state = AlertState::kResolved;
-      inst.alert.step = step;
-      inst.alert.ends_at = now;
-      emit(AlertState::kFiring, inst.notified);
+      Resolve(rule, inst, render(recent(Column::kValue)), step, now, out);
       return false;
     }
   }

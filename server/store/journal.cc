@@ -838,6 +838,26 @@ Status Journal::Apply(const JournalRecord& record) {
       record);
 }
 
+namespace {
+
+// One row of `SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps`.
+Status ReadStepRow(StmtUse& row, const std::string& run_id, CompletedStep& step) {
+  step.step = row.ColUnsigned(0);
+  step.wall_time = row.ColReal(1);
+  step.partial = row.ColInt(2) != 0;
+  step.ranks_reported = static_cast<uint32_t>(row.ColInt(3));
+  step.client_dropped_steps = row.ColUnsigned(4);
+  const std::string_view blob = row.ColBlob(5);
+  if (!DecodeValues(blob, step.values)) {
+    return Status::Internal("journal: run '" + run_id + "' step " + std::to_string(step.step) +
+                            ": value blob of " + std::to_string(blob.size()) + " bytes is not a whole number of " +
+                            std::to_string(kValueEntryBytes) + "-byte entries");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status Journal::ApplyRewind(const RewindRecord& r) {
   Statements& st = *statements_;
   const std::string what = "journal: rewinding run '" + r.run_id + "' to step " + std::to_string(r.from_step);
@@ -909,16 +929,7 @@ Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
   Status status;
   CompletedStep step;
   while (rows.Row(&status, "journal: reading steps of run '" + run_id + "'")) {
-    step.step = rows.ColUnsigned(0);
-    step.wall_time = rows.ColReal(1);
-    step.partial = rows.ColInt(2) != 0;
-    step.ranks_reported = static_cast<uint32_t>(rows.ColInt(3));
-    step.client_dropped_steps = rows.ColUnsigned(4);
-    const std::string_view blob = rows.ColBlob(5);
-    if (!DecodeValues(blob, step.values)) {
-      return Status::Internal("journal: run '" + run_id + "' step " + std::to_string(step.step) +
-                              ": value blob of " + std::to_string(blob.size()) + " bytes is corrupt");
-    }
+    if (Status s = ReadStepRow(rows, run_id, step); !s.ok()) return s;
     on_step(step);
   }
   return status;
@@ -1044,18 +1055,7 @@ struct Journal::Reader {
       q.Text(1, meta.run_id);
       CompletedStep step;
       while (q.Row(&status, "journal: reading steps of run '" + meta.run_id + "'")) {
-        step.step = q.ColUnsigned(0);
-        step.wall_time = q.ColReal(1);
-        step.partial = q.ColInt(2) != 0;
-        step.ranks_reported = static_cast<uint32_t>(q.ColInt(3));
-        step.client_dropped_steps = q.ColUnsigned(4);
-        const std::string_view blob = q.ColBlob(5);
-        if (!DecodeValues(blob, step.values)) {
-          return Status::Internal("journal: run '" + meta.run_id + "' step " + std::to_string(step.step) +
-                                  ": value blob of " + std::to_string(blob.size()) +
-                                  " bytes is not a whole number of " + std::to_string(kValueEntryBytes) +
-                                  "-byte entries");
-        }
+        if (Status s = ReadStepRow(q, meta.run_id, step); !s.ok()) return s;
         visitor.OnStep(meta.run_id, step);
       }
       if (!status.ok()) return status;

@@ -9,23 +9,16 @@
 #include <vector>
 
 #include "alerts/state_machine.h"
+#include "tests/unit/alerts/default_rule.h"
 
 using namespace gradwatch;
 using namespace gradwatch::alerts;
+using gradwatch::alerts::testing::DefaultRule;
 
 namespace {
 
 constexpr double kT0 = 1'790'000'000.0;
 
-Rule DefaultRule(const std::string& name) {
-  auto rules = LoadDefaultRules();
-  REQUIRE(rules.ok());
-  for (const Rule& r : *rules) {
-    if (r.name == name) return r;
-  }
-  FAIL("no default rule " << name);
-  return {};
-}
 
 struct Outcome {
   std::vector<Transition> fired;     // notified firings

@@ -6,8 +6,10 @@
 #include <vector>
 
 #include "alerts/state_machine.h"
+#include "tests/unit/alerts/default_rule.h"
 
 using namespace gradwatch::alerts;
+using gradwatch::alerts::testing::DefaultRule;
 using gradwatch::ParamKind;
 
 namespace {
@@ -21,15 +23,6 @@ std::vector<Rule> Load(const std::string& rules) {
   return *loaded;
 }
 
-Rule DefaultRule(const std::string& name) {
-  auto rules = LoadDefaultRules();
-  REQUIRE(rules.ok());
-  for (const Rule& r : *rules) {
-    if (r.name == name) return r;
-  }
-  FAIL("no default rule " << name);
-  return {};
-}
 
 // The contingency without its hysteresis, for contrast.
 Rule PlainThreshold(uint64_t for_steps) {

@@ -10,26 +10,17 @@
 #include "alerts/evaluator.h"
 #include "alerts/state_machine.h"
 #include "server/runs/run.h"
+#include "tests/unit/alerts/default_rule.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
 
 namespace {
 
-alerts::Rule SlopeChangeRule() {
-  auto rules = alerts::LoadDefaultRules();
-  REQUIRE(rules.ok());
-  for (const alerts::Rule& r : *rules) {
-    if (r.name == "GradNormSlopeChangeAtEvent") return r;
-  }
-  FAIL("no default rule GradNormSlopeChangeAtEvent");
-  return {};
-}
-
 // Evaluates the rule on every completed step and keeps the first firing with the estimate then.
 class Hook final : public AlertHook {
  public:
-  Hook() : engine_({SlopeChangeRule()}) {}
+  Hook() : engine_({alerts::testing::DefaultRule("GradNormSlopeChangeAtEvent")}) {}
   std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) override {
     auto ts = engine_.EvaluateStep(facts, facts.now);
     for (const auto& t : ts) {
