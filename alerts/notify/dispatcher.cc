@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <limits>
 #include <random>
 #include <set>
@@ -36,28 +35,29 @@ struct Dispatcher::Worker {
   std::thread thread;
   std::mt19937_64 rng{std::random_device{}()};
 
-  std::mutex mu;
-  std::condition_variable cv;
-  bool wake = false;  // guarded by mu
-  bool stop = false;  // guarded by mu
+  // Lock order: Dispatcher::mu_, then mu, then error_mu.
+  Mutex mu;
+  CondVar cv;  // with mu
+  bool wake GUARDED_BY(mu) = false;
+  bool stop GUARDED_BY(mu) = false;
   std::atomic<bool> stopping{false};
 
   std::atomic<uint64_t> sent{0};
   std::atomic<uint64_t> retries{0};
   std::atomic<uint64_t> failures{0};
   std::atomic<uint64_t> queue_depth{0};
-  mutable std::mutex error_mu;
-  std::string last_error;  // guarded by error_mu
+  mutable Mutex error_mu;
+  std::string last_error GUARDED_BY(error_mu);
 
-  void Wake() {
+  void Wake() EXCLUDES(mu) {
     {
-      std::lock_guard lock(mu);
+      MutexLock lock(&mu);
       wake = true;
     }
-    cv.notify_one();
+    cv.Signal();
   }
-  void SetLastError(std::string error) {
-    std::lock_guard lock(error_mu);
+  void SetLastError(std::string error) EXCLUDES(error_mu) {
+    MutexLock lock(&error_mu);
     last_error = std::move(error);
   }
 };
@@ -97,7 +97,7 @@ Dispatcher::~Dispatcher() { Stop(); }
 double Dispatcher::Now() const { return options_.clock->UnixSeconds(); }
 
 Status Dispatcher::Start() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (started_ || stopped_) return NotifyError("dispatcher: already started or stopped");
   std::set<std::string> names;
   for (auto& worker : workers_) {
@@ -126,17 +126,17 @@ Status Dispatcher::Start() {
 
 void Dispatcher::Stop() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     stopped_ = true;
   }
   for (auto& worker : workers_) {
     worker->stopping = true;
     {
-      std::lock_guard lock(worker->mu);
+      MutexLock lock(&worker->mu);
       worker->stop = true;
     }
-    worker->cv.notify_one();
+    worker->cv.Signal();
     if (worker->http) worker->http->Abort();
   }
   for (auto& worker : workers_) {
@@ -177,7 +177,7 @@ Status Dispatcher::Record(const std::vector<Alert>& alerts, const alerts::StateC
   }
   if (entries.empty() && states.empty()) return Status::Ok();
 
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto ids = outbox_.Write(std::move(entries), states);
   if (!ids.ok()) return ids.status();
   for (size_t i = 0; i < targets.size(); ++i) {
@@ -202,7 +202,7 @@ Status Dispatcher::Record(const std::vector<Alert>& alerts, const alerts::StateC
 }
 
 Status Dispatcher::Refresh(const std::vector<Alert>& active, double now) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::set<std::string> active_fingerprints;
   std::vector<OutboxEntry> entries;
   struct Target {
@@ -263,7 +263,7 @@ Status Dispatcher::Refresh(const std::vector<Alert>& active, double now) {
 
 void Dispatcher::OnSettled(size_t receiver, const std::string& fingerprint, uint64_t id,
                            double now) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto record = records_.find(fingerprint);
   if (record == records_.end()) return;
   auto state = record->second.receivers.find(receiver);
@@ -283,7 +283,7 @@ std::vector<ReceiverStats> Dispatcher::Stats() const {
     s.failures = worker->failures.load();
     s.queue_depth = worker->queue_depth.load();
     {
-      std::lock_guard lock(worker->error_mu);
+      MutexLock lock(&worker->error_mu);
       s.last_error = worker->last_error;
     }
     stats.push_back(std::move(s));
@@ -294,7 +294,7 @@ std::vector<ReceiverStats> Dispatcher::Stats() const {
 void Dispatcher::RunWorker(Worker& worker) {
   while (true) {
     {
-      std::lock_guard lock(worker.mu);
+      MutexLock lock(&worker.mu);
       if (worker.stop) return;
       worker.wake = false;
     }
@@ -309,8 +309,12 @@ void Dispatcher::RunWorker(Worker& worker) {
     if (wait_seconds <= 0) continue;
     const auto idle = std::chrono::duration<double>(options_.idle_poll);
     const auto wait = std::min(std::chrono::duration<double>(wait_seconds), idle);
-    std::unique_lock lock(worker.mu);
-    worker.cv.wait_for(lock, wait, [&] { return worker.stop || worker.wake; });
+    using Steady = std::chrono::steady_clock;
+    const auto deadline = Steady::now() + std::chrono::duration_cast<Steady::duration>(wait);
+    MutexLock lock(&worker.mu);
+    while (!worker.stop && !worker.wake) {
+      if (!worker.cv.WaitUntil(&worker.mu, deadline)) break;
+    }
   }
 }
 

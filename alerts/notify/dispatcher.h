@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -22,6 +21,7 @@
 #include "alerts/notify/outbox.h"
 #include "alerts/notify/receivers.h"
 #include "alerts/notify/status.h"
+#include "server/core/thread_annotations.h"
 
 namespace gradwatch::notify {
 
@@ -118,20 +118,22 @@ class Dispatcher {
     std::map<size_t, ResendState> receivers;  // by receiver index
   };
 
-  Status AddEntries(const std::vector<Alert>& alerts, double now, bool refresh_only);
-  void RunWorker(Worker& worker);
-  double RunPass(Worker& worker);  // seconds until the next entry is due; may be +inf
-  void OnSettled(size_t receiver, const std::string& fingerprint, uint64_t id, double now);
+  Status AddEntries(const std::vector<Alert>& alerts, double now, bool refresh_only) EXCLUDES(mu_);
+  void RunWorker(Worker& worker) EXCLUDES(mu_);
+  double RunPass(Worker& worker) EXCLUDES(mu_);  // seconds until the next entry is due; may be +inf
+  void OnSettled(size_t receiver, const std::string& fingerprint, uint64_t id, double now) EXCLUDES(mu_);
   double Now() const;
 
   Outbox& outbox_;
   DispatcherOptions options_;
   std::vector<std::unique_ptr<Worker>> workers_;
 
-  std::mutex mu_;  // orders outbox additions with the resend records
-  std::map<std::string, FingerprintRecord> records_;  // guarded by mu_; by fingerprint
-  bool started_ = false;                              // guarded by mu_
-  bool stopped_ = false;                              // guarded by mu_
+  // Orders outbox additions with the resend records. Lock order: mu_, then the outbox's lock and
+  // a worker's locks (Worker::mu, then Worker::error_mu); receivers' I/O runs with none held.
+  Mutex mu_;
+  std::map<std::string, FingerprintRecord> records_ GUARDED_BY(mu_);  // by fingerprint
+  bool started_ GUARDED_BY(mu_) = false;
+  bool stopped_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace gradwatch::notify

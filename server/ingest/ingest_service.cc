@@ -2,9 +2,10 @@
 
 #include <deque>
 #include <memory>
-#include <mutex>
 
 #include <spdlog/spdlog.h>
+
+#include "server/core/thread_annotations.h"
 
 namespace gradwatch::ingest {
 
@@ -41,14 +42,14 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       SendError({IngestErrorReason::kInvalidMessage, "internal error handling this message"}, in_.seq());
     }
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (finishing_) return;
     }
     StartRead(&in_);
   }
 
-  void OnWriteDone(bool ok) override {
-    std::unique_lock lock(mu_);
+  void OnWriteDone(bool ok) override EXCLUDES(mu_) {
+    mu_.Lock();
     out_.pop_front();
     if (!ok) {
       broken_ = true;
@@ -56,12 +57,13 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     }
     if (!out_.empty()) {
       v1::DaemonMessage* next = &out_.front();
-      lock.unlock();
+      mu_.Unlock();
       StartWrite(next);
       return;
     }
     writing_ = false;
     MaybeFinishLocked();
+    mu_.Unlock();
   }
 
   void OnCancel() override { DetachFromRun(); }
@@ -73,8 +75,8 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   }
 
   // StreamSink: called with the run's mutex held; only queue.
-  void SendAck(uint64_t durable_step, uint64_t seq) override {
-    std::unique_lock lock(mu_);
+  void SendAck(uint64_t durable_step, uint64_t seq) override EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     if (finishing_ || broken_) return;
     // Coalesce with an ack that is still waiting to be written.
     if (out_.size() > (writing_ ? 1u : 0u) && out_.back().has_ack()) {
@@ -86,7 +88,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     v1::DaemonMessage msg;
     msg.mutable_ack()->set_durable_step(durable_step);
     msg.mutable_ack()->set_seq(seq);
-    QueueLocked(std::move(msg), lock);
+    QueueLocked(std::move(msg));
   }
 
   void SendError(const IngestError& error) override { SendError(error, 0); }
@@ -104,12 +106,19 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     Queue(std::move(msg));
   }
 
-  void Supersede() override {
+  void Supersede() override EXCLUDES(mu_) {
+    std::string run_id;
+    uint32_t rank = 0;
+    {
+      MutexLock lock(&mu_);
+      run_id = run_id_;
+      rank = rank_;
+    }
     SendError({IngestErrorReason::kSuperseded,
-               "another stream opened for run " + run_id_ + " rank " + std::to_string(rank_) +
+               "another stream opened for run " + run_id + " rank " + std::to_string(rank) +
                    "; this one is closed"},
               0);
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     run_.reset();  // the run already detached us; do not detach the new stream
     finishing_ = true;
     finish_status_ = grpc::Status(grpc::StatusCode::ABORTED, "superseded by a newer stream");
@@ -149,11 +158,20 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       Reject(*err, seq);
       return;
     }
-    if (run_ && (meta.run_id != run_id_ || rank != rank_)) {
-      Reject({IngestErrorReason::kInvalidHello,
-              "this stream already carries run " + run_id_ + " rank " + std::to_string(rank_) +
-                  "; open a new stream for another run or rank"},
-             seq);
+    std::string carried;
+    {
+      MutexLock lock(&mu_);
+      if (run_ && (meta.run_id != run_id_ || rank != rank_)) {
+        carried = "this stream already carries run " + run_id_ + " rank " + std::to_string(rank_) +
+                  "; open a new stream for another run or rank";
+      } else {
+        // Set before Attach publishes this stream: a Supersede() may read them at once.
+        run_id_ = meta.run_id;
+        rank_ = rank;
+      }
+    }
+    if (!carried.empty()) {
+      Reject({IngestErrorReason::kInvalidHello, std::move(carried)}, seq);
       return;
     }
     runs::AttachInfo info;
@@ -164,18 +182,16 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       return;
     }
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       run_ = std::move(run);
     }
-    run_id_ = meta.run_id;
-    rank_ = rank;
-    spdlog::info("run {} rank {}/{}: stream from {} ({}), {} parameters", run_id_, rank_, meta.world_size,
+    spdlog::info("run {} rank {}/{}: stream from {} ({}), {} parameters", meta.run_id, rank, meta.world_size,
                  peer_, in_.hello().client().empty() ? "unknown client" : in_.hello().client(),
                  meta.params.size());
     v1::DaemonMessage msg;
     v1::Accepted* a = msg.mutable_accepted();
-    a->set_run_id(run_id_);
-    a->set_rank(rank_);
+    a->set_run_id(meta.run_id);
+    a->set_rank(rank);
     a->set_has_durable_step(info.has_durable_step);
     a->set_last_durable_step(info.last_durable_step);
     a->set_has_received_step(info.has_received_step);
@@ -185,7 +201,8 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   }
 
   void HandleStep(uint64_t seq) {
-    std::shared_ptr<runs::Run> run = CurrentRun();
+    uint32_t rank = 0;
+    std::shared_ptr<runs::Run> run = CurrentRun(&rank);
     if (!run) {
       Reject({IngestErrorReason::kNoHello, "step before hello: send a Hello first", in_.step().step()}, seq);
       return;
@@ -194,11 +211,12 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       Reject(*err, seq);
       return;
     }
-    if (auto err = run->AddStep(rank_, step_, this)) Reject(*err, seq);
+    if (auto err = run->AddStep(rank, step_, this)) Reject(*err, seq);
   }
 
   void HandleEvent(uint64_t seq) {
-    std::shared_ptr<runs::Run> run = CurrentRun();
+    uint32_t rank = 0;
+    std::shared_ptr<runs::Run> run = CurrentRun(&rank);
     if (!run) {
       Reject({IngestErrorReason::kNoHello, "event before hello: send a Hello first", in_.event().step()},
              seq);
@@ -215,7 +233,8 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   }
 
   void HandleGoodbye(uint64_t seq) {
-    std::shared_ptr<runs::Run> run = CurrentRun();
+    uint32_t rank = 0;
+    std::shared_ptr<runs::Run> run = CurrentRun(&rank);
     if (!run) {
       Reject({IngestErrorReason::kNoHello, "goodbye before hello: send a Hello first"}, seq);
       return;
@@ -226,11 +245,13 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       Reject(*err, seq);
       return;
     }
-    run->Finish(rank_, reason, std::move(message), seq, this);
+    run->Finish(rank, reason, std::move(message), seq, this);
   }
 
-  std::shared_ptr<runs::Run> CurrentRun() {
-    std::lock_guard lock(mu_);
+  // The run this stream carries (null before a Hello or once detached) and its rank here.
+  std::shared_ptr<runs::Run> CurrentRun(uint32_t* rank) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    *rank = rank_;
     return run_;
   }
 
@@ -251,12 +272,13 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     Queue(std::move(msg));
   }
 
-  void Queue(v1::DaemonMessage msg) {
-    std::unique_lock lock(mu_);
-    QueueLocked(std::move(msg), lock);
+  void Queue(v1::DaemonMessage msg) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    QueueLocked(std::move(msg));
   }
 
-  void QueueLocked(v1::DaemonMessage msg, std::unique_lock<std::mutex>& lock) {
+  // Releases mu_ while it starts a write (gRPC may call OnWriteDone at once, which takes it).
+  void QueueLocked(v1::DaemonMessage msg) REQUIRES(mu_) {
     if (finishing_ || broken_) return;
     if (out_.size() >= service_->options().max_queued_answers) {
       // The client is not reading its answers; acks coalesce, so only errors are dropped here.
@@ -267,23 +289,25 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     if (writing_) return;
     writing_ = true;
     v1::DaemonMessage* next = &out_.front();
-    lock.unlock();
+    mu_.Unlock();
     StartWrite(next);
-    lock.lock();
+    mu_.Lock();
   }
 
-  void DetachFromRun() {
+  void DetachFromRun() EXCLUDES(mu_) {
     std::shared_ptr<runs::Run> run;
+    uint32_t rank = 0;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       run = std::move(run_);
       run_.reset();
+      rank = rank_;
     }
-    if (run) run->Detach(rank_, this);
+    if (run) run->Detach(rank, this);
   }
 
-  void FinishWhenDrained(grpc::Status status) {
-    std::lock_guard lock(mu_);
+  void FinishWhenDrained(grpc::Status status) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     if (finishing_) return;
     finishing_ = true;
     finish_status_ = std::move(status);
@@ -291,7 +315,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   }
 
   // Finish once every queued answer is written (gRPC allows one outstanding write).
-  void MaybeFinishLocked() {
+  void MaybeFinishLocked() REQUIRES(mu_) {
     if (!finishing_ || finished_ || writing_) return;
     finished_ = true;
     Finish(finish_status_);
@@ -301,18 +325,21 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   const std::string peer_;
   v1::TrainerMessage in_;  // only touched by the read path
   RankStep step_;          // reused conversion buffer, read path only
-  std::string run_id_;     // set by the read path at hello
-  uint32_t rank_ = 0;
 
-  std::mutex mu_;
-  std::shared_ptr<runs::Run> run_;      // guarded by mu_
-  std::deque<v1::DaemonMessage> out_;   // guarded by mu_; front is being written when writing_
-  bool writing_ = false;                // guarded by mu_
-  bool finishing_ = false;              // guarded by mu_
-  bool finished_ = false;               // guarded by mu_
-  bool broken_ = false;                 // guarded by mu_
-  grpc::Status finish_status_;          // guarded by mu_
-  uint64_t dropped_answers_ = 0;        // guarded by mu_
+  // Lock order: a run's mutex, then this one (the run calls StreamSink methods with its mutex
+  // held); never the other way round: run methods are called with mu_ released. gRPC calls
+  // (StartWrite, Finish) are made without it, except Finish from MaybeFinishLocked.
+  Mutex mu_;
+  std::string run_id_ GUARDED_BY(mu_);  // of the run this stream carries, set at its Hello
+  uint32_t rank_ GUARDED_BY(mu_) = 0;
+  std::shared_ptr<runs::Run> run_ GUARDED_BY(mu_);
+  std::deque<v1::DaemonMessage> out_ GUARDED_BY(mu_);  // front is being written when writing_
+  bool writing_ GUARDED_BY(mu_) = false;
+  bool finishing_ GUARDED_BY(mu_) = false;
+  bool finished_ GUARDED_BY(mu_) = false;
+  bool broken_ GUARDED_BY(mu_) = false;
+  grpc::Status finish_status_ GUARDED_BY(mu_);
+  uint64_t dropped_answers_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace

@@ -59,7 +59,7 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
 }
 
 void Run::FinishRestore() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (size_t i = 0; i < kScalarKeys.size(); ++i) {
     scalar_series_[i] = SeriesForKeyLocked(std::string(kScalarKeys[i]), true);
   }
@@ -153,7 +153,7 @@ std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, Stre
                                        AttachInfo* info) {
   std::optional<RebuildJob> job;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     const bool rewind = hello.resume_from_step && RewindsLocked(*hello.resume_from_step, rank);
     if (auto err = ValidateCatalogLocked(hello, rewind)) return err;
     if (auto err = ExtendCatalogLocked(hello.params)) return err;
@@ -206,7 +206,10 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
                "is abandoned",
                id_, from_step, meta_.world_size, world_size);
   // Pending steps below the resume point complete as they are (nobody will report them again).
-  assembler_.Rewind(from_step, world_size, [this](const PendingStep& p) { CompleteLocked(p); });
+  assembler_.Rewind(from_step, world_size, [this](const PendingStep& p) {
+    mu_.AssertHeld();  // called back synchronously, under this function's lock
+    CompleteLocked(p);
+  });
 
   std::optional<uint64_t> last_kept;
   for (SeriesEntry& e : series_) {
@@ -312,7 +315,7 @@ void Run::RebuildAnalytics(RebuildJob job) {
     }
   }
 
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (branch_ != job.branch) return;  // a newer rewind rebuilds for itself
   analytics_ = std::move(rebuilt);
   rebuilding_ = false;
@@ -335,7 +338,7 @@ void Run::RebuildAnalytics(RebuildJob job) {
 }
 
 void Run::Detach(uint32_t rank, StreamSink* sink) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (rank >= ranks_.size() || ranks_[rank].sink != sink) return;
   ranks_[rank].sink = nullptr;
   ranks_[rank].goodbye_waiting = false;
@@ -365,7 +368,7 @@ std::optional<IngestError> Run::ValidateStepLocked(const RankStep& report) {
 }
 
 std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, StreamSink* sink) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (rank >= ranks_.size()) {
     return IngestError{IngestErrorReason::kSuperseded,
                        "rank " + std::to_string(rank) + " is not in the run's world of " +
@@ -398,8 +401,10 @@ std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, S
 
   const SteadyTime now = clock_->Now();
   last_activity_ = now;
-  const AddResult result =
-      assembler_.Add(rank, report, now, [this](const PendingStep& p) { CompleteLocked(p); });
+  const AddResult result = assembler_.Add(rank, report, now, [this](const PendingStep& p) {
+    mu_.AssertHeld();  // called back synchronously, under this function's lock
+    CompleteLocked(p);
+  });
   rs.has_received = true;
   rs.last_received = report.step;
   if (result == AddResult::kLate) {
@@ -423,7 +428,8 @@ void Run::CompleteLocked(const PendingStep& p) {
   out.ranks_reported = p.ranks_reported;
   out.client_dropped_steps = p.client_dropped_steps;
   out.values.clear();
-  auto put = [&out](SeriesId id, double v) {
+  auto put = [this, &out](SeriesId id, double v) {
+    mu_.AssertHeld();  // called only below, under the caller's lock
     if (id != kNoSeries) out.values.push_back({id, v});
   };
   const size_t n = std::min(param_series_.size(), p.param_sq.size() / kNormFields);
@@ -522,7 +528,7 @@ void Run::AppendLocked(const CompletedStep& step) {
 }
 
 std::optional<IngestError> Run::AddEvent(EventRecord event) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto pos = std::upper_bound(events_.begin(), events_.end(), event.step,
                               [](uint64_t s, const EventRecord& e) { return s < e.step; });
   events_.insert(pos, event);
@@ -533,9 +539,12 @@ std::optional<IngestError> Run::AddEvent(EventRecord event) {
 }
 
 void Run::Tick() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   const SteadyTime now = clock_->Now();
-  assembler_.Expire(now, [this](const PendingStep& p) { CompleteLocked(p); });
+  assembler_.Expire(now, [this](const PendingStep& p) {
+    mu_.AssertHeld();  // called back synchronously, under this function's lock
+    CompleteLocked(p);
+  });
   if (!end_.ended() && open_streams_ == 0 && assembler_.pending() == 0 &&
       now - last_activity_ >= options_.end_after) {
     end_ = {clock_->UnixSeconds(), EndReason::kInactive, {}};
@@ -547,7 +556,7 @@ void Run::Tick() {
 }
 
 void Run::Finish(uint32_t rank, EndReason reason, std::string message, uint64_t seq, StreamSink* sink) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   last_activity_ = clock_->Now();
   if (rank < ranks_.size() && ranks_[rank].sink == sink) {
     ranks_[rank].goodbye_waiting = true;
@@ -565,7 +574,7 @@ void Run::Finish(uint32_t rank, EndReason reason, std::string message, uint64_t 
 }
 
 void Run::OnCleanEndDurable() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (!end_.clean()) return;  // a Hello reopened the run since
   end_durable_ = true;
   AnswerGoodbyesLocked();
@@ -580,7 +589,7 @@ void Run::AnswerGoodbyesLocked() {
 }
 
 void Run::BroadcastAlert(const alerts::Alert& alert) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   BroadcastLocked(alert);
 }
 
@@ -591,7 +600,7 @@ void Run::BroadcastLocked(const alerts::Alert& alert) {
 }
 
 alerts::RunFacts Run::Facts() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return FactsLocked(nullptr);
 }
 
@@ -668,7 +677,7 @@ alerts::RunFacts Run::FactsLocked(const CompletedStep* step) const {
 }
 
 void Run::OnDurable(const store::RankProgress& progress) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (progress.rank >= ranks_.size()) return;
   RankState& rs = ranks_[progress.rank];
   if (progress.branch < branch_) return;  // committed before a rewind: that branch is gone
@@ -706,20 +715,21 @@ RunInfo Run::InfoLocked() const {
 }
 
 double Run::IdleEndedAt() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return end_.ended() && open_streams_ == 0 ? end_.ended_at : 0;
 }
 
 RunInfo Run::Info() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return InfoLocked();
 }
 
 RunMetricsSnapshot Run::MetricsSnapshot() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   RunMetricsSnapshot s;
   s.info = InfoLocked();
   auto latest = [this](SeriesId id) -> std::optional<double> {
+    mu_.AssertHeld();  // called only below, under this function's lock
     if (id == kNoSeries || id >= series_.size() || !series_[id].data) return std::nullopt;
     auto p = series_[id].data->Latest();
     if (!p) return std::nullopt;
@@ -742,7 +752,7 @@ RunMetricsSnapshot Run::MetricsSnapshot() const {
 }
 
 RunSummary Run::Summary() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   RunSummary s;
   s.info = InfoLocked();
   s.config = meta_.config;
@@ -758,14 +768,14 @@ RunSummary Run::Summary() const {
 
 std::optional<std::vector<store::Point>> Run::QuerySeries(const std::string& key, uint64_t from_step,
                                                           uint64_t to_step, size_t max_points) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = series_by_key_.find(key);
   if (it == series_by_key_.end() || !series_[it->second].data) return std::nullopt;
   return series_[it->second].data->Query(from_step, to_step, max_points);
 }
 
 size_t Run::MemoryBytes() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   size_t bytes = sizeof(*this);
   for (const SeriesEntry& e : series_) {
     if (e.data) bytes += e.data->MemoryBytes() + e.key.capacity();
@@ -774,7 +784,7 @@ size_t Run::MemoryBytes() const {
 }
 
 void Run::RestoreSeries(SeriesId id, const std::string& key) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (id >= series_.size()) series_.resize(id + 1);
   series_[id] = {key, std::make_unique<store::Series>(options_.series)};
   series_by_key_[key] = id;
@@ -782,7 +792,7 @@ void Run::RestoreSeries(SeriesId id, const std::string& key) {
 }
 
 void Run::RestoreProgress(const store::RankProgress& progress) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (progress.rank >= ranks_.size()) return;
   RankState& rs = ranks_[progress.rank];
   rs.has_durable = rs.has_received = true;
@@ -792,20 +802,20 @@ void Run::RestoreProgress(const store::RankProgress& progress) {
 }
 
 void Run::RestoreStep(const CompletedStep& step) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   AppendLocked(step);
   analytics_->OnStep(step);
   assembler_.RestoreLastCompleted(step.step);
 }
 
 void Run::RestoreEvent(const EventRecord& event) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   events_.push_back(event);
   analytics_->OnEvent(event);
 }
 
 void Run::RestoreSilentSince(double unix_seconds) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (open_streams_ > 0 || end_.ended()) return;
   const double ago = std::max(0.0, clock_->UnixSeconds() - unix_seconds);
   last_activity_ = std::min(
@@ -814,7 +824,7 @@ void Run::RestoreSilentSince(double unix_seconds) {
 }
 
 void Run::RestoreEnded(const RunEnd& end) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   end_ = end;
   end_durable_ = end.clean();
   if (!end.ended()) return;  // an active run gets a fresh grace period to reconnect
@@ -826,7 +836,7 @@ void Run::RestoreEnded(const RunEnd& end) {
 }
 
 void Run::RestoreRewind(uint64_t from_step) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   last_resume_step_ = from_step;
 }
 

@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -19,6 +18,7 @@
 #include "alerts/facts.h"
 #include "alerts/state_machine.h"
 #include "server/core/clock.h"
+#include "server/core/thread_annotations.h"
 #include "server/core/types.h"
 #include "server/runs/daemon_stats.h"
 #include "server/runs/errors.h"
@@ -273,25 +273,26 @@ class Run {
   };
 
   // Whether a Hello resuming from `from_step` on `rank` rewinds (see Attach).
-  bool RewindsLocked(uint64_t from_step, uint32_t rank) const;
+  bool RewindsLocked(uint64_t from_step, uint32_t rank) const REQUIRES(mu_);
   // The locked part of a rewind: everything but the analytics rebuild, which it prepares.
-  RebuildJob RewindLocked(uint64_t from_step, uint32_t world_size);
+  RebuildJob RewindLocked(uint64_t from_step, uint32_t world_size) REQUIRES(mu_);
   // Rebuilds the analytics off the lock and installs them, unless a newer rewind came first.
   void RebuildAnalytics(RebuildJob job);
-  std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const;
-  void AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info);
-  std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params);
-  std::optional<IngestError> ValidateStepLocked(const RankStep& report);
-  RunInfo InfoLocked() const;
-  alerts::RunFacts FactsLocked(const CompletedStep* step) const;
-  void BroadcastLocked(const alerts::Alert& alert);
-  void AnswerGoodbyesLocked();
-  SeriesId SeriesForKeyLocked(const std::string& key, bool journal);
-  void CompleteLocked(const PendingStep& p);
+  std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const
+      REQUIRES(mu_);
+  void AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info) REQUIRES(mu_);
+  std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params) REQUIRES(mu_);
+  std::optional<IngestError> ValidateStepLocked(const RankStep& report) REQUIRES(mu_);
+  RunInfo InfoLocked() const REQUIRES(mu_);
+  alerts::RunFacts FactsLocked(const CompletedStep* step) const REQUIRES(mu_);
+  void BroadcastLocked(const alerts::Alert& alert) REQUIRES(mu_);
+  void AnswerGoodbyesLocked() REQUIRES(mu_);
+  SeriesId SeriesForKeyLocked(const std::string& key, bool journal) REQUIRES(mu_);
+  void CompleteLocked(const PendingStep& p) REQUIRES(mu_);
   // Analytics and alert evaluation of one completed step (deferred while rebuilding).
-  void AnalyzeLocked(const CompletedStep& step);
-  void AppendLocked(const CompletedStep& step);
-  void JournalLocked(store::JournalRecord record);
+  void AnalyzeLocked(const CompletedStep& step) REQUIRES(mu_);
+  void AppendLocked(const CompletedStep& step) REQUIRES(mu_);
+  void JournalLocked(store::JournalRecord record) REQUIRES(mu_);
 
   const std::string id_;
   const RunOptions options_;
@@ -299,43 +300,47 @@ class Run {
   DaemonStats* const stats_;
   const Clock* const clock_;
 
-  mutable std::mutex mu_;
-  RunMeta meta_;
-  StepAssembler assembler_;
-  std::vector<SeriesEntry> series_;
-  std::unordered_map<std::string, SeriesId> series_by_key_;
-  std::vector<std::array<SeriesId, kNormFields>> param_series_;
-  std::array<SeriesId, 5> scalar_series_{};  // total grad, loss, z-loss, lr, tokens
-  std::vector<RankState> ranks_;
-  std::vector<EventRecord> events_;  // ordered by step
-  std::unique_ptr<RunAnalytics> analytics_;  // replaced at a rewind
-  std::optional<uint64_t> last_resume_step_;  // the latest rewind's step (journaled)
-  uint64_t branch_ = 0;  // rewinds in this process's life; tags journal progress
-  bool rebuilding_ = false;  // a rewind's analytics rebuild is running off the lock
+  // Lock order: RunRegistry's locks, then this one, then the journal's and the stream sinks' (a
+  // StreamSink is called with mu_ held). The alert hook runs under it too and takes the
+  // engine's lock. Never held while reading the journal (RebuildAnalytics).
+  mutable Mutex mu_;
+  RunMeta meta_ GUARDED_BY(mu_);
+  StepAssembler assembler_ GUARDED_BY(mu_);
+  std::vector<SeriesEntry> series_ GUARDED_BY(mu_);
+  std::unordered_map<std::string, SeriesId> series_by_key_ GUARDED_BY(mu_);
+  std::vector<std::array<SeriesId, kNormFields>> param_series_ GUARDED_BY(mu_);
+  std::array<SeriesId, 5> scalar_series_ GUARDED_BY(mu_){};  // total grad, loss, z-loss, lr, tokens
+  std::vector<RankState> ranks_ GUARDED_BY(mu_);
+  std::vector<EventRecord> events_ GUARDED_BY(mu_);  // ordered by step
+  std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);  // replaced at a rewind
+  std::optional<uint64_t> last_resume_step_ GUARDED_BY(mu_);  // the latest rewind's step (journaled)
+  uint64_t branch_ GUARDED_BY(mu_) = 0;  // rewinds in this process's life; tags journal progress
+  bool rebuilding_ GUARDED_BY(mu_) = false;  // a rewind's analytics rebuild is running off the lock
   // Steps completed while rebuilding, for the rebuilt analytics; at most max_pending_steps.
-  std::vector<CompletedStep> deferred_;
-  uint32_t open_streams_ = 0;
-  RunEnd end_;
-  bool end_durable_ = false;  // end_ is clean and committed
-  SteadyTime last_activity_;  // the last hello, detach, step or event
-  SteadyTime last_step_seen_;  // when the last step completed (or the run was created/restored)
+  std::vector<CompletedStep> deferred_ GUARDED_BY(mu_);
+  uint32_t open_streams_ GUARDED_BY(mu_) = 0;
+  RunEnd end_ GUARDED_BY(mu_);
+  bool end_durable_ GUARDED_BY(mu_) = false;  // end_ is clean and committed
+  SteadyTime last_activity_ GUARDED_BY(mu_);  // the last hello, detach, step or event
+  // When the last step completed (or the run was created/restored).
+  SteadyTime last_step_seen_ GUARDED_BY(mu_);
 
-  uint64_t step_count_ = 0;
-  bool has_first_step_ = false;
-  uint64_t first_step_ = 0;
-  uint64_t last_step_ = 0;
-  double last_wall_time_ = 0;
-  uint64_t partial_steps_ = 0;
-  uint64_t nonfinite_count_ = 0;
-  uint64_t last_nonfinite_step_ = 0;
-  uint64_t client_dropped_steps_ = 0;
+  uint64_t step_count_ GUARDED_BY(mu_) = 0;
+  bool has_first_step_ GUARDED_BY(mu_) = false;
+  uint64_t first_step_ GUARDED_BY(mu_) = 0;
+  uint64_t last_step_ GUARDED_BY(mu_) = 0;
+  double last_wall_time_ GUARDED_BY(mu_) = 0;
+  uint64_t partial_steps_ GUARDED_BY(mu_) = 0;
+  uint64_t nonfinite_count_ GUARDED_BY(mu_) = 0;
+  uint64_t last_nonfinite_step_ GUARDED_BY(mu_) = 0;
+  uint64_t client_dropped_steps_ GUARDED_BY(mu_) = 0;
   // Recent (time, step) pairs for the speed estimate; time is trainer wall time when known.
   static constexpr size_t kSpeedWindow = 64;
-  std::array<std::pair<double, uint64_t>, kSpeedWindow> speed_ring_{};
-  size_t speed_count_ = 0;
+  std::array<std::pair<double, uint64_t>, kSpeedWindow> speed_ring_ GUARDED_BY(mu_){};
+  size_t speed_count_ GUARDED_BY(mu_) = 0;
 
- CompletedStep scratch_;             // reused for every completed step
-  std::vector<uint8_t> seen_scratch_;  // reused by ValidateStepLocked
+  CompletedStep scratch_ GUARDED_BY(mu_);  // reused for every completed step
+  std::vector<uint8_t> seen_scratch_ GUARDED_BY(mu_);  // reused by ValidateStepLocked
 };
 
 }  // namespace gradwatch::runs

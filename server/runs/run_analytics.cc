@@ -231,7 +231,9 @@ RunAnalysis RunAnalytics::Analysis() const {
     }
   }
   for (const auto& [key, threshold] : options_.forecasts) {
-    auto it = std::find_if(series_.begin(), series_.end(), [&](const Tracked& t) { return t.key == key; });
+    // The binding is captured through a reference: clang 14 cannot capture structured bindings.
+    auto it =
+        std::find_if(series_.begin(), series_.end(), [&key = key](const Tracked& t) { return t.key == key; });
     if (it == series_.end() || !it->slopes) continue;
     const analytics::WindowedSlope* w = Window(*it, options_.forecast_window_steps);
     if (w == nullptr) continue;

@@ -50,7 +50,7 @@ void PendingStep::Accumulate(uint32_t rank, const RankStep& r) {
   }
   for (const auto& [key, value] : r.extra) {
     auto it = std::find_if(extra.begin(), extra.begin() + extra_used,
-                           [&](const Extra& e) { return e.key == key; });
+                           [&key = key](const Extra& e) { return e.key == key; });  // clang 14: no bare binding
     if (it == extra.begin() + extra_used) {
       if (extra_used == extra.size()) extra.emplace_back();
       it = extra.begin() + extra_used++;

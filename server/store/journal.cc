@@ -570,13 +570,13 @@ Journal::~Journal() { Stop(); }
 
 void Journal::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
-  std::lock_guard<std::mutex> stop_lock(stop_mu_);
+  cv_.SignalAll();
+  MutexLock stop_lock(&stop_mu_);
   if (thread_.joinable()) thread_.join();
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return;
   statements_.reset();  // sqlite3_close refuses a connection with live statements
   if (sqlite3_close(db_) != SQLITE_OK) {
@@ -586,29 +586,29 @@ void Journal::Stop() {
 }
 
 bool Journal::Enqueue(JournalRecord record) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (stopping_ || queue_.size() >= options_.queue_max) return false;
   queue_.push_back(std::move(record));
   ++enqueued_;
   // Waking the writer per record would cost a context switch each; it only needs to know that
   // work arrived or that a batch is full.
-  if (queue_.size() == 1 || queue_.size() == options_.batch_max) cv_.notify_one();
+  if (queue_.size() == 1 || queue_.size() == options_.batch_max) cv_.Signal();
   return true;
 }
 
 Status Journal::Flush() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const uint64_t target = enqueued_;
   const uint64_t failures_before = failed_commits_;
   ++flush_waiters_;
-  cv_.notify_one();
-  flushed_cv_.wait(lock, [&] { return committed_ >= target; });
+  cv_.Signal();
+  while (committed_ < target) flushed_cv_.Wait(&mu_);
   --flush_waiters_;
   return failed_commits_ != failures_before ? last_failure_ : last_status_;
 }
 
 StepJournalRecord Journal::AcquireStepRecord() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (free_steps_.empty()) return {};
   StepJournalRecord record = std::move(free_steps_.back());
   free_steps_.pop_back();
@@ -616,35 +616,35 @@ StepJournalRecord Journal::AcquireStepRecord() {
 }
 
 size_t Journal::queue_depth() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return queue_.size();
 }
 
 uint64_t Journal::commit_count() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return commits_;
 }
 
 uint64_t Journal::failed_commit_count() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return failed_commits_;
 }
 
 void Journal::Run() {
   std::vector<JournalRecord> batch;
-  std::unique_lock<std::mutex> lock(mu_);
+  mu_.Lock();
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || prune_due_; });
+    while (!stopping_ && queue_.empty() && !prune_due_) cv_.Wait(&mu_);
     if (queue_.empty()) {
       if (stopping_) break;  // stopping and drained
-      PruneOnce(lock);
+      PruneOnce();
       continue;
     }
     // Group commit: give companions a moment to arrive so one fsync covers many records.
     const auto deadline = Clock::now() + options_.max_delay;
-    cv_.wait_until(lock, deadline, [&] {
-      return stopping_ || flush_waiters_ > 0 || queue_.size() >= options_.batch_max;
-    });
+    while (!stopping_ && flush_waiters_ == 0 && queue_.size() < options_.batch_max) {
+      if (!cv_.WaitUntil(&mu_, deadline)) break;
+    }
     batch.clear();
     if (queue_.size() <= options_.batch_max) {
       std::swap(batch, queue_);  // both buffers keep their capacity: no allocation when warm
@@ -653,7 +653,7 @@ void Journal::Run() {
       batch.insert(batch.end(), std::make_move_iterator(queue_.begin()), std::make_move_iterator(end));
       queue_.erase(queue_.begin(), end);
     }
-    lock.unlock();
+    mu_.Unlock();
 
     CommitReport report;
     Status status = Commit(batch, report);
@@ -672,7 +672,7 @@ void Journal::Run() {
                     batch.size(), status.ToString());
     }
 
-    lock.lock();
+    mu_.Lock();
     if (status.ok()) {
       ++commits_;
     } else {
@@ -687,22 +687,23 @@ void Journal::Run() {
         free_steps_.push_back(std::move(*step));
       }
     }
-    flushed_cv_.notify_all();
+    flushed_cv_.SignalAll();
     // Pruning takes turns with commits, so a busy ingest neither starves it nor waits for more
     // than one batch.
-    if (prune_due_ && !stopping_) PruneOnce(lock);
+    if (prune_due_ && !stopping_) PruneOnce();
   }
+  mu_.Unlock();
 }
 
-void Journal::PruneOnce(std::unique_lock<std::mutex>& lock) {
-  lock.unlock();
+void Journal::PruneOnce() {
+  mu_.Unlock();
   Status pruned;
   {
-    std::lock_guard<std::mutex> db_lock(db_mu_);
+    MutexLock db_lock(&db_mu_);
     pruned = db_ == nullptr ? Status::FailedPrecondition("journal is closed")
                             : PruneBatchLocked(options_.prune_batch_rows);
   }
-  lock.lock();
+  mu_.Lock();
   if (!pruned.ok()) {
     spdlog::error("journal '{}': pruning failed, retried at the next cutoff: {}", options_.path,
                   pruned.ToString());
@@ -711,7 +712,7 @@ void Journal::PruneOnce(std::unique_lock<std::mutex>& lock) {
 }
 
 Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is closed");
   const auto start = Clock::now();
   Transaction txn(db_, statements_->rollback);
@@ -819,6 +820,7 @@ Status Journal::Apply(const JournalRecord& record) {
           use.Real(5, r.event.recorded_at);
           return use.Done("journal: writing event of run '" + r.run_id + "'");
         } else if constexpr (std::is_same_v<T, RewindRecord>) {
+          db_mu_.AssertHeld();  // the analysis does not carry Apply's REQUIRES into the lambda
           return ApplyRewind(r);
         } else {
           static_assert(std::is_same_v<T, RunEndedRecord>);
@@ -913,7 +915,7 @@ Status Journal::ApplyRewind(const RewindRecord& r) {
 
 Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
                              const std::function<void(const CompletedStep&)>& on_step) {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   Stmt steps;
   if (Status s = Prepare(db_,
@@ -1065,7 +1067,7 @@ struct Journal::Reader {
 };
 
 Status Journal::Load(JournalVisitor& visitor) {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   Reader reader;
   if (Status s = reader.Prepare(db_); !s.ok()) return s;
@@ -1078,7 +1080,7 @@ Status Journal::Load(JournalVisitor& visitor) {
     bool kept = false;
     if (Status s = reader.Visit(rows, visitor, &kept); !s.ok()) return s;
     if (kept) {
-      std::lock_guard<std::mutex> held_lock(held_mu_);
+      MutexLock held_lock(&held_mu_);
       held_.insert(rows.ColText(0));
     }
   }
@@ -1086,10 +1088,10 @@ Status Journal::Load(JournalVisitor& visitor) {
 }
 
 Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   {
-    std::lock_guard<std::mutex> held_lock(held_mu_);
+    MutexLock held_lock(&held_mu_);
     held_.insert(run_id);
   }
   if (run_id == pruning_run_) {
@@ -1114,17 +1116,17 @@ Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
 }
 
 void Journal::Release(const std::string& run_id) {
-  std::lock_guard<std::mutex> held_lock(held_mu_);
+  MutexLock held_lock(&held_mu_);
   held_.erase(run_id);
 }
 
 bool Journal::IsHeld(const std::string& run_id) const {
-  std::lock_guard<std::mutex> held_lock(held_mu_);
+  MutexLock held_lock(&held_mu_);
   return held_.count(run_id) != 0;
 }
 
 StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   Stmt runs, steps;
   if (Status s = gradwatch::store::Prepare(
@@ -1173,17 +1175,17 @@ StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
 
 void Journal::SetPruneCutoff(double ended_before) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     prune_cutoff_ = std::max(prune_cutoff_, ended_before);
     prune_due_ = true;
   }
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 Status Journal::PruneBatchLocked(size_t max_rows) {
   double cutoff;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     cutoff = prune_cutoff_;
   }
   Statements& st = *statements_;
@@ -1202,7 +1204,7 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
     }
     if (!status.ok()) return status;
     if (pruning_run_.empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       prune_due_ = false;  // until the cutoff moves
       return Status::Ok();
     }

@@ -8,11 +8,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "server/core/status.h"
+#include "server/core/thread_annotations.h"
 #include "server/core/types.h"
 
 struct sqlite3;
@@ -205,47 +204,48 @@ class Journal {
 
   Journal(JournalOptions options, CommitCallback on_commit, sqlite3* db,
           std::unique_ptr<Statements> statements);
-  void Run();
-  Status Commit(std::vector<JournalRecord>& batch, CommitReport& report);
-  Status Apply(const JournalRecord& record);  // caller holds db_mu_ inside a transaction
-  Status ApplyRewind(const RewindRecord& record);  // likewise
-  // One pruning transaction of at most max_rows rows; caller holds db_mu_.
-  Status PruneBatchLocked(size_t max_rows);
-  // One batch from the writer thread; `lock` holds mu_ on entry and exit, not during the batch.
-  void PruneOnce(std::unique_lock<std::mutex>& lock);
+  void Run() EXCLUDES(mu_);
+  Status Commit(std::vector<JournalRecord>& batch, CommitReport& report) EXCLUDES(db_mu_);
+  Status Apply(const JournalRecord& record) REQUIRES(db_mu_);  // inside a transaction
+  Status ApplyRewind(const RewindRecord& record) REQUIRES(db_mu_);  // likewise
+  // One pruning transaction of at most max_rows rows.
+  Status PruneBatchLocked(size_t max_rows) REQUIRES(db_mu_);
+  // One batch from the writer thread; releases mu_ for the batch and takes it back.
+  void PruneOnce() REQUIRES(mu_);
 
   const JournalOptions options_;
   const CommitCallback on_commit_;
 
+  // Lock order: stop_mu_, then db_mu_, then held_mu_, then mu_. The commit callback runs with
+  // none of them held.
+  Mutex stop_mu_;  // makes concurrent Stop() calls join and close once
   // Serialises use of the connection between the writer thread, Load and Stop.
-  std::mutex db_mu_;
-  sqlite3* db_;                             // guarded by db_mu_; null once stopped
-  std::unique_ptr<Statements> statements_;  // guarded by db_mu_
-  std::string pruning_run_;                 // guarded by db_mu_: the run being pruned, if any
+  Mutex db_mu_ ACQUIRED_AFTER(stop_mu_);
+  sqlite3* db_ GUARDED_BY(db_mu_);                             // null once stopped
+  std::unique_ptr<Statements> statements_ GUARDED_BY(db_mu_);  // prepared at open
+  std::string pruning_run_ GUARDED_BY(db_mu_);                 // the run being pruned, if any
 
-  // Lock order: db_mu_, then held_mu_, then mu_.
-  mutable std::mutex held_mu_;
-  std::set<std::string> held_;  // guarded by held_mu_
+  mutable Mutex held_mu_ ACQUIRED_AFTER(db_mu_);
+  std::set<std::string> held_ GUARDED_BY(held_mu_);
   std::atomic<uint64_t> pruned_runs_{0};
   std::atomic<uint64_t> pruned_rows_{0};
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;          // wakes the writer thread
-  std::condition_variable flushed_cv_;  // wakes Flush() waiters
-  std::vector<JournalRecord> queue_;    // guarded by mu_; swapped with the writer's batch
-  std::vector<StepJournalRecord> free_steps_;  // guarded by mu_: committed records for reuse
-  uint64_t enqueued_ = 0;               // guarded by mu_
-  uint64_t committed_ = 0;              // guarded by mu_: records committed or failed
-  Status last_status_;                  // guarded by mu_
-  Status last_failure_;                 // guarded by mu_: the most recent failed commit
-  bool stopping_ = false;               // guarded by mu_
-  size_t flush_waiters_ = 0;            // guarded by mu_: a waiter cuts the group window short
-  uint64_t commits_ = 0;                // guarded by mu_
-  uint64_t failed_commits_ = 0;         // guarded by mu_
-  double prune_cutoff_ = 0;             // guarded by mu_
-  bool prune_due_ = false;              // guarded by mu_: SetPruneCutoff asked, not yet done
+  mutable Mutex mu_ ACQUIRED_AFTER(held_mu_);
+  CondVar cv_;          // with mu_: wakes the writer thread
+  CondVar flushed_cv_;  // with mu_: wakes Flush() waiters
+  std::vector<JournalRecord> queue_ GUARDED_BY(mu_);  // swapped with the writer's batch
+  std::vector<StepJournalRecord> free_steps_ GUARDED_BY(mu_);  // committed records for reuse
+  uint64_t enqueued_ GUARDED_BY(mu_) = 0;
+  uint64_t committed_ GUARDED_BY(mu_) = 0;  // records committed or failed
+  Status last_status_ GUARDED_BY(mu_);
+  Status last_failure_ GUARDED_BY(mu_);  // the most recent failed commit
+  bool stopping_ GUARDED_BY(mu_) = false;
+  size_t flush_waiters_ GUARDED_BY(mu_) = 0;  // a waiter cuts the group window short
+  uint64_t commits_ GUARDED_BY(mu_) = 0;
+  uint64_t failed_commits_ GUARDED_BY(mu_) = 0;
+  double prune_cutoff_ GUARDED_BY(mu_) = 0;
+  bool prune_due_ GUARDED_BY(mu_) = false;  // SetPruneCutoff asked, not yet done
 
-  std::mutex stop_mu_;  // makes concurrent Stop() calls join and close once
   std::thread thread_;
 };
 
