@@ -10,7 +10,10 @@ Installs the Debian packages listed in deploy/packages.txt and deploy/packages-t
 missing (needs root then), configures and builds gradwatch with its tests into build/
 (RelWithDebInfo, Ninja, one job per core), and runs
   ctest --test-dir build --output-on-failure --timeout 300 --no-tests=error
-Exits with ctest's status. Arguments after `--` go to ctest, e.g. `tests/run.sh -- -L unit`.
+then tests/fuzz/run.sh: the libFuzzer targets, built with clang-14 into build-fuzz/ (which also
+checks the lock annotations), each run for $GRADWATCH_FUZZ_SECONDS seconds (default 20). Fails
+if either fails. Arguments after `--` go to ctest, e.g.
+`tests/run.sh -- -L unit`.
 USAGE
 }
 
@@ -32,4 +35,5 @@ gw_build "$GW_REPO_ROOT/build" RelWithDebInfo -DGRADWATCH_BUILD_TESTS=ON
 
 status=0
 ctest --test-dir build --output-on-failure --timeout 300 --no-tests=error "${ctest_args[@]}" || status=$?
+bash tests/fuzz/run.sh || status=$?
 exit "$status"

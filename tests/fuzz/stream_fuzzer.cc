@@ -1,0 +1,169 @@
+// Fuzzes what the ingest service does with trainer messages, without gRPC: each message is
+// converted and validated (server/ingest/convert.h) and handed to the run registry exactly as
+// IngestService's stream reactor does (Hello → Attach, Step → AddStep, Event → AddEvent,
+// Goodbye → Finish), with the default alert rules evaluating every completed step.
+//
+// Input: frames of one control byte and one TrainerMessage in protobuf's delimited format (its
+// length as a varint, then its bytes). The control byte's low two bits pick one of four streams;
+// bit 6 closes that stream first (as a client half-close does); bit 7 advances the clock by
+// (byte & 0x3f) seconds and ticks the registry (assembly timeouts, run ends, retention).
+// tests/fuzz/make_stream_seeds.sh writes the seed corpus.
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <google/protobuf/io/coded_stream.h>
+
+#include "alerts/rules.h"
+#include "alerts/state_machine.h"
+#include "gradwatch/v1/gradwatch.pb.h"
+#include "server/core/clock.h"
+#include "server/ingest/convert.h"
+#include "server/runs/daemon_stats.h"
+#include "server/runs/registry.h"
+
+namespace {
+
+using namespace gradwatch;
+using runs::IngestError;
+using runs::IngestErrorReason;
+
+// The daemon's alerting without its store and notifiers: the engine alone.
+class EngineHook final : public runs::AlertHook {
+ public:
+  explicit EngineHook(std::vector<alerts::Rule> rules) : engine_(std::move(rules)) {}
+  std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) override {
+    return engine_.EvaluateStep(facts, facts.now);
+  }
+  std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step,
+                                           double now) override {
+    return engine_.RewindRun(run_id, from_step, now);
+  }
+  void OnRunEnded(const std::string& run_id, bool clean, double now) override {
+    using Ending = alerts::AlertEngine::RunEnding;
+    engine_.EndRun(run_id, clean ? Ending::kGoodbye : Ending::kWithoutGoodbye, now);
+  }
+  void OnRunLeftMemory(const std::string& run_id, double now) override {
+    engine_.EndRun(run_id, alerts::AlertEngine::RunEnding::kLeftMemory, now);
+  }
+
+ private:
+  alerts::AlertEngine engine_;
+};
+
+// One trainer stream: the reactor's read path, with answers counted instead of written.
+class FuzzStream final : public runs::StreamSink {
+ public:
+  FuzzStream(runs::RunRegistry* registry, const Clock* clock) : registry_(registry), clock_(clock) {}
+  ~FuzzStream() override { Close(); }
+
+  void Handle(const v1::TrainerMessage& in) {
+    const uint64_t seq = in.seq();
+    switch (in.body_case()) {
+      case v1::TrainerMessage::kHello: {
+        RunMeta meta;
+        uint32_t rank = 0;
+        if (auto err = ingest::HelloFromProto(in.hello(), ingest::HelloLimits{}, &meta, &rank)) {
+          return Count(*err);
+        }
+        if (run_ && (meta.run_id != run_id_ || rank != rank_)) {
+          return Count({IngestErrorReason::kInvalidHello, ""});
+        }
+        runs::AttachInfo info;
+        IngestError error{IngestErrorReason::kInvalidHello, ""};
+        run_ = registry_->Attach(meta, rank, this, &info, &error);
+        if (!run_) return Count(error);
+        run_id_ = meta.run_id;
+        rank_ = rank;
+        return;
+      }
+      case v1::TrainerMessage::kStep: {
+        if (!run_) return Count({IngestErrorReason::kNoHello, ""});
+        if (auto err = ingest::StepFromProto(in.step(), seq, &step_)) return Count(*err);
+        if (auto err = run_->AddStep(rank_, step_, this)) Count(*err);
+        return;
+      }
+      case v1::TrainerMessage::kEvent: {
+        if (!run_) return Count({IngestErrorReason::kNoHello, ""});
+        EventRecord event;
+        if (auto err = ingest::EventFromProto(in.event(), &event)) return Count(*err);
+        event.source = "trainer";
+        event.recorded_at = clock_->UnixSeconds();
+        if (auto err = run_->AddEvent(std::move(event))) Count(*err);
+        return;
+      }
+      case v1::TrainerMessage::kGoodbye: {
+        if (!run_) return Count({IngestErrorReason::kNoHello, ""});
+        EndReason reason = EndReason::kFinished;
+        std::string message;
+        if (auto err = ingest::GoodbyeFromProto(in.goodbye(), &reason, &message)) return Count(*err);
+        run_->Finish(rank_, reason, std::move(message), seq, this);
+        return;
+      }
+      case v1::TrainerMessage::BODY_NOT_SET: return Count({IngestErrorReason::kInvalidMessage, ""});
+    }
+  }
+
+  void Close() {
+    if (run_) run_->Detach(rank_, this);
+    run_.reset();
+  }
+
+  void SendAck(uint64_t durable_step, uint64_t seq) override { ++answers_; }
+  void SendError(const IngestError& error) override { ++answers_; }
+  void Supersede() override { run_.reset(); }  // the run already detached this stream
+  void SendAlert(const alerts::Alert& alert) override { ++answers_; }
+  void SendFinished(const std::string& run_id, uint64_t seq) override { ++answers_; }
+
+ private:
+  void Count(const IngestError& error) { (void)ingest::ReasonToProto(error.reason); ++answers_; }
+
+  runs::RunRegistry* const registry_;
+  const Clock* const clock_;
+  std::shared_ptr<runs::Run> run_;
+  std::string run_id_;
+  uint32_t rank_ = 0;
+  RankStep step_;
+  uint64_t answers_ = 0;
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const std::vector<alerts::Rule> rules = alerts::LoadDefaultRules().value();
+  FakeClock clock;
+  runs::DaemonStats stats;
+  EngineHook hook(rules);
+  runs::RunOptions options;
+  options.alert_hook = &hook;
+  options.assembly_timeout = std::chrono::seconds(30);
+  options.end_after = std::chrono::seconds(60);
+  options.retention = std::chrono::seconds(120);
+  runs::RunRegistry registry(options, /*max_runs=*/4, &stats, &clock);
+  std::array<std::unique_ptr<FuzzStream>, 4> streams;
+  for (auto& s : streams) s = std::make_unique<FuzzStream>(&registry, &clock);
+
+  google::protobuf::io::CodedInputStream input(data, static_cast<int>(size));
+  uint8_t control = 0;
+  uint32_t length = 0;
+  while (input.ReadRaw(&control, 1) && input.ReadVarint32(&length)) {
+    FuzzStream& stream = *streams[control & 3];
+    if (control & 0x40) stream.Close();
+    if (control & 0x80) {
+      clock.Advance(std::chrono::seconds(control & 0x3f));
+      registry.Tick();
+    }
+    const auto limit = input.PushLimit(static_cast<int>(length));
+    v1::TrainerMessage message;
+    const bool parsed = message.ParseFromCodedStream(&input) && input.ConsumedEntireMessage();
+    input.PopLimit(limit);
+    if (parsed) stream.Handle(message);
+  }
+  for (auto& s : streams) s->Close();
+  registry.Tick();
+  return 0;
+}
