@@ -37,6 +37,17 @@ Status Read(const YAML::Node& node, const std::string& source, const std::string
   }
 }
 
+// A mapping key as text. A key that is not a scalar (`? [a, b]: c`, `{[x]: 1}`) is an error:
+// yaml-cpp would throw converting it.
+Status ReadKey(const YAML::Node& node, const std::string& source, const std::string& parent, std::string* out) {
+  if (!node.IsScalar()) {
+    return Status::InvalidArgument(Where(source, node, parent.empty() ? "top level" : parent) +
+                                   ": a key must be a plain name, not a list or a mapping");
+  }
+  *out = node.Scalar();
+  return Status::Ok();
+}
+
 using Setter = std::function<Status(const YAML::Node&, const std::string&, const std::string&, Config*)>;
 
 template <typename T>
@@ -72,7 +83,8 @@ Status ReadReceivers(const YAML::Node& node, const std::string& source, const st
     if (!item.IsMap()) return Status::InvalidArgument(Where(source, item, key) + ": each receiver is a mapping");
     Config::Receiver r;
     for (const auto& kv : item) {
-      const std::string k = kv.first.as<std::string>();
+      std::string k;
+      if (Status s = ReadKey(kv.first, source, key, &k); !s.ok()) return s;
       const std::string full = key + "." + k;
       Status s;
       if (k == "type") s = Read(kv.second, source, full, &r.type);
@@ -158,7 +170,8 @@ StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source,
   const auto& schema = Schema();
   const auto& top = schema.at("");
   for (const auto& kv : root) {
-    const std::string key = kv.first.as<std::string>();
+    std::string key;
+    if (Status s = ReadKey(kv.first, source, "", &key); !s.ok()) return s;
     if (auto it = top.find(key); it != top.end()) {
       if (Status s = it->second(kv.second, source, key, &base); !s.ok()) return s;
       continue;
@@ -172,7 +185,8 @@ StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source,
       return Status::InvalidArgument(Where(source, kv.second, key) + ": must be a mapping");
     }
     for (const auto& sub : kv.second) {
-      const std::string subkey = sub.first.as<std::string>();
+      std::string subkey;
+      if (Status s = ReadKey(sub.first, source, key, &subkey); !s.ok()) return s;
       const std::string full = key + "." + subkey;
       auto field = section->second.find(subkey);
       if (field == section->second.end()) {

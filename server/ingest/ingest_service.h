@@ -1,5 +1,9 @@
 // The Ingest service: one callback reactor per trainer stream. Handlers only convert and hand on
 // to the run registry; answers (accepted, acks, errors) are queued and written one at a time.
+//
+// Locking: a stream's mutex guards its run, run id, rank and answer queue. Lock order: the run
+// registry's locks, then a run's mutex, then a stream's (a run answers through its StreamSink with
+// its own mutex held); a stream calls into its run only with its own mutex released.
 #pragma once
 
 #include <cstddef>

@@ -74,3 +74,20 @@ TEST_CASE("validation rejects bad values with the key's name", "[daemon]") {
   c.assembly_timeout_seconds = 0;
   CHECK(ValidateConfig(c).message().find("assembly.timeout_seconds") == 0);
 }
+
+// Found by fuzzing (tests/fuzz/corpus/config/crash-key-not-scalar): yaml-cpp throws converting a
+// list or mapping key to text, which ended the process.
+TEST_CASE("a config key that is a list or a mapping is an error, not a crash", "[daemon]") {
+  const char* cases[] = {
+      "{[!ml]}: 1\n",
+      "? [listen]\n: 127.0.0.1:1\n",
+      "log: {? {a: b} : json}\n",
+      "alerts: {receivers: [{? [type] : webhook, url: 'http://x'}]}\n",
+  };
+  for (const char* yaml : cases) {
+    INFO(yaml);
+    auto c = ParseConfig(yaml, "test.yaml");
+    REQUIRE_FALSE(c.ok());
+    CHECK_THAT(c.status().message(), Catch::Contains("test.yaml:") && Catch::Contains("a key must be a plain name"));
+  }
+}
