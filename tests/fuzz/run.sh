@@ -56,7 +56,7 @@ for target in "${targets[@]}"; do
     tail -n 60 "$build/fuzz_$target.log" >&2
     failed+=("$target")
   else
-    grep -E '^stat::number_of_executed_units|^Done' "$build/fuzz_$target.log" | tr '\n' ' ' >&2
+    grep -aE '^Done' "$build/fuzz_$target.log" | tr '\n' ' ' >&2
     echo >&2
   fi
 done
