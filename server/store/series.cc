@@ -58,14 +58,19 @@ void MergeInto(Point& a, const Point& b) {
   a.last = b.last;
 }
 
-Series::Series(const SeriesOptions& options)
-    : options_(Sanitised(options)),
-      recent_(options_.recent_points),
-      history_(options_.history_buckets) {}
+Series::Series(const SeriesOptions& options) : options_(Sanitised(options)) {}
+
+size_t Series::GrownSize(size_t size, size_t capacity) {
+  return std::min(capacity, std::max(kFirstAllocation, size * 2));
+}
 
 bool Series::Append(uint64_t step, double value) {
   if (sample_count_ > 0 && step <= last_step_) return false;
   const Point point = SamplePoint(step, value);
+  if (recent_size_ == recent_.size() && recent_.size() < options_.recent_points) {
+    // Grows only while the ring has not wrapped: recent_start_ is 0 until it is full.
+    recent_.resize(GrownSize(recent_.size(), options_.recent_points));
+  }
   const size_t capacity = recent_.size();
   if (recent_size_ < capacity) {
     recent_[(recent_start_ + recent_size_) % capacity] = point;
@@ -84,7 +89,13 @@ void Series::PushHistory(const Point& evicted) {
   const auto newest_is_open = [this] {
     return history_size_ > 0 && history_[history_size_ - 1].count < bucket_width_;
   };
-  if (!newest_is_open() && history_size_ == history_.size()) CompactHistory();
+  if (!newest_is_open() && history_size_ == history_.size()) {
+    if (history_.size() < options_.history_buckets) {
+      history_.resize(GrownSize(history_.size(), options_.history_buckets));
+    } else {
+      CompactHistory();
+    }
+  }
   // After compaction with an odd capacity the unpaired newest bucket is only half full.
   if (newest_is_open()) {
     MergeInto(history_[history_size_ - 1], evicted);
@@ -170,6 +181,11 @@ std::vector<Point> Series::Query(uint64_t from_step, uint64_t to_step, size_t ma
 
 size_t Series::MemoryBytes() const {
   return sizeof(*this) + (recent_.capacity() + history_.capacity()) * sizeof(Point);
+}
+
+size_t Series::MaxMemoryBytes(const SeriesOptions& options) {
+  const SeriesOptions o = Sanitised(options);
+  return sizeof(Series) + (o.recent_points + o.history_buckets) * sizeof(Point);
 }
 
 }  // namespace gradwatch::store

@@ -31,8 +31,9 @@ struct Point {
   double last = 0;
 };
 
-// Not thread-safe: the owner serialises access. Allocation-free in steady state: its buffers are
-// allocated once, at construction.
+// Not thread-safe: the owner serialises access. Memory grows with the samples held, not with the
+// options: a new series allocates nothing; its buffers grow by doubling (from 8 points) as samples
+// arrive, up to recent_points and history_buckets, and from then on Append never allocates.
 class Series {
  public:
   explicit Series(const SeriesOptions& options = {});
@@ -61,21 +62,29 @@ class Series {
 
   // Samples appended and not truncated (not only those kept at full resolution).
   uint64_t sample_count() const { return sample_count_; }
-  // Bytes this series holds (fixed after construction).
+  // Bytes this series holds now.
   size_t MemoryBytes() const;
+  // Bytes a series with these options holds at most (once full).
+  static size_t MaxMemoryBytes(const SeriesOptions& options);
 
  private:
+  static constexpr size_t kFirstAllocation = 8;
+  // The next buffer size: doubled, at least kFirstAllocation, at most capacity.
+  static size_t GrownSize(size_t size, size_t capacity);
+
   // Merges a point evicted from recent_ into the newest history bucket, or opens a new one.
   void PushHistory(const Point& evicted);
   // Merges adjacent history buckets pairwise and doubles bucket_width_.
   void CompactHistory();
 
   SeriesOptions options_;
-  std::vector<Point> recent_;   // ring buffer, capacity options_.recent_points
+  // Ring buffer, at most options_.recent_points. It grows only before it first wraps, so while it
+  // is smaller than that recent_start_ is 0.
+  std::vector<Point> recent_;
   size_t recent_start_ = 0;     // index of the oldest
   size_t recent_size_ = 0;
-  // Buckets, oldest first, capacity options_.history_buckets. It only grows at the end and is
-  // compacted in place, so unlike recent_ it needs no ring offset.
+  // Buckets, oldest first, at most options_.history_buckets. It only grows at the end and is
+  // compacted in place (once at its full size), so unlike recent_ it needs no ring offset.
   std::vector<Point> history_;
   size_t history_size_ = 0;
   uint64_t bucket_width_ = 1;   // samples per history bucket
