@@ -75,6 +75,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gradwatchd: invalid configuration: %s\n", s.message().c_str());
     return kExitConfig;
   }
+  if (auto s = gradwatch::daemon::CheckConfigFiles(config); !s.ok()) {
+    std::fprintf(stderr, "gradwatchd: invalid configuration: %s\n", s.message().c_str());
+    return kExitConfig;
+  }
   if (check_config) {
     const nlohmann::json shown = {
         {"listen", config.listen},

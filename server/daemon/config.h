@@ -63,12 +63,16 @@ struct Config {
   std::vector<std::string> rule_files;  // more rule files
 };
 
-// Reads a YAML config file over the defaults. Unknown keys and bad values are errors that name
-// the file, line and key.
+// Reads a YAML config file over the defaults. Unknown keys, repeated keys and bad values are
+// errors that name the file, line and key.
 StatusOr<Config> LoadConfigFile(const std::string& path);
 // Parses YAML text (the file's contents) over `base`; `source` names it in errors.
 StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source, Config base = {});
-// Checks ranges and addresses; the message names the offending key.
+// Checks ranges, addresses and receiver URLs; the message names the offending key.
 Status ValidateConfig(const Config& config);
+// Reads and checks what the configuration names on disk: the rule files (with the built-in rules,
+// as the daemon loads them). Run by --check-config and before start, so that a bad configuration
+// exits 2 and never reaches the daemon.
+Status CheckConfigFiles(const Config& config);
 
 }  // namespace gradwatch::daemon
