@@ -23,6 +23,9 @@ struct Config {
   size_t max_params_per_run = 65536;
   size_t max_series_per_run = 262144;
   size_t max_streams = 4096;
+  // The memory all runs together may be charged (runs::MemoryBudget); 0: a quarter of the
+  // machine's physical memory.
+  size_t memory_budget_bytes = 0;
 
   double assembly_timeout_seconds = 30;
   size_t recent_points = 4096;

@@ -49,13 +49,27 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
     for (size_t i = 0; i < kScalarKeys.size(); ++i) {
       scalar_series_[i] = SeriesForKeyLocked(std::string(kScalarKeys[i]), true);
     }
-    ExtendCatalogLocked(params);
+    ExtendCatalogLocked(params, /*prepaid=*/true);
   } else {
     // Restored: series ids come from the journal (RestoreSeries), mapped in FinishRestore.
     meta_.params = std::move(params);
     analytics_->SetCatalog(meta_.params);
     scalar_series_.fill(kNoSeries);
   }
+}
+
+Run::~Run() {
+  if (options_.budget != nullptr) options_.budget->Release(charged_bytes_);
+}
+
+void Run::AdoptCharge(uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  charged_bytes_ += bytes;
+}
+
+uint64_t Run::ChargedBytes() const {
+  std::lock_guard lock(mu_);
+  return charged_bytes_;
 }
 
 void Run::FinishRestore() {
@@ -124,12 +138,24 @@ std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello, bool
   return std::nullopt;
 }
 
-std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>& params) {
+std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid) {
   const size_t first = meta_.params.size();
   if (params.size() <= first) return std::nullopt;
   if (series_.size() + (params.size() - first) * kNormFields > options_.max_series) {
     return IngestError{IngestErrorReason::kLimitExceeded,
                        "catalog would exceed " + std::to_string(options_.max_series) + " series"};
+  }
+  if (!prepaid && options_.budget != nullptr) {
+    const uint64_t bytes = MemoryBudget::CatalogBytes(params, first);
+    if (!options_.budget->TryCharge(bytes)) {
+      return IngestError{IngestErrorReason::kLimitExceeded,
+                         "extending the catalog by " + std::to_string(params.size() - first) +
+                             " parameters needs about " + std::to_string(bytes) +
+                             " bytes, beyond the daemon's memory budget (limits.memory_budget_bytes " +
+                             std::to_string(options_.budget->limit()) + ", " +
+                             std::to_string(options_.budget->used()) + " in use)"};
+    }
+    charged_bytes_ += bytes;
   }
   store::ParamsRecord record{id_, static_cast<uint32_t>(first), {}};
   for (size_t i = first; i < params.size(); ++i) {
@@ -156,7 +182,7 @@ std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, Stre
     std::lock_guard lock(mu_);
     const bool rewind = hello.resume_from_step && RewindsLocked(*hello.resume_from_step, rank);
     if (auto err = ValidateCatalogLocked(hello, rewind)) return err;
-    if (auto err = ExtendCatalogLocked(hello.params)) return err;
+    if (auto err = ExtendCatalogLocked(hello.params, /*prepaid=*/false)) return err;
     if (rewind) job = RewindLocked(*hello.resume_from_step, hello.world_size);
     AttachLocked(rank, sink, info);
     // Told once the resumed rank's stream is attached, so that it hears of them too.
@@ -497,13 +523,21 @@ void Run::AnalyzeLocked(const CompletedStep& step) {
 }
 
 void Run::AppendLocked(const CompletedStep& step) {
+  uint64_t grown = 0;
   for (const SeriesValue& sv : step.values) {
     if (sv.id >= series_.size() || !series_[sv.id].data) continue;
-    series_[sv.id].data->Append(step.step, sv.value);
+    store::Series& series = *series_[sv.id].data;
+    const size_t before = series.MemoryBytes();
+    series.Append(step.step, sv.value);
+    grown += series.MemoryBytes() - before;
     if (!std::isfinite(sv.value)) {
       ++nonfinite_count_;
       last_nonfinite_step_ = step.step;
     }
+  }
+  if (grown > 0 && options_.budget != nullptr) {
+    options_.budget->Charge(grown);
+    charged_bytes_ += grown;
   }
   if (!has_first_step_) {
     first_step_ = step.step;

@@ -109,3 +109,10 @@ TEST_CASE("the rule files a configuration names are read and checked before star
   REQUIRE_FALSE(s.ok());
   CHECK_THAT(s.message(), Catch::Contains("/nonexistent/gradwatch-rules.yaml"));
 }
+
+TEST_CASE("the memory budget is read from limits", "[daemon]") {
+  auto c = ParseConfig("limits: {memory_budget_bytes: 1073741824}\n", "t.yaml");
+  REQUIRE(c.ok());
+  CHECK(c->memory_budget_bytes == 1073741824u);
+  CHECK(ParseConfig("", "t.yaml")->memory_budget_bytes == 0u);  // 0: a quarter of the machine's memory
+}
