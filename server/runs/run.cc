@@ -453,16 +453,17 @@ void Run::CompleteLocked(const PendingStep& p) {
     if (id != kNoSeries) out.values.push_back({id, v});
   };
   const size_t n = std::min(param_series_.size(), p.param_sq.size() / kNormFields);
+  // Square roots of long double sums of squares: finite norms stay finite (NormContribution).
   if (p.total_grad.present) {
-    put(scalar_series_[kTotalGrad], std::sqrt(p.total_grad.sq));
+    put(scalar_series_[kTotalGrad], static_cast<double>(std::sqrt(p.total_grad.sq)));
   } else {
     // The trainer did not send a total: derive it from the parameters' gradient norms.
-    double sq = 0;
+    long double sq = 0;
     bool any = false;
     for (size_t i = 0; i < n; ++i) {
       if (p.param_present[i * kNormFields]) sq += p.param_sq[i * kNormFields], any = true;
     }
-    if (any) put(scalar_series_[kTotalGrad], std::sqrt(sq));
+    if (any) put(scalar_series_[kTotalGrad], static_cast<double>(std::sqrt(sq)));
   }
   if (p.loss_n) put(scalar_series_[kLoss], p.loss_sum / p.loss_n);
   if (p.z_loss_n) put(scalar_series_[kZLoss], p.z_loss_sum / p.z_loss_n);
@@ -471,7 +472,7 @@ void Run::CompleteLocked(const PendingStep& p) {
   for (size_t i = 0; i < n; ++i) {
     for (int f = 0; f < kNormFields; ++f) {
       if (p.param_present[i * kNormFields + f]) {
-        put(param_series_[i][f], std::sqrt(p.param_sq[i * kNormFields + f]));
+        put(param_series_[i][f], static_cast<double>(std::sqrt(p.param_sq[i * kNormFields + f])));
       }
     }
   }

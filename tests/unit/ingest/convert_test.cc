@@ -184,3 +184,12 @@ TEST_CASE("extra keys cannot name a built-in series", "[ingest]") {
   RankStep out;
   CHECK_FALSE(StepFromProto(in, 1, &out));
 }
+
+TEST_CASE("a norm's square keeps a finite norm finite", "[ingest]") {
+  v1::StepStats in;
+  in.mutable_total_grad()->set_norm(1e160);
+  RankStep out;
+  REQUIRE_FALSE(StepFromProto(in, 1, &out));
+  CHECK(std::isfinite(out.total_grad.sq));
+  CHECK(static_cast<double>(std::sqrt(out.total_grad.sq)) == Approx(1e160));
+}
