@@ -835,7 +835,11 @@ void Run::RestoreStep(const CompletedStep& step) {
 
 void Run::RestoreEvent(const EventRecord& event) {
   std::lock_guard lock(mu_);
-  events_.push_back(event);
+  // The journal hands events out in the order they were recorded; an annotation may have been
+  // made for an earlier step than the events before it. events_ stays ordered by step (stable).
+  events_.insert(std::upper_bound(events_.begin(), events_.end(), event.step,
+                                  [](uint64_t s, const EventRecord& e) { return s < e.step; }),
+                 event);
   analytics_->OnEvent(event);
 }
 

@@ -393,3 +393,20 @@ TEST_CASE("a finite norm too large to square in a double stays finite", "[runs]"
   }
   CHECK(found);
 }
+
+TEST_CASE("restored events are ordered by step whatever order the journal recorded them in", "[runs]") {
+  FakeClock clock;
+  RunOptions options;
+  Run run(Meta(), options, nullptr, nullptr, &clock, false);
+  run.RestoreEvent({500, "third", "trainer", 3});
+  run.RestoreEvent({100, "first", "annotation", 1});
+  run.RestoreEvent({300, "second", "annotation", 2});
+  run.RestoreEvent({300, "second, later", "annotation", 4});
+  run.FinishRestore();
+  const auto events = run.Summary().events;
+  REQUIRE(events.size() == 4);
+  CHECK(events[0].text == "first");
+  CHECK(events[1].text == "second");
+  CHECK(events[2].text == "second, later");
+  CHECK(events[3].text == "third");
+}
