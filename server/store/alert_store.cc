@@ -49,8 +49,11 @@ std::string Hex(uint64_t fingerprint) {
   return out;
 }
 
+// As the journal's: invalid UTF-8 is replaced (U+FFFD), never thrown on the writer thread.
+std::string Dump(const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
 std::string AckToJson(const alerts::Acknowledgement& ack) {
-  return nlohmann::json{{"by", ack.by}, {"comment", ack.comment}, {"at", ack.at}}.dump();
+  return Dump(nlohmann::json{{"by", ack.by}, {"comment", ack.comment}, {"at", ack.at}});
 }
 
 alerts::Acknowledgement AckFromJson(const std::string& text) {
@@ -138,7 +141,7 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
     sqlite3_reset(s);
     BindText(s, 1, id);
     if (silence) {
-      BindText(s, 2, nlohmann::json(silence->matchers).dump());
+      BindText(s, 2, Dump(nlohmann::json(silence->matchers)));
       sqlite3_bind_double(s, 3, silence->starts_at);
       sqlite3_bind_double(s, 4, silence->ends_at);
       BindText(s, 5, silence->comment);

@@ -225,3 +225,27 @@ TEST_CASE("alert store outbox: entries in back-off never crowd out due ones", "[
   CHECK(later[301].id == ids[301]);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("alert store saves an acknowledgement with invalid UTF-8 instead of throwing", "[store]") {
+  const auto dir = TempPath();
+  auto store = store::AlertStore::Open((dir / "journal.db").string());
+  REQUIRE(store.ok());
+  alerts::InstanceState inst = Firing("run-utf8", 100);
+  inst.ack = alerts::Acknowledgement{"op\xff", "looked at it \xc3", 1.7e9};
+  alerts::StateChanges changes;
+  changes.instances[42] = inst;
+  alerts::Silence silence;
+  silence.id = "s1";
+  silence.matchers = {{"run", "bad\xfe"}};
+  silence.starts_at = 1.7e9;
+  silence.ends_at = 1.7e9 + 60;
+  changes.silences["s1"] = silence;
+  auto written = (*store)->Write({}, changes);
+  REQUIRE(written.ok());
+  const auto saved = (*store)->LoadState().value();
+  REQUIRE(saved.instances.size() == 1);
+  REQUIRE(saved.instances[0].ack.has_value());
+  CHECK(saved.instances[0].ack->by == "op\xef\xbf\xbd");  // U+FFFD
+  REQUIRE(saved.silences.size() == 1);
+  std::filesystem::remove_all(dir);
+}
