@@ -215,7 +215,7 @@ TEST_CASE("a bad configuration is caught by --check-config and exits 2 at start"
 TEST_CASE("a replay of a file with no step creates no run and fails", "[integration]") {
   DaemonProcess daemon;
   TempDir dir;
-  for (const std::string text : {std::string(), std::string("not json\n{\"no\": \"step\"}\n")}) {
+  for (const std::string& text : {std::string(), std::string("not json\n{\"no\": \"step\"}\n")}) {
     const auto file = dir.path() / "history.jsonl";
     std::ofstream(file) << text;
     const CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", file.string()});

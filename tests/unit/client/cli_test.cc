@@ -288,7 +288,7 @@ TEST_CASE("replay fails with 1 when the daemon is unreachable or the file is mis
 TEST_CASE("an empty or unreadable file creates no run and fails", "[client]") {
   FakeIngest ingest;
   FakeServer server({&ingest});
-  for (const std::string text : {std::string(), std::string("\n\n"), std::string("garbage\nmore garbage\n"),
+  for (const std::string& text : {std::string(), std::string("\n\n"), std::string("garbage\nmore garbage\n"),
                                  std::string(R"({"run": "only-a-header"})") + "\n"}) {
     CAPTURE(text);
     TempFile file(text);
