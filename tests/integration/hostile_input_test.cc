@@ -132,7 +132,7 @@ TEST_CASE("a 65,536-parameter run costs memory by what it reports, across a rest
   CHECK(runs[0].step_count() == 50);
 }
 
-TEST_CASE("run label names that are not Prometheus label names are refused; values are escaped", "[integration]") {
+TEST_CASE("run label names that are not Prometheus label names are refused, and values are escaped", "[integration]") {
   DaemonProcess daemon;
   const std::vector<std::pair<std::string, v1::ParamKind>> catalog = {{"final_norm.weight", v1::PARAM_KIND_NORM_GAIN}};
   uint64_t seq = 1;
