@@ -529,7 +529,11 @@ void Run::AppendLocked(const CompletedStep& step) {
     if (sv.id >= series_.size() || !series_[sv.id].data) continue;
     store::Series& series = *series_[sv.id].data;
     const size_t before = series.MemoryBytes();
-    series.Append(step.step, sv.value);
+    // Growth is reserved in the budget first; refused, the series downsamples sooner instead.
+    const uint64_t reserved = options_.budget != nullptr ? series.NextGrowthBytes() : 0;
+    const bool may_grow = reserved == 0 || options_.budget->TryCharge(reserved);
+    series.Append(step.step, sv.value, may_grow);
+    if (reserved > 0 && may_grow) options_.budget->Release(reserved);
     grown += series.MemoryBytes() - before;
     if (!std::isfinite(sv.value)) {
       ++nonfinite_count_;

@@ -153,8 +153,8 @@ class Run {
   // Memory: the caller charges options.budget for the catalog the run is constructed with
   // (MemoryBudget::CatalogBytes) before constructing it and hands the charge over here; the run
   // charges its catalog's later extensions (refusing a Hello that does not fit with
-  // LIMIT_EXCEEDED, before anything is journaled) and its series' growth, and releases it all
-  // when destroyed.
+  // LIMIT_EXCEEDED, before anything is journaled) and its series' growth (a series that does not
+  // fit stops growing, store::Series::Append's may_grow), and releases it all when destroyed.
   void AdoptCharge(uint64_t bytes);
   // Bytes the run is charged to the budget.
   uint64_t ChargedBytes() const;

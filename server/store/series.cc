@@ -64,19 +64,43 @@ size_t Series::GrownSize(size_t size, size_t capacity) {
   return std::min(capacity, std::max(kFirstAllocation, size * 2));
 }
 
-bool Series::Append(uint64_t step, double value) {
+bool Series::RecentMayGrow(bool may_grow) const {
+  return recent_size_ == recent_.size() && recent_.size() < options_.recent_points &&
+         (may_grow || recent_.empty());
+}
+
+bool Series::HistoryMayGrow(bool may_grow) const {
+  return history_size_ == history_.size() && history_.size() < options_.history_buckets &&
+         (may_grow || history_.empty());
+}
+
+size_t Series::NextGrowthBytes() const {
+  if (RecentMayGrow(true)) {
+    return (GrownSize(recent_.size(), options_.recent_points) - recent_.size()) * sizeof(Point);
+  }
+  if (recent_size_ == recent_.size() && HistoryMayGrow(true)) {
+    return (GrownSize(history_.size(), options_.history_buckets) - history_.size()) * sizeof(Point);
+  }
+  return 0;
+}
+
+bool Series::Append(uint64_t step, double value, bool may_grow) {
   if (sample_count_ > 0 && step <= last_step_) return false;
   const Point point = SamplePoint(step, value);
-  if (recent_size_ == recent_.size() && recent_.size() < options_.recent_points) {
-    // Grows only while the ring has not wrapped: recent_start_ is 0 until it is full.
-    recent_.resize(GrownSize(recent_.size(), options_.recent_points));
+  if (RecentMayGrow(may_grow)) {
+    // A ring that wrapped at a smaller size (growth refused) is unwrapped first, keeping its order.
+    std::rotate(recent_.begin(), recent_.begin() + static_cast<std::ptrdiff_t>(recent_start_), recent_.end());
+    recent_start_ = 0;
+    const size_t grown = GrownSize(recent_.size(), options_.recent_points);
+    recent_.reserve(grown);
+    recent_.resize(grown);
   }
   const size_t capacity = recent_.size();
   if (recent_size_ < capacity) {
     recent_[(recent_start_ + recent_size_) % capacity] = point;
     ++recent_size_;
   } else {
-    PushHistory(recent_[recent_start_]);
+    PushHistory(recent_[recent_start_], may_grow);
     recent_[recent_start_] = point;
     recent_start_ = (recent_start_ + 1) % capacity;
   }
@@ -85,13 +109,15 @@ bool Series::Append(uint64_t step, double value) {
   return true;
 }
 
-void Series::PushHistory(const Point& evicted) {
+void Series::PushHistory(const Point& evicted, bool may_grow) {
   const auto newest_is_open = [this] {
     return history_size_ > 0 && history_[history_size_ - 1].count < bucket_width_;
   };
   if (!newest_is_open() && history_size_ == history_.size()) {
-    if (history_.size() < options_.history_buckets) {
-      history_.resize(GrownSize(history_.size(), options_.history_buckets));
+    if (HistoryMayGrow(may_grow)) {
+      const size_t grown = GrownSize(history_.size(), options_.history_buckets);
+      history_.reserve(grown);
+      history_.resize(grown);
     } else {
       CompactHistory();
     }

@@ -194,3 +194,36 @@ TEST_CASE("a journaled run beyond the budget is skipped at start, counted, and t
   CHECK(restarted.Attach(big, 0, &sink, &info, &error) == nullptr);
   CHECK(error.reason == IngestErrorReason::kLimitExceeded);
 }
+
+TEST_CASE("series stop growing when the budget is spent, and keep every step", "[runs]") {
+  FakeClock clock;
+  RunOptions options;
+  const RunMeta meta = Hello("tight", 8);
+  const uint64_t catalog = MemoryBudget::CatalogBytes(meta.params);
+  // Room for the catalog and a few KB of series: far less than 9 full series (~2.6 MB).
+  MemoryBudget budget(catalog + 16 * 1024);
+  options.budget = &budget;
+  REQUIRE(budget.TryCharge(catalog));
+  Run run(meta, options, nullptr, nullptr, &clock, true);
+  run.AdoptCharge(catalog);
+  NullSink sink;
+  AttachInfo info;
+  REQUIRE_FALSE(run.Attach(meta, 0, &sink, &info));
+  for (uint64_t s = 1; s <= 20000; ++s) {
+    RankStep r;
+    r.step = s;
+    for (uint32_t p = 0; p < 8; ++p) {
+      r.params.push_back({.index = p, .norms = {NormContribution::FromNorm(1.0 + 1e-4 * s), {}, {}}});
+    }
+    REQUIRE_FALSE(run.AddStep(0, r, &sink));
+  }
+  // The first 8-point buffers of each series are always allowed; nothing grows past the budget.
+  CHECK(budget.used() <= budget.limit() + 9 * 16 * sizeof(store::Point));
+  CHECK(run.Info().step_count == 20000);
+  const auto points = run.QuerySeries("grad/norm/layers.3.weight", 0, UINT64_MAX, 0);
+  REQUIRE(points);
+  uint64_t count = 0;
+  for (const auto& p : *points) count += p.count;
+  CHECK(count == 20000);
+  CHECK(points->back().last_step == 20000);
+}

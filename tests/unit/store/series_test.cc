@@ -395,3 +395,25 @@ TEST_CASE("a series emptied by a rewind before it wrapped grows again from where
   CHECK(points.back().mean == -100.0);
   CHECK(series.Latest()->last == -100.0);
 }
+
+TEST_CASE("a series refused growth keeps its first buffers and every sample, and grows later in order", "[store]") {
+  const SeriesOptions options{.recent_points = 64, .history_buckets = 16};
+  Series series(options);
+  CHECK(series.NextGrowthBytes() == 8 * sizeof(Point));
+  for (uint64_t s = 1; s <= 1000; ++s) REQUIRE(series.Append(s, static_cast<double>(s), /*may_grow=*/false));
+  // 8 recent points and 8 history buckets, whatever was refused.
+  CHECK(series.MemoryBytes() == sizeof(Series) + 16 * sizeof(Point));
+  CHECK(series.NextGrowthBytes() == 8 * sizeof(Point));
+  std::vector<Point> points = series.Query(0, kAllSteps);
+  CHECK(TotalCount(points) == 1000);
+  CHECK(points.back().step == 1000);
+  CHECK(FiniteSum(points) == Approx(1000.0 * 1001.0 / 2.0));
+
+  // Allowed again, the wrapped ring is unwrapped as it grows: the newest samples stay in order.
+  for (uint64_t s = 1001; s <= 1100; ++s) REQUIRE(series.Append(s, static_cast<double>(s)));
+  points = series.Query(0, kAllSteps);
+  CHECK(TotalCount(points) == 1100);
+  for (size_t i = 1; i < points.size(); ++i) CHECK(points[i].step == points[i - 1].last_step + 1);
+  CHECK(FiniteSum(points) == Approx(1100.0 * 1101.0 / 2.0));
+  CHECK(points.back().mean == 1100.0);
+}
