@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <limits>
@@ -26,6 +28,9 @@ using json = nlohmann::json;
 // version-1 journal is migrated at open.
 constexpr int kSchemaVersion = 2;
 constexpr int kBusyTimeoutMs = 5000;
+// Back-off between attempts at a commit that failed (full disk, read-only or vanished files).
+constexpr std::chrono::milliseconds kFirstRetryDelay{50};
+constexpr std::chrono::milliseconds kMaxRetryDelay{2000};
 // One (uint32 series id, float64 value) pair in a step's value blob.
 constexpr size_t kValueEntryBytes = 4 + 8;
 // A larger catalog index can only come from corruption; refuse it rather than allocate for it.
@@ -421,6 +426,95 @@ Status SetUpSchema(sqlite3* db, const std::string& path) {
   return Exec(db, "COMMIT");
 }
 
+// Big-endian 32-bit field of a WAL header or frame header.
+uint32_t GetBe32(const unsigned char* p) {
+  return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
+}
+
+// SQLite's WAL checksum (https://www.sqlite.org/fileformat2.html#walformat): over 32-bit words
+// in the byte order the header's magic names, continuing from (s0, s1).
+void WalChecksum(const unsigned char* p, size_t bytes, bool big_endian, uint32_t& s0, uint32_t& s1) {
+  auto word = [big_endian](const unsigned char* w) {
+    return big_endian ? GetBe32(w)
+                      : (uint32_t{w[3]} << 24) | (uint32_t{w[2]} << 16) | (uint32_t{w[1]} << 8) | uint32_t{w[0]};
+  };
+  for (size_t i = 0; i + 8 <= bytes; i += 8) {
+    s0 += word(p + i) + s1;
+    s1 += word(p + i + 4) + s0;
+  }
+}
+
+// Reads the WAL as SQLite's recovery will, before SQLite opens it, to count what recovery drops:
+// frames of the current WAL (matching salts) after the last valid commit frame.
+void ScanWal(const std::string& wal_path, RecoveryReport& report) {
+  FILE* f = std::fopen(wal_path.c_str(), "rb");
+  if (f == nullptr) return;
+  std::unique_ptr<FILE, int (*)(FILE*)> owned(f, std::fclose);
+  unsigned char header[32];
+  if (std::fread(header, 1, sizeof header, f) != sizeof header) return;
+  const uint32_t magic = GetBe32(header);
+  if ((magic & ~1u) != 0x377f0682u) return;  // not a WAL SQLite would recover from
+  const bool big_endian = (magic & 1u) != 0;
+  const uint32_t page_size = GetBe32(header + 8);
+  if (page_size < 512 || page_size > 65536 || (page_size & (page_size - 1)) != 0) return;
+  uint32_t s0 = 0, s1 = 0;
+  WalChecksum(header, 24, big_endian, s0, s1);
+  if (s0 != GetBe32(header + 24) || s1 != GetBe32(header + 28)) return;  // SQLite ignores the file
+  std::vector<unsigned char> frame(24 + page_size);
+  uint64_t valid = 0, committed = 0, after_commit = 0;
+  bool broken = false;
+  while (true) {
+    const size_t got = std::fread(frame.data(), 1, frame.size(), f);
+    if (got == 0) break;
+    const bool same_salt = got >= 24 && std::memcmp(frame.data() + 8, header + 16, 8) == 0;
+    if (!same_salt) break;  // a frame of an earlier WAL generation: stale, not lost
+    if (got < frame.size()) {
+      ++after_commit, report.corrupt_tail = true;  // torn frame
+      break;
+    }
+    if (!broken) {
+      uint32_t c0 = s0, c1 = s1;
+      WalChecksum(frame.data(), 8, big_endian, c0, c1);
+      WalChecksum(frame.data() + 24, page_size, big_endian, c0, c1);
+      if (c0 == GetBe32(frame.data() + 16) && c1 == GetBe32(frame.data() + 20)) {
+        s0 = c0, s1 = c1;
+        ++valid;
+        if (GetBe32(frame.data() + 4) != 0) committed = valid, after_commit = 0;
+        else ++after_commit;
+        continue;
+      }
+      broken = true;
+      report.corrupt_tail = true;
+    }
+    ++after_commit;
+  }
+  report.discarded_frames = after_commit;
+  if (after_commit > 0) {
+    report.detail += std::to_string(after_commit) + " WAL frame(s) after the last good transaction (frame " +
+                     std::to_string(committed) + ") are discarded" +
+                     (report.corrupt_tail ? ": the tail is damaged (bad checksum or torn frame)"
+                                          : ": a transaction that never committed") + ". ";
+  }
+}
+
+// Runs PRAGMA quick_check; false (with the first problem in *detail) when the database is damaged.
+bool QuickCheck(sqlite3* db, std::string* detail) {
+  Stmt check;
+  if (!Prepare(db, "PRAGMA quick_check(5)", false, check).ok()) {
+    *detail += std::string("quick_check cannot run: ") + sqlite3_errmsg(db) + ". ";
+    return false;
+  }
+  StmtUse use(check);
+  Status s;
+  bool ok = true;
+  while (use.Row(&s, "journal: quick_check")) {
+    const std::string line = use.ColText(0);
+    if (line != "ok") ok = false, *detail += "quick_check: " + line + ". ";
+  }
+  if (!s.ok()) ok = false, *detail += s.message() + ". ";
+  return ok;
+}
+
 }  // namespace
 
 struct Journal::Statements {
@@ -513,6 +607,17 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
                            dir.string() + "' does not exist");
   }
 
+  // Before SQLite opens the files: its recovery rewrites the WAL index and forgets what it dropped.
+  RecoveryReport recovery;
+  const bool had_db = std::filesystem::exists(options.path, ec);
+  if (had_db && std::filesystem::exists(options.path + "-shm", ec) &&
+      !std::filesystem::exists(options.path + "-wal", ec)) {
+    recovery.wal_missing = true;
+    recovery.detail += "the WAL (" + options.path + "-wal) is missing after an unclean stop: transactions "
+                       "since the last checkpoint are lost. ";
+  }
+  ScanWal(options.path + "-wal", recovery);
+
   sqlite3* db = nullptr;
   const int rc = sqlite3_open_v2(options.path.c_str(), &db,
                                  SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
@@ -540,7 +645,18 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
   if (Status s = Exec(db, "PRAGMA synchronous=FULL"); !s.ok()) return s;
   // Pruning frees pages that later writes reuse; the WAL shrinks back to this after checkpoints.
   if (Status s = Exec(db, "PRAGMA journal_size_limit=67108864"); !s.ok()) return s;
-  if (Status s = SetUpSchema(db, options.path); !s.ok()) return s;
+  if ((recovery.wal_missing || recovery.corrupt_tail) && !QuickCheck(db, &recovery.detail)) {
+    recovery.damaged = true;
+  }
+  if (Status s = SetUpSchema(db, options.path); !s.ok()) {
+    if (recovery.detail.empty()) return s;
+    return Status(s.code(), s.message() + " (" + recovery.detail + ")");
+  }
+  if (recovery.wal_missing || recovery.corrupt_tail || recovery.damaged) {
+    spdlog::error("journal '{}': recovered with losses: {}", options.path, recovery.detail);
+  } else if (!recovery.ok()) {
+    spdlog::warn("journal '{}': {}", options.path, recovery.detail);
+  }
 
   auto statements = std::make_unique<Statements>();
   if (Status s = statements->PrepareAll(db); !s.ok()) return s;
@@ -549,6 +665,7 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
   normalized.batch_max = std::max<size_t>(normalized.batch_max, 1);
   std::unique_ptr<Journal> journal(
       new Journal(std::move(normalized), std::move(on_commit), owned.release(), std::move(statements)));
+  journal->recovery_ = std::move(recovery);
   try {
     journal->thread_ = std::thread(&Journal::Run, journal.get());
   } catch (const std::exception& e) {
@@ -585,15 +702,20 @@ void Journal::Stop() {
   db_ = nullptr;
 }
 
-bool Journal::Enqueue(JournalRecord record) {
+uint64_t Journal::Enqueue(JournalRecord record) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_ || queue_.size() >= options_.queue_max) return false;
+  if (stopping_ || queue_.size() >= options_.queue_max) return 0;
   queue_.push_back(std::move(record));
   ++enqueued_;
   // Waking the writer per record would cost a context switch each; it only needs to know that
   // work arrived or that a batch is full.
   if (queue_.size() == 1 || queue_.size() == options_.batch_max) cv_.notify_one();
-  return true;
+  return enqueued_;
+}
+
+uint64_t Journal::last_enqueued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return enqueued_;
 }
 
 Status Journal::Flush() {
@@ -602,7 +724,7 @@ Status Journal::Flush() {
   const uint64_t failures_before = failed_commits_;
   ++flush_waiters_;
   cv_.notify_one();
-  flushed_cv_.wait(lock, [&] { return committed_ >= target; });
+  flushed_cv_.wait(lock, [&] { return committed_ >= target || failed_commits_ != failures_before; });
   --flush_waiters_;
   return failed_commits_ != failures_before ? last_failure_ : last_status_;
 }
@@ -653,11 +775,55 @@ void Journal::Run() {
       batch.insert(batch.end(), std::make_move_iterator(queue_.begin()), std::make_move_iterator(end));
       queue_.erase(queue_.begin(), end);
     }
+    // Every earlier batch is committed (or given up at shutdown): this one ends the numbering here.
+    const uint64_t batch_through = committed_ + batch.size();
     lock.unlock();
 
     CommitReport report;
     Status status = Commit(batch, report);
+    report.committed_through = batch_through;
+    // A failed commit keeps its batch and tries again after a bounded back-off: nothing in it
+    // was acked, and nothing queued behind it is committed first, so progress stays in order.
+    while (!status.ok()) {
+      lock.lock();
+      ++failed_commits_;
+      last_failure_ = status;
+      flushed_cv_.notify_all();
+      const bool stop_now = stopping_;
+      if (healthy_.exchange(false, std::memory_order_relaxed)) {
+        storage_faults_.fetch_add(1, std::memory_order_relaxed);
+        fault_started_ = Clock::now();
+        retry_delay_ = kFirstRetryDelay;
+        spdlog::error("journal '{}': storage fault, commits are retried and nothing more is acked until "
+                      "one succeeds ({} records held): {}",
+                      options_.path, batch.size() + queue_.size(), status.ToString());
+      } else {
+        spdlog::warn("journal '{}': commit retry failed ({} records held): {}", options_.path,
+                     batch.size() + queue_.size(), status.ToString());
+      }
+      if (stop_now) {
+        // Shutting down with storage that still fails: these records were never acked, so
+        // their ranks resend them to the next daemon.
+        dropped_records_.fetch_add(batch.size(), std::memory_order_relaxed);
+        spdlog::error("journal '{}': {} records not committed at shutdown; they were never acknowledged",
+                      options_.path, batch.size());
+        lock.unlock();
+        break;
+      }
+      cv_.wait_for(lock, retry_delay_, [&] { return stopping_; });
+      retry_delay_ = std::min(retry_delay_ * 2, kMaxRetryDelay);
+      lock.unlock();
+      report = CommitReport{};
+      status = Commit(batch, report);
+      report.committed_through = batch_through;
+    }
     if (status.ok()) {
+      if (!healthy_.load(std::memory_order_relaxed)) {
+        std::lock_guard<std::mutex> relock(mu_);
+        healthy_.store(true, std::memory_order_relaxed);
+        spdlog::warn("journal '{}': storage recovered after {:.1f} s; commits and acks go on", options_.path,
+                     std::chrono::duration<double>(Clock::now() - fault_started_).count());
+      }
       if (on_commit_) {
         try {
           on_commit_(report);
@@ -667,18 +833,10 @@ void Journal::Run() {
           spdlog::error("journal: commit callback threw");
         }
       }
-    } else {
-      spdlog::error("journal '{}': commit of {} records failed, they are lost: {}", options_.path,
-                    batch.size(), status.ToString());
     }
 
     lock.lock();
-    if (status.ok()) {
-      ++commits_;
-    } else {
-      ++failed_commits_;
-      last_failure_ = status;
-    }
+    if (status.ok()) ++commits_;
     last_status_ = std::move(status);
     committed_ += batch.size();
     for (JournalRecord& record : batch) {

@@ -97,6 +97,26 @@ struct CommitReport {
   std::chrono::duration<double> duration{};  // of the transaction, BEGIN to COMMIT
   std::vector<RankProgress> progress;        // durable progress made by this commit
   std::vector<std::string> clean_ends;       // runs whose Goodbye (finished, stopped) it made durable
+  uint64_t committed_through = 0;            // every record numbered ≤ this is committed
+};
+
+// What opening the journal found about its own state (start-up recovery). SQLite recovers the
+// WAL by itself, silently: committed transactions are kept, anything after the last commit frame
+// that checks out is dropped. This makes what it dropped visible.
+struct RecoveryReport {
+  // The shared-memory index of an unclean stop is there but its WAL is not: the WAL was deleted
+  // while the daemon was stopped, and every transaction since the last checkpoint is lost.
+  bool wal_missing = false;
+  // WAL frames after the last good transaction, not recovered (a transaction that never
+  // committed, or a damaged tail); the journal goes on from the last good transaction.
+  uint64_t discarded_frames = 0;
+  // Some of the discarded frames belong to the current WAL but fail their checksum: the tail was
+  // damaged, not merely unfinished.
+  bool corrupt_tail = false;
+  // PRAGMA quick_check found problems (run when the WAL was missing or damaged).
+  bool damaged = false;
+  std::string detail;  // what was found, for the log
+  bool ok() const { return !wal_missing && discarded_frames == 0 && !damaged; }
 };
 
 // Receives runs from the journal, one after the other in creation order: each run, then (unless
@@ -177,13 +197,18 @@ class Journal {
   uint64_t pruned_rows() const { return pruned_rows_.load(std::memory_order_relaxed); }
   uint64_t DiskBytes() const;
 
-  // Queues a record for the next commit. Never blocks on I/O. Returns false if the queue is full
-  // or the journal is stopped (the record is not kept).
-  bool Enqueue(JournalRecord record);
+  // Queues a record for the next commit. Never blocks on I/O. Returns the record's number (1 for
+  // the first record since open, then increasing by one), or 0 if the queue is full or the
+  // journal is stopped (the record is not kept). Records are committed in number order, so
+  // CommitReport::committed_through covers every record numbered at or below it.
+  uint64_t Enqueue(JournalRecord record);
+  // The number of the last record enqueued (0 before the first).
+  uint64_t last_enqueued() const;
 
-  // Blocks until everything enqueued before the call is committed (or failed). Returns the
-  // status of the last commit, except that a commit failing during the wait is returned even if
-  // a later one succeeded, so a lost record is never reported as durable.
+  // Blocks until everything enqueued before the call is committed, or until a commit attempt
+  // fails during the wait (its records are kept and retried). Returns the status of the last
+  // commit, except that a failure during the wait is returned even if a later attempt succeeded,
+  // so a record is never reported as durable before it is.
   Status Flush();
 
   // Commits what is queued, stops the thread, closes the database. Idempotent.
@@ -195,9 +220,25 @@ class Journal {
 
   // Records waiting for a commit (not counting the batch being committed).
   size_t queue_depth() const;
-  // Successful commits, and failed (rolled back) commits, since open.
+  // Successful commits, and failed (rolled back) commit attempts, since open.
   uint64_t commit_count() const;
   uint64_t failed_commit_count() const;
+
+  // What opening the journal found; logged at Open (an error when !ok()).
+  const RecoveryReport& recovery() const { return recovery_; }
+
+  // Storage faults. A commit that fails (full disk, read-only, immutable or vanished files, I/O
+  // errors) is rolled back and tried again with the same records, after a back-off doubling from
+  // 50 ms to 2 s, until it succeeds; records enqueued meanwhile wait behind it (up to queue_max).
+  // No progress is reported for them until then, so nothing is acked that is not committed.
+  // healthy() is false from the first failed attempt to the next successful commit: callers
+  // should refuse new data meanwhile (a retryable error) rather than let the queue grow.
+  bool healthy() const { return healthy_.load(std::memory_order_relaxed); }
+  // Times the journal went from healthy to failing, since open.
+  uint64_t storage_fault_count() const { return storage_faults_.load(std::memory_order_relaxed); }
+  // Records given up: still failing to commit when Stop() ran (never acked, so resent by their
+  // ranks to the next daemon).
+  uint64_t dropped_record_count() const { return dropped_records_.load(std::memory_order_relaxed); }
 
  private:
   struct Statements;  // prepared once at open, reused by every commit
@@ -216,6 +257,7 @@ class Journal {
 
   const JournalOptions options_;
   const CommitCallback on_commit_;
+  RecoveryReport recovery_;  // set once by Open
 
   // Serialises use of the connection between the writer thread, Load and Stop.
   std::mutex db_mu_;
@@ -244,6 +286,12 @@ class Journal {
   uint64_t failed_commits_ = 0;         // guarded by mu_
   double prune_cutoff_ = 0;             // guarded by mu_
   bool prune_due_ = false;              // guarded by mu_: SetPruneCutoff asked, not yet done
+
+  std::atomic<bool> healthy_{true};  // written under mu_ by the writer thread
+  std::atomic<uint64_t> storage_faults_{0};
+  std::atomic<uint64_t> dropped_records_{0};
+  std::chrono::steady_clock::time_point fault_started_;  // writer thread only
+  std::chrono::milliseconds retry_delay_{0};             // writer thread only
 
   std::mutex stop_mu_;  // makes concurrent Stop() calls join and close once
   std::thread thread_;
