@@ -86,11 +86,12 @@ uint64_t Run::JournalLocked(store::JournalRecord record) {
 
 std::optional<IngestError> Run::StorageRefusalLocked(uint32_t rank, uint64_t step) {
   RankState& rs = ranks_[rank];
-  if (journal_ == nullptr || (!rs.storage_refused && journal_->healthy())) return std::nullopt;
+  if (journal_ == nullptr || (!rs.storage_refused && journal_->accepting())) return std::nullopt;
   rs.storage_refused = true;
   return IngestError{IngestErrorReason::kStorageUnavailable,
-                     "the daemon cannot commit to its journal now (see its log); this message and later "
-                     "ones on this stream are not taken: keep them and resend on a new stream",
+                     "the daemon cannot commit to its journal now (storage fault or a full commit queue, "
+                     "see its log); this message and later ones on this stream are not taken: keep them "
+                     "and resend on a new stream",
                      step};
 }
 
@@ -578,7 +579,7 @@ std::optional<IngestError> Run::AddEvent(EventRecord event, uint32_t rank, uint6
     events_.insert(last, event);
     analytics_->OnEvent(event);
   }
-  if (journal_ == nullptr) {
+  if (journal_ == nullptr || (held && journal_->last_committed() >= record)) {
     if (sink != nullptr) sink->SendEventAck(seq, event.step);
     return std::nullopt;
   }

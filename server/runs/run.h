@@ -183,7 +183,9 @@ class Run {
   void Detach(uint32_t rank, StreamSink* sink);
 
   // Validates and adds one rank's step. An idempotent repeat that is already durable is acked
-  // through `sink` at once. Returns the error to send on the stream, if any.
+  // through `sink` at once. Returns the error to send on the stream, if any. While the journal is
+  // not accepting (store::Journal::accepting) the step, and every later report of this rank until
+  // its next Hello, is refused with STORAGE_UNAVAILABLE before anything is changed.
   std::optional<IngestError> AddStep(uint32_t rank, const RankStep& report, StreamSink* sink);
 
   // Adds an event (from a trainer or an annotation).
@@ -191,8 +193,8 @@ class Run {
   // Adds an event sent by `rank` with `seq` on `sink`, which gets SendEventAck(seq) once the
   // event is committed. An event the run already holds (same step, text and source: a resend
   // after a reconnect or a daemon restart) is not stored again, only acked once what it holds
-  // is committed. While the journal cannot commit (store::Journal::healthy) the event is refused
-  // with STORAGE_UNAVAILABLE, as steps are.
+  // is committed. While the journal is not accepting (store::Journal::accepting) the event is
+  // refused with STORAGE_UNAVAILABLE, as steps are.
   std::optional<IngestError> AddEvent(EventRecord event, uint32_t rank, uint64_t seq, StreamSink* sink);
 
   // A Goodbye from `rank` on `sink`: the run ends at once, cleanly (`reason` is kFinished or
@@ -320,7 +322,8 @@ class Run {
   void AppendLocked(const CompletedStep& step);
   // Returns the record's journal number, 0 when it was not journaled (counted as dropped).
   uint64_t JournalLocked(store::JournalRecord record);
-  // Refuses a report from `rank` while the journal cannot commit (see RankState::storage_refused).
+  // Refuses a report from `rank` while the journal is not accepting (a storage fault, or its queue
+  // three quarters full: what is taken always finds room) — see RankState::storage_refused.
   std::optional<IngestError> StorageRefusalLocked(uint32_t rank, uint64_t step);
   void DropEventAcksLocked(StreamSink* sink);
 

@@ -1,9 +1,13 @@
 #include "server/store/journal.h"
 
 #include <sqlite3.h>
+#include <sys/stat.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -666,6 +670,12 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
   std::unique_ptr<Journal> journal(
       new Journal(std::move(normalized), std::move(on_commit), owned.release(), std::move(statements)));
   journal->recovery_ = std::move(recovery);
+  struct stat st {};
+  if (::stat(options.path.c_str(), &st) != 0) {
+    return Status::IoError("journal '" + options.path + "': stat after open: " + std::strerror(errno));
+  }
+  journal->db_dev_ = st.st_dev;
+  journal->db_ino_ = st.st_ino;
   try {
     journal->thread_ = std::thread(&Journal::Run, journal.get());
   } catch (const std::exception& e) {
@@ -713,9 +723,20 @@ uint64_t Journal::Enqueue(JournalRecord record) {
   return enqueued_;
 }
 
+bool Journal::accepting() const {
+  if (!healthy()) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size() < options_.queue_max / 4 * 3;
+}
+
 uint64_t Journal::last_enqueued() const {
   std::lock_guard<std::mutex> lock(mu_);
   return enqueued_;
+}
+
+uint64_t Journal::last_committed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return committed_;
 }
 
 Status Journal::Flush() {
@@ -868,9 +889,25 @@ void Journal::PruneOnce(std::unique_lock<std::mutex>& lock) {
   }
 }
 
+Status Journal::CheckFilesLocked() const {
+  // SQLite goes on writing to files that were deleted or replaced under it, and those writes
+  // would be acked and then lost: a commit only counts while the files are the ones it opened.
+  struct stat st {};
+  if (::stat(options_.path.c_str(), &st) != 0) {
+    return Status::IoError("journal '" + options_.path + "' vanished: " + std::strerror(errno) +
+                           " (restart the daemon once the data directory is back)");
+  }
+  if (st.st_dev != db_dev_ || st.st_ino != db_ino_) {
+    return Status::IoError("journal '" + options_.path +
+                           "' was replaced by another file (restart the daemon to use it)");
+  }
+  return Status::Ok();
+}
+
 Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) {
   std::lock_guard<std::mutex> db_lock(db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is closed");
+  if (Status s = CheckFilesLocked(); !s.ok()) return s;
   const auto start = Clock::now();
   Transaction txn(db_, statements_->rollback);
   if (Status s = txn.Begin(statements_->begin); !s.ok()) return s;

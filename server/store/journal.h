@@ -202,8 +202,10 @@ class Journal {
   // journal is stopped (the record is not kept). Records are committed in number order, so
   // CommitReport::committed_through covers every record numbered at or below it.
   uint64_t Enqueue(JournalRecord record);
-  // The number of the last record enqueued (0 before the first).
+  // The number of the last record enqueued (0 before the first), and of the last one committed
+  // (every record numbered at or below it is).
   uint64_t last_enqueued() const;
+  uint64_t last_committed() const;
 
   // Blocks until everything enqueued before the call is committed, or until a commit attempt
   // fails during the wait (its records are kept and retried). Returns the status of the last
@@ -234,6 +236,9 @@ class Journal {
   // healthy() is false from the first failed attempt to the next successful commit: callers
   // should refuse new data meanwhile (a retryable error) rather than let the queue grow.
   bool healthy() const { return healthy_.load(std::memory_order_relaxed); }
+  // Whether new data should be taken: healthy, and the queue below three quarters of queue_max,
+  // so that records of data already taken always find room (Enqueue never drops them).
+  bool accepting() const;
   // Times the journal went from healthy to failing, since open.
   uint64_t storage_fault_count() const { return storage_faults_.load(std::memory_order_relaxed); }
   // Records given up: still failing to commit when Stop() ran (never acked, so resent by their
@@ -249,6 +254,8 @@ class Journal {
   void Run();
   Status Commit(std::vector<JournalRecord>& batch, CommitReport& report);
   Status Apply(const JournalRecord& record);  // caller holds db_mu_ inside a transaction
+  // Fails when the database file is gone or replaced since Open; caller holds db_mu_.
+  Status CheckFilesLocked() const;
   Status ApplyRewind(const RewindRecord& record);  // likewise
   // One pruning transaction of at most max_rows rows; caller holds db_mu_.
   Status PruneBatchLocked(size_t max_rows);
@@ -258,6 +265,7 @@ class Journal {
   const JournalOptions options_;
   const CommitCallback on_commit_;
   RecoveryReport recovery_;  // set once by Open
+  uint64_t db_dev_ = 0, db_ino_ = 0;  // set once by Open: the database file it opened
 
   // Serialises use of the connection between the writer thread, Load and Stop.
   std::mutex db_mu_;
@@ -277,7 +285,7 @@ class Journal {
   std::vector<JournalRecord> queue_;    // guarded by mu_; swapped with the writer's batch
   std::vector<StepJournalRecord> free_steps_;  // guarded by mu_: committed records for reuse
   uint64_t enqueued_ = 0;               // guarded by mu_
-  uint64_t committed_ = 0;              // guarded by mu_: records committed or failed
+  uint64_t committed_ = 0;              // guarded by mu_: records committed, or given up at Stop
   Status last_status_;                  // guarded by mu_
   Status last_failure_;                 // guarded by mu_: the most recent failed commit
   bool stopping_ = false;               // guarded by mu_

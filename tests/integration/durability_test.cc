@@ -257,6 +257,26 @@ TEST_CASE("an immutable WAL: steps are not acked, and after it clears a replay r
   CHECK(rows.steps.back() == 600);
 }
 
+TEST_CASE("a journal deleted under the running daemon is a storage fault, never a false ack",
+          "[integration][durability]") {
+  TempDir data("gradwatch-vanished");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  DaemonProcess daemon(options);
+  const std::string file = (data.path() / "h.jsonl").string();
+  WriteHistory(file, "vanished", 1, 100);
+  for (const char* name : {"journal.db", "journal.db-wal", "journal.db-shm"}) {
+    std::filesystem::remove(data.path() / name);
+  }
+  const CommandResult replay = Cli(daemon, {"--timeout", "3", "replay", file, "--max"}, 3);
+  INFO(replay.out << replay.err << daemon.LogText());
+  CHECK(replay.exit_code == 1);
+  CHECK(replay.out.find("last acked step  none") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_storage_healthy") == 0.0);
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "NOT_SERVING");
+  CHECK(daemon.LogText().find("vanished") != std::string::npos);
+}
+
 TEST_CASE("a WAL deleted while the daemon was stopped is reported at start", "[integration][durability]") {
   TempDir data("gradwatch-nowal");
   DaemonOptions options;

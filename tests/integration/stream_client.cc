@@ -1,10 +1,9 @@
 #include "tests/integration/stream_client.h"
 
 #include <future>
+#include <stdexcept>
 
 #include <grpcpp/generic/generic_stub.h>
-
-#include <stdexcept>
 
 namespace gradwatch::testing {
 
