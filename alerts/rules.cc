@@ -1,4 +1,5 @@
 #include "alerts/rules.h"
+#include "alerts/yaml_checks.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -674,6 +675,12 @@ StatusOr<std::vector<Rule>> ParseOrError(const std::string& yaml_text, const std
   if (!parser.errors().empty()) {
     errors->insert(errors->end(), parser.errors().begin(), parser.errors().end());
     return Status::InvalidArgument(parser.errors().front());
+  }
+  // The parser names a rule's own repeated keys; this catches them everywhere else (labels,
+  // annotations, groups), where yaml-cpp would let the last one win.
+  if (Status s = CheckNoDuplicateKeys(yaml_text, source_name); !s.ok()) {
+    errors->push_back(s.message());
+    return s;
   }
   return rules;
 }

@@ -97,6 +97,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gradwatchd: invalid configuration: %s\n", s.message().c_str());
     return kExitConfig;
   }
+  if (auto s = gradwatch::daemon::CheckConfigFiles(config); !s.ok()) {
+    std::fprintf(stderr, "gradwatchd: invalid configuration: %s\n", s.message().c_str());
+    return kExitConfig;
+  }
   if (check_config) {
     const nlohmann::json shown = {
         {"listen", config.listen},
@@ -108,7 +112,8 @@ int main(int argc, char** argv) {
           {"max_runs", config.max_runs},
           {"max_params_per_run", config.max_params_per_run},
           {"max_series_per_run", config.max_series_per_run},
-          {"max_streams", config.max_streams}}},
+          {"max_streams", config.max_streams},
+          {"memory_budget_bytes", config.memory_budget_bytes}}},
         {"assembly", {{"timeout_seconds", config.assembly_timeout_seconds}}},
         {"store", {{"recent_points", config.recent_points}, {"history_buckets", config.history_buckets}}},
         {"journal", {{"batch_max", config.journal_batch_max}, {"max_delay_ms", config.journal_max_delay_ms}}},

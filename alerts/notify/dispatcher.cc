@@ -317,7 +317,7 @@ void Dispatcher::RunWorker(Worker& worker) {
 double Dispatcher::RunPass(Worker& worker) {
   const double idle = std::chrono::duration<double>(options_.idle_poll).count();
   Receiver& receiver = *worker.receiver;
-  auto pending = outbox_.Pending(receiver.name(), options_.batch_limit);
+  auto pending = outbox_.Pending(receiver.name(), options_.batch_limit, Now());
   if (!pending.ok()) {
     spdlog::warn("notify {}: cannot read the outbox: {}", receiver.name(),
                  pending.status().message());

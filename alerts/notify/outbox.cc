@@ -1,5 +1,7 @@
 #include "alerts/notify/outbox.h"
 
+#include <set>
+
 namespace gradwatch::notify {
 
 Result<std::vector<uint64_t>> MemoryOutbox::Write(std::vector<OutboxEntry> entries,
@@ -37,16 +39,23 @@ Result<alerts::SavedState> MemoryOutbox::LoadState() {
   return saved;
 }
 
-Result<std::vector<OutboxEntry>> MemoryOutbox::Pending(std::string_view receiver, size_t limit) {
+Result<std::vector<OutboxEntry>> MemoryOutbox::Pending(std::string_view receiver, size_t limit, double now) {
   std::lock_guard lock(mu_);
-  std::vector<OutboxEntry> pending;
-  for (const auto& [id, record] : records_) {
-    if (pending.size() >= limit) break;
-    if (record.state == EntryState::kPending && record.entry.receiver == receiver) {
-      pending.push_back(record.entry);
+  std::vector<OutboxEntry> due, later;
+  std::set<std::string> waiting;  // fingerprints with an older pending entry not due
+  for (const auto& [id, record] : records_) {  // ordered by id
+    if (record.state != EntryState::kPending || record.entry.receiver != receiver) continue;
+    if (waiting.count(record.entry.fingerprint)) continue;
+    if (record.entry.next_attempt_at > now) {
+      waiting.insert(record.entry.fingerprint);
+      later.push_back(record.entry);
+    } else {
+      due.push_back(record.entry);
     }
   }
-  return pending;
+  due.insert(due.end(), later.begin(), later.end());
+  if (due.size() > limit) due.resize(limit);
+  return due;
 }
 
 Result<uint64_t> MemoryOutbox::PendingCount(std::string_view receiver) {

@@ -45,10 +45,13 @@ class Outbox {
   // The alert states and silences stored by Write, for a restart.
   virtual Result<alerts::SavedState> LoadState() = 0;
 
-  // Up to limit pending entries of the receiver, oldest (lowest id) first, whether due or not:
-  // the dispatcher needs an entry that is waiting for its retry to hold back the later entries of
-  // the same fingerprint, so that they are delivered in order.
-  virtual Result<std::vector<OutboxEntry>> Pending(std::string_view receiver, size_t limit) = 0;
+  // Up to limit pending entries of the receiver that the dispatcher may act on at `now` (seconds
+  // since the Unix epoch): the due ones first, oldest (lowest id) first, then those not due yet,
+  // oldest first (they tell the dispatcher when to wake up). An entry is left out while an older
+  // entry of its fingerprint is not due: it must wait for that one, so that a fingerprint's
+  // entries are delivered in order. So entries in back-off never fill the batch ahead of due
+  // ones, whatever their number.
+  virtual Result<std::vector<OutboxEntry>> Pending(std::string_view receiver, size_t limit, double now) = 0;
 
   // Pending entries of the receiver (for the queue-depth gauge).
   virtual Result<uint64_t> PendingCount(std::string_view receiver) = 0;
@@ -74,7 +77,7 @@ class MemoryOutbox final : public Outbox {
 
   Result<std::vector<uint64_t>> Write(std::vector<OutboxEntry> entries, const alerts::StateChanges& states) override;
   Result<alerts::SavedState> LoadState() override;
-  Result<std::vector<OutboxEntry>> Pending(std::string_view receiver, size_t limit) override;
+  Result<std::vector<OutboxEntry>> Pending(std::string_view receiver, size_t limit, double now) override;
   Result<uint64_t> PendingCount(std::string_view receiver) override;
   Status MarkDelivered(uint64_t id) override;
   Status MarkFailed(uint64_t id, std::string_view error) override;

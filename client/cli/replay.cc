@@ -246,6 +246,12 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     err << options.file << ": " << plan.bad_line_count - plan.bad_lines.size()
         << " more bad lines not shown\n";
   }
+  if (plan.step_lines == 0 && plan.events == 0) {
+    // An empty or unreadable file must not create an empty run on the daemon.
+    err << "gradwatch: " << options.file << " holds no step to replay (" << plan.lines << " lines, "
+        << plan.bad_line_count << " skipped); nothing was sent\n";
+    return kExitFailure;
+  }
 
   ReplaySummary summary;
   summary.file = options.file;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <utility>
@@ -172,12 +173,35 @@ LineResult ParseHeader(const json& obj) {
   return r;
 }
 
-void AddMetric(StepRecord& rec, const std::string& key, double value) {
+// A key the daemon fills from a StepStats field: its value must be a number.
+bool IsBuiltInKey(const std::string& key) {
+  if (key == kTotalGradKey || key == "train/loss" || key == "train/z_loss" || key == "optim/learning_rate" ||
+      key == "train/tokens") {
+    return true;
+  }
+  for (std::string_view prefix : {kGradPrefix, kParamPrefix, kUpdatePrefix}) {
+    if (key.compare(0, prefix.size(), prefix) == 0) return true;
+  }
+  return false;
+}
+
+// A string holding a decimal number, such as "1.0": a number written as text by mistake.
+bool IsQuotedNumber(const json& v) {
+  if (!v.is_string()) return false;
+  const std::string& s = v.get_ref<const std::string&>();
+  if (s.empty() || std::isspace(static_cast<unsigned char>(s[0]))) return false;
+  char* end = nullptr;
+  std::strtod(s.c_str(), &end);
+  return end == s.c_str() + s.size();
+}
+
+// Adds one numeric value; returns why it cannot be sent, if it cannot (the line is then skipped).
+std::optional<std::string> AddMetric(StepRecord& rec, const std::string& key, double value) {
   v1::StepStats& s = rec.stats;
   rec.has_metrics = true;
   if (key == kTotalGradKey) {
     s.mutable_total_grad()->set_norm(value);
-    return;
+    return std::nullopt;
   }
   const std::pair<std::string_view, NormField> prefixes[] = {
       {kGradPrefix, NormField::kGrad},
@@ -187,8 +211,9 @@ void AddMetric(StepRecord& rec, const std::string& key, double value) {
   for (const auto& [prefix, field] : prefixes) {
     if (key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0) {
       rec.params.push_back({key.substr(prefix.size()), field, value});
-      return;
+      return std::nullopt;
     }
+    if (key == prefix) return "\"" + key + "\" names no parameter";
   }
   if (key == "train/loss") {
     s.set_loss(value);
@@ -196,13 +221,16 @@ void AddMetric(StepRecord& rec, const std::string& key, double value) {
     s.set_z_loss(value);
   } else if (key == "optim/learning_rate") {
     s.set_learning_rate(value);
-  } else if (key == "train/tokens" && std::isfinite(value) && value >= 0 &&
-             value < 18446744073709551616.0) {
+  } else if (key == "train/tokens") {
+    // The daemon keeps train/tokens only as a count: anything else cannot be sent under its key.
+    if (!(std::isfinite(value) && value >= 0 && value < 18446744073709551616.0)) {
+      return "\"train/tokens\" must be a non-negative count";
+    }
     s.set_tokens(static_cast<uint64_t>(std::llround(value)));
   } else {
-    // Includes a token count that is not a count: kept as a plain series rather than lost.
     (*s.mutable_extra())[key] = value;
   }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -304,7 +332,17 @@ LineResult ParseReplayLine(std::string_view text, bool first_line) {
       rec.event = value.get<std::string>();
       continue;
     }
-    if (auto number = AsNumber(value)) AddMetric(rec, key, *number);
+    if (auto number = AsNumber(value)) {
+      if (auto problem = AddMetric(rec, key, *number)) return Error(*problem);
+      continue;
+    }
+    // Text, flags, null and media under keys of the user's own are not metrics and are ignored;
+    // a series the daemon gives meaning to must be a number, and a quoted number is one.
+    if (!IsBuiltInKey(key) && !IsQuotedNumber(value)) continue;
+    std::string shown = value.dump(-1, ' ', true, json::error_handler_t::replace);
+    if (shown.size() > 64) shown = shown.substr(0, 61) + "...";
+    return Error("\"" + key + "\": " + shown +
+                 " is not a number (write a JSON number, or \"NaN\", \"Infinity\", \"-Infinity\")");
   }
   LineResult r;
   r.line = std::move(rec);

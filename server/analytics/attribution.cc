@@ -28,12 +28,13 @@ void ComputeShares(std::span<const double> grad_norms, std::span<const uint32_t>
   param_share.assign(grad_norms.size(), kNaN);
   group_share.assign(group_count, kNaN);
 
-  double total_sq = 0;
+  // Squares in long double: a finite norm above 1.3e154 squares to +Inf as a double.
+  long double total_sq = 0;
   if (total_grad_norm && std::isfinite(*total_grad_norm) && *total_grad_norm > 0) {
-    total_sq = *total_grad_norm * *total_grad_norm;
+    total_sq = static_cast<long double>(*total_grad_norm) * *total_grad_norm;
   } else {
     for (double g : grad_norms) {
-      if (Usable(g)) total_sq += g * g;
+      if (Usable(g)) total_sq += static_cast<long double>(g) * g;
     }
   }
   if (!(total_sq > 0) || !std::isfinite(total_sq)) return;
@@ -41,7 +42,7 @@ void ComputeShares(std::span<const double> grad_norms, std::span<const uint32_t>
   for (size_t i = 0; i < grad_norms.size(); ++i) {
     const double g = grad_norms[i];
     if (!Usable(g)) continue;
-    param_share[i] = g * g / total_sq;
+    param_share[i] = static_cast<double>(static_cast<long double>(g) * g / total_sq);
     if (i >= group_of_param.size() || group_of_param[i] >= group_count) continue;
     double& group = group_share[group_of_param[i]];
     group = std::isnan(group) ? param_share[i] : group + param_share[i];

@@ -202,7 +202,14 @@ WindowedSlope::WindowedSlope(uint64_t window_steps, size_t max_buckets)
   // Samples in a window of window_steps steps fall into at most ceil(window / bucket) + 1 buckets.
   const uint64_t spanned =
       window_steps_ / bucket_steps_ + (window_steps_ % bucket_steps_ != 0 ? 1 : 0) + 1;
-  ring_.resize(static_cast<size_t>(spanned));
+  ring_capacity_ = static_cast<size_t>(spanned);
+}
+
+void WindowedSlope::GrowRing() {
+  // Unwrap the held buckets to the front, then extend: the ring's order is kept with head_ 0.
+  std::rotate(ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(head_), ring_.end());
+  head_ = 0;
+  ring_.resize(std::min(ring_capacity_, std::max<size_t>(kFirstRingSize, ring_.size() * 2)));
 }
 
 bool WindowedSlope::AddSample(uint64_t step, double value) {
@@ -223,6 +230,7 @@ bool WindowedSlope::AddSample(uint64_t step, double value) {
   }
   const uint64_t index = step / bucket_steps_;
   if (held_ == 0 || held(held_ - 1).index != index) {
+    if (held_ == ring_.size()) GrowRing();
     assert(held_ < ring_.size());
     Bucket& bucket = ring_[(head_ + held_) % ring_.size()];
     bucket.index = index;

@@ -103,9 +103,10 @@ class RegressionSums {
 // as one second that is the range Prometheus 3 gives `deriv(v[W])` at the newest sample (Prometheus
 // 2 includes the left edge, i.e. equals WindowedSlope(W + 1) for integer steps).
 //
-// O(1) amortised per sample and allocation-free after construction: samples are aggregated into
-// buckets of bucket_steps = ceil(window_steps / max_buckets) consecutive steps (bucket k holds steps
-// [k·bucket_steps, (k+1)·bucket_steps)), kept in a ring; the window sums add each new sample and
+// O(1) amortised per sample. Memory grows with the buckets held: the ring starts empty and
+// doubles (from 4 buckets) up to the most a window can span, after which AddSample never
+// allocates. Samples are aggregated into buckets of bucket_steps = ceil(window_steps / max_buckets)
+// consecutive steps (bucket k holds steps [k·bucket_steps, (k+1)·bucket_steps)), kept in a ring; the window sums add each new sample and
 // subtract each bucket that expires, and are recomputed exactly from the buckets every max_buckets
 // expiries (or when the window has moved 4 windows past the sums' origin), so rounding error cannot
 // build up.
@@ -154,13 +155,17 @@ class WindowedSlope {
   };
 
   const Bucket& held(size_t i) const { return ring_[(head_ + i) % ring_.size()]; }
+  static constexpr size_t kFirstRingSize = 4;
   void ExpireBefore(uint64_t newest_step);
   void Recompute();
+  // Doubles the ring (up to ring_capacity_); called when every slot holds a bucket.
+  void GrowRing();
 
   uint64_t window_steps_;
   uint64_t bucket_steps_;
   size_t max_buckets_;
-  std::vector<Bucket> ring_;  // capacity fixed at construction; non-empty buckets, oldest first
+  std::vector<Bucket> ring_;  // non-empty buckets, oldest first from head_; at most ring_capacity_
+  size_t ring_capacity_ = 0;  // buckets a window can span: ceil(window / bucket_steps) + 1
   size_t head_ = 0;
   size_t held_ = 0;
   RegressionSums window_;

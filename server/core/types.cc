@@ -70,7 +70,9 @@ bool SameOpt(const std::optional<double>& a, const std::optional<double>& b) {
   return !a || SameDouble(*a, *b);
 }
 bool SameNorm(const NormContribution& a, const NormContribution& b) {
-  return a.present == b.present && (!a.present || SameDouble(a.sq, b.sq));
+  // Compared by value (a long double's padding bytes are unspecified); NaN matches NaN.
+  return a.present == b.present &&
+         (!a.present || a.sq == b.sq || (std::isnan(a.sq) && std::isnan(b.sq)));
 }
 }  // namespace
 

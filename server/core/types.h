@@ -109,12 +109,16 @@ enum class NormField : int { kGrad = 0, kParam = 1, kUpdate = 2 };
 inline constexpr int kNormFields = 3;
 
 // A norm as a rank reported it. Ranks merge as sqrt(sum of squares), so both forms become a
-// squared contribution.
+// squared contribution. Squares are long double: the square of a finite double norm above 1.3e154
+// overflows a double to +Inf, and a finite norm must merge back to a finite norm (long double's
+// exponent reaches 1e4932 on x86-64 and AArch64).
 struct NormContribution {
   bool present = false;
-  double sq = 0.0;  // squared contribution (norm² or the reported squared sum)
+  long double sq = 0.0L;  // squared contribution (norm² or the reported squared sum)
 
-  static NormContribution FromNorm(double norm) { return {true, norm * norm}; }
+  static NormContribution FromNorm(double norm) {
+    return {true, static_cast<long double>(norm) * static_cast<long double>(norm)};
+  }
   static NormContribution FromSqSum(double sq_sum) { return {true, sq_sum}; }
   bool operator==(const NormContribution&) const = default;
 };

@@ -73,9 +73,14 @@ void Alerting::OnChanges(alerts::StateChanges changes, const std::vector<alerts:
 }
 
 notify::Status Alerting::Write(const Batch& batch) {
-  if (dispatcher_) return dispatcher_->Record(batch.notify, batch.changes);
-  auto written = store_->Write({}, batch.changes);
-  return written.ok() ? notify::Status::Ok() : written.status();
+  // Runs on the writer thread: nothing may escape it (a throw would terminate the daemon).
+  try {
+    if (dispatcher_) return dispatcher_->Record(batch.notify, batch.changes);
+    auto written = store_->Write({}, batch.changes);
+    return written.ok() ? notify::Status::Ok() : written.status();
+  } catch (const std::exception& e) {
+    return notify::NotifyError(std::string("writing alert states: ") + e.what());
+  }
 }
 
 void Alerting::WriterLoop() {

@@ -8,6 +8,10 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "alerts/notify/http_client.h"
+#include "alerts/yaml_checks.h"
+#include "server/daemon/alerting.h"
+
 namespace gradwatch::daemon {
 
 namespace {
@@ -111,7 +115,8 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                   {"max_runs", Field(&Config::max_runs)},
                   {"max_params_per_run", Field(&Config::max_params_per_run)},
                   {"max_series_per_run", Field(&Config::max_series_per_run)},
-                  {"max_streams", Field(&Config::max_streams)}}},
+                  {"max_streams", Field(&Config::max_streams)},
+                  {"memory_budget_bytes", Field(&Config::memory_budget_bytes)}}},
       {"assembly", {{"timeout_seconds", Field(&Config::assembly_timeout_seconds)}}},
       {"store", {{"recent_points", Field(&Config::recent_points)},
                  {"history_buckets", Field(&Config::history_buckets)}}},
@@ -155,6 +160,7 @@ StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source,
   }
   if (root.IsNull()) return base;
   if (!root.IsMap()) return Status::InvalidArgument(source + ": the top level must be a mapping");
+  if (Status s = alerts::CheckNoDuplicateKeys(yaml, source); !s.ok()) return s;
   const auto& schema = Schema();
   const auto& top = schema.at("");
   for (const auto& kv : root) {
@@ -249,6 +255,21 @@ Status ValidateConfig(const Config& c) {
       return bad("analytics.forecasts: every entry needs a series key and a finite threshold");
     }
   }
+  for (const Config::Receiver& r : c.receivers) {
+    if (r.url.empty()) continue;
+    if (auto url = notify::ParseUrl(r.url); !url.ok()) {
+      return bad("alerts.receivers: receiver '" + r.name + "': url '" + r.url + "': " + url.status().message());
+    }
+  }
+  if (auto url = notify::ParseUrl(c.external_url); !url.ok()) {
+    return bad("alerts.external_url: '" + c.external_url + "': " + url.status().message());
+  }
+  return Status::Ok();
+}
+
+Status CheckConfigFiles(const Config& c) {
+  auto rules = LoadConfiguredRules(c.default_rules, c.rule_files, c.run_stalled_after_seconds);
+  if (!rules.ok()) return Status::InvalidArgument("alerts.rule_files: " + rules.status().message());
   return Status::Ok();
 }
 

@@ -23,6 +23,9 @@ struct Config {
   size_t max_params_per_run = 65536;
   size_t max_series_per_run = 262144;
   size_t max_streams = 4096;
+  // The memory all runs together may be charged (runs::MemoryBudget); 0: a quarter of the
+  // machine's physical memory.
+  size_t memory_budget_bytes = 0;
 
   double assembly_timeout_seconds = 30;
   size_t recent_points = 4096;
@@ -63,12 +66,16 @@ struct Config {
   std::vector<std::string> rule_files;  // more rule files
 };
 
-// Reads a YAML config file over the defaults. Unknown keys and bad values are errors that name
-// the file, line and key.
+// Reads a YAML config file over the defaults. Unknown keys, repeated keys and bad values are
+// errors that name the file, line and key.
 StatusOr<Config> LoadConfigFile(const std::string& path);
 // Parses YAML text (the file's contents) over `base`; `source` names it in errors.
 StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source, Config base = {});
-// Checks ranges and addresses; the message names the offending key.
+// Checks ranges, addresses and receiver URLs; the message names the offending key.
 Status ValidateConfig(const Config& config);
+// Reads and checks what the configuration names on disk: the rule files (with the built-in rules,
+// as the daemon loads them). Run by --check-config and before start, so that a bad configuration
+// exits 2 and never reaches the daemon.
+Status CheckConfigFiles(const Config& config);
 
 }  // namespace gradwatch::daemon

@@ -21,6 +21,7 @@
 #include "server/ingest/ingest_service.h"
 #include "server/ingest/query_service.h"
 #include "server/runs/daemon_stats.h"
+#include "server/runs/memory_budget.h"
 #include "server/runs/registry.h"
 #include "alerts/notify/receivers.h"
 #include "server/store/journal.h"
@@ -66,6 +67,11 @@ Status Daemon::Start() {
   run_options.analytics.forecasts = config_.forecasts;
   run_options.analytics.change_points.window_steps = config_.change_point_window_steps;
   run_options.alert_hook = alerting_.get();
+  budget_ = std::make_unique<runs::MemoryBudget>(config_.memory_budget_bytes != 0
+                                                     ? config_.memory_budget_bytes
+                                                     : runs::MemoryBudget::DefaultLimitBytes());
+  run_options.budget = budget_.get();
+  spdlog::info("memory budget for runs: {} bytes (limits.memory_budget_bytes)", budget_->limit());
   registry_ = std::make_unique<runs::RunRegistry>(run_options, config_.max_runs, stats_.get(), clock_);
 
   store::JournalOptions journal_options;

@@ -22,6 +22,7 @@ class Exposer;
 namespace gradwatch {
 namespace runs {
 class RunRegistry;
+class MemoryBudget;
 struct DaemonStats;
 }  // namespace runs
 namespace store {
@@ -74,6 +75,7 @@ class Daemon {
   const Config config_;
   const Clock* const clock_;
   std::unique_ptr<runs::DaemonStats> stats_;
+  std::unique_ptr<runs::MemoryBudget> budget_;  // outlives registry_: its runs release their charges
   std::unique_ptr<Alerting> alerting_;
   std::unique_ptr<runs::RunRegistry> registry_;
   std::unique_ptr<store::Journal> journal_;

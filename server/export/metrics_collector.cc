@@ -157,6 +157,21 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
                               "Delivered or given-up notifications deleted from the outbox (retention.outbox_days).",
                               MetricType::Counter);
   Add(outbox_pruned, {}, static_cast<double>(stats_->outbox_pruned_rows.load()));
+  auto not_restored = Family("gradwatch_runs_not_restored_total",
+                             "Journaled runs skipped when rebuilding (beyond the memory budget, or out of memory); "
+                             "the journal keeps them.",
+                             MetricType::Counter);
+  Add(not_restored, {}, static_cast<double>(stats_->runs_not_restored.load()));
+  auto budget_limit = Family("gradwatch_memory_budget_bytes",
+                             "The memory all runs together may be charged (limits.memory_budget_bytes).",
+                             MetricType::Gauge);
+  auto budget_used = Family("gradwatch_memory_budget_used_bytes",
+                            "Memory charged to the budget by the runs held: catalogs and grown series.",
+                            MetricType::Gauge);
+  if (const runs::MemoryBudget* budget = registry_->budget()) {
+    Add(budget_limit, {}, static_cast<double>(budget->limit()));
+    Add(budget_used, {}, static_cast<double>(budget->used()));
+  }
   auto open_streams = Family("gradwatch_open_streams", "Trainer streams open.", MetricType::Gauge);
   Add(open_streams, {}, static_cast<double>(stats_->open_streams.load()));
   auto messages = Family("gradwatch_messages_received_total", "Trainer messages received.", MetricType::Counter);
@@ -197,7 +212,8 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   for (auto* f : {&grad_total, &grad, &param, &update, &loss, &z_loss, &lr, &last_step, &speed, &partial,
                   &nonfinite, &dropped, &run_streams, &slope, &slope_ratio, &slope_at_event, &change_point,
                   &change_point_ratio, &to_threshold, &share, &group_share, &amplification, &growth, &runs_family, &open_streams, &messages, &samples,
-                  &errors, &journal_dropped, &store_memory, &commit, &evicted, &outbox_pruned}) {
+                  &errors, &journal_dropped, &store_memory, &commit, &evicted, &outbox_pruned,
+                  &not_restored, &budget_limit, &budget_used}) {
     out.push_back(std::move(*f));
   }
   if (journal_ != nullptr) {

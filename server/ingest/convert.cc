@@ -15,6 +15,46 @@ constexpr size_t kMaxParamName = 256;
 constexpr size_t kMaxEventText = 1024;
 constexpr size_t kMaxLabelBytes = 1024;
 
+// Prometheus's label name syntax, [a-zA-Z_][a-zA-Z0-9_]*, without the reserved "__" prefix: run
+// labels become label names on /metrics (the alerts' labels).
+std::optional<std::string> LabelKeyProblem(const std::string& key) {
+  if (key.empty()) return "is empty";
+  if (std::isdigit(static_cast<unsigned char>(key[0]))) return "starts with a digit";
+  if (key.size() >= 2 && key[0] == '_' && key[1] == '_') return "starts with '__' (reserved by Prometheus)";
+  for (unsigned char c : key) {
+    if (!(std::isalnum(c) || c == '_') || c >= 0x80) return "has a character outside [a-zA-Z0-9_]";
+  }
+  return std::nullopt;
+}
+
+// A key shown in an error message: printable ASCII only, at most 64 bytes.
+std::string Printable(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s.substr(0, 64)) {
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  return out;
+}
+
+// Keys the daemon fills from a step's own fields: an extra value under one of them would give
+// the step two values for one series.
+bool IsBuiltInKey(std::string_view key) {
+  for (std::string_view fixed : {keys::kTotalGradNorm, keys::kLoss, keys::kZLoss, keys::kLearningRate, keys::kTokens}) {
+    if (key == fixed) return true;
+  }
+  for (std::string_view prefix : {keys::kGradNormPrefix, keys::kParamNormPrefix, keys::kUpdateNormPrefix}) {
+    if (key.substr(0, prefix.size()) == prefix) return true;
+  }
+  return false;
+}
+
 bool ValidParamName(const std::string& name) {
   if (name.empty() || name.size() > kMaxParamName || name == "total") return false;
   return std::none_of(name.begin(), name.end(),
@@ -83,7 +123,11 @@ std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits
   }
   for (const auto& [k, v] : in.labels()) {
     if (k.empty() || k.size() > kMaxLabelBytes || v.size() > kMaxLabelBytes) {
-      return invalid("label '" + k.substr(0, 64) + "' has an empty or oversized name or value");
+      return invalid("label '" + Printable(k) + "' has an empty or oversized name or value");
+    }
+    if (auto problem = LabelKeyProblem(k)) {
+      return invalid("label name '" + Printable(k) + "' " + *problem +
+                     ": run label names must match [a-zA-Z_][a-zA-Z0-9_]* and not start with '__'");
     }
   }
   meta->run_id = in.run_id();
@@ -166,6 +210,13 @@ std::optional<IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, 
     if (k.empty() || k.size() > kMaxParamName) {
       return IngestError{IngestErrorReason::kInvalidMessage,
                          "extra series key '" + k.substr(0, 64) + "' is empty or longer than 256 bytes",
+                         in.step()};
+    }
+    if (IsBuiltInKey(k)) {
+      return IngestError{IngestErrorReason::kInvalidMessage,
+                         "extra series key '" + k.substr(0, 64) +
+                             "' names a built-in series (send it in its own field: total_grad, loss, z_loss, "
+                             "learning_rate, tokens or params)",
                          in.step()};
     }
   }

@@ -18,12 +18,17 @@ struct HelloLimits {
   size_t max_params = 65536;
 };
 
-// Validates a Hello (run id, rank < world size, catalog entries) and converts it.
+// Validates a Hello (run id, rank < world size, catalog entries, run labels) and converts it.
+// Run label names must be Prometheus label names ([a-zA-Z_][a-zA-Z0-9_]*, not starting with the
+// reserved "__"): they are written as label names on /metrics; any other is refused with
+// INVALID_HELLO naming it. Label values may hold any bytes (the exporter escapes them).
 std::optional<runs::IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits& limits,
                                                 RunMeta* meta, uint32_t* rank);
 
-// Converts StepStats into *out (whose buffers are reused). Rejects negative finite norms;
-// NaN and ±Inf pass (they are signals). Catalog checks happen in the run.
+// Converts StepStats into *out (whose buffers are reused). Rejects negative finite norms and extra
+// keys that name a built-in series (grad/norm/total, train/loss, train/z_loss,
+// optim/learning_rate, train/tokens, or under grad/norm/, params/norm/, updates/norm/); NaN and
+// ±Inf pass (they are signals). Catalog checks happen in the run.
 std::optional<runs::IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, RankStep* out);
 
 // Validates an event's text (1..1024 bytes) and converts it.

@@ -112,9 +112,16 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   }
 
   void Supersede() override {
+    std::string run_id;
+    uint32_t rank = 0;
+    {
+      // Called by another stream's thread: the identity is read under mu_ (see run_id_).
+      std::lock_guard lock(mu_);
+      run_id = run_id_;
+      rank = rank_;
+    }
     SendError({IngestErrorReason::kSuperseded,
-               "another stream opened for run " + run_id_ + " rank " + std::to_string(rank_) +
-                   "; this one is closed"},
+               "another stream opened for run " + run_id + " rank " + std::to_string(rank) + "; this one is closed"},
               0);
     std::lock_guard lock(mu_);
     run_.reset();  // the run already detached us; do not detach the new stream
@@ -156,12 +163,19 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       Reject(*err, seq);
       return;
     }
-    if (run_ && (meta.run_id != run_id_ || rank != rank_)) {
+    if (CurrentRun() && (meta.run_id != run_id_ || rank != rank_)) {
       Reject({IngestErrorReason::kInvalidHello,
               "this stream already carries run " + run_id_ + " rank " + std::to_string(rank_) +
                   "; open a new stream for another run or rank"},
              seq);
       return;
+    }
+    {
+      // Set before Attach publishes this stream to the run, where another stream's Hello may
+      // call Supersede() on it at once.
+      std::lock_guard lock(mu_);
+      run_id_ = meta.run_id;
+      rank_ = rank;
     }
     runs::AttachInfo info;
     IngestError error{IngestErrorReason::kInvalidHello, ""};
@@ -174,8 +188,6 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       std::lock_guard lock(mu_);
       run_ = std::move(run);
     }
-    run_id_ = meta.run_id;
-    rank_ = rank;
     spdlog::info("run {} rank {}/{}: stream from {} ({}), {} parameters", run_id_, rank_, meta.world_size,
                  peer_, in_.hello().client().empty() ? "unknown client" : in_.hello().client(),
                  meta.params.size());
@@ -309,7 +321,10 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   const std::string peer_;
   v1::TrainerMessage in_;  // only touched by the read path
   RankStep step_;          // reused conversion buffer, read path only
-  std::string run_id_;     // set by the read path at hello
+  // The stream's run and rank: written by the read path at a Hello, under mu_ and before the stream
+  // is attached; read by the read path without the lock (it is the only writer) and by other
+  // threads (Supersede) under mu_.
+  std::string run_id_;
   uint32_t rank_ = 0;
 
   std::mutex mu_;

@@ -37,6 +37,7 @@ struct DaemonStats {
   std::atomic<uint64_t> samples_received{0};
   std::atomic<uint64_t> journal_dropped_records{0};
   std::atomic<uint64_t> runs_evicted{0};         // ended runs dropped from memory
+  std::atomic<uint64_t> runs_not_restored{0};    // journaled runs skipped: beyond the budget, or out of memory
   std::atomic<uint64_t> outbox_pruned_rows{0};   // delivered or given-up notifications deleted
   std::array<std::atomic<uint64_t>, kIngestErrorReasonCount> errors{};
   LatencyHistogram journal_commit_seconds{

@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <map>
+#include <new>
 
 #include <spdlog/spdlog.h>
 
 namespace gradwatch::runs {
 
-// Builds runs from what the journal hands out (start-up, or one run coming back).
+// Builds runs from what the journal hands out (start-up, or one run coming back). A run it cannot
+// hold (its catalog beyond the memory budget, or an allocation failing while it is rebuilt) is
+// skipped, with an error logged and counted: the daemon starts without it rather than not at all.
 class RunRegistry::Loader final : public store::JournalVisitor {
  public:
   Loader(const RunRegistry& registry, bool skip_archived) : registry_(registry), skip_archived_(skip_archived) {}
@@ -18,35 +21,79 @@ class RunRegistry::Loader final : public store::JournalVisitor {
       ++archived;
       return false;
     }
-    auto run = std::make_shared<Run>(meta, registry_.options_, registry_.journal_, registry_.stats_,
-                                     registry_.clock_, false);
-    run->RestoreEnded(end);
-    runs[meta.run_id] = std::move(run);
+    const uint64_t bytes = MemoryBudget::CatalogBytes(meta.params);
+    MemoryBudget* budget = registry_.options_.budget;
+    if (budget != nullptr && !budget->TryCharge(bytes)) {
+      Skip(meta.run_id, "its catalog of " + std::to_string(meta.params.size()) + " parameters needs about " +
+                            std::to_string(bytes) + " bytes, beyond the memory budget (limits.memory_budget_bytes " +
+                            std::to_string(budget->limit()) + ", " + std::to_string(budget->used()) + " in use)");
+      return false;
+    }
+    try {
+      auto run = std::make_shared<Run>(meta, registry_.options_, registry_.journal_, registry_.stats_,
+                                       registry_.clock_, false);
+      run->AdoptCharge(bytes);
+      run->RestoreEnded(end);
+      runs[meta.run_id] = std::move(run);
+    } catch (const std::bad_alloc&) {
+      if (budget != nullptr) budget->Release(bytes);
+      Skip(meta.run_id, "out of memory while creating it");
+      return false;
+    }
     return true;
   }
   void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) override {
-    if (auto* run = Get(run_id)) run->RestoreSeries(id, key);
+    Guarded(run_id, [&](Run& run) { run.RestoreSeries(id, key); });
   }
   void OnRankProgress(const store::RankProgress& progress) override {
-    if (auto* run = Get(progress.run_id)) run->RestoreProgress(progress);
+    Guarded(progress.run_id, [&](Run& run) { run.RestoreProgress(progress); });
   }
   void OnStep(const std::string& run_id, const CompletedStep& step) override {
-    if (auto* run = Get(run_id)) run->RestoreStep(step);
+    Guarded(run_id, [&](Run& run) { run.RestoreStep(step); });
   }
   void OnEvent(const std::string& run_id, const EventRecord& event) override {
-    if (auto* run = Get(run_id)) run->RestoreEvent(event);
+    Guarded(run_id, [&](Run& run) { run.RestoreEvent(event); });
   }
   void OnRewind(const std::string& run_id, uint64_t from_step) override {
-    if (auto* run = Get(run_id)) run->RestoreRewind(from_step);
+    Guarded(run_id, [&](Run& run) { run.RestoreRewind(from_step); });
+  }
+
+  // Maps every restored run's series (Run::FinishRestore), skipping one that runs out of memory.
+  void Finish() {
+    for (auto it = runs.begin(); it != runs.end();) {
+      try {
+        it->second->FinishRestore();
+        ++it;
+      } catch (const std::bad_alloc&) {
+        const std::string id = it->first;
+        it = runs.erase(it);
+        Skip(id, "out of memory while mapping its series");
+      }
+    }
   }
 
   std::map<std::string, std::shared_ptr<Run>> runs;
   size_t archived = 0;
+  std::vector<std::string> skipped;
 
  private:
-  Run* Get(const std::string& run_id) {
+  template <typename F>
+  void Guarded(const std::string& run_id, F&& restore) {
     auto it = runs.find(run_id);
-    return it == runs.end() ? nullptr : it->second.get();
+    if (it == runs.end()) return;
+    try {
+      restore(*it->second);
+    } catch (const std::bad_alloc&) {
+      runs.erase(it);
+      Skip(run_id, "out of memory while rebuilding it");
+    }
+  }
+
+  void Skip(const std::string& run_id, const std::string& why) {
+    spdlog::error("run {}: not restored from the journal, {}; the journal keeps it, the daemon goes on without it",
+                  run_id, why);
+    skipped.push_back(run_id);
+    if (registry_.stats_) registry_.stats_->runs_not_restored.fetch_add(1, std::memory_order_relaxed);
   }
 
   const RunRegistry& registry_;
@@ -61,7 +108,7 @@ Status RunRegistry::Load() {
   if (journal_ == nullptr) return Status::FailedPrecondition("no journal to load from");
   Loader loader(*this, /*skip_archived=*/true);
   Status s = journal_->Load(loader);
-  for (auto& [id, run] : loader.runs) run->FinishRestore();
+  loader.Finish();
   if (loader.archived > 0) spdlog::info("{} ended runs stay archived in the journal", loader.archived);
   std::unique_lock lock(mu_);
   for (auto& [id, run] : loader.runs) runs_[id] = std::move(run);
@@ -96,10 +143,15 @@ std::shared_ptr<Run> RunRegistry::AttachOnce(const RunMeta& hello, uint32_t rank
       if (journal_ != nullptr) {
         Loader loader(*this, /*skip_archived=*/false);
         const Status s = journal_->LoadRun(hello.run_id, loader);
+        loader.Finish();
         if (s.ok() && loader.runs.count(hello.run_id)) {
           run = loader.runs[hello.run_id];
-          run->FinishRestore();
           spdlog::info("run {}: restored from the journal", hello.run_id);
+        } else if (!loader.skipped.empty()) {
+          *error = {IngestErrorReason::kLimitExceeded,
+                    "the daemon cannot hold this run's history within its memory budget (limits.memory_budget_bytes)"};
+          journal_->Release(hello.run_id);
+          return nullptr;
         } else if (!s.ok() && s.code() != StatusCode::kNotFound) {
           spdlog::error("run {}: cannot restore it from the journal: {}", hello.run_id, s.ToString());
           *error = {IngestErrorReason::kLimitExceeded, "the daemon cannot read this run back from its journal"};
@@ -108,9 +160,20 @@ std::shared_ptr<Run> RunRegistry::AttachOnce(const RunMeta& hello, uint32_t rank
         }
       }
       if (!run) {
+        // Charged before anything of the run is allocated or journaled.
+        const uint64_t bytes = MemoryBudget::CatalogBytes(hello.params);
+        if (options_.budget != nullptr && !options_.budget->TryCharge(bytes)) {
+          *error = {IngestErrorReason::kLimitExceeded,
+                    "a catalog of " + std::to_string(hello.params.size()) + " parameters needs about " +
+                        std::to_string(bytes) + " bytes, beyond the daemon's memory budget " +
+                        "(limits.memory_budget_bytes " + std::to_string(options_.budget->limit()) + ", " +
+                        std::to_string(options_.budget->used()) + " in use)"};
+          return nullptr;
+        }
         RunMeta meta = hello;
         meta.created_at = clock_->UnixSeconds();
         run = std::make_shared<Run>(std::move(meta), options_, journal_, stats_, clock_, true);
+        run->AdoptCharge(bytes);
         created = true;
         spdlog::info("run {}: created (world size {}, {} parameters)", hello.run_id, hello.world_size,
                      hello.params.size());

@@ -27,6 +27,12 @@ namespace gradwatch::runs {
 // room and every slot is taken, the run that ended first (and has no open stream) is dropped early;
 // only when every held run is active is the Hello refused with LIMIT_EXCEEDED.
 //
+// Memory budget (options.budget): a Hello creating a run whose catalog does not fit is refused with
+// LIMIT_EXCEEDED before the run is allocated or journaled. At Load (and when a run comes back), a
+// journaled run that does not fit, or whose rebuild runs out of memory, is skipped with an error
+// logged and counted (DaemonStats::runs_not_restored): it stays in the journal, and the daemon
+// starts without it instead of failing at every start.
+//
 // A run id that comes back after it left memory is restored from the journal (its catalog,
 // history, events and durable progress, as at start-up) and goes on; if the journal no longer has
 // it (pruned), it starts afresh as a new run.
@@ -59,6 +65,8 @@ class RunRegistry {
   void OnCommit(const store::CommitReport& report);
 
   size_t run_count() const;
+  // The budget runs are charged to (null: unlimited).
+  const MemoryBudget* budget() const { return options_.budget; }
 
  private:
   class Loader;

@@ -49,13 +49,27 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
     for (size_t i = 0; i < kScalarKeys.size(); ++i) {
       scalar_series_[i] = SeriesForKeyLocked(std::string(kScalarKeys[i]), true);
     }
-    ExtendCatalogLocked(params);
+    ExtendCatalogLocked(params, /*prepaid=*/true);
   } else {
     // Restored: series ids come from the journal (RestoreSeries), mapped in FinishRestore.
     meta_.params = std::move(params);
     analytics_->SetCatalog(meta_.params);
     scalar_series_.fill(kNoSeries);
   }
+}
+
+Run::~Run() {
+  if (options_.budget != nullptr) options_.budget->Release(charged_bytes_);
+}
+
+void Run::AdoptCharge(uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  charged_bytes_ += bytes;
+}
+
+uint64_t Run::ChargedBytes() const {
+  std::lock_guard lock(mu_);
+  return charged_bytes_;
 }
 
 void Run::FinishRestore() {
@@ -141,12 +155,24 @@ std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello, bool
   return std::nullopt;
 }
 
-std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>& params) {
+std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid) {
   const size_t first = meta_.params.size();
   if (params.size() <= first) return std::nullopt;
   if (series_.size() + (params.size() - first) * kNormFields > options_.max_series) {
     return IngestError{IngestErrorReason::kLimitExceeded,
                        "catalog would exceed " + std::to_string(options_.max_series) + " series"};
+  }
+  if (!prepaid && options_.budget != nullptr) {
+    const uint64_t bytes = MemoryBudget::CatalogBytes(params, first);
+    if (!options_.budget->TryCharge(bytes)) {
+      return IngestError{IngestErrorReason::kLimitExceeded,
+                         "extending the catalog by " + std::to_string(params.size() - first) +
+                             " parameters needs about " + std::to_string(bytes) +
+                             " bytes, beyond the daemon's memory budget (limits.memory_budget_bytes " +
+                             std::to_string(options_.budget->limit()) + ", " +
+                             std::to_string(options_.budget->used()) + " in use)"};
+    }
+    charged_bytes_ += bytes;
   }
   store::ParamsRecord record{id_, static_cast<uint32_t>(first), {}};
   for (size_t i = first; i < params.size(); ++i) {
@@ -173,7 +199,7 @@ std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, Stre
     std::lock_guard lock(mu_);
     const bool rewind = hello.resume_from_step && RewindsLocked(*hello.resume_from_step, rank);
     if (auto err = ValidateCatalogLocked(hello, rewind)) return err;
-    if (auto err = ExtendCatalogLocked(hello.params)) return err;
+    if (auto err = ExtendCatalogLocked(hello.params, /*prepaid=*/false)) return err;
     if (rewind) job = RewindLocked(*hello.resume_from_step, hello.world_size);
     AttachLocked(rank, sink, info);
     // Told once the resumed rank's stream is attached, so that it hears of them too.
@@ -448,16 +474,17 @@ void Run::CompleteLocked(const PendingStep& p) {
     if (id != kNoSeries) out.values.push_back({id, v});
   };
   const size_t n = std::min(param_series_.size(), p.param_sq.size() / kNormFields);
+  // Square roots of long double sums of squares: finite norms stay finite (NormContribution).
   if (p.total_grad.present) {
-    put(scalar_series_[kTotalGrad], std::sqrt(p.total_grad.sq));
+    put(scalar_series_[kTotalGrad], static_cast<double>(std::sqrt(p.total_grad.sq)));
   } else {
     // The trainer did not send a total: derive it from the parameters' gradient norms.
-    double sq = 0;
+    long double sq = 0;
     bool any = false;
     for (size_t i = 0; i < n; ++i) {
       if (p.param_present[i * kNormFields]) sq += p.param_sq[i * kNormFields], any = true;
     }
-    if (any) put(scalar_series_[kTotalGrad], std::sqrt(sq));
+    if (any) put(scalar_series_[kTotalGrad], static_cast<double>(std::sqrt(sq)));
   }
   if (p.loss_n) put(scalar_series_[kLoss], p.loss_sum / p.loss_n);
   if (p.z_loss_n) put(scalar_series_[kZLoss], p.z_loss_sum / p.z_loss_n);
@@ -466,7 +493,7 @@ void Run::CompleteLocked(const PendingStep& p) {
   for (size_t i = 0; i < n; ++i) {
     for (int f = 0; f < kNormFields; ++f) {
       if (p.param_present[i * kNormFields + f]) {
-        put(param_series_[i][f], std::sqrt(p.param_sq[i * kNormFields + f]));
+        put(param_series_[i][f], static_cast<double>(std::sqrt(p.param_sq[i * kNormFields + f])));
       }
     }
   }
@@ -518,13 +545,25 @@ void Run::AnalyzeLocked(const CompletedStep& step) {
 }
 
 void Run::AppendLocked(const CompletedStep& step) {
+  uint64_t grown = 0;
   for (const SeriesValue& sv : step.values) {
     if (sv.id >= series_.size() || !series_[sv.id].data) continue;
-    series_[sv.id].data->Append(step.step, sv.value);
+    store::Series& series = *series_[sv.id].data;
+    const size_t before = series.MemoryBytes();
+    // Growth is reserved in the budget first; refused, the series downsamples sooner instead.
+    const uint64_t reserved = options_.budget != nullptr ? series.NextGrowthBytes() : 0;
+    const bool may_grow = reserved == 0 || options_.budget->TryCharge(reserved);
+    series.Append(step.step, sv.value, may_grow);
+    if (reserved > 0 && may_grow) options_.budget->Release(reserved);
+    grown += series.MemoryBytes() - before;
     if (!std::isfinite(sv.value)) {
       ++nonfinite_count_;
       last_nonfinite_step_ = step.step;
     }
+  }
+  if (grown > 0 && options_.budget != nullptr) {
+    options_.budget->Charge(grown);
+    charged_bytes_ += grown;
   }
   if (!has_first_step_) {
     first_step_ = step.step;
@@ -866,6 +905,8 @@ void Run::RestoreStep(const CompletedStep& step) {
 
 void Run::RestoreEvent(const EventRecord& event) {
   std::lock_guard lock(mu_);
+  // The journal hands events out in the order they were recorded; an annotation may have been
+  // made for an earlier step than the events before it. events_ stays ordered by step (stable).
   events_.insert(std::upper_bound(events_.begin(), events_.end(), event.step,
                                   [](uint64_t s, const EventRecord& e) { return s < e.step; }),
                  event);

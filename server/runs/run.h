@@ -23,6 +23,7 @@
 #include "server/core/types.h"
 #include "server/runs/daemon_stats.h"
 #include "server/runs/errors.h"
+#include "server/runs/memory_budget.h"
 #include "server/runs/run_analytics.h"
 #include "server/runs/step_assembler.h"
 #include "server/store/journal.h"
@@ -62,6 +63,8 @@ struct RunOptions {
   std::chrono::nanoseconds retention = std::chrono::hours(24);
   AnalyticsOptions analytics;
   AlertHook* alert_hook = nullptr;  // not owned; may be null
+  // The daemon-wide budget runs are charged to (see MemoryBudget); not owned; null: unlimited.
+  MemoryBudget* budget = nullptr;
 };
 
 // Where a run sends answers to a trainer's stream. Implemented by the ingest reactor; methods are
@@ -148,8 +151,20 @@ class Run {
   Run(RunMeta meta, const RunOptions& options, store::Journal* journal, DaemonStats* stats,
       const Clock* clock, bool journal_new);
 
+  // Releases what the run was charged to options.budget.
+  ~Run();
+
   Run(const Run&) = delete;
   Run& operator=(const Run&) = delete;
+
+  // Memory: the caller charges options.budget for the catalog the run is constructed with
+  // (MemoryBudget::CatalogBytes) before constructing it and hands the charge over here; the run
+  // charges its catalog's later extensions (refusing a Hello that does not fit with
+  // LIMIT_EXCEEDED, before anything is journaled) and its series' growth (a series that does not
+  // fit stops growing, store::Series::Append's may_grow), and releases it all when destroyed.
+  void AdoptCharge(uint64_t bytes);
+  // Bytes the run is charged to the budget.
+  uint64_t ChargedBytes() const;
 
   const std::string& id() const { return id_; }
 
@@ -309,7 +324,8 @@ class Run {
   void RebuildAnalytics(RebuildJob job);
   std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const;
   void AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info);
-  std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params);
+  // Charges the budget for the new entries unless `prepaid` (the constructor's catalog).
+  std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid);
   std::optional<IngestError> ValidateStepLocked(const RankStep& report);
   RunInfo InfoLocked() const;
   alerts::RunFacts FactsLocked(const CompletedStep* step) const;
@@ -350,6 +366,7 @@ class Run {
   // Steps completed while rebuilding, for the rebuilt analytics; at most max_pending_steps.
   std::vector<CompletedStep> deferred_;
   uint32_t open_streams_ = 0;
+  uint64_t charged_bytes_ = 0;  // to options_.budget
   RunEnd end_;
   bool end_durable_ = false;  // end_ is clean and committed
   SteadyTime last_activity_;  // the last hello, detach, step or event

@@ -108,14 +108,21 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   if (id >= series_.size()) series_.resize(id + 1);
   Tracked& t = series_[id];
   t.key = key;
+  t.added = true;
   ClassifyLocked(t);
   if (key == keys::kLoss) t.key_series = true;
+  if (t.role == Role::kTotalGrad) total_grad_ = id;
+  if (t.param >= 0 && t.role == Role::kParamGrad) param_state_[t.param].grad = id;
+  if (t.param >= 0 && t.role == Role::kParamNorm) param_state_[t.param].norm = id;
+}
+
+void RunAnalytics::Materialize(Tracked& t) {
   t.slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, options_.max_buckets);
-  if (t.key_series || IsForecastKey(key)) {
+  if (t.key_series || IsForecastKey(t.key)) {
     // The longest window lets an event registered after its step find its before-window (as on
     // the raw tracker); a forecast needs its own window.
     std::vector<uint64_t> windows = {std::max(options_.windows.back(), options_.event_window_steps)};
-    if (IsForecastKey(key)) windows = WindowsWith(windows, options_.forecast_window_steps);
+    if (IsForecastKey(t.key)) windows = WindowsWith(windows, options_.forecast_window_steps);
     t.spike_filter = std::make_unique<analytics::SpikeFilter>();
     t.robust = std::make_unique<analytics::SlopeTracker>(windows, options_.max_buckets);
   }
@@ -127,9 +134,6 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
       t.events.emplace_back(e.text, std::move(slope));
     }
   }
-  if (t.role == Role::kTotalGrad) total_grad_ = id;
-  if (t.param >= 0 && t.role == Role::kParamGrad) param_state_[t.param].grad = id;
-  if (t.param >= 0 && t.role == Role::kParamNorm) param_state_[t.param].norm = id;
 }
 
 void RunAnalytics::OnEvent(const EventRecord& event) {
@@ -148,7 +152,8 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
   for (const SeriesValue& sv : step.values) {
     if (sv.id >= series_.size()) continue;
     Tracked& t = series_[sv.id];
-    if (!t.slopes) continue;
+    if (!t.added) continue;
+    if (!t.slopes) Materialize(t);
     t.last_value = sv.value;
     t.has_value = true;
     if (!std::isfinite(sv.value)) continue;  // a NaN is a signal for alerts, not a slope sample

@@ -1,7 +1,9 @@
 // The analytics of one run: windowed slopes of every series, slope changes at events and without
 // them, forecasts to thresholds, grad-norm attribution, norm-gain amplification and growth
-// without decay. Owned by its Run and guarded by the run's mutex; O(series × windows) per step,
-// buffers sized when a series appears.
+// without decay. Owned by its Run and guarded by the run's mutex; O(series × windows) per step.
+// Memory grows with what the run reports: a series' trackers are allocated on its first sample
+// (a catalog entry that never reports costs a few hundred bytes), and their buffers grow with the
+// steps they hold.
 #pragma once
 
 #include <cstdint>
@@ -117,9 +119,12 @@ class RunAnalytics {
   enum class Role { kTotalGrad, kScalar, kParamGrad, kParamNorm, kParamUpdate, kExtra };
   struct Tracked {
     std::string key;
+    bool added = false;  // AddSeries was called for this id
     Role role = Role::kExtra;
     int param = -1;
-    std::unique_ptr<analytics::SlopeTracker> slopes;  // raw samples: the slopes shown, as Prometheus's deriv
+    // Raw samples: the slopes shown, as Prometheus's deriv. Null until the first sample
+    // (Materialize), and so are the trackers below.
+    std::unique_ptr<analytics::SlopeTracker> slopes;
     std::unique_ptr<analytics::SlopeChangeDetector> detector;  // key series only
     // Key series and forecast series: a spike filter's output, which feeds event slopes and
     // forecasts so that a one-step spike does not bend them (the longest window, and the
@@ -148,6 +153,8 @@ class RunAnalytics {
   };
 
   bool IsKeySeries(Role role, int param) const;
+  // Allocates a series' trackers (on its first sample), seeding its event slopes.
+  void Materialize(Tracked& t);
   void ClassifyLocked(Tracked& t) const;
   void UpdateShares(const CompletedStep& step);
   // The window of this length of the series' robust tracker (its raw one when it has none).

@@ -17,7 +17,7 @@ void PendingStep::Reset(uint64_t new_step, SteadyTime now, uint32_t world_size, 
   loss_n = z_loss_n = lr_n = 0;
   tokens_sum = 0;
   tokens_present = false;
-  param_sq.assign(param_count * kNormFields, 0.0);
+  param_sq.assign(param_count * kNormFields, 0.0L);
   param_present.assign(param_count * kNormFields, 0);
   extra_used = 0;
   client_dropped_steps = 0;
@@ -39,7 +39,7 @@ void PendingStep::Accumulate(uint32_t rank, const RankStep& r) {
   for (const ParamContribution& pc : r.params) {
     const size_t base = static_cast<size_t>(pc.index) * kNormFields;
     if (base + kNormFields > param_sq.size()) {  // the catalog grew after this step started
-      param_sq.resize(base + kNormFields, 0.0);
+      param_sq.resize(base + kNormFields, 0.0L);
       param_present.resize(base + kNormFields, 0);
     }
     for (int f = 0; f < kNormFields; ++f) {

@@ -34,8 +34,9 @@ struct PendingStep {
   uint32_t loss_n = 0, z_loss_n = 0, lr_n = 0;
   uint64_t tokens_sum = 0;
   bool tokens_present = false;
-  // Per catalog index × NormField: summed squares and whether any rank reported it.
-  std::vector<double> param_sq;
+  // Per catalog index × NormField: summed squares (long double, see NormContribution) and whether
+  // any rank reported it.
+  std::vector<long double> param_sq;
   std::vector<uint8_t> param_present;
   struct Extra {
     std::string key;

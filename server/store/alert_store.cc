@@ -49,8 +49,11 @@ std::string Hex(uint64_t fingerprint) {
   return out;
 }
 
+// As the journal's: invalid UTF-8 is replaced (U+FFFD), never thrown on the writer thread.
+std::string Dump(const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
 std::string AckToJson(const alerts::Acknowledgement& ack) {
-  return nlohmann::json{{"by", ack.by}, {"comment", ack.comment}, {"at", ack.at}}.dump();
+  return Dump(nlohmann::json{{"by", ack.by}, {"comment", ack.comment}, {"at", ack.at}});
 }
 
 alerts::Acknowledgement AckFromJson(const std::string& text) {
@@ -138,7 +141,7 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
     sqlite3_reset(s);
     BindText(s, 1, id);
     if (silence) {
-      BindText(s, 2, nlohmann::json(silence->matchers).dump());
+      BindText(s, 2, Dump(nlohmann::json(silence->matchers)));
       sqlite3_bind_double(s, 3, silence->starts_at);
       sqlite3_bind_double(s, 4, silence->ends_at);
       BindText(s, 5, silence->comment);
@@ -248,14 +251,19 @@ notify::Result<std::vector<uint64_t>> AlertStore::Write(std::vector<notify::Outb
   return ids;
 }
 
-notify::Result<std::vector<notify::OutboxEntry>> AlertStore::Pending(std::string_view receiver, size_t limit) {
+notify::Result<std::vector<notify::OutboxEntry>> AlertStore::Pending(std::string_view receiver, size_t limit,
+                                                                     double now) {
   std::lock_guard lock(mu_);
+  // Due entries first; an entry waits (is left out) while an older one of its fingerprint is not due.
   Stmt q(db_,
-         "SELECT id, receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at FROM outbox "
-         "WHERE receiver = ? AND delivery = 0 ORDER BY id LIMIT ?");
+         "SELECT id, receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at FROM outbox o "
+         "WHERE receiver = ?1 AND delivery = 0 AND NOT EXISTS (SELECT 1 FROM outbox p WHERE p.receiver = ?1 "
+         "AND p.delivery = 0 AND p.fingerprint = o.fingerprint AND p.id < o.id AND p.next_attempt_at > ?3) "
+         "ORDER BY next_attempt_at > ?3, id LIMIT ?2");
   if (!q.ok()) return Error(db_, "preparing pending query");
   BindText(q.get(), 1, receiver);
   sqlite3_bind_int64(q.get(), 2, static_cast<sqlite3_int64>(limit));
+  sqlite3_bind_double(q.get(), 3, now);
   std::vector<notify::OutboxEntry> out;
   int rc;
   while ((rc = sqlite3_step(q.get())) == SQLITE_ROW) {

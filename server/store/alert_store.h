@@ -26,7 +26,7 @@ class AlertStore final : public notify::Outbox {
   // A row that cannot be read (bad JSON) is skipped with an error in the log: one damaged alert
   // must not keep the daemon from starting.
   notify::Result<alerts::SavedState> LoadState() override;
-  notify::Result<std::vector<notify::OutboxEntry>> Pending(std::string_view receiver, size_t limit) override;
+  notify::Result<std::vector<notify::OutboxEntry>> Pending(std::string_view receiver, size_t limit, double now) override;
   notify::Result<uint64_t> PendingCount(std::string_view receiver) override;
   notify::Status MarkDelivered(uint64_t id) override;
   notify::Status MarkFailed(uint64_t id, std::string_view error) override;

@@ -58,20 +58,49 @@ void MergeInto(Point& a, const Point& b) {
   a.last = b.last;
 }
 
-Series::Series(const SeriesOptions& options)
-    : options_(Sanitised(options)),
-      recent_(options_.recent_points),
-      history_(options_.history_buckets) {}
+Series::Series(const SeriesOptions& options) : options_(Sanitised(options)) {}
 
-bool Series::Append(uint64_t step, double value) {
+size_t Series::GrownSize(size_t size, size_t capacity) {
+  return std::min(capacity, std::max(kFirstAllocation, size * 2));
+}
+
+bool Series::RecentMayGrow(bool may_grow) const {
+  return recent_size_ == recent_.size() && recent_.size() < options_.recent_points &&
+         (may_grow || recent_.empty());
+}
+
+bool Series::HistoryMayGrow(bool may_grow) const {
+  return history_size_ == history_.size() && history_.size() < options_.history_buckets &&
+         (may_grow || history_.empty());
+}
+
+size_t Series::NextGrowthBytes() const {
+  if (RecentMayGrow(true)) {
+    return (GrownSize(recent_.size(), options_.recent_points) - recent_.size()) * sizeof(Point);
+  }
+  if (recent_size_ == recent_.size() && HistoryMayGrow(true)) {
+    return (GrownSize(history_.size(), options_.history_buckets) - history_.size()) * sizeof(Point);
+  }
+  return 0;
+}
+
+bool Series::Append(uint64_t step, double value, bool may_grow) {
   if (sample_count_ > 0 && step <= last_step_) return false;
   const Point point = SamplePoint(step, value);
+  if (RecentMayGrow(may_grow)) {
+    // A ring that wrapped at a smaller size (growth refused) is unwrapped first, keeping its order.
+    std::rotate(recent_.begin(), recent_.begin() + static_cast<std::ptrdiff_t>(recent_start_), recent_.end());
+    recent_start_ = 0;
+    const size_t grown = GrownSize(recent_.size(), options_.recent_points);
+    recent_.reserve(grown);
+    recent_.resize(grown);
+  }
   const size_t capacity = recent_.size();
   if (recent_size_ < capacity) {
     recent_[(recent_start_ + recent_size_) % capacity] = point;
     ++recent_size_;
   } else {
-    PushHistory(recent_[recent_start_]);
+    PushHistory(recent_[recent_start_], may_grow);
     recent_[recent_start_] = point;
     recent_start_ = (recent_start_ + 1) % capacity;
   }
@@ -80,11 +109,19 @@ bool Series::Append(uint64_t step, double value) {
   return true;
 }
 
-void Series::PushHistory(const Point& evicted) {
+void Series::PushHistory(const Point& evicted, bool may_grow) {
   const auto newest_is_open = [this] {
     return history_size_ > 0 && history_[history_size_ - 1].count < bucket_width_;
   };
-  if (!newest_is_open() && history_size_ == history_.size()) CompactHistory();
+  if (!newest_is_open() && history_size_ == history_.size()) {
+    if (HistoryMayGrow(may_grow)) {
+      const size_t grown = GrownSize(history_.size(), options_.history_buckets);
+      history_.reserve(grown);
+      history_.resize(grown);
+    } else {
+      CompactHistory();
+    }
+  }
   // After compaction with an odd capacity the unpaired newest bucket is only half full.
   if (newest_is_open()) {
     MergeInto(history_[history_size_ - 1], evicted);
@@ -170,6 +207,11 @@ std::vector<Point> Series::Query(uint64_t from_step, uint64_t to_step, size_t ma
 
 size_t Series::MemoryBytes() const {
   return sizeof(*this) + (recent_.capacity() + history_.capacity()) * sizeof(Point);
+}
+
+size_t Series::MaxMemoryBytes(const SeriesOptions& options) {
+  const SeriesOptions o = Sanitised(options);
+  return sizeof(Series) + (o.recent_points + o.history_buckets) * sizeof(Point);
 }
 
 }  // namespace gradwatch::store

@@ -31,15 +31,22 @@ struct Point {
   double last = 0;
 };
 
-// Not thread-safe: the owner serialises access. Allocation-free in steady state: its buffers are
-// allocated once, at construction.
+// Not thread-safe: the owner serialises access. Memory grows with the samples held, not with the
+// options: a new series allocates nothing; its buffers grow by doubling (from 8 points) as samples
+// arrive, up to recent_points and history_buckets, and from then on Append never allocates. An
+// owner with a memory budget may refuse growth (Append's may_grow): the series then keeps its
+// current buffers (8 points at least) and downsamples into history sooner, losing no sample.
 class Series {
  public:
   explicit Series(const SeriesOptions& options = {});
 
   // Appends a sample. Steps must strictly increase: returns false and keeps nothing otherwise.
-  // NaN and ±Inf are kept (counted in `nonfinite`).
-  bool Append(uint64_t step, double value);
+  // NaN and ±Inf are kept (counted in `nonfinite`). With may_grow false the buffers grow no
+  // further than their first 8 points (see the class comment).
+  bool Append(uint64_t step, double value, bool may_grow = true);
+  // Bytes the next Append may allocate (0 when it will not grow): what an owner with a budget
+  // reserves before it.
+  size_t NextGrowthBytes() const;
 
   // Drops every point covering a step ≥ from_step (a rewind to a checkpoint: those steps belong
   // to an abandoned branch). A downsampled bucket that straddles from_step (its first step below
@@ -61,21 +68,31 @@ class Series {
 
   // Samples appended and not truncated (not only those kept at full resolution).
   uint64_t sample_count() const { return sample_count_; }
-  // Bytes this series holds (fixed after construction).
+  // Bytes this series holds now.
   size_t MemoryBytes() const;
+  // Bytes a series with these options holds at most (once full).
+  static size_t MaxMemoryBytes(const SeriesOptions& options);
 
  private:
+  static constexpr size_t kFirstAllocation = 8;
+  // The next buffer size: doubled, at least kFirstAllocation, at most capacity.
+  static size_t GrownSize(size_t size, size_t capacity);
+
   // Merges a point evicted from recent_ into the newest history bucket, or opens a new one.
-  void PushHistory(const Point& evicted);
+  void PushHistory(const Point& evicted, bool may_grow);
+  // Whether a full buffer grows now rather than wrapping (recent_) or compacting (history_).
+  bool RecentMayGrow(bool may_grow) const;
+  bool HistoryMayGrow(bool may_grow) const;
   // Merges adjacent history buckets pairwise and doubles bucket_width_.
   void CompactHistory();
 
   SeriesOptions options_;
-  std::vector<Point> recent_;   // ring buffer, capacity options_.recent_points
+  // Ring buffer of recent_.size() slots, at most options_.recent_points; unwrapped when it grows.
+  std::vector<Point> recent_;
   size_t recent_start_ = 0;     // index of the oldest
   size_t recent_size_ = 0;
-  // Buckets, oldest first, capacity options_.history_buckets. It only grows at the end and is
-  // compacted in place, so unlike recent_ it needs no ring offset.
+  // Buckets, oldest first, at most options_.history_buckets. It only grows at the end and is
+  // compacted in place when full and not growing, so unlike recent_ it needs no ring offset.
   std::vector<Point> history_;
   size_t history_size_ = 0;
   uint64_t bucket_width_ = 1;   // samples per history bucket

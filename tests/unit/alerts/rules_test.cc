@@ -262,6 +262,7 @@ TEST_CASE("bad rule files are rejected with file:line and what is wrong", "[aler
       {"      - kind: threshold\n", "bad.yaml:4: rule '': missing 'alert'"},
       {"      - just a string\n", "bad.yaml:4: a rule must be a map, got 'just a string'"},
       {kThreshold + "        labels: {severity: page\n", "bad.yaml:10: invalid YAML"},
+      // yaml-cpp keeps both entries of a repeated key; the last one would win without a word.
   };
   for (const Case& c : cases) {
     const std::string yaml = OneGroup(c.rules);
@@ -345,6 +346,16 @@ TEST_CASE("globs match series, parameter and group names", "[alerts]") {
     INFO(c.pattern << " ~ " << c.text);
     CHECK(GlobMatch(c.pattern, c.text) == c.match);
   }
+}
+
+TEST_CASE("a key given twice outside a rule is an error too, never last-one-wins", "[alerts]") {
+  auto rules = LoadRules("groups:\n  - name: g\n    rules: []\ngroups:\n  - name: h\n    rules: []\n", "dup.yaml");
+  REQUIRE_FALSE(rules.ok());
+  CHECK(rules.status().message() == "dup.yaml:4: duplicate key 'groups' (first at line 1)");
+  rules = LoadRules("groups:\n  - name: g\n    name: h\n    rules: []\n", "dup.yaml");
+  REQUIRE_FALSE(rules.ok());
+  CHECK_THAT(rules.status().message(), Catch::Contains("dup.yaml:3:"));
+  CHECK_THAT(rules.status().message(), Catch::Contains("'name'"));
 }
 
 TEST_CASE("a key given twice in one rule is an error", "[alerts]") {

@@ -429,3 +429,38 @@ TEST_CASE("the slope tracker feeds every window and delegates FitRange to the lo
   CHECK(SlopeTracker().windows().size() == 3);
   CHECK(SlopeTracker(std::vector<uint64_t>{}).window(2).window_steps() == 20000);
 }
+
+TEST_CASE("the windowed slope's ring grows as buckets arrive, wrapped or not, and keeps every fit", "[analytics]") {
+  // window 40, 4 buckets of 10 steps: at most 5 buckets held. The ring starts empty, grows to 4,
+  // and grows to 5 while wrapped (its oldest bucket is not at the front).
+  WindowedSlope window(40, 4);
+  REQUIRE(window.bucket_steps() == 10);
+  std::vector<uint64_t> steps;
+  std::vector<double> values;
+  auto add = [&](uint64_t step, double value) {
+    REQUIRE(window.AddSample(step, value));
+    steps.push_back(step);
+    values.push_back(value);
+    const auto fit = window.Fit();
+    if (!fit) return;
+    std::vector<uint64_t> in_steps;
+    std::vector<double> in_values;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      if (steps[i] >= fit->first_step && steps[i] <= fit->last_step) {
+        in_steps.push_back(steps[i]);
+        in_values.push_back(values[i]);
+      }
+    }
+    REQUIRE(fit->samples == in_steps.size());
+    if (in_steps.size() < 3) return;
+    const Reference ref = TwoPassFit(in_steps, in_values);
+    REQUIRE_THAT(fit->slope_per_step, WithinRel(ref.slope, 1e-9) || WithinAbs(ref.slope, 1e-12));
+  };
+  for (uint64_t s : {0, 19, 20, 30, 45, 50}) add(s, 0.5 * static_cast<double>(s) + (s % 3 == 0 ? 1.0 : -1.0));
+  CHECK(window.samples_in_window() == 5);  // steps 19..50: five buckets, the ring grew while wrapped
+  uint64_t step = 50;
+  for (int i = 0; i < 2000; ++i) {
+    step += 1 + static_cast<uint64_t>((i * 7919) % 13);
+    add(step, std::sin(0.01 * static_cast<double>(step)) * 100.0 + 0.001 * static_cast<double>(step));
+  }
+}

@@ -285,6 +285,41 @@ TEST_CASE("replay fails with 1 when the daemon is unreachable or the file is mis
   CHECK_THAT(r.err, Catch::Contains("cannot open"));
 }
 
+TEST_CASE("an empty or unreadable file creates no run and fails", "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  for (const std::string& text : {std::string(), std::string("\n\n"), std::string("garbage\nmore garbage\n"),
+                                 std::string(R"({"run": "only-a-header"})") + "\n"}) {
+    CAPTURE(text);
+    TempFile file(text);
+    const CliResult r = RunCli({"--addr", server.address(), "replay", file.path()});
+    CHECK(r.code == 1);
+    CHECK_THAT(r.err, Catch::Contains("holds no step to replay"));
+  }
+  CHECK(ingest.Messages().empty());  // no Hello: no run
+}
+
+TEST_CASE("a replay with a non-number built-in value reports the line and exits 3", "[client]") {
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  TempFile file(R"({"_step": 1, "grad/norm/total": 0.3})"
+                "\n"
+                R"({"_step": 2, "grad/norm/total": "1.0"})"
+                "\n"
+                R"({"_step": 3, "grad/norm/total": null})"
+                "\n"
+                R"({"_step": 4, "grad/norm/total": 0.4})"
+                "\n");
+  const CliResult r = RunCli({"--addr", server.address(), "--json", "replay", file.path()});
+  INFO(r.err);
+  CHECK(r.code == 3);
+  CHECK_THAT(r.err, Catch::Contains(R"(:2: "grad/norm/total": "1.0" is not a number)"));
+  CHECK_THAT(r.err, Catch::Contains(R"(:3: "grad/norm/total": null is not a number)"));
+  const auto summary = nlohmann::json::parse(r.out);
+  CHECK(summary["skipped_lines"] == 2);
+  CHECK(summary["steps_sent"] == 2);
+}
+
 TEST_CASE("usage errors exit 2 and help exits 0 with the exit codes", "[client]") {
   CHECK(RunCli({}).code == 2);
   CHECK(RunCli({"bogus"}).code == 2);

@@ -286,3 +286,42 @@ TEST_CASE("a header's resume_from_step becomes the hello's and --resume-from ove
   CHECK_THAT(ErrorOf(R"({"resume_from_step": -1})", true), Catch::Contains("resume_from_step"));
   CHECK_THAT(ErrorOf(R"({"resume_from_step": "20000"})", true), Catch::Contains("resume_from_step"));
 }
+
+TEST_CASE("a built-in series with a value that is not a number rejects its line", "[client]") {
+  struct Case {
+    std::string line;
+    std::string error;
+  };
+  const std::vector<Case> cases = {
+      {R"({"_step": 1, "grad/norm/total": "1.0"})", R"("grad/norm/total": "1.0" is not a number)"},
+      {R"({"_step": 1, "grad/norm/total": null})", R"("grad/norm/total": null is not a number)"},
+      {R"({"_step": 1, "train/loss": true})", R"("train/loss": true is not a number)"},
+      {R"({"_step": 1, "params/norm/final_norm.weight": [1]})", R"("params/norm/final_norm.weight": [1] is not)"},
+      {R"({"_step": 1, "train/tokens": -5})", R"("train/tokens" must be a non-negative count)"},
+      {R"({"_step": 1, "grad/norm/": 0.5})", R"("grad/norm/" names no parameter)"},
+      // A number written as text under a key of the user's own was meant as a number too.
+      {R"({"_step": 1, "train/accuracy": "0.61"})", R"("train/accuracy": "0.61" is not a number)"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.line);
+    CHECK_THAT(ErrorOf(c.line), Catch::Contains(c.error));
+  }
+  // Text, flags and null under the user's own keys are not metrics: ignored, as before.
+  const StepRecord r = ParseStep(R"({"_step": 1, "note": "text", "flag": true, "nothing": null, "loss_x": 1})");
+  CHECK(r.stats.extra().size() == 1);
+}
+
+TEST_CASE("the pre-scan counts a line with a non-number built-in value as skipped", "[client]") {
+  std::istringstream in(R"({"_step": 1, "grad/norm/total": 0.3})"
+                        "\n"
+                        R"({"_step": 2, "grad/norm/total": "1.0"})"
+                        "\n"
+                        R"({"_step": 3, "grad/norm/total": null})"
+                        "\n");
+  const ReplayPlan plan = ScanReplay(in);
+  CHECK(plan.step_lines == 1);
+  CHECK(plan.bad_line_count == 2);
+  REQUIRE(plan.bad_lines.size() == 2);
+  CHECK(plan.bad_lines[0].line == 2);
+  CHECK(plan.bad_lines[1].line == 3);
+}

@@ -74,3 +74,45 @@ TEST_CASE("validation rejects bad values with the key's name", "[daemon]") {
   c.assembly_timeout_seconds = 0;
   CHECK(ValidateConfig(c).message().find("assembly.timeout_seconds") == 0);
 }
+
+TEST_CASE("a repeated key is an error naming the file and line, at any depth", "[daemon]") {
+  auto c = ParseConfig("listen: 127.0.0.1:7000\nlimits:\n  max_runs: 3\n  max_runs: 4\n", "dup.yaml");
+  REQUIRE_FALSE(c.ok());
+  CHECK(c.status().message() == "dup.yaml:4: duplicate key 'max_runs' (first at line 3)");
+  c = ParseConfig("data_dir: /a\nlog: {level: info}\ndata_dir: /b\n", "dup.yaml");
+  REQUIRE_FALSE(c.ok());
+  CHECK(c.status().message() == "dup.yaml:3: duplicate key 'data_dir' (first at line 1)");
+  c = ParseConfig("alerts:\n  receivers:\n    - {type: webhook, url: 'http://a/', url: 'http://b/'}\n", "dup.yaml");
+  REQUIRE_FALSE(c.ok());
+  CHECK_THAT(c.status().message(), Catch::StartsWith("dup.yaml:3: duplicate key 'url'"));
+}
+
+TEST_CASE("a receiver URL without a scheme or host is invalid", "[daemon]") {
+  for (const std::string url : {"127.0.0.1:9093/api/v2/alerts", "ftp://host/x", "http://", "hooks.example.com/x"}) {
+    CAPTURE(url);
+    auto c = ParseConfig("alerts:\n  receivers:\n    - {type: webhook, name: hook, url: '" + url + "'}\n", "t.yaml");
+    REQUIRE(c.ok());
+    const auto s = ValidateConfig(*c);
+    REQUIRE_FALSE(s.ok());
+    CHECK_THAT(s.message(), Catch::StartsWith("alerts.receivers: receiver 'hook': url '" + url + "'"));
+  }
+  auto c = ParseConfig("alerts:\n  receivers:\n    - {type: webhook, url: 'https://hooks.example.com/x'}\n", "t.yaml");
+  REQUIRE(c.ok());
+  CHECK(ValidateConfig(*c).ok());
+}
+
+TEST_CASE("the rule files a configuration names are read and checked before start", "[daemon]") {
+  Config c;
+  CHECK(CheckConfigFiles(c).ok());
+  c.rule_files = {"/nonexistent/gradwatch-rules.yaml"};
+  const auto s = CheckConfigFiles(c);
+  REQUIRE_FALSE(s.ok());
+  CHECK_THAT(s.message(), Catch::Contains("/nonexistent/gradwatch-rules.yaml"));
+}
+
+TEST_CASE("the memory budget is read from limits", "[daemon]") {
+  auto c = ParseConfig("limits: {memory_budget_bytes: 1073741824}\n", "t.yaml");
+  REQUIRE(c.ok());
+  CHECK(c->memory_budget_bytes == 1073741824u);
+  CHECK(ParseConfig("", "t.yaml")->memory_budget_bytes == 0u);  // 0: a quarter of the machine's memory
+}

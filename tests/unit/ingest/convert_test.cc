@@ -132,3 +132,64 @@ TEST_CASE("events need text of 1 to 1024 bytes", "[ingest]") {
   e.set_text(std::string(1025, 'x'));
   CHECK(EventFromProto(e, &out));
 }
+
+TEST_CASE("run label names must be Prometheus label names", "[ingest]") {
+  struct Case {
+    std::string key;
+    bool ok;
+    std::string named;  // how the error names the key
+  };
+  const std::vector<Case> cases = {
+      {"job", true, ""},
+      {"_private", true, ""},
+      {"team_2", true, ""},
+      {"1x", false, "'1x' starts with a digit"},
+      {"a-b", false, "'a-b' has a character outside"},
+      {"__name__", false, "'__name__' starts with '__'"},
+      {"line\nbreak", false, "'line\\x0abreak'"},
+      {"caf\xc3\xa9", false, "'caf\\xc3\\xa9'"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.key);
+    v1::Hello h = GoodHello();
+    (*h.mutable_labels())[c.key] = "value \"quoted\"\nwith a newline";
+    RunMeta meta;
+    uint32_t rank = 0;
+    const auto err = HelloFromProto(h, {}, &meta, &rank);
+    CHECK(err.has_value() == !c.ok);
+    if (err) {
+      CHECK(err->reason == IngestErrorReason::kInvalidHello);
+      CHECK_THAT(err->message, Catch::Contains(c.named));
+    }
+  }
+}
+
+TEST_CASE("extra keys cannot name a built-in series", "[ingest]") {
+  for (const std::string key : {"grad/norm/total", "train/loss", "train/z_loss", "optim/learning_rate",
+                                "train/tokens", "grad/norm/lm_head.weight", "params/norm/x", "updates/norm/x"}) {
+    CAPTURE(key);
+    v1::StepStats in;
+    in.set_step(7);
+    (*in.mutable_extra())[key] = 1.0;
+    RankStep out;
+    const auto err = StepFromProto(in, 1, &out);
+    REQUIRE(err.has_value());
+    CHECK(err->reason == IngestErrorReason::kInvalidMessage);
+    CHECK(err->step == 7);
+    CHECK_THAT(err->message, Catch::Contains("built-in series"));
+  }
+  v1::StepStats in;
+  (*in.mutable_extra())["train/accuracy"] = 0.6;
+  (*in.mutable_extra())["grad/norm_ratio"] = 0.6;
+  RankStep out;
+  CHECK_FALSE(StepFromProto(in, 1, &out));
+}
+
+TEST_CASE("a norm's square keeps a finite norm finite", "[ingest]") {
+  v1::StepStats in;
+  in.mutable_total_grad()->set_norm(1e160);
+  RankStep out;
+  REQUIRE_FALSE(StepFromProto(in, 1, &out));
+  CHECK(std::isfinite(out.total_grad.sq));
+  CHECK(static_cast<double>(std::sqrt(out.total_grad.sq)) == Approx(1e160));
+}

@@ -368,3 +368,45 @@ TEST_CASE("an alert reaches every stream attached to the run", "[runs]") {
   CHECK(sink1.alerts.size() == 1);
   CHECK(sink1.alerts[0].name == "GradNormContingency");
 }
+
+TEST_CASE("a finite norm too large to square in a double stays finite", "[runs]") {
+  Fixture f(2);
+  RecordingSink second;
+  f.Attach(0, &f.sink);
+  f.Attach(1, &second);
+  // Two ranks' shares of 1e160 each: √(2·1e320) overflows a double's square, not the norm.
+  REQUIRE_FALSE(f.run->AddStep(0, Step(100, 1e160, 1.0), &f.sink));
+  REQUIRE_FALSE(f.run->AddStep(1, Step(100, 1e160, 1.0), &second));
+  const auto norm = Latest(*f.run, "grad/norm/final_norm.weight");
+  REQUIRE(norm);
+  CHECK(*norm == Approx(std::sqrt(2.0) * 1e160));
+  CHECK(std::isfinite(*Latest(*f.run, "grad/norm/total")));
+  CHECK(f.run->Info().nonfinite_count == 0);
+  // The shares are computed in the same scaled way: final_norm carries it all.
+  const auto facts = f.run->Facts();
+  bool found = false;
+  for (const auto& s : facts.shares) {
+    if (s.name == "final_norm.weight") {
+      found = true;
+      CHECK(s.share == Approx(1.0));
+    }
+  }
+  CHECK(found);
+}
+
+TEST_CASE("restored events are ordered by step whatever order the journal recorded them in", "[runs]") {
+  FakeClock clock;
+  RunOptions options;
+  Run run(Meta(), options, nullptr, nullptr, &clock, false);
+  run.RestoreEvent({500, "third", "trainer", 3});
+  run.RestoreEvent({100, "first", "annotation", 1});
+  run.RestoreEvent({300, "second", "annotation", 2});
+  run.RestoreEvent({300, "second, later", "annotation", 4});
+  run.FinishRestore();
+  const auto events = run.Summary().events;
+  REQUIRE(events.size() == 4);
+  CHECK(events[0].text == "first");
+  CHECK(events[1].text == "second");
+  CHECK(events[2].text == "second, later");
+  CHECK(events[3].text == "third");
+}

@@ -67,7 +67,7 @@ TEST_CASE("the SQLite outbox keeps pending entries in order across a reopen unti
   }
   auto outbox = store::AlertStore::Open(path);  // a restart
   REQUIRE(outbox.ok());
-  auto am = (*outbox)->Pending("am", 10);
+  auto am = (*outbox)->Pending("am", 10, 1.7e9 + 10);
   REQUIRE(am.ok());
   REQUIRE(am->size() == 2);
   CHECK(am.value()[0].state == alerts::AlertState::kFiring);
@@ -186,7 +186,7 @@ TEST_CASE("pruning the outbox deletes old delivered and given-up entries, never 
   CHECK(pruned.value() == 1);
   CHECK((*store)->PruneDone(1003.0, 100).value() == 0);
 
-  auto pending = (*store)->Pending("am", 100);
+  auto pending = (*store)->Pending("am", 100, 1e12);
   REQUIRE(pending.ok());
   REQUIRE(pending->size() == 3);  // 2, 4, 5 are still to deliver
   CHECK(pending->at(0).fingerprint == "fp2");
@@ -198,5 +198,54 @@ TEST_CASE("pruning the outbox deletes old delivered and given-up entries, never 
   CHECK(sqlite3_column_int(q, 0) == 4);  // 2 pruned; the recent delivered one stays
   sqlite3_finalize(q);
   sqlite3_close(db);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("alert store outbox: entries in back-off never crowd out due ones", "[store]") {
+  const auto dir = TempPath();
+  auto store = store::AlertStore::Open((dir / "journal.db").string());
+  REQUIRE(store.ok());
+  std::vector<notify::OutboxEntry> entries;
+  for (int i = 0; i < 300; ++i) entries.push_back(Entry("am", "backoff" + std::to_string(i), alerts::AlertState::kFiring));
+  entries.push_back(Entry("am", "held", alerts::AlertState::kFiring));
+  entries.push_back(Entry("am", "held", alerts::AlertState::kResolved));
+  entries.push_back(Entry("am", "due", alerts::AlertState::kFiring));
+  const auto ids = (*store)->Add(std::move(entries)).value();
+  for (int i = 0; i < 301; ++i) REQUIRE((*store)->MarkRetry(ids[i], 1.7e9 + 60, 1, "HTTP 503").ok());
+
+  const auto pending = (*store)->Pending("am", 256, 1.7e9 + 1).value();
+  REQUIRE(pending.size() == 256);
+  CHECK(pending[0].fingerprint == "due");
+  CHECK(pending[1].id == ids[0]);
+  for (const auto& e : pending) CHECK(e.id != ids[301]);  // held behind its fingerprint's retry
+  // Once due, everything comes back in id order.
+  const auto later = (*store)->Pending("am", 1000, 1.7e9 + 61).value();
+  REQUIRE(later.size() == 303);
+  CHECK(later[300].id == ids[300]);
+  CHECK(later[301].id == ids[301]);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("alert store saves an acknowledgement with invalid UTF-8 instead of throwing", "[store]") {
+  const auto dir = TempPath();
+  auto store = store::AlertStore::Open((dir / "journal.db").string());
+  REQUIRE(store.ok());
+  alerts::InstanceState inst = Firing("run-utf8", 100);
+  inst.ack = alerts::Acknowledgement{"op\xff", "looked at it \xc3", 1.7e9};
+  alerts::StateChanges changes;
+  changes.instances[42] = inst;
+  alerts::Silence silence;
+  silence.id = "s1";
+  silence.matchers = {{"run", "bad\xfe"}};
+  silence.starts_at = 1.7e9;
+  silence.ends_at = 1.7e9 + 60;
+  changes.silences["s1"] = silence;
+  auto written = (*store)->Write({}, changes);
+  REQUIRE(written.ok());
+  const auto saved = (*store)->LoadState().value();
+  REQUIRE(saved.instances.size() == 1);
+  REQUIRE(saved.instances[0].ack.has_value());
+  CHECK(saved.instances[0].ack->by == "op\xef\xbf\xbd");  // U+FFFD
+  REQUIRE(saved.silences.size() == 1);
   std::filesystem::remove_all(dir);
 }

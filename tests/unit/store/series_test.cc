@@ -107,8 +107,8 @@ TEST_CASE("overflow into history preserves the total count, the sum and a spike'
 }
 
 TEST_CASE("pairwise compaction covers the whole step range with constant memory", "[store]") {
-  Series series({.recent_points = 4, .history_buckets = 5});
-  const size_t bytes_before = series.MemoryBytes();
+  const SeriesOptions options{.recent_points = 4, .history_buckets = 5};
+  Series series(options);
   constexpr uint64_t kSamples = 1'000'000;
   constexpr uint64_t kFirstStep = 7;
   constexpr uint64_t kStride = 3;
@@ -117,7 +117,7 @@ TEST_CASE("pairwise compaction covers the whole step range with constant memory"
     accepted += series.Append(kFirstStep + i * kStride, static_cast<double>(i % 100)) ? 1 : 0;
   }
   REQUIRE(accepted == kSamples);
-  CHECK(series.MemoryBytes() == bytes_before);
+  CHECK(series.MemoryBytes() == Series::MaxMemoryBytes(options));
   CHECK(series.sample_count() == kSamples);
 
   const std::vector<Point> points = series.Query(0, kAllSteps);
@@ -352,4 +352,68 @@ TEST_CASE("a rewind to a step before everything empties the series", "[store][re
   CHECK(series.Query(0, kAllSteps).empty());
   REQUIRE(series.Append(5, 2.0));
   CHECK(series.Latest()->step == 5);
+}
+
+TEST_CASE("a series allocates nothing until it reports, then grows with its samples up to its bound", "[store]") {
+  const SeriesOptions options{.recent_points = 64, .history_buckets = 16};
+  Series series(options);
+  const size_t empty = series.MemoryBytes();
+  CHECK(empty == sizeof(Series));
+  REQUIRE(series.Append(1, 1.0));
+  CHECK(series.MemoryBytes() == empty + 8 * sizeof(Point));
+  for (uint64_t s = 2; s <= 20; ++s) REQUIRE(series.Append(s, static_cast<double>(s)));
+  CHECK(series.MemoryBytes() == empty + 32 * sizeof(Point));
+  // Past the ring's bound the history starts, small, then both stop at their bounds.
+  size_t previous = 0;
+  for (uint64_t s = 21; s <= 5000; ++s) {
+    REQUIRE(series.Append(s, static_cast<double>(s)));
+    CHECK(series.MemoryBytes() >= previous);
+    previous = series.MemoryBytes();
+  }
+  CHECK(series.MemoryBytes() == Series::MaxMemoryBytes(options));
+  // Growth kept every sample in order: the newest 64 at full resolution, the rest in buckets.
+  const std::vector<Point> points = series.Query(0, kAllSteps);
+  CHECK(TotalCount(points) == 5000);
+  REQUIRE(points.size() >= 64);
+  for (size_t i = 0; i < 64; ++i) {
+    const Point& p = points[points.size() - 64 + i];
+    CHECK(p.step == 5000 - 63 + i);
+    CHECK(p.mean == static_cast<double>(p.step));
+  }
+  CHECK(points.front().step == 1);
+  CHECK(FiniteSum(points) == Approx(5000.0 * 5001.0 / 2.0));
+}
+
+TEST_CASE("a series emptied by a rewind before it wrapped grows again from where it was", "[store][rewind]") {
+  Series series({.recent_points = 64, .history_buckets = 16});
+  for (uint64_t s = 1; s <= 40; ++s) REQUIRE(series.Append(s, static_cast<double>(s)));
+  CHECK(series.TruncateFrom(11) == 30);
+  for (uint64_t s = 11; s <= 100; ++s) REQUIRE(series.Append(s, -static_cast<double>(s)));
+  const std::vector<Point> points = series.Query(0, kAllSteps);
+  CHECK(TotalCount(points) == 100);
+  CHECK(points.back().step == 100);
+  CHECK(points.back().mean == -100.0);
+  CHECK(series.Latest()->last == -100.0);
+}
+
+TEST_CASE("a series refused growth keeps its first buffers and every sample, and grows later in order", "[store]") {
+  const SeriesOptions options{.recent_points = 64, .history_buckets = 16};
+  Series series(options);
+  CHECK(series.NextGrowthBytes() == 8 * sizeof(Point));
+  for (uint64_t s = 1; s <= 1000; ++s) REQUIRE(series.Append(s, static_cast<double>(s), /*may_grow=*/false));
+  // 8 recent points and 8 history buckets, whatever was refused.
+  CHECK(series.MemoryBytes() == sizeof(Series) + 16 * sizeof(Point));
+  CHECK(series.NextGrowthBytes() == 8 * sizeof(Point));
+  std::vector<Point> points = series.Query(0, kAllSteps);
+  CHECK(TotalCount(points) == 1000);
+  CHECK(points.back().step == 1000);
+  CHECK(FiniteSum(points) == Approx(1000.0 * 1001.0 / 2.0));
+
+  // Allowed again, the wrapped ring is unwrapped as it grows: the newest samples stay in order.
+  for (uint64_t s = 1001; s <= 1100; ++s) REQUIRE(series.Append(s, static_cast<double>(s)));
+  points = series.Query(0, kAllSteps);
+  CHECK(TotalCount(points) == 1100);
+  for (size_t i = 1; i < points.size(); ++i) CHECK(points[i].step == points[i - 1].last_step + 1);
+  CHECK(FiniteSum(points) == Approx(1100.0 * 1101.0 / 2.0));
+  CHECK(points.back().mean == 1100.0);
 }

@@ -1,0 +1,46 @@
+// The daemon-wide memory budget for runs: every held run is charged for its catalog when the
+// catalog is accepted and for its series as their buffers grow. A Hello (or a run restored from
+// the journal) whose catalog would not fit is refused before anything of it is allocated or
+// journaled; a series whose growth would not fit stops growing and downsamples sooner (no step is
+// refused for memory). The figures are estimates of the bytes the run's structures hold, not of the heap's
+// overhead or fragmentation: configure the budget with headroom (the default is a quarter of the
+// machine's memory).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "server/core/types.h"
+
+namespace gradwatch::runs {
+
+// Thread-safe: charges and releases are atomic.
+class MemoryBudget {
+ public:
+  // limit_bytes 0 means unlimited.
+  explicit MemoryBudget(uint64_t limit_bytes) : limit_(limit_bytes) {}
+
+  // Charges `bytes` if the total stays within the limit; false (and nothing charged) otherwise.
+  bool TryCharge(uint64_t bytes);
+  // Charges `bytes` whatever the limit (buffers that already grew).
+  void Charge(uint64_t bytes) { used_.fetch_add(bytes, std::memory_order_relaxed); }
+  void Release(uint64_t bytes) { used_.fetch_sub(bytes, std::memory_order_relaxed); }
+
+  uint64_t used() const { return used_.load(std::memory_order_relaxed); }
+  uint64_t limit() const { return limit_; }
+
+  // What a catalog of params[first..] costs a run before any of them reports: the entries, their
+  // names, their three series and their analytics state, all of it still empty.
+  static uint64_t CatalogBytes(const std::vector<ParamInfo>& params, size_t first = 0);
+  // The default limit: a quarter of the machine's physical memory (sysconf), or 4 GiB when it
+  // cannot be read.
+  static uint64_t DefaultLimitBytes();
+
+ private:
+  const uint64_t limit_;
+  std::atomic<uint64_t> used_{0};
+};
+
+}  // namespace gradwatch::runs

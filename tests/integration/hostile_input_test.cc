@@ -1,0 +1,226 @@
+// Hostile input against the real gradwatchd: a catalog too large for the memory budget, run label
+// names that are not Prometheus label names, a finite norm too large to square, a bad
+// configuration, and replays of files that hold no step.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "tests/integration/daemon_process.h"
+#include "tests/integration/stream_client.h"
+
+using namespace gradwatch;
+using namespace gradwatch::testing;
+
+namespace {
+
+// Peak resident memory of a process (VmHWM), bytes.
+uint64_t PeakRssBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream fields(line.substr(6));
+      uint64_t kib = 0;
+      fields >> kib;
+      return kib * 1024;
+    }
+  }
+  throw std::runtime_error("no VmHWM for pid " + std::to_string(pid));
+}
+
+v1::Hello LargeHello(const std::string& run, size_t params) {
+  std::vector<std::pair<std::string, v1::ParamKind>> catalog;
+  catalog.reserve(params);
+  for (size_t i = 0; i < params; ++i) {
+    catalog.emplace_back("model.layers." + std::to_string(i) + ".mlp.weight", v1::PARAM_KIND_MLP);
+  }
+  return MakeHello(run, 0, 1, catalog);
+}
+
+v1::StepStats GradStep(uint64_t step, uint32_t index, double norm) {
+  v1::StepStats s;
+  s.set_step(step);
+  s.set_wall_time(1.7e9 + step);
+  auto* p = s.add_params();
+  p->set_index(index);
+  p->mutable_grad()->set_norm(norm);
+  return s;
+}
+
+std::vector<v1::RunInfo> ListRuns(const std::string& target) {
+  auto stub = QueryStub(target);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::ListRunsRequest req;
+  req.set_include_archived(true);
+  v1::ListRunsResponse resp;
+  const grpc::Status s = stub->ListRuns(&ctx, req, &resp);
+  INFO(s.error_message());
+  REQUIRE(s.ok());
+  return {resp.runs().begin(), resp.runs().end()};
+}
+
+void CheckPromtool(const std::string& metrics) {
+  if (PromtoolPath().empty()) {
+    WARN("promtool not found: /metrics not linted");
+    return;
+  }
+  const CommandResult lint = RunCommand({PromtoolPath(), "check", "metrics"}, metrics);
+  INFO(lint.out << lint.err);
+  CHECK(lint.exit_code == 0);
+  CHECK(lint.out.empty());
+}
+
+}  // namespace
+
+TEST_CASE("a 65,536-parameter hello beyond the memory budget is refused, not journaled, and memory stays bounded",
+          "[integration]") {
+  TempDir dir;
+  DaemonOptions options;
+  options.data_dir = dir.path();
+  options.config_yaml = "log: {level: info}\nlimits: {memory_budget_bytes: 67108864}\n";
+  DaemonProcess daemon(options);
+  {
+    StreamClient stream(daemon.grpc_target());
+    REQUIRE(stream.Hello(LargeHello("huge", 65536), 1));
+    const v1::Error error = stream.WaitError(1);
+    CHECK(error.reason() == v1::ERROR_REASON_LIMIT_EXCEEDED);
+    CHECK_THAT(error.message(), Catch::Contains("limits.memory_budget_bytes"));
+  }
+  // The old daemon held about 1 MB per parameter at Hello (23.9 GB for this catalog).
+  const uint64_t peak = PeakRssBytes(daemon.pid());
+  CHECK(peak < (512u << 20));
+  const std::string metrics = daemon.ScrapeMetrics();
+  CHECK(ParseMetric(metrics, "gradwatch_memory_budget_bytes") == 67108864.0);
+  CHECK(ParseMetric(metrics, "gradwatch_ingest_errors_total", {{"reason", "limit_exceeded"}}) == 1.0);
+  CheckPromtool(metrics);
+  CHECK(ListRuns(daemon.grpc_target()).empty());
+
+  // A restart finds nothing of it, and a run within the budget goes on.
+  CHECK(daemon.Restart() == 0);
+  CHECK(ListRuns(daemon.grpc_target()).empty());
+  StreamClient small(daemon.grpc_target());
+  REQUIRE(small.Hello(LargeHello("small", 100), 1));
+  small.WaitAccepted();
+  REQUIRE(small.Step(GradStep(1, 3, 0.5), 2));
+  CHECK(small.WaitAck(1).durable_step() == 1);
+  CHECK(ParseMetric(daemon.ScrapeMetrics(), "gradwatch_memory_budget_used_bytes").value_or(0) > 0);
+}
+
+TEST_CASE("a 65,536-parameter run costs memory by what it reports, across a restart", "[integration]") {
+  TempDir dir;
+  DaemonOptions options;
+  options.data_dir = dir.path();
+  options.config_yaml = "log: {level: info}\n";
+  options.ready_timeout = std::chrono::seconds(120);
+  DaemonProcess daemon(options);
+  {
+    StreamClient stream(daemon.grpc_target());
+    REQUIRE(stream.Hello(LargeHello("wide", 65536), 1));
+    stream.WaitFor([](const v1::DaemonMessage& m) { return m.has_accepted(); }, std::chrono::seconds(120));
+    for (uint64_t s = 1; s <= 50; ++s) REQUIRE(stream.Step(GradStep(s, static_cast<uint32_t>(s % 8), 1.0), 1 + s));
+    stream.WaitFor([](const v1::DaemonMessage& m) { return m.has_ack() && m.ack().durable_step() >= 50; },
+                   std::chrono::seconds(120));
+  }
+  CHECK(PeakRssBytes(daemon.pid()) < (1024u << 20));
+  CHECK(daemon.Restart() == 0);
+  CHECK(PeakRssBytes(daemon.pid()) < (1024u << 20));
+  const auto runs = ListRuns(daemon.grpc_target());
+  REQUIRE(runs.size() == 1);
+  CHECK(runs[0].step_count() == 50);
+}
+
+TEST_CASE("run label names that are not Prometheus label names are refused, and values are escaped", "[integration]") {
+  DaemonProcess daemon;
+  const std::vector<std::pair<std::string, v1::ParamKind>> catalog = {{"final_norm.weight", v1::PARAM_KIND_NORM_GAIN}};
+  uint64_t seq = 1;
+  for (const std::string key : {"1x", "a-b", "__name__", "line\nbreak"}) {
+    CAPTURE(key);
+    StreamClient stream(daemon.grpc_target());
+    v1::Hello hello = MakeHello("labelled", 0, 1, catalog);
+    (*hello.mutable_labels())[key] = "y";
+    REQUIRE(stream.Hello(hello, seq));
+    const v1::Error error = stream.WaitError(seq);
+    CHECK(error.reason() == v1::ERROR_REASON_INVALID_HELLO);
+    CHECK_THAT(error.message(), Catch::Contains("label name"));
+    ++seq;
+  }
+  CHECK(ListRuns(daemon.grpc_target()).empty());
+
+  // Valid names with values that need escaping, on the ALERTS series of a non-finite value.
+  StreamClient stream(daemon.grpc_target());
+  v1::Hello hello = MakeHello("labelled", 0, 1, catalog);
+  (*hello.mutable_labels())["team"] = "say \"hi\"\nback\\slash";
+  (*hello.mutable_labels())["_job"] = "pretrain";
+  REQUIRE(stream.Hello(hello, 1));
+  stream.WaitAccepted();
+  v1::StepStats step = GradStep(1, 0, std::nan(""));
+  REQUIRE(stream.Step(step, 2));
+  stream.WaitAck(1);
+  const auto alerts = ListAlerts(daemon.grpc_target(), "labelled");
+  REQUIRE_FALSE(alerts.empty());
+  const std::string metrics = daemon.ScrapeMetrics();
+  CHECK(metrics.find(R"(team="say \"hi\"\nback\\slash")") != std::string::npos);
+  CheckPromtool(metrics);
+}
+
+TEST_CASE("a finite norm of 1e160 stays finite and does not page as non-finite", "[integration]") {
+  DaemonProcess daemon;
+  StreamClient rank0(daemon.grpc_target()), rank1(daemon.grpc_target());
+  const std::vector<std::pair<std::string, v1::ParamKind>> catalog = {{"lm_head.weight", v1::PARAM_KIND_OUTPUT}};
+  REQUIRE(rank0.Hello(MakeHello("huge-norm", 0, 2, catalog), 1));
+  REQUIRE(rank1.Hello(MakeHello("huge-norm", 1, 2, catalog), 1));
+  rank0.WaitAccepted();
+  rank1.WaitAccepted();
+  REQUIRE(rank0.Step(GradStep(1, 0, 1e160), 2));
+  REQUIRE(rank1.Step(GradStep(1, 0, 1e160), 2));
+  rank0.WaitAck(1);
+  const std::string metrics = daemon.ScrapeMetrics();
+  const auto total = ParseMetric(metrics, "gradwatch_total_grad_norm", {{"run", "huge-norm"}});
+  REQUIRE(total);
+  CHECK(*total == Approx(std::sqrt(2.0) * 1e160));
+  CHECK(ParseMetric(metrics, "gradwatch_nonfinite_values_total", {{"run", "huge-norm"}}).value_or(0) == 0);
+  for (const v1::Alert& a : ListAlerts(daemon.grpc_target(), "huge-norm")) CHECK(a.name() != "NonFiniteValue");
+}
+
+TEST_CASE("a bad configuration is caught by --check-config and exits 2 at start", "[integration]") {
+  TempDir dir;
+  struct Case {
+    std::string yaml;
+    std::string error;
+  };
+  const std::vector<Case> cases = {
+      {"alerts:\n  receivers:\n    - {type: webhook, name: hook, url: 'hooks.example.com/x'}\n",
+       "receiver 'hook': url 'hooks.example.com/x'"},
+      {"alerts:\n  rule_files: [" + (dir.path() / "missing.yaml").string() + "]\n", "missing.yaml"},
+      {"limits:\n  max_runs: 3\n  max_runs: 4\n", ":3: duplicate key 'max_runs' (first at line 2)"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.yaml);
+    const auto config = dir.path() / "gradwatchd.yaml";
+    std::ofstream(config) << c.yaml;
+    const CommandResult check = RunCommand({DaemonBinaryPath(), "--config", config.string(), "--check-config"});
+    CHECK(check.exit_code == 2);
+    CHECK_THAT(check.err, Catch::Contains(c.error));
+    const CommandResult start =
+        RunCommand({DaemonBinaryPath(), "--config", config.string(), "--data-dir", (dir.path() / "data").string(),
+                    "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"});
+    CHECK(start.exit_code == 2);
+    CHECK_THAT(start.err, Catch::Contains(c.error));
+  }
+}
+
+TEST_CASE("a replay of a file with no step creates no run and fails", "[integration]") {
+  DaemonProcess daemon;
+  TempDir dir;
+  for (const std::string& text : {std::string(), std::string("not json\n{\"no\": \"step\"}\n")}) {
+    const auto file = dir.path() / "history.jsonl";
+    std::ofstream(file) << text;
+    const CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", file.string()});
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Catch::Contains("holds no step to replay"));
+  }
+  CHECK(ListRuns(daemon.grpc_target()).empty());
+}

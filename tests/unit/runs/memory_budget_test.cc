@@ -1,0 +1,229 @@
+// Bounded memory from any input: the budget refuses a catalog before anything of it is allocated
+// or journaled, a run's memory grows with what it reports, and a journaled run the daemon cannot
+// hold is skipped at start instead of failing every start.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "server/runs/memory_budget.h"
+#include "server/runs/registry.h"
+#include "server/store/journal.h"
+
+using namespace gradwatch;
+using namespace gradwatch::runs;
+namespace fs = std::filesystem;
+
+namespace {
+
+class NullSink final : public StreamSink {
+ public:
+  void SendAck(uint64_t, uint64_t) override {}
+  void SendError(const IngestError&) override {}
+  void Supersede() override {}
+  void SendAlert(const alerts::Alert&) override {}
+  void SendFinished(const std::string&, uint64_t) override {}
+};
+
+class TempDir {
+ public:
+  TempDir() {
+    static int counter = 0;
+    path_ = fs::temp_directory_path() /
+            ("gradwatch_budget_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string File(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+RunMeta Hello(const std::string& id, size_t params) {
+  RunMeta m;
+  m.run_id = id;
+  m.world_size = 1;
+  m.params.reserve(params);
+  for (size_t i = 0; i < params; ++i) {
+    m.params.push_back({.name = "layers." + std::to_string(i) + ".weight", .numel = 4096, .kind = ParamKind::kMlp});
+  }
+  return m;
+}
+
+RankStep Step(uint64_t step, uint32_t param) {
+  RankStep r;
+  r.step = step;
+  r.params.push_back({.index = param, .norms = {NormContribution::FromNorm(1.0 + 1e-3 * step), {}, {}}});
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("the budget charges only within its limit", "[runs]") {
+  MemoryBudget budget(1000);
+  CHECK(budget.TryCharge(600));
+  CHECK_FALSE(budget.TryCharge(401));
+  CHECK(budget.used() == 600);
+  CHECK(budget.TryCharge(400));
+  CHECK_FALSE(budget.TryCharge(1));
+  budget.Release(1000);
+  CHECK(budget.used() == 0);
+  CHECK_FALSE(budget.TryCharge(1001));
+  MemoryBudget unlimited(0);
+  CHECK(unlimited.TryCharge(uint64_t{1} << 62));
+  CHECK(MemoryBudget::DefaultLimitBytes() > 0);
+}
+
+TEST_CASE("a catalog's charge grows with its entries and their names", "[runs]") {
+  const RunMeta small = Hello("r", 10);
+  const RunMeta large = Hello("r", 1000);
+  CHECK(MemoryBudget::CatalogBytes(small.params) > 10 * 1000);
+  CHECK(MemoryBudget::CatalogBytes(large.params) == Approx(100.0 * MemoryBudget::CatalogBytes(small.params)).epsilon(0.05));
+  CHECK(MemoryBudget::CatalogBytes(large.params, 990) < MemoryBudget::CatalogBytes(small.params) * 1.01);
+}
+
+TEST_CASE("a run's memory grows with what it reports, not with its catalog", "[runs]") {
+  FakeClock clock;
+  RunOptions options;
+  MemoryBudget budget(0);
+  options.budget = &budget;
+  const RunMeta meta = Hello("big", 65536);
+  REQUIRE(budget.TryCharge(MemoryBudget::CatalogBytes(meta.params)));
+  Run run(meta, options, nullptr, nullptr, &clock, true);
+  run.AdoptCharge(MemoryBudget::CatalogBytes(meta.params));
+  // Series hold no buffers until they report: the full-size series of the old code held about
+  // 290 KB each, 57 GB for this catalog.
+  const size_t empty = run.MemoryBytes();
+  CHECK(empty < 65536 * 3 * 256);
+  NullSink sink;
+  AttachInfo info;
+  REQUIRE_FALSE(run.Attach(meta, 0, &sink, &info));
+  for (uint64_t s = 1; s <= 100; ++s) REQUIRE_FALSE(run.AddStep(0, Step(s, 7), &sink));
+  run.Tick();
+  const size_t reported = run.MemoryBytes();
+  CHECK(reported > empty);
+  // Two series report (the parameter and the derived total), 100 points each at most: 2 × 128
+  // points of 56 bytes, plus the history they have not started.
+  CHECK(reported - empty < 2 * 128 * sizeof(store::Point) + 1024);
+  CHECK(budget.used() == MemoryBudget::CatalogBytes(meta.params) + (reported - empty));
+}
+
+TEST_CASE("a hello beyond the memory budget is refused and nothing of it is journaled", "[runs]") {
+  TempDir dir;
+  FakeClock clock;
+  DaemonStats stats;
+  NullSink sink;
+  auto journal = store::Journal::Open({.path = dir.File("journal.db")}, nullptr);
+  REQUIRE(journal.ok());
+  const RunMeta small = Hello("small", 10);
+  const RunMeta big = Hello("big", 65536);
+  MemoryBudget budget(MemoryBudget::CatalogBytes(small.params) * 3);
+  RunOptions options;
+  options.budget = &budget;
+  {
+    RunRegistry registry(options, 8, &stats, &clock);
+    registry.set_journal(journal->get());
+    AttachInfo info;
+    IngestError error;
+    REQUIRE(registry.Attach(small, 0, &sink, &info, &error));
+    const uint64_t used = budget.used();
+    CHECK(registry.Attach(big, 0, &sink, &info, &error) == nullptr);
+    CHECK(error.reason == IngestErrorReason::kLimitExceeded);
+    CHECK_THAT(error.message, Catch::Contains("limits.memory_budget_bytes"));
+    CHECK(registry.Find("big") == nullptr);
+    CHECK(budget.used() == used);
+
+    // Extending a held run's catalog is charged too, before it is journaled.
+    RunMeta grown = Hello("small", 65536);
+    CHECK(registry.Attach(grown, 0, &sink, &info, &error) == nullptr);
+    CHECK(error.reason == IngestErrorReason::kLimitExceeded);
+    CHECK(registry.Find("small")->Summary().params.size() == 10);
+    REQUIRE((*journal)->Flush().ok());
+  }
+  CHECK(budget.used() == 0);  // the runs released their charges
+
+  RunRegistry restarted(options, 8, &stats, &clock);
+  restarted.set_journal(journal->get());
+  REQUIRE(restarted.Load().ok());
+  CHECK(restarted.run_count() == 1);
+  CHECK(restarted.Find("big") == nullptr);
+  REQUIRE(restarted.Find("small"));
+  CHECK(restarted.Find("small")->Summary().params.size() == 10);
+}
+
+TEST_CASE("a journaled run beyond the budget is skipped at start, counted, and the rest restored", "[runs]") {
+  TempDir dir;
+  FakeClock clock;
+  NullSink sink;
+  auto journal = store::Journal::Open({.path = dir.File("journal.db")}, nullptr);
+  REQUIRE(journal.ok());
+  const RunMeta small = Hello("small", 10);
+  const RunMeta big = Hello("big", 2000);
+  {
+    DaemonStats stats;
+    RunOptions options;  // no budget when they were created
+    RunRegistry registry(options, 8, &stats, &clock);
+    registry.set_journal(journal->get());
+    AttachInfo info;
+    IngestError error;
+    REQUIRE(registry.Attach(big, 0, &sink, &info, &error));
+    REQUIRE(registry.Attach(small, 0, &sink, &info, &error));
+    REQUIRE((*journal)->Flush().ok());
+  }
+  DaemonStats stats;
+  MemoryBudget budget(MemoryBudget::CatalogBytes(big.params) / 2);
+  RunOptions options;
+  options.budget = &budget;
+  RunRegistry restarted(options, 8, &stats, &clock);
+  restarted.set_journal(journal->get());
+  REQUIRE(restarted.Load().ok());
+  CHECK(restarted.Find("big") == nullptr);
+  CHECK(restarted.Find("small") != nullptr);
+  CHECK(stats.runs_not_restored.load() == 1);
+
+  // Its trainer coming back is refused, not crashed.
+  AttachInfo info;
+  IngestError error;
+  CHECK(restarted.Attach(big, 0, &sink, &info, &error) == nullptr);
+  CHECK(error.reason == IngestErrorReason::kLimitExceeded);
+}
+
+TEST_CASE("series stop growing when the budget is spent, and keep every step", "[runs]") {
+  FakeClock clock;
+  RunOptions options;
+  const RunMeta meta = Hello("tight", 8);
+  const uint64_t catalog = MemoryBudget::CatalogBytes(meta.params);
+  // Room for the catalog and a few KB of series: far less than 9 full series (~2.6 MB).
+  MemoryBudget budget(catalog + 16 * 1024);
+  options.budget = &budget;
+  REQUIRE(budget.TryCharge(catalog));
+  Run run(meta, options, nullptr, nullptr, &clock, true);
+  run.AdoptCharge(catalog);
+  NullSink sink;
+  AttachInfo info;
+  REQUIRE_FALSE(run.Attach(meta, 0, &sink, &info));
+  for (uint64_t s = 1; s <= 20000; ++s) {
+    RankStep r;
+    r.step = s;
+    for (uint32_t p = 0; p < 8; ++p) {
+      r.params.push_back({.index = p, .norms = {NormContribution::FromNorm(1.0 + 1e-4 * s), {}, {}}});
+    }
+    REQUIRE_FALSE(run.AddStep(0, r, &sink));
+  }
+  // The first 8-point buffers of each series are always allowed; nothing grows past the budget.
+  CHECK(budget.used() <= budget.limit() + 9 * 16 * sizeof(store::Point));
+  CHECK(run.Info().step_count == 20000);
+  const auto points = run.QuerySeries("grad/norm/layers.3.weight", 0, UINT64_MAX, 0);
+  REQUIRE(points);
+  uint64_t count = 0;
+  for (const auto& p : *points) count += p.count;
+  CHECK(count == 20000);
+  CHECK(points->back().last_step == 20000);
+}
