@@ -35,6 +35,28 @@ bool WriteReadyFile(const std::string& path, int grpc_port, int metrics_port) {
   return !ec;
 }
 
+// SQLite maps the journal's -shm file; if that file stops being writable or backed (made
+// immutable, its disk full or gone) a write to the mapping raises SIGBUS. Say so on stderr (only
+// async-signal-safe calls here), then die of the signal as before: the state on disk is the
+// journal's last commit, and nothing after it was acked.
+void OnSigbus(int sig) {
+  constexpr char kMessage[] =
+      "gradwatchd: fatal: SIGBUS writing a memory-mapped journal file (journal.db-shm): the data directory's "
+      "files became unwritable or its disk is full; nothing uncommitted was acknowledged. Fix the data "
+      "directory and restart.\n";
+  [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+void InstallSigbusHandler() {
+  struct sigaction action {};
+  action.sa_handler = OnSigbus;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESETHAND;
+  sigaction(SIGBUS, &action, nullptr);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,6 +149,7 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
+  InstallSigbusHandler();
 
   gradwatch::daemon::Daemon daemon(config);
   if (auto s = daemon.Start(); !s.ok()) {

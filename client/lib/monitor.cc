@@ -59,6 +59,10 @@ struct Monitor::Connection {
   bool rejected = false;    // the daemon refused the Hello or superseded this stream
   bool superseded = false;  // another stream took over this run and rank: do not reconnect
   bool goodbye_sent = false;
+  // The daemon cannot commit now (ERROR_REASON_STORAGE_UNAVAILABLE): end this stream, keep
+  // everything, and reopen after a growing back-off.
+  bool storage_unavailable = false;
+  bool acks_events = false;  // Accepted.acks_events
   uint64_t max_message_bytes = 0;
 };
 
@@ -121,9 +125,12 @@ bool Monitor::Event(uint64_t step, std::string text) {
 
 bool Monitor::Flush(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
-  flush_cv_.wait_for(lock, timeout,
-                     [this] { return buffer_.empty() || stopping_ || stats_.rejected; });
-  return buffer_.empty();
+  flush_cv_.wait_for(lock, timeout, [this] { return DrainedLocked() || stopping_ || stats_.rejected; });
+  return DrainedLocked();
+}
+
+bool Monitor::DrainedLocked() const {
+  return buffer_.empty() && (!owed_through_ || (stats_.has_acked && stats_.acked_through_step >= *owed_through_));
 }
 
 bool Monitor::Finish(std::chrono::milliseconds timeout, v1::GoodbyeReason reason, std::string message) {
@@ -194,7 +201,7 @@ void Monitor::SenderLoop() {
               options_.hello.run_id(), options_.hello.rank());
           break;
         }
-        if (accepted) backoff_ = options_.initial_backoff;
+        if (accepted && !conn.storage_unavailable) backoff_ = options_.initial_backoff;
         // A refused Hello will be refused again until someone changes the daemon: retry slowly.
         if (conn.rejected) backoff_ = options_.max_backoff;
       }
@@ -244,10 +251,10 @@ bool Monitor::RunConnection(Connection& conn) {
     sender_cv_.wait(lock,
                     [&] { return conn.accepted || conn.ended || conn.rejected || stopping_; });
     accepted = conn.accepted;
-    while (conn.accepted && !conn.ended && !conn.rejected && !stopping_) {
+    while (conn.accepted && !conn.ended && !conn.rejected && !conn.storage_unavailable && !stopping_) {
       // The Goodbye goes once every step is durable, so the run ends with all of them kept.
       const auto goodbye_due = [&] {
-        return goodbye_ && !conn.goodbye_sent && !stats_.finished && buffer_.empty();
+        return goodbye_ && !conn.goodbye_sent && !stats_.finished && DrainedLocked();
       };
       if (goodbye_due()) {
         v1::TrainerMessage goodbye;
@@ -263,7 +270,8 @@ bool Monitor::RunConnection(Connection& conn) {
       std::optional<StepBuffer::Claimed> claimed = buffer_.NextToWrite(next_seq_);
       if (!claimed) {
         sender_cv_.wait(lock, [&] {
-          return conn.ended || conn.rejected || stopping_ || buffer_.HasUnwritten() || goodbye_due();
+          return conn.ended || conn.rejected || conn.storage_unavailable || stopping_ || buffer_.HasUnwritten() ||
+                 goodbye_due();
         });
         continue;
       }
@@ -287,13 +295,13 @@ bool Monitor::RunConnection(Connection& conn) {
       const bool ok = conn.stream->Write(msg);
       lock.lock();
       if (!ok) break;
-      buffer_.MarkWritten(claimed->id);
+      buffer_.MarkWritten(claimed->id, conn.acks_events);
       if (msg.has_step()) {
         ++stats_.sent;
       } else {
         ++stats_.events_sent;
       }
-      if (buffer_.empty()) flush_cv_.notify_all();
+      if (DrainedLocked()) flush_cv_.notify_all();
     }
   }
 
@@ -358,15 +366,23 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
       std::lock_guard lock(mu_);
       buffer_.OnAccepted(a);
       conn.accepted = true;
+      conn.acks_events = a.acks_events();
       conn.max_message_bytes = a.max_message_bytes();
       if (a.has_durable_step()) {
         stats_.has_acked = true;
         stats_.acked_through_step = a.last_durable_step();
       }
+      // Received is not kept: steps the daemon received but has not committed are owed an ack,
+      // even those this Monitor no longer holds (logged by an earlier process, as a replay run
+      // again skips them).
+      owed_through_.reset();
+      if (a.has_received_step() && (!a.has_durable_step() || a.last_received_step() > a.last_durable_step())) {
+        owed_through_ = a.last_received_step();
+      }
       stats_.connected = true;
       stats_.rejected = false;
       if (++accepted_streams_ > 1) ++stats_.reconnects;
-      backoff_ = options_.initial_backoff;
+      if (!storage_retrying_) backoff_ = options_.initial_backoff;
       sender_cv_.notify_all();
       space_cv_.notify_all();
       flush_cv_.notify_all();
@@ -375,6 +391,7 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
     case v1::DaemonMessage::kAck: {
       std::lock_guard lock(mu_);
       buffer_.OnAck(msg.ack().durable_step());
+      storage_retrying_ = false;
       stats_.has_acked = true;
       stats_.acked_through_step = msg.ack().durable_step();
       if (goodbye_) sender_cv_.notify_all();  // the Goodbye may be due now
@@ -397,10 +414,26 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
         conn.rejected = true;
         conn.superseded = e.reason() == v1::ERROR_REASON_SUPERSEDED;
         stats_.rejected = true;
+      } else if (e.reason() == v1::ERROR_REASON_STORAGE_UNAVAILABLE) {
+        if (!conn.storage_unavailable) {
+          spdlog::warn("gradwatch monitor: the daemon cannot store data now ({}); keeping it and retrying",
+                       e.message());
+        }
+        conn.storage_unavailable = true;
+        storage_retrying_ = true;
       } else if (RefersToStep(e.reason())) {
         buffer_.ReleaseRejected(e.seq(), e.step());
       }
       sender_cv_.notify_all();
+      space_cv_.notify_all();
+      flush_cv_.notify_all();
+      break;
+    }
+    case v1::DaemonMessage::kEventAck: {
+      std::lock_guard lock(mu_);
+      buffer_.OnEventAck(msg.event_ack().seq());
+      storage_retrying_ = false;
+      if (goodbye_) sender_cv_.notify_all();
       space_cv_.notify_all();
       flush_cv_.notify_all();
       break;

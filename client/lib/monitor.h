@@ -57,7 +57,7 @@ struct MonitorOptions {
 
 struct MonitorStats {
   uint64_t queued = 0;   // steps and events waiting to be written
-  uint64_t unacked = 0;  // steps written, not yet durable
+  uint64_t unacked = 0;  // steps and events written, not yet durable
   uint64_t sent = 0;     // step messages written, resends included
   uint64_t events_sent = 0;
   bool has_acked = false;
@@ -90,10 +90,15 @@ class Monitor {
   bool Log(v1::StepStats step);
   // Waits up to `timeout` for room, for callers that must not drop (replays).
   bool LogBlocking(v1::StepStats step, std::chrono::milliseconds timeout);
-  // Enqueues an event, in order with the steps. Events are not acknowledged.
+  // Enqueues an event, in order with the steps. It is held until the daemon acks it as committed
+  // (daemons that do not ack events: until written) and resent on a new stream until then; the
+  // daemon stores a resent event once.
   bool Event(uint64_t step, std::string text);
-  // Waits until every logged step is durable and every event written. False on timeout, when
-  // stopped, or when the daemon has rejected this stream (see MonitorStats::rejected).
+  // Waits until every logged step and event is durable, and every step the daemon said it had
+  // received (Accepted.last_received_step, possibly from an earlier process) is acked: received is
+  // not kept. False on timeout, when stopped, or when the daemon has rejected this stream (see
+  // MonitorStats::rejected). A daemon that cannot store (ERROR_REASON_STORAGE_UNAVAILABLE) keeps
+  // Flush waiting while the Monitor holds the data and reconnects with back-off.
   bool Flush(std::chrono::milliseconds timeout);
   // Waits until the daemon has accepted a stream. False on timeout or rejection.
   bool WaitAccepted(std::chrono::milliseconds timeout);
@@ -120,6 +125,8 @@ class Monitor {
   bool RunConnection(Connection& conn);
   void ReaderLoop(Connection& conn);
   void HandleMessage(Connection& conn, const v1::DaemonMessage& msg);
+  // Everything held is acked and nothing is owed. Caller holds mu_.
+  bool DrainedLocked() const;
   void RecordLocalError(v1::ErrorReason reason, uint64_t step, std::string message);
   void SleepBackoff(std::chrono::milliseconds delay);
   std::chrono::milliseconds NextBackoff();
@@ -138,6 +145,8 @@ class Monitor {
   std::optional<v1::Goodbye> goodbye_;  // set by Finish; sent once the buffer is drained
   uint64_t next_seq_ = 1;
   uint64_t accepted_streams_ = 0;
+  std::optional<uint64_t> owed_through_;  // the latest Accepted's received step, when beyond durable
+  bool storage_retrying_ = false;        // a STORAGE_UNAVAILABLE since the last ack: keep backing off
   MonitorStats stats_;
   Connection* current_ = nullptr;  // the open stream, cancelled by Stop()
   std::chrono::milliseconds backoff_;

@@ -49,18 +49,36 @@ std::optional<StepBuffer::Claimed> StepBuffer::NextToWrite(uint64_t seq) {
   return claimed;
 }
 
-void StepBuffer::MarkWritten(uint64_t id) {
+void StepBuffer::MarkWritten(uint64_t id, bool events_acked) {
   size_t index = (cursor_ < entries_.size() && entries_[cursor_].id == id) ? cursor_ : IndexOf(id);
   if (index == entries_.size()) return;
   Entry& e = entries_[index];
   if (!e.is_step()) {
-    Erase(index);
+    if (events_acked) {
+      if (!e.written) ++written_events_;
+      e.written = true;
+    } else {
+      Erase(index);
+    }
     return;
   }
   if (!e.written) {
     e.written = true;
     ++written_steps_;
   }
+}
+
+bool StepBuffer::OnEventAck(uint64_t seq) {
+  if (seq == 0) return false;
+  // Unacked events are few and sit near the front, among steps awaiting their acks.
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    if (!e.is_step() && e.written && e.last_seq == seq) {
+      Erase(i);
+      return true;
+    }
+  }
+  return false;
 }
 
 size_t StepBuffer::OnAccepted(const v1::Accepted& accepted) {
@@ -71,6 +89,7 @@ size_t StepBuffer::OnAccepted(const v1::Accepted& accepted) {
                           [durable](const Entry& e) { return e.is_step() && e.step() <= durable; });
   }
   written_steps_ = 0;
+  written_events_ = 0;
   for (Entry& e : entries_) {
     e.written =
         e.is_step() && accepted.has_received_step() && e.step() <= accepted.last_received_step();
@@ -96,9 +115,9 @@ size_t StepBuffer::OnAck(uint64_t durable_step) {
 bool StepBuffer::ReleaseRejected(uint64_t seq, uint64_t step) {
   size_t found = entries_.size();
   if (seq != 0) {
-    // An unmatched seq named an event, or a step an ack has released already.
+    // An unmatched seq named a message already released (by an ack, or an event not acked).
     for (size_t i = 0; i < entries_.size() && found == entries_.size(); ++i) {
-      if (entries_[i].is_step() && entries_[i].last_seq == seq) found = i;
+      if (entries_[i].last_seq == seq) found = i;
     }
   } else {
     // Prefer a written step: an unwritten one with the same number is a later, separate call.
@@ -163,6 +182,7 @@ void StepBuffer::Count(const Entry& e) {
     if (e.written) ++written_steps_;
   } else {
     ++events_;
+    if (e.written) ++written_events_;
   }
 }
 
@@ -172,6 +192,7 @@ void StepBuffer::Uncount(const Entry& e) {
     if (e.written) --written_steps_;
   } else {
     --events_;
+    if (e.written) --written_events_;
   }
 }
 

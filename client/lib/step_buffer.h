@@ -17,7 +17,7 @@ class StepBuffer {
   // One logged message. `message` holds a step or an event; its seq is set by the sender.
   struct Entry {
     uint64_t id = 0;        // buffer-local, increasing in log order
-    bool written = false;   // written on the current connection (steps only: events leave)
+    bool written = false;   // written on the current connection
     uint64_t last_seq = 0;  // seq of the last claim, to match an Error to its step
     v1::TrainerMessage message;
 
@@ -48,9 +48,10 @@ class StepBuffer {
   // Claims the oldest entry not yet written on this connection for a write with `seq`, or
   // nullopt. The seq is recorded first, because the daemon may answer before the write returns.
   std::optional<Claimed> NextToWrite(uint64_t seq);
-  // Records that entry `id` was written: a step now waits for its durable ack, an event leaves
-  // the buffer. Unknown ids (released meanwhile) are ignored.
-  void MarkWritten(uint64_t id);
+  // Records that entry `id` was written: a step now waits for its durable ack; an event waits for
+  // its EventAck when `events_acked` (the daemon said Accepted.acks_events), else leaves the
+  // buffer. Unknown ids (released meanwhile) are ignored.
+  void MarkWritten(uint64_t id, bool events_acked);
 
   // Applies the daemon's answer to a Hello: steps already durable leave; steps the daemon has
   // received wait for their ack; everything else is written again, in order.
@@ -58,17 +59,20 @@ class StepBuffer {
   size_t OnAccepted(const v1::Accepted& accepted);
   // Releases every step ≤ durable_step. Returns the number released.
   size_t OnAck(uint64_t durable_step);
-  // Releases the step an Error refers to, which will never be acknowledged: the step last
-  // written with `seq`; when the daemon did not echo a seq (0), the first step numbered `step`,
+  // Releases the written event last written with `seq`. Returns whether one was released.
+  bool OnEventAck(uint64_t seq);
+  // Releases the message an Error refers to, which will never be acknowledged: the step or event
+  // last written with `seq`; when the daemon did not echo a seq (0), the first step numbered `step`,
   // written ones first. Returns whether a step was released.
   bool ReleaseRejected(uint64_t seq, uint64_t step);
   // Releases one entry by id (a message the sender refused to write, e.g. oversized).
   bool Release(uint64_t id);
 
   size_t steps() const { return steps_; }            // steps held
-  size_t events() const { return events_; }          // events waiting to be written
-  size_t unacked() const { return written_steps_; }  // steps written, not yet durable
-  size_t queued() const { return entries_.size() - written_steps_; }  // waiting to be written
+  size_t events() const { return events_; }          // events not yet acked (or written)
+  // Steps and events written, not yet durable.
+  size_t unacked() const { return written_steps_ + written_events_; }
+  size_t queued() const { return entries_.size() - unacked(); }  // waiting to be written
   bool empty() const { return entries_.empty(); }
   uint64_t dropped() const { return dropped_; }  // steps refused since construction
 
@@ -90,6 +94,7 @@ class StepBuffer {
   size_t steps_ = 0;
   size_t events_ = 0;
   size_t written_steps_ = 0;
+  size_t written_events_ = 0;  // written, waiting for their EventAck
   uint64_t dropped_ = 0;
   uint64_t dropped_since_push_ = 0;
 };

@@ -123,6 +123,7 @@ Status Daemon::Start() {
     return Status::Unavailable("cannot listen for gRPC on " + config_.listen);
   }
   server_->GetHealthCheckService()->SetServingStatus(true);
+  server_->GetHealthCheckService()->SetServingStatus(kIngestServiceName, journal_->healthy());
 
   try {
     exposer_ = std::make_unique<prometheus::Exposer>(config_.metrics_listen);
@@ -226,12 +227,27 @@ void Daemon::TickLoop() {
     tick_cv_.wait_for(lock, kTickInterval);
     if (stopping_) break;
     lock.unlock();
+    UpdateIngestHealth();
     registry_->Tick();
     if (++ticks % kTicksPerAlertTimer == 0) {
       alerting_->Tick(*registry_, clock_->UnixSeconds());
       PruneOld();
     }
     lock.lock();
+  }
+}
+
+void Daemon::UpdateIngestHealth() {
+  const bool healthy = journal_->healthy();
+  if (healthy == ingest_serving_) return;
+  ingest_serving_ = healthy;
+  server_->GetHealthCheckService()->SetServingStatus(kIngestServiceName, healthy);
+  if (healthy) {
+    spdlog::warn("health: {} is SERVING again: the journal commits", kIngestServiceName);
+  } else {
+    spdlog::error("health: {} is NOT_SERVING: the journal cannot commit (storage fault); trainers are told to "
+                  "keep their data and retry",
+                  kIngestServiceName);
   }
 }
 

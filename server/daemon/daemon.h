@@ -39,6 +39,9 @@ class AlertMetricsCollector;
 }
 
 namespace daemon {
+
+// The service name gRPC health checks ask about for ingest.
+inline constexpr char kIngestServiceName[] = "gradwatch.v1.Ingest";
 class Alerting;
 
 class Daemon {
@@ -59,6 +62,8 @@ class Daemon {
 
  private:
   void TickLoop();
+  // Ingest's gRPC health follows the journal: NOT_SERVING while it cannot commit. Ticker thread.
+  void UpdateIngestHealth();
   // Moves the journal's pruning cutoff (retention.journal_days) and prunes one batch of delivered
   // or given-up notifications (retention.outbox_days). On the ticker, never on the ingest path.
   void PruneOld();
@@ -88,6 +93,7 @@ class Daemon {
   std::condition_variable tick_cv_;
   bool stopping_ = false;  // guarded by tick_mu_
   std::thread ticker_;
+  bool ingest_serving_ = true;  // ticker thread only, after Start
   bool stopped_ = false;
   int lock_fd_ = -1;
 };

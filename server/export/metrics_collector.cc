@@ -185,9 +185,11 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
         static_cast<double>(stats_->ErrorCount(r)));
   }
   auto journal_dropped = Family("gradwatch_journal_dropped_records_total",
-                                "Records that could not be queued for the journal (queue full or stopped).",
+                                "Records never committed: not queued (queue full or stopped) or still failing at shutdown.",
                                 MetricType::Counter);
-  Add(journal_dropped, {}, static_cast<double>(stats_->journal_dropped_records.load()));
+  Add(journal_dropped, {},
+      static_cast<double>(stats_->journal_dropped_records.load() +
+                          (journal_ != nullptr ? journal_->dropped_record_count() : 0)));
   auto store_memory = Family("gradwatch_store_memory_bytes", "Memory held by the in-memory series store.",
                              MetricType::Gauge);
   Add(store_memory, {}, static_cast<double>(memory));
@@ -218,9 +220,28 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     auto depth = Family("gradwatch_journal_queue_depth", "Records waiting for a journal commit.",
                         MetricType::Gauge);
     Add(depth, {}, static_cast<double>(journal_->queue_depth()));
-    auto failed = Family("gradwatch_journal_failed_commits_total", "Journal transactions that failed.",
+    auto failed = Family("gradwatch_journal_failed_commits_total",
+                         "Journal transaction attempts that failed (each is retried with its records).",
                          MetricType::Counter);
     Add(failed, {}, static_cast<double>(journal_->failed_commit_count()));
+    auto healthy = Family("gradwatch_storage_healthy",
+                          "1 while the journal commits, 0 from a failed commit to the next success (ingest "
+                          "refuses data and is NOT_SERVING meanwhile).",
+                          MetricType::Gauge);
+    Add(healthy, {}, journal_->healthy() ? 1.0 : 0.0);
+    auto faults = Family("gradwatch_journal_storage_faults_total",
+                         "Times the journal's commits started failing (full disk, read-only or vanished files, "
+                         "I/O errors).",
+                         MetricType::Counter);
+    Add(faults, {}, static_cast<double>(journal_->storage_fault_count()));
+    auto recovery = Family("gradwatch_journal_recovery_problems",
+                           "Problems found when the journal was opened at start-up (1 when found), by kind: "
+                           "wal_missing, discarded_tail, damaged.",
+                           MetricType::Gauge);
+    const store::RecoveryReport& r = journal_->recovery();
+    Add(recovery, {{"problem", "wal_missing"}}, r.wal_missing ? 1.0 : 0.0);
+    Add(recovery, {{"problem", "discarded_tail"}}, r.discarded_frames > 0 ? 1.0 : 0.0);
+    Add(recovery, {{"problem", "damaged"}}, r.damaged ? 1.0 : 0.0);
     auto disk = Family("gradwatch_journal_disk_bytes",
                        "Size of the journal database with its WAL and shared-memory files (outbox included).",
                        MetricType::Gauge);
@@ -234,6 +255,9 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     Add(pruned_rows, {}, static_cast<double>(journal_->pruned_rows()));
     out.push_back(std::move(depth));
     out.push_back(std::move(failed));
+    out.push_back(std::move(healthy));
+    out.push_back(std::move(faults));
+    out.push_back(std::move(recovery));
     out.push_back(std::move(disk));
     out.push_back(std::move(pruned_runs));
     out.push_back(std::move(pruned_rows));

@@ -106,6 +106,13 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     Queue(std::move(msg));
   }
 
+  void SendEventAck(uint64_t seq, uint64_t step) override {
+    v1::DaemonMessage msg;
+    msg.mutable_event_ack()->set_seq(seq);
+    msg.mutable_event_ack()->set_step(step);
+    Queue(std::move(msg));
+  }
+
   void Supersede() override EXCLUDES(mu_) {
     std::string run_id;
     uint32_t rank = 0;
@@ -197,6 +204,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     a->set_has_received_step(info.has_received_step);
     a->set_last_received_step(info.last_received_step);
     a->set_max_message_bytes(service_->options().max_message_bytes);
+    a->set_acks_events(true);
     Queue(std::move(msg));
   }
 
@@ -229,7 +237,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     }
     event.source = "trainer";
     event.recorded_at = service_->clock()->UnixSeconds();
-    if (auto err = run->AddEvent(std::move(event))) Reject(*err, seq);
+    if (auto err = run->AddEvent(std::move(event), rank, seq, this)) Reject(*err, seq);
   }
 
   void HandleGoodbye(uint64_t seq) {

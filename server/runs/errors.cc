@@ -17,19 +17,20 @@ std::string_view IngestErrorReasonName(IngestErrorReason reason) {
     case IngestErrorReason::kLimitExceeded: return "limit_exceeded";
     case IngestErrorReason::kSuperseded: return "superseded";
     case IngestErrorReason::kLateForStep: return "late_for_step";
+    case IngestErrorReason::kStorageUnavailable: return "storage_unavailable";
   }
   return "unknown";
 }
 
-const std::array<IngestErrorReason, 13>& AllIngestErrorReasons() {
-  static const std::array<IngestErrorReason, 13> kAll = {
+const std::array<IngestErrorReason, 14>& AllIngestErrorReasons() {
+  static const std::array<IngestErrorReason, 14> kAll = {
       IngestErrorReason::kNoHello,         IngestErrorReason::kInvalidHello,
       IngestErrorReason::kWorldSizeChanged, IngestErrorReason::kCatalogMismatch,
       IngestErrorReason::kUnknownParam,    IngestErrorReason::kNegativeNorm,
       IngestErrorReason::kStepRegression,  IngestErrorReason::kStepConflict,
       IngestErrorReason::kOversized,       IngestErrorReason::kInvalidMessage,
       IngestErrorReason::kLimitExceeded,   IngestErrorReason::kSuperseded,
-      IngestErrorReason::kLateForStep,
+      IngestErrorReason::kLateForStep,     IngestErrorReason::kStorageUnavailable,
   };
   return kAll;
 }

@@ -22,13 +22,14 @@ enum class IngestErrorReason : int {
   kLimitExceeded = 11,
   kSuperseded = 12,
   kLateForStep = 13,
+  kStorageUnavailable = 14,
 };
-inline constexpr int kIngestErrorReasonCount = 14;  // indices 1..13 used
+inline constexpr int kIngestErrorReasonCount = 15;  // indices 1..14 used
 
 // Label value for metrics and logs: "no_hello", "unknown_param", ...
 std::string_view IngestErrorReasonName(IngestErrorReason reason);
 // Every reason, for pre-creating per-reason counters.
-const std::array<IngestErrorReason, 13>& AllIngestErrorReasons();
+const std::array<IngestErrorReason, 14>& AllIngestErrorReasons();
 
 struct IngestError {
   IngestErrorReason reason;

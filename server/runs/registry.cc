@@ -281,6 +281,8 @@ void RunRegistry::OnCommit(const store::CommitReport& report) {
   for (const std::string& run_id : report.clean_ends) {
     if (auto run = Find(run_id)) run->OnCleanEndDurable();
   }
+  std::shared_lock lock(mu_);
+  for (const auto& [id, run] : runs_) run->OnCommitted(report.committed_through);
 }
 
 }  // namespace gradwatch::runs

@@ -60,7 +60,8 @@ class RunRegistry {
 
   // Assembly timeouts, run ending, and dropping runs past their retention; call periodically.
   void Tick();
-  // Journal commit callback: routes durable progress to the runs (and so to their streams).
+  // Journal commit callback: routes durable progress and committed events to the runs (and so to
+  // their streams). O(runs held) per commit.
   void OnCommit(const store::CommitReport& report);
 
   size_t run_count() const;

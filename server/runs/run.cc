@@ -88,12 +88,29 @@ void Run::FinishRestore() {
   assembler_.SetParamCount(meta_.params.size());
 }
 
-void Run::JournalLocked(store::JournalRecord record) {
-  if (journal_ == nullptr) return;
-  if (!journal_->Enqueue(std::move(record))) {
+uint64_t Run::JournalLocked(store::JournalRecord record) {
+  if (journal_ == nullptr) return 0;
+  const uint64_t number = journal_->Enqueue(std::move(record));
+  if (number == 0) {
     if (stats_) stats_->journal_dropped_records.fetch_add(1, std::memory_order_relaxed);
     spdlog::error("run {}: journal queue full or stopped; a record was not journaled", id_);
   }
+  return number;
+}
+
+std::optional<IngestError> Run::StorageRefusalLocked(uint32_t rank, uint64_t step) {
+  RankState& rs = ranks_[rank];
+  if (journal_ == nullptr || (!rs.storage_refused && journal_->accepting())) return std::nullopt;
+  rs.storage_refused = true;
+  return IngestError{IngestErrorReason::kStorageUnavailable,
+                     "the daemon cannot commit to its journal now (storage fault or a full commit queue, "
+                     "see its log); this message and later ones on this stream are not taken: keep them "
+                     "and resend on a new stream",
+                     step};
+}
+
+void Run::DropEventAcksLocked(StreamSink* sink) {
+  std::erase_if(event_acks_, [sink](const PendingEventAck& a) { return a.sink == sink; });
 }
 
 SeriesId Run::SeriesForKeyLocked(const std::string& key, bool journal) {
@@ -196,9 +213,11 @@ std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, Stre
 
 void Run::AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info) {
   RankState& rs = ranks_[rank];
+  rs.storage_refused = false;
   if (rs.sink != sink) {
     if (rs.sink != nullptr) {
       spdlog::warn("run {} rank {}: a new stream takes over from the previous one", id_, rank);
+      DropEventAcksLocked(rs.sink);
       rs.sink->Supersede();
     } else {
       ++open_streams_;
@@ -368,6 +387,7 @@ void Run::Detach(uint32_t rank, StreamSink* sink) {
   if (rank >= ranks_.size() || ranks_[rank].sink != sink) return;
   ranks_[rank].sink = nullptr;
   ranks_[rank].goodbye_waiting = false;
+  DropEventAcksLocked(sink);
   --open_streams_;
   last_activity_ = clock_->Now();
 }
@@ -401,6 +421,7 @@ std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, S
                            std::to_string(ranks_.size()) + " since it resumed; this report is not stored",
                        report.step};
   }
+  if (auto err = StorageRefusalLocked(rank, report.step)) return err;
   RankState& rs = ranks_[rank];
   if (rs.has_received && report.step < rs.last_received) {
     return IngestError{IngestErrorReason::kStepRegression,
@@ -575,6 +596,51 @@ std::optional<IngestError> Run::AddEvent(EventRecord event) {
   JournalLocked(store::EventJournalRecord{id_, std::move(event)});
   last_activity_ = clock_->Now();
   return std::nullopt;
+}
+
+std::optional<IngestError> Run::AddEvent(EventRecord event, uint32_t rank, uint64_t seq, StreamSink* sink) {
+  MutexLock lock(&mu_);
+  if (rank >= ranks_.size()) {
+    return IngestError{IngestErrorReason::kSuperseded,
+                       "rank " + std::to_string(rank) + " is not in the run's world of " +
+                           std::to_string(ranks_.size()) + " since it resumed; this event is not stored",
+                       event.step};
+  }
+  if (auto err = StorageRefusalLocked(rank, event.step)) return err;
+  last_activity_ = clock_->Now();
+  const auto [first, last] = std::equal_range(
+      events_.begin(), events_.end(), event,
+      [](const EventRecord& a, const EventRecord& b) { return a.step < b.step; });
+  const bool held = std::any_of(first, last, [&event](const EventRecord& e) {
+    return e.text == event.text && e.source == event.source;
+  });
+  uint64_t record = 0;
+  if (held) {
+    // A resend: what the run holds was enqueued at the latest by the last record so far.
+    record = journal_ != nullptr ? journal_->last_enqueued() : 0;
+  } else {
+    record = JournalLocked(store::EventJournalRecord{id_, event});
+    if (journal_ != nullptr && record == 0) return std::nullopt;  // dropped and counted: never acked
+    events_.insert(last, event);
+    analytics_->OnEvent(event);
+  }
+  if (journal_ == nullptr || (held && journal_->last_committed() >= record)) {
+    if (sink != nullptr) sink->SendEventAck(seq, event.step);
+    return std::nullopt;
+  }
+  event_acks_.push_back({record, rank, sink, seq, event.step});
+  return std::nullopt;
+}
+
+void Run::OnCommitted(uint64_t through) {
+  MutexLock lock(&mu_);
+  while (!event_acks_.empty() && event_acks_.front().record <= through) {
+    const PendingEventAck& a = event_acks_.front();
+    if (a.rank < ranks_.size() && ranks_[a.rank].sink == a.sink && a.sink != nullptr) {
+      a.sink->SendEventAck(a.seq, a.step);
+    }
+    event_acks_.pop_front();
+  }
 }
 
 void Run::Tick() {

@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -81,6 +82,12 @@ class StreamSink {
   virtual void SendAlert(const alerts::Alert& alert) = 0;
   // The Goodbye sent with `seq` on this stream is durable: run `run_id` is recorded as finished.
   virtual void SendFinished(const std::string& run_id, uint64_t seq) = 0;
+  // The Event sent with `seq` on this stream (at `step`) is durable. Sinks that do not ack
+  // events (tests) may ignore it.
+  virtual void SendEventAck(uint64_t seq, uint64_t step) {
+    (void)seq;
+    (void)step;
+  }
 };
 
 struct AttachInfo {
@@ -191,11 +198,19 @@ class Run {
   void Detach(uint32_t rank, StreamSink* sink);
 
   // Validates and adds one rank's step. An idempotent repeat that is already durable is acked
-  // through `sink` at once. Returns the error to send on the stream, if any.
+  // through `sink` at once. Returns the error to send on the stream, if any. While the journal is
+  // not accepting (store::Journal::accepting) the step, and every later report of this rank until
+  // its next Hello, is refused with STORAGE_UNAVAILABLE before anything is changed.
   std::optional<IngestError> AddStep(uint32_t rank, const RankStep& report, StreamSink* sink);
 
   // Adds an event (from a trainer or an annotation).
   std::optional<IngestError> AddEvent(EventRecord event);
+  // Adds an event sent by `rank` with `seq` on `sink`, which gets SendEventAck(seq) once the
+  // event is committed. An event the run already holds (same step, text and source: a resend
+  // after a reconnect or a daemon restart) is not stored again, only acked once what it holds
+  // is committed. While the journal is not accepting (store::Journal::accepting) the event is
+  // refused with STORAGE_UNAVAILABLE, as steps are.
+  std::optional<IngestError> AddEvent(EventRecord event, uint32_t rank, uint64_t seq, StreamSink* sink);
 
   // A Goodbye from `rank` on `sink`: the run ends at once, cleanly (`reason` is kFinished or
   // kStopped), for every rank; its alerts resolve. `sink` gets SendFinished(seq) once the end is
@@ -218,6 +233,8 @@ class Run {
 
   // The journal committed progress for a rank of this run.
   void OnDurable(const store::RankProgress& progress);
+  // The journal committed every record numbered ≤ through: acks the events waiting for it.
+  void OnCommitted(uint64_t through);
 
   RunInfo Info() const;
   // When the run ended (seconds since the Unix epoch) if it has and no stream is open; else 0.
@@ -264,6 +281,18 @@ class Run {
     uint64_t durable_seq = 0;
     bool goodbye_waiting = false;  // a Goodbye from this rank awaits its durable end
     uint64_t goodbye_seq = 0;
+    // A step or event of this stream was refused with STORAGE_UNAVAILABLE: every later one is
+    // refused too until the rank says Hello again, so that nothing after a refused step is taken
+    // (its resend would then be a regression).
+    bool storage_refused = false;
+  };
+  // An event waiting for its commit before it is acked on the stream that sent it.
+  struct PendingEventAck {
+    uint64_t record = 0;  // journal record number that covers it
+    uint32_t rank = 0;
+    StreamSink* sink = nullptr;  // acked only while still attached to `rank`
+    uint64_t seq = 0;
+    uint64_t step = 0;
   };
 
   // What a rewind hands from the locked part to the rebuild of the analytics.
@@ -309,7 +338,12 @@ class Run {
   // Analytics and alert evaluation of one completed step (deferred while rebuilding).
   void AnalyzeLocked(const CompletedStep& step) REQUIRES(mu_);
   void AppendLocked(const CompletedStep& step) REQUIRES(mu_);
-  void JournalLocked(store::JournalRecord record) REQUIRES(mu_);
+  // Returns the record's journal number, 0 when it was not journaled (counted as dropped).
+  uint64_t JournalLocked(store::JournalRecord record) REQUIRES(mu_);
+  // Refuses a report from `rank` while the journal is not accepting (a storage fault, or its queue
+  // three quarters full: what is taken always finds room) — see RankState::storage_refused.
+  std::optional<IngestError> StorageRefusalLocked(uint32_t rank, uint64_t step) REQUIRES(mu_);
+  void DropEventAcksLocked(StreamSink* sink) REQUIRES(mu_);
 
   const std::string id_;
   const RunOptions options_;
@@ -329,6 +363,7 @@ class Run {
   std::array<SeriesId, 5> scalar_series_ GUARDED_BY(mu_){};  // total grad, loss, z-loss, lr, tokens
   std::vector<RankState> ranks_ GUARDED_BY(mu_);
   std::vector<EventRecord> events_ GUARDED_BY(mu_);  // ordered by step
+  std::deque<PendingEventAck> event_acks_ GUARDED_BY(mu_);  // ordered by record
   std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);  // replaced at a rewind
   std::optional<uint64_t> last_resume_step_ GUARDED_BY(mu_);  // the latest rewind's step (journaled)
   uint64_t branch_ GUARDED_BY(mu_) = 0;  // rewinds in this process's life; tags journal progress

@@ -1,9 +1,15 @@
 #include "server/store/journal.h"
 
 #include <sqlite3.h>
+#include <sys/stat.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <limits>
@@ -26,6 +32,9 @@ using json = nlohmann::json;
 // version-1 journal is migrated at open.
 constexpr int kSchemaVersion = 2;
 constexpr int kBusyTimeoutMs = 5000;
+// Back-off between attempts at a commit that failed (full disk, read-only or vanished files).
+constexpr std::chrono::milliseconds kFirstRetryDelay{50};
+constexpr std::chrono::milliseconds kMaxRetryDelay{2000};
 // One (uint32 series id, float64 value) pair in a step's value blob.
 constexpr size_t kValueEntryBytes = 4 + 8;
 // A larger catalog index can only come from corruption; refuse it rather than allocate for it.
@@ -421,6 +430,95 @@ Status SetUpSchema(sqlite3* db, const std::string& path) {
   return Exec(db, "COMMIT");
 }
 
+// Big-endian 32-bit field of a WAL header or frame header.
+uint32_t GetBe32(const unsigned char* p) {
+  return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
+}
+
+// SQLite's WAL checksum (https://www.sqlite.org/fileformat2.html#walformat): over 32-bit words
+// in the byte order the header's magic names, continuing from (s0, s1).
+void WalChecksum(const unsigned char* p, size_t bytes, bool big_endian, uint32_t& s0, uint32_t& s1) {
+  auto word = [big_endian](const unsigned char* w) {
+    return big_endian ? GetBe32(w)
+                      : (uint32_t{w[3]} << 24) | (uint32_t{w[2]} << 16) | (uint32_t{w[1]} << 8) | uint32_t{w[0]};
+  };
+  for (size_t i = 0; i + 8 <= bytes; i += 8) {
+    s0 += word(p + i) + s1;
+    s1 += word(p + i + 4) + s0;
+  }
+}
+
+// Reads the WAL as SQLite's recovery will, before SQLite opens it, to count what recovery drops:
+// frames of the current WAL (matching salts) after the last valid commit frame.
+void ScanWal(const std::string& wal_path, RecoveryReport& report) {
+  FILE* f = std::fopen(wal_path.c_str(), "rb");
+  if (f == nullptr) return;
+  std::unique_ptr<FILE, int (*)(FILE*)> owned(f, std::fclose);
+  unsigned char header[32];
+  if (std::fread(header, 1, sizeof header, f) != sizeof header) return;
+  const uint32_t magic = GetBe32(header);
+  if ((magic & ~1u) != 0x377f0682u) return;  // not a WAL SQLite would recover from
+  const bool big_endian = (magic & 1u) != 0;
+  const uint32_t page_size = GetBe32(header + 8);
+  if (page_size < 512 || page_size > 65536 || (page_size & (page_size - 1)) != 0) return;
+  uint32_t s0 = 0, s1 = 0;
+  WalChecksum(header, 24, big_endian, s0, s1);
+  if (s0 != GetBe32(header + 24) || s1 != GetBe32(header + 28)) return;  // SQLite ignores the file
+  std::vector<unsigned char> frame(24 + page_size);
+  uint64_t valid = 0, committed = 0, after_commit = 0;
+  bool broken = false;
+  while (true) {
+    const size_t got = std::fread(frame.data(), 1, frame.size(), f);
+    if (got == 0) break;
+    const bool same_salt = got >= 24 && std::memcmp(frame.data() + 8, header + 16, 8) == 0;
+    if (!same_salt) break;  // a frame of an earlier WAL generation: stale, not lost
+    if (got < frame.size()) {
+      ++after_commit, report.corrupt_tail = true;  // torn frame
+      break;
+    }
+    if (!broken) {
+      uint32_t c0 = s0, c1 = s1;
+      WalChecksum(frame.data(), 8, big_endian, c0, c1);
+      WalChecksum(frame.data() + 24, page_size, big_endian, c0, c1);
+      if (c0 == GetBe32(frame.data() + 16) && c1 == GetBe32(frame.data() + 20)) {
+        s0 = c0, s1 = c1;
+        ++valid;
+        if (GetBe32(frame.data() + 4) != 0) committed = valid, after_commit = 0;
+        else ++after_commit;
+        continue;
+      }
+      broken = true;
+      report.corrupt_tail = true;
+    }
+    ++after_commit;
+  }
+  report.discarded_frames = after_commit;
+  if (after_commit > 0) {
+    report.detail += std::to_string(after_commit) + " WAL frame(s) after the last good transaction (frame " +
+                     std::to_string(committed) + ") are discarded" +
+                     (report.corrupt_tail ? ": the tail is damaged (bad checksum or torn frame)"
+                                          : ": a transaction that never committed") + ". ";
+  }
+}
+
+// Runs PRAGMA quick_check; false (with the first problem in *detail) when the database is damaged.
+bool QuickCheck(sqlite3* db, std::string* detail) {
+  Stmt check;
+  if (!Prepare(db, "PRAGMA quick_check(5)", false, check).ok()) {
+    *detail += std::string("quick_check cannot run: ") + sqlite3_errmsg(db) + ". ";
+    return false;
+  }
+  StmtUse use(check);
+  Status s;
+  bool ok = true;
+  while (use.Row(&s, "journal: quick_check")) {
+    const std::string line = use.ColText(0);
+    if (line != "ok") ok = false, *detail += "quick_check: " + line + ". ";
+  }
+  if (!s.ok()) ok = false, *detail += s.message() + ". ";
+  return ok;
+}
+
 }  // namespace
 
 struct Journal::Statements {
@@ -513,6 +611,17 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
                            dir.string() + "' does not exist");
   }
 
+  // Before SQLite opens the files: its recovery rewrites the WAL index and forgets what it dropped.
+  RecoveryReport recovery;
+  const bool had_db = std::filesystem::exists(options.path, ec);
+  if (had_db && std::filesystem::exists(options.path + "-shm", ec) &&
+      !std::filesystem::exists(options.path + "-wal", ec)) {
+    recovery.wal_missing = true;
+    recovery.detail += "the WAL (" + options.path + "-wal) is missing after an unclean stop: transactions "
+                       "since the last checkpoint are lost. ";
+  }
+  ScanWal(options.path + "-wal", recovery);
+
   sqlite3* db = nullptr;
   const int rc = sqlite3_open_v2(options.path.c_str(), &db,
                                  SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
@@ -540,7 +649,18 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
   if (Status s = Exec(db, "PRAGMA synchronous=FULL"); !s.ok()) return s;
   // Pruning frees pages that later writes reuse; the WAL shrinks back to this after checkpoints.
   if (Status s = Exec(db, "PRAGMA journal_size_limit=67108864"); !s.ok()) return s;
-  if (Status s = SetUpSchema(db, options.path); !s.ok()) return s;
+  if ((recovery.wal_missing || recovery.corrupt_tail) && !QuickCheck(db, &recovery.detail)) {
+    recovery.damaged = true;
+  }
+  if (Status s = SetUpSchema(db, options.path); !s.ok()) {
+    if (recovery.detail.empty()) return s;
+    return Status(s.code(), s.message() + " (" + recovery.detail + ")");
+  }
+  if (recovery.wal_missing || recovery.corrupt_tail || recovery.damaged) {
+    spdlog::error("journal '{}': recovered with losses: {}", options.path, recovery.detail);
+  } else if (!recovery.ok()) {
+    spdlog::warn("journal '{}': {}", options.path, recovery.detail);
+  }
 
   auto statements = std::make_unique<Statements>();
   if (Status s = statements->PrepareAll(db); !s.ok()) return s;
@@ -549,6 +669,13 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
   normalized.batch_max = std::max<size_t>(normalized.batch_max, 1);
   std::unique_ptr<Journal> journal(
       new Journal(std::move(normalized), std::move(on_commit), owned.release(), std::move(statements)));
+  journal->recovery_ = std::move(recovery);
+  struct stat st {};
+  if (::stat(options.path.c_str(), &st) != 0) {
+    return Status::IoError("journal '" + options.path + "': stat after open: " + std::strerror(errno));
+  }
+  journal->db_dev_ = st.st_dev;
+  journal->db_ino_ = st.st_ino;
   try {
     journal->thread_ = std::thread(&Journal::Run, journal.get());
   } catch (const std::exception& e) {
@@ -570,13 +697,13 @@ Journal::~Journal() { Stop(); }
 
 void Journal::Stop() {
   {
-    MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
-  cv_.SignalAll();
-  MutexLock stop_lock(&stop_mu_);
+  cv_.notify_all();
+  std::lock_guard<std::mutex> stop_lock(stop_mu_);
   if (thread_.joinable()) thread_.join();
-  MutexLock db_lock(&db_mu_);
+  std::lock_guard<std::mutex> db_lock(db_mu_);
   if (db_ == nullptr) return;
   statements_.reset();  // sqlite3_close refuses a connection with live statements
   if (sqlite3_close(db_) != SQLITE_OK) {
@@ -585,30 +712,46 @@ void Journal::Stop() {
   db_ = nullptr;
 }
 
-bool Journal::Enqueue(JournalRecord record) {
-  MutexLock lock(&mu_);
-  if (stopping_ || queue_.size() >= options_.queue_max) return false;
+uint64_t Journal::Enqueue(JournalRecord record) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_ || queue_.size() >= options_.queue_max) return 0;
   queue_.push_back(std::move(record));
   ++enqueued_;
   // Waking the writer per record would cost a context switch each; it only needs to know that
   // work arrived or that a batch is full.
-  if (queue_.size() == 1 || queue_.size() == options_.batch_max) cv_.Signal();
-  return true;
+  if (queue_.size() == 1 || queue_.size() == options_.batch_max) cv_.notify_one();
+  return enqueued_;
+}
+
+bool Journal::accepting() const {
+  if (!healthy()) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size() < options_.queue_max / 4 * 3;
+}
+
+uint64_t Journal::last_enqueued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return enqueued_;
+}
+
+uint64_t Journal::last_committed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return committed_;
 }
 
 Status Journal::Flush() {
-  MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   const uint64_t target = enqueued_;
   const uint64_t failures_before = failed_commits_;
   ++flush_waiters_;
-  cv_.Signal();
-  while (committed_ < target) flushed_cv_.Wait(&mu_);
+  cv_.notify_one();
+  flushed_cv_.wait(lock, [&] { return committed_ >= target || failed_commits_ != failures_before; });
   --flush_waiters_;
   return failed_commits_ != failures_before ? last_failure_ : last_status_;
 }
 
 StepJournalRecord Journal::AcquireStepRecord() {
-  MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (free_steps_.empty()) return {};
   StepJournalRecord record = std::move(free_steps_.back());
   free_steps_.pop_back();
@@ -616,35 +759,35 @@ StepJournalRecord Journal::AcquireStepRecord() {
 }
 
 size_t Journal::queue_depth() const {
-  MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return queue_.size();
 }
 
 uint64_t Journal::commit_count() const {
-  MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return commits_;
 }
 
 uint64_t Journal::failed_commit_count() const {
-  MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return failed_commits_;
 }
 
 void Journal::Run() {
   std::vector<JournalRecord> batch;
-  mu_.Lock();
+  std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    while (!stopping_ && queue_.empty() && !prune_due_) cv_.Wait(&mu_);
+    cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || prune_due_; });
     if (queue_.empty()) {
       if (stopping_) break;  // stopping and drained
-      PruneOnce();
+      PruneOnce(lock);
       continue;
     }
     // Group commit: give companions a moment to arrive so one fsync covers many records.
     const auto deadline = Clock::now() + options_.max_delay;
-    while (!stopping_ && flush_waiters_ == 0 && queue_.size() < options_.batch_max) {
-      if (!cv_.WaitUntil(&mu_, deadline)) break;
-    }
+    cv_.wait_until(lock, deadline, [&] {
+      return stopping_ || flush_waiters_ > 0 || queue_.size() >= options_.batch_max;
+    });
     batch.clear();
     if (queue_.size() <= options_.batch_max) {
       std::swap(batch, queue_);  // both buffers keep their capacity: no allocation when warm
@@ -653,11 +796,55 @@ void Journal::Run() {
       batch.insert(batch.end(), std::make_move_iterator(queue_.begin()), std::make_move_iterator(end));
       queue_.erase(queue_.begin(), end);
     }
-    mu_.Unlock();
+    // Every earlier batch is committed (or given up at shutdown): this one ends the numbering here.
+    const uint64_t batch_through = committed_ + batch.size();
+    lock.unlock();
 
     CommitReport report;
     Status status = Commit(batch, report);
+    report.committed_through = batch_through;
+    // A failed commit keeps its batch and tries again after a bounded back-off: nothing in it
+    // was acked, and nothing queued behind it is committed first, so progress stays in order.
+    while (!status.ok()) {
+      lock.lock();
+      ++failed_commits_;
+      last_failure_ = status;
+      flushed_cv_.notify_all();
+      const bool stop_now = stopping_;
+      if (healthy_.exchange(false, std::memory_order_relaxed)) {
+        storage_faults_.fetch_add(1, std::memory_order_relaxed);
+        fault_started_ = Clock::now();
+        retry_delay_ = kFirstRetryDelay;
+        spdlog::error("journal '{}': storage fault, commits are retried and nothing more is acked until "
+                      "one succeeds ({} records held): {}",
+                      options_.path, batch.size() + queue_.size(), status.ToString());
+      } else {
+        spdlog::warn("journal '{}': commit retry failed ({} records held): {}", options_.path,
+                     batch.size() + queue_.size(), status.ToString());
+      }
+      if (stop_now) {
+        // Shutting down with storage that still fails: these records were never acked, so
+        // their ranks resend them to the next daemon.
+        dropped_records_.fetch_add(batch.size(), std::memory_order_relaxed);
+        spdlog::error("journal '{}': {} records not committed at shutdown; they were never acknowledged",
+                      options_.path, batch.size());
+        lock.unlock();
+        break;
+      }
+      cv_.wait_for(lock, retry_delay_, [&] { return stopping_; });
+      retry_delay_ = std::min(retry_delay_ * 2, kMaxRetryDelay);
+      lock.unlock();
+      report = CommitReport{};
+      status = Commit(batch, report);
+      report.committed_through = batch_through;
+    }
     if (status.ok()) {
+      if (!healthy_.load(std::memory_order_relaxed)) {
+        std::lock_guard<std::mutex> relock(mu_);
+        healthy_.store(true, std::memory_order_relaxed);
+        spdlog::warn("journal '{}': storage recovered after {:.1f} s; commits and acks go on", options_.path,
+                     std::chrono::duration<double>(Clock::now() - fault_started_).count());
+      }
       if (on_commit_) {
         try {
           on_commit_(report);
@@ -667,18 +854,10 @@ void Journal::Run() {
           spdlog::error("journal: commit callback threw");
         }
       }
-    } else {
-      spdlog::error("journal '{}': commit of {} records failed, they are lost: {}", options_.path,
-                    batch.size(), status.ToString());
     }
 
-    mu_.Lock();
-    if (status.ok()) {
-      ++commits_;
-    } else {
-      ++failed_commits_;
-      last_failure_ = status;
-    }
+    lock.lock();
+    if (status.ok()) ++commits_;
     last_status_ = std::move(status);
     committed_ += batch.size();
     for (JournalRecord& record : batch) {
@@ -687,23 +866,22 @@ void Journal::Run() {
         free_steps_.push_back(std::move(*step));
       }
     }
-    flushed_cv_.SignalAll();
+    flushed_cv_.notify_all();
     // Pruning takes turns with commits, so a busy ingest neither starves it nor waits for more
     // than one batch.
-    if (prune_due_ && !stopping_) PruneOnce();
+    if (prune_due_ && !stopping_) PruneOnce(lock);
   }
-  mu_.Unlock();
 }
 
-void Journal::PruneOnce() {
-  mu_.Unlock();
+void Journal::PruneOnce(std::unique_lock<std::mutex>& lock) {
+  lock.unlock();
   Status pruned;
   {
-    MutexLock db_lock(&db_mu_);
+    std::lock_guard<std::mutex> db_lock(db_mu_);
     pruned = db_ == nullptr ? Status::FailedPrecondition("journal is closed")
                             : PruneBatchLocked(options_.prune_batch_rows);
   }
-  mu_.Lock();
+  lock.lock();
   if (!pruned.ok()) {
     spdlog::error("journal '{}': pruning failed, retried at the next cutoff: {}", options_.path,
                   pruned.ToString());
@@ -711,9 +889,25 @@ void Journal::PruneOnce() {
   }
 }
 
+Status Journal::CheckFilesLocked() const {
+  // SQLite goes on writing to files that were deleted or replaced under it, and those writes
+  // would be acked and then lost: a commit only counts while the files are the ones it opened.
+  struct stat st {};
+  if (::stat(options_.path.c_str(), &st) != 0) {
+    return Status::IoError("journal '" + options_.path + "' vanished: " + std::strerror(errno) +
+                           " (restart the daemon once the data directory is back)");
+  }
+  if (st.st_dev != db_dev_ || st.st_ino != db_ino_) {
+    return Status::IoError("journal '" + options_.path +
+                           "' was replaced by another file (restart the daemon to use it)");
+  }
+  return Status::Ok();
+}
+
 Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) {
-  MutexLock db_lock(&db_mu_);
+  std::lock_guard<std::mutex> db_lock(db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is closed");
+  if (Status s = CheckFilesLocked(); !s.ok()) return s;
   const auto start = Clock::now();
   Transaction txn(db_, statements_->rollback);
   if (Status s = txn.Begin(statements_->begin); !s.ok()) return s;
@@ -820,7 +1014,6 @@ Status Journal::Apply(const JournalRecord& record) {
           use.Real(5, r.event.recorded_at);
           return use.Done("journal: writing event of run '" + r.run_id + "'");
         } else if constexpr (std::is_same_v<T, RewindRecord>) {
-          db_mu_.AssertHeld();  // the analysis does not carry Apply's REQUIRES into the lambda
           return ApplyRewind(r);
         } else {
           static_assert(std::is_same_v<T, RunEndedRecord>);
@@ -915,7 +1108,7 @@ Status Journal::ApplyRewind(const RewindRecord& r) {
 
 Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
                              const std::function<void(const CompletedStep&)>& on_step) {
-  MutexLock db_lock(&db_mu_);
+  std::lock_guard<std::mutex> db_lock(db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   Stmt steps;
   if (Status s = Prepare(db_,
@@ -1067,7 +1260,7 @@ struct Journal::Reader {
 };
 
 Status Journal::Load(JournalVisitor& visitor) {
-  MutexLock db_lock(&db_mu_);
+  std::lock_guard<std::mutex> db_lock(db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   Reader reader;
   if (Status s = reader.Prepare(db_); !s.ok()) return s;
@@ -1080,7 +1273,7 @@ Status Journal::Load(JournalVisitor& visitor) {
     bool kept = false;
     if (Status s = reader.Visit(rows, visitor, &kept); !s.ok()) return s;
     if (kept) {
-      MutexLock held_lock(&held_mu_);
+      std::lock_guard<std::mutex> held_lock(held_mu_);
       held_.insert(rows.ColText(0));
     }
   }
@@ -1088,10 +1281,10 @@ Status Journal::Load(JournalVisitor& visitor) {
 }
 
 Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
-  MutexLock db_lock(&db_mu_);
+  std::lock_guard<std::mutex> db_lock(db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   {
-    MutexLock held_lock(&held_mu_);
+    std::lock_guard<std::mutex> held_lock(held_mu_);
     held_.insert(run_id);
   }
   if (run_id == pruning_run_) {
@@ -1116,17 +1309,17 @@ Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
 }
 
 void Journal::Release(const std::string& run_id) {
-  MutexLock held_lock(&held_mu_);
+  std::lock_guard<std::mutex> held_lock(held_mu_);
   held_.erase(run_id);
 }
 
 bool Journal::IsHeld(const std::string& run_id) const {
-  MutexLock held_lock(&held_mu_);
+  std::lock_guard<std::mutex> held_lock(held_mu_);
   return held_.count(run_id) != 0;
 }
 
 StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
-  MutexLock db_lock(&db_mu_);
+  std::lock_guard<std::mutex> db_lock(db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   Stmt runs, steps;
   if (Status s = gradwatch::store::Prepare(
@@ -1175,17 +1368,17 @@ StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
 
 void Journal::SetPruneCutoff(double ended_before) {
   {
-    MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     prune_cutoff_ = std::max(prune_cutoff_, ended_before);
     prune_due_ = true;
   }
-  cv_.Signal();
+  cv_.notify_one();
 }
 
 Status Journal::PruneBatchLocked(size_t max_rows) {
   double cutoff;
   {
-    MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     cutoff = prune_cutoff_;
   }
   Statements& st = *statements_;
@@ -1204,7 +1397,7 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
     }
     if (!status.ok()) return status;
     if (pruning_run_.empty()) {
-      MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       prune_due_ = false;  // until the cutoff moves
       return Status::Ok();
     }

@@ -8,9 +8,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -18,7 +20,6 @@
 #include <vector>
 
 #include "server/core/status.h"
-#include "server/core/thread_annotations.h"
 #include "server/core/types.h"
 
 struct sqlite3;
@@ -96,6 +97,26 @@ struct CommitReport {
   std::chrono::duration<double> duration{};  // of the transaction, BEGIN to COMMIT
   std::vector<RankProgress> progress;        // durable progress made by this commit
   std::vector<std::string> clean_ends;       // runs whose Goodbye (finished, stopped) it made durable
+  uint64_t committed_through = 0;            // every record numbered ≤ this is committed
+};
+
+// What opening the journal found about its own state (start-up recovery). SQLite recovers the
+// WAL by itself, silently: committed transactions are kept, anything after the last commit frame
+// that checks out is dropped. This makes what it dropped visible.
+struct RecoveryReport {
+  // The shared-memory index of an unclean stop is there but its WAL is not: the WAL was deleted
+  // while the daemon was stopped, and every transaction since the last checkpoint is lost.
+  bool wal_missing = false;
+  // WAL frames after the last good transaction, not recovered (a transaction that never
+  // committed, or a damaged tail); the journal goes on from the last good transaction.
+  uint64_t discarded_frames = 0;
+  // Some of the discarded frames belong to the current WAL but fail their checksum: the tail was
+  // damaged, not merely unfinished.
+  bool corrupt_tail = false;
+  // PRAGMA quick_check found problems (run when the WAL was missing or damaged).
+  bool damaged = false;
+  std::string detail;  // what was found, for the log
+  bool ok() const { return !wal_missing && discarded_frames == 0 && !damaged; }
 };
 
 // Receives runs from the journal, one after the other in creation order: each run, then (unless
@@ -176,13 +197,20 @@ class Journal {
   uint64_t pruned_rows() const { return pruned_rows_.load(std::memory_order_relaxed); }
   uint64_t DiskBytes() const;
 
-  // Queues a record for the next commit. Never blocks on I/O. Returns false if the queue is full
-  // or the journal is stopped (the record is not kept).
-  bool Enqueue(JournalRecord record);
+  // Queues a record for the next commit. Never blocks on I/O. Returns the record's number (1 for
+  // the first record since open, then increasing by one), or 0 if the queue is full or the
+  // journal is stopped (the record is not kept). Records are committed in number order, so
+  // CommitReport::committed_through covers every record numbered at or below it.
+  uint64_t Enqueue(JournalRecord record);
+  // The number of the last record enqueued (0 before the first), and of the last one committed
+  // (every record numbered at or below it is).
+  uint64_t last_enqueued() const;
+  uint64_t last_committed() const;
 
-  // Blocks until everything enqueued before the call is committed (or failed). Returns the
-  // status of the last commit, except that a commit failing during the wait is returned even if
-  // a later one succeeded, so a lost record is never reported as durable.
+  // Blocks until everything enqueued before the call is committed, or until a commit attempt
+  // fails during the wait (its records are kept and retried). Returns the status of the last
+  // commit, except that a failure during the wait is returned even if a later attempt succeeded,
+  // so a record is never reported as durable before it is.
   Status Flush();
 
   // Commits what is queued, stops the thread, closes the database. Idempotent.
@@ -194,9 +222,28 @@ class Journal {
 
   // Records waiting for a commit (not counting the batch being committed).
   size_t queue_depth() const;
-  // Successful commits, and failed (rolled back) commits, since open.
+  // Successful commits, and failed (rolled back) commit attempts, since open.
   uint64_t commit_count() const;
   uint64_t failed_commit_count() const;
+
+  // What opening the journal found; logged at Open (an error when !ok()).
+  const RecoveryReport& recovery() const { return recovery_; }
+
+  // Storage faults. A commit that fails (full disk, read-only, immutable or vanished files, I/O
+  // errors) is rolled back and tried again with the same records, after a back-off doubling from
+  // 50 ms to 2 s, until it succeeds; records enqueued meanwhile wait behind it (up to queue_max).
+  // No progress is reported for them until then, so nothing is acked that is not committed.
+  // healthy() is false from the first failed attempt to the next successful commit: callers
+  // should refuse new data meanwhile (a retryable error) rather than let the queue grow.
+  bool healthy() const { return healthy_.load(std::memory_order_relaxed); }
+  // Whether new data should be taken: healthy, and the queue below three quarters of queue_max,
+  // so that records of data already taken always find room (Enqueue never drops them).
+  bool accepting() const;
+  // Times the journal went from healthy to failing, since open.
+  uint64_t storage_fault_count() const { return storage_faults_.load(std::memory_order_relaxed); }
+  // Records given up: still failing to commit when Stop() ran (never acked, so resent by their
+  // ranks to the next daemon).
+  uint64_t dropped_record_count() const { return dropped_records_.load(std::memory_order_relaxed); }
 
  private:
   struct Statements;  // prepared once at open, reused by every commit
@@ -204,48 +251,57 @@ class Journal {
 
   Journal(JournalOptions options, CommitCallback on_commit, sqlite3* db,
           std::unique_ptr<Statements> statements);
-  void Run() EXCLUDES(mu_);
-  Status Commit(std::vector<JournalRecord>& batch, CommitReport& report) EXCLUDES(db_mu_);
-  Status Apply(const JournalRecord& record) REQUIRES(db_mu_);  // inside a transaction
-  Status ApplyRewind(const RewindRecord& record) REQUIRES(db_mu_);  // likewise
-  // One pruning transaction of at most max_rows rows.
-  Status PruneBatchLocked(size_t max_rows) REQUIRES(db_mu_);
-  // One batch from the writer thread; releases mu_ for the batch and takes it back.
-  void PruneOnce() REQUIRES(mu_);
+  void Run();
+  Status Commit(std::vector<JournalRecord>& batch, CommitReport& report);
+  Status Apply(const JournalRecord& record);  // caller holds db_mu_ inside a transaction
+  // Fails when the database file is gone or replaced since Open; caller holds db_mu_.
+  Status CheckFilesLocked() const;
+  Status ApplyRewind(const RewindRecord& record);  // likewise
+  // One pruning transaction of at most max_rows rows; caller holds db_mu_.
+  Status PruneBatchLocked(size_t max_rows);
+  // One batch from the writer thread; `lock` holds mu_ on entry and exit, not during the batch.
+  void PruneOnce(std::unique_lock<std::mutex>& lock);
 
   const JournalOptions options_;
   const CommitCallback on_commit_;
+  RecoveryReport recovery_;  // set once by Open
+  uint64_t db_dev_ = 0, db_ino_ = 0;  // set once by Open: the database file it opened
 
-  // Lock order: stop_mu_, then db_mu_, then held_mu_, then mu_. The commit callback runs with
-  // none of them held.
-  Mutex stop_mu_;  // makes concurrent Stop() calls join and close once
   // Serialises use of the connection between the writer thread, Load and Stop.
-  Mutex db_mu_ ACQUIRED_AFTER(stop_mu_);
-  sqlite3* db_ GUARDED_BY(db_mu_);                             // null once stopped
-  std::unique_ptr<Statements> statements_ GUARDED_BY(db_mu_);  // prepared at open
-  std::string pruning_run_ GUARDED_BY(db_mu_);                 // the run being pruned, if any
+  std::mutex db_mu_;
+  sqlite3* db_;                             // guarded by db_mu_; null once stopped
+  std::unique_ptr<Statements> statements_;  // guarded by db_mu_
+  std::string pruning_run_;                 // guarded by db_mu_: the run being pruned, if any
 
-  mutable Mutex held_mu_ ACQUIRED_AFTER(db_mu_);
-  std::set<std::string> held_ GUARDED_BY(held_mu_);
+  // Lock order: db_mu_, then held_mu_, then mu_.
+  mutable std::mutex held_mu_;
+  std::set<std::string> held_;  // guarded by held_mu_
   std::atomic<uint64_t> pruned_runs_{0};
   std::atomic<uint64_t> pruned_rows_{0};
 
-  mutable Mutex mu_ ACQUIRED_AFTER(held_mu_);
-  CondVar cv_;          // with mu_: wakes the writer thread
-  CondVar flushed_cv_;  // with mu_: wakes Flush() waiters
-  std::vector<JournalRecord> queue_ GUARDED_BY(mu_);  // swapped with the writer's batch
-  std::vector<StepJournalRecord> free_steps_ GUARDED_BY(mu_);  // committed records for reuse
-  uint64_t enqueued_ GUARDED_BY(mu_) = 0;
-  uint64_t committed_ GUARDED_BY(mu_) = 0;  // records committed or failed
-  Status last_status_ GUARDED_BY(mu_);
-  Status last_failure_ GUARDED_BY(mu_);  // the most recent failed commit
-  bool stopping_ GUARDED_BY(mu_) = false;
-  size_t flush_waiters_ GUARDED_BY(mu_) = 0;  // a waiter cuts the group window short
-  uint64_t commits_ GUARDED_BY(mu_) = 0;
-  uint64_t failed_commits_ GUARDED_BY(mu_) = 0;
-  double prune_cutoff_ GUARDED_BY(mu_) = 0;
-  bool prune_due_ GUARDED_BY(mu_) = false;  // SetPruneCutoff asked, not yet done
+  mutable std::mutex mu_;
+  std::condition_variable cv_;          // wakes the writer thread
+  std::condition_variable flushed_cv_;  // wakes Flush() waiters
+  std::vector<JournalRecord> queue_;    // guarded by mu_; swapped with the writer's batch
+  std::vector<StepJournalRecord> free_steps_;  // guarded by mu_: committed records for reuse
+  uint64_t enqueued_ = 0;               // guarded by mu_
+  uint64_t committed_ = 0;              // guarded by mu_: records committed, or given up at Stop
+  Status last_status_;                  // guarded by mu_
+  Status last_failure_;                 // guarded by mu_: the most recent failed commit
+  bool stopping_ = false;               // guarded by mu_
+  size_t flush_waiters_ = 0;            // guarded by mu_: a waiter cuts the group window short
+  uint64_t commits_ = 0;                // guarded by mu_
+  uint64_t failed_commits_ = 0;         // guarded by mu_
+  double prune_cutoff_ = 0;             // guarded by mu_
+  bool prune_due_ = false;              // guarded by mu_: SetPruneCutoff asked, not yet done
 
+  std::atomic<bool> healthy_{true};  // written under mu_ by the writer thread
+  std::atomic<uint64_t> storage_faults_{0};
+  std::atomic<uint64_t> dropped_records_{0};
+  std::chrono::steady_clock::time_point fault_started_;  // writer thread only
+  std::chrono::milliseconds retry_delay_{0};             // writer thread only
+
+  std::mutex stop_mu_;  // makes concurrent Stop() calls join and close once
   std::thread thread_;
 };
 

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sys/prctl.h>
@@ -403,7 +405,7 @@ void DaemonProcess::Start() {
   spec.program = options_.binary;
   spec.argv = {options_.binary,
                "--config", config.string(),
-               "--listen", "127.0.0.1:0",
+               "--listen", options_.listen,
                "--metrics-listen", "127.0.0.1:0",
                "--data-dir", data_dir_.string(),
                "--ready-file", ready.string()};
@@ -506,6 +508,19 @@ std::string DaemonProcess::LogText() const {
 }
 
 std::string DaemonProcess::ScrapeMetrics() const { return HttpGet("127.0.0.1", metrics_port_, "/metrics"); }
+
+int FreeLoopbackPort() {
+  Fd sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!sock.valid()) ThrowErrno("socket");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  if (::bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) ThrowErrno("bind 127.0.0.1:0");
+  socklen_t len = sizeof addr;
+  if (::getsockname(sock.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0) ThrowErrno("getsockname");
+  return ntohs(addr.sin_port);
+}
 
 // ---------------------------------------------------------------------------------------------
 // HTTP

@@ -51,6 +51,8 @@ struct DaemonOptions {
   // Contents of the YAML config file written to <data_dir>/gradwatchd.yaml and passed with
   // --config. The command-line flags below win over it.
   std::string config_yaml = "log: {format: text, level: debug}\n";
+  // gRPC address (--listen). A fixed port lets clients reconnect to a restarted daemon.
+  std::string listen = "127.0.0.1:0";
   // Extra command-line arguments, appended after the standard ones.
   std::vector<std::string> extra_args;
   // How long to wait for the ready file.
@@ -133,6 +135,10 @@ HttpResponse HttpRequest(const std::string& method, const std::string& host, int
                          const std::string& path, const std::string& body = "",
                          const std::map<std::string, std::string>& headers = {},
                          std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
+// A loopback TCP port that is free now (bound to port 0, read back, closed), for a daemon that
+// must come back on the same port after a restart.
+int FreeLoopbackPort();
 
 // GET and return the body; throws std::runtime_error on failure or a status other than 200.
 std::string HttpGet(const std::string& host, int port, const std::string& path,

@@ -1,6 +1,9 @@
 #include "tests/integration/stream_client.h"
 
+#include <future>
 #include <stdexcept>
+
+#include <grpcpp/generic/generic_stub.h>
 
 namespace gradwatch::testing {
 
@@ -124,6 +127,41 @@ std::vector<v1::Alert> ListAlerts(const std::string& target, const std::string& 
                              std::to_string(static_cast<int>(status.error_code())) + ": " + status.error_message());
   }
   return {resp.alerts().begin(), resp.alerts().end()};
+}
+
+}  // namespace gradwatch::testing
+
+namespace gradwatch::testing {
+
+std::string HealthStatus(const std::string& target, const std::string& service,
+                         std::chrono::milliseconds timeout) {
+  // HealthCheckRequest{service = 1} and HealthCheckResponse{status = 1}, encoded by hand: the
+  // health proto's generated code is not part of the packages we build with.
+  std::string request = "\x0a";
+  request.push_back(static_cast<char>(service.size()));
+  request += service;
+  grpc::Slice slice(request);
+  grpc::ByteBuffer in(&slice, 1);
+  grpc::ByteBuffer out;
+  grpc::GenericStub stub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
+                 [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  const grpc::Status status = done.get_future().get();
+  if (!status.ok()) return "error: " + status.error_message();
+  std::vector<grpc::Slice> slices;
+  if (!out.Dump(&slices).ok()) return "error: unreadable response";
+  std::string bytes;
+  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  const int code = bytes.size() >= 2 && bytes[0] == 0x08 ? bytes[1] : 0;
+  switch (code) {
+    case 1: return "SERVING";
+    case 2: return "NOT_SERVING";
+    case 3: return "SERVICE_UNKNOWN";
+    default: return "UNKNOWN";
+  }
 }
 
 }  // namespace gradwatch::testing

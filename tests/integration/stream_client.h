@@ -62,4 +62,9 @@ std::unique_ptr<v1::Query::Stub> QueryStub(const std::string& target);
 std::vector<v1::Alert> ListAlerts(const std::string& target, const std::string& run = "",
                                   std::chrono::milliseconds timeout = std::chrono::seconds(5));
 
+// grpc.health.v1.Health/Check of `service` on `target`: "SERVING", "NOT_SERVING", "UNKNOWN" or
+// "SERVICE_UNKNOWN", or "error: ..." when the call fails within `timeout`.
+std::string HealthStatus(const std::string& target, const std::string& service,
+                         std::chrono::milliseconds timeout = std::chrono::seconds(5));
+
 }  // namespace gradwatch::testing

@@ -25,13 +25,14 @@ v1::Event EventAt(uint64_t n, const std::string& text) {
   return e;
 }
 
-// Writes everything that is waiting, as the sender would; returns what was written.
-std::vector<v1::TrainerMessage> WriteAll(StepBuffer& buffer, uint64_t& seq) {
+// Writes everything that is waiting, as the sender would; returns what was written. Events wait
+// for their EventAck when `events_acked` (a daemon that acks events), else leave once written.
+std::vector<v1::TrainerMessage> WriteAll(StepBuffer& buffer, uint64_t& seq, bool events_acked = false) {
   std::vector<v1::TrainerMessage> written;
   while (auto claimed = buffer.NextToWrite(seq)) {
     ++seq;
     written.push_back(claimed->message);
-    buffer.MarkWritten(claimed->id);
+    buffer.MarkWritten(claimed->id, events_acked);
   }
   return written;
 }
@@ -226,7 +227,7 @@ TEST_CASE("an error that overtakes its write still releases the step", "[client]
   auto claimed = buffer.NextToWrite(9);
   REQUIRE(claimed);
   CHECK(buffer.ReleaseRejected(9, 1));
-  buffer.MarkWritten(claimed->id);
+  buffer.MarkWritten(claimed->id, false);
   CHECK(buffer.empty());
   CHECK(buffer.unacked() == 0);
 }
@@ -238,7 +239,46 @@ TEST_CASE("marking a released entry as written is harmless", "[client]") {
   auto claimed = buffer.NextToWrite(1);
   REQUIRE(claimed);
   CHECK(buffer.OnAck(1) == 1);  // the daemon already had it
-  buffer.MarkWritten(claimed->id);
+  buffer.MarkWritten(claimed->id, false);
   CHECK(buffer.unacked() == 0);
   CHECK(buffer.queued() == 1);
+}
+
+TEST_CASE("an event is held until its ack and written again on a new stream", "[client]") {
+  StepBuffer buffer(100, 10);
+  buffer.PushStep(Step(1));
+  buffer.PushEvent(EventAt(1, "switched routing"));
+  buffer.PushStep(Step(2));
+  uint64_t seq = 10;
+  const auto first = WriteAll(buffer, seq, /*events_acked=*/true);
+  REQUIRE(first.size() == 3);
+  const uint64_t event_seq = first[1].seq();
+  CHECK(buffer.OnAck(2) == 2);
+  CHECK(buffer.events() == 1);  // the steps are durable, the event is not yet
+  CHECK(buffer.unacked() == 1);
+  CHECK(buffer.queued() == 0);
+
+  // The stream breaks before the event's ack: the next stream writes it again, with a new seq.
+  v1::Accepted accepted;
+  accepted.set_has_durable_step(true);
+  accepted.set_last_durable_step(2);
+  accepted.set_has_received_step(true);
+  accepted.set_last_received_step(2);
+  buffer.OnAccepted(accepted);
+  CHECK_FALSE(buffer.OnEventAck(event_seq));  // an ack from the old stream no longer matches
+  const auto again = WriteAll(buffer, seq, true);
+  REQUIRE(again.size() == 1);
+  CHECK(again[0].event().text() == "switched routing");
+  CHECK(buffer.OnEventAck(again[0].seq()));
+  CHECK(buffer.empty());
+}
+
+TEST_CASE("an event refused by the daemon is released by its seq", "[client]") {
+  StepBuffer buffer(100, 10);
+  buffer.PushEvent(EventAt(5, ""));
+  uint64_t seq = 1;
+  const auto written = WriteAll(buffer, seq, true);
+  REQUIRE(written.size() == 1);
+  CHECK(buffer.ReleaseRejected(written[0].seq(), 5));
+  CHECK(buffer.empty());
 }

@@ -543,13 +543,15 @@ TEST_CASE("the journal runs in WAL mode", "[store]") {
   CHECK(raw.Query("PRAGMA user_version") == "2");
 }
 
-TEST_CASE("a failed commit is counted, reported by Flush, and its progress not acked", "[store]") {
+TEST_CASE("a failed commit is retried with its records, acked only once it succeeds", "[store]") {
   TempDir dir;
   std::mutex mu;
   std::vector<RankProgress> acked;
+  uint64_t committed_through = 0;
   auto journal = OpenOrFail({.path = dir.db()}, [&](const CommitReport& report) {
     std::lock_guard<std::mutex> lock(mu);
     acked.insert(acked.end(), report.progress.begin(), report.progress.end());
+    committed_through = report.committed_through;
   });
   {
     // Fault injection from outside: step 13 cannot be written.
@@ -558,19 +560,50 @@ TEST_CASE("a failed commit is counted, reported by Flush, and its progress not a
         "CREATE TRIGGER fail_13 BEFORE INSERT ON steps WHEN NEW.step = 13 "
         "BEGIN SELECT RAISE(ABORT, 'injected fault'); END");
   }
-  REQUIRE(journal->Enqueue(MakeStep("a", 13, {{0, 1.0}}, {{"a", 0, 13, 130}})));
+  REQUIRE(journal->Enqueue(MakeStep("a", 13, {{0, 1.0}}, {{"a", 0, 13, 130}})) == 1);
   const Status failed = journal->Flush();
   CHECK_FALSE(failed.ok());
   CHECK_THAT(failed.message(), Catch::Contains("injected fault"));
-  CHECK(journal->failed_commit_count() == 1);
+  CHECK(journal->failed_commit_count() >= 1);
   CHECK(journal->commit_count() == 0);
+  CHECK_FALSE(journal->healthy());
+  CHECK_FALSE(journal->accepting());
+  CHECK(journal->storage_fault_count() == 1);
 
-  REQUIRE(journal->Enqueue(MakeStep("a", 14, {{0, 1.0}}, {{"a", 0, 14, 140}})));
+  // A later record waits behind the failing one: nothing is acked, not even step 14.
+  REQUIRE(journal->Enqueue(MakeStep("a", 14, {{0, 1.0}}, {{"a", 0, 14, 140}})) == 2);
+  CHECK_FALSE(journal->Flush().ok());
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    CHECK(acked.empty());
+  }
+
+  // The fault clears: the held records are committed, in order, and acked.
+  RawDb(dir.db()).Exec("DROP TRIGGER fail_13");
+  for (int i = 0; i < 200 && journal->last_committed() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the back-off is at most 2 s
+  }
   CHECK(journal->Flush().ok());
-  CHECK(journal->commit_count() == 1);
+  CHECK(journal->healthy());
+  CHECK(journal->last_committed() == 2);
+  CHECK(journal->dropped_record_count() == 0);
   std::lock_guard<std::mutex> lock(mu);
-  REQUIRE(acked.size() == 1);
-  CHECK(acked[0].step == 14);
+  REQUIRE_FALSE(acked.empty());
+  CHECK(acked.back().step == 14);
+  CHECK(committed_through == 2);
+}
+
+TEST_CASE("records still failing at Stop are counted as dropped, never acked", "[store]") {
+  TempDir dir;
+  std::atomic<int> commits{0};
+  auto journal = OpenOrFail({.path = dir.db()}, [&](const CommitReport&) { ++commits; });
+  RawDb(dir.db()).Exec(
+      "CREATE TRIGGER fail_all BEFORE INSERT ON steps BEGIN SELECT RAISE(ABORT, 'injected fault'); END");
+  REQUIRE(journal->Enqueue(MakeStep("a", 1, {{0, 1.0}}, {{"a", 0, 1, 10}})));
+  CHECK_FALSE(journal->Flush().ok());
+  journal->Stop();
+  CHECK(journal->dropped_record_count() == 1);
+  CHECK(commits == 0);
 }
 
 TEST_CASE("a corrupt value blob fails Load with an error naming run and step", "[store]") {

@@ -1,0 +1,653 @@
+// Durability through the real gradwatchd: nothing is acked that is not committed, storage faults
+// (a full disk, an immutable WAL) are reported and recovered from without a restart, a damaged or
+// missing WAL is reported at start, events survive a SIGKILL exactly once, and a run fed by three
+// ranks while the daemon is SIGKILLed over and over ends up exactly as an uninterrupted one.
+//
+// The tmpfs and chattr cases need root (or CAP_SYS_ADMIN / CAP_LINUX_IMMUTABLE); where that is not
+// available they WARN and pass without checking anything (Catch2 2.13 has no SKIP).
+#include <catch2/catch.hpp>
+
+#include <sqlite3.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <google/protobuf/util/message_differencer.h>
+#include <nlohmann/json.hpp>
+
+#include "client/lib/monitor.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/integration/stream_client.h"
+#include "tests/unit/notify/test_receiver.h"
+
+using namespace gradwatch;
+using namespace gradwatch::testing;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr const char* kIngest = "gradwatch.v1.Ingest";
+
+CommandResult Cli(const DaemonProcess& daemon, std::vector<std::string> args, int timeout_s = 60) {
+  std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunCommand(argv, std::nullopt, std::chrono::seconds(timeout_s + 60));
+}
+
+// A JSONL history of steps [from, to] for `gradwatch replay`.
+void WriteHistory(const std::filesystem::path& file, const std::string& run, uint64_t from, uint64_t to,
+                  const std::map<uint64_t, std::string>& events = {}) {
+  std::ofstream out(file);
+  out << R"({"run": ")" << run << R"(", "params": [{"name": "final_norm.weight", "numel": 6144, )"
+      << R"("kind": "norm_gain", "weight_decay": 0.0}]})" << "\n";
+  for (uint64_t s = from; s <= to; ++s) {
+    out << R"({"_step": )" << s << R"(, "_timestamp": )" << 1.7e9 + static_cast<double>(s)
+        << R"(, "grad/norm/total": )" << 0.3 + 1e-4 * static_cast<double>(s)
+        << R"(, "params/norm/final_norm.weight": )" << 78.4 + 1e-3 * static_cast<double>(s)
+        << R"(, "train/loss": 2.0})" << "\n";
+    if (auto e = events.find(s); e != events.end()) {
+      out << R"({"_step": )" << s << R"(, "event": ")" << e->second << R"("})" << "\n";
+    }
+  }
+}
+
+// Polls `pred` every 50 ms until it holds or `limit` passes.
+template <typename Pred>
+bool WaitUntil(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(30)) {
+  const auto deadline = Clock::now() + limit;
+  while (Clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return pred();
+}
+
+std::optional<double> Metric(const DaemonProcess& daemon, const std::string& name,
+                             const std::map<std::string, std::string>& labels = {}) {
+  return ParseMetric(daemon.ScrapeMetrics(), name, labels);
+}
+
+v1::RunSummary GetRun(const std::string& target, const std::string& run) {
+  auto stub = QueryStub(target);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  v1::GetRunRequest req;
+  req.set_run_id(run);
+  v1::RunSummary summary;
+  const grpc::Status s = stub->GetRun(&ctx, req, &summary);
+  if (!s.ok()) throw std::runtime_error("GetRun " + run + ": " + s.error_message());
+  return summary;
+}
+
+// A tmpfs mounted on `dir` for the test's life; ok() is false where mounting is not allowed.
+class TmpfsMount {
+ public:
+  TmpfsMount(const std::filesystem::path& dir, const std::string& size) : dir_(dir) {
+    std::filesystem::create_directories(dir);
+    const CommandResult r = RunCommand({"mount", "-t", "tmpfs", "-o", "size=" + size, "tmpfs", dir.string()});
+    mounted_ = r.exit_code == 0;
+    error_ = r.err;
+  }
+  ~TmpfsMount() {
+    if (mounted_) RunCommand({"umount", "-l", dir_.string()});
+  }
+  bool ok() const { return mounted_; }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::filesystem::path dir_;
+  bool mounted_ = false;
+  std::string error_;
+};
+
+// Fills the file system holding `file` until a write fails; returns the bytes written.
+uintmax_t FillDisk(const std::filesystem::path& file) {
+  FILE* f = std::fopen(file.c_str(), "wb");
+  if (f == nullptr) return 0;
+  const std::vector<char> chunk(16 * 1024, 'x');
+  uintmax_t written = 0;
+  while (true) {
+    const size_t n = std::fwrite(chunk.data(), 1, chunk.size(), f);
+    written += n;
+    if (n < chunk.size() || std::fflush(f) != 0) break;
+  }
+  std::fclose(f);
+  return written;
+}
+
+// chattr on `path`; false when the file system or the privileges do not allow it.
+bool Chattr(const std::string& flag, const std::filesystem::path& path) {
+  return RunCommand({"chattr", flag, path.string()}).exit_code == 0;
+}
+
+// Rows of the journal, read with SQLite directly (the daemon must be stopped).
+struct JournalRows {
+  std::vector<uint64_t> steps;                        // in step order
+  std::vector<std::pair<uint64_t, std::string>> events;  // (step, text), in step order
+};
+
+JournalRows ReadJournal(const std::filesystem::path& db_path, const std::string& run) {
+  sqlite3* db = nullptr;
+  if (sqlite3_open_v2(db_path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) != SQLITE_OK) {
+    sqlite3_close(db);
+    throw std::runtime_error("cannot open " + db_path.string());
+  }
+  JournalRows rows;
+  auto query = [&](const char* sql, auto on_row) {
+    sqlite3_stmt* stmt = nullptr;
+    if (sqlite3_prepare_v2(db, sql, -1, &stmt, nullptr) != SQLITE_OK) {
+      throw std::runtime_error(std::string("prepare: ") + sqlite3_errmsg(db));
+    }
+    sqlite3_bind_text(stmt, 1, run.c_str(), -1, SQLITE_TRANSIENT);
+    while (sqlite3_step(stmt) == SQLITE_ROW) on_row(stmt);
+    sqlite3_finalize(stmt);
+  };
+  query("SELECT step FROM steps WHERE run_id = ?1 ORDER BY step",
+        [&](sqlite3_stmt* s) { rows.steps.push_back(static_cast<uint64_t>(sqlite3_column_int64(s, 0))); });
+  query("SELECT step, text FROM events WHERE run_id = ?1 ORDER BY step, id", [&](sqlite3_stmt* s) {
+    rows.events.emplace_back(static_cast<uint64_t>(sqlite3_column_int64(s, 0)),
+                             reinterpret_cast<const char*>(sqlite3_column_text(s, 1)));
+  });
+  sqlite3_close(db);
+  return rows;
+}
+
+}  // namespace
+
+TEST_CASE("a full disk: nothing is acked that is not committed, and ingest recovers without a restart",
+          "[integration][durability]") {
+  TempDir base("gradwatch-fulldisk");
+  const std::filesystem::path data = base.path() / "data";
+  TmpfsMount mount(data, "2m");
+  if (!mount.ok()) {
+    WARN("skipped: cannot mount a tmpfs (needs root): " << mount.error());
+    return;
+  }
+  DaemonOptions options;
+  options.data_dir = data;
+  DaemonProcess daemon(options);
+  const std::string file = (base.path() / "history.jsonl").string();
+  WriteHistory(file, "full-disk", 1, 400, {{200, "switched routing"}});
+  REQUIRE(FillDisk(data / "filler") > 0);
+
+  // Nothing can be committed: nothing is acked, the replay says so and exits non-zero.
+  const CommandResult failed = Cli(daemon, {"--timeout", "4", "replay", file, "--max"}, 4);
+  INFO(failed.out << failed.err);
+  CHECK(failed.exit_code == 1);
+  CHECK(failed.err.find("not acknowledged") != std::string::npos);
+  CHECK(failed.out.find("last acked step  none") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_storage_healthy") == 0.0);
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "NOT_SERVING");
+  CHECK(Metric(daemon, "gradwatch_journal_storage_faults_total") >= 1.0);
+  CHECK(Metric(daemon, "gradwatch_journal_failed_commits_total") >= 1.0);
+
+  // Space comes back: the held commit goes through, ingest serves again, the replay completes.
+  std::filesystem::remove(data / "filler");
+  REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_storage_healthy") == 1.0; }));
+  CHECK(WaitUntil([&] { return HealthStatus(daemon.grpc_target(), kIngest) == "SERVING"; }));
+  const CommandResult replay = Cli(daemon, {"replay", file, "--max", "--json"});
+  INFO(replay.out << replay.err);
+  REQUIRE(replay.exit_code == 0);
+  CHECK(json::parse(replay.out)["last_acked_step"] == 400);
+  CHECK(daemon.LogText().find("storage recovered") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_journal_dropped_records_total") == 0.0);
+
+  REQUIRE(daemon.Stop() == 0);
+  const JournalRows rows = ReadJournal(data / "journal.db", "full-disk");
+  CHECK(rows.steps.size() == 400);
+  CHECK(std::set<uint64_t>(rows.steps.begin(), rows.steps.end()).size() == 400);
+  CHECK(rows.events == std::vector<std::pair<uint64_t, std::string>>{{200, "switched routing"}});
+}
+
+TEST_CASE("an immutable WAL: steps are not acked, and after it clears a replay resends them all",
+          "[integration][durability]") {
+  TempDir data("gradwatch-immutable");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  DaemonProcess daemon(options);
+  const std::filesystem::path wal = data.path() / "journal.db-wal";
+  const std::string first = (data.path() / "first.jsonl").string();
+  const std::string all = (data.path() / "all.jsonl").string();
+  WriteHistory(first, "immutable", 1, 100);
+  WriteHistory(all, "immutable", 1, 600);
+  REQUIRE(Cli(daemon, {"replay", first, "--max"}).exit_code == 0);
+  if (!Chattr("+i", wal)) {
+    WARN("skipped: chattr +i is not possible here (needs root and a file system with attributes)");
+    return;
+  }
+  struct Unlock {
+    std::filesystem::path path;
+    ~Unlock() { Chattr("-i", path); }
+  } unlock{wal};
+
+  const CommandResult refused = Cli(daemon, {"--timeout", "4", "replay", all, "--max"}, 4);
+  INFO(refused.out << refused.err);
+  CHECK(refused.exit_code == 1);
+  CHECK(refused.err.find("not acknowledged") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_storage_healthy") == 0.0);
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "NOT_SERVING");
+  CHECK(daemon.LogText().find("storage fault") != std::string::npos);
+
+  REQUIRE(Chattr("-i", wal));
+  REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_storage_healthy") == 1.0; }));
+  // The daemon received some of these steps while it could not commit: it holds them until they
+  // are, and the replay waits for their acks before it says it is done.
+  const CommandResult again = Cli(daemon, {"replay", all, "--max", "--json"});
+  INFO(again.out << again.err);
+  REQUIRE(again.exit_code == 0);
+  CHECK(json::parse(again.out)["last_acked_step"] == 600);
+
+  REQUIRE(daemon.Stop() == 0);
+  const JournalRows rows = ReadJournal(data.path() / "journal.db", "immutable");
+  CHECK(rows.steps.size() == 600);
+  CHECK(rows.steps.back() == 600);
+}
+
+TEST_CASE("a journal deleted under the running daemon is a storage fault, never a false ack",
+          "[integration][durability]") {
+  TempDir data("gradwatch-vanished");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  DaemonProcess daemon(options);
+  const std::string file = (data.path() / "h.jsonl").string();
+  WriteHistory(file, "vanished", 1, 100);
+  for (const char* name : {"journal.db", "journal.db-wal", "journal.db-shm"}) {
+    std::filesystem::remove(data.path() / name);
+  }
+  const CommandResult replay = Cli(daemon, {"--timeout", "3", "replay", file, "--max"}, 3);
+  INFO(replay.out << replay.err << daemon.LogText());
+  CHECK(replay.exit_code == 1);
+  CHECK(replay.out.find("last acked step  none") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_storage_healthy") == 0.0);
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "NOT_SERVING");
+  CHECK(daemon.LogText().find("vanished") != std::string::npos);
+}
+
+TEST_CASE("a WAL deleted while the daemon was stopped is reported at start", "[integration][durability]") {
+  TempDir data("gradwatch-nowal");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  DaemonProcess daemon(options);
+  const std::string file = (data.path() / "h.jsonl").string();
+  WriteHistory(file, "no-wal", 1, 50);
+  REQUIRE(Cli(daemon, {"replay", file, "--max"}).exit_code == 0);
+  daemon.Signal(SIGKILL);
+  daemon.Stop();
+  REQUIRE(std::filesystem::exists(data.path() / "journal.db-wal"));
+  std::filesystem::remove(data.path() / "journal.db-wal");
+
+  daemon.Restart();
+  INFO(daemon.LogText());
+  CHECK(daemon.LogText().find("journal.db-wal) is missing after an unclean stop") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "wal_missing"}}) == 1.0);
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "SERVING");
+
+  // A clean restart afterwards finds nothing wrong: no loop of alarms.
+  daemon.Restart();
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "wal_missing"}}) == 0.0);
+}
+
+TEST_CASE("a damaged WAL tail is cut at the last good transaction and reported", "[integration][durability]") {
+  TempDir data("gradwatch-tail");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  DaemonProcess daemon(options);
+  const std::string first = (data.path() / "first.jsonl").string();
+  const std::string second = (data.path() / "second.jsonl").string();
+  WriteHistory(first, "tail", 1, 50);
+  WriteHistory(second, "tail", 1, 100);
+  REQUIRE(Cli(daemon, {"replay", first, "--max"}).exit_code == 0);
+
+  // A crash alone loses nothing committed and reports nothing.
+  daemon.Signal(SIGKILL);
+  daemon.Stop();
+  daemon.Restart();
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "discarded_tail"}}) == 0.0);
+  REQUIRE(Cli(daemon, {"replay", second, "--max"}).exit_code == 0);
+  daemon.Signal(SIGKILL);
+  daemon.Stop();
+
+  // Damage the last frame of the WAL.
+  const std::filesystem::path wal = data.path() / "journal.db-wal";
+  const auto size = std::filesystem::file_size(wal);
+  REQUIRE(size > 4096);
+  {
+    std::fstream f(wal, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(size - 100));
+    const char garbage[16] = {'d', 'a', 'm', 'a', 'g', 'e', 'd', '!', 1, 2, 3, 4, 5, 6, 7, 8};
+    f.write(garbage, sizeof garbage);
+  }
+  daemon.Restart();
+  INFO(daemon.LogText());
+  CHECK(daemon.LogText().find("after the last good transaction") != std::string::npos);
+  CHECK(daemon.LogText().find("the tail is damaged") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "discarded_tail"}}) == 1.0);
+  const v1::RunSummary run = GetRun(daemon.grpc_target(), "tail");
+  CHECK(run.info().step_count() >= 50);
+  CHECK(run.info().step_count() <= 100);
+  // The daemon goes on from there: the steps lost with the tail are sent again.
+  REQUIRE(Cli(daemon, {"replay", second, "--max"}).exit_code == 0);
+  CHECK(GetRun(daemon.grpc_target(), "tail").info().step_count() == 100);
+}
+
+TEST_CASE("an event sent to a daemon that is stopped and then killed is resent and kept once",
+          "[integration][durability]") {
+  TempDir data("gradwatch-event-kill");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  options.listen = "127.0.0.1:" + std::to_string(FreeLoopbackPort());
+  DaemonProcess daemon(options);
+
+  client::MonitorOptions mo;
+  mo.address = daemon.grpc_target();
+  mo.hello.set_run_id("event-kill");
+  mo.hello.set_world_size(1);
+  mo.initial_backoff = std::chrono::milliseconds(50);
+  mo.max_backoff = std::chrono::milliseconds(500);
+  client::Monitor monitor(mo);
+  monitor.Start();
+  REQUIRE(monitor.WaitAccepted(std::chrono::seconds(20)));
+  auto step = [](uint64_t s) {
+    v1::StepStats st;
+    st.set_step(s);
+    st.mutable_total_grad()->set_norm(0.5);
+    return st;
+  };
+  for (uint64_t s = 1; s <= 20; ++s) REQUIRE(monitor.Log(step(s)));
+  REQUIRE(monitor.Event(10, "first event"));
+  REQUIRE(monitor.Flush(std::chrono::seconds(20)));
+
+  daemon.Signal(SIGSTOP);
+  for (uint64_t s = 21; s <= 30; ++s) REQUIRE(monitor.Log(step(s)));
+  REQUIRE(monitor.Event(25, "switched to near-dropless EP routing"));
+  // Everything is written to the stopped daemon's socket, none of it acked.
+  REQUIRE(WaitUntil([&] { return monitor.Stats().queued == 0; }, std::chrono::seconds(20)));
+  CHECK_FALSE(monitor.Flush(std::chrono::milliseconds(200)));
+  daemon.Signal(SIGKILL);
+  daemon.Stop();
+  daemon.Restart();
+
+  REQUIRE(monitor.Flush(std::chrono::seconds(30)));
+  const v1::RunSummary run = GetRun(daemon.grpc_target(), "event-kill");
+  CHECK(run.info().step_count() == 30);
+  REQUIRE(run.events_size() == 2);
+  CHECK(run.events(0).step() == 10);
+  CHECK(run.events(0).text() == "first event");
+  CHECK(run.events(1).step() == 25);
+  CHECK(run.events(1).text() == "switched to near-dropless EP routing");
+  monitor.Stop();
+}
+
+namespace {
+
+constexpr uint32_t kRanks = 3;
+constexpr uint64_t kCrashSteps = 1500;
+constexpr const char* kCrashRun = "crash-run";
+const std::map<uint64_t, std::string> kCrashEvents = {
+    {300, "switched to near-dropless EP routing"}, {700, "lr warmup over"}, {1200, "data mix changed"}};
+
+// The total grad norm of a step: calm, then two excursions past the contingency threshold of 5.
+double TotalGradNorm(uint64_t step) {
+  const bool high = (step >= 500 && step < 650) || (step >= 1000 && step < 1150);
+  return (high ? 6.0 : 1.0) + 0.01 * static_cast<double>(step % 7);
+}
+
+// Rank `rank`'s report of `step`: its share of the total (as a squared partial sum) and loss;
+// rank 0 also reports the final norm's gain, which grows without weight decay.
+v1::StepStats RankStep(uint32_t rank, uint64_t step) {
+  v1::StepStats s;
+  s.set_step(step);
+  s.set_wall_time(1.7e9 + static_cast<double>(step));
+  const double total = TotalGradNorm(step);
+  s.mutable_total_grad()->set_sq_sum(total * total / kRanks);
+  s.set_loss(2.5 - 1e-4 * static_cast<double>(step));
+  if (rank == 0) {
+    v1::ParamStats* p = s.add_params();
+    p->set_index(0);
+    p->mutable_param()->set_norm(78.4 + 0.05 * static_cast<double>(step));
+    p->mutable_grad()->set_norm(0.01 * total);
+  }
+  return s;
+}
+
+// Feeds the run from kRanks Monitors on `address`. Each rank logs steps up to *allowed (raised by
+// the caller, under mu) and then waits; returns once every Monitor flushed (false if one did not).
+class RankFeeders {
+ public:
+  explicit RankFeeders(const std::string& address) {
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      client::MonitorOptions mo;
+      mo.address = address;
+      mo.hello.set_run_id(kCrashRun);
+      mo.hello.set_rank(r);
+      mo.hello.set_world_size(kRanks);
+      v1::ParamInfo* p = mo.hello.add_params();
+      p->set_name("final_norm.weight");
+      p->set_numel(6144);
+      p->set_kind(v1::PARAM_KIND_NORM_GAIN);
+      mo.initial_backoff = std::chrono::milliseconds(50);
+      mo.max_backoff = std::chrono::milliseconds(400);
+      monitors_.push_back(std::make_unique<client::Monitor>(mo));
+    }
+    for (auto& m : monitors_) m->Start();
+    for (uint32_t r = 0; r < kRanks; ++r) threads_.emplace_back([this, r] { Feed(r); });
+  }
+  ~RankFeeders() {
+    Allow(kCrashSteps);
+    for (std::thread& t : threads_) t.join();
+    for (auto& m : monitors_) m->Stop();
+  }
+
+  void Allow(uint64_t through) {
+    std::lock_guard lock(mu_);
+    allowed_ = std::max(allowed_, through);
+    cv_.notify_all();
+  }
+  // Lets the ranks log through `through` and waits until all of it is acked, so that no rank runs
+  // ahead of another by more than the steps allowed at once (the daemon holds at most 1,024
+  // incomplete steps; a rank further behind would find its steps completed without it).
+  bool AllowAndFlush(uint64_t through, std::chrono::seconds limit) {
+    Allow(through);
+    const auto deadline = Clock::now() + limit;
+    std::unique_lock lock(mu_);
+    if (!logged_cv_.wait_until(lock, deadline, [&] {
+          return std::all_of(logged_.begin(), logged_.end(), [&](uint64_t l) { return l >= through; });
+        })) {
+      return false;
+    }
+    lock.unlock();
+    bool ok = true;
+    for (auto& m : monitors_) ok = m->Flush(limit) && ok;
+    return ok;
+  }
+  // Waits for the feeding threads, then for every Monitor to have everything acked.
+  bool FinishAndFlush(std::chrono::seconds limit) {
+    Allow(kCrashSteps);
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+    bool ok = failures_ == 0;
+    for (auto& m : monitors_) ok = m->Flush(limit) && ok;
+    return ok;
+  }
+
+ private:
+  void Feed(uint32_t rank) {
+    // The events come first, so that the analytics know them before any step, live as after a
+    // restart (when the journal gives them back before the steps).
+    if (rank == 0) {
+      for (const auto& [step, text] : kCrashEvents) {
+        if (!monitors_[0]->Event(step, text)) ++failures_;
+      }
+    }
+    for (uint64_t s = 1; s <= kCrashSteps; ++s) {
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [&] { return s <= allowed_; });
+      }
+      if (!monitors_[rank]->LogBlocking(RankStep(rank, s), std::chrono::seconds(60))) ++failures_;
+      std::lock_guard lock(mu_);
+      logged_[rank] = s;
+      logged_cv_.notify_all();
+    }
+  }
+
+  std::vector<std::unique_ptr<client::Monitor>> monitors_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::condition_variable logged_cv_;
+  uint64_t allowed_ = 0;
+  std::array<uint64_t, kRanks> logged_{};  // last step each rank logged
+  std::atomic<int> failures_{0};
+};
+
+struct Notice {
+  std::string status, alertname, fingerprint;
+  bool operator==(const Notice&) const = default;
+};
+
+// The contingency page's notifications, in order. Only threshold rules are compared: estimate rules
+// (slope changes, forecasts) judge the live analytics, which depend on how the ranks' reports
+// interleave even without a crash (see the README's Durability section).
+std::vector<Notice> PageNotices(const std::vector<Notice>& all) {
+  std::vector<Notice> out;
+  for (const Notice& n : all) {
+    if (n.alertname == "GradNormContingency") out.push_back(n);
+  }
+  return out;
+}
+
+std::vector<Notice> Delivered(const notify::testing::TestReceiver& receiver) {
+  std::vector<Notice> out;
+  for (const auto& r : receiver.Delivered()) {
+    const json body = json::parse(r.body);
+    for (const json& a : body.at("alerts")) {
+      out.push_back({a.at("status").get<std::string>(), a.at("labels").at("alertname").get<std::string>(),
+                     a.at("fingerprint").get<std::string>()});
+    }
+  }
+  return out;
+}
+
+DaemonOptions CrashDaemonOptions(const TempDir& data, const notify::testing::TestReceiver& receiver) {
+  DaemonOptions options;
+  options.data_dir = data.path();
+  options.listen = "127.0.0.1:" + std::to_string(FreeLoopbackPort());
+  options.config_yaml = "log: {format: text, level: info}\nalerts:\n  receivers:\n"
+                        "    - {type: webhook, name: hook, url: " + receiver.url("/hook") + "}\n";
+  return options;
+}
+
+// Alert state changes this daemon process made that are notified (to firing or resolved).
+size_t Transitions(const DaemonProcess& daemon) {
+  const std::string metrics = daemon.ScrapeMetrics();
+  return static_cast<size_t>(ParseMetric(metrics, "gradwatch_alert_transitions_total", {{"to", "firing"}}).value_or(0) +
+                             ParseMetric(metrics, "gradwatch_alert_transitions_total", {{"to", "resolved"}}).value_or(0));
+}
+
+// Waits until the receiver got `count` alerts and the daemon's outbox is empty.
+bool DeliveredAll(const DaemonProcess& daemon, const notify::testing::TestReceiver& receiver, size_t count) {
+  return WaitUntil([&] {
+    return Delivered(receiver).size() >= count &&
+           ParseMetric(daemon.ScrapeMetrics(), "gradwatch_notification_queue_depth", {{"receiver", "hook"}}) == 0.0;
+  });
+}
+
+}  // namespace
+
+TEST_CASE("three ranks replaying while the daemon is SIGKILLed 20 times end up as an uninterrupted run",
+          "[integration][durability][crash]") {
+  const auto started = Clock::now();
+  constexpr int kKills = 20;
+
+  // The reference: the same reports, never interrupted.
+  notify::testing::TestReceiver reference_receiver;
+  TempDir reference_data("gradwatch-crash-ref");
+  DaemonProcess reference(CrashDaemonOptions(reference_data, reference_receiver));
+  {
+    RankFeeders feeders(reference.grpc_target());
+    for (int k = 0; k < kKills; ++k) {
+      REQUIRE(feeders.AllowAndFlush(kCrashSteps * static_cast<uint64_t>(k + 1) / (kKills + 1),
+                                    std::chrono::seconds(60)));
+    }
+    REQUIRE(feeders.FinishAndFlush(std::chrono::seconds(60)));
+  }
+  REQUIRE(DeliveredAll(reference, reference_receiver, Transitions(reference)));
+  const std::vector<Notice> expected_notices = PageNotices(Delivered(reference_receiver));
+  // The analysis as the daemon rebuilds it from the journal, as the crashed daemon's is compared.
+  reference.Restart();
+  const v1::RunSummary expected = GetRun(reference.grpc_target(), kCrashRun);
+  REQUIRE(reference.Stop() == 0);
+  REQUIRE(expected.info().step_count() == kCrashSteps);
+  REQUIRE(expected.info().partial_steps() == 0);
+  REQUIRE(expected_notices.size() == 4);  // the contingency page fires and resolves twice
+
+  notify::testing::TestReceiver receiver;
+  TempDir data("gradwatch-crash");
+  DaemonProcess daemon(CrashDaemonOptions(data, receiver));
+  std::mt19937 rng(20261130);
+  std::uniform_int_distribution<int> delay_ms(0, 300);
+  {
+    RankFeeders feeders(daemon.grpc_target());
+    for (int k = 0; k < kKills; ++k) {
+      feeders.Allow(kCrashSteps * static_cast<uint64_t>(k + 1) / (kKills + 1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms(rng)));  // a random moment
+      daemon.Signal(SIGKILL);
+      daemon.Stop();
+      daemon.Restart();  // returns once the new daemon is ready
+    }
+    REQUIRE(feeders.FinishAndFlush(std::chrono::seconds(60)));
+  }
+  INFO(daemon.LogText());
+  CHECK(WaitUntil([&] { return PageNotices(Delivered(receiver)).size() >= expected_notices.size(); }));
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // nothing more may follow
+  const std::vector<Notice> notices = PageNotices(Delivered(receiver));
+  CHECK(ParseMetric(daemon.ScrapeMetrics(), "gradwatch_journal_dropped_records_total") == 0.0);
+  daemon.Restart();
+  const v1::RunSummary got = GetRun(daemon.grpc_target(), kCrashRun);
+
+  CHECK(got.info().step_count() == kCrashSteps);
+  CHECK(got.info().partial_steps() == 0);
+  CHECK(got.info().last_step() == kCrashSteps);
+  REQUIRE(got.events_size() == static_cast<int>(kCrashEvents.size()));
+  size_t i = 0;
+  for (const auto& [step, text] : kCrashEvents) {
+    CHECK(got.events(static_cast<int>(i)).step() == step);
+    CHECK(got.events(static_cast<int>(i)).text() == text);
+    ++i;
+  }
+  std::string diff;
+  google::protobuf::util::MessageDifferencer differ;
+  differ.ReportDifferencesToString(&diff);
+  CHECK(differ.Compare(expected.analysis(), got.analysis()));
+  INFO(diff);
+  CHECK(diff.empty());
+  // Same notifications, same order, each change once (fingerprints are of the same label sets).
+  CHECK(notices == expected_notices);
+
+  REQUIRE(daemon.Stop() == 0);
+  const JournalRows rows = ReadJournal(data.path() / "journal.db", kCrashRun);
+  REQUIRE(rows.steps.size() == kCrashSteps);
+  for (uint64_t s = 1; s <= kCrashSteps; ++s) CHECK(rows.steps[s - 1] == s);
+  std::vector<std::pair<uint64_t, std::string>> events(kCrashEvents.begin(), kCrashEvents.end());
+  CHECK(rows.events == events);
+
+  const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  WARN("crash test: " << kKills << " SIGKILLs, " << kCrashSteps << " steps x " << kRanks << " ranks in "
+                      << seconds << " s");
+  CHECK(seconds < 90);
+}
