@@ -54,7 +54,8 @@ gw_ensure_packages() {
   apt-get install -y --no-install-recommends "${missing[@]}"
 }
 
-# Configures (Ninja, unless the build folder already uses another generator) and builds.
+# Configures (Ninja, unless the build folder already uses another generator) and builds every
+# target, or only those named in GW_BUILD_TARGETS (space-separated) when it is set.
 # Usage: gw_build BUILD_DIR BUILD_TYPE [extra cmake -D options...]
 gw_build() {
   local build_dir="$1" build_type="$2"
@@ -66,5 +67,10 @@ gw_build() {
   gw_log "configuring $build_dir ($build_type)"
   cmake -S "$GW_REPO_ROOT" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE="$build_type" "$@"
   gw_log "building with $(nproc) jobs"
-  cmake --build "$build_dir" --parallel "$(nproc)"
+  local -a targets=()
+  if [[ -n "${GW_BUILD_TARGETS:-}" ]]; then
+    read -r -a targets <<<"$GW_BUILD_TARGETS"
+    targets=(--target "${targets[@]}")
+  fi
+  cmake --build "$build_dir" --parallel "$(nproc)" "${targets[@]}"
 }

@@ -120,6 +120,7 @@ struct RecordedRequest {
   std::map<std::string, std::string> headers;  // names in lower case
   std::string body;
   int answered_status = 0;  // what the receiver answered
+  std::chrono::steady_clock::time_point received_at;  // when the whole request had been read
 };
 
 // Listens on 127.0.0.1 (port 0: the kernel picks one), one thread per connection, and answers
@@ -285,6 +286,7 @@ class TestReceiver {
     http::read(stream, buffer, request, ec);
     if (ec) return;
     RecordedRequest record;
+    record.received_at = std::chrono::steady_clock::now();
     record.method = std::string(request.method_string());
     record.target = std::string(request.target());
     for (const auto& field : request) {

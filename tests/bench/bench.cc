@@ -1,0 +1,841 @@
+// gradwatch_bench: measures today's gradwatchd on loopback (see tests/bench/run.sh, which also runs
+// the Pushgateway side and prints the table).
+//
+//   gradwatch_bench [--quick | --smoke] --json FILE
+//
+// Parts, each against the REAL gradwatchd binary started by DaemonProcess, journal on and the
+// default alert rules on unless said otherwise:
+//  - ingest: runs x ranks x params streamed over gRPC (callback streams on one channel, at most
+//    kWindow unacknowledged steps per rank); daemon CPU from /proc/PID/stat, RSS from
+//    /proc/PID/status, steps per second, and each step's send-to-ack latency;
+//  - ceilings: parsing the same serialized TrainerMessage frames in a loop, and the same streams
+//    against an empty-handler Ingest server (this binary re-executed with --serve-empty) that only
+//    answers Accepted and Ack;
+//  - alert latency: a threshold rule with for_steps 0 fires on a crafted step; step send to the
+//    Alert on the trainer's stream and to the webhook's receipt at a loopback HTTP receiver;
+//  - /metrics time and size at about 10,000 and 100,000 series, and ingest ack latency while
+//    /metrics is scraped without pause;
+//  - RSS per series, journal bytes per sample, restart time (SIGTERM, start, ready with the run's
+//    durable step back).
+// --smoke runs every part at toy sizes and fails (exit 1) when a part does not work end to end; it
+// asserts no timing. Progress goes to stderr, the figures to the JSON file.
+#include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
+
+#include "gradwatch/v1/gradwatch.grpc.pb.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/integration/stream_client.h"
+#include "tests/unit/notify/test_receiver.h"
+
+using namespace gradwatch;
+using namespace gradwatch::testing;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr uint64_t kWindow = 16;  // unacknowledged steps a rank may have in flight
+constexpr auto kPartTimeout = std::chrono::minutes(10);
+
+void Log(const std::string& text) { std::fprintf(stderr, "[bench] %s\n", text.c_str()); }
+
+[[noreturn]] void Fail(const std::string& text) { throw std::runtime_error(text); }
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// User + system CPU seconds of a process, from /proc/PID/stat.
+double ProcessCpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');
+  if (close == std::string::npos) Fail("cannot read /proc/" + std::to_string(pid) + "/stat");
+  std::istringstream fields(text.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {
+    if (i == 14 || i == 15) ticks += std::stod(field);  // utime, stime
+  }
+  return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Resident set size of a process in bytes, from VmRSS in /proc/PID/status.
+double RssBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
+  }
+  Fail("no VmRSS for pid " + std::to_string(pid));
+}
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// The q-quantile (0..1) of `values` in the unit they are in; 0 when empty.
+double Quantile(std::vector<double> values, double q) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t i = std::min(values.size() - 1, static_cast<size_t>(q * static_cast<double>(values.size())));
+  return values[i];
+}
+
+// A counter to wait on.
+class Latch {
+ public:
+  explicit Latch(size_t count) : count_(count) {}
+  void CountDown() {
+    std::lock_guard lock(mu_);
+    if (count_ > 0 && --count_ == 0) cv_.notify_all();
+  }
+  bool WaitFor(Clock::duration timeout) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [this] { return count_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t count_;
+};
+
+struct Shape {
+  uint32_t runs = 1;
+  uint32_t ranks = 1;
+  uint32_t params = 1000;
+  uint64_t steps = 100;
+  std::string Name() const {
+    return std::to_string(runs) + "x" + std::to_string(ranks) + "x" + std::to_string(params);
+  }
+  // Values one rank sends per step: grad and param norm of each parameter, and the total.
+  uint64_t SamplesPerMessage() const { return 2ull * params + 1; }
+  uint64_t Samples() const { return uint64_t{runs} * ranks * steps * SamplesPerMessage(); }
+  uint64_t Series() const { return uint64_t{runs} * SamplesPerMessage(); }
+};
+
+std::vector<std::pair<std::string, v1::ParamKind>> Catalog(uint32_t params) {
+  std::vector<std::pair<std::string, v1::ParamKind>> out;
+  out.reserve(params);
+  for (uint32_t i = 0; i < params; ++i) {
+    const v1::ParamKind kind = i == 0 ? v1::PARAM_KIND_OUTPUT : (i % 2 ? v1::PARAM_KIND_ATTENTION : v1::PARAM_KIND_MLP);
+    out.emplace_back("layers." + std::to_string(i / 8) + ".p" + std::to_string(i % 8) + ".weight", kind);
+  }
+  return out;
+}
+
+// One rank's step message, filled in place for each step (values drift slowly with the step).
+void FillStep(v1::TrainerMessage* msg, const Shape& shape, uint64_t step) {
+  msg->set_seq(step);
+  v1::StepStats* s = msg->mutable_step();
+  s->set_step(step);
+  s->set_wall_time(1.7e9 + static_cast<double>(step));
+  s->set_loss(3.0 - 1e-5 * static_cast<double>(step));
+  const double ranks = shape.ranks;
+  s->mutable_total_grad()->set_sq_sum((0.09 + 1e-7 * static_cast<double>(step)) / ranks);
+  if (s->params_size() != static_cast<int>(shape.params)) {
+    s->clear_params();
+    for (uint32_t i = 0; i < shape.params; ++i) s->add_params()->set_index(i);
+  }
+  for (uint32_t i = 0; i < shape.params; ++i) {
+    v1::ParamStats* p = s->mutable_params(static_cast<int>(i));
+    p->mutable_grad()->set_sq_sum((1e-4 + 1e-9 * static_cast<double>(step % 97)) / ranks);
+    p->mutable_param()->set_sq_sum((100.0 + 1e-4 * static_cast<double>(step)) / ranks);
+  }
+}
+
+// One rank: Hello, then steps 1..steps with at most kWindow unacknowledged; half-closes once the
+// last step is acked and counts `done` down when the call ends. Records each step's send-to-ack
+// latency (an ack covers every step up to its durable_step).
+class RankStream final : public grpc::ClientBidiReactor<v1::TrainerMessage, v1::DaemonMessage> {
+ public:
+  RankStream(v1::Ingest::Stub* stub, const Shape& shape, const std::string& run, uint32_t rank, Latch* done)
+      : shape_(shape), rank_(rank), done_(done), sent_at_(shape.steps + 1) {
+    *out_.mutable_hello() = MakeHello(run, rank, shape.ranks, Catalog(shape.params));
+    latencies_us_.reserve(shape.steps);
+    stub->async()->Stream(&context_, this);
+    StartRead(&in_);
+    writing_ = true;
+    StartWrite(&out_);
+    StartCall();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return;  // the call broke; OnDone reports it
+    {
+      std::lock_guard lock(mu_);
+      writing_ = false;
+    }
+    Pump();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    if (in_.has_error()) {
+      std::lock_guard lock(mu_);
+      if (problem_.empty()) problem_ = "error " + in_.error().message();
+    } else if (in_.has_ack()) {
+      const auto now = Clock::now();
+      std::lock_guard lock(mu_);
+      const uint64_t durable = std::min<uint64_t>(in_.ack().durable_step(), next_step_ - 1);
+      for (uint64_t s = acked_ + 1; s <= durable; ++s) {
+        latencies_us_.push_back(1e6 * Seconds(now - sent_at_[s]));
+      }
+      acked_ = std::max(acked_, durable);
+    }
+    Pump();
+    StartRead(&in_);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    {
+      std::lock_guard lock(mu_);
+      if (!status.ok() && problem_.empty()) problem_ = "status " + status.error_message();
+      if (acked_ < shape_.steps && problem_.empty()) problem_ = "ended before the last step was acked";
+    }
+    done_->CountDown();
+  }
+
+  void Cancel() { context_.TryCancel(); }
+  std::string Problem() const {
+    std::lock_guard lock(mu_);
+    return problem_.empty() ? problem_ : "rank " + std::to_string(rank_) + ": " + problem_;
+  }
+  std::vector<double> Latencies() const {
+    std::lock_guard lock(mu_);
+    return latencies_us_;
+  }
+
+ private:
+  // Starts the next write when none is outstanding and the window allows, or half-closes once
+  // every step is acked.
+  void Pump() {
+    enum { kNothing, kStep, kClose } action = kNothing;
+    {
+      std::lock_guard lock(mu_);
+      if (writing_ || closed_) return;
+      if (next_step_ <= shape_.steps && next_step_ <= acked_ + kWindow) {
+        FillStep(&out_, shape_, next_step_);
+        sent_at_[next_step_] = Clock::now();
+        ++next_step_;
+        writing_ = true;
+        action = kStep;
+      } else if (acked_ >= shape_.steps) {
+        closed_ = true;
+        action = kClose;
+      }
+    }
+    if (action == kStep) StartWrite(&out_);
+    if (action == kClose) StartWritesDone();
+  }
+
+  const Shape shape_;
+  const uint32_t rank_;
+  Latch* const done_;
+  grpc::ClientContext context_;
+  v1::DaemonMessage in_;  // read path only
+  mutable std::mutex mu_;
+  v1::TrainerMessage out_;  // guarded by mu_ while filled; owned by the write in flight
+  bool writing_ = false;
+  bool closed_ = false;
+  uint64_t next_step_ = 1;
+  uint64_t acked_ = 0;
+  std::vector<Clock::time_point> sent_at_;
+  std::vector<double> latencies_us_;
+  std::string problem_;
+};
+
+struct IngestResult {
+  Shape shape;
+  double wall_s = 0;
+  double cpu_s = 0;
+  double rss_before = 0;
+  double rss_after = 0;
+  std::vector<double> ack_us;
+
+  double SamplesPerCpuSecond() const { return static_cast<double>(shape.Samples()) / std::max(cpu_s, 1e-3); }
+  double StepsPerSecond() const { return static_cast<double>(shape.runs * shape.steps) / std::max(wall_s, 1e-6); }
+  json ToJson() const {
+    return {{"shape", shape.Name()},
+            {"runs", shape.runs},
+            {"ranks", shape.ranks},
+            {"params", shape.params},
+            {"steps", shape.steps},
+            {"series", shape.Series()},
+            {"samples", shape.Samples()},
+            {"wall_s", wall_s},
+            {"server_cpu_s", cpu_s},
+            {"samples_per_cpu_s", SamplesPerCpuSecond()},
+            {"cpu_ns_per_sample", 1e9 * cpu_s / static_cast<double>(shape.Samples())},
+            {"steps_per_s", StepsPerSecond()},
+            {"rss_before_bytes", rss_before},
+            {"rss_after_bytes", rss_after},
+            {"ack_p50_ms", Quantile(ack_us, 0.5) / 1e3},
+            {"ack_p99_ms", Quantile(ack_us, 0.99) / 1e3}};
+  }
+};
+
+// Streams `shape` to the Ingest service at `target` (runs named <prefix>-<i>) and measures the
+// server process `server_pid`. Throws when any stream fails or the whole outlives kPartTimeout.
+IngestResult RunIngest(const std::string& target, pid_t server_pid, const Shape& shape, const std::string& prefix) {
+  Log("ingest " + shape.Name() + " x " + std::to_string(shape.steps) + " steps -> " + target);
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  auto stub = v1::Ingest::NewStub(channel);
+  IngestResult result;
+  result.shape = shape;
+  result.rss_before = RssBytes(server_pid);
+  const double cpu0 = ProcessCpuSeconds(server_pid);
+  const auto t0 = Clock::now();
+  Latch done(size_t{shape.runs} * shape.ranks);
+  std::vector<std::unique_ptr<RankStream>> streams;
+  for (uint32_t r = 0; r < shape.runs; ++r) {
+    for (uint32_t k = 0; k < shape.ranks; ++k) {
+      streams.push_back(std::make_unique<RankStream>(stub.get(), shape, prefix + "-" + std::to_string(r), k, &done));
+    }
+  }
+  if (!done.WaitFor(kPartTimeout)) {
+    for (auto& s : streams) s->Cancel();
+    done.WaitFor(std::chrono::seconds(30));
+    Fail("ingest " + shape.Name() + " did not finish within the time limit");
+  }
+  result.wall_s = Seconds(Clock::now() - t0);
+  result.cpu_s = ProcessCpuSeconds(server_pid) - cpu0;
+  result.rss_after = RssBytes(server_pid);
+  for (auto& s : streams) {
+    if (const std::string p = s->Problem(); !p.empty()) Fail("ingest " + shape.Name() + ": " + p);
+    const auto l = s->Latencies();
+    result.ack_us.insert(result.ack_us.end(), l.begin(), l.end());
+  }
+  Log("  " + std::to_string(result.SamplesPerCpuSecond()) + " samples per server CPU-second, " +
+      std::to_string(result.StepsPerSecond()) + " steps/s");
+  return result;
+}
+
+// ---- ceilings ---------------------------------------------------------------------------------
+
+json ParseCeiling(const Shape& shape, double min_seconds) {
+  v1::TrainerMessage msg;
+  FillStep(&msg, shape, 12345);
+  const std::string frame = msg.SerializeAsString();
+  v1::TrainerMessage parsed;
+  uint64_t iterations = 0;
+  const double cpu0 = ThreadCpuSeconds();
+  double cpu = 0;
+  while (iterations < 10'000'000 && cpu < min_seconds) {
+    for (int i = 0; i < 64; ++i) {
+      if (!parsed.ParseFromString(frame)) Fail("the step frame does not parse");
+    }
+    iterations += 64;
+    cpu = ThreadCpuSeconds() - cpu0;
+  }
+  if (parsed.step().params_size() != static_cast<int>(shape.params)) Fail("parsed frame lost params");
+  const double samples = static_cast<double>(iterations * shape.SamplesPerMessage());
+  Log("parse ceiling: " + std::to_string(samples / cpu) + " samples per CPU-second");
+  return {{"params", shape.params},
+          {"frame_bytes", frame.size()},
+          {"frames", iterations},
+          {"cpu_s", cpu},
+          {"samples_per_cpu_s", samples / cpu}};
+}
+
+// The empty-handler server: answers a Hello with Accepted and a step with an Ack of that step.
+class EmptyStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage> {
+ public:
+  EmptyStream() { StartRead(&in_); }
+
+  void OnReadDone(bool ok) override {
+    std::unique_lock lock(mu_);
+    if (!ok) {
+      reading_done_ = true;
+      MaybeFinish(lock);
+      return;
+    }
+    v1::DaemonMessage answer;
+    if (in_.has_hello()) {
+      answer.mutable_accepted()->set_run_id(in_.hello().run_id());
+      answer.mutable_accepted()->set_rank(in_.hello().rank());
+    } else if (in_.has_step()) {
+      answer.mutable_ack()->set_durable_step(in_.step().step());
+      answer.mutable_ack()->set_seq(in_.seq());
+    }
+    queue_.push_back(std::move(answer));
+    if (!writing_) {
+      writing_ = true;
+      lock.unlock();
+      StartWrite(&queue_.front());
+    } else {
+      lock.unlock();
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::unique_lock lock(mu_);
+    queue_.pop_front();
+    if (ok && !queue_.empty()) {
+      lock.unlock();
+      StartWrite(&queue_.front());
+      return;
+    }
+    writing_ = false;
+    MaybeFinish(lock);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void MaybeFinish(std::unique_lock<std::mutex>& lock) {
+    if (!reading_done_ || writing_ || finished_) return;
+    finished_ = true;
+    lock.unlock();
+    Finish(grpc::Status::OK);
+  }
+
+  v1::TrainerMessage in_;
+  std::mutex mu_;
+  std::deque<v1::DaemonMessage> queue_;  // front is being written while writing_
+  bool writing_ = false;
+  bool reading_done_ = false;
+  bool finished_ = false;
+};
+
+class EmptyIngest final : public v1::Ingest::CallbackService {
+  grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>* Stream(grpc::CallbackServerContext*) override {
+    return new EmptyStream;
+  }
+};
+
+// --serve-empty PORT_FILE: serves the empty handler on a free loopback port, writes the port to
+// PORT_FILE and serves until killed.
+int ServeEmpty(const std::string& port_file) {
+  EmptyIngest service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) return 1;
+  {
+    std::ofstream out(port_file + ".tmp");
+    out << port << "\n";
+  }
+  std::filesystem::rename(port_file + ".tmp", port_file);
+  server->Wait();
+  return 0;
+}
+
+// This binary run with --serve-empty in a child process.
+class EmptyServerProcess {
+ public:
+  EmptyServerProcess() {
+    const std::string port_file = (dir_.path() / "port").string();
+    pid_ = fork();
+    if (pid_ < 0) Fail("fork failed");
+    if (pid_ == 0) {
+      execl("/proc/self/exe", "gradwatch_bench", "--serve-empty", port_file.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    while (!std::filesystem::exists(port_file)) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        Fail("the empty server exited before it was ready");
+      }
+      if (Clock::now() > deadline) Fail("the empty server was not ready within 30 s");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::ifstream(port_file) >> port_;
+  }
+  ~EmptyServerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  pid_t pid() const { return pid_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  TempDir dir_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+// ---- alert latency ----------------------------------------------------------------------------
+
+// A synchronous Ingest stream whose reader stamps each answer with its arrival time.
+class TimedStream {
+ public:
+  explicit TimedStream(std::shared_ptr<grpc::Channel> channel) : stub_(v1::Ingest::NewStub(channel)) {
+    context_.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
+    stream_ = stub_->Stream(&context_);
+    reader_ = std::thread([this] {
+      v1::DaemonMessage msg;
+      while (stream_->Read(&msg)) {
+        std::lock_guard lock(mu_);
+        received_.emplace_back(msg, Clock::now());
+        cv_.notify_all();
+      }
+      std::lock_guard lock(mu_);
+      ended_ = true;
+      cv_.notify_all();
+    });
+  }
+  ~TimedStream() {
+    stream_->WritesDone();
+    context_.TryCancel();
+    reader_.join();
+    stream_->Finish().ok();
+  }
+  bool Send(const v1::TrainerMessage& msg) { return stream_->Write(msg); }
+  // The first answer satisfying `pred` and when it arrived; throws after `timeout`.
+  std::pair<v1::DaemonMessage, Clock::time_point> WaitFor(const std::function<bool(const v1::DaemonMessage&)>& pred,
+                                                         Clock::duration timeout) {
+    std::unique_lock lock(mu_);
+    const auto deadline = Clock::now() + timeout;
+    size_t checked = 0;
+    while (true) {
+      for (; checked < received_.size(); ++checked) {
+        if (pred(received_[checked].first)) return received_[checked];
+      }
+      if (ended_) Fail("the stream ended before the awaited answer");
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && checked == received_.size()) {
+        Fail("timed out waiting for an answer on the stream");
+      }
+    }
+  }
+
+ private:
+  std::unique_ptr<v1::Ingest::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::TrainerMessage, v1::DaemonMessage>> stream_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<v1::DaemonMessage, Clock::time_point>> received_;
+  bool ended_ = false;
+  std::thread reader_;
+};
+
+v1::TrainerMessage TotalStep(uint64_t step, double total) {
+  v1::TrainerMessage m;
+  m.set_seq(step + 1);
+  m.mutable_step()->set_step(step);
+  m.mutable_step()->mutable_total_grad()->set_norm(total);
+  return m;
+}
+
+// `alerts` runs, each: steps 1 and 2 at norm 6 (acked; pending from step 1), then step 3 at norm
+// 6, which fires BenchSpike (threshold 5, for_steps 2, a noise-free series). Latency from sending
+// step 3 to its FIRING Alert on the stream, and to the webhook request carrying it.
+json AlertLatency(uint32_t alerts) {
+  Log("alert latency over " + std::to_string(alerts) + " alerts");
+  notify::testing::TestReceiver receiver;
+  TempDir data;
+  const std::filesystem::path rules = data.path() / "bench_rules.yaml";
+  std::ofstream(rules) << "groups:\n  - name: bench\n    rules:\n      - alert: BenchSpike\n"
+                          "        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n"
+                          "        value: 5\n        for_steps: 2\n        labels: {severity: page}\n"
+                          "        annotations: {summary: \"spike in {{ run }}\"}\n";
+  DaemonOptions options;
+  options.data_dir = data.path();
+  options.config_yaml = "log: {format: text, level: warn}\nlimits: {max_runs: " + std::to_string(alerts + 16) +
+                        "}\nalerts:\n  rule_files: [" + rules.string() +
+                        "]\n  receivers:\n    - {type: webhook, name: hook, url: " + receiver.url("/hook") + "}\n";
+  DaemonProcess daemon(options);
+  auto channel = grpc::CreateChannel(daemon.grpc_target(), grpc::InsecureChannelCredentials());
+  std::map<std::string, Clock::time_point> sent_at;
+  std::vector<double> stream_us;
+  const auto deadline = Clock::now() + kPartTimeout;
+  for (uint32_t i = 0; i < alerts && Clock::now() < deadline; ++i) {
+    const std::string run = "alert-" + std::to_string(i);
+    TimedStream stream(channel);
+    v1::TrainerMessage hello;
+    *hello.mutable_hello() = MakeHello(run, 0, 1, {});
+    if (!stream.Send(hello)) Fail("hello failed");
+    for (uint64_t s = 1; s <= 2; ++s) {
+      if (!stream.Send(TotalStep(s, 6.0))) Fail("step failed");
+    }
+    stream.WaitFor([](const v1::DaemonMessage& m) { return m.has_ack() && m.ack().durable_step() >= 2; },
+                   std::chrono::seconds(30));
+    const auto t0 = Clock::now();
+    sent_at[run] = t0;
+    if (!stream.Send(TotalStep(3, 6.0))) Fail("step failed");
+    const auto [alert, at] = stream.WaitFor(
+        [](const v1::DaemonMessage& m) {
+          return m.has_alert() && m.alert().name() == "BenchSpike" && m.alert().state() == v1::ALERT_STATE_FIRING;
+        },
+        std::chrono::seconds(30));
+    if (alert.alert().step() != 3) Fail("BenchSpike fired at step " + std::to_string(alert.alert().step()));
+    stream_us.push_back(1e6 * Seconds(at - t0));
+  }
+  if (stream_us.size() < alerts) Fail("alert latency did not finish within the time limit");
+  // Every firing alert at the webhook, matched to its run's step 3 by the run label.
+  std::map<std::string, double> webhook_us;
+  const auto hook_deadline = Clock::now() + std::chrono::seconds(120);
+  while (webhook_us.size() < alerts) {
+    for (const auto& r : receiver.Delivered()) {
+      const json body = json::parse(r.body);
+      for (const json& a : body.at("alerts")) {
+        const std::string run = a.at("labels").value("run", "");
+        if (a.value("status", "") != "firing" || !sent_at.count(run) || webhook_us.count(run)) continue;
+        webhook_us[run] = 1e6 * Seconds(r.received_at - sent_at[run]);
+      }
+    }
+    if (webhook_us.size() >= alerts) break;
+    if (Clock::now() > hook_deadline) {
+      Fail("the webhook got " + std::to_string(webhook_us.size()) + " of " + std::to_string(alerts) + " alerts");
+    }
+    receiver.WaitForDelivered(receiver.Delivered().size() + 1, std::chrono::seconds(1));
+  }
+  std::vector<double> hook;
+  for (const auto& [run, us] : webhook_us) hook.push_back(us);
+  Log("  stream p99 " + std::to_string(Quantile(stream_us, 0.99) / 1e3) + " ms, webhook p99 " +
+      std::to_string(Quantile(hook, 0.99) / 1e3) + " ms");
+  return {{"alerts", alerts},
+          {"stream_p50_ms", Quantile(stream_us, 0.5) / 1e3},
+          {"stream_p99_ms", Quantile(stream_us, 0.99) / 1e3},
+          {"webhook_p50_ms", Quantile(hook, 0.5) / 1e3},
+          {"webhook_p99_ms", Quantile(hook, 0.99) / 1e3},
+          {"webhook_requests", receiver.Delivered().size()}};
+}
+
+// ---- /metrics ---------------------------------------------------------------------------------
+
+json Scrapes(const DaemonProcess& daemon, int count, uint64_t series) {
+  std::vector<double> ms;
+  size_t bytes = 0;
+  size_t lines = 0;
+  for (int i = 0; i < count; ++i) {
+    const auto t0 = Clock::now();
+    const std::string body = HttpGet("127.0.0.1", daemon.metrics_port(), "/metrics", std::chrono::seconds(120));
+    ms.push_back(1e3 * Seconds(Clock::now() - t0));
+    bytes = body.size();
+    lines = static_cast<size_t>(std::count(body.begin(), body.end(), '\n'));
+  }
+  Log("  /metrics at " + std::to_string(series) + " series: p50 " + std::to_string(Quantile(ms, 0.5)) + " ms, " +
+      std::to_string(bytes) + " bytes");
+  return {{"series", series},     {"scrapes", count},          {"p50_ms", Quantile(ms, 0.5)},
+          {"max_ms", Quantile(ms, 1.0)}, {"bytes", bytes}, {"lines", lines},
+          {"rss_bytes", RssBytes(daemon.pid())}};
+}
+
+// Fills one daemon up to ~10,000 then ~100,000 series (runs of `params` parameters, a few steps
+// each, short per-series history so 100,000 series fit in memory), times /metrics at each, and at
+// the first measures ingest ack latency while another thread scrapes without pause.
+json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint64_t fill_steps,
+                 uint64_t probe_steps, int scrapes) {
+  DaemonOptions options;
+  options.config_yaml = "log: {format: text, level: warn}\nstore: {recent_points: 64, history_buckets: 16}\n"
+                        "limits: {max_runs: " + std::to_string(runs_large + 16) + "}\n";
+  DaemonProcess daemon(options);
+  const Shape fill{.runs = runs_small, .ranks = 1, .params = params, .steps = fill_steps};
+  RunIngest(daemon.grpc_target(), daemon.pid(), fill, "fill-a");
+  json out;
+  out["small"] = Scrapes(daemon, scrapes, fill.Series());
+
+  // Ingest while /metrics is scraped back to back.
+  std::atomic<bool> stop{false};
+  std::atomic<int> during{0};
+  std::string scrape_error;
+  std::thread scraper([&] {
+    try {
+      while (!stop.load()) {
+        HttpGet("127.0.0.1", daemon.metrics_port(), "/metrics", std::chrono::seconds(120));
+        ++during;
+      }
+    } catch (const std::exception& e) {
+      scrape_error = e.what();
+    }
+  });
+  IngestResult probe;
+  try {
+    probe = RunIngest(daemon.grpc_target(), daemon.pid(), {.runs = 1, .ranks = 1, .params = params, .steps = probe_steps},
+                      "probe");
+  } catch (...) {
+    stop = true;
+    scraper.join();
+    throw;
+  }
+  stop = true;
+  scraper.join();
+  if (!scrape_error.empty()) Fail("scrape during ingest: " + scrape_error);
+  out["ingest_while_scraping"] = {{"series", fill.Series()},
+                                  {"scrapes", during.load()},
+                                  {"steps", probe_steps},
+                                  {"ack_p50_ms", Quantile(probe.ack_us, 0.5) / 1e3},
+                                  {"ack_p99_ms", Quantile(probe.ack_us, 0.99) / 1e3}};
+
+  const Shape more{.runs = runs_large - runs_small, .ranks = 1, .params = params, .steps = fill_steps};
+  RunIngest(daemon.grpc_target(), daemon.pid(), more, "fill-b");
+  const uint64_t total = fill.Series() + more.Series() + probe.shape.Series();
+  out["large"] = Scrapes(daemon, scrapes, total);
+  return out;
+}
+
+// ---- RSS, journal, restart --------------------------------------------------------------------
+
+std::uintmax_t JournalBytes(const std::filesystem::path& dir) {
+  std::uintmax_t total = 0;
+  for (const char* name : {"journal.db", "journal.db-wal"}) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(dir / name, ec);
+    if (!ec) total += size;
+  }
+  return total;
+}
+
+// The 1 x 1 x params workload on a daemon of its own: the ingest figures, RSS per series, journal
+// bytes per (assembled) sample after a clean stop, and the restart time to ready with the run back.
+json SingleRunPart(const Shape& shape, json* ingest_rows) {
+  TempDir data;
+  DaemonOptions options;
+  options.data_dir = data.path();
+  options.config_yaml = "log: {format: text, level: warn}\n";
+  options.ready_timeout = std::chrono::seconds(600);
+  std::optional<DaemonProcess> daemon(std::in_place, options);
+  const IngestResult r = RunIngest(daemon->grpc_target(), daemon->pid(), shape, "solo");
+  ingest_rows->push_back(r.ToJson());
+  const int stopped = daemon->Stop(SIGTERM, std::chrono::seconds(120));
+  if (stopped != 0) Fail("the daemon exited " + std::to_string(stopped) + " on SIGTERM");
+  const std::uintmax_t journal = JournalBytes(data.path());
+  const uint64_t journaled_samples = shape.steps * shape.SamplesPerMessage();
+  daemon.reset();
+
+  const auto t0 = Clock::now();
+  daemon.emplace(options);
+  const double restart_s = Seconds(Clock::now() - t0);
+  StreamClient check(daemon->grpc_target());
+  check.Hello(MakeHello("solo-0", 0, 1, Catalog(shape.params)));
+  const v1::Accepted accepted = check.WaitAccepted();
+  if (!accepted.has_durable_step() || accepted.last_durable_step() != shape.steps) {
+    Fail("after the restart the run's durable step is " + std::to_string(accepted.last_durable_step()));
+  }
+  check.Close();
+  Log("  restart " + std::to_string(restart_s) + " s, journal " + std::to_string(journal) + " bytes");
+  return {{"shape", shape.Name()},
+          {"steps", shape.steps},
+          {"series", shape.Series()},
+          {"rss_per_series_bytes", (r.rss_after - r.rss_before) / static_cast<double>(shape.Series())},
+          {"rss_bytes", r.rss_after},
+          {"journal_bytes", journal},
+          {"journal_samples", journaled_samples},
+          {"journal_bytes_per_sample", static_cast<double>(journal) / static_cast<double>(journaled_samples)},
+          {"restart_s", restart_s}};
+}
+
+struct Sizes {
+  std::string mode;
+  uint64_t solo_steps, wide_steps, mixed_steps, big_steps;
+  uint32_t big_params;
+  uint32_t alerts;
+  uint32_t metrics_params, metrics_runs_small, metrics_runs_large;
+  uint64_t metrics_fill_steps, metrics_probe_steps;
+  int scrapes;
+  double parse_seconds;
+  uint64_t ceiling_steps;
+};
+
+Sizes SizesFor(const std::string& mode) {
+  if (mode == "smoke") return {"smoke", 20, 3, 5, 3, 2000, 5, 100, 2, 4, 2, 20, 2, 0.05, 20};
+  if (mode == "quick") return {"quick", 300, 20, 60, 10, 10000, 200, 1000, 5, 50, 3, 200, 3, 1.0, 300};
+  return {"full", 3000, 200, 500, 50, 10000, 500, 1000, 5, 50, 5, 1000, 5, 3.0, 3000};
+}
+
+json RunAll(const Sizes& z) {
+  json out;
+  out["mode"] = z.mode;
+  out["ingest"] = json::array();
+  const Shape solo{.runs = 1, .ranks = 1, .params = 1000, .steps = z.solo_steps};
+  out["single_run"] = SingleRunPart(solo, &out["ingest"]);
+  for (const Shape& shape : {Shape{.runs = 1, .ranks = 64, .params = 1000, .steps = z.wide_steps},
+                             Shape{.runs = 8, .ranks = 8, .params = 200, .steps = z.mixed_steps},
+                             Shape{.runs = 1, .ranks = 1, .params = z.big_params, .steps = z.big_steps}}) {
+    DaemonOptions options;
+    options.config_yaml = "log: {format: text, level: warn}\n";
+    DaemonProcess daemon(options);
+    out["ingest"].push_back(RunIngest(daemon.grpc_target(), daemon.pid(), shape, "load").ToJson());
+  }
+  out["parse_ceiling"] = ParseCeiling(solo, z.parse_seconds);
+  {
+    EmptyServerProcess empty;
+    const Shape shape{.runs = 1, .ranks = 1, .params = 1000, .steps = z.ceiling_steps};
+    out["empty_stream_ceiling"] = RunIngest(empty.target(), empty.pid(), shape, "empty").ToJson();
+  }
+  out["alert_latency"] = AlertLatency(z.alerts);
+  out["metrics"] = MetricsPart(z.metrics_params, z.metrics_runs_small, z.metrics_runs_large, z.metrics_fill_steps,
+                               z.metrics_probe_steps, z.scrapes);
+  return out;
+}
+
+int Usage(int code) {
+  std::fprintf(code == 0 ? stdout : stderr,
+               "Usage: gradwatch_bench [--quick | --smoke] [--json FILE]\n"
+               "Measures the gradwatchd at GRADWATCHD_PATH (see tests/bench/run.sh); figures go to FILE as JSON\n"
+               "(stdout without --json), progress to stderr. --smoke: toy sizes, fails unless every part works.\n");
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = "full";
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--serve-empty" && i + 1 < argc) return ServeEmpty(argv[i + 1]);
+    if (arg == "--quick") {
+      mode = "quick";
+    } else if (arg == "--smoke") {
+      mode = "smoke";
+    } else if (arg == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
+    } else if (arg == "--help" || arg == "-h") {
+      return Usage(0);
+    } else {
+      return Usage(2);
+    }
+  }
+  signal(SIGPIPE, SIG_IGN);
+  try {
+    const json out = RunAll(SizesFor(mode));
+    if (json_path.empty()) {
+      std::printf("%s\n", out.dump(2).c_str());
+    } else {
+      std::ofstream(json_path) << out.dump(2) << "\n";
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[bench] FAILED: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

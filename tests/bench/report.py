@@ -1,0 +1,112 @@
+#!/usr/bin/python3
+"""Merges the figures of gradwatch_bench and pushgateway.py into one JSON file and prints the table
+of tests/bench/run.sh, with the targets of issue 10 beside the figures.
+
+Usage: report.py GRADWATCH_JSON PUSHGATEWAY_JSON OUT_JSON
+"""
+import json
+import os
+import platform
+import sys
+import time
+
+
+def fmt(x, digits=0):
+    return f"{x:,.{digits}f}"
+
+
+def machine():
+    model = "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        mem_kb = int(f.readline().split()[1])
+    return f"{os.cpu_count()} cores ({model}), {mem_kb / 2**20:.0f} GiB, {platform.system()} {platform.release()}"
+
+
+def table(header, rows):
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"
+    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def main():
+    gw_path, pgw_path, out_path = sys.argv[1:4]
+    with open(gw_path) as f:
+        gw = json.load(f)
+    with open(pgw_path) as f:
+        pgw = {row["shape"]: row for row in json.load(f)["pushgateway"]}
+    merged = dict(gw)
+    merged["pushgateway"] = list(pgw.values())
+    merged["machine"] = machine()
+    merged["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = os.getloadavg()[0]
+    merged["load_average_1m_at_end"] = load
+
+    print(f"gradwatch benchmark ({gw['mode']}), {merged['date']}, {merged['machine']}, "
+          f"load average {load:.1f} at the end")
+    print("Samples = values sent by the trainers (2 x params + 1 per rank per step); CPU = the server process's "
+          "user + system time (/proc/PID/stat).\n")
+
+    rows = []
+    for r in gw["ingest"]:
+        p = pgw.get(r["shape"])
+        rows.append([f"{r['runs']} x {r['ranks']} x {fmt(r['params'])}", fmt(r["steps"]), fmt(r["series"]),
+                     fmt(r["samples_per_cpu_s"]), fmt(r["cpu_ns_per_sample"]), fmt(r["steps_per_s"], 1),
+                     fmt(r["ack_p99_ms"], 1), fmt(r["rss_after_bytes"] / 2**20),
+                     fmt(p["samples_per_cpu_s"]) if p else "-",
+                     f"{fmt(p['steps'])} steps, {100 * p['share_in_prometheus']:.1f}%" if p else "-"])
+    print(table(["runs x ranks x params", "steps", "series", "gradwatchd samples/CPU-s", "ns/sample",
+                 "steps/s", "ack p99 ms", "RSS MB", "Pushgateway samples/CPU-s",
+                 "Pushgateway: steps reaching Prometheus"], rows))
+
+    pc, ec = gw["parse_ceiling"], gw["empty_stream_ceiling"]
+    al, m, sr = gw["alert_latency"], gw["metrics"], gw["single_run"]
+    print()
+    print(table(["figure", "value"], [
+        ["ceiling: protobuf parse of the same 1 x 1 x 1,000 frames", f"{fmt(pc['samples_per_cpu_s'])} samples/CPU-s"],
+        ["ceiling: empty-handler gRPC stream, 1 x 1 x 1,000",
+         f"{fmt(ec['samples_per_cpu_s'])} samples/CPU-s, {fmt(ec['steps_per_s'])} steps/s"],
+        [f"alert latency to the trainer's stream ({al['alerts']} alerts)",
+         f"p50 {al['stream_p50_ms']:.2f} ms, p99 {al['stream_p99_ms']:.2f} ms"],
+        [f"alert latency to a webhook ({al['alerts']} alerts)",
+         f"p50 {al['webhook_p50_ms']:.2f} ms, p99 {al['webhook_p99_ms']:.2f} ms"],
+        [f"/metrics at {fmt(m['small']['series'])} series",
+         f"{m['small']['p50_ms']:.0f} ms (median of {m['small']['scrapes']}), {m['small']['bytes'] / 2**20:.1f} MB"],
+        [f"/metrics at {fmt(m['large']['series'])} series",
+         f"{m['large']['p50_ms']:.0f} ms (median of {m['large']['scrapes']}), {m['large']['bytes'] / 2**20:.1f} MB"],
+        [f"ingest ack latency while /metrics ({fmt(m['ingest_while_scraping']['series'])} series) is scraped",
+         f"p50 {m['ingest_while_scraping']['ack_p50_ms']:.1f} ms, p99 {m['ingest_while_scraping']['ack_p99_ms']:.1f} ms "
+         f"({m['ingest_while_scraping']['scrapes']} scrapes)"],
+        [f"RSS per series (1 x 1 x 1,000 after {fmt(sr['steps'])} steps)", f"{sr['rss_per_series_bytes'] / 1024:.0f} KB"],
+        ["journal bytes per sample (journal.db + WAL after SIGTERM)", f"{sr['journal_bytes_per_sample']:.1f}"],
+        [f"restart to ready ({fmt(sr['journal_samples'])} journaled samples)", f"{sr['restart_s']:.2f} s"],
+    ]))
+
+    solo = next(r for r in gw["ingest"] if r["runs"] == 1 and r["ranks"] == 1 and r["params"] == 1000)
+    big = max((r for r in gw["ingest"] if r["runs"] == 1 and r["ranks"] == 1), key=lambda r: r["params"])
+    ratio = big["cpu_ns_per_sample"] / solo["cpu_ns_per_sample"]
+    alert_p99 = max(al["stream_p99_ms"], al["webhook_p99_ms"])
+    targets = [
+        ["≥ 2,000,000 samples per daemon CPU-second at 1,000 params", fmt(solo["samples_per_cpu_s"]),
+         solo["samples_per_cpu_s"] >= 2e6],
+        [f"CPU per sample at {fmt(big['params'])} params ≤ 1.2 x that at 1,000", f"{ratio:.2f} x", ratio <= 1.2],
+        ["alert p99 < 5 ms (stream and webhook)", f"{alert_p99:.2f} ms", alert_p99 < 5],
+        [f"/metrics at {fmt(m['large']['series'])} series < 250 ms", f"{m['large']['p50_ms']:.0f} ms",
+         m["large"]["p50_ms"] < 250],
+    ]
+    merged["targets"] = [{"target": t, "value": v, "pass": ok} for t, v, ok in targets]
+    print()
+    print(table(["target (issue 10)", "measured", "result"], [[t, v, "pass" if ok else "MISS"] for t, v, ok in targets]))
+    with open(out_path, "w") as f:
+        json.dump(merged, f, indent=2)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
