@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -75,20 +76,19 @@ def query(port, promql):
     return json.loads(body)["data"]["result"]
 
 
-def last_scrape_after(port, t):
-    """Whether Prometheus scraped the Pushgateway, successfully, after wall time t."""
+def scrape_after(port, t):
+    """Prometheus's last scrape of the Pushgateway if it began after wall time t, else None."""
     status, body = get(port, "/api/v1/targets")
     if status != 200:
-        return False
+        return None
     for target in json.loads(body)["data"]["activeTargets"]:
-        if target.get("health") != "up":
-            continue
-        stamp = target.get("lastScrape", "")
         # RFC 3339 in UTC with nanoseconds; the seconds part is enough here.
-        secs = calendar.timegm(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S"))
-        if secs > t + 1:
-            return True
-    return False
+        stamp = target.get("lastScrape", "")[:19]
+        if stamp.startswith("0001") or not stamp:
+            continue
+        if calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S")) > t + 1:
+            return target
+    return None
 
 
 def run_workload(runs, ranks, params, steps, workdir):
@@ -136,25 +136,31 @@ def run_workload(runs, ranks, params, steps, workdir):
                         raise RuntimeError(f"push answered HTTP {resp.status}")
         wall = time.monotonic() - t0
         cpu = cpu_seconds(pgw.pid) - cpu0
-        # Wait for one scrape that began after the last push, so the last step had its chance.
+        # Wait for one scrape (successful or not) that began after the last push, so the last step
+        # had its chance. A scrape of many series can outlive the 1 s timeout: those steps never
+        # reach Prometheus, which is what is measured.
         end = time.time()
-        deadline = time.monotonic() + 30
-        while not last_scrape_after(prom_port, end):
+        deadline = time.monotonic() + 60
+        target = None
+        while target is None:
             if time.monotonic() > deadline:
                 raise RuntimeError("prometheus did not scrape the pushgateway after the last push")
             time.sleep(0.2)
+            target = scrape_after(prom_port, end)
         window = int(time.time() - wall0) + 30
         result = query(prom_port, f"gradwatch_bench_step[{window}s]")
-        seen = [len({float(v) for _, v in series["values"]}) for series in result]
-        if len(seen) != runs * ranks:
-            raise RuntimeError(f"prometheus holds {len(seen)} step series, not {runs * ranks}")
-        share = sum(seen) / (runs * ranks * steps)
+        seen = {(r["metric"].get("run"), r["metric"].get("rank")): len({float(v) for _, v in r["values"]})
+                for r in result}
+        if len(seen) > runs * ranks:
+            raise RuntimeError(f"prometheus holds {len(seen)} step series, more than {runs * ranks}")
+        share = sum(seen.values()) / (runs * ranks * steps)
         log(f"  {samples / max(cpu, 0.01):,.0f} samples per pushgateway CPU-second, "
             f"{100 * share:.1f}% of steps reached prometheus")
         return {"shape": f"{runs}x{ranks}x{params}", "runs": runs, "ranks": ranks, "params": params,
                 "steps": steps, "samples": samples, "wall_s": wall, "server_cpu_s": cpu,
                 "samples_per_cpu_s": samples / max(cpu, 0.01), "steps_per_s": runs * steps / wall,
-                "steps_in_prometheus": sum(seen), "share_in_prometheus": share}
+                "steps_in_prometheus": sum(seen.values()), "share_in_prometheus": share,
+                "last_scrape_health": target.get("health"), "last_scrape_error": target.get("lastError", "")}
     finally:
         for proc in (prom, pgw):
             proc.terminate()
@@ -171,6 +177,8 @@ def main():
     parser.add_argument("--json", required=True)
     parser.add_argument("workloads", nargs="+", help="RUNSxRANKSxPARAMS:STEPS")
     args = parser.parse_args()
+    # SIGTERM unwinds, so the finally blocks stop the Pushgateway and Prometheus.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     rows = []
     for spec in args.workloads:
         shape, steps = spec.split(":")

@@ -27,6 +27,13 @@ def machine():
     return f"{os.cpu_count()} cores ({model}), {mem_kb / 2**20:.0f} GiB, {platform.system()} {platform.release()}"
 
 
+def pgw_share(p):
+    text = f"{p['steps_in_prometheus']} of {fmt(p['runs'] * p['ranks'] * p['steps'])} ({100 * p['share_in_prometheus']:.1f}%)"
+    if p.get("last_scrape_health", "up") != "up":
+        text += f"; last scrape {p['last_scrape_health']}: {p.get('last_scrape_error', '')[:40]}"
+    return text
+
+
 def table(header, rows):
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"
@@ -60,10 +67,10 @@ def main():
                      fmt(r["samples_per_cpu_s"]), fmt(r["cpu_ns_per_sample"]), fmt(r["steps_per_s"], 1),
                      fmt(r["ack_p99_ms"], 1), fmt(r["rss_after_bytes"] / 2**20),
                      fmt(p["samples_per_cpu_s"]) if p else "-",
-                     f"{fmt(p['steps'])} steps, {100 * p['share_in_prometheus']:.1f}%" if p else "-"])
+                     pgw_share(p) if p else "-"])
     print(table(["runs x ranks x params", "steps", "series", "gradwatchd samples/CPU-s", "ns/sample",
                  "steps/s", "ack p99 ms", "RSS MB", "Pushgateway samples/CPU-s",
-                 "Pushgateway: steps reaching Prometheus"], rows))
+                 "Pushgateway: rank-steps reaching Prometheus"], rows))
 
     pc, ec = gw["parse_ceiling"], gw["empty_stream_ceiling"]
     al, m, sr = gw["alert_latency"], gw["metrics"], gw["single_run"]
