@@ -4,11 +4,11 @@
 For each workload RUNSxRANKSxPARAMS:STEPS, starts Debian's prometheus-pushgateway and a real
 prometheus scraping it every second (loopback, free ports, temporary directories), pushes one PUT
 per rank per step (text format: grad and param norm of every parameter, the total grad norm, and
-gradwatch_bench_step whose value is the step), and measures the Pushgateway's CPU from
+gradwatch_bench_step whose value is the step), at most --time-limit seconds per workload, and measures the Pushgateway's CPU from
 /proc/PID/stat. Then it asks Prometheus for every raw sample of gradwatch_bench_step and counts the
 distinct steps of each (run, rank): the share of steps that ever reached Prometheus.
 
-Usage: pushgateway.py --json FILE RUNSxRANKSxPARAMS:STEPS...
+Usage: pushgateway.py --json FILE [--time-limit SECONDS] RUNSxRANKSxPARAMS:STEPS...
 Progress goes to stderr; the figures to FILE as JSON.
 """
 import argparse
@@ -26,7 +26,6 @@ import time
 import urllib.parse
 
 READY_TIMEOUT_S = 60
-PUSH_TIMEOUT_S = 600
 
 
 def log(text):
@@ -91,7 +90,7 @@ def scrape_after(port, t):
     return None
 
 
-def run_workload(runs, ranks, params, steps, workdir):
+def run_workload(runs, ranks, params, steps, workdir, time_limit):
     pgw_port, prom_port = free_port(), free_port()
     pgw_dir = os.path.join(workdir, "pgw")
     prom_dir = os.path.join(workdir, "prom")
@@ -117,24 +116,29 @@ def run_workload(runs, ranks, params, steps, workdir):
         grad_lines = [f'gradwatch_bench_grad_norm{{param="{n}"}} ' for n in names]
         param_lines = [f'gradwatch_bench_param_norm{{param="{n}"}} ' for n in names]
         conn = http.client.HTTPConnection("127.0.0.1", pgw_port, timeout=60)
-        samples = runs * ranks * steps * (2 * params + 1)
-        log(f"{runs}x{ranks}x{params} x {steps} steps: {samples:,} samples")
+        log(f"{runs}x{ranks}x{params} x {steps} steps (at most {time_limit} s)")
         cpu0, t0, wall0 = cpu_seconds(pgw.pid), time.monotonic(), time.time()
+        pushes = 0  # rank-steps pushed: the pushing stops at the time limit
         for step in range(1, steps + 1):
-            if time.monotonic() - t0 > PUSH_TIMEOUT_S:
-                raise RuntimeError(f"pushing did not finish within {PUSH_TIMEOUT_S} s")
+            if time.monotonic() - t0 > time_limit:
+                break
             grad = f"{0.01 + 1e-9 * (step % 97)}\n"
             param = f"{100 + 1e-4 * step}\n"
             body = ("".join(line + grad for line in grad_lines) + "".join(line + param for line in param_lines) +
                     f"gradwatch_bench_total_grad_norm {0.3 + 1e-7 * step}\ngradwatch_bench_step {step}\n").encode()
             for run in range(runs):
                 for rank in range(ranks):
+                    if time.monotonic() - t0 > time_limit:
+                        break
                     conn.request("PUT", f"/metrics/job/trainer/run/run-{run}/rank/{rank}", body=body)
                     resp = conn.getresponse()
                     resp.read()
                     if resp.status not in (200, 202):
                         raise RuntimeError(f"push answered HTTP {resp.status}")
+                    pushes += 1
         wall = time.monotonic() - t0
+        if pushes < runs * ranks * steps:
+            log(f"  time limit: stopped after {pushes} of {runs * ranks * steps} pushes")
         cpu = cpu_seconds(pgw.pid) - cpu0
         # Wait for one scrape (successful or not) that began after the last push, so the last step
         # had its chance. A scrape of many series can outlive the 1 s timeout: those steps never
@@ -153,12 +157,13 @@ def run_workload(runs, ranks, params, steps, workdir):
                 for r in result}
         if len(seen) > runs * ranks:
             raise RuntimeError(f"prometheus holds {len(seen)} step series, more than {runs * ranks}")
-        share = sum(seen.values()) / (runs * ranks * steps)
+        share = sum(seen.values()) / max(pushes, 1)
+        samples = pushes * (2 * params + 1)
         log(f"  {samples / max(cpu, 0.01):,.0f} samples per pushgateway CPU-second, "
             f"{100 * share:.1f}% of steps reached prometheus")
         return {"shape": f"{runs}x{ranks}x{params}", "runs": runs, "ranks": ranks, "params": params,
-                "steps": steps, "samples": samples, "wall_s": wall, "server_cpu_s": cpu,
-                "samples_per_cpu_s": samples / max(cpu, 0.01), "steps_per_s": runs * steps / wall,
+                "steps": steps, "pushes": pushes, "samples": samples, "wall_s": wall, "server_cpu_s": cpu,
+                "samples_per_cpu_s": samples / max(cpu, 0.01), "pushes_per_s": pushes / wall,
                 "steps_in_prometheus": sum(seen.values()), "share_in_prometheus": share,
                 "last_scrape_health": target.get("health"), "last_scrape_error": target.get("lastError", "")}
     finally:
@@ -175,6 +180,8 @@ def run_workload(runs, ranks, params, steps, workdir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=True)
+    parser.add_argument("--time-limit", type=float, default=120,
+                        help="seconds of pushing per workload; it stops after the push under way")
     parser.add_argument("workloads", nargs="+", help="RUNSxRANKSxPARAMS:STEPS")
     args = parser.parse_args()
     # SIGTERM unwinds, so the finally blocks stop the Pushgateway and Prometheus.
@@ -185,7 +192,7 @@ def main():
         runs, ranks, params = (int(x) for x in shape.split("x"))
         workdir = tempfile.mkdtemp(prefix="gradwatch-bench-pgw-")
         try:
-            rows.append(run_workload(runs, ranks, params, int(steps), workdir))
+            rows.append(run_workload(runs, ranks, params, int(steps), workdir, args.time_limit))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     with open(args.json, "w") as f:
