@@ -130,6 +130,7 @@ struct Shape {
   uint32_t ranks = 1;
   uint32_t params = 1000;
   uint64_t steps = 100;
+  uint64_t window = kWindow;  // unacknowledged steps a rank may have in flight
   std::string Name() const {
     return std::to_string(runs) + "x" + std::to_string(ranks) + "x" + std::to_string(params);
   }
@@ -239,7 +240,7 @@ class RankStream final : public grpc::ClientBidiReactor<v1::TrainerMessage, v1::
     {
       std::lock_guard lock(mu_);
       if (writing_ || closed_) return;
-      if (next_step_ <= shape_.steps && next_step_ <= acked_ + kWindow) {
+      if (next_step_ <= shape_.steps && next_step_ <= acked_ + shape_.window) {
         FillStep(&out_, shape_, next_step_);
         sent_at_[next_step_] = Clock::now();
         ++next_step_;
@@ -286,6 +287,7 @@ struct IngestResult {
             {"ranks", shape.ranks},
             {"params", shape.params},
             {"steps", shape.steps},
+            {"window", shape.window},
             {"series", shape.Series()},
             {"samples", shape.Samples()},
             {"wall_s", wall_s},
@@ -663,7 +665,8 @@ json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint
   json out;
   out["small"] = Scrapes(daemon, scrapes, fill.Series());
 
-  // Ingest while /metrics is scraped back to back.
+  // Ingest while /metrics is scraped back to back, one step at a time (each sent when the one
+  // before is acked), so the ack latency is the step's own, not a queue's.
   std::atomic<bool> stop{false};
   std::atomic<int> during{0};
   std::string scrape_error;
@@ -679,7 +682,7 @@ json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint
   });
   IngestResult probe;
   try {
-    probe = RunIngest(daemon.grpc_target(), daemon.pid(), {.runs = 1, .ranks = 1, .params = params, .steps = probe_steps},
+    probe = RunIngest(daemon.grpc_target(), daemon.pid(), {.runs = 1, .ranks = 1, .params = params, .steps = probe_steps, .window = 1},
                       "probe");
   } catch (...) {
     stop = true;

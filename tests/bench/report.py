@@ -69,7 +69,7 @@ def main():
                      fmt(p["samples_per_cpu_s"]) if p else "-",
                      pgw_share(p) if p else "-"])
     print(table(["runs x ranks x params", "steps", "series", "gradwatchd samples/CPU-s", "ns/sample",
-                 "steps/s", "ack p99 ms", "RSS MB", "Pushgateway samples/CPU-s",
+                 "steps/s", "ack p99 ms (16 steps in flight)", "RSS MB", "Pushgateway samples/CPU-s",
                  "Pushgateway: rank-steps reaching Prometheus"], rows))
 
     pc, ec = gw["parse_ceiling"], gw["empty_stream_ceiling"]
@@ -87,7 +87,7 @@ def main():
          f"{m['small']['p50_ms']:.0f} ms (median of {m['small']['scrapes']}), {m['small']['bytes'] / 2**20:.1f} MB"],
         [f"/metrics at {fmt(m['large']['series'])} series",
          f"{m['large']['p50_ms']:.0f} ms (median of {m['large']['scrapes']}), {m['large']['bytes'] / 2**20:.1f} MB"],
-        [f"ingest ack latency while /metrics ({fmt(m['ingest_while_scraping']['series'])} series) is scraped",
+        [f"ingest ack latency, one step in flight, while /metrics ({fmt(m['ingest_while_scraping']['series'])} series) is scraped",
          f"p50 {m['ingest_while_scraping']['ack_p50_ms']:.1f} ms, p99 {m['ingest_while_scraping']['ack_p99_ms']:.1f} ms "
          f"({m['ingest_while_scraping']['scrapes']} scrapes)"],
         [f"RSS per series (1 x 1 x 1,000 after {fmt(sr['steps'])} steps)", f"{sr['rss_per_series_bytes'] / 1024:.0f} KB"],
