@@ -30,7 +30,8 @@ def machine():
 def pgw_share(p):
     text = f"{p['steps_in_prometheus']} of {fmt(p['pushes'])} ({100 * p['share_in_prometheus']:.1f}%)"
     if p.get("last_scrape_health", "up") != "up":
-        text += f"; last scrape {p['last_scrape_health']}: {p.get('last_scrape_error', '')[:40]}"
+        error = p.get("last_scrape_error", "")
+        text += f"; scrapes fail ({error.rsplit(':', 1)[-1].strip()[:40]})"
     return text
 
 
