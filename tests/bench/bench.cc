@@ -771,7 +771,7 @@ struct Sizes {
 Sizes SizesFor(const std::string& mode) {
   if (mode == "smoke") return {"smoke", 20, 3, 5, 3, 2000, 5, 100, 2, 4, 2, 20, 2, 0.05, 20};
   if (mode == "quick") return {"quick", 300, 20, 60, 10, 10000, 200, 1000, 5, 50, 3, 200, 3, 1.0, 3000};
-  return {"full", 3000, 200, 500, 50, 10000, 500, 1000, 5, 50, 5, 1000, 5, 3.0, 20000};
+  return {"full", 3000, 200, 500, 30, 10000, 500, 1000, 5, 50, 5, 1000, 5, 3.0, 20000};
 }
 
 json RunAll(const Sizes& z) {
