@@ -158,7 +158,8 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
                               MetricType::Counter);
   Add(outbox_pruned, {}, static_cast<double>(stats_->outbox_pruned_rows.load()));
   auto not_restored = Family("gradwatch_runs_not_restored_total",
-                             "Journaled runs skipped when rebuilding (beyond the memory budget, or out of memory); "
+                             "Journaled runs skipped when rebuilding (beyond the memory budget, out of memory, or rows that "
+                             "cannot be read); "
                              "the journal keeps them.",
                              MetricType::Counter);
   Add(not_restored, {}, static_cast<double>(stats_->runs_not_restored.load()));

@@ -1240,8 +1240,7 @@ Status Journal::EnsureFilesLocked() {
   if (!files_lost_reported_) {
     files_lost_reported_ = true;
     files_lost_.fetch_add(1, std::memory_order_relaxed);
-    spdlog::error("journal '{}': {}; nothing is acked until the journal is rebuilt from the open connection",
-                  options_.path, lost.message());
+    spdlog::error("{}; nothing is acked until the journal is rebuilt from the open connection", lost.message());
   }
   if (Status s = RebuildLocked(lost.message()); !s.ok()) {
     return Status::IoError(lost.message() + "; rebuilding the journal failed, retried: " + s.message());
