@@ -135,7 +135,15 @@ notify::Status AlertStore::FollowFileLocked() {
   return notify::Status::Ok();
 }
 
-AlertStore::~AlertStore() { sqlite3_close(db_); }
+AlertStore::~AlertStore() {
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) != 0 || static_cast<uint64_t>(st.st_dev) != dev_ ||
+      static_cast<uint64_t>(st.st_ino) != ino_) {
+    // Not the file at the path any more: the checkpoint at close would delete that file's WAL.
+    sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
+  }
+  sqlite3_close(db_);
+}
 
 notify::Status AlertStore::Exec(const char* sql) {
   char* err = nullptr;

@@ -991,6 +991,8 @@ void Journal::Stop() {
   MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return;
   statements_.reset();  // sqlite3_close refuses a connection with live statements
+  // Files lost and not rebuilt: the checkpoint at close would delete the WAL at the path by name.
+  if (!CheckFilesLocked().ok()) sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
   if (sqlite3_close(db_) != SQLITE_OK) {
     spdlog::error("journal '{}': close failed: {}", options_.path, sqlite3_errmsg(db_));
   }
