@@ -515,8 +515,10 @@ class RankFeeders {
   std::atomic<int> failures_{0};
 };
 
+// One alert of a notification: which, which change, and its summary (which says the step and
+// the value that decided the change).
 struct Notice {
-  std::string status, alertname, fingerprint;
+  std::string status, alertname, fingerprint, summary;
   bool operator==(const Notice&) const = default;
 };
 
@@ -538,7 +540,7 @@ bool EachChangeOnce(const std::vector<Notice>& notices) {
 
 std::string Describe(const std::vector<Notice>& notices) {
   std::string out;
-  for (const Notice& n : notices) out += n.alertname + " " + n.status + " " + n.fingerprint + "\n";
+  for (const Notice& n : notices) out += n.alertname + " " + n.status + " " + n.fingerprint + ": " + n.summary + "\n";
   return out;
 }
 
@@ -549,7 +551,7 @@ std::vector<Notice> Delivered(const notify::testing::TestReceiver& receiver) {
     const json body = json::parse(r.body);
     for (const json& a : body.at("alerts")) {
       out.push_back({a.at("status").get<std::string>(), a.at("labels").at("alertname").get<std::string>(),
-                     a.at("fingerprint").get<std::string>()});
+                     a.at("fingerprint").get<std::string>(), a.at("annotations").value("summary", "")});
     }
   }
   return out;
