@@ -120,11 +120,9 @@ void AlertEngine::SetChangeSink(ChangeSink sink) {
   sink_ = std::move(sink);
 }
 
-void AlertEngine::PublishLocked(const std::vector<Transition>& transitions) {
-  if (dirty_instances_.empty() && dirty_silences_.empty() && dirty_levels_.empty() && dirty_evaluated_.empty() &&
-      transitions.empty()) {
-    return;
-  }
+void AlertEngine::PublishLocked(const std::vector<Transition>& transitions, bool progress_may_wait) {
+  const bool durable = !dirty_instances_.empty() || !dirty_silences_.empty() || !transitions.empty();
+  if (!durable && (progress_may_wait || (dirty_levels_.empty() && dirty_evaluated_.empty()))) return;
   StateChanges changes;
   if (sink_) {
     for (uint64_t fp : dirty_levels_) {
@@ -186,6 +184,11 @@ std::vector<Transition> AlertEngine::Restore(SavedState saved, double now) {
   DropTrackers([&](const LevelTracker& t) { return names.count(t.rule) == 0; });
   PublishLocked(out);
   return out;
+}
+
+void AlertEngine::FlushProgress() {
+  std::lock_guard lock(mu_);
+  PublishLocked({});
 }
 
 std::optional<uint64_t> AlertEngine::EvaluatedThrough(std::string_view run) const {
@@ -503,7 +506,7 @@ std::vector<Transition> AlertEngine::EvaluateStep(const RunFacts& facts, double 
   }
   SetEvaluatedLocked(facts.run_id, facts.step);
   CatchUpLocked(facts.run_id, now, &out);
-  PublishLocked(out);
+  PublishLocked(out, /*progress_may_wait=*/true);
   return out;
 }
 

@@ -141,9 +141,6 @@ struct StateChanges {
   std::map<std::string, std::optional<uint64_t>> evaluated;    // by run
 
   bool empty() const { return instances.empty() && silences.empty() && levels.empty() && evaluated.empty(); }
-  // Whether only level trackers and evaluated steps changed: nothing a receiver or an operator
-  // sees (a writer may gather such changes for a while; see Alerting).
-  bool progress_only() const { return instances.empty() && silences.empty(); }
   // Folds later changes into these.
   void Merge(StateChanges later);
 };
@@ -179,8 +176,11 @@ class AlertEngine {
 
   // Called, under the engine's lock and so in the order the changes happened, at the end of
   // every call that changed the durable state or produced transitions, with the changes and the
-  // transitions of that call. The daemon writes both to disk in one transaction. It must not
-  // call back into the engine. Set it before the first evaluation.
+  // transitions of that call, and the progress (level reports, evaluated steps) made since the
+  // last call; an evaluation that changed nothing else keeps its progress for the next call or
+  // FlushProgress, so that the sink is not called on every step. Each call is a consistent cut
+  // (see Restore). The daemon writes both to disk in one transaction. It must not call back
+  // into the engine. Set it before the first evaluation.
   using ChangeSink = std::function<void(StateChanges changes, const std::vector<Transition>& transitions)>;
   void SetChangeSink(ChangeSink sink);
 
@@ -200,6 +200,9 @@ class AlertEngine {
   // nullopt when none was, or since the run left memory (EndRun with kLeftMemory, ForgetRun).
   // A rewind to step N makes it N − 1 at most.
   std::optional<uint64_t> EvaluatedThrough(std::string_view run) const;
+  // Hands the progress made since the last change sink call to the sink (the daemon's writer
+  // calls it periodically and when it stops). Must not be called from the sink.
+  void FlushProgress();
 
   // Evaluates every rule except timer rules against one run's completed step. Transitions in
   // rule order.
@@ -297,7 +300,9 @@ class AlertEngine {
   void SetEvaluatedLocked(const std::string& run, std::optional<uint64_t> step);
   void TouchSilence(const std::string& id) { dirty_silences_.insert(id); }
   // Hands the changes and transitions of this call to the sink.
-  void PublishLocked(const std::vector<Transition>& transitions);
+  // Progress alone (level reports, evaluated steps) stays dirty when `progress_may_wait`, to be
+  // handed over with the next durable change or FlushProgress.
+  void PublishLocked(const std::vector<Transition>& transitions, bool progress_may_wait = false);
 
   mutable std::mutex mu_;
   std::vector<Rule> rules_;

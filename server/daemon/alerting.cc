@@ -65,12 +65,9 @@ void Alerting::OnChanges(alerts::StateChanges changes, const std::vector<alerts:
     }
   }
   if (batch.changes.empty() && batch.notify.empty()) return;
-  const bool urgent = !batch.notify.empty() || !batch.changes.progress_only();
   {
     std::lock_guard lock(mu_);
     queue_.push_back(std::move(batch));
-    if (!urgent) return;  // the writer comes for it within kProgressInterval
-    queue_urgent_ = true;
   }
   cv_.notify_one();
 }
@@ -91,12 +88,13 @@ void Alerting::WriterLoop() {
   std::optional<Batch> carry;  // a batch whose write failed: it goes first, with what followed it
   auto retry_delay = kRetryFirst;
   for (;;) {
-    if (!carry) {
-      // Anything urgent is written at once; progress alone (a tracker's report, the evaluated
-      // step) at most kProgressInterval after it was queued.
-      while (!cv_.wait_for(lock, kProgressInterval, [this] { return stopping_ || queue_urgent_; }) &&
-             queue_.empty()) {
-      }
+    if (!carry && !cv_.wait_for(lock, kProgressInterval, [this] { return stopping_ || !queue_.empty(); })) {
+      // Nothing changed that anyone is told of: the progress made meanwhile (a tracker's
+      // reports, the evaluated steps) is fetched, through the change sink, and written next.
+      lock.unlock();
+      engine_.FlushProgress();
+      lock.lock();
+      continue;
     }
     if (!carry && queue_.empty()) return;  // stopping and drained
     Batch batch = carry ? std::move(*carry) : Batch{};
@@ -106,7 +104,6 @@ void Alerting::WriterLoop() {
       for (alerts::Alert& a : next.notify) batch.notify.push_back(std::move(a));
     }
     queue_.clear();
-    queue_urgent_ = false;
     const bool stopping = stopping_;
     lock.unlock();
     const notify::Status written = Write(batch);
@@ -132,6 +129,7 @@ void Alerting::WriterLoop() {
 }
 
 void Alerting::Stop() {
+  if (writer_.joinable()) engine_.FlushProgress();  // the evaluated steps are kept for the restart
   {
     std::lock_guard lock(mu_);
     if (stopping_) return;

@@ -5,8 +5,9 @@
 // notifications it causes, in one transaction and in order, so a restart restores the engine as
 // it was after some evaluation, exactly as the receivers were told of it; the runs then evaluate
 // the journaled steps after it (alerts::AlertEngine::Restore). Changes that notify nobody (a
-// tracker's new report, the evaluated step) are gathered for up to kProgressInterval before they
-// are written, so that the alert store is not written on every step. Thread-safe.
+// tracker's new report, the evaluated step) are fetched from the engine every kProgressInterval
+// (or with the next change that does), so that neither the evaluation nor the alert store does
+// work for them on every step. Thread-safe.
 #pragma once
 
 #include <atomic>
@@ -43,7 +44,8 @@ class Alerting final : public runs::AlertHook {
   // their own, so evaluation (on the ingest path) never waits for the disk. Call once, before
   // Restore and before any evaluation.
   void Start(notify::Outbox* store, std::unique_ptr<notify::Dispatcher> dispatcher);
-  // At most this long between a level tracker's or evaluated step's change and its write.
+  // At most this long between a level tracker's or evaluated step's change and its write, while
+  // nothing else changes.
   static constexpr std::chrono::milliseconds kProgressInterval{200};
 
   // Restores the engine's state saved in the store: call before the runs are rebuilt from the
@@ -96,7 +98,6 @@ class Alerting final : public runs::AlertHook {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Batch> queue_;  // guarded by mu_
-  bool queue_urgent_ = false;  // guarded by mu_; a queued batch notifies or changes instances or silences
   bool stopping_ = false;    // guarded by mu_
   std::atomic<uint64_t> write_failures_{0};
   std::atomic<uint64_t> firing_{0};

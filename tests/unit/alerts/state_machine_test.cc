@@ -466,13 +466,11 @@ struct Recorder {
   StateChanges folded;
   std::vector<Transition> transitions;
   int calls = 0;
-  int durable_calls = 0;  // calls with more than level reports and evaluated steps
   bool recording = true;  // false: changes are lost, as those not yet written when the daemon crashes
   void Attach(AlertEngine& engine) {
     engine.SetChangeSink([this](StateChanges changes, const std::vector<Transition>& ts) {
       if (!recording) return;
       ++calls;
-      if (!changes.progress_only() || !ts.empty()) ++durable_calls;
       folded.Merge(std::move(changes));
       transitions.insert(transitions.end(), ts.begin(), ts.end());
     });
@@ -498,7 +496,8 @@ struct Recorder {
 
 }  // namespace
 
-TEST_CASE("every durable change reaches the sink, value-only updates only as progress", "[alerts][persistence]") {
+TEST_CASE("every durable change reaches the sink, value-only updates only when progress is flushed",
+          "[alerts][persistence]") {
   AlertEngine engine({DefaultRule("GradNormContingency")});
   Recorder rec;
   rec.Attach(engine);
@@ -512,9 +511,11 @@ TEST_CASE("every durable change reaches the sink, value-only updates only as pro
   CHECK(first->rule == "GradNormContingency");
   CHECK(first->run == "r1");
 
-  const int calls = rec.durable_calls;
+  const int calls = rec.calls;
   d.Run(101, 110, 1, 5.2);  // still pending: only the reports and the evaluated step changed
-  CHECK(rec.durable_calls == calls);
+  CHECK(rec.calls == calls);
+  engine.FlushProgress();
+  CHECK(rec.calls == calls + 1);
   REQUIRE(rec.folded.levels.count(fp) == 1);
   REQUIRE(rec.folded.levels.at(fp));
   CHECK(rec.folded.levels.at(fp)->window.count == 10);
@@ -653,7 +654,7 @@ TEST_CASE("an engine restored from any saved cut makes the transitions of an uni
   REQUIRE(std::count_if(expected.begin(), expected.end(),
                         [](const std::string& e) { return e.find("notified") != std::string::npos; }) == 2);
 
-  for (uint64_t saved_through : {uint64_t{40}, uint64_t{200}, uint64_t{262}, uint64_t{330}, uint64_t{455}}) {
+  for (uint64_t saved_through : {uint64_t{40}, uint64_t{201}, uint64_t{262}, uint64_t{331}, uint64_t{455}}) {
     DYNAMIC_SECTION("the store holds the changes through step " << saved_through) {
       Recorder rec;
       std::vector<std::string> got;
@@ -664,6 +665,9 @@ TEST_CASE("an engine restored from any saved cut makes the transitions of an uni
         for (uint64_t s = 0; s <= saved_through; ++s) {
           for (const Transition& t : d.Report(s, NoisyTotal(s))) got.push_back(Describe(t));
         }
+        // The writer fetches the progress now and then: at some cuts it just did, at others the
+        // store holds the engine as of its last change.
+        if (saved_through % 2 == 0) crashed.FlushProgress();
         // Evaluated, but the daemon died before these changes (and so their notifications) were
         // written: as if they never happened.
         rec.recording = false;
@@ -671,9 +675,10 @@ TEST_CASE("an engine restored from any saved cut makes the transitions of an uni
       }
       AlertEngine restarted({DefaultRule("GradNormContingency")});
       CHECK(restarted.Restore(rec.Saved(), kT0 + 1000).empty());
-      REQUIRE(restarted.EvaluatedThrough("r1") == saved_through);
+      const std::optional<uint64_t> evaluated = restarted.EvaluatedThrough("r1");
+      if (saved_through % 2 == 0) CHECK(evaluated == saved_through);
       // The steps after it, journaled or resent, are evaluated once each.
-      for (uint64_t s = saved_through + 1; s <= kLast; ++s) {
+      for (uint64_t s = evaluated ? *evaluated + 1 : 0; s <= kLast; ++s) {
         for (const Transition& t : Driver{restarted}.Report(s, NoisyTotal(s))) got.push_back(Describe(t));
       }
       CHECK(got == expected);
