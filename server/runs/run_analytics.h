@@ -11,7 +11,7 @@
 //
 // Memory grows with what the run reports: a series' trackers are allocated on its first sample
 // (a catalog entry that never reports costs a few hundred bytes), charged to the memory budget
-// at their full size (about 70 KB for a key series with the default windows) before they are
+// at their full size (about 84 KB for a key series with the default windows) before they are
 // allocated, and released when the analytics are destroyed (the run is dropped, or rewinds). A
 // series whose trackers do not fit gets no analytics (no slopes, slope changes, forecasts or
 // share trend) until the analytics are rebuilt; it is counted (DaemonStats::
