@@ -1,11 +1,11 @@
 // The daemon-wide memory budget for runs: every held run is charged for its catalog when the
 // catalog is accepted, for its series as their buffers grow, and for a series' analytics
-// trackers when it first reports (RunAnalytics; a series whose trackers do not fit gets none). A Hello (or a run restored from
-// the journal) whose catalog would not fit is refused before anything of it is allocated or
-// journaled; a series whose growth would not fit stops growing and downsamples sooner (no step is
-// refused for memory). The figures are estimates of the bytes the run's structures hold, not of the heap's
-// overhead or fragmentation: configure the budget with headroom (the default is a quarter of the
-// machine's memory).
+// trackers when it first reports (RunAnalytics; a series whose trackers do not fit gets none).
+// A Hello (or a run restored from the journal) whose catalog would not fit is refused before
+// anything of it is allocated or journaled; a series whose growth would not fit stops growing and
+// downsamples sooner (no step is refused for memory). The figures are estimates of the bytes the
+// run's structures hold, not of the heap's overhead or fragmentation: configure the budget with
+// headroom (the default is a quarter of the machine's memory).
 #pragma once
 
 #include <atomic>
