@@ -19,6 +19,15 @@ double MedianOf(double* first, size_t n) {
 
 }  // namespace
 
+ReportWindow ReportWindow::FromRaw(const Raw& raw) {
+  ReportWindow w;
+  w.value_ = raw.value;
+  w.hold_ = raw.hold;
+  w.clear_ = raw.clear;
+  w.count_ = raw.count;
+  return w;
+}
+
 void ReportWindow::Add(double value, double hold, double clear) {
   const size_t i = count_ % kCapacity;
   value_[i] = value;

@@ -17,6 +17,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 
 namespace gradwatch::alerts {
 
@@ -34,13 +35,24 @@ class ReportWindow {
   // See above. Differences involving a non-finite measure are skipped; 0 with fewer than 2.
   double Noise() const;
 
+  // Everything the window holds, for saving it across a restart and restoring it exactly.
+  struct Raw {
+    std::array<double, kCapacity> value{};
+    std::array<double, kCapacity> hold{};
+    std::array<double, kCapacity> clear{};
+    uint64_t count = 0;  // reports ever added
+    bool operator==(const Raw&) const = default;
+  };
+  Raw raw() const { return {value_, hold_, clear_, count_}; }
+  static ReportWindow FromRaw(const Raw& raw);
+
  private:
   const std::array<double, kCapacity>& Of(Column column) const;
 
   std::array<double, kCapacity> value_{};
   std::array<double, kCapacity> hold_{};
   std::array<double, kCapacity> clear_{};
-  size_t count_ = 0;  // reports ever added; the newest is at (count_ - 1) % kCapacity
+  uint64_t count_ = 0;  // reports ever added; the newest is at (count_ - 1) % kCapacity
 };
 
 }  // namespace gradwatch::alerts

@@ -109,6 +109,8 @@ void Resolve(const Rule& rule, InstanceState& inst, const TemplateVars& vars, ui
 void StateChanges::Merge(StateChanges later) {
   for (auto& [fp, state] : later.instances) instances[fp] = std::move(state);
   for (auto& [id, silence] : later.silences) silences[id] = std::move(silence);
+  for (auto& [fp, level] : later.levels) levels[fp] = std::move(level);
+  for (auto& [run, step] : later.evaluated) evaluated[run] = step;
 }
 
 AlertEngine::AlertEngine(std::vector<Rule> rules) { SetRulesLocked(std::move(rules)); }
@@ -118,10 +120,24 @@ void AlertEngine::SetChangeSink(ChangeSink sink) {
   sink_ = std::move(sink);
 }
 
-void AlertEngine::PublishLocked(const std::vector<Transition>& transitions) {
-  if (dirty_instances_.empty() && dirty_silences_.empty() && transitions.empty()) return;
+void AlertEngine::PublishLocked(const std::vector<Transition>& transitions, bool progress_may_wait) {
+  const bool durable = !dirty_instances_.empty() || !dirty_silences_.empty() || !transitions.empty();
+  if (!durable && (progress_may_wait || (dirty_levels_.empty() && dirty_evaluated_.empty()))) return;
   StateChanges changes;
   if (sink_) {
+    for (uint64_t fp : dirty_levels_) {
+      auto it = levels_.find(fp);
+      if (it == levels_.end()) {
+        changes.levels[fp] = std::nullopt;
+        continue;
+      }
+      const LevelTracker& t = it->second;
+      changes.levels[fp] = LevelState{t.rule, t.run, t.window.raw(), t.since_mark, t.all_since_mark};
+    }
+    for (const std::string& run : dirty_evaluated_) {
+      auto it = evaluated_.find(run);
+      changes.evaluated[run] = it == evaluated_.end() ? std::nullopt : std::optional<uint64_t>(it->second);
+    }
     for (uint64_t fp : dirty_instances_) {
       auto it = instances_.find(fp);
       changes.instances[fp] = it == instances_.end() ? std::nullopt : std::optional<InstanceState>(it->second);
@@ -133,6 +149,8 @@ void AlertEngine::PublishLocked(const std::vector<Transition>& transitions) {
   }
   dirty_instances_.clear();
   dirty_silences_.clear();
+  dirty_levels_.clear();
+  dirty_evaluated_.clear();
   if (sink_) sink_(std::move(changes), transitions);
 }
 
@@ -150,12 +168,49 @@ std::vector<Transition> AlertEngine::Restore(SavedState saved, double now) {
       TouchSilence(silence.id);  // ended while the daemon was down: forget it
     }
   }
+  for (auto& [fp, level] : saved.levels) {
+    LevelTracker& t = levels_[fp];
+    t.rule = std::move(level.rule);
+    t.run = std::move(level.run);
+    t.window = ReportWindow::FromRaw(level.window);
+    t.since_mark = static_cast<size_t>(level.since_mark);
+    t.all_since_mark = level.all_since_mark;
+  }
+  for (const auto& [run, step] : saved.evaluated) evaluated_[run] = step;
   std::unordered_set<std::string> names;
   for (const Rule& r : rules_) names.insert(r.name);
   std::vector<Transition> out;
   EndInstances([&](const Instance& inst) { return names.count(inst.rule) == 0; }, now, &out);
+  DropTrackers([&](const LevelTracker& t) { return names.count(t.rule) == 0; });
   PublishLocked(out);
   return out;
+}
+
+void AlertEngine::FlushProgress() {
+  std::lock_guard lock(mu_);
+  PublishLocked({});
+}
+
+std::optional<uint64_t> AlertEngine::EvaluatedThrough(std::string_view run) const {
+  std::lock_guard lock(mu_);
+  auto it = evaluated_.find(run);
+  if (it == evaluated_.end()) return std::nullopt;
+  return it->second;
+}
+
+void AlertEngine::SetEvaluatedLocked(const std::string& run, std::optional<uint64_t> step) {
+  auto it = evaluated_.find(run);
+  if (!step) {
+    if (it == evaluated_.end()) return;
+    evaluated_.erase(it);
+  } else if (it == evaluated_.end()) {
+    evaluated_.emplace(run, *step);
+  } else if (it->second != *step) {
+    it->second = *step;
+  } else {
+    return;
+  }
+  dirty_evaluated_.insert(run);
 }
 
 void AlertEngine::SetRulesLocked(std::vector<Rule> rules) {
@@ -364,7 +419,12 @@ bool AlertEngine::AdvanceLevel(const Rule& rule, Instance& inst, const Condition
 template <typename Pred>
 void AlertEngine::DropTrackers(Pred drop) {
   for (auto it = levels_.begin(); it != levels_.end();) {
-    it = drop(it->second) ? levels_.erase(it) : std::next(it);
+    if (drop(it->second)) {
+      TouchLevel(it->first);
+      it = levels_.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
@@ -400,6 +460,7 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
       if (created) t->second.rule = rule.name, t->second.run = facts.run_id;
       tracker = &t->second;
       tracker->window.Add(c.value, c.level->hold_measure, c.level->clear_measure);
+      TouchLevel(fp);
     }
     auto it = instances_.find(fp);
     if (it == instances_.end()) {
@@ -443,8 +504,9 @@ std::vector<Transition> AlertEngine::EvaluateStep(const RunFacts& facts, double 
     if (IsTimerRule(rules_[i].kind)) continue;
     EvaluateRule(i, facts, now, &recommendation, &out);
   }
+  SetEvaluatedLocked(facts.run_id, facts.step);
   CatchUpLocked(facts.run_id, now, &out);
-  PublishLocked(out);
+  PublishLocked(out, /*progress_may_wait=*/true);
   return out;
 }
 
@@ -486,6 +548,7 @@ std::vector<Transition> AlertEngine::ForgetRun(const std::string& run_id, double
   std::vector<Transition> out;
   EndInstances([&](const Instance& inst) { return inst.run == run_id; }, now, &out);
   DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
+  SetEvaluatedLocked(run_id, std::nullopt);
   PublishLocked(out);
   return out;
 }
@@ -509,6 +572,10 @@ std::vector<Transition> AlertEngine::RewindRun(const std::string& run_id, uint64
   }
   // The reports of the abandoned branch say nothing about the new one.
   DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
+  // Its steps from from_step on are reported again, and must be evaluated again.
+  if (auto it = evaluated_.find(run_id); it != evaluated_.end() && it->second >= from_step) {
+    SetEvaluatedLocked(run_id, from_step > 0 ? std::optional<uint64_t>(from_step - 1) : std::nullopt);
+  }
   PublishLocked(out);
   return out;
 }
@@ -520,6 +587,8 @@ std::vector<Transition> AlertEngine::EndRun(const std::string& run_id, RunEnding
                &out);
   EndRunDiedLocked(how, [&](const Instance& inst) { return inst.run == run_id; }, now, &out);
   DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
+  // A run brought back into memory later is evaluated from its next live step on.
+  if (how == RunEnding::kLeftMemory) SetEvaluatedLocked(run_id, std::nullopt);
   PublishLocked(out);
   return out;
 }

@@ -118,14 +118,29 @@ struct InstanceState {
   std::optional<Acknowledgement> ack;
 };
 
+// The recent reports of one instance of a rule judged on its level (ReportWindow), with the
+// count of those since its mark (s0 or r0): what a restart must restore for the engine to judge
+// the next report as it would have without the restart.
+struct LevelState {
+  std::string rule;
+  std::string run;
+  ReportWindow::Raw window;
+  uint64_t since_mark = 0;
+  bool all_since_mark = true;
+  bool operator==(const LevelState&) const = default;
+};
+
 // Changes of the engine's durable state since the last report, latest wins per key: an
 // instance created or changed (its state, s0, r0, notified or ack; not merely its value) maps to
-// its new state, an instance that ended maps to nullopt; likewise silences by id.
+// its new state, an instance that ended maps to nullopt; likewise silences by id, level trackers
+// by fingerprint (every report changes one), and the last step evaluated per run.
 struct StateChanges {
   std::map<uint64_t, std::optional<InstanceState>> instances;  // by fingerprint
   std::map<std::string, std::optional<Silence>> silences;      // by id
+  std::map<uint64_t, std::optional<LevelState>> levels;        // by fingerprint
+  std::map<std::string, std::optional<uint64_t>> evaluated;    // by run
 
-  bool empty() const { return instances.empty() && silences.empty(); }
+  bool empty() const { return instances.empty() && silences.empty() && levels.empty() && evaluated.empty(); }
   // Folds later changes into these.
   void Merge(StateChanges later);
 };
@@ -134,6 +149,8 @@ struct StateChanges {
 struct SavedState {
   std::vector<InstanceState> instances;
   std::vector<Silence> silences;
+  std::map<uint64_t, LevelState> levels;    // by fingerprint
+  std::map<std::string, uint64_t> evaluated;  // the last step evaluated, by run
 };
 
 // The level of a noisy series: the median of this many recent reports (state_machine.h).
@@ -159,15 +176,33 @@ class AlertEngine {
 
   // Called, under the engine's lock and so in the order the changes happened, at the end of
   // every call that changed the durable state or produced transitions, with the changes and the
-  // transitions of that call. The daemon writes both to disk in one transaction. It must not
-  // call back into the engine. Set it before the first evaluation.
+  // transitions of that call, and the progress (level reports, evaluated steps) made since the
+  // last call; an evaluation that changed nothing else keeps its progress for the next call or
+  // FlushProgress, so that the sink is not called on every step. Each call is a consistent cut
+  // (see Restore). The daemon writes both to disk in one transaction. It must not call back
+  // into the engine. Set it before the first evaluation.
   using ChangeSink = std::function<void(StateChanges changes, const std::vector<Transition>& transitions)>;
   void SetChangeSink(ChangeSink sink);
 
-  // Takes back a saved state (call on a fresh engine, before any evaluation): instances and
-  // silences are restored as they were. Instances of rules that no longer exist end, as on
-  // ReplaceRules (returned); silences that have ended are dropped.
+  // Takes back a saved state (call on a fresh engine, before any evaluation): instances,
+  // silences, level trackers and the last step evaluated per run are restored as they were.
+  // Instances of rules that no longer exist end, as on ReplaceRules (returned), and their
+  // trackers are dropped; silences that have ended are dropped.
+  //
+  // Restarts. Every change sink call hands over a consistent cut of the engine (instances,
+  // trackers and evaluated steps after the same evaluation), so a store that applies them in
+  // order holds, after a crash, the engine as it was after evaluating some step P of each run.
+  // The steps after P that the run's journal holds must then be evaluated again, once, in step
+  // order, and the steps up to P never again (EvaluatedThrough): the engine then makes exactly
+  // the transitions, in the same order, that it would have made without the crash.
   std::vector<Transition> Restore(SavedState saved, double now);
+  // The last step of `run` that EvaluateStep evaluated (kept across restarts, see Restore);
+  // nullopt when none was, or since the run left memory (EndRun with kLeftMemory, ForgetRun).
+  // A rewind to step N makes it N − 1 at most.
+  std::optional<uint64_t> EvaluatedThrough(std::string_view run) const;
+  // Hands the progress made since the last change sink call to the sink (the daemon's writer
+  // calls it periodically and when it stops). Must not be called from the sink.
+  void FlushProgress();
 
   // Evaluates every rule except timer rules against one run's completed step. Transitions in
   // rule order.
@@ -261,19 +296,26 @@ class AlertEngine {
   void CatchUpLocked(std::string_view run, double now, std::vector<Transition>* out);
   // Records that an instance changed or ended, for the next Publish.
   void Touch(uint64_t fingerprint) { dirty_instances_.insert(fingerprint); }
+  void TouchLevel(uint64_t fingerprint) { dirty_levels_.insert(fingerprint); }
+  void SetEvaluatedLocked(const std::string& run, std::optional<uint64_t> step);
   void TouchSilence(const std::string& id) { dirty_silences_.insert(id); }
   // Hands the changes and transitions of this call to the sink.
-  void PublishLocked(const std::vector<Transition>& transitions);
+  // Progress alone (level reports, evaluated steps) stays dirty when `progress_may_wait`, to be
+  // handed over with the next durable change or FlushProgress.
+  void PublishLocked(const std::vector<Transition>& transitions, bool progress_may_wait = false);
 
   mutable std::mutex mu_;
   std::vector<Rule> rules_;
   std::vector<bool> uses_recommendation_;  // by rule index
   std::unordered_map<uint64_t, Instance> instances_;  // by fingerprint
-  std::unordered_map<uint64_t, LevelTracker> levels_;  // by fingerprint; not persisted
+  std::unordered_map<uint64_t, LevelTracker> levels_;  // by fingerprint
+  std::map<std::string, uint64_t, std::less<>> evaluated_;  // the last step evaluated, by run
   std::map<std::string, Silence, std::less<>> silences_;  // by id
   ChangeSink sink_;
   std::set<uint64_t> dirty_instances_;   // since the last Publish
   std::set<std::string> dirty_silences_;  // since the last Publish
+  std::set<uint64_t> dirty_levels_;       // since the last Publish
+  std::set<std::string> dirty_evaluated_;  // since the last Publish
 };
 
 }  // namespace gradwatch::alerts

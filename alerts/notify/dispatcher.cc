@@ -363,7 +363,10 @@ double Dispatcher::RunPass(Worker& worker) {
       ++worker.failures;
       continue;
     }
-    const HttpRequest request = receiver.Build({alert.value()}, entry.state, now);
+    HttpRequest request = receiver.Build({alert.value()}, entry.state, now);
+    // The same on every attempt, and after a restart: a receiver that got the request but whose
+    // answer the daemon never saw (a crash, a timeout) can tell the repeat from a new change.
+    request.headers.emplace_back(std::string(kIdempotencyHeader), IdempotencyKey(entry.id));
     const HttpResult result = worker.http->Send(request);
     if (result.error == HttpResult::Error::kAborted) return 0;  // stopping; the entry stays
     now = Now();

@@ -4,6 +4,9 @@
 //
 // Delivery is at least once and in order per fingerprint and receiver: an entry that waits for a
 // retry holds back the later entries of its fingerprint (entries of other fingerprints go on).
+// A request whose answer was lost (a timeout, the daemon killed before it recorded the delivery)
+// is sent again; every request carries its outbox entry's key in an Idempotency-Key header, the
+// same on every attempt, so a receiver can drop the repeats and see each change once.
 // Recoverable failures (see Receiver::Classify) are retried with exponential back-off; permanent
 // ones are logged, counted and dropped. Entries pending when a Dispatcher stops are delivered by
 // the next one started on the same outbox.
@@ -14,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "alerts/alert.h"
@@ -24,6 +28,11 @@
 #include "server/core/thread_annotations.h"
 
 namespace gradwatch::notify {
+
+// The header, and its value for outbox entry `id` ("gradwatch-<id>"; ids are unique per data
+// directory).
+inline constexpr std::string_view kIdempotencyHeader = "Idempotency-Key";
+inline std::string IdempotencyKey(uint64_t entry_id) { return "gradwatch-" + std::to_string(entry_id); }
 
 struct BackoffOptions {
   std::chrono::milliseconds initial{500};

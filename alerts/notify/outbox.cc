@@ -21,6 +21,20 @@ Result<std::vector<uint64_t>> MemoryOutbox::Write(std::vector<OutboxEntry> entri
       silences_.erase(id);
     }
   }
+  for (const auto& [fp, level] : states.levels) {
+    if (level) {
+      levels_[fp] = *level;
+    } else {
+      levels_.erase(fp);
+    }
+  }
+  for (const auto& [run, step] : states.evaluated) {
+    if (step) {
+      evaluated_[run] = *step;
+    } else {
+      evaluated_.erase(run);
+    }
+  }
   std::vector<uint64_t> ids;
   ids.reserve(entries.size());
   for (OutboxEntry& entry : entries) {
@@ -36,6 +50,8 @@ Result<alerts::SavedState> MemoryOutbox::LoadState() {
   alerts::SavedState saved;
   for (const auto& [fp, inst] : instances_) saved.instances.push_back(inst);
   for (const auto& [id, silence] : silences_) saved.silences.push_back(silence);
+  saved.levels = levels_;
+  saved.evaluated = evaluated_;
   return saved;
 }
 

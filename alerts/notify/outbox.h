@@ -1,6 +1,7 @@
 // The durable outbox: every alert state change is written here for each receiver before any
 // delivery is tried, so a receiver that is down, or a daemon restart, loses nothing. The engine's
-// durable state (alert instances, silences) is written with it, in the same transaction, so that
+// durable state (alert instances, silences, level trackers, evaluated steps; see
+// alerts::StateChanges) is written with it, in the same transaction, so that
 // after a crash the restored states and the notifications agree: a firing alert whose page was
 // recorded is restored firing, and is sent resolved when it ends. The daemon implements Outbox on
 // its journal's database; MemoryOutbox serves tests.
@@ -93,6 +94,8 @@ class MemoryOutbox final : public Outbox {
   std::map<uint64_t, Record> records_;  // guarded by mu_
   std::map<uint64_t, alerts::InstanceState> instances_;  // guarded by mu_
   std::map<std::string, alerts::Silence> silences_;      // guarded by mu_
+  std::map<uint64_t, alerts::LevelState> levels_;        // guarded by mu_
+  std::map<std::string, uint64_t> evaluated_;            // guarded by mu_
 };
 
 }  // namespace gradwatch::notify

@@ -81,6 +81,15 @@ SlopeChangeDetector::SlopeChangeDetector(const ChangePointOptions& options)
   changes_.reserve(options_.max_changes);
 }
 
+size_t SlopeChangeDetector::MemoryBytesFor(const ChangePointOptions& options) {
+  const ChangePointOptions o = Sanitised(options);
+  const uint64_t bucket_steps = std::max<uint64_t>(1, o.window_steps / o.buckets_per_window);
+  const uint64_t span = std::max<uint64_t>(2, (2 * o.window_steps + bucket_steps - 1) / bucket_steps);
+  return sizeof(SlopeChangeDetector) + o.prefilter_samples * (2 * sizeof(double) + sizeof(uint64_t)) +
+         (span + 1) * sizeof(Bucket) + span * (sizeof(Moments) + sizeof(uint32_t)) +
+         o.max_changes * sizeof(ChangePoint);
+}
+
 std::optional<ChangePoint> SlopeChangeDetector::AddSample(uint64_t step, double value) {
   if (have_step_ && step <= last_step_) return std::nullopt;
   have_step_ = true;

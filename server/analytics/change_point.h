@@ -105,6 +105,10 @@ class SlopeChangeDetector {
   // The options in effect, defaults and bounds applied.
   const ChangePointOptions& options() const { return options_; }
 
+  // The memory a detector with these options holds (all of it allocated at construction), in
+  // bytes: what to charge before constructing one.
+  static size_t MemoryBytesFor(const ChangePointOptions& options);
+
  private:
   // Moments of a set of points about their own means (Welford / Chan et al.): numerically
   // stable, and two sets merge exactly, so any run of buckets gives an exact least-squares fit.

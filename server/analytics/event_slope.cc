@@ -23,62 +23,88 @@ double SlopeRatio(double after, double before) {
 EventSlope::EventSlope(uint64_t event_step, uint64_t window_steps, size_t min_after_samples)
     : event_step_(event_step), window_steps_(window_steps), min_after_samples_(min_after_samples) {}
 
-void EventSlope::Seed(const SlopeTracker& tracker) {
-  if (seeded_ || seen_any_ || !tracker.has_samples()) {
+bool EventSlope::InBefore(const RegressionSums& bucket) const {
+  if (bucket.empty() || event_step_ == 0) {
+    return false;
+  }
+  const uint64_t from = event_step_ >= window_steps_ ? event_step_ - window_steps_ : 0;
+  return bucket.first_step() >= from && bucket.last_step() < event_step_;
+}
+
+bool EventSlope::InAfter(const RegressionSums& bucket) const {
+  const uint64_t to = window_steps_ <= std::numeric_limits<uint64_t>::max() - event_step_
+                          ? event_step_ + window_steps_
+                          : std::numeric_limits<uint64_t>::max();
+  return !bucket.empty() && bucket.first_step() >= event_step_ && bucket.last_step() <= to;
+}
+
+void EventSlope::Seed(const WindowedSlope& window) {
+  if (has_closed_) {
     return;
   }
-  seeded_ = true;
-  seeded_through_ = tracker.last_step();
-  seen_any_ = true;
-  latest_step_ = tracker.last_step();
+  const RegressionSums* open = window.open_bucket();
+  if (open == nullptr) {
+    return;
+  }
+  // Every held bucket but the open one is closed; the newest of them ends before it.
+  const uint64_t open_first = open->first_step();
+  if (open_first == 0) {
+    return;
+  }
+  has_closed_ = true;
+  closed_through_ = open_first - 1;
   if (event_step_ > 0) {
-    const uint64_t before_from = event_step_ >= window_steps_ ? event_step_ - window_steps_ : 0;
-    before_ = tracker.SumsInRange(before_from, event_step_ - 1);
+    before_ = window.ClosedSumsInRange(event_step_ >= window_steps_ ? event_step_ - window_steps_ : 0,
+                                       event_step_ - 1);
   }
   const uint64_t after_to = window_steps_ <= std::numeric_limits<uint64_t>::max() - event_step_
                                 ? event_step_ + window_steps_
                                 : std::numeric_limits<uint64_t>::max();
-  after_ = tracker.SumsInRange(event_step_, after_to);
+  after_ = window.ClosedSumsInRange(event_step_, after_to);
 }
 
-void EventSlope::AddSample(uint64_t step, double value) {
-  if (!std::isfinite(value) || (seeded_ && step <= seeded_through_) ||
-      (seen_any_ && step < latest_step_)) {
+void EventSlope::AddClosedBucket(const RegressionSums& bucket) {
+  if (bucket.empty() || (has_closed_ && bucket.first_step() <= closed_through_)) {
     return;
   }
-  seen_any_ = true;
-  latest_step_ = step;
-  if (step < event_step_) {
-    if (event_step_ - step <= window_steps_) {
-      before_.Add(step, value);
-    }
-  } else if (step - event_step_ <= window_steps_) {
-    after_.Add(step, value);
+  has_closed_ = true;
+  closed_through_ = bucket.last_step();
+  if (InBefore(bucket)) {
+    before_.Merge(bucket);
+  } else if (InAfter(bucket)) {
+    after_.Merge(bucket);
   }
 }
 
-bool EventSlope::after_window_full() const {
-  return seen_any_ && latest_step_ >= event_step_ && latest_step_ - event_step_ >= window_steps_;
-}
-
-std::optional<SlopeChange> EventSlope::Current() const {
-  if (after_.count() < min_after_samples_) {
+std::optional<SlopeChange> EventSlope::Current(const WindowedSlope& window) const {
+  RegressionSums before = before_;
+  RegressionSums after = after_;
+  const RegressionSums* open = window.open_bucket();
+  if (open != nullptr && !(has_closed_ && open->first_step() <= closed_through_)) {
+    if (InBefore(*open)) {
+      before.Merge(*open);
+    } else if (InAfter(*open)) {
+      after.Merge(*open);
+    }
+  }
+  if (after.count() < min_after_samples_) {
     return std::nullopt;
   }
-  std::optional<LinearFit> before = before_.Fit();
-  std::optional<LinearFit> after = after_.Fit();
-  if (!before || !after) {
+  std::optional<LinearFit> before_fit = before.Fit();
+  std::optional<LinearFit> after_fit = after.Fit();
+  if (!before_fit || !after_fit) {
     return std::nullopt;
   }
   SlopeChange change;
   change.event_step = event_step_;
-  change.before = *before;
-  change.after = *after;
-  change.ratio = SlopeRatio(after->slope_per_step, before->slope_per_step);
-  change.difference_per_kstep = after->slope_per_kstep() - before->slope_per_kstep();
-  change.before_stderr_per_kstep = before->slope_stderr_per_kstep();
-  change.after_stderr_per_kstep = after->slope_stderr_per_kstep();
-  change.after_window_full = after_window_full();
+  change.before = *before_fit;
+  change.after = *after_fit;
+  change.ratio = SlopeRatio(after_fit->slope_per_step, before_fit->slope_per_step);
+  change.difference_per_kstep = after_fit->slope_per_kstep() - before_fit->slope_per_kstep();
+  change.before_stderr_per_kstep = before_fit->slope_stderr_per_kstep();
+  change.after_stderr_per_kstep = after_fit->slope_stderr_per_kstep();
+  change.after_window_full = window.has_samples() && window.last_step() >= event_step_ &&
+                             window.last_step() - event_step_ >= window_steps_;
   return change;
 }
 

@@ -30,45 +30,48 @@ struct SlopeChange {
 // after/before with the edge cases documented on SlopeChange::ratio.
 double SlopeRatio(double after, double before);
 
-// One event of one series. The before window is frozen once the series passes the event; the after
-// window grows until it spans window_steps, and the published change is refined as it fills.
+// One event of one series, fitted at the bucket granularity of the series' tracker window (a
+// WindowedSlope whose window spans the event's before window and more): the before window takes
+// the buckets whose samples all lie in [event_step − window_steps, event_step), the after window
+// those in [event_step, event_step + window_steps]; a bucket straddling an edge belongs to
+// neither. So the change is a function of the series' samples alone, whenever the event is
+// registered: before its step, while the after window fills, or after a restart (Seed takes what
+// the window still holds; an event registered so late that the window no longer holds its
+// before window's buckets gets only what is left).
 //
-// Usage: construct at registration, call Seed with the series' tracker (the event may be
-// registered after its step has passed, or before it comes), then AddSample for every sample the
-// tracker receives afterwards.
+// Usage: construct at registration and Seed with the window; before each sample the window
+// takes, call AddClosedBucket with the window's open bucket when the sample starts a new one
+// (WindowedSlope::ClosedBy says which); Current reads the open bucket from the window.
 class EventSlope {
  public:
   EventSlope(uint64_t event_step, uint64_t window_steps, size_t min_after_samples);
 
-  // Takes what the tracker holds of both windows (its longest window, at its bucket granularity:
-  // a bucket straddling a window edge is left out). Samples at steps up to the tracker's last step
-  // are then considered seen: AddSample ignores them. Call at most once, before any AddSample.
-  void Seed(const SlopeTracker& tracker);
+  // Takes the window's closed buckets (all it holds but the newest, which may still grow).
+  // Call at most once, before any AddClosedBucket.
+  void Seed(const WindowedSlope& window);
 
-  // Feeds one new sample: it joins the before window, the after window, or neither. Ignored:
-  // non-finite values, steps up to the seeded tracker's last step, steps older than the newest.
-  void AddSample(uint64_t step, double value);
+  // A bucket of the window closed: it joins the before or the after window when all its samples
+  // lie in it. Buckets must come in step order; one seeded already is ignored.
+  void AddClosedBucket(const RegressionSums& bucket);
 
-  // Published once the after window holds ≥ min_after_samples samples (and both windows have
-  // samples at 2 distinct steps).
-  std::optional<SlopeChange> Current() const;
+  // The change with the window's open bucket counted too; published once the after window holds
+  // ≥ min_after_samples samples (and both windows have samples at 2 distinct steps).
+  std::optional<SlopeChange> Current(const WindowedSlope& window) const;
 
   uint64_t event_step() const { return event_step_; }
   uint64_t window_steps() const { return window_steps_; }
-  size_t before_samples() const { return before_.count(); }
-  size_t after_samples() const { return after_.count(); }
-  bool after_window_full() const;
 
  private:
+  bool InBefore(const RegressionSums& bucket) const;
+  bool InAfter(const RegressionSums& bucket) const;
+
   uint64_t event_step_;
   uint64_t window_steps_;
   size_t min_after_samples_;
-  RegressionSums before_;
+  RegressionSums before_;  // closed buckets only
   RegressionSums after_;
-  bool seeded_ = false;
-  uint64_t seeded_through_ = 0;  // the tracker's last step at Seed
-  bool seen_any_ = false;
-  uint64_t latest_step_ = 0;  // newest step seeded or fed
+  bool has_closed_ = false;
+  uint64_t closed_through_ = 0;  // the last step of the newest closed bucket taken
 };
 
 }  // namespace gradwatch::analytics

@@ -267,6 +267,8 @@ void WindowedSlope::Recompute() {
   ++recomputes_;
 }
 
+size_t WindowedSlope::CapacityBytes() const { return sizeof(*this) + ring_capacity_ * sizeof(Bucket); }
+
 std::optional<LinearFit> WindowedSlope::Fit() const { return window_.Fit(); }
 
 RegressionSums WindowedSlope::SumsInRange(uint64_t from_step, uint64_t to_step) const {
@@ -281,6 +283,28 @@ RegressionSums WindowedSlope::SumsInRange(uint64_t from_step, uint64_t to_step) 
     }
   }
   return sums;
+}
+
+RegressionSums WindowedSlope::ClosedSumsInRange(uint64_t from_step, uint64_t to_step) const {
+  RegressionSums sums;
+  for (size_t i = 0; i + 1 < held_; ++i) {
+    const RegressionSums& bucket = held(i).sums;
+    if (bucket.first_step() > to_step) {
+      break;
+    }
+    if (bucket.first_step() >= from_step && bucket.last_step() <= to_step) {
+      sums.Merge(bucket);
+    }
+  }
+  return sums;
+}
+
+const RegressionSums* WindowedSlope::ClosedBy(uint64_t step, double value) const {
+  if (held_ == 0 || !std::isfinite(value) || step < last_step_) {
+    return nullptr;
+  }
+  const Bucket& newest = held(held_ - 1);
+  return step / bucket_steps_ != newest.index ? &newest.sums : nullptr;
 }
 
 std::optional<LinearFit> WindowedSlope::FitRange(uint64_t from_step, uint64_t to_step) const {
@@ -300,6 +324,12 @@ SlopeTracker::SlopeTracker(std::vector<uint64_t> windows, size_t max_buckets) {
       longest_ = i;
     }
   }
+}
+
+size_t SlopeTracker::CapacityBytes() const {
+  size_t bytes = sizeof(*this);
+  for (const WindowedSlope& window : windows_) bytes += window.CapacityBytes();
+  return bytes;
 }
 
 bool SlopeTracker::AddSample(uint64_t step, double value) {

@@ -136,9 +136,18 @@ class WindowedSlope {
   std::optional<LinearFit> FitRange(uint64_t from_step, uint64_t to_step) const;
   // The sums behind FitRange (empty when no bucket qualifies), for callers that keep adding.
   RegressionSums SumsInRange(uint64_t from_step, uint64_t to_step) const;
+  // Like SumsInRange over the held buckets but the newest (those no sample can join any more).
+  RegressionSums ClosedSumsInRange(uint64_t from_step, uint64_t to_step) const;
+  // The newest held bucket (samples may still join it); null when none is held.
+  const RegressionSums* open_bucket() const { return held_ > 0 ? &held(held_ - 1).sums : nullptr; }
+  // The open bucket if AddSample(step, value) would close it (the sample is accepted and starts a
+  // newer bucket); else null.
+  const RegressionSums* ClosedBy(uint64_t step, double value) const;
 
   uint64_t window_steps() const { return window_steps_; }
   uint64_t bucket_steps() const { return bucket_steps_; }
+  // The most memory the window can come to hold (its ring at full size), in bytes.
+  size_t CapacityBytes() const;
   size_t samples_in_window() const { return window_.count(); }
   // Whether any sample was ever accepted; last_step() is meaningful only then.
   bool has_samples() const { return has_samples_; }
@@ -191,6 +200,8 @@ class SlopeTracker {
   bool AddSample(uint64_t step, double value);
 
   size_t window_count() const { return windows_.size(); }
+  // The most memory the tracker can come to hold (WindowedSlope::CapacityBytes), in bytes.
+  size_t CapacityBytes() const;
   const WindowedSlope& window(size_t i) const { return windows_.at(i); }
   const std::vector<WindowedSlope>& windows() const { return windows_; }
   // The window with the most steps (the first of them on a tie).

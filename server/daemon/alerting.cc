@@ -88,7 +88,14 @@ void Alerting::WriterLoop() {
   std::optional<Batch> carry;  // a batch whose write failed: it goes first, with what followed it
   auto retry_delay = kRetryFirst;
   for (;;) {
-    if (!carry) cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    if (!carry && !cv_.wait_for(lock, kProgressInterval, [this] { return stopping_ || !queue_.empty(); })) {
+      // Nothing changed that anyone is told of: the progress made meanwhile (a tracker's
+      // reports, the evaluated steps) is fetched, through the change sink, and written next.
+      lock.unlock();
+      engine_.FlushProgress();
+      lock.lock();
+      continue;
+    }
     if (!carry && queue_.empty()) return;  // stopping and drained
     Batch batch = carry ? std::move(*carry) : Batch{};
     carry.reset();
@@ -122,6 +129,7 @@ void Alerting::WriterLoop() {
 }
 
 void Alerting::Stop() {
+  if (writer_.joinable()) engine_.FlushProgress();  // the evaluated steps are kept for the restart
   {
     std::lock_guard lock(mu_);
     if (stopping_) return;
@@ -132,14 +140,18 @@ void Alerting::Stop() {
   if (dispatcher_) dispatcher_->Stop();
 }
 
-Status Alerting::Restore(const runs::RunRegistry& registry, double now) {
+Status Alerting::RestoreState(double now) {
   auto saved = store_->LoadState();
   if (!saved.ok()) return Status::IoError("alert store: " + saved.status().message());
   const size_t silences = saved->silences.size();
   Count(engine_.Restore(std::move(saved).value(), now));
-  for (const auto& run : registry.All()) {
-    if (!run->Info().ended) Count(engine_.EvaluateStep(run->Facts(), now));
+  if (engine_.Silences().size() != silences) {
+    spdlog::info("alerts: {} silence(s) ended while the daemon was down", silences - engine_.Silences().size());
   }
+  return Status::Ok();
+}
+
+void Alerting::FinishRestore(const runs::RunRegistry& registry, double now) {
   // A dead run that was still active when the daemon stopped stays dead: it keeps its page.
   std::set<std::string> run_died_rules;
   for (const alerts::Rule& r : engine_.Rules()) {
@@ -169,10 +181,10 @@ Status Alerting::Restore(const runs::RunRegistry& registry, double now) {
   for (const alerts::Alert& a : engine_.Active()) (a.state == alerts::AlertState::kFiring ? firing : pending)++;
   spdlog::info("alerts: restored {} firing and {} pending alert(s) and {} silence(s)", firing, pending,
                engine_.Silences().size());
-  if (engine_.Silences().size() != silences) {
-    spdlog::info("alerts: {} silence(s) ended while the daemon was down", silences - engine_.Silences().size());
-  }
-  return Status::Ok();
+}
+
+std::optional<uint64_t> Alerting::EvaluatedThrough(const std::string& run_id) {
+  return engine_.EvaluatedThrough(run_id);
 }
 
 std::vector<notify::ReceiverStats> Alerting::ReceiverStats() const {

@@ -1,11 +1,17 @@
 // The daemon's alerting: loads the rules, evaluates them on every completed step (through the
 // runs' AlertHook) and on a timer (stalled and dead runs), and sends firing and resolved alerts to the
-// trainers' streams. Every durable change of the engine (alert instances, acks, silences) is
-// written to the alert store together with the notifications it causes, in one transaction, so a
-// restart restores the alerts exactly as the receivers were told of them. Thread-safe.
+// trainers' streams. Every durable change of the engine (alert instances, acks, silences, level
+// trackers, the last step evaluated per run) is written to the alert store together with the
+// notifications it causes, in one transaction and in order, so a restart restores the engine as
+// it was after some evaluation, exactly as the receivers were told of it; the runs then evaluate
+// the journaled steps after it (alerts::AlertEngine::Restore). Changes that notify nobody (a
+// tracker's new report, the evaluated step) are fetched from the engine every kProgressInterval
+// (or with the next change that does), so that neither the evaluation nor the alert store does
+// work for them on every step. Thread-safe.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -38,11 +44,17 @@ class Alerting final : public runs::AlertHook {
   // their own, so evaluation (on the ingest path) never waits for the disk. Call once, before
   // Restore and before any evaluation.
   void Start(notify::Outbox* store, std::unique_ptr<notify::Dispatcher> dispatcher);
-  // Restores the alerts and silences saved in the store (call once the runs are rebuilt from the
-  // journal, before serving), then evaluates every run at its last journaled step, so that a
-  // change whose write the last stop or crash cut short is made again, and ends the alerts of
-  // runs the daemon no longer holds. Fails only if the store cannot be read at all.
-  Status Restore(const runs::RunRegistry& registry, double now);
+  // At most this long between a level tracker's or evaluated step's change and its write, while
+  // nothing else changes.
+  static constexpr std::chrono::milliseconds kProgressInterval{200};
+
+  // Restores the engine's state saved in the store: call before the runs are rebuilt from the
+  // journal, which evaluate their journaled steps past EvaluatedThrough. Fails only if the store
+  // cannot be read at all.
+  Status RestoreState(double now);
+  // Once the runs are rebuilt, before serving: ends the alerts of runs that ended or that the
+  // daemon no longer holds, and keeps dead runs' pages paging.
+  void FinishRestore(const runs::RunRegistry& registry, double now);
   // Writes what is queued to the store and stops the dispatcher. Idempotent.
   void Stop();
   std::vector<notify::ReceiverStats> ReceiverStats() const;
@@ -51,6 +63,7 @@ class Alerting final : public runs::AlertHook {
   std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step, double now) override;
   void OnRunEnded(const std::string& run_id, bool clean, double now) override;
   void OnRunLeftMemory(const std::string& run_id, double now) override;
+  std::optional<uint64_t> EvaluatedThrough(const std::string& run_id) override;
   // Replaces the rules with freshly loaded ones (as LoadConfiguredRules); on any error the rules
   // in force stay unchanged and the status says exactly why. Alerts of deleted rules resolve.
   StatusOr<size_t> Reload(bool default_rules, const std::vector<std::string>& files, double run_died_seconds,

@@ -88,6 +88,10 @@ Status Daemon::Start() {
   registry_->set_journal(journal_.get());
 
   if (Status s = StartAlerting(journal_options.path); !s.ok()) return s;
+  // The alert engine first: the runs evaluate the journaled steps its saved state does not cover.
+  if (Status s = alerting_->RestoreState(clock_->UnixSeconds()); !s.ok()) {
+    return Status(s.code(), "restoring alerts from " + journal_options.path + ": " + s.message());
+  }
 
   const auto load_start = std::chrono::steady_clock::now();
   if (Status s = registry_->Load(); !s.ok()) {
@@ -97,9 +101,7 @@ Status Daemon::Start() {
   }
   spdlog::info("rebuilt {} runs from {} in {:.2f} s", registry_->run_count(), journal_options.path,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
-  if (Status s = alerting_->Restore(*registry_, clock_->UnixSeconds()); !s.ok()) {
-    return Status(s.code(), "restoring alerts from " + journal_options.path + ": " + s.message());
-  }
+  alerting_->FinishRestore(*registry_, clock_->UnixSeconds());
 
   ingest::IngestOptions ingest_options;
   ingest_options.max_message_bytes = config_.max_message_bytes;

@@ -163,11 +163,16 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
                              "the journal keeps them.",
                              MetricType::Counter);
   Add(not_restored, {}, static_cast<double>(stats_->runs_not_restored.load()));
+  auto analytics_refused = Family("gradwatch_analytics_refused_series_total",
+                                  "Series left without analytics (slopes, slope changes, forecasts) because their "
+                                  "trackers did not fit in the memory budget; their points are still stored.",
+                                  MetricType::Counter);
+  Add(analytics_refused, {}, static_cast<double>(stats_->analytics_refused_series.load()));
   auto budget_limit = Family("gradwatch_memory_budget_bytes",
                              "The memory all runs together may be charged (limits.memory_budget_bytes).",
                              MetricType::Gauge);
   auto budget_used = Family("gradwatch_memory_budget_used_bytes",
-                            "Memory charged to the budget by the runs held: catalogs and grown series.",
+                            "Memory charged to the budget by the runs held: catalogs, grown series and analytics.",
                             MetricType::Gauge);
   if (const runs::MemoryBudget* budget = registry_->budget()) {
     Add(budget_limit, {}, static_cast<double>(budget->limit()));

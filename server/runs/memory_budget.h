@@ -1,15 +1,17 @@
 // The daemon-wide memory budget for runs: every held run is charged for its catalog when the
-// catalog is accepted and for its series as their buffers grow. A Hello (or a run restored from
-// the journal) whose catalog would not fit is refused before anything of it is allocated or
-// journaled; a series whose growth would not fit stops growing and downsamples sooner (no step is
-// refused for memory). The figures are estimates of the bytes the run's structures hold, not of the heap's
-// overhead or fragmentation: configure the budget with headroom (the default is a quarter of the
-// machine's memory).
+// catalog is accepted, for its series as their buffers grow, and for a series' analytics
+// trackers when it first reports (RunAnalytics; a series whose trackers do not fit gets none).
+// A Hello (or a run restored from the journal) whose catalog would not fit is refused before
+// anything of it is allocated or journaled; a series whose growth would not fit stops growing and
+// downsamples sooner (no step is refused for memory). The figures are estimates of the bytes the
+// run's structures hold, not of the heap's overhead or fragmentation: configure the budget with
+// headroom (the default is a quarter of the machine's memory).
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "server/core/types.h"
@@ -41,6 +43,30 @@ class MemoryBudget {
  private:
   const uint64_t limit_;
   std::atomic<uint64_t> used_{0};
+};
+
+// Bytes held against a MemoryBudget by one owner, released when it is destroyed. Movable (the
+// moved-from charge holds nothing). Not thread-safe: its owner serialises access.
+class MemoryCharge {
+ public:
+  explicit MemoryCharge(MemoryBudget* budget) : budget_(budget) {}  // budget null: unlimited
+  MemoryCharge(MemoryCharge&& other) noexcept : budget_(other.budget_), bytes_(std::exchange(other.bytes_, 0)) {}
+  MemoryCharge& operator=(MemoryCharge&&) = delete;
+  ~MemoryCharge() {
+    if (budget_ != nullptr) budget_->Release(bytes_);
+  }
+
+  // Charges `bytes` if they fit (MemoryBudget::TryCharge); false and nothing charged otherwise.
+  bool TryAdd(uint64_t bytes) {
+    if (budget_ != nullptr && !budget_->TryCharge(bytes)) return false;
+    bytes_ += bytes;
+    return true;
+  }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  MemoryBudget* budget_;
+  uint64_t bytes_ = 0;
 };
 
 }  // namespace gradwatch::runs

@@ -38,7 +38,8 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
       assembler_(std::max<uint32_t>(1, meta.world_size), options.assembly_timeout,
                  options.max_pending_steps),
       ranks_(std::max<uint32_t>(1, meta.world_size)),
-      analytics_(std::make_unique<RunAnalytics>(options.analytics)),
+      analytics_(
+          std::make_unique<RunAnalytics>(options.analytics, AnalyticsCharging{options.budget, stats, meta.run_id})),
       last_activity_(clock->Now()),
       last_step_seen_(clock->Now()) {
   std::vector<ParamInfo> params = std::move(meta.params);
@@ -55,6 +56,7 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
     meta_.params = std::move(params);
     analytics_->SetCatalog(meta_.params);
     scalar_series_.fill(kNoSeries);
+    if (options_.alert_hook != nullptr) evaluated_through_ = options_.alert_hook->EvaluatedThrough(id_);
   }
 }
 
@@ -69,7 +71,7 @@ void Run::AdoptCharge(uint64_t bytes) {
 
 uint64_t Run::ChargedBytes() const {
   MutexLock lock(&mu_);
-  return charged_bytes_;
+  return charged_bytes_ + analytics_->charged_bytes();
 }
 
 void Run::FinishRestore() {
@@ -302,6 +304,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   speed_count_ = kept;
 
   JournalLocked(store::RewindRecord{id_, from_step, world_size, now});
+  evaluated_through_.reset();  // the new branch's steps are evaluated as they complete
   RebuildJob job;
   if (options_.alert_hook != nullptr) {
     for (const alerts::Transition& t : options_.alert_hook->OnRewind(id_, from_step, now)) {
@@ -325,7 +328,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   }
   job.events = events_;
   // Until the rebuild is installed, the analytics hold only the kept events.
-  analytics_ = std::make_unique<RunAnalytics>(options_.analytics);
+  analytics_ = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   analytics_->SetCatalog(job.params);
   for (const auto& [id, key] : job.series) analytics_->AddSeries(id, key);
   for (const EventRecord& e : job.events) analytics_->OnEvent(e);
@@ -333,7 +336,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
 }
 
 void Run::RebuildAnalytics(RebuildJob job) {
-  auto rebuilt = std::make_unique<RunAnalytics>(options_.analytics);
+  auto rebuilt = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   rebuilt->SetCatalog(job.params);
   for (const auto& [id, key] : job.series) rebuilt->AddSeries(id, key);
   for (const EventRecord& e : job.events) rebuilt->OnEvent(e);
@@ -543,6 +546,14 @@ void Run::CompleteLocked(const PendingStep& p) {
 
 void Run::AnalyzeLocked(const CompletedStep& step) {
   analytics_->OnStep(step);
+  if (evaluated_through_) {
+    if (step.step <= *evaluated_through_) return;  // a resend of a step evaluated before a restart
+    evaluated_through_.reset();
+  }
+  EvaluateAlertsLocked(step);
+}
+
+void Run::EvaluateAlertsLocked(const CompletedStep& step) {
   if (options_.alert_hook == nullptr) return;
   for (const alerts::Transition& t : options_.alert_hook->OnStep(FactsLocked(&step))) {
     // The trainer hears of firing and resolved alerts even when a silence mutes the pagers.
@@ -911,6 +922,10 @@ void Run::RestoreStep(const CompletedStep& step) {
   AppendLocked(step);
   analytics_->OnStep(step);
   assembler_.RestoreLastCompleted(step.step);
+  if (evaluated_through_ && step.step > *evaluated_through_) {
+    EvaluateAlertsLocked(step);
+    evaluated_through_ = step.step;
+  }
 }
 
 void Run::RestoreEvent(const EventRecord& event) {

@@ -49,6 +49,13 @@ class AlertHook {
   // The daemon dropped the ended run from memory (its retention is over, or room was needed):
   // alerts it still has end, but for an unacknowledged RunDied page. Called without any lock held.
   virtual void OnRunLeftMemory(const std::string& run_id, double now) = 0;
+  // The last step of the run whose evaluation the hook kept across a restart
+  // (alerts::AlertEngine::EvaluatedThrough); nullopt when none. A run restored from the journal
+  // has OnStep called for its restored steps after it, once each, and for no live step up to it.
+  virtual std::optional<uint64_t> EvaluatedThrough(const std::string& run_id) {
+    (void)run_id;
+    return std::nullopt;
+  }
 };
 
 struct RunOptions {
@@ -162,8 +169,10 @@ class Run {
   // charges its catalog's later extensions (refusing a Hello that does not fit with
   // LIMIT_EXCEEDED, before anything is journaled) and its series' growth (a series that does not
   // fit stops growing, store::Series::Append's may_grow), and releases it all when destroyed.
+  // Its analytics charge their trackers themselves (RunAnalytics: a series that does not fit
+  // gets no analytics), released when the run is destroyed or rewinds.
   void AdoptCharge(uint64_t bytes);
-  // Bytes the run is charged to the budget.
+  // Bytes the run is charged to the budget, analytics included.
   uint64_t ChargedBytes() const;
 
   const std::string& id() const { return id_; }
@@ -249,6 +258,9 @@ class Run {
   // Restore from the journal (start-up, before any stream).
   void RestoreSeries(SeriesId id, const std::string& key);
   void RestoreProgress(const store::RankProgress& progress);
+  // Adds a journaled step (in step order). A step after the last one the alert hook kept the
+  // evaluation of (AlertHook::EvaluatedThrough) is evaluated: the daemon stopped before what
+  // that evaluation changed was saved.
   void RestoreStep(const CompletedStep& step);
   void RestoreEvent(const EventRecord& event);
   // The run's latest rewind was to from_step (so a Hello resuming from it again is idempotent).
@@ -337,6 +349,7 @@ class Run {
   void CompleteLocked(const PendingStep& p) REQUIRES(mu_);
   // Analytics and alert evaluation of one completed step (deferred while rebuilding).
   void AnalyzeLocked(const CompletedStep& step) REQUIRES(mu_);
+  void EvaluateAlertsLocked(const CompletedStep& step) REQUIRES(mu_);
   void AppendLocked(const CompletedStep& step) REQUIRES(mu_);
   // Returns the record's journal number, 0 when it was not journaled (counted as dropped).
   uint64_t JournalLocked(store::JournalRecord record) REQUIRES(mu_);
@@ -366,6 +379,10 @@ class Run {
   std::deque<PendingEventAck> event_acks_ GUARDED_BY(mu_);  // ordered by record
   std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);  // replaced at a rewind
   std::optional<uint64_t> last_resume_step_ GUARDED_BY(mu_);  // the latest rewind's step (journaled)
+  // Restored runs: the last step whose alert evaluation was kept across the restart (see
+  // RestoreStep); live steps up to it are not evaluated again. Cleared by the first live step
+  // past it and by a rewind.
+  std::optional<uint64_t> evaluated_through_ GUARDED_BY(mu_);
   uint64_t branch_ GUARDED_BY(mu_) = 0;  // rewinds in this process's life; tags journal progress
   bool rebuilding_ GUARDED_BY(mu_) = false;  // a rewind's analytics rebuild is running off the lock
   // Steps completed while rebuilding, for the rebuilt analytics; at most max_pending_steps.

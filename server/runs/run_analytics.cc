@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 
+#include <spdlog/spdlog.h>
+
 #include "server/analytics/attribution.h"
 #include "server/analytics/forecast.h"
 
@@ -25,12 +27,14 @@ bool StartsWith(const std::string& s, std::string_view prefix) {
 
 }  // namespace
 
-RunAnalytics::RunAnalytics(const AnalyticsOptions& options)
+RunAnalytics::RunAnalytics(const AnalyticsOptions& options, AnalyticsCharging charging)
     : options_([&] {
         AnalyticsOptions o = options;
         o.windows = WindowsWith(o.windows, o.forecast_window_steps);
         return o;
-      }()) {}
+      }()),
+      charging_(std::move(charging)),
+      charge_(charging_.budget) {}
 
 void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
   for (size_t i = params_.size(); i < params.size(); ++i) {
@@ -116,35 +120,78 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   if (t.param >= 0 && t.role == Role::kParamNorm) param_state_[t.param].norm = id;
 }
 
-void RunAnalytics::Materialize(Tracked& t) {
-  t.slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, options_.max_buckets);
+bool RunAnalytics::Materialize(Tracked& t) {
+  // The trackers' rings start empty and grow with the steps they hold: charged at full size,
+  // before anything of them is allocated.
+  auto slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, options_.max_buckets);
+  uint64_t bytes = slopes->CapacityBytes();
+  std::unique_ptr<analytics::SlopeTracker> robust;
   if (t.key_series || IsForecastKey(t.key)) {
     // The longest window lets an event registered after its step find its before-window (as on
     // the raw tracker); a forecast needs its own window.
     std::vector<uint64_t> windows = {std::max(options_.windows.back(), options_.event_window_steps)};
     if (IsForecastKey(t.key)) windows = WindowsWith(windows, options_.forecast_window_steps);
+    robust = std::make_unique<analytics::SlopeTracker>(windows, options_.max_buckets);
+    bytes += robust->CapacityBytes() + sizeof(analytics::SpikeFilter) +
+             analytics::SpikeFilter().width() * (sizeof(analytics::FilteredPoint) + sizeof(double));
+  }
+  if (t.key_series) {
+    bytes += analytics::SlopeChangeDetector::MemoryBytesFor(options_.change_points) +
+             options_.max_events * (sizeof(t.events[0]) + 32);
+  }
+  // A parameter's share trend fills once its gradient norm reports.
+  if (t.role == Role::kParamGrad && t.param >= 0) bytes += param_state_[t.param].share_trend->CapacityBytes();
+  if (!charge_.TryAdd(bytes)) {
+    t.refused = true;
+    ++refused_series_;
+    if (charging_.stats != nullptr) {
+      charging_.stats->analytics_refused_series.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (refused_series_ == 1) {
+      spdlog::warn("run {}: series {} gets no analytics (slopes, slope changes, forecasts): its trackers need "
+                   "about {} bytes, beyond the memory budget ({} of {} bytes in use); its points are still "
+                   "stored. Further series of this run refused for memory are only counted "
+                   "(gradwatch_analytics_refused_series_total)",
+                   charging_.run_id, t.key, bytes, charging_.budget != nullptr ? charging_.budget->used() : 0,
+                   charging_.budget != nullptr ? charging_.budget->limit() : 0);
+    }
+    return false;
+  }
+  t.slopes = std::move(slopes);
+  if (robust) {
     t.spike_filter = std::make_unique<analytics::SpikeFilter>();
-    t.robust = std::make_unique<analytics::SlopeTracker>(windows, options_.max_buckets);
+    t.robust = std::move(robust);
   }
   if (t.key_series) {
     t.detector = std::make_unique<analytics::SlopeChangeDetector>(options_.change_points);
+    t.events.reserve(events_.size());
     for (const EventRecord& e : events_) {
-      analytics::EventSlope slope(e.step, options_.event_window_steps, options_.event_min_after_samples);
-      slope.Seed(*t.robust);
-      t.events.emplace_back(e.text, std::move(slope));
+      t.events.emplace_back(e.text, analytics::EventSlope(e.step, options_.event_window_steps,
+                                                          options_.event_min_after_samples));
     }
   }
+  return true;
 }
 
 void RunAnalytics::OnEvent(const EventRecord& event) {
-  events_.push_back(event);
-  if (events_.size() > options_.max_events) events_.erase(events_.begin());
+  // Kept ordered by (step, text), the max_events latest by step: the same set and order whatever
+  // the order the events arrive in.
+  auto before = [](const EventRecord& a, const EventRecord& b) {
+    return a.step != b.step ? a.step < b.step : a.text < b.text;
+  };
+  const auto pos = std::lower_bound(events_.begin(), events_.end(), event, before);
+  if (pos != events_.end() && pos->step == event.step && pos->text == event.text) return;  // held
+  if (events_.size() >= options_.max_events && pos == events_.begin()) return;  // older than those kept
+  const auto index = pos - events_.begin();
+  events_.insert(pos, event);
+  const bool evict = events_.size() > options_.max_events;
+  if (evict) events_.erase(events_.begin());
   for (Tracked& t : series_) {
     if (!t.key_series || !t.robust) continue;
     analytics::EventSlope slope(event.step, options_.event_window_steps, options_.event_min_after_samples);
-    slope.Seed(*t.robust);
-    t.events.emplace_back(event.text, std::move(slope));
-    if (t.events.size() > options_.max_events) t.events.erase(t.events.begin());
+    slope.Seed(t.robust->longest());
+    t.events.emplace(t.events.begin() + index, event.text, std::move(slope));
+    if (evict) t.events.erase(t.events.begin());
   }
 }
 
@@ -153,16 +200,21 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
     if (sv.id >= series_.size()) continue;
     Tracked& t = series_[sv.id];
     if (!t.added) continue;
-    if (!t.slopes) Materialize(t);
     t.last_value = sv.value;
     t.has_value = true;
+    if (!t.slopes && (t.refused || !Materialize(t))) continue;
     if (!std::isfinite(sv.value)) continue;  // a NaN is a signal for alerts, not a slope sample
     t.slopes->AddSample(step.step, sv.value);
     if (t.detector) t.detector->AddSample(step.step, sv.value);
     if (!t.spike_filter) continue;
     if (const auto p = t.spike_filter->Add(step.step, sv.value)) {
+      // The event slopes take the robust tracker's buckets as they close (event_slope.h); its
+      // other windows, if any, are fed as the longest is.
+      const analytics::WindowedSlope& longest = t.robust->longest();
+      if (const analytics::RegressionSums* closed = longest.ClosedBy(p->step, p->value)) {
+        for (auto& [text, slope] : t.events) slope.AddClosedBucket(*closed);
+      }
       t.robust->AddSample(p->step, p->value);
-      for (auto& [text, slope] : t.events) slope.AddSample(p->step, p->value);
     }
   }
   UpdateShares(step);
@@ -191,7 +243,8 @@ void RunAnalytics::UpdateShares(const CompletedStep& step) {
     ParamState& ps = param_state_[i];
     ps.share = param_share_scratch_[i];
     ps.has_share = true;
-    ps.share_trend->AddSample(step.step, ps.share);
+    // Its trend's memory is charged with its gradient series' trackers.
+    if (ps.grad != kNoSeries && series_[ps.grad].slopes) ps.share_trend->AddSample(step.step, ps.share);
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (!std::isfinite(group_share_scratch_[g])) continue;
@@ -221,14 +274,14 @@ RunAnalysis RunAnalytics::Analysis() const {
       if (auto fit = w.Fit()) out.slopes.push_back({t.key, w.window_steps(), *fit});
     }
     for (const auto& [text, slope] : t.events) {
-      if (auto change = slope.Current()) {
+      if (auto change = slope.Current(t.robust->longest())) {
         // Event slopes fit the spike filter's medians, and neighbouring medians share all but one
         // of their samples: the fit sees about one independent sample in `width`, so its least-
         // squares errors are scaled by √width to stay honest (they decide when a warning fires).
         const double correlated = std::sqrt(static_cast<double>(t.spike_filter->width()));
         change->before_stderr_per_kstep *= correlated;
         change->after_stderr_per_kstep *= correlated;
-        out.slope_changes.push_back({t.key, text, *change, slope.after_samples()});
+        out.slope_changes.push_back({t.key, text, *change, change->after.samples});
       }
     }
     if (t.detector) {
@@ -261,6 +314,7 @@ RunAnalysis RunAnalytics::Analysis() const {
     if (ps.init_norm && params_[i].kind == ParamKind::kNormGain) {
       out.amplifications.push_back({params_[i].name, norm.last_value, *ps.init_norm, amplification});
     }
+    if (!norm.slopes) continue;  // refused analytics for memory
     const analytics::WindowedSlope& longest = norm.slopes->longest();
     if (auto fit = longest.Fit()) {
       analytics::GrowthOptions growth_options;

@@ -1,9 +1,21 @@
 // The analytics of one run: windowed slopes of every series, slope changes at events and without
 // them, forecasts to thresholds, grad-norm attribution, norm-gain amplification and growth
 // without decay. Owned by its Run and guarded by the run's mutex; O(series × windows) per step.
+//
+// A function of the run's steps (in step order) and of its events keyed by step, whatever the
+// order they arrive in: an event that arrives after steps past it (a resend after a restart,
+// another rank's timing) gives the same slope change as one that arrived first, as long as the
+// robust tracker still holds its before window (event_slope.h); the max_events kept are the
+// latest by step, ordered by (step, text). So analytics rebuilt at a restart or a rewind equal
+// the live ones.
+//
 // Memory grows with what the run reports: a series' trackers are allocated on its first sample
-// (a catalog entry that never reports costs a few hundred bytes), and their buffers grow with the
-// steps they hold.
+// (a catalog entry that never reports costs a few hundred bytes), charged to the memory budget
+// at their full size (about 84 KB for a key series with the default windows) before they are
+// allocated, and released when the analytics are destroyed (the run is dropped, or rewinds). A
+// series whose trackers do not fit gets no analytics (no slopes, slope changes, forecasts or
+// share trend) until the analytics are rebuilt; it is counted (DaemonStats::
+// analytics_refused_series) and the first one of a run is logged.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +31,8 @@
 #include "server/analytics/regression.h"
 #include "server/analytics/spike_filter.h"
 #include "server/core/types.h"
+#include "server/runs/daemon_stats.h"
+#include "server/runs/memory_budget.h"
 
 namespace gradwatch::runs {
 
@@ -100,9 +114,16 @@ struct RunAnalysis {
   std::vector<GrowthInfo> growth_without_decay;
 };
 
+// Where a run's analytics charge their memory.
+struct AnalyticsCharging {
+  MemoryBudget* budget = nullptr;  // not owned; null: unlimited
+  DaemonStats* stats = nullptr;    // not owned; may be null
+  std::string run_id;              // for the log
+};
+
 class RunAnalytics {
  public:
-  explicit RunAnalytics(const AnalyticsOptions& options);
+  explicit RunAnalytics(const AnalyticsOptions& options, AnalyticsCharging charging = {});
 
   // The catalog, grown or not; call before adding the series of new parameters.
   void SetCatalog(const std::vector<ParamInfo>& params);
@@ -114,6 +135,11 @@ class RunAnalytics {
   void OnEvent(const EventRecord& event);
 
   RunAnalysis Analysis() const;
+
+  // Bytes charged to the budget (held until destruction).
+  uint64_t charged_bytes() const { return charge_.bytes(); }
+  // Series refused analytics for memory.
+  uint64_t refused_series() const { return refused_series_; }
 
  private:
   enum class Role { kTotalGrad, kScalar, kParamGrad, kParamNorm, kParamUpdate, kExtra };
@@ -133,6 +159,7 @@ class RunAnalytics {
     std::unique_ptr<analytics::SlopeTracker> robust;
     std::vector<std::pair<std::string, analytics::EventSlope>> events;  // (event text, slope)
     bool key_series = false;
+    bool refused = false;  // its trackers did not fit in the memory budget
     double last_value = 0;
     bool has_value = false;
   };
@@ -153,8 +180,9 @@ class RunAnalytics {
   };
 
   bool IsKeySeries(Role role, int param) const;
-  // Allocates a series' trackers (on its first sample), seeding its event slopes.
-  void Materialize(Tracked& t);
+  // Allocates a series' trackers (on its first sample) if the budget has room for them; false
+  // (and the series marked refused) otherwise.
+  bool Materialize(Tracked& t);
   void ClassifyLocked(Tracked& t) const;
   void UpdateShares(const CompletedStep& step);
   // The window of this length of the series' robust tracker (its raw one when it has none).
@@ -162,6 +190,9 @@ class RunAnalytics {
   bool IsForecastKey(const std::string& key) const;
 
   const AnalyticsOptions options_;
+  AnalyticsCharging charging_;
+  MemoryCharge charge_;
+  uint64_t refused_series_ = 0;
   std::vector<ParamInfo> params_;
   std::unordered_map<std::string, int> param_by_name_;
   std::vector<ParamState> param_state_;

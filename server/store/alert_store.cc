@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -53,6 +56,38 @@ std::string Hex(uint64_t fingerprint) {
 // As the journal's: invalid UTF-8 is replaced (U+FFFD), never thrown on the writer thread.
 std::string Dump(const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
 
+std::optional<uint64_t> ParseHex(std::string_view hex) {
+  if (hex.empty() || hex.size() > 16) return std::nullopt;
+  uint64_t v = 0;
+  for (char c : hex) {
+    const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (d < 0) return std::nullopt;
+    v = (v << 4) | static_cast<uint64_t>(d);
+  }
+  return v;
+}
+
+constexpr size_t kReportDoubles = 3 * alerts::ReportWindow::kCapacity;
+
+std::vector<double> ReportsBlob(const alerts::ReportWindow::Raw& raw) {
+  std::vector<double> out;
+  out.reserve(kReportDoubles);
+  out.insert(out.end(), raw.value.begin(), raw.value.end());
+  out.insert(out.end(), raw.hold.begin(), raw.hold.end());
+  out.insert(out.end(), raw.clear.begin(), raw.clear.end());
+  return out;
+}
+
+bool ReportsFromBlob(const void* blob, size_t bytes, alerts::ReportWindow::Raw* raw) {
+  if (bytes != kReportDoubles * sizeof(double)) return false;
+  const auto* d = static_cast<const unsigned char*>(blob);
+  constexpr size_t kColumn = alerts::ReportWindow::kCapacity * sizeof(double);
+  std::memcpy(raw->value.data(), d, kColumn);
+  std::memcpy(raw->hold.data(), d + kColumn, kColumn);
+  std::memcpy(raw->clear.data(), d + 2 * kColumn, kColumn);
+  return true;
+}
+
 std::string AckToJson(const alerts::Acknowledgement& ack) {
   return Dump(nlohmann::json{{"by", ack.by}, {"comment", ack.comment}, {"at", ack.at}});
 }
@@ -89,7 +124,14 @@ sqlite3* OpenDb(const std::string& path, bool create, std::string* error) {
                           "clearing_since_step INTEGER NOT NULL, notified INTEGER NOT NULL, ack TEXT)",
                           "CREATE TABLE IF NOT EXISTS silences (id TEXT PRIMARY KEY, matchers TEXT NOT NULL, "
                           "starts_at REAL NOT NULL, ends_at REAL NOT NULL, comment TEXT NOT NULL, "
-                          "created_by TEXT NOT NULL)"}) {
+                          "created_by TEXT NOT NULL)",
+                          // reports: the ReportWindow's value, hold and clear columns, as raw doubles
+                          // (exact, NaN and infinities included), then nothing else.
+                          "CREATE TABLE IF NOT EXISTS alert_levels (fingerprint TEXT PRIMARY KEY, run TEXT NOT NULL, "
+                          "rule TEXT NOT NULL, reports BLOB NOT NULL, report_count INTEGER NOT NULL, "
+                          "since_mark INTEGER NOT NULL, all_since_mark INTEGER NOT NULL)",
+                          "CREATE TABLE IF NOT EXISTS alert_progress (run TEXT PRIMARY KEY, "
+                          "evaluated_step INTEGER NOT NULL)"}) {
     char* err = nullptr;
     if (sqlite3_exec(db, sql, nullptr, nullptr, &err) != SQLITE_OK) {
       *error = std::string("outbox: ") + sql + ": " + (err ? err : sqlite3_errmsg(db));
@@ -165,7 +207,14 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
                    "INSERT OR REPLACE INTO silences (id, matchers, starts_at, ends_at, comment, created_by) "
                    "VALUES (?, ?, ?, ?, ?, ?)");
   Stmt drop_silence(db_, "DELETE FROM silences WHERE id = ?");
-  if (!put.ok() || !drop.ok() || !put_silence.ok() || !drop_silence.ok()) {
+  Stmt put_level(db_,
+                 "INSERT OR REPLACE INTO alert_levels (fingerprint, run, rule, reports, report_count, since_mark, "
+                 "all_since_mark) VALUES (?, ?, ?, ?, ?, ?, ?)");
+  Stmt drop_level(db_, "DELETE FROM alert_levels WHERE fingerprint = ?");
+  Stmt put_progress(db_, "INSERT OR REPLACE INTO alert_progress (run, evaluated_step) VALUES (?, ?)");
+  Stmt drop_progress(db_, "DELETE FROM alert_progress WHERE run = ?");
+  if (!put.ok() || !drop.ok() || !put_silence.ok() || !drop_silence.ok() || !put_level.ok() || !drop_level.ok() ||
+      !put_progress.ok() || !drop_progress.ok()) {
     return Error(db_, "preparing alert state statements");
   }
   for (const auto& [fp, inst] : states.instances) {
@@ -200,6 +249,28 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
       BindText(s, 6, silence->created_by);
     }
     if (sqlite3_step(s) != SQLITE_DONE) return Error(db_, "saving silence " + id);
+  }
+  for (const auto& [fp, level] : states.levels) {
+    sqlite3_stmt* s = level ? put_level.get() : drop_level.get();
+    sqlite3_reset(s);
+    BindText(s, 1, Hex(fp));
+    if (level) {
+      BindText(s, 2, level->run);
+      BindText(s, 3, level->rule);
+      const std::vector<double> reports = ReportsBlob(level->window);
+      sqlite3_bind_blob(s, 4, reports.data(), static_cast<int>(reports.size() * sizeof(double)), SQLITE_TRANSIENT);
+      sqlite3_bind_int64(s, 5, static_cast<sqlite3_int64>(level->window.count));
+      sqlite3_bind_int64(s, 6, static_cast<sqlite3_int64>(level->since_mark));
+      sqlite3_bind_int(s, 7, level->all_since_mark ? 1 : 0);
+    }
+    if (sqlite3_step(s) != SQLITE_DONE) return Error(db_, "saving the reports of alert " + Hex(fp));
+  }
+  for (const auto& [run, step] : states.evaluated) {
+    sqlite3_stmt* s = step ? put_progress.get() : drop_progress.get();
+    sqlite3_reset(s);
+    BindText(s, 1, run);
+    if (step) sqlite3_bind_int64(s, 2, static_cast<sqlite3_int64>(*step));
+    if (sqlite3_step(s) != SQLITE_DONE) return Error(db_, "saving the evaluated step of run " + run);
   }
   return notify::Status::Ok();
 }
@@ -261,6 +332,37 @@ notify::Result<alerts::SavedState> AlertStore::LoadState() {
     saved.silences.push_back(std::move(silence));
   }
   if (rc != SQLITE_DONE) return Error(db_, "reading silences");
+
+  Stmt ql(db_,
+          "SELECT fingerprint, run, rule, reports, report_count, since_mark, all_since_mark FROM alert_levels "
+          "ORDER BY fingerprint");
+  if (!ql.ok()) return Error(db_, "preparing alert level query");
+  while ((rc = sqlite3_step(ql.get())) == SQLITE_ROW) {
+    sqlite3_stmt* s = ql.get();
+    const std::string fingerprint = ColumnText(s, 0);
+    const std::optional<uint64_t> fp = ParseHex(fingerprint);
+    alerts::LevelState level;
+    level.run = ColumnText(s, 1);
+    level.rule = ColumnText(s, 2);
+    const void* blob = sqlite3_column_blob(s, 3);
+    const size_t bytes = static_cast<size_t>(sqlite3_column_bytes(s, 3));
+    if (!fp || blob == nullptr || !ReportsFromBlob(blob, bytes, &level.window)) {
+      spdlog::error("alert store: the reports of alert {} cannot be read; its level starts afresh", fingerprint);
+      continue;
+    }
+    level.window.count = static_cast<uint64_t>(sqlite3_column_int64(s, 4));
+    level.since_mark = static_cast<uint64_t>(sqlite3_column_int64(s, 5));
+    level.all_since_mark = sqlite3_column_int(s, 6) != 0;
+    saved.levels[*fp] = std::move(level);
+  }
+  if (rc != SQLITE_DONE) return Error(db_, "reading alert levels");
+
+  Stmt qp(db_, "SELECT run, evaluated_step FROM alert_progress");
+  if (!qp.ok()) return Error(db_, "preparing alert progress query");
+  while ((rc = sqlite3_step(qp.get())) == SQLITE_ROW) {
+    saved.evaluated[ColumnText(qp.get(), 0)] = static_cast<uint64_t>(sqlite3_column_int64(qp.get(), 1));
+  }
+  if (rc != SQLITE_DONE) return Error(db_, "reading alert progress");
   return saved;
 }
 

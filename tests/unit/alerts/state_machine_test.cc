@@ -1,7 +1,9 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <algorithm>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -464,8 +466,10 @@ struct Recorder {
   StateChanges folded;
   std::vector<Transition> transitions;
   int calls = 0;
+  bool recording = true;  // false: changes are lost, as those not yet written when the daemon crashes
   void Attach(AlertEngine& engine) {
     engine.SetChangeSink([this](StateChanges changes, const std::vector<Transition>& ts) {
+      if (!recording) return;
       ++calls;
       folded.Merge(std::move(changes));
       transitions.insert(transitions.end(), ts.begin(), ts.end());
@@ -480,13 +484,20 @@ struct Recorder {
     for (const auto& [id, s] : folded.silences) {
       if (s) saved.silences.push_back(*s);
     }
+    for (const auto& [fp, level] : folded.levels) {
+      if (level) saved.levels[fp] = *level;
+    }
+    for (const auto& [run, step] : folded.evaluated) {
+      if (step) saved.evaluated[run] = *step;
+    }
     return saved;
   }
 };
 
 }  // namespace
 
-TEST_CASE("every durable change reaches the sink, value-only updates do not", "[alerts][persistence]") {
+TEST_CASE("every durable change reaches the sink, value-only updates only when progress is flushed",
+          "[alerts][persistence]") {
   AlertEngine engine({DefaultRule("GradNormContingency")});
   Recorder rec;
   rec.Attach(engine);
@@ -501,8 +512,14 @@ TEST_CASE("every durable change reaches the sink, value-only updates do not", "[
   CHECK(first->run == "r1");
 
   const int calls = rec.calls;
-  d.Run(101, 110, 1, 5.2);  // still pending: nothing durable changed
+  d.Run(101, 110, 1, 5.2);  // still pending: only the reports and the evaluated step changed
   CHECK(rec.calls == calls);
+  engine.FlushProgress();
+  CHECK(rec.calls == calls + 1);
+  REQUIRE(rec.folded.levels.count(fp) == 1);
+  REQUIRE(rec.folded.levels.at(fp));
+  CHECK(rec.folded.levels.at(fp)->window.count == 10);
+  CHECK(rec.folded.evaluated.at("r1") == 109u);
 
   d.Report(110, 5.3);  // fires
   REQUIRE(rec.folded.instances.at(fp));
@@ -599,4 +616,85 @@ TEST_CASE("restore ends alerts of rules that are gone, keeps acks, drops ended s
   CHECK_FALSE(rec2.folded.silences.at("short"));
   CHECK(rec2.folded.instances.size() == 1);
   CHECK_FALSE(rec2.folded.instances.begin()->second);
+}
+
+namespace {
+
+std::string Describe(const Transition& t) {
+  std::ostringstream out;
+  out << std::hexfloat << t.alert.name << " " << static_cast<int>(t.from) << "->" << static_cast<int>(t.to)
+      << " at " << t.alert.step << " value " << t.alert.value << (t.notify ? " notified" : "");
+  return out.str();
+}
+
+// A noisy total grad norm that rises through the contingency's threshold of 5 and falls back:
+// its level trackers (median, noise) decide when the page fires and resolves.
+double NoisyTotal(uint64_t s) {
+  const double trend = s < 300 ? 3.0 + 0.01 * static_cast<double>(s) : 6.0 - 0.01 * static_cast<double>(s - 300);
+  return trend * (1.0 + 0.05 * std::sin(1.3 * static_cast<double>(s)));
+}
+
+}  // namespace
+
+TEST_CASE("an engine restored from any saved cut makes the transitions of an uninterrupted one",
+          "[alerts][persistence]") {
+  constexpr uint64_t kLast = 600;
+  std::vector<std::string> expected;
+  {
+    AlertEngine whole({DefaultRule("GradNormContingency")});
+    for (uint64_t s = 0; s <= kLast; ++s) {
+      for (const Transition& t : Driver{whole}.Report(s, NoisyTotal(s))) expected.push_back(Describe(t));
+    }
+  }
+  INFO("uninterrupted:\n" << [&] {
+    std::string all;
+    for (const auto& e : expected) all += e + "\n";
+    return all;
+  }());
+  REQUIRE(std::count_if(expected.begin(), expected.end(),
+                        [](const std::string& e) { return e.find("notified") != std::string::npos; }) == 2);
+
+  for (uint64_t saved_through : {uint64_t{40}, uint64_t{201}, uint64_t{262}, uint64_t{331}, uint64_t{455}}) {
+    DYNAMIC_SECTION("the store holds the changes through step " << saved_through) {
+      Recorder rec;
+      std::vector<std::string> got;
+      {
+        AlertEngine crashed({DefaultRule("GradNormContingency")});
+        rec.Attach(crashed);
+        Driver d{crashed};
+        for (uint64_t s = 0; s <= saved_through; ++s) {
+          for (const Transition& t : d.Report(s, NoisyTotal(s))) got.push_back(Describe(t));
+        }
+        // The writer fetches the progress now and then: at some cuts it just did, at others the
+        // store holds the engine as of its last change.
+        if (saved_through % 2 == 0) crashed.FlushProgress();
+        // Evaluated, but the daemon died before these changes (and so their notifications) were
+        // written: as if they never happened.
+        rec.recording = false;
+        for (uint64_t s = saved_through + 1; s <= saved_through + 25; ++s) d.Report(s, NoisyTotal(s));
+      }
+      AlertEngine restarted({DefaultRule("GradNormContingency")});
+      CHECK(restarted.Restore(rec.Saved(), kT0 + 1000).empty());
+      const std::optional<uint64_t> evaluated = restarted.EvaluatedThrough("r1");
+      if (saved_through % 2 == 0) CHECK(evaluated == saved_through);
+      // The steps after it, journaled or resent, are evaluated once each.
+      for (uint64_t s = evaluated ? *evaluated + 1 : 0; s <= kLast; ++s) {
+        for (const Transition& t : Driver{restarted}.Report(s, NoisyTotal(s))) got.push_back(Describe(t));
+      }
+      CHECK(got == expected);
+    }
+  }
+}
+
+TEST_CASE("a rewind makes the run's steps from the resume point evaluable again", "[alerts][persistence]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  Driver{engine}.Run(0, 500, 1, 1.0);
+  REQUIRE(engine.EvaluatedThrough("r1") == 499u);
+  engine.RewindRun("r1", 300, kT0 + 500);
+  CHECK(engine.EvaluatedThrough("r1") == 299u);
+  engine.RewindRun("r1", 0, kT0 + 501);
+  CHECK_FALSE(engine.EvaluatedThrough("r1"));
+  Driver{engine}.Run(0, 10, 1, 1.0);
+  engine.EndRun("r1", AlertEngine::RunEnding::kLeftMemory, kT0 + 600);
+  CHECK_FALSE(engine.EvaluatedThrough("r1"));
 }

@@ -159,7 +159,11 @@ TEST_CASE("a receiver answering 503 three times then 200 gets the state change e
 
   REQUIRE(WaitUntil([&] { return StatsOf(dispatcher).sent == 1; }));
   std::this_thread::sleep_for(kSettle);
-  CHECK(receiver.Requests().size() == 4);
+  REQUIRE(receiver.Requests().size() == 4);
+  // Every attempt carries the entry's key: a receiver can tell a repeat from a new change.
+  for (const auto& request : receiver.Requests()) {
+    CHECK(request.headers.at("idempotency-key") == notify::IdempotencyKey(outbox.Snapshot()[0].entry.id));
+  }
   CHECK(DeliveredWebhooks(receiver) ==
         std::vector<std::pair<std::string, std::string>>{{"r1", "firing"}});
   const auto stats = StatsOf(dispatcher);

@@ -11,6 +11,7 @@
 
 #include "server/runs/memory_budget.h"
 #include "server/runs/registry.h"
+#include "server/runs/run_analytics.h"
 #include "server/store/journal.h"
 #include "tests/support/temp_dir.h"
 #include "tests/unit/runs/recording_sink.h"
@@ -89,7 +90,11 @@ TEST_CASE("a run's memory grows with what it reports, not with its catalog", "[r
   // Two series report (the parameter and the derived total), 100 points each at most: 2 × 128
   // points of 56 bytes, plus the history they have not started.
   CHECK(reported - empty < 2 * 128 * sizeof(store::Point) + 1024);
-  CHECK(budget.used() == MemoryBudget::CatalogBytes(meta.params) + (reported - empty));
+  // Their analytics trackers are charged at full size when they first report.
+  const uint64_t analytics = run.ChargedBytes() - MemoryBudget::CatalogBytes(meta.params) - (reported - empty);
+  CHECK(analytics > 2 * 20 * 1024);
+  CHECK(analytics < 2 * 100 * 1024);
+  CHECK(budget.used() == run.ChargedBytes());
 }
 
 TEST_CASE("a hello beyond the memory budget is refused and nothing of it is journaled", "[runs]") {
@@ -203,4 +208,71 @@ TEST_CASE("series stop growing when the budget is spent, and keep every step", "
   for (const auto& p : *points) count += p.count;
   CHECK(count == 20000);
   CHECK(points->back().last_step == 20000);
+}
+
+namespace {
+
+std::vector<ParamInfo> NormGainCatalog() {
+  return {{.name = "final_norm.weight", .numel = 6144, .kind = ParamKind::kNormGain}};
+}
+
+CompletedStep AnalyticsStep(uint64_t step) {
+  CompletedStep s;
+  s.step = step;
+  s.values = {{0, 0.3 + 1e-5 * static_cast<double>(step)}, {1, 2.0}, {2, 78.4 + 1e-3 * static_cast<double>(step)}};
+  return s;
+}
+
+RunAnalytics MakeAnalytics(MemoryBudget* budget, DaemonStats* stats) {
+  RunAnalytics a({}, {budget, stats, "r"});
+  a.SetCatalog(NormGainCatalog());
+  a.AddSeries(0, "grad/norm/total");
+  a.AddSeries(1, "train/loss");
+  a.AddSeries(2, "params/norm/final_norm.weight");
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("analytics are charged when a series first reports and released with them", "[runs]") {
+  MemoryBudget budget(0);
+  uint64_t full = 0;
+  {
+    RunAnalytics a = MakeAnalytics(&budget, nullptr);
+    CHECK(budget.used() == 0);  // nothing reported yet
+    a.OnStep(AnalyticsStep(1));
+    full = budget.used();
+    CHECK(a.charged_bytes() == full);
+    // Three key series (total grad norm, loss, a norm gain without decay): about 70 KB each.
+    CHECK(full > 3 * 40 * 1024);
+    CHECK(full < 3 * 120 * 1024);
+    for (uint64_t s = 2; s <= 30000; ++s) a.OnStep(AnalyticsStep(s));
+    CHECK(budget.used() == full);  // charged at full size once: their growth costs nothing more
+    CHECK_FALSE(a.Analysis().slopes.empty());
+  }
+  CHECK(budget.used() == 0);  // released when the analytics go (run dropped, or rewound)
+}
+
+TEST_CASE("a series whose analytics do not fit gets none, counted, and its run goes on", "[runs]") {
+  uint64_t one = 0;
+  {
+    MemoryBudget unlimited(0);
+    RunAnalytics a({}, {&unlimited, nullptr, "r"});
+    a.AddSeries(0, "grad/norm/total");
+    a.OnStep(AnalyticsStep(1));
+    one = unlimited.used();
+  }
+  // Room for the first series' trackers, not for the others'.
+  MemoryBudget budget(one + 1024);
+  DaemonStats stats;
+  RunAnalytics a = MakeAnalytics(&budget, &stats);
+  for (uint64_t s = 1; s <= 3000; ++s) a.OnStep(AnalyticsStep(s));
+  CHECK(a.refused_series() == 2);
+  CHECK(stats.analytics_refused_series.load() == 2);
+  CHECK(budget.used() == one);
+  const RunAnalysis r = a.Analysis();
+  for (const auto& sl : r.slopes) CHECK(sl.key == "grad/norm/total");
+  CHECK_FALSE(r.slopes.empty());
+  CHECK(r.forecasts.size() == 1);  // the total grad norm's, which fitted
+  CHECK(r.growth_without_decay.empty());  // the norm series has no trackers
 }
