@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/time_scale.h"
+
 namespace gradwatch::testing {
 
 // Paths fixed at build time. An environment variable of the same name overrides each (useful to
@@ -55,7 +57,7 @@ struct DaemonOptions {
   std::string listen = "127.0.0.1:0";
   // Extra command-line arguments, appended after the standard ones.
   std::vector<std::string> extra_args;
-  // How long to wait for the ready file.
+  // How long to wait for the ready file (stretched by TimeScale(), as every wait below is).
   std::chrono::seconds ready_timeout{20};
   // Binary to run; empty means DaemonBinaryPath().
   std::string binary;
