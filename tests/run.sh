@@ -82,7 +82,7 @@ sanitized_ctest() {
   if [[ "$kind" == asan ]]; then
     env=("ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:log_path=$PWD/$logs/asan"
          "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$PWD/$logs/ubsan"
-         "LSAN_OPTIONS=suppressions=$PWD/tests/sanitizers/lsan.supp:print_suppressions=0")
+)
   else
     env=("TSAN_OPTIONS=suppressions=$PWD/tests/sanitizers/tsan.supp:second_deadlock_stack=1:log_path=$PWD/$logs/tsan")
     if setarch "$(uname -m)" -R true 2>/dev/null; then
