@@ -332,31 +332,6 @@ std::string SourceDir() { return EnvOr("GRADWATCH_SOURCE_DIR", GRADWATCH_SOURCE_
 std::string PromtoolPath() { return EnvOr("GRADWATCH_PROMTOOL_PATH", GRADWATCH_PROMTOOL_PATH); }
 
 // ---------------------------------------------------------------------------------------------
-// TempDir
-
-TempDir::TempDir(const std::string& prefix) {
-  std::string pattern = (fs::path(EnvOr("TMPDIR", "/tmp")) / (prefix + "-XXXXXX")).string();
-  if (::mkdtemp(pattern.data()) == nullptr) ThrowErrno("mkdtemp " + pattern);
-  path_ = pattern;
-}
-
-TempDir::~TempDir() {
-  if (path_.empty() || std::getenv("GRADWATCH_KEEP_TEST_DIRS") != nullptr) return;
-  std::error_code ignored;
-  fs::remove_all(path_, ignored);
-}
-
-TempDir::TempDir(TempDir&& other) noexcept : path_(std::exchange(other.path_, {})) {}
-
-TempDir& TempDir::operator=(TempDir&& other) noexcept {
-  if (this != &other) {
-    TempDir old(std::move(*this));
-    path_ = std::exchange(other.path_, {});
-  }
-  return *this;
-}
-
-// ---------------------------------------------------------------------------------------------
 // DaemonProcess
 
 DaemonProcess::DaemonProcess(DaemonOptions options) : options_(std::move(options)) {

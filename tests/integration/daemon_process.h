@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/temp_dir.h"
 #include "tests/support/time_scale.h"
 
 namespace gradwatch::testing {
@@ -27,23 +28,6 @@ std::string DaemonBinaryPath();  // GRADWATCHD_PATH: build/server/gradwatchd
 std::string CliBinaryPath();     // GRADWATCH_CLI_PATH: build/client/gradwatch
 std::string SourceDir();         // GRADWATCH_SOURCE_DIR: the repository root
 std::string PromtoolPath();      // GRADWATCH_PROMTOOL_PATH: promtool, empty when not found
-
-// A fresh directory under $TMPDIR (default /tmp), removed with its contents on destruction unless
-// GRADWATCH_KEEP_TEST_DIRS is set in the environment. Not copyable; movable.
-class TempDir {
- public:
-  explicit TempDir(const std::string& prefix = "gradwatch-it");
-  ~TempDir();
-  TempDir(TempDir&& other) noexcept;
-  TempDir& operator=(TempDir&& other) noexcept;
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 struct DaemonOptions {
   // Data directory to use. Empty: the daemon makes a fresh TempDir it owns (removed when the

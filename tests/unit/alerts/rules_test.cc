@@ -7,8 +7,10 @@
 #include <vector>
 
 #include "alerts/rules.h"
+#include "tests/support/temp_dir.h"
 
 using namespace gradwatch::alerts;
+using gradwatch::testing::TempDir;
 using gradwatch::ParamKind;
 
 namespace {
@@ -27,24 +29,6 @@ std::filesystem::path DefaultRulesPath() {
   return std::filesystem::path(__FILE__).parent_path().parent_path().parent_path().parent_path() /
          "alerts/rules/default.yaml";
 }
-
-class TempDir {
- public:
-  TempDir() {
-    path_ = std::filesystem::temp_directory_path() /
-            ("gradwatch_rules_test_" + std::to_string(reinterpret_cast<uintptr_t>(this)));
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string Write(const std::string& name, const std::string& text) const {
-    const auto p = path_ / name;
-    std::ofstream(p) << text;
-    return p.string();
-  }
-
- private:
-  std::filesystem::path path_;
-};
 
 }  // namespace
 

@@ -32,12 +32,14 @@
 #include <vector>
 
 #include "server/analytics/regression.h"
+#include "tests/support/temp_dir.h"
 
 #ifndef GRADWATCH_PROMTOOL
 #define GRADWATCH_PROMTOOL ""
 #endif
 
 using namespace gradwatch::analytics;
+using gradwatch::testing::TempDir;
 
 namespace {
 
@@ -66,29 +68,6 @@ std::string FindPromtool() {
   }
   return "";
 }
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "gradwatch-promql-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) != nullptr) {
-      path_ = pattern;
-    }
-  }
-  ~TempDir() {
-    if (!path_.empty()) {
-      std::error_code ignored;
-      std::filesystem::remove_all(path_, ignored);
-    }
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 struct CommandResult {
   int exit_code = -1;

@@ -8,20 +8,13 @@
 #include <prometheus/text_serializer.h>
 
 #include "server/export/metrics_collector.h"
+#include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
 using namespace std::chrono_literals;
+using gradwatch::runs::testing::RecordingSink;
 
 namespace {
-
-class NullSink final : public runs::StreamSink {
- public:
-  void SendAck(uint64_t, uint64_t) override {}
-  void SendError(const runs::IngestError&) override {}
-  void Supersede() override {}
-  void SendAlert(const alerts::Alert&) override {}
-  void SendFinished(const std::string&, uint64_t) override {}
-};
 
 const prometheus::MetricFamily* FindFamily(const std::vector<prometheus::MetricFamily>& families,
                                            const std::string& name) {
@@ -74,7 +67,7 @@ class CollectorFixture {
 
   FakeClock clock_;
   runs::DaemonStats stats_;
-  NullSink sink_;
+  RecordingSink sink_;
   runs::RunRegistry registry_{EndAfterOneMinute(), 8, &stats_, &clock_};
 };
 

@@ -12,39 +12,16 @@
 #include "server/runs/memory_budget.h"
 #include "server/runs/registry.h"
 #include "server/store/journal.h"
+#include "tests/support/temp_dir.h"
+#include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
+using gradwatch::runs::testing::RecordingSink;
+using gradwatch::testing::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
-
-class NullSink final : public StreamSink {
- public:
-  void SendAck(uint64_t, uint64_t) override {}
-  void SendError(const IngestError&) override {}
-  void Supersede() override {}
-  void SendAlert(const alerts::Alert&) override {}
-  void SendFinished(const std::string&, uint64_t) override {}
-};
-
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("gradwatch_budget_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string File(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
 
 RunMeta Hello(const std::string& id, size_t params) {
   RunMeta m;
@@ -102,7 +79,7 @@ TEST_CASE("a run's memory grows with what it reports, not with its catalog", "[r
   // 290 KB each, 57 GB for this catalog.
   const size_t empty = run.MemoryBytes();
   CHECK(empty < 65536 * 3 * 256);
-  NullSink sink;
+  RecordingSink sink;
   AttachInfo info;
   REQUIRE_FALSE(run.Attach(meta, 0, &sink, &info));
   for (uint64_t s = 1; s <= 100; ++s) REQUIRE_FALSE(run.AddStep(0, Step(s, 7), &sink));
@@ -119,8 +96,8 @@ TEST_CASE("a hello beyond the memory budget is refused and nothing of it is jour
   TempDir dir;
   FakeClock clock;
   DaemonStats stats;
-  NullSink sink;
-  auto journal = store::Journal::Open({.path = dir.File("journal.db")}, nullptr);
+  RecordingSink sink;
+  auto journal = store::Journal::Open({.path = dir.db()}, nullptr);
   REQUIRE(journal.ok());
   const RunMeta small = Hello("small", 10);
   const RunMeta big = Hello("big", 65536);
@@ -161,8 +138,8 @@ TEST_CASE("a hello beyond the memory budget is refused and nothing of it is jour
 TEST_CASE("a journaled run beyond the budget is skipped at start, counted, and the rest restored", "[runs]") {
   TempDir dir;
   FakeClock clock;
-  NullSink sink;
-  auto journal = store::Journal::Open({.path = dir.File("journal.db")}, nullptr);
+  RecordingSink sink;
+  auto journal = store::Journal::Open({.path = dir.db()}, nullptr);
   REQUIRE(journal.ok());
   const RunMeta small = Hello("small", 10);
   const RunMeta big = Hello("big", 2000);
@@ -206,7 +183,7 @@ TEST_CASE("series stop growing when the budget is spent, and keep every step", "
   REQUIRE(budget.TryCharge(catalog));
   Run run(meta, options, nullptr, nullptr, &clock, true);
   run.AdoptCharge(catalog);
-  NullSink sink;
+  RecordingSink sink;
   AttachInfo info;
   REQUIRE_FALSE(run.Attach(meta, 0, &sink, &info));
   for (uint64_t s = 1; s <= 20000; ++s) {

@@ -6,21 +6,14 @@
 #include <vector>
 
 #include "server/runs/registry.h"
+#include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
 using namespace std::chrono_literals;
+using gradwatch::runs::testing::RecordingSink;
 
 namespace {
-
-class NullSink final : public StreamSink {
- public:
-  void SendAck(uint64_t, uint64_t) override {}
-  void SendError(const IngestError&) override {}
-  void Supersede() override {}
-  void SendAlert(const alerts::Alert&) override {}
-  void SendFinished(const std::string&, uint64_t) override {}
-};
 
 struct LeftHook final : AlertHook {
   std::vector<alerts::Transition> OnStep(const alerts::RunFacts&) override { return {}; }
@@ -41,7 +34,7 @@ struct Fixture {
   FakeClock clock;
   DaemonStats stats;
   LeftHook hook;
-  NullSink sink;
+  RecordingSink sink;
   std::unique_ptr<RunRegistry> registry;
   explicit Fixture(size_t max_runs) {
     RunOptions options;

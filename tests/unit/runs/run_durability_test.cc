@@ -11,46 +11,22 @@
 
 #include "server/runs/run.h"
 #include "server/store/journal.h"
+#include "tests/support/temp_dir.h"
+#include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
-
-namespace {
-
-class EventAckSink final : public StreamSink {
- public:
-  void SendAck(uint64_t, uint64_t) override {}
-  void SendError(const IngestError&) override {}
-  void Supersede() override {}
-  void SendAlert(const alerts::Alert&) override {}
-  void SendFinished(const std::string&, uint64_t) override {}
-  void SendEventAck(uint64_t seq, uint64_t step) override { acks.emplace_back(seq, step); }
-  std::vector<std::pair<uint64_t, uint64_t>> acks;  // (seq, step)
-};
-
-struct JournalDir {
-  std::filesystem::path path;
-  JournalDir() {
-    std::random_device rd;
-    path = std::filesystem::temp_directory_path() / ("gradwatch-run-events-" + std::to_string(rd()));
-    std::filesystem::create_directories(path);
-  }
-  ~JournalDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
-
-}  // namespace
+using gradwatch::runs::testing::RecordingSink;
+using gradwatch::testing::TempDir;
 
 TEST_CASE("an event is acked once committed and a resend is stored once", "[runs]") {
-  JournalDir dir;
+  TempDir dir;
   FakeClock clock;
   RunOptions options;
   DaemonStats stats;
   Run* run_for_commits = nullptr;
   store::JournalOptions journal_options;
-  journal_options.path = (dir.path / "journal.db").string();
+  journal_options.path = dir.db();
   // No commit starts on its own: only Flush cuts the group window short.
   journal_options.max_delay = std::chrono::hours(1);
   auto journal = store::Journal::Open(journal_options, [&](const store::CommitReport& report) {
@@ -61,19 +37,19 @@ TEST_CASE("an event is acked once committed and a resend is stored once", "[runs
   meta.run_id = "r1";
   Run run(meta, options, journal.value().get(), &stats, &clock, true);
   run_for_commits = &run;
-  EventAckSink sink;
+  RecordingSink sink;
   AttachInfo info;
   REQUIRE_FALSE(run.Attach(meta, 0, &sink, &info).has_value());
 
   REQUIRE_FALSE(run.AddEvent({10, "switched routing", "trainer", 0}, 0, 7, &sink).has_value());
-  CHECK(sink.acks.empty());  // queued, not committed
+  CHECK(sink.event_acks.empty());  // queued, not committed
   REQUIRE(journal.value()->Flush().ok());
-  CHECK(sink.acks == std::vector<std::pair<uint64_t, uint64_t>>{{7, 10}});
+  CHECK(sink.event_acks == std::vector<std::pair<uint64_t, uint64_t>>{{7, 10}});
 
   // The client did not see the ack (its stream broke) and sends the event again.
   REQUIRE_FALSE(run.AddEvent({10, "switched routing", "trainer", 0}, 0, 12, &sink).has_value());
   REQUIRE(journal.value()->Flush().ok());
-  CHECK(sink.acks == std::vector<std::pair<uint64_t, uint64_t>>{{7, 10}, {12, 10}});
+  CHECK(sink.event_acks == std::vector<std::pair<uint64_t, uint64_t>>{{7, 10}, {12, 10}});
   // Another text at the same step is another event.
   REQUIRE_FALSE(run.AddEvent({10, "lr decay", "trainer", 0}, 0, 13, &sink).has_value());
   REQUIRE(journal.value()->Flush().ok());
@@ -86,24 +62,24 @@ TEST_CASE("an event is acked once committed and a resend is stored once", "[runs
   REQUIRE_FALSE(run.AddEvent({20, "data mix changed", "trainer", 0}, 0, 14, &sink).has_value());
   run.Detach(0, &sink);
   REQUIRE(journal.value()->Flush().ok());
-  CHECK(sink.acks.size() == 3);
+  CHECK(sink.event_acks.size() == 3);
   run_for_commits = nullptr;
   journal.value()->Stop();
 }
 
 TEST_CASE("while the journal cannot commit, a rank's steps are refused until its next Hello", "[runs]") {
-  JournalDir dir;
+  TempDir dir;
   FakeClock clock;
   RunOptions options;
   DaemonStats stats;
   store::JournalOptions journal_options;
-  journal_options.path = (dir.path / "journal.db").string();
+  journal_options.path = dir.db();
   auto journal = store::Journal::Open(journal_options, nullptr);
   REQUIRE(journal.ok());
   RunMeta meta;
   meta.run_id = "r1";
   Run run(meta, options, journal.value().get(), &stats, &clock, true);
-  EventAckSink sink;
+  RecordingSink sink;
   AttachInfo info;
   REQUIRE_FALSE(run.Attach(meta, 0, &sink, &info).has_value());
   RankStep step;

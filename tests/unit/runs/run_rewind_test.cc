@@ -12,45 +12,18 @@
 #include "server/runs/registry.h"
 #include "server/runs/run.h"
 #include "server/store/journal.h"
+#include "tests/support/temp_dir.h"
+#include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
 using namespace std::chrono_literals;
+using gradwatch::runs::testing::RecordingSink;
+using gradwatch::testing::TempDir;
 
 namespace {
 
 namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() / ("gradwatch_rewind_test_" + std::to_string(::getpid()) + "_" +
-                                         std::to_string(counter++) + "_" + std::to_string(std::random_device{}()));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string db() const { return (path_ / "journal.db").string(); }
-
- private:
-  fs::path path_;
-};
-
-class RecordingSink final : public StreamSink {
- public:
-  void SendAck(uint64_t durable_step, uint64_t seq) override { acks.push_back({durable_step, seq}); }
-  void SendError(const IngestError& error) override { errors.push_back(error); }
-  void Supersede() override { superseded = true; }
-  void SendAlert(const alerts::Alert& alert) override { alerts.push_back(alert); }
-  void SendFinished(const std::string&, uint64_t) override {}
-  std::vector<alerts::Alert> alerts;
-  std::vector<std::pair<uint64_t, uint64_t>> acks;
-  std::vector<IngestError> errors;
-  bool superseded = false;
-};
 
 // Records rewinds and answers them with one resolved alert, as the engine would.
 class RecordingHook final : public AlertHook {

@@ -5,26 +5,14 @@
 #include <vector>
 
 #include "server/runs/run.h"
+#include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
 using namespace std::chrono_literals;
+using gradwatch::runs::testing::RecordingSink;
 
 namespace {
-
-class RecordingSink final : public StreamSink {
- public:
-  void SendAck(uint64_t durable_step, uint64_t seq) override { acks.push_back({durable_step, seq}); }
-  void SendError(const IngestError& error) override { errors.push_back(error); }
-  void Supersede() override { superseded = true; }
-  void SendAlert(const alerts::Alert& alert) override { alerts.push_back(alert); }
-  void SendFinished(const std::string&, uint64_t seq) override { finished.push_back(seq); }
-  std::vector<alerts::Alert> alerts;
-  std::vector<uint64_t> finished;
-  std::vector<std::pair<uint64_t, uint64_t>> acks;
-  std::vector<IngestError> errors;
-  bool superseded = false;
-};
 
 RunMeta Meta(uint32_t world_size = 1) {
   RunMeta m;

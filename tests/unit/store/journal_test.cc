@@ -20,36 +20,17 @@
 
 #include "server/core/types.h"
 #include "server/store/journal.h"
+#include "tests/support/temp_dir.h"
 
 using namespace gradwatch;
 using namespace gradwatch::store;
+using gradwatch::testing::TempDir;
 
 namespace {
 
 namespace fs = std::filesystem;
 
 // A fresh directory per test, removed with everything in it at the end.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    std::random_device rd;
-    path_ = fs::temp_directory_path() /
-            ("gradwatch_journal_test_" + std::to_string(::getpid()) + "_" +
-             std::to_string(counter++) + "_" + std::to_string(rd()));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  std::string db() const { return (path_ / "journal.db").string(); }
-
- private:
-  fs::path path_;
-};
-
 // Collects what Load hands out, in order.
 struct Recorder : JournalVisitor {
   struct Run {
