@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -90,7 +91,9 @@ Status Daemon::Start() {
 
   const auto load_start = std::chrono::steady_clock::now();
   if (Status s = registry_->Load(); !s.ok()) {
-    return Status(s.code(), "rebuilding from the journal " + journal_options.path + ": " + s.message());
+    // Stopping here would only make a restart loop: serve with the runs that could be read.
+    spdlog::error("rebuilding from the journal {}: {}; going on with the {} runs read before it",
+                  journal_options.path, s.message(), registry_->run_count());
   }
   spdlog::info("rebuilt {} runs from {} in {:.2f} s", registry_->run_count(), journal_options.path,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
@@ -175,6 +178,23 @@ Status Daemon::LockDataDir() {
   return Status::Ok();
 }
 
+void Daemon::RelockDataDirIfGone() {
+  const std::string path = (std::filesystem::path(config_.data_dir) / "LOCK").string();
+  struct stat held {}, found {};
+  if (lock_fd_ < 0 || ::fstat(lock_fd_, &held) != 0) return;
+  if (::stat(path.c_str(), &found) == 0 && found.st_dev == held.st_dev && found.st_ino == held.st_ino) return;
+  if (!std::filesystem::is_directory(config_.data_dir)) return;  // the journal recreates it
+  const int old_fd = lock_fd_;
+  if (Status s = LockDataDir(); !s.ok()) {
+    lock_fd_ = old_fd;
+    spdlog::error("data_dir {}: its LOCK file was deleted and cannot be taken again: {}", config_.data_dir,
+                  s.message());
+    return;
+  }
+  ::close(old_fd);
+  spdlog::warn("data_dir {}: its LOCK file was deleted; locked a new one", config_.data_dir);
+}
+
 StatusOr<size_t> Daemon::ReloadRules() {
   return alerting_->Reload(config_.default_rules, config_.rule_files, config_.run_stalled_after_seconds,
                            clock_->UnixSeconds());
@@ -228,6 +248,7 @@ void Daemon::TickLoop() {
     if (stopping_) break;
     lock.unlock();
     UpdateIngestHealth();
+    RelockDataDirIfGone();
     registry_->Tick();
     if (++ticks % kTicksPerAlertTimer == 0) {
       alerting_->Tick(*registry_, clock_->UnixSeconds());

@@ -69,6 +69,9 @@ class Daemon {
   void PruneOld();
   // Takes an exclusive lock on data_dir/LOCK for the daemon's life.
   Status LockDataDir();
+  // The data directory (or its LOCK file) was deleted under the daemon: lock a new LOCK file, so
+  // that a second daemon cannot start on the recreated directory. On the ticker thread.
+  void RelockDataDirIfGone();
   // Opens the alert store, builds the dispatcher when receivers are configured, starts alerting.
   Status StartAlerting(const std::string& journal_path);
 

@@ -158,7 +158,8 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
                               MetricType::Counter);
   Add(outbox_pruned, {}, static_cast<double>(stats_->outbox_pruned_rows.load()));
   auto not_restored = Family("gradwatch_runs_not_restored_total",
-                             "Journaled runs skipped when rebuilding (beyond the memory budget, or out of memory); "
+                             "Journaled runs skipped when rebuilding (beyond the memory budget, out of memory, or rows that "
+                             "cannot be read); "
                              "the journal keeps them.",
                              MetricType::Counter);
   Add(not_restored, {}, static_cast<double>(stats_->runs_not_restored.load()));
@@ -236,12 +237,29 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     Add(faults, {}, static_cast<double>(journal_->storage_fault_count()));
     auto recovery = Family("gradwatch_journal_recovery_problems",
                            "Problems found when the journal was opened at start-up (1 when found), by kind: "
-                           "wal_missing, discarded_tail, damaged.",
+                           "wal_missing, discarded_tail, damaged, moved_aside (a damaged journal renamed aside "
+                           "and salvaged into a fresh one).",
                            MetricType::Gauge);
     const store::RecoveryReport& r = journal_->recovery();
     Add(recovery, {{"problem", "wal_missing"}}, r.wal_missing ? 1.0 : 0.0);
     Add(recovery, {{"problem", "discarded_tail"}}, r.discarded_frames > 0 ? 1.0 : 0.0);
     Add(recovery, {{"problem", "damaged"}}, r.damaged ? 1.0 : 0.0);
+    Add(recovery, {{"problem", "moved_aside"}}, r.moved_aside ? 1.0 : 0.0);
+    auto salvage = Family("gradwatch_journal_salvaged_runs",
+                          "Runs of a damaged journal copied into the fresh one at start-up (outcome=salvaged), "
+                          "and those that could not be read (outcome=lost).",
+                          MetricType::Gauge);
+    Add(salvage, {{"outcome", "salvaged"}}, static_cast<double>(r.salvaged_runs));
+    Add(salvage, {{"outcome", "lost"}}, static_cast<double>(r.lost_runs));
+    auto files_lost = Family("gradwatch_journal_files_lost_total",
+                             "Times the journal's files vanished or were replaced while the daemon ran (data "
+                             "directory deleted...).",
+                             MetricType::Counter);
+    Add(files_lost, {}, static_cast<double>(journal_->files_lost_count()));
+    auto rebuilds = Family("gradwatch_journal_rebuilds_total",
+                           "Times the journal was rebuilt from its open connection after its files were lost.",
+                           MetricType::Counter);
+    Add(rebuilds, {}, static_cast<double>(journal_->rebuild_count()));
     auto disk = Family("gradwatch_journal_disk_bytes",
                        "Size of the journal database with its WAL and shared-memory files (outbox included).",
                        MetricType::Gauge);
@@ -258,6 +276,9 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     out.push_back(std::move(healthy));
     out.push_back(std::move(faults));
     out.push_back(std::move(recovery));
+    out.push_back(std::move(salvage));
+    out.push_back(std::move(files_lost));
+    out.push_back(std::move(rebuilds));
     out.push_back(std::move(disk));
     out.push_back(std::move(pruned_runs));
     out.push_back(std::move(pruned_rows));

@@ -9,8 +9,8 @@
 namespace gradwatch::runs {
 
 // Builds runs from what the journal hands out (start-up, or one run coming back). A run it cannot
-// hold (its catalog beyond the memory budget, or an allocation failing while it is rebuilt) is
-// skipped, with an error logged and counted: the daemon starts without it rather than not at all.
+// hold (its catalog beyond the memory budget, an allocation failing while it is rebuilt, or rows
+// the journal cannot read) is skipped, with an error logged and counted: the daemon starts without it rather than not at all.
 class RunRegistry::Loader final : public store::JournalVisitor {
  public:
   Loader(const RunRegistry& registry, bool skip_archived) : registry_(registry), skip_archived_(skip_archived) {}
@@ -56,6 +56,10 @@ class RunRegistry::Loader final : public store::JournalVisitor {
   }
   void OnRewind(const std::string& run_id, uint64_t from_step) override {
     Guarded(run_id, [&](Run& run) { run.RestoreRewind(from_step); });
+  }
+  void OnRunFailed(const std::string& run_id, const Status& why) override {
+    runs.erase(run_id);
+    Skip(run_id, "its rows cannot be read (" + why.message() + ")");
   }
 
   // Maps every restored run's series (Run::FinishRestore), skipping one that runs out of memory.

@@ -1,6 +1,7 @@
 #include "server/store/alert_store.h"
 
 #include <sqlite3.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -63,15 +64,18 @@ alerts::Acknowledgement AckFromJson(const std::string& text) {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<AlertStore>> AlertStore::Open(const std::string& path) {
+namespace {
+
+// Opens the journal's file at `path` (creating it only when `create`) with the settings and the
+// tables the alert store needs; null with *error on failure.
+sqlite3* OpenDb(const std::string& path, bool create, std::string* error) {
   sqlite3* db = nullptr;
-  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
-                      nullptr) != SQLITE_OK) {
-    std::string message = db ? sqlite3_errmsg(db) : "out of memory";
+  const int flags = SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX | (create ? SQLITE_OPEN_CREATE : 0);
+  if (sqlite3_open_v2(path.c_str(), &db, flags, nullptr) != SQLITE_OK) {
+    *error = "cannot open " + path + ": " + (db ? sqlite3_errmsg(db) : "out of memory");
     sqlite3_close(db);
-    return Status::IoError("outbox: cannot open " + path + ": " + message);
+    return nullptr;
   }
-  std::unique_ptr<AlertStore> outbox(new AlertStore(db));
   sqlite3_busy_timeout(db, 5000);
   for (const char* sql : {"PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL",
                           "CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, "
@@ -86,12 +90,60 @@ StatusOr<std::unique_ptr<AlertStore>> AlertStore::Open(const std::string& path) 
                           "CREATE TABLE IF NOT EXISTS silences (id TEXT PRIMARY KEY, matchers TEXT NOT NULL, "
                           "starts_at REAL NOT NULL, ends_at REAL NOT NULL, comment TEXT NOT NULL, "
                           "created_by TEXT NOT NULL)"}) {
-    if (auto s = outbox->Exec(sql); !s.ok()) return Status::IoError(s.message());
+    char* err = nullptr;
+    if (sqlite3_exec(db, sql, nullptr, nullptr, &err) != SQLITE_OK) {
+      *error = std::string("outbox: ") + sql + ": " + (err ? err : sqlite3_errmsg(db));
+      sqlite3_free(err);
+      sqlite3_close(db);
+      return nullptr;
+    }
   }
-  return outbox;
+  return db;
 }
 
-AlertStore::~AlertStore() { sqlite3_close(db_); }
+}  // namespace
+
+StatusOr<std::unique_ptr<AlertStore>> AlertStore::Open(const std::string& path) {
+  std::string error;
+  sqlite3* db = OpenDb(path, true, &error);
+  if (db == nullptr) return Status::IoError("outbox: " + error);
+  std::unique_ptr<AlertStore> store(new AlertStore(path, db));
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) store->dev_ = st.st_dev, store->ino_ = st.st_ino;
+  return store;
+}
+
+notify::Status AlertStore::FollowFileLocked() {
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) != 0) {
+    return notify::NotifyError("outbox: the journal '" + path_ + "' vanished; waiting until it is rebuilt");
+  }
+  if (static_cast<uint64_t>(st.st_dev) == dev_ && static_cast<uint64_t>(st.st_ino) == ino_) {
+    return notify::Status::Ok();
+  }
+  std::string error;
+  sqlite3* fresh = OpenDb(path_, false, &error);
+  if (fresh == nullptr) return notify::NotifyError("outbox: following the rebuilt journal: " + error);
+  // The old files are gone or someone else's: close without the checkpoint that would delete the
+  // WAL by name (the new file's).
+  sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
+  sqlite3_close(db_);
+  db_ = fresh;
+  dev_ = st.st_dev;
+  ino_ = st.st_ino;
+  spdlog::warn("outbox: the journal '{}' was rebuilt; alert states and notifications go to the new file", path_);
+  return notify::Status::Ok();
+}
+
+AlertStore::~AlertStore() {
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) != 0 || static_cast<uint64_t>(st.st_dev) != dev_ ||
+      static_cast<uint64_t>(st.st_ino) != ino_) {
+    // Not the file at the path any more: the checkpoint at close would delete that file's WAL.
+    sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
+  }
+  sqlite3_close(db_);
+}
 
 notify::Status AlertStore::Exec(const char* sql) {
   char* err = nullptr;
@@ -154,6 +206,7 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
 
 notify::Result<alerts::SavedState> AlertStore::LoadState() {
   std::lock_guard lock(mu_);
+  if (auto s = FollowFileLocked(); !s.ok()) return s;
   alerts::SavedState saved;
   Stmt q(db_,
          "SELECT fingerprint, run, rule, alert, held_since_step, clearing, clearing_since_step, notified, ack "
@@ -214,6 +267,7 @@ notify::Result<alerts::SavedState> AlertStore::LoadState() {
 notify::Result<std::vector<uint64_t>> AlertStore::Write(std::vector<notify::OutboxEntry> entries,
                                                         const alerts::StateChanges& states) {
   std::lock_guard lock(mu_);
+  if (auto s = FollowFileLocked(); !s.ok()) return s;
   if (auto s = Exec("BEGIN IMMEDIATE"); !s.ok()) return s;
   std::vector<uint64_t> ids;
   Stmt insert(db_,
@@ -254,6 +308,7 @@ notify::Result<std::vector<uint64_t>> AlertStore::Write(std::vector<notify::Outb
 notify::Result<std::vector<notify::OutboxEntry>> AlertStore::Pending(std::string_view receiver, size_t limit,
                                                                      double now) {
   std::lock_guard lock(mu_);
+  if (auto s = FollowFileLocked(); !s.ok()) return s;
   // Due entries first; an entry waits (is left out) while an older one of its fingerprint is not due.
   Stmt q(db_,
          "SELECT id, receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at FROM outbox o "
@@ -285,6 +340,7 @@ notify::Result<std::vector<notify::OutboxEntry>> AlertStore::Pending(std::string
 
 notify::Result<uint64_t> AlertStore::PendingCount(std::string_view receiver) {
   std::lock_guard lock(mu_);
+  if (auto s = FollowFileLocked(); !s.ok()) return s;
   Stmt q(db_, "SELECT count(*) FROM outbox WHERE receiver = ? AND delivery = 0");
   if (!q.ok()) return Error(db_, "preparing count");
   BindText(q.get(), 1, receiver);
@@ -294,6 +350,7 @@ notify::Result<uint64_t> AlertStore::PendingCount(std::string_view receiver) {
 
 notify::Status AlertStore::SetState(uint64_t id, int state, std::string_view error) {
   std::lock_guard lock(mu_);
+  if (auto s = FollowFileLocked(); !s.ok()) return s;
   Stmt u(db_, "UPDATE outbox SET delivery = ?, error = ? WHERE id = ?");
   if (!u.ok()) return Error(db_, "preparing update");
   sqlite3_bind_int(u.get(), 1, state);
@@ -305,6 +362,7 @@ notify::Status AlertStore::SetState(uint64_t id, int state, std::string_view err
 
 notify::Result<uint64_t> AlertStore::PruneDone(double created_before, size_t max_rows) {
   std::lock_guard lock(mu_);
+  if (auto s = FollowFileLocked(); !s.ok()) return s;
   Stmt d(db_,
          "DELETE FROM outbox WHERE id IN (SELECT id FROM outbox WHERE delivery IN (?, ?) AND created_at < ? "
          "ORDER BY id LIMIT ?)");
@@ -324,6 +382,7 @@ notify::Status AlertStore::MarkFailed(uint64_t id, std::string_view error) { ret
 notify::Status AlertStore::MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts,
                                        std::string_view error) {
   std::lock_guard lock(mu_);
+  if (auto s = FollowFileLocked(); !s.ok()) return s;
   Stmt u(db_, "UPDATE outbox SET attempts = ?, next_attempt_at = ?, error = ? WHERE id = ?");
   if (!u.ok()) return Error(db_, "preparing retry update");
   sqlite3_bind_int64(u.get(), 1, attempts);

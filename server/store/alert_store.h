@@ -18,6 +18,9 @@ namespace gradwatch::store {
 class AlertStore final : public notify::Outbox {
  public:
   // Opens `path` (the journal's file; WAL mode lets both connections work) and creates the tables.
+  // When the file at `path` is replaced (the journal rebuilt it after its data directory was
+  // deleted), every call switches to the new file first; while there is none, calls fail (and are
+  // retried by their callers).
   static StatusOr<std::unique_ptr<AlertStore>> Open(const std::string& path);
   ~AlertStore() override;
 
@@ -38,13 +41,16 @@ class AlertStore final : public notify::Outbox {
   notify::Result<uint64_t> PruneDone(double created_before, size_t max_rows);
 
  private:
-  explicit AlertStore(sqlite3* db) : db_(db) {}
+  AlertStore(std::string path, sqlite3* db) : path_(std::move(path)), db_(db) {}
+  notify::Status FollowFileLocked();  // see Open
   notify::Status Exec(const char* sql);
   notify::Status ApplyLocked(const alerts::StateChanges& states);  // inside a transaction
   notify::Status SetState(uint64_t id, int state, std::string_view error);
 
+  const std::string path_;
   std::mutex mu_;
   sqlite3* db_;  // guarded by mu_
+  uint64_t dev_ = 0, ino_ = 0;  // guarded by mu_: the file db_ opened
 };
 
 }  // namespace gradwatch::store

@@ -1,15 +1,17 @@
 #include "server/store/journal.h"
 
+#include <fcntl.h>
 #include <sqlite3.h>
 #include <sys/stat.h>
-
-#include <cerrno>
+#include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <exception>
 #include <filesystem>
 #include <limits>
@@ -601,8 +603,302 @@ struct Journal::Statements {
   }
 };
 
-StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
-                                                 CommitCallback on_commit) {
+// An open connection with its statements, and the identity (device, inode) of the files it
+// opened. Closes on destruction; one whose files must stay as they are (damaged, or lost) is
+// closed without the checkpoint SQLite makes at close, which would also delete the WAL by name.
+struct Journal::Connection {
+  sqlite3* db = nullptr;
+  std::unique_ptr<Statements> statements;
+  uint64_t db_dev = 0, db_ino = 0, wal_dev = 0, wal_ino = 0;
+  bool keep_files = true;  // until it opened cleanly
+
+  Connection() = default;
+  Connection(Connection&& o) noexcept { *this = std::move(o); }
+  Connection& operator=(Connection&& o) noexcept {
+    Close();
+    db = std::exchange(o.db, nullptr);
+    statements = std::move(o.statements);
+    db_dev = o.db_dev, db_ino = o.db_ino, wal_dev = o.wal_dev, wal_ino = o.wal_ino;
+    keep_files = o.keep_files;
+    return *this;
+  }
+  ~Connection() { Close(); }
+
+  void Close() {
+    statements.reset();  // sqlite3_close refuses a connection with live statements
+    if (db == nullptr) return;
+    if (keep_files) sqlite3_db_config(db, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
+    sqlite3_close(db);
+    db = nullptr;
+  }
+};
+
+namespace {
+
+// The tables that hold runs' rows, each with a run_id column: copied run by run when salvaging.
+constexpr std::array<const char*, 9> kRunTables = {"runs",    "params",  "series",          "steps",
+                                                   "rank_progress", "events", "rewinds", "abandoned_steps",
+                                                   "abandoned_events"};
+constexpr auto kIdleFileCheck = std::chrono::seconds(1);
+
+// SQLite says the file's contents are the problem, not the storage under it.
+bool IsDamage(sqlite3* db) {
+  const int code = sqlite3_errcode(db) & 0xff;
+  return code == SQLITE_CORRUPT || code == SQLITE_NOTADB;
+}
+
+bool FileId(const std::string& path, uint64_t& dev, uint64_t& ino) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return false;
+  dev = st.st_dev;
+  ino = st.st_ino;
+  return true;
+}
+
+// `<path>.<what>-<UTC time>`, with a counter when that name is taken.
+std::string AsideName(const std::string& path, const char* what) {
+  char stamp[32];
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  std::strftime(stamp, sizeof stamp, "%Y%m%dT%H%M%SZ", &utc);
+  const std::string base = path + "." + what + "-" + stamp;
+  std::string name = base;
+  std::error_code ec;
+  for (int i = 2; std::filesystem::exists(name, ec) || std::filesystem::exists(name + "-wal", ec); ++i) {
+    name = base + "-" + std::to_string(i);
+  }
+  return name;
+}
+
+// Renames the database at `path` and its -wal and -shm files (those that exist) to `to` with the
+// same suffixes, the database first; appends the new names to *moved.
+Status RenameFiles(const std::string& path, const std::string& to, std::vector<std::string>* moved) {
+  for (const char* suffix : {"", "-wal", "-shm"}) {
+    std::error_code ec;
+    if (!std::filesystem::exists(path + suffix, ec)) continue;
+    std::filesystem::rename(path + suffix, to + suffix, ec);
+    if (ec) return Status::IoError("cannot rename " + path + suffix + " to " + to + suffix + ": " + ec.message());
+    moved->push_back(to + suffix);
+  }
+  return Status::Ok();
+}
+
+std::string QuoteName(const std::string& name) {
+  std::string out = "\"";
+  for (char c : name) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+// The column names of schema.table (empty when the table is missing or unreadable).
+std::vector<std::string> Columns(sqlite3* db, const char* schema, const std::string& table) {
+  std::vector<std::string> out;
+  Stmt info;
+  const std::string sql = std::string("PRAGMA ") + schema + ".table_info(" + QuoteName(table) + ")";
+  if (!Prepare(db, sql.c_str(), false, info).ok()) return out;
+  StmtUse use(info);
+  Status s;
+  while (use.Row(&s, "table_info")) out.push_back(use.ColText(1));
+  return out;
+}
+
+// Copies into the fresh journal `db` what can be read from the damaged one at `damaged_path`,
+// attached read-only: each run whole (its rows in every run table, one transaction per run) or not
+// at all, then every other table (the alert store's) whole or not at all.
+void Salvage(sqlite3* db, const std::string& damaged_path, RecoveryReport& report) {
+  std::string uri = "file:";
+  for (char c : damaged_path) {
+    if (c == '%' || c == '?' || c == '#') {
+      char hex[4];
+      std::snprintf(hex, sizeof hex, "%%%02X", static_cast<unsigned char>(c));
+      uri += hex;
+    } else {
+      uri += c;
+    }
+  }
+  uri += "?mode=ro";
+  {
+    Stmt attach;
+    if (Status s = Prepare(db, "ATTACH DATABASE ?1 AS damaged", false, attach); !s.ok()) {
+      report.detail += "cannot read the damaged file: " + s.message() + ". ";
+      return;
+    }
+    StmtUse use(attach);
+    use.Text(1, uri);
+    if (Status s = use.Done("attaching the damaged journal"); !s.ok()) {
+      report.detail += "cannot read the damaged file: " + s.message() + ". ";
+      return;
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> tables;  // name, CREATE statement
+  Status listed;
+  {
+    Stmt q;
+    listed = Prepare(db,
+                     "SELECT name, sql FROM damaged.sqlite_master WHERE type = 'table' AND "
+                     "name NOT LIKE 'sqlite_%' ORDER BY name",
+                     false, q);
+    if (listed.ok()) {
+      StmtUse use(q);
+      while (use.Row(&listed, "reading the damaged schema")) tables.emplace_back(use.ColText(0), use.ColText(1));
+    }
+  }
+  if (!listed.ok()) {
+    report.detail += "its schema cannot be read (" + listed.message() + "): nothing could be salvaged. ";
+    tables.clear();
+  }
+  auto has_table = [&](const std::string& name) {
+    return std::any_of(tables.begin(), tables.end(), [&](const auto& t) { return t.first == name; });
+  };
+  // The runs, each copied with its rows from every run table in one transaction.
+  std::vector<std::string> run_ids;
+  if (has_table("runs")) {
+    Stmt q;
+    Status s = Prepare(db, "SELECT run_id FROM damaged.runs", false, q);
+    if (s.ok()) {
+      StmtUse use(q);
+      while (use.Row(&s, "reading the damaged runs table")) run_ids.push_back(use.ColText(0));
+    }
+    if (!s.ok()) {
+      report.detail += "the runs table is damaged: only the " + std::to_string(run_ids.size()) +
+                       " run(s) listed before the damage could be salvaged (" + s.message() + "). ";
+    }
+  }
+  std::vector<Stmt> copies;
+  for (const char* table : kRunTables) {
+    if (!has_table(table)) continue;
+    const std::vector<std::string> fresh = Columns(db, "main", table);
+    const std::vector<std::string> old = Columns(db, "damaged", table);
+    std::string cols;
+    for (const std::string& c : fresh) {
+      if (std::find(old.begin(), old.end(), c) == old.end()) continue;
+      cols += (cols.empty() ? "" : ", ") + QuoteName(c);
+    }
+    if (cols.empty()) continue;
+    const std::string sql = std::string("INSERT OR REPLACE INTO main.") + table + "(" + cols + ") SELECT " + cols +
+                            " FROM damaged." + table + " WHERE run_id = ?1";
+    Stmt copy;
+    if (Prepare(db, sql.c_str(), false, copy).ok()) copies.push_back(std::move(copy));
+  }
+  for (const std::string& id : run_ids) {
+    Status s = Exec(db, "BEGIN IMMEDIATE");
+    for (size_t i = 0; s.ok() && i < copies.size(); ++i) {
+      StmtUse use(copies[i]);
+      use.Text(1, id);
+      s = use.Done("copying run '" + id + "'");
+    }
+    if (s.ok()) s = Exec(db, "COMMIT");
+    if (s.ok()) {
+      ++report.salvaged_runs;
+    } else {
+      Exec(db, "ROLLBACK");
+      ++report.lost_runs;
+      report.lost_run_ids.push_back(id);
+      spdlog::error("journal: run {} cannot be salvaged from the damaged journal: {}", id, s.message());
+    }
+  }
+  // Every other table (the alert store's outbox, alert states and silences), whole or not at all.
+  for (const auto& table : tables) {
+    const std::string& name = table.first;
+    const std::string& create = table.second;
+    if (std::find_if(kRunTables.begin(), kRunTables.end(), [&](const char* t) { return name == t; }) !=
+        kRunTables.end()) {
+      continue;
+    }
+    Status s = Exec(db, "BEGIN IMMEDIATE");
+    if (s.ok()) s = Exec(db, create.c_str());
+    if (s.ok()) {
+      Stmt indexes;
+      s = Prepare(db, "SELECT sql FROM damaged.sqlite_master WHERE type = 'index' AND tbl_name = ?1 AND sql IS NOT NULL",
+                  false, indexes);
+      std::vector<std::string> creates;
+      if (s.ok()) {
+        StmtUse use(indexes);
+        use.Text(1, name);
+        while (use.Row(&s, "reading the damaged indexes")) creates.push_back(use.ColText(0));
+      }
+      for (size_t i = 0; s.ok() && i < creates.size(); ++i) s = Exec(db, creates[i].c_str());
+    }
+    if (s.ok()) {
+      const std::string copy = "INSERT INTO main." + QuoteName(name) + " SELECT * FROM damaged." + QuoteName(name);
+      s = Exec(db, copy.c_str());
+    }
+    if (s.ok()) s = Exec(db, "COMMIT");
+    if (!s.ok()) {
+      Exec(db, "ROLLBACK");
+      report.lost_tables.push_back(name);
+      spdlog::error("journal: table {} cannot be salvaged from the damaged journal: {}", name, s.message());
+    }
+  }
+  if (Status s = Exec(db, "DETACH DATABASE damaged"); !s.ok()) {
+    spdlog::warn("journal: detaching the damaged journal: {}", s.message());
+  }
+}
+
+}  // namespace
+
+Status Journal::OpenConnection(const std::string& path, bool check, RecoveryReport& recovery, bool* damaged,
+                               Connection& out) {
+  *damaged = false;
+  Connection conn;
+  const int rc = sqlite3_open_v2(path.c_str(), &conn.db,
+                                 SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX | SQLITE_OPEN_URI,
+                                 nullptr);
+  sqlite3* db = conn.db;
+  auto failed = [&](Status s) {
+    *damaged = db != nullptr && IsDamage(db);
+    return s;
+  };
+  if (rc != SQLITE_OK) return failed(SqliteError(db, "cannot open journal '" + path + "'"));
+  if (sqlite3_busy_timeout(db, kBusyTimeoutMs) != SQLITE_OK) {
+    return failed(SqliteError(db, "journal: setting busy timeout"));
+  }
+  {
+    Stmt mode;
+    if (Status s = Prepare(db, "PRAGMA journal_mode=WAL", false, mode); !s.ok()) return failed(s);
+    StmtUse use(mode);
+    Status s;
+    if (!use.Row(&s, "journal: enabling WAL mode")) {
+      return failed(s.ok() ? Status::Internal("journal: PRAGMA journal_mode returned no row") : s);
+    }
+    if (const std::string got = use.ColText(0); got != "wal") {
+      return Status::IoError("journal '" + path + "': cannot use WAL mode (got '" + got + "')");
+    }
+  }
+  // WAL with FULL fsyncs the log at every commit: an acked step survives a power cut.
+  if (Status s = Exec(db, "PRAGMA synchronous=FULL"); !s.ok()) return failed(s);
+  // Pruning frees pages that later writes reuse; the WAL shrinks back to this after checkpoints.
+  if (Status s = Exec(db, "PRAGMA journal_size_limit=67108864"); !s.ok()) return failed(s);
+  if (check && !QuickCheck(db, &recovery.detail)) {
+    *damaged = true;
+    return Status::IoError("journal '" + path + "' is damaged (PRAGMA quick_check)");
+  }
+  if (Status s = SetUpSchema(db, path); !s.ok()) return failed(s);
+  conn.statements = std::make_unique<Statements>();
+  if (Status s = conn.statements->PrepareAll(db); !s.ok()) return failed(s);
+  if (!FileId(path, conn.db_dev, conn.db_ino)) {
+    return Status::IoError("journal '" + path + "': stat after open: " + std::strerror(errno));
+  }
+  FileId(path + "-wal", conn.wal_dev, conn.wal_ino);  // adopted at the first check if not there yet
+  conn.keep_files = false;
+  out = std::move(conn);
+  return Status::Ok();
+}
+
+Status Journal::MoveAsideAndSalvage(const std::string& path, RecoveryReport& recovery, Connection& out) {
+  const std::string aside = AsideName(path, "damaged");
+  if (Status s = RenameFiles(path, aside, &recovery.moved_files); !s.ok()) return s;
+  recovery.moved_aside = true;
+  RecoveryReport fresh;
+  bool damaged = false;
+  if (Status s = OpenConnection(path, false, fresh, &damaged, out); !s.ok()) {
+    return Status(s.code(), "opening a fresh journal after moving the damaged one aside: " + s.message());
+  }
+  Salvage(out.db, aside, recovery);
+  return Status::Ok();
+}
+
+StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options, CommitCallback on_commit) {
   // SQLite's own message for a missing directory is only "unable to open database file".
   std::error_code ec;
   const std::filesystem::path dir = std::filesystem::path(options.path).parent_path();
@@ -622,60 +918,47 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
   }
   ScanWal(options.path + "-wal", recovery);
 
-  sqlite3* db = nullptr;
-  const int rc = sqlite3_open_v2(options.path.c_str(), &db,
-                                 SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
-                                 nullptr);
-  // Closes the handle on every early return; the Journal takes it over on success.
-  std::unique_ptr<sqlite3, int (*)(sqlite3*)> owned(db, sqlite3_close);
-  if (rc != SQLITE_OK) return SqliteError(db, "cannot open journal '" + options.path + "'");
-  if (sqlite3_busy_timeout(db, kBusyTimeoutMs) != SQLITE_OK) {
-    return SqliteError(db, "journal: setting busy timeout");
-  }
-
-  {
-    Stmt mode;
-    if (Status s = Prepare(db, "PRAGMA journal_mode=WAL", false, mode); !s.ok()) return s;
-    StmtUse use(mode);
-    Status s;
-    if (!use.Row(&s, "journal: enabling WAL mode")) {
-      return s.ok() ? Status::Internal("journal: PRAGMA journal_mode returned no row") : s;
+  Connection conn;
+  bool damaged = false;
+  if (Status s = OpenConnection(options.path, had_db, recovery, &damaged, conn); !s.ok()) {
+    if (!damaged) {
+      if (recovery.detail.empty()) return s;
+      return Status(s.code(), s.message() + " (" + recovery.detail + ")");
     }
-    if (const std::string got = use.ColText(0); got != "wal") {
-      return Status::IoError("journal '" + options.path + "': cannot use WAL mode (got '" + got + "')");
-    }
-  }
-  // WAL with FULL fsyncs the log at every commit: an acked step survives a power cut.
-  if (Status s = Exec(db, "PRAGMA synchronous=FULL"); !s.ok()) return s;
-  // Pruning frees pages that later writes reuse; the WAL shrinks back to this after checkpoints.
-  if (Status s = Exec(db, "PRAGMA journal_size_limit=67108864"); !s.ok()) return s;
-  if ((recovery.wal_missing || recovery.corrupt_tail) && !QuickCheck(db, &recovery.detail)) {
+    // Refusing to start would only make a restart loop: keep the damaged files, start afresh.
     recovery.damaged = true;
+    recovery.detail += s.message() + ". ";
+    conn.Close();
+    if (Status m = MoveAsideAndSalvage(options.path, recovery, conn); !m.ok()) {
+      return Status(m.code(), m.message() + " (" + recovery.detail + ")");
+    }
   }
-  if (Status s = SetUpSchema(db, options.path); !s.ok()) {
-    if (recovery.detail.empty()) return s;
-    return Status(s.code(), s.message() + " (" + recovery.detail + ")");
-  }
-  if (recovery.wal_missing || recovery.corrupt_tail || recovery.damaged) {
+  if (recovery.moved_aside) {
+    std::string files, lost;
+    for (const std::string& f : recovery.moved_files) files += (files.empty() ? "" : ", ") + f;
+    for (size_t i = 0; i < recovery.lost_run_ids.size() && i < 20; ++i) {
+      lost += (lost.empty() ? "" : ", ") + recovery.lost_run_ids[i];
+    }
+    if (recovery.lost_run_ids.size() > 20) lost += ", ...";
+    std::string tables;
+    for (const std::string& t : recovery.lost_tables) tables += (tables.empty() ? "" : ", ") + t;
+    spdlog::error("journal '{}' is damaged: {}its files were moved aside to {} (kept for inspection) and a fresh "
+                  "journal started; salvaged {} run(s), lost {} run(s){}{}; trainers resend what they did not "
+                  "see acknowledged",
+                  options.path, recovery.detail, files, recovery.salvaged_runs, recovery.lost_runs,
+                  lost.empty() ? "" : " (" + lost + ")",
+                  tables.empty() ? "" : "; tables not salvaged: " + tables);
+  } else if (recovery.wal_missing || recovery.corrupt_tail || recovery.damaged) {
     spdlog::error("journal '{}': recovered with losses: {}", options.path, recovery.detail);
   } else if (!recovery.ok()) {
     spdlog::warn("journal '{}': {}", options.path, recovery.detail);
   }
 
-  auto statements = std::make_unique<Statements>();
-  if (Status s = statements->PrepareAll(db); !s.ok()) return s;
-
   JournalOptions normalized = options;
   normalized.batch_max = std::max<size_t>(normalized.batch_max, 1);
-  std::unique_ptr<Journal> journal(
-      new Journal(std::move(normalized), std::move(on_commit), owned.release(), std::move(statements)));
+  std::unique_ptr<Journal> journal(new Journal(std::move(normalized), std::move(on_commit), std::move(conn)));
   journal->recovery_ = std::move(recovery);
-  struct stat st {};
-  if (::stat(options.path.c_str(), &st) != 0) {
-    return Status::IoError("journal '" + options.path + "': stat after open: " + std::strerror(errno));
-  }
-  journal->db_dev_ = st.st_dev;
-  journal->db_ino_ = st.st_ino;
+  MutexLock stop_lock(&journal->stop_mu_);
   try {
     journal->thread_ = std::thread(&Journal::Run, journal.get());
   } catch (const std::exception& e) {
@@ -684,12 +967,14 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options,
   return journal;
 }
 
-Journal::Journal(JournalOptions options, CommitCallback on_commit, sqlite3* db,
-                 std::unique_ptr<Statements> statements)
-    : options_(std::move(options)),
-      on_commit_(std::move(on_commit)),
-      db_(db),
-      statements_(std::move(statements)) {
+Journal::Journal(JournalOptions options, CommitCallback on_commit, Connection connection)
+    : options_(std::move(options)), on_commit_(std::move(on_commit)) {
+  MutexLock db_lock(&db_mu_);
+  db_ = std::exchange(connection.db, nullptr);
+  statements_ = std::move(connection.statements);
+  db_dev_ = connection.db_dev, db_ino_ = connection.db_ino;
+  wal_dev_ = connection.wal_dev, wal_ino_ = connection.wal_ino;
+  MutexLock lock(&mu_);
   free_steps_.reserve(std::min<size_t>(2 * options_.batch_max, 8192));
 }
 
@@ -697,15 +982,17 @@ Journal::~Journal() { Stop(); }
 
 void Journal::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
-  std::lock_guard<std::mutex> stop_lock(stop_mu_);
+  cv_.SignalAll();
+  MutexLock stop_lock(&stop_mu_);
   if (thread_.joinable()) thread_.join();
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return;
   statements_.reset();  // sqlite3_close refuses a connection with live statements
+  // Files lost and not rebuilt: the checkpoint at close would delete the WAL at the path by name.
+  if (!CheckFilesLocked().ok()) sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
   if (sqlite3_close(db_) != SQLITE_OK) {
     spdlog::error("journal '{}': close failed: {}", options_.path, sqlite3_errmsg(db_));
   }
@@ -713,45 +1000,45 @@ void Journal::Stop() {
 }
 
 uint64_t Journal::Enqueue(JournalRecord record) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (stopping_ || queue_.size() >= options_.queue_max) return 0;
   queue_.push_back(std::move(record));
   ++enqueued_;
   // Waking the writer per record would cost a context switch each; it only needs to know that
   // work arrived or that a batch is full.
-  if (queue_.size() == 1 || queue_.size() == options_.batch_max) cv_.notify_one();
+  if (queue_.size() == 1 || queue_.size() == options_.batch_max) cv_.Signal();
   return enqueued_;
 }
 
 bool Journal::accepting() const {
   if (!healthy()) return false;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return queue_.size() < options_.queue_max / 4 * 3;
 }
 
 uint64_t Journal::last_enqueued() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return enqueued_;
 }
 
 uint64_t Journal::last_committed() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return committed_;
 }
 
 Status Journal::Flush() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const uint64_t target = enqueued_;
   const uint64_t failures_before = failed_commits_;
   ++flush_waiters_;
-  cv_.notify_one();
-  flushed_cv_.wait(lock, [&] { return committed_ >= target || failed_commits_ != failures_before; });
+  cv_.Signal();
+  while (committed_ < target && failed_commits_ == failures_before) flushed_cv_.Wait(&mu_);
   --flush_waiters_;
   return failed_commits_ != failures_before ? last_failure_ : last_status_;
 }
 
 StepJournalRecord Journal::AcquireStepRecord() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (free_steps_.empty()) return {};
   StepJournalRecord record = std::move(free_steps_.back());
   free_steps_.pop_back();
@@ -759,35 +1046,60 @@ StepJournalRecord Journal::AcquireStepRecord() {
 }
 
 size_t Journal::queue_depth() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return queue_.size();
 }
 
 uint64_t Journal::commit_count() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return commits_;
 }
 
 uint64_t Journal::failed_commit_count() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return failed_commits_;
+}
+
+void Journal::NoteFailureLocked(const Status& status, size_t held) {
+  if (healthy_.exchange(false, std::memory_order_relaxed)) {
+    storage_faults_.fetch_add(1, std::memory_order_relaxed);
+    fault_started_ = Clock::now();
+    retry_delay_ = kFirstRetryDelay;
+    spdlog::error("journal '{}': storage fault, commits are retried and nothing more is acked until "
+                  "one succeeds ({} records held): {}",
+                  options_.path, held, status.ToString());
+  }
+}
+
+void Journal::NoteSuccessLocked() {
+  if (!healthy_.load(std::memory_order_relaxed)) {
+    healthy_.store(true, std::memory_order_relaxed);
+    spdlog::warn("journal '{}': storage recovered after {:.1f} s; commits and acks go on", options_.path,
+                 std::chrono::duration<double>(Clock::now() - fault_started_).count());
+  }
 }
 
 void Journal::Run() {
   std::vector<JournalRecord> batch;
-  std::unique_lock<std::mutex> lock(mu_);
+  mu_.Lock();
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || prune_due_; });
+    while (!stopping_ && queue_.empty() && !prune_due_) {
+      // Idle: check now and then that the files are still there, so that a deleted data directory
+      // is noticed (and rebuilt) before the next record arrives.
+      if (!cv_.WaitUntil(&mu_, Clock::now() + kIdleFileCheck) && !stopping_ && queue_.empty()) {
+        CheckFilesWhileIdle();
+      }
+    }
     if (queue_.empty()) {
       if (stopping_) break;  // stopping and drained
-      PruneOnce(lock);
+      PruneOnce();
       continue;
     }
     // Group commit: give companions a moment to arrive so one fsync covers many records.
     const auto deadline = Clock::now() + options_.max_delay;
-    cv_.wait_until(lock, deadline, [&] {
-      return stopping_ || flush_waiters_ > 0 || queue_.size() >= options_.batch_max;
-    });
+    while (!stopping_ && flush_waiters_ == 0 && queue_.size() < options_.batch_max) {
+      if (!cv_.WaitUntil(&mu_, deadline)) break;
+    }
     batch.clear();
     if (queue_.size() <= options_.batch_max) {
       std::swap(batch, queue_);  // both buffers keep their capacity: no allocation when warm
@@ -798,7 +1110,7 @@ void Journal::Run() {
     }
     // Every earlier batch is committed (or given up at shutdown): this one ends the numbering here.
     const uint64_t batch_through = committed_ + batch.size();
-    lock.unlock();
+    mu_.Unlock();
 
     CommitReport report;
     Status status = Commit(batch, report);
@@ -806,18 +1118,13 @@ void Journal::Run() {
     // A failed commit keeps its batch and tries again after a bounded back-off: nothing in it
     // was acked, and nothing queued behind it is committed first, so progress stays in order.
     while (!status.ok()) {
-      lock.lock();
+      mu_.Lock();
       ++failed_commits_;
       last_failure_ = status;
-      flushed_cv_.notify_all();
+      flushed_cv_.SignalAll();
       const bool stop_now = stopping_;
-      if (healthy_.exchange(false, std::memory_order_relaxed)) {
-        storage_faults_.fetch_add(1, std::memory_order_relaxed);
-        fault_started_ = Clock::now();
-        retry_delay_ = kFirstRetryDelay;
-        spdlog::error("journal '{}': storage fault, commits are retried and nothing more is acked until "
-                      "one succeeds ({} records held): {}",
-                      options_.path, batch.size() + queue_.size(), status.ToString());
+      if (healthy_.load(std::memory_order_relaxed)) {
+        NoteFailureLocked(status, batch.size() + queue_.size());
       } else {
         spdlog::warn("journal '{}': commit retry failed ({} records held): {}", options_.path,
                      batch.size() + queue_.size(), status.ToString());
@@ -828,22 +1135,22 @@ void Journal::Run() {
         dropped_records_.fetch_add(batch.size(), std::memory_order_relaxed);
         spdlog::error("journal '{}': {} records not committed at shutdown; they were never acknowledged",
                       options_.path, batch.size());
-        lock.unlock();
+        mu_.Unlock();
         break;
       }
-      cv_.wait_for(lock, retry_delay_, [&] { return stopping_; });
+      const auto retry_at = Clock::now() + retry_delay_;
+      while (!stopping_ && cv_.WaitUntil(&mu_, retry_at)) {
+      }
       retry_delay_ = std::min(retry_delay_ * 2, kMaxRetryDelay);
-      lock.unlock();
+      mu_.Unlock();
       report = CommitReport{};
       status = Commit(batch, report);
       report.committed_through = batch_through;
     }
     if (status.ok()) {
-      if (!healthy_.load(std::memory_order_relaxed)) {
-        std::lock_guard<std::mutex> relock(mu_);
-        healthy_.store(true, std::memory_order_relaxed);
-        spdlog::warn("journal '{}': storage recovered after {:.1f} s; commits and acks go on", options_.path,
-                     std::chrono::duration<double>(Clock::now() - fault_started_).count());
+      {
+        MutexLock relock(&mu_);
+        NoteSuccessLocked();
       }
       if (on_commit_) {
         try {
@@ -856,7 +1163,7 @@ void Journal::Run() {
       }
     }
 
-    lock.lock();
+    mu_.Lock();
     if (status.ok()) ++commits_;
     last_status_ = std::move(status);
     committed_ += batch.size();
@@ -866,22 +1173,23 @@ void Journal::Run() {
         free_steps_.push_back(std::move(*step));
       }
     }
-    flushed_cv_.notify_all();
+    flushed_cv_.SignalAll();
     // Pruning takes turns with commits, so a busy ingest neither starves it nor waits for more
     // than one batch.
-    if (prune_due_ && !stopping_) PruneOnce(lock);
+    if (prune_due_ && !stopping_) PruneOnce();
   }
+  mu_.Unlock();
 }
 
-void Journal::PruneOnce(std::unique_lock<std::mutex>& lock) {
-  lock.unlock();
+void Journal::PruneOnce() {
+  mu_.Unlock();
   Status pruned;
   {
-    std::lock_guard<std::mutex> db_lock(db_mu_);
+    MutexLock db_lock(&db_mu_);
     pruned = db_ == nullptr ? Status::FailedPrecondition("journal is closed")
                             : PruneBatchLocked(options_.prune_batch_rows);
   }
-  lock.lock();
+  mu_.Lock();
   if (!pruned.ok()) {
     spdlog::error("journal '{}': pruning failed, retried at the next cutoff: {}", options_.path,
                   pruned.ToString());
@@ -889,31 +1197,135 @@ void Journal::PruneOnce(std::unique_lock<std::mutex>& lock) {
   }
 }
 
-Status Journal::CheckFilesLocked() const {
+void Journal::CheckFilesWhileIdle() {
+  mu_.Unlock();
+  Status status;
+  {
+    MutexLock db_lock(&db_mu_);
+    if (db_ != nullptr) status = EnsureFilesLocked();
+  }
+  mu_.Lock();
+  if (status.ok()) {
+    NoteSuccessLocked();
+  } else {
+    NoteFailureLocked(status, queue_.size());
+  }
+}
+
+Status Journal::CheckFilesLocked() {
   // SQLite goes on writing to files that were deleted or replaced under it, and those writes
   // would be acked and then lost: a commit only counts while the files are the ones it opened.
-  struct stat st {};
-  if (::stat(options_.path.c_str(), &st) != 0) {
-    return Status::IoError("journal '" + options_.path + "' vanished: " + std::strerror(errno) +
-                           " (restart the daemon once the data directory is back)");
+  uint64_t dev = 0, ino = 0;
+  if (!FileId(options_.path, dev, ino)) {
+    return Status::IoError("journal '" + options_.path + "' vanished: " + std::strerror(errno));
   }
-  if (st.st_dev != db_dev_ || st.st_ino != db_ino_) {
-    return Status::IoError("journal '" + options_.path +
-                           "' was replaced by another file (restart the daemon to use it)");
+  if (dev != db_dev_ || ino != db_ino_) {
+    return Status::IoError("journal '" + options_.path + "' was replaced by another file");
+  }
+  const std::string wal = options_.path + "-wal";
+  if (wal_ino_ == 0) {
+    FileId(wal, wal_dev_, wal_ino_);  // SQLite creates the WAL at the first transaction
+    return Status::Ok();
+  }
+  if (!FileId(wal, dev, ino)) {
+    return Status::IoError("the WAL of journal '" + options_.path + "' vanished: " + std::strerror(errno));
+  }
+  if (dev != wal_dev_ || ino != wal_ino_) {
+    return Status::IoError("the WAL of journal '" + options_.path + "' was replaced by another file");
   }
   return Status::Ok();
 }
 
-Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
-  if (db_ == nullptr) return Status::FailedPrecondition("journal is closed");
-  if (Status s = CheckFilesLocked(); !s.ok()) return s;
+Status Journal::EnsureFilesLocked() {
+  Status lost = CheckFilesLocked();
+  if (lost.ok()) return lost;
+  if (!files_lost_reported_) {
+    files_lost_reported_ = true;
+    files_lost_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::error("{}; nothing is acked until the journal is rebuilt from the open connection", lost.message());
+  }
+  if (Status s = RebuildLocked(lost.message()); !s.ok()) {
+    return Status::IoError(lost.message() + "; rebuilding the journal failed, retried: " + s.message());
+  }
+  files_lost_reported_ = false;
+  return Status::Ok();
+}
+
+Status Journal::RebuildLocked(const std::string& why) {
   const auto start = Clock::now();
-  Transaction txn(db_, statements_->rollback);
-  if (Status s = txn.Begin(statements_->begin); !s.ok()) return s;
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::path(options_.path).parent_path();
+  if (!dir.empty()) {
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return Status::IoError("cannot create '" + dir.string() + "': " + ec.message());
+  }
+  // Whatever sits at the journal's paths is not what it wrote to: keep it, out of the way.
+  std::vector<std::string> moved;
+  if (Status s = RenameFiles(options_.path, AsideName(options_.path, "detached"), &moved); !s.ok()) return s;
+  const std::string temp = options_.path + ".rebuild";
+  for (const char* suffix : {"", "-journal"}) std::filesystem::remove(temp + suffix, ec);
+  {
+    sqlite3* raw = nullptr;
+    const int rc = sqlite3_open_v2(temp.c_str(), &raw, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
+                                   nullptr);
+    std::unique_ptr<sqlite3, int (*)(sqlite3*)> dest(raw, sqlite3_close);
+    if (rc != SQLITE_OK) return SqliteError(raw, "creating '" + temp + "'");
+    // The open connection still reads the unlinked files: copy everything committed to them.
+    sqlite3_backup* backup = sqlite3_backup_init(raw, "main", db_, "main");
+    if (backup == nullptr) return SqliteError(raw, "copying the journal into '" + temp + "'");
+    const int step = sqlite3_backup_step(backup, -1);
+    sqlite3_backup_finish(backup);
+    if (step != SQLITE_DONE) return SqliteError(raw, "copying the journal into '" + temp + "'");
+    if (sqlite3_close(dest.release()) != SQLITE_OK) return Status::IoError("closing '" + temp + "'");
+  }
+  std::filesystem::rename(temp, options_.path, ec);
+  if (ec) return Status::IoError("renaming '" + temp + "' to '" + options_.path + "': " + ec.message());
+  if (const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
+    ::fsync(fd);  // the rename itself survives a power cut
+    ::close(fd);
+  }
+  Connection fresh;
+  RecoveryReport ignored;
+  bool damaged = false;
+  if (Status s = OpenConnection(options_.path, false, ignored, &damaged, fresh); !s.ok()) return s;
+  Connection old;
+  old.db = std::exchange(db_, fresh.db);
+  old.statements = std::exchange(statements_, std::move(fresh.statements));
+  old.keep_files = true;  // its files are gone or someone else's: no checkpoint, no WAL deletion
+  fresh.db = nullptr;
+  db_dev_ = fresh.db_dev, db_ino_ = fresh.db_ino, wal_dev_ = fresh.wal_dev, wal_ino_ = fresh.wal_ino;
+  old.Close();
+  rebuilds_.fetch_add(1, std::memory_order_relaxed);
+  std::string aside;
+  for (const std::string& f : moved) aside += (aside.empty() ? "" : ", ") + f;
+  spdlog::error("journal '{}' rebuilt in {:.2f} s from the open connection after: {}; every committed record is "
+                "kept{}",
+                options_.path, std::chrono::duration<double>(Clock::now() - start).count(), why,
+                aside.empty() ? "" : "; the files found at its paths were moved to " + aside);
+  return Status::Ok();
+}
+
+Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) {
+  MutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return Status::FailedPrecondition("journal is closed");
+  if (Status s = EnsureFilesLocked(); !s.ok()) return s;
+  const auto start = Clock::now();
+  if (!committed_to_lost_files_) {
+    Transaction txn(db_, statements_->rollback);
+    if (Status s = txn.Begin(statements_->begin); !s.ok()) return s;
+    for (const JournalRecord& record : batch) {
+      if (Status s = Apply(record); !s.ok()) return s;
+    }
+    if (Status s = txn.Commit(statements_->commit); !s.ok()) return s;
+    // Files lost during the transaction hold it: it counts once the rebuilt file does.
+    if (!CheckFilesLocked().ok()) {
+      committed_to_lost_files_ = true;
+      if (Status s = EnsureFilesLocked(); !s.ok()) return s;
+    }
+  }
+  committed_to_lost_files_ = false;
   std::map<std::pair<std::string, uint32_t>, RankProgress> progress;
   for (const JournalRecord& record : batch) {
-    if (Status s = Apply(record); !s.ok()) return s;
     if (const auto* step = std::get_if<StepJournalRecord>(&record)) {
       MergeProgress(step->progress, progress);
     } else if (const auto* end = std::get_if<RunEndedRecord>(&record)) {
@@ -922,7 +1334,6 @@ Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) 
       if (clean) report.clean_ends.push_back(end->run_id);
     }
   }
-  if (Status s = txn.Commit(statements_->commit); !s.ok()) return s;
   report.duration = Clock::now() - start;
   report.records = batch.size();
   report.progress.reserve(progress.size());
@@ -1014,6 +1425,7 @@ Status Journal::Apply(const JournalRecord& record) {
           use.Real(5, r.event.recorded_at);
           return use.Done("journal: writing event of run '" + r.run_id + "'");
         } else if constexpr (std::is_same_v<T, RewindRecord>) {
+          db_mu_.AssertHeld();  // the analysis does not follow Apply's lock into this lambda
           return ApplyRewind(r);
         } else {
           static_assert(std::is_same_v<T, RunEndedRecord>);
@@ -1108,7 +1520,7 @@ Status Journal::ApplyRewind(const RewindRecord& r) {
 
 Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
                              const std::function<void(const CompletedStep&)>& on_step) {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   Stmt steps;
   if (Status s = Prepare(db_,
@@ -1260,7 +1672,7 @@ struct Journal::Reader {
 };
 
 Status Journal::Load(JournalVisitor& visitor) {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   Reader reader;
   if (Status s = reader.Prepare(db_); !s.ok()) return s;
@@ -1271,9 +1683,13 @@ Status Journal::Load(JournalVisitor& visitor) {
   StmtUse rows(reader.runs);
   while (rows.Row(&status, "journal: reading runs")) {
     bool kept = false;
-    if (Status s = reader.Visit(rows, visitor, &kept); !s.ok()) return s;
+    if (Status s = reader.Visit(rows, visitor, &kept); !s.ok()) {
+      // One run that cannot be read must not keep the others (and the daemon) from starting.
+      visitor.OnRunFailed(rows.ColText(0), s);
+      continue;
+    }
     if (kept) {
-      std::lock_guard<std::mutex> held_lock(held_mu_);
+      MutexLock held_lock(&held_mu_);
       held_.insert(rows.ColText(0));
     }
   }
@@ -1281,10 +1697,10 @@ Status Journal::Load(JournalVisitor& visitor) {
 }
 
 Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   {
-    std::lock_guard<std::mutex> held_lock(held_mu_);
+    MutexLock held_lock(&held_mu_);
     held_.insert(run_id);
   }
   if (run_id == pruning_run_) {
@@ -1309,17 +1725,17 @@ Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
 }
 
 void Journal::Release(const std::string& run_id) {
-  std::lock_guard<std::mutex> held_lock(held_mu_);
+  MutexLock held_lock(&held_mu_);
   held_.erase(run_id);
 }
 
 bool Journal::IsHeld(const std::string& run_id) const {
-  std::lock_guard<std::mutex> held_lock(held_mu_);
+  MutexLock held_lock(&held_mu_);
   return held_.count(run_id) != 0;
 }
 
 StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
-  std::lock_guard<std::mutex> db_lock(db_mu_);
+  MutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
   Stmt runs, steps;
   if (Status s = gradwatch::store::Prepare(
@@ -1368,17 +1784,17 @@ StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
 
 void Journal::SetPruneCutoff(double ended_before) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     prune_cutoff_ = std::max(prune_cutoff_, ended_before);
     prune_due_ = true;
   }
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 Status Journal::PruneBatchLocked(size_t max_rows) {
   double cutoff;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     cutoff = prune_cutoff_;
   }
   Statements& st = *statements_;
@@ -1397,7 +1813,7 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
     }
     if (!status.ok()) return status;
     if (pruning_run_.empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       prune_due_ = false;  // until the cutoff moves
       return Status::Ok();
     }

@@ -8,11 +8,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "server/core/status.h"
+#include "server/core/thread_annotations.h"
 #include "server/core/types.h"
 
 struct sqlite3;
@@ -113,8 +112,20 @@ struct RecoveryReport {
   // Some of the discarded frames belong to the current WAL but fail their checksum: the tail was
   // damaged, not merely unfinished.
   bool corrupt_tail = false;
-  // PRAGMA quick_check found problems (run when the WAL was missing or damaged).
+  // The database is damaged: PRAGMA quick_check (run at every open) found problems, or SQLite
+  // called the file corrupt or not a database while opening it or setting up the schema.
   bool damaged = false;
+  // A damaged journal is never opened for writing: its files were renamed to moved_files (the
+  // database first; never deleted), what could be read was copied into a fresh journal, and the
+  // daemon goes on with that. Runs are copied whole or not at all: salvaged_runs were, lost_runs
+  // (their ids in lost_run_ids) could not be read cleanly; lost_tables are other tables (the
+  // alert store's) that could not be copied. Clients resend what they did not see acked.
+  bool moved_aside = false;
+  std::vector<std::string> moved_files;
+  uint64_t salvaged_runs = 0;
+  uint64_t lost_runs = 0;
+  std::vector<std::string> lost_run_ids;
+  std::vector<std::string> lost_tables;
   std::string detail;  // what was found, for the log
   bool ok() const { return !wal_missing && discarded_frames == 0 && !damaged; }
 };
@@ -134,6 +145,9 @@ class JournalVisitor {
   // The run's latest rewind (after its rank progress, only for a run that rewound): steps and
   // events of abandoned branches are not visited.
   virtual void OnRewind(const std::string& run_id, uint64_t from_step) = 0;
+  // A run the visitor kept could not be read to the end (a corrupt row: bad value blob, bad JSON,
+  // a damaged page): forget what was handed out for it. Load goes on with the next run.
+  virtual void OnRunFailed(const std::string& run_id, const Status& why) = 0;
 };
 
 // A run that the journal holds but the daemon no longer holds in memory (an archived run).
@@ -155,11 +169,25 @@ struct StoredRun {
 // commits, so ingest waits for at most one batch. Freed pages are reused by later writes (no
 // VACUUM), so under steady churn the file stops growing; the WAL is truncated to 64 MiB after
 // checkpoints.
+//
+// Files that vanish or are replaced while the journal runs (the data directory deleted, the
+// database or its WAL deleted or swapped): SQLite would go on writing to the unlinked files, and
+// those commits would be acked and lost at the next start. The journal checks before and after
+// every commit, and every second when idle, that the files at its path are the ones it has open.
+// When they are not, it is a storage fault (healthy() false, nothing acked) until the journal is
+// rebuilt: the directory is created again if needed, whatever now sits at the journal's paths is
+// renamed to `<path>.detached-<UTC time>` (never deleted), and the open connection — which still
+// reads the unlinked files — is copied with SQLite's online backup into a new file that is then
+// renamed into place and used from then on. So every record committed before (runs, catalogs,
+// steps, events, progress, and the alert store's tables) is kept, and a commit made to the lost
+// files is acked only once the rebuilt file holds it. Lost if the process ends before the rebuild.
 class Journal {
  public:
   using CommitCallback = std::function<void(const CommitReport&)>;
 
-  // Opens (creating if needed) the database, sets WAL mode and the schema, starts the thread.
+  // Opens (creating if needed) the database, sets WAL mode and the schema, starts the thread. A
+  // damaged database (see RecoveryReport::moved_aside) is moved aside and salvaged into a fresh
+  // one rather than refused, so a damaged journal never stops the daemon from starting.
   static StatusOr<std::unique_ptr<Journal>> Open(const JournalOptions& options, CommitCallback on_commit);
   ~Journal();  // Stop()s
 
@@ -167,31 +195,33 @@ class Journal {
   Journal& operator=(const Journal&) = delete;
 
   // Reads everything back (call before enqueueing, typically at start-up); the runs the visitor
-  // keeps become held. Serialised with commits, so it sees a consistent committed state. A
-  // corrupt row (bad value blob, bad JSON) stops the load with Status::Internal naming the run and
-  // step. Rows of a run missing from the runs table are not read. Parameter indexes missing from
-  // a catalog (their ParamsRecord was lost) are filled with default ParamInfo so that later
-  // indexes keep their position. Returns FailedPrecondition after Stop().
-  Status Load(JournalVisitor& visitor);
+  // keeps become held. Serialised with commits, so it sees a consistent committed state. A run
+  // that cannot be read to the end (a corrupt row: bad value blob, bad JSON, a damaged page) is
+  // handed to OnRunFailed, logged, not held, and Load goes on with the next run: one bad run never
+  // keeps the daemon from starting. Rows of a run missing from the runs table are not read.
+  // Parameter indexes missing from a catalog (their ParamsRecord was lost) are filled with
+  // default ParamInfo so that later indexes keep their position. Returns an error only when the
+  // list of runs cannot be read (the runs read before it are kept), FailedPrecondition after Stop().
+  Status Load(JournalVisitor& visitor) EXCLUDES(db_mu_, held_mu_, mu_);
 
   // Calls on_step with every step of the run's current branch below before_step, in step order,
   // as committed now (Flush first to include what is queued). Serialised with commits; O(steps
   // read). For rebuilding a run's analytics after a rewind; never call it on the ingest hot path.
   Status LoadRunSteps(const std::string& run_id, uint64_t before_step,
-                      const std::function<void(const CompletedStep&)>& on_step);
+                      const std::function<void(const CompletedStep&)>& on_step) EXCLUDES(db_mu_);
   // Reads one run back (a run that left memory and came back) as committed: a record still queued
   // for it (possible only when it left memory a moment ago) is not seen, and lands after. The run
   // becomes held, found or not; NotFound when the journal does not have it (never had, or pruned: a
   // run half pruned is finished off first). Blocks for the read.
-  Status LoadRun(const std::string& run_id, JournalVisitor& visitor);
+  Status LoadRun(const std::string& run_id, JournalVisitor& visitor) EXCLUDES(db_mu_, held_mu_, mu_);
   // The daemon dropped the run from memory: its rows may be pruned once it ended before the cutoff.
-  void Release(const std::string& run_id);
-  bool IsHeld(const std::string& run_id) const;
+  void Release(const std::string& run_id) EXCLUDES(held_mu_);
+  bool IsHeld(const std::string& run_id) const EXCLUDES(held_mu_);
   // The runs in the journal that are not held, by id, with their step counts (for `runs --all`).
-  StatusOr<std::vector<StoredRun>> ListReleased();
+  StatusOr<std::vector<StoredRun>> ListReleased() EXCLUDES(db_mu_, held_mu_);
   // Runs that ended before `ended_before` (seconds since the Unix epoch) and are not held may be
   // pruned; call periodically (the cutoff only moves forward). Returns at once.
-  void SetPruneCutoff(double ended_before);
+  void SetPruneCutoff(double ended_before) EXCLUDES(mu_);
   // Runs and rows pruned since open; bytes of the database, its WAL and shared-memory files.
   uint64_t pruned_runs() const { return pruned_runs_.load(std::memory_order_relaxed); }
   uint64_t pruned_rows() const { return pruned_rows_.load(std::memory_order_relaxed); }
@@ -201,30 +231,30 @@ class Journal {
   // the first record since open, then increasing by one), or 0 if the queue is full or the
   // journal is stopped (the record is not kept). Records are committed in number order, so
   // CommitReport::committed_through covers every record numbered at or below it.
-  uint64_t Enqueue(JournalRecord record);
+  uint64_t Enqueue(JournalRecord record) EXCLUDES(mu_);
   // The number of the last record enqueued (0 before the first), and of the last one committed
   // (every record numbered at or below it is).
-  uint64_t last_enqueued() const;
-  uint64_t last_committed() const;
+  uint64_t last_enqueued() const EXCLUDES(mu_);
+  uint64_t last_committed() const EXCLUDES(mu_);
 
   // Blocks until everything enqueued before the call is committed, or until a commit attempt
   // fails during the wait (its records are kept and retried). Returns the status of the last
   // commit, except that a failure during the wait is returned even if a later attempt succeeded,
   // so a record is never reported as durable before it is.
-  Status Flush();
+  Status Flush() EXCLUDES(mu_);
 
   // Commits what is queued, stops the thread, closes the database. Idempotent.
-  void Stop();
+  void Stop() EXCLUDES(stop_mu_, db_mu_, mu_);
 
   // A step record for Enqueue whose buffers come from already committed records, so that the
   // ingest path does not allocate once warm. Fields hold stale values: overwrite all of them.
-  StepJournalRecord AcquireStepRecord();
+  StepJournalRecord AcquireStepRecord() EXCLUDES(mu_);
 
   // Records waiting for a commit (not counting the batch being committed).
-  size_t queue_depth() const;
+  size_t queue_depth() const EXCLUDES(mu_);
   // Successful commits, and failed (rolled back) commit attempts, since open.
-  uint64_t commit_count() const;
-  uint64_t failed_commit_count() const;
+  uint64_t commit_count() const EXCLUDES(mu_);
+  uint64_t failed_commit_count() const EXCLUDES(mu_);
 
   // What opening the journal found; logged at Open (an error when !ok()).
   const RecoveryReport& recovery() const { return recovery_; }
@@ -238,71 +268,100 @@ class Journal {
   bool healthy() const { return healthy_.load(std::memory_order_relaxed); }
   // Whether new data should be taken: healthy, and the queue below three quarters of queue_max,
   // so that records of data already taken always find room (Enqueue never drops them).
-  bool accepting() const;
+  bool accepting() const EXCLUDES(mu_);
   // Times the journal went from healthy to failing, since open.
   uint64_t storage_fault_count() const { return storage_faults_.load(std::memory_order_relaxed); }
   // Records given up: still failing to commit when Stop() ran (never acked, so resent by their
   // ranks to the next daemon).
   uint64_t dropped_record_count() const { return dropped_records_.load(std::memory_order_relaxed); }
+  // Times the journal's files were found vanished or replaced while it ran, and times it rebuilt
+  // them from its open connection (see above), since open.
+  uint64_t files_lost_count() const { return files_lost_.load(std::memory_order_relaxed); }
+  uint64_t rebuild_count() const { return rebuilds_.load(std::memory_order_relaxed); }
 
  private:
   struct Statements;  // prepared once at open, reused by every commit
   struct Reader;      // the queries of Load and LoadRun
+  // An open connection with its statements, and the identity of the files it opened.
+  struct Connection;
 
-  Journal(JournalOptions options, CommitCallback on_commit, sqlite3* db,
-          std::unique_ptr<Statements> statements);
-  void Run();
-  Status Commit(std::vector<JournalRecord>& batch, CommitReport& report);
-  Status Apply(const JournalRecord& record);  // caller holds db_mu_ inside a transaction
-  // Fails when the database file is gone or replaced since Open; caller holds db_mu_.
-  Status CheckFilesLocked() const;
-  Status ApplyRewind(const RewindRecord& record);  // likewise
-  // One pruning transaction of at most max_rows rows; caller holds db_mu_.
-  Status PruneBatchLocked(size_t max_rows);
-  // One batch from the writer thread; `lock` holds mu_ on entry and exit, not during the batch.
-  void PruneOnce(std::unique_lock<std::mutex>& lock);
+  Journal(JournalOptions options, CommitCallback on_commit, Connection connection);
+  // Opens the database at `path` for the journal; `*damaged` tells a failure caused by the file's
+  // contents (corruption, not a database) from one of the storage. `check` runs quick_check.
+  static Status OpenConnection(const std::string& path, bool check, RecoveryReport& recovery, bool* damaged,
+                               Connection& out);
+  // Renames the damaged files aside, opens a fresh database and copies into it what can be read.
+  static Status MoveAsideAndSalvage(const std::string& path, RecoveryReport& recovery, Connection& out);
+
+  void Run() EXCLUDES(db_mu_, mu_);
+  Status Commit(std::vector<JournalRecord>& batch, CommitReport& report) EXCLUDES(db_mu_);
+  Status Apply(const JournalRecord& record) REQUIRES(db_mu_);  // inside a transaction
+  Status ApplyRewind(const RewindRecord& record) REQUIRES(db_mu_);  // likewise
+  // Fails when the database or its WAL is gone or replaced since it was opened.
+  Status CheckFilesLocked() REQUIRES(db_mu_);
+  // CheckFilesLocked, and when the files are lost, rebuilds them (see the class comment).
+  Status EnsureFilesLocked() REQUIRES(db_mu_);
+  Status RebuildLocked(const std::string& why) REQUIRES(db_mu_);
+  // One pruning transaction of at most max_rows rows.
+  Status PruneBatchLocked(size_t max_rows) REQUIRES(db_mu_) EXCLUDES(held_mu_, mu_);
+  // One batch from the writer thread; mu_ is released during the batch.
+  void PruneOnce() REQUIRES(mu_) EXCLUDES(db_mu_);
+  // The writer thread's file check while no record waits.
+  void CheckFilesWhileIdle() REQUIRES(mu_) EXCLUDES(db_mu_);
+  // Fault bookkeeping of the writer thread: a failed attempt (commit or file check) holding
+  // `held` records, and the first success after failures.
+  void NoteFailureLocked(const Status& status, size_t held) REQUIRES(mu_);
+  void NoteSuccessLocked() REQUIRES(mu_);
+
+  // Lock order: stop_mu_, then db_mu_, then held_mu_, then mu_ (a function holding one may take
+  // those after it, never those before).
+  Mutex stop_mu_;  // makes concurrent Stop() calls join and close once
+  std::thread thread_ GUARDED_BY(stop_mu_);
 
   const JournalOptions options_;
   const CommitCallback on_commit_;
-  RecoveryReport recovery_;  // set once by Open
-  uint64_t db_dev_ = 0, db_ino_ = 0;  // set once by Open: the database file it opened
+  RecoveryReport recovery_;  // set once by Open before the writer thread starts; read-only after
 
   // Serialises use of the connection between the writer thread, Load and Stop.
-  std::mutex db_mu_;
-  sqlite3* db_;                             // guarded by db_mu_; null once stopped
-  std::unique_ptr<Statements> statements_;  // guarded by db_mu_
-  std::string pruning_run_;                 // guarded by db_mu_: the run being pruned, if any
+  Mutex db_mu_ ACQUIRED_AFTER(stop_mu_);
+  sqlite3* db_ GUARDED_BY(db_mu_);  // null once stopped
+  std::unique_ptr<Statements> statements_ GUARDED_BY(db_mu_);
+  uint64_t db_dev_ GUARDED_BY(db_mu_) = 0, db_ino_ GUARDED_BY(db_mu_) = 0;    // the database file open
+  uint64_t wal_dev_ GUARDED_BY(db_mu_) = 0, wal_ino_ GUARDED_BY(db_mu_) = 0;  // its WAL
+  std::string pruning_run_ GUARDED_BY(db_mu_);  // the run being pruned, if any
+  // The last transaction committed to files that were lost meanwhile: the batch is retried by
+  // rebuilding, not by applying it again.
+  bool committed_to_lost_files_ GUARDED_BY(db_mu_) = false;
+  bool files_lost_reported_ GUARDED_BY(db_mu_) = false;  // logged once per loss
 
-  // Lock order: db_mu_, then held_mu_, then mu_.
-  mutable std::mutex held_mu_;
-  std::set<std::string> held_;  // guarded by held_mu_
+  mutable Mutex held_mu_ ACQUIRED_AFTER(db_mu_);
+  std::set<std::string> held_ GUARDED_BY(held_mu_);
   std::atomic<uint64_t> pruned_runs_{0};
   std::atomic<uint64_t> pruned_rows_{0};
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;          // wakes the writer thread
-  std::condition_variable flushed_cv_;  // wakes Flush() waiters
-  std::vector<JournalRecord> queue_;    // guarded by mu_; swapped with the writer's batch
-  std::vector<StepJournalRecord> free_steps_;  // guarded by mu_: committed records for reuse
-  uint64_t enqueued_ = 0;               // guarded by mu_
-  uint64_t committed_ = 0;              // guarded by mu_: records committed, or given up at Stop
-  Status last_status_;                  // guarded by mu_
-  Status last_failure_;                 // guarded by mu_: the most recent failed commit
-  bool stopping_ = false;               // guarded by mu_
-  size_t flush_waiters_ = 0;            // guarded by mu_: a waiter cuts the group window short
-  uint64_t commits_ = 0;                // guarded by mu_
-  uint64_t failed_commits_ = 0;         // guarded by mu_
-  double prune_cutoff_ = 0;             // guarded by mu_
-  bool prune_due_ = false;              // guarded by mu_: SetPruneCutoff asked, not yet done
+  mutable Mutex mu_ ACQUIRED_AFTER(held_mu_);
+  CondVar cv_;          // wakes the writer thread
+  CondVar flushed_cv_;  // wakes Flush() waiters
+  std::vector<JournalRecord> queue_ GUARDED_BY(mu_);  // swapped with the writer's batch
+  std::vector<StepJournalRecord> free_steps_ GUARDED_BY(mu_);  // committed records for reuse
+  uint64_t enqueued_ GUARDED_BY(mu_) = 0;
+  uint64_t committed_ GUARDED_BY(mu_) = 0;  // records committed, or given up at Stop
+  Status last_status_ GUARDED_BY(mu_);
+  Status last_failure_ GUARDED_BY(mu_);  // the most recent failed commit
+  bool stopping_ GUARDED_BY(mu_) = false;
+  size_t flush_waiters_ GUARDED_BY(mu_) = 0;  // a waiter cuts the group window short
+  uint64_t commits_ GUARDED_BY(mu_) = 0;
+  uint64_t failed_commits_ GUARDED_BY(mu_) = 0;
+  double prune_cutoff_ GUARDED_BY(mu_) = 0;
+  bool prune_due_ GUARDED_BY(mu_) = false;  // SetPruneCutoff asked, not yet done
+  std::chrono::steady_clock::time_point fault_started_ GUARDED_BY(mu_);
+  std::chrono::milliseconds retry_delay_ GUARDED_BY(mu_){0};
 
   std::atomic<bool> healthy_{true};  // written under mu_ by the writer thread
   std::atomic<uint64_t> storage_faults_{0};
   std::atomic<uint64_t> dropped_records_{0};
-  std::chrono::steady_clock::time_point fault_started_;  // writer thread only
-  std::chrono::milliseconds retry_delay_{0};             // writer thread only
-
-  std::mutex stop_mu_;  // makes concurrent Stop() calls join and close once
-  std::thread thread_;
+  std::atomic<uint64_t> files_lost_{0};
+  std::atomic<uint64_t> rebuilds_{0};
 };
 
 }  // namespace gradwatch::store

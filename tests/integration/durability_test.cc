@@ -1,7 +1,9 @@
 // Durability through the real gradwatchd: nothing is acked that is not committed, storage faults
-// (a full disk, an immutable WAL) are reported and recovered from without a restart, a damaged or
-// missing WAL is reported at start, events survive a SIGKILL exactly once, and a run fed by three
-// ranks while the daemon is SIGKILLed over and over ends up exactly as an uninterrupted one.
+// (a full disk, an immutable WAL, a deleted data directory) are reported and recovered from
+// without a restart, a damaged or missing WAL is reported at start, a damaged journal is moved
+// aside and salvaged rather than refused, a run with unreadable rows is skipped, events survive a
+// SIGKILL exactly once, and a run fed by three ranks while the daemon is SIGKILLed over and over
+// ends up exactly as an uninterrupted one.
 //
 // The tmpfs and chattr cases need root (or CAP_SYS_ADMIN / CAP_LINUX_IMMUTABLE); where that is not
 // available they WARN and pass without checking anything (Catch2 2.13 has no SKIP).
@@ -257,24 +259,184 @@ TEST_CASE("an immutable WAL: steps are not acked, and after it clears a replay r
   CHECK(rows.steps.back() == 600);
 }
 
-TEST_CASE("a journal deleted under the running daemon is a storage fault, never a false ack",
+TEST_CASE("a data directory deleted under the running daemon is rebuilt without a restart, never a false ack",
           "[integration][durability]") {
-  TempDir data("gradwatch-vanished");
+  TempDir base("gradwatch-vanished");
+  const std::filesystem::path data = base.path() / "data";
+  DaemonOptions options;
+  options.data_dir = data;
+  DaemonProcess daemon(options);
+  const std::string first = (base.path() / "first.jsonl").string();
+  const std::string all = (base.path() / "all.jsonl").string();
+  WriteHistory(first, "vanished", 1, 100, {{50, "lr warmup over"}});
+  WriteHistory(all, "vanished", 1, 300, {{50, "lr warmup over"}, {250, "data mix changed"}});
+  REQUIRE(Cli(daemon, {"replay", first, "--max"}).exit_code == 0);
+
+  // The directory is deleted, and a file stands where it was: the journal cannot be rebuilt.
+  std::filesystem::remove_all(data);
+  { std::ofstream(data) << "not a directory\n"; }
+  REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_storage_healthy") == 0.0; }));
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "NOT_SERVING");
+  CHECK(Metric(daemon, "gradwatch_journal_files_lost_total") == 1.0);
+  // The daemon's log file went with the directory; the daemon still writes to it.
+  auto log = [&] {
+    std::ifstream in("/proc/" + std::to_string(daemon.pid()) + "/fd/2");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  CHECK(log().find("journal.db' vanished") != std::string::npos);
+  const CommandResult refused = Cli(daemon, {"--timeout", "3", "replay", all, "--max"}, 3);
+  INFO(refused.out << refused.err);
+  CHECK(refused.exit_code == 1);
+  CHECK(refused.err.find("not acknowledged") != std::string::npos);
+
+  // The way is clear again: the journal recreates the directory with everything it had committed.
+  std::filesystem::remove(data);
+  REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_storage_healthy") == 1.0; }));
+  CHECK(WaitUntil([&] { return HealthStatus(daemon.grpc_target(), kIngest) == "SERVING"; }));
+  CHECK(Metric(daemon, "gradwatch_journal_rebuilds_total") == 1.0);
+  CHECK(log().find("rebuilt") != std::string::npos);
+  CHECK(WaitUntil([&] { return std::filesystem::exists(data / "LOCK"); }));
+  const CommandResult replay = Cli(daemon, {"replay", all, "--max", "--json"});
+  INFO(replay.out << replay.err);
+  REQUIRE(replay.exit_code == 0);
+  CHECK(json::parse(replay.out)["last_acked_step"] == 300);
+
+  // Deleted once more while idle: rebuilt again, with no restart and nothing to resend.
+  std::filesystem::remove_all(data);
+  REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_journal_rebuilds_total") == 2.0; }));
+  CHECK(Metric(daemon, "gradwatch_storage_healthy") == 1.0);
+
+  // What a restart rebuilds is everything acked, each step and event once.
+  daemon.Restart();
+  const v1::RunSummary run = GetRun(daemon.grpc_target(), "vanished");
+  CHECK(run.info().step_count() == 300);
+  CHECK(run.events_size() == 2);
+  REQUIRE(daemon.Stop() == 0);
+  const JournalRows rows = ReadJournal(data / "journal.db", "vanished");
+  CHECK(rows.steps.size() == 300);
+  CHECK(std::set<uint64_t>(rows.steps.begin(), rows.steps.end()).size() == 300);
+  CHECK(rows.events == std::vector<std::pair<uint64_t, std::string>>{{50, "lr warmup over"}, {250, "data mix changed"}});
+}
+
+TEST_CASE("a journal that is not a database is moved aside at start and the daemon serves",
+          "[integration][durability]") {
+  TempDir data("gradwatch-garbage");
+  const std::string garbage = "this is not an SQLite database, only bytes\n";
+  { std::ofstream(data.path() / "journal.db") << garbage; }
   DaemonOptions options;
   options.data_dir = data.path();
   DaemonProcess daemon(options);
-  const std::string file = (data.path() / "h.jsonl").string();
-  WriteHistory(file, "vanished", 1, 100);
-  for (const char* name : {"journal.db", "journal.db-wal", "journal.db-shm"}) {
-    std::filesystem::remove(data.path() / name);
+  INFO(daemon.LogText());
+  CHECK(daemon.LogText().find("is damaged") != std::string::npos);
+  CHECK(daemon.LogText().find("moved aside") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "moved_aside"}}) == 1.0);
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "SERVING");
+  std::vector<std::filesystem::path> aside;
+  for (const auto& entry : std::filesystem::directory_iterator(data.path())) {
+    if (entry.path().filename().string().rfind("journal.db.damaged-", 0) == 0) aside.push_back(entry.path());
   }
-  const CommandResult replay = Cli(daemon, {"--timeout", "3", "replay", file, "--max"}, 3);
-  INFO(replay.out << replay.err << daemon.LogText());
-  CHECK(replay.exit_code == 1);
-  CHECK(replay.out.find("last acked step  none") != std::string::npos);
-  CHECK(Metric(daemon, "gradwatch_storage_healthy") == 0.0);
-  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "NOT_SERVING");
-  CHECK(daemon.LogText().find("vanished") != std::string::npos);
+  REQUIRE(aside.size() == 1);
+  std::ifstream in(aside[0]);
+  CHECK(std::string(std::istreambuf_iterator<char>(in), {}) == garbage);  // kept as it was
+
+  const std::string file = (data.path() / "h.jsonl").string();
+  WriteHistory(file, "after-garbage", 1, 50);
+  const CommandResult replay = Cli(daemon, {"replay", file, "--max", "--json"});
+  INFO(replay.out << replay.err);
+  REQUIRE(replay.exit_code == 0);
+  CHECK(json::parse(replay.out)["last_acked_step"] == 50);
+  // The next start finds a sound journal: no alarm, no loop.
+  daemon.Restart();
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "moved_aside"}}) == 0.0);
+  CHECK(GetRun(daemon.grpc_target(), "after-garbage").info().step_count() == 50);
+}
+
+TEST_CASE("a damaged page: the daemon starts on a fresh journal with the runs that read cleanly",
+          "[integration][durability]") {
+  TempDir data("gradwatch-damaged-page");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  DaemonProcess daemon(options);
+  for (const char* run : {"a-lost", "b-kept"}) {
+    const std::string file = (data.path() / (std::string(run) + ".jsonl")).string();
+    WriteHistory(file, run, 1, 1500, {{700, "lr warmup over"}});
+    REQUIRE(Cli(daemon, {"replay", file, "--max"}).exit_code == 0);
+  }
+  REQUIRE(daemon.Stop() == 0);
+  const std::filesystem::path db_path = data.path() / "journal.db";
+  REQUIRE_FALSE(std::filesystem::exists(data.path() / "journal.db-wal"));  // checkpointed at the clean stop
+  // The steps table's leaves in key order: run a-lost's come first. Overwrite its second one.
+  int64_t page = 0, page_size = 0;
+  {
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open_v2(db_path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK);
+    auto one = [&](const char* sql) {
+      sqlite3_stmt* stmt = nullptr;
+      int64_t v = -1;
+      if (sqlite3_prepare_v2(db, sql, -1, &stmt, nullptr) == SQLITE_OK && sqlite3_step(stmt) == SQLITE_ROW) {
+        v = sqlite3_column_int64(stmt, 0);
+      }
+      sqlite3_finalize(stmt);
+      return v;
+    };
+    page = one("SELECT pageno FROM dbstat WHERE name = 'steps' AND pagetype = 'leaf' ORDER BY path LIMIT 1 OFFSET 1");
+    page_size = one("PRAGMA page_size");
+    sqlite3_close(db);
+  }
+  REQUIRE(page > 0);
+  {
+    std::fstream f(db_path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>((page - 1) * page_size));
+    const std::string junk(static_cast<size_t>(page_size), '\x5a');
+    f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+  }
+
+  daemon.Restart();
+  INFO(daemon.LogText());
+  CHECK(daemon.LogText().find("is damaged") != std::string::npos);
+  CHECK(daemon.LogText().find("lost 1 run(s) (a-lost)") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "moved_aside"}}) == 1.0);
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "damaged"}}) == 1.0);
+  CHECK(Metric(daemon, "gradwatch_journal_salvaged_runs", {{"outcome", "salvaged"}}) == 1.0);
+  CHECK(Metric(daemon, "gradwatch_journal_salvaged_runs", {{"outcome", "lost"}}) == 1.0);
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "SERVING");
+  const v1::RunSummary kept = GetRun(daemon.grpc_target(), "b-kept");
+  CHECK(kept.info().step_count() == 1500);
+  CHECK(kept.events_size() == 1);
+  CHECK_THROWS(GetRun(daemon.grpc_target(), "a-lost"));
+  // The lost run's steps are sent again and kept.
+  const CommandResult replay = Cli(daemon, {"replay", (data.path() / "a-lost.jsonl").string(), "--max", "--json"});
+  INFO(replay.out << replay.err);
+  REQUIRE(replay.exit_code == 0);
+  CHECK(GetRun(daemon.grpc_target(), "a-lost").info().step_count() == 1500);
+}
+
+TEST_CASE("a run whose rows cannot be read is skipped at start with an error, the others are served",
+          "[integration][durability]") {
+  TempDir data("gradwatch-bad-rows");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  DaemonProcess daemon(options);
+  for (const char* run : {"bad-rows", "good-rows"}) {
+    const std::string file = (data.path() / (std::string(run) + ".jsonl")).string();
+    WriteHistory(file, run, 1, 100);
+    REQUIRE(Cli(daemon, {"replay", file, "--max"}).exit_code == 0);
+  }
+  REQUIRE(daemon.Stop() == 0);
+  {
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open_v2((data.path() / "journal.db").c_str(), &db, SQLITE_OPEN_READWRITE, nullptr) == SQLITE_OK);
+    REQUIRE(sqlite3_exec(db, "UPDATE steps SET vals = x'010203' WHERE run_id = 'bad-rows' AND step = 60", nullptr,
+                         nullptr, nullptr) == SQLITE_OK);
+    sqlite3_close(db);
+  }
+  daemon.Restart();
+  INFO(daemon.LogText());
+  CHECK(daemon.LogText().find("run bad-rows: not restored from the journal") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_runs_not_restored_total") == 1.0);
+  CHECK(GetRun(daemon.grpc_target(), "good-rows").info().step_count() == 100);
+  CHECK_THROWS(GetRun(daemon.grpc_target(), "bad-rows"));
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "SERVING");
 }
 
 TEST_CASE("a WAL deleted while the daemon was stopped is reported at start", "[integration][durability]") {

@@ -8,6 +8,7 @@
 
 #include "alerts/alert.h"
 #include "server/store/alert_store.h"
+#include "server/store/journal.h"
 
 using namespace gradwatch;
 
@@ -78,6 +79,39 @@ TEST_CASE("the SQLite outbox keeps pending entries in order across a reopen unti
   CHECK((*outbox)->PendingCount("pd").value() == 0);
   REQUIRE((*outbox)->MarkFailed(am.value()[0].id, "400 bad request").ok());
   CHECK((*outbox)->PendingCount("am").value() == 1);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("the outbox follows the journal rebuilt after its directory was deleted, and keeps what it had",
+          "[store][recovery]") {
+  const auto dir = TempPath();
+  const auto data = dir / "data";
+  std::filesystem::create_directories(data);
+  const std::string path = (data / "journal.db").string();
+  auto journal = store::Journal::Open({.path = path}, nullptr);
+  REQUIRE(journal.ok());
+  auto outbox = store::AlertStore::Open(path);
+  REQUIRE(outbox.ok());
+  REQUIRE((*outbox)->Add({Entry("am", "before", alerts::AlertState::kFiring)}).ok());
+  std::filesystem::remove_all(data);
+  // No journal file: the outbox refuses (its caller retries) rather than write to the lost one.
+  CHECK_FALSE((*outbox)->Add({Entry("am", "lost", alerts::AlertState::kFiring)}).ok());
+  RunMeta meta;
+  meta.run_id = "run";
+  REQUIRE((*journal)->Enqueue(store::RunRecord{meta}));
+  REQUIRE((*journal)->Flush().ok());  // rebuilds the journal
+  REQUIRE((*journal)->rebuild_count() == 1);
+  REQUIRE((*outbox)->Add({Entry("am", "after", alerts::AlertState::kFiring)}).ok());
+  outbox->reset();
+  (*journal)->Stop();
+
+  auto reopened = store::AlertStore::Open(path);  // a restart
+  REQUIRE(reopened.ok());
+  auto pending = (*reopened)->Pending("am", 10, 1.7e9 + 10);
+  REQUIRE(pending.ok());
+  REQUIRE(pending->size() == 2);
+  CHECK(pending.value()[0].fingerprint == "before");
+  CHECK(pending.value()[1].fingerprint == "after");
   std::filesystem::remove_all(dir);
 }
 
