@@ -4,23 +4,41 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: tests/run.sh [--help] [-- CTEST_ARGS...]
+Usage: tests/run.sh [--no-sanitizers] [--no-asan] [--no-tsan] [--no-fuzz] [--help] [-- CTEST_ARGS...]
 
 Installs the Debian packages listed in deploy/packages.txt and deploy/packages-test.txt that are
-missing (needs root then), configures and builds gradwatch with its tests into build/
-(RelWithDebInfo, Ninja, one job per core), and runs
-  ctest --test-dir build --output-on-failure --timeout 300 --no-tests=error
-then tests/fuzz/run.sh: the libFuzzer targets, built with clang-14 into build-fuzz/ (which also
-checks the lock annotations), each run for $GRADWATCH_FUZZ_SECONDS seconds (default 20). Fails
-if either fails. Arguments after `--` go to ctest, e.g.
-`tests/run.sh -- -L unit`.
+missing (needs root then), then runs these phases, printing the time each took:
+  build, test    gradwatch and its tests (gcc, RelWithDebInfo, Ninja, one job per core) into
+                 build/, and ctest --test-dir build --output-on-failure --timeout 300
+  asan build     everything and the tests again with clang-14, ASan and UBSan, into build-fuzz/
+                 (the fuzzers' build, which also checks the lock annotations with -Wthread-safety)
+  asan test      ctest -j2 on that build; any ASan, UBSan or LeakSanitizer report fails it
+  fuzz           tests/fuzz/run.sh: the libFuzzer targets from that same build, each run for
+                 $GRADWATCH_FUZZ_SECONDS seconds (default 20)
+  tsan build     everything and the tests with clang-14 and TSan into build-tsan/; it builds
+                 while the asan tests and the fuzzers run
+  tsan test      ctest -j2 on that build; any ThreadSanitizer report fails it
+The sanitizer runs stretch the tests' waits and time bounds (tests/support/time_scale.h) and use
+the suppressions in tests/sanitizers/ (third-party libraries only). Their reports are written to
+<build>/sanitizer-logs/ and printed at the end. Fails if any phase fails; later phases still run.
+
+  --no-sanitizers  skip the asan, fuzz and tsan phases (CI runs them all)
+  --no-asan        skip the asan build and test (and the fuzzers, which use that build)
+  --no-tsan        skip the tsan build and test
+  --no-fuzz        skip the fuzzers
+Arguments after `--` go to every ctest run, e.g. `tests/run.sh -- -L unit`.
 USAGE
 }
 
+asan=1 tsan=1 fuzz=1
 ctest_args=()
 while (($# > 0)); do
   case "$1" in
     -h | --help) usage; exit 0 ;;
+    --no-sanitizers) asan=0 tsan=0 fuzz=0; shift ;;
+    --no-asan) asan=0 fuzz=0; shift ;;
+    --no-tsan) tsan=0; shift ;;
+    --no-fuzz) fuzz=0; shift ;;
     --) shift; ctest_args=("$@"); break ;;
     *) printf 'unknown argument: %s\n\n' "$1" >&2; usage >&2; exit 2 ;;
   esac
@@ -31,9 +49,113 @@ source "$(dirname "${BASH_SOURCE[0]}")/../deploy/lib.sh"
 cd "$GW_REPO_ROOT"
 
 gw_ensure_packages deploy/packages.txt deploy/packages-test.txt
-gw_build "$GW_REPO_ROOT/build" RelWithDebInfo -DGRADWATCH_BUILD_TESTS=ON
 
 status=0
-ctest --test-dir build --output-on-failure --timeout 300 --no-tests=error "${ctest_args[@]}" || status=$?
-bash tests/fuzz/run.sh || status=$?
-exit "$status"
+failed=()
+timings=()
+started_all=$SECONDS
+
+# Runs one phase: phase NAME COMMAND...; records its time and whether it failed.
+phase() {
+  local name="$1" start=$SECONDS rc=0
+  shift
+  gw_log "=== $name"
+  "$@" || rc=$?
+  timings+=("$(printf '%-11s %4d s%s' "$name" $((SECONDS - start)) "$( ((rc == 0)) || echo '  FAILED')")")
+  if ((rc != 0)); then
+    failed+=("$name")
+    status=1
+  fi
+  return 0
+}
+
+# Runs ctest on a sanitizer build with the runtime options below, then fails if any process
+# (a test binary, the daemon, the CLI) wrote a sanitizer report. Usage: sanitized_ctest DIR KIND
+# KIND: asan (ASan, UBSan and LeakSanitizer) or tsan. A suite built with -fsanitize=thread needs
+# the kernel's mmap layout TSan expects; without ASLR (setarch -R) it works on kernels whose
+# vm.mmap_rnd_bits are too high for clang 14's TSan.
+sanitized_ctest() {
+  local build="$1" kind="$2" logs="$1/sanitizer-logs" rc=0
+  rm -rf "$logs"
+  mkdir -p "$logs"
+  local -a env=() wrapper=()
+  if [[ "$kind" == asan ]]; then
+    env=("ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:log_path=$PWD/$logs/asan"
+         "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$PWD/$logs/ubsan"
+)
+  else
+    env=("TSAN_OPTIONS=suppressions=$PWD/tests/sanitizers/tsan.supp:second_deadlock_stack=1:log_path=$PWD/$logs/tsan")
+    if setarch "$(uname -m)" -R true 2>/dev/null; then
+      wrapper=(setarch "$(uname -m)" -R)
+    fi
+  fi
+  # -j2: the tests use ephemeral ports and their own data directories; the time scale of the
+  # sanitizer builds leaves room for two at once on 2 cores.
+  env "${env[@]}" "${wrapper[@]}" ctest --test-dir "$build" --output-on-failure --timeout 2400 \
+    --no-tests=error -j2 "${ctest_args[@]}" || rc=$?
+  local reports
+  reports=$(find "$logs" -type f -size +0 | sort)
+  if [[ -n "$reports" ]]; then
+    gw_log "$kind: sanitizer reports in $logs:"
+    while IFS= read -r report; do
+      printf '%s\n' "--- $report" >&2
+      head -n 80 "$report" >&2
+    done <<< "$reports"
+    rc=1
+  fi
+  return "$rc"
+}
+
+phase build gw_build "$GW_REPO_ROOT/build" RelWithDebInfo -DGRADWATCH_BUILD_TESTS=ON
+phase test ctest --test-dir build --output-on-failure --timeout 300 --no-tests=error "${ctest_args[@]}"
+
+# The asan build first, then the tsan build in the background while the asan tests and the
+# fuzzers run: those wait on sockets and timers much of the time, a build keeps the cores busy.
+asan_build() {
+  gw_configure_sanitized build-fuzz address,undefined -DGRADWATCH_FUZZ=ON &&
+    cmake --build build-fuzz --parallel "$(nproc)"
+}
+tsan_build() {
+  gw_configure_sanitized build-tsan thread && cmake --build build-tsan --parallel "$(nproc)"
+}
+tsan_pid=""
+if ((asan)); then
+  phase 'asan build' asan_build
+  if ((tsan)); then
+    tsan_start=$SECONDS
+    mkdir -p build-tsan
+    tsan_build > build-tsan/build.log 2>&1 &
+    tsan_pid=$!
+    gw_log "building build-tsan in the background (log: build-tsan/build.log)"
+  fi
+  if [[ " ${failed[*]} " != *" asan build "* ]]; then
+    phase 'asan test' sanitized_ctest build-fuzz asan
+    ((fuzz)) && phase fuzz bash tests/fuzz/run.sh
+  fi
+fi
+if ((tsan)); then
+  if [[ -n "$tsan_pid" ]]; then
+    rc=0
+    wait "$tsan_pid" || rc=$?
+    timings+=("$(printf '%-11s %4d s (in the background)%s' 'tsan build' $((SECONDS - tsan_start)) \
+      "$( ((rc == 0)) || echo '  FAILED')")")
+    if ((rc != 0)); then
+      tail -n 60 build-tsan/build.log >&2
+      failed+=('tsan build')
+      status=1
+    fi
+  else
+    phase 'tsan build' tsan_build
+  fi
+  if [[ " ${failed[*]} " != *" tsan build "* ]]; then
+    phase 'tsan test' sanitized_ctest build-tsan tsan
+  fi
+fi
+
+gw_log "phase times:"
+printf '  %s\n' "${timings[@]}" >&2
+gw_log "total $((SECONDS - started_all)) s"
+if ((status != 0)); then
+  gw_die "failed: ${failed[*]}"
+fi
+gw_log "all phases passed"

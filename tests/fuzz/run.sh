@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang-14 (ASan + UBSan, and the lock annotations checked by
-# -Wthread-safety) into build-fuzz/ and runs each on its seed corpus for a bounded time. Exits
-# non-zero on a build error or on any crash, leak, sanitizer report or timeout; the input that
-# caused it is written to build-fuzz/findings/ (keep it in tests/fuzz/corpus/<target>/ once fixed).
+# -Wthread-safety) into build-fuzz/, the build tests/run.sh also runs the ASan+UBSan tests from, and
+# runs each on its seed corpus for a bounded time. Exits non-zero on a build error or on any crash,
+# leak, sanitizer report or timeout; the input that caused it is written to build-fuzz/findings/
+# (keep it in tests/fuzz/corpus/<target>/ once fixed).
 set -euo pipefail
 
 usage() {
@@ -33,12 +34,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/../../deploy/lib.sh"
 cd "$GW_REPO_ROOT"
 build=build-fuzz
 
-generator=()
-[[ -f "$build/CMakeCache.txt" ]] || generator=(-G Ninja)
-gw_log "configuring $build (clang-14, libFuzzer, ASan, UBSan, -Wthread-safety)"
-cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" -DCMAKE_CXX_COMPILER=clang++-14 \
-  -DGRADWATCH_FUZZ=ON -DGRADWATCH_BUILD_TESTS=OFF
+# The same build as tests/run.sh's ASan+UBSan test run, which builds it with the tests first.
+gw_configure_sanitized "$build" address,undefined -DGRADWATCH_FUZZ=ON
 gw_log "building the fuzz targets with $(nproc) jobs"
 cmake --build "$build" --target gradwatch_fuzzers --parallel "$(nproc)"
 

@@ -172,7 +172,7 @@ class Alertmanager {
                "--cluster.listen-address=", static_cast<char*>(nullptr));
       ::_exit(127);
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    const auto deadline = std::chrono::steady_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(20));
     while (std::chrono::steady_clock::now() < deadline) {
       try {
         if (HttpRequest("GET", "127.0.0.1", port_, "/-/ready").status == 200) return;
@@ -366,7 +366,7 @@ TEST_CASE("the contingency pages a real Alertmanager with the recommendation, an
   CHECK(firing["value"].get<double>() == Approx(5.5));
 
   json page;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  const auto deadline = std::chrono::steady_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(20));
   while (page.is_null() && std::chrono::steady_clock::now() < deadline) {
     page = AmPage(am);
     if (page.is_null()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -400,7 +400,7 @@ TEST_CASE("the contingency pages a real Alertmanager with the recommendation, an
                               std::to_string(kResolveStep) + "\n") != std::string::npos);
   CHECK(CliContingency(daemon).is_null());
   bool resolved = false;
-  const auto resolve_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  const auto resolve_deadline = std::chrono::steady_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(20));
   while (!resolved && std::chrono::steady_clock::now() < resolve_deadline) {
     resolved = AmPage(am).is_null() && AmReceived(am, "resolved") >= 1;
     if (!resolved) std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -439,7 +439,7 @@ TEST_CASE("rules reload via the CLI and SIGHUP keeps the old rules when a file i
   CHECK(refused.err.find("unchanged") != std::string::npos);
   CHECK(refused.err.find("extra.yaml:5") != std::string::npos);
   daemon.Signal(SIGHUP);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  const auto deadline = std::chrono::steady_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(10));
   while (daemon.LogText().find("rule reload refused") == std::string::npos &&
          std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -393,7 +393,8 @@ void DaemonProcess::Start() {
   grpc_port_ = 0;
   metrics_port_ = 0;
 
-  const auto deadline = Clock::now() + options_.ready_timeout;
+  const auto ready_timeout = Scaled(options_.ready_timeout);
+  const auto deadline = Clock::now() + ready_timeout;
   while (true) {
     std::ifstream in(ready);
     if (in) {
@@ -420,7 +421,7 @@ void DaemonProcess::Start() {
     if (Clock::now() >= deadline) {
       Stop(SIGKILL);
       throw std::runtime_error("gradwatchd was not ready within " +
-                               std::to_string(options_.ready_timeout.count()) + " s\n" + LogText());
+                               std::to_string(ready_timeout.count()) + " s\n" + LogText());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -444,7 +445,7 @@ int DaemonProcess::Stop(int sig, std::chrono::seconds timeout) {
   if (status_) return *status_;
   if (pid_ <= 0) throw std::logic_error("DaemonProcess::Stop: never started");
   ::kill(pid_, sig);
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = Clock::now() + Scaled(timeout);
   while (!Reap(false)) {
     if (Clock::now() >= deadline) {
       ::kill(pid_, SIGKILL);
@@ -504,7 +505,7 @@ HttpResponse HttpRequest(const std::string& method, const std::string& host, int
                          const std::string& path, const std::string& body,
                          const std::map<std::string, std::string>& headers,
                          std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = Clock::now() + Scaled(timeout);
   const std::string where = host + ":" + std::to_string(port);
 
   addrinfo hints{};
@@ -667,7 +668,7 @@ CommandResult RunCommand(const std::vector<std::string>& argv, const std::option
     if (fd->valid()) ::fcntl(fd->get(), F_SETFL, ::fcntl(fd->get(), F_GETFL) | O_NONBLOCK);
   }
 
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = Clock::now() + Scaled(timeout);
   size_t written = 0;
   if (stdin_text && stdin_text->empty()) in_write.Reset();
   char buffer[16384];

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tests/support/temp_dir.h"
+#include "tests/support/time_scale.h"
 
 namespace gradwatch::testing {
 
@@ -40,7 +41,7 @@ struct DaemonOptions {
   std::string listen = "127.0.0.1:0";
   // Extra command-line arguments, appended after the standard ones.
   std::vector<std::string> extra_args;
-  // How long to wait for the ready file.
+  // How long to wait for the ready file (stretched by TimeScale(), as every wait below is).
   std::chrono::seconds ready_timeout{20};
   // Binary to run; empty means DaemonBinaryPath().
   std::string binary;

@@ -70,7 +70,7 @@ void WriteHistory(const std::filesystem::path& file, const std::string& run, uin
 // Polls `pred` every 50 ms until it holds or `limit` passes.
 template <typename Pred>
 bool WaitUntil(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(30)) {
-  const auto deadline = Clock::now() + limit;
+  const auto deadline = Clock::now() + Scaled(limit);
   while (Clock::now() < deadline) {
     if (pred()) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -86,7 +86,7 @@ std::optional<double> Metric(const DaemonProcess& daemon, const std::string& nam
 v1::RunSummary GetRun(const std::string& target, const std::string& run) {
   auto stub = QueryStub(target);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  ctx.set_deadline(std::chrono::system_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(20)));
   v1::GetRunRequest req;
   req.set_run_id(run);
   v1::RunSummary summary;
@@ -624,7 +624,7 @@ class RankFeeders {
   // incomplete steps; a rank further behind would find its steps completed without it).
   bool AllowAndFlush(uint64_t through, std::chrono::seconds limit) {
     Allow(through);
-    const auto deadline = Clock::now() + limit;
+    const auto deadline = Clock::now() + Scaled(limit);
     std::unique_lock lock(mu_);
     if (!logged_cv_.wait_until(lock, deadline, [&] {
           return std::all_of(logged_.begin(), logged_.end(), [&](uint64_t l) { return l >= through; });
@@ -852,5 +852,5 @@ TEST_CASE("three ranks replaying while the daemon is SIGKILLed 20 times end up a
   const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
   WARN("crash test: " << kKills << " SIGKILLs, " << kCrashSteps << " steps x " << kRanks << " ranks in "
                       << seconds << " s; " << repeats << " notification(s) delivered again after a kill");
-  CHECK(seconds < 90);
+  CHECK(seconds < Scaled(std::chrono::seconds(90)).count());
 }

@@ -52,7 +52,7 @@ v1::StepStats GradStep(uint64_t step, uint32_t index, double norm) {
 std::vector<v1::RunInfo> ListRuns(const std::string& target) {
   auto stub = QueryStub(target);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  ctx.set_deadline(std::chrono::system_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(10)));
   v1::ListRunsRequest req;
   req.set_include_archived(true);
   v1::ListRunsResponse resp;

@@ -43,7 +43,7 @@ void Replay(const DaemonProcess& daemon, const std::string& file) {
 v1::Analysis Analyse(const DaemonProcess& daemon) {
   auto stub = QueryStub(daemon.grpc_target());
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  ctx.set_deadline(std::chrono::system_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(10)));
   v1::GetRunRequest req;
   req.set_run_id(kRun);
   v1::RunSummary summary;

@@ -34,7 +34,7 @@ v1::StepStats ShardStep(uint64_t step, double lm_head_sq, double final_norm_para
 v1::RunSummary GetRun(const std::string& target, const std::string& run) {
   auto stub = QueryStub(target);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  ctx.set_deadline(std::chrono::system_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(5)));
   v1::GetRunRequest req;
   req.set_run_id(run);
   v1::RunSummary summary;
@@ -47,7 +47,7 @@ v1::RunSummary GetRun(const std::string& target, const std::string& run) {
 std::vector<v1::SeriesPoint> GetSeries(const std::string& target, const std::string& run, const std::string& key) {
   auto stub = QueryStub(target);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  ctx.set_deadline(std::chrono::system_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(5)));
   v1::GetSeriesRequest req;
   req.set_run_id(run);
   req.set_key(key);
@@ -281,7 +281,7 @@ TEST_CASE("an ended run leaves /metrics but stays queryable", "[integration]") {
     CHECK(ParseMetric(daemon.ScrapeMetrics(), "gradwatch_last_step", {{"run", "short-lived"}}) == 1);
     CHECK(stream.Close().ok());
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  const auto deadline = std::chrono::steady_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(10));
   std::string metrics;
   do {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));

@@ -53,7 +53,7 @@ void WriteHistory(const std::string& path, const std::string& header, uint64_t f
 std::vector<v1::SeriesPoint> Series(const DaemonProcess& daemon, const std::string& key) {
   auto stub = QueryStub(daemon.grpc_target());
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  ctx.set_deadline(std::chrono::system_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(30)));
   v1::GetSeriesRequest req;
   req.set_run_id("resumed-job");
   req.set_key(key);
@@ -67,7 +67,7 @@ std::vector<v1::SeriesPoint> Series(const DaemonProcess& daemon, const std::stri
 std::vector<v1::Alert> ActiveAlerts(const DaemonProcess& daemon, const std::string& name) {
   auto stub = QueryStub(daemon.grpc_target());
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  ctx.set_deadline(std::chrono::system_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(30)));
   v1::ListAlertsRequest req;
   req.set_run_id("resumed-job");
   v1::ListAlertsResponse resp;
@@ -84,7 +84,7 @@ std::vector<v1::Alert> ActiveAlerts(const DaemonProcess& daemon, const std::stri
 v1::RunSummary Run(const DaemonProcess& daemon) {
   auto stub = QueryStub(daemon.grpc_target());
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  ctx.set_deadline(std::chrono::system_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(30)));
   v1::GetRunRequest req;
   req.set_run_id("resumed-job");
   v1::RunSummary summary;

@@ -29,7 +29,7 @@ CommandResult Cli(const DaemonProcess& daemon, std::vector<std::string> args) {
 
 // Polls `done` every 100 ms until it holds or `limit` passes; returns its last answer.
 bool WaitUntil(const std::function<bool()>& done, std::chrono::seconds limit = std::chrono::seconds(30)) {
-  const auto deadline = SteadyClock::now() + limit;
+  const auto deadline = SteadyClock::now() + Scaled(limit);
   while (!done()) {
     if (SteadyClock::now() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -68,7 +68,7 @@ std::unique_ptr<StreamClient> Report(const DaemonProcess& daemon, const std::str
 v1::RunInfo RunState(const DaemonProcess& daemon, const std::string& run) {
   auto stub = QueryStub(daemon.grpc_target());
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  ctx.set_deadline(std::chrono::system_clock::now() + gradwatch::testing::Scaled(std::chrono::seconds(5)));
   v1::GetRunRequest req;
   req.set_run_id(run);
   v1::RunSummary summary;
@@ -166,9 +166,12 @@ TEST_CASE("a hung run that is still connected warns RunStalled and does not page
             .labels()
             .at("severity") == "warning");
   CHECK_FALSE(FindAlert(daemon, "hung", "RunDied"));
-  // A step resolves the warning.
+  // A step resolves the warning. Watched on the stream, not by polling the query API: with a 1 s
+  // threshold the run stalls again a second later, which a slow (sanitizer) build's poll can miss.
   REQUIRE(hung->Step(SmallStep(6), 10));
-  REQUIRE(WaitUntil([&] { return !FindAlert(daemon, "hung", "FastStalled"); }));
+  hung->WaitFor([](const v1::DaemonMessage& m) {
+    return m.has_alert() && m.alert().name() == "FastStalled" && m.alert().state() == v1::ALERT_STATE_RESOLVED;
+  });
   hung->Close();
 }
 

@@ -5,12 +5,14 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
+#include "tests/support/time_scale.h"
+
 namespace gradwatch::testing {
 
 StreamClient::StreamClient(const std::string& target)
     : channel_(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())),
       stub_(v1::Ingest::NewStub(channel_)) {
-  context_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  context_.set_deadline(std::chrono::system_clock::now() + Scaled(std::chrono::seconds(120)));
   stream_ = stub_->Stream(&context_);
   reader_ = std::thread([this] {
     v1::DaemonMessage msg;
@@ -60,7 +62,7 @@ v1::DaemonMessage StreamClient::WaitFor(const std::function<bool(const v1::Daemo
                                         std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
   size_t checked = 0;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = std::chrono::steady_clock::now() + Scaled(timeout);
   while (true) {
     for (; checked < received_.size(); ++checked) {
       if (pred(received_[checked])) return received_[checked];
@@ -117,7 +119,7 @@ std::vector<v1::Alert> ListAlerts(const std::string& target, const std::string& 
                                   std::chrono::milliseconds timeout) {
   auto stub = QueryStub(target);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  ctx.set_deadline(std::chrono::system_clock::now() + Scaled(timeout));
   v1::ListAlertsRequest req;
   req.set_run_id(run);
   v1::ListAlertsResponse resp;
@@ -145,7 +147,7 @@ std::string HealthStatus(const std::string& target, const std::string& service,
   grpc::ByteBuffer out;
   grpc::GenericStub stub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  context.set_deadline(std::chrono::system_clock::now() + Scaled(timeout));
   std::promise<grpc::Status> done;
   stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
                  [&done](grpc::Status s) { done.set_value(std::move(s)); });

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/time_scale.h"
+
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 
 namespace gradwatch::testing {
@@ -122,7 +124,7 @@ class FakeIngest final : public v1::Ingest::Service {
   // Waits until `count` messages have arrived.
   bool WaitForMessages(size_t count, std::chrono::milliseconds timeout) {
     std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return messages_.size() >= count; });
+    return cv_.wait_for(lock, gradwatch::testing::Scaled(timeout), [&] { return messages_.size() >= count; });
   }
 
  private:

@@ -75,7 +75,7 @@ Alert MakeAlert(const std::string& run, AlertState state, double starts_at = 100
 
 // Polls pred every 5 ms for at most timeout.
 bool WaitUntil(const std::function<bool()>& pred, std::chrono::milliseconds timeout = 5s) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = std::chrono::steady_clock::now() + gradwatch::testing::Scaled(timeout);
   while (!pred()) {
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::this_thread::sleep_for(5ms);

@@ -34,6 +34,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/time_scale.h"
+
 namespace gradwatch::notify::testing {
 
 struct SelfSignedCert {
@@ -207,12 +209,12 @@ class TestReceiver {
   // Waits until at least n requests were answered with 2xx; false on timeout.
   bool WaitForDelivered(size_t n, std::chrono::milliseconds timeout) const {
     std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return delivered_ >= n; });
+    return cv_.wait_for(lock, gradwatch::testing::Scaled(timeout), [&] { return delivered_ >= n; });
   }
   // Waits until at least n requests arrived, whatever the answer; false on timeout.
   bool WaitForRequests(size_t n, std::chrono::milliseconds timeout) const {
     std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return requests_.size() >= n; });
+    return cv_.wait_for(lock, gradwatch::testing::Scaled(timeout), [&] { return requests_.size() >= n; });
   }
 
  private:

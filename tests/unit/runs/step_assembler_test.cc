@@ -30,7 +30,8 @@ RankStep Report(uint64_t step, double grad_sq0, uint64_t seq = 0) {
 
 auto Collect(std::vector<Done>& out) {
   return [&out](const PendingStep& p) {
-    out.push_back({p.step, p.partial, p.ranks_reported, p.param_sq[0], p.total_grad.present, p.total_grad.sq});
+    out.push_back({p.step, p.partial, p.ranks_reported, static_cast<double>(p.param_sq[0]), p.total_grad.present,
+                   static_cast<double>(p.total_grad.sq)});
   };
 }
 
