@@ -271,9 +271,9 @@ size_t WindowedSlope::CapacityBytes() const { return sizeof(*this) + ring_capaci
 
 std::optional<LinearFit> WindowedSlope::Fit() const { return window_.Fit(); }
 
-RegressionSums WindowedSlope::SumsInRange(uint64_t from_step, uint64_t to_step) const {
+RegressionSums WindowedSlope::SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const {
   RegressionSums sums;
-  for (size_t i = 0; i < held_; ++i) {
+  for (size_t i = 0; i < count; ++i) {
     const RegressionSums& bucket = held(i).sums;
     if (bucket.first_step() > to_step) {
       break;
@@ -285,18 +285,12 @@ RegressionSums WindowedSlope::SumsInRange(uint64_t from_step, uint64_t to_step) 
   return sums;
 }
 
+RegressionSums WindowedSlope::SumsInRange(uint64_t from_step, uint64_t to_step) const {
+  return SumsOfHeldInRange(held_, from_step, to_step);
+}
+
 RegressionSums WindowedSlope::ClosedSumsInRange(uint64_t from_step, uint64_t to_step) const {
-  RegressionSums sums;
-  for (size_t i = 0; i + 1 < held_; ++i) {
-    const RegressionSums& bucket = held(i).sums;
-    if (bucket.first_step() > to_step) {
-      break;
-    }
-    if (bucket.first_step() >= from_step && bucket.last_step() <= to_step) {
-      sums.Merge(bucket);
-    }
-  }
-  return sums;
+  return SumsOfHeldInRange(held_ > 0 ? held_ - 1 : 0, from_step, to_step);
 }
 
 const RegressionSums* WindowedSlope::ClosedBy(uint64_t step, double value) const {

@@ -164,6 +164,8 @@ class WindowedSlope {
   };
 
   const Bucket& held(size_t i) const { return ring_[(head_ + i) % ring_.size()]; }
+  // The sums of the first `count` held buckets whose samples all lie in [from_step, to_step].
+  RegressionSums SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const;
   static constexpr size_t kFirstRingSize = 4;
   void ExpireBefore(uint64_t newest_step);
   void Recompute();

@@ -49,6 +49,7 @@
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
+#include "tests/support/latch.h"
 #include "tests/unit/notify/test_receiver.h"
 
 using namespace gradwatch;
@@ -107,24 +108,6 @@ double Quantile(std::vector<double> values, double q) {
 }
 
 // A counter to wait on.
-class Latch {
- public:
-  explicit Latch(size_t count) : count_(count) {}
-  void CountDown() {
-    std::lock_guard lock(mu_);
-    if (count_ > 0 && --count_ == 0) cv_.notify_all();
-  }
-  bool WaitFor(Clock::duration timeout) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [this] { return count_ == 0; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  size_t count_;
-};
-
 struct Shape {
   uint32_t runs = 1;
   uint32_t ranks = 1;

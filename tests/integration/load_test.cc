@@ -21,6 +21,7 @@
 
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
+#include "tests/support/latch.h"
 
 using namespace gradwatch;
 using namespace gradwatch::testing;
@@ -40,25 +41,6 @@ const std::vector<std::pair<std::string, v1::ParamKind>> kCatalog = {
     {"lm_head.weight", v1::PARAM_KIND_OUTPUT},
     {"layers.0.attn.weight", v1::PARAM_KIND_ATTENTION},
     {"layers.0.mlp.weight", v1::PARAM_KIND_MLP},
-};
-
-// A counter tests wait on.
-class Latch {
- public:
-  explicit Latch(size_t count) : count_(count) {}
-  void CountDown() {
-    std::lock_guard lock(mu_);
-    if (count_ > 0 && --count_ == 0) cv_.notify_all();
-  }
-  bool WaitFor(std::chrono::steady_clock::duration timeout) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [this] { return count_ == 0; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  size_t count_;
 };
 
 // One rank: Hello, then steps 1..kSteps one write at a time; half-closes once the last step is
