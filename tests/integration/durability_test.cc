@@ -276,7 +276,8 @@ TEST_CASE("a data directory deleted under the running daemon is rebuilt without 
   std::filesystem::remove_all(data);
   { std::ofstream(data) << "not a directory\n"; }
   REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_storage_healthy") == 0.0; }));
-  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "NOT_SERVING");
+  // The health follows on the daemon's next tick.
+  CHECK(WaitUntil([&] { return HealthStatus(daemon.grpc_target(), kIngest) == "NOT_SERVING"; }));
   CHECK(Metric(daemon, "gradwatch_journal_files_lost_total") == 1.0);
   // The daemon's log file went with the directory; the daemon still writes to it.
   auto log = [&] {
