@@ -330,11 +330,12 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     if (!result.ok()) return true;
     const auto* record = std::get_if<StepRecord>(&*result.line);
     if (record == nullptr) return true;
-    if (resume_after && record->step <= *resume_after) {
-      if (record->has_metrics || !record->event) ++summary.already_held_steps;
-      return true;
-    }
-    if (options.speed > 0 && record->timestamp) {
+    // Events are sent even at steps the daemon holds: it may hold those steps but not the event
+    // (refused while its storage failed, say), and it keeps one copy of an event sent twice.
+    const bool held = resume_after && record->step <= *resume_after;
+    if (held && (record->has_metrics || !record->event)) ++summary.already_held_steps;
+    if (held && !record->event) return true;
+    if (!held && options.speed > 0 && record->timestamp) {
       if (!first_timestamp) {
         first_timestamp = record->timestamp;
         paced_from = Clock::now();
@@ -355,7 +356,7 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
       }
       ++summary.events_sent;
     }
-    if (record->has_metrics || !record->event) {
+    if (!held && (record->has_metrics || !record->event)) {
       line_of_step[record->step] = line_number;
       if (!monitor.LogBlocking(ToStepStats(*record, plan.catalog), global.timeout())) {
         failure = "no room to send step " + std::to_string(record->step) + " for " +

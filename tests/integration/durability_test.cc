@@ -215,6 +215,37 @@ TEST_CASE("a full disk: nothing is acked that is not committed, and ingest recov
   CHECK(rows.events == std::vector<std::pair<uint64_t, std::string>>{{200, "switched routing"}});
 }
 
+TEST_CASE("a replay run again sends the events at steps the daemon already holds, and each is kept once",
+          "[integration][durability]") {
+  // The daemon may hold a rank's steps but not an event among them: an event refused while its
+  // storage failed, when the replay that sent it gave up before it could resend it.
+  TempDir data("gradwatch-held-events");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  DaemonProcess daemon(options);
+  const std::string steps_only = (data.path() / "steps.jsonl").string();
+  const std::string with_events = (data.path() / "events.jsonl").string();
+  WriteHistory(steps_only, "held-events", 1, 300);
+  WriteHistory(with_events, "held-events", 1, 300, {{200, "switched routing"}, {250, "lr decay"}});
+  REQUIRE(Cli(daemon, {"replay", steps_only, "--max"}).exit_code == 0);
+
+  for (int round = 0; round < 2; ++round) {
+    const CommandResult again = Cli(daemon, {"replay", with_events, "--max", "--json"});
+    INFO(again.out << again.err);
+    REQUIRE(again.exit_code == 0);
+    const json summary = json::parse(again.out);
+    CHECK(summary["already_held_steps"] == 300);
+    CHECK(summary["steps_sent"] == 0);
+    CHECK(summary["events"] == 2);
+  }
+
+  REQUIRE(daemon.Stop() == 0);
+  const JournalRows rows = ReadJournal(data.path() / "journal.db", "held-events");
+  CHECK(rows.steps.size() == 300);
+  CHECK(rows.events ==
+        std::vector<std::pair<uint64_t, std::string>>{{200, "switched routing"}, {250, "lr decay"}});
+}
+
 TEST_CASE("an immutable WAL: steps are not acked, and after it clears a replay resends them all",
           "[integration][durability]") {
   TempDir data("gradwatch-immutable");
