@@ -50,6 +50,7 @@
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
 #include "tests/support/latch.h"
+#include "tests/support/time_scale.h"
 #include "tests/unit/notify/test_receiver.h"
 
 using namespace gradwatch;
@@ -58,6 +59,13 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// The start of every benchmarked daemon's config. The assembly timeout is stretched with the
+// tests' time scale: in a sanitizer build (the smoke run) 64 slow ranks may outlive the default.
+std::string DaemonConfig() {
+  return "log: {format: text, level: warn}\nassembly: {timeout_seconds: " +
+         std::to_string(static_cast<int>(30 * TimeScale())) + "}\n";
+}
 
 constexpr uint64_t kWindow = 16;  // unacknowledged steps a rank may have in flight
 constexpr auto kPartTimeout = std::chrono::minutes(10);
@@ -553,7 +561,7 @@ json AlertLatency(uint32_t alerts) {
                           "        annotations: {summary: \"spike in {{ run }}\"}\n";
   DaemonOptions options;
   options.data_dir = data.path();
-  options.config_yaml = "log: {format: text, level: warn}\nlimits: {max_runs: " + std::to_string(alerts + 16) +
+  options.config_yaml = DaemonConfig() + "limits: {max_runs: " + std::to_string(alerts + 16) +
                         "}\nalerts:\n  rule_files: [" + rules.string() +
                         "]\n  receivers:\n    - {type: webhook, name: hook, url: " + receiver.url("/hook") + "}\n";
   DaemonProcess daemon(options);
@@ -640,7 +648,7 @@ json Scrapes(const DaemonProcess& daemon, int count, uint64_t series) {
 json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint64_t fill_steps,
                  uint64_t probe_steps, int scrapes) {
   DaemonOptions options;
-  options.config_yaml = "log: {format: text, level: warn}\nstore: {recent_points: 64, history_buckets: 16}\n"
+  options.config_yaml = DaemonConfig() + "store: {recent_points: 64, history_buckets: 16}\n"
                         "limits: {max_runs: " + std::to_string(runs_large + 16) + "}\n";
   DaemonProcess daemon(options);
   const Shape fill{.runs = runs_small, .ranks = 1, .params = params, .steps = fill_steps};
@@ -706,7 +714,7 @@ json SingleRunPart(const Shape& shape, json* ingest_rows) {
   TempDir data;
   DaemonOptions options;
   options.data_dir = data.path();
-  options.config_yaml = "log: {format: text, level: warn}\n";
+  options.config_yaml = DaemonConfig();
   options.ready_timeout = std::chrono::seconds(600);
   std::optional<DaemonProcess> daemon(std::in_place, options);
   const IngestResult r = RunIngest(daemon->grpc_target(), daemon->pid(), shape, "solo");
@@ -767,7 +775,7 @@ json RunAll(const Sizes& z) {
                              Shape{.runs = 8, .ranks = 8, .params = 200, .steps = z.mixed_steps},
                              Shape{.runs = 1, .ranks = 1, .params = z.big_params, .steps = z.big_steps}}) {
     DaemonOptions options;
-    options.config_yaml = "log: {format: text, level: warn}\n";
+    options.config_yaml = DaemonConfig();
     DaemonProcess daemon(options);
     out["ingest"].push_back(RunIngest(daemon.grpc_target(), daemon.pid(), shape, "load").ToJson());
   }
