@@ -70,10 +70,12 @@ void StepBuffer::MarkWritten(uint64_t id, bool events_acked) {
 
 bool StepBuffer::OnEventAck(uint64_t seq) {
   if (seq == 0) return false;
-  // Unacked events are few and sit near the front, among steps awaiting their acks.
+  // Unacked events are few and sit near the front, among steps awaiting their acks. The ack may
+  // arrive before the sender marks the event written (it writes without the Monitor's lock, and
+  // the daemon acks an event it already holds at once): the seq it was claimed with is enough.
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
-    if (!e.is_step() && e.written && e.last_seq == seq) {
+    if (!e.is_step() && e.last_seq == seq) {
       Erase(i);
       return true;
     }

@@ -59,7 +59,8 @@ class StepBuffer {
   size_t OnAccepted(const v1::Accepted& accepted);
   // Releases every step ≤ durable_step. Returns the number released.
   size_t OnAck(uint64_t durable_step);
-  // Releases the written event last written with `seq`. Returns whether one was released.
+  // Releases the event last claimed (NextToWrite) with `seq`, written or still being written: its
+  // ack may overtake MarkWritten. Returns whether one was released.
   bool OnEventAck(uint64_t seq);
   // Releases the message an Error refers to, which will never be acknowledged: the step or event
   // last written with `seq`; when the daemon did not echo a seq (0), the first step numbered `step`,

@@ -273,6 +273,30 @@ TEST_CASE("an event is held until its ack and written again on a new stream", "[
   CHECK(buffer.empty());
 }
 
+TEST_CASE("an event ack that overtakes the sender's MarkWritten still releases the event", "[client]") {
+  // The sender writes without the Monitor's lock; a daemon that already holds the event acks it
+  // at once, so the ack can be handled before the sender marks the event written.
+  StepBuffer buffer(100, 10);
+  buffer.PushStep(Step(1));
+  buffer.PushEvent(EventAt(1, "switched routing"));
+  buffer.PushStep(Step(2));
+  uint64_t seq = 20;
+  auto step1 = buffer.NextToWrite(seq++);
+  REQUIRE(step1);
+  buffer.MarkWritten(step1->id, true);
+  auto event = buffer.NextToWrite(seq++);
+  REQUIRE(event);
+  REQUIRE(event->message.has_event());
+  CHECK(buffer.OnEventAck(event->message.seq()));  // before MarkWritten
+  buffer.MarkWritten(event->id, true);             // the event is gone: nothing to mark
+  CHECK(buffer.events() == 0);
+  const auto rest = WriteAll(buffer, seq, true);
+  CHECK(StepsOf(rest) == std::vector<uint64_t>{2});
+  CHECK(buffer.OnAck(2) == 2);
+  CHECK(buffer.unacked() == 0);
+  CHECK(buffer.queued() == 0);
+}
+
 TEST_CASE("an event refused by the daemon is released by its seq", "[client]") {
   StepBuffer buffer(100, 10);
   buffer.PushEvent(EventAt(5, ""));
