@@ -1,28 +1,9 @@
 #include "server/store/series.h"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 
 namespace gradwatch::store {
 namespace {
-
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-Point SamplePoint(uint64_t step, double value) {
-  Point p;
-  p.step = step;
-  p.last_step = step;
-  p.count = 1;
-  p.last = value;
-  if (std::isfinite(value)) {
-    p.mean = p.min = p.max = value;
-  } else {
-    p.nonfinite = 1;
-    p.mean = p.min = p.max = kNaN;
-  }
-  return p;
-}
 
 SeriesOptions Sanitised(SeriesOptions options) {
   // Below two slots neither the ring nor pairwise compaction can make progress.
@@ -33,76 +14,23 @@ SeriesOptions Sanitised(SeriesOptions options) {
 
 }  // namespace
 
-void MergeInto(Point& a, const Point& b) {
-  if (b.count == 0) return;
-  if (a.count == 0) {
-    a = b;
-    return;
-  }
-  const uint64_t finite_a = a.count - a.nonfinite;
-  const uint64_t finite_b = b.count - b.nonfinite;
-  if (finite_a == 0) {
-    a.mean = b.mean;
-    a.min = b.min;
-    a.max = b.max;
-  } else if (finite_b != 0) {
-    // Incremental form: stays within [min, max] and does not overflow for large magnitudes.
-    a.mean += (b.mean - a.mean) * (static_cast<double>(finite_b) /
-                                   static_cast<double>(finite_a + finite_b));
-    a.min = std::min(a.min, b.min);
-    a.max = std::max(a.max, b.max);
-  }
-  a.last_step = b.last_step;
-  a.count += b.count;
-  a.nonfinite += b.nonfinite;
-  a.last = b.last;
-}
-
 Series::Series(const SeriesOptions& options) : options_(Sanitised(options)) {}
 
-size_t Series::GrownSize(size_t size, size_t capacity) {
-  return std::min(capacity, std::max(kFirstAllocation, size * 2));
-}
-
-bool Series::RecentMayGrow(bool may_grow) const {
-  return recent_size_ == recent_.size() && recent_.size() < options_.recent_points &&
-         (may_grow || recent_.empty());
-}
-
-bool Series::HistoryMayGrow(bool may_grow) const {
-  return history_size_ == history_.size() && history_.size() < options_.history_buckets &&
-         (may_grow || history_.empty());
-}
-
 size_t Series::NextGrowthBytes() const {
-  if (RecentMayGrow(true)) {
-    return (GrownSize(recent_.size(), options_.recent_points) - recent_.size()) * sizeof(Point);
-  }
-  if (recent_size_ == recent_.size() && HistoryMayGrow(true)) {
-    return (GrownSize(history_.size(), options_.history_buckets) - history_.size()) * sizeof(Point);
-  }
-  return 0;
+  size_t bytes = recent_.NextGrowthBytes();
+  // A full ring evicts its oldest point into history, which may flush the open bucket.
+  if (recent_.size() + 1 >= options_.recent_points) bytes += history_.NextGrowthBytes();
+  return bytes;
 }
 
 bool Series::Append(uint64_t step, double value, bool may_grow) {
   if (sample_count_ > 0 && step <= last_step_) return false;
   const Point point = SamplePoint(step, value);
-  if (RecentMayGrow(may_grow)) {
-    // A ring that wrapped at a smaller size (growth refused) is unwrapped first, keeping its order.
-    std::rotate(recent_.begin(), recent_.begin() + static_cast<std::ptrdiff_t>(recent_start_), recent_.end());
-    recent_start_ = 0;
-    const size_t grown = GrownSize(recent_.size(), options_.recent_points);
-    recent_.reserve(grown);
-    recent_.resize(grown);
-  }
-  const size_t capacity = recent_.size();
-  if (recent_size_ < capacity) {
-    recent_[(recent_start_ + recent_size_) % capacity] = point;
-    ++recent_size_;
-  } else {
-    PushHistory(recent_[recent_start_], may_grow);
-    recent_[recent_start_] = point;
-    recent_start_ = (recent_start_ + 1) % capacity;
+  if (recent_.size() >= options_.recent_points) PushHistory(recent_.PopFront(), may_grow);
+  // Refused a chunk, the oldest points go to history until one is emptied (the last one held
+  // empties with the log, so this ends).
+  while (!recent_.Append(point, may_grow || recent_.chunks_allocated() == 0)) {
+    PushHistory(recent_.PopFront(), may_grow);
   }
   ++sample_count_;
   last_step_ = step;
@@ -110,52 +38,81 @@ bool Series::Append(uint64_t step, double value, bool may_grow) {
 }
 
 void Series::PushHistory(const Point& evicted, bool may_grow) {
-  const auto newest_is_open = [this] {
-    return history_size_ > 0 && history_[history_size_ - 1].count < bucket_width_;
-  };
-  if (!newest_is_open() && history_size_ == history_.size()) {
-    if (HistoryMayGrow(may_grow)) {
-      const size_t grown = GrownSize(history_.size(), options_.history_buckets);
-      history_.reserve(grown);
-      history_.resize(grown);
-    } else {
-      CompactHistory();
+  if (has_open_bucket_ && open_bucket_.count < bucket_width_) {
+    MergeInto(open_bucket_, evicted);
+    return;
+  }
+  if (!has_open_bucket_) {
+    open_bucket_ = evicted;
+    has_open_bucket_ = true;
+    return;
+  }
+  if (history_size() >= options_.history_buckets) {
+    CompactHistory();
+    // After compaction with an odd count the unpaired newest bucket is only half full.
+    if (open_bucket_.count < bucket_width_) {
+      MergeInto(open_bucket_, evicted);
+      return;
     }
   }
-  // After compaction with an odd capacity the unpaired newest bucket is only half full.
-  if (newest_is_open()) {
-    MergeInto(history_[history_size_ - 1], evicted);
-  } else {
-    history_[history_size_++] = evicted;
+  // The full open bucket joins the compressed ones and the evicted point opens the next.
+  if (!history_.Append(open_bucket_, may_grow || history_.chunks_allocated() == 0)) {
+    // Refused a chunk: halving the buckets frees room in the chunks held.
+    CompactHistory();
+    if (open_bucket_.count < bucket_width_) {
+      MergeInto(open_bucket_, evicted);
+      return;
+    }
+    // Buckets that compress badly may still not fit after one compaction: a chunk is allocated
+    // rather than a sample lost (the growth is charged like any other).
+    history_.Append(open_bucket_, true);
   }
+  open_bucket_ = evicted;
 }
 
 void Series::CompactHistory() {
-  // Writing to k while reading 2k and 2k+1 never overwrites a bucket not yet read.
-  size_t out = 0;
-  for (size_t i = 0; i < history_size_; i += 2, ++out) {
-    Point merged = history_[i];
-    if (i + 1 < history_size_) MergeInto(merged, history_[i + 1]);
-    history_[out] = merged;
+  // Decoded into a scratch buffer kept by the thread, so compaction allocates only on a thread's
+  // first use (or a larger history than it has seen).
+  thread_local std::vector<Point> scratch;
+  scratch.clear();
+  history_.ForEach([](const Point& p) { scratch.push_back(p); });
+  if (has_open_bucket_) scratch.push_back(open_bucket_);
+  history_.Clear();
+  has_open_bucket_ = false;
+  for (size_t i = 0; i < scratch.size(); i += 2) {
+    Point merged = scratch[i];
+    if (i + 1 < scratch.size()) MergeInto(merged, scratch[i + 1]);
+    if (has_open_bucket_) history_.Append(open_bucket_, true);
+    open_bucket_ = merged;
+    has_open_bucket_ = true;
   }
-  history_size_ = out;
   bucket_width_ *= 2;
 }
 
 uint64_t Series::TruncateFrom(uint64_t from_step) {
   uint64_t dropped = 0;
-  // Recent points are ordered and newer than every bucket: drop from the newest end.
-  while (recent_size_ > 0) {
-    const Point& newest = recent_[(recent_start_ + recent_size_ - 1) % recent_.size()];
-    if (newest.last_step < from_step) break;
-    dropped += newest.count;
-    --recent_size_;
-  }
-  if (recent_size_ == 0) {
-    recent_start_ = 0;
-    while (history_size_ > 0 && history_[history_size_ - 1].last_step >= from_step) {
-      dropped += history_[history_size_ - 1].count;
-      --history_size_;
+  // Recent points are ordered and newer than every bucket: keep those before from_step.
+  size_t keep = 0;
+  recent_.ForEach([&](const Point& p) { keep += p.last_step < from_step ? 1 : 0; });
+  dropped += recent_.size() - keep;
+  recent_.Truncate(keep);
+  if (recent_.empty() && has_open_bucket_ && open_bucket_.last_step >= from_step) {
+    dropped += open_bucket_.count;
+    has_open_bucket_ = false;
+    size_t kept_buckets = 0;
+    history_.ForEach([&](const Point& p) {
+      if (p.last_step < from_step) {
+        ++kept_buckets;
+      } else {
+        dropped += p.count;
+      }
+    });
+    history_.Truncate(kept_buckets);
+    if (!history_.empty()) {
+      // The newest kept bucket is open again (it may be short of bucket_width_).
+      open_bucket_ = history_.Back();
+      has_open_bucket_ = true;
+      history_.Truncate(history_.size() - 1);
     }
   }
   sample_count_ -= dropped;
@@ -169,27 +126,21 @@ uint64_t Series::TruncateFrom(uint64_t from_step) {
 }
 
 std::optional<Point> Series::Latest() const {
-  if (recent_size_ == 0) {
-    if (history_size_ == 0) return std::nullopt;
-    return history_[history_size_ - 1];
-  }
-  return recent_[(recent_start_ + recent_size_ - 1) % recent_.size()];
+  if (!recent_.empty()) return recent_.Back();
+  if (has_open_bucket_) return open_bucket_;
+  return std::nullopt;
 }
 
 std::vector<Point> Series::Query(uint64_t from_step, uint64_t to_step, size_t max_points) const {
   std::vector<Point> result;
   if (from_step > to_step) return result;
-  const auto overlaps = [&](const Point& p) {
-    return p.last_step >= from_step && p.step <= to_step;
+  const auto add = [&](const Point& p) {
+    if (p.last_step >= from_step && p.step <= to_step) result.push_back(p);
   };
-  result.reserve(history_size_ + recent_size_);
-  for (size_t i = 0; i < history_size_; ++i) {
-    if (overlaps(history_[i])) result.push_back(history_[i]);
-  }
-  for (size_t i = 0; i < recent_size_; ++i) {
-    const Point& p = recent_[(recent_start_ + i) % recent_.size()];
-    if (overlaps(p)) result.push_back(p);
-  }
+  result.reserve(history_size() + recent_.size());
+  history_.ForEach(add);
+  if (has_open_bucket_) add(open_bucket_);
+  recent_.ForEach(add);
 
   const size_t n = result.size();
   if (max_points == 0 || n <= max_points) return result;
@@ -206,12 +157,13 @@ std::vector<Point> Series::Query(uint64_t from_step, uint64_t to_step, size_t ma
 }
 
 size_t Series::MemoryBytes() const {
-  return sizeof(*this) + (recent_.capacity() + history_.capacity()) * sizeof(Point);
+  return sizeof(*this) + recent_.MemoryBytes() + history_.MemoryBytes();
 }
 
 size_t Series::MaxMemoryBytes(const SeriesOptions& options) {
   const SeriesOptions o = Sanitised(options);
-  return sizeof(Series) + (o.recent_points + o.history_buckets) * sizeof(Point);
+  return sizeof(Series) + PointLog::MaxMemoryBytes(o.recent_points, PointLog::kMaxSampleBits) +
+         PointLog::MaxMemoryBytes(o.history_buckets, PointLog::kMaxBucketBits);
 }
 
 }  // namespace gradwatch::store

@@ -1,0 +1,306 @@
+#include "server/store/point_log.h"
+
+#include <algorithm>
+#include <bit>
+
+namespace gradwatch::store {
+namespace {
+
+// Bits are written from the least significant end of each word. Writing at a position sets every
+// later bit of its word (and of the next word it reaches) from the value, so a chunk reused
+// after a truncation needs no clearing.
+class BitWriter {
+ public:
+  BitWriter(uint64_t* words, uint32_t bit, uint32_t capacity) : words_(words), bit_(bit), capacity_(capacity) {}
+
+  // Writes the n (1..64) low bits of v; v must have no higher bit set.
+  void Put(uint64_t v, unsigned n) {
+    if (overflow_ || bit_ + n > capacity_) {
+      overflow_ = true;
+      return;
+    }
+    const unsigned lo = bit_ & 63;
+    const size_t w = bit_ >> 6;
+    if (lo == 0) {
+      words_[w] = v;
+    } else {
+      words_[w] = (words_[w] & ((uint64_t{1} << lo) - 1)) | (v << lo);
+      if (lo + n > 64) words_[w + 1] = v >> (64 - lo);
+    }
+    bit_ += n;
+  }
+  uint32_t bit() const { return bit_; }
+  bool overflow() const { return overflow_; }
+
+ private:
+  uint64_t* words_;
+  uint32_t bit_;
+  uint32_t capacity_;
+  bool overflow_ = false;
+};
+
+class BitReader {
+ public:
+  BitReader(const uint64_t* words, uint32_t bit) : words_(words), bit_(bit) {}
+
+  uint64_t Get(unsigned n) {
+    const unsigned lo = bit_ & 63;
+    const size_t w = bit_ >> 6;
+    uint64_t v = words_[w] >> lo;
+    if (lo + n > 64) v |= words_[w + 1] << (64 - lo);
+    if (n < 64) v &= (uint64_t{1} << n) - 1;
+    bit_ += n;
+    return v;
+  }
+  bool GetBit() { return Get(1) != 0; }
+  uint32_t bit() const { return bit_; }
+
+ private:
+  const uint64_t* words_;
+  uint32_t bit_;
+};
+
+constexpr int kMean = 0, kMin = 1, kMax = 2, kLast = 3;
+
+// Delta-of-delta of the step, in Gorilla's classes; a delta that does not fit goes raw.
+void PutStep(BitWriter& w, uint64_t delta, uint64_t previous_delta) {
+  const auto dod = static_cast<int64_t>(delta - previous_delta);
+  if (dod == 0) {
+    w.Put(0, 1);
+  } else if (dod >= -63 && dod <= 64) {
+    w.Put(0b01, 2);
+    w.Put(static_cast<uint64_t>(dod + 63), 7);
+  } else if (dod >= -255 && dod <= 256) {
+    w.Put(0b011, 3);
+    w.Put(static_cast<uint64_t>(dod + 255), 9);
+  } else if (dod >= -2047 && dod <= 2048) {
+    w.Put(0b0111, 4);
+    w.Put(static_cast<uint64_t>(dod + 2047), 12);
+  } else {
+    w.Put(0b1111, 4);
+    w.Put(delta, 64);
+  }
+}
+
+uint64_t GetDelta(BitReader& r, uint64_t previous_delta) {
+  if (!r.GetBit()) return previous_delta;
+  if (!r.GetBit()) return previous_delta + (r.Get(7) - 63);
+  if (!r.GetBit()) return previous_delta + (r.Get(9) - 255);
+  if (!r.GetBit()) return previous_delta + (r.Get(12) - 2047);
+  return r.Get(64);
+}
+
+// An integer: one bit when it equals the previous one, else its width and its bits.
+void PutUint(BitWriter& w, uint64_t v, uint64_t previous) {
+  if (v == previous) {
+    w.Put(0, 1);
+    return;
+  }
+  const auto width = static_cast<unsigned>(std::max<uint64_t>(1, std::bit_width(v)));
+  w.Put(1, 1);
+  w.Put(width - 1, 6);
+  w.Put(v, width);
+}
+
+uint64_t GetUint(BitReader& r, uint64_t previous) {
+  if (!r.GetBit()) return previous;
+  const auto width = static_cast<unsigned>(r.Get(6)) + 1;
+  return r.Get(width);
+}
+
+}  // namespace
+
+bool PointLog::Encode(Chunk& chunk, CodecState& state, const Point& p) {
+  CodecState s = state;
+  BitWriter w(chunk.words.get(), s.bit, kChunkBits);
+  // A value XORed with the field's previous one: unchanged in 1 bit, within the field's window of
+  // meaningful bits in 2 + window, else 13 + meaningful bits (and the window moves).
+  const auto put_value = [&](int field, double previous, double value) {
+    const uint64_t x = std::bit_cast<uint64_t>(value) ^ std::bit_cast<uint64_t>(previous);
+    if (x == 0) {
+      w.Put(0, 1);
+      return;
+    }
+    w.Put(1, 1);
+    const auto leading = static_cast<unsigned>(std::min(std::countl_zero(x), 31));
+    const auto trailing = static_cast<unsigned>(std::countr_zero(x));
+    const unsigned window = s.meaningful[field];
+    const unsigned window_trailing = 64 - s.leading[field] - window;
+    if (window != 0 && leading >= s.leading[field] && trailing >= window_trailing) {
+      w.Put(0, 1);
+      w.Put(x >> window_trailing, window);
+      return;
+    }
+    const unsigned meaningful = 64 - leading - trailing;
+    w.Put(1, 1);
+    w.Put(leading, 5);
+    w.Put(meaningful - 1, 6);
+    w.Put(x >> trailing, meaningful);
+    s.leading[field] = static_cast<uint8_t>(leading);
+    s.meaningful[field] = static_cast<uint8_t>(meaningful);
+  };
+
+  const bool sample = IsSamplePoint(p);
+  const uint64_t delta = p.step - s.prev.step;
+  w.Put(sample ? 1 : 0, 1);
+  PutStep(w, delta, s.delta);
+  if (sample) {
+    put_value(kLast, s.prev.last, p.last);
+  } else {
+    PutUint(w, p.last_step - p.step, s.prev.last_step - s.prev.step);
+    PutUint(w, p.count, s.prev.count);
+    PutUint(w, p.nonfinite, s.prev.nonfinite);
+    put_value(kMean, s.prev.mean, p.mean);
+    put_value(kMin, s.prev.min, p.min);
+    put_value(kMax, s.prev.max, p.max);
+    put_value(kLast, s.prev.last, p.last);
+  }
+  if (w.overflow()) return false;
+  s.delta = delta;
+  s.prev = p;
+  s.bit = w.bit();
+  ++s.points;
+  state = s;
+  chunk.bits = s.bit;
+  chunk.points = s.points;
+  return true;
+}
+
+Point PointLog::Decode(const Chunk& chunk, CodecState& state) {
+  BitReader r(chunk.words.get(), state.bit);
+  const auto get_value = [&](int field, double previous) {
+    if (!r.GetBit()) return previous;
+    uint64_t x = 0;
+    if (!r.GetBit()) {
+      const unsigned window = state.meaningful[field];
+      x = r.Get(window) << (64 - state.leading[field] - window);
+    } else {
+      const auto leading = static_cast<unsigned>(r.Get(5));
+      const auto meaningful = static_cast<unsigned>(r.Get(6)) + 1;
+      x = r.Get(meaningful) << (64 - leading - meaningful);
+      state.leading[field] = static_cast<uint8_t>(leading);
+      state.meaningful[field] = static_cast<uint8_t>(meaningful);
+    }
+    return std::bit_cast<double>(std::bit_cast<uint64_t>(previous) ^ x);
+  };
+
+  const bool sample = r.GetBit();
+  state.delta = GetDelta(r, state.delta);
+  const uint64_t step = state.prev.step + state.delta;
+  Point p;
+  if (sample) {
+    p = SamplePoint(step, get_value(kLast, state.prev.last));
+  } else {
+    p.step = step;
+    p.last_step = step + GetUint(r, state.prev.last_step - state.prev.step);
+    p.count = static_cast<uint32_t>(GetUint(r, state.prev.count));
+    p.nonfinite = static_cast<uint32_t>(GetUint(r, state.prev.nonfinite));
+    p.mean = get_value(kMean, state.prev.mean);
+    p.min = get_value(kMin, state.prev.min);
+    p.max = get_value(kMax, state.prev.max);
+    p.last = get_value(kLast, state.prev.last);
+  }
+  state.prev = p;
+  state.bit = r.bit();
+  ++state.points;
+  return p;
+}
+
+bool PointLog::OpenChunk(bool may_allocate) {
+  if (chunks_used_ == slots_.size()) {
+    if (!may_allocate) return false;
+    // The new slot goes after the newest chunk: unwrap the ring first, keeping its order.
+    std::rotate(slots_.begin(), slots_.begin() + static_cast<std::ptrdiff_t>(head_), slots_.end());
+    head_ = 0;
+    Chunk chunk;
+    chunk.words = std::make_unique_for_overwrite<uint64_t[]>(kChunkWords);
+    slots_.push_back(std::move(chunk));
+  }
+  Chunk& chunk = slot(chunks_used_);
+  chunk.bits = 0;
+  chunk.points = 0;
+  ++chunks_used_;
+  write_ = CodecState{};
+  if (chunks_used_ == 1) front_ = CodecState{};
+  return true;
+}
+
+bool PointLog::Append(const Point& p, bool may_allocate) {
+  if (chunks_used_ == 0 || !Encode(slot(chunks_used_ - 1), write_, p)) {
+    if (!OpenChunk(may_allocate)) return false;
+    // Any point fits in an empty chunk.
+    Encode(slot(chunks_used_ - 1), write_, p);
+  }
+  ++size_;
+  return true;
+}
+
+size_t PointLog::NextGrowthBytes() const {
+  if (chunks_used_ < slots_.size()) return 0;
+  if (chunks_used_ > 0 && kChunkBits - write_.bit >= kMaxBucketBits) return 0;
+  size_t bytes = kChunkBytes;
+  if (slots_.size() == slots_.capacity()) {
+    bytes += (std::max<size_t>(1, 2 * slots_.capacity()) - slots_.capacity()) * sizeof(Chunk);
+  }
+  return bytes;
+}
+
+Point PointLog::PopFront() {
+  const Chunk& chunk = slot(0);
+  const Point p = Decode(chunk, front_);
+  --size_;
+  if (front_.points == chunk.points) {
+    // The oldest chunk is read: its slot becomes the spare after the newest.
+    --chunks_used_;
+    if (chunks_used_ > 0) {
+      head_ = (head_ + 1) % slots_.size();
+      front_ = CodecState{};
+    }
+  }
+  return p;
+}
+
+void PointLog::Truncate(size_t count) {
+  if (count >= size_) return;
+  if (count == 0) {
+    Clear();
+    return;
+  }
+  size_t remaining = count;
+  for (size_t i = 0; i < chunks_used_; ++i) {
+    Chunk& chunk = slot(i);
+    CodecState state = i == 0 ? front_ : CodecState{};
+    const size_t in_chunk = chunk.points - state.points;
+    if (remaining > in_chunk) {
+      remaining -= in_chunk;
+      continue;
+    }
+    for (; remaining > 0; --remaining) Decode(chunk, state);
+    chunk.bits = state.bit;
+    chunk.points = state.points;
+    write_ = state;
+    chunks_used_ = i + 1;
+    size_ = count;
+    return;
+  }
+}
+
+void PointLog::Clear() {
+  chunks_used_ = 0;
+  size_ = 0;
+}
+
+size_t PointLog::MemoryBytes() const {
+  return slots_.size() * kChunkBytes + slots_.capacity() * sizeof(Chunk);
+}
+
+size_t PointLog::MaxMemoryBytes(size_t points, size_t max_bits) {
+  // A chunk is closed only when the next point does not fit: it then holds more than
+  // kChunkBits − max_bits bits. One more chunk may be partly read (the oldest) and one emptied.
+  const size_t per_chunk = std::max<size_t>(1, (kChunkBits - max_bits) / max_bits);
+  const size_t chunks = (points + per_chunk - 1) / per_chunk + 2;
+  // The ring of slots grows by doubling.
+  return chunks * kChunkBytes + 2 * chunks * sizeof(Chunk);
+}
+
+}  // namespace gradwatch::store
