@@ -17,20 +17,22 @@ SeriesOptions Sanitised(SeriesOptions options) {
 Series::Series(const SeriesOptions& options) : options_(Sanitised(options)) {}
 
 size_t Series::NextGrowthBytes() const {
-  size_t bytes = recent_.NextGrowthBytes();
+  if (!held_) return sizeof(Held) + PointLog().NextGrowthBytes();
+  size_t bytes = held_->recent.NextGrowthBytes();
   // A full ring evicts its oldest point into history, which may flush the open bucket.
-  if (recent_.size() + 1 >= options_.recent_points) bytes += history_.NextGrowthBytes();
+  if (held_->recent.size() + 1 >= options_.recent_points) bytes += held_->history.NextGrowthBytes();
   return bytes;
 }
 
 bool Series::Append(uint64_t step, double value, bool may_grow) {
   if (sample_count_ > 0 && step <= last_step_) return false;
   const Point point = SamplePoint(step, value);
-  if (recent_.size() >= options_.recent_points) PushHistory(recent_.PopFront(), may_grow);
+  if (!held_) held_ = std::make_unique<Held>();
+  if (held_->recent.size() >= options_.recent_points) PushHistory(held_->recent.PopFront(), may_grow);
   // Refused a chunk, the oldest points go to history until one is emptied (the last one held
   // empties with the log, so this ends).
-  while (!recent_.Append(point, may_grow || recent_.chunks_allocated() == 0)) {
-    PushHistory(recent_.PopFront(), may_grow);
+  while (!held_->recent.Append(point, may_grow || held_->recent.chunks_allocated() == 0)) {
+    PushHistory(held_->recent.PopFront(), may_grow);
   }
   ++sample_count_;
   last_step_ = step;
@@ -38,36 +40,36 @@ bool Series::Append(uint64_t step, double value, bool may_grow) {
 }
 
 void Series::PushHistory(const Point& evicted, bool may_grow) {
-  if (has_open_bucket_ && open_bucket_.count < bucket_width_) {
-    MergeInto(open_bucket_, evicted);
+  if (held_->has_open_bucket && held_->open_bucket.count < held_->bucket_width) {
+    MergeInto(held_->open_bucket, evicted);
     return;
   }
-  if (!has_open_bucket_) {
-    open_bucket_ = evicted;
-    has_open_bucket_ = true;
+  if (!held_->has_open_bucket) {
+    held_->open_bucket = evicted;
+    held_->has_open_bucket = true;
     return;
   }
   if (history_size() >= options_.history_buckets) {
     CompactHistory();
     // After compaction with an odd count the unpaired newest bucket is only half full.
-    if (open_bucket_.count < bucket_width_) {
-      MergeInto(open_bucket_, evicted);
+    if (held_->open_bucket.count < held_->bucket_width) {
+      MergeInto(held_->open_bucket, evicted);
       return;
     }
   }
   // The full open bucket joins the compressed ones and the evicted point opens the next.
-  if (!history_.Append(open_bucket_, may_grow || history_.chunks_allocated() == 0)) {
+  if (!held_->history.Append(held_->open_bucket, may_grow || held_->history.chunks_allocated() == 0)) {
     // Refused a chunk: halving the buckets frees room in the chunks held.
     CompactHistory();
-    if (open_bucket_.count < bucket_width_) {
-      MergeInto(open_bucket_, evicted);
+    if (held_->open_bucket.count < held_->bucket_width) {
+      MergeInto(held_->open_bucket, evicted);
       return;
     }
     // Buckets that compress badly may still not fit after one compaction: a chunk is allocated
     // rather than a sample lost (the growth is charged like any other).
-    history_.Append(open_bucket_, true);
+    held_->history.Append(held_->open_bucket, true);
   }
-  open_bucket_ = evicted;
+  held_->open_bucket = evicted;
 }
 
 void Series::CompactHistory() {
@@ -75,44 +77,45 @@ void Series::CompactHistory() {
   // first use (or a larger history than it has seen).
   thread_local std::vector<Point> scratch;
   scratch.clear();
-  history_.ForEach([](const Point& p) { scratch.push_back(p); });
-  if (has_open_bucket_) scratch.push_back(open_bucket_);
-  history_.Clear();
-  has_open_bucket_ = false;
+  held_->history.ForEach([](const Point& p) { scratch.push_back(p); });
+  if (held_->has_open_bucket) scratch.push_back(held_->open_bucket);
+  held_->history.Clear();
+  held_->has_open_bucket = false;
   for (size_t i = 0; i < scratch.size(); i += 2) {
     Point merged = scratch[i];
     if (i + 1 < scratch.size()) MergeInto(merged, scratch[i + 1]);
-    if (has_open_bucket_) history_.Append(open_bucket_, true);
-    open_bucket_ = merged;
-    has_open_bucket_ = true;
+    if (held_->has_open_bucket) held_->history.Append(held_->open_bucket, true);
+    held_->open_bucket = merged;
+    held_->has_open_bucket = true;
   }
-  bucket_width_ *= 2;
+  held_->bucket_width *= 2;
 }
 
 uint64_t Series::TruncateFrom(uint64_t from_step) {
+  if (!held_) return 0;
   uint64_t dropped = 0;
   // Recent points are ordered and newer than every bucket: keep those before from_step.
   size_t keep = 0;
-  recent_.ForEach([&](const Point& p) { keep += p.last_step < from_step ? 1 : 0; });
-  dropped += recent_.size() - keep;
-  recent_.Truncate(keep);
-  if (recent_.empty() && has_open_bucket_ && open_bucket_.last_step >= from_step) {
-    dropped += open_bucket_.count;
-    has_open_bucket_ = false;
+  held_->recent.ForEach([&](const Point& p) { keep += p.last_step < from_step ? 1 : 0; });
+  dropped += held_->recent.size() - keep;
+  held_->recent.Truncate(keep);
+  if (held_->recent.empty() && held_->has_open_bucket && held_->open_bucket.last_step >= from_step) {
+    dropped += held_->open_bucket.count;
+    held_->has_open_bucket = false;
     size_t kept_buckets = 0;
-    history_.ForEach([&](const Point& p) {
+    held_->history.ForEach([&](const Point& p) {
       if (p.last_step < from_step) {
         ++kept_buckets;
       } else {
         dropped += p.count;
       }
     });
-    history_.Truncate(kept_buckets);
-    if (!history_.empty()) {
-      // The newest kept bucket is open again (it may be short of bucket_width_).
-      open_bucket_ = history_.Back();
-      has_open_bucket_ = true;
-      history_.Truncate(history_.size() - 1);
+    held_->history.Truncate(kept_buckets);
+    if (!held_->history.empty()) {
+      // The newest kept bucket is open again (it may be short of bucket_width).
+      held_->open_bucket = held_->history.Back();
+      held_->has_open_bucket = true;
+      held_->history.Truncate(held_->history.size() - 1);
     }
   }
   sample_count_ -= dropped;
@@ -126,21 +129,22 @@ uint64_t Series::TruncateFrom(uint64_t from_step) {
 }
 
 std::optional<Point> Series::Latest() const {
-  if (!recent_.empty()) return recent_.Back();
-  if (has_open_bucket_) return open_bucket_;
+  if (!held_) return std::nullopt;
+  if (!held_->recent.empty()) return held_->recent.Back();
+  if (held_->has_open_bucket) return held_->open_bucket;
   return std::nullopt;
 }
 
 std::vector<Point> Series::Query(uint64_t from_step, uint64_t to_step, size_t max_points) const {
   std::vector<Point> result;
-  if (from_step > to_step) return result;
+  if (!held_ || from_step > to_step) return result;
   const auto add = [&](const Point& p) {
     if (p.last_step >= from_step && p.step <= to_step) result.push_back(p);
   };
-  result.reserve(history_size() + recent_.size());
-  history_.ForEach(add);
-  if (has_open_bucket_) add(open_bucket_);
-  recent_.ForEach(add);
+  result.reserve(history_size() + held_->recent.size());
+  held_->history.ForEach(add);
+  if (held_->has_open_bucket) add(held_->open_bucket);
+  held_->recent.ForEach(add);
 
   const size_t n = result.size();
   if (max_points == 0 || n <= max_points) return result;
@@ -157,12 +161,19 @@ std::vector<Point> Series::Query(uint64_t from_step, uint64_t to_step, size_t ma
 }
 
 size_t Series::MemoryBytes() const {
-  return sizeof(*this) + recent_.MemoryBytes() + history_.MemoryBytes();
+  if (!held_) return sizeof(*this);
+  return sizeof(*this) + sizeof(Held) + held_->recent.MemoryBytes() + held_->history.MemoryBytes();
+}
+
+size_t Series::recent_size() const { return held_ ? held_->recent.size() : 0; }
+
+size_t Series::history_size() const {
+  return held_ ? held_->history.size() + (held_->has_open_bucket ? 1 : 0) : 0;
 }
 
 size_t Series::MaxMemoryBytes(const SeriesOptions& options) {
   const SeriesOptions o = Sanitised(options);
-  return sizeof(Series) + PointLog::MaxMemoryBytes(o.recent_points, PointLog::kMaxSampleBits) +
+  return sizeof(Series) + sizeof(Held) + PointLog::MaxMemoryBytes(o.recent_points, PointLog::kMaxSampleBits) +
          PointLog::MaxMemoryBytes(o.history_buckets, PointLog::kMaxBucketBits);
 }
 

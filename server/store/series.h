@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -66,8 +67,8 @@ class Series {
   // Samples appended and not truncated (not only those kept at full resolution).
   uint64_t sample_count() const { return sample_count_; }
   // Points held at full resolution, and downsampled buckets held.
-  size_t recent_size() const { return recent_.size(); }
-  size_t history_size() const { return history_.size() + (has_open_bucket_ ? 1 : 0); }
+  size_t recent_size() const;
+  size_t history_size() const;
   // Bytes this series holds now.
   size_t MemoryBytes() const;
   // Bytes a series with these options holds at most (once full, with values that do not
@@ -80,16 +81,21 @@ class Series {
   // Merges adjacent history buckets pairwise and doubles bucket_width_.
   void CompactHistory();
 
+  // What a series holds once it has reported (a series that never reports costs sizeof(Series)).
+  struct Held {
+    // The newest samples, at most options_.recent_points.
+    PointLog recent;
+    // Buckets older than open_bucket, oldest first; with it at most options_.history_buckets.
+    PointLog history;
+    // The newest bucket (while has_open_bucket): evicted points merge into it while it covers
+    // fewer than bucket_width samples.
+    Point open_bucket;
+    bool has_open_bucket = false;
+    uint64_t bucket_width = 1;  // samples per history bucket
+  };
+
   SeriesOptions options_;
-  // The newest samples, at most options_.recent_points.
-  PointLog recent_;
-  // Buckets older than open_bucket_, oldest first; with it at most options_.history_buckets.
-  PointLog history_;
-  // The newest bucket (while has_open_bucket_): evicted points merge into it while it covers
-  // fewer than bucket_width_ samples.
-  Point open_bucket_;
-  bool has_open_bucket_ = false;
-  uint64_t bucket_width_ = 1;   // samples per history bucket
+  std::unique_ptr<Held> held_;  // null until the first Append
   uint64_t sample_count_ = 0;
   uint64_t last_step_ = 0;
 };
