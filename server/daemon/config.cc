@@ -131,7 +131,9 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                   {"memory_budget_bytes", Field(&Config::memory_budget_bytes)}}},
       {"assembly", {{"timeout_seconds", Field(&Config::assembly_timeout_seconds)}}},
       {"store", {{"recent_points", Field(&Config::recent_points)},
-                 {"history_buckets", Field(&Config::history_buckets)}}},
+                 {"history_buckets", Field(&Config::history_buckets)},
+                 {"param_recent_points", Field(&Config::param_recent_points)},
+                 {"param_history_buckets", Field(&Config::param_history_buckets)}}},
       {"journal", {{"batch_max", Field(&Config::journal_batch_max)},
                    {"max_delay_ms", Field(&Config::journal_max_delay_ms)}}},
       {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)},
@@ -141,6 +143,7 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                      {"outbox_days", Field(&Config::outbox_retention_days)}}},
       {"analytics", {{"windows", Field(&Config::slope_windows)},
                      {"max_buckets", Field(&Config::slope_max_buckets)},
+                     {"param_max_buckets", Field(&Config::slope_param_max_buckets)},
                      {"event_window_steps", Field(&Config::event_window_steps)},
                      {"forecast_window_steps", Field(&Config::forecast_window_steps)},
                      {"forecasts", ReadForecasts},
@@ -232,6 +235,8 @@ Status ValidateConfig(const Config& c) {
   if (!(c.assembly_timeout_seconds > 0)) return bad("assembly.timeout_seconds: must be > 0");
   if (c.recent_points < 2) return bad("store.recent_points: must be at least 2");
   if (c.history_buckets < 2) return bad("store.history_buckets: must be at least 2");
+  if (c.param_recent_points < 2) return bad("store.param_recent_points: must be at least 2");
+  if (c.param_history_buckets < 2) return bad("store.param_history_buckets: must be at least 2");
   if (c.journal_batch_max == 0) return bad("journal.batch_max: must be at least 1");
   if (c.journal_max_delay_ms < 0 || c.journal_max_delay_ms > 10000) {
     return bad("journal.max_delay_ms: must be between 0 and 10000");
@@ -260,6 +265,9 @@ Status ValidateConfig(const Config& c) {
   }
   if (c.slope_max_buckets < 2 || c.slope_max_buckets > 65536) {
     return bad("analytics.max_buckets: must be between 2 and 65536");
+  }
+  if (c.slope_param_max_buckets < 2 || c.slope_param_max_buckets > 65536) {
+    return bad("analytics.param_max_buckets: must be between 2 and 65536");
   }
   if (c.event_window_steps < 2) return bad("analytics.event_window_steps: must be at least 2");
   if (c.forecast_window_steps < 2) return bad("analytics.forecast_window_steps: must be at least 2");

@@ -28,8 +28,12 @@ struct Config {
   size_t memory_budget_bytes = 0;
 
   double assembly_timeout_seconds = 30;
+  // Points kept by the run's scalars and the norms of norm-gain and output-layer parameters.
   size_t recent_points = 4096;
   size_t history_buckets = 1024;
+  // Points kept by the norms of every other parameter (runs::RunOptions::param_series).
+  size_t param_recent_points = 1024;
+  size_t param_history_buckets = 128;
   size_t journal_batch_max = 4096;
   int journal_max_delay_ms = 20;
   double run_end_after_seconds = 600;
@@ -45,6 +49,8 @@ struct Config {
 
   std::vector<uint64_t> slope_windows = {1000, 5000, 20000};  // steps
   size_t slope_max_buckets = 128;
+  // Buckets per slope window of ordinary parameters' series (runs::AnalyticsOptions).
+  size_t slope_param_max_buckets = 16;
   uint64_t event_window_steps = 5000;
   uint64_t forecast_window_steps = 20000;
   // (series key, threshold) pairs forecast for every run.

@@ -57,12 +57,15 @@ Status Daemon::Start() {
   run_options.assembly_timeout = Seconds(config_.assembly_timeout_seconds);
   run_options.series.recent_points = config_.recent_points;
   run_options.series.history_buckets = config_.history_buckets;
+  run_options.param_series.recent_points = config_.param_recent_points;
+  run_options.param_series.history_buckets = config_.param_history_buckets;
   run_options.max_params = config_.max_params_per_run;
   run_options.max_series = config_.max_series_per_run;
   run_options.end_after = Seconds(config_.run_end_after_seconds);
   run_options.retention = Seconds(config_.run_retention_seconds);
   run_options.analytics.windows = config_.slope_windows;
   run_options.analytics.max_buckets = config_.slope_max_buckets;
+  run_options.analytics.param_max_buckets = config_.slope_param_max_buckets;
   run_options.analytics.event_window_steps = config_.event_window_steps;
   run_options.analytics.forecast_window_steps = config_.forecast_window_steps;
   run_options.analytics.forecasts = config_.forecasts;

@@ -119,9 +119,9 @@ SeriesId Run::SeriesForKeyLocked(const std::string& key, bool journal) {
   if (auto it = series_by_key_.find(key); it != series_by_key_.end()) return it->second;
   if (series_.size() >= options_.max_series) return kNoSeries;
   const auto id = static_cast<SeriesId>(series_.size());
-  series_.push_back({key, std::make_unique<store::Series>(options_.series)});
-  series_by_key_.emplace(key, id);
   analytics_->AddSeries(id, key);
+  series_.push_back({key, std::make_unique<store::Series>(SeriesOptionsLocked(id))});
+  series_by_key_.emplace(key, id);
   if (journal) JournalLocked(store::SeriesRecord{id_, id, key});
   return id;
 }
@@ -155,6 +155,13 @@ std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello, bool
                        "catalog would exceed " + std::to_string(options_.max_params) + " parameters"};
   }
   return std::nullopt;
+}
+
+const store::SeriesOptions& Run::SeriesOptionsLocked(SeriesId id) const {
+  const int param = analytics_->ParamOf(id);
+  if (param < 0 || static_cast<size_t>(param) >= meta_.params.size()) return options_.series;
+  const ParamKind kind = meta_.params[static_cast<size_t>(param)].kind;
+  return kind == ParamKind::kNormGain || kind == ParamKind::kOutput ? options_.series : options_.param_series;
 }
 
 std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid) {
@@ -902,9 +909,9 @@ size_t Run::MemoryBytes() const {
 void Run::RestoreSeries(SeriesId id, const std::string& key) {
   MutexLock lock(&mu_);
   if (id >= series_.size()) series_.resize(id + 1);
-  series_[id] = {key, std::make_unique<store::Series>(options_.series)};
-  series_by_key_[key] = id;
   analytics_->AddSeries(id, key);
+  series_[id] = {key, std::make_unique<store::Series>(SeriesOptionsLocked(id))};
+  series_by_key_[key] = id;
 }
 
 void Run::RestoreProgress(const store::RankProgress& progress) {

@@ -51,7 +51,7 @@ void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
     state.group = static_cast<int>(g - groups_.begin());
     state.init_norm = analytics::InitNorm(p);
     state.share_trend =
-        std::make_unique<analytics::WindowedSlope>(options_.forecast_window_steps, options_.max_buckets);
+        std::make_unique<analytics::WindowedSlope>(options_.forecast_window_steps, ShareBucketsFor(p));
     param_state_.push_back(std::move(state));
     params_.push_back(p);
     group_of_param_.push_back(static_cast<uint32_t>(param_state_.back().group));
@@ -108,6 +108,16 @@ bool RunAnalytics::IsKeySeries(Role role, int param) const {
   return false;
 }
 
+size_t RunAnalytics::ShareBucketsFor(const ParamInfo& p) const {
+  return p.kind == ParamKind::kNormGain || p.kind == ParamKind::kOutput ? options_.max_buckets
+                                                                         : options_.param_max_buckets;
+}
+
+size_t RunAnalytics::BucketsFor(const Tracked& t) const {
+  if (t.param < 0 || t.key_series) return options_.max_buckets;
+  return ShareBucketsFor(params_[t.param]);
+}
+
 void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   if (id >= series_.size()) series_.resize(id + 1);
   Tracked& t = series_[id];
@@ -123,7 +133,7 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
 bool RunAnalytics::Materialize(Tracked& t) {
   // The trackers' rings start empty and grow with the steps they hold: charged at full size,
   // before anything of them is allocated.
-  auto slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, options_.max_buckets);
+  auto slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, BucketsFor(t));
   uint64_t bytes = slopes->CapacityBytes();
   std::unique_ptr<analytics::SlopeTracker> robust;
   if (t.key_series || IsForecastKey(t.key)) {

@@ -43,6 +43,10 @@ struct AnalyticsOptions {
   // Buckets per window: memory per tracked series is about windows × max_buckets × 120 bytes;
   // a window's edge has a granularity of window / max_buckets steps.
   size_t max_buckets = 128;
+  // Buckets per window for the series of parameters other than norm gains and the output layer
+  // that are not key series (most of a large run's series) and for their share trends; the run's
+  // scalars and those parameters keep max_buckets. About 7 KB per series with 16.
+  size_t param_max_buckets = 16;
   uint64_t event_window_steps = 5000;
   size_t event_min_after_samples = 10;
   // Events kept per series for slope changes (the most recent).
@@ -129,6 +133,9 @@ class RunAnalytics {
   void SetCatalog(const std::vector<ParamInfo>& params);
   // A series exists under `id`; its role is read from the key and the catalog.
   void AddSeries(SeriesId id, const std::string& key);
+  // The catalog index of the parameter series `id` (added) belongs to; -1 for the run's scalars,
+  // extra keys and unknown ids.
+  int ParamOf(SeriesId id) const { return id < series_.size() ? series_[id].param : -1; }
   // One completed step's values.
   void OnStep(const CompletedStep& step);
   // An event: the slopes of the key series before and after it are tracked.
@@ -180,6 +187,9 @@ class RunAnalytics {
   };
 
   bool IsKeySeries(Role role, int param) const;
+  // Buckets per window of a series' trackers (max_buckets or param_max_buckets).
+  size_t BucketsFor(const Tracked& t) const;
+  size_t ShareBucketsFor(const ParamInfo& p) const;
   // Allocates a series' trackers (on its first sample) if the budget has room for them; false
   // (and the series marked refused) otherwise.
   bool Materialize(Tracked& t);

@@ -64,6 +64,8 @@ class PointLog {
   // The most MemoryBytes() of a log that never holds more than `points` points of at most
   // `max_bits` bits each.
   static size_t MaxMemoryBytes(size_t points, size_t max_bits);
+  // MemoryBytes() of a log with one chunk.
+  static size_t OneChunkBytes() { return kChunkBytes + sizeof(Chunk); }
 
  private:
   static constexpr uint32_t kChunkBits = kChunkWords * 64;

@@ -165,6 +165,8 @@ size_t Series::MemoryBytes() const {
   return sizeof(*this) + sizeof(Held) + held_->recent.MemoryBytes() + held_->history.MemoryBytes();
 }
 
+size_t Series::FloorBytes() { return sizeof(Series) + sizeof(Held) + 2 * PointLog::OneChunkBytes(); }
+
 size_t Series::recent_size() const { return held_ ? held_->recent.size() : 0; }
 
 size_t Series::history_size() const {

@@ -74,6 +74,9 @@ class Series {
   // Bytes a series with these options holds at most (once full, with values that do not
   // compress at all).
   static size_t MaxMemoryBytes(const SeriesOptions& options);
+  // Bytes a series that reported holds at least, growth refused or not: its coding state and a
+  // chunk each of recent points and history.
+  static size_t FloorBytes();
 
  private:
   // Moves a point evicted from recent_ into the newest history bucket, or opens a new one.

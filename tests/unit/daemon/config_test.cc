@@ -19,7 +19,7 @@ data_dir: /tmp/x
 log: {format: json, level: debug}
 limits: {max_message_bytes: 65536, max_runs: 3}
 assembly: {timeout_seconds: 2.5}
-store: {recent_points: 100, history_buckets: 10}
+store: {recent_points: 100, history_buckets: 10, param_recent_points: 50, param_history_buckets: 5}
 journal: {batch_max: 10, max_delay_ms: 5}
 runs: {end_after_seconds: 30, stalled_after_seconds: 45, retention_seconds: 3600}
 retention: {journal_days: 0.5, outbox_days: 2}
@@ -32,6 +32,9 @@ retention: {journal_days: 0.5, outbox_days: 2}
   CHECK(c->max_runs == 3);
   CHECK(c->assembly_timeout_seconds == 2.5);
   CHECK(c->recent_points == 100);
+  CHECK(c->history_buckets == 10);
+  CHECK(c->param_recent_points == 50);
+  CHECK(c->param_history_buckets == 5);
   CHECK(c->journal_max_delay_ms == 5);
   CHECK(c->run_end_after_seconds == 30);
   CHECK(c->run_stalled_after_seconds == 45);

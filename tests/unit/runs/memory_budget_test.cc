@@ -199,8 +199,8 @@ TEST_CASE("series stop growing when the budget is spent, and keep every step", "
     }
     REQUIRE_FALSE(run.AddStep(0, r, &sink));
   }
-  // The first 8-point buffers of each series are always allowed; nothing grows past the budget.
-  CHECK(budget.used() <= budget.limit() + 9 * 16 * sizeof(store::Point));
+  // The first buffers of each series are always allowed; nothing grows past the budget.
+  CHECK(budget.used() <= budget.limit() + 9 * store::Series::FloorBytes());
   CHECK(run.Info().step_count == 20000);
   const auto points = run.QuerySeries("grad/norm/layers.3.weight", 0, UINT64_MAX, 0);
   REQUIRE(points);
