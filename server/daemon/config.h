@@ -28,12 +28,12 @@ struct Config {
   size_t memory_budget_bytes = 0;
 
   double assembly_timeout_seconds = 30;
-  // Points kept by the run's scalars and the norms of norm-gain and output-layer parameters.
+  // Points kept by the run's scalars, the output layer's norms and the norm gains' parameter norms.
   size_t recent_points = 4096;
   size_t history_buckets = 1024;
-  // Points kept by the norms of every other parameter (runs::RunOptions::param_series).
-  size_t param_recent_points = 1024;
-  size_t param_history_buckets = 128;
+  // Points kept by every other parameter series (runs::RunOptions::param_series).
+  size_t param_recent_points = 256;
+  size_t param_history_buckets = 64;
   size_t journal_batch_max = 4096;
   int journal_max_delay_ms = 20;
   double run_end_after_seconds = 600;

@@ -120,7 +120,7 @@ SeriesId Run::SeriesForKeyLocked(const std::string& key, bool journal) {
   if (series_.size() >= options_.max_series) return kNoSeries;
   const auto id = static_cast<SeriesId>(series_.size());
   analytics_->AddSeries(id, key);
-  series_.push_back({key, std::make_unique<store::Series>(SeriesOptionsLocked(id))});
+  series_.push_back({key, std::make_unique<store::Series>(SeriesOptionsLocked(id, key))});
   series_by_key_.emplace(key, id);
   if (journal) JournalLocked(store::SeriesRecord{id_, id, key});
   return id;
@@ -157,11 +157,13 @@ std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello, bool
   return std::nullopt;
 }
 
-const store::SeriesOptions& Run::SeriesOptionsLocked(SeriesId id) const {
+const store::SeriesOptions& Run::SeriesOptionsLocked(SeriesId id, std::string_view key) const {
   const int param = analytics_->ParamOf(id);
   if (param < 0 || static_cast<size_t>(param) >= meta_.params.size()) return options_.series;
   const ParamKind kind = meta_.params[static_cast<size_t>(param)].kind;
-  return kind == ParamKind::kNormGain || kind == ParamKind::kOutput ? options_.series : options_.param_series;
+  if (kind == ParamKind::kOutput) return options_.series;
+  if (kind == ParamKind::kNormGain && key.starts_with(keys::kParamNormPrefix)) return options_.series;
+  return options_.param_series;
 }
 
 std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid) {
@@ -910,7 +912,7 @@ void Run::RestoreSeries(SeriesId id, const std::string& key) {
   MutexLock lock(&mu_);
   if (id >= series_.size()) series_.resize(id + 1);
   analytics_->AddSeries(id, key);
-  series_[id] = {key, std::make_unique<store::Series>(SeriesOptionsLocked(id))};
+  series_[id] = {key, std::make_unique<store::Series>(SeriesOptionsLocked(id, key))};
   series_by_key_[key] = id;
 }
 

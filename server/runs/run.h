@@ -62,12 +62,11 @@ struct RunOptions {
   std::chrono::nanoseconds assembly_timeout = std::chrono::seconds(30);
   size_t max_pending_steps = 1024;
   // What each series keeps (store::Series). Full size for the run's own scalars (total grad norm,
-  // loss, z-loss, learning rate, tokens, extra keys) and the norms of norm-gain and output-layer
-  // parameters: the series the incident lives in (DESIGN.md).
+  // loss, z-loss, learning rate, tokens, extra keys), the norms of the output layer and the
+  // parameter norms of norm gains: the series the incident lives in (DESIGN.md).
   store::SeriesOptions series;
-  // The grad, param and update norms of every other parameter: most of a large run's series, each
-  // kept smaller (about 6 KB at the defaults against 40 KB).
-  store::SeriesOptions param_series = {.recent_points = 1024, .history_buckets = 128};
+  // Every other parameter series (most of a large run's): kept smaller.
+  store::SeriesOptions param_series = {.recent_points = 256, .history_buckets = 64};
   size_t max_params = 65536;
   size_t max_series = 262144;
   // A run with no open stream and no step for this long is ended (dropped from /metrics).
@@ -343,8 +342,8 @@ class Run {
   std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const
       REQUIRES(mu_);
   void AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info) REQUIRES(mu_);
-  // The options of series `id` (RunOptions::series or param_series), from its parameter's kind.
-  const store::SeriesOptions& SeriesOptionsLocked(SeriesId id) const REQUIRES(mu_);
+  // The options of series `id` under `key` (RunOptions::series or param_series).
+  const store::SeriesOptions& SeriesOptionsLocked(SeriesId id, std::string_view key) const REQUIRES(mu_);
   // Charges the budget for the new entries unless `prepaid` (the constructor's catalog).
   std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid)
       REQUIRES(mu_);

@@ -109,8 +109,7 @@ bool RunAnalytics::IsKeySeries(Role role, int param) const {
 }
 
 size_t RunAnalytics::ShareBucketsFor(const ParamInfo& p) const {
-  return p.kind == ParamKind::kNormGain || p.kind == ParamKind::kOutput ? options_.max_buckets
-                                                                         : options_.param_max_buckets;
+  return p.kind == ParamKind::kOutput ? options_.max_buckets : options_.param_max_buckets;
 }
 
 size_t RunAnalytics::BucketsFor(const Tracked& t) const {

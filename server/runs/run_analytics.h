@@ -43,9 +43,9 @@ struct AnalyticsOptions {
   // Buckets per window: memory per tracked series is about windows × max_buckets × 120 bytes;
   // a window's edge has a granularity of window / max_buckets steps.
   size_t max_buckets = 128;
-  // Buckets per window for the series of parameters other than norm gains and the output layer
-  // that are not key series (most of a large run's series) and for their share trends; the run's
-  // scalars and those parameters keep max_buckets. About 7 KB per series with 16.
+  // Buckets per window for the series of parameters other than the output layer that are not key
+  // series (most of a large run's series), and for their share trends; the run's scalars, the key
+  // series and the output layer keep max_buckets. About 7 KB per series with 16.
   size_t param_max_buckets = 16;
   uint64_t event_window_steps = 5000;
   size_t event_min_after_samples = 10;
