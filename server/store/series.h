@@ -25,11 +25,13 @@ struct SeriesOptions {
 // Not thread-safe: the owner serialises access.
 //
 // Points are held compressed (PointLog: steps as delta-of-delta, values XORed with the previous
-// one, in 512-byte chunks): a recent sample takes 1 to 19 bytes (a slowly drifting norm about 6,
-// a constant 0.25), a bucket 2 to 74. The newest bucket is held as a Point, as merges go into it.
+// one, in 512-byte chunks): a recent sample takes from 3 bits (a constant at regular steps) to 19
+// bytes, about 8 for a noisy norm; a bucket about 35 bytes with noisy values, 74 at most. The
+// newest bucket is held as a Point, as merges go into it.
 // Memory grows with the samples held, not with the options: a new series allocates nothing; a
 // chunk is allocated when the held ones are full, up to what recent_points and history_buckets
-// need, and from then on Append reuses the chunks it empties and never allocates. An owner with a
+// need; from then on Append reuses the chunks it empties, and allocates only when the values held
+// compress worse than they ever did (a chunk at a time, within MaxMemoryBytes). An owner with a
 // memory budget may refuse growth (Append's may_grow): the series then keeps the chunks it has
 // (one for recent points and one for history at least) and moves its oldest recent points into
 // history sooner (compacting history sooner too), losing no sample.
