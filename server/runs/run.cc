@@ -395,6 +395,18 @@ void Run::Detach(uint32_t rank, StreamSink* sink) {
   last_activity_ = clock_->Now();
 }
 
+bool Run::MustHoldLocked(uint32_t rank, uint64_t step) const {
+  if (!assembler_.FullFor(step)) return false;
+  const PendingStep& oldest = assembler_.oldest();
+  for (uint32_t r = 0; r < ranks_.size(); ++r) {
+    if (r == rank || (r < oldest.rank_seen.size() && oldest.rank_seen[r])) continue;
+    // Ranks report in step order: one that reported a later step will never report this one.
+    const RankState& rs = ranks_[r];
+    if (!rs.has_received || rs.last_received < oldest.step) return true;
+  }
+  return false;
+}
+
 std::optional<IngestError> Run::ValidateStepLocked(const RankStep& report) {
   const size_t n = meta_.params.size();
   seen_scratch_.assign(n, 0);
@@ -416,7 +428,8 @@ std::optional<IngestError> Run::ValidateStepLocked(const RankStep& report) {
   return std::nullopt;
 }
 
-std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, StreamSink* sink) {
+std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, StreamSink* sink, bool* held) {
+  if (held != nullptr) *held = false;
   MutexLock lock(&mu_);
   if (rank >= ranks_.size()) {
     return IngestError{IngestErrorReason::kSuperseded,
@@ -451,6 +464,10 @@ std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, S
 
   const SteadyTime now = clock_->Now();
   last_activity_ = now;
+  if (held != nullptr && MustHoldLocked(rank, report.step)) {
+    *held = true;
+    return std::nullopt;
+  }
   const AddResult result = assembler_.Add(rank, report, now, [this](const PendingStep& p) {
     mu_.AssertHeld();  // called back synchronously, under this function's lock
     CompleteLocked(p);

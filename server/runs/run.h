@@ -210,7 +210,18 @@ class Run {
   // through `sink` at once. Returns the error to send on the stream, if any. While the journal is
   // not accepting (store::Journal::accepting) the step, and every later report of this rank until
   // its next Hello, is refused with STORAGE_UNAVAILABLE before anything is changed.
-  std::optional<IngestError> AddStep(uint32_t rank, const RankStep& report, StreamSink* sink);
+  //
+  // Back-pressure: when max_pending_steps steps already wait for ranks, a report of a new step
+  // would complete the oldest as partial (its total grad norm summed over fewer ranks: wrong, not
+  // just incomplete). With `held` non-null, if a rank other than `rank` may still report that
+  // oldest step (it has not reported it nor any later step), the report is not taken: *held is
+  // set to true (else false), nothing changes, and the caller offers the same report again later
+  // without reading further from its stream. A rank that reconnects late after an outage thus
+  // catches up instead of finding its steps completed without it; a rank that never comes back
+  // is cut short by the assembly timeout (Tick), as before. With `held` null (restores, tests),
+  // the oldest step is completed as partial.
+  std::optional<IngestError> AddStep(uint32_t rank, const RankStep& report, StreamSink* sink,
+                                     bool* held = nullptr);
 
   // Adds an event (from a trainer or an annotation).
   std::optional<IngestError> AddEvent(EventRecord event);
@@ -340,6 +351,8 @@ class Run {
   // Charges the budget for the new entries unless `prepaid` (the constructor's catalog).
   std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid)
       REQUIRES(mu_);
+  // Whether `rank`'s report of `step` must wait (see AddStep's back-pressure).
+  bool MustHoldLocked(uint32_t rank, uint64_t step) const REQUIRES(mu_);
   std::optional<IngestError> ValidateStepLocked(const RankStep& report) REQUIRES(mu_);
   RunInfo InfoLocked() const REQUIRES(mu_);
   alerts::RunFacts FactsLocked(const CompletedStep* step) const REQUIRES(mu_);

@@ -67,17 +67,6 @@ void WriteHistory(const std::filesystem::path& file, const std::string& run, uin
   }
 }
 
-// Polls `pred` every 50 ms until it holds or `limit` passes.
-template <typename Pred>
-bool WaitUntil(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(30)) {
-  const auto deadline = Clock::now() + Scaled(limit);
-  while (Clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return pred();
-}
-
 std::optional<double> Metric(const DaemonProcess& daemon, const std::string& name,
                              const std::map<std::string, std::string>& labels = {}) {
   return ParseMetric(daemon.ScrapeMetrics(), name, labels);
