@@ -17,7 +17,8 @@ namespace gradwatch::store {
 
 namespace {
 
-constexpr int kPending = 0, kDelivered = 1, kFailed = 2;
+// outbox.delivery: 0 while pending, then one of these.
+constexpr int kDelivered = 1, kFailed = 2;
 
 // The alert store's errors are the notifier's (recoverable: retried by the callers) and say
 // "outbox:" first.
