@@ -246,7 +246,9 @@ class Run {
   void Tick();
 
   // The run as the alert rules see it, now (for timer rules such as stalled).
-  alerts::RunFacts Facts() const;
+  alerts::RunFacts Facts();
+  // Whether the run ended with a Goodbye (no timer rule can hold for it).
+  bool EndedCleanly() const;
 
   // Sends an alert down every stream attached to this run.
   void BroadcastAlert(const alerts::Alert& alert);
@@ -355,7 +357,13 @@ class Run {
   bool MustHoldLocked(uint32_t rank, uint64_t step) const REQUIRES(mu_);
   std::optional<IngestError> ValidateStepLocked(const RankStep& report) REQUIRES(mu_);
   RunInfo InfoLocked() const REQUIRES(mu_);
-  alerts::RunFacts FactsLocked(const CompletedStep* step) const REQUIRES(mu_);
+  // Fills `f` with the run as the alert rules see it at `step` (null: now, from every series'
+  // latest point, for timer rules). O(the step's values + parameters + key series' events); f's
+  // and the scratch buffers are overwritten in place, so the step path stops allocating once
+  // warm. Series are listed in key order through key_rank_, without comparing strings.
+  void FillFactsLocked(const CompletedStep* step, alerts::RunFacts& f) REQUIRES(mu_);
+  // Rebuilds key_rank_ and ids_by_key_ after series were added.
+  void RankKeysLocked() REQUIRES(mu_);
   void BroadcastLocked(const alerts::Alert& alert) REQUIRES(mu_);
   void AnswerGoodbyesLocked() REQUIRES(mu_);
   SeriesId SeriesForKeyLocked(const std::string& key, bool journal) REQUIRES(mu_);
@@ -423,6 +431,17 @@ class Run {
   size_t speed_count_ GUARDED_BY(mu_) = 0;
 
   CompletedStep scratch_ GUARDED_BY(mu_);  // reused for every completed step
+  // The alert facts of the step being evaluated, and their scratch (FillFactsLocked).
+  alerts::RunFacts step_facts_ GUARDED_BY(mu_);
+  RunAnalysis facts_analysis_ GUARDED_BY(mu_);
+  std::vector<ParamAnalysis> facts_params_ GUARDED_BY(mu_);
+  std::vector<uint32_t> key_rank_ GUARDED_BY(mu_);     // by series id: its key's rank in key order
+  std::vector<SeriesId> ids_by_key_ GUARDED_BY(mu_);   // series ids in key order
+  std::vector<std::pair<uint32_t, double>> ranked_values_ GUARDED_BY(mu_);
+  // The current step's value of each series id, valid where value_stamp_[id] == value_epoch_.
+  std::vector<double> value_by_id_ GUARDED_BY(mu_);
+  std::vector<uint64_t> value_stamp_ GUARDED_BY(mu_);
+  uint64_t value_epoch_ GUARDED_BY(mu_) = 0;
   std::vector<uint8_t> seen_scratch_ GUARDED_BY(mu_);  // reused by ValidateStepLocked
 };
 
