@@ -251,7 +251,7 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
                  std::to_string(*s.last_unacked_step) + ")";
     }
     rows.push_back({"stopped", s.stop_detail});
-    rows.push_back({"not acknowledged", unacked});
+    rows.push_back({"not acked", unacked});
   }
   if (s.resumed_from_step) {
     rows.insert(rows.begin() + 2,

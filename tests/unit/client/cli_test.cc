@@ -516,7 +516,7 @@ TEST_CASE("the steps not acknowledged are those after the last acked one, or all
   CHECK(summary.unacked_steps == 0);
   CHECK_FALSE(summary.first_unacked_step.has_value());
   const std::string table = gradwatch::cli::FormatReplaySummary(summary);
-  CHECK_THAT(table, !Catch::Contains("not acknowledged"));
+  CHECK_THAT(table, !Catch::Contains("not acked"));
   summary.last_acked_step = 25;
   summary.stopped = "interrupted";
   summary.stop_detail = "interrupted by SIGINT";
