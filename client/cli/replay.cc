@@ -29,8 +29,9 @@ using json = nlohmann::ordered_json;
 constexpr size_t kSkippedInSummary = 5;
 constexpr size_t kDaemonMessagesShown = 100;
 constexpr auto kProgressInterval = std::chrono::milliseconds(200);
-// Steps read from the file ahead of the flow-control window.
+// Steps read from the file ahead of the flow-control window: this many, and this many bytes.
 constexpr size_t kReadAheadSteps = 64;
+constexpr size_t kReadAheadBytes = 4 << 20;
 
 std::string ReasonShortName(const std::string& reason) {
   constexpr std::string_view kPrefix = "ERROR_REASON_";
@@ -302,6 +303,7 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   // The file is the buffer: the Monitor holds the flow-control window and a little read-ahead,
   // so memory stays bounded whatever the file's size.
   monitor_options.queue_capacity = monitor_options.max_unacked_steps + kReadAheadSteps;
+  monitor_options.queue_capacity_bytes = monitor_options.max_unacked_bytes + kReadAheadBytes;
   monitor_options.on_error = [&messages](const v1::Error& e) { messages.AddError(e); };
   monitor_options.on_alert = [&messages](const v1::Alert& a) { messages.AddAlert(a); };
   monitor_options.on_accepted = [&](const v1::Accepted& a) {

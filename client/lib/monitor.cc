@@ -70,7 +70,8 @@ struct Monitor::Connection {
 Monitor::Monitor(MonitorOptions options)
     : options_(std::move(options)),
       buffer_(options_.queue_capacity, options_.event_capacity,
-              SendWindow{options_.max_unacked_steps, options_.max_unacked_bytes}),
+              SendWindow{options_.max_unacked_steps, options_.max_unacked_bytes},
+              options_.queue_capacity_bytes),
       backoff_(options_.initial_backoff),
       rng_(std::random_device{}()) {}
 

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,8 +36,10 @@ struct MonitorOptions {
   // sent until the daemon accepts a stream, and left out of later reconnects, which must not
   // rewind the steps this process has already reported.
   v1::Hello hello;
-  // Steps held in memory: queued plus written but not yet durable.
+  // Steps held in memory: queued plus written but not yet durable; and their bytes (serialized),
+  // unbounded by default. A step is taken while both are below their bounds.
   size_t queue_capacity = 10'000;
+  size_t queue_capacity_bytes = std::numeric_limits<size_t>::max();
   // Events waiting to be written.
   size_t event_capacity = 1'000;
   // Flow control: at most this many steps, and bytes of them, written and not yet acknowledged

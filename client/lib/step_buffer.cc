@@ -5,8 +5,12 @@
 
 namespace gradwatch::client {
 
-StepBuffer::StepBuffer(size_t step_capacity, size_t event_capacity, SendWindow window)
-    : step_capacity_(step_capacity), event_capacity_(event_capacity), window_(window) {}
+StepBuffer::StepBuffer(size_t step_capacity, size_t event_capacity, SendWindow window,
+                       size_t byte_capacity)
+    : step_capacity_(step_capacity),
+      event_capacity_(event_capacity),
+      window_(window),
+      byte_capacity_(byte_capacity) {}
 
 bool StepBuffer::PushStep(v1::StepStats step) {
   if (!HasRoomForStep()) {
@@ -194,6 +198,7 @@ size_t StepBuffer::IndexOf(uint64_t id) const {
 void StepBuffer::Count(const Entry& e) {
   if (e.is_step()) {
     ++steps_;
+    held_bytes_ += e.bytes;
     if (e.written) {
       ++written_steps_;
       written_bytes_ += e.bytes;
@@ -207,6 +212,7 @@ void StepBuffer::Count(const Entry& e) {
 void StepBuffer::Uncount(const Entry& e) {
   if (e.is_step()) {
     --steps_;
+    held_bytes_ -= e.bytes;
     if (e.written) {
       --written_steps_;
       written_bytes_ -= e.bytes;

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <optional>
 
 #include "gradwatch/v1/gradwatch.pb.h"
@@ -37,9 +38,11 @@ class StepBuffer {
     uint64_t step() const { return is_step() ? message.step().step() : message.event().step(); }
   };
 
-  // `step_capacity` bounds steps held (queued plus written but not yet durable); events have
-  // their own bound so a burst of them cannot starve steps.
-  StepBuffer(size_t step_capacity, size_t event_capacity, SendWindow window = {});
+  // `step_capacity` bounds steps held (queued plus written but not yet durable), and
+  // `byte_capacity` their serialized bytes (a step is taken while the bytes held are below it);
+  // events have their own bound so a burst of them cannot starve steps.
+  StepBuffer(size_t step_capacity, size_t event_capacity, SendWindow window = {},
+             size_t byte_capacity = std::numeric_limits<size_t>::max());
 
   // Appends a step. When the buffer is full the step is dropped, counted, and false returned;
   // the next step that gets in carries the count in client_dropped_steps.
@@ -47,7 +50,7 @@ class StepBuffer {
   // Appends an event; false (and nothing counted as a dropped step) when the event bound is hit.
   bool PushEvent(v1::Event event);
 
-  bool HasRoomForStep() const { return steps_ < step_capacity_; }
+  bool HasRoomForStep() const { return steps_ < step_capacity_ && held_bytes_ < byte_capacity_; }
   bool HasRoomForEvent() const { return events_ < event_capacity_; }
 
   // A message claimed for writing: a copy, its seq set.
@@ -89,6 +92,7 @@ class StepBuffer {
   size_t unacked() const { return written_steps_ + written_events_; }
   size_t queued() const { return entries_.size() - unacked(); }  // waiting to be written
   size_t unacked_bytes() const { return written_bytes_; }         // of the written steps
+  size_t held_bytes() const { return held_bytes_; }               // of every step held
   bool empty() const { return entries_.empty(); }
   uint64_t dropped() const { return dropped_; }  // steps refused since construction
 
@@ -109,6 +113,7 @@ class StepBuffer {
   size_t step_capacity_;
   size_t event_capacity_;
   SendWindow window_;
+  size_t byte_capacity_;
   std::deque<Entry> entries_;
   // Every entry before cursor_ is written; NextToWrite scans from here.
   size_t cursor_ = 0;
@@ -117,6 +122,7 @@ class StepBuffer {
   size_t events_ = 0;
   size_t written_steps_ = 0;
   size_t written_bytes_ = 0;   // of the written steps
+  size_t held_bytes_ = 0;      // of every step held
   size_t written_events_ = 0;  // written, waiting for their EventAck
   uint64_t dropped_ = 0;
   uint64_t dropped_since_push_ = 0;

@@ -391,3 +391,24 @@ TEST_CASE("a rejected step frees its place in the window", "[client][flow]") {
   CHECK(buffer.ReleaseRejected(0, 2));
   CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{3});
 }
+
+TEST_CASE("a byte capacity bounds the steps held, written or not", "[client][flow]") {
+  const size_t step_bytes = [] {
+    v1::TrainerMessage m;
+    *m.mutable_step() = Step(1);
+    return m.ByteSizeLong();
+  }();
+  StepBuffer buffer(100, 10, {.steps = 1, .bytes = 1 << 20}, 3 * step_bytes);
+  for (uint64_t n = 1; n <= 3; ++n) REQUIRE(buffer.PushStep(Step(n)));
+  CHECK(buffer.held_bytes() == 3 * step_bytes);
+  CHECK_FALSE(buffer.HasRoomForStep());
+  CHECK_FALSE(buffer.PushStep(Step(4)));
+  uint64_t seq = 1;
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{1});
+  CHECK_FALSE(buffer.HasRoomForStep());  // written is still held until acked
+  CHECK(buffer.OnAck(1) == 1);
+  CHECK(buffer.PushStep(Step(5)));  // it carries the drop of step 4: a few bytes more
+  CHECK(buffer.steps() == 3);
+  CHECK(buffer.held_bytes() > 3 * step_bytes);
+  CHECK_FALSE(buffer.HasRoomForStep());
+}
