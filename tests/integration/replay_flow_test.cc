@@ -21,7 +21,7 @@ namespace v1 = gradwatch::v1;
 namespace {
 
 constexpr int kParams = 1000;
-constexpr uint64_t kSteps = 300;
+constexpr uint64_t kSteps = 200;
 constexpr const char* kRun = "wide-run";
 
 // A W&B-style history of steps 1..kSteps of a model with kParams parameter tensors, each with its
