@@ -510,10 +510,16 @@ std::vector<Transition> AlertEngine::EvaluateStep(const RunFacts& facts, double 
   return out;
 }
 
-std::vector<Transition> AlertEngine::EvaluateTimer(const std::vector<RunFacts>& runs, double now) {
+bool AlertEngine::HasTimerRules() const {
+  std::lock_guard lock(mu_);
+  return std::any_of(rules_.begin(), rules_.end(), [](const Rule& r) { return IsTimerRule(r.kind); });
+}
+
+std::vector<Transition> AlertEngine::EvaluateTimer(const std::vector<RunFacts>& runs, double now,
+                                                   const std::vector<std::string>& idle) {
   std::lock_guard lock(mu_);
   std::vector<Transition> out;
-  std::unordered_set<std::string_view> listed;
+  std::unordered_set<std::string_view> listed(idle.begin(), idle.end());
   for (const RunFacts& facts : runs) {
     listed.insert(facts.run_id);
     std::optional<std::string> recommendation;

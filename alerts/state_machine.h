@@ -210,7 +210,12 @@ class AlertEngine {
   // Evaluates the timer rules (stalled, run_died) against every run the daemon holds (`runs`); a
   // stalled alert of a run not listed resolves, a run_died alert of a run not listed resolves once
   // acknowledged. Also notifies firing alerts whose mute ended and drops silences that have ended.
-  std::vector<Transition> EvaluateTimer(const std::vector<RunFacts>& runs, double now);
+  // `idle` names runs the daemon also holds but whose timer rules need no evaluation (ended with
+  // a Goodbye: neither stalled nor run_died can hold for them); they count as listed.
+  std::vector<Transition> EvaluateTimer(const std::vector<RunFacts>& runs, double now,
+                                        const std::vector<std::string>& idle = {});
+  // Whether any stalled or run_died rule is in force.
+  bool HasTimerRules() const;
   // The run is gone (finished and forgotten, or deleted): its firing alerts resolve, its pending
   // ones go inactive, and it holds no state any more.
   std::vector<Transition> ForgetRun(const std::string& run_id, double now);

@@ -242,11 +242,19 @@ std::vector<alerts::Transition> Alerting::OnRewind(const std::string& run_id, ui
 }
 
 void Alerting::Tick(const runs::RunRegistry& registry, double now) {
+  // Facts only for the runs a timer rule can change: none without timer rules, and none for runs
+  // that said Goodbye (listed by id, so their alerts are not ended as those of a run not held).
   std::vector<alerts::RunFacts> facts;
-  const auto runs = registry.All();
-  facts.reserve(runs.size());
-  for (const auto& run : runs) facts.push_back(run->Facts());
-  const std::vector<alerts::Transition> transitions = engine_.EvaluateTimer(facts, now);
+  std::vector<std::string> idle;
+  const bool timer_rules = engine_.HasTimerRules();
+  for (const auto& run : registry.All()) {
+    if (!timer_rules || run->EndedCleanly()) {
+      idle.push_back(run->id());
+    } else {
+      facts.push_back(run->Facts());
+    }
+  }
+  const std::vector<alerts::Transition> transitions = engine_.EvaluateTimer(facts, now, idle);
   Count(transitions);
   if (dispatcher_) {
     // Alertmanager forgets alerts that are not re-sent before their endsAt.

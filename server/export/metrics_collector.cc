@@ -185,6 +185,10 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   auto samples = Family("gradwatch_samples_received_total",
                         "Series samples stored from completed steps.", MetricType::Counter);
   Add(samples, {}, static_cast<double>(stats_->samples_received.load()));
+  auto held = Family("gradwatch_ingest_held_reports_total",
+                     "Step reports held back (their stream paused) until the ranks a run waits for catch up.",
+                     MetricType::Counter);
+  Add(held, {}, static_cast<double>(stats_->held_reports.load()));
   auto errors = Family("gradwatch_ingest_errors_total", "Trainer messages refused, by reason.", MetricType::Counter);
   for (runs::IngestErrorReason r : runs::AllIngestErrorReasons()) {
     Add(errors, {{"reason", std::string(runs::IngestErrorReasonName(r))}},
@@ -217,7 +221,7 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   std::vector<MetricFamily> out;
   for (auto* f : {&grad_total, &grad, &param, &update, &loss, &z_loss, &lr, &last_step, &speed, &partial,
                   &nonfinite, &dropped, &run_streams, &slope, &slope_ratio, &slope_at_event, &change_point,
-                  &change_point_ratio, &to_threshold, &share, &group_share, &amplification, &growth, &runs_family, &open_streams, &messages, &samples,
+                  &change_point_ratio, &to_threshold, &share, &group_share, &amplification, &growth, &runs_family, &open_streams, &messages, &samples, &held,
                   &errors, &journal_dropped, &store_memory, &commit, &evicted, &outbox_pruned,
                   &not_restored, &budget_limit, &budget_used}) {
     out.push_back(std::move(*f));

@@ -3,6 +3,7 @@
 #include <deque>
 #include <memory>
 
+#include <grpcpp/alarm.h>
 #include <spdlog/spdlog.h>
 
 #include "server/core/thread_annotations.h"
@@ -41,9 +42,14 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       spdlog::error("stream from {}: unexpected error handling a message: {}", peer_, e.what());
       SendError({IngestErrorReason::kInvalidMessage, "internal error handling this message"}, in_.seq());
     }
+    ReadNext();
+  }
+
+  // Reads the next message, unless the stream is finishing or its current step is held.
+  void ReadNext() EXCLUDES(mu_) {
     {
       MutexLock lock(&mu_);
-      if (finishing_) return;
+      if (finishing_ || holding_) return;
     }
     StartRead(&in_);
   }
@@ -66,7 +72,12 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     mu_.Unlock();
   }
 
-  void OnCancel() override { DetachFromRun(); }
+  void OnCancel() override {
+    DetachFromRun();
+    // A held step has no read outstanding to end the call: its retry finishes it.
+    MutexLock lock(&mu_);
+    cancelled_ = true;
+  }
 
   void OnDone() override {
     DetachFromRun();
@@ -219,7 +230,63 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       Reject(*err, seq);
       return;
     }
-    if (auto err = run->AddStep(rank, step_, this)) Reject(*err, seq);
+    bool held = false;
+    if (auto err = run->AddStep(rank, step_, this, &held)) Reject(*err, seq);
+    if (held) Hold(seq);
+  }
+
+  // The run holds this step until the ranks it waits for catch up (Run::AddStep): offer it
+  // again after a short wait, reading nothing more meanwhile, so that gRPC's flow control
+  // pushes back on the client. The wait doubles up to kMaxHoldRetry while the step stays held.
+  static constexpr std::chrono::milliseconds kFirstHoldRetry{2};
+  static constexpr std::chrono::milliseconds kMaxHoldRetry{50};
+
+  void Hold(uint64_t seq) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    if (!holding_) {
+      holding_ = true;
+      hold_retry_ = kFirstHoldRetry;
+      service_->stats()->held_reports.fetch_add(1, std::memory_order_relaxed);
+      spdlog::debug("stream from {}: step {} (seq {}) held until the ranks the run waits for catch up", peer_,
+                    step_.step, seq);
+    } else {
+      hold_retry_ = std::min(hold_retry_ * 2, std::chrono::milliseconds(kMaxHoldRetry));
+    }
+    // The stream cannot finish while the alarm is set (MaybeFinishLocked): it outlives the alarm.
+    alarm_pending_ = true;
+    alarm_ = std::make_unique<grpc::Alarm>();
+    alarm_->Set(std::chrono::system_clock::now() + hold_retry_, [this, seq](bool) { RetryHeld(seq); });
+  }
+
+  void RetryHeld(uint64_t seq) EXCLUDES(mu_) {
+    {
+      MutexLock lock(&mu_);
+      alarm_pending_ = false;
+      if (finishing_ || cancelled_) {
+        holding_ = false;
+        if (!finishing_) {
+          finishing_ = true;
+          finish_status_ = grpc::Status::CANCELLED;
+        }
+        MaybeFinishLocked();
+        return;
+      }
+    }
+    uint32_t rank = 0;
+    std::shared_ptr<runs::Run> run = CurrentRun(&rank);
+    bool held = false;
+    if (run) {
+      if (auto err = run->AddStep(rank, step_, this, &held)) Reject(*err, seq);
+    }
+    if (held) {
+      Hold(seq);
+      return;
+    }
+    {
+      MutexLock lock(&mu_);
+      holding_ = false;
+    }
+    ReadNext();
   }
 
   void HandleEvent(uint64_t seq) {
@@ -324,7 +391,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
 
   // Finish once every queued answer is written (gRPC allows one outstanding write).
   void MaybeFinishLocked() REQUIRES(mu_) {
-    if (!finishing_ || finished_ || writing_) return;
+    if (!finishing_ || finished_ || writing_ || alarm_pending_) return;
     finished_ = true;
     Finish(finish_status_);
   }
@@ -348,6 +415,12 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   bool broken_ GUARDED_BY(mu_) = false;
   grpc::Status finish_status_ GUARDED_BY(mu_);
   uint64_t dropped_answers_ GUARDED_BY(mu_) = 0;
+  bool cancelled_ GUARDED_BY(mu_) = false;
+  // A step the run held (HandleStep) waits in step_ for its retry; no read is outstanding.
+  bool holding_ GUARDED_BY(mu_) = false;
+  bool alarm_pending_ GUARDED_BY(mu_) = false;
+  std::chrono::milliseconds hold_retry_ GUARDED_BY(mu_){0};
+  std::unique_ptr<grpc::Alarm> alarm_ GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "server/runs/run.h"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 
 #include <spdlog/spdlog.h>
@@ -121,6 +122,7 @@ SeriesId Run::SeriesForKeyLocked(const std::string& key, bool journal) {
   const auto id = static_cast<SeriesId>(series_.size());
   series_.push_back({key, std::make_unique<store::Series>(options_.series)});
   series_by_key_.emplace(key, id);
+  key_rank_.clear();  // FillFactsLocked ranks the keys again
   analytics_->AddSeries(id, key);
   if (journal) JournalLocked(store::SeriesRecord{id_, id, key});
   return id;
@@ -395,6 +397,18 @@ void Run::Detach(uint32_t rank, StreamSink* sink) {
   last_activity_ = clock_->Now();
 }
 
+bool Run::MustHoldLocked(uint32_t rank, uint64_t step) const {
+  if (!assembler_.FullFor(step)) return false;
+  const PendingStep& oldest = assembler_.oldest();
+  for (uint32_t r = 0; r < ranks_.size(); ++r) {
+    if (r == rank || (r < oldest.rank_seen.size() && oldest.rank_seen[r])) continue;
+    // Ranks report in step order: one that reported a later step will never report this one.
+    const RankState& rs = ranks_[r];
+    if (!rs.has_received || rs.last_received < oldest.step) return true;
+  }
+  return false;
+}
+
 std::optional<IngestError> Run::ValidateStepLocked(const RankStep& report) {
   const size_t n = meta_.params.size();
   seen_scratch_.assign(n, 0);
@@ -416,7 +430,8 @@ std::optional<IngestError> Run::ValidateStepLocked(const RankStep& report) {
   return std::nullopt;
 }
 
-std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, StreamSink* sink) {
+std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, StreamSink* sink, bool* held) {
+  if (held != nullptr) *held = false;
   MutexLock lock(&mu_);
   if (rank >= ranks_.size()) {
     return IngestError{IngestErrorReason::kSuperseded,
@@ -451,6 +466,10 @@ std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, S
 
   const SteadyTime now = clock_->Now();
   last_activity_ = now;
+  if (held != nullptr && MustHoldLocked(rank, report.step)) {
+    *held = true;
+    return std::nullopt;
+  }
   const AddResult result = assembler_.Add(rank, report, now, [this](const PendingStep& p) {
     mu_.AssertHeld();  // called back synchronously, under this function's lock
     CompleteLocked(p);
@@ -555,7 +574,8 @@ void Run::AnalyzeLocked(const CompletedStep& step) {
 
 void Run::EvaluateAlertsLocked(const CompletedStep& step) {
   if (options_.alert_hook == nullptr) return;
-  for (const alerts::Transition& t : options_.alert_hook->OnStep(FactsLocked(&step))) {
+  FillFactsLocked(&step, step_facts_);
+  for (const alerts::Transition& t : options_.alert_hook->OnStep(step_facts_)) {
     // The trainer hears of firing and resolved alerts even when a silence mutes the pagers.
     if (t.to == alerts::AlertState::kFiring || t.to == alerts::AlertState::kResolved) BroadcastLocked(t.alert);
   }
@@ -715,15 +735,38 @@ void Run::BroadcastLocked(const alerts::Alert& alert) {
   }
 }
 
-alerts::RunFacts Run::Facts() const {
+bool Run::EndedCleanly() const {
   MutexLock lock(&mu_);
-  return FactsLocked(nullptr);
+  return end_.ended() && end_.clean();
 }
 
-alerts::RunFacts Run::FactsLocked(const CompletedStep* step) const {
+alerts::RunFacts Run::Facts() {
+  MutexLock lock(&mu_);
   alerts::RunFacts f;
+  FillFactsLocked(nullptr, f);
+  return f;
+}
+
+void Run::RankKeysLocked() {
+  ids_by_key_.clear();
+  for (SeriesId id = 0; id < series_.size(); ++id) {
+    if (series_[id].data) ids_by_key_.push_back(id);
+  }
+  std::sort(ids_by_key_.begin(), ids_by_key_.end(),
+            [this](SeriesId a, SeriesId b) {
+              mu_.AssertHeld();  // called synchronously, under this function's lock
+              return series_[a].key < series_[b].key;
+            });
+  key_rank_.assign(series_.size(), std::numeric_limits<uint32_t>::max());
+  for (size_t r = 0; r < ids_by_key_.size(); ++r) key_rank_[ids_by_key_[r]] = static_cast<uint32_t>(r);
+  value_by_id_.assign(series_.size(), 0.0);
+  value_stamp_.assign(series_.size(), 0);
+}
+
+void Run::FillFactsLocked(const CompletedStep* step, alerts::RunFacts& f) {
+  if (key_rank_.size() != series_.size()) RankKeysLocked();
   f.run_id = id_;
-  f.run_labels = meta_.labels;
+  if (f.run_labels != meta_.labels) f.run_labels = meta_.labels;
   f.step = step ? step->step : last_step_;
   f.wall_time = step ? step->wall_time : last_wall_time_;
   f.now = clock_->UnixSeconds();
@@ -732,64 +775,119 @@ alerts::RunFacts Run::FactsLocked(const CompletedStep* step) const {
   f.seconds_since_activity = std::chrono::duration<double>(clock_->Now() - last_activity_).count();
   f.ended_cleanly = end_.clean();
   if (end_.ended()) f.open_streams = 0;
-  // Values of this step (or the latest of every series for timer evaluations).
+
+  // Values of this step (or the latest of every series for timer evaluations), in key order.
+  ++value_epoch_;
+  ranked_values_.clear();
+  auto note = [&](SeriesId id, double value) {
+    mu_.AssertHeld();
+    value_by_id_[id] = value;
+    value_stamp_[id] = value_epoch_;
+    ranked_values_.emplace_back(key_rank_[id], value);
+  };
   if (step != nullptr) {
     for (const SeriesValue& sv : step->values) {
-      if (sv.id >= series_.size()) continue;
-      f.latest.push_back({series_[sv.id].key, sv.value});
-      if (!std::isfinite(sv.value)) f.nonfinite.push_back({series_[sv.id].key, step->step});
+      if (sv.id < series_.size() && series_[sv.id].data) note(sv.id, sv.value);
     }
+    std::sort(ranked_values_.begin(), ranked_values_.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
   } else {
-    for (const SeriesEntry& e : series_) {
-      if (!e.data) continue;
-      if (auto p = e.data->Latest()) f.latest.push_back({e.key, p->last});
+    for (SeriesId id : ids_by_key_) {
+      if (auto p = series_[id].data->Latest()) note(id, p->last);
     }
   }
-  alerts::SortLatest(f);
-  const RunAnalysis a = analytics_->Analysis();
-  for (const auto& x : a.forecasts) {
-    f.forecasts.push_back({x.key, x.threshold, x.reachable, x.steps_to_threshold, x.at_step, x.current_value,
-                           x.slope_per_kstep});
-  }
-  for (const auto& x : a.slope_changes) {
-    f.slope_changes.push_back({x.key, x.change.event_step, x.event_text, x.change.ratio,
-                               x.change.before.slope_per_kstep(), x.change.after.slope_per_kstep(), x.after_samples,
-                               x.change.before_stderr_per_kstep, x.change.after_stderr_per_kstep});
-  }
-  for (const auto& x : a.change_points) {
-    f.change_points.push_back({x.key, x.change.step, x.change.ratio, x.change.slope_before_per_kstep,
-                               x.change.slope_after_per_kstep, x.change.z_score});
-  }
-  for (const auto& x : a.shares) f.shares.push_back({x.name, x.is_group, x.share, x.slope_per_kstep});
-  for (const ParamInfo& p : meta_.params) {
-    alerts::ParamFact pf;
-    pf.info = p;
-    if (const auto* v = alerts::FindLatest(f, keys::ParamNorm(p.name))) pf.norm = v->value;
-    if (const auto* v = alerts::FindLatest(f, keys::GradNorm(p.name))) pf.grad_norm = v->value;
-    for (const auto& am : a.amplifications) {
-      if (am.param == p.name) {
-        pf.init_norm = am.init_norm;
-        pf.amplification = am.amplification;
-        if (!pf.norm) pf.norm = am.norm;
-      }
+  size_t latest = 0, nonfinite = 0;
+  for (const auto& [rank, value] : ranked_values_) {
+    const std::string& key = series_[ids_by_key_[rank]].key;
+    if (latest == f.latest.size()) f.latest.emplace_back();
+    alerts::SeriesValue& v = f.latest[latest++];
+    v.key = key;
+    v.value = value;
+    if (step != nullptr && !std::isfinite(value)) {
+      if (nonfinite == f.nonfinite.size()) f.nonfinite.emplace_back();
+      alerts::NonFiniteFact& n = f.nonfinite[nonfinite++];
+      n.key = key;
+      n.step = step->step;
     }
-    for (const auto& g : a.growth_without_decay) {
-      if (g.param == p.name) {
-        pf.growth_factor = g.growth_factor;
-        pf.growth_slope_per_kstep = g.slope_per_kstep;
-      }
+  }
+  f.latest.resize(latest);
+  f.nonfinite.resize(nonfinite);
+
+  analytics_->StepAnalysis(facts_analysis_, facts_params_);
+  const RunAnalysis& a = facts_analysis_;
+  f.forecasts.resize(a.forecasts.size());
+  for (size_t i = 0; i < a.forecasts.size(); ++i) {
+    const ForecastInfo& x = a.forecasts[i];
+    alerts::ForecastFact& y = f.forecasts[i];
+    y.key = x.key;
+    y.threshold = x.threshold;
+    y.reachable = x.reachable;
+    y.steps_to_threshold = x.steps_to_threshold;
+    y.at_step = x.at_step;
+    y.current_value = x.current_value;
+    y.slope_per_kstep = x.slope_per_kstep;
+  }
+  f.slope_changes.resize(a.slope_changes.size());
+  for (size_t i = 0; i < a.slope_changes.size(); ++i) {
+    const SlopeChangeInfo& x = a.slope_changes[i];
+    alerts::SlopeChangeFact& y = f.slope_changes[i];
+    y.key = x.key;
+    y.event_step = x.change.event_step;
+    y.event_text = x.event_text;
+    y.ratio = x.change.ratio;
+    y.before_per_kstep = x.change.before.slope_per_kstep();
+    y.after_per_kstep = x.change.after.slope_per_kstep();
+    y.after_samples = x.after_samples;
+    y.before_stderr_per_kstep = x.change.before_stderr_per_kstep;
+    y.after_stderr_per_kstep = x.change.after_stderr_per_kstep;
+  }
+  f.change_points.resize(a.change_points.size());
+  for (size_t i = 0; i < a.change_points.size(); ++i) {
+    const ChangePointInfo& x = a.change_points[i];
+    alerts::ChangePointFact& y = f.change_points[i];
+    y.key = x.key;
+    y.step = x.change.step;
+    y.ratio = x.change.ratio;
+    y.before_per_kstep = x.change.slope_before_per_kstep;
+    y.after_per_kstep = x.change.slope_after_per_kstep;
+    y.z_score = x.change.z_score;
+  }
+  f.shares.resize(a.shares.size());
+  for (size_t i = 0; i < a.shares.size(); ++i) {
+    const ShareInfo& x = a.shares[i];
+    alerts::ShareFact& y = f.shares[i];
+    y.name = x.name;
+    y.is_group = x.is_group;
+    y.share = x.share;
+    y.slope_per_kstep = x.slope_per_kstep;
+  }
+  f.params.resize(meta_.params.size());
+  for (size_t i = 0; i < meta_.params.size(); ++i) {
+    alerts::ParamFact& pf = f.params[i];
+    pf.info = meta_.params[i];
+    const auto value_of = [&](NormField field) -> std::optional<double> {
+      mu_.AssertHeld();
+      const SeriesId id = i < param_series_.size() ? param_series_[i][static_cast<int>(field)] : kNoSeries;
+      if (id == kNoSeries || id >= value_stamp_.size() || value_stamp_[id] != value_epoch_) return std::nullopt;
+      return value_by_id_[id];
+    };
+    pf.norm = value_of(NormField::kParam);
+    pf.grad_norm = value_of(NormField::kGrad);
+    static const ParamAnalysis kUnknown;
+    const ParamAnalysis& pa = i < facts_params_.size() ? facts_params_[i] : kUnknown;
+    pf.init_norm = pa.init_norm;
+    pf.amplification = pa.amplification;
+    if (!pf.norm && pa.amplification) pf.norm = pa.norm;
+    pf.growth_factor.reset();
+    pf.growth_slope_per_kstep.reset();
+    if (pa.growth) {
+      pf.growth_factor = pa.growth->growth_factor;
+      pf.growth_slope_per_kstep = pa.growth->slope_per_kstep;
     }
-    const std::string norm_key = keys::ParamNorm(p.name);
-    for (const auto& sl : a.slopes) {
-      if (sl.key == norm_key && sl.window_steps == options_.analytics.forecast_window_steps) {
-        pf.norm_slope_per_kstep = sl.fit.slope_per_kstep();
-      }
-    }
-    f.params.push_back(std::move(pf));
+    pf.norm_slope_per_kstep = pa.norm_slope_per_kstep;
   }
   f.config.z_loss_coef = meta_.config.z_loss_coef;
   f.config.weight_decay = meta_.config.weight_decay;
-  return f;
 }
 
 void Run::OnDurable(const store::RankProgress& progress) {
@@ -904,6 +1002,7 @@ void Run::RestoreSeries(SeriesId id, const std::string& key) {
   if (id >= series_.size()) series_.resize(id + 1);
   series_[id] = {key, std::make_unique<store::Series>(options_.series)};
   series_by_key_[key] = id;
+  key_rank_.clear();  // FillFactsLocked ranks the keys again
   analytics_->AddSeries(id, key);
 }
 

@@ -210,7 +210,18 @@ class Run {
   // through `sink` at once. Returns the error to send on the stream, if any. While the journal is
   // not accepting (store::Journal::accepting) the step, and every later report of this rank until
   // its next Hello, is refused with STORAGE_UNAVAILABLE before anything is changed.
-  std::optional<IngestError> AddStep(uint32_t rank, const RankStep& report, StreamSink* sink);
+  //
+  // Back-pressure: when max_pending_steps steps already wait for ranks, a report of a new step
+  // would complete the oldest as partial (its total grad norm summed over fewer ranks: wrong, not
+  // just incomplete). With `held` non-null, if a rank other than `rank` may still report that
+  // oldest step (it has not reported it nor any later step), the report is not taken: *held is
+  // set to true (else false), nothing changes, and the caller offers the same report again later
+  // without reading further from its stream. A rank that reconnects late after an outage thus
+  // catches up instead of finding its steps completed without it; a rank that never comes back
+  // is cut short by the assembly timeout (Tick), as before. With `held` null (restores, tests),
+  // the oldest step is completed as partial.
+  std::optional<IngestError> AddStep(uint32_t rank, const RankStep& report, StreamSink* sink,
+                                     bool* held = nullptr);
 
   // Adds an event (from a trainer or an annotation).
   std::optional<IngestError> AddEvent(EventRecord event);
@@ -235,7 +246,9 @@ class Run {
   void Tick();
 
   // The run as the alert rules see it, now (for timer rules such as stalled).
-  alerts::RunFacts Facts() const;
+  alerts::RunFacts Facts();
+  // Whether the run ended with a Goodbye (no timer rule can hold for it).
+  bool EndedCleanly() const;
 
   // Sends an alert down every stream attached to this run.
   void BroadcastAlert(const alerts::Alert& alert);
@@ -340,9 +353,17 @@ class Run {
   // Charges the budget for the new entries unless `prepaid` (the constructor's catalog).
   std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid)
       REQUIRES(mu_);
+  // Whether `rank`'s report of `step` must wait (see AddStep's back-pressure).
+  bool MustHoldLocked(uint32_t rank, uint64_t step) const REQUIRES(mu_);
   std::optional<IngestError> ValidateStepLocked(const RankStep& report) REQUIRES(mu_);
   RunInfo InfoLocked() const REQUIRES(mu_);
-  alerts::RunFacts FactsLocked(const CompletedStep* step) const REQUIRES(mu_);
+  // Fills `f` with the run as the alert rules see it at `step` (null: now, from every series'
+  // latest point, for timer rules). O(the step's values + parameters + key series' events); f's
+  // and the scratch buffers are overwritten in place, so the step path stops allocating once
+  // warm. Series are listed in key order through key_rank_, without comparing strings.
+  void FillFactsLocked(const CompletedStep* step, alerts::RunFacts& f) REQUIRES(mu_);
+  // Rebuilds key_rank_ and ids_by_key_ after series were added.
+  void RankKeysLocked() REQUIRES(mu_);
   void BroadcastLocked(const alerts::Alert& alert) REQUIRES(mu_);
   void AnswerGoodbyesLocked() REQUIRES(mu_);
   SeriesId SeriesForKeyLocked(const std::string& key, bool journal) REQUIRES(mu_);
@@ -410,6 +431,17 @@ class Run {
   size_t speed_count_ GUARDED_BY(mu_) = 0;
 
   CompletedStep scratch_ GUARDED_BY(mu_);  // reused for every completed step
+  // The alert facts of the step being evaluated, and their scratch (FillFactsLocked).
+  alerts::RunFacts step_facts_ GUARDED_BY(mu_);
+  RunAnalysis facts_analysis_ GUARDED_BY(mu_);
+  std::vector<ParamAnalysis> facts_params_ GUARDED_BY(mu_);
+  std::vector<uint32_t> key_rank_ GUARDED_BY(mu_);     // by series id: its key's rank in key order
+  std::vector<SeriesId> ids_by_key_ GUARDED_BY(mu_);   // series ids in key order
+  std::vector<std::pair<uint32_t, double>> ranked_values_ GUARDED_BY(mu_);
+  // The current step's value of each series id, valid where value_stamp_[id] == value_epoch_.
+  std::vector<double> value_by_id_ GUARDED_BY(mu_);
+  std::vector<uint64_t> value_stamp_ GUARDED_BY(mu_);
+  uint64_t value_epoch_ GUARDED_BY(mu_) = 0;
   std::vector<uint8_t> seen_scratch_ GUARDED_BY(mu_);  // reused by ValidateStepLocked
 };
 

@@ -266,13 +266,22 @@ const analytics::WindowedSlope* RunAnalytics::Window(const Tracked& t, uint64_t 
   return nullptr;
 }
 
-RunAnalysis RunAnalytics::Analysis() const {
-  RunAnalysis out;
+namespace {
+
+// The next entry of `v` to overwrite, the (*used)th: assigning into an entry kept from an earlier
+// fill reuses its strings' buffers. The caller trims `v` to *used at the end.
+template <typename T>
+T& NextSlot(std::vector<T>& v, size_t* used) {
+  if (*used == v.size()) v.emplace_back();
+  return v[(*used)++];
+}
+
+}  // namespace
+
+void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
+  size_t changes = 0, points = 0, forecasts = 0, shares = 0;
   for (const Tracked& t : series_) {
     if (!t.slopes) continue;
-    for (const auto& w : t.slopes->windows()) {
-      if (auto fit = w.Fit()) out.slopes.push_back({t.key, w.window_steps(), *fit});
-    }
     for (const auto& [text, slope] : t.events) {
       if (auto change = slope.Current(t.robust->longest())) {
         // Event slopes fit the spike filter's medians, and neighbouring medians share all but one
@@ -281,13 +290,23 @@ RunAnalysis RunAnalytics::Analysis() const {
         const double correlated = std::sqrt(static_cast<double>(t.spike_filter->width()));
         change->before_stderr_per_kstep *= correlated;
         change->after_stderr_per_kstep *= correlated;
-        out.slope_changes.push_back({t.key, text, *change, change->after.samples});
+        SlopeChangeInfo& info = NextSlot(out.slope_changes, &changes);
+        info.key = t.key;
+        info.event_text = text;
+        info.change = *change;
+        info.after_samples = change->after.samples;
       }
     }
     if (t.detector) {
-      for (const auto& c : t.detector->changes()) out.change_points.push_back({t.key, c});
+      for (const auto& c : t.detector->changes()) {
+        ChangePointInfo& info = NextSlot(out.change_points, &points);
+        info.key = t.key;
+        info.change = c;
+      }
     }
   }
+  out.slope_changes.resize(changes);
+  out.change_points.resize(points);
   for (const auto& [key, threshold] : options_.forecasts) {
     // The binding is captured through a reference: clang 14 cannot capture structured bindings.
     auto it =
@@ -298,41 +317,101 @@ RunAnalysis RunAnalytics::Analysis() const {
     auto fit = w->Fit();
     if (!fit) continue;
     const analytics::Forecast f = analytics::StepsToThreshold(*fit, threshold);
-    out.forecasts.push_back({key, threshold, w->window_steps(), f.reachable, f.steps_to_threshold, f.at_step,
-                             f.current_value, f.slope_per_kstep});
+    ForecastInfo& info = NextSlot(out.forecasts, &forecasts);
+    info.key = key;
+    info.threshold = threshold;
+    info.window_steps = w->window_steps();
+    info.reachable = f.reachable;
+    info.steps_to_threshold = f.steps_to_threshold;
+    info.at_step = f.at_step;
+    info.current_value = f.current_value;
+    info.slope_per_kstep = f.slope_per_kstep;
   }
+  out.forecasts.resize(forecasts);
+  auto add_share = [&](const std::string& name, bool is_group, double share,
+                       const analytics::WindowedSlope& trend) {
+    ShareInfo& info = NextSlot(out.shares, &shares);
+    info.name = name;
+    info.is_group = is_group;
+    info.share = share;
+    auto fit = trend.Fit();
+    info.slope_per_kstep = fit ? fit->slope_per_kstep() : 0.0;
+  };
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamState& ps = param_state_[i];
-    if (ps.has_share) {
-      auto fit = ps.share_trend->Fit();
-      out.shares.push_back({params_[i].name, false, ps.share, fit ? fit->slope_per_kstep() : 0.0});
-    }
-    if (ps.norm == kNoSeries || !series_[ps.norm].has_value) continue;
-    const Tracked& norm = series_[ps.norm];
-    const double amplification =
-        ps.init_norm ? analytics::Amplification(norm.last_value, *ps.init_norm) : kNaN;
-    if (ps.init_norm && params_[i].kind == ParamKind::kNormGain) {
-      out.amplifications.push_back({params_[i].name, norm.last_value, *ps.init_norm, amplification});
-    }
-    if (!norm.slopes) continue;  // refused analytics for memory
-    const analytics::WindowedSlope& longest = norm.slopes->longest();
-    if (auto fit = longest.Fit()) {
-      analytics::GrowthOptions growth_options;
-      growth_options.min_growth = options_.min_growth;
-      if (auto g = analytics::AssessGrowth(params_[i], static_cast<uint32_t>(i), fit->PredictAt(fit->first_step),
-                                           fit->value_at_last_step, fit->slope_per_kstep(), growth_options)) {
-        out.growth_without_decay.push_back({params_[i].name, g->growth_factor, g->slope_per_kstep,
-                                            longest.window_steps(), amplification, norm.last_value});
-      }
-    }
+    if (ps.has_share) add_share(params_[i].name, false, ps.share, *ps.share_trend);
   }
   for (const GroupState& g : groups_) {
-    if (!g.has_share) continue;
-    auto fit = g.share_trend->Fit();
-    out.shares.push_back({g.name, true, g.share, fit ? fit->slope_per_kstep() : 0.0});
+    if (g.has_share) add_share(g.name, true, g.share, *g.share_trend);
   }
+  out.shares.resize(shares);
   std::stable_sort(out.shares.begin(), out.shares.end(),
                    [](const ShareInfo& a, const ShareInfo& b) { return a.share > b.share; });
+}
+
+ParamAnalysis RunAnalytics::ParamEntry(size_t i) const {
+  ParamAnalysis out;
+  const ParamState& ps = param_state_[i];
+  if (ps.norm == kNoSeries || !series_[ps.norm].has_value) return out;
+  const Tracked& norm = series_[ps.norm];
+  out.norm = norm.last_value;
+  const double amplification = ps.init_norm ? analytics::Amplification(norm.last_value, *ps.init_norm) : kNaN;
+  if (ps.init_norm && params_[i].kind == ParamKind::kNormGain) {
+    out.init_norm = *ps.init_norm;
+    out.amplification = amplification;
+  }
+  if (!norm.slopes) return out;  // refused analytics for memory
+  for (const auto& w : norm.slopes->windows()) {
+    if (w.window_steps() != options_.forecast_window_steps) continue;
+    if (auto fit = w.Fit()) out.norm_slope_per_kstep = fit->slope_per_kstep();
+  }
+  const analytics::WindowedSlope& longest = norm.slopes->longest();
+  if (auto fit = longest.Fit()) {
+    analytics::GrowthOptions growth_options;
+    growth_options.min_growth = options_.min_growth;
+    if (auto g = analytics::AssessGrowth(params_[i], static_cast<uint32_t>(i), fit->PredictAt(fit->first_step),
+                                         fit->value_at_last_step, fit->slope_per_kstep(), growth_options)) {
+      out.growth = GrowthInfo{params_[i].name, g->growth_factor, g->slope_per_kstep, longest.window_steps(),
+                              amplification, norm.last_value};
+    }
+  }
+  return out;
+}
+
+void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params) const {
+  out.slopes.clear();
+  out.amplifications.clear();
+  out.growth_without_decay.clear();
+  EventsForecastsShares(out);
+  params.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    ParamAnalysis entry = ParamEntry(i);
+    // Keep the growth entry's name buffer: assign field by field.
+    ParamAnalysis& slot = params[i];
+    slot.norm = entry.norm;
+    slot.init_norm = entry.init_norm;
+    slot.amplification = entry.amplification;
+    slot.norm_slope_per_kstep = entry.norm_slope_per_kstep;
+    slot.growth = std::move(entry.growth);
+  }
+}
+
+RunAnalysis RunAnalytics::Analysis() const {
+  RunAnalysis out;
+  for (const Tracked& t : series_) {
+    if (!t.slopes) continue;
+    for (const auto& w : t.slopes->windows()) {
+      if (auto fit = w.Fit()) out.slopes.push_back({t.key, w.window_steps(), *fit});
+    }
+  }
+  EventsForecastsShares(out);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    ParamAnalysis entry = ParamEntry(i);
+    if (entry.amplification) {
+      out.amplifications.push_back({params_[i].name, *entry.norm, *entry.init_norm, *entry.amplification});
+    }
+    if (entry.growth) out.growth_without_decay.push_back(std::move(*entry.growth));
+  }
   return out;
 }
 

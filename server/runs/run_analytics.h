@@ -104,6 +104,19 @@ struct GrowthInfo {
   double norm = 0;
 };
 
+// A catalog parameter's analytics, as the alert rules read them at each step. Unknown fields are
+// empty.
+struct ParamAnalysis {
+  std::optional<double> norm;  // the param norm's latest value
+  // Norm gains with a known init norm only (as RunAnalysis::amplifications lists them).
+  std::optional<double> init_norm;
+  std::optional<double> amplification;
+  // Growth without decay (as RunAnalysis::growth_without_decay lists it).
+  std::optional<GrowthInfo> growth;
+  // The norm's slope over forecast_window_steps, raw samples (as RunAnalysis::slopes lists it).
+  std::optional<double> norm_slope_per_kstep;
+};
+
 struct RunAnalysis {
   std::vector<SeriesSlopeInfo> slopes;
   std::vector<SlopeChangeInfo> slope_changes;
@@ -135,6 +148,11 @@ class RunAnalytics {
   void OnEvent(const EventRecord& event);
 
   RunAnalysis Analysis() const;
+  // What the alert rules read at each step: Analysis() without the slopes of every series, the
+  // per-parameter entries by catalog index in `params` (amplifications and growth_without_decay
+  // stay empty). O(key series × events + parameters), not O(series × windows); `out` and
+  // `params` are overwritten in place, so buffers reused across steps stop allocating once warm.
+  void StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params) const;
 
   // Bytes charged to the budget (held until destruction).
   uint64_t charged_bytes() const { return charge_.bytes(); }
@@ -188,6 +206,9 @@ class RunAnalytics {
   // The window of this length of the series' robust tracker (its raw one when it has none).
   const analytics::WindowedSlope* Window(const Tracked& t, uint64_t window_steps) const;
   bool IsForecastKey(const std::string& key) const;
+  // Analysis() and StepAnalysis() but the slopes and the per-parameter entries.
+  void EventsForecastsShares(RunAnalysis& out) const;
+  ParamAnalysis ParamEntry(size_t i) const;
 
   const AnalyticsOptions options_;
   AnalyticsCharging charging_;

@@ -72,6 +72,15 @@ void StepAssembler::RestoreLastCompleted(uint64_t step) {
   has_completed_ = true;
 }
 
+bool StepAssembler::FullFor(uint64_t step) const {
+  if (pending_.size() < max_pending_) return false;
+  if (has_completed_ && step <= last_completed_step_) return false;
+  for (auto it = pending_.rbegin(); it != pending_.rend() && (*it)->step >= step; ++it) {
+    if ((*it)->step == step) return false;
+  }
+  return true;
+}
+
 PendingStep* StepAssembler::FindOrInsert(uint64_t step, SteadyTime now) {
   // Reports arrive nearly in order: search from the newest pending step.
   auto it = pending_.end();

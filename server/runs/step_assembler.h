@@ -84,6 +84,11 @@ class StepAssembler {
   void Rewind(uint64_t from_step, uint32_t world_size, OnComplete&& on_complete);
 
   size_t pending() const { return pending_.size(); }
+  // Whether a report of `step` would now complete the oldest pending step as partial: every
+  // pending slot is taken, and `step` is neither pending nor late.
+  bool FullFor(uint64_t step) const;
+  // The oldest pending step; only when pending() > 0.
+  const PendingStep& oldest() const { return *pending_.front(); }
   bool has_completed() const { return has_completed_; }
   uint64_t last_completed_step() const { return last_completed_step_; }
   // Restores the high-water mark after a restart from the journal.

@@ -799,4 +799,13 @@ std::optional<double> ParseMetric(const std::string& exposition, const std::stri
   return std::nullopt;
 }
 
+bool WaitUntil(const std::function<bool()>& pred, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + Scaled(limit);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return pred();
+}
+
 }  // namespace gradwatch::testing

@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -188,5 +189,9 @@ std::vector<MetricSample> ParseExposition(const std::string& exposition);
 // is none.
 std::optional<double> ParseMetric(const std::string& exposition, const std::string& name,
                                   const std::map<std::string, std::string>& labels = {});
+
+// Polls `pred` every 50 ms until it holds or `limit` (scaled by the sanitizers' time scale)
+// passes; returns its last answer.
+bool WaitUntil(const std::function<bool()>& pred, std::chrono::milliseconds limit = std::chrono::seconds(30));
 
 }  // namespace gradwatch::testing

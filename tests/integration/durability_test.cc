@@ -67,17 +67,6 @@ void WriteHistory(const std::filesystem::path& file, const std::string& run, uin
   }
 }
 
-// Polls `pred` every 50 ms until it holds or `limit` passes.
-template <typename Pred>
-bool WaitUntil(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(30)) {
-  const auto deadline = Clock::now() + Scaled(limit);
-  while (Clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return pred();
-}
-
 std::optional<double> Metric(const DaemonProcess& daemon, const std::string& name,
                              const std::map<std::string, std::string>& labels = {}) {
   return ParseMetric(daemon.ScrapeMetrics(), name, labels);
@@ -674,8 +663,20 @@ class RankFeeders {
     for (std::thread& t : threads_) t.join();
     threads_.clear();
     bool ok = failures_ == 0;
-    for (auto& m : monitors_) ok = m->Flush(limit) && ok;
+    for (auto& m : monitors_) ok = m->Flush(Scaled(limit)) && ok;
     return ok;
+  }
+  // What each rank's Monitor holds, for a failure message.
+  std::string Describe() const {
+    std::string out = "feeding failures " + std::to_string(failures_.load()) + "\n";
+    for (size_t r = 0; r < monitors_.size(); ++r) {
+      const client::MonitorStats s = monitors_[r]->Stats();
+      out += "rank " + std::to_string(r) + ": queued " + std::to_string(s.queued) + ", unacked " +
+             std::to_string(s.unacked) + ", sent " + std::to_string(s.sent) + ", acked through " +
+             std::to_string(s.acked_through_step) + ", dropped " + std::to_string(s.dropped) + ", errors " +
+             std::to_string(s.errors) + " (" + s.last_error + "), connected " + std::to_string(s.connected) + "\n";
+    }
+    return out;
   }
 
  private:
@@ -841,7 +842,8 @@ TEST_CASE("three ranks replaying while the daemon is SIGKILLed 20 times end up a
       daemon.Stop();
       daemon.Restart();  // returns once the new daemon is ready
     }
-    REQUIRE(feeders.FinishAndFlush(std::chrono::seconds(60)));
+    const bool flushed = feeders.FinishAndFlush(std::chrono::seconds(60));
+    if (!flushed) FAIL(feeders.Describe() << daemon.LogText());
   }
   INFO(daemon.LogText());
   CHECK(DeliveredAll(daemon, receiver, expected_notices.size()));

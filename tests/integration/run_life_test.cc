@@ -27,16 +27,6 @@ CommandResult Cli(const DaemonProcess& daemon, std::vector<std::string> args) {
   return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
 }
 
-// Polls `done` every 100 ms until it holds or `limit` passes; returns its last answer.
-bool WaitUntil(const std::function<bool()>& done, std::chrono::seconds limit = std::chrono::seconds(30)) {
-  const auto deadline = SteadyClock::now() + Scaled(limit);
-  while (!done()) {
-    if (SteadyClock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  return true;
-}
-
 std::optional<v1::Alert> FindAlert(const DaemonProcess& daemon, const std::string& run, const std::string& name) {
   for (const v1::Alert& a : ListAlerts(daemon.grpc_target(), run)) {
     if (a.name() == name && a.state() == v1::ALERT_STATE_FIRING) return a;

@@ -210,6 +210,70 @@ TEST_CASE("a rank that reports a step completed by timeout is told it is late", 
   REQUIRE_FALSE(f.run->AddStep(1, Step(4, 1.0, 1.0), &sink1));
 }
 
+TEST_CASE("a rank far ahead is held, not allowed to complete steps without a rank that may still report them",
+          "[runs]") {
+  Fixture f(3);
+  f.options.max_pending_steps = 4;
+  f.run = std::make_unique<Run>(Meta(3), f.options, nullptr, &f.stats, &f.clock, true);
+  RecordingSink sink1, sink2;
+  f.Attach(0, &f.sink);
+  f.Attach(1, &sink1);
+  f.Attach(2, &sink2);
+  bool held = false;
+  // Ranks 0 and 1 fill the 4 pending slots; rank 2 (reconnecting late) has reported nothing.
+  for (uint64_t s = 1; s <= 4; ++s) {
+    REQUIRE_FALSE(f.run->AddStep(0, Step(s, 1.0, 1.0), &f.sink, &held));
+    REQUIRE_FALSE(held);
+    REQUIRE_FALSE(f.run->AddStep(1, Step(s, 1.0, 1.0), &sink1, &held));
+    REQUIRE_FALSE(held);
+  }
+  // A fifth step would complete step 1 without rank 2: held, and nothing changes.
+  REQUIRE_FALSE(f.run->AddStep(0, Step(5, 1.0, 1.0), &f.sink, &held));
+  CHECK(held);
+  CHECK(f.run->Info().step_count == 0);
+  // Rank 2 catches up: step 1 completes whole, which frees a slot, and the held report is taken.
+  REQUIRE_FALSE(f.run->AddStep(2, Step(1, 1.0, 1.0), &sink2, &held));
+  CHECK_FALSE(held);
+  held = false;
+  REQUIRE_FALSE(f.run->AddStep(0, Step(5, 1.0, 1.0), &f.sink, &held));
+  CHECK_FALSE(held);
+  CHECK(f.run->Info().step_count == 1);
+  CHECK(f.run->Info().partial_steps == 0);
+  for (uint64_t s = 2; s <= 5; ++s) {
+    REQUIRE_FALSE(f.run->AddStep(2, Step(s, 1.0, 1.0), &sink2, &held));
+    CHECK_FALSE(held);
+  }
+  REQUIRE_FALSE(f.run->AddStep(1, Step(5, 1.0, 1.0), &sink1, &held));
+  CHECK(f.run->Info().step_count == 5);
+  CHECK(f.run->Info().partial_steps == 0);
+}
+
+TEST_CASE("a rank that skipped the oldest pending step, or a caller that cannot hold, completes it as partial",
+          "[runs]") {
+  Fixture f(2);
+  f.options.max_pending_steps = 2;
+  f.run = std::make_unique<Run>(Meta(2), f.options, nullptr, &f.stats, &f.clock, true);
+  RecordingSink sink1;
+  f.Attach(0, &f.sink);
+  f.Attach(1, &sink1);
+  bool held = false;
+  REQUIRE_FALSE(f.run->AddStep(0, Step(1, 1.0, 1.0), &f.sink, &held));
+  REQUIRE_FALSE(f.run->AddStep(0, Step(2, 1.0, 1.0), &f.sink, &held));
+  REQUIRE_FALSE(f.run->AddStep(0, Step(3, 1.0, 1.0), &f.sink, &held));
+  CHECK(held);  // rank 1 may still report step 1
+  held = false;
+  // Rank 1 reports step 2 first: it skipped step 1 and never will send it.
+  REQUIRE_FALSE(f.run->AddStep(1, Step(2, 1.0, 1.0), &sink1, &held));
+  CHECK_FALSE(held);
+  CHECK(f.run->Info().partial_steps == 1);  // step 1, completed without rank 1
+  CHECK(f.run->Info().step_count == 2);
+  // Without a way to hold (nullptr), the oldest completes as partial as before.
+  REQUIRE_FALSE(f.run->AddStep(0, Step(3, 1.0, 1.0), &f.sink));
+  REQUIRE_FALSE(f.run->AddStep(0, Step(4, 1.0, 1.0), &f.sink));
+  REQUIRE_FALSE(f.run->AddStep(0, Step(5, 1.0, 1.0), &f.sink));
+  CHECK(f.run->Info().partial_steps == 2);
+}
+
 TEST_CASE("a run with no stream and no step for end_after ends, and a hello revives it", "[runs]") {
   Fixture f;
   f.Attach(0, &f.sink);
