@@ -62,22 +62,14 @@ std::optional<v1::RunInfo> RunInfo(const DaemonProcess& daemon) {
   return r.response.info();
 }
 
-template <typename Pred>
-bool WaitUntil(Pred pred, std::chrono::milliseconds limit = 60s) {
-  const auto deadline = std::chrono::steady_clock::now() + Scaled(limit);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(50ms);
-  }
-  return pred();
-}
-
 // Waits until the daemon has completed a few of the run's steps: the replay is under way.
 void WaitReplayUnderWay(const DaemonProcess& daemon) {
-  REQUIRE(WaitUntil([&] {
-    const auto info = RunInfo(daemon);
-    return info && info->step_count() >= 20;
-  }));
+  REQUIRE(WaitUntil(
+      [&] {
+        const auto info = RunInfo(daemon);
+        return info && info->step_count() >= 20;
+      },
+      60s));
 }
 
 json SummaryOf(const CommandResult& r) {
