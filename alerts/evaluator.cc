@@ -205,10 +205,6 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
 
 void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base,
                    std::vector<Condition>* out) {
-  std::unordered_map<std::string_view, const ParamInfo*> kinds;
-  if (rule.param_kind) {
-    for (const ParamFact& p : facts.params) kinds.emplace(p.info.name, &p.info);
-  }
   const bool watch_params = !rule.param.empty() || rule.param_kind.has_value();
   for (const ShareFact& s : facts.shares) {
     bool match = false;
@@ -216,10 +212,7 @@ void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base
       match = !rule.group.empty() && GlobMatch(rule.group, s.name);
     } else if (watch_params) {
       match = rule.param.empty() || GlobMatch(rule.param, s.name);
-      if (match && rule.param_kind) {
-        auto it = kinds.find(s.name);
-        match = it != kinds.end() && it->second->kind == *rule.param_kind;
-      }
+      if (match && rule.param_kind) match = s.kind == *rule.param_kind;
     }
     if (!match) continue;
     Condition c = Make(base, facts, s.share, s.share >= rule.min_share);
@@ -276,9 +269,12 @@ void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& bas
 }
 
 void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                       std::vector<Condition>* out) {
+                       const SeriesFilter* with_instance, std::vector<Condition>* out) {
   std::map<std::string_view, double> found;  // key → value; a listed non-finite wins
-  ForEachLatest(rule.series, facts, [&](const SeriesValue& v) { found.emplace(v.key, v.value); });
+  ForEachLatest(rule.series, facts, [&](const SeriesValue& v) {
+    if (std::isfinite(v.value) && with_instance != nullptr && !(*with_instance)(v.key)) return;
+    found.emplace(v.key, v.value);
+  });
   for (const NonFiniteFact& n : facts.nonfinite) {
     if (!MatchesAny(rule.series, n.key)) continue;
     auto [it, inserted] = found.emplace(n.key, NAN);
@@ -330,7 +326,7 @@ LabelSet BaseLabels(const Rule& rule, const RunFacts& facts) {
   return labels;
 }
 
-std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts) {
+std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts, const SeriesFilter* with_instance) {
   std::vector<Condition> out;
   const LabelSet base = BaseLabels(rule, facts);
   switch (rule.kind) {
@@ -339,7 +335,7 @@ std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts) {
     case RuleKind::kSlopeChange: EvaluateSlopeChange(rule, facts, base, &out); break;
     case RuleKind::kShare: EvaluateShare(rule, facts, base, &out); break;
     case RuleKind::kGrowthWithoutDecay: EvaluateGrowth(rule, facts, base, &out); break;
-    case RuleKind::kNonFinite: EvaluateNonFinite(rule, facts, base, &out); break;
+    case RuleKind::kNonFinite: EvaluateNonFinite(rule, facts, base, with_instance, &out); break;
     case RuleKind::kStalled: EvaluateStalled(rule, facts, base, &out); break;
     case RuleKind::kRunDied: EvaluateRunDied(rule, facts, base, &out); break;
   }

@@ -4,8 +4,10 @@
 #pragma once
 
 #include <map>
+#include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "alerts/alert.h"
@@ -78,7 +80,12 @@ struct Condition {
 //    seconds. value: seconds_since_last_step.
 //  - run_died: one per run; active when the run did not end cleanly, has no open stream and
 //    seconds_since_activity ≥ seconds (kDefaultRunDiedSeconds when 0). value: seconds_since_activity.
-std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts);
+//
+// `with_instance`, when given, says which series of this rule and run have an alert instance: a
+// non_finite rule then returns an inactive condition only for those (an inactive condition
+// without an instance changes nothing), so a step costs nothing per finite series.
+using SeriesFilter = std::function<bool(std::string_view series)>;
+std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts, const SeriesFilter* with_instance = nullptr);
 
 // The labels every alert of `rule` in run `run_id` carries: run labels, the rule's labels,
 // alertname and run (the last ones win).

@@ -66,6 +66,7 @@ struct ShareFact {
   bool is_group = false;
   double share = 0;  // a fraction, 0..1 (NaN when unknown)
   double slope_per_kstep = 0;
+  ParamKind kind = ParamKind::kUnspecified;  // a parameter's catalog kind (not for groups)
 };
 
 // One catalog parameter and what analytics says about it. Optional fields are unknown when empty.

@@ -432,7 +432,18 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
                                std::optional<std::string>* recommendation,
                                std::vector<Transition>* out) {
   const Rule& rule = rules_[rule_index];
-  const std::vector<Condition> conditions = Evaluate(rule, facts);
+  // A non_finite rule looks at every series: only those with an instance need an inactive
+  // condition (to count toward resolving), so the others cost nothing while finite.
+  std::unordered_set<std::string_view> with_instance;
+  if (rule.kind == RuleKind::kNonFinite) {
+    for (const auto& [fp, inst] : instances_) {
+      if (inst.rule != rule.name || inst.run != facts.run_id) continue;
+      if (auto s = inst.alert.labels.find("series"); s != inst.alert.labels.end()) with_instance.insert(s->second);
+    }
+  }
+  const SeriesFilter filter = [&](std::string_view series) { return with_instance.count(series) > 0; };
+  const std::vector<Condition> conditions =
+      Evaluate(rule, facts, rule.kind == RuleKind::kNonFinite ? &filter : nullptr);
   // Only instances that exist or start now reach Advance, so the recommendation is computed
   // (once per evaluation) only when some alert will carry it.
   auto recommendation_for = [&]() -> const std::string* {

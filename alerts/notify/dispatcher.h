@@ -21,10 +21,10 @@
 #include <vector>
 
 #include "alerts/alert.h"
-#include "alerts/notify/clock.h"
 #include "alerts/notify/outbox.h"
 #include "alerts/notify/receivers.h"
 #include "alerts/notify/status.h"
+#include "server/core/clock.h"
 #include "server/core/thread_annotations.h"
 
 namespace gradwatch::notify {
@@ -57,8 +57,9 @@ struct DispatcherOptions {
   size_t batch_limit = 256;
   // Longest a worker sleeps before looking at the outbox again, even when not woken.
   std::chrono::milliseconds idle_poll{1000};
-  // Wall time for created_at, back-off and payload times; the system clock when null. A worker
-  // sleeps in real time for the clock's differences; after moving a fake clock, call Wake().
+  // Wall time (Clock::UnixSeconds) for created_at, back-off and payload times; the system clock
+  // when null. A worker sleeps in real time for the clock's differences; after moving a fake
+  // clock, call Wake().
   const Clock* clock = nullptr;
 };
 

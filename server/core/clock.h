@@ -1,4 +1,5 @@
-// Time is injected so that logic can be tested without sleeping.
+// Time is injected so that logic can be tested without sleeping. The one clock of the daemon:
+// runs, ingest, queries, alerting and the notifiers (alerts/notify) all read it.
 #pragma once
 
 #include <atomic>
@@ -24,6 +25,7 @@ class SystemClock final : public Clock {
   double UnixSeconds() const override {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   }
+  // A process-wide instance; never destroyed before exit.
   static SystemClock* Default();
 };
 

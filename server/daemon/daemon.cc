@@ -232,7 +232,9 @@ Status Daemon::StartAlerting(const std::string& journal_path) {
       receivers.push_back(std::make_unique<notify::SlackReceiver>(notify::SlackConfig{base}));
     }
   }
-  auto dispatcher = std::make_unique<notify::Dispatcher>(*alert_store_, std::move(receivers));
+  notify::DispatcherOptions dispatch_options;
+  dispatch_options.clock = clock_;  // one clock for the whole daemon
+  auto dispatcher = std::make_unique<notify::Dispatcher>(*alert_store_, std::move(receivers), dispatch_options);
   if (notify::Status s = dispatcher->Start(); !s.ok()) {
     return Status::InvalidArgument("alert receivers: " + s.message());
   }

@@ -860,6 +860,7 @@ void Run::FillFactsLocked(const CompletedStep* step, alerts::RunFacts& f) {
     y.is_group = x.is_group;
     y.share = x.share;
     y.slope_per_kstep = x.slope_per_kstep;
+    y.kind = x.kind;
   }
   f.params.resize(meta_.params.size());
   for (size_t i = 0; i < meta_.params.size(); ++i) {

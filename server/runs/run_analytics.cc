@@ -328,21 +328,22 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
     info.slope_per_kstep = f.slope_per_kstep;
   }
   out.forecasts.resize(forecasts);
-  auto add_share = [&](const std::string& name, bool is_group, double share,
+  auto add_share = [&](const std::string& name, bool is_group, ParamKind kind, double share,
                        const analytics::WindowedSlope& trend) {
     ShareInfo& info = NextSlot(out.shares, &shares);
     info.name = name;
     info.is_group = is_group;
+    info.kind = kind;
     info.share = share;
     auto fit = trend.Fit();
     info.slope_per_kstep = fit ? fit->slope_per_kstep() : 0.0;
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamState& ps = param_state_[i];
-    if (ps.has_share) add_share(params_[i].name, false, ps.share, *ps.share_trend);
+    if (ps.has_share) add_share(params_[i].name, false, params_[i].kind, ps.share, *ps.share_trend);
   }
   for (const GroupState& g : groups_) {
-    if (g.has_share) add_share(g.name, true, g.share, *g.share_trend);
+    if (g.has_share) add_share(g.name, true, ParamKind::kUnspecified, g.share, *g.share_trend);
   }
   out.shares.resize(shares);
   std::stable_sort(out.shares.begin(), out.shares.end(),

@@ -88,6 +88,7 @@ struct ShareInfo {
   bool is_group = false;
   double share = 0;
   double slope_per_kstep = 0;
+  ParamKind kind = ParamKind::kUnspecified;  // a parameter's catalog kind (not for groups)
 };
 struct AmplificationInfo {
   std::string param;

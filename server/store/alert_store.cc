@@ -1,6 +1,5 @@
 #include "server/store/alert_store.h"
 
-#include <sqlite3.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -18,33 +17,12 @@ namespace gradwatch::store {
 
 namespace {
 
-constexpr int kPending = 0, kDelivered = 1, kFailed = 2;
+// outbox.delivery: 0 while pending, then one of these.
+constexpr int kDelivered = 1, kFailed = 2;
 
-// A prepared statement finalized on scope exit.
-class Stmt {
- public:
-  Stmt(sqlite3* db, const char* sql) { rc_ = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr); }
-  ~Stmt() { sqlite3_finalize(stmt_); }
-  bool ok() const { return rc_ == SQLITE_OK; }
-  sqlite3_stmt* get() { return stmt_; }
-
- private:
-  sqlite3_stmt* stmt_ = nullptr;
-  int rc_;
-};
-
-notify::Status Error(sqlite3* db, const std::string& what) {
-  return notify::NotifyError("outbox: " + what + ": " + sqlite3_errmsg(db));
-}
-
-void BindText(sqlite3_stmt* s, int i, std::string_view v) {
-  sqlite3_bind_text(s, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
-}
-
-std::string ColumnText(sqlite3_stmt* s, int i) {
-  const unsigned char* text = sqlite3_column_text(s, i);
-  return text ? reinterpret_cast<const char*>(text) : "";
-}
+// The alert store's errors are the notifier's (recoverable: retried by the callers) and say
+// "outbox:" first.
+notify::Status OutboxError(const Status& s) { return notify::NotifyError("outbox: " + s.message()); }
 
 std::string Hex(uint64_t fingerprint) {
   static constexpr char kDigits[] = "0123456789abcdef";
@@ -101,58 +79,58 @@ alerts::Acknowledgement AckFromJson(const std::string& text) {
 
 namespace {
 
+// The alert store's tables in the journal's file. The journal owns the file's schema version
+// (PRAGMA user_version), so these are created when missing and may only ever be added to.
+constexpr const char* kTables[] = {
+    "CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+    "receiver TEXT NOT NULL, fingerprint TEXT NOT NULL, state INTEGER NOT NULL, "
+    "payload TEXT NOT NULL, created_at REAL NOT NULL, attempts INTEGER NOT NULL, "
+    "next_attempt_at REAL NOT NULL, delivery INTEGER NOT NULL DEFAULT 0, error TEXT)",
+    "CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (receiver, delivery, id)",
+    "CREATE TABLE IF NOT EXISTS alert_instances (fingerprint TEXT PRIMARY KEY, "
+    "run TEXT NOT NULL, rule TEXT NOT NULL, alert TEXT NOT NULL, "
+    "held_since_step INTEGER NOT NULL, clearing INTEGER NOT NULL, "
+    "clearing_since_step INTEGER NOT NULL, notified INTEGER NOT NULL, ack TEXT)",
+    "CREATE TABLE IF NOT EXISTS silences (id TEXT PRIMARY KEY, matchers TEXT NOT NULL, "
+    "starts_at REAL NOT NULL, ends_at REAL NOT NULL, comment TEXT NOT NULL, "
+    "created_by TEXT NOT NULL)",
+    // reports: the ReportWindow's value, hold and clear columns, as raw doubles
+    // (exact, NaN and infinities included), then nothing else.
+    "CREATE TABLE IF NOT EXISTS alert_levels (fingerprint TEXT PRIMARY KEY, run TEXT NOT NULL, "
+    "rule TEXT NOT NULL, reports BLOB NOT NULL, report_count INTEGER NOT NULL, "
+    "since_mark INTEGER NOT NULL, all_since_mark INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS alert_progress (run TEXT PRIMARY KEY, evaluated_step INTEGER NOT NULL)"};
+
 // Opens the journal's file at `path` (creating it only when `create`) with the settings and the
-// tables the alert store needs; null with *error on failure.
-sqlite3* OpenDb(const std::string& path, bool create, std::string* error) {
-  sqlite3* db = nullptr;
-  const int flags = SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX | (create ? SQLITE_OPEN_CREATE : 0);
-  if (sqlite3_open_v2(path.c_str(), &db, flags, nullptr) != SQLITE_OK) {
-    *error = "cannot open " + path + ": " + (db ? sqlite3_errmsg(db) : "out of memory");
-    sqlite3_close(db);
-    return nullptr;
-  }
-  sqlite3_busy_timeout(db, 5000);
-  for (const char* sql : {"PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL",
-                          "CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-                          "receiver TEXT NOT NULL, fingerprint TEXT NOT NULL, state INTEGER NOT NULL, "
-                          "payload TEXT NOT NULL, created_at REAL NOT NULL, attempts INTEGER NOT NULL, "
-                          "next_attempt_at REAL NOT NULL, delivery INTEGER NOT NULL DEFAULT 0, error TEXT)",
-                          "CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (receiver, delivery, id)",
-                          "CREATE TABLE IF NOT EXISTS alert_instances (fingerprint TEXT PRIMARY KEY, "
-                          "run TEXT NOT NULL, rule TEXT NOT NULL, alert TEXT NOT NULL, "
-                          "held_since_step INTEGER NOT NULL, clearing INTEGER NOT NULL, "
-                          "clearing_since_step INTEGER NOT NULL, notified INTEGER NOT NULL, ack TEXT)",
-                          "CREATE TABLE IF NOT EXISTS silences (id TEXT PRIMARY KEY, matchers TEXT NOT NULL, "
-                          "starts_at REAL NOT NULL, ends_at REAL NOT NULL, comment TEXT NOT NULL, "
-                          "created_by TEXT NOT NULL)",
-                          // reports: the ReportWindow's value, hold and clear columns, as raw doubles
-                          // (exact, NaN and infinities included), then nothing else.
-                          "CREATE TABLE IF NOT EXISTS alert_levels (fingerprint TEXT PRIMARY KEY, run TEXT NOT NULL, "
-                          "rule TEXT NOT NULL, reports BLOB NOT NULL, report_count INTEGER NOT NULL, "
-                          "since_mark INTEGER NOT NULL, all_since_mark INTEGER NOT NULL)",
-                          "CREATE TABLE IF NOT EXISTS alert_progress (run TEXT PRIMARY KEY, "
-                          "evaluated_step INTEGER NOT NULL)"}) {
-    char* err = nullptr;
-    if (sqlite3_exec(db, sql, nullptr, nullptr, &err) != SQLITE_OK) {
-      *error = std::string("outbox: ") + sql + ": " + (err ? err : sqlite3_errmsg(db));
-      sqlite3_free(err);
-      sqlite3_close(db);
-      return nullptr;
-    }
+// tables the alert store needs.
+StatusOr<sqlite::Database> OpenDb(const std::string& path, bool create) {
+  auto db = sqlite::Database::Open(path, {.create = create});
+  if (!db.ok()) return db.status();
+  if (Status s = db->UseWal(); !s.ok()) return s;
+  if (Status s = db->Exec("PRAGMA synchronous=FULL"); !s.ok()) return s;
+  for (const char* sql : kTables) {
+    if (Status s = db->Exec(sql); !s.ok()) return s;
   }
   return db;
+}
+
+bool SameFile(const struct stat& st, uint64_t dev, uint64_t ino) {
+  return static_cast<uint64_t>(st.st_dev) == dev && static_cast<uint64_t>(st.st_ino) == ino;
 }
 
 }  // namespace
 
 StatusOr<std::unique_ptr<AlertStore>> AlertStore::Open(const std::string& path) {
-  std::string error;
-  sqlite3* db = OpenDb(path, true, &error);
-  if (db == nullptr) return Status::IoError("outbox: " + error);
-  std::unique_ptr<AlertStore> store(new AlertStore(path, db));
+  auto db = OpenDb(path, true);
+  if (!db.ok()) return Status::IoError("outbox: " + db.status().message());
+  return std::unique_ptr<AlertStore>(new AlertStore(path, std::move(db).value()));
+}
+
+AlertStore::AlertStore(std::string path, sqlite::Database db) : path_(std::move(path)) {
+  MutexLock lock(&mu_);
+  db_ = std::move(db);
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0) store->dev_ = st.st_dev, store->ino_ = st.st_ino;
-  return store;
+  if (::stat(path_.c_str(), &st) == 0) dev_ = st.st_dev, ino_ = st.st_ino;
 }
 
 notify::Status AlertStore::FollowFileLocked() {
@@ -160,17 +138,13 @@ notify::Status AlertStore::FollowFileLocked() {
   if (::stat(path_.c_str(), &st) != 0) {
     return notify::NotifyError("outbox: the journal '" + path_ + "' vanished; waiting until it is rebuilt");
   }
-  if (static_cast<uint64_t>(st.st_dev) == dev_ && static_cast<uint64_t>(st.st_ino) == ino_) {
-    return notify::Status::Ok();
-  }
-  std::string error;
-  sqlite3* fresh = OpenDb(path_, false, &error);
-  if (fresh == nullptr) return notify::NotifyError("outbox: following the rebuilt journal: " + error);
+  if (SameFile(st, dev_, ino_)) return notify::Status::Ok();
+  auto fresh = OpenDb(path_, false);
+  if (!fresh.ok()) return notify::NotifyError("outbox: following the rebuilt journal: " + fresh.status().message());
   // The old files are gone or someone else's: close without the checkpoint that would delete the
   // WAL by name (the new file's).
-  sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
-  sqlite3_close(db_);
-  db_ = fresh;
+  db_.SkipCheckpointOnClose();
+  db_ = std::move(fresh).value();  // the old connection closes with `fresh`
   dev_ = st.st_dev;
   ino_ = st.st_ino;
   spdlog::warn("outbox: the journal '{}' was rebuilt; alert states and notifications go to the new file", path_);
@@ -178,132 +152,127 @@ notify::Status AlertStore::FollowFileLocked() {
 }
 
 AlertStore::~AlertStore() {
+  MutexLock lock(&mu_);
   struct stat st {};
-  if (::stat(path_.c_str(), &st) != 0 || static_cast<uint64_t>(st.st_dev) != dev_ ||
-      static_cast<uint64_t>(st.st_ino) != ino_) {
+  if (::stat(path_.c_str(), &st) != 0 || !SameFile(st, dev_, ino_)) {
     // Not the file at the path any more: the checkpoint at close would delete that file's WAL.
-    sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
+    db_.SkipCheckpointOnClose();
   }
-  sqlite3_close(db_);
-}
-
-notify::Status AlertStore::Exec(const char* sql) {
-  char* err = nullptr;
-  if (sqlite3_exec(db_, sql, nullptr, nullptr, &err) != SQLITE_OK) {
-    std::string message = err ? err : "unknown error";
-    sqlite3_free(err);
-    return notify::NotifyError(std::string("outbox: ") + sql + ": " + message);
-  }
-  return notify::Status::Ok();
+  if (Status s = db_.Close(); !s.ok()) spdlog::error("outbox: {}", s.message());
 }
 
 notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
   if (states.empty()) return notify::Status::Ok();
-  Stmt put(db_,
-           "INSERT OR REPLACE INTO alert_instances (fingerprint, run, rule, alert, held_since_step, clearing, "
-           "clearing_since_step, notified, ack) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)");
-  Stmt drop(db_, "DELETE FROM alert_instances WHERE fingerprint = ?");
-  Stmt put_silence(db_,
-                   "INSERT OR REPLACE INTO silences (id, matchers, starts_at, ends_at, comment, created_by) "
-                   "VALUES (?, ?, ?, ?, ?, ?)");
-  Stmt drop_silence(db_, "DELETE FROM silences WHERE id = ?");
-  Stmt put_level(db_,
-                 "INSERT OR REPLACE INTO alert_levels (fingerprint, run, rule, reports, report_count, since_mark, "
-                 "all_since_mark) VALUES (?, ?, ?, ?, ?, ?, ?)");
-  Stmt drop_level(db_, "DELETE FROM alert_levels WHERE fingerprint = ?");
-  Stmt put_progress(db_, "INSERT OR REPLACE INTO alert_progress (run, evaluated_step) VALUES (?, ?)");
-  Stmt drop_progress(db_, "DELETE FROM alert_progress WHERE run = ?");
-  if (!put.ok() || !drop.ok() || !put_silence.ok() || !drop_silence.ok() || !put_level.ok() || !drop_level.ok() ||
-      !put_progress.ok() || !drop_progress.ok()) {
-    return Error(db_, "preparing alert state statements");
+  sqlite::Statement put, drop, put_silence, drop_silence, put_level, drop_level, put_progress, drop_progress;
+  const std::pair<sqlite::Statement*, const char*> all[] = {
+      {&put,
+       "INSERT OR REPLACE INTO alert_instances (fingerprint, run, rule, alert, held_since_step, clearing, "
+       "clearing_since_step, notified, ack) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"},
+      {&drop, "DELETE FROM alert_instances WHERE fingerprint = ?"},
+      {&put_silence,
+       "INSERT OR REPLACE INTO silences (id, matchers, starts_at, ends_at, comment, created_by) "
+       "VALUES (?, ?, ?, ?, ?, ?)"},
+      {&drop_silence, "DELETE FROM silences WHERE id = ?"},
+      {&put_level,
+       "INSERT OR REPLACE INTO alert_levels (fingerprint, run, rule, reports, report_count, since_mark, "
+       "all_since_mark) VALUES (?, ?, ?, ?, ?, ?, ?)"},
+      {&drop_level, "DELETE FROM alert_levels WHERE fingerprint = ?"},
+      {&put_progress, "INSERT OR REPLACE INTO alert_progress (run, evaluated_step) VALUES (?, ?)"},
+      {&drop_progress, "DELETE FROM alert_progress WHERE run = ?"},
+  };
+  for (const auto& [statement, sql] : all) {
+    auto prepared = db_.Prepare(sql);
+    if (!prepared.ok()) return OutboxError(prepared.status());
+    *statement = std::move(prepared).value();
   }
   for (const auto& [fp, inst] : states.instances) {
-    sqlite3_stmt* s = inst ? put.get() : drop.get();
-    sqlite3_reset(s);
-    BindText(s, 1, Hex(fp));
+    // Bound text is not copied: it is declared before the Query that reads it.
+    const std::string fingerprint = Hex(fp);
+    const std::string alert = inst ? notify::AlertToJson(inst->alert) : "";
+    const std::string ack = inst && inst->ack ? AckToJson(*inst->ack) : "";
+    sqlite::Query q(inst ? put : drop);
+    q.Bind(1, fingerprint);
     if (inst) {
-      BindText(s, 2, inst->run);
-      BindText(s, 3, inst->rule);
-      BindText(s, 4, notify::AlertToJson(inst->alert));
-      sqlite3_bind_int64(s, 5, static_cast<sqlite3_int64>(inst->held_since_step));
-      sqlite3_bind_int(s, 6, inst->clearing ? 1 : 0);
-      sqlite3_bind_int64(s, 7, static_cast<sqlite3_int64>(inst->clearing_since_step));
-      sqlite3_bind_int(s, 8, inst->notified ? 1 : 0);
+      q.Bind(2, inst->run);
+      q.Bind(3, inst->rule);
+      q.Bind(4, alert);
+      q.Bind(5, inst->held_since_step);
+      q.Bind(6, inst->clearing);
+      q.Bind(7, inst->clearing_since_step);
+      q.Bind(8, inst->notified);
       if (inst->ack) {
-        BindText(s, 9, AckToJson(*inst->ack));
+        q.Bind(9, ack);
       } else {
-        sqlite3_bind_null(s, 9);
+        q.BindNull(9);
       }
     }
-    if (sqlite3_step(s) != SQLITE_DONE) return Error(db_, "saving alert " + Hex(fp));
+    if (Status s = q.Run("saving alert " + fingerprint); !s.ok()) return OutboxError(s);
   }
   for (const auto& [id, silence] : states.silences) {
-    sqlite3_stmt* s = silence ? put_silence.get() : drop_silence.get();
-    sqlite3_reset(s);
-    BindText(s, 1, id);
+    const std::string matchers = silence ? Dump(nlohmann::json(silence->matchers)) : "";
+    sqlite::Query q(silence ? put_silence : drop_silence);
+    q.Bind(1, id);
     if (silence) {
-      BindText(s, 2, Dump(nlohmann::json(silence->matchers)));
-      sqlite3_bind_double(s, 3, silence->starts_at);
-      sqlite3_bind_double(s, 4, silence->ends_at);
-      BindText(s, 5, silence->comment);
-      BindText(s, 6, silence->created_by);
+      q.Bind(2, matchers);
+      q.Bind(3, silence->starts_at);
+      q.Bind(4, silence->ends_at);
+      q.Bind(5, silence->comment);
+      q.Bind(6, silence->created_by);
     }
-    if (sqlite3_step(s) != SQLITE_DONE) return Error(db_, "saving silence " + id);
+    if (Status s = q.Run("saving silence " + id); !s.ok()) return OutboxError(s);
   }
   for (const auto& [fp, level] : states.levels) {
-    sqlite3_stmt* s = level ? put_level.get() : drop_level.get();
-    sqlite3_reset(s);
-    BindText(s, 1, Hex(fp));
+    const std::string fingerprint = Hex(fp);
+    const std::vector<double> reports = level ? ReportsBlob(level->window) : std::vector<double>();
+    sqlite::Query q(level ? put_level : drop_level);
+    q.Bind(1, fingerprint);
     if (level) {
-      BindText(s, 2, level->run);
-      BindText(s, 3, level->rule);
-      const std::vector<double> reports = ReportsBlob(level->window);
-      sqlite3_bind_blob(s, 4, reports.data(), static_cast<int>(reports.size() * sizeof(double)), SQLITE_TRANSIENT);
-      sqlite3_bind_int64(s, 5, static_cast<sqlite3_int64>(level->window.count));
-      sqlite3_bind_int64(s, 6, static_cast<sqlite3_int64>(level->since_mark));
-      sqlite3_bind_int(s, 7, level->all_since_mark ? 1 : 0);
+      q.Bind(2, level->run);
+      q.Bind(3, level->rule);
+      q.BindBlob(4, reports.data(), reports.size() * sizeof(double));
+      q.Bind(5, level->window.count);
+      q.Bind(6, level->since_mark);
+      q.Bind(7, level->all_since_mark);
     }
-    if (sqlite3_step(s) != SQLITE_DONE) return Error(db_, "saving the reports of alert " + Hex(fp));
+    if (Status s = q.Run("saving the reports of alert " + fingerprint); !s.ok()) return OutboxError(s);
   }
   for (const auto& [run, step] : states.evaluated) {
-    sqlite3_stmt* s = step ? put_progress.get() : drop_progress.get();
-    sqlite3_reset(s);
-    BindText(s, 1, run);
-    if (step) sqlite3_bind_int64(s, 2, static_cast<sqlite3_int64>(*step));
-    if (sqlite3_step(s) != SQLITE_DONE) return Error(db_, "saving the evaluated step of run " + run);
+    sqlite::Query q(step ? put_progress : drop_progress);
+    q.Bind(1, run);
+    if (step) q.Bind(2, *step);
+    if (Status s = q.Run("saving the evaluated step of run " + run); !s.ok()) return OutboxError(s);
   }
   return notify::Status::Ok();
 }
 
 notify::Result<alerts::SavedState> AlertStore::LoadState() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
   alerts::SavedState saved;
-  Stmt q(db_,
-         "SELECT fingerprint, run, rule, alert, held_since_step, clearing, clearing_since_step, notified, ack "
-         "FROM alert_instances ORDER BY fingerprint");
-  if (!q.ok()) return Error(db_, "preparing alert state query");
-  int rc;
-  while ((rc = sqlite3_step(q.get())) == SQLITE_ROW) {
-    sqlite3_stmt* s = q.get();
-    const std::string fingerprint = ColumnText(s, 0);
-    auto alert = notify::AlertFromJson(ColumnText(s, 3));
+  Status status;
+  auto instances = db_.Prepare(
+      "SELECT fingerprint, run, rule, alert, held_since_step, clearing, clearing_since_step, notified, ack "
+      "FROM alert_instances ORDER BY fingerprint");
+  if (!instances.ok()) return OutboxError(instances.status());
+  for (sqlite::Query q(*instances); q.Next(&status, "reading alert states");) {
+    const std::string fingerprint = q.Text(0);
+    auto alert = notify::AlertFromJson(q.Text(3));
     if (!alert.ok()) {
       spdlog::error("alert store: alert {} cannot be read, it is not restored: {}", fingerprint,
                     alert.status().message());
       continue;
     }
     alerts::InstanceState inst;
-    inst.run = ColumnText(s, 1);
-    inst.rule = ColumnText(s, 2);
+    inst.run = q.Text(1);
+    inst.rule = q.Text(2);
     inst.alert = std::move(alert).value();
-    inst.held_since_step = static_cast<uint64_t>(sqlite3_column_int64(s, 4));
-    inst.clearing = sqlite3_column_int(s, 5) != 0;
-    inst.clearing_since_step = static_cast<uint64_t>(sqlite3_column_int64(s, 6));
-    inst.notified = sqlite3_column_int(s, 7) != 0;
-    if (sqlite3_column_type(s, 8) != SQLITE_NULL) {
+    inst.held_since_step = q.Unsigned(4);
+    inst.clearing = q.Int(5) != 0;
+    inst.clearing_since_step = q.Unsigned(6);
+    inst.notified = q.Int(7) != 0;
+    if (!q.IsNull(8)) {
       try {
-        inst.ack = AckFromJson(ColumnText(s, 8));
+        inst.ack = AckFromJson(q.Text(8));
       } catch (const nlohmann::json::exception& e) {
         spdlog::error("alert store: the acknowledgement of alert {} cannot be read, it is dropped: {}",
                       fingerprint, e.what());
@@ -311,170 +280,160 @@ notify::Result<alerts::SavedState> AlertStore::LoadState() {
     }
     saved.instances.push_back(std::move(inst));
   }
-  if (rc != SQLITE_DONE) return Error(db_, "reading alert states");
+  if (!status.ok()) return OutboxError(status);
 
-  Stmt qs(db_, "SELECT id, matchers, starts_at, ends_at, comment, created_by FROM silences ORDER BY id");
-  if (!qs.ok()) return Error(db_, "preparing silence query");
-  while ((rc = sqlite3_step(qs.get())) == SQLITE_ROW) {
-    sqlite3_stmt* s = qs.get();
+  auto silences = db_.Prepare("SELECT id, matchers, starts_at, ends_at, comment, created_by FROM silences ORDER BY id");
+  if (!silences.ok()) return OutboxError(silences.status());
+  for (sqlite::Query q(*silences); q.Next(&status, "reading silences");) {
     alerts::Silence silence;
-    silence.id = ColumnText(s, 0);
+    silence.id = q.Text(0);
     try {
-      silence.matchers = nlohmann::json::parse(ColumnText(s, 1)).get<alerts::LabelSet>();
+      silence.matchers = nlohmann::json::parse(q.Text(1)).get<alerts::LabelSet>();
     } catch (const nlohmann::json::exception& e) {
       spdlog::error("alert store: silence {} cannot be read, it is not restored: {}", silence.id, e.what());
       continue;
     }
-    silence.starts_at = sqlite3_column_double(s, 2);
-    silence.ends_at = sqlite3_column_double(s, 3);
-    silence.comment = ColumnText(s, 4);
-    silence.created_by = ColumnText(s, 5);
+    silence.starts_at = q.Real(2);
+    silence.ends_at = q.Real(3);
+    silence.comment = q.Text(4);
+    silence.created_by = q.Text(5);
     saved.silences.push_back(std::move(silence));
   }
-  if (rc != SQLITE_DONE) return Error(db_, "reading silences");
+  if (!status.ok()) return OutboxError(status);
 
-  Stmt ql(db_,
-          "SELECT fingerprint, run, rule, reports, report_count, since_mark, all_since_mark FROM alert_levels "
-          "ORDER BY fingerprint");
-  if (!ql.ok()) return Error(db_, "preparing alert level query");
-  while ((rc = sqlite3_step(ql.get())) == SQLITE_ROW) {
-    sqlite3_stmt* s = ql.get();
-    const std::string fingerprint = ColumnText(s, 0);
+  auto levels = db_.Prepare(
+      "SELECT fingerprint, run, rule, reports, report_count, since_mark, all_since_mark FROM alert_levels "
+      "ORDER BY fingerprint");
+  if (!levels.ok()) return OutboxError(levels.status());
+  for (sqlite::Query q(*levels); q.Next(&status, "reading alert levels");) {
+    const std::string fingerprint = q.Text(0);
     const std::optional<uint64_t> fp = ParseHex(fingerprint);
     alerts::LevelState level;
-    level.run = ColumnText(s, 1);
-    level.rule = ColumnText(s, 2);
-    const void* blob = sqlite3_column_blob(s, 3);
-    const size_t bytes = static_cast<size_t>(sqlite3_column_bytes(s, 3));
-    if (!fp || blob == nullptr || !ReportsFromBlob(blob, bytes, &level.window)) {
+    level.run = q.Text(1);
+    level.rule = q.Text(2);
+    const std::string_view blob = q.Blob(3);
+    if (!fp || q.IsNull(3) || !ReportsFromBlob(blob.data(), blob.size(), &level.window)) {
       spdlog::error("alert store: the reports of alert {} cannot be read; its level starts afresh", fingerprint);
       continue;
     }
-    level.window.count = static_cast<uint64_t>(sqlite3_column_int64(s, 4));
-    level.since_mark = static_cast<uint64_t>(sqlite3_column_int64(s, 5));
-    level.all_since_mark = sqlite3_column_int(s, 6) != 0;
+    level.window.count = q.Unsigned(4);
+    level.since_mark = q.Unsigned(5);
+    level.all_since_mark = q.Int(6) != 0;
     saved.levels[*fp] = std::move(level);
   }
-  if (rc != SQLITE_DONE) return Error(db_, "reading alert levels");
+  if (!status.ok()) return OutboxError(status);
 
-  Stmt qp(db_, "SELECT run, evaluated_step FROM alert_progress");
-  if (!qp.ok()) return Error(db_, "preparing alert progress query");
-  while ((rc = sqlite3_step(qp.get())) == SQLITE_ROW) {
-    saved.evaluated[ColumnText(qp.get(), 0)] = static_cast<uint64_t>(sqlite3_column_int64(qp.get(), 1));
+  auto progress = db_.Prepare("SELECT run, evaluated_step FROM alert_progress");
+  if (!progress.ok()) return OutboxError(progress.status());
+  for (sqlite::Query q(*progress); q.Next(&status, "reading alert progress");) {
+    saved.evaluated[q.Text(0)] = q.Unsigned(1);
   }
-  if (rc != SQLITE_DONE) return Error(db_, "reading alert progress");
+  if (!status.ok()) return OutboxError(status);
   return saved;
 }
 
 notify::Result<std::vector<uint64_t>> AlertStore::Write(std::vector<notify::OutboxEntry> entries,
                                                         const alerts::StateChanges& states) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
-  if (auto s = Exec("BEGIN IMMEDIATE"); !s.ok()) return s;
+  sqlite::Transaction txn(db_, "outbox");
+  if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) return notify::NotifyError(s.message());
+  auto insert = db_.Prepare(
+      "INSERT INTO outbox (receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at) "
+      "VALUES (?, ?, ?, ?, ?, ?, ?)");
+  if (!insert.ok()) return OutboxError(insert.status());
   std::vector<uint64_t> ids;
-  Stmt insert(db_,
-              "INSERT INTO outbox (receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at) "
-              "VALUES (?, ?, ?, ?, ?, ?, ?)");
-  if (!insert.ok()) {
-    Exec("ROLLBACK");
-    return Error(db_, "preparing insert");
-  }
   for (const notify::OutboxEntry& e : entries) {
-    sqlite3_stmt* s = insert.get();
-    sqlite3_reset(s);
-    BindText(s, 1, e.receiver);
-    BindText(s, 2, e.fingerprint);
-    sqlite3_bind_int(s, 3, static_cast<int>(e.state));
-    BindText(s, 4, e.payload);
-    sqlite3_bind_double(s, 5, e.created_at);
-    sqlite3_bind_int64(s, 6, e.attempts);
-    sqlite3_bind_double(s, 7, e.next_attempt_at);
-    if (sqlite3_step(s) != SQLITE_DONE) {
-      notify::Status err = Error(db_, "inserting an entry");
-      Exec("ROLLBACK");
-      return err;
-    }
-    ids.push_back(static_cast<uint64_t>(sqlite3_last_insert_rowid(db_)));
+    sqlite::Query q(*insert);
+    q.Bind(1, e.receiver);
+    q.Bind(2, e.fingerprint);
+    q.Bind(3, static_cast<int>(e.state));
+    q.Bind(4, e.payload);
+    q.Bind(5, e.created_at);
+    q.Bind(6, e.attempts);
+    q.Bind(7, e.next_attempt_at);
+    if (Status s = q.Run("inserting an entry"); !s.ok()) return OutboxError(s);
+    ids.push_back(static_cast<uint64_t>(db_.last_insert_rowid()));
   }
-  if (auto s = ApplyLocked(states); !s.ok()) {
-    Exec("ROLLBACK");
-    return s;
-  }
-  if (auto s = Exec("COMMIT"); !s.ok()) {
-    Exec("ROLLBACK");
-    return s;
-  }
+  if (auto s = ApplyLocked(states); !s.ok()) return s;
+  if (Status s = txn.Commit(); !s.ok()) return notify::NotifyError(s.message());
   return ids;
 }
 
 notify::Result<std::vector<notify::OutboxEntry>> AlertStore::Pending(std::string_view receiver, size_t limit,
                                                                      double now) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
   // Due entries first; an entry waits (is left out) while an older one of its fingerprint is not due.
-  Stmt q(db_,
-         "SELECT id, receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at FROM outbox o "
-         "WHERE receiver = ?1 AND delivery = 0 AND NOT EXISTS (SELECT 1 FROM outbox p WHERE p.receiver = ?1 "
-         "AND p.delivery = 0 AND p.fingerprint = o.fingerprint AND p.id < o.id AND p.next_attempt_at > ?3) "
-         "ORDER BY next_attempt_at > ?3, id LIMIT ?2");
-  if (!q.ok()) return Error(db_, "preparing pending query");
-  BindText(q.get(), 1, receiver);
-  sqlite3_bind_int64(q.get(), 2, static_cast<sqlite3_int64>(limit));
-  sqlite3_bind_double(q.get(), 3, now);
+  auto pending = db_.Prepare(
+      "SELECT id, receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at FROM outbox o "
+      "WHERE receiver = ?1 AND delivery = 0 AND NOT EXISTS (SELECT 1 FROM outbox p WHERE p.receiver = ?1 "
+      "AND p.delivery = 0 AND p.fingerprint = o.fingerprint AND p.id < o.id AND p.next_attempt_at > ?3) "
+      "ORDER BY next_attempt_at > ?3, id LIMIT ?2");
+  if (!pending.ok()) return OutboxError(pending.status());
+  sqlite::Query q(*pending);
+  q.Bind(1, receiver);
+  q.Bind(2, limit);
+  q.Bind(3, now);
   std::vector<notify::OutboxEntry> out;
-  int rc;
-  while ((rc = sqlite3_step(q.get())) == SQLITE_ROW) {
+  Status status;
+  while (q.Next(&status, "reading pending entries")) {
     notify::OutboxEntry e;
-    sqlite3_stmt* s = q.get();
-    e.id = static_cast<uint64_t>(sqlite3_column_int64(s, 0));
-    e.receiver = ColumnText(s, 1);
-    e.fingerprint = ColumnText(s, 2);
-    e.state = static_cast<alerts::AlertState>(sqlite3_column_int(s, 3));
-    e.payload = ColumnText(s, 4);
-    e.created_at = sqlite3_column_double(s, 5);
-    e.attempts = static_cast<uint32_t>(sqlite3_column_int64(s, 6));
-    e.next_attempt_at = sqlite3_column_double(s, 7);
+    e.id = q.Unsigned(0);
+    e.receiver = q.Text(1);
+    e.fingerprint = q.Text(2);
+    e.state = static_cast<alerts::AlertState>(q.Int(3));
+    e.payload = q.Text(4);
+    e.created_at = q.Real(5);
+    e.attempts = static_cast<uint32_t>(q.Int(6));
+    e.next_attempt_at = q.Real(7);
     out.push_back(std::move(e));
   }
-  if (rc != SQLITE_DONE) return Error(db_, "reading pending entries");
+  if (!status.ok()) return OutboxError(status);
   return out;
 }
 
 notify::Result<uint64_t> AlertStore::PendingCount(std::string_view receiver) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
-  Stmt q(db_, "SELECT count(*) FROM outbox WHERE receiver = ? AND delivery = 0");
-  if (!q.ok()) return Error(db_, "preparing count");
-  BindText(q.get(), 1, receiver);
-  if (sqlite3_step(q.get()) != SQLITE_ROW) return Error(db_, "counting pending entries");
-  return static_cast<uint64_t>(sqlite3_column_int64(q.get(), 0));
+  auto count = db_.Prepare("SELECT count(*) FROM outbox WHERE receiver = ? AND delivery = 0");
+  if (!count.ok()) return OutboxError(count.status());
+  sqlite::Query q(*count);
+  q.Bind(1, receiver);
+  Status status;
+  if (!q.Next(&status, "counting pending entries")) {
+    return OutboxError(status.ok() ? Status::Internal("counting pending entries: no row") : status);
+  }
+  return q.Unsigned(0);
 }
 
 notify::Status AlertStore::SetState(uint64_t id, int state, std::string_view error) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
-  Stmt u(db_, "UPDATE outbox SET delivery = ?, error = ? WHERE id = ?");
-  if (!u.ok()) return Error(db_, "preparing update");
-  sqlite3_bind_int(u.get(), 1, state);
-  BindText(u.get(), 2, error);
-  sqlite3_bind_int64(u.get(), 3, static_cast<sqlite3_int64>(id));
-  if (sqlite3_step(u.get()) != SQLITE_DONE) return Error(db_, "updating entry " + std::to_string(id));
+  auto update = db_.Prepare("UPDATE outbox SET delivery = ?, error = ? WHERE id = ?");
+  if (!update.ok()) return OutboxError(update.status());
+  sqlite::Query q(*update);
+  q.Bind(1, state);
+  q.Bind(2, error);
+  q.Bind(3, id);
+  if (Status s = q.Run("updating entry " + std::to_string(id)); !s.ok()) return OutboxError(s);
   return notify::Status::Ok();
 }
 
 notify::Result<uint64_t> AlertStore::PruneDone(double created_before, size_t max_rows) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
-  Stmt d(db_,
-         "DELETE FROM outbox WHERE id IN (SELECT id FROM outbox WHERE delivery IN (?, ?) AND created_at < ? "
-         "ORDER BY id LIMIT ?)");
-  if (!d.ok()) return Error(db_, "preparing prune");
-  sqlite3_bind_int(d.get(), 1, kDelivered);
-  sqlite3_bind_int(d.get(), 2, kFailed);
-  sqlite3_bind_double(d.get(), 3, created_before);
-  sqlite3_bind_int64(d.get(), 4, static_cast<sqlite3_int64>(std::min<size_t>(max_rows, INT64_MAX)));
-  if (sqlite3_step(d.get()) != SQLITE_DONE) return Error(db_, "pruning delivered entries");
-  return static_cast<uint64_t>(sqlite3_changes(db_));
+  auto prune = db_.Prepare(
+      "DELETE FROM outbox WHERE id IN (SELECT id FROM outbox WHERE delivery IN (?, ?) AND created_at < ? "
+      "ORDER BY id LIMIT ?)");
+  if (!prune.ok()) return OutboxError(prune.status());
+  sqlite::Query q(*prune);
+  q.Bind(1, kDelivered);
+  q.Bind(2, kFailed);
+  q.Bind(3, created_before);
+  q.Bind(4, static_cast<int64_t>(std::min<size_t>(max_rows, INT64_MAX)));
+  if (Status s = q.Run("pruning delivered entries"); !s.ok()) return OutboxError(s);
+  return static_cast<uint64_t>(db_.changes());
 }
 
 notify::Status AlertStore::MarkDelivered(uint64_t id) { return SetState(id, kDelivered, ""); }
@@ -483,15 +442,16 @@ notify::Status AlertStore::MarkFailed(uint64_t id, std::string_view error) { ret
 
 notify::Status AlertStore::MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts,
                                        std::string_view error) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
-  Stmt u(db_, "UPDATE outbox SET attempts = ?, next_attempt_at = ?, error = ? WHERE id = ?");
-  if (!u.ok()) return Error(db_, "preparing retry update");
-  sqlite3_bind_int64(u.get(), 1, attempts);
-  sqlite3_bind_double(u.get(), 2, next_attempt_at);
-  BindText(u.get(), 3, error);
-  sqlite3_bind_int64(u.get(), 4, static_cast<sqlite3_int64>(id));
-  if (sqlite3_step(u.get()) != SQLITE_DONE) return Error(db_, "updating entry " + std::to_string(id));
+  auto update = db_.Prepare("UPDATE outbox SET attempts = ?, next_attempt_at = ?, error = ? WHERE id = ?");
+  if (!update.ok()) return OutboxError(update.status());
+  sqlite::Query q(*update);
+  q.Bind(1, attempts);
+  q.Bind(2, next_attempt_at);
+  q.Bind(3, error);
+  q.Bind(4, id);
+  if (Status s = q.Run("updating entry " + std::to_string(id)); !s.ok()) return OutboxError(s);
   return notify::Status::Ok();
 }
 

@@ -5,13 +5,12 @@
 #pragma once
 
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "alerts/notify/outbox.h"
 #include "server/core/status.h"
-
-struct sqlite3;
+#include "server/core/thread_annotations.h"
+#include "server/store/sqlite.h"
 
 namespace gradwatch::store {
 
@@ -25,32 +24,33 @@ class AlertStore final : public notify::Outbox {
   ~AlertStore() override;
 
   notify::Result<std::vector<uint64_t>> Write(std::vector<notify::OutboxEntry> entries,
-                                              const alerts::StateChanges& states) override;
+                                              const alerts::StateChanges& states) override EXCLUDES(mu_);
   // A row that cannot be read (bad JSON) is skipped with an error in the log: one damaged alert
   // must not keep the daemon from starting.
-  notify::Result<alerts::SavedState> LoadState() override;
-  notify::Result<std::vector<notify::OutboxEntry>> Pending(std::string_view receiver, size_t limit, double now) override;
-  notify::Result<uint64_t> PendingCount(std::string_view receiver) override;
-  notify::Status MarkDelivered(uint64_t id) override;
-  notify::Status MarkFailed(uint64_t id, std::string_view error) override;
-  notify::Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts, std::string_view error) override;
+  notify::Result<alerts::SavedState> LoadState() override EXCLUDES(mu_);
+  notify::Result<std::vector<notify::OutboxEntry>> Pending(std::string_view receiver, size_t limit,
+                                                           double now) override EXCLUDES(mu_);
+  notify::Result<uint64_t> PendingCount(std::string_view receiver) override EXCLUDES(mu_);
+  notify::Status MarkDelivered(uint64_t id) override EXCLUDES(mu_);
+  notify::Status MarkFailed(uint64_t id, std::string_view error) override EXCLUDES(mu_);
+  notify::Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts, std::string_view error) override
+      EXCLUDES(mu_);
 
   // Deletes at most `max_rows` delivered or given-up notifications queued before `created_before`
   // (seconds since the Unix epoch), oldest first, in one short transaction; returns how many. Pending
   // ones are never deleted. Call periodically (the daemon's ticker does, off the ingest path).
-  notify::Result<uint64_t> PruneDone(double created_before, size_t max_rows);
+  notify::Result<uint64_t> PruneDone(double created_before, size_t max_rows) EXCLUDES(mu_);
 
  private:
-  AlertStore(std::string path, sqlite3* db) : path_(std::move(path)), db_(db) {}
-  notify::Status FollowFileLocked();  // see Open
-  notify::Status Exec(const char* sql);
-  notify::Status ApplyLocked(const alerts::StateChanges& states);  // inside a transaction
-  notify::Status SetState(uint64_t id, int state, std::string_view error);
+  AlertStore(std::string path, sqlite::Database db);
+  notify::Status FollowFileLocked() REQUIRES(mu_);  // see Open
+  notify::Status ApplyLocked(const alerts::StateChanges& states) REQUIRES(mu_);  // inside a transaction
+  notify::Status SetState(uint64_t id, int state, std::string_view error) EXCLUDES(mu_);
 
   const std::string path_;
-  std::mutex mu_;
-  sqlite3* db_;  // guarded by mu_
-  uint64_t dev_ = 0, ino_ = 0;  // guarded by mu_: the file db_ opened
+  Mutex mu_;
+  sqlite::Database db_ GUARDED_BY(mu_);
+  uint64_t dev_ GUARDED_BY(mu_) = 0, ino_ GUARDED_BY(mu_) = 0;  // the file db_ opened
 };
 
 }  // namespace gradwatch::store

@@ -33,7 +33,6 @@ using json = nlohmann::json;
 // Version 2 adds how a run ended, events found by run, and the rewind tables (kRewindTables); a
 // version-1 journal is migrated at open.
 constexpr int kSchemaVersion = 2;
-constexpr int kBusyTimeoutMs = 5000;
 // Back-off between attempts at a commit that failed (full disk, read-only or vanished files).
 constexpr std::chrono::milliseconds kFirstRetryDelay{50};
 constexpr std::chrono::milliseconds kMaxRetryDelay{2000};
@@ -91,7 +90,6 @@ CREATE TABLE IF NOT EXISTS events(
   source TEXT NOT NULL,
   recorded_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, step);
-PRAGMA user_version = 2;
 )sql";
 
 // Version 1 → 2: how a run ended (a Goodbye or inactivity), and events found by run.
@@ -100,7 +98,6 @@ ALTER TABLE runs ADD COLUMN end_reason INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE runs ADD COLUMN end_message TEXT NOT NULL DEFAULT '';
 UPDATE runs SET end_reason = 1 WHERE ended_at IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, step);
-PRAGMA user_version = 2;
 )sql";
 
 // The rewind tables: the abandoned branches of runs resumed from a checkpoint. Part of version 2,
@@ -133,116 +130,14 @@ CREATE TABLE IF NOT EXISTS abandoned_events(
   recorded_at REAL NOT NULL);
 )sql";
 
-Status SqliteError(sqlite3* db, std::string_view what) {
-  return Status::IoError(std::string(what) + ": " + (db ? sqlite3_errmsg(db) : "out of memory"));
+// The journal's schema (sqlite::ApplySchema sets user_version).
+const sqlite::Schema& JournalSchema() {
+  static const sqlite::Schema schema{.name = "journal",
+                                     .version = kSchemaVersion,
+                                     .scripts = {kSchema, kRewindTables},
+                                     .migrations = {{.from_version = 1, .scripts = {kMigrateFrom1, kRewindTables}}}};
+  return schema;
 }
-
-// Runs SQL that returns no rows we need.
-Status Exec(sqlite3* db, const char* sql) {
-  char* err = nullptr;
-  if (sqlite3_exec(db, sql, nullptr, nullptr, &err) != SQLITE_OK) {
-    std::string message = std::string("'") + sql + "': " + (err ? err : sqlite3_errmsg(db));
-    sqlite3_free(err);
-    return Status::IoError(std::move(message));
-  }
-  return Status::Ok();
-}
-
-// An owned prepared statement.
-class Stmt {
- public:
-  Stmt() = default;
-  explicit Stmt(sqlite3_stmt* stmt) : stmt_(stmt) {}
-  Stmt(Stmt&& o) noexcept : stmt_(std::exchange(o.stmt_, nullptr)) {}
-  Stmt& operator=(Stmt&& o) noexcept {
-    std::swap(stmt_, o.stmt_);
-    return *this;
-  }
-  ~Stmt() { sqlite3_finalize(stmt_); }
-
-  sqlite3_stmt* get() const { return stmt_; }
-
- private:
-  sqlite3_stmt* stmt_ = nullptr;
-};
-
-Status Prepare(sqlite3* db, const char* sql, bool persistent, Stmt& out) {
-  sqlite3_stmt* stmt = nullptr;
-  const unsigned flags = persistent ? SQLITE_PREPARE_PERSISTENT : 0;
-  if (sqlite3_prepare_v3(db, sql, -1, flags, &stmt, nullptr) != SQLITE_OK) {
-    sqlite3_finalize(stmt);
-    return SqliteError(db, std::string("preparing '") + sql + "'");
-  }
-  out = Stmt(stmt);
-  return Status::Ok();
-}
-
-// Resets the statement when a use of it ends, so that no statement stays active across a
-// COMMIT and bound text never outlives the record it points into.
-class StmtUse {
- public:
-  explicit StmtUse(const Stmt& stmt) : stmt_(stmt.get()) {}
-  ~StmtUse() {
-    sqlite3_reset(stmt_);
-    sqlite3_clear_bindings(stmt_);
-  }
-  StmtUse(const StmtUse&) = delete;
-  StmtUse& operator=(const StmtUse&) = delete;
-
-  void Text(int i, const std::string& s) {
-    Check(sqlite3_bind_text(stmt_, i, s.data(), static_cast<int>(s.size()), SQLITE_STATIC));
-  }
-  void Int(int i, int64_t v) { Check(sqlite3_bind_int64(stmt_, i, v)); }
-  void Unsigned(int i, uint64_t v) { Int(i, static_cast<int64_t>(v)); }  // bit-preserving
-  void Real(int i, double v) { Check(sqlite3_bind_double(stmt_, i, v)); }
-  void Null(int i) { Check(sqlite3_bind_null(stmt_, i)); }
-  void Blob(int i, const std::string& b) {
-    Check(sqlite3_bind_blob(stmt_, i, b.data(), static_cast<int>(b.size()), SQLITE_STATIC));
-  }
-
-  // Steps a statement that returns no rows.
-  Status Done(std::string_view what) {
-    if (bind_rc_ != SQLITE_OK) return Error(what);
-    if (sqlite3_step(stmt_) != SQLITE_DONE) return Error(what);
-    return Status::Ok();
-  }
-  // Steps a query: true with a row, false at the end; an error sets *status.
-  bool Row(Status* status, std::string_view what) {
-    if (bind_rc_ != SQLITE_OK) {
-      *status = Error(what);
-      return false;
-    }
-    const int rc = sqlite3_step(stmt_);
-    if (rc == SQLITE_ROW) return true;
-    if (rc != SQLITE_DONE) *status = Error(what);
-    return false;
-  }
-
-  std::string ColText(int i) const {
-    const auto* p = reinterpret_cast<const char*>(sqlite3_column_text(stmt_, i));
-    return p ? std::string(p, static_cast<size_t>(sqlite3_column_bytes(stmt_, i))) : std::string();
-  }
-  std::string_view ColBlob(int i) const {
-    const auto* p = static_cast<const char*>(sqlite3_column_blob(stmt_, i));
-    return p ? std::string_view(p, static_cast<size_t>(sqlite3_column_bytes(stmt_, i)))
-             : std::string_view();
-  }
-  int64_t ColInt(int i) const { return sqlite3_column_int64(stmt_, i); }
-  uint64_t ColUnsigned(int i) const { return static_cast<uint64_t>(ColInt(i)); }
-  double ColReal(int i) const { return sqlite3_column_double(stmt_, i); }
-  bool ColNull(int i) const { return sqlite3_column_type(stmt_, i) == SQLITE_NULL; }
-
- private:
-  void Check(int rc) {
-    if (bind_rc_ == SQLITE_OK) bind_rc_ = rc;
-  }
-  Status Error(std::string_view what) const {
-    return SqliteError(sqlite3_db_handle(stmt_), what);
-  }
-
-  sqlite3_stmt* stmt_;
-  int bind_rc_ = SQLITE_OK;
-};
 
 void PutLe(std::string& out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -369,69 +264,6 @@ void MergeProgress(const std::vector<RankProgress>& in,
   }
 }
 
-// Ends a read or write transaction on scope exit unless it was committed.
-class Transaction {
- public:
-  Transaction(sqlite3* db, const Stmt& rollback) : db_(db), rollback_(rollback) {}
-  ~Transaction() {
-    if (!open_) return;
-    StmtUse use(rollback_);
-    // A failed statement may already have rolled the transaction back; that is fine.
-    if (!use.Done("rollback").ok() && sqlite3_get_autocommit(db_) == 0) {
-      spdlog::error("journal: rollback failed: {}", sqlite3_errmsg(db_));
-    }
-  }
-  Transaction(const Transaction&) = delete;
-  Transaction& operator=(const Transaction&) = delete;
-
-  Status Begin(const Stmt& begin) {
-    StmtUse use(begin);
-    Status s = use.Done("journal: begin transaction");
-    open_ = s.ok();
-    return s;
-  }
-  Status Commit(const Stmt& commit) {
-    StmtUse use(commit);
-    Status s = use.Done("journal: commit");
-    if (s.ok()) open_ = false;
-    return s;
-  }
-
- private:
-  sqlite3* db_;
-  const Stmt& rollback_;
-  bool open_ = false;
-};
-
-// Creates the schema on a new database and refuses one written by a newer version.
-Status SetUpSchema(sqlite3* db, const std::string& path) {
-  int64_t found = 0;
-  {
-    Stmt version;
-    if (Status s = Prepare(db, "PRAGMA user_version", false, version); !s.ok()) return s;
-    StmtUse use(version);
-    Status s;
-    if (!use.Row(&s, "journal: reading user_version")) {
-      return s.ok() ? Status::Internal("journal: PRAGMA user_version returned no row") : s;
-    }
-    found = use.ColInt(0);
-  }
-  if (found > kSchemaVersion) {
-    return Status::FailedPrecondition("journal '" + path + "' has schema version " +
-                                      std::to_string(found) + ", newer than the supported " +
-                                      std::to_string(kSchemaVersion));
-  }
-  if (found == kSchemaVersion) return Status::Ok();
-  if (Status s = Exec(db, "BEGIN IMMEDIATE"); !s.ok()) return s;
-  for (const char* sql : {found == 1 ? kMigrateFrom1 : kSchema, kRewindTables}) {
-    if (Status s = Exec(db, sql); !s.ok()) {
-      Exec(db, "ROLLBACK");
-      return s;
-    }
-  }
-  return Exec(db, "COMMIT");
-}
-
 // Big-endian 32-bit field of a WAL header or frame header.
 uint32_t GetBe32(const unsigned char* p) {
   return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
@@ -504,17 +336,17 @@ void ScanWal(const std::string& wal_path, RecoveryReport& report) {
 }
 
 // Runs PRAGMA quick_check; false (with the first problem in *detail) when the database is damaged.
-bool QuickCheck(sqlite3* db, std::string* detail) {
-  Stmt check;
-  if (!Prepare(db, "PRAGMA quick_check(5)", false, check).ok()) {
-    *detail += std::string("quick_check cannot run: ") + sqlite3_errmsg(db) + ". ";
+bool QuickCheck(sqlite::Database& db, std::string* detail) {
+  auto check = db.Prepare("PRAGMA quick_check(5)");
+  if (!check.ok()) {
+    *detail += "quick_check cannot run: " + check.status().message() + ". ";
     return false;
   }
-  StmtUse use(check);
+  sqlite::Query use(*check);
   Status s;
   bool ok = true;
-  while (use.Row(&s, "journal: quick_check")) {
-    const std::string line = use.ColText(0);
+  while (use.Next(&s, "journal: quick_check")) {
+    const std::string line = use.Text(0);
     if (line != "ok") ok = false, *detail += "quick_check: " + line + ". ";
   }
   if (!s.ok()) ok = false, *detail += s.message() + ". ";
@@ -524,20 +356,15 @@ bool QuickCheck(sqlite3* db, std::string* detail) {
 }  // namespace
 
 struct Journal::Statements {
-  Stmt begin, commit, rollback;
-  Stmt insert_run, insert_param, insert_series, insert_step, upsert_progress, insert_event,
-      end_run;
-  Stmt count_rewinds, insert_rewind, abandon_steps, delete_steps, abandon_events, delete_events,
+  sqlite::Statement insert_run, insert_param, insert_series, insert_step, upsert_progress, insert_event, end_run;
+  sqlite::Statement count_rewinds, insert_rewind, abandon_steps, delete_steps, abandon_events, delete_events,
       rewind_progress, drop_progress, set_world_size;
-  Stmt prune_candidates, prune_steps, prune_events, prune_series, prune_params, prune_progress, prune_run,
-      prune_rewinds, prune_abandoned_steps, prune_abandoned_events;
+  sqlite::Statement prune_candidates, prune_steps, prune_events, prune_series, prune_params, prune_progress,
+      prune_run, prune_rewinds, prune_abandoned_steps, prune_abandoned_events;
   std::string scratch;  // the value blob being written; reused to spare allocations
 
-  Status PrepareAll(sqlite3* db) {
-    const std::pair<Stmt*, const char*> all[] = {
-        {&begin, "BEGIN IMMEDIATE"},
-        {&commit, "COMMIT"},
-        {&rollback, "ROLLBACK"},
+  Status PrepareAll(sqlite::Database& db) {
+    const std::pair<sqlite::Statement*, const char*> all[] = {
         {&insert_run,
          "INSERT OR REPLACE INTO runs(run_id, world_size, labels_json, config_json, created_at, "
          "ended_at) VALUES(?1, ?2, ?3, ?4, ?5, NULL)"},
@@ -597,7 +424,9 @@ struct Journal::Statements {
         {&set_world_size, "UPDATE runs SET world_size = ?2 WHERE run_id = ?1"},
     };
     for (const auto& [stmt, sql] : all) {
-      if (Status s = Prepare(db, sql, true, *stmt); !s.ok()) return s;
+      auto prepared = db.Prepare(sql, true);
+      if (!prepared.ok()) return prepared.status();
+      *stmt = std::move(prepared).value();
     }
     return Status::Ok();
   }
@@ -607,7 +436,7 @@ struct Journal::Statements {
 // opened. Closes on destruction; one whose files must stay as they are (damaged, or lost) is
 // closed without the checkpoint SQLite makes at close, which would also delete the WAL by name.
 struct Journal::Connection {
-  sqlite3* db = nullptr;
+  sqlite::Database db;
   std::unique_ptr<Statements> statements;
   uint64_t db_dev = 0, db_ino = 0, wal_dev = 0, wal_ino = 0;
   bool keep_files = true;  // until it opened cleanly
@@ -616,7 +445,7 @@ struct Journal::Connection {
   Connection(Connection&& o) noexcept { *this = std::move(o); }
   Connection& operator=(Connection&& o) noexcept {
     Close();
-    db = std::exchange(o.db, nullptr);
+    db = std::move(o.db);
     statements = std::move(o.statements);
     db_dev = o.db_dev, db_ino = o.db_ino, wal_dev = o.wal_dev, wal_ino = o.wal_ino;
     keep_files = o.keep_files;
@@ -625,11 +454,9 @@ struct Journal::Connection {
   ~Connection() { Close(); }
 
   void Close() {
-    statements.reset();  // sqlite3_close refuses a connection with live statements
-    if (db == nullptr) return;
-    if (keep_files) sqlite3_db_config(db, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
-    sqlite3_close(db);
-    db = nullptr;
+    statements.reset();  // a connection with live statements cannot close
+    if (keep_files) db.SkipCheckpointOnClose();
+    db.Close();
   }
 };
 
@@ -640,12 +467,6 @@ constexpr std::array<const char*, 9> kRunTables = {"runs",    "params",  "series
                                                    "rank_progress", "events", "rewinds", "abandoned_steps",
                                                    "abandoned_events"};
 constexpr auto kIdleFileCheck = std::chrono::seconds(1);
-
-// SQLite says the file's contents are the problem, not the storage under it.
-bool IsDamage(sqlite3* db) {
-  const int code = sqlite3_errcode(db) & 0xff;
-  return code == SQLITE_CORRUPT || code == SQLITE_NOTADB;
-}
 
 bool FileId(const std::string& path, uint64_t& dev, uint64_t& ino) {
   struct stat st {};
@@ -691,21 +512,20 @@ std::string QuoteName(const std::string& name) {
 }
 
 // The column names of schema.table (empty when the table is missing or unreadable).
-std::vector<std::string> Columns(sqlite3* db, const char* schema, const std::string& table) {
+std::vector<std::string> Columns(sqlite::Database& db, const char* schema, const std::string& table) {
   std::vector<std::string> out;
-  Stmt info;
-  const std::string sql = std::string("PRAGMA ") + schema + ".table_info(" + QuoteName(table) + ")";
-  if (!Prepare(db, sql.c_str(), false, info).ok()) return out;
-  StmtUse use(info);
+  auto info = db.Prepare(std::string("PRAGMA ") + schema + ".table_info(" + QuoteName(table) + ")");
+  if (!info.ok()) return out;
+  sqlite::Query use(*info);
   Status s;
-  while (use.Row(&s, "table_info")) out.push_back(use.ColText(1));
+  while (use.Next(&s, "table_info")) out.push_back(use.Text(1));
   return out;
 }
 
 // Copies into the fresh journal `db` what can be read from the damaged one at `damaged_path`,
 // attached read-only: each run whole (its rows in every run table, one transaction per run) or not
 // at all, then every other table (the alert store's) whole or not at all.
-void Salvage(sqlite3* db, const std::string& damaged_path, RecoveryReport& report) {
+void Salvage(sqlite::Database& db, const std::string& damaged_path, RecoveryReport& report) {
   std::string uri = "file:";
   for (char c : damaged_path) {
     if (c == '%' || c == '?' || c == '#') {
@@ -718,14 +538,14 @@ void Salvage(sqlite3* db, const std::string& damaged_path, RecoveryReport& repor
   }
   uri += "?mode=ro";
   {
-    Stmt attach;
-    if (Status s = Prepare(db, "ATTACH DATABASE ?1 AS damaged", false, attach); !s.ok()) {
-      report.detail += "cannot read the damaged file: " + s.message() + ". ";
+    auto attach = db.Prepare("ATTACH DATABASE ?1 AS damaged");
+    if (!attach.ok()) {
+      report.detail += "cannot read the damaged file: " + attach.status().message() + ". ";
       return;
     }
-    StmtUse use(attach);
-    use.Text(1, uri);
-    if (Status s = use.Done("attaching the damaged journal"); !s.ok()) {
+    sqlite::Query use(*attach);
+    use.Bind(1, uri);
+    if (Status s = use.Run("attaching the damaged journal"); !s.ok()) {
       report.detail += "cannot read the damaged file: " + s.message() + ". ";
       return;
     }
@@ -733,14 +553,12 @@ void Salvage(sqlite3* db, const std::string& damaged_path, RecoveryReport& repor
   std::vector<std::pair<std::string, std::string>> tables;  // name, CREATE statement
   Status listed;
   {
-    Stmt q;
-    listed = Prepare(db,
-                     "SELECT name, sql FROM damaged.sqlite_master WHERE type = 'table' AND "
-                     "name NOT LIKE 'sqlite_%' ORDER BY name",
-                     false, q);
+    auto q = db.Prepare(
+        "SELECT name, sql FROM damaged.sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name");
+    listed = q.status();
     if (listed.ok()) {
-      StmtUse use(q);
-      while (use.Row(&listed, "reading the damaged schema")) tables.emplace_back(use.ColText(0), use.ColText(1));
+      sqlite::Query use(*q);
+      while (use.Next(&listed, "reading the damaged schema")) tables.emplace_back(use.Text(0), use.Text(1));
     }
   }
   if (!listed.ok()) {
@@ -753,18 +571,18 @@ void Salvage(sqlite3* db, const std::string& damaged_path, RecoveryReport& repor
   // The runs, each copied with its rows from every run table in one transaction.
   std::vector<std::string> run_ids;
   if (has_table("runs")) {
-    Stmt q;
-    Status s = Prepare(db, "SELECT run_id FROM damaged.runs", false, q);
+    auto q = db.Prepare("SELECT run_id FROM damaged.runs");
+    Status s = q.status();
     if (s.ok()) {
-      StmtUse use(q);
-      while (use.Row(&s, "reading the damaged runs table")) run_ids.push_back(use.ColText(0));
+      sqlite::Query use(*q);
+      while (use.Next(&s, "reading the damaged runs table")) run_ids.push_back(use.Text(0));
     }
     if (!s.ok()) {
       report.detail += "the runs table is damaged: only the " + std::to_string(run_ids.size()) +
                        " run(s) listed before the damage could be salvaged (" + s.message() + "). ";
     }
   }
-  std::vector<Stmt> copies;
+  std::vector<sqlite::Statement> copies;
   for (const char* table : kRunTables) {
     if (!has_table(table)) continue;
     const std::vector<std::string> fresh = Columns(db, "main", table);
@@ -777,21 +595,20 @@ void Salvage(sqlite3* db, const std::string& damaged_path, RecoveryReport& repor
     if (cols.empty()) continue;
     const std::string sql = std::string("INSERT OR REPLACE INTO main.") + table + "(" + cols + ") SELECT " + cols +
                             " FROM damaged." + table + " WHERE run_id = ?1";
-    Stmt copy;
-    if (Prepare(db, sql.c_str(), false, copy).ok()) copies.push_back(std::move(copy));
+    if (auto copy = db.Prepare(sql); copy.ok()) copies.push_back(std::move(copy).value());
   }
   for (const std::string& id : run_ids) {
-    Status s = Exec(db, "BEGIN IMMEDIATE");
+    sqlite::Transaction txn(db, "journal");
+    Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate);
     for (size_t i = 0; s.ok() && i < copies.size(); ++i) {
-      StmtUse use(copies[i]);
-      use.Text(1, id);
-      s = use.Done("copying run '" + id + "'");
+      sqlite::Query use(copies[i]);
+      use.Bind(1, id);
+      s = use.Run("copying run '" + id + "'");
     }
-    if (s.ok()) s = Exec(db, "COMMIT");
+    if (s.ok()) s = txn.Commit();
     if (s.ok()) {
       ++report.salvaged_runs;
     } else {
-      Exec(db, "ROLLBACK");
       ++report.lost_runs;
       report.lost_run_ids.push_back(id);
       spdlog::error("journal: run {} cannot be salvaged from the damaged journal: {}", id, s.message());
@@ -805,32 +622,29 @@ void Salvage(sqlite3* db, const std::string& damaged_path, RecoveryReport& repor
         kRunTables.end()) {
       continue;
     }
-    Status s = Exec(db, "BEGIN IMMEDIATE");
-    if (s.ok()) s = Exec(db, create.c_str());
+    sqlite::Transaction txn(db, "journal");
+    Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate);
+    if (s.ok()) s = db.Exec(create);
     if (s.ok()) {
-      Stmt indexes;
-      s = Prepare(db, "SELECT sql FROM damaged.sqlite_master WHERE type = 'index' AND tbl_name = ?1 AND sql IS NOT NULL",
-                  false, indexes);
+      auto indexes = db.Prepare(
+          "SELECT sql FROM damaged.sqlite_master WHERE type = 'index' AND tbl_name = ?1 AND sql IS NOT NULL");
+      s = indexes.status();
       std::vector<std::string> creates;
       if (s.ok()) {
-        StmtUse use(indexes);
-        use.Text(1, name);
-        while (use.Row(&s, "reading the damaged indexes")) creates.push_back(use.ColText(0));
+        sqlite::Query use(*indexes);
+        use.Bind(1, name);
+        while (use.Next(&s, "reading the damaged indexes")) creates.push_back(use.Text(0));
       }
-      for (size_t i = 0; s.ok() && i < creates.size(); ++i) s = Exec(db, creates[i].c_str());
+      for (size_t i = 0; s.ok() && i < creates.size(); ++i) s = db.Exec(creates[i]);
     }
-    if (s.ok()) {
-      const std::string copy = "INSERT INTO main." + QuoteName(name) + " SELECT * FROM damaged." + QuoteName(name);
-      s = Exec(db, copy.c_str());
-    }
-    if (s.ok()) s = Exec(db, "COMMIT");
+    if (s.ok()) s = db.Exec("INSERT INTO main." + QuoteName(name) + " SELECT * FROM damaged." + QuoteName(name));
+    if (s.ok()) s = txn.Commit();
     if (!s.ok()) {
-      Exec(db, "ROLLBACK");
       report.lost_tables.push_back(name);
       spdlog::error("journal: table {} cannot be salvaged from the damaged journal: {}", name, s.message());
     }
   }
-  if (Status s = Exec(db, "DETACH DATABASE damaged"); !s.ok()) {
+  if (Status s = db.Exec("DETACH DATABASE damaged"); !s.ok()) {
     spdlog::warn("journal: detaching the damaged journal: {}", s.message());
   }
 }
@@ -841,39 +655,28 @@ Status Journal::OpenConnection(const std::string& path, bool check, RecoveryRepo
                                Connection& out) {
   *damaged = false;
   Connection conn;
-  const int rc = sqlite3_open_v2(path.c_str(), &conn.db,
-                                 SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX | SQLITE_OPEN_URI,
-                                 nullptr);
-  sqlite3* db = conn.db;
+  auto opened = sqlite::Database::Open(path, {.create = true, .uri = true});
+  if (!opened.ok()) return Status(opened.status().code(), "journal: " + opened.status().message());
+  conn.db = std::move(opened).value();
+  sqlite::Database& db = conn.db;
+  // Whether a failure was caused by the file's contents rather than the storage: asked at once.
   auto failed = [&](Status s) {
-    *damaged = db != nullptr && IsDamage(db);
-    return s;
+    *damaged = db.last_error_is_damage();
+    return Status(s.code(), "journal: " + s.message());
   };
-  if (rc != SQLITE_OK) return failed(SqliteError(db, "cannot open journal '" + path + "'"));
-  if (sqlite3_busy_timeout(db, kBusyTimeoutMs) != SQLITE_OK) {
-    return failed(SqliteError(db, "journal: setting busy timeout"));
-  }
-  {
-    Stmt mode;
-    if (Status s = Prepare(db, "PRAGMA journal_mode=WAL", false, mode); !s.ok()) return failed(s);
-    StmtUse use(mode);
-    Status s;
-    if (!use.Row(&s, "journal: enabling WAL mode")) {
-      return failed(s.ok() ? Status::Internal("journal: PRAGMA journal_mode returned no row") : s);
-    }
-    if (const std::string got = use.ColText(0); got != "wal") {
-      return Status::IoError("journal '" + path + "': cannot use WAL mode (got '" + got + "')");
-    }
-  }
+  if (Status s = db.UseWal(); !s.ok()) return failed(s);
   // WAL with FULL fsyncs the log at every commit: an acked step survives a power cut.
-  if (Status s = Exec(db, "PRAGMA synchronous=FULL"); !s.ok()) return failed(s);
+  if (Status s = db.Exec("PRAGMA synchronous=FULL"); !s.ok()) return failed(s);
   // Pruning frees pages that later writes reuse; the WAL shrinks back to this after checkpoints.
-  if (Status s = Exec(db, "PRAGMA journal_size_limit=67108864"); !s.ok()) return failed(s);
+  if (Status s = db.Exec("PRAGMA journal_size_limit=67108864"); !s.ok()) return failed(s);
   if (check && !QuickCheck(db, &recovery.detail)) {
     *damaged = true;
     return Status::IoError("journal '" + path + "' is damaged (PRAGMA quick_check)");
   }
-  if (Status s = SetUpSchema(db, path); !s.ok()) return failed(s);
+  if (Status s = sqlite::ApplySchema(db, JournalSchema()); !s.ok()) {
+    *damaged = db.last_error_is_damage();
+    return s;  // names the journal already
+  }
   conn.statements = std::make_unique<Statements>();
   if (Status s = conn.statements->PrepareAll(db); !s.ok()) return failed(s);
   if (!FileId(path, conn.db_dev, conn.db_ino)) {
@@ -970,7 +773,7 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options, 
 Journal::Journal(JournalOptions options, CommitCallback on_commit, Connection connection)
     : options_(std::move(options)), on_commit_(std::move(on_commit)) {
   MutexLock db_lock(&db_mu_);
-  db_ = std::exchange(connection.db, nullptr);
+  db_ = std::move(connection.db);
   statements_ = std::move(connection.statements);
   db_dev_ = connection.db_dev, db_ino_ = connection.db_ino;
   wal_dev_ = connection.wal_dev, wal_ino_ = connection.wal_ino;
@@ -989,14 +792,11 @@ void Journal::Stop() {
   MutexLock stop_lock(&stop_mu_);
   if (thread_.joinable()) thread_.join();
   MutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return;
-  statements_.reset();  // sqlite3_close refuses a connection with live statements
+  if (!db_.is_open()) return;
+  statements_.reset();  // a connection with live statements cannot close
   // Files lost and not rebuilt: the checkpoint at close would delete the WAL at the path by name.
-  if (!CheckFilesLocked().ok()) sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
-  if (sqlite3_close(db_) != SQLITE_OK) {
-    spdlog::error("journal '{}': close failed: {}", options_.path, sqlite3_errmsg(db_));
-  }
-  db_ = nullptr;
+  if (!CheckFilesLocked().ok()) db_.SkipCheckpointOnClose();
+  if (Status s = db_.Close(); !s.ok()) spdlog::error("journal '{}': close failed: {}", options_.path, s.message());
 }
 
 uint64_t Journal::Enqueue(JournalRecord record) {
@@ -1186,7 +986,7 @@ void Journal::PruneOnce() {
   Status pruned;
   {
     MutexLock db_lock(&db_mu_);
-    pruned = db_ == nullptr ? Status::FailedPrecondition("journal is closed")
+    pruned = !db_.is_open() ? Status::FailedPrecondition("journal is closed")
                             : PruneBatchLocked(options_.prune_batch_rows);
   }
   mu_.Lock();
@@ -1202,7 +1002,7 @@ void Journal::CheckFilesWhileIdle() {
   Status status;
   {
     MutexLock db_lock(&db_mu_);
-    if (db_ != nullptr) status = EnsureFilesLocked();
+    if (db_.is_open()) status = EnsureFilesLocked();
   }
   mu_.Lock();
   if (status.ok()) {
@@ -1265,18 +1065,15 @@ Status Journal::RebuildLocked(const std::string& why) {
   const std::string temp = options_.path + ".rebuild";
   for (const char* suffix : {"", "-journal"}) std::filesystem::remove(temp + suffix, ec);
   {
-    sqlite3* raw = nullptr;
-    const int rc = sqlite3_open_v2(temp.c_str(), &raw, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
-                                   nullptr);
-    std::unique_ptr<sqlite3, int (*)(sqlite3*)> dest(raw, sqlite3_close);
-    if (rc != SQLITE_OK) return SqliteError(raw, "creating '" + temp + "'");
+    auto dest = sqlite::Database::Open(temp);
+    if (!dest.ok()) return dest.status();
     // The open connection still reads the unlinked files: copy everything committed to them.
-    sqlite3_backup* backup = sqlite3_backup_init(raw, "main", db_, "main");
-    if (backup == nullptr) return SqliteError(raw, "copying the journal into '" + temp + "'");
+    sqlite3_backup* backup = sqlite3_backup_init(dest->get(), "main", db_.get(), "main");
+    if (backup == nullptr) return dest->Error("copying the journal into '" + temp + "'");
     const int step = sqlite3_backup_step(backup, -1);
     sqlite3_backup_finish(backup);
-    if (step != SQLITE_DONE) return SqliteError(raw, "copying the journal into '" + temp + "'");
-    if (sqlite3_close(dest.release()) != SQLITE_OK) return Status::IoError("closing '" + temp + "'");
+    if (step != SQLITE_DONE) return dest->Error("copying the journal into '" + temp + "'");
+    if (Status s = dest->Close(); !s.ok()) return s;
   }
   std::filesystem::rename(temp, options_.path, ec);
   if (ec) return Status::IoError("renaming '" + temp + "' to '" + options_.path + "': " + ec.message());
@@ -1289,10 +1086,9 @@ Status Journal::RebuildLocked(const std::string& why) {
   bool damaged = false;
   if (Status s = OpenConnection(options_.path, false, ignored, &damaged, fresh); !s.ok()) return s;
   Connection old;
-  old.db = std::exchange(db_, fresh.db);
+  old.db = std::exchange(db_, std::move(fresh.db));
   old.statements = std::exchange(statements_, std::move(fresh.statements));
   old.keep_files = true;  // its files are gone or someone else's: no checkpoint, no WAL deletion
-  fresh.db = nullptr;
   db_dev_ = fresh.db_dev, db_ino_ = fresh.db_ino, wal_dev_ = fresh.wal_dev, wal_ino_ = fresh.wal_ino;
   old.Close();
   rebuilds_.fetch_add(1, std::memory_order_relaxed);
@@ -1307,16 +1103,16 @@ Status Journal::RebuildLocked(const std::string& why) {
 
 Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) {
   MutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return Status::FailedPrecondition("journal is closed");
+  if (!db_.is_open()) return Status::FailedPrecondition("journal is closed");
   if (Status s = EnsureFilesLocked(); !s.ok()) return s;
   const auto start = Clock::now();
   if (!committed_to_lost_files_) {
-    Transaction txn(db_, statements_->rollback);
-    if (Status s = txn.Begin(statements_->begin); !s.ok()) return s;
+    sqlite::Transaction txn(db_, "journal");
+    if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) return s;
     for (const JournalRecord& record : batch) {
       if (Status s = Apply(record); !s.ok()) return s;
     }
-    if (Status s = txn.Commit(statements_->commit); !s.ok()) return s;
+    if (Status s = txn.Commit(); !s.ok()) return s;
     // Files lost during the transaction hold it: it counts once the rebuilt file does.
     if (!CheckFilesLocked().ok()) {
       committed_to_lost_files_ = true;
@@ -1347,99 +1143,95 @@ Status Journal::Apply(const JournalRecord& record) {
       [&](const auto& r) -> Status {
         using T = std::decay_t<decltype(r)>;
         if constexpr (std::is_same_v<T, RunRecord>) {
-          StmtUse use(st.insert_run);
           const std::string labels = LabelsJson(r.meta.labels);
           const std::string config = ConfigJson(r.meta.config);
-          use.Text(1, r.meta.run_id);
-          use.Int(2, r.meta.world_size);
-          use.Text(3, labels);
-          use.Text(4, config);
-          use.Real(5, r.meta.created_at);
-          return use.Done("journal: writing run '" + r.meta.run_id + "'");
+          sqlite::Query use(st.insert_run);  // after the text it binds, which must outlive it
+          use.Bind(1, r.meta.run_id);
+          use.Bind(2, r.meta.world_size);
+          use.Bind(3, labels);
+          use.Bind(4, config);
+          use.Bind(5, r.meta.created_at);
+          return use.Run("journal: writing run '" + r.meta.run_id + "'");
         } else if constexpr (std::is_same_v<T, ParamsRecord>) {
           for (size_t i = 0; i < r.params.size(); ++i) {
             const ParamInfo& p = r.params[i];
-            StmtUse use(st.insert_param);
-            use.Text(1, r.run_id);
-            use.Int(2, int64_t{r.first_index} + static_cast<int64_t>(i));
-            use.Text(3, p.name);
-            use.Unsigned(4, p.numel);
-            use.Int(5, static_cast<int>(p.kind));
-            use.Real(6, p.weight_decay);
-            if (p.init_norm) {
-              use.Real(7, *p.init_norm);
-            } else {
-              use.Null(7);
-            }
-            use.Text(8, p.role);
-            use.Text(9, p.group);
-            if (Status s = use.Done("journal: writing parameter '" + p.name + "' of run '" +
-                                    r.run_id + "'");
+            sqlite::Query use(st.insert_param);
+            use.Bind(1, r.run_id);
+            use.Bind(2, int64_t{r.first_index} + static_cast<int64_t>(i));
+            use.Bind(3, p.name);
+            use.Bind(4, p.numel);
+            use.Bind(5, static_cast<int>(p.kind));
+            use.Bind(6, p.weight_decay);
+            use.Bind(7, p.init_norm);
+            use.Bind(8, p.role);
+            use.Bind(9, p.group);
+            if (Status s = use.Run("journal: writing parameter '" + p.name + "' of run '" +
+                                   r.run_id + "'");
                 !s.ok()) {
               return s;
             }
           }
           return Status::Ok();
         } else if constexpr (std::is_same_v<T, SeriesRecord>) {
-          StmtUse use(st.insert_series);
-          use.Text(1, r.run_id);
-          use.Int(2, r.id);
-          use.Text(3, r.key);
-          return use.Done("journal: writing series '" + r.key + "' of run '" + r.run_id + "'");
+          sqlite::Query use(st.insert_series);
+          use.Bind(1, r.run_id);
+          use.Bind(2, r.id);
+          use.Bind(3, r.key);
+          return use.Run("journal: writing series '" + r.key + "' of run '" + r.run_id + "'");
         } else if constexpr (std::is_same_v<T, StepJournalRecord>) {
           {
-            StmtUse use(st.insert_step);
+            sqlite::Query use(st.insert_step);
             EncodeValues(r.step.values, st.scratch);
-            use.Text(1, r.run_id);
-            use.Unsigned(2, r.step.step);
-            use.Real(3, r.step.wall_time);
-            use.Int(4, r.step.partial ? 1 : 0);
-            use.Int(5, r.step.ranks_reported);
-            use.Unsigned(6, r.step.client_dropped_steps);
-            use.Blob(7, st.scratch);
-            if (Status s = use.Done("journal: writing step " + std::to_string(r.step.step) +
-                                    " of run '" + r.run_id + "'");
+            use.Bind(1, r.run_id);
+            use.Bind(2, r.step.step);
+            use.Bind(3, r.step.wall_time);
+            use.Bind(4, r.step.partial ? 1 : 0);
+            use.Bind(5, r.step.ranks_reported);
+            use.Bind(6, r.step.client_dropped_steps);
+            use.BindBlob(7, st.scratch);
+            if (Status s = use.Run("journal: writing step " + std::to_string(r.step.step) +
+                                   " of run '" + r.run_id + "'");
                 !s.ok()) {
               return s;
             }
           }
           for (const RankProgress& p : r.progress) {
-            StmtUse use(st.upsert_progress);
-            use.Text(1, p.run_id);
-            use.Int(2, p.rank);
-            use.Unsigned(3, p.step);
-            use.Unsigned(4, p.seq);
-            if (Status s = use.Done("journal: writing progress of rank " + std::to_string(p.rank) +
-                                    " of run '" + p.run_id + "'");
+            sqlite::Query use(st.upsert_progress);
+            use.Bind(1, p.run_id);
+            use.Bind(2, p.rank);
+            use.Bind(3, p.step);
+            use.Bind(4, p.seq);
+            if (Status s = use.Run("journal: writing progress of rank " + std::to_string(p.rank) +
+                                   " of run '" + p.run_id + "'");
                 !s.ok()) {
               return s;
             }
           }
           return Status::Ok();
         } else if constexpr (std::is_same_v<T, EventJournalRecord>) {
-          StmtUse use(st.insert_event);
-          use.Text(1, r.run_id);
-          use.Unsigned(2, r.event.step);
-          use.Text(3, r.event.text);
-          use.Text(4, r.event.source);
-          use.Real(5, r.event.recorded_at);
-          return use.Done("journal: writing event of run '" + r.run_id + "'");
+          sqlite::Query use(st.insert_event);
+          use.Bind(1, r.run_id);
+          use.Bind(2, r.event.step);
+          use.Bind(3, r.event.text);
+          use.Bind(4, r.event.source);
+          use.Bind(5, r.event.recorded_at);
+          return use.Run("journal: writing event of run '" + r.run_id + "'");
         } else if constexpr (std::is_same_v<T, RewindRecord>) {
           db_mu_.AssertHeld();  // the analysis does not follow Apply's lock into this lambda
           return ApplyRewind(r);
         } else {
           static_assert(std::is_same_v<T, RunEndedRecord>);
-          StmtUse use(st.end_run);
-          use.Text(1, r.run_id);
+          sqlite::Query use(st.end_run);
+          use.Bind(1, r.run_id);
           if (r.ended_at == 0) {
-            use.Null(2);
-            use.Int(3, static_cast<int>(EndReason::kNone));
+            use.BindNull(2);
+            use.Bind(3, static_cast<int>(EndReason::kNone));
           } else {
-            use.Real(2, r.ended_at);
-            use.Int(3, static_cast<int>(r.reason));
+            use.Bind(2, r.ended_at);
+            use.Bind(3, static_cast<int>(r.reason));
           }
-          use.Text(4, r.message);
-          return use.Done("journal: ending run '" + r.run_id + "'");
+          use.Bind(4, r.message);
+          return use.Run("journal: ending run '" + r.run_id + "'");
         }
       },
       record);
@@ -1448,13 +1240,13 @@ Status Journal::Apply(const JournalRecord& record) {
 namespace {
 
 // One row of `SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps`.
-Status ReadStepRow(StmtUse& row, const std::string& run_id, CompletedStep& step) {
-  step.step = row.ColUnsigned(0);
-  step.wall_time = row.ColReal(1);
-  step.partial = row.ColInt(2) != 0;
-  step.ranks_reported = static_cast<uint32_t>(row.ColInt(3));
-  step.client_dropped_steps = row.ColUnsigned(4);
-  const std::string_view blob = row.ColBlob(5);
+Status ReadStepRow(sqlite::Query& row, const std::string& run_id, CompletedStep& step) {
+  step.step = row.Unsigned(0);
+  step.wall_time = row.Real(1);
+  step.partial = row.Int(2) != 0;
+  step.ranks_reported = static_cast<uint32_t>(row.Int(3));
+  step.client_dropped_steps = row.Unsigned(4);
+  const std::string_view blob = row.Blob(5);
   if (!DecodeValues(blob, step.values)) {
     return Status::Internal("journal: run '" + run_id + "' step " + std::to_string(step.step) +
                             ": value blob of " + std::to_string(blob.size()) + " bytes is not a whole number of " +
@@ -1470,72 +1262,68 @@ Status Journal::ApplyRewind(const RewindRecord& r) {
   const std::string what = "journal: rewinding run '" + r.run_id + "' to step " + std::to_string(r.from_step);
   int64_t branch = 0;  // the branch that ends here
   {
-    StmtUse use(st.count_rewinds);
-    use.Text(1, r.run_id);
+    sqlite::Query use(st.count_rewinds);
+    use.Bind(1, r.run_id);
     Status s;
-    if (!use.Row(&s, what)) return s.ok() ? Status::Internal(what + ": count returned no row") : s;
-    branch = use.ColInt(0);
+    if (!use.Next(&s, what)) return s.ok() ? Status::Internal(what + ": count returned no row") : s;
+    branch = use.Int(0);
   }
   {
-    StmtUse use(st.insert_rewind);
-    use.Text(1, r.run_id);
-    use.Int(2, branch);
-    use.Unsigned(3, r.from_step);
-    use.Int(4, r.world_size);
-    use.Real(5, r.rewound_at);
-    if (Status s = use.Done(what); !s.ok()) return s;
+    sqlite::Query use(st.insert_rewind);
+    use.Bind(1, r.run_id);
+    use.Bind(2, branch);
+    use.Bind(3, r.from_step);
+    use.Bind(4, r.world_size);
+    use.Bind(5, r.rewound_at);
+    if (Status s = use.Run(what); !s.ok()) return s;
   }
-  for (Stmt* move : {&st.abandon_steps, &st.abandon_events}) {
-    StmtUse use(*move);
-    use.Text(1, r.run_id);
-    use.Int(2, branch);
-    use.Unsigned(3, r.from_step);
-    if (Status s = use.Done(what); !s.ok()) return s;
+  for (sqlite::Statement* move : {&st.abandon_steps, &st.abandon_events}) {
+    sqlite::Query use(*move);
+    use.Bind(1, r.run_id);
+    use.Bind(2, branch);
+    use.Bind(3, r.from_step);
+    if (Status s = use.Run(what); !s.ok()) return s;
   }
-  for (Stmt* drop : {&st.delete_steps, &st.delete_events}) {
-    StmtUse use(*drop);
-    use.Text(1, r.run_id);
-    use.Unsigned(2, r.from_step);
-    if (Status s = use.Done(what); !s.ok()) return s;
+  for (sqlite::Statement* drop : {&st.delete_steps, &st.delete_events}) {
+    sqlite::Query use(*drop);
+    use.Bind(1, r.run_id);
+    use.Bind(2, r.from_step);
+    if (Status s = use.Run(what); !s.ok()) return s;
   }
   if (r.from_step > 0) {
-    StmtUse use(st.rewind_progress);
-    use.Text(1, r.run_id);
-    use.Unsigned(2, r.from_step);
-    if (Status s = use.Done(what); !s.ok()) return s;
+    sqlite::Query use(st.rewind_progress);
+    use.Bind(1, r.run_id);
+    use.Bind(2, r.from_step);
+    if (Status s = use.Run(what); !s.ok()) return s;
   }
   {
     // After the update only a rewind to step 0 leaves progress at or above from_step: none is kept.
-    StmtUse use(st.drop_progress);
-    use.Text(1, r.run_id);
-    use.Int(2, r.world_size);
-    use.Unsigned(3, r.from_step);
-    if (Status s = use.Done(what); !s.ok()) return s;
+    sqlite::Query use(st.drop_progress);
+    use.Bind(1, r.run_id);
+    use.Bind(2, r.world_size);
+    use.Bind(3, r.from_step);
+    if (Status s = use.Run(what); !s.ok()) return s;
   }
-  StmtUse use(st.set_world_size);
-  use.Text(1, r.run_id);
-  use.Int(2, r.world_size);
-  return use.Done(what);
+  sqlite::Query use(st.set_world_size);
+  use.Bind(1, r.run_id);
+  use.Bind(2, r.world_size);
+  return use.Run(what);
 }
 
 Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
                              const std::function<void(const CompletedStep&)>& on_step) {
   MutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
-  Stmt steps;
-  if (Status s = Prepare(db_,
-                         "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
-                         "WHERE run_id = ?1 AND step < ?2 ORDER BY step",
-                         false, steps);
-      !s.ok()) {
-    return s;
-  }
-  StmtUse rows(steps);
-  rows.Text(1, run_id);
-  rows.Unsigned(2, before_step);
+  if (!db_.is_open()) return Status::FailedPrecondition("journal is stopped");
+  auto steps = db_.Prepare(
+      "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
+      "WHERE run_id = ?1 AND step < ?2 ORDER BY step");
+  if (!steps.ok()) return steps.status();
+  sqlite::Query rows(*steps);
+  rows.Bind(1, run_id);
+  rows.Bind(2, before_step);
   Status status;
   CompletedStep step;
-  while (rows.Row(&status, "journal: reading steps of run '" + run_id + "'")) {
+  while (rows.Next(&status, "journal: reading steps of run '" + run_id + "'")) {
     if (Status s = ReadStepRow(rows, run_id, step); !s.ok()) return s;
     on_step(step);
   }
@@ -1544,11 +1332,10 @@ Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
 
 // Reads one run's rows for Load and LoadRun, inside their read transaction.
 struct Journal::Reader {
-  Stmt begin, runs, one_run, params, series, progress, rewind, steps, events;
+  sqlite::Statement runs, one_run, params, series, progress, rewind, steps, events;
 
-  Status Prepare(sqlite3* db) {
-    const std::pair<Stmt*, const char*> all[] = {
-        {&begin, "BEGIN"},
+  Status Prepare(sqlite::Database& db) {
+    const std::pair<sqlite::Statement*, const char*> all[] = {
         {&runs,
          "SELECT run_id, world_size, labels_json, config_json, created_at, ended_at, end_reason, "
          "end_message FROM runs ORDER BY created_at, run_id"},
@@ -1568,35 +1355,37 @@ struct Journal::Reader {
          "SELECT step, text, source, recorded_at FROM events WHERE run_id = ?1 ORDER BY id"},
     };
     for (const auto& [stmt, sql] : all) {
-      if (Status s = gradwatch::store::Prepare(db, sql, false, *stmt); !s.ok()) return s;
+      auto prepared = db.Prepare(sql);
+      if (!prepared.ok()) return prepared.status();
+      *stmt = std::move(prepared).value();
     }
     return Status::Ok();
   }
 
   // Reads the run at the current row of `rows` and hands it, then (if the visitor keeps it) its
   // series, progress, latest rewind, events and steps, to `visitor`.
-  Status Visit(StmtUse& rows, JournalVisitor& visitor, bool* kept) {
+  Status Visit(sqlite::Query& rows, JournalVisitor& visitor, bool* kept) {
     RunMeta meta;
-    meta.run_id = rows.ColText(0);
-    meta.world_size = static_cast<uint32_t>(rows.ColInt(1));
-    if (Status s = ParseLabels(rows.ColText(2), meta.run_id, meta.labels); !s.ok()) return s;
-    if (Status s = ParseConfig(rows.ColText(3), meta.run_id, meta.config); !s.ok()) return s;
-    meta.created_at = rows.ColReal(4);
+    meta.run_id = rows.Text(0);
+    meta.world_size = static_cast<uint32_t>(rows.Int(1));
+    if (Status s = ParseLabels(rows.Text(2), meta.run_id, meta.labels); !s.ok()) return s;
+    if (Status s = ParseConfig(rows.Text(3), meta.run_id, meta.config); !s.ok()) return s;
+    meta.created_at = rows.Real(4);
     RunEnd end;
-    if (!rows.ColNull(5)) {
-      end.ended_at = rows.ColReal(5);
-      const int64_t reason = rows.ColInt(6);
+    if (!rows.IsNull(5)) {
+      end.ended_at = rows.Real(5);
+      const int64_t reason = rows.Int(6);
       end.reason = reason >= static_cast<int>(EndReason::kInactive) && reason <= static_cast<int>(EndReason::kStopped)
                        ? static_cast<EndReason>(reason)
                        : EndReason::kInactive;
-      end.message = rows.ColText(7);
+      end.message = rows.Text(7);
     }
     Status status;
     {
-      StmtUse q(params);
-      q.Text(1, meta.run_id);
-      while (q.Row(&status, "journal: reading parameters of run '" + meta.run_id + "'")) {
-        const int64_t idx = q.ColInt(0);
+      sqlite::Query q(params);
+      q.Bind(1, meta.run_id);
+      while (q.Next(&status, "journal: reading parameters of run '" + meta.run_id + "'")) {
+        const int64_t idx = q.Int(0);
         if (idx < 0 || idx >= kMaxParamIndex) {
           return Status::Internal("journal: run '" + meta.run_id + "': parameter index " +
                                   std::to_string(idx) + " is out of range");
@@ -1607,61 +1396,61 @@ struct Journal::Reader {
         }
         meta.params.resize(std::max(meta.params.size(), static_cast<size_t>(idx) + 1));
         ParamInfo& p = meta.params[static_cast<size_t>(idx)];
-        p.name = q.ColText(1);
-        p.numel = q.ColUnsigned(2);
-        p.kind = static_cast<ParamKind>(q.ColInt(3));
-        p.weight_decay = q.ColReal(4);
-        if (!q.ColNull(5)) p.init_norm = q.ColReal(5);
-        p.role = q.ColText(6);
-        p.group = q.ColText(7);
+        p.name = q.Text(1);
+        p.numel = q.Unsigned(2);
+        p.kind = static_cast<ParamKind>(q.Int(3));
+        p.weight_decay = q.Real(4);
+        if (!q.IsNull(5)) p.init_norm = q.Real(5);
+        p.role = q.Text(6);
+        p.group = q.Text(7);
       }
       if (!status.ok()) return status;
     }
     *kept = visitor.OnRun(meta, end);
     if (!*kept) return Status::Ok();
     {
-      StmtUse q(series);
-      q.Text(1, meta.run_id);
-      while (q.Row(&status, "journal: reading series of run '" + meta.run_id + "'")) {
-        visitor.OnSeries(meta.run_id, static_cast<SeriesId>(q.ColInt(0)), q.ColText(1));
+      sqlite::Query q(series);
+      q.Bind(1, meta.run_id);
+      while (q.Next(&status, "journal: reading series of run '" + meta.run_id + "'")) {
+        visitor.OnSeries(meta.run_id, static_cast<SeriesId>(q.Int(0)), q.Text(1));
       }
       if (!status.ok()) return status;
     }
     {
-      StmtUse q(progress);
-      q.Text(1, meta.run_id);
-      while (q.Row(&status, "journal: reading progress of run '" + meta.run_id + "'")) {
-        visitor.OnRankProgress(RankProgress{meta.run_id, static_cast<uint32_t>(q.ColInt(0)),
-                                            q.ColUnsigned(1), q.ColUnsigned(2)});
+      sqlite::Query q(progress);
+      q.Bind(1, meta.run_id);
+      while (q.Next(&status, "journal: reading progress of run '" + meta.run_id + "'")) {
+        visitor.OnRankProgress(RankProgress{meta.run_id, static_cast<uint32_t>(q.Int(0)),
+                                            q.Unsigned(1), q.Unsigned(2)});
       }
       if (!status.ok()) return status;
     }
     {
-      StmtUse q(rewind);
-      q.Text(1, meta.run_id);
-      if (q.Row(&status, "journal: reading rewinds of run '" + meta.run_id + "'")) {
-        visitor.OnRewind(meta.run_id, q.ColUnsigned(0));
+      sqlite::Query q(rewind);
+      q.Bind(1, meta.run_id);
+      if (q.Next(&status, "journal: reading rewinds of run '" + meta.run_id + "'")) {
+        visitor.OnRewind(meta.run_id, q.Unsigned(0));
       }
       if (!status.ok()) return status;
     }
     {
-      StmtUse q(events);
-      q.Text(1, meta.run_id);
-      while (q.Row(&status, "journal: reading events of run '" + meta.run_id + "'")) {
+      sqlite::Query q(events);
+      q.Bind(1, meta.run_id);
+      while (q.Next(&status, "journal: reading events of run '" + meta.run_id + "'")) {
         EventRecord event;
-        event.step = q.ColUnsigned(0);
-        event.text = q.ColText(1);
-        event.source = q.ColText(2);
-        event.recorded_at = q.ColReal(3);
+        event.step = q.Unsigned(0);
+        event.text = q.Text(1);
+        event.source = q.Text(2);
+        event.recorded_at = q.Real(3);
         visitor.OnEvent(meta.run_id, event);
       }
       if (!status.ok()) return status;
     }
     {
-      StmtUse q(steps);
-      q.Text(1, meta.run_id);
+      sqlite::Query q(steps);
+      q.Bind(1, meta.run_id);
       CompletedStep step;
-      while (q.Row(&status, "journal: reading steps of run '" + meta.run_id + "'")) {
+      while (q.Next(&status, "journal: reading steps of run '" + meta.run_id + "'")) {
         if (Status s = ReadStepRow(q, meta.run_id, step); !s.ok()) return s;
         visitor.OnStep(meta.run_id, step);
       }
@@ -1673,24 +1462,24 @@ struct Journal::Reader {
 
 Status Journal::Load(JournalVisitor& visitor) {
   MutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
+  if (!db_.is_open()) return Status::FailedPrecondition("journal is stopped");
   Reader reader;
   if (Status s = reader.Prepare(db_); !s.ok()) return s;
   // One read transaction, so every table is read from the same snapshot.
-  Transaction txn(db_, statements_->rollback);
-  if (Status s = txn.Begin(reader.begin); !s.ok()) return s;
+  sqlite::Transaction txn(db_, "journal");
+  if (Status s = txn.Begin(sqlite::Transaction::Mode::kDeferred); !s.ok()) return s;
   Status status;
-  StmtUse rows(reader.runs);
-  while (rows.Row(&status, "journal: reading runs")) {
+  sqlite::Query rows(reader.runs);
+  while (rows.Next(&status, "journal: reading runs")) {
     bool kept = false;
     if (Status s = reader.Visit(rows, visitor, &kept); !s.ok()) {
       // One run that cannot be read must not keep the others (and the daemon) from starting.
-      visitor.OnRunFailed(rows.ColText(0), s);
+      visitor.OnRunFailed(rows.Text(0), s);
       continue;
     }
     if (kept) {
       MutexLock held_lock(&held_mu_);
-      held_.insert(rows.ColText(0));
+      held_.insert(rows.Text(0));
     }
   }
   return status;
@@ -1698,7 +1487,7 @@ Status Journal::Load(JournalVisitor& visitor) {
 
 Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
   MutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
+  if (!db_.is_open()) return Status::FailedPrecondition("journal is stopped");
   {
     MutexLock held_lock(&held_mu_);
     held_.insert(run_id);
@@ -1712,12 +1501,12 @@ Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
   }
   Reader reader;
   if (Status s = reader.Prepare(db_); !s.ok()) return s;
-  Transaction txn(db_, statements_->rollback);
-  if (Status s = txn.Begin(reader.begin); !s.ok()) return s;
+  sqlite::Transaction txn(db_, "journal");
+  if (Status s = txn.Begin(sqlite::Transaction::Mode::kDeferred); !s.ok()) return s;
   Status status;
-  StmtUse rows(reader.one_run);
-  rows.Text(1, run_id);
-  if (!rows.Row(&status, "journal: reading run '" + run_id + "'")) {
+  sqlite::Query rows(reader.one_run);
+  rows.Bind(1, run_id);
+  if (!rows.Next(&status, "journal: reading run '" + run_id + "'")) {
     return status.ok() ? Status::NotFound("no run '" + run_id + "' in the journal") : status;
   }
   bool kept = false;
@@ -1736,44 +1525,38 @@ bool Journal::IsHeld(const std::string& run_id) const {
 
 StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
   MutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return Status::FailedPrecondition("journal is stopped");
-  Stmt runs, steps;
-  if (Status s = gradwatch::store::Prepare(
-          db_, "SELECT run_id, world_size, labels_json, created_at, ended_at, end_reason, end_message FROM runs "
-               "ORDER BY run_id", false, runs);
-      !s.ok()) {
-    return s;
-  }
-  if (Status s = gradwatch::store::Prepare(
-          db_, "SELECT count(*), min(step), max(step), max(wall_time) FROM steps WHERE run_id = ?1", false, steps);
-      !s.ok()) {
-    return s;
-  }
+  if (!db_.is_open()) return Status::FailedPrecondition("journal is stopped");
+  auto runs = db_.Prepare(
+      "SELECT run_id, world_size, labels_json, created_at, ended_at, end_reason, end_message FROM runs "
+      "ORDER BY run_id");
+  if (!runs.ok()) return runs.status();
+  auto steps = db_.Prepare("SELECT count(*), min(step), max(step), max(wall_time) FROM steps WHERE run_id = ?1");
+  if (!steps.ok()) return steps.status();
   std::vector<StoredRun> out;
   Status status;
-  StmtUse rows(runs);
-  while (rows.Row(&status, "journal: listing runs")) {
+  sqlite::Query rows(*runs);
+  while (rows.Next(&status, "journal: listing runs")) {
     StoredRun r;
-    r.meta.run_id = rows.ColText(0);
+    r.meta.run_id = rows.Text(0);
     if (IsHeld(r.meta.run_id) || r.meta.run_id == pruning_run_) continue;
-    r.meta.world_size = static_cast<uint32_t>(rows.ColInt(1));
-    if (!ParseLabels(rows.ColText(2), r.meta.run_id, r.meta.labels).ok()) r.meta.labels.clear();
-    r.meta.created_at = rows.ColReal(3);
-    if (!rows.ColNull(4)) {
-      r.end.ended_at = rows.ColReal(4);
-      const int64_t reason = rows.ColInt(5);
+    r.meta.world_size = static_cast<uint32_t>(rows.Int(1));
+    if (!ParseLabels(rows.Text(2), r.meta.run_id, r.meta.labels).ok()) r.meta.labels.clear();
+    r.meta.created_at = rows.Real(3);
+    if (!rows.IsNull(4)) {
+      r.end.ended_at = rows.Real(4);
+      const int64_t reason = rows.Int(5);
       r.end.reason = reason >= static_cast<int>(EndReason::kInactive) && reason <= static_cast<int>(EndReason::kStopped)
                          ? static_cast<EndReason>(reason)
                          : EndReason::kInactive;
-      r.end.message = rows.ColText(6);
+      r.end.message = rows.Text(6);
     }
-    StmtUse q(steps);
-    q.Text(1, r.meta.run_id);
-    if (q.Row(&status, "journal: counting steps of run '" + r.meta.run_id + "'")) {
-      r.step_count = q.ColUnsigned(0);
-      r.first_step = q.ColUnsigned(1);
-      r.last_step = q.ColUnsigned(2);
-      r.last_wall_time = q.ColReal(3);
+    sqlite::Query q(*steps);
+    q.Bind(1, r.meta.run_id);
+    if (q.Next(&status, "journal: counting steps of run '" + r.meta.run_id + "'")) {
+      r.step_count = q.Unsigned(0);
+      r.first_step = q.Unsigned(1);
+      r.last_step = q.Unsigned(2);
+      r.last_wall_time = q.Real(3);
     }
     if (!status.ok()) return status;
     out.push_back(std::move(r));
@@ -1798,14 +1581,14 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
     cutoff = prune_cutoff_;
   }
   Statements& st = *statements_;
-  Transaction txn(db_, st.rollback);
-  if (Status s = txn.Begin(st.begin); !s.ok()) return s;
+  sqlite::Transaction txn(db_, "journal");
+  if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) return s;
   if (pruning_run_.empty()) {
     Status status;
-    StmtUse rows(st.prune_candidates);
-    rows.Real(1, cutoff);
-    while (rows.Row(&status, "journal: finding runs to prune")) {
-      std::string id = rows.ColText(0);
+    sqlite::Query rows(st.prune_candidates);
+    rows.Bind(1, cutoff);
+    while (rows.Next(&status, "journal: finding runs to prune")) {
+      std::string id = rows.Text(0);
       if (!IsHeld(id)) {
         pruning_run_ = std::move(id);
         break;
@@ -1821,24 +1604,25 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
   // A run's rows go table by table, at most max_rows per transaction; its runs row goes last, so a
   // half pruned run stays listed (and is finished by LoadRun) rather than leaving orphans.
   uint64_t deleted = 0;
-  for (Stmt* del : {&st.prune_steps, &st.prune_events, &st.prune_series, &st.prune_params, &st.prune_progress,
-                    &st.prune_rewinds, &st.prune_abandoned_steps, &st.prune_abandoned_events}) {
+  for (sqlite::Statement* del : {&st.prune_steps, &st.prune_events, &st.prune_series, &st.prune_params,
+                                 &st.prune_progress, &st.prune_rewinds, &st.prune_abandoned_steps,
+                                 &st.prune_abandoned_events}) {
     if (deleted >= max_rows) break;
-    StmtUse use(*del);
-    use.Text(1, pruning_run_);
-    use.Int(2, static_cast<int64_t>(std::min<size_t>(max_rows - deleted, INT64_MAX)));
-    if (Status s = use.Done("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
-    deleted += static_cast<uint64_t>(sqlite3_changes(db_));
+    sqlite::Query use(*del);
+    use.Bind(1, pruning_run_);
+    use.Bind(2, static_cast<int64_t>(std::min<size_t>(max_rows - deleted, INT64_MAX)));
+    if (Status s = use.Run("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
+    deleted += static_cast<uint64_t>(db_.changes());
   }
   bool run_done = false;
   if (deleted < max_rows) {
-    StmtUse use(st.prune_run);
-    use.Text(1, pruning_run_);
-    if (Status s = use.Done("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
-    deleted += static_cast<uint64_t>(sqlite3_changes(db_));
+    sqlite::Query use(st.prune_run);
+    use.Bind(1, pruning_run_);
+    if (Status s = use.Run("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
+    deleted += static_cast<uint64_t>(db_.changes());
     run_done = true;
   }
-  if (Status s = txn.Commit(st.commit); !s.ok()) return s;
+  if (Status s = txn.Commit(); !s.ok()) return s;
   pruned_rows_.fetch_add(deleted, std::memory_order_relaxed);
   if (run_done) {
     spdlog::info("journal: run {} pruned (ended before the retention cutoff)", pruning_run_);

@@ -20,8 +20,7 @@
 #include "server/core/status.h"
 #include "server/core/thread_annotations.h"
 #include "server/core/types.h"
-
-struct sqlite3;
+#include "server/store/sqlite.h"
 
 namespace gradwatch::store {
 
@@ -324,7 +323,7 @@ class Journal {
 
   // Serialises use of the connection between the writer thread, Load and Stop.
   Mutex db_mu_ ACQUIRED_AFTER(stop_mu_);
-  sqlite3* db_ GUARDED_BY(db_mu_);  // null once stopped
+  sqlite::Database db_ GUARDED_BY(db_mu_);  // closed once stopped
   std::unique_ptr<Statements> statements_ GUARDED_BY(db_mu_);
   uint64_t db_dev_ GUARDED_BY(db_mu_) = 0, db_ino_ GUARDED_BY(db_mu_) = 0;    // the database file open
   uint64_t wal_dev_ GUARDED_BY(db_mu_) = 0, wal_ino_ GUARDED_BY(db_mu_) = 0;  // its WAL

@@ -146,8 +146,8 @@ TEST_CASE("share: parameters by kind, groups by name", "[alerts]") {
   const Rule by_kind = LoadOne("        kind: share\n        param_kind: output\n        min_share: 0.9\n");
   RunFacts facts = Facts({});
   facts.params = {Param("lm_head.weight", ParamKind::kOutput, 0.1), Param("final_norm.weight", ParamKind::kNormGain, 0)};
-  facts.shares = {{"lm_head.weight", false, 0.939, 0.01},
-                  {"final_norm.weight", false, 0.001, 0},
+  facts.shares = {{"lm_head.weight", false, 0.939, 0.01, ParamKind::kOutput},
+                  {"final_norm.weight", false, 0.001, 0, ParamKind::kNormGain},
                   {"output", true, 0.939, 0.01}};
   auto cs = Evaluate(by_kind, facts);
   REQUIRE(cs.size() == 1);
@@ -253,7 +253,7 @@ TEST_CASE("every default rule matches an incident-shaped run and renders its ann
   final_norm.growth_factor = 1.1;
   final_norm.growth_slope_per_kstep = 2.5;
   facts.params = {final_norm, Param("lm_head.weight", ParamKind::kOutput, 0.1)};
-  facts.shares = {{"lm_head.weight", false, 0.939, 0.01}};
+  facts.shares = {{"lm_head.weight", false, 0.939, 0.01, ParamKind::kOutput}};
 
   RunFacts gone = facts;  // the same run once its job vanished without a Goodbye
   gone.open_streams = 0;

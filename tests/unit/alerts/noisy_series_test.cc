@@ -170,7 +170,7 @@ TEST_CASE("the lm_head share warning does not flap on a noisy share", "[alerts]"
     p.info.name = "lm_head.weight";
     p.info.kind = ParamKind::kOutput;
     f.params = {p};
-    f.shares = {{.name = "lm_head.weight", .is_group = false, .share = std::min(s, 1.0)}};
+    f.shares = {{.name = "lm_head.weight", .is_group = false, .share = std::min(s, 1.0), .kind = ParamKind::kOutput}};
   };
   for (uint64_t every : {1u, 10u}) {
     for (uint64_t seed : kSeeds) {

@@ -41,7 +41,7 @@ RunFacts Incident() {
   ParamFact mlp = Param("layers.0.mlp.w1", ParamKind::kMlp, 0.1, 1'000'000);
   f.params = {layer_norm, final_norm, head, mlp};
 
-  f.shares = {{"lm_head.weight", false, 0.939, 0.01}, {"output", true, 0.939, 0.01},
+  f.shares = {{"lm_head.weight", false, 0.939, 0.01, ParamKind::kOutput}, {"output", true, 0.939, 0.01},
               {"final_norm.weight", false, 0.0004, 0}};
   f.slope_changes = {{"params/norm/final_norm.weight", 60000, "lr decay starts", 0.9, 1.1, 1.0, 50},
                      {"params/norm/final_norm.weight", 81716, "switched to near-dropless EP routing", 2.5,
@@ -134,7 +134,7 @@ TEST_CASE("missing facts are left out of the recommendation", "[alerts]") {
   RunFacts no_gain;
   no_gain.config.z_loss_coef = 0;
   no_gain.params = {Param("lm_head.weight", ParamKind::kOutput, 0.1)};
-  no_gain.shares = {{"lm_head.weight", false, 0.5, 0}};
+  no_gain.shares = {{"lm_head.weight", false, 0.5, 0, ParamKind::kOutput}};
   CHECK(Recommend(no_gain) == "lm_head.weight carries 50% of the squared grad norm; no z-loss.");
   CHECK(Recommend(RunFacts{}).empty());
 }

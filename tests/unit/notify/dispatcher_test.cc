@@ -1,6 +1,5 @@
 #include "alerts/notify/dispatcher.h"
 
-#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <functional>
@@ -17,16 +16,6 @@ using notify::testing::TestReceiver;
 using namespace std::chrono_literals;
 
 namespace {
-
-class ManualClock final : public notify::Clock {
- public:
-  explicit ManualClock(double now) : now_(now) {}
-  double UnixSeconds() const override { return now_.load(); }
-  void Set(double now) { now_ = now; }
-
- private:
-  std::atomic<double> now_;
-};
 
 // Back-off of 10, 20, 40, 40... ms without jitter.
 notify::DispatcherOptions FastOptions() {
@@ -310,8 +299,8 @@ TEST_CASE("entries left in the outbox are delivered by the next dispatcher", "[n
 
 TEST_CASE("alertmanager gets firing alerts again every resend interval, until resolved",
           "[notify]") {
-  constexpr double kStart = 1'800'000'000;
-  ManualClock clock(kStart);
+  gradwatch::FakeClock clock;
+  const double kStart = clock.UnixSeconds();
   TestReceiver alertmanager;
   TestReceiver webhook;
   notify::MemoryOutbox outbox;
@@ -341,7 +330,7 @@ TEST_CASE("alertmanager gets firing alerts again every resend interval, until re
   CHECK(outbox.Snapshot().size() == 2);  // the firing entry for each receiver
 
   // An interval after the last delivery: sent again with a fresh endsAt, to Alertmanager only.
-  clock.Set(kStart + 61);
+  clock.Advance(61s);  // kStart + 61
   REQUIRE(dispatcher.Refresh({firing}, kStart + 61).ok());
   REQUIRE(WaitUntil([&] { return StatsOf(dispatcher, 0).sent == 2; }));
   CHECK(ends_at_of(1) == notify::FormatRfc3339(kStart + 61 + 240));
@@ -350,12 +339,12 @@ TEST_CASE("alertmanager gets firing alerts again every resend interval, until re
   CHECK(outbox.Snapshot().size() == 3);
 
   // Resolved: sent once with its real end; a stale snapshot still listing it sends nothing.
-  clock.Set(kStart + 130);
+  clock.Advance(69s);  // kStart + 130
   REQUIRE(
       dispatcher.Enqueue(MakeAlert("r1", AlertState::kResolved, kStart - 10, kStart + 125)).ok());
   REQUIRE(WaitUntil([&] { return StatsOf(dispatcher, 0).sent == 3; }));
   CHECK(ends_at_of(2) == notify::FormatRfc3339(kStart + 125));
-  clock.Set(kStart + 300);
+  clock.Advance(170s);  // kStart + 300
   REQUIRE(dispatcher.Refresh({firing}, kStart + 300).ok());
   CHECK(outbox.Snapshot().size() == 5);
 

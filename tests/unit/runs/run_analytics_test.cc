@@ -1,6 +1,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -210,4 +211,50 @@ TEST_CASE("analytics rebuilt as after a restart equal the live ones", "[runs]") 
   const std::string exact = Exact(live.Analysis());
   CHECK(exact.find("change grad/norm/total routing switch") != std::string::npos);
   CHECK(Exact(restored.Analysis()) == exact);
+}
+
+TEST_CASE("the per-step analysis the alert rules read equals the full one, by parameter, in reused buffers",
+          "[runs]") {
+  RunAnalytics a = Make();
+  a.OnEvent({.step = 6000, .text = "switched routing"});
+  const double init = std::sqrt(6144.0);
+  RunAnalysis step_analysis;
+  std::vector<ParamAnalysis> params;
+  for (uint64_t s = 0; s <= 20000; s += 10) {
+    a.OnStep(Step(s, Noisy(s), 0.5 * Noisy(s), init + 0.01 * s));
+    if (s % 2000 != 0) continue;
+    // Filled again into the same buffers as a live run does at every step.
+    a.StepAnalysis(step_analysis, params);
+    const RunAnalysis full = a.Analysis();
+    RunAnalysis expected = full;
+    expected.slopes.clear();
+    expected.amplifications.clear();
+    expected.growth_without_decay.clear();
+    INFO("step " << s);
+    CHECK(Exact(step_analysis) == Exact(expected));
+    REQUIRE(params.size() == Catalog().size());
+    // Parameter 0 (final_norm.weight, a norm gain without decay): its amplification and growth.
+    std::optional<AmplificationInfo> amplification;
+    for (const auto& x : full.amplifications) {
+      if (x.param == "final_norm.weight") amplification = x;
+    }
+    REQUIRE(amplification.has_value());
+    CHECK(params[0].amplification == amplification->amplification);
+    CHECK(params[0].init_norm == amplification->init_norm);
+    CHECK(params[0].norm == amplification->norm);
+    CHECK(params[0].growth.has_value() == !full.growth_without_decay.empty());
+    if (params[0].growth) CHECK(params[0].growth->growth_factor == full.growth_without_decay[0].growth_factor);
+    // The norm's slope over the forecast window, as the full slopes list it.
+    for (const auto& sl : full.slopes) {
+      if (sl.key == "params/norm/final_norm.weight" && sl.window_steps == AnalyticsOptions{}.forecast_window_steps) {
+        CHECK(params[0].norm_slope_per_kstep == sl.fit.slope_per_kstep());
+      }
+    }
+    // lm_head has weight decay and no norm gain: a norm, no amplification, no growth.
+    CHECK(params[1].norm == 500.0);
+    CHECK_FALSE(params[1].amplification.has_value());
+    CHECK_FALSE(params[1].growth.has_value());
+    // mlp has no norm series.
+    CHECK_FALSE(params[2].norm.has_value());
+  }
 }

@@ -18,7 +18,9 @@
 #include <thread>
 #include <vector>
 
+#include "alerts/alert.h"
 #include "server/core/types.h"
+#include "server/store/alert_store.h"
 #include "server/store/journal.h"
 #include "tests/support/temp_dir.h"
 
@@ -126,8 +128,9 @@ uint64_t Bits(double v) { return std::bit_cast<uint64_t>(v); }
 // A second connection, as another process would see the database.
 class RawDb {
  public:
-  explicit RawDb(const std::string& path) {
-    REQUIRE(sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE, nullptr) == SQLITE_OK);
+  explicit RawDb(const std::string& path, bool create = false) {
+    REQUIRE(sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | (create ? SQLITE_OPEN_CREATE : 0), nullptr) ==
+            SQLITE_OK);
     sqlite3_busy_timeout(db_, 5000);
   }
   ~RawDb() { sqlite3_close(db_); }
@@ -990,6 +993,194 @@ PRAGMA user_version = 1;
   RawDb raw(dir.db());
   CHECK(raw.Query("PRAGMA user_version") == "2");
   CHECK(raw.Query("SELECT count(*) FROM abandoned_steps") == "1");
+}
+
+TEST_CASE("a version-2 journal and alert store written before the SQLite helper open unchanged",
+          "[store][migration]") {
+  TempDir dir;
+  // The schema as the journal and the alert store of 44f6238 created it (user_version 2), with a
+  // row in every table.
+  const char* v2 = R"sql(
+PRAGMA journal_mode=WAL;
+CREATE TABLE IF NOT EXISTS runs(
+  run_id TEXT PRIMARY KEY,
+  world_size INTEGER NOT NULL,
+  labels_json TEXT NOT NULL,
+  config_json TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  ended_at REAL,
+  end_reason INTEGER NOT NULL DEFAULT 0,
+  end_message TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS params(
+  run_id TEXT NOT NULL,
+  idx INTEGER NOT NULL,
+  name TEXT NOT NULL,
+  numel INTEGER NOT NULL,
+  kind INTEGER NOT NULL,
+  weight_decay REAL NOT NULL,
+  init_norm REAL,
+  role TEXT NOT NULL,
+  grp TEXT NOT NULL,
+  PRIMARY KEY(run_id, idx));
+CREATE TABLE IF NOT EXISTS series(
+  run_id TEXT NOT NULL,
+  id INTEGER NOT NULL,
+  key TEXT NOT NULL,
+  PRIMARY KEY(run_id, id));
+CREATE TABLE IF NOT EXISTS steps(
+  run_id TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  wall_time REAL NOT NULL,
+  partial INTEGER NOT NULL,
+  ranks_reported INTEGER NOT NULL,
+  client_dropped INTEGER NOT NULL,
+  vals BLOB NOT NULL,
+  PRIMARY KEY(run_id, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rank_progress(
+  run_id TEXT NOT NULL,
+  rank INTEGER NOT NULL,
+  step INTEGER NOT NULL,
+  seq INTEGER NOT NULL,
+  PRIMARY KEY(run_id, rank));
+CREATE TABLE IF NOT EXISTS events(
+  id INTEGER PRIMARY KEY,
+  run_id TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  text TEXT NOT NULL,
+  source TEXT NOT NULL,
+  recorded_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, step);
+PRAGMA user_version = 2;
+CREATE TABLE IF NOT EXISTS rewinds(
+  run_id TEXT NOT NULL,
+  branch INTEGER NOT NULL,
+  from_step INTEGER NOT NULL,
+  world_size INTEGER NOT NULL,
+  rewound_at REAL NOT NULL,
+  PRIMARY KEY(run_id, branch));
+CREATE TABLE IF NOT EXISTS abandoned_steps(
+  run_id TEXT NOT NULL,
+  branch INTEGER NOT NULL,
+  step INTEGER NOT NULL,
+  wall_time REAL NOT NULL,
+  partial INTEGER NOT NULL,
+  ranks_reported INTEGER NOT NULL,
+  client_dropped INTEGER NOT NULL,
+  vals BLOB NOT NULL,
+  PRIMARY KEY(run_id, branch, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS abandoned_events(
+  id INTEGER PRIMARY KEY,
+  run_id TEXT NOT NULL,
+  branch INTEGER NOT NULL,
+  step INTEGER NOT NULL,
+  text TEXT NOT NULL,
+  source TEXT NOT NULL,
+  recorded_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, receiver TEXT NOT NULL, fingerprint TEXT NOT NULL, state INTEGER NOT NULL, payload TEXT NOT NULL, created_at REAL NOT NULL, attempts INTEGER NOT NULL, next_attempt_at REAL NOT NULL, delivery INTEGER NOT NULL DEFAULT 0, error TEXT);
+CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (receiver, delivery, id);
+CREATE TABLE IF NOT EXISTS alert_instances (fingerprint TEXT PRIMARY KEY, run TEXT NOT NULL, rule TEXT NOT NULL, alert TEXT NOT NULL, held_since_step INTEGER NOT NULL, clearing INTEGER NOT NULL, clearing_since_step INTEGER NOT NULL, notified INTEGER NOT NULL, ack TEXT);
+CREATE TABLE IF NOT EXISTS silences (id TEXT PRIMARY KEY, matchers TEXT NOT NULL, starts_at REAL NOT NULL, ends_at REAL NOT NULL, comment TEXT NOT NULL, created_by TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS alert_levels (fingerprint TEXT PRIMARY KEY, run TEXT NOT NULL, rule TEXT NOT NULL, reports BLOB NOT NULL, report_count INTEGER NOT NULL, since_mark INTEGER NOT NULL, all_since_mark INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS alert_progress (run TEXT PRIMARY KEY, evaluated_step INTEGER NOT NULL);
+INSERT INTO runs VALUES('r', 2, '{"team":"lm"}', '{"hidden_size":6144,"optimizer":"adamw","extra":{},"z_loss_coef":0.0001}', 1.7e9, 1.7e9 + 50, 2, 'reached max_steps');
+INSERT INTO params VALUES('r', 0, 'final_norm.weight', 6144, 1, 0.0, 78.4, 'final_norm', 'norms');
+INSERT INTO params VALUES('r', 1, 'lm_head.weight', 788000000, 0, 0.1, NULL, 'lm_head', 'head');
+INSERT INTO series VALUES('r', 0, 'grad/norm/total');
+INSERT INTO series VALUES('r', 1, 'param/norm/final_norm.weight');
+-- values: series 0 = 0.5 and series 1 = -2.0, as (uint32, float64) little-endian pairs
+INSERT INTO steps VALUES('r', 1, 1.7e9 + 1, 0, 2, 0, X'00000000000000000000E03F0100000000000000000000C0');
+INSERT INTO steps VALUES('r', 2, 1.7e9 + 2, 1, 1, 3, X'00000000000000000000F03F');
+INSERT INTO rank_progress VALUES('r', 0, 2, 20);
+INSERT INTO rank_progress VALUES('r', 1, 1, 11);
+INSERT INTO events(run_id, step, text, source, recorded_at) VALUES('r', 2, 'lr decay', 'trainer', 1.7e9 + 2);
+INSERT INTO rewinds VALUES('r', 0, 3, 2, 1.7e9 + 4);
+INSERT INTO abandoned_steps VALUES('r', 0, 3, 1.7e9 + 3, 0, 2, 0, X'00000000000000000000F03F');
+INSERT INTO abandoned_events(run_id, branch, step, text, source, recorded_at) VALUES('r', 0, 3, 'old', 'trainer', 1.7e9 + 3);
+INSERT INTO outbox(receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at) VALUES('am', '00000000000000ab', 1, '{}', 1.7e9, 0, 1.7e9);
+INSERT INTO silences VALUES('s1', '{"run":"r"}', 1.7e9, 1.7e9 + 3600, 'maintenance', 'alice');
+INSERT INTO alert_progress VALUES('r', 2);
+)sql";
+  {
+    RawDb raw(dir.db(), /*create=*/true);
+    raw.Exec(v2);
+  }
+  auto schema_text = [&] {
+    RawDb raw(dir.db());
+    return raw.Query("SELECT group_concat(type || ' ' || name || ' ' || ifnull(sql, ''), char(10)) FROM "
+                     "(SELECT * FROM sqlite_master ORDER BY name)");
+  };
+  const std::string schema_before = schema_text();
+  REQUIRE_FALSE(schema_before.empty());
+
+  const Recorder got = LoadFrom(dir.db());
+  CHECK(got.failed.empty());
+  REQUIRE(got.runs.size() == 1);
+  const RunMeta& meta = got.runs[0].meta;
+  CHECK(meta.run_id == "r");
+  CHECK(meta.world_size == 2);
+  CHECK(meta.labels == std::map<std::string, std::string>{{"team", "lm"}});
+  CHECK(meta.config.hidden_size == 6144);
+  CHECK(meta.config.optimizer == "adamw");
+  CHECK(meta.config.z_loss_coef == 0.0001);
+  CHECK(meta.created_at == 1.7e9);
+  CHECK(got.runs[0].end == RunEnd{1.7e9 + 50, EndReason::kFinished, "reached max_steps"});
+  REQUIRE(meta.params.size() == 2);
+  CHECK(meta.params[0].name == "final_norm.weight");
+  CHECK(meta.params[0].numel == 6144);
+  CHECK(meta.params[0].init_norm == 78.4);
+  CHECK(meta.params[0].group == "norms");
+  CHECK(meta.params[1].numel == 788000000);
+  CHECK(meta.params[1].weight_decay == 0.1);
+  CHECK_FALSE(meta.params[1].init_norm.has_value());
+  REQUIRE(got.series.size() == 2);
+  CHECK(got.series[1].key == "param/norm/final_norm.weight");
+  REQUIRE(got.steps.size() == 2);
+  CHECK(got.steps[0].step.step == 1);
+  CHECK(got.steps[0].step.wall_time == 1.7e9 + 1);
+  REQUIRE(got.steps[0].step.values.size() == 2);
+  CHECK(got.steps[0].step.values[0].id == 0);
+  CHECK(got.steps[0].step.values[0].value == 0.5);
+  CHECK(got.steps[0].step.values[1].id == 1);
+  CHECK(got.steps[0].step.values[1].value == -2.0);
+  CHECK(got.steps[1].step.partial);
+  CHECK(got.steps[1].step.ranks_reported == 1);
+  CHECK(got.steps[1].step.client_dropped_steps == 3);
+  REQUIRE(got.steps[1].step.values.size() == 1);
+  CHECK(got.steps[1].step.values[0].value == 1.0);
+  REQUIRE(got.progress.size() == 2);
+  CHECK(got.progress[0].step == 2);
+  CHECK(got.progress[0].seq == 20);
+  CHECK(got.progress[1].rank == 1);
+  REQUIRE(got.events.size() == 1);
+  CHECK(got.events[0].event.text == "lr decay");
+  CHECK(got.rewinds == std::vector<std::pair<std::string, uint64_t>>{{"r", 3}});
+
+  {
+    auto store = AlertStore::Open(dir.db());
+    INFO(store.status().ToString());
+    REQUIRE(store.ok());
+    auto pending = (*store)->Pending("am", 10, 1.7e9 + 1);
+    REQUIRE(pending.ok());
+    REQUIRE(pending->size() == 1);
+    CHECK(pending.value()[0].fingerprint == "00000000000000ab");
+    auto state = (*store)->LoadState();
+    REQUIRE(state.ok());
+    REQUIRE(state->silences.size() == 1);
+    CHECK(state->silences[0].comment == "maintenance");
+    CHECK(state->silences[0].matchers == alerts::LabelSet{{"run", "r"}});
+    CHECK(state->evaluated == std::map<std::string, uint64_t>{{"r", 2}});
+  }
+
+  // Opened, read and written to (a new step) without any change to the schema or its version.
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    REQUIRE(journal->Enqueue(MakeStep("r", 3, {{0, 2.0}})));
+    REQUIRE(journal->Flush().ok());
+  }
+  RawDb raw(dir.db());
+  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("SELECT count(*) FROM steps") == "3");
+  CHECK(schema_text() == schema_before);
 }
 
 namespace {
