@@ -20,8 +20,10 @@ namespace {
 
 constexpr char kFooter[] = R"(Exit codes:
   0  success
-  1  failure: daemon unreachable, RPC error, run or series not found, file unreadable,
-     steps not acknowledged
+  1  failure: daemon unreachable, RPC error, run or series not found, file unreadable;
+     replay stopped before every step was acknowledged (no acknowledgement for
+     --stall-timeout, SIGINT or SIGTERM, stream refused): it says which steps are kept, and
+     the same command run again sends only the rest
   2  usage error
   3  replay finished, but some lines were skipped or rejected by the daemon
 
@@ -54,7 +56,8 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   global.address = DefaultAddress();
   app.add_option("--addr", global.address, "Daemon gRPC address, host:port")->capture_default_str();
   app.add_option("--timeout", global.timeout_seconds,
-                 "Deadline of each query, and how long replay waits for the daemon (seconds)")
+                 "Deadline of each query, and how long replay waits for the daemon to accept its "
+                 "stream (seconds)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_flag("--json", global.json, "Machine-readable output on stdout");
@@ -76,6 +79,13 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   replay_cmd->add_flag("--finish", replay.finish,
                        "Once every step is acknowledged, say Goodbye: the run is recorded as finished "
                        "(its alerts resolve; it does not page as dead)");
+  replay_cmd
+      ->add_option("--stall-timeout", replay.stall_timeout_seconds,
+                   "Give up once the daemon has acknowledged nothing for this long (seconds). There is "
+                   "no overall deadline: a slow daemon is waited for as long as it keeps "
+                   "acknowledging, and the file is read only as fast as it does")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   replay_cmd->add_option("--rank", replay.rank, "This rank")->capture_default_str();
   replay_cmd->add_option("--resume-from", replay.resume_from,
                          "The history resumes the run from its checkpoint at step N: the daemon "

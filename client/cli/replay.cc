@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "client/cli/format.h"
+#include "client/cli/signal_watch.h"
 #include "client/lib/monitor.h"
 #include "client/lib/query_client.h"
 
@@ -28,6 +29,9 @@ using json = nlohmann::ordered_json;
 constexpr size_t kSkippedInSummary = 5;
 constexpr size_t kDaemonMessagesShown = 100;
 constexpr auto kProgressInterval = std::chrono::milliseconds(200);
+// Steps read from the file ahead of the flow-control window: this many, and this many bytes.
+constexpr size_t kReadAheadSteps = 64;
+constexpr size_t kReadAheadBytes = 4 << 20;
 
 std::string ReasonShortName(const std::string& reason) {
   constexpr std::string_view kPrefix = "ERROR_REASON_";
@@ -126,7 +130,10 @@ ReplayPlan ScanReplay(std::istream& in) {
       const auto& record = std::get<StepRecord>(*result.line);
       plan.catalog.AddFrom(record);
       if (record.event) ++plan.events;
-      if (record.has_metrics || !record.event) ++plan.step_lines;
+      if (record.has_metrics || !record.event) {
+        ++plan.step_lines;
+        plan.step_numbers.push_back(record.step);
+      }
     }
     return true;
   });
@@ -168,6 +175,18 @@ v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options,
   return hello;
 }
 
+void CountUnackedSteps(const ReplayPlan& plan, ReplaySummary& summary) {
+  summary.unacked_steps = 0;
+  summary.first_unacked_step.reset();
+  summary.last_unacked_step.reset();
+  for (const uint64_t step : plan.step_numbers) {
+    if (summary.has_acked && step <= summary.last_acked_step) continue;
+    ++summary.unacked_steps;
+    if (!summary.first_unacked_step || step < *summary.first_unacked_step) summary.first_unacked_step = step;
+    if (!summary.last_unacked_step || step > *summary.last_unacked_step) summary.last_unacked_step = step;
+  }
+}
+
 json ReplaySummaryToJson(const ReplaySummary& s) {
   json skipped = json::array();
   for (const BadLine& b : s.first_skipped)
@@ -189,6 +208,10 @@ json ReplaySummaryToJson(const ReplaySummary& s) {
       {"seconds", s.seconds},
       {"steps_per_second", s.seconds > 0 ? s.steps_sent / s.seconds : 0.0},
       {"complete", s.complete},
+      {"stopped", s.stopped.empty() ? json(nullptr) : json(s.stopped)},
+      {"unacked_steps", s.unacked_steps},
+      {"first_unacked_step", s.first_unacked_step ? json(*s.first_unacked_step) : json(nullptr)},
+      {"last_unacked_step", s.last_unacked_step ? json(*s.last_unacked_step) : json(nullptr)},
       {"finished", s.finished ? json(*s.finished) : json(nullptr)},
   };
 }
@@ -222,6 +245,15 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
       {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
       {"time", rate},
   };
+  if (!s.stopped.empty()) {
+    std::string unacked = std::to_string(s.unacked_steps);
+    if (s.first_unacked_step) {
+      unacked += " (steps " + std::to_string(*s.first_unacked_step) + " to " +
+                 std::to_string(*s.last_unacked_step) + ")";
+    }
+    rows.push_back({"stopped", s.stop_detail});
+    rows.push_back({"not acked", unacked});
+  }
   if (s.resumed_from_step) {
     rows.insert(rows.begin() + 2,
                 {"resumed from", "the checkpoint at step " + std::to_string(*s.resumed_from_step)});
@@ -268,6 +300,10 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   client::MonitorOptions monitor_options;
   monitor_options.address = global.address;
   monitor_options.hello = BuildHello(plan, options, summary.run);
+  // The file is the buffer: the Monitor holds the flow-control window and a little read-ahead,
+  // so memory stays bounded whatever the file's size.
+  monitor_options.queue_capacity = monitor_options.max_unacked_steps + kReadAheadSteps;
+  monitor_options.queue_capacity_bytes = monitor_options.max_unacked_bytes + kReadAheadBytes;
   monitor_options.on_error = [&messages](const v1::Error& e) { messages.AddError(e); };
   monitor_options.on_alert = [&messages](const v1::Alert& a) { messages.AddAlert(a); };
   monitor_options.on_accepted = [&](const v1::Accepted& a) {
@@ -275,12 +311,19 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     if (!first_accepted) first_accepted = a;
   };
   client::Monitor monitor(std::move(monitor_options));
+  // Before the Monitor starts its threads, so that they leave SIGINT and SIGTERM to the watch. A
+  // signal stops the Monitor: every wait below returns, and the replay reports what was kept.
+  SignalWatch signals([&monitor](int) { monitor.Stop(); });
   monitor.Start();
+  const auto stall_timeout = options.stall_timeout();
 
   if (!monitor.WaitAccepted(global.timeout())) {
     const client::MonitorStats stats = monitor.Stats();
     monitor.Stop();
-    if (stats.rejected) {
+    if (signals.received() != 0) {
+      err << "gradwatch: interrupted by " << SignalName(signals.received())
+          << " before the daemon accepted the stream; nothing was sent\n";
+    } else if (stats.rejected) {
       err << "gradwatch: the daemon at " << global.address << " refused run " << summary.run
           << " rank " << options.rank << ": " << stats.last_error << "\n";
     } else {
@@ -293,7 +336,8 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     return kExitFailure;
   }
   // The daemon refuses steps older than the last one it received from this rank, so a replay
-  // that is run again resumes after it instead of drawing an error for every line.
+  // that is run again resumes after it instead of drawing an error for every line. Steps it
+  // received but has not committed are not sent again: the Monitor waits for their acks.
   std::optional<uint64_t> resume_after;
   {
     std::lock_guard lock(accepted_mu);
@@ -324,8 +368,6 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   std::unordered_map<uint64_t, uint64_t> line_of_step;
   std::optional<double> first_timestamp;
   Clock::time_point paced_from;
-  std::string failure;
-
   auto send = [&](uint64_t line_number, LineResult& result) {
     if (!result.ok()) return true;
     const auto* record = std::get_if<StepRecord>(&*result.line);
@@ -341,29 +383,20 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
         paced_from = Clock::now();
       }
       const double offset = std::max(0.0, (*record->timestamp - *first_timestamp) / options.speed);
-      std::this_thread::sleep_until(paced_from + std::chrono::duration_cast<Clock::duration>(
-                                                     std::chrono::duration<double>(offset)));
-    }
-    if (record->event) {
-      const auto deadline = Clock::now() + global.timeout();
-      while (!monitor.Event(record->step, *record->event)) {
-        if (Clock::now() > deadline) {
-          failure = "event queue still full after " + FormatValue(global.timeout_seconds) +
-                    " s; the daemon at " + global.address + " is not keeping up";
-          return false;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      if (!signals.SleepUntil(paced_from + std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(offset)))) {
+        return false;
       }
+    }
+    // Both wait for room as long as the daemon keeps acknowledging; they fail once it has
+    // acknowledged nothing for the stall timeout, or when a signal stopped the Monitor.
+    if (record->event) {
+      if (!monitor.EventBlocking(record->step, *record->event, stall_timeout)) return false;
       ++summary.events_sent;
     }
     if (!held && (record->has_metrics || !record->event)) {
       line_of_step[record->step] = line_number;
-      if (!monitor.LogBlocking(ToStepStats(*record, plan.catalog), global.timeout())) {
-        failure = "no room to send step " + std::to_string(record->step) + " for " +
-                  FormatValue(global.timeout_seconds) + " s: the daemon at " + global.address +
-                  " is not acknowledging";
-        return false;
-      }
+      if (!monitor.LogBlocking(ToStepStats(*record, plan.catalog), stall_timeout)) return false;
       ++summary.steps_sent;
     }
     const auto now = Clock::now();
@@ -380,29 +413,18 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     }
     return true;
   };
+  bool sent_everything = true;
   in.clear();
   in.seekg(0);
-  ForEachLine(in, send);
+  ForEachLine(in, [&](uint64_t line_number, LineResult& result) {
+    sent_everything = send(line_number, result);
+    return sent_everything;
+  });
 
-  if (!failure.empty()) {
-    ClearProgress(progress, err);
-    const client::MonitorStats stats = monitor.Stats();
-    monitor.Stop();
-    messages.Print(options.file, line_of_step, err);
-    err << "gradwatch: " << failure;
-    if (!stats.last_error.empty()) err << " (last error: " << stats.last_error << ")";
-    err << "\n";
-    return kExitFailure;
-  }
-
-  // At most a queue's worth of steps is still outstanding; give each a millisecond.
-  const client::MonitorStats before_flush = monitor.Stats();
-  const auto flush_timeout = std::max(
-      global.timeout(), std::chrono::milliseconds(before_flush.queued + before_flush.unacked));
-  summary.complete = monitor.Flush(flush_timeout);
+  summary.complete = sent_everything && monitor.FlushWhileProgressing(stall_timeout);
   if (options.finish) {
-    summary.finished = summary.complete &&
-                       monitor.Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED, "replayed " + options.file);
+    summary.finished = summary.complete && monitor.Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED,
+                                                          "replayed " + options.file);
   }
   summary.seconds = std::chrono::duration<double>(Clock::now() - started).count();
   const client::MonitorStats stats = monitor.Stats();
@@ -412,6 +434,20 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   summary.daemon_errors = stats.errors_by_reason;
   summary.has_acked = stats.has_acked;
   summary.last_acked_step = stats.acked_through_step;
+  if (!summary.complete) {
+    if (signals.received() != 0) {
+      summary.stopped = "interrupted";
+      summary.stop_detail = "interrupted by " + SignalName(signals.received());
+    } else if (stats.rejected) {
+      summary.stopped = "rejected";
+      summary.stop_detail = "the daemon at " + global.address + " closed the stream";
+    } else {
+      summary.stopped = "stalled";
+      summary.stop_detail = "the daemon at " + global.address + " acknowledged nothing for " +
+                            FormatValue(options.stall_timeout_seconds) + " s (--stall-timeout)";
+    }
+    CountUnackedSteps(plan, summary);
+  }
 
   if (global.json) {
     out << ReplaySummaryToJson(summary).dump(2) << "\n";
@@ -419,9 +455,16 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     out << FormatReplaySummary(summary);
   }
   if (!summary.complete) {
-    err << "gradwatch: " << stats.queued + stats.unacked
-        << " steps not acknowledged by the daemon at " << global.address
-        << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")") << "\n";
+    err << "gradwatch: " << summary.stop_detail << "; "
+        << (summary.has_acked ? "steps through " + std::to_string(summary.last_acked_step) + " are kept; "
+                              : "no step was acknowledged; ")
+        << summary.unacked_steps << " steps not acknowledged";
+    if (summary.first_unacked_step) {
+      err << " (" << *summary.first_unacked_step << " to " << *summary.last_unacked_step << ")";
+    }
+    err << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")")
+        << ". Run the same command again to send them: the daemon says what it holds, and only "
+           "the rest is sent\n";
     return kExitFailure;
   }
   if (summary.finished && !*summary.finished) {

@@ -1,6 +1,7 @@
 // `gradwatch replay`: streams a JSONL history to the daemon through a Monitor.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <istream>
 #include <map>
@@ -16,6 +17,9 @@
 
 namespace gradwatch::cli {
 
+// How long a replay waits without any acknowledgement from the daemon before it gives up.
+inline constexpr double kDefaultStallTimeoutSeconds = 60;
+
 struct ReplayOptions {
   std::string file;
   std::string run;  // empty: the header's, else the file's stem
@@ -28,6 +32,13 @@ struct ReplayOptions {
   std::optional<uint64_t> resume_from;
   // Once every step is acknowledged, say Goodbye: the daemon records the run as finished.
   bool finish = false;
+  // Flow control, not a deadline: the replay waits as long as the daemon keeps acknowledging,
+  // and gives up once it has acknowledged nothing for this long (seconds).
+  double stall_timeout_seconds = kDefaultStallTimeoutSeconds;
+
+  std::chrono::milliseconds stall_timeout() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(stall_timeout_seconds * 1000));
+  }
 };
 
 struct BadLine {
@@ -42,6 +53,8 @@ struct ReplayPlan {
   uint64_t lines = 0;       // lines read, blank ones included
   uint64_t step_lines = 0;  // lines that carry metrics
   uint64_t events = 0;
+  // The step number of every line that carries metrics, in file order.
+  std::vector<uint64_t> step_numbers;
   uint64_t bad_line_count = 0;
   std::vector<BadLine> bad_lines;  // the first kMaxBadLinesKept
 };
@@ -79,9 +92,24 @@ struct ReplaySummary {
   uint64_t last_acked_step = 0;
   double seconds = 0;
   bool complete = false;  // every sent step acknowledged durable
+  // Why the replay stopped before every step was acknowledged: "interrupted" (SIGINT, SIGTERM),
+  // "stalled" (nothing acknowledged for the stall timeout), "rejected" (the daemon refused or
+  // closed the stream); empty when it did not stop early. stop_detail says it for people.
+  std::string stopped;
+  std::string stop_detail;
+  // The file's steps numbered after the last acknowledged step (all of them when none was): not
+  // confirmed kept. A replay run again sends exactly those the daemon does not hold.
+  uint64_t unacked_steps = 0;
+  std::optional<uint64_t> first_unacked_step;
+  std::optional<uint64_t> last_unacked_step;
   // With --finish: whether the daemon recorded the run as finished; nullopt without --finish.
   std::optional<bool> finished;
 };
+
+// Fills summary.unacked_steps and the first and last of them from the plan's step numbers and
+// the summary's last acknowledged step: the daemon acknowledges a rank's steps in order, so every
+// step up to that one is kept, and the steps after it are what a replay run again must send.
+void CountUnackedSteps(const ReplayPlan& plan, ReplaySummary& summary);
 
 nlohmann::ordered_json ReplaySummaryToJson(const ReplaySummary& summary);
 std::string FormatReplaySummary(const ReplaySummary& summary);

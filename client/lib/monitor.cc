@@ -7,6 +7,7 @@
 #include <exception>
 #include <utility>
 
+#include "client/lib/stall_timer.h"
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 
 namespace gradwatch::client {
@@ -68,7 +69,9 @@ struct Monitor::Connection {
 
 Monitor::Monitor(MonitorOptions options)
     : options_(std::move(options)),
-      buffer_(options_.queue_capacity, options_.event_capacity),
+      buffer_(options_.queue_capacity, options_.event_capacity,
+              SendWindow{options_.max_unacked_steps, options_.max_unacked_bytes},
+              options_.queue_capacity_bytes),
       backoff_(options_.initial_backoff),
       rng_(std::random_device{}()) {}
 
@@ -101,9 +104,9 @@ bool Monitor::Log(v1::StepStats step) {
   return true;
 }
 
-bool Monitor::LogBlocking(v1::StepStats step, std::chrono::milliseconds timeout) {
+bool Monitor::LogBlocking(v1::StepStats step, std::chrono::milliseconds stall_timeout) {
   std::unique_lock lock(mu_);
-  space_cv_.wait_for(lock, timeout, [this] { return stopping_ || buffer_.HasRoomForStep(); });
+  WaitWhileProgressing(lock, space_cv_, stall_timeout, [this] { return buffer_.HasRoomForStep(); });
   if (stopping_) {
     ++stats_.dropped;
     return false;
@@ -123,10 +126,49 @@ bool Monitor::Event(uint64_t step, std::string text) {
   return true;
 }
 
+bool Monitor::EventBlocking(uint64_t step, std::string text, std::chrono::milliseconds stall_timeout) {
+  v1::Event event;
+  event.set_step(step);
+  event.set_text(std::move(text));
+  std::unique_lock lock(mu_);
+  WaitWhileProgressing(lock, space_cv_, stall_timeout, [this] { return buffer_.HasRoomForEvent(); });
+  if (stopping_ || !buffer_.PushEvent(std::move(event))) return false;
+  sender_cv_.notify_one();
+  return true;
+}
+
 bool Monitor::Flush(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
   flush_cv_.wait_for(lock, timeout, [this] { return DrainedLocked() || stopping_ || stats_.rejected; });
   return DrainedLocked();
+}
+
+bool Monitor::FlushWhileProgressing(std::chrono::milliseconds stall_timeout) {
+  std::unique_lock lock(mu_);
+  WaitWhileProgressing(lock, flush_cv_, stall_timeout, [this] { return DrainedLocked(); });
+  return DrainedLocked();
+}
+
+template <typename Done>
+bool Monitor::WaitWhileProgressing(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
+                                   std::chrono::milliseconds stall_timeout, Done done) {
+  using SteadyClock = std::chrono::steady_clock;
+  StallTimer timer(stall_timeout, SteadyClock::now(), progress_);
+  while (!done()) {
+    if (stopping_ || stats_.rejected) return false;
+    const auto now = SteadyClock::now();
+    timer.Observe(progress_, now);
+    if (timer.Stalled(now)) return false;
+    cv.wait_until(lock, timer.GiveUpAt());
+  }
+  return true;
+}
+
+void Monitor::ProgressLocked() {
+  ++progress_;
+  sender_cv_.notify_all();  // the window may have room again, or the Goodbye be due
+  space_cv_.notify_all();
+  flush_cv_.notify_all();
 }
 
 bool Monitor::DrainedLocked() const {
@@ -270,7 +312,7 @@ bool Monitor::RunConnection(Connection& conn) {
       std::optional<StepBuffer::Claimed> claimed = buffer_.NextToWrite(next_seq_);
       if (!claimed) {
         sender_cv_.wait(lock, [&] {
-          return conn.ended || conn.rejected || conn.storage_unavailable || stopping_ || buffer_.HasUnwritten() ||
+          return conn.ended || conn.rejected || conn.storage_unavailable || stopping_ || buffer_.CanWrite() ||
                  goodbye_due();
         });
         continue;
@@ -287,8 +329,7 @@ bool Monitor::RunConnection(Connection& conn) {
         RecordLocalError(v1::ERROR_REASON_OVERSIZED, step, text);
         lock.lock();
         buffer_.Release(claimed->id);
-        flush_cv_.notify_all();
-        space_cv_.notify_all();
+        ProgressLocked();
         continue;
       }
       lock.unlock();
@@ -364,7 +405,9 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
       // Before the stream counts as accepted: once WaitAccepted returns, the callback has run.
       InvokeCallback(options_.on_accepted, a, "on_accepted");
       std::lock_guard lock(mu_);
-      buffer_.OnAccepted(a);
+      const bool advanced =
+          a.has_durable_step() && (!stats_.has_acked || a.last_durable_step() > stats_.acked_through_step);
+      if (buffer_.OnAccepted(a) > 0 || advanced) ++progress_;
       conn.accepted = true;
       conn.acks_events = a.acks_events();
       conn.max_message_bytes = a.max_message_bytes();
@@ -390,13 +433,17 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
     }
     case v1::DaemonMessage::kAck: {
       std::lock_guard lock(mu_);
-      buffer_.OnAck(msg.ack().durable_step());
+      const uint64_t durable = msg.ack().durable_step();
+      const bool advanced = !stats_.has_acked || durable > stats_.acked_through_step;
+      const size_t released = buffer_.OnAck(durable);
       storage_retrying_ = false;
       stats_.has_acked = true;
-      stats_.acked_through_step = msg.ack().durable_step();
-      if (goodbye_) sender_cv_.notify_all();  // the Goodbye may be due now
-      space_cv_.notify_all();
-      flush_cv_.notify_all();
+      stats_.acked_through_step = durable;
+      if (released > 0 || advanced) {
+        ProgressLocked();
+      } else {
+        flush_cv_.notify_all();
+      }
       break;
     }
     case v1::DaemonMessage::kError: {
@@ -421,8 +468,8 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
         }
         conn.storage_unavailable = true;
         storage_retrying_ = true;
-      } else if (RefersToStep(e.reason())) {
-        buffer_.ReleaseRejected(e.seq(), e.step());
+      } else if (RefersToStep(e.reason()) && buffer_.ReleaseRejected(e.seq(), e.step())) {
+        ProgressLocked();
       }
       sender_cv_.notify_all();
       space_cv_.notify_all();
@@ -431,11 +478,8 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
     }
     case v1::DaemonMessage::kEventAck: {
       std::lock_guard lock(mu_);
-      buffer_.OnEventAck(msg.event_ack().seq());
       storage_retrying_ = false;
-      if (goodbye_) sender_cv_.notify_all();
-      space_cv_.notify_all();
-      flush_cv_.notify_all();
+      if (buffer_.OnEventAck(msg.event_ack().seq())) ProgressLocked();
       break;
     }
     case v1::DaemonMessage::kAlert:
@@ -445,8 +489,7 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
       spdlog::info("gradwatch monitor: run {} recorded as finished", msg.finished().run_id());
       std::lock_guard lock(mu_);
       stats_.finished = true;
-      sender_cv_.notify_all();
-      flush_cv_.notify_all();
+      ProgressLocked();
       break;
     }
     default:

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,10 +36,17 @@ struct MonitorOptions {
   // sent until the daemon accepts a stream, and left out of later reconnects, which must not
   // rewind the steps this process has already reported.
   v1::Hello hello;
-  // Steps held in memory: queued plus written but not yet durable.
+  // Steps held in memory: queued plus written but not yet durable; and their bytes (serialized),
+  // unbounded by default. A step is taken while both are below their bounds.
   size_t queue_capacity = 10'000;
+  size_t queue_capacity_bytes = std::numeric_limits<size_t>::max();
   // Events waiting to be written.
   size_t event_capacity = 1'000;
+  // Flow control: at most this many steps, and bytes of them, written and not yet acknowledged
+  // durable; acks reopen the window (see SendWindow). Bounds what a stop can leave
+  // unconfirmed and keeps acks prompt however fast steps are logged.
+  size_t max_unacked_steps = 1024;
+  size_t max_unacked_bytes = 8 << 20;
   // Reconnect back-off after a stream breaks or is refused: doubles from initial to max, with
   // ±20% jitter, and starts over once the daemon accepts a stream. While the daemon is down the
   // stream waits for the channel, whose connection back-off uses the same bounds.
@@ -88,18 +96,26 @@ class Monitor {
   // Enqueues a step without blocking. Returns false, and counts a drop, when the buffer is full
   // or the Monitor is stopped; the next step that is enqueued reports the drops to the daemon.
   bool Log(v1::StepStats step);
-  // Waits up to `timeout` for room, for callers that must not drop (replays).
-  bool LogBlocking(v1::StepStats step, std::chrono::milliseconds timeout);
+  // For callers that must not drop (replays): waits for room as long as the daemon makes
+  // progress (see StallTimer), and gives up (false, a drop counted) once it has made none for
+  // `stall_timeout`, or when stopped.
+  bool LogBlocking(v1::StepStats step, std::chrono::milliseconds stall_timeout);
   // Enqueues an event, in order with the steps. It is held until the daemon acks it as committed
   // (daemons that do not ack events: until written) and resent on a new stream until then; the
-  // daemon stores a resent event once.
+  // daemon stores a resent event once. False when the event bound is reached or stopped.
   bool Event(uint64_t step, std::string text);
+  // Event, waiting for room as LogBlocking does.
+  bool EventBlocking(uint64_t step, std::string text, std::chrono::milliseconds stall_timeout);
   // Waits until every logged step and event is durable, and every step the daemon said it had
   // received (Accepted.last_received_step, possibly from an earlier process) is acked: received is
   // not kept. False on timeout, when stopped, or when the daemon has rejected this stream (see
   // MonitorStats::rejected). A daemon that cannot store (ERROR_REASON_STORAGE_UNAVAILABLE) keeps
   // Flush waiting while the Monitor holds the data and reconnects with back-off.
   bool Flush(std::chrono::milliseconds timeout);
+  // Flush without a deadline: waits as long as the daemon makes progress (see StallTimer), and
+  // returns false once it has made none for `stall_timeout` (stopped, gone, unable to store), when
+  // stopped, or when the daemon has rejected this stream.
+  bool FlushWhileProgressing(std::chrono::milliseconds stall_timeout);
   // Waits until the daemon has accepted a stream. False on timeout or rejection.
   bool WaitAccepted(std::chrono::milliseconds timeout);
   // Ends the run cleanly, then Stop()s: waits until every logged step is durable, sends a Goodbye
@@ -127,6 +143,13 @@ class Monitor {
   void HandleMessage(Connection& conn, const v1::DaemonMessage& msg);
   // Everything held is acked and nothing is owed. Caller holds mu_.
   bool DrainedLocked() const;
+  // Waits on `cv` until done() holds (true), or stop, rejection, or `stall_timeout` without
+  // progress (false). Caller holds `lock` on mu_.
+  template <typename Done>
+  bool WaitWhileProgressing(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
+                            std::chrono::milliseconds stall_timeout, Done done);
+  // The daemon settled something: counts progress and wakes every waiter. Caller holds mu_.
+  void ProgressLocked();
   void RecordLocalError(v1::ErrorReason reason, uint64_t step, std::string message);
   void SleepBackoff(std::chrono::milliseconds delay);
   std::chrono::milliseconds NextBackoff();
@@ -147,6 +170,9 @@ class Monitor {
   uint64_t accepted_streams_ = 0;
   std::optional<uint64_t> owed_through_;  // the latest Accepted's received step, when beyond durable
   bool storage_retrying_ = false;        // a STORAGE_UNAVAILABLE since the last ack: keep backing off
+  // Counts what the daemon settled (acks that release or advance, errors that release, a
+  // confirmed Goodbye); StallTimer watches it.
+  uint64_t progress_ = 0;
   MonitorStats stats_;
   Connection* current_ = nullptr;  // the open stream, cancelled by Stop()
   std::chrono::milliseconds backoff_;

@@ -5,8 +5,12 @@
 
 namespace gradwatch::client {
 
-StepBuffer::StepBuffer(size_t step_capacity, size_t event_capacity)
-    : step_capacity_(step_capacity), event_capacity_(event_capacity) {}
+StepBuffer::StepBuffer(size_t step_capacity, size_t event_capacity, SendWindow window,
+                       size_t byte_capacity)
+    : step_capacity_(step_capacity),
+      event_capacity_(event_capacity),
+      window_(window),
+      byte_capacity_(byte_capacity) {}
 
 bool StepBuffer::PushStep(v1::StepStats step) {
   if (!HasRoomForStep()) {
@@ -20,13 +24,14 @@ bool StepBuffer::PushStep(v1::StepStats step) {
   Entry e;
   e.id = next_id_++;
   *e.message.mutable_step() = std::move(step);
+  e.bytes = e.message.ByteSizeLong();
   Count(e);
   entries_.push_back(std::move(e));
   return true;
 }
 
 bool StepBuffer::PushEvent(v1::Event event) {
-  if (events_ >= event_capacity_) return false;
+  if (!HasRoomForEvent()) return false;
   Entry e;
   e.id = next_id_++;
   *e.message.mutable_event() = std::move(event);
@@ -40,8 +45,15 @@ bool StepBuffer::HasUnwritten() {
   return cursor_ < entries_.size();
 }
 
+bool StepBuffer::WindowAdmits(const Entry& e) const {
+  if (!e.is_step() || written_steps_ == 0) return true;
+  return written_steps_ < window_.steps && written_bytes_ + e.bytes <= window_.bytes;
+}
+
+bool StepBuffer::CanWrite() { return HasUnwritten() && WindowAdmits(entries_[cursor_]); }
+
 std::optional<StepBuffer::Claimed> StepBuffer::NextToWrite(uint64_t seq) {
-  if (!HasUnwritten()) return std::nullopt;
+  if (!CanWrite()) return std::nullopt;
   Entry& e = entries_[cursor_];
   e.last_seq = seq;
   Claimed claimed{e.id, e.message};
@@ -65,6 +77,7 @@ void StepBuffer::MarkWritten(uint64_t id, bool events_acked) {
   if (!e.written) {
     e.written = true;
     ++written_steps_;
+    written_bytes_ += e.bytes;
   }
 }
 
@@ -91,12 +104,16 @@ size_t StepBuffer::OnAccepted(const v1::Accepted& accepted) {
                           [durable](const Entry& e) { return e.is_step() && e.step() <= durable; });
   }
   written_steps_ = 0;
+  written_bytes_ = 0;
   written_events_ = 0;
   for (Entry& e : entries_) {
     e.written =
         e.is_step() && accepted.has_received_step() && e.step() <= accepted.last_received_step();
     e.last_seq = 0;
-    if (e.written) ++written_steps_;
+    if (e.written) {
+      ++written_steps_;
+      written_bytes_ += e.bytes;
+    }
   }
   cursor_ = 0;
   return released;
@@ -181,7 +198,11 @@ size_t StepBuffer::IndexOf(uint64_t id) const {
 void StepBuffer::Count(const Entry& e) {
   if (e.is_step()) {
     ++steps_;
-    if (e.written) ++written_steps_;
+    held_bytes_ += e.bytes;
+    if (e.written) {
+      ++written_steps_;
+      written_bytes_ += e.bytes;
+    }
   } else {
     ++events_;
     if (e.written) ++written_events_;
@@ -191,7 +212,11 @@ void StepBuffer::Count(const Entry& e) {
 void StepBuffer::Uncount(const Entry& e) {
   if (e.is_step()) {
     --steps_;
-    if (e.written) --written_steps_;
+    held_bytes_ -= e.bytes;
+    if (e.written) {
+      --written_steps_;
+      written_bytes_ -= e.bytes;
+    }
   } else {
     --events_;
     if (e.written) --written_events_;

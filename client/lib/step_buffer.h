@@ -1,16 +1,28 @@
-// The Monitor's send buffer: steps and events in log order, with what the daemon still owes us.
-// Pure bookkeeping, no I/O and no locking: the Monitor guards it with its mutex, tests drive it
+// The Monitor's send buffer: steps and events in log order, with what the daemon still owes us,
+// and the flow-control window that bounds what is written but not yet acknowledged. Pure
+// bookkeeping, no I/O and no locking: the Monitor guards it with its mutex, tests drive it
 // directly.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <optional>
 
 #include "gradwatch/v1/gradwatch.pb.h"
 
 namespace gradwatch::client {
+
+// The flow-control window: steps written and not yet acknowledged durable. The sender writes the
+// next step only while the window has room for it, so what the daemon has not confirmed stays
+// bounded (and in the buffer, not queued in a socket), and acks reopen the window. A step larger
+// than `bytes` alone still goes when nothing else is in flight. Events are small and rare: they
+// do not count, but they keep their place in the order.
+struct SendWindow {
+  size_t steps = 1024;
+  size_t bytes = 8 << 20;
+};
 
 class StepBuffer {
  public:
@@ -19,15 +31,18 @@ class StepBuffer {
     uint64_t id = 0;        // buffer-local, increasing in log order
     bool written = false;   // written on the current connection
     uint64_t last_seq = 0;  // seq of the last claim, to match an Error to its step
+    size_t bytes = 0;       // serialized size of a step's message (0 for events)
     v1::TrainerMessage message;
 
     bool is_step() const { return message.has_step(); }
     uint64_t step() const { return is_step() ? message.step().step() : message.event().step(); }
   };
 
-  // `step_capacity` bounds steps held (queued plus written but not yet durable); events have
-  // their own bound so a burst of them cannot starve steps.
-  StepBuffer(size_t step_capacity, size_t event_capacity);
+  // `step_capacity` bounds steps held (queued plus written but not yet durable), and
+  // `byte_capacity` their serialized bytes (a step is taken while the bytes held are below it);
+  // events have their own bound so a burst of them cannot starve steps.
+  StepBuffer(size_t step_capacity, size_t event_capacity, SendWindow window = {},
+             size_t byte_capacity = std::numeric_limits<size_t>::max());
 
   // Appends a step. When the buffer is full the step is dropped, counted, and false returned;
   // the next step that gets in carries the count in client_dropped_steps.
@@ -35,7 +50,8 @@ class StepBuffer {
   // Appends an event; false (and nothing counted as a dropped step) when the event bound is hit.
   bool PushEvent(v1::Event event);
 
-  bool HasRoomForStep() const { return steps_ < step_capacity_; }
+  bool HasRoomForStep() const { return steps_ < step_capacity_ && held_bytes_ < byte_capacity_; }
+  bool HasRoomForEvent() const { return events_ < event_capacity_; }
 
   // A message claimed for writing: a copy, its seq set.
   struct Claimed {
@@ -43,10 +59,11 @@ class StepBuffer {
     v1::TrainerMessage message;
   };
 
-  // Whether some entry is not yet written on this connection.
-  bool HasUnwritten();
+  // Whether NextToWrite would claim an entry: one is unwritten and the window has room for it.
+  bool CanWrite();
   // Claims the oldest entry not yet written on this connection for a write with `seq`, or
-  // nullopt. The seq is recorded first, because the daemon may answer before the write returns.
+  // nullopt when there is none or the window is full. The seq is recorded first, because the
+  // daemon may answer before the write returns.
   std::optional<Claimed> NextToWrite(uint64_t seq);
   // Records that entry `id` was written: a step now waits for its durable ack; an event waits for
   // its EventAck when `events_acked` (the daemon said Accepted.acks_events), else leaves the
@@ -74,6 +91,8 @@ class StepBuffer {
   // Steps and events written, not yet durable.
   size_t unacked() const { return written_steps_ + written_events_; }
   size_t queued() const { return entries_.size() - unacked(); }  // waiting to be written
+  size_t unacked_bytes() const { return written_bytes_; }         // of the written steps
+  size_t held_bytes() const { return held_bytes_; }               // of every step held
   bool empty() const { return entries_.empty(); }
   uint64_t dropped() const { return dropped_; }  // steps refused since construction
 
@@ -86,8 +105,15 @@ class StepBuffer {
   void Count(const Entry& e);
   void Uncount(const Entry& e);
 
+  // Whether some entry is not yet written on this connection; moves cursor_ to it.
+  bool HasUnwritten();
+  // Whether the window has room for entry `e`.
+  bool WindowAdmits(const Entry& e) const;
+
   size_t step_capacity_;
   size_t event_capacity_;
+  SendWindow window_;
+  size_t byte_capacity_;
   std::deque<Entry> entries_;
   // Every entry before cursor_ is written; NextToWrite scans from here.
   size_t cursor_ = 0;
@@ -95,6 +121,8 @@ class StepBuffer {
   size_t steps_ = 0;
   size_t events_ = 0;
   size_t written_steps_ = 0;
+  size_t written_bytes_ = 0;   // of the written steps
+  size_t held_bytes_ = 0;      // of every step held
   size_t written_events_ = 0;  // written, waiting for their EventAck
   uint64_t dropped_ = 0;
   uint64_t dropped_since_push_ = 0;

@@ -711,6 +711,71 @@ CommandResult RunCommand(const std::vector<std::string>& argv, const std::option
 }
 
 // ---------------------------------------------------------------------------------------------
+// BackgroundCommand
+
+BackgroundCommand::BackgroundCommand(const std::vector<std::string>& argv) : dir_("gradwatch-bg") {
+  if (argv.empty()) throw std::invalid_argument("BackgroundCommand: empty argv");
+  ChildSpec spec;
+  spec.program = ResolveProgram(argv[0]);
+  if (spec.program.empty()) throw std::runtime_error(argv[0] + ": command not found in PATH");
+  spec.argv = argv;
+  Fd dev_null(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!dev_null.valid()) ThrowErrno("open /dev/null");
+  Fd out = OpenLog(dir_.path() / "stdout");
+  Fd err = OpenLog(dir_.path() / "stderr");
+  spec.stdin_fd = dev_null.get();
+  spec.stdout_fd = out.get();
+  spec.stderr_fd = err.get();
+  pid_ = Spawn(spec);
+}
+
+BackgroundCommand::~BackgroundCommand() {
+  if (pid_ > 0 && !status_) {
+    ::kill(-pid_, SIGKILL);
+    Reap(true);
+  }
+}
+
+void BackgroundCommand::Signal(int sig) {
+  if (pid_ > 0 && !status_) ::kill(pid_, sig);
+}
+
+bool BackgroundCommand::Reap(bool block) {
+  if (status_) return true;
+  int status = 0;
+  pid_t r;
+  do {
+    r = ::waitpid(pid_, &status, block ? 0 : WNOHANG);
+  } while (r < 0 && errno == EINTR);
+  if (r == 0) return false;
+  if (r < 0) ThrowErrno("waitpid " + std::to_string(pid_));
+  status_ = DecodeWaitStatus(status);
+  return true;
+}
+
+bool BackgroundCommand::running() { return !Reap(false); }
+
+CommandResult BackgroundCommand::Wait(std::chrono::milliseconds timeout) {
+  CommandResult result;
+  const auto deadline = Clock::now() + Scaled(timeout);
+  while (!Reap(false)) {
+    if (Clock::now() >= deadline) {
+      ::kill(-pid_, SIGKILL);
+      Reap(true);
+      result.timed_out = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  result.exit_code = *status_;
+  result.out = ReadFileFrom(dir_.path() / "stdout", 0);
+  result.err = ReadFileFrom(dir_.path() / "stderr", 0);
+  return result;
+}
+
+std::string BackgroundCommand::Stderr() const { return ReadFileFrom(dir_.path() / "stderr", 0); }
+
+// ---------------------------------------------------------------------------------------------
 // Prometheus text exposition
 
 std::vector<MetricSample> ParseExposition(const std::string& exposition) {

@@ -144,6 +144,36 @@ CommandResult RunCommand(const std::vector<std::string>& argv,
                          const std::optional<std::string>& stdin_text = std::nullopt,
                          std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
+// A command running in the background, for tests that act while it runs (signal it, stop its
+// peer). stdin is /dev/null; stdout and stderr go to files, readable at any time. It runs in its
+// own process group. The destructor kills it (SIGKILL) if it is still running.
+// Not thread-safe: use one instance from one thread.
+class BackgroundCommand {
+ public:
+  // argv[0] is looked up in PATH when it has no '/'. Throws if it cannot be started.
+  explicit BackgroundCommand(const std::vector<std::string>& argv);
+  ~BackgroundCommand();
+  BackgroundCommand(const BackgroundCommand&) = delete;
+  BackgroundCommand& operator=(const BackgroundCommand&) = delete;
+
+  pid_t pid() const { return pid_; }
+  void Signal(int sig);
+  // Whether it is still running (reaps it if it has exited).
+  bool running();
+  // Waits up to `timeout` (stretched by TimeScale()) for it to exit, killing it (SIGKILL, then
+  // timed_out) if it does not. Returns its exit code and all it wrote.
+  CommandResult Wait(std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  // What it has written to stderr so far.
+  std::string Stderr() const;
+
+ private:
+  bool Reap(bool block);
+
+  TempDir dir_;
+  pid_t pid_ = -1;
+  std::optional<int> status_;
+};
+
 // One sample of Prometheus text exposition format 0.0.4.
 struct MetricSample {
   std::string name;  // including any _bucket/_sum/_count/_total suffix

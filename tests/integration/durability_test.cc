@@ -176,7 +176,7 @@ TEST_CASE("a full disk: nothing is acked that is not committed, and ingest recov
   REQUIRE(FillDisk(data / "filler") > 0);
 
   // Nothing can be committed: nothing is acked, the replay says so and exits non-zero.
-  const CommandResult failed = Cli(daemon, {"--timeout", "4", "replay", file, "--max"}, 4);
+  const CommandResult failed = Cli(daemon, {"replay", file, "--max", "--stall-timeout", "4"}, 4);
   INFO(failed.out << failed.err);
   CHECK(failed.exit_code == 1);
   CHECK(failed.err.find("not acknowledged") != std::string::npos);
@@ -256,7 +256,7 @@ TEST_CASE("an immutable WAL: steps are not acked, and after it clears a replay r
     ~Unlock() { Chattr("-i", path); }
   } unlock{wal};
 
-  const CommandResult refused = Cli(daemon, {"--timeout", "4", "replay", all, "--max"}, 4);
+  const CommandResult refused = Cli(daemon, {"replay", all, "--max", "--stall-timeout", "4"}, 4);
   INFO(refused.out << refused.err);
   CHECK(refused.exit_code == 1);
   CHECK(refused.err.find("not acknowledged") != std::string::npos);
@@ -305,7 +305,7 @@ TEST_CASE("a data directory deleted under the running daemon is rebuilt without 
     return std::string(std::istreambuf_iterator<char>(in), {});
   };
   CHECK(log().find("journal.db' vanished") != std::string::npos);
-  const CommandResult refused = Cli(daemon, {"--timeout", "3", "replay", all, "--max"}, 3);
+  const CommandResult refused = Cli(daemon, {"replay", all, "--max", "--stall-timeout", "3"}, 3);
   INFO(refused.out << refused.err);
   CHECK(refused.exit_code == 1);
   CHECK(refused.err.find("not acknowledged") != std::string::npos);

@@ -10,6 +10,7 @@
 
 #include "client/cli/app.h"
 #include "client/cli/format.h"
+#include "client/cli/replay.h"
 #include "tests/unit/client/fake_daemon.h"
 
 using gradwatch::testing::FakeIngest;
@@ -331,6 +332,10 @@ TEST_CASE("usage errors exit 2 and help exits 0 with the exit codes", "[client]"
   CHECK(help.code == 0);
   CHECK_THAT(help.out, Catch::Contains("Exit codes"));
   CHECK_THAT(help.out, Catch::Contains("3  replay finished"));
+  const CliResult replay_help = RunCli({"replay", "--help"});
+  CHECK_THAT(replay_help.out, Catch::Contains("--stall-timeout"));
+  CHECK_THAT(replay_help.out, Catch::Contains("no overall deadline"));
+  CHECK(RunCli({"replay", "f", "--stall-timeout", "0"}).code == 2);
   for (const char* sub : {"replay", "runs", "show", "series", "annotate"}) {
     CAPTURE(sub);
     CHECK(RunCli({sub, "--help"}).code == 0);
@@ -464,4 +469,57 @@ TEST_CASE("alerts print a recommendation they share once", "[client]") {
   CHECK(text.find(shared) != std::string::npos);
   CHECK(text.find("enable weight decay") == text.rfind("enable weight decay"));
   CHECK(text.find("NonFiniteValues: look at the last checkpoint") != std::string::npos);
+}
+
+TEST_CASE("a replay the daemon stops acknowledging gives up after --stall-timeout and names the steps not kept",
+          "[client][flow]") {
+  FakeIngest ingest;
+  ingest.set_ack_limit(3);
+  FakeServer server({&ingest});
+  std::string lines;
+  for (int step = 1; step <= 6; ++step) lines += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": 1.5})" "\n";
+  TempFile file(lines);
+  const auto started = std::chrono::steady_clock::now();
+  const CliResult r =
+      RunCli({"--addr", server.address(), "--json", "replay", file.path(), "--stall-timeout", "0.3"});
+  INFO(r.err);
+  CHECK(r.code == 1);
+  CHECK(std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(300));
+  CHECK_THAT(r.err, Catch::Contains("acknowledged nothing for 0.3 s (--stall-timeout)"));
+  CHECK_THAT(r.err, Catch::Contains("steps through 3 are kept; 3 steps not acknowledged (4 to 6)"));
+  CHECK_THAT(r.err, Catch::Contains("Run the same command again"));
+  const auto summary = nlohmann::json::parse(r.out);
+  CHECK(summary["complete"] == false);
+  CHECK(summary["stopped"] == "stalled");
+  CHECK(summary["last_acked_step"] == 3);
+  CHECK(summary["unacked_steps"] == 3);
+  CHECK(summary["first_unacked_step"] == 4);
+  CHECK(summary["last_unacked_step"] == 6);
+}
+
+TEST_CASE("the steps not acknowledged are those after the last acked one, or all of them", "[client][flow]") {
+  gradwatch::cli::ReplayPlan plan;
+  plan.step_numbers = {10, 20, 30, 40};
+  gradwatch::cli::ReplaySummary summary;
+  gradwatch::cli::CountUnackedSteps(plan, summary);
+  CHECK(summary.unacked_steps == 4);
+  CHECK(summary.first_unacked_step == 10u);
+  CHECK(summary.last_unacked_step == 40u);
+  summary.has_acked = true;
+  summary.last_acked_step = 20;
+  gradwatch::cli::CountUnackedSteps(plan, summary);
+  CHECK(summary.unacked_steps == 2);
+  CHECK(summary.first_unacked_step == 30u);
+  CHECK(summary.last_unacked_step == 40u);
+  summary.last_acked_step = 40;
+  gradwatch::cli::CountUnackedSteps(plan, summary);
+  CHECK(summary.unacked_steps == 0);
+  CHECK_FALSE(summary.first_unacked_step.has_value());
+  const std::string table = gradwatch::cli::FormatReplaySummary(summary);
+  CHECK_THAT(table, !Catch::Contains("not acked"));
+  summary.last_acked_step = 25;
+  summary.stopped = "interrupted";
+  summary.stop_detail = "interrupted by SIGINT";
+  gradwatch::cli::CountUnackedSteps(plan, summary);
+  CHECK_THAT(gradwatch::cli::FormatReplaySummary(summary), Catch::Contains("2 (steps 30 to 40)"));
 }

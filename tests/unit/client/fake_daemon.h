@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/support/time_scale.h"
@@ -40,6 +41,11 @@ class FakeIngest final : public v1::Ingest::Service {
     std::lock_guard lock(mu_);
     ack_limit_ = limit;
   }
+  // A slow daemon: each step is acknowledged this long after it arrived, one after the other.
+  void set_ack_delay(std::chrono::milliseconds delay) {
+    std::lock_guard lock(mu_);
+    ack_delay_ = delay;
+  }
   // Returns an Error to send instead of accepting/acknowledging the message.
   void set_reject(std::function<std::optional<v1::Error>(const v1::TrainerMessage&)> reject) {
     std::lock_guard lock(mu_);
@@ -57,6 +63,7 @@ class FakeIngest final : public v1::Ingest::Service {
     v1::TrainerMessage msg;
     while (stream->Read(&msg)) {
       std::vector<v1::DaemonMessage> replies;
+      std::chrono::milliseconds delay{0};
       {
         std::lock_guard lock(mu_);
         messages_.push_back(msg);
@@ -89,6 +96,7 @@ class FakeIngest final : public v1::Ingest::Service {
           progress_.has_received = true;
           progress_.received = std::max(progress_.received, step);
           if (step <= ack_limit_) {
+            delay = ack_delay_;
             progress_.has_durable = true;
             progress_.durable = std::max(progress_.durable, step);
             v1::Ack* ack = replies.emplace_back().mutable_ack();
@@ -103,6 +111,7 @@ class FakeIngest final : public v1::Ingest::Service {
         }
       }
       cv_.notify_all();
+      if (delay.count() > 0) std::this_thread::sleep_for(delay);
       for (const auto& reply : replies) stream->Write(reply);
     }
     return grpc::Status::OK;
@@ -132,6 +141,7 @@ class FakeIngest final : public v1::Ingest::Service {
   std::condition_variable cv_;
   Progress progress_;
   uint64_t ack_limit_ = std::numeric_limits<uint64_t>::max();
+  std::chrono::milliseconds ack_delay_{0};
   std::function<std::optional<v1::Error>(const v1::TrainerMessage&)> reject_;
   std::optional<uint64_t> alert_step_;
   v1::Alert alert_;

@@ -11,6 +11,7 @@ using gradwatch::client::Monitor;
 using gradwatch::client::MonitorOptions;
 using gradwatch::testing::FakeIngest;
 using gradwatch::testing::FakeServer;
+using gradwatch::testing::Scaled;
 using namespace std::chrono_literals;
 namespace v1 = gradwatch::v1;
 
@@ -314,4 +315,83 @@ TEST_CASE("LogBlocking waits for acks to make room", "[client]") {
   REQUIRE(monitor.Flush(10s));
   CHECK(ingest.Steps() == Range(1, 200));
   CHECK(monitor.Stats().dropped == 0);
+}
+
+TEST_CASE("the window bounds what is written while the daemon acknowledges nothing", "[client][flow]") {
+  FakeIngest ingest;
+  ingest.set_ack_limit(0);
+  FakeServer server({&ingest});
+  MonitorOptions options = Options(server.address());
+  options.max_unacked_steps = 10;
+  Monitor monitor(options);
+  monitor.Start();
+  for (uint64_t n = 1; n <= 100; ++n) REQUIRE(monitor.Log(Step(n)));
+  REQUIRE(ingest.WaitForMessages(11, 10s));  // the Hello and a window of steps
+  // Nothing is acknowledged: the flush gives up after the stall timeout, and all that time the
+  // rest stayed in the Monitor instead of going to the daemon.
+  CHECK_FALSE(monitor.FlushWhileProgressing(Scaled(300ms)));
+  CHECK(ingest.Steps() == Range(1, 10));
+  const auto stats = monitor.Stats();
+  CHECK(stats.unacked == 10);
+  CHECK(stats.queued == 90);
+  CHECK_FALSE(stats.has_acked);
+}
+
+TEST_CASE("a slow daemon that keeps acknowledging is waited for far beyond the stall timeout",
+          "[client][flow]") {
+  const auto stall_timeout = Scaled(300ms);
+  FakeIngest ingest;
+  // One ack every tenth of the stall timeout: the whole takes three stall timeouts.
+  ingest.set_ack_delay(stall_timeout / 10);
+  FakeServer server({&ingest});
+  MonitorOptions options = Options(server.address());
+  options.max_unacked_steps = 4;
+  options.queue_capacity = 8;
+  Monitor monitor(options);
+  monitor.Start();
+  const auto started = std::chrono::steady_clock::now();
+  for (uint64_t n = 1; n <= 30; ++n) REQUIRE(monitor.LogBlocking(Step(n), stall_timeout));
+  REQUIRE(monitor.FlushWhileProgressing(stall_timeout));
+  CHECK(std::chrono::steady_clock::now() - started >= 2 * stall_timeout);
+  CHECK(ingest.Steps() == Range(1, 30));
+  CHECK(monitor.Stats().acked_through_step == 30);
+  CHECK(monitor.Stats().dropped == 0);
+}
+
+TEST_CASE("a daemon that stops acknowledging is given up on after the stall timeout", "[client][flow]") {
+  FakeIngest ingest;
+  ingest.set_ack_limit(5);
+  FakeServer server({&ingest});
+  MonitorOptions options = Options(server.address());
+  options.queue_capacity = 8;
+  Monitor monitor(options);
+  monitor.Start();
+  // Steps 1 to 5 are acknowledged and make room; 6 to 13 fill the buffer and never are.
+  for (uint64_t n = 1; n <= 13; ++n) REQUIRE(monitor.LogBlocking(Step(n), 10s));
+  const auto started = std::chrono::steady_clock::now();
+  CHECK_FALSE(monitor.LogBlocking(Step(14), Scaled(300ms)));
+  CHECK(std::chrono::steady_clock::now() - started >= Scaled(300ms));
+  CHECK_FALSE(monitor.FlushWhileProgressing(Scaled(300ms)));
+  const auto stats = monitor.Stats();
+  CHECK(stats.acked_through_step == 5);
+  CHECK(stats.dropped == 1);
+}
+
+TEST_CASE("Stop ends a wait on a stalled daemon at once", "[client][flow]") {
+  FakeIngest ingest;
+  ingest.set_ack_limit(0);
+  FakeServer server({&ingest});
+  Monitor monitor(Options(server.address()));
+  monitor.Start();
+  for (uint64_t n = 1; n <= 5; ++n) REQUIRE(monitor.Log(Step(n)));
+  // As `gradwatch replay` does on SIGINT: another thread stops the Monitor while it waits.
+  std::thread stopper([&] {
+    ingest.WaitForMessages(6, 10s);
+    monitor.Stop();
+  });
+  const auto started = std::chrono::steady_clock::now();
+  CHECK_FALSE(monitor.FlushWhileProgressing(60s));
+  CHECK(std::chrono::steady_clock::now() - started < 30s);
+  stopper.join();
+  CHECK(monitor.Stats().unacked + monitor.Stats().queued == 5);
 }

@@ -306,3 +306,109 @@ TEST_CASE("an event refused by the daemon is released by its seq", "[client]") {
   CHECK(buffer.ReleaseRejected(written[0].seq(), 5));
   CHECK(buffer.empty());
 }
+
+TEST_CASE("the window holds back steps beyond its count until acks free it", "[client][flow]") {
+  StepBuffer buffer(100, 10, {.steps = 3, .bytes = 1 << 20});
+  for (uint64_t n = 1; n <= 8; ++n) REQUIRE(buffer.PushStep(Step(n)));
+  uint64_t seq = 1;
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{1, 2, 3});
+  CHECK_FALSE(buffer.CanWrite());
+  CHECK(buffer.unacked() == 3);
+  CHECK(buffer.queued() == 5);
+  // An ack that releases one step lets one more go.
+  CHECK(buffer.OnAck(1) == 1);
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{4});
+  CHECK(buffer.OnAck(4) == 3);
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{5, 6, 7});
+  CHECK(buffer.OnAck(7) == 3);
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{8});
+  CHECK(buffer.OnAck(8) == 1);
+  CHECK(buffer.empty());
+  CHECK(buffer.unacked_bytes() == 0);
+}
+
+TEST_CASE("the window bounds the bytes in flight, and a step larger than it goes alone", "[client][flow]") {
+  const size_t step_bytes = [] {
+    v1::TrainerMessage m;
+    *m.mutable_step() = Step(1);
+    return m.ByteSizeLong();
+  }();
+  StepBuffer buffer(100, 10, {.steps = 100, .bytes = 2 * step_bytes + step_bytes / 2});
+  for (uint64_t n = 1; n <= 5; ++n) REQUIRE(buffer.PushStep(Step(n)));
+  uint64_t seq = 1;
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{1, 2});
+  CHECK(buffer.unacked_bytes() == 2 * step_bytes);
+  CHECK(buffer.OnAck(2) == 2);
+  CHECK(buffer.unacked_bytes() == 0);
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{3, 4});
+
+  StepBuffer tiny(100, 10, {.steps = 100, .bytes = 1});
+  for (uint64_t n = 1; n <= 3; ++n) REQUIRE(tiny.PushStep(Step(n)));
+  seq = 1;
+  CHECK(StepsOf(WriteAll(tiny, seq)) == std::vector<uint64_t>{1});
+  CHECK(tiny.OnAck(1) == 1);
+  CHECK(StepsOf(WriteAll(tiny, seq)) == std::vector<uint64_t>{2});
+}
+
+TEST_CASE("events keep their place in the order when the window is full", "[client][flow]") {
+  StepBuffer buffer(100, 10, {.steps = 1, .bytes = 1 << 20});
+  REQUIRE(buffer.PushStep(Step(1)));
+  REQUIRE(buffer.PushStep(Step(2)));
+  REQUIRE(buffer.PushEvent(EventAt(2, "switched routing")));
+  REQUIRE(buffer.PushStep(Step(3)));
+  uint64_t seq = 1;
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{1});
+  CHECK(buffer.OnAck(1) == 1);
+  // Step 2 fills the window; the event after it waits for its turn, then goes without waiting
+  // for room (events do not count), and step 3 waits for the ack of step 2.
+  auto written = WriteAll(buffer, seq);
+  REQUIRE(written.size() == 2);
+  CHECK(written[0].step().step() == 2);
+  CHECK(written[1].event().text() == "switched routing");
+  CHECK(buffer.OnAck(2) == 1);
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{3});
+}
+
+TEST_CASE("steps the daemon said it received occupy the window until their ack", "[client][flow]") {
+  StepBuffer buffer(100, 10, {.steps = 4, .bytes = 1 << 20});
+  for (uint64_t n = 1; n <= 10; ++n) REQUIRE(buffer.PushStep(Step(n)));
+  uint64_t seq = 1;
+  WriteAll(buffer, seq);
+  // A new stream: the daemon committed through 1 and received through 3, so steps 2 and 3 are
+  // owed an ack and only two more fit.
+  CHECK(buffer.OnAccepted(MakeAccepted(1, 3)) == 1);
+  CHECK(buffer.unacked() == 2);
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{4, 5});
+  CHECK(buffer.OnAck(3) == 2);
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{6, 7});
+}
+
+TEST_CASE("a rejected step frees its place in the window", "[client][flow]") {
+  StepBuffer buffer(100, 10, {.steps = 2, .bytes = 1 << 20});
+  for (uint64_t n = 1; n <= 3; ++n) REQUIRE(buffer.PushStep(Step(n)));
+  uint64_t seq = 1;
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{1, 2});
+  CHECK(buffer.ReleaseRejected(0, 2));
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{3});
+}
+
+TEST_CASE("a byte capacity bounds the steps held, written or not", "[client][flow]") {
+  const size_t step_bytes = [] {
+    v1::TrainerMessage m;
+    *m.mutable_step() = Step(1);
+    return m.ByteSizeLong();
+  }();
+  StepBuffer buffer(100, 10, {.steps = 1, .bytes = 1 << 20}, 3 * step_bytes);
+  for (uint64_t n = 1; n <= 3; ++n) REQUIRE(buffer.PushStep(Step(n)));
+  CHECK(buffer.held_bytes() == 3 * step_bytes);
+  CHECK_FALSE(buffer.HasRoomForStep());
+  CHECK_FALSE(buffer.PushStep(Step(4)));
+  uint64_t seq = 1;
+  CHECK(StepsOf(WriteAll(buffer, seq)) == std::vector<uint64_t>{1});
+  CHECK_FALSE(buffer.HasRoomForStep());  // written is still held until acked
+  CHECK(buffer.OnAck(1) == 1);
+  CHECK(buffer.PushStep(Step(5)));  // it carries the drop of step 4: a few bytes more
+  CHECK(buffer.steps() == 3);
+  CHECK(buffer.held_bytes() > 3 * step_bytes);
+  CHECK_FALSE(buffer.HasRoomForStep());
+}
