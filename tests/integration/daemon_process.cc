@@ -96,6 +96,18 @@ int DecodeWaitStatus(int status) {
   return -1;
 }
 
+// Waits for child `pid` to end (block) or polls it; its exit code (DecodeWaitStatus) once ended.
+std::optional<int> WaitChild(pid_t pid, bool block) {
+  int status = 0;
+  pid_t r;
+  do {
+    r = ::waitpid(pid, &status, block ? 0 : WNOHANG);
+  } while (r < 0 && errno == EINTR);
+  if (r == 0) return std::nullopt;
+  if (r < 0) ThrowErrno("waitpid " + std::to_string(pid));
+  return DecodeWaitStatus(status);
+}
+
 int RemainingMs(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return static_cast<int>(std::clamp<long long>(left, 0, std::numeric_limits<int>::max()));
@@ -430,15 +442,8 @@ void DaemonProcess::Start() {
 bool DaemonProcess::Reap(bool block) {
   if (status_) return true;
   if (pid_ <= 0) return false;
-  int status = 0;
-  pid_t r;
-  do {
-    r = ::waitpid(pid_, &status, block ? 0 : WNOHANG);
-  } while (r < 0 && errno == EINTR);
-  if (r == 0) return false;
-  if (r < 0) ThrowErrno("waitpid " + std::to_string(pid_));
-  status_ = DecodeWaitStatus(status);
-  return true;
+  status_ = WaitChild(pid_, block);
+  return status_.has_value();
 }
 
 int DaemonProcess::Stop(int sig, std::chrono::seconds timeout) {
@@ -742,15 +747,8 @@ void BackgroundCommand::Signal(int sig) {
 
 bool BackgroundCommand::Reap(bool block) {
   if (status_) return true;
-  int status = 0;
-  pid_t r;
-  do {
-    r = ::waitpid(pid_, &status, block ? 0 : WNOHANG);
-  } while (r < 0 && errno == EINTR);
-  if (r == 0) return false;
-  if (r < 0) ThrowErrno("waitpid " + std::to_string(pid_));
-  status_ = DecodeWaitStatus(status);
-  return true;
+  status_ = WaitChild(pid_, block);
+  return status_.has_value();
 }
 
 bool BackgroundCommand::running() { return !Reap(false); }
