@@ -242,20 +242,28 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   static constexpr std::chrono::milliseconds kMaxHoldRetry{50};
 
   void Hold(uint64_t seq) EXCLUDES(mu_) {
-    MutexLock lock(&mu_);
-    if (!holding_) {
-      holding_ = true;
-      hold_retry_ = kFirstHoldRetry;
-      service_->stats()->held_reports.fetch_add(1, std::memory_order_relaxed);
-      spdlog::debug("stream from {}: step {} (seq {}) held until the ranks the run waits for catch up", peer_,
-                    step_.step, seq);
-    } else {
-      hold_retry_ = std::min(hold_retry_ * 2, std::chrono::milliseconds(kMaxHoldRetry));
+    grpc::Alarm* alarm = nullptr;
+    std::chrono::milliseconds wait{0};
+    {
+      MutexLock lock(&mu_);
+      if (!holding_) {
+        holding_ = true;
+        hold_retry_ = kFirstHoldRetry;
+        service_->stats()->held_reports.fetch_add(1, std::memory_order_relaxed);
+        spdlog::debug("stream from {}: step {} (seq {}) held until the ranks the run waits for catch up", peer_,
+                      step_.step, seq);
+      } else {
+        hold_retry_ = std::min(hold_retry_ * 2, std::chrono::milliseconds(kMaxHoldRetry));
+      }
+      // The stream cannot finish while the alarm is set (MaybeFinishLocked), so it outlives the
+      // alarm; only this path replaces alarm_, and no read or other alarm is outstanding.
+      alarm_pending_ = true;
+      alarm_ = std::make_unique<grpc::Alarm>();
+      alarm = alarm_.get();
+      wait = hold_retry_;
     }
-    // The stream cannot finish while the alarm is set (MaybeFinishLocked): it outlives the alarm.
-    alarm_pending_ = true;
-    alarm_ = std::make_unique<grpc::Alarm>();
-    alarm_->Set(std::chrono::system_clock::now() + hold_retry_, [this, seq](bool) { RetryHeld(seq); });
+    // Set without mu_: gRPC calls are made without it (see mu_).
+    alarm->Set(std::chrono::system_clock::now() + wait, [this, seq](bool) { RetryHeld(seq); });
   }
 
   void RetryHeld(uint64_t seq) EXCLUDES(mu_) {
