@@ -13,12 +13,12 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <prometheus/exposer.h>
 #include <spdlog/spdlog.h>
 
 #include "server/daemon/alerting.h"
 #include "server/export/alert_metrics.h"
 #include "server/export/metrics_collector.h"
+#include "server/export/metrics_server.h"
 #include "server/ingest/ingest_service.h"
 #include "server/ingest/query_service.h"
 #include "server/runs/daemon_stats.h"
@@ -133,15 +133,9 @@ Status Daemon::Start() {
   server_->GetHealthCheckService()->SetServingStatus(true);
   server_->GetHealthCheckService()->SetServingStatus(kIngestServiceName, journal_->healthy());
 
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(config_.metrics_listen);
-  } catch (const std::exception& e) {
-    return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " + e.what());
-  }
-  collector_ = std::make_shared<exporter::MetricsCollector>(registry_.get(), stats_.get(), journal_.get());
-  exposer_->RegisterCollectable(collector_);
+  collector_ = std::make_unique<exporter::MetricsCollector>(registry_.get(), stats_.get(), journal_.get());
   Alerting* alerting = alerting_.get();
-  alert_collector_ = std::make_shared<exporter::AlertMetricsCollector>([alerting] {
+  alert_collector_ = std::make_unique<exporter::AlertMetricsCollector>([alerting] {
     exporter::AlertingView view;
     view.active = alerting->engine().Active();
     view.silences = alerting->engine().Silences().size();
@@ -151,9 +145,17 @@ Status Daemon::Start() {
     view.receivers = alerting->ReceiverStats();
     return view;
   });
-  exposer_->RegisterCollectable(alert_collector_);
-  const auto ports = exposer_->GetListeningPorts();
-  metrics_port_ = ports.empty() ? 0 : ports.front();
+  exporter::MetricsCollector* collector = collector_.get();
+  const exporter::AlertMetricsCollector* alert_collector = alert_collector_.get();
+  auto metrics_server = exporter::MetricsServer::Start(
+      config_.metrics_listen, {[collector](exporter::Exposition& out) { collector->Render(out); },
+                               [alert_collector](exporter::Exposition& out) { alert_collector->Render(out); }});
+  if (!metrics_server.ok()) {
+    return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " +
+                               metrics_server.status().message());
+  }
+  metrics_server_ = std::move(metrics_server).value();
+  metrics_port_ = metrics_server_->port();
 
   ticker_ = std::thread([this] { TickLoop(); });
   spdlog::info("serving gRPC on {} (port {}), /metrics on {} (port {}), data in {}", config_.listen,
@@ -308,7 +310,7 @@ void Daemon::Stop(std::chrono::milliseconds grace) {
   tick_cv_.notify_all();
   if (ticker_.joinable()) ticker_.join();
   if (alerting_) alerting_->Stop();
-  exposer_.reset();
+  metrics_server_.reset();
   if (journal_) {
     if (Status s = journal_->Flush(); !s.ok()) spdlog::error("journal flush at shutdown: {}", s.ToString());
     journal_->Stop();

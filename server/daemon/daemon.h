@@ -15,9 +15,6 @@
 namespace grpc {
 class Server;
 }
-namespace prometheus {
-class Exposer;
-}
 
 namespace gradwatch {
 namespace runs {
@@ -36,7 +33,8 @@ class QueryService;
 namespace exporter {
 class MetricsCollector;
 class AlertMetricsCollector;
-}
+class MetricsServer;
+}  // namespace exporter
 
 namespace daemon {
 
@@ -86,9 +84,9 @@ class Daemon {
   std::unique_ptr<ingest::IngestService> ingest_;
   std::unique_ptr<ingest::QueryService> query_;
   std::unique_ptr<grpc::Server> server_;
-  std::shared_ptr<exporter::MetricsCollector> collector_;
-  std::shared_ptr<exporter::AlertMetricsCollector> alert_collector_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<exporter::MetricsCollector> collector_;  // outlive metrics_server_, which calls them
+  std::unique_ptr<exporter::AlertMetricsCollector> alert_collector_;
+  std::unique_ptr<exporter::MetricsServer> metrics_server_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;
 

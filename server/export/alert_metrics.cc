@@ -2,60 +2,65 @@
 
 #include <string>
 
-#include "server/export/families.h"
+#include "server/export/text_format.h"
 
 namespace gradwatch::exporter {
 
-using prometheus::MetricFamily;
-using prometheus::MetricType;
-
-std::vector<MetricFamily> AlertMetricsCollector::Collect() const {
+void AlertMetricsCollector::Render(Exposition& exposition) const {
   const AlertingView view = view_();
-  auto alerts = Family("gradwatch_alerts",
-                       "Alerts pending or firing: 1 per alert, with its labels and alertstate (as Prometheus's ALERTS).",
-                       MetricType::Gauge);
+  std::string& out = exposition.NewChunk();
+  AppendFamilyHeader(out, "gradwatch_alerts",
+                     "Alerts pending or firing: 1 per alert, with its labels and alertstate (as Prometheus's ALERTS).",
+                     MetricType::kGauge);
+  std::string labels;
   for (const alerts::Alert& a : view.active) {
-    std::vector<prometheus::ClientMetric::Label> labels;
-    labels.push_back({"alertname", a.name});
-    labels.push_back({"alertstate", std::string(alerts::AlertStateName(a.state))});
+    labels.clear();
+    AppendLabel(labels, "alertname", a.name, true);
+    AppendLabel(labels, "alertstate", alerts::AlertStateName(a.state));
     for (const auto& [name, value] : a.labels) {
-      if (name != "alertname" && name != "alertstate") labels.push_back({name, value});
+      if (name != "alertname" && name != "alertstate") AppendLabel(labels, name, value);
     }
-    Add(alerts, std::move(labels), 1);
+    AppendSample(out, "gradwatch_alerts", labels, 1);
   }
-  auto transitions = Family("gradwatch_alert_transitions_total",
-                            "Alerts that started firing, and that resolved, since the daemon started.",
-                            MetricType::Counter);
-  Add(transitions, {{"to", "firing"}}, static_cast<double>(view.firing_transitions));
-  Add(transitions, {{"to", "resolved"}}, static_cast<double>(view.resolved_transitions));
-  auto silences = Family("gradwatch_silences", "Silences that have not ended (including ones that start later).", MetricType::Gauge);
-  Add(silences, {}, static_cast<double>(view.silences));
-  auto store_failures = Family("gradwatch_alert_store_write_failures_total",
-                               "Failed writes of alert states and notifications to the journal's database (retried).",
-                               MetricType::Counter);
-  Add(store_failures, {}, static_cast<double>(view.store_write_failures));
+  AppendFamilyHeader(out, "gradwatch_alert_transitions_total",
+                     "Alerts that started firing, and that resolved, since the daemon started.", MetricType::kCounter);
+  AppendSample(out, "gradwatch_alert_transitions_total", {{"to", "firing"}},
+               static_cast<double>(view.firing_transitions));
+  AppendSample(out, "gradwatch_alert_transitions_total", {{"to", "resolved"}},
+               static_cast<double>(view.resolved_transitions));
+  AppendFamilyHeader(out, "gradwatch_silences", "Silences that have not ended (including ones that start later).",
+                     MetricType::kGauge);
+  AppendSample(out, "gradwatch_silences", std::string_view(), static_cast<double>(view.silences));
+  AppendFamilyHeader(out, "gradwatch_alert_store_write_failures_total",
+                     "Failed writes of alert states and notifications to the journal's database (retried).",
+                     MetricType::kCounter);
+  AppendSample(out, "gradwatch_alert_store_write_failures_total", std::string_view(),
+               static_cast<double>(view.store_write_failures));
 
-  auto sent = Family("gradwatch_notifications_sent_total", "Alert notifications delivered, by receiver.",
-                     MetricType::Counter);
-  auto retries = Family("gradwatch_notification_retries_total",
-                        "Delivery attempts that failed recoverably (network, 5xx, 429) and were rescheduled.",
-                        MetricType::Counter);
-  auto failures = Family("gradwatch_notification_failures_total",
-                         "Notifications given up: permanent failures, or still failing after the give-up time.",
-                         MetricType::Counter);
-  auto queue = Family("gradwatch_notification_queue_depth", "Notifications waiting in the outbox, by receiver.",
-                      MetricType::Gauge);
-  for (const notify::ReceiverStats& r : view.receivers) {
-    Add(sent, {{"receiver", r.receiver}}, static_cast<double>(r.sent));
-    Add(retries, {{"receiver", r.receiver}}, static_cast<double>(r.retries));
-    Add(failures, {{"receiver", r.receiver}}, static_cast<double>(r.failures));
-    Add(queue, {{"receiver", r.receiver}}, static_cast<double>(r.queue_depth));
+  struct ReceiverFamily {
+    const char* name;
+    const char* help;
+    MetricType type;
+    uint64_t notify::ReceiverStats::*value;
+  };
+  static constexpr ReceiverFamily kReceiverFamilies[] = {
+      {"gradwatch_notifications_sent_total", "Alert notifications delivered, by receiver.", MetricType::kCounter,
+       &notify::ReceiverStats::sent},
+      {"gradwatch_notification_retries_total",
+       "Delivery attempts that failed recoverably (network, 5xx, 429) and were rescheduled.", MetricType::kCounter,
+       &notify::ReceiverStats::retries},
+      {"gradwatch_notification_failures_total",
+       "Notifications given up: permanent failures, or still failing after the give-up time.", MetricType::kCounter,
+       &notify::ReceiverStats::failures},
+      {"gradwatch_notification_queue_depth", "Notifications waiting in the outbox, by receiver.", MetricType::kGauge,
+       &notify::ReceiverStats::queue_depth},
+  };
+  for (const ReceiverFamily& f : kReceiverFamilies) {
+    AppendFamilyHeader(out, f.name, f.help, f.type);
+    for (const notify::ReceiverStats& r : view.receivers) {
+      AppendSample(out, f.name, {{"receiver", r.receiver}}, static_cast<double>(r.*f.value));
+    }
   }
-  std::vector<MetricFamily> out;
-  for (auto* f : {&alerts, &transitions, &silences, &store_failures, &sent, &retries, &failures, &queue}) {
-    out.push_back(std::move(*f));
-  }
-  return out;
 }
 
 }  // namespace gradwatch::exporter

@@ -1,4 +1,4 @@
-// The Prometheus view of alerting, built at scrape time: alerts pending and firing (in the shape
+// The Prometheus view of alerting, rendered at scrape time: alerts pending and firing (in the shape
 // of Prometheus's own ALERTS series), transitions, silences, and each receiver's deliveries,
 // retries, failures and queue, so that a dashboard shows when paging itself is broken.
 #pragma once
@@ -7,11 +7,9 @@
 #include <functional>
 #include <vector>
 
-#include <prometheus/collectable.h>
-#include <prometheus/metric_family.h>
-
 #include "alerts/alert.h"
 #include "alerts/notify/dispatcher.h"
+#include "server/export/exposition.h"
 
 namespace gradwatch::exporter {
 
@@ -25,12 +23,13 @@ struct AlertingView {
   std::vector<notify::ReceiverStats> receivers;
 };
 
-class AlertMetricsCollector final : public prometheus::Collectable {
+class AlertMetricsCollector {
  public:
-  // `view` is called once per scrape, from the exposer's thread.
+  // `view` is called once per scrape, from the scrape's thread.
   explicit AlertMetricsCollector(std::function<AlertingView()> view) : view_(std::move(view)) {}
 
-  std::vector<prometheus::MetricFamily> Collect() const override;
+  // Appends the alerting families (one chunk).
+  void Render(Exposition& out) const;
 
  private:
   const std::function<AlertingView()> view_;

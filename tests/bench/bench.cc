@@ -1,9 +1,9 @@
 // gradwatch_bench: measures today's gradwatchd on loopback (see tests/bench/run.sh, which also runs
 // the Pushgateway side and prints the table).
 //
-//   gradwatch_bench [--quick | --smoke] --json FILE
+//   gradwatch_bench [--quick | --smoke] [--only PART]... --json FILE
 //
-// Parts, each against the REAL gradwatchd binary started by DaemonProcess, journal on and the
+// Parts (--only names them: ingest, ceilings, alerts, metrics), each against the REAL gradwatchd binary started by DaemonProcess, journal on and the
 // default alert rules on unless said otherwise:
 //  - ingest: runs x ranks x params streamed over gRPC (callback streams on one channel, at most
 //    kWindow unacknowledged steps per rank); daemon CPU from /proc/PID/stat, RSS from
@@ -13,9 +13,9 @@
 //    answers Accepted and Ack;
 //  - alert latency: a threshold rule with for_steps 0 fires on a crafted step; step send to the
 //    Alert on the trainer's stream and to the webhook's receipt at a loopback HTTP receiver;
-//  - /metrics time and size at about 10,000 and 100,000 series, and ingest ack latency while
-//    /metrics is scraped without pause;
-//  - RSS per series, journal bytes per sample, restart time (SIGTERM, start, ready with the run's
+//  - metrics: /metrics time and size at about 10,000 and 100,000 series, plain and gzip-encoded
+//    (as Prometheus asks), and ingest ack latency while /metrics is scraped without pause;
+//  - with ingest: RSS per series, journal bytes per sample, restart time (SIGTERM, start, ready with the run's
 //    durable step back).
 // --smoke runs every part at toy sizes and fails (exit 1) when a part does not work end to end; it
 // asserts no timing. Progress goes to stderr, the figures to the JSON file.
@@ -666,8 +666,8 @@ json AlertLatency(uint32_t alerts) {
 // ---- /metrics ---------------------------------------------------------------------------------
 
 json Scrapes(const DaemonProcess& daemon, int count, uint64_t series) {
-  std::vector<double> ms;
-  size_t bytes = 0;
+  std::vector<double> ms, gzip_ms;
+  size_t bytes = 0, gzip_bytes = 0;
   size_t lines = 0;
   for (int i = 0; i < count; ++i) {
     const auto t0 = Clock::now();
@@ -676,16 +676,72 @@ json Scrapes(const DaemonProcess& daemon, int count, uint64_t series) {
     bytes = body.size();
     lines = static_cast<size_t>(std::count(body.begin(), body.end(), '\n'));
   }
+  // As Prometheus asks: it sends Accept-Encoding: gzip.
+  for (int i = 0; i < count; ++i) {
+    const auto t0 = Clock::now();
+    const HttpResponse r = HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/metrics", "",
+                                       {{"Accept-Encoding", "gzip"}}, std::chrono::seconds(120));
+    gzip_ms.push_back(1e3 * Seconds(Clock::now() - t0));
+    if (r.status != 200) Fail("/metrics with gzip returned " + std::to_string(r.status));
+    const auto encoding = r.headers.find("content-encoding");
+    gzip_bytes = encoding != r.headers.end() && encoding->second == "gzip" ? r.body.size() : 0;
+  }
   Log("  /metrics at " + std::to_string(series) + " series: p50 " + std::to_string(Quantile(ms, 0.5)) + " ms, " +
-      std::to_string(bytes) + " bytes");
-  return {{"series", series},     {"scrapes", count},          {"p50_ms", Quantile(ms, 0.5)},
-          {"max_ms", Quantile(ms, 1.0)}, {"bytes", bytes}, {"lines", lines},
+      std::to_string(bytes) + " bytes; gzip p50 " + std::to_string(Quantile(gzip_ms, 0.5)) + " ms, " +
+      std::to_string(gzip_bytes) + " bytes");
+  return {{"series", series},
+          {"scrapes", count},
+          {"p50_ms", Quantile(ms, 0.5)},
+          {"max_ms", Quantile(ms, 1.0)},
+          {"bytes", bytes},
+          {"lines", lines},
+          {"gzip_p50_ms", Quantile(gzip_ms, 0.5)},
+          {"gzip_bytes", gzip_bytes},  // 0: the answer was not gzip-encoded
           {"rss_bytes", RssBytes(daemon.pid())}};
+}
+
+// Ingest ack latency of a `params`-parameter run, one step in flight (each sent when the one
+// before is acked, so the latency is the step's own, not a queue's), while another thread scrapes
+// /metrics back to back, or without scrapes when `scrape` is false.
+json IngestWhileScraping(const DaemonProcess& daemon, uint32_t params, uint64_t steps, uint64_t series, bool scrape,
+                         const std::string& prefix, IngestResult* result) {
+  std::atomic<bool> stop{false};
+  std::atomic<int> during{0};
+  std::string scrape_error;
+  std::thread scraper([&] {
+    try {
+      while (scrape && !stop.load()) {
+        HttpGet("127.0.0.1", daemon.metrics_port(), "/metrics", std::chrono::seconds(120));
+        ++during;
+      }
+    } catch (const std::exception& e) {
+      scrape_error = e.what();
+    }
+  });
+  try {
+    *result = RunIngest(daemon.grpc_target(), daemon.pid(),
+                        {.runs = 1, .ranks = 1, .params = params, .steps = steps, .window = 1}, prefix);
+  } catch (...) {
+    stop = true;
+    scraper.join();
+    throw;
+  }
+  stop = true;
+  scraper.join();
+  if (!scrape_error.empty()) Fail("scrape during ingest: " + scrape_error);
+  Log(std::string("  ack p99 ") + (scrape ? "while scraping " : "without scrapes ") + "at " +
+      std::to_string(series) + " series: " + std::to_string(Quantile(result->ack_us, 0.99) / 1e3) + " ms");
+  return {{"series", series},
+          {"scrapes", during.load()},
+          {"steps", steps},
+          {"ack_p50_ms", Quantile(result->ack_us, 0.5) / 1e3},
+          {"ack_p99_ms", Quantile(result->ack_us, 0.99) / 1e3}};
 }
 
 // Fills one daemon up to ~10,000 then ~100,000 series (runs of `params` parameters, a few steps
 // each, short per-series history so 100,000 series fit in memory), times /metrics at each, and at
-// the first measures ingest ack latency while another thread scrapes without pause.
+// each measures ingest ack latency while another thread scrapes without pause (at the first, also
+// without scrapes, for comparison).
 json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint64_t fill_steps,
                  uint64_t probe_steps, int scrapes) {
   DaemonOptions options;
@@ -697,43 +753,18 @@ json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint
   json out;
   out["small"] = Scrapes(daemon, scrapes, fill.Series());
 
-  // Ingest while /metrics is scraped back to back, one step at a time (each sent when the one
-  // before is acked), so the ack latency is the step's own, not a queue's.
-  std::atomic<bool> stop{false};
-  std::atomic<int> during{0};
-  std::string scrape_error;
-  std::thread scraper([&] {
-    try {
-      while (!stop.load()) {
-        HttpGet("127.0.0.1", daemon.metrics_port(), "/metrics", std::chrono::seconds(120));
-        ++during;
-      }
-    } catch (const std::exception& e) {
-      scrape_error = e.what();
-    }
-  });
-  IngestResult probe;
-  try {
-    probe = RunIngest(daemon.grpc_target(), daemon.pid(), {.runs = 1, .ranks = 1, .params = params, .steps = probe_steps, .window = 1},
-                      "probe");
-  } catch (...) {
-    stop = true;
-    scraper.join();
-    throw;
-  }
-  stop = true;
-  scraper.join();
-  if (!scrape_error.empty()) Fail("scrape during ingest: " + scrape_error);
-  out["ingest_while_scraping"] = {{"series", fill.Series()},
-                                  {"scrapes", during.load()},
-                                  {"steps", probe_steps},
-                                  {"ack_p50_ms", Quantile(probe.ack_us, 0.5) / 1e3},
-                                  {"ack_p99_ms", Quantile(probe.ack_us, 0.99) / 1e3}};
+  IngestResult idle, probe;
+  out["ingest_without_scrapes"] =
+      IngestWhileScraping(daemon, params, probe_steps, fill.Series(), false, "idle", &idle);
+  out["ingest_while_scraping"] = IngestWhileScraping(daemon, params, probe_steps, fill.Series(), true, "probe", &probe);
 
   const Shape more{.runs = runs_large - runs_small, .ranks = 1, .params = params, .steps = fill_steps};
   RunIngest(daemon.grpc_target(), daemon.pid(), more, "fill-b");
-  const uint64_t total = fill.Series() + more.Series() + probe.shape.Series();
+  const uint64_t total = fill.Series() + more.Series() + idle.shape.Series() + probe.shape.Series();
   out["large"] = Scrapes(daemon, scrapes, total);
+  IngestResult probe_large;
+  out["ingest_while_scraping_large"] =
+      IngestWhileScraping(daemon, params, probe_steps, total, true, "probe-large", &probe_large);
   return out;
 }
 
@@ -806,37 +837,51 @@ Sizes SizesFor(const std::string& mode) {
   return {"full", 3000, 200, 500, 60, 10000, 500, 1000, 5, 50, 5, 1000, 5, 3.0, 20000};
 }
 
-json RunAll(const Sizes& z) {
+// The parts RunAll knows, in the order it runs them.
+const std::vector<std::string> kParts = {"ingest", "ceilings", "alerts", "metrics"};
+
+// Runs the parts named in `parts` (every part when empty).
+json RunAll(const Sizes& z, const std::vector<std::string>& parts) {
+  auto wanted = [&](const std::string& part) {
+    return parts.empty() || std::find(parts.begin(), parts.end(), part) != parts.end();
+  };
   json out;
   out["mode"] = z.mode;
-  out["ingest"] = json::array();
-  const Shape solo{.runs = 1, .ranks = 1, .params = 1000, .steps = z.solo_steps};
-  out["single_run"] = SingleRunPart(solo, &out["ingest"]);
-  for (const Shape& shape : {Shape{.runs = 1, .ranks = 64, .params = 1000, .steps = z.wide_steps},
-                             Shape{.runs = 8, .ranks = 8, .params = 200, .steps = z.mixed_steps},
-                             Shape{.runs = 1, .ranks = 1, .params = z.big_params, .steps = z.big_steps}}) {
-    DaemonOptions options;
-    options.config_yaml = DaemonConfig();
-    DaemonProcess daemon(options);
-    out["ingest"].push_back(RunIngest(daemon.grpc_target(), daemon.pid(), shape, "load").ToJson());
+  if (wanted("ingest")) {
+    out["ingest"] = json::array();
+    const Shape solo{.runs = 1, .ranks = 1, .params = 1000, .steps = z.solo_steps};
+    out["single_run"] = SingleRunPart(solo, &out["ingest"]);
+    for (const Shape& shape : {Shape{.runs = 1, .ranks = 64, .params = 1000, .steps = z.wide_steps},
+                               Shape{.runs = 8, .ranks = 8, .params = 200, .steps = z.mixed_steps},
+                               Shape{.runs = 1, .ranks = 1, .params = z.big_params, .steps = z.big_steps}}) {
+      DaemonOptions options;
+      options.config_yaml = DaemonConfig();
+      DaemonProcess daemon(options);
+      out["ingest"].push_back(RunIngest(daemon.grpc_target(), daemon.pid(), shape, "load").ToJson());
+    }
   }
-  out["parse_ceiling"] = ParseCeiling(solo, z.parse_seconds);
-  {
+  if (wanted("ceilings")) {
+    const Shape solo{.runs = 1, .ranks = 1, .params = 1000, .steps = z.solo_steps};
+    out["parse_ceiling"] = ParseCeiling(solo, z.parse_seconds);
     EmptyServerProcess empty;
     const Shape shape{.runs = 1, .ranks = 1, .params = 1000, .steps = z.ceiling_steps};
     out["empty_stream_ceiling"] = RunIngest(empty.target(), empty.pid(), shape, "empty").ToJson();
   }
-  out["alert_latency"] = AlertLatency(z.alerts);
-  out["metrics"] = MetricsPart(z.metrics_params, z.metrics_runs_small, z.metrics_runs_large, z.metrics_fill_steps,
-                               z.metrics_probe_steps, z.scrapes);
+  if (wanted("alerts")) out["alert_latency"] = AlertLatency(z.alerts);
+  if (wanted("metrics")) {
+    out["metrics"] = MetricsPart(z.metrics_params, z.metrics_runs_small, z.metrics_runs_large, z.metrics_fill_steps,
+                                 z.metrics_probe_steps, z.scrapes);
+  }
   return out;
 }
 
 int Usage(int code) {
   std::fprintf(code == 0 ? stdout : stderr,
-               "Usage: gradwatch_bench [--quick | --smoke] [--json FILE]\n"
+               "Usage: gradwatch_bench [--quick | --smoke] [--only PART]... [--json FILE]\n"
                "Measures the gradwatchd at GRADWATCHD_PATH (see tests/bench/run.sh); figures go to FILE as JSON\n"
-               "(stdout without --json), progress to stderr. --smoke: toy sizes, fails unless every part works.\n");
+               "(stdout without --json), progress to stderr. --smoke: toy sizes, fails unless every part works.\n"
+               "--only PART: run only that part (ingest, ceilings, alerts, metrics; repeatable); the JSON then\n"
+               "lacks the others, so tests/bench/report.py cannot print the table from it.\n");
   return code;
 }
 
@@ -845,6 +890,7 @@ int Usage(int code) {
 int main(int argc, char** argv) {
   std::string mode = "full";
   std::string json_path;
+  std::vector<std::string> parts;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--serve-empty" && i + 1 < argc) return ServeEmpty(argv[i + 1]);
@@ -854,6 +900,9 @@ int main(int argc, char** argv) {
       mode = "smoke";
     } else if (arg == "--json" && i + 1 < argc) {
       json_path = argv[++i];
+    } else if (arg == "--only" && i + 1 < argc &&
+               std::find(kParts.begin(), kParts.end(), argv[i + 1]) != kParts.end()) {
+      parts.push_back(argv[++i]);
     } else if (arg == "--help" || arg == "-h") {
       return Usage(0);
     } else {
@@ -862,7 +911,7 @@ int main(int argc, char** argv) {
   }
   signal(SIGPIPE, SIG_IGN);
   try {
-    const json out = RunAll(SizesFor(mode));
+    const json out = RunAll(SizesFor(mode), parts);
     if (json_path.empty()) {
       std::printf("%s\n", out.dump(2).c_str());
     } else {

@@ -3,26 +3,30 @@
 #include <map>
 #include <string>
 
-#include <prometheus/text_serializer.h>
-
 #include "server/export/alert_metrics.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/unit/export/exposition_checks.h"
 
 using namespace gradwatch;
 
 namespace {
 
-const prometheus::MetricFamily& FamilyNamed(const std::vector<prometheus::MetricFamily>& families,
-                                            const std::string& name) {
-  for (const auto& f : families) {
-    if (f.name == name) return f;
-  }
-  FAIL("no family " << name);
-  throw std::logic_error("unreachable");
+using Samples = std::vector<testing::MetricSample>;
+
+Samples Render(const exporter::AlertMetricsCollector& collector) {
+  exporter::Exposition out;
+  collector.Render(out);
+  const std::string text = out.Text();
+  CheckFamiliesContiguous(text);
+  CheckWithPromtool(text);
+  return testing::ParseExposition(text);
 }
 
-std::map<std::string, std::string> Labels(const prometheus::ClientMetric& m) {
-  std::map<std::string, std::string> out;
-  for (const auto& l : m.label) out[l.name] = l.value;
+Samples Named(const Samples& samples, const std::string& name) {
+  Samples out;
+  for (const auto& s : samples) {
+    if (s.name == name) out.push_back(s);
+  }
   return out;
 }
 
@@ -52,39 +56,43 @@ TEST_CASE("alerting metrics: one ALERTS-shaped sample per active alert, receiver
   am.queue_depth = 5;
   view.receivers = {am};
   exporter::AlertMetricsCollector collector([&] { return view; });
-  const auto families = collector.Collect();
+  const Samples samples = Render(collector);
 
-  const auto& alerts = FamilyNamed(families, "gradwatch_alerts");
-  REQUIRE(alerts.metric.size() == 2);
-  CHECK(Labels(alerts.metric[0]) == std::map<std::string, std::string>{{"alertname", "GradNormContingency"},
-                                                                       {"alertstate", "firing"},
-                                                                       {"run", "r1"},
-                                                                       {"severity", "page"}});
-  CHECK(alerts.metric[0].gauge.value == 1);
-  CHECK(Labels(alerts.metric[1]).at("alertstate") == "pending");
+  const Samples alerts = Named(samples, "gradwatch_alerts");
+  REQUIRE(alerts.size() == 2);
+  CHECK(alerts[0].labels == std::map<std::string, std::string>{{"alertname", "GradNormContingency"},
+                                                               {"alertstate", "firing"},
+                                                               {"run", "r1"},
+                                                               {"severity", "page"}});
+  CHECK(alerts[0].value == 1);
+  CHECK(alerts[1].labels.at("alertstate") == "pending");
 
-  const auto& transitions = FamilyNamed(families, "gradwatch_alert_transitions_total");
-  REQUIRE(transitions.metric.size() == 2);
-  CHECK(Labels(transitions.metric[0]).at("to") == "firing");
-  CHECK(transitions.metric[0].counter.value == 3);
-  CHECK(transitions.metric[1].counter.value == 1);
-  CHECK(FamilyNamed(families, "gradwatch_silences").metric[0].gauge.value == 2);
-  CHECK(FamilyNamed(families, "gradwatch_alert_store_write_failures_total").metric[0].counter.value == 4);
-  CHECK(FamilyNamed(families, "gradwatch_notifications_sent_total").metric[0].counter.value == 7);
-  CHECK(Labels(FamilyNamed(families, "gradwatch_notifications_sent_total").metric[0]).at("receiver") == "am");
-  CHECK(FamilyNamed(families, "gradwatch_notification_retries_total").metric[0].counter.value == 2);
-  CHECK(FamilyNamed(families, "gradwatch_notification_failures_total").metric[0].counter.value == 1);
-  CHECK(FamilyNamed(families, "gradwatch_notification_queue_depth").metric[0].gauge.value == 5);
+  const Samples transitions = Named(samples, "gradwatch_alert_transitions_total");
+  REQUIRE(transitions.size() == 2);
+  CHECK(transitions[0].labels.at("to") == "firing");
+  CHECK(transitions[0].value == 3);
+  CHECK(transitions[1].value == 1);
+  CHECK(Named(samples, "gradwatch_silences").at(0).value == 2);
+  CHECK(Named(samples, "gradwatch_alert_store_write_failures_total").at(0).value == 4);
+  CHECK(Named(samples, "gradwatch_notifications_sent_total").at(0).value == 7);
+  CHECK(Named(samples, "gradwatch_notifications_sent_total").at(0).labels.at("receiver") == "am");
+  CHECK(Named(samples, "gradwatch_notification_retries_total").at(0).value == 2);
+  CHECK(Named(samples, "gradwatch_notification_failures_total").at(0).value == 1);
+  CHECK(Named(samples, "gradwatch_notification_queue_depth").at(0).value == 5);
 
-  const std::string text = prometheus::TextSerializer().Serialize(families);
-  CHECK(text.find("gradwatch_alerts{alertname=\"GradNormContingency\",alertstate=\"firing\",run=\"r1\","
-                  "severity=\"page\"} 1") != std::string::npos);
+  exporter::Exposition out;
+  collector.Render(out);
+  CHECK(out.Text().find("gradwatch_alerts{alertname=\"GradNormContingency\",alertstate=\"firing\",run=\"r1\","
+                        "severity=\"page\"} 1\n") != std::string::npos);
 }
 
 TEST_CASE("alerting metrics with nothing active still expose the counters", "[export]") {
   exporter::AlertMetricsCollector collector([] { return exporter::AlertingView{}; });
-  const auto families = collector.Collect();
-  CHECK(FamilyNamed(families, "gradwatch_alerts").metric.empty());
-  CHECK(FamilyNamed(families, "gradwatch_alert_transitions_total").metric.size() == 2);
-  CHECK(FamilyNamed(families, "gradwatch_notifications_sent_total").metric.empty());
+  exporter::Exposition out;
+  collector.Render(out);
+  CHECK(out.Text().find("# TYPE gradwatch_alerts gauge\n") != std::string::npos);
+  const Samples samples = Render(collector);
+  CHECK(Named(samples, "gradwatch_alerts").empty());
+  CHECK(Named(samples, "gradwatch_alert_transitions_total").size() == 2);
+  CHECK(Named(samples, "gradwatch_notifications_sent_total").empty());
 }

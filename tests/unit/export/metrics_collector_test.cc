@@ -5,9 +5,9 @@
 #include <string>
 #include <vector>
 
-#include <prometheus/text_serializer.h>
-
 #include "server/export/metrics_collector.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/unit/export/exposition_checks.h"
 #include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
@@ -16,19 +16,20 @@ using gradwatch::runs::testing::RecordingSink;
 
 namespace {
 
-const prometheus::MetricFamily* FindFamily(const std::vector<prometheus::MetricFamily>& families,
-                                           const std::string& name) {
-  for (const auto& f : families) {
-    if (f.name == name) return &f;
+using Samples = std::vector<testing::MetricSample>;
+
+// The samples named `name`, in the order of the text.
+Samples Named(const Samples& samples, const std::string& name) {
+  Samples out;
+  for (const auto& s : samples) {
+    if (s.name == name) out.push_back(s);
   }
-  return nullptr;
+  return out;
 }
 
-std::string Label(const prometheus::ClientMetric& m, const std::string& name) {
-  for (const auto& l : m.label) {
-    if (l.name == name) return l.value;
-  }
-  return {};
+std::string Label(const testing::MetricSample& s, const std::string& name) {
+  auto it = s.labels.find(name);
+  return it == s.labels.end() ? std::string() : it->second;
 }
 
 RunMeta Meta(const std::string& id) {
@@ -59,16 +60,18 @@ class CollectorFixture {
     return run;
   }
 
-  // What a scrape would see now.
-  std::vector<prometheus::MetricFamily> Collect() {
-    exporter::MetricsCollector collector(&registry_, &stats_, nullptr);
-    return collector.Collect();
+  // What a scrape would serve now.
+  std::string Render() {
+    exporter::Exposition out;
+    collector_.Render(out);
+    return out.Text();
   }
 
   FakeClock clock_;
   runs::DaemonStats stats_;
   RecordingSink sink_;
   runs::RunRegistry registry_{EndAfterOneMinute(), 8, &stats_, &clock_};
+  exporter::MetricsCollector collector_{&registry_, &stats_, nullptr};
 };
 
 }  // namespace
@@ -84,48 +87,82 @@ TEST_CASE_METHOD(CollectorFixture, "the collector reports live runs' latest valu
   REQUIRE_FALSE(run->AddStep(0, step, &sink_));
   stats_.CountError(runs::IngestErrorReason::kUnknownParam);
 
-  const auto families = Collect();
+  const std::string text = Render();
+  CheckFamiliesContiguous(text);
+  const Samples samples = testing::ParseExposition(text);
 
-  const auto* grad = FindFamily(families, "gradwatch_grad_norm");
-  REQUIRE(grad);
-  REQUIRE(grad->metric.size() == 1);
-  CHECK(Label(grad->metric[0], "run") == "live");
-  CHECK(Label(grad->metric[0], "param") == "lm_head.weight");
-  CHECK(Label(grad->metric[0], "group") == "head");
-  CHECK(grad->metric[0].gauge.value == Approx(0.4));
+  const Samples grad = Named(samples, "gradwatch_grad_norm");
+  REQUIRE(grad.size() == 1);
+  CHECK(grad[0].labels == std::map<std::string, std::string>{{"run", "live"}, {"param", "lm_head.weight"},
+                                                             {"group", "head"}});
+  CHECK(grad[0].value == 0.4);
 
-  const auto* param = FindFamily(families, "gradwatch_param_norm");
-  REQUIRE(param);
-  REQUIRE(param->metric.size() == 1);
-  CHECK(Label(param->metric[0], "group") == "norm_gain");
-  CHECK(param->metric[0].gauge.value == Approx(340.0));
+  const Samples param = Named(samples, "gradwatch_param_norm");
+  REQUIRE(param.size() == 1);
+  CHECK(Label(param[0], "group") == "norm_gain");
+  CHECK(param[0].value == 340.0);
 
-  const auto* total = FindFamily(families, "gradwatch_total_grad_norm");
-  REQUIRE(total);
-  REQUIRE(total->metric.size() == 1);
-  CHECK(total->metric[0].gauge.value == Approx(0.4));  // derived from the only grad reported
+  const Samples total = Named(samples, "gradwatch_total_grad_norm");
+  REQUIRE(total.size() == 1);
+  CHECK(total[0].value == Approx(0.4));  // derived from the only grad reported
 
-  const auto* last = FindFamily(families, "gradwatch_last_step");
-  REQUIRE(last);
-  CHECK(last->metric[0].gauge.value == 42);
+  const Samples last = Named(samples, "gradwatch_last_step");
+  REQUIRE(last.size() == 1);
+  CHECK(last[0].value == 42);
 
-  const auto* errors = FindFamily(families, "gradwatch_ingest_errors_total");
-  REQUIRE(errors);
-  CHECK(errors->type == prometheus::MetricType::Counter);
-  CHECK(errors->metric.size() == runs::AllIngestErrorReasons().size());
-  for (const auto& m : errors->metric) {
-    CHECK(m.counter.value == (Label(m, "reason") == "unknown_param" ? 1 : 0));
+  CHECK(text.find("# TYPE gradwatch_ingest_errors_total counter\n") != std::string::npos);
+  const Samples errors = Named(samples, "gradwatch_ingest_errors_total");
+  CHECK(errors.size() == runs::AllIngestErrorReasons().size());
+  for (const auto& m : errors) {
+    CHECK(m.value == (Label(m, "reason") == "unknown_param" ? 1 : 0));
   }
 
-  const auto* commit = FindFamily(families, "gradwatch_journal_commit_duration_seconds");
-  REQUIRE(commit);
-  CHECK(commit->type == prometheus::MetricType::Histogram);
-  CHECK(std::isinf(commit->metric[0].histogram.bucket.back().upper_bound));
+  CHECK(text.find("# TYPE gradwatch_journal_commit_duration_seconds histogram\n") != std::string::npos);
+  const Samples buckets = Named(samples, "gradwatch_journal_commit_duration_seconds_bucket");
+  REQUIRE_FALSE(buckets.empty());
+  CHECK(Label(buckets.back(), "le") == "+Inf");
+  CHECK(Named(samples, "gradwatch_analytics_refused_series_total").size() == 1);
 
-  // Serialises without trouble.
-  const std::string text = prometheus::TextSerializer().Serialize(families);
-  CHECK(text.find("gradwatch_grad_norm{run=\"live\",param=\"lm_head.weight\",group=\"head\"} 0.4") !=
+  CHECK(text.find("\ngradwatch_grad_norm{run=\"live\",param=\"lm_head.weight\",group=\"head\"} 0.4\n") !=
         std::string::npos);
+  CheckWithPromtool(text);
+}
+
+TEST_CASE_METHOD(CollectorFixture, "run ids and parameter names are escaped, and every run's samples stay in their family",
+                 "[export]") {
+  RunMeta odd;
+  odd.run_id = "say \"hi\" \\ there";
+  odd.params = {{.name = "emb\"ed\\dings", .kind = ParamKind::kEmbedding, .group = "µ \"group\""}};
+  runs::AttachInfo info;
+  runs::IngestError error{runs::IngestErrorReason::kInvalidHello, ""};
+  auto first = registry_.Attach(odd, 0, &sink_, &info, &error);
+  REQUIRE(first);
+  auto second = Attach("plain");
+  for (auto* run : {first.get(), second.get()}) {
+    RankStep step;
+    step.step = 7;
+    step.loss = 1.25;
+    step.params.push_back({.index = 0, .norms = {NormContribution::FromNorm(0.5), NormContribution::FromNorm(2.0), {}}});
+    REQUIRE_FALSE(run->AddStep(0, step, &sink_));
+  }
+
+  const std::string text = Render();
+  CheckFamiliesContiguous(text);
+  const Samples samples = testing::ParseExposition(text);
+  const Samples grad = Named(samples, "gradwatch_grad_norm");
+  REQUIRE(grad.size() == 2);
+  bool found = false;
+  for (const auto& s : grad) {
+    if (Label(s, "run") != odd.run_id) continue;
+    found = true;
+    CHECK(Label(s, "param") == "emb\"ed\\dings");
+    CHECK(Label(s, "group") == "µ \"group\"");
+    CHECK(s.value == 0.5);
+  }
+  CHECK(found);
+  CHECK(Named(samples, "gradwatch_loss").size() == 2);
+  CHECK(Named(samples, "gradwatch_last_step").size() == 2);
+  CheckWithPromtool(text);
 }
 
 TEST_CASE_METHOD(CollectorFixture, "an ended run's series leave the collector's output", "[export]") {
@@ -138,17 +175,13 @@ TEST_CASE_METHOD(CollectorFixture, "an ended run's series leave the collector's 
   clock_.Advance(61s);
   registry_.Tick();
 
-  const auto families = Collect();
-  const auto* loss = FindFamily(families, "gradwatch_loss");
-  REQUIRE(loss);
-  CHECK(loss->metric.empty());
-  const auto* last = FindFamily(families, "gradwatch_last_step");
-  REQUIRE(last);
-  CHECK(last->metric.empty());
-  const auto* runs_family = FindFamily(families, "gradwatch_runs");
-  REQUIRE(runs_family);
-  for (const auto& m : runs_family->metric) {
-    CHECK(m.gauge.value == (Label(m, "state") == "ended" ? 1 : 0));
+  const Samples samples = testing::ParseExposition(Render());
+  CHECK(Named(samples, "gradwatch_loss").empty());
+  CHECK(Named(samples, "gradwatch_last_step").empty());
+  const Samples runs_family = Named(samples, "gradwatch_runs");
+  CHECK(runs_family.size() == 3);
+  for (const auto& m : runs_family) {
+    CHECK(m.value == (Label(m, "state") == "ended" ? 1 : 0));
   }
   CHECK(registry_.Find("finished"));  // still queryable
 }
