@@ -528,16 +528,31 @@ bool AlertEngine::HasTimerRules() const {
 
 std::vector<Transition> AlertEngine::EvaluateTimer(const std::vector<RunFacts>& runs, double now,
                                                    const std::vector<std::string>& idle) {
+  std::vector<Transition> out;
+  std::vector<std::string> held = idle;
+  for (const RunFacts& facts : runs) {
+    held.push_back(facts.run_id);
+    for (Transition& t : EvaluateTimerRun(facts, now)) out.push_back(std::move(t));
+  }
+  for (Transition& t : EndTimers(held, now)) out.push_back(std::move(t));
+  return out;
+}
+
+std::vector<Transition> AlertEngine::EvaluateTimerRun(const RunFacts& facts, double now) {
   std::lock_guard lock(mu_);
   std::vector<Transition> out;
-  std::unordered_set<std::string_view> listed(idle.begin(), idle.end());
-  for (const RunFacts& facts : runs) {
-    listed.insert(facts.run_id);
-    std::optional<std::string> recommendation;
-    for (size_t i = 0; i < rules_.size(); ++i) {
-      if (IsTimerRule(rules_[i].kind)) EvaluateRule(i, facts, now, &recommendation, &out);
-    }
+  std::optional<std::string> recommendation;
+  for (size_t i = 0; i < rules_.size(); ++i) {
+    if (IsTimerRule(rules_[i].kind)) EvaluateRule(i, facts, now, &recommendation, &out);
   }
+  PublishLocked(out);
+  return out;
+}
+
+std::vector<Transition> AlertEngine::EndTimers(const std::vector<std::string>& held, double now) {
+  std::lock_guard lock(mu_);
+  std::vector<Transition> out;
+  const std::unordered_set<std::string_view> listed(held.begin(), held.end());
   std::unordered_set<std::string_view> stalled_rules;
   for (const Rule& r : rules_) {
     if (r.kind == RuleKind::kStalled) stalled_rules.insert(r.name);

@@ -214,6 +214,10 @@ class AlertEngine {
   // a Goodbye: neither stalled nor run_died can hold for them); they count as listed.
   std::vector<Transition> EvaluateTimer(const std::vector<RunFacts>& runs, double now,
                                         const std::vector<std::string>& idle = {});
+  // EvaluateTimer in two parts, for a caller that holds each run's facts only for a moment:
+  // EvaluateTimerRun for each run to evaluate, then EndTimers with every run the daemon holds.
+  std::vector<Transition> EvaluateTimerRun(const RunFacts& facts, double now);
+  std::vector<Transition> EndTimers(const std::vector<std::string>& held, double now);
   // Whether any stalled or run_died rule is in force.
   bool HasTimerRules() const;
   // The run is gone (finished and forgotten, or deleted): its firing alerts resolve, its pending
