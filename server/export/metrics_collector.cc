@@ -1,7 +1,6 @@
 #include "server/export/metrics_collector.h"
 
 #include <array>
-#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -92,12 +91,13 @@ constexpr std::array<FamilyInfo, kRunFamilyCount> kRunFamilies = {{
      "Norm growth over the long window of a parameter with weight decay 0 whose norm rises.", MetricType::kGauge},
 }};
 
-// Appends `,name="value"` for an unsigned value.
+// Appends `,name="value"` for an unsigned value (digits need no escaping).
 void AppendNumberLabel(std::string& out, std::string_view name, uint64_t value) {
-  char buf[24];
-  const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), value);
-  (void)ec;
-  AppendLabel(out, name, std::string_view(buf, static_cast<size_t>(end - buf)));
+  out.push_back(',');
+  out.append(name);
+  out.append("=\"");
+  AppendValue(out, value);
+  out.push_back('"');
 }
 
 // The daemon-wide families: one chunk for all of them.
@@ -142,7 +142,8 @@ void MetricsCollector::Render(Exposition& out) {
   std::string run_label;
   for (const auto& run : registry_->All()) {
     memory += run->MemoryBytes();
-    runs::RunMetricsSnapshot s = run->MetricsSnapshot();
+    run->MetricsSnapshot(snapshot_);
+    const runs::RunMetricsSnapshot& s = snapshot_;
     if (s.info.ended) {
       ++(s.info.end.clean() ? finished : ended);
       continue;  // ended runs leave /metrics but stay queryable
@@ -163,9 +164,16 @@ void MetricsCollector::Render(Exposition& out) {
     sample(kRunOpenStreams, s.info.open_streams);
 
     const runs::RunAnalysis& a = s.analysis;
+    // A series' windows come one after the other: its labels but the window are built once.
+    const std::string* series_key = nullptr;
+    std::string series_labels;
     for (const auto& sl : a.slopes) {
-      labels_ = run_label;
-      AppendLabel(labels_, "series", sl.key);
+      if (series_key == nullptr || sl.key != *series_key) {
+        series_key = &sl.key;
+        series_labels = run_label;
+        AppendLabel(series_labels, "series", sl.key);
+      }
+      labels_ = series_labels;
       AppendNumberLabel(labels_, "window", sl.window_steps);
       sample(kSlope, sl.fit.slope_per_kstep());
     }

@@ -24,6 +24,8 @@ class MetricsCollector {
   const runs::RunRegistry* const registry_;
   const runs::DaemonStats* const stats_;
   const store::Journal* const journal_;
+  // Reused from one run and one scrape to the next.
+  runs::RunMetricsSnapshot snapshot_;
   std::string labels_;  // the labels of the sample being written
 };
 

@@ -80,6 +80,13 @@ void AppendValue(std::string& out, uint64_t value) {
 }
 
 void AppendLabelValue(std::string& out, std::string_view value) {
+  // Most values need no escaping: one scan, one append.
+  bool plain = true;
+  for (const char c : value) plain &= c != '\\' && c != '"' && c != '\n';
+  if (plain) {
+    out.append(value);
+    return;
+  }
   size_t start = 0;
   for (size_t i = 0; i < value.size(); ++i) {
     const char c = value[i];

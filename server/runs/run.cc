@@ -810,9 +810,14 @@ RunInfo Run::Info() const {
 }
 
 RunMetricsSnapshot Run::MetricsSnapshot() const {
-  MutexLock lock(&mu_);
   RunMetricsSnapshot s;
-  s.info = InfoLocked();
+  MetricsSnapshot(s);
+  return s;
+}
+
+void Run::MetricsSnapshot(RunMetricsSnapshot& out) const {
+  MutexLock lock(&mu_);
+  out.info = InfoLocked();
   auto latest = [this](SeriesId id) -> std::optional<double> {
     mu_.AssertHeld();  // called only below, under this function's lock
     if (id == kNoSeries || id >= series_.size() || !series_[id].data) return std::nullopt;
@@ -820,20 +825,31 @@ RunMetricsSnapshot Run::MetricsSnapshot() const {
     if (!p) return std::nullopt;
     return p->last;
   };
-  s.total_grad_norm = latest(scalar_series_[kTotalGrad]);
-  s.loss = latest(scalar_series_[kLoss]);
-  s.z_loss = latest(scalar_series_[kZLoss]);
-  s.learning_rate = latest(scalar_series_[kLearningRate]);
-  s.params.reserve(meta_.params.size());
-  for (size_t i = 0; i < meta_.params.size() && i < param_series_.size(); ++i) {
-    RunMetricsSnapshot::Param p;
-    p.name = meta_.params[i].name;
-    p.group = std::string(meta_.params[i].EffectiveGroup());
-    for (int f = 0; f < kNormFields; ++f) p.norms[f] = latest(param_series_[i][f]);
-    s.params.push_back(std::move(p));
+  if (out.info.ended) {
+    out.total_grad_norm = out.loss = out.z_loss = out.learning_rate = std::nullopt;
+    out.params.clear();
+    RunAnalysis& a = out.analysis;  // cleared, its buffers kept
+    a.slopes.clear();
+    a.slope_changes.clear();
+    a.change_points.clear();
+    a.forecasts.clear();
+    a.shares.clear();
+    a.amplifications.clear();
+    a.growth_without_decay.clear();
+    return;
   }
-  s.analysis = analytics_->Analysis();
-  return s;
+  out.total_grad_norm = latest(scalar_series_[kTotalGrad]);
+  out.loss = latest(scalar_series_[kLoss]);
+  out.z_loss = latest(scalar_series_[kZLoss]);
+  out.learning_rate = latest(scalar_series_[kLearningRate]);
+  out.params.resize(std::min(meta_.params.size(), param_series_.size()));
+  for (size_t i = 0; i < out.params.size(); ++i) {
+    RunMetricsSnapshot::Param& p = out.params[i];
+    p.name = meta_.params[i].name;
+    p.group = meta_.params[i].EffectiveGroup();
+    for (int f = 0; f < kNormFields; ++f) p.norms[f] = latest(param_series_[i][f]);
+  }
+  analytics_->Analysis(out.analysis);
 }
 
 RunSummary Run::Summary() const {

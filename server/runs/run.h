@@ -233,6 +233,10 @@ class Run {
   // When the run ended (seconds since the Unix epoch) if it has and no stream is open; else 0.
   double IdleEndedAt() const;
   RunMetricsSnapshot MetricsSnapshot() const;
+  // The same, overwriting `out` in place (a scrape reusing one snapshot for every run stops
+  // allocating once warm). An ended run leaves /metrics: only its info is filled, the rest
+  // cleared.
+  void MetricsSnapshot(RunMetricsSnapshot& out) const;
   RunSummary Summary() const;
   // nullopt when the key is unknown.
   std::optional<std::vector<store::Point>> QuerySeries(const std::string& key, uint64_t from_step,

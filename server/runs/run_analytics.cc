@@ -408,21 +408,39 @@ void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& pa
 
 RunAnalysis RunAnalytics::Analysis() const {
   RunAnalysis out;
+  Analysis(out);
+  return out;
+}
+
+void RunAnalytics::Analysis(RunAnalysis& out) const {
+  size_t slopes = 0;
   for (const Tracked& t : series_) {
     if (!t.slopes) continue;
     for (const auto& w : t.slopes->windows()) {
-      if (auto fit = w.Fit()) out.slopes.push_back({t.key, w.window_steps(), *fit});
+      auto fit = w.Fit();
+      if (!fit) continue;
+      SeriesSlopeInfo& info = NextSlot(out.slopes, &slopes);
+      info.key = t.key;
+      info.window_steps = w.window_steps();
+      info.fit = *fit;
     }
   }
+  out.slopes.resize(slopes);
   EventsForecastsShares(out);
+  size_t amplifications = 0, growth = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     ParamAnalysis entry = ParamEntry(i);
     if (entry.amplification) {
-      out.amplifications.push_back({params_[i].name, *entry.norm, *entry.init_norm, *entry.amplification});
+      AmplificationInfo& info = NextSlot(out.amplifications, &amplifications);
+      info.param = params_[i].name;
+      info.norm = *entry.norm;
+      info.init_norm = *entry.init_norm;
+      info.amplification = *entry.amplification;
     }
-    if (entry.growth) out.growth_without_decay.push_back(std::move(*entry.growth));
+    if (entry.growth) NextSlot(out.growth_without_decay, &growth) = std::move(*entry.growth);
   }
-  return out;
+  out.amplifications.resize(amplifications);
+  out.growth_without_decay.resize(growth);
 }
 
 }  // namespace gradwatch::runs

@@ -156,6 +156,9 @@ class RunAnalytics {
   void OnEvent(const EventRecord& event);
 
   RunAnalysis Analysis() const;
+  // The same, overwriting `out` in place: buffers reused from one call to the next (a /metrics
+  // scrape's) stop allocating once warm.
+  void Analysis(RunAnalysis& out) const;
   // What the alert rules read at each step: Analysis() without the slopes of every series, the
   // per-parameter entries by catalog index in `params` (amplifications and growth_without_decay
   // stay empty). O(key series × events + parameters), not O(series × windows); `out` and
