@@ -1,10 +1,11 @@
 // Checks of a /metrics text that a parser alone does not make: every family's samples follow its
 // own # TYPE line, contiguously, with one # TYPE per family (text format 0.0.4 requires it;
 // Prometheus' parsers accept a family split in two); and `promtool check metrics` (Prometheus' own
-// parser and linter) has nothing to say.
+// parser and linter) has nothing to say. Also a gzip decoder for compressed scrapes.
 #pragma once
 
 #include <catch2/catch.hpp>
+#include <zlib.h>
 
 #include <set>
 #include <sstream>
@@ -56,6 +57,25 @@ inline void CheckWithPromtool(const std::string& text) {
   INFO(lint.out << lint.err);
   CHECK(lint.exit_code == 0);
   CHECK(lint.out.empty());
+}
+
+// Decompresses a gzip stream; empty on a corrupt one.
+inline std::string Gunzip(const std::string& in) {
+  z_stream zs{};
+  if (inflateInit2(&zs, 16 + MAX_WBITS) != Z_OK) return {};
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
+  zs.avail_in = static_cast<uInt>(in.size());
+  std::string out;
+  int rc = Z_OK;
+  char buf[65536];
+  while (rc == Z_OK) {
+    zs.next_out = reinterpret_cast<Bytef*>(buf);
+    zs.avail_out = sizeof(buf);
+    rc = inflate(&zs, Z_NO_FLUSH);
+    out.append(buf, sizeof(buf) - zs.avail_out);
+  }
+  inflateEnd(&zs);
+  return rc == Z_STREAM_END ? out : std::string();
 }
 
 }  // namespace gradwatch

@@ -1,7 +1,5 @@
 #include <catch2/catch.hpp>
 
-#include <zlib.h>
-
 #include <atomic>
 #include <string>
 #include <thread>
@@ -15,25 +13,6 @@
 using namespace gradwatch;
 
 namespace {
-
-// Decompresses a gzip stream; empty on a corrupt one.
-std::string Gunzip(const std::string& in) {
-  z_stream zs{};
-  if (inflateInit2(&zs, 16 + MAX_WBITS) != Z_OK) return {};
-  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
-  zs.avail_in = static_cast<uInt>(in.size());
-  std::string out;
-  int rc = Z_OK;
-  char buf[65536];
-  while (rc == Z_OK) {
-    zs.next_out = reinterpret_cast<Bytef*>(buf);
-    zs.avail_out = sizeof(buf);
-    rc = inflate(&zs, Z_NO_FLUSH);
-    out.append(buf, sizeof(buf) - zs.avail_out);
-  }
-  inflateEnd(&zs);
-  return rc == Z_STREAM_END ? out : std::string();
-}
 
 // A family of `n` samples in one chunk, then an empty chunk, then a second family.
 void RenderTestFamilies(exporter::Exposition& out, int n, std::atomic<int>* renders) {
