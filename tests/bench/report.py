@@ -84,13 +84,14 @@ def main():
          f"p50 {al['stream_p50_ms']:.2f} ms, p99 {al['stream_p99_ms']:.2f} ms"],
         [f"alert latency to a webhook ({al['alerts']} alerts)",
          f"p50 {al['webhook_p50_ms']:.2f} ms, p99 {al['webhook_p99_ms']:.2f} ms"],
-        [f"/metrics at {fmt(m['small']['series'])} series",
-         f"{m['small']['p50_ms']:.0f} ms (median of {m['small']['scrapes']}), {m['small']['bytes'] / 2**20:.1f} MB"],
-        [f"/metrics at {fmt(m['large']['series'])} series",
-         f"{m['large']['p50_ms']:.0f} ms (median of {m['large']['scrapes']}), {m['large']['bytes'] / 2**20:.1f} MB"],
-        [f"ingest ack latency, one step in flight, while /metrics ({fmt(m['ingest_while_scraping']['series'])} series) is scraped",
-         f"p50 {m['ingest_while_scraping']['ack_p50_ms']:.1f} ms, p99 {m['ingest_while_scraping']['ack_p99_ms']:.1f} ms "
-         f"({m['ingest_while_scraping']['scrapes']} scrapes)"],
+        *[[f"/metrics at {fmt(m[size]['series'])} series",
+           f"{m[size]['p50_ms']:.0f} ms (median of {m[size]['scrapes']}), {m[size]['bytes'] / 2**20:.1f} MB; "
+           f"gzip {m[size]['gzip_p50_ms']:.0f} ms, {m[size]['gzip_bytes'] / 2**20:.1f} MB"] for size in ("small", "large")],
+        [f"ingest ack latency, one step in flight, without scrapes ({fmt(m['ingest_without_scrapes']['series'])} series)",
+         f"p50 {m['ingest_without_scrapes']['ack_p50_ms']:.1f} ms, p99 {m['ingest_without_scrapes']['ack_p99_ms']:.1f} ms"],
+        *[[f"ingest ack latency, one step in flight, while /metrics ({fmt(m[k]['series'])} series) is scraped",
+           f"p50 {m[k]['ack_p50_ms']:.1f} ms, p99 {m[k]['ack_p99_ms']:.1f} ms ({m[k]['scrapes']} scrapes)"]
+          for k in ("ingest_while_scraping", "ingest_while_scraping_large")],
         [f"RSS per series (1 x 1 x 1,000 after {fmt(sr['steps'])} steps)", f"{sr['rss_per_series_bytes'] / 1024:.0f} KB"],
         ["journal bytes per sample (journal.db + WAL after SIGTERM)", f"{sr['journal_bytes_per_sample']:.1f}"],
         [f"restart to ready ({fmt(sr['journal_samples'])} journaled samples)", f"{sr['restart_s']:.2f} s"],
