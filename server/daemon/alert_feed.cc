@@ -114,7 +114,7 @@ void AlertFeed::Deliver() {
 void AlertFeed::DrainLocked(std::unique_lock<std::mutex>& queue_lock) {
   while (!queue_.empty()) {
     Item item = std::move(queue_.front());
-    queue_.pop_front();
+    queue_.erase(queue_.begin());
     queued_ = !queue_.empty();
     queue_lock.unlock();
     Evaluate(item);

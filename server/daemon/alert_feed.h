@@ -12,7 +12,6 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -92,7 +91,9 @@ class AlertFeed final : public runs::RunChannel {
   std::mutex eval_mu_;  // one evaluation of this run at a time, in queue order
   std::unique_ptr<alerts::RunFacts> last_;  // guarded by eval_mu_: the latest evaluated facts
   std::mutex queue_mu_;
-  std::deque<Item> queue_;                                  // guarded by queue_mu_
+  // Guarded by queue_mu_. A vector: at most kMaxQueued + 1 items, so shifting them is cheap and,
+  // unlike a deque's blocks, its buffer is allocated once.
+  std::vector<Item> queue_;
   std::vector<std::unique_ptr<alerts::RunFacts>> spare_;   // guarded by queue_mu_
   bool queued_ = false;                                     // guarded by queue_mu_: !queue_.empty()
 };
