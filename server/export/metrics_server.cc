@@ -132,7 +132,7 @@ void MetricsServer::Serve(mg_connection* conn) {
   Exposition& text = buffers->text;
   text.Clear();
   {
-    std::lock_guard<std::mutex> lock(render_mu_);
+    MutexLock lock(&render_mu_);
     AppendFamilies(text.NewChunk(), own_registry_->Collect());
     for (const Renderer& render : renderers_) render(text);
   }
@@ -156,7 +156,7 @@ void MetricsServer::Serve(mg_connection* conn) {
 
 std::unique_ptr<MetricsServer::Buffers> MetricsServer::TakeBuffers() {
   {
-    std::lock_guard<std::mutex> lock(pool_mu_);
+    MutexLock lock(&pool_mu_);
     if (!pool_.empty()) {
       std::unique_ptr<Buffers> buffers = std::move(pool_.back());
       pool_.pop_back();
@@ -167,7 +167,7 @@ std::unique_ptr<MetricsServer::Buffers> MetricsServer::TakeBuffers() {
 }
 
 void MetricsServer::GiveBack(std::unique_ptr<Buffers> buffers) {
-  std::lock_guard<std::mutex> lock(pool_mu_);
+  MutexLock lock(&pool_mu_);
   if (pool_.empty()) pool_.push_back(std::move(buffers));
 }
 

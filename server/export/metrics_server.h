@@ -13,7 +13,6 @@
 
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -22,6 +21,7 @@
 #include <prometheus/summary.h>
 
 #include "server/core/status.h"
+#include "server/core/thread_annotations.h"
 #include "server/export/exposition.h"
 
 struct mg_connection;
@@ -65,17 +65,17 @@ class MetricsServer {
   explicit MetricsServer(std::vector<Renderer> renderers);
 
   static int HandleRequest(mg_connection* conn, void* self);
-  void Serve(mg_connection* conn);
-  std::unique_ptr<Buffers> TakeBuffers();
-  void GiveBack(std::unique_ptr<Buffers> buffers);
+  void Serve(mg_connection* conn) EXCLUDES(render_mu_, pool_mu_);
+  std::unique_ptr<Buffers> TakeBuffers() EXCLUDES(pool_mu_);
+  void GiveBack(std::unique_ptr<Buffers> buffers) EXCLUDES(pool_mu_);
 
   const std::vector<Renderer> renderers_;
   mg_context* ctx_ = nullptr;
   int port_ = 0;
 
-  std::mutex render_mu_;  // one render at a time
-  std::mutex pool_mu_;
-  std::vector<std::unique_ptr<Buffers>> pool_;  // guarded by pool_mu_; at most one kept idle
+  Mutex render_mu_;  // held through a render: one at a time (never with pool_mu_)
+  Mutex pool_mu_;
+  std::vector<std::unique_ptr<Buffers>> pool_ GUARDED_BY(pool_mu_);  // at most one kept idle
 
   // The server's own metrics (prometheus-cpp's Exposer's, same names and help).
   std::shared_ptr<prometheus::Registry> own_registry_;
