@@ -378,7 +378,7 @@ TEST_CASE("a version 1 journal is migrated: its ended runs ended by inactivity",
   CHECK(got.runs[0].end == RunEnd{5.0, EndReason::kInactive, ""});
   CHECK(got.runs[1].end == RunEnd{});
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("PRAGMA user_version") == "3");
 }
 
 TEST_CASE("progress is reported after commit, merged to one entry per run and rank", "[store]") {
@@ -460,7 +460,9 @@ TEST_CASE("group commit puts many records in few transactions", "[store]") {
   journal->Stop();
 
   RawDb raw(dir.db());
-  CHECK(raw.Query("SELECT count(*) FROM steps") == std::to_string(kSteps));
+  // Every step is in a row of its own or sealed in a block.
+  CHECK(raw.Query("SELECT (SELECT count(*) FROM steps) + (SELECT coalesce(sum(steps), 0) FROM step_blocks)") ==
+        std::to_string(kSteps));
   CHECK(raw.Query("SELECT step FROM rank_progress WHERE run_id = 'run' AND rank = 0") == "9999");
 }
 
@@ -529,7 +531,7 @@ TEST_CASE("the journal runs in WAL mode", "[store]") {
   CHECK(fs::exists(dir.db() + "-wal"));
   RawDb raw(dir.db());
   CHECK(raw.Query("PRAGMA journal_mode") == "wal");
-  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("PRAGMA user_version") == "3");
 }
 
 TEST_CASE("a failed commit is retried with its records, acked only once it succeeds", "[store]") {
@@ -991,11 +993,11 @@ PRAGMA user_version = 1;
   }
   CHECK(LoadFrom(dir.db()).steps.empty());
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("PRAGMA user_version") == "3");
   CHECK(raw.Query("SELECT count(*) FROM abandoned_steps") == "1");
 }
 
-TEST_CASE("a version-2 journal and alert store written before the SQLite helper open unchanged",
+TEST_CASE("a version-2 journal and alert store written before the SQLite helper open, gaining only the step blocks",
           "[store][migration]") {
   TempDir dir;
   // The schema as the journal and the alert store of 44f6238 created it (user_version 2), with a
@@ -1104,10 +1106,11 @@ INSERT INTO alert_progress VALUES('r', 2);
     RawDb raw(dir.db(), /*create=*/true);
     raw.Exec(v2);
   }
+  // Everything but version 3's step_blocks table (and its key's index).
   auto schema_text = [&] {
     RawDb raw(dir.db());
     return raw.Query("SELECT group_concat(type || ' ' || name || ' ' || ifnull(sql, ''), char(10)) FROM "
-                     "(SELECT * FROM sqlite_master ORDER BY name)");
+                     "(SELECT * FROM sqlite_master WHERE tbl_name != 'step_blocks' ORDER BY name)");
   };
   const std::string schema_before = schema_text();
   REQUIRE_FALSE(schema_before.empty());
@@ -1171,16 +1174,18 @@ INSERT INTO alert_progress VALUES('r', 2);
     CHECK(state->evaluated == std::map<std::string, uint64_t>{{"r", 2}});
   }
 
-  // Opened, read and written to (a new step) without any change to the schema or its version.
+  // Opened, read and written to (a new step) with no change to the schema but the step blocks of
+  // version 3.
   {
     auto journal = OpenOrFail({.path = dir.db()});
     REQUIRE(journal->Enqueue(MakeStep("r", 3, {{0, 2.0}})));
     REQUIRE(journal->Flush().ok());
   }
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("PRAGMA user_version") == "3");
   CHECK(raw.Query("SELECT count(*) FROM steps") == "3");
   CHECK(schema_text() == schema_before);
+  CHECK(raw.Query("SELECT count(*) FROM step_blocks") == "0");
 }
 
 namespace {
