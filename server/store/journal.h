@@ -124,7 +124,7 @@ struct RecoveryReport {
   // Some of the discarded frames belong to the current WAL but fail their checksum: the tail was
   // damaged, not merely unfinished.
   bool corrupt_tail = false;
-  // The database is damaged: PRAGMA quick_check (run at every open) found problems, or SQLite
+  // The database is damaged: PRAGMA quick_check (see quick_check_max_bytes) found problems, or SQLite
   // called the file corrupt or not a database while opening it or setting up the schema.
   bool damaged = false;
   // A damaged journal is never opened for writing: its files were renamed to moved_files (the

@@ -729,6 +729,46 @@ TEST_CASE("a damaged page: the runs that read cleanly are salvaged whole, the ot
   CHECK_FALSE(again->recovery().moved_aside);
 }
 
+TEST_CASE("a journal beyond quick_check_max_bytes opens without quick_check, its damage found when read",
+          "[store][recovery]") {
+  TempDir dir;
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    for (const char* id : {"a-damaged", "b-intact"}) {
+      RunMeta meta;
+      meta.run_id = id;
+      REQUIRE(journal->Enqueue(RunRecord{meta}));
+      for (uint64_t s = 1; s <= 3000; ++s) REQUIRE(journal->Enqueue(MakeStep(id, s, {{0, 1.0}}, {{id, 0, s, s}})));
+    }
+    REQUIRE(journal->Flush().ok());
+  }
+  int64_t page = 0, page_size = 0;
+  {
+    RawDb raw(dir.db());
+    page = std::stoll(raw.Query("SELECT pageno FROM dbstat WHERE name = 'steps' AND pagetype = 'leaf' "
+                                "ORDER BY path LIMIT 1 OFFSET 1"));
+    page_size = std::stoll(raw.Query("PRAGMA page_size"));
+  }
+  {
+    std::FILE* f = std::fopen(dir.db().c_str(), "r+b");
+    REQUIRE(f != nullptr);
+    std::fseek(f, static_cast<long>((page - 1) * page_size), SEEK_SET);
+    const std::string junk(static_cast<size_t>(page_size), '\x5a');
+    std::fwrite(junk.data(), 1, junk.size(), f);
+    std::fclose(f);
+  }
+  // As a journal of many gigabytes would: the clean stop left nothing for WAL recovery to drop.
+  auto journal = OpenOrFail({.path = dir.db(), .quick_check_max_bytes = 0});
+  CHECK(journal->recovery().ok());
+  CHECK_FALSE(journal->recovery().moved_aside);
+  Recorder recorder;
+  REQUIRE(journal->Load(recorder).ok());
+  REQUIRE(recorder.failed.size() == 1);
+  CHECK(recorder.failed[0].first == "a-damaged");
+  CHECK(std::count_if(recorder.steps.begin(), recorder.steps.end(),
+                      [](const Recorder::Step& s) { return s.run_id == "b-intact"; }) == 3000);
+}
+
 TEST_CASE("journal files deleted under an open journal are rebuilt from its connection, nothing committed lost",
           "[store][recovery]") {
   TempDir dir;
