@@ -1930,6 +1930,7 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
   pruned_rows_.fetch_add(deleted, std::memory_order_relaxed);
   if (run_done) {
     spdlog::info("journal: run {} pruned (ended before the retention cutoff)", pruning_run_);
+    seal_state_.erase(pruning_run_);
     pruning_run_.clear();
     pruned_runs_.fetch_add(1, std::memory_order_relaxed);
   }
