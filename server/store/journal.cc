@@ -1408,7 +1408,7 @@ void Journal::SealDue() {
     status = txn.Begin(sqlite::Transaction::Mode::kImmediate);
     // A run far behind (a migrated journal) is sealed a few blocks per commit, so that commits
     // wait for little.
-    constexpr int kMaxBlocksPerRound = 8;
+    constexpr int kMaxBlocksPerRound = 2;
     int blocks = 0;
     std::vector<std::string> still_due;
     for (const std::string& run_id : seal_due_) {
