@@ -261,3 +261,47 @@ TEST_CASE("a journal of float32 norms takes under 3 bytes a sample on disk", "[s
   CAPTURE(per_sample);
   CHECK(per_sample < 3.0);
 }
+
+TEST_CASE("a version-2 journal's step rows are read as they are and sealed as the run goes on",
+          "[store][blocks][migration]") {
+  TempDir dir;
+  std::vector<CompletedStep> expected;
+  {
+    // Rows only, then the version-3 table dropped: the journal as version 2 left it.
+    auto journal = Open({.path = dir.db(), .block_steps = 4096});
+    JournalRunRecord(*journal, "r");
+    for (uint64_t s = 1; s <= 30; ++s) {
+      expected.push_back(MakeStep(s, 4));
+      Write(*journal, "r", expected.back());
+    }
+    REQUIRE(journal->Flush().ok());
+  }
+  {
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open_v2(dir.db().c_str(), &db, SQLITE_OPEN_READWRITE, nullptr) == SQLITE_OK);
+    REQUIRE(sqlite3_exec(db, "DROP TABLE step_blocks; PRAGMA user_version = 2", nullptr, nullptr, nullptr) ==
+            SQLITE_OK);
+    sqlite3_close(db);
+  }
+  REQUIRE(Query(dir.db(), "SELECT count(*) FROM steps") == "30");
+  {
+    auto journal = Open({.path = dir.db(), .block_steps = 8});
+    CHECK(Query(dir.db(), "PRAGMA user_version") == "3");
+    Collector old_rows;
+    REQUIRE(journal->Load(old_rows).ok());
+    REQUIRE(old_rows.steps.size() == 30);
+    for (uint64_t s = 31; s <= 60; ++s) {
+      expected.push_back(MakeStep(s, 4));
+      Write(*journal, "r", expected.back());
+      REQUIRE(journal->Flush().ok());
+    }
+  }
+  // The old rows went into blocks with the new ones.
+  CHECK(std::stoll(Query(dir.db(), "SELECT count(*) FROM steps")) < 8);
+  CHECK(Query(dir.db(), "SELECT min(first_step) FROM step_blocks") == "1");
+  auto journal = Open({.path = dir.db(), .block_steps = 8});
+  Collector got;
+  REQUIRE(journal->Load(got).ok());
+  REQUIRE(got.steps.size() == expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) CHECK(SameSteps(got.steps[i].second, expected[i]));
+}
