@@ -355,8 +355,16 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
     if (g.has_share) add_share(g.name, true, ParamKind::kUnspecified, g.share, *g.share_trend);
   }
   out.shares.resize(shares);
-  std::stable_sort(out.shares.begin(), out.shares.end(),
-                   [](const ShareInfo& a, const ShareInfo& b) { return a.share > b.share; });
+  // Largest first, ties in the order added (parameters by catalog index, then groups): what a
+  // stable sort gives, but sorting (share, index) pairs and then swapping each entry into place
+  // (its strings' buffers move, nothing is copied or allocated once warm).
+  share_order_.resize(shares);
+  for (size_t i = 0; i < shares; ++i) share_order_[i] = {out.shares[i].share, static_cast<uint32_t>(i)};
+  std::sort(share_order_.begin(), share_order_.end(),
+            [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+  share_sorted_.resize(shares);
+  for (size_t i = 0; i < shares; ++i) std::swap(share_sorted_[i], out.shares[share_order_[i].second]);
+  out.shares.swap(share_sorted_);
 }
 
 ParamAnalysis RunAnalytics::ParamEntry(size_t i) const {
@@ -371,12 +379,20 @@ ParamAnalysis RunAnalytics::ParamEntry(size_t i) const {
     out.amplification = amplification;
   }
   if (!norm.slopes) return out;  // refused analytics for memory
+  const analytics::WindowedSlope& longest = norm.slopes->longest();
+  std::optional<analytics::LinearFit> longest_fit;
+  bool longest_fitted = false;
   for (const auto& w : norm.slopes->windows()) {
     if (w.window_steps() != options_.forecast_window_steps) continue;
-    if (auto fit = w.Fit()) out.norm_slope_per_kstep = fit->slope_per_kstep();
+    auto fit = w.Fit();
+    if (fit) out.norm_slope_per_kstep = fit->slope_per_kstep();
+    if (&w == &longest) {  // the same window: fitted once
+      longest_fit = fit;
+      longest_fitted = true;
+    }
   }
-  const analytics::WindowedSlope& longest = norm.slopes->longest();
-  if (auto fit = longest.Fit()) {
+  if (!longest_fitted) longest_fit = longest.Fit();
+  if (const auto& fit = longest_fit) {
     analytics::GrowthOptions growth_options;
     growth_options.min_growth = options_.min_growth;
     if (auto g = analytics::AssessGrowth(params_[i], static_cast<uint32_t>(i), fit->PredictAt(fit->first_step),

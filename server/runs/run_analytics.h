@@ -237,6 +237,10 @@ class RunAnalytics {
   std::vector<uint32_t> group_of_param_;
   std::vector<double> param_share_scratch_;
   std::vector<double> group_share_scratch_;
+  // EventsForecastsShares' scratch for ordering the shares, reused across steps. Mutable: the
+  // const readers are serialised like every other call (the run's mutex).
+  mutable std::vector<std::pair<double, uint32_t>> share_order_;
+  mutable std::vector<ShareInfo> share_sorted_;
 };
 
 }  // namespace gradwatch::runs
