@@ -210,16 +210,21 @@ void WindowedSlope::GrowRing() {
   // Unwrap the held buckets to the front, then extend: the ring's order is kept with head_ 0.
   std::rotate(ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(head_), ring_.end());
   head_ = 0;
-  ring_.resize(std::min(ring_capacity_, std::max<size_t>(kFirstRingSize, ring_.size() * 2)));
+  ring_.resize(std::min(ring_capacity_ - 1, std::max<size_t>(kFirstRingSize, ring_.size() * 2)));
+}
+
+void WindowedSlope::CloseOpenBucket() {
+  closed_.Merge(open_);
+  if (held_ == ring_.size()) GrowRing();
+  assert(held_ < ring_.size());
+  ring_[slot(held_)] = open_;
+  ++held_;
 }
 
 void WindowedSlope::OpenBucket(uint64_t step, double value) {
-  if (held_ == ring_.size()) GrowRing();
-  assert(held_ < ring_.size());
-  open_slot_ = slot(held_);
-  ring_[open_slot_] = RegressionSums(step, value);
-  ++held_;
-  if (held_ == 1) expire_step_ = step + window_steps_ > step ? step + window_steps_ : UINT64_MAX;
+  open_ = RegressionSums(step, value);
+  has_open_ = true;
+  if (held_ == 0) expire_step_ = step + window_steps_ > step ? step + window_steps_ : UINT64_MAX;
   const uint64_t index = step / bucket_steps_;
   const uint64_t end = (index + 1) * bucket_steps_;
   open_end_step_ = end > step ? end : UINT64_MAX;
@@ -236,29 +241,23 @@ bool WindowedSlope::AddSample(uint64_t step, double value) {
   }
   has_samples_ = true;
   last_step_ = step;
-  if (held_ > 0 && step >= expire_step_) ExpireBefore(step);
-  if (held_ == 0) {
+  if (has_open_ && step >= expire_step_) ExpireBefore(step);
+  if (!has_open_) {
     closed_ = RegressionSums(step, value);
     expiries_since_recompute_ = 0;
     OpenBucket(step, value);
   } else if (step >= open_end_step_) {
-    // The open bucket closes: its sums join the window's closed ones.
-    closed_.Merge(ring_[open_slot_]);
+    CloseOpenBucket();
     OpenBucket(step, value);
     MaybeRecompute();
   }
-  ring_[open_slot_].Add(step, value);
+  open_.Add(step, value);
   return true;
 }
 
 void WindowedSlope::ExpireBefore(uint64_t newest_step) {
   while (held_ > 0 && newest_step - ring_[head_].first_step() >= window_steps_) {
-    if (held_ == 1) {
-      // The open bucket expires: nothing is left.
-      closed_.Clear();
-    } else {
-      closed_.Subtract(ring_[head_]);
-    }
+    closed_.Subtract(ring_[head_]);
     head_ = slot(1);
     --held_;
     ++expiries_since_recompute_;
@@ -266,7 +265,17 @@ void WindowedSlope::ExpireBefore(uint64_t newest_step) {
   if (held_ > 0) {
     const uint64_t first = ring_[head_].first_step();
     expire_step_ = first + window_steps_ > first ? first + window_steps_ : UINT64_MAX;
-    if (held_ > 1) MaybeRecompute();
+    MaybeRecompute();
+    return;
+  }
+  closed_.Clear();
+  if (newest_step - open_.first_step() >= window_steps_) {
+    // The open bucket expires too: nothing is left.
+    has_open_ = false;
+    ++expiries_since_recompute_;
+  } else {
+    const uint64_t first = open_.first_step();
+    expire_step_ = first + window_steps_ > first ? first + window_steps_ : UINT64_MAX;
   }
 }
 
@@ -278,21 +287,22 @@ void WindowedSlope::MaybeRecompute() {
 }
 
 void WindowedSlope::Recompute() {
-  const RegressionSums& oldest = held(0);
+  if (held_ == 0) return;
+  const RegressionSums& oldest = ring_[head_];
   RegressionSums exact(oldest.origin_step(), oldest.value_origin());
-  for (size_t i = 0; i + 1 < held_; ++i) {
-    exact.Merge(held(i));
+  for (size_t i = 0; i < held_; ++i) {
+    exact.Merge(ring_[slot(i)]);
   }
   closed_ = exact;
   expiries_since_recompute_ = 0;
   ++recomputes_;
 }
 
-size_t WindowedSlope::CapacityBytes() const { return sizeof(*this) + ring_capacity_ * sizeof(Bucket); }
+size_t WindowedSlope::CapacityBytes() const { return sizeof(*this) + (ring_capacity_ - 1) * sizeof(Bucket); }
 
 std::optional<LinearFit> WindowedSlope::Fit() const {
-  if (held_ == 0) return std::nullopt;
-  return closed_.FitWith(ring_[open_slot_], ring_[head_].first_step(), last_step_);
+  if (!has_open_) return std::nullopt;
+  return closed_.FitWith(open_, held_ > 0 ? ring_[head_].first_step() : open_.first_step(), last_step_);
 }
 
 RegressionSums WindowedSlope::SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const {
@@ -310,18 +320,18 @@ RegressionSums WindowedSlope::SumsOfHeldInRange(size_t count, uint64_t from_step
 }
 
 RegressionSums WindowedSlope::SumsInRange(uint64_t from_step, uint64_t to_step) const {
-  return SumsOfHeldInRange(held_, from_step, to_step);
+  return SumsOfHeldInRange(held_ + (has_open_ ? 1 : 0), from_step, to_step);
 }
 
 RegressionSums WindowedSlope::ClosedSumsInRange(uint64_t from_step, uint64_t to_step) const {
-  return SumsOfHeldInRange(held_ > 0 ? held_ - 1 : 0, from_step, to_step);
+  return SumsOfHeldInRange(held_, from_step, to_step);
 }
 
 const RegressionSums* WindowedSlope::ClosedBy(uint64_t step, double value) const {
-  if (held_ == 0 || !std::isfinite(value) || step < last_step_) {
+  if (!has_open_ || !std::isfinite(value) || step < last_step_) {
     return nullptr;
   }
-  return step >= open_end_step_ ? &ring_[open_slot_] : nullptr;
+  return step >= open_end_step_ ? &open_ : nullptr;
 }
 
 std::optional<LinearFit> WindowedSlope::FitRange(uint64_t from_step, uint64_t to_step) const {

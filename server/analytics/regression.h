@@ -160,7 +160,7 @@ class WindowedSlope {
   // Like SumsInRange over the held buckets but the newest (those no sample can join any more).
   RegressionSums ClosedSumsInRange(uint64_t from_step, uint64_t to_step) const;
   // The newest held bucket (samples may still join it); null when none is held.
-  const RegressionSums* open_bucket() const { return held_ > 0 ? &ring_[open_slot_] : nullptr; }
+  const RegressionSums* open_bucket() const { return has_open_ ? &open_ : nullptr; }
   // The open bucket if AddSample(step, value) would close it (the sample is accepted and starts a
   // newer bucket); else null.
   const RegressionSums* ClosedBy(uint64_t step, double value) const;
@@ -169,7 +169,7 @@ class WindowedSlope {
   uint64_t bucket_steps() const { return bucket_steps_; }
   // The most memory the window can come to hold (its ring at full size), in bytes.
   size_t CapacityBytes() const;
-  size_t samples_in_window() const { return held_ > 0 ? closed_.count() + ring_[open_slot_].count() : 0; }
+  size_t samples_in_window() const { return has_open_ ? closed_.count() + open_.count() : 0; }
   // Whether any sample was ever accepted; last_step() is meaningful only then.
   bool has_samples() const { return has_samples_; }
   uint64_t last_step() const { return last_step_; }
@@ -182,12 +182,13 @@ class WindowedSlope {
   // A held bucket is its sums: its index is first_step() / bucket_steps_.
   using Bucket = RegressionSums;
 
-  // The ith held bucket, oldest first (i < held_).
+  // Ring slot of the ith closed bucket, oldest first (i < held_).
   uint32_t slot(size_t i) const {
     const size_t s = head_ + i;
     return static_cast<uint32_t>(s < ring_.size() ? s : s - ring_.size());
   }
-  const Bucket& held(size_t i) const { return ring_[slot(i)]; }
+  // The ith held bucket, oldest first: the closed ones, then the open one (i ≤ held_).
+  const Bucket& held(size_t i) const { return i < held_ ? ring_[slot(i)] : open_; }
   // The sums of the first `count` held buckets whose samples all lie in [from_step, to_step].
   RegressionSums SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const;
   static constexpr size_t kFirstRingSize = 4;
@@ -195,25 +196,28 @@ class WindowedSlope {
   // Recomputes closed_ if due (see the class comment).
   void MaybeRecompute();
   void Recompute();
-  // Doubles the ring (up to ring_capacity_); called when every slot holds a bucket.
+  // Doubles the ring (up to ring_capacity_ − 1); called when every slot holds a bucket.
   void GrowRing();
-  // Opens a bucket for a sample at `step` after the held ones (growing the ring if full).
+  // Moves the open bucket into the ring and its sums into closed_.
+  void CloseOpenBucket();
+  // Opens a bucket with its first sample's step and value as origins.
   void OpenBucket(uint64_t step, double value);
 
-  // What AddSample reads for every sample, in the object's first cache line: no division and no
-  // bucket but the open one.
-  std::vector<Bucket> ring_;  // non-empty buckets, oldest first from head_; at most ring_capacity_
+  // What AddSample reads for every sample, contiguous: this first cache line, then the open
+  // bucket; no division, and no closed bucket.
+  std::vector<Bucket> ring_;  // closed buckets, oldest first from head_; at most ring_capacity_ − 1
   uint64_t last_step_ = 0;
   // The open bucket takes samples at steps below this (the next bucket's first step).
   uint64_t open_end_step_ = 0;
   // The oldest held bucket expires once the newest step reaches this (its first step + window).
   uint64_t expire_step_ = 0;
   uint32_t head_ = 0;
-  uint32_t held_ = 0;
-  uint32_t open_slot_ = 0;  // ring slot of the newest held bucket (while held_ > 0)
+  uint32_t held_ = 0;  // closed buckets in the ring
+  bool has_open_ = false;  // whether any bucket is held: the newest one is always open
   bool has_samples_ = false;
+  Bucket open_;
+  RegressionSums closed_;  // the sums of the closed buckets
   uint64_t expiries_since_recompute_ = 0;
-  RegressionSums closed_;  // the held buckets but the open one
 
   uint64_t window_steps_;
   uint64_t bucket_steps_;

@@ -132,8 +132,8 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
 bool RunAnalytics::Materialize(Tracked& t) {
   // The trackers' rings start empty and grow with the steps they hold: charged at full size,
   // before anything of them is allocated.
-  auto slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, BucketsFor(t));
-  uint64_t bytes = slopes->CapacityBytes();
+  analytics::SlopeTracker slopes(options_.windows, BucketsFor(t));
+  uint64_t bytes = slopes.CapacityBytes();
   std::unique_ptr<analytics::SlopeTracker> robust;
   if (t.key_series || IsForecastKey(t.key)) {
     // The longest window lets an event registered after its step find its before-window (as on
@@ -166,7 +166,7 @@ bool RunAnalytics::Materialize(Tracked& t) {
     }
     return false;
   }
-  t.slopes = std::move(slopes);
+  t.slopes.emplace(std::move(slopes));
   if (robust) {
     t.spike_filter = std::make_unique<analytics::SpikeFilter>();
     t.robust = std::move(robust);
@@ -211,9 +211,15 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
     if (!t.added) continue;
     t.last_value = sv.value;
     t.has_value = true;
+    const bool param_norm = t.role == Role::kParamNorm && t.param >= 0;
+    if (param_norm) {
+      param_state_[t.param].norm_value = sv.value;
+      param_state_[t.param].has_norm_value = true;
+    }
     if (!t.slopes && (t.refused || !Materialize(t))) continue;
     if (!std::isfinite(sv.value)) continue;  // a NaN is a signal for alerts, not a slope sample
     t.slopes->AddSample(step.step, sv.value);
+    if (param_norm) UpdateNormFits(t.param, *t.slopes);
     if (t.detector) t.detector->AddSample(step.step, sv.value);
     if (!t.spike_filter) continue;
     if (const auto p = t.spike_filter->Add(step.step, sv.value)) {
@@ -269,7 +275,8 @@ bool RunAnalytics::IsForecastKey(const std::string& key) const {
 }
 
 const analytics::WindowedSlope* RunAnalytics::Window(const Tracked& t, uint64_t window_steps) const {
-  for (const auto& w : (t.robust ? t.robust : t.slopes)->windows()) {
+  const analytics::SlopeTracker& tracker = t.robust ? *t.robust : *t.slopes;
+  for (const auto& w : tracker.windows()) {
     if (w.window_steps() == window_steps) return &w;
   }
   return nullptr;
@@ -367,39 +374,46 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
   out.shares.swap(share_sorted_);
 }
 
-ParamAnalysis RunAnalytics::ParamEntry(size_t i) const {
-  ParamAnalysis out;
-  const ParamState& ps = param_state_[i];
-  if (ps.norm == kNoSeries || !series_[ps.norm].has_value) return out;
-  const Tracked& norm = series_[ps.norm];
-  out.norm = norm.last_value;
-  const double amplification = ps.init_norm ? analytics::Amplification(norm.last_value, *ps.init_norm) : kNaN;
-  if (ps.init_norm && params_[i].kind == ParamKind::kNormGain) {
-    out.init_norm = *ps.init_norm;
-    out.amplification = amplification;
-  }
-  if (!norm.slopes) return out;  // refused analytics for memory
-  const analytics::WindowedSlope& longest = norm.slopes->longest();
+void RunAnalytics::UpdateNormFits(int param, const analytics::SlopeTracker& slopes) {
+  ParamState& ps = param_state_[param];
+  const analytics::WindowedSlope& longest = slopes.longest();
   std::optional<analytics::LinearFit> longest_fit;
   bool longest_fitted = false;
-  for (const auto& w : norm.slopes->windows()) {
+  ps.norm_slope_per_kstep.reset();
+  for (const auto& w : slopes.windows()) {
     if (w.window_steps() != options_.forecast_window_steps) continue;
     auto fit = w.Fit();
-    if (fit) out.norm_slope_per_kstep = fit->slope_per_kstep();
+    if (fit) ps.norm_slope_per_kstep = fit->slope_per_kstep();
     if (&w == &longest) {  // the same window: fitted once
       longest_fit = fit;
       longest_fitted = true;
     }
   }
   if (!longest_fitted) longest_fit = longest.Fit();
+  ps.growth.reset();
   if (const auto& fit = longest_fit) {
     analytics::GrowthOptions growth_options;
     growth_options.min_growth = options_.min_growth;
-    if (auto g = analytics::AssessGrowth(params_[i], static_cast<uint32_t>(i), fit->PredictAt(fit->first_step),
-                                         fit->value_at_last_step, fit->slope_per_kstep(), growth_options)) {
-      out.growth = GrowthInfo{params_[i].name, g->growth_factor, g->slope_per_kstep, longest.window_steps(),
-                              amplification, norm.last_value};
-    }
+    ps.growth = analytics::AssessGrowth(params_[param], static_cast<uint32_t>(param), fit->PredictAt(fit->first_step),
+                                        fit->value_at_last_step, fit->slope_per_kstep(), growth_options);
+    ps.growth_window_steps = longest.window_steps();
+  }
+}
+
+ParamAnalysis RunAnalytics::ParamEntry(size_t i) const {
+  ParamAnalysis out;
+  const ParamState& ps = param_state_[i];
+  if (ps.norm == kNoSeries || !ps.has_norm_value) return out;
+  out.norm = ps.norm_value;
+  const double amplification = ps.init_norm ? analytics::Amplification(ps.norm_value, *ps.init_norm) : kNaN;
+  if (ps.init_norm && params_[i].kind == ParamKind::kNormGain) {
+    out.init_norm = *ps.init_norm;
+    out.amplification = amplification;
+  }
+  out.norm_slope_per_kstep = ps.norm_slope_per_kstep;
+  if (const auto& g = ps.growth) {
+    out.growth = GrowthInfo{params_[i].name, g->growth_factor, g->slope_per_kstep, ps.growth_window_steps,
+                            amplification, ps.norm_value};
   }
   return out;
 }

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "server/analytics/attribution.h"
 #include "server/analytics/change_point.h"
 #include "server/analytics/event_slope.h"
 #include "server/analytics/regression.h"
@@ -174,9 +175,10 @@ class RunAnalytics {
     bool added = false;  // AddSeries was called for this id
     Role role = Role::kExtra;
     int param = -1;
-    // Raw samples: the slopes shown, as Prometheus's deriv. Null until the first sample
-    // (Materialize), and so are the trackers below.
-    std::unique_ptr<analytics::SlopeTracker> slopes;
+    // Raw samples: the slopes shown, as Prometheus's deriv. Empty until the first sample
+    // (Materialize), and so are the trackers below. Held in the entry (its windows in one block):
+    // a sample reaches them without another pointer to follow.
+    std::optional<analytics::SlopeTracker> slopes;
     std::unique_ptr<analytics::SlopeChangeDetector> detector;  // key series only
     // Key series and forecast series: a spike filter's output, which feeds event slopes and
     // forecasts so that a one-step spike does not bend them (the longest window, and the
@@ -197,6 +199,13 @@ class RunAnalytics {
     std::unique_ptr<analytics::WindowedSlope> share_trend;
     double share = 0;
     bool has_share = false;
+    // The param norm's latest value and fits, updated as each of its samples is added (while its
+    // trackers are in cache), so that StepAnalysis reads this entry alone.
+    double norm_value = 0;
+    bool has_norm_value = false;
+    std::optional<double> norm_slope_per_kstep;
+    std::optional<analytics::GrowthWithoutDecay> growth;
+    uint64_t growth_window_steps = 0;
   };
   struct GroupState {
     std::string name;
@@ -220,6 +229,8 @@ class RunAnalytics {
   // Analysis() and StepAnalysis() but the slopes and the per-parameter entries.
   void EventsForecastsShares(RunAnalysis& out) const;
   ParamAnalysis ParamEntry(size_t i) const;
+  // Refits parameter `param`'s norm after a sample was added to its trackers.
+  void UpdateNormFits(int param, const analytics::SlopeTracker& slopes);
 
   const AnalyticsOptions options_;
   AnalyticsCharging charging_;
