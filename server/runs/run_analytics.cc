@@ -34,7 +34,8 @@ RunAnalytics::RunAnalytics(const AnalyticsOptions& options, AnalyticsCharging ch
         return o;
       }()),
       charging_(std::move(charging)),
-      charge_(charging_.budget) {}
+      charge_(charging_.budget),
+      forecast_ids_(options_.forecasts.size(), kNoSeries) {}
 
 void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
   for (size_t i = params_.size(); i < params.size(); ++i) {
@@ -125,6 +126,11 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   ClassifyLocked(t);
   if (key == keys::kLoss) t.key_series = true;
   if (t.role == Role::kTotalGrad) total_grad_ = id;
+  for (size_t f = 0; f < options_.forecasts.size(); ++f) {
+    if (options_.forecasts[f].first == key && (forecast_ids_[f] == kNoSeries || id < forecast_ids_[f])) {
+      forecast_ids_[f] = id;
+    }
+  }
   if (t.param >= 0 && t.role == Role::kParamGrad) param_state_[t.param].grad = id;
   if (t.param >= 0 && t.role == Role::kParamNorm) param_state_[t.param].norm = id;
 }
@@ -172,6 +178,8 @@ bool RunAnalytics::Materialize(Tracked& t) {
     t.robust = std::move(robust);
   }
   if (t.key_series) {
+    const SeriesId id = static_cast<SeriesId>(&t - series_.data());
+    key_ids_.insert(std::lower_bound(key_ids_.begin(), key_ids_.end(), id), id);
     t.detector = std::make_unique<analytics::SlopeChangeDetector>(options_.change_points);
     t.events.reserve(events_.size());
     for (const EventRecord& e : events_) {
@@ -296,8 +304,8 @@ T& NextSlot(std::vector<T>& v, size_t* used) {
 
 void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
   size_t changes = 0, points = 0, forecasts = 0, shares = 0;
-  for (const Tracked& t : series_) {
-    if (!t.slopes) continue;
+  for (SeriesId id : key_ids_) {
+    const Tracked& t = series_[id];
     for (const auto& [text, slope] : t.events) {
       if (auto change = slope.Current(t.robust->longest())) {
         // Event slopes fit the spike filter's medians, and neighbouring medians share all but one
@@ -323,12 +331,11 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
   }
   out.slope_changes.resize(changes);
   out.change_points.resize(points);
-  for (const auto& [key, threshold] : options_.forecasts) {
-    // The binding is captured through a reference: clang 14 cannot capture structured bindings.
-    auto it =
-        std::find_if(series_.begin(), series_.end(), [&key = key](const Tracked& t) { return t.key == key; });
-    if (it == series_.end() || !it->slopes) continue;
-    const analytics::WindowedSlope* w = Window(*it, options_.forecast_window_steps);
+  for (size_t k = 0; k < options_.forecasts.size(); ++k) {
+    const auto& [key, threshold] = options_.forecasts[k];
+    const SeriesId id = forecast_ids_[k];
+    if (id == kNoSeries || !series_[id].slopes) continue;
+    const analytics::WindowedSlope* w = Window(series_[id], options_.forecast_window_steps);
     if (w == nullptr) continue;
     auto fit = w->Fit();
     if (!fit) continue;

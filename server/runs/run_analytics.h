@@ -241,6 +241,11 @@ class RunAnalytics {
   std::vector<ParamState> param_state_;
   std::vector<GroupState> groups_;
   std::vector<Tracked> series_;  // by SeriesId
+  // Ids of the key series with trackers (those with events and change points), ascending: a
+  // step's analysis visits them, not every series.
+  std::vector<SeriesId> key_ids_;
+  // The series of each options_.forecasts entry (the lowest id with its key), or kNoSeries.
+  std::vector<SeriesId> forecast_ids_;
   SeriesId total_grad_ = kNoSeries;
   std::vector<EventRecord> events_;
   // Per-step scratch, reused.
