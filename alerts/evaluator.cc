@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <charconv>
 #include <map>
-#include <unordered_map>
+#include <span>
+#include <type_traits>
 
 namespace gradwatch::alerts {
 namespace {
@@ -54,11 +56,12 @@ void ForEachLatest(const std::vector<std::string>& patterns, const RunFacts& fac
   bool any_glob = false;
   for (const std::string& p : patterns) any_glob = any_glob || IsGlob(p);
   if (!any_glob) {
-    std::vector<std::string_view> seen;
-    for (const std::string& p : patterns) {
-      if (std::find(seen.begin(), seen.end(), p) != seen.end()) continue;
-      seen.push_back(p);
-      if (const SeriesValue* v = FindLatest(facts, p)) fn(*v);
+    for (size_t i = 0; i < patterns.size(); ++i) {
+      if (std::find(patterns.begin(), patterns.begin() + static_cast<std::ptrdiff_t>(i), patterns[i]) !=
+          patterns.begin() + static_cast<std::ptrdiff_t>(i)) {
+        continue;  // listed twice
+      }
+      if (const SeriesValue* v = FindLatest(facts, patterns[i])) fn(*v);
     }
     return;
   }
@@ -67,14 +70,22 @@ void ForEachLatest(const std::vector<std::string>& patterns, const RunFacts& fac
   }
 }
 
-Condition Make(const LabelSet& base, const RunFacts& facts, double value, bool active) {
-  Condition c;
-  c.labels = base;
-  c.value = value;
-  c.active = active;
-  c.vars["value"] = FormatNumber(value);
-  c.vars["step"] = FormatStep(facts.step);
-  c.vars["run"] = facts.run_id;
+// vars[key] = value, without building a key string when the entry is there (a reused slot).
+template <typename V>
+void SetVar(TemplateVars& vars, std::string_view key, V&& value) {
+  auto it = vars.find(key);
+  if (it == vars.end()) it = vars.emplace(std::string(key), std::string()).first;
+  it->second = std::forward<V>(value);
+}
+
+// Sets what every condition has: value, step, run.
+Condition& Make(ConditionList& out, const LabelSet& base,
+                std::initializer_list<std::pair<std::string_view, std::string_view>> own, const RunFacts& facts,
+                double value, bool active) {
+  Condition& c = out.Add(base, own, value, active);
+  SetVar(c.vars, "value", FormatNumber(value));
+  SetVar(c.vars, "step", FormatStep(facts.step));
+  SetVar(c.vars, "run", facts.run_id);
   return c;
 }
 
@@ -98,41 +109,35 @@ std::optional<double> AmplificationOf(const ParamFact& p) {
   return std::nullopt;
 }
 
-void EvaluateThreshold(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                       std::vector<Condition>* out) {
+void EvaluateThreshold(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   ForEachLatest(rule.series, facts, [&](const SeriesValue& v) {
-    Condition c = Make(base, facts, v.value, Compare(v.value, rule.op, rule.value));
+    Condition& c = Make(out, base, {{"series", v.key}}, facts, v.value, Compare(v.value, rule.op, rule.value));
     c.level = PlainLevel(rule.op, rule.value, Upward(rule.op) ? rule.clear_below : rule.clear_above, v.value, true);
-    c.labels["series"] = v.key;
-    c.vars["series"] = v.key;
-    c.vars["threshold"] = FormatNumber(rule.value);
-    c.vars["op"] = std::string(CompareOpSymbol(rule.op));
-    out->push_back(std::move(c));
+    SetVar(c.vars, "series", v.key);
+    SetVar(c.vars, "threshold", FormatNumber(rule.value));
+    SetVar(c.vars, "op", CompareOpSymbol(rule.op));
   });
 }
 
-void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                      std::vector<Condition>* out) {
+void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   for (const ForecastFact& f : facts.forecasts) {
     if (!SameThreshold(f.threshold, rule.threshold) || !MatchesAny(rule.series, f.key)) continue;
     // A forecast is about the future: once the value is there, the threshold's own rule speaks.
     const bool active = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0 &&
                         f.steps_to_threshold <= static_cast<double>(rule.within_steps);
-    Condition c = Make(base, facts, f.current_value, active);
+    Condition& c = Make(out, base, {{"series", f.key}}, facts, f.current_value, active);
     // Judged on the steps to the threshold: the forecast itself is the value's fitted level.
     const bool gate = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0;
     c.level = PlainLevel(CompareOp::kLe, static_cast<double>(rule.within_steps), std::nullopt,
                          f.steps_to_threshold, gate);
     c.level->shows_level = false;
-    c.labels["series"] = f.key;
-    c.vars["series"] = f.key;
-    c.vars["threshold"] = FormatNumber(rule.threshold);
-    c.vars["steps_to_threshold"] = FormatCount(f.steps_to_threshold);
-    c.vars["at_step"] = f.reachable ? FormatStep(f.at_step) : "never";
-    c.vars["within_steps"] = FormatStep(rule.within_steps);
-    c.vars["slope"] = FormatNumber(f.slope_per_kstep);
-    c.vars["current"] = FormatNumber(f.current_value);
-    out->push_back(std::move(c));
+    SetVar(c.vars, "series", f.key);
+    SetVar(c.vars, "threshold", FormatNumber(rule.threshold));
+    SetVar(c.vars, "steps_to_threshold", FormatCount(f.steps_to_threshold));
+    SetVar(c.vars, "at_step", f.reachable ? FormatStep(f.at_step) : "never");
+    SetVar(c.vars, "within_steps", FormatStep(rule.within_steps));
+    SetVar(c.vars, "slope", FormatNumber(f.slope_per_kstep));
+    SetVar(c.vars, "current", FormatNumber(f.current_value));
   }
 }
 
@@ -147,44 +152,70 @@ LevelTest EstimateLevel(const Rule& rule, double low, double high) {
   return t;
 }
 
-void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                         std::vector<Condition>* out) {
+void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   auto fill = [&](Condition& c, const std::string& key, double ratio, double before, double after,
                   uint64_t step, const std::string& text) {
-    c.labels["series"] = key;
-    c.vars["series"] = key;
-    c.vars["ratio"] = FormatNumber(ratio);
-    c.vars["min_ratio"] = FormatNumber(rule.min_ratio);
-    c.vars["slope_before"] = FormatNumber(before);
-    c.vars["slope_after"] = FormatNumber(after);
-    c.vars["event"] = text;
-    c.vars["event_step"] = FormatStep(step);
-    c.vars["at_step"] = FormatStep(step);
+    SetVar(c.vars, "series", key);
+    SetVar(c.vars, "ratio", FormatNumber(ratio));
+    SetVar(c.vars, "min_ratio", FormatNumber(rule.min_ratio));
+    SetVar(c.vars, "slope_before", FormatNumber(before));
+    SetVar(c.vars, "slope_after", FormatNumber(after));
+    SetVar(c.vars, "event", text);
+    SetVar(c.vars, "event_step", FormatStep(step));
+    SetVar(c.vars, "at_step", FormatStep(step));
+  };
+  // The matching facts sorted by series, step and fact order; the last of each series (and
+  // step, when `per_step`) is kept: the last fact of an event, the newest change point.
+  auto pick = [&](auto facts_of, auto step_of, bool per_step) {
+    using Fact = typename decltype(facts_of)::value_type;
+    const auto fact = [](const std::pair<const void*, size_t>& p) -> const Fact& {
+      return *static_cast<const Fact*>(p.first);
+    };
+    out.picks.clear();
+    for (size_t i = 0; i < facts_of.size(); ++i) {
+      if (MatchesAny(rule.series, facts_of[i].key)) out.picks.emplace_back(&facts_of[i], i);
+    }
+    std::sort(out.picks.begin(), out.picks.end(), [&](const auto& a, const auto& b) {
+      const Fact& x = fact(a);
+      const Fact& y = fact(b);
+      if (x.key != y.key) return x.key < y.key;
+      if (step_of(x) != step_of(y)) return step_of(x) < step_of(y);
+      return a.second < b.second;
+    });
+    size_t kept = 0;
+    for (size_t i = 0; i < out.picks.size(); ++i) {
+      if (i + 1 < out.picks.size()) {
+        const Fact& x = fact(out.picks[i]);
+        const Fact& y = fact(out.picks[i + 1]);
+        if (x.key == y.key && (!per_step || step_of(x) == step_of(y))) continue;
+      }
+      out.picks[kept++] = out.picks[i];
+    }
+    out.picks.resize(kept);
   };
   if (rule.at != SlopeChangeAt::kChangePoint) {
-    std::map<std::pair<std::string, uint64_t>, const SlopeChangeFact*> events;  // last one wins
-    for (const SlopeChangeFact& s : facts.slope_changes) {
-      if (MatchesAny(rule.series, s.key)) events[{s.key, s.event_step}] = &s;
-    }
-    for (const auto& [key, s] : events) {
+    pick(std::span<const SlopeChangeFact>(facts.slope_changes), [](const SlopeChangeFact& f) { return f.event_step; },
+         true);
+    for (const auto& [ptr, index] : out.picks) {
+      const SlopeChangeFact* s = static_cast<const SlopeChangeFact*>(ptr);
       const auto [low, high] =
           RatioInterval(s->before_per_kstep, s->after_per_kstep, s->before_stderr_per_kstep, s->after_stderr_per_kstep);
-      Condition c = Make(base, facts, s->ratio, low >= rule.min_ratio);
+      char step_text[24];
+      const auto end = std::to_chars(step_text, step_text + sizeof(step_text), s->event_step).ptr;
+      Condition& c = Make(out, base,
+                          {{"series", s->key},
+                           {"trigger", "event"},
+                           {"event_step", std::string_view(step_text, static_cast<size_t>(end - step_text))}},
+                          facts, s->ratio, low >= rule.min_ratio);
       c.level = EstimateLevel(rule, low, high);
       fill(c, s->key, s->ratio, s->before_per_kstep, s->after_per_kstep, s->event_step, s->event_text);
-      c.labels["trigger"] = "event";
-      c.labels["event_step"] = std::to_string(s->event_step);
-      out->push_back(std::move(c));
     }
   }
   if (rule.at != SlopeChangeAt::kEvent) {
-    std::map<std::string, const ChangePointFact*> latest;  // the newest change per series
-    for (const ChangePointFact& p : facts.change_points) {
-      if (!MatchesAny(rule.series, p.key)) continue;
-      auto& slot = latest[p.key];
-      if (!slot || p.step >= slot->step) slot = &p;
-    }
-    for (const auto& [key, p] : latest) {
+    pick(std::span<const ChangePointFact>(facts.change_points), [](const ChangePointFact& f) { return f.step; },
+         false);
+    for (const auto& [ptr, index] : out.picks) {
+      const ChangePointFact* p = static_cast<const ChangePointFact*>(ptr);
       // The detector gives the z-score of the slope difference: its standard error, carried to
       // the ratio with the slope before taken as known.
       const double diff = p->after_per_kstep - p->before_per_kstep;
@@ -194,17 +225,16 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
         low = 1 + (diff - kEstimateZ * diff_se) / p->before_per_kstep;
         high = 1 + (diff + kEstimateZ * diff_se) / p->before_per_kstep;
       }
-      Condition c = Make(base, facts, p->ratio, low >= rule.min_ratio);
+      Condition& c =
+          Make(out, base, {{"series", p->key}, {"trigger", "change_point"}}, facts, p->ratio, low >= rule.min_ratio);
       c.level = EstimateLevel(rule, low, high);
-      fill(c, p->key, p->ratio, p->before_per_kstep, p->after_per_kstep, p->step, "");
-      c.labels["trigger"] = "change_point";
-      out->push_back(std::move(c));
+      static const std::string kNoEvent;
+      fill(c, p->key, p->ratio, p->before_per_kstep, p->after_per_kstep, p->step, kNoEvent);
     }
   }
 }
 
-void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                   std::vector<Condition>* out) {
+void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   const bool watch_params = !rule.param.empty() || rule.param_kind.has_value();
   for (const ShareFact& s : facts.shares) {
     bool match = false;
@@ -215,21 +245,18 @@ void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base
       if (match && rule.param_kind) match = s.kind == *rule.param_kind;
     }
     if (!match) continue;
-    Condition c = Make(base, facts, s.share, s.share >= rule.min_share);
+    Condition& c = Make(out, base, {{s.is_group ? "group" : "param", s.name}}, facts, s.share, s.share >= rule.min_share);
     c.level = PlainLevel(CompareOp::kGe, rule.min_share, rule.clear_below, s.share, true);
     c.level->percent = true;
-    c.labels[s.is_group ? "group" : "param"] = s.name;
-    c.vars["param"] = s.name;
-    c.vars["share"] = FormatPercent(s.share);
-    c.vars["min_share"] = FormatPercent(rule.min_share);
-    c.vars["slope"] = FormatNumber(s.slope_per_kstep);
-    c.vars["value"] = FormatPercent(s.share);
-    out->push_back(std::move(c));
+    SetVar(c.vars, "param", s.name);
+    SetVar(c.vars, "share", FormatPercent(s.share));
+    SetVar(c.vars, "min_share", FormatPercent(rule.min_share));
+    SetVar(c.vars, "slope", FormatNumber(s.slope_per_kstep));
+    SetVar(c.vars, "value", FormatPercent(s.share));
   }
 }
 
-void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                    std::vector<Condition>* out) {
+void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   for (const ParamFact& p : facts.params) {
     if (rule.param_kind && p.info.kind != *rule.param_kind) continue;
     if (!rule.param.empty() && !GlobMatch(rule.param, p.info.name)) continue;
@@ -247,65 +274,67 @@ void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& bas
     if (rule.min_growth) active = active && growth >= *rule.min_growth;
 
     const double value = rule.min_amplification ? amplification : growth;
-    Condition c = Make(base, facts, value, active);
+    Condition& c = Make(out, base, {{"param", p.info.name}}, facts, value, active);
     // The measure is the value; the other criterion and the rise are preconditions.
     bool gate = rising;
     if (rule.min_amplification && rule.min_growth) gate = gate && growth >= *rule.min_growth;
     c.level = PlainLevel(CompareOp::kGe, rule.min_amplification ? *rule.min_amplification : rule.min_growth.value_or(0),
                          rule.clear_below, value, gate);
-    c.labels["param"] = p.info.name;
-    c.vars["param"] = p.info.name;
-    c.vars["amplification"] = std::isfinite(amplification) ? FormatNumber(amplification) : "unknown";
-    c.vars["growth"] = std::isfinite(growth) ? FormatPercent(growth) : "unknown";
-    c.vars["norm"] = p.norm ? FormatNumber(*p.norm) : "unknown";
+    SetVar(c.vars, "param", p.info.name);
+    SetVar(c.vars, "amplification", std::isfinite(amplification) ? FormatNumber(amplification) : "unknown");
+    SetVar(c.vars, "growth", std::isfinite(growth) ? FormatPercent(growth) : "unknown");
+    SetVar(c.vars, "norm", p.norm ? FormatNumber(*p.norm) : "unknown");
     const auto init = InitNormOf(p);
-    c.vars["init_norm"] = init ? FormatNumber(*init) : "unknown";
-    c.vars["slope"] = slope ? FormatNumber(*slope) : "unknown";
-    c.vars["weight_decay"] = FormatNumber(p.info.weight_decay);
-    c.vars["min_amplification"] = rule.min_amplification ? FormatNumber(*rule.min_amplification) : "";
-    c.vars["min_growth"] = rule.min_growth ? FormatPercent(*rule.min_growth) : "";
-    out->push_back(std::move(c));
+    SetVar(c.vars, "init_norm", init ? FormatNumber(*init) : "unknown");
+    SetVar(c.vars, "slope", slope ? FormatNumber(*slope) : "unknown");
+    SetVar(c.vars, "weight_decay", FormatNumber(p.info.weight_decay));
+    SetVar(c.vars, "min_amplification", rule.min_amplification ? FormatNumber(*rule.min_amplification) : "");
+    SetVar(c.vars, "min_growth", rule.min_growth ? FormatPercent(*rule.min_growth) : "");
   }
 }
 
 void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                       const SeriesFilter* with_instance, std::vector<Condition>* out) {
-  std::map<std::string_view, double> found;  // key → value; a listed non-finite wins
+                       const SeriesFilter* with_instance, ConditionList& out) {
+  // Key → value, by key; a listed non-finite value wins.
+  out.found.clear();
   ForEachLatest(rule.series, facts, [&](const SeriesValue& v) {
     if (std::isfinite(v.value) && with_instance != nullptr && !(*with_instance)(v.key)) return;
-    found.emplace(v.key, v.value);
+    out.found.emplace_back(v.key, v.value);
   });
+  const auto by_key = [](const auto& a, const auto& b) { return a.first < b.first; };
+  std::sort(out.found.begin(), out.found.end(), by_key);
+  const size_t from_latest = out.found.size();
   for (const NonFiniteFact& n : facts.nonfinite) {
     if (!MatchesAny(rule.series, n.key)) continue;
-    auto [it, inserted] = found.emplace(n.key, NAN);
-    if (!inserted && std::isfinite(it->second)) it->second = NAN;
+    const auto end = out.found.begin() + static_cast<std::ptrdiff_t>(from_latest);
+    auto it = std::lower_bound(out.found.begin(), end, std::pair<std::string_view, double>(n.key, 0), by_key);
+    if (it != end && it->first == n.key) {
+      it->second = NAN;
+    } else if (std::find_if(end, out.found.end(), [&](const auto& f) { return f.first == n.key; }) == out.found.end()) {
+      out.found.emplace_back(n.key, NAN);
+    }
   }
-  for (const auto& [key, value] : found) {
-    Condition c = Make(base, facts, value, !std::isfinite(value));
-    c.labels["series"] = std::string(key);
-    c.vars["series"] = std::string(key);
-    out->push_back(std::move(c));
+  std::sort(out.found.begin(), out.found.end(), by_key);
+  for (const auto& [key, value] : out.found) {
+    Condition& c = Make(out, base, {{"series", key}}, facts, value, !std::isfinite(value));
+    SetVar(c.vars, "series", key);
   }
 }
 
-void EvaluateStalled(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                     std::vector<Condition>* out) {
+void EvaluateStalled(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   const bool active = facts.open_streams > 0 && facts.seconds_since_last_step >= rule.stalled_seconds;
-  Condition c = Make(base, facts, facts.seconds_since_last_step, active);
-  c.vars["seconds"] = FormatCount(facts.seconds_since_last_step);
-  c.vars["threshold"] = FormatCount(rule.stalled_seconds);
-  c.vars["open_streams"] = std::to_string(facts.open_streams);
-  out->push_back(std::move(c));
+  Condition& c = Make(out, base, {}, facts, facts.seconds_since_last_step, active);
+  SetVar(c.vars, "seconds", FormatCount(facts.seconds_since_last_step));
+  SetVar(c.vars, "threshold", FormatCount(rule.stalled_seconds));
+  SetVar(c.vars, "open_streams", std::to_string(facts.open_streams));
 }
 
-void EvaluateRunDied(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                     std::vector<Condition>* out) {
+void EvaluateRunDied(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   const double seconds = rule.stalled_seconds > 0 ? rule.stalled_seconds : kDefaultRunDiedSeconds;
   const bool active = !facts.ended_cleanly && facts.open_streams == 0 && facts.seconds_since_activity >= seconds;
-  Condition c = Make(base, facts, facts.seconds_since_activity, active);
-  c.vars["seconds"] = FormatCount(facts.seconds_since_activity);
-  c.vars["threshold"] = FormatCount(seconds);
-  out->push_back(std::move(c));
+  Condition& c = Make(out, base, {}, facts, facts.seconds_since_activity, active);
+  SetVar(c.vars, "seconds", FormatCount(facts.seconds_since_activity));
+  SetVar(c.vars, "threshold", FormatCount(seconds));
 }
 
 }  // namespace
@@ -326,20 +355,53 @@ LabelSet BaseLabels(const Rule& rule, const RunFacts& facts) {
   return labels;
 }
 
-std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts, const SeriesFilter* with_instance) {
-  std::vector<Condition> out;
-  const LabelSet base = BaseLabels(rule, facts);
-  switch (rule.kind) {
-    case RuleKind::kThreshold: EvaluateThreshold(rule, facts, base, &out); break;
-    case RuleKind::kForecast: EvaluateForecast(rule, facts, base, &out); break;
-    case RuleKind::kSlopeChange: EvaluateSlopeChange(rule, facts, base, &out); break;
-    case RuleKind::kShare: EvaluateShare(rule, facts, base, &out); break;
-    case RuleKind::kGrowthWithoutDecay: EvaluateGrowth(rule, facts, base, &out); break;
-    case RuleKind::kNonFinite: EvaluateNonFinite(rule, facts, base, with_instance, &out); break;
-    case RuleKind::kStalled: EvaluateStalled(rule, facts, base, &out); break;
-    case RuleKind::kRunDied: EvaluateRunDied(rule, facts, base, &out); break;
+Condition& ConditionList::Add(const LabelSet& base,
+                               std::initializer_list<std::pair<std::string_view, std::string_view>> own,
+                               double value, bool active) {
+  if (size_ == slots_.size()) slots_.emplace_back();
+  Condition& c = slots_[size_++];
+  // The slot's labels are kept when they are already base + own (the same instance as at its
+  // last use): rebuilding them would free and allocate nodes.
+  bool same = c.labels.size() == base.size() + own.size();
+  for (const auto& [name, v] : own) {
+    if (!same) break;
+    const std::string key(name);  // the instance's own label names are short: no allocation
+    auto it = c.labels.find(key);
+    same = it != c.labels.end() && it->second == v && !base.count(key);
   }
-  return out;
+  for (auto it = base.begin(); same && it != base.end(); ++it) {
+    auto mine = c.labels.find(it->first);
+    same = mine != c.labels.end() && mine->second == it->second;
+  }
+  if (!same) {
+    c.labels = base;
+    for (const auto& [name, v] : own) c.labels[std::string(name)] = v;
+  }
+  c.value = value;
+  c.active = active;
+  c.level.reset();
+  return c;
+}
+
+void Evaluate(const Rule& rule, const RunFacts& facts, const LabelSet& base, const SeriesFilter* with_instance,
+              ConditionList& out) {
+  out.Clear();
+  switch (rule.kind) {
+    case RuleKind::kThreshold: EvaluateThreshold(rule, facts, base, out); break;
+    case RuleKind::kForecast: EvaluateForecast(rule, facts, base, out); break;
+    case RuleKind::kSlopeChange: EvaluateSlopeChange(rule, facts, base, out); break;
+    case RuleKind::kShare: EvaluateShare(rule, facts, base, out); break;
+    case RuleKind::kGrowthWithoutDecay: EvaluateGrowth(rule, facts, base, out); break;
+    case RuleKind::kNonFinite: EvaluateNonFinite(rule, facts, base, with_instance, out); break;
+    case RuleKind::kStalled: EvaluateStalled(rule, facts, base, out); break;
+    case RuleKind::kRunDied: EvaluateRunDied(rule, facts, base, out); break;
+  }
+}
+
+std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts, const SeriesFilter* with_instance) {
+  ConditionList list;
+  Evaluate(rule, facts, BaseLabels(rule, facts), with_instance, list);
+  return std::vector<Condition>(list.begin(), list.end());
 }
 
 }  // namespace gradwatch::alerts

@@ -87,6 +87,35 @@ struct Condition {
 using SeriesFilter = std::function<bool(std::string_view series)>;
 std::vector<Condition> Evaluate(const Rule& rule, const RunFacts& facts, const SeriesFilter* with_instance = nullptr);
 
+// The conditions of one rule for one run, evaluated again at every step (AlertEngine keeps one
+// per rule and run): their slots are reused, so label sets, template variables and strings keep
+// their nodes and buffers, and a warm evaluation allocates nothing.
+class ConditionList {
+ public:
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const Condition& operator[](size_t i) const { return slots_[i]; }
+  const Condition* begin() const { return slots_.data(); }
+  const Condition* end() const { return slots_.data() + size_; }
+  void Clear() { size_ = 0; }
+  // The next slot: labels `base` plus `own` (name, value) pairs, value, active; `level` reset.
+  // Its template variables keep what the slot's previous use set: each kind sets the same ones.
+  Condition& Add(const LabelSet& base, std::initializer_list<std::pair<std::string_view, std::string_view>> own,
+                 double value, bool active);
+
+  // Scratch of the evaluation, reused.
+  std::vector<std::pair<const void*, size_t>> picks;
+  std::vector<std::pair<std::string_view, double>> found;
+
+ private:
+  std::vector<Condition> slots_;
+  size_t size_ = 0;
+};
+
+// Evaluate into `out` (cleared first), with `base` = BaseLabels(rule, facts) computed by the caller.
+void Evaluate(const Rule& rule, const RunFacts& facts, const LabelSet& base, const SeriesFilter* with_instance,
+              ConditionList& out);
+
 // The labels every alert of `rule` in run `run_id` carries: run labels, the rule's labels,
 // alertname and run (the last ones win).
 LabelSet BaseLabels(const Rule& rule, const RunFacts& facts);

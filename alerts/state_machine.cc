@@ -213,7 +213,21 @@ void AlertEngine::SetEvaluatedLocked(const std::string& run, std::optional<uint6
   dirty_evaluated_.insert(run);
 }
 
+AlertEngine::RunScratch& AlertEngine::ScratchLocked(const RunFacts& facts) {
+  auto it = scratch_.find(facts.run_id);
+  if (it == scratch_.end()) it = scratch_.emplace(facts.run_id, RunScratch{}).first;
+  RunScratch& scratch = it->second;
+  if (scratch.base.size() != rules_.size() || scratch.run_labels != facts.run_labels) {
+    scratch.run_labels = facts.run_labels;
+    scratch.base.clear();
+    for (const Rule& rule : rules_) scratch.base.push_back(BaseLabels(rule, facts));
+    scratch.conditions.resize(rules_.size());
+  }
+  return scratch;
+}
+
 void AlertEngine::SetRulesLocked(std::vector<Rule> rules) {
+  scratch_.clear();  // rule indices change
   rules_ = std::move(rules);
   uses_recommendation_.assign(rules_.size(), false);
   for (size_t i = 0; i < rules_.size(); ++i) {
@@ -432,18 +446,33 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
                                std::optional<std::string>* recommendation,
                                std::vector<Transition>* out) {
   const Rule& rule = rules_[rule_index];
+  RunScratch& scratch = ScratchLocked(facts);
   // A non_finite rule looks at every series: only those with an instance need an inactive
   // condition (to count toward resolving), so the others cost nothing while finite.
-  std::unordered_set<std::string_view> with_instance;
+  with_instance_.clear();
   if (rule.kind == RuleKind::kNonFinite) {
     for (const auto& [fp, inst] : instances_) {
       if (inst.rule != rule.name || inst.run != facts.run_id) continue;
-      if (auto s = inst.alert.labels.find("series"); s != inst.alert.labels.end()) with_instance.insert(s->second);
+      if (auto s = inst.alert.labels.find("series"); s != inst.alert.labels.end()) with_instance_.push_back(s->second);
     }
+    std::sort(with_instance_.begin(), with_instance_.end());
   }
-  const SeriesFilter filter = [&](std::string_view series) { return with_instance.count(series) > 0; };
-  const std::vector<Condition> conditions =
-      Evaluate(rule, facts, rule.kind == RuleKind::kNonFinite ? &filter : nullptr);
+  const SeriesFilter filter = [this](std::string_view series) {
+    return std::binary_search(with_instance_.begin(), with_instance_.end(), series);
+  };
+  ConditionList& conditions = scratch.conditions[rule_index];
+  Evaluate(rule, facts, scratch.base[rule_index], rule.kind == RuleKind::kNonFinite ? &filter : nullptr, conditions);
+  // One instance, one evaluation: the first condition of each fingerprint.
+  fingerprints_.clear();
+  for (size_t i = 0; i < conditions.size(); ++i) fingerprints_.emplace_back(Fingerprint(conditions[i].labels), i);
+  std::sort(fingerprints_.begin(), fingerprints_.end());
+  first_of_fingerprint_.assign(conditions.size(), 0);
+  seen_.clear();
+  for (size_t i = 0; i < fingerprints_.size(); ++i) {
+    if (i > 0 && fingerprints_[i].first == fingerprints_[i - 1].first) continue;
+    first_of_fingerprint_[fingerprints_[i].second] = 1;
+    seen_.push_back(fingerprints_[i].first);
+  }
   // Only instances that exist or start now reach Advance, so the recommendation is computed
   // (once per evaluation) only when some alert will carry it.
   auto recommendation_for = [&]() -> const std::string* {
@@ -459,11 +488,10 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
     if (!keep || DurableKey(it->second) != before) Touch(it->first);
     return keep;
   };
-  std::unordered_set<uint64_t> seen;
-  seen.reserve(conditions.size());
-  for (const Condition& c : conditions) {
+  for (size_t i = 0; i < conditions.size(); ++i) {
+    if (!first_of_fingerprint_[i]) continue;
+    const Condition& c = conditions[i];
     const uint64_t fp = Fingerprint(c.labels);
-    if (!seen.insert(fp).second) continue;  // one instance, one evaluation
     LevelTracker* tracker = nullptr;
     if (c.level) {
       if (std::isnan(c.level->hold_measure) || std::isnan(c.level->clear_measure)) continue;  // no report
@@ -495,7 +523,8 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
   }
   for (auto it = instances_.begin(); it != instances_.end();) {
     Instance& inst = it->second;
-    if (inst.rule != rule.name || inst.run != facts.run_id || seen.count(it->first)) {
+    if (inst.rule != rule.name || inst.run != facts.run_id ||
+        std::binary_search(seen_.begin(), seen_.end(), it->first)) {
       ++it;
       continue;
     }
@@ -528,16 +557,31 @@ bool AlertEngine::HasTimerRules() const {
 
 std::vector<Transition> AlertEngine::EvaluateTimer(const std::vector<RunFacts>& runs, double now,
                                                    const std::vector<std::string>& idle) {
+  std::vector<Transition> out;
+  std::vector<std::string> held = idle;
+  for (const RunFacts& facts : runs) {
+    held.push_back(facts.run_id);
+    for (Transition& t : EvaluateTimerRun(facts, now)) out.push_back(std::move(t));
+  }
+  for (Transition& t : EndTimers(held, now)) out.push_back(std::move(t));
+  return out;
+}
+
+std::vector<Transition> AlertEngine::EvaluateTimerRun(const RunFacts& facts, double now) {
   std::lock_guard lock(mu_);
   std::vector<Transition> out;
-  std::unordered_set<std::string_view> listed(idle.begin(), idle.end());
-  for (const RunFacts& facts : runs) {
-    listed.insert(facts.run_id);
-    std::optional<std::string> recommendation;
-    for (size_t i = 0; i < rules_.size(); ++i) {
-      if (IsTimerRule(rules_[i].kind)) EvaluateRule(i, facts, now, &recommendation, &out);
-    }
+  std::optional<std::string> recommendation;
+  for (size_t i = 0; i < rules_.size(); ++i) {
+    if (IsTimerRule(rules_[i].kind)) EvaluateRule(i, facts, now, &recommendation, &out);
   }
+  PublishLocked(out);
+  return out;
+}
+
+std::vector<Transition> AlertEngine::EndTimers(const std::vector<std::string>& held, double now) {
+  std::lock_guard lock(mu_);
+  std::vector<Transition> out;
+  const std::unordered_set<std::string_view> listed(held.begin(), held.end());
   std::unordered_set<std::string_view> stalled_rules;
   for (const Rule& r : rules_) {
     if (r.kind == RuleKind::kStalled) stalled_rules.insert(r.name);
@@ -566,6 +610,7 @@ std::vector<Transition> AlertEngine::ForgetRun(const std::string& run_id, double
   EndInstances([&](const Instance& inst) { return inst.run == run_id; }, now, &out);
   DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
   SetEvaluatedLocked(run_id, std::nullopt);
+  scratch_.erase(run_id);
   PublishLocked(out);
   return out;
 }
@@ -605,7 +650,10 @@ std::vector<Transition> AlertEngine::EndRun(const std::string& run_id, RunEnding
   EndRunDiedLocked(how, [&](const Instance& inst) { return inst.run == run_id; }, now, &out);
   DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
   // A run brought back into memory later is evaluated from its next live step on.
-  if (how == RunEnding::kLeftMemory) SetEvaluatedLocked(run_id, std::nullopt);
+  if (how == RunEnding::kLeftMemory) {
+    SetEvaluatedLocked(run_id, std::nullopt);
+    scratch_.erase(run_id);
+  }
   PublishLocked(out);
   return out;
 }

@@ -214,6 +214,10 @@ class AlertEngine {
   // a Goodbye: neither stalled nor run_died can hold for them); they count as listed.
   std::vector<Transition> EvaluateTimer(const std::vector<RunFacts>& runs, double now,
                                         const std::vector<std::string>& idle = {});
+  // EvaluateTimer in two parts, for a caller that holds each run's facts only for a moment:
+  // EvaluateTimerRun for each run to evaluate, then EndTimers with every run the daemon holds.
+  std::vector<Transition> EvaluateTimerRun(const RunFacts& facts, double now);
+  std::vector<Transition> EndTimers(const std::vector<std::string>& held, double now);
   // Whether any stalled or run_died rule is in force.
   bool HasTimerRules() const;
   // The run is gone (finished and forgotten, or deleted): its firing alerts resolve, its pending
@@ -273,6 +277,16 @@ class AlertEngine {
     void Count(bool ok) { ++since_mark, all_since_mark = all_since_mark && ok; }
   };
 
+  // Per run: each rule's base labels (BaseLabels) and its conditions, reused at every
+  // evaluation so that a warm one allocates nothing (ConditionList). Rebuilt when the run's
+  // labels change; dropped when the rules change or the run is forgotten.
+  struct RunScratch {
+    LabelSet run_labels;
+    std::vector<LabelSet> base;             // by rule index
+    std::vector<ConditionList> conditions;  // by rule index
+  };
+  RunScratch& ScratchLocked(const RunFacts& facts);
+
   void SetRulesLocked(std::vector<Rule> rules);
   bool IsMutedLocked(const Alert& alert, double now) const;
   // Advances one instance. `cond` is null when the rule did not produce the instance this time.
@@ -321,6 +335,13 @@ class AlertEngine {
   std::set<std::string> dirty_silences_;  // since the last Publish
   std::set<uint64_t> dirty_levels_;       // since the last Publish
   std::set<std::string> dirty_evaluated_;  // since the last Publish
+  std::unordered_map<std::string, RunScratch> scratch_;  // by run
+  // EvaluateRule's scratch: (fingerprint, condition index), the fingerprints seen (sorted), which
+  // conditions are evaluated (the first of each fingerprint), the series with an instance.
+  std::vector<std::pair<uint64_t, size_t>> fingerprints_;
+  std::vector<uint64_t> seen_;
+  std::vector<uint8_t> first_of_fingerprint_;
+  std::vector<std::string_view> with_instance_;
 };
 
 }  // namespace gradwatch::alerts

@@ -18,7 +18,7 @@
 
 namespace gradwatch::alerts {
 
-using TemplateVars = std::map<std::string, std::string>;
+using TemplateVars = std::map<std::string, std::string, std::less<>>;
 
 // The placeholder names of `text`, in order of appearance (with repeats), or what is wrong with
 // its syntax ("unclosed '{{' at offset 12", "empty placeholder at offset 3", "bad variable name

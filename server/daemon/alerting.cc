@@ -183,10 +183,6 @@ void Alerting::FinishRestore(const runs::RunRegistry& registry, double now) {
                engine_.Silences().size());
 }
 
-std::optional<uint64_t> Alerting::EvaluatedThrough(const std::string& run_id) {
-  return engine_.EvaluatedThrough(run_id);
-}
-
 std::vector<notify::ReceiverStats> Alerting::ReceiverStats() const {
   return dispatcher_ ? dispatcher_->Stats() : std::vector<notify::ReceiverStats>{};
 }
@@ -220,42 +216,57 @@ StatusOr<size_t> Alerting::Reload(bool default_rules, const std::vector<std::str
   return count;
 }
 
-std::vector<alerts::Transition> Alerting::OnStep(const alerts::RunFacts& facts) {
-  std::vector<alerts::Transition> transitions = engine_.EvaluateStep(facts, facts.now);
-  Count(transitions);
-  return transitions;
+std::shared_ptr<runs::RunChannel> Alerting::Open(const RunMeta& meta, bool restored) {
+  auto feed = std::make_shared<AlertFeed>(
+      meta, restored ? engine_.EvaluatedThrough(meta.run_id) : std::nullopt, engine_,
+      [this](std::vector<alerts::Transition> transitions, bool to_trainers) {
+        Handle(std::move(transitions), to_trainers);
+      });
+  std::lock_guard lock(feeds_mu_);
+  feeds_[meta.run_id] = feed;
+  return feed;
 }
 
-void Alerting::OnRunEnded(const std::string& run_id, bool clean, double now) {
-  using Ending = alerts::AlertEngine::RunEnding;
-  Count(engine_.EndRun(run_id, clean ? Ending::kGoodbye : Ending::kWithoutGoodbye, now));
+std::shared_ptr<AlertFeed> Alerting::FeedOf(const std::string& run_id) {
+  std::lock_guard lock(feeds_mu_);
+  auto it = feeds_.find(run_id);
+  return it == feeds_.end() ? nullptr : it->second.lock();
+}
+
+void Alerting::Handle(std::vector<alerts::Transition> transitions, bool to_trainers) {
+  Count(transitions);
+  if (!to_trainers || !trainer_sink_) return;
+  for (const alerts::Transition& t : transitions) {
+    // The trainer hears of firing and resolved alerts even when a silence mutes the pagers.
+    if (t.to == alerts::AlertState::kFiring || t.to == alerts::AlertState::kResolved) trainer_sink_(t.alert);
+  }
 }
 
 void Alerting::OnRunLeftMemory(const std::string& run_id, double now) {
   Count(engine_.EndRun(run_id, alerts::AlertEngine::RunEnding::kLeftMemory, now));
-}
-
-std::vector<alerts::Transition> Alerting::OnRewind(const std::string& run_id, uint64_t from_step, double now) {
-  std::vector<alerts::Transition> transitions = engine_.RewindRun(run_id, from_step, now);
-  Count(transitions);
-  return transitions;
+  std::lock_guard lock(feeds_mu_);
+  // A run of the same id created since keeps its feed.
+  if (auto it = feeds_.find(run_id); it != feeds_.end() && it->second.expired()) feeds_.erase(it);
 }
 
 void Alerting::Tick(const runs::RunRegistry& registry, double now) {
-  // Facts only for the runs a timer rule can change: none without timer rules, and none for runs
-  // that said Goodbye (listed by id, so their alerts are not ended as those of a run not held).
-  std::vector<alerts::RunFacts> facts;
-  std::vector<std::string> idle;
+  // Timer rules only for the runs they can change: none without timer rules, and none for runs
+  // that said Goodbye (still listed as held, so their alerts are not ended as those of a run
+  // not held).
+  std::vector<std::string> held;
   const bool timer_rules = engine_.HasTimerRules();
   for (const auto& run : registry.All()) {
-    if (!timer_rules || run->EndedCleanly()) {
-      idle.push_back(run->id());
-    } else {
-      facts.push_back(run->Facts());
-    }
+    held.push_back(run->id());
+    if (!timer_rules) continue;
+    const runs::RunActivity activity = run->Activity();
+    if (activity.ended_cleanly) continue;
+    if (auto feed = FeedOf(run->id())) feed->EvaluateTimer(activity, now);
   }
-  const std::vector<alerts::Transition> transitions = engine_.EvaluateTimer(facts, now, idle);
-  Count(transitions);
+  Handle(engine_.EndTimers(held, now), /*to_trainers=*/true);
+  {
+    std::lock_guard lock(feeds_mu_);
+    std::erase_if(feeds_, [](const auto& entry) { return entry.second.expired(); });
+  }
   if (dispatcher_) {
     // Alertmanager forgets alerts that are not re-sent before their endsAt.
     std::vector<alerts::Alert> active;
@@ -265,12 +276,6 @@ void Alerting::Tick(const runs::RunRegistry& registry, double now) {
     if (notify::Status s = dispatcher_->Refresh(active, now); !s.ok()) {
       spdlog::error("alerts: re-sending firing alerts: {}", s.message());
     }
-  }
-  for (const alerts::Transition& t : transitions) {
-    if (t.to != alerts::AlertState::kFiring && t.to != alerts::AlertState::kResolved) continue;
-    auto run = t.alert.labels.find("run");
-    if (run == t.alert.labels.end()) continue;
-    if (auto r = registry.Find(run->second)) r->BroadcastAlert(t.alert);
   }
 }
 

@@ -1,6 +1,7 @@
-// The daemon's alerting: loads the rules, evaluates them on every completed step (through the
-// runs' AlertHook) and on a timer (stalled and dead runs), and sends firing and resolved alerts to the
-// trainers' streams. Every durable change of the engine (alert instances, acks, silences, level
+// The daemon's alerting: loads the rules, evaluates them on every completed step (it listens to
+// every run, runs::StepListener, through one AlertFeed per run, which evaluates off the run's
+// lock) and on a timer (stalled and dead runs), and sends firing and resolved alerts to the
+// trainers' streams (SetTrainerSink). Every durable change of the engine (alert instances, acks, silences, level
 // trackers, the last step evaluated per run) is written to the alert store together with the
 // notifications it causes, in one transaction and in order, so a restart restores the engine as
 // it was after some evaluation, exactly as the receivers were told of it; the runs then evaluate
@@ -20,9 +21,12 @@
 #include <thread>
 #include <vector>
 
-#include "alerts/notify/dispatcher.h"
+#include <functional>
+#include <unordered_map>
 
+#include "alerts/notify/dispatcher.h"
 #include "alerts/state_machine.h"
+#include "server/daemon/alert_feed.h"
 #include "server/core/status.h"
 #include "server/runs/registry.h"
 
@@ -34,7 +38,7 @@ namespace gradwatch::daemon {
 StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, const std::vector<std::string>& files,
                                                         double run_died_seconds);
 
-class Alerting final : public runs::AlertHook {
+class Alerting final : public runs::StepListener {
  public:
   explicit Alerting(std::vector<alerts::Rule> rules);
   ~Alerting() override;
@@ -59,11 +63,14 @@ class Alerting final : public runs::AlertHook {
   void Stop();
   std::vector<notify::ReceiverStats> ReceiverStats() const;
 
-  std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) override;
-  std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step, double now) override;
-  void OnRunEnded(const std::string& run_id, bool clean, double now) override;
+  // Where firing and resolved alerts go for the trainers (the ingest streams of their run). Set
+  // once, before any run is opened.
+  void SetTrainerSink(std::function<void(const alerts::Alert&)> sink) { trainer_sink_ = std::move(sink); }
+
+  // runs::StepListener. A restored run's feed evaluates its journaled steps after the engine's
+  // EvaluatedThrough (RestoreState first).
+  std::shared_ptr<runs::RunChannel> Open(const RunMeta& meta, bool restored) override;
   void OnRunLeftMemory(const std::string& run_id, double now) override;
-  std::optional<uint64_t> EvaluatedThrough(const std::string& run_id) override;
   // Replaces the rules with freshly loaded ones (as LoadConfiguredRules); on any error the rules
   // in force stay unchanged and the status says exactly why. Alerts of deleted rules resolve.
   StatusOr<size_t> Reload(bool default_rules, const std::vector<std::string>& files, double run_died_seconds,
@@ -86,6 +93,9 @@ class Alerting final : public runs::AlertHook {
   };
 
   void Count(const std::vector<alerts::Transition>& transitions);
+  // Counts and logs a feed's transitions; sends firing and resolved ones to the trainers.
+  void Handle(std::vector<alerts::Transition> transitions, bool to_trainers);
+  std::shared_ptr<AlertFeed> FeedOf(const std::string& run_id);
   // The engine's change sink: queues, never blocks on I/O.
   void OnChanges(alerts::StateChanges changes, const std::vector<alerts::Transition>& transitions);
   void WriterLoop();
@@ -100,6 +110,9 @@ class Alerting final : public runs::AlertHook {
   std::deque<Batch> queue_;  // guarded by mu_
   bool stopping_ = false;    // guarded by mu_
   std::atomic<uint64_t> write_failures_{0};
+  std::function<void(const alerts::Alert&)> trainer_sink_;
+  std::mutex feeds_mu_;
+  std::unordered_map<std::string, std::weak_ptr<AlertFeed>> feeds_;  // guarded by feeds_mu_
   std::atomic<uint64_t> firing_{0};
   std::atomic<uint64_t> resolved_{0};
 };

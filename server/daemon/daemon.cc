@@ -70,7 +70,7 @@ Status Daemon::Start() {
   run_options.analytics.forecast_window_steps = config_.forecast_window_steps;
   run_options.analytics.forecasts = config_.forecasts;
   run_options.analytics.change_points.window_steps = config_.change_point_window_steps;
-  run_options.alert_hook = alerting_.get();
+  run_options.listener = alerting_.get();
   budget_ = std::make_unique<runs::MemoryBudget>(config_.memory_budget_bytes != 0
                                                      ? config_.memory_budget_bytes
                                                      : runs::MemoryBudget::DefaultLimitBytes());
@@ -111,6 +111,7 @@ Status Daemon::Start() {
   ingest_options.hello.max_params = config_.max_params_per_run;
   ingest_options.max_streams = config_.max_streams;
   ingest_ = std::make_unique<ingest::IngestService>(ingest_options, registry_.get(), stats_.get(), clock_);
+  alerting_->SetTrainerSink([ingest = ingest_.get()](const alerts::Alert& alert) { ingest->SendAlert(alert); });
   query_ = std::make_unique<ingest::QueryService>(registry_.get(), clock_, &alerting_->engine(),
                                                   [this] { return ReloadRules(); });
 

@@ -19,7 +19,8 @@ using runs::IngestError;
 using runs::IngestErrorReason;
 
 class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>,
-                           public runs::StreamSink {
+                           public runs::StreamSink,
+                           public AlertReceiver {
  public:
   IngestStream(IngestService* service, grpc::CallbackServerContext* context)
       : service_(service), peer_(context->peer()) {
@@ -107,10 +108,16 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
 
   void SendError(const IngestError& error) override { SendError(error, 0); }
 
-  void SendAlert(const alerts::Alert& alert) override {
+  // AlertReceiver: alerts that come before the stream's Accepted wait for it.
+  void SendAlert(const alerts::Alert& alert) override EXCLUDES(mu_) {
     v1::DaemonMessage msg;
     AlertToProto(alert, msg.mutable_alert());
-    Queue(std::move(msg));
+    MutexLock lock(&mu_);
+    if (!accepted_) {
+      early_alerts_.push_back(std::move(msg));
+      return;
+    }
+    QueueLocked(std::move(msg));
   }
 
   void SendFinished(const std::string& run_id, uint64_t seq) override {
@@ -139,6 +146,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
                "another stream opened for run " + run_id + " rank " + std::to_string(rank) +
                    "; this one is closed"},
               0);
+    Unsubscribe();
     MutexLock lock(&mu_);
     run_.reset();  // the run already detached us; do not detach the new stream
     finishing_ = true;
@@ -195,10 +203,14 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       Reject({IngestErrorReason::kInvalidHello, std::move(carried)}, seq);
       return;
     }
+    // Subscribed before the attach, so that alerts the attach causes (a rewind resolves some)
+    // reach this stream too, after its Accepted.
+    Subscribe(meta.run_id);
     runs::AttachInfo info;
     IngestError error{IngestErrorReason::kInvalidHello, ""};
     auto run = service_->registry()->Attach(meta, rank, this, &info, &error);
     if (!run) {
+      Unsubscribe();
       Reject(error, seq);
       return;
     }
@@ -219,7 +231,34 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     a->set_last_received_step(info.last_received_step);
     a->set_max_message_bytes(service_->options().max_message_bytes);
     a->set_acks_events(true);
-    Queue(std::move(msg));
+    MutexLock lock(&mu_);
+    QueueLocked(std::move(msg));
+    accepted_ = true;
+    for (v1::DaemonMessage& early : early_alerts_) QueueLocked(std::move(early));
+    early_alerts_.clear();
+  }
+
+  void Subscribe(const std::string& run_id) EXCLUDES(mu_) {
+    {
+      MutexLock lock(&mu_);
+      if (subscribed_ == run_id) return;
+    }
+    Unsubscribe();
+    service_->Subscribe(run_id, this);
+    MutexLock lock(&mu_);
+    subscribed_ = run_id;
+  }
+
+  void Unsubscribe() EXCLUDES(mu_) {
+    std::string run_id;
+    {
+      MutexLock lock(&mu_);
+      run_id = std::move(subscribed_);
+      subscribed_.clear();
+      accepted_ = false;
+      early_alerts_.clear();
+    }
+    if (!run_id.empty()) service_->Unsubscribe(run_id, this);
   }
 
   void HandleStep(uint64_t seq) {
@@ -381,6 +420,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   }
 
   void DetachFromRun() EXCLUDES(mu_) {
+    Unsubscribe();
     std::shared_ptr<runs::Run> run;
     uint32_t rank = 0;
     {
@@ -464,6 +504,10 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   bool alarm_pending_ GUARDED_BY(mu_) = false;
   std::chrono::milliseconds hold_retry_ GUARDED_BY(mu_){0};
   std::unique_ptr<grpc::Alarm> alarm_ GUARDED_BY(mu_);
+  // The run whose alerts this stream hears (IngestService::Subscribe); empty: none.
+  std::string subscribed_ GUARDED_BY(mu_);
+  bool accepted_ GUARDED_BY(mu_) = false;  // Accepted is queued: alerts follow it at once
+  std::vector<v1::DaemonMessage> early_alerts_ GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -471,6 +515,28 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
 IngestService::IngestService(const IngestOptions& options, runs::RunRegistry* registry,
                              runs::DaemonStats* stats, const Clock* clock)
     : options_(options), registry_(registry), stats_(stats), clock_(clock) {}
+
+void IngestService::SendAlert(const alerts::Alert& alert) {
+  const auto run = alert.labels.find("run");
+  if (run == alert.labels.end()) return;
+  std::lock_guard lock(receivers_mu_);
+  const auto it = receivers_.find(run->second);
+  if (it == receivers_.end()) return;
+  for (AlertReceiver* r : it->second) r->SendAlert(alert);
+}
+
+void IngestService::Subscribe(const std::string& run_id, AlertReceiver* receiver) {
+  std::lock_guard lock(receivers_mu_);
+  receivers_[run_id].push_back(receiver);
+}
+
+void IngestService::Unsubscribe(const std::string& run_id, AlertReceiver* receiver) {
+  std::lock_guard lock(receivers_mu_);
+  const auto it = receivers_.find(run_id);
+  if (it == receivers_.end()) return;
+  std::erase(it->second, receiver);
+  if (it->second.empty()) receivers_.erase(it);
+}
 
 grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>* IngestService::Stream(
     grpc::CallbackServerContext* context) {

@@ -7,8 +7,13 @@
 #pragma once
 
 #include <cstddef>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
+#include "alerts/alert.h"
 #include "server/core/clock.h"
 #include "server/ingest/convert.h"
 #include "server/runs/daemon_stats.h"
@@ -26,6 +31,13 @@ struct IngestOptions {
   size_t max_streams = 4096;
 };
 
+// A stream that hears its run's alerts (IngestService::SendAlert).
+class AlertReceiver {
+ public:
+  virtual ~AlertReceiver() = default;
+  virtual void SendAlert(const alerts::Alert& alert) = 0;
+};
+
 class IngestService final : public v1::Ingest::CallbackService {
  public:
   IngestService(const IngestOptions& options, runs::RunRegistry* registry, runs::DaemonStats* stats,
@@ -39,11 +51,20 @@ class IngestService final : public v1::Ingest::CallbackService {
   runs::DaemonStats* stats() const { return stats_; }
   const Clock* clock() const { return clock_; }
 
+  // Sends a firing or resolved alert to every stream carrying its run (the alert's "run" label):
+  // each stream from just before its Hello is attached until it detaches or is superseded.
+  // Thread-safe; it only queues. Lock order: a run's mutex, then the receivers', then a stream's.
+  void SendAlert(const alerts::Alert& alert);
+  void Subscribe(const std::string& run_id, AlertReceiver* receiver);
+  void Unsubscribe(const std::string& run_id, AlertReceiver* receiver);
+
  private:
   const IngestOptions options_;
   runs::RunRegistry* const registry_;
   runs::DaemonStats* const stats_;
   const Clock* const clock_;
+  std::mutex receivers_mu_;
+  std::unordered_map<std::string, std::vector<AlertReceiver*>> receivers_;  // guarded by receivers_mu_
 };
 
 }  // namespace gradwatch::ingest

@@ -219,7 +219,7 @@ void RunRegistry::Forget(const std::vector<std::string>& run_ids) {
   const double now = clock_->UnixSeconds();
   for (const std::string& id : run_ids) {
     if (journal_ != nullptr) journal_->Release(id);
-    if (options_.alert_hook != nullptr) options_.alert_hook->OnRunLeftMemory(id, now);
+    if (options_.listener != nullptr) options_.listener->OnRunLeftMemory(id, now);
     if (stats_) stats_->runs_evicted.fetch_add(1, std::memory_order_relaxed);
   }
 }

@@ -27,6 +27,21 @@ bool SameCatalogEntry(const ParamInfo& a, const ParamInfo& b) {
   return a.name == b.name && a.kind == b.kind && a.numel == b.numel;
 }
 
+// Calls the channel's Deliver as it goes out of scope: declared before a method's MutexLock, it
+// does so after the lock is released.
+class DeliverOnExit {
+ public:
+  explicit DeliverOnExit(const std::shared_ptr<RunChannel>& channel) : channel_(channel.get()) {}
+  ~DeliverOnExit() {
+    if (channel_ != nullptr) channel_->Deliver();
+  }
+  DeliverOnExit(const DeliverOnExit&) = delete;
+  DeliverOnExit& operator=(const DeliverOnExit&) = delete;
+
+ private:
+  RunChannel* const channel_;
+};
+
 }  // namespace
 
 Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, DaemonStats* stats,
@@ -36,6 +51,7 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
       journal_(journal),
       stats_(stats),
       clock_(clock),
+      channel_(options.listener != nullptr ? options.listener->Open(meta, !journal_new) : nullptr),
       assembler_(std::max<uint32_t>(1, meta.world_size), options.assembly_timeout,
                  options.max_pending_steps),
       ranks_(std::max<uint32_t>(1, meta.world_size)),
@@ -57,7 +73,6 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
     meta_.params = std::move(params);
     analytics_->SetCatalog(meta_.params);
     scalar_series_.fill(kNoSeries);
-    if (options_.alert_hook != nullptr) evaluated_through_ = options_.alert_hook->EvaluatedThrough(id_);
   }
 }
 
@@ -120,10 +135,9 @@ SeriesId Run::SeriesForKeyLocked(const std::string& key, bool journal) {
   if (auto it = series_by_key_.find(key); it != series_by_key_.end()) return it->second;
   if (series_.size() >= options_.max_series) return kNoSeries;
   const auto id = static_cast<SeriesId>(series_.size());
-  analytics_->AddSeries(id, key);
+  AddSeriesLocked(id, key);
   series_.push_back({key, std::make_unique<store::Series>(SeriesOptionsLocked(id, key))});
   series_by_key_.emplace(key, id);
-  key_rank_.clear();  // FillFactsLocked ranks the keys again
   if (journal) JournalLocked(store::SeriesRecord{id_, id, key});
   return id;
 }
@@ -209,16 +223,13 @@ std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, Stre
                                        AttachInfo* info) {
   std::optional<RebuildJob> job;
   {
+    DeliverOnExit deliver(channel_);
     MutexLock lock(&mu_);
     const bool rewind = hello.resume_from_step && RewindsLocked(*hello.resume_from_step, rank);
     if (auto err = ValidateCatalogLocked(hello, rewind)) return err;
     if (auto err = ExtendCatalogLocked(hello.params, /*prepaid=*/false)) return err;
     if (rewind) job = RewindLocked(*hello.resume_from_step, hello.world_size);
     AttachLocked(rank, sink, info);
-    // Told once the resumed rank's stream is attached, so that it hears of them too.
-    if (job) {
-      for (const alerts::Alert& alert : job->resolved) BroadcastLocked(alert);
-    }
   }
   if (job) RebuildAnalytics(std::move(*job));
   return std::nullopt;
@@ -315,13 +326,8 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   speed_count_ = kept;
 
   JournalLocked(store::RewindRecord{id_, from_step, world_size, now});
-  evaluated_through_.reset();  // the new branch's steps are evaluated as they complete
+  if (channel_) channel_->OnRewind(from_step, now);
   RebuildJob job;
-  if (options_.alert_hook != nullptr) {
-    for (const alerts::Transition& t : options_.alert_hook->OnRewind(id_, from_step, now)) {
-      if (t.to == alerts::AlertState::kResolved) job.resolved.push_back(t.alert);
-    }
-  }
   EventRecord resumed{from_step, "resumed from the checkpoint at step " + std::to_string(from_step), "daemon", now};
   events_.push_back(resumed);
   JournalLocked(store::EventJournalRecord{id_, std::move(resumed)});
@@ -374,6 +380,7 @@ void Run::RebuildAnalytics(RebuildJob job) {
     }
   }
 
+  DeliverOnExit deliver(channel_);
   MutexLock lock(&mu_);
   if (branch_ != job.branch) return;  // a newer rewind rebuilds for itself
   analytics_ = std::move(rebuilt);
@@ -389,7 +396,7 @@ void Run::RebuildAnalytics(RebuildJob job) {
   }
   for (const CompletedStep& step : deferred_) {
     // A late step below the resume point may have been committed in time to be read back.
-    if (!kept.has_first || step.step > kept.last_step) AnalyzeLocked(step);
+    if (!kept.has_first || step.step > kept.last_step) AnalyzeLocked(step, /*restored=*/false);
   }
   spdlog::info("run {}: analytics rebuilt from {} kept steps below step {}, then {} that arrived meanwhile", id_,
                kept.count, job.from_step, deferred_.size());
@@ -441,6 +448,7 @@ std::optional<IngestError> Run::ValidateStepLocked(const RankStep& report) {
 
 std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, StreamSink* sink, bool* held) {
   if (held != nullptr) *held = false;
+  DeliverOnExit deliver(channel_);
   MutexLock lock(&mu_);
   if (rank >= ranks_.size()) {
     return IngestError{IngestErrorReason::kSuperseded,
@@ -541,7 +549,7 @@ void Run::CompleteLocked(const PendingStep& p) {
   last_step_seen_ = clock_->Now();
   if (stats_) stats_->samples_received.fetch_add(out.values.size(), std::memory_order_relaxed);
   if (!rebuilding_) {
-    AnalyzeLocked(out);
+    AnalyzeLocked(out, /*restored=*/false);
   } else if (deferred_.size() < options_.max_pending_steps) {
     deferred_.push_back(out);
   } else {
@@ -572,22 +580,22 @@ void Run::CompleteLocked(const PendingStep& p) {
   JournalLocked(std::move(record));
 }
 
-void Run::AnalyzeLocked(const CompletedStep& step) {
+void Run::AnalyzeLocked(const CompletedStep& step, bool restored) {
   analytics_->OnStep(step);
-  if (evaluated_through_) {
-    if (step.step <= *evaluated_through_) return;  // a resend of a step evaluated before a restart
-    evaluated_through_.reset();
-  }
-  EvaluateAlertsLocked(step);
+  if (!channel_) return;
+  const RunActivity activity = ActivityLocked();
+  channel_->OnStep(PublishedStep{.step = step,
+                                 .meta = meta_,
+                                 .param_series = param_series_,
+                                 .analytics = *analytics_,
+                                 .activity = activity,
+                                 .now = clock_->UnixSeconds(),
+                                 .restored = restored});
 }
 
-void Run::EvaluateAlertsLocked(const CompletedStep& step) {
-  if (options_.alert_hook == nullptr) return;
-  FillFactsLocked(&step, step_facts_);
-  for (const alerts::Transition& t : options_.alert_hook->OnStep(step_facts_)) {
-    // The trainer hears of firing and resolved alerts even when a silence mutes the pagers.
-    if (t.to == alerts::AlertState::kFiring || t.to == alerts::AlertState::kResolved) BroadcastLocked(t.alert);
-  }
+void Run::AddSeriesLocked(SeriesId id, const std::string& key) {
+  analytics_->AddSeries(id, key);
+  if (channel_) channel_->OnSeries(id, key);
 }
 
 void Run::AppendLocked(const CompletedStep& step) {
@@ -684,6 +692,7 @@ void Run::OnCommitted(uint64_t through) {
 }
 
 void Run::Tick() {
+  DeliverOnExit deliver(channel_);
   MutexLock lock(&mu_);
   const SteadyTime now = clock_->Now();
   assembler_.Expire(now, [this](const PendingStep& p) {
@@ -696,11 +705,12 @@ void Run::Tick() {
     spdlog::info("run {}: ended without a Goodbye (no stream and no step for {:.0f} s)", id_,
                  std::chrono::duration<double>(options_.end_after).count());
     JournalLocked(store::RunEndedRecord{id_, end_.ended_at, end_.reason, {}});
-    if (options_.alert_hook != nullptr) options_.alert_hook->OnRunEnded(id_, false, end_.ended_at);
+    if (channel_) channel_->OnEnded(/*clean=*/false, end_.ended_at);
   }
 }
 
 void Run::Finish(uint32_t rank, EndReason reason, std::string message, uint64_t seq, StreamSink* sink) {
+  DeliverOnExit deliver(channel_);
   MutexLock lock(&mu_);
   last_activity_ = clock_->Now();
   if (rank < ranks_.size() && ranks_[rank].sink == sink) {
@@ -713,7 +723,7 @@ void Run::Finish(uint32_t rank, EndReason reason, std::string message, uint64_t 
     spdlog::info("run {}: {} (Goodbye from rank {}){}{}", id_, EndReasonName(reason), rank,
                  end_.message.empty() ? "" : ": ", end_.message);
     JournalLocked(store::RunEndedRecord{id_, end_.ended_at, end_.reason, end_.message});
-    if (options_.alert_hook != nullptr) options_.alert_hook->OnRunEnded(id_, true, end_.ended_at);
+    if (channel_) channel_->OnEnded(/*clean=*/true, end_.ended_at);
   }
   if (end_durable_) AnswerGoodbyesLocked();
 }
@@ -733,171 +743,22 @@ void Run::AnswerGoodbyesLocked() {
   }
 }
 
-void Run::BroadcastAlert(const alerts::Alert& alert) {
+RunActivity Run::Activity() const {
   MutexLock lock(&mu_);
-  BroadcastLocked(alert);
+  return ActivityLocked();
 }
 
-void Run::BroadcastLocked(const alerts::Alert& alert) {
-  for (RankState& rs : ranks_) {
-    if (rs.sink != nullptr) rs.sink->SendAlert(alert);
-  }
-}
-
-bool Run::EndedCleanly() const {
-  MutexLock lock(&mu_);
-  return end_.ended() && end_.clean();
-}
-
-alerts::RunFacts Run::Facts() {
-  MutexLock lock(&mu_);
-  alerts::RunFacts f;
-  FillFactsLocked(nullptr, f);
-  return f;
-}
-
-void Run::RankKeysLocked() {
-  ids_by_key_.clear();
-  for (SeriesId id = 0; id < series_.size(); ++id) {
-    if (series_[id].data) ids_by_key_.push_back(id);
-  }
-  std::sort(ids_by_key_.begin(), ids_by_key_.end(),
-            [this](SeriesId a, SeriesId b) {
-              mu_.AssertHeld();  // called synchronously, under this function's lock
-              return series_[a].key < series_[b].key;
-            });
-  key_rank_.assign(series_.size(), std::numeric_limits<uint32_t>::max());
-  for (size_t r = 0; r < ids_by_key_.size(); ++r) key_rank_[ids_by_key_[r]] = static_cast<uint32_t>(r);
-  value_by_id_.assign(series_.size(), 0.0);
-  value_stamp_.assign(series_.size(), 0);
-}
-
-void Run::FillFactsLocked(const CompletedStep* step, alerts::RunFacts& f) {
-  if (key_rank_.size() != series_.size()) RankKeysLocked();
-  f.run_id = id_;
-  if (f.run_labels != meta_.labels) f.run_labels = meta_.labels;
-  f.step = step ? step->step : last_step_;
-  f.wall_time = step ? step->wall_time : last_wall_time_;
-  f.now = clock_->UnixSeconds();
-  f.open_streams = open_streams_;
-  f.seconds_since_last_step = std::chrono::duration<double>(clock_->Now() - last_step_seen_).count();
-  f.seconds_since_activity = std::chrono::duration<double>(clock_->Now() - last_activity_).count();
-  f.ended_cleanly = end_.clean();
-  if (end_.ended()) f.open_streams = 0;
-
-  // Values of this step (or the latest of every series for timer evaluations), in key order.
-  ++value_epoch_;
-  ranked_values_.clear();
-  auto note = [&](SeriesId id, double value) {
-    mu_.AssertHeld();
-    value_by_id_[id] = value;
-    value_stamp_[id] = value_epoch_;
-    ranked_values_.emplace_back(key_rank_[id], value);
-  };
-  if (step != nullptr) {
-    for (const SeriesValue& sv : step->values) {
-      if (sv.id < series_.size() && series_[sv.id].data) note(sv.id, sv.value);
-    }
-    std::sort(ranked_values_.begin(), ranked_values_.end(),
-              [](const auto& a, const auto& b) { return a.first < b.first; });
-  } else {
-    for (SeriesId id : ids_by_key_) {
-      if (auto p = series_[id].data->Latest()) note(id, p->last);
-    }
-  }
-  size_t latest = 0, nonfinite = 0;
-  for (const auto& [rank, value] : ranked_values_) {
-    const std::string& key = series_[ids_by_key_[rank]].key;
-    if (latest == f.latest.size()) f.latest.emplace_back();
-    alerts::SeriesValue& v = f.latest[latest++];
-    v.key = key;
-    v.value = value;
-    if (step != nullptr && !std::isfinite(value)) {
-      if (nonfinite == f.nonfinite.size()) f.nonfinite.emplace_back();
-      alerts::NonFiniteFact& n = f.nonfinite[nonfinite++];
-      n.key = key;
-      n.step = step->step;
-    }
-  }
-  f.latest.resize(latest);
-  f.nonfinite.resize(nonfinite);
-
-  analytics_->StepAnalysis(facts_analysis_, facts_params_);
-  const RunAnalysis& a = facts_analysis_;
-  f.forecasts.resize(a.forecasts.size());
-  for (size_t i = 0; i < a.forecasts.size(); ++i) {
-    const ForecastInfo& x = a.forecasts[i];
-    alerts::ForecastFact& y = f.forecasts[i];
-    y.key = x.key;
-    y.threshold = x.threshold;
-    y.reachable = x.reachable;
-    y.steps_to_threshold = x.steps_to_threshold;
-    y.at_step = x.at_step;
-    y.current_value = x.current_value;
-    y.slope_per_kstep = x.slope_per_kstep;
-  }
-  f.slope_changes.resize(a.slope_changes.size());
-  for (size_t i = 0; i < a.slope_changes.size(); ++i) {
-    const SlopeChangeInfo& x = a.slope_changes[i];
-    alerts::SlopeChangeFact& y = f.slope_changes[i];
-    y.key = x.key;
-    y.event_step = x.change.event_step;
-    y.event_text = x.event_text;
-    y.ratio = x.change.ratio;
-    y.before_per_kstep = x.change.before.slope_per_kstep();
-    y.after_per_kstep = x.change.after.slope_per_kstep();
-    y.after_samples = x.after_samples;
-    y.before_stderr_per_kstep = x.change.before_stderr_per_kstep;
-    y.after_stderr_per_kstep = x.change.after_stderr_per_kstep;
-  }
-  f.change_points.resize(a.change_points.size());
-  for (size_t i = 0; i < a.change_points.size(); ++i) {
-    const ChangePointInfo& x = a.change_points[i];
-    alerts::ChangePointFact& y = f.change_points[i];
-    y.key = x.key;
-    y.step = x.change.step;
-    y.ratio = x.change.ratio;
-    y.before_per_kstep = x.change.slope_before_per_kstep;
-    y.after_per_kstep = x.change.slope_after_per_kstep;
-    y.z_score = x.change.z_score;
-  }
-  f.shares.resize(a.shares.size());
-  for (size_t i = 0; i < a.shares.size(); ++i) {
-    const ShareInfo& x = a.shares[i];
-    alerts::ShareFact& y = f.shares[i];
-    y.name = x.name;
-    y.is_group = x.is_group;
-    y.share = x.share;
-    y.slope_per_kstep = x.slope_per_kstep;
-    y.kind = x.kind;
-  }
-  f.params.resize(meta_.params.size());
-  for (size_t i = 0; i < meta_.params.size(); ++i) {
-    alerts::ParamFact& pf = f.params[i];
-    pf.info = meta_.params[i];
-    const auto value_of = [&](NormField field) -> std::optional<double> {
-      mu_.AssertHeld();
-      const SeriesId id = i < param_series_.size() ? param_series_[i][static_cast<int>(field)] : kNoSeries;
-      if (id == kNoSeries || id >= value_stamp_.size() || value_stamp_[id] != value_epoch_) return std::nullopt;
-      return value_by_id_[id];
-    };
-    pf.norm = value_of(NormField::kParam);
-    pf.grad_norm = value_of(NormField::kGrad);
-    static const ParamAnalysis kUnknown;
-    const ParamAnalysis& pa = i < facts_params_.size() ? facts_params_[i] : kUnknown;
-    pf.init_norm = pa.init_norm;
-    pf.amplification = pa.amplification;
-    if (!pf.norm && pa.amplification) pf.norm = pa.norm;
-    pf.growth_factor.reset();
-    pf.growth_slope_per_kstep.reset();
-    if (pa.growth) {
-      pf.growth_factor = pa.growth->growth_factor;
-      pf.growth_slope_per_kstep = pa.growth->slope_per_kstep;
-    }
-    pf.norm_slope_per_kstep = pa.norm_slope_per_kstep;
-  }
-  f.config.z_loss_coef = meta_.config.z_loss_coef;
-  f.config.weight_decay = meta_.config.weight_decay;
+RunActivity Run::ActivityLocked() const {
+  RunActivity a;
+  a.last_step = last_step_;
+  a.last_wall_time = last_wall_time_;
+  a.ended = end_.ended();
+  a.ended_cleanly = end_.clean();
+  a.open_streams = a.ended ? 0 : open_streams_;
+  const SteadyTime now = clock_->Now();
+  a.seconds_since_last_step = std::chrono::duration<double>(now - last_step_seen_).count();
+  a.seconds_since_activity = std::chrono::duration<double>(now - last_activity_).count();
+  return a;
 }
 
 void Run::OnDurable(const store::RankProgress& progress) {
@@ -1010,10 +871,9 @@ size_t Run::MemoryBytes() const {
 void Run::RestoreSeries(SeriesId id, const std::string& key) {
   MutexLock lock(&mu_);
   if (id >= series_.size()) series_.resize(id + 1);
-  analytics_->AddSeries(id, key);
+  AddSeriesLocked(id, key);
   series_[id] = {key, std::make_unique<store::Series>(SeriesOptionsLocked(id, key))};
   series_by_key_[key] = id;
-  key_rank_.clear();  // FillFactsLocked ranks the keys again
 }
 
 void Run::RestoreProgress(const store::RankProgress& progress) {
@@ -1027,14 +887,11 @@ void Run::RestoreProgress(const store::RankProgress& progress) {
 }
 
 void Run::RestoreStep(const CompletedStep& step) {
+  DeliverOnExit deliver(channel_);
   MutexLock lock(&mu_);
   AppendLocked(step);
-  analytics_->OnStep(step);
   assembler_.RestoreLastCompleted(step.step);
-  if (evaluated_through_ && step.step > *evaluated_through_) {
-    EvaluateAlertsLocked(step);
-    evaluated_through_ = step.step;
-  }
+  AnalyzeLocked(step, /*restored=*/true);
 }
 
 void Run::RestoreEvent(const EventRecord& event) {

@@ -15,9 +15,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "alerts/alert.h"
-#include "alerts/facts.h"
-#include "alerts/state_machine.h"
 #include "server/core/clock.h"
 #include "server/core/thread_annotations.h"
 #include "server/core/types.h"
@@ -26,37 +23,11 @@
 #include "server/runs/memory_budget.h"
 #include "server/runs/run_analytics.h"
 #include "server/runs/step_assembler.h"
+#include "server/runs/step_listener.h"
 #include "server/store/journal.h"
 #include "server/store/series.h"
 
 namespace gradwatch::runs {
-
-// Evaluates alert rules on each completed step. Called with the run's mutex held: it must only
-// compute and queue.
-class AlertHook {
- public:
-  virtual ~AlertHook() = default;
-  // Returns the transitions the engine made, to be sent to the run's streams.
-  virtual std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) = 0;
-  // The run rewound to a checkpoint at from_step: alert states are judged again from there
-  // (alerts::AlertEngine::RewindRun). Returns the transitions, to be sent to the run's streams.
-  virtual std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step,
-                                                   double now) = 0;
-  // The run ended: said Goodbye (`clean`), or had no stream and no step for end_after. Its alerts
-  // resolve, as a Prometheus alert does when its series vanish, except that a run that ended
-  // without a Goodbye keeps its RunDied page: a job that is gone is what that rule is about.
-  virtual void OnRunEnded(const std::string& run_id, bool clean, double now) = 0;
-  // The daemon dropped the ended run from memory (its retention is over, or room was needed):
-  // alerts it still has end, but for an unacknowledged RunDied page. Called without any lock held.
-  virtual void OnRunLeftMemory(const std::string& run_id, double now) = 0;
-  // The last step of the run whose evaluation the hook kept across a restart
-  // (alerts::AlertEngine::EvaluatedThrough); nullopt when none. A run restored from the journal
-  // has OnStep called for its restored steps after it, once each, and for no live step up to it.
-  virtual std::optional<uint64_t> EvaluatedThrough(const std::string& run_id) {
-    (void)run_id;
-    return std::nullopt;
-  }
-};
 
 struct RunOptions {
   std::chrono::nanoseconds assembly_timeout = std::chrono::seconds(30);
@@ -74,7 +45,9 @@ struct RunOptions {
   // An ended run with no open stream stays in memory this long, then the registry drops it.
   std::chrono::nanoseconds retention = std::chrono::hours(24);
   AnalyticsOptions analytics;
-  AlertHook* alert_hook = nullptr;  // not owned; may be null
+  // Told of every run's series, completed steps, rewinds and end (the alerting); not owned; may
+  // be null.
+  StepListener* listener = nullptr;
   // The daemon-wide budget runs are charged to (see MemoryBudget); not owned; null: unlimited.
   MemoryBudget* budget = nullptr;
 };
@@ -90,8 +63,6 @@ class StreamSink {
   virtual void SendError(const IngestError& error) = 0;
   // Another stream took over this run and rank: finish this one.
   virtual void Supersede() = 0;
-  // An alert about this run changed state (firing or resolved), for the trainer.
-  virtual void SendAlert(const alerts::Alert& alert) = 0;
   // The Goodbye sent with `seq` on this stream is durable: run `run_id` is recorded as finished.
   virtual void SendFinished(const std::string& run_id, uint64_t seq) = 0;
   // The Event sent with `seq` on this stream (at `step`) is durable. Sinks that do not ack
@@ -195,15 +166,15 @@ class Run {
   //    rank to send from N; progress of an older branch arriving late is ignored;
   //  - may change the world size (an elastic job): streams of ranks beyond it are superseded;
   //  - journals the rewind (the abandoned branch is moved aside, see store::RewindRecord), has
-  //    the alert hook judge alert states again from N, and records the event "resumed from the
+  //    tells the listener (which judges alert states again from N), and records the event "resumed from the
   //    checkpoint at step N" (source "daemon") at step N;
   //  - rebuilds the analytics from the kept history: the kept events, then the kept steps read
   //    back from the journal, so that slopes, event windows, change points and forecasts see
   //    steps < N followed by the new branch, never the jump between them. The read is
   //    O(history), once per rewind, and runs after the mutex is released (Attach returns when it
   //    is done, so the resumed rank's first steps follow it). Steps that complete meanwhile are
-  //    stored and journaled at once; their analytics and alert evaluation wait for the rebuild
-  //    and then run in step order. Without a journal (tests) the analytics restart empty.
+  //    stored and journaled at once; their analytics and publication to the listener wait for
+  //    the rebuild and then run in step order. Without a journal (tests) the analytics restart empty.
   // A Hello without resume_from_step never rewinds: a changed world size is refused, and steps
   // the run holds are still answered with STEP_REGRESSION / STEP_CONFLICT.
   std::optional<IngestError> Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink,
@@ -250,13 +221,8 @@ class Run {
   // pending at shutdown are not completed: they were never acked, so their ranks resend them.
   void Tick();
 
-  // The run as the alert rules see it, now (for timer rules such as stalled).
-  alerts::RunFacts Facts();
-  // Whether the run ended with a Goodbye (no timer rule can hold for it).
-  bool EndedCleanly() const;
-
-  // Sends an alert down every stream attached to this run.
-  void BroadcastAlert(const alerts::Alert& alert);
+  // The run's activity now (for timer rules such as stalled).
+  RunActivity Activity() const;
 
   // The journal committed progress for a rank of this run.
   void OnDurable(const store::RankProgress& progress);
@@ -276,9 +242,7 @@ class Run {
   // Restore from the journal (start-up, before any stream).
   void RestoreSeries(SeriesId id, const std::string& key);
   void RestoreProgress(const store::RankProgress& progress);
-  // Adds a journaled step (in step order). A step after the last one the alert hook kept the
-  // evaluation of (AlertHook::EvaluatedThrough) is evaluated: the daemon stopped before what
-  // that evaluation changed was saved.
+  // Adds a journaled step (in step order), published to the listener as restored.
   void RestoreStep(const CompletedStep& step);
   void RestoreEvent(const EventRecord& event);
   // The run's latest rewind was to from_step (so a Hello resuming from it again is idempotent).
@@ -332,7 +296,6 @@ class Run {
     std::vector<ParamInfo> params;
     std::vector<std::pair<SeriesId, std::string>> series;
     std::vector<EventRecord> events;  // kept events and the resume event
-    std::vector<alerts::Alert> resolved;  // by the rewind, for the run's streams
   };
   // Totals of the kept steps, which the rebuild counts as it reads them.
   struct StepTotals {
@@ -364,20 +327,15 @@ class Run {
   bool MustHoldLocked(uint32_t rank, uint64_t step) const REQUIRES(mu_);
   std::optional<IngestError> ValidateStepLocked(const RankStep& report) REQUIRES(mu_);
   RunInfo InfoLocked() const REQUIRES(mu_);
-  // Fills `f` with the run as the alert rules see it at `step` (null: now, from every series'
-  // latest point, for timer rules). O(the step's values + parameters + key series' events); f's
-  // and the scratch buffers are overwritten in place, so the step path stops allocating once
-  // warm. Series are listed in key order through key_rank_, without comparing strings.
-  void FillFactsLocked(const CompletedStep* step, alerts::RunFacts& f) REQUIRES(mu_);
-  // Rebuilds key_rank_ and ids_by_key_ after series were added.
-  void RankKeysLocked() REQUIRES(mu_);
-  void BroadcastLocked(const alerts::Alert& alert) REQUIRES(mu_);
+  RunActivity ActivityLocked() const REQUIRES(mu_);
   void AnswerGoodbyesLocked() REQUIRES(mu_);
   SeriesId SeriesForKeyLocked(const std::string& key, bool journal) REQUIRES(mu_);
   void CompleteLocked(const PendingStep& p) REQUIRES(mu_);
-  // Analytics and alert evaluation of one completed step (deferred while rebuilding).
-  void AnalyzeLocked(const CompletedStep& step) REQUIRES(mu_);
-  void EvaluateAlertsLocked(const CompletedStep& step) REQUIRES(mu_);
+  // Analytics of one completed step and its publication to the listener (deferred while
+  // rebuilding).
+  void AnalyzeLocked(const CompletedStep& step, bool restored) REQUIRES(mu_);
+  // Registers series `id` under `key` with the analytics and the listener.
+  void AddSeriesLocked(SeriesId id, const std::string& key) REQUIRES(mu_);
   void AppendLocked(const CompletedStep& step) REQUIRES(mu_);
   // Returns the record's journal number, 0 when it was not journaled (counted as dropped).
   uint64_t JournalLocked(store::JournalRecord record) REQUIRES(mu_);
@@ -392,9 +350,13 @@ class Run {
   DaemonStats* const stats_;
   const Clock* const clock_;
 
-  // Lock order: RunRegistry's locks, then this one, then the journal's and the stream sinks' (a
-  // StreamSink is called with mu_ held). The alert hook runs under it too and takes the
-  // engine's lock. Never held while reading the journal (RebuildAnalytics).
+  // The listener's channel (null without a listener). Its On* calls are made under mu_; every
+  // public method that may make one calls Deliver after releasing mu_ (DeliverOnExit).
+  const std::shared_ptr<RunChannel> channel_;
+
+  // Lock order: RunRegistry's locks, then this one, then the journal's, the stream sinks' and
+  // the channel's (a StreamSink and the channel's On* calls are made with mu_ held). Never held
+  // while reading the journal (RebuildAnalytics) nor while the listener does its work (Deliver).
   mutable Mutex mu_;
   RunMeta meta_ GUARDED_BY(mu_);
   StepAssembler assembler_ GUARDED_BY(mu_);
@@ -407,10 +369,6 @@ class Run {
   std::deque<PendingEventAck> event_acks_ GUARDED_BY(mu_);  // ordered by record
   std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);  // replaced at a rewind
   std::optional<uint64_t> last_resume_step_ GUARDED_BY(mu_);  // the latest rewind's step (journaled)
-  // Restored runs: the last step whose alert evaluation was kept across the restart (see
-  // RestoreStep); live steps up to it are not evaluated again. Cleared by the first live step
-  // past it and by a rewind.
-  std::optional<uint64_t> evaluated_through_ GUARDED_BY(mu_);
   uint64_t branch_ GUARDED_BY(mu_) = 0;  // rewinds in this process's life; tags journal progress
   bool rebuilding_ GUARDED_BY(mu_) = false;  // a rewind's analytics rebuild is running off the lock
   // Steps completed while rebuilding, for the rebuilt analytics; at most max_pending_steps.
@@ -438,17 +396,6 @@ class Run {
   size_t speed_count_ GUARDED_BY(mu_) = 0;
 
   CompletedStep scratch_ GUARDED_BY(mu_);  // reused for every completed step
-  // The alert facts of the step being evaluated, and their scratch (FillFactsLocked).
-  alerts::RunFacts step_facts_ GUARDED_BY(mu_);
-  RunAnalysis facts_analysis_ GUARDED_BY(mu_);
-  std::vector<ParamAnalysis> facts_params_ GUARDED_BY(mu_);
-  std::vector<uint32_t> key_rank_ GUARDED_BY(mu_);     // by series id: its key's rank in key order
-  std::vector<SeriesId> ids_by_key_ GUARDED_BY(mu_);   // series ids in key order
-  std::vector<std::pair<uint32_t, double>> ranked_values_ GUARDED_BY(mu_);
-  // The current step's value of each series id, valid where value_stamp_[id] == value_epoch_.
-  std::vector<double> value_by_id_ GUARDED_BY(mu_);
-  std::vector<uint64_t> value_stamp_ GUARDED_BY(mu_);
-  uint64_t value_epoch_ GUARDED_BY(mu_) = 0;
   std::vector<uint8_t> seen_scratch_ GUARDED_BY(mu_);  // reused by ValidateStepLocked
 };
 

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
@@ -103,7 +102,9 @@ class StepAssembler {
   const std::chrono::nanoseconds timeout_;
   const size_t max_pending_;
   size_t param_count_ = 0;
-  std::deque<std::unique_ptr<PendingStep>> pending_;  // ordered by step
+  // Ordered by step; a vector (a few entries, rarely up to max_pending_): a deque would allocate
+  // a block every few steps as it moves.
+  std::vector<std::unique_ptr<PendingStep>> pending_;
   std::vector<std::unique_ptr<PendingStep>> free_;
   bool has_completed_ = false;
   uint64_t last_completed_step_ = 0;
@@ -112,7 +113,7 @@ class StepAssembler {
 template <typename OnComplete>
 void StepAssembler::CompleteFront(OnComplete& on_complete) {
   std::unique_ptr<PendingStep> p = std::move(pending_.front());
-  pending_.pop_front();
+  pending_.erase(pending_.begin());
   p->partial = p->ranks_reported < world_size_;
   has_completed_ = true;
   last_completed_step_ = p->step;

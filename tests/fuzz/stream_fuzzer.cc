@@ -1,7 +1,8 @@
 // Fuzzes what the ingest service does with trainer messages, without gRPC: each message is
 // converted and validated (server/ingest/convert.h) and handed to the run registry exactly as
 // IngestService's stream reactor does (Hello → Attach, Step → AddStep, Event → AddEvent,
-// Goodbye → Finish), with the default alert rules evaluating every completed step.
+// Goodbye → Finish), with the daemon's alerting and its default rules evaluating every completed
+// step and, on each tick, the timer rules.
 //
 // Input: frames of one control byte and one TrainerMessage in protobuf's delimited format (its
 // length as a varint, then its bytes). The control byte's low two bits pick one of four streams;
@@ -20,11 +21,11 @@
 #include <spdlog/spdlog.h>
 
 #include "alerts/rules.h"
-#include "alerts/state_machine.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 #include "server/core/clock.h"
 #include "server/ingest/convert.h"
 #include "server/runs/daemon_stats.h"
+#include "server/daemon/alerting.h"
 #include "server/runs/registry.h"
 
 namespace {
@@ -32,29 +33,6 @@ namespace {
 using namespace gradwatch;
 using runs::IngestError;
 using runs::IngestErrorReason;
-
-// The daemon's alerting without its store and notifiers: the engine alone.
-class EngineHook final : public runs::AlertHook {
- public:
-  explicit EngineHook(std::vector<alerts::Rule> rules) : engine_(std::move(rules)) {}
-  std::vector<alerts::Transition> OnStep(const alerts::RunFacts& facts) override {
-    return engine_.EvaluateStep(facts, facts.now);
-  }
-  std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step,
-                                           double now) override {
-    return engine_.RewindRun(run_id, from_step, now);
-  }
-  void OnRunEnded(const std::string& run_id, bool clean, double now) override {
-    using Ending = alerts::AlertEngine::RunEnding;
-    engine_.EndRun(run_id, clean ? Ending::kGoodbye : Ending::kWithoutGoodbye, now);
-  }
-  void OnRunLeftMemory(const std::string& run_id, double now) override {
-    engine_.EndRun(run_id, alerts::AlertEngine::RunEnding::kLeftMemory, now);
-  }
-
- private:
-  alerts::AlertEngine engine_;
-};
 
 // One trainer stream: the reactor's read path, with answers counted instead of written.
 class FuzzStream final : public runs::StreamSink {
@@ -117,7 +95,6 @@ class FuzzStream final : public runs::StreamSink {
   void SendAck(uint64_t durable_step, uint64_t seq) override { ++answers_; }
   void SendError(const IngestError& error) override { ++answers_; }
   void Supersede() override { run_.reset(); }  // the run already detached this stream
-  void SendAlert(const alerts::Alert& alert) override { ++answers_; }
   void SendFinished(const std::string& run_id, uint64_t seq) override { ++answers_; }
 
  private:
@@ -144,9 +121,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::vector<alerts::Rule> rules = alerts::LoadDefaultRules().value();
   FakeClock clock;
   runs::DaemonStats stats;
-  EngineHook hook(rules);
+  daemon::Alerting alerting(rules);  // without its store and notifiers
   runs::RunOptions options;
-  options.alert_hook = &hook;
+  options.listener = &alerting;
   options.assembly_timeout = std::chrono::seconds(30);
   options.end_after = std::chrono::seconds(60);
   options.retention = std::chrono::seconds(120);
@@ -163,6 +140,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (control & 0x80) {
       clock.Advance(std::chrono::seconds(control & 0x3f));
       registry.Tick();
+      alerting.Tick(registry, clock.UnixSeconds());
     }
     const auto limit = input.PushLimit(static_cast<int>(length));
     v1::TrainerMessage message;

@@ -478,3 +478,53 @@ TEST_CASE("rules reload via the CLI and SIGHUP keeps the old rules when a file i
   CHECK(cli({"silence", "add", "nonsense"}).exit_code == 2);
   stream.Close();
 }
+
+TEST_CASE("every stream of a run hears its alerts, a resumed one the page its rewind resolved, another run none",
+          "[integration]") {
+  DaemonProcess daemon;
+  const auto hello = [](const std::string& run, uint32_t rank, uint32_t world) {
+    return MakeHello(run, rank, world, {{"w", v1::PARAM_KIND_MLP}});
+  };
+  StreamClient rank0(daemon.grpc_target()), rank1(daemon.grpc_target()), quiet(daemon.grpc_target());
+  REQUIRE(rank0.Hello(hello("two-ranks", 0, 2), 1));
+  REQUIRE(rank1.Hello(hello("two-ranks", 1, 2), 1));
+  REQUIRE(quiet.Hello(hello("quiet", 0, 1), 1));
+  rank0.WaitAccepted();
+  rank1.WaitAccepted();
+  quiet.WaitAccepted();
+  for (uint64_t s = 1; s <= 20; ++s) {
+    v1::StepStats shard;
+    shard.set_step(s);
+    shard.mutable_total_grad()->set_norm(4.0);  // two ranks: a total of 4√2 ≈ 5.66
+    REQUIRE(rank0.Step(shard, s + 1));
+    REQUIRE(rank1.Step(shard, s + 1));
+    v1::StepStats low;
+    low.set_step(s);
+    low.mutable_total_grad()->set_norm(1.0);
+    REQUIRE(quiet.Step(low, s + 1));
+  }
+  const auto firing = [](const v1::DaemonMessage& m) { return IsContingency(m, v1::ALERT_STATE_FIRING); };
+  const v1::Alert heard0 = rank0.WaitFor(firing).alert();
+  const v1::Alert heard1 = rank1.WaitFor(firing).alert();
+  CHECK(heard0.step() == 11);
+  CHECK(heard0.labels().at("run") == "two-ranks");
+  CHECK(heard1.fingerprint() == heard0.fingerprint());
+  quiet.WaitAck(20);
+  for (const v1::DaemonMessage& m : quiet.Received()) CHECK_FALSE(m.has_alert());
+
+  // Rank 0 crashes and resumes from step 5: the page came from the abandoned branch, and the
+  // resumed stream hears it resolve, after its Accepted.
+  rank0.Close();
+  StreamClient resumed(daemon.grpc_target());
+  v1::Hello resume = hello("two-ranks", 0, 2);
+  resume.set_resume_from_step(5);
+  REQUIRE(resumed.Hello(resume, 1));
+  const v1::Alert resolved =
+      resumed.WaitFor([](const v1::DaemonMessage& m) { return IsContingency(m, v1::ALERT_STATE_RESOLVED); }).alert();
+  CHECK(resolved.fingerprint() == heard0.fingerprint());
+  const std::vector<v1::DaemonMessage> answers = resumed.Received();
+  REQUIRE_FALSE(answers.empty());
+  CHECK(answers.front().has_accepted());
+  CHECK(ListAlerts(daemon.grpc_target(), "two-ranks").empty());
+  for (const v1::DaemonMessage& m : quiet.Received()) CHECK_FALSE(m.has_alert());
+}

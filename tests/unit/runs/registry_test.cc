@@ -6,22 +6,16 @@
 #include <vector>
 
 #include "server/runs/registry.h"
+#include "tests/unit/runs/recording_listener.h"
 #include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
 using namespace std::chrono_literals;
+using gradwatch::runs::testing::RecordingListener;
 using gradwatch::runs::testing::RecordingSink;
 
 namespace {
-
-struct LeftHook final : AlertHook {
-  std::vector<alerts::Transition> OnStep(const alerts::RunFacts&) override { return {}; }
-  void OnRunEnded(const std::string&, bool, double) override {}
-  void OnRunLeftMemory(const std::string& run_id, double) override { left.push_back(run_id); }
-  std::vector<alerts::Transition> OnRewind(const std::string&, uint64_t, double) override { return {}; }
-  std::vector<std::string> left;
-};
 
 RunMeta Hello(const std::string& id) {
   RunMeta m;
@@ -33,14 +27,14 @@ RunMeta Hello(const std::string& id) {
 struct Fixture {
   FakeClock clock;
   DaemonStats stats;
-  LeftHook hook;
+  RecordingListener hook;
   RecordingSink sink;
   std::unique_ptr<RunRegistry> registry;
   explicit Fixture(size_t max_runs) {
     RunOptions options;
     options.end_after = 10s;
     options.retention = 60s;
-    options.alert_hook = &hook;
+    options.listener = &hook;
     registry = std::make_unique<RunRegistry>(options, max_runs, &stats, &clock);
   }
   std::shared_ptr<Run> Attach(const std::string& id, IngestError* error = nullptr) {

@@ -13,11 +13,13 @@
 #include "server/runs/run.h"
 #include "server/store/journal.h"
 #include "tests/support/temp_dir.h"
+#include "tests/unit/runs/recording_listener.h"
 #include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
 using namespace std::chrono_literals;
+using gradwatch::runs::testing::RecordingListener;
 using gradwatch::runs::testing::RecordingSink;
 using gradwatch::testing::TempDir;
 
@@ -25,22 +27,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Records rewinds and answers them with one resolved alert, as the engine would.
-class RecordingHook final : public AlertHook {
- public:
-  std::vector<alerts::Transition> OnStep(const alerts::RunFacts&) override { return {}; }
-  void OnRunEnded(const std::string&, bool, double) override {}
-  void OnRunLeftMemory(const std::string&, double) override {}
-  std::vector<alerts::Transition> OnRewind(const std::string& run_id, uint64_t from_step, double) override {
-    rewinds.emplace_back(run_id, from_step);
-    alerts::Transition t;
-    t.alert.name = "Resolved";
-    t.from = alerts::AlertState::kFiring;
-    t.to = t.alert.state = alerts::AlertState::kResolved;
-    return {t};
-  }
-  std::vector<std::pair<std::string, uint64_t>> rewinds;
-};
+// The rewinds of `run_id` the listener was told of.
+size_t Rewinds(const RecordingListener& listener, const std::string& run_id) {
+  size_t n = 0;
+  for (const std::string& what : listener.Log(run_id)) n += what.rfind("rewind ", 0) == 0;
+  return n;
+}
 
 RunMeta Meta(const std::string& run_id, uint32_t world_size = 1, std::optional<uint64_t> resume = std::nullopt) {
   RunMeta m;
@@ -87,11 +79,11 @@ struct Fixture {
   FakeClock clock;
   RunOptions options;
   DaemonStats stats;
-  RecordingHook hook;
+  RecordingListener hook;
   std::unique_ptr<store::Journal> journal = OpenJournal(dir.db());
   Fixture() {
     options.assembly_timeout = 10s;
-    options.alert_hook = &hook;
+    options.listener = &hook;
   }
   std::unique_ptr<Run> NewRun(const std::string& run_id, uint32_t world_size = 1) {
     return std::make_unique<Run>(Meta(run_id, world_size), options, journal.get(), &stats, &clock, true);
@@ -135,9 +127,12 @@ TEST_CASE("a resume replaces the abandoned branch in the series, events, progres
   CHECK(sink.superseded);
   CHECK(info.has_received_step);
   CHECK(info.last_received_step == 199);  // the resumed rank sends from 200 on
-  CHECK(f.hook.rewinds == std::vector<std::pair<std::string, uint64_t>>{{"r1", 200}});
-  REQUIRE(resumed.alerts.size() == 1);  // resolved by the rewind, told to the stream
-  CHECK(resumed.alerts[0].state == alerts::AlertState::kResolved);
+  // The listener heard the steps, then the rewind, before the new branch; all delivered.
+  const std::vector<std::string> log = f.hook.Log("r1");
+  REQUIRE(log.size() == 32);
+  CHECK(log[30] == "step 300");
+  CHECK(log[31] == "rewind 200");
+  CHECK(f.hook.Undelivered() == 0);
 
   for (const auto& p : Points(*run, "grad/norm/lm_head.weight")) CHECK(p.last_step < 200);
   CHECK(run->Info().last_step == 190);
@@ -276,7 +271,7 @@ TEST_CASE("steps completed while the analytics are rebuilt are analysed after th
   CHECK_FALSE(error1.has_value());
   CHECK(failures1 == 0);
   CHECK(report_rank1(*straight, &b1) == 0);
-  CHECK(f.hook.rewinds.size() == 1);
+  CHECK(Rewinds(f.hook, "concurrent") == 1);
 
   const RunAnalysis x = rewound->Summary().analysis;
   const RunAnalysis y = straight->Summary().analysis;
@@ -312,14 +307,14 @@ TEST_CASE("the other ranks of a resume do not rewind again but a new resume from
   Attach(*run, 1, &r1, 200, 2, &info);  // same resume point: idempotent
   CHECK(info.last_received_step == 199);
   REQUIRE_FALSE(run->AddStep(1, Step(200, 2.0), &r1));  // completes step 200 of the new branch
-  CHECK(f.hook.rewinds.size() == 1);
+  CHECK(Rewinds(f.hook, "r2") == 1);
   CHECK(run->Info().last_step == 200);
   CHECK(Points(*run, "grad/norm/lm_head.weight").back().mean == Approx(std::sqrt(8.0)));
 
   // Rank 0 crashes again and resumes from the same checkpoint: it had reported 210, so this rewinds.
   RecordingSink again;
   Attach(*run, 0, &again, 200);
-  CHECK(f.hook.rewinds.size() == 2);
+  CHECK(Rewinds(f.hook, "r2") == 2);
   CHECK(run->Info().last_step == 190);
 }
 

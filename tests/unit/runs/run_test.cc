@@ -5,11 +5,13 @@
 #include <vector>
 
 #include "server/runs/run.h"
+#include "tests/unit/runs/recording_listener.h"
 #include "tests/unit/runs/recording_sink.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
 using namespace std::chrono_literals;
+using gradwatch::runs::testing::RecordingListener;
 using gradwatch::runs::testing::RecordingSink;
 
 namespace {
@@ -293,22 +295,10 @@ TEST_CASE("a run with no stream and no step for end_after ends, and a hello revi
   CHECK_FALSE(f.run->Info().ended);
 }
 
-namespace {
-// Records how the run reported its ends.
-struct EndHook final : AlertHook {
-  std::vector<alerts::Transition> OnStep(const alerts::RunFacts&) override { return {}; }
-  void OnRunEnded(const std::string& run_id, bool clean, double) override { ends.push_back({run_id, clean}); }
-  void OnRunLeftMemory(const std::string& run_id, double) override { left.push_back(run_id); }
-  std::vector<alerts::Transition> OnRewind(const std::string&, uint64_t, double) override { return {}; }
-  std::vector<std::string> left;
-  std::vector<std::pair<std::string, bool>> ends;
-};
-}  // namespace
-
 TEST_CASE("a Goodbye ends the run cleanly at once, for every rank, and is answered", "[runs]") {
   Fixture f(2);
-  EndHook hook;
-  f.options.alert_hook = &hook;
+  RecordingListener hook;
+  f.options.listener = &hook;
   f.run = std::make_unique<Run>(Meta(2), f.options, nullptr, &f.stats, &f.clock, true);
   RecordingSink rank1;
   f.Attach(0, &f.sink);
@@ -321,43 +311,46 @@ TEST_CASE("a Goodbye ends the run cleanly at once, for every rank, and is answer
   CHECK(info.end.ended_at == f.clock.UnixSeconds());
   CHECK(f.sink.finished == std::vector<uint64_t>{7});  // no journal: durable at once
   CHECK(rank1.finished.empty());
-  REQUIRE(hook.ends.size() == 1);
-  CHECK(hook.ends[0] == std::pair<std::string, bool>{"r1", true});
-  CHECK(f.run->Facts().ended_cleanly);
+  CHECK(hook.Log("r1") == std::vector<std::string>{"end clean"});
+  CHECK(hook.Undelivered() == 0);
+  CHECK(f.run->Activity().ended_cleanly);
 
   // Rank 1 says Goodbye too: answered, the end is not reported twice.
   f.run->Finish(1, EndReason::kFinished, "", 3, &rank1);
   CHECK(rank1.finished == std::vector<uint64_t>{3});
-  CHECK(hook.ends.size() == 1);
+  CHECK(hook.Log("r1").size() == 1);
 
   // A later Hello reopens it.
   f.run->Detach(0, &f.sink);
   f.Attach(0, &f.sink);
   CHECK_FALSE(f.run->Info().ended);
-  CHECK_FALSE(f.run->Facts().ended_cleanly);
+  CHECK_FALSE(f.run->Activity().ended_cleanly);
 }
 
-TEST_CASE("a run whose streams vanish ends by inactivity, not cleanly, and its facts say how long", "[runs]") {
+TEST_CASE("a run whose streams vanish ends by inactivity, not cleanly, and its activity says how long", "[runs]") {
   Fixture f;
-  EndHook hook;
-  f.options.alert_hook = &hook;
+  RecordingListener hook;
+  f.options.listener = &hook;
   f.run = std::make_unique<Run>(Meta(), f.options, nullptr, &f.stats, &f.clock, true);
   f.Attach(0, &f.sink);
   f.run->AddStep(0, Step(1, 1.0, 1.0), &f.sink);
   f.clock.Advance(30s);
   f.run->Detach(0, &f.sink);
   f.clock.Advance(45s);
-  alerts::RunFacts facts = f.run->Facts();
-  CHECK(facts.open_streams == 0);
-  CHECK(facts.seconds_since_activity == Approx(45));  // since the stream closed
-  CHECK(facts.seconds_since_last_step == Approx(75));
-  CHECK_FALSE(facts.ended_cleanly);
+  RunActivity activity = f.run->Activity();
+  CHECK(activity.open_streams == 0);
+  CHECK(activity.seconds_since_activity == Approx(45));  // since the stream closed
+  CHECK(activity.seconds_since_last_step == Approx(75));
+  CHECK(activity.last_step == 1);
+  CHECK_FALSE(activity.ended);
   f.clock.Advance(20s);
   f.run->Tick();
-  REQUIRE(hook.ends.size() == 1);
-  CHECK(hook.ends[0] == std::pair<std::string, bool>{"r1", false});
+  CHECK(hook.Log("r1") == std::vector<std::string>{"step 1", "end unclean"});
+  CHECK(hook.Undelivered() == 0);
   CHECK(f.run->Info().end.reason == EndReason::kInactive);
-  CHECK_FALSE(f.run->Facts().ended_cleanly);
+  activity = f.run->Activity();
+  CHECK(activity.ended);
+  CHECK_FALSE(activity.ended_cleanly);
 }
 
 TEST_CASE("a run restored with a RunDied page stays silent since its last sign of life", "[runs]") {
@@ -365,14 +358,14 @@ TEST_CASE("a run restored with a RunDied page stays silent since its last sign o
   f.clock.Advance(10000s);
   f.run = std::make_unique<Run>(Meta(), f.options, nullptr, &f.stats, &f.clock, false);  // as restored
   f.run->RestoreEnded({});  // active when the daemon stopped: a fresh grace period
-  CHECK(f.run->Facts().seconds_since_activity == Approx(0));
+  CHECK(f.run->Activity().seconds_since_activity == Approx(0));
   f.run->RestoreSilentSince(f.clock.UnixSeconds() - 900);  // its page fired for 900 s of silence
-  CHECK(f.run->Facts().seconds_since_activity == Approx(900));
+  CHECK(f.run->Activity().seconds_since_activity == Approx(900));
   f.run->RestoreSilentSince(f.clock.UnixSeconds() - 100);  // never moves the last sign of life later
-  CHECK(f.run->Facts().seconds_since_activity == Approx(900));
+  CHECK(f.run->Activity().seconds_since_activity == Approx(900));
   f.Attach(0, &f.sink);  // it came back
   f.run->RestoreSilentSince(f.clock.UnixSeconds() - 5000);
-  CHECK(f.run->Facts().seconds_since_activity == Approx(0));
+  CHECK(f.run->Activity().seconds_since_activity == Approx(0));
 }
 
 TEST_CASE("extra keys become series and events are kept in step order", "[runs]") {
@@ -404,23 +397,6 @@ TEST_CASE("series queries return the stored points", "[runs]") {
   CHECK_FALSE(f.run->QuerySeries("no/such/key", 0, 100, 0).has_value());
 }
 
-TEST_CASE("an alert reaches every stream attached to the run", "[runs]") {
-  Fixture f(2);
-  RecordingSink sink1;
-  f.Attach(0, &f.sink);
-  f.Attach(1, &sink1);
-  alerts::Alert alert;
-  alert.name = "GradNormContingency";
-  alert.state = alerts::AlertState::kFiring;
-  alert.labels = {{"alertname", "GradNormContingency"}, {"run", "r1"}};
-  f.run->BroadcastAlert(alert);
-  f.run->Detach(1, &sink1);
-  f.run->BroadcastAlert(alert);
-  CHECK(f.sink.alerts.size() == 2);
-  CHECK(sink1.alerts.size() == 1);
-  CHECK(sink1.alerts[0].name == "GradNormContingency");
-}
-
 TEST_CASE("a finite norm too large to square in a double stays finite", "[runs]") {
   Fixture f(2);
   RecordingSink second;
@@ -435,9 +411,9 @@ TEST_CASE("a finite norm too large to square in a double stays finite", "[runs]"
   CHECK(std::isfinite(*Latest(*f.run, "grad/norm/total")));
   CHECK(f.run->Info().nonfinite_count == 0);
   // The shares are computed in the same scaled way: final_norm carries it all.
-  const auto facts = f.run->Facts();
+  const RunAnalysis analysis = f.run->Summary().analysis;
   bool found = false;
-  for (const auto& s : facts.shares) {
+  for (const auto& s : analysis.shares) {
     if (s.name == "final_norm.weight") {
       found = true;
       CHECK(s.share == Approx(1.0));

@@ -1,0 +1,279 @@
+#include "server/daemon/alert_feed.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+namespace gradwatch::daemon {
+
+namespace {
+constexpr uint32_t kUnknown = std::numeric_limits<uint32_t>::max();
+// Facts objects kept for reuse beyond those queued and the latest: enough for steady ingest.
+constexpr size_t kSpares = 2;
+}  // namespace
+
+AlertFeed::AlertFeed(const RunMeta& meta, std::optional<uint64_t> evaluated_through, alerts::AlertEngine& engine,
+                     TransitionSink sink)
+    : run_id_(meta.run_id),
+      engine_(engine),
+      sink_(std::move(sink)),
+      evaluated_through_(evaluated_through),
+      last_(std::make_unique<alerts::RunFacts>()) {
+  last_->run_id = run_id_;
+  last_->run_labels = meta.labels;
+}
+
+void AlertFeed::OnSeries(SeriesId id, const std::string& key) {
+  if (id >= keys_.size()) {
+    keys_.resize(id + 1);
+    key_rank_.resize(id + 1, kUnknown);
+  }
+  keys_[id] = key;
+  key_rank_[id] = kUnknown;
+  keys_ranked_ = false;
+}
+
+void AlertFeed::RankKeys() {
+  ids_by_key_.clear();
+  for (SeriesId id = 0; id < keys_.size(); ++id) {
+    if (!keys_[id].empty()) ids_by_key_.push_back(id);
+  }
+  std::sort(ids_by_key_.begin(), ids_by_key_.end(), [this](SeriesId a, SeriesId b) { return keys_[a] < keys_[b]; });
+  key_rank_.assign(keys_.size(), kUnknown);
+  for (size_t r = 0; r < ids_by_key_.size(); ++r) key_rank_[ids_by_key_[r]] = static_cast<uint32_t>(r);
+  value_by_id_.assign(keys_.size(), 0.0);
+  value_stamp_.assign(keys_.size(), 0);
+  keys_ranked_ = true;
+}
+
+void AlertFeed::OnStep(const runs::PublishedStep& p) {
+  const uint64_t step = p.step.step;
+  if (p.restored) {
+    // Restored steps after the last one evaluated before the restart are evaluated now; none if
+    // the engine kept no evaluation of the run.
+    if (!evaluated_through_ || step <= *evaluated_through_) return;
+    evaluated_through_ = step;
+  } else if (evaluated_through_) {
+    if (step <= *evaluated_through_) return;  // a resend of a step evaluated before a restart
+    evaluated_through_.reset();
+  }
+  Item item;
+  item.kind = Item::Kind::kStep;
+  {
+    std::lock_guard lock(queue_mu_);
+    if (!spare_.empty()) {
+      item.facts = std::move(spare_.back());
+      spare_.pop_back();
+    }
+  }
+  if (!item.facts) item.facts = std::make_unique<alerts::RunFacts>();
+  Fill(p, *item.facts);
+  item.now = p.now;
+  Push(std::move(item));
+}
+
+void AlertFeed::OnRewind(uint64_t from_step, double now) {
+  evaluated_through_.reset();  // the new branch's steps are evaluated as they complete
+  Item item;
+  item.kind = Item::Kind::kRewind;
+  item.from_step = from_step;
+  item.now = now;
+  Push(std::move(item));
+}
+
+void AlertFeed::OnEnded(bool clean, double now) {
+  Item item;
+  item.kind = Item::Kind::kEnded;
+  item.clean = clean;
+  item.now = now;
+  Push(std::move(item));
+}
+
+void AlertFeed::Push(Item item) {
+  std::unique_lock queue_lock(queue_mu_);
+  queue_.push_back(std::move(item));
+  queued_ = true;
+  if (queue_.size() <= kMaxQueued) return;
+  // A burst: evaluate what waits now rather than let it grow.
+  queue_lock.unlock();
+  std::lock_guard eval(eval_mu_);
+  queue_lock.lock();
+  DrainLocked(queue_lock);
+}
+
+void AlertFeed::Deliver() {
+  std::unique_lock queue_lock(queue_mu_);
+  if (!queued_) return;
+  queue_lock.unlock();
+  std::lock_guard eval(eval_mu_);
+  queue_lock.lock();
+  DrainLocked(queue_lock);
+}
+
+void AlertFeed::DrainLocked(std::unique_lock<std::mutex>& queue_lock) {
+  while (!queue_.empty()) {
+    Item item = std::move(queue_.front());
+    queue_.erase(queue_.begin());
+    queued_ = !queue_.empty();
+    queue_lock.unlock();
+    Evaluate(item);
+    queue_lock.lock();
+    if (item.facts && spare_.size() < kSpares) spare_.push_back(std::move(item.facts));
+  }
+}
+
+void AlertFeed::Evaluate(Item& item) {
+  using Ending = alerts::AlertEngine::RunEnding;
+  switch (item.kind) {
+    case Item::Kind::kStep: {
+      std::vector<alerts::Transition> transitions = engine_.EvaluateStep(*item.facts, item.now);
+      std::swap(last_, item.facts);  // the previous facts go back to the spares
+      if (!transitions.empty()) sink_(std::move(transitions), /*to_trainers=*/true);
+      break;
+    }
+    case Item::Kind::kRewind:
+      sink_(engine_.RewindRun(run_id_, item.from_step, item.now), /*to_trainers=*/true);
+      break;
+    case Item::Kind::kEnded:
+      sink_(engine_.EndRun(run_id_, item.clean ? Ending::kGoodbye : Ending::kWithoutGoodbye, item.now),
+            /*to_trainers=*/false);
+      break;
+  }
+}
+
+void AlertFeed::EvaluateTimer(const runs::RunActivity& activity, double now) {
+  std::lock_guard eval(eval_mu_);
+  alerts::RunFacts& f = *last_;
+  f.step = activity.last_step;
+  f.wall_time = activity.last_wall_time;
+  f.now = now;
+  f.open_streams = activity.open_streams;
+  f.seconds_since_last_step = activity.seconds_since_last_step;
+  f.seconds_since_activity = activity.seconds_since_activity;
+  f.ended_cleanly = activity.ended_cleanly;
+  f.nonfinite.clear();  // those of the last step, not of now
+  std::vector<alerts::Transition> transitions = engine_.EvaluateTimerRun(f, now);
+  if (!transitions.empty()) sink_(std::move(transitions), /*to_trainers=*/true);
+}
+
+void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
+  if (!keys_ranked_) RankKeys();
+  const CompletedStep& step = p.step;
+  f.run_id = run_id_;
+  if (f.run_labels != p.meta.labels) f.run_labels = p.meta.labels;
+  f.step = step.step;
+  f.wall_time = step.wall_time;
+  f.now = p.now;
+  f.open_streams = p.activity.open_streams;
+  f.seconds_since_last_step = p.activity.seconds_since_last_step;
+  f.seconds_since_activity = p.activity.seconds_since_activity;
+  f.ended_cleanly = p.activity.ended_cleanly;
+
+  // The step's values in key order.
+  ++value_epoch_;
+  ranked_values_.clear();
+  for (const SeriesValue& sv : step.values) {
+    if (sv.id >= key_rank_.size() || key_rank_[sv.id] == kUnknown) continue;
+    value_by_id_[sv.id] = sv.value;
+    value_stamp_[sv.id] = value_epoch_;
+    ranked_values_.emplace_back(key_rank_[sv.id], sv.value);
+  }
+  std::sort(ranked_values_.begin(), ranked_values_.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  size_t latest = 0, nonfinite = 0;
+  for (const auto& [rank, value] : ranked_values_) {
+    const std::string& key = keys_[ids_by_key_[rank]];
+    if (latest == f.latest.size()) f.latest.emplace_back();
+    alerts::SeriesValue& v = f.latest[latest++];
+    v.key = key;
+    v.value = value;
+    if (!std::isfinite(value)) {
+      if (nonfinite == f.nonfinite.size()) f.nonfinite.emplace_back();
+      alerts::NonFiniteFact& n = f.nonfinite[nonfinite++];
+      n.key = key;
+      n.step = step.step;
+    }
+  }
+  f.latest.resize(latest);
+  f.nonfinite.resize(nonfinite);
+
+  p.analytics.StepAnalysis(analysis_, params_);
+  const runs::RunAnalysis& a = analysis_;
+  f.forecasts.resize(a.forecasts.size());
+  for (size_t i = 0; i < a.forecasts.size(); ++i) {
+    const runs::ForecastInfo& x = a.forecasts[i];
+    alerts::ForecastFact& y = f.forecasts[i];
+    y.key = x.key;
+    y.threshold = x.threshold;
+    y.reachable = x.reachable;
+    y.steps_to_threshold = x.steps_to_threshold;
+    y.at_step = x.at_step;
+    y.current_value = x.current_value;
+    y.slope_per_kstep = x.slope_per_kstep;
+  }
+  f.slope_changes.resize(a.slope_changes.size());
+  for (size_t i = 0; i < a.slope_changes.size(); ++i) {
+    const runs::SlopeChangeInfo& x = a.slope_changes[i];
+    alerts::SlopeChangeFact& y = f.slope_changes[i];
+    y.key = x.key;
+    y.event_step = x.change.event_step;
+    y.event_text = x.event_text;
+    y.ratio = x.change.ratio;
+    y.before_per_kstep = x.change.before.slope_per_kstep();
+    y.after_per_kstep = x.change.after.slope_per_kstep();
+    y.after_samples = x.after_samples;
+    y.before_stderr_per_kstep = x.change.before_stderr_per_kstep;
+    y.after_stderr_per_kstep = x.change.after_stderr_per_kstep;
+  }
+  f.change_points.resize(a.change_points.size());
+  for (size_t i = 0; i < a.change_points.size(); ++i) {
+    const runs::ChangePointInfo& x = a.change_points[i];
+    alerts::ChangePointFact& y = f.change_points[i];
+    y.key = x.key;
+    y.step = x.change.step;
+    y.ratio = x.change.ratio;
+    y.before_per_kstep = x.change.slope_before_per_kstep;
+    y.after_per_kstep = x.change.slope_after_per_kstep;
+    y.z_score = x.change.z_score;
+  }
+  f.shares.resize(a.shares.size());
+  for (size_t i = 0; i < a.shares.size(); ++i) {
+    const runs::ShareInfo& x = a.shares[i];
+    alerts::ShareFact& y = f.shares[i];
+    y.name = x.name;
+    y.is_group = x.is_group;
+    y.share = x.share;
+    y.slope_per_kstep = x.slope_per_kstep;
+    y.kind = x.kind;
+  }
+  const std::vector<ParamInfo>& catalog = p.meta.params;
+  f.params.resize(catalog.size());
+  for (size_t i = 0; i < catalog.size(); ++i) {
+    alerts::ParamFact& pf = f.params[i];
+    pf.info = catalog[i];
+    const auto value_of = [&](NormField field) -> std::optional<double> {
+      const SeriesId id = i < p.param_series.size() ? p.param_series[i][static_cast<int>(field)] : kNoSeries;
+      if (id == kNoSeries || id >= value_stamp_.size() || value_stamp_[id] != value_epoch_) return std::nullopt;
+      return value_by_id_[id];
+    };
+    pf.norm = value_of(NormField::kParam);
+    pf.grad_norm = value_of(NormField::kGrad);
+    static const runs::ParamAnalysis kNone;
+    const runs::ParamAnalysis& pa = i < params_.size() ? params_[i] : kNone;
+    pf.init_norm = pa.init_norm;
+    pf.amplification = pa.amplification;
+    if (!pf.norm && pa.amplification) pf.norm = pa.norm;
+    pf.growth_factor.reset();
+    pf.growth_slope_per_kstep.reset();
+    if (pa.growth) {
+      pf.growth_factor = pa.growth->growth_factor;
+      pf.growth_slope_per_kstep = pa.growth->slope_per_kstep;
+    }
+    pf.norm_slope_per_kstep = pa.norm_slope_per_kstep;
+  }
+  f.config.z_loss_coef = p.meta.config.z_loss_coef;
+  f.config.weight_decay = p.meta.config.weight_decay;
+}
+
+}  // namespace gradwatch::daemon

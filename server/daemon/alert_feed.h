@@ -1,0 +1,101 @@
+// AlertFeed: the alerting's side of one run's channel (runs::RunChannel). It keeps the run's alert
+// facts up to date from what the run publishes and has the engine evaluate them off the run's
+// lock:
+//  - OnStep (under the run's lock) copies the step into a queued alerts::RunFacts: its values
+//    listed by key through a key rank per series id (no string comparisons), the analytics'
+//    per-step view, the catalog; O(the step's values + parameters), into reused buffers;
+//  - Deliver (without the run's lock) evaluates what is queued, in order, under the feed's own
+//    mutex, and hands the transitions to the alerting (counted, logged, sent to the trainers);
+//  - the last evaluated facts stay, for the timer rules (EvaluateTimer).
+// At most kMaxQueued steps wait: a burst of steps completed under one lock (an assembly timeout,
+// a rewind, the end of a rebuild) has the excess evaluated during OnStep, so memory stays bounded.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "alerts/facts.h"
+#include "alerts/state_machine.h"
+#include "server/runs/run_analytics.h"
+#include "server/runs/step_listener.h"
+
+namespace gradwatch::daemon {
+
+class AlertFeed final : public runs::RunChannel {
+ public:
+  // What the feed hands its evaluations' transitions to (the alerting), in order per run.
+  // `to_trainers`: firing and resolved alerts among them go to the run's streams too.
+  using TransitionSink = std::function<void(std::vector<alerts::Transition> transitions, bool to_trainers)>;
+  static constexpr size_t kMaxQueued = 8;
+
+  // `evaluated_through`: for a restored run, the last step the engine evaluated before the
+  // restart (AlertEngine::EvaluatedThrough). Restored steps after it are evaluated (the daemon
+  // stopped before what that evaluation changed was saved), none when it is nullopt; live steps
+  // up to it are not evaluated again (a resend).
+  AlertFeed(const RunMeta& meta, std::optional<uint64_t> evaluated_through, alerts::AlertEngine& engine,
+            TransitionSink sink);
+
+  void OnSeries(SeriesId id, const std::string& key) override;
+  void OnStep(const runs::PublishedStep& step) override;
+  void OnRewind(uint64_t from_step, double now) override;
+  void OnEnded(bool clean, double now) override;
+  void Deliver() override;
+
+  // The timer rules against the run's latest facts and `activity`; transitions go to the sink.
+  void EvaluateTimer(const runs::RunActivity& activity, double now);
+
+  const std::string& run_id() const { return run_id_; }
+
+ private:
+  struct Item {
+    enum class Kind { kStep, kRewind, kEnded } kind = Kind::kStep;
+    std::unique_ptr<alerts::RunFacts> facts;  // kStep
+    uint64_t from_step = 0;                   // kRewind
+    bool clean = false;                       // kEnded
+    double now = 0;
+  };
+
+  // Fills `f` from the published step. Under the run's lock.
+  void Fill(const runs::PublishedStep& p, alerts::RunFacts& f);
+  void RankKeys();
+  void Push(Item item);
+  // Evaluates queued items, in order, until none is left; `queue_lock` holds queue_mu_ and is
+  // released while each is evaluated. Requires eval_mu_.
+  void DrainLocked(std::unique_lock<std::mutex>& queue_lock);
+  void Evaluate(Item& item);
+
+  const std::string run_id_;
+  alerts::AlertEngine& engine_;
+  const TransitionSink sink_;
+
+  // Touched only in the On* calls, which the run makes under its lock, one at a time.
+  std::vector<std::string> keys_;         // by series id
+  std::vector<uint32_t> key_rank_;        // by series id: its key's rank in key order
+  std::vector<SeriesId> ids_by_key_;      // series ids in key order
+  bool keys_ranked_ = true;
+  std::vector<std::pair<uint32_t, double>> ranked_values_;
+  // The current step's value of each series id, valid where value_stamp_[id] == value_epoch_.
+  std::vector<double> value_by_id_;
+  std::vector<uint64_t> value_stamp_;
+  uint64_t value_epoch_ = 0;
+  runs::RunAnalysis analysis_;
+  std::vector<runs::ParamAnalysis> params_;
+  std::optional<uint64_t> evaluated_through_;
+
+  // Lock order: the run's mutex, then eval_mu_, then queue_mu_, then the engine's.
+  std::mutex eval_mu_;  // one evaluation of this run at a time, in queue order
+  std::unique_ptr<alerts::RunFacts> last_;  // guarded by eval_mu_: the latest evaluated facts
+  std::mutex queue_mu_;
+  // Guarded by queue_mu_. A vector: at most kMaxQueued + 1 items, so shifting them is cheap and,
+  // unlike a deque's blocks, its buffer is allocated once.
+  std::vector<Item> queue_;
+  std::vector<std::unique_ptr<alerts::RunFacts>> spare_;   // guarded by queue_mu_
+  bool queued_ = false;                                     // guarded by queue_mu_: !queue_.empty()
+};
+
+}  // namespace gradwatch::daemon

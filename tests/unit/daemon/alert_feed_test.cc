@@ -1,0 +1,165 @@
+// The alerting's side of a run (AlertFeed, through daemon::Alerting): a run publishes its steps,
+// the feed evaluates them off the run's lock, in order, with a bounded queue.
+#include <catch2/catch.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "server/daemon/alert_feed.h"
+#include "server/daemon/alerting.h"
+#include "server/runs/run.h"
+#include "tests/unit/alerts/default_rule.h"
+
+using namespace gradwatch;
+using namespace gradwatch::runs;
+using namespace std::chrono_literals;
+using alerts::testing::DefaultRule;
+using daemon::AlertFeed;
+
+namespace {
+
+RunMeta Meta(const std::string& run_id = "r1") {
+  RunMeta m;
+  m.run_id = run_id;
+  m.params = {{.name = "final_norm.weight", .numel = 6144, .kind = ParamKind::kNormGain}};
+  return m;
+}
+
+RankStep Total(uint64_t step, double total_grad_norm) {
+  RankStep r;
+  r.step = step;
+  r.total_grad = NormContribution::FromNorm(total_grad_norm);
+  return r;
+}
+
+// A step as a run publishes it, for driving a feed directly.
+struct Publisher {
+  RunMeta meta = Meta();
+  std::vector<std::array<SeriesId, kNormFields>> param_series;
+  RunAnalytics analytics{AnalyticsOptions{}};
+  RunActivity activity;
+  CompletedStep step;
+
+  explicit Publisher(AlertFeed& feed) {
+    feed.OnSeries(0, "grad/norm/total");
+    analytics.AddSeries(0, "grad/norm/total");
+  }
+  void Publish(AlertFeed& feed, uint64_t n, double total, bool restored = false) {
+    step.step = n;
+    step.values = {{0, total}};
+    analytics.OnStep(step);
+    activity.last_step = n;
+    activity.open_streams = 1;
+    feed.OnStep(PublishedStep{.step = step,
+                              .meta = meta,
+                              .param_series = param_series,
+                              .analytics = analytics,
+                              .activity = activity,
+                              .now = 1000.0 + static_cast<double>(n),
+                              .restored = restored});
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a run's steps are evaluated after its lock is released, and alerts reach its trainers", "[daemon][alerts]") {
+  FakeClock clock;
+  DaemonStats stats;
+  daemon::Alerting alerting({DefaultRule("GradNormContingency")});
+  RunOptions options;
+  options.listener = &alerting;
+  Run run(Meta(), options, nullptr, &stats, &clock, true);
+  std::vector<alerts::Alert> heard;
+  alerting.SetTrainerSink([&](const alerts::Alert& alert) {
+    // The run answers while the alert is handed over: its lock is not held.
+    CHECK(run.Info().last_step == alert.step);
+    heard.push_back(alert);
+  });
+  AttachInfo info;
+  REQUIRE_FALSE(run.Attach(Meta(), 0, nullptr, &info).has_value());
+  for (uint64_t s = 1; s <= 30; ++s) REQUIRE_FALSE(run.AddStep(0, Total(s, 6.0), nullptr).has_value());
+  REQUIRE(heard.size() == 1);
+  CHECK(heard[0].name == "GradNormContingency");
+  CHECK(heard[0].state == alerts::AlertState::kFiring);
+  CHECK(heard[0].step == 11);  // the first report ≥ 5 at step 1, for_steps 10
+  CHECK(alerting.engine().EvaluatedThrough("r1") == 30u);
+
+  // The run ends with a Goodbye: the alert resolves, for the pagers, not the trainer's stream.
+  run.Finish(0, EndReason::kFinished, "", 1, nullptr);
+  CHECK(heard.size() == 1);
+  CHECK(alerting.resolved_transitions() == 1);
+}
+
+TEST_CASE("a burst of steps published under one lock is evaluated in order, never more than a few waiting",
+          "[daemon][alerts]") {
+  alerts::AlertEngine engine({DefaultRule("GradNormContingency")});
+  std::vector<uint64_t> firing_steps;
+  size_t batches = 0;
+  AlertFeed feed(Meta(), std::nullopt, engine, [&](std::vector<alerts::Transition> ts, bool) {
+    ++batches;
+    for (const auto& t : ts) {
+      if (t.to == alerts::AlertState::kFiring) firing_steps.push_back(t.alert.step);
+    }
+  });
+  Publisher pub(feed);
+  // 100 steps without a Deliver (as an assembly timeout completes them under the run's lock).
+  for (uint64_t s = 1; s <= 100; ++s) pub.Publish(feed, s, s < 50 ? 1.0 : 6.0);
+  const auto evaluated = engine.EvaluatedThrough("r1");
+  REQUIRE(evaluated.has_value());
+  CHECK(*evaluated >= 100 - AlertFeed::kMaxQueued);
+  CHECK(*evaluated < 100);
+  feed.Deliver();
+  CHECK(engine.EvaluatedThrough("r1") == 100u);
+  CHECK(firing_steps == std::vector<uint64_t>{60});  // every step seen, in order: ≥ 5 from 50, for 10 steps
+  feed.Deliver();  // nothing left: a no-op
+  CHECK(engine.EvaluatedThrough("r1") == 100u);
+}
+
+TEST_CASE("a restored run's feed evaluates the journaled steps after the engine's last, and no resend",
+          "[daemon][alerts]") {
+  alerts::AlertEngine engine({DefaultRule("GradNormContingency")});
+  AlertFeed feed(Meta(), /*evaluated_through=*/50, engine, [](std::vector<alerts::Transition>, bool) {});
+  Publisher pub(feed);
+  for (uint64_t s = 40; s <= 60; ++s) pub.Publish(feed, s, 1.0, /*restored=*/true);
+  feed.Deliver();
+  CHECK(engine.EvaluatedThrough("r1") == 60u);  // 51..60 evaluated
+  pub.Publish(feed, 55, 1.0);                    // a live resend of a step evaluated before
+  feed.Deliver();
+  CHECK(engine.EvaluatedThrough("r1") == 60u);
+  pub.Publish(feed, 61, 1.0);
+  feed.Deliver();
+  CHECK(engine.EvaluatedThrough("r1") == 61u);
+
+  // No evaluation kept for a run: its restored steps are not evaluated at all.
+  alerts::AlertEngine fresh({DefaultRule("GradNormContingency")});
+  AlertFeed none(Meta(), std::nullopt, fresh, [](std::vector<alerts::Transition>, bool) {});
+  Publisher pub2(none);
+  for (uint64_t s = 1; s <= 20; ++s) pub2.Publish(none, s, 6.0, /*restored=*/true);
+  none.Deliver();
+  CHECK_FALSE(fresh.EvaluatedThrough("r1").has_value());
+}
+
+TEST_CASE("timer rules see the run's activity through its feed", "[daemon][alerts]") {
+  alerts::AlertEngine engine({DefaultRule("RunStalled")});
+  std::vector<alerts::Transition> heard;
+  AlertFeed feed(Meta(), std::nullopt, engine, [&](std::vector<alerts::Transition> ts, bool to_trainers) {
+    CHECK(to_trainers);
+    for (auto& t : ts) heard.push_back(std::move(t));
+  });
+  Publisher pub(feed);
+  pub.Publish(feed, 7, 1.0);
+  feed.Deliver();
+  RunActivity activity;
+  activity.last_step = 7;
+  activity.open_streams = 1;
+  activity.seconds_since_last_step = 30;
+  feed.EvaluateTimer(activity, 2000);
+  CHECK(heard.empty());
+  activity.seconds_since_last_step = 4000;
+  for (int i = 0; i < 3 && heard.empty(); ++i) feed.EvaluateTimer(activity, 2000 + i);
+  REQUIRE_FALSE(heard.empty());
+  CHECK(heard.back().alert.name == "RunStalled");
+  CHECK(heard.back().alert.labels.at("run") == "r1");
+  CHECK(heard.back().alert.step == 7);
+}
