@@ -474,7 +474,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     return in_;
   }
 
-  static constexpr size_t kMaxKeptArenaBytes = size_t{16} << 20;
+  static constexpr size_t kMaxKeptArenaBytes = size_t{1} << 20;
 
   IngestService* const service_;
   const std::string peer_;
