@@ -407,10 +407,16 @@ void RunAnalytics::UpdateNormFits(int param, const analytics::SlopeTracker& slop
   }
 }
 
-ParamAnalysis RunAnalytics::ParamEntry(size_t i) const {
-  ParamAnalysis out;
+void RunAnalytics::FillParamEntry(size_t i, ParamAnalysis& out) const {
   const ParamState& ps = param_state_[i];
-  if (ps.norm == kNoSeries || !ps.has_norm_value) return out;
+  out.norm.reset();
+  out.init_norm.reset();
+  out.amplification.reset();
+  out.norm_slope_per_kstep.reset();
+  if (ps.norm == kNoSeries || !ps.has_norm_value) {
+    out.growth.reset();
+    return;
+  }
   out.norm = ps.norm_value;
   const double amplification = ps.init_norm ? analytics::Amplification(ps.norm_value, *ps.init_norm) : kNaN;
   if (ps.init_norm && params_[i].kind == ParamKind::kNormGain) {
@@ -418,11 +424,19 @@ ParamAnalysis RunAnalytics::ParamEntry(size_t i) const {
     out.amplification = amplification;
   }
   out.norm_slope_per_kstep = ps.norm_slope_per_kstep;
-  if (const auto& g = ps.growth) {
-    out.growth = GrowthInfo{params_[i].name, g->growth_factor, g->slope_per_kstep, ps.growth_window_steps,
-                            amplification, ps.norm_value};
+  const auto& g = ps.growth;
+  if (!g) {
+    out.growth.reset();
+    return;
   }
-  return out;
+  // Field by field: an entry kept from the previous step keeps its name's buffer.
+  GrowthInfo& growth = out.growth ? *out.growth : out.growth.emplace();
+  growth.param = params_[i].name;
+  growth.growth_factor = g->growth_factor;
+  growth.slope_per_kstep = g->slope_per_kstep;
+  growth.window_steps = ps.growth_window_steps;
+  growth.amplification = amplification;
+  growth.norm = ps.norm_value;
 }
 
 void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params) const {
@@ -431,16 +445,7 @@ void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& pa
   out.growth_without_decay.clear();
   EventsForecastsShares(out);
   params.resize(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    ParamAnalysis entry = ParamEntry(i);
-    // Keep the growth entry's name buffer: assign field by field.
-    ParamAnalysis& slot = params[i];
-    slot.norm = entry.norm;
-    slot.init_norm = entry.init_norm;
-    slot.amplification = entry.amplification;
-    slot.norm_slope_per_kstep = entry.norm_slope_per_kstep;
-    slot.growth = std::move(entry.growth);
-  }
+  for (size_t i = 0; i < params_.size(); ++i) FillParamEntry(i, params[i]);
 }
 
 RunAnalysis RunAnalytics::Analysis() const {
@@ -452,12 +457,13 @@ RunAnalysis RunAnalytics::Analysis() const {
     }
   }
   EventsForecastsShares(out);
+  ParamAnalysis entry;
   for (size_t i = 0; i < params_.size(); ++i) {
-    ParamAnalysis entry = ParamEntry(i);
+    FillParamEntry(i, entry);
     if (entry.amplification) {
       out.amplifications.push_back({params_[i].name, *entry.norm, *entry.init_norm, *entry.amplification});
     }
-    if (entry.growth) out.growth_without_decay.push_back(std::move(*entry.growth));
+    if (entry.growth) out.growth_without_decay.push_back(*entry.growth);
   }
   return out;
 }

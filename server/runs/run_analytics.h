@@ -228,7 +228,8 @@ class RunAnalytics {
   bool IsForecastKey(const std::string& key) const;
   // Analysis() and StepAnalysis() but the slopes and the per-parameter entries.
   void EventsForecastsShares(RunAnalysis& out) const;
-  ParamAnalysis ParamEntry(size_t i) const;
+  // Parameter i's entry, written over `out` in place (a kept entry's strings keep their buffers).
+  void FillParamEntry(size_t i, ParamAnalysis& out) const;
   // Refits parameter `param`'s norm after a sample was added to its trackers.
   void UpdateNormFits(int param, const analytics::SlopeTracker& slopes);
 
