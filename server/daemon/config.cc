@@ -135,7 +135,8 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                  {"param_recent_points", Field(&Config::param_recent_points)},
                  {"param_history_buckets", Field(&Config::param_history_buckets)}}},
       {"journal", {{"batch_max", Field(&Config::journal_batch_max)},
-                   {"max_delay_ms", Field(&Config::journal_max_delay_ms)}}},
+                   {"max_delay_ms", Field(&Config::journal_max_delay_ms)},
+                   {"block_steps", Field(&Config::journal_block_steps)}}},
       {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)},
                 {"stalled_after_seconds", Field(&Config::run_stalled_after_seconds)},
                 {"retention_seconds", Field(&Config::run_retention_seconds)}}},
@@ -240,6 +241,9 @@ Status ValidateConfig(const Config& c) {
   if (c.journal_batch_max == 0) return bad("journal.batch_max: must be at least 1");
   if (c.journal_max_delay_ms < 0 || c.journal_max_delay_ms > 10000) {
     return bad("journal.max_delay_ms: must be between 0 and 10000");
+  }
+  if (c.journal_block_steps < 1 || c.journal_block_steps > 4096) {
+    return bad("journal.block_steps: must be between 1 and 4096");
   }
   if (!(c.run_end_after_seconds > 0)) return bad("runs.end_after_seconds: must be > 0");
   if (!(c.run_stalled_after_seconds > 0) || !std::isfinite(c.run_stalled_after_seconds)) {

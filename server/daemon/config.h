@@ -36,6 +36,7 @@ struct Config {
   size_t param_history_buckets = 64;
   size_t journal_batch_max = 4096;
   int journal_max_delay_ms = 20;
+  size_t journal_block_steps = 128;  // store::JournalOptions::block_steps
   double run_end_after_seconds = 600;
   // A run with no open stream that said no Goodbye and showed no sign of life for this long is
   // presumed dead: the RunDied page (rules of kind run_died without their own `seconds`).

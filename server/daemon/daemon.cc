@@ -82,6 +82,7 @@ Status Daemon::Start() {
   journal_options.path = (std::filesystem::path(config_.data_dir) / "journal.db").string();
   journal_options.batch_max = config_.journal_batch_max;
   journal_options.max_delay = std::chrono::milliseconds(config_.journal_max_delay_ms);
+  journal_options.block_steps = config_.journal_block_steps;
   runs::RunRegistry* registry = registry_.get();
   auto journal = store::Journal::Open(journal_options, [registry](const store::CommitReport& report) {
     registry->OnCommit(report);

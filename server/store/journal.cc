@@ -1,5 +1,7 @@
 #include "server/store/journal.h"
 
+#include "server/store/step_block.h"
+
 #include <fcntl.h>
 #include <sqlite3.h>
 #include <sys/stat.h>
@@ -30,9 +32,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-// Version 2 adds how a run ended, events found by run, and the rewind tables (kRewindTables); a
-// version-1 journal is migrated at open.
-constexpr int kSchemaVersion = 2;
+// Version 2 adds how a run ended, events found by run, and the rewind tables (kRewindTables);
+// version 3 the compressed blocks of steps (kStepBlocks). Older journals are migrated at open; their
+// step rows stay readable as they are and are sealed into blocks as their runs go on.
+constexpr int kSchemaVersion = 3;
+// A block holds at most this many values, whatever block_steps says (the decoder's bound is 4×).
+constexpr size_t kSealMaxValues = size_t{1} << 20;
 // Back-off between attempts at a commit that failed (full disk, read-only or vanished files).
 constexpr std::chrono::milliseconds kFirstRetryDelay{50};
 constexpr std::chrono::milliseconds kMaxRetryDelay{2000};
@@ -130,12 +135,26 @@ CREATE TABLE IF NOT EXISTS abandoned_events(
   recorded_at REAL NOT NULL);
 )sql";
 
+// Version 3: a run's sealed steps, one row per block (a rowid table: blocks are large rows).
+// wall_time is the block's last step's, for `runs --all`.
+constexpr const char* kStepBlocks = R"sql(
+CREATE TABLE IF NOT EXISTS step_blocks(
+  run_id TEXT NOT NULL,
+  first_step INTEGER NOT NULL,
+  last_step INTEGER NOT NULL,
+  steps INTEGER NOT NULL,
+  wall_time REAL NOT NULL,
+  data BLOB NOT NULL,
+  PRIMARY KEY(run_id, first_step));
+)sql";
+
 // The journal's schema (sqlite::ApplySchema sets user_version).
 const sqlite::Schema& JournalSchema() {
   static const sqlite::Schema schema{.name = "journal",
                                      .version = kSchemaVersion,
-                                     .scripts = {kSchema, kRewindTables},
-                                     .migrations = {{.from_version = 1, .scripts = {kMigrateFrom1, kRewindTables}}}};
+                                     .scripts = {kSchema, kRewindTables, kStepBlocks},
+                                     .migrations = {{.from_version = 1, .scripts = {kMigrateFrom1, kRewindTables}},
+                                                    {.from_version = 2, .scripts = {kStepBlocks}}}};
   return schema;
 }
 
@@ -360,7 +379,10 @@ struct Journal::Statements {
   sqlite::Statement count_rewinds, insert_rewind, abandon_steps, delete_steps, abandon_events, delete_events,
       rewind_progress, drop_progress, set_world_size;
   sqlite::Statement prune_candidates, prune_steps, prune_events, prune_series, prune_params, prune_progress,
-      prune_run, prune_rewinds, prune_abandoned_steps, prune_abandoned_events;
+      prune_run, prune_rewinds, prune_abandoned_steps, prune_abandoned_events, prune_blocks, prune_old_branch_steps,
+      prune_old_branch_events;
+  sqlite::Statement last_block, count_raw_after, raw_after, insert_block, delete_raw, blocks_from, delete_block,
+      insert_abandoned_step;
   std::string scratch;  // the value blob being written; reused to spare allocations
 
   Status PrepareAll(sqlite::Database& db) {
@@ -405,6 +427,31 @@ struct Journal::Statements {
         {&prune_abandoned_events,
          "DELETE FROM abandoned_events WHERE id IN (SELECT id FROM abandoned_events WHERE run_id = ?1 LIMIT ?2)"},
         {&prune_run, "DELETE FROM runs WHERE run_id = ?1"},
+        {&prune_blocks,
+         "DELETE FROM step_blocks WHERE rowid IN (SELECT rowid FROM step_blocks WHERE run_id = ?1 LIMIT ?2)"},
+        // Abandoned branches whose rewind is older than the cutoff, of any run.
+        {&prune_old_branch_steps,
+         "DELETE FROM abandoned_steps WHERE (run_id, branch, step) IN (SELECT a.run_id, a.branch, a.step FROM "
+         "abandoned_steps a JOIN rewinds r ON r.run_id = a.run_id AND r.branch = a.branch "
+         "WHERE r.rewound_at < ?1 LIMIT ?2)"},
+        {&prune_old_branch_events,
+         "DELETE FROM abandoned_events WHERE id IN (SELECT a.id FROM abandoned_events a JOIN rewinds r "
+         "ON r.run_id = a.run_id AND r.branch = a.branch WHERE r.rewound_at < ?1 LIMIT ?2)"},
+        {&last_block, "SELECT max(last_step) FROM step_blocks WHERE run_id = ?1"},
+        {&count_raw_after, "SELECT count(*) FROM steps WHERE run_id = ?1 AND step > ?2"},
+        {&raw_after,
+         "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
+         "WHERE run_id = ?1 AND step > ?2 ORDER BY step LIMIT ?3"},
+        {&insert_block,
+         "INSERT OR REPLACE INTO step_blocks(run_id, first_step, last_step, steps, wall_time, data) "
+         "VALUES(?1, ?2, ?3, ?4, ?5, ?6)"},
+        {&delete_raw, "DELETE FROM steps WHERE run_id = ?1 AND step >= ?2 AND step <= ?3"},
+        {&blocks_from,
+         "SELECT first_step, data FROM step_blocks WHERE run_id = ?1 AND last_step >= ?2 ORDER BY first_step"},
+        {&delete_block, "DELETE FROM step_blocks WHERE run_id = ?1 AND first_step = ?2"},
+        {&insert_abandoned_step,
+         "INSERT OR REPLACE INTO abandoned_steps(run_id, branch, step, wall_time, partial, ranks_reported, "
+         "client_dropped, vals) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"},
         {&count_rewinds, "SELECT count(*) FROM rewinds WHERE run_id = ?1"},
         {&insert_rewind,
          "INSERT INTO rewinds(run_id, branch, from_step, world_size, rewound_at) "
@@ -463,9 +510,9 @@ struct Journal::Connection {
 namespace {
 
 // The tables that hold runs' rows, each with a run_id column: copied run by run when salvaging.
-constexpr std::array<const char*, 9> kRunTables = {"runs",    "params",  "series",          "steps",
-                                                   "rank_progress", "events", "rewinds", "abandoned_steps",
-                                                   "abandoned_events"};
+constexpr std::array<const char*, 10> kRunTables = {"runs",    "params",  "series",          "steps",
+                                                    "rank_progress", "events", "rewinds", "abandoned_steps",
+                                                    "abandoned_events", "step_blocks"};
 constexpr auto kIdleFileCheck = std::chrono::seconds(1);
 
 bool FileId(const std::string& path, uint64_t& dev, uint64_t& ino) {
@@ -721,9 +768,14 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options, 
   }
   ScanWal(options.path + "-wal", recovery);
 
+  // quick_check reads every page: bounded to small journals and to starts whose WAL recovery lost
+  // something; SQLite's WAL keeps a crash from tearing pages, so a larger journal after a clean
+  // recovery starts without it (damage is then found when its rows are read).
+  const bool check =
+      had_db && (!recovery.ok() || std::filesystem::file_size(options.path, ec) <= options.quick_check_max_bytes);
   Connection conn;
   bool damaged = false;
-  if (Status s = OpenConnection(options.path, had_db, recovery, &damaged, conn); !s.ok()) {
+  if (Status s = OpenConnection(options.path, check, recovery, &damaged, conn); !s.ok()) {
     if (!damaged) {
       if (recovery.detail.empty()) return s;
       return Status(s.code(), s.message() + " (" + recovery.detail + ")");
@@ -961,6 +1013,7 @@ void Journal::Run() {
           spdlog::error("journal: commit callback threw");
         }
       }
+      SealDue();
     }
 
     mu_.Lock();
@@ -1195,6 +1248,8 @@ Status Journal::Apply(const JournalRecord& record) {
               return s;
             }
           }
+          db_mu_.AssertHeld();  // as below
+          if (Status s = NoteStepLocked(r.run_id, r.step.step); !s.ok()) return s;
           for (const RankProgress& p : r.progress) {
             sqlite::Query use(st.upsert_progress);
             use.Bind(1, p.run_id);
@@ -1255,7 +1310,240 @@ Status ReadStepRow(sqlite::Query& row, const std::string& run_id, CompletedStep&
   return Status::Ok();
 }
 
+int64_t StepBound(uint64_t step) {
+  return static_cast<int64_t>(std::min<uint64_t>(step, static_cast<uint64_t>(std::numeric_limits<int64_t>::max())));
+}
+
+// Hands on_step the run's steps below before_step in step order: its blocks (`blocks`: SELECT
+// data ... WHERE run_id = ?1 AND first_step < ?2 ORDER BY first_step) merged with its step rows
+// (`rows`: as ReadStepRow reads them, WHERE run_id = ?1 AND step < ?2 ORDER BY step). A step in
+// both (a row rewritten after its block was sealed, which only a late out-of-order step does) is
+// taken from its row, the later write.
+Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std::string& run_id, uint64_t before_step,
+                  const std::function<void(const CompletedStep&)>& on_step) {
+  const std::string what = "journal: reading steps of run '" + run_id + "'";
+  sqlite::Query raw(rows);
+  raw.Bind(1, run_id);
+  raw.Bind(2, StepBound(before_step));
+  Status raw_status;
+  CompletedStep row;
+  bool have_row = false;
+  auto next_row = [&]() -> Status {
+    have_row = raw.Next(&raw_status, what);
+    if (have_row) return ReadStepRow(raw, run_id, row);
+    return raw_status;
+  };
+  if (Status s = next_row(); !s.ok()) return s;
+  sqlite::Query block(blocks);
+  block.Bind(1, run_id);
+  block.Bind(2, StepBound(before_step));
+  Status block_status;
+  std::vector<CompletedStep> decoded;
+  while (block.Next(&block_status, what)) {
+    if (Status s = DecodeStepBlock(block.Blob(0), decoded); !s.ok()) {
+      return Status::Internal("journal: run '" + run_id + "': a block of steps cannot be read: " + s.message());
+    }
+    for (const CompletedStep& step : decoded) {
+      if (step.step >= before_step) break;
+      while (have_row && row.step < step.step) {
+        on_step(row);
+        if (Status s = next_row(); !s.ok()) return s;
+      }
+      if (have_row && row.step == step.step) continue;
+      on_step(step);
+    }
+  }
+  if (!block_status.ok()) return block_status;
+  while (have_row) {
+    on_step(row);
+    if (Status s = next_row(); !s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+Status Journal::NoteStepLocked(const std::string& run_id, uint64_t step) {
+  Statements& st = *statements_;
+  auto [it, first] = seal_state_.try_emplace(run_id);
+  SealState& state = it->second;
+  const std::string what = "journal: counting the step rows of run '" + run_id + "'";
+  if (first) {
+    // The row just written is counted by the query.
+    {
+      sqlite::Query use(st.last_block);
+      use.Bind(1, run_id);
+      Status s;
+      if (use.Next(&s, what) && !use.IsNull(0)) state.sealed = true, state.sealed_through = use.Unsigned(0);
+      if (!s.ok()) return s;
+    }
+    sqlite::Query use(st.count_raw_after);
+    use.Bind(1, run_id);
+    use.Bind(2, state.sealed ? static_cast<int64_t>(state.sealed_through) : int64_t{-1});
+    Status s;
+    if (use.Next(&s, what)) state.raw_after = use.Unsigned(0);
+    if (!s.ok()) return s;
+  } else if (!state.sealed || step > state.sealed_through) {
+    ++state.raw_after;
+  }
+  if (state.raw_after >= options_.block_steps && !state.due) {
+    state.due = true;
+    seal_due_.push_back(run_id);
+  }
+  return Status::Ok();
+}
+
+void Journal::SealDue() {
+  MutexLock db_lock(&db_mu_);
+  if (seal_due_.empty() || !db_.is_open() || !CheckFilesLocked().ok()) return;
+  // Not synced by itself: the next commit's fsync of the WAL covers these frames too, and losing
+  // them loses nothing (the step rows they replace are still there).
+  if (Status s = db_.Exec("PRAGMA synchronous=NORMAL"); !s.ok()) {
+    spdlog::warn("journal '{}': sealing blocks: {}", options_.path, s.message());
+    return;
+  }
+  Status status;
+  {
+    sqlite::Transaction txn(db_, "journal");
+    status = txn.Begin(sqlite::Transaction::Mode::kImmediate);
+    // A run far behind (a migrated journal) is sealed a few blocks per commit, so that commits
+    // wait for little.
+    constexpr int kMaxBlocksPerRound = 2;
+    int blocks = 0;
+    std::vector<std::string> still_due;
+    for (const std::string& run_id : seal_due_) {
+      auto it = seal_state_.find(run_id);
+      if (it == seal_state_.end()) continue;  // rewound or pruned meanwhile
+      SealState& state = it->second;
+      while (status.ok() && blocks < kMaxBlocksPerRound && state.raw_after >= options_.block_steps) {
+        status = SealRunLocked(run_id);
+        ++blocks;
+      }
+      state.due = status.ok() && state.raw_after >= options_.block_steps;
+      if (state.due) still_due.push_back(run_id);
+    }
+    if (status.ok()) status = txn.Commit();
+    seal_due_ = std::move(still_due);
+  }
+  if (!status.ok()) {
+    // The rows stay as they are; the runs' counts are learnt again at their next step.
+    spdlog::warn("journal '{}': sealing blocks failed, the step rows stay: {}", options_.path, status.ToString());
+    seal_state_.clear();
+    seal_due_.clear();
+  }
+  if (Status s = db_.Exec("PRAGMA synchronous=FULL"); !s.ok()) {
+    spdlog::error("journal '{}': restoring synchronous=FULL: {}", options_.path, s.message());
+  }
+}
+
+Status Journal::SealRunLocked(const std::string& run_id) {
+  Statements& st = *statements_;
+  SealState& state = seal_state_[run_id];
+  const std::string what = "journal: sealing a block of run '" + run_id + "'";
+  std::vector<CompletedStep> steps;
+  {
+    sqlite::Query use(st.raw_after);
+    use.Bind(1, run_id);
+    use.Bind(2, state.sealed ? static_cast<int64_t>(state.sealed_through) : int64_t{-1});
+    use.Bind(3, static_cast<int64_t>(options_.block_steps));
+    Status s;
+    size_t values = 0;
+    bool full = false;  // by its values, before block_steps steps
+    while (!full && use.Next(&s, what)) {
+      CompletedStep step;
+      if (Status r = ReadStepRow(use, run_id, step); !r.ok()) return r;
+      values += step.values.size();
+      steps.push_back(std::move(step));
+      full = values >= kSealMaxValues;
+    }
+    if (!s.ok()) return s;
+    if (!full && steps.size() < options_.block_steps) {
+      state.raw_after = steps.size();  // the count was high (a rolled-back commit)
+      return Status::Ok();
+    }
+  }
+  std::string& blob = st.scratch;
+  blob.clear();
+  EncodeStepBlock(steps, blob);
+  {
+    sqlite::Query use(st.insert_block);
+    use.Bind(1, run_id);
+    use.Bind(2, steps.front().step);
+    use.Bind(3, steps.back().step);
+    use.Bind(4, static_cast<int64_t>(steps.size()));
+    use.Bind(5, steps.back().wall_time);
+    use.BindBlob(6, blob);
+    if (Status s = use.Run(what); !s.ok()) return s;
+  }
+  {
+    sqlite::Query use(st.delete_raw);
+    use.Bind(1, run_id);
+    use.Bind(2, steps.front().step);
+    use.Bind(3, steps.back().step);
+    if (Status s = use.Run(what); !s.ok()) return s;
+  }
+  state.sealed = true;
+  state.sealed_through = steps.back().step;
+  state.raw_after -= std::min<uint64_t>(state.raw_after, steps.size());
+  return Status::Ok();
+}
+
+Status Journal::SplitBlocksLocked(const std::string& run_id, uint64_t from_step, int64_t branch) {
+  Statements& st = *statements_;
+  seal_state_.erase(run_id);  // learnt again at the run's next step
+  const std::string what = "journal: rewinding the blocks of run '" + run_id + "'";
+  std::vector<std::pair<uint64_t, std::string>> blocks;
+  {
+    sqlite::Query use(st.blocks_from);
+    use.Bind(1, run_id);
+    use.Bind(2, StepBound(from_step));
+    Status s;
+    while (use.Next(&s, what)) blocks.emplace_back(use.Unsigned(0), std::string(use.Blob(1)));
+    if (!s.ok()) return s;
+  }
+  std::vector<CompletedStep> decoded, kept;
+  for (const auto& [first_step, data] : blocks) {
+    if (Status s = DecodeStepBlock(data, decoded); !s.ok()) {
+      return Status::Internal(what + ": a block cannot be read: " + s.message());
+    }
+    {
+      sqlite::Query use(st.delete_block);
+      use.Bind(1, run_id);
+      use.Bind(2, first_step);
+      if (Status s = use.Run(what); !s.ok()) return s;
+    }
+    kept.clear();
+    for (CompletedStep& step : decoded) {
+      if (step.step < from_step) {
+        kept.push_back(std::move(step));
+        continue;
+      }
+      EncodeValues(step.values, st.scratch);
+      sqlite::Query use(st.insert_abandoned_step);
+      use.Bind(1, run_id);
+      use.Bind(2, branch);
+      use.Bind(3, step.step);
+      use.Bind(4, step.wall_time);
+      use.Bind(5, step.partial ? 1 : 0);
+      use.Bind(6, step.ranks_reported);
+      use.Bind(7, step.client_dropped_steps);
+      use.BindBlob(8, st.scratch);
+      if (Status s = use.Run(what); !s.ok()) return s;
+    }
+    if (kept.empty()) continue;
+    std::string blob;
+    EncodeStepBlock(kept, blob);
+    sqlite::Query use(st.insert_block);
+    use.Bind(1, run_id);
+    use.Bind(2, kept.front().step);
+    use.Bind(3, kept.back().step);
+    use.Bind(4, static_cast<int64_t>(kept.size()));
+    use.Bind(5, kept.back().wall_time);
+    use.BindBlob(6, blob);
+    if (Status s = use.Run(what); !s.ok()) return s;
+  }
+  return Status::Ok();
+}
 
 Status Journal::ApplyRewind(const RewindRecord& r) {
   Statements& st = *statements_;
@@ -1277,6 +1565,7 @@ Status Journal::ApplyRewind(const RewindRecord& r) {
     use.Bind(5, r.rewound_at);
     if (Status s = use.Run(what); !s.ok()) return s;
   }
+  if (Status s = SplitBlocksLocked(r.run_id, r.from_step, branch); !s.ok()) return s;
   for (sqlite::Statement* move : {&st.abandon_steps, &st.abandon_events}) {
     sqlite::Query use(*move);
     use.Bind(1, r.run_id);
@@ -1310,29 +1599,9 @@ Status Journal::ApplyRewind(const RewindRecord& r) {
   return use.Run(what);
 }
 
-Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
-                             const std::function<void(const CompletedStep&)>& on_step) {
-  MutexLock db_lock(&db_mu_);
-  if (!db_.is_open()) return Status::FailedPrecondition("journal is stopped");
-  auto steps = db_.Prepare(
-      "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
-      "WHERE run_id = ?1 AND step < ?2 ORDER BY step");
-  if (!steps.ok()) return steps.status();
-  sqlite::Query rows(*steps);
-  rows.Bind(1, run_id);
-  rows.Bind(2, before_step);
-  Status status;
-  CompletedStep step;
-  while (rows.Next(&status, "journal: reading steps of run '" + run_id + "'")) {
-    if (Status s = ReadStepRow(rows, run_id, step); !s.ok()) return s;
-    on_step(step);
-  }
-  return status;
-}
-
 // Reads one run's rows for Load and LoadRun, inside their read transaction.
 struct Journal::Reader {
-  sqlite::Statement runs, one_run, params, series, progress, rewind, steps, events;
+  sqlite::Statement runs, one_run, params, series, progress, rewind, blocks, steps, events;
 
   Status Prepare(sqlite::Database& db) {
     const std::pair<sqlite::Statement*, const char*> all[] = {
@@ -1348,9 +1617,10 @@ struct Journal::Reader {
         {&series, "SELECT id, key FROM series WHERE run_id = ?1 ORDER BY id"},
         {&progress, "SELECT rank, step, seq FROM rank_progress WHERE run_id = ?1 ORDER BY rank"},
         {&rewind, "SELECT from_step FROM rewinds WHERE run_id = ?1 ORDER BY branch DESC LIMIT 1"},
+        {&blocks, "SELECT data FROM step_blocks WHERE run_id = ?1 AND first_step < ?2 ORDER BY first_step"},
         {&steps,
          "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
-         "WHERE run_id = ?1 ORDER BY step"},
+         "WHERE run_id = ?1 AND step < ?2 ORDER BY step"},
         {&events,
          "SELECT step, text, source, recorded_at FROM events WHERE run_id = ?1 ORDER BY id"},
     };
@@ -1446,19 +1716,21 @@ struct Journal::Reader {
       }
       if (!status.ok()) return status;
     }
-    {
-      sqlite::Query q(steps);
-      q.Bind(1, meta.run_id);
-      CompletedStep step;
-      while (q.Next(&status, "journal: reading steps of run '" + meta.run_id + "'")) {
-        if (Status s = ReadStepRow(q, meta.run_id, step); !s.ok()) return s;
-        visitor.OnStep(meta.run_id, step);
-      }
-      if (!status.ok()) return status;
-    }
-    return Status::Ok();
+    return VisitSteps(blocks, steps, meta.run_id, std::numeric_limits<uint64_t>::max(),
+                      [&](const CompletedStep& step) { visitor.OnStep(meta.run_id, step); });
   }
 };
+
+Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
+                             const std::function<void(const CompletedStep&)>& on_step) {
+  MutexLock db_lock(&db_mu_);
+  if (!db_.is_open()) return Status::FailedPrecondition("journal is stopped");
+  Reader reader;
+  if (Status s = reader.Prepare(db_); !s.ok()) return s;
+  sqlite::Transaction txn(db_, "journal");
+  if (Status s = txn.Begin(sqlite::Transaction::Mode::kDeferred); !s.ok()) return s;
+  return VisitSteps(reader.blocks, reader.steps, run_id, before_step, on_step);
+}
 
 Status Journal::Load(JournalVisitor& visitor) {
   MutexLock db_lock(&db_mu_);
@@ -1530,7 +1802,11 @@ StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
       "SELECT run_id, world_size, labels_json, created_at, ended_at, end_reason, end_message FROM runs "
       "ORDER BY run_id");
   if (!runs.ok()) return runs.status();
-  auto steps = db_.Prepare("SELECT count(*), min(step), max(step), max(wall_time) FROM steps WHERE run_id = ?1");
+  auto steps = db_.Prepare(
+      "SELECT sum(n), min(lo), max(hi), max(wt) FROM ("
+      "SELECT count(*) AS n, min(step) AS lo, max(step) AS hi, max(wall_time) AS wt FROM steps WHERE run_id = ?1 "
+      "UNION ALL SELECT sum(steps), min(first_step), max(last_step), max(wall_time) FROM step_blocks "
+      "WHERE run_id = ?1)");
   if (!steps.ok()) return steps.status();
   std::vector<StoredRun> out;
   Status status;
@@ -1584,6 +1860,21 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
   sqlite::Transaction txn(db_, "journal");
   if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) return s;
   if (pruning_run_.empty()) {
+    // Abandoned branches (of any run) rewound before the cutoff go first.
+    uint64_t deleted = 0;
+    for (sqlite::Statement* del : {&st.prune_old_branch_steps, &st.prune_old_branch_events}) {
+      sqlite::Query use(*del);
+      use.Bind(1, cutoff);
+      use.Bind(2, static_cast<int64_t>(std::min<size_t>(max_rows - deleted, INT64_MAX)));
+      if (Status s = use.Run("journal: pruning abandoned branches"); !s.ok()) return s;
+      deleted += static_cast<uint64_t>(db_.changes());
+      if (deleted >= max_rows) break;
+    }
+    if (deleted > 0) {
+      if (Status s = txn.Commit(); !s.ok()) return s;
+      pruned_rows_.fetch_add(deleted, std::memory_order_relaxed);
+      return Status::Ok();  // prune_due_ stays: the next round goes on
+    }
     Status status;
     sqlite::Query rows(st.prune_candidates);
     rows.Bind(1, cutoff);
@@ -1604,6 +1895,19 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
   // A run's rows go table by table, at most max_rows per transaction; its runs row goes last, so a
   // half pruned run stays listed (and is finished by LoadRun) rather than leaving orphans.
   uint64_t deleted = 0;
+  {
+    // A block counts as block_steps rows; at least one goes per transaction.
+    const size_t block_rows = std::max<size_t>(options_.block_steps, 1);
+    sqlite::Query use(st.prune_blocks);
+    use.Bind(1, pruning_run_);
+    const auto limit = static_cast<int64_t>(std::max<size_t>(std::min<size_t>(max_rows / block_rows, INT64_MAX), 1));
+    use.Bind(2, limit);
+    if (Status s = use.Run("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
+    const auto changes = static_cast<uint64_t>(db_.changes());
+    deleted += changes * block_rows;
+    // Blocks may remain: the run's other rows wait for the next transaction.
+    if (changes == static_cast<uint64_t>(limit)) deleted = std::max<uint64_t>(deleted, max_rows);
+  }
   for (sqlite::Statement* del : {&st.prune_steps, &st.prune_events, &st.prune_series, &st.prune_params,
                                  &st.prune_progress, &st.prune_rewinds, &st.prune_abandoned_steps,
                                  &st.prune_abandoned_events}) {
@@ -1626,6 +1930,7 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
   pruned_rows_.fetch_add(deleted, std::memory_order_relaxed);
   if (run_done) {
     spdlog::info("journal: run {} pruned (ended before the retention cutoff)", pruning_run_);
+    seal_state_.erase(pruning_run_);
     pruning_run_.clear();
     pruned_runs_.fetch_add(1, std::memory_order_relaxed);
   }

@@ -34,6 +34,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <random>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -47,6 +48,8 @@
 #include <nlohmann/json.hpp>
 
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
+#include "server/store/journal.h"
+#include "server/store/sqlite.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
 #include "tests/support/latch.h"
@@ -788,6 +791,134 @@ json SingleRunPart(const Shape& shape, json* ingest_rows) {
           {"restart_s", restart_s}};
 }
 
+// Counts what a journal hands out, keeping the series ids and the last step of each run.
+struct JournalCounter final : store::JournalVisitor {
+  std::map<std::string, std::vector<SeriesId>> series;
+  std::map<std::string, uint64_t> last_step;
+  uint64_t samples = 0;
+  bool OnRun(const RunMeta&, const RunEnd&) override { return true; }
+  void OnSeries(const std::string& run_id, SeriesId id, const std::string&) override { series[run_id].push_back(id); }
+  void OnRankProgress(const store::RankProgress&) override {}
+  void OnStep(const std::string& run_id, const CompletedStep& step) override {
+    samples += step.values.size();
+    last_step[run_id] = step.step;
+  }
+  void OnEvent(const std::string&, const EventRecord&) override {}
+  void OnRewind(const std::string&, uint64_t) override {}
+  void OnRunFailed(const std::string& run_id, const Status& why) override {
+    Fail("journal: run " + run_id + " cannot be read: " + why.ToString());
+  }
+};
+
+// Restart from a large journal: a 1 x 1 x 1,000 run is ingested for a few steps (so that its
+// catalog and series are the daemon's own), the daemon stopped, and `extra_steps` more steps of
+// every series (float32 norms drifting with 1 % noise, as a trainer sends them) are written
+// through the journal's own API, with the rank's progress. Then: journal bytes per sample, the
+// time the journal alone takes to read everything back (store::Journal::Load, no daemon), and the
+// daemon's start to ready with the run back at its last step.
+json LargeRestartPart(uint64_t extra_steps) {
+  TempDir data;
+  DaemonOptions options;
+  options.data_dir = data.path();
+  options.config_yaml = DaemonConfig();
+  options.ready_timeout = std::chrono::seconds(1800);
+  const Shape shape{.runs = 1, .ranks = 1, .params = 1000, .steps = 20};
+  {
+    DaemonProcess daemon(options);
+    RunIngest(daemon.grpc_target(), daemon.pid(), shape, "large");
+    if (daemon.Stop(SIGTERM, std::chrono::seconds(120)) != 0) Fail("the daemon did not stop cleanly");
+  }
+  const std::string run = "large-0";
+  const std::string path = (data.path() / "journal.db").string();
+  uint64_t last = 0;
+  std::vector<SeriesId> ids;
+  double write_s = 0;
+  {
+    auto journal = store::Journal::Open({.path = path}, nullptr);
+    if (!journal.ok()) Fail("opening the journal: " + journal.status().ToString());
+    JournalCounter before;
+    if (Status s = (*journal)->Load(before); !s.ok()) Fail("reading the journal: " + s.ToString());
+    ids = before.series[run];
+    last = before.last_step[run];
+    if (ids.empty() || last != shape.steps) Fail("the ingested run is not in the journal as expected");
+    Log("writing " + std::to_string(extra_steps) + " steps of " + std::to_string(ids.size()) + " series to the journal");
+    std::mt19937_64 rng(1);
+    std::normal_distribution<double> noise(0.0, 0.01);
+    const auto t0 = Clock::now();
+    for (uint64_t step = last + 1; step <= last + extra_steps; ++step) {
+      store::StepJournalRecord record = (*journal)->AcquireStepRecord();
+      record.run_id = run;
+      record.step.step = step;
+      record.step.wall_time = 1.7e9 + static_cast<double>(step);
+      record.step.partial = false;
+      record.step.ranks_reported = 1;
+      record.step.client_dropped_steps = 0;
+      record.step.values.clear();
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const double norm = (1.0 + 0.01 * static_cast<double>(i)) * (1.0 + 1e-6 * static_cast<double>(step)) *
+                            (1.0 + noise(rng));
+        record.step.values.push_back({ids[i], static_cast<double>(static_cast<float>(norm))});
+      }
+      record.progress.assign(1, store::RankProgress{run, 0, step, step});
+      while ((*journal)->Enqueue(std::move(record)) == 0) {
+        if (Status s = (*journal)->Flush(); !s.ok()) Fail("writing the journal: " + s.ToString());
+        record = (*journal)->AcquireStepRecord();  // never reached with the default queue
+      }
+      if (step % 256 == 0) {
+        if (Status s = (*journal)->Flush(); !s.ok()) Fail("writing the journal: " + s.ToString());
+      }
+    }
+    if (Status s = (*journal)->Flush(); !s.ok()) Fail("writing the journal: " + s.ToString());
+    (*journal)->Stop();
+    write_s = Seconds(Clock::now() - t0);
+    last += extra_steps;
+  }
+  {
+    // The alert engine of a daemon that journaled these steps would have evaluated them and saved
+    // how far (every 200 ms): the restart rebuilds the run, it does not evaluate them all again.
+    auto db = store::sqlite::Database::Open(path);
+    if (!db.ok()) Fail("opening the journal: " + db.status().ToString());
+    if (Status s = db->Exec("INSERT OR REPLACE INTO alert_progress(run, evaluated_step) VALUES('" + run + "', " +
+                            std::to_string(last) + ")");
+        !s.ok()) {
+      Fail("saving the alert progress: " + s.ToString());
+    }
+  }
+  const std::uintmax_t bytes = JournalBytes(data.path());
+  double read_s = 0;
+  uint64_t samples = 0;
+  {
+    auto journal = store::Journal::Open({.path = path}, nullptr);
+    if (!journal.ok()) Fail("opening the journal: " + journal.status().ToString());
+    JournalCounter all;
+    const auto t0 = Clock::now();
+    if (Status s = (*journal)->Load(all); !s.ok()) Fail("reading the journal: " + s.ToString());
+    read_s = Seconds(Clock::now() - t0);
+    samples = all.samples;
+    if (all.last_step[run] != last) Fail("the journal does not end at step " + std::to_string(last));
+  }
+  const auto t0 = Clock::now();
+  DaemonProcess daemon(options);
+  StreamClient check(daemon.grpc_target());
+  check.Hello(MakeHello(run, 0, 1, Catalog(shape.params)));
+  const v1::Accepted accepted = check.WaitAccepted();
+  const double restart_s = Seconds(Clock::now() - t0);
+  if (!accepted.has_durable_step() || accepted.last_durable_step() != last) {
+    Fail("after the restart the run's durable step is " + std::to_string(accepted.last_durable_step()));
+  }
+  check.Close();
+  Log("  large journal: " + std::to_string(samples) + " samples, " + std::to_string(bytes) + " bytes, read " +
+      std::to_string(read_s) + " s, restart " + std::to_string(restart_s) + " s");
+  return {{"samples", samples},
+          {"steps", last},
+          {"series", ids.size()},
+          {"journal_bytes", bytes},
+          {"journal_bytes_per_sample", static_cast<double>(bytes) / static_cast<double>(samples)},
+          {"write_s", write_s},
+          {"journal_read_s", read_s},
+          {"restart_s", restart_s}};
+}
+
 struct Sizes {
   std::string mode;
   uint64_t solo_steps, wide_steps, mixed_steps, big_steps;
@@ -829,6 +960,8 @@ json RunAll(const Sizes& z) {
   out["alert_latency"] = AlertLatency(z.alerts);
   out["metrics"] = MetricsPart(z.metrics_params, z.metrics_runs_small, z.metrics_runs_large, z.metrics_fill_steps,
                                z.metrics_probe_steps, z.scrapes);
+  // 2,001 series a step: about 0.4 M, 20 M and 200 M journaled samples.
+  out["large_restart"] = LargeRestartPart(z.mode == "smoke" ? 200 : z.mode == "quick" ? 10000 : 100000);
   return out;
 }
 

@@ -75,6 +75,7 @@ def main():
 
     pc, ec = gw["parse_ceiling"], gw["empty_stream_ceiling"]
     al, m, sr = gw["alert_latency"], gw["metrics"], gw["single_run"]
+    lr = gw["large_restart"]
     print()
     print(table(["figure", "value"], [
         ["ceiling: protobuf parse of the same 1 x 1 x 1,000 frames", f"{fmt(pc['samples_per_cpu_s'])} samples/CPU-s"],
@@ -94,6 +95,12 @@ def main():
         [f"RSS per series (1 x 1 x 1,000 after {fmt(sr['steps'])} steps)", f"{sr['rss_per_series_bytes'] / 1024:.0f} KB"],
         ["journal bytes per sample (journal.db + WAL after SIGTERM)", f"{sr['journal_bytes_per_sample']:.1f}"],
         [f"restart to ready ({fmt(sr['journal_samples'])} journaled samples)", f"{sr['restart_s']:.2f} s"],
+        [f"large journal of float32 norms ({fmt(lr['samples'])} samples, {fmt(lr['series'])} series): bytes per sample",
+         f"{lr['journal_bytes_per_sample']:.2f}"],
+        [f"large journal: read back by the journal alone ({fmt(lr['samples'])} samples)",
+         f"{lr['journal_read_s']:.2f} s ({lr['samples'] / max(lr['journal_read_s'], 1e-9) / 1e6:.0f} M samples/s)"],
+        [f"large journal: restart to ready ({fmt(lr['samples'])} samples)",
+         f"{lr['restart_s']:.2f} s; at 1 B samples, linearly: {lr['restart_s'] * 1e9 / lr['samples']:.0f} s"],
     ]))
 
     solo = next(r for r in gw["ingest"] if r["runs"] == 1 and r["ranks"] == 1 and r["params"] == 1000)
@@ -107,6 +114,10 @@ def main():
         ["alert p99 < 5 ms (stream and webhook)", f"{alert_p99:.2f} ms", alert_p99 < 5],
         [f"/metrics at {fmt(m['large']['series'])} series < 250 ms", f"{m['large']['p50_ms']:.0f} ms",
          m["large"]["p50_ms"] < 250],
+        ["journal ≤ 3 bytes per sample (float32 norms, large journal)", f"{lr['journal_bytes_per_sample']:.2f}",
+         lr["journal_bytes_per_sample"] <= 3],
+        ["restart within 10 s at 1 B journaled samples (linear from the large journal)",
+         f"{lr['restart_s'] * 1e9 / lr['samples']:.0f} s", lr["restart_s"] * 1e9 / lr["samples"] <= 10],
     ]
     merged["targets"] = [{"target": t, "value": v, "pass": ok} for t, v, ok in targets]
     print()

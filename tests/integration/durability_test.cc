@@ -24,6 +24,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -31,6 +32,7 @@
 #include <nlohmann/json.hpp>
 
 #include "client/lib/monitor.h"
+#include "server/store/step_block.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
 #include "tests/unit/notify/test_receiver.h"
@@ -147,8 +149,19 @@ JournalRows ReadJournal(const std::filesystem::path& db_path, const std::string&
     while (sqlite3_step(stmt) == SQLITE_ROW) on_row(stmt);
     sqlite3_finalize(stmt);
   };
-  query("SELECT step FROM steps WHERE run_id = ?1 ORDER BY step",
+  // Steps are rows of their own until their run's block of them is sealed.
+  query("SELECT step FROM steps WHERE run_id = ?1",
         [&](sqlite3_stmt* s) { rows.steps.push_back(static_cast<uint64_t>(sqlite3_column_int64(s, 0))); });
+  query("SELECT data FROM step_blocks WHERE run_id = ?1", [&](sqlite3_stmt* s) {
+    std::vector<gradwatch::CompletedStep> block;
+    const gradwatch::Status decoded = gradwatch::store::DecodeStepBlock(
+        std::string_view(static_cast<const char*>(sqlite3_column_blob(s, 0)),
+                         static_cast<size_t>(sqlite3_column_bytes(s, 0))),
+        block);
+    if (!decoded.ok()) throw std::runtime_error(decoded.ToString());
+    for (const gradwatch::CompletedStep& step : block) rows.steps.push_back(step.step);
+  });
+  std::sort(rows.steps.begin(), rows.steps.end());
   query("SELECT step, text FROM events WHERE run_id = ?1 ORDER BY step, id", [&](sqlite3_stmt* s) {
     rows.events.emplace_back(static_cast<uint64_t>(sqlite3_column_int64(s, 0)),
                              reinterpret_cast<const char*>(sqlite3_column_text(s, 1)));
@@ -377,6 +390,9 @@ TEST_CASE("a damaged page: the daemon starts on a fresh journal with the runs th
   TempDir data("gradwatch-damaged-page");
   DaemonOptions options;
   options.data_dir = data.path();
+  // Steps stay rows of their own: a run's 1,500 span many pages, so one damaged page is one run's.
+  // (Sealed, each run's steps of this history fit in a fraction of one page.)
+  options.config_yaml += "journal: {block_steps: 4096}\n";
   DaemonProcess daemon(options);
   for (const char* run : {"a-lost", "b-kept"}) {
     const std::string file = (data.path() / (std::string(run) + ".jsonl")).string();
@@ -447,8 +463,13 @@ TEST_CASE("a run whose rows cannot be read is skipped at start with an error, th
   {
     sqlite3* db = nullptr;
     REQUIRE(sqlite3_open_v2((data.path() / "journal.db").c_str(), &db, SQLITE_OPEN_READWRITE, nullptr) == SQLITE_OK);
-    REQUIRE(sqlite3_exec(db, "UPDATE steps SET vals = x'010203' WHERE run_id = 'bad-rows' AND step = 60", nullptr,
-                         nullptr, nullptr) == SQLITE_OK);
+    // Step 60 is in a sealed block (or, were blocks larger, a row of its own).
+    REQUIRE(sqlite3_exec(db,
+                         "UPDATE steps SET vals = x'010203' WHERE run_id = 'bad-rows' AND step = 60; "
+                         "UPDATE step_blocks SET data = x'010203' WHERE run_id = 'bad-rows' AND first_step <= 60 "
+                         "AND last_step >= 60",
+                         nullptr, nullptr, nullptr) == SQLITE_OK);
+    REQUIRE(sqlite3_total_changes(db) == 1);
     sqlite3_close(db);
   }
   daemon.Restart();

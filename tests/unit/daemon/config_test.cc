@@ -20,7 +20,7 @@ log: {format: json, level: debug}
 limits: {max_message_bytes: 65536, max_runs: 3}
 assembly: {timeout_seconds: 2.5}
 store: {recent_points: 100, history_buckets: 10, param_recent_points: 50, param_history_buckets: 5}
-journal: {batch_max: 10, max_delay_ms: 5}
+journal: {batch_max: 10, max_delay_ms: 5, block_steps: 16}
 runs: {end_after_seconds: 30, stalled_after_seconds: 45, retention_seconds: 3600}
 retention: {journal_days: 0.5, outbox_days: 2}
 )",
@@ -36,6 +36,7 @@ retention: {journal_days: 0.5, outbox_days: 2}
   CHECK(c->param_recent_points == 50);
   CHECK(c->param_history_buckets == 5);
   CHECK(c->journal_max_delay_ms == 5);
+  CHECK(c->journal_block_steps == 16);
   CHECK(c->run_end_after_seconds == 30);
   CHECK(c->run_stalled_after_seconds == 45);
   CHECK(c->run_retention_seconds == 3600);
@@ -76,6 +77,11 @@ TEST_CASE("validation rejects bad values with the key's name", "[daemon]") {
   c = Config{};
   c.assembly_timeout_seconds = 0;
   CHECK(ValidateConfig(c).message().find("assembly.timeout_seconds") == 0);
+  c = Config{};
+  c.journal_block_steps = 0;
+  CHECK(ValidateConfig(c).message().find("journal.block_steps") == 0);
+  c.journal_block_steps = 4097;
+  CHECK(ValidateConfig(c).message().find("journal.block_steps") == 0);
 }
 
 TEST_CASE("a repeated key is an error naming the file and line, at any depth", "[daemon]") {

@@ -378,7 +378,7 @@ TEST_CASE("a version 1 journal is migrated: its ended runs ended by inactivity",
   CHECK(got.runs[0].end == RunEnd{5.0, EndReason::kInactive, ""});
   CHECK(got.runs[1].end == RunEnd{});
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("PRAGMA user_version") == "3");
 }
 
 TEST_CASE("progress is reported after commit, merged to one entry per run and rank", "[store]") {
@@ -460,7 +460,9 @@ TEST_CASE("group commit puts many records in few transactions", "[store]") {
   journal->Stop();
 
   RawDb raw(dir.db());
-  CHECK(raw.Query("SELECT count(*) FROM steps") == std::to_string(kSteps));
+  // Every step is in a row of its own or sealed in a block.
+  CHECK(raw.Query("SELECT (SELECT count(*) FROM steps) + (SELECT coalesce(sum(steps), 0) FROM step_blocks)") ==
+        std::to_string(kSteps));
   CHECK(raw.Query("SELECT step FROM rank_progress WHERE run_id = 'run' AND rank = 0") == "9999");
 }
 
@@ -529,7 +531,7 @@ TEST_CASE("the journal runs in WAL mode", "[store]") {
   CHECK(fs::exists(dir.db() + "-wal"));
   RawDb raw(dir.db());
   CHECK(raw.Query("PRAGMA journal_mode") == "wal");
-  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("PRAGMA user_version") == "3");
 }
 
 TEST_CASE("a failed commit is retried with its records, acked only once it succeeds", "[store]") {
@@ -725,6 +727,46 @@ TEST_CASE("a damaged page: the runs that read cleanly are salvaged whole, the ot
   auto again = OpenOrFail({.path = dir.db()});
   CHECK(again->recovery().ok());
   CHECK_FALSE(again->recovery().moved_aside);
+}
+
+TEST_CASE("a journal beyond quick_check_max_bytes opens without quick_check, its damage found when read",
+          "[store][recovery]") {
+  TempDir dir;
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    for (const char* id : {"a-damaged", "b-intact"}) {
+      RunMeta meta;
+      meta.run_id = id;
+      REQUIRE(journal->Enqueue(RunRecord{meta}));
+      for (uint64_t s = 1; s <= 3000; ++s) REQUIRE(journal->Enqueue(MakeStep(id, s, {{0, 1.0}}, {{id, 0, s, s}})));
+    }
+    REQUIRE(journal->Flush().ok());
+  }
+  int64_t page = 0, page_size = 0;
+  {
+    RawDb raw(dir.db());
+    page = std::stoll(raw.Query("SELECT pageno FROM dbstat WHERE name = 'steps' AND pagetype = 'leaf' "
+                                "ORDER BY path LIMIT 1 OFFSET 1"));
+    page_size = std::stoll(raw.Query("PRAGMA page_size"));
+  }
+  {
+    std::FILE* f = std::fopen(dir.db().c_str(), "r+b");
+    REQUIRE(f != nullptr);
+    std::fseek(f, static_cast<long>((page - 1) * page_size), SEEK_SET);
+    const std::string junk(static_cast<size_t>(page_size), '\x5a');
+    std::fwrite(junk.data(), 1, junk.size(), f);
+    std::fclose(f);
+  }
+  // As a journal of many gigabytes would: the clean stop left nothing for WAL recovery to drop.
+  auto journal = OpenOrFail({.path = dir.db(), .quick_check_max_bytes = 0});
+  CHECK(journal->recovery().ok());
+  CHECK_FALSE(journal->recovery().moved_aside);
+  Recorder recorder;
+  REQUIRE(journal->Load(recorder).ok());
+  REQUIRE(recorder.failed.size() == 1);
+  CHECK(recorder.failed[0].first == "a-damaged");
+  CHECK(std::count_if(recorder.steps.begin(), recorder.steps.end(),
+                      [](const Recorder::Step& s) { return s.run_id == "b-intact"; }) == 3000);
 }
 
 TEST_CASE("journal files deleted under an open journal are rebuilt from its connection, nothing committed lost",
@@ -991,11 +1033,11 @@ PRAGMA user_version = 1;
   }
   CHECK(LoadFrom(dir.db()).steps.empty());
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("PRAGMA user_version") == "3");
   CHECK(raw.Query("SELECT count(*) FROM abandoned_steps") == "1");
 }
 
-TEST_CASE("a version-2 journal and alert store written before the SQLite helper open unchanged",
+TEST_CASE("a version-2 journal and alert store written before the SQLite helper open, gaining only the step blocks",
           "[store][migration]") {
   TempDir dir;
   // The schema as the journal and the alert store of 44f6238 created it (user_version 2), with a
@@ -1104,10 +1146,11 @@ INSERT INTO alert_progress VALUES('r', 2);
     RawDb raw(dir.db(), /*create=*/true);
     raw.Exec(v2);
   }
+  // Everything but version 3's step_blocks table (and its key's index).
   auto schema_text = [&] {
     RawDb raw(dir.db());
     return raw.Query("SELECT group_concat(type || ' ' || name || ' ' || ifnull(sql, ''), char(10)) FROM "
-                     "(SELECT * FROM sqlite_master ORDER BY name)");
+                     "(SELECT * FROM sqlite_master WHERE tbl_name != 'step_blocks' ORDER BY name)");
   };
   const std::string schema_before = schema_text();
   REQUIRE_FALSE(schema_before.empty());
@@ -1171,16 +1214,18 @@ INSERT INTO alert_progress VALUES('r', 2);
     CHECK(state->evaluated == std::map<std::string, uint64_t>{{"r", 2}});
   }
 
-  // Opened, read and written to (a new step) without any change to the schema or its version.
+  // Opened, read and written to (a new step) with no change to the schema but the step blocks of
+  // version 3.
   {
     auto journal = OpenOrFail({.path = dir.db()});
     REQUIRE(journal->Enqueue(MakeStep("r", 3, {{0, 2.0}})));
     REQUIRE(journal->Flush().ok());
   }
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "2");
+  CHECK(raw.Query("PRAGMA user_version") == "3");
   CHECK(raw.Query("SELECT count(*) FROM steps") == "3");
   CHECK(schema_text() == schema_before);
+  CHECK(raw.Query("SELECT count(*) FROM step_blocks") == "0");
 }
 
 namespace {

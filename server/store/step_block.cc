@@ -1,0 +1,456 @@
+#include "server/store/step_block.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <unordered_map>
+
+namespace gradwatch::store {
+
+namespace {
+
+constexpr uint8_t kBlockVersion = 1;
+
+enum class ValueKind : uint8_t { kFloat32 = 0, kDecimal = 1, kFloat64 = 2 };
+enum class Frame : uint8_t { kReference = 0, kDelta = 1, kDelta2 = 2 };
+
+// Powers of ten that are exact doubles (10^22 is the last).
+constexpr int kMaxDecimalExponent = 22;
+constexpr std::array<double, kMaxDecimalExponent + 1> kPow10 = {
+    1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,  1e8,  1e9,  1e10, 1e11,
+    1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+// The largest |m| whose double is exact.
+constexpr double kMaxExactInteger = 9007199254740992.0;  // 2^53
+
+void PutVarint(std::string& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+
+uint64_t Zigzag(int64_t v) { return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63); }
+int64_t Unzigzag(uint64_t v) { return static_cast<int64_t>(v >> 1) ^ -static_cast<int64_t>(v & 1); }
+
+uint64_t Ordered64(double v) {
+  const uint64_t b = std::bit_cast<uint64_t>(v);
+  return (b >> 63) != 0 ? ~b : b | (uint64_t{1} << 63);
+}
+double FromOrdered64(uint64_t u) {
+  return std::bit_cast<double>((u >> 63) != 0 ? u & ~(uint64_t{1} << 63) : ~u);
+}
+uint32_t Ordered32(uint32_t b) { return (b >> 31) != 0 ? ~b : b | (uint32_t{1} << 31); }
+uint32_t FromOrdered32(uint32_t u) { return (u >> 31) != 0 ? u & ~(uint32_t{1} << 31) : ~u; }
+
+size_t VarintSize(uint64_t v) { return std::max<size_t>(1, (static_cast<size_t>(std::bit_width(v)) + 6) / 7); }
+size_t PackedBytes(size_t n, int width) { return (n * static_cast<size_t>(width) + 7) / 8; }
+
+// Packs values of `width` bits, low bits first.
+class BitWriter {
+ public:
+  explicit BitWriter(std::string& out) : out_(out) {}
+  void Put(uint64_t v, int width) {
+    if (width == 0) return;
+    if (width < 64) v &= (uint64_t{1} << width) - 1;
+    acc_ |= v << used_;
+    const int room = 64 - used_;
+    if (width >= room) {
+      Emit(8);
+      acc_ = room < 64 ? v >> room : 0;
+      used_ = width - room;
+    } else {
+      used_ += width;
+    }
+  }
+  void Finish() {
+    Emit((used_ + 7) / 8);
+    acc_ = 0, used_ = 0;
+  }
+
+ private:
+  void Emit(int bytes) {
+    for (int i = 0; i < bytes; ++i) out_.push_back(static_cast<char>((acc_ >> (8 * i)) & 0xff));
+  }
+  std::string& out_;
+  uint64_t acc_ = 0;
+  int used_ = 0;
+};
+
+// Writes an integer column (see the header) in its shortest frame.
+void EncodeInts(const std::vector<uint64_t>& v, std::string& out) {
+  const size_t n = v.size();
+  if (n == 0) return;
+  // Frame of reference.
+  const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+  const uint64_t ref_base = *lo;
+  const int ref_width = std::bit_width(*hi - *lo);
+  size_t best = 2 + VarintSize(ref_base) + PackedBytes(n, ref_width);
+  Frame frame = Frame::kReference;
+  // Differences (wrapping, read as signed), and differences of differences.
+  int64_t d_lo = 0, d_hi = 0, dd_lo = 0, dd_hi = 0;
+  int d_width = 0, dd_width = 0;
+  if (n >= 2) {
+    d_lo = d_hi = static_cast<int64_t>(v[1] - v[0]);
+    for (size_t i = 2; i < n; ++i) {
+      const auto d = static_cast<int64_t>(v[i] - v[i - 1]);
+      d_lo = std::min(d_lo, d), d_hi = std::max(d_hi, d);
+    }
+    d_width = std::bit_width(static_cast<uint64_t>(d_hi) - static_cast<uint64_t>(d_lo));
+    const size_t cost = 2 + VarintSize(v[0]) + VarintSize(Zigzag(d_lo)) + PackedBytes(n - 1, d_width);
+    if (cost < best) best = cost, frame = Frame::kDelta;
+  }
+  if (n >= 3) {
+    auto dd_at = [&](size_t i) {
+      return static_cast<int64_t>((v[i] - v[i - 1]) - (v[i - 1] - v[i - 2]));
+    };
+    dd_lo = dd_hi = dd_at(2);
+    for (size_t i = 3; i < n; ++i) {
+      const int64_t dd = dd_at(i);
+      dd_lo = std::min(dd_lo, dd), dd_hi = std::max(dd_hi, dd);
+    }
+    dd_width = std::bit_width(static_cast<uint64_t>(dd_hi) - static_cast<uint64_t>(dd_lo));
+    const size_t cost = 2 + VarintSize(v[0]) + VarintSize(Zigzag(static_cast<int64_t>(v[1] - v[0]))) +
+                        VarintSize(Zigzag(dd_lo)) + PackedBytes(n - 2, dd_width);
+    if (cost < best) best = cost, frame = Frame::kDelta2;
+  }
+  out.push_back(static_cast<char>(frame));
+  BitWriter bits(out);
+  switch (frame) {
+    case Frame::kReference:
+      PutVarint(out, ref_base);
+      out.push_back(static_cast<char>(ref_width));
+      for (uint64_t x : v) bits.Put(x - ref_base, ref_width);
+      break;
+    case Frame::kDelta:
+      PutVarint(out, v[0]);
+      PutVarint(out, Zigzag(d_lo));
+      out.push_back(static_cast<char>(d_width));
+      for (size_t i = 1; i < n; ++i) bits.Put((v[i] - v[i - 1]) - static_cast<uint64_t>(d_lo), d_width);
+      break;
+    case Frame::kDelta2:
+      PutVarint(out, v[0]);
+      PutVarint(out, Zigzag(static_cast<int64_t>(v[1] - v[0])));
+      PutVarint(out, Zigzag(dd_lo));
+      out.push_back(static_cast<char>(dd_width));
+      for (size_t i = 2; i < n; ++i) {
+        bits.Put(((v[i] - v[i - 1]) - (v[i - 1] - v[i - 2])) - static_cast<uint64_t>(dd_lo), dd_width);
+      }
+      break;
+  }
+  bits.Finish();
+}
+
+// The decimal exponent p ≤ 22 with v == m / 10^p for an integer |m| < 2^53, computed as the
+// decoder will; -1 when there is none.
+int DecimalExponent(double v, int from) {
+  for (int p = from; p <= kMaxDecimalExponent; ++p) {
+    const double scaled = v * kPow10[static_cast<size_t>(p)];
+    if (!(std::fabs(scaled) < kMaxExactInteger)) return -1;  // NaN too
+    const double m = std::nearbyint(scaled);
+    if (std::bit_cast<uint64_t>(m / kPow10[static_cast<size_t>(p)]) == std::bit_cast<uint64_t>(v)) return p;
+  }
+  return -1;
+}
+
+// Writes one value column in the shortest kind that holds every value exactly.
+void EncodeValues(const double* values, size_t n, std::vector<uint64_t>& ints, std::string& candidate,
+                  std::string& out) {
+  std::string best;
+  bool have_best = false;
+  auto consider = [&](ValueKind kind, int exponent) {
+    candidate.clear();
+    candidate.push_back(static_cast<char>(kind));
+    if (kind == ValueKind::kDecimal) candidate.push_back(static_cast<char>(exponent));
+    EncodeInts(ints, candidate);
+    if (!have_best || candidate.size() < best.size()) best.swap(candidate), have_best = true;
+  };
+  ints.resize(n);
+  bool float32 = true;
+  for (size_t i = 0; i < n && float32; ++i) {
+    const auto narrow = std::bit_cast<uint32_t>(static_cast<float>(values[i]));
+    float32 = std::bit_cast<uint64_t>(static_cast<double>(std::bit_cast<float>(narrow))) ==
+              std::bit_cast<uint64_t>(values[i]);
+    ints[i] = Ordered32(narrow);
+  }
+  if (float32) consider(ValueKind::kFloat32, 0);
+  int exponent = 0;
+  // The column's exponent is the largest its values need; each is checked at it below.
+  for (size_t i = 0; i < n && exponent >= 0; ++i) exponent = DecimalExponent(values[i], exponent);
+  if (exponent >= 0) {
+    const double scale = kPow10[static_cast<size_t>(exponent)];
+    bool exact = true;
+    for (size_t i = 0; i < n && exact; ++i) {
+      const double m = std::nearbyint(values[i] * scale);
+      exact = std::fabs(m) < kMaxExactInteger &&
+              std::bit_cast<uint64_t>(static_cast<double>(static_cast<int64_t>(m)) / scale) ==
+                  std::bit_cast<uint64_t>(values[i]);
+      ints[i] = static_cast<uint64_t>(static_cast<int64_t>(m));
+    }
+    if (exact) consider(ValueKind::kDecimal, exponent);
+  }
+  for (size_t i = 0; i < n; ++i) ints[i] = Ordered64(values[i]);
+  consider(ValueKind::kFloat64, 0);
+  out += best;
+}
+
+// Reads a block front to back; every read is bounds-checked.
+class Reader {
+ public:
+  explicit Reader(std::string_view data) : data_(data) {}
+  bool Byte(uint8_t* v) {
+    if (pos_ >= data_.size()) return false;
+    *v = static_cast<uint8_t>(data_[pos_++]);
+    return true;
+  }
+  bool Varint(uint64_t* v) {
+    uint64_t out = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      uint8_t b = 0;
+      if (!Byte(&b)) return false;
+      out |= uint64_t{b & 0x7fu} << shift;
+      if ((b & 0x80) == 0) {
+        *v = out;
+        return true;
+      }
+    }
+    return false;
+  }
+  // An integer column of n values (see EncodeInts) appended to `out`.
+  bool Ints(size_t n, std::vector<uint64_t>& out) {
+    out.clear();
+    if (n == 0) return true;
+    uint8_t frame = 0;
+    if (!Byte(&frame) || frame > static_cast<uint8_t>(Frame::kDelta2)) return false;
+    uint64_t first = 0, base = 0, d1 = 0;
+    if (frame == static_cast<uint8_t>(Frame::kReference)) {
+      if (!Varint(&base)) return false;
+    } else {
+      if (!Varint(&first)) return false;
+      if (frame == static_cast<uint8_t>(Frame::kDelta2) && !Varint(&d1)) return false;
+      if (!Varint(&base)) return false;
+      base = static_cast<uint64_t>(Unzigzag(base));
+      d1 = static_cast<uint64_t>(Unzigzag(d1));
+    }
+    uint8_t width = 0;
+    if (!Byte(&width) || width > 64) return false;
+    const size_t fixed = frame == static_cast<uint8_t>(Frame::kReference) ? 0
+                         : frame == static_cast<uint8_t>(Frame::kDelta)   ? 1
+                                                                           : 2;
+    if (n < fixed) return false;
+    const size_t packed = n - fixed;
+    const size_t bytes = PackedBytes(packed, width);
+    if (bytes > data_.size() - pos_) return false;
+    out.reserve(n);
+    size_t bit = pos_ * 8;
+    auto get = [&]() -> uint64_t {
+      if (width == 0) return 0;
+      uint64_t v = 0;
+      const size_t byte = bit / 8;
+      const int shift = static_cast<int>(bit % 8);
+      const size_t avail = data_.size() - byte;
+      if (avail >= 8) {
+        std::memcpy(&v, data_.data() + byte, 8);
+        v = LittleEndian(v);
+      } else {
+        for (size_t i = 0; i < avail; ++i) v |= uint64_t{static_cast<uint8_t>(data_[byte + i])} << (8 * i);
+      }
+      v >>= shift;
+      if (shift + width > 64) v |= uint64_t{static_cast<uint8_t>(data_[byte + 8])} << (64 - shift);
+      bit += width;
+      return width == 64 ? v : v & ((uint64_t{1} << width) - 1);
+    };
+    if (frame == static_cast<uint8_t>(Frame::kReference)) {
+      for (size_t i = 0; i < n; ++i) out.push_back(get() + base);
+    } else if (frame == static_cast<uint8_t>(Frame::kDelta)) {
+      out.push_back(first);
+      for (size_t i = 1; i < n; ++i) out.push_back(out.back() + get() + base);
+    } else {
+      out.push_back(first);
+      out.push_back(first + d1);
+      uint64_t d = d1;
+      for (size_t i = 2; i < n; ++i) {
+        d += get() + base;
+        out.push_back(out.back() + d);
+      }
+    }
+    pos_ += bytes;
+    return true;
+  }
+  bool AtEnd() const { return pos_ == data_.size(); }
+
+ private:
+  static uint64_t LittleEndian(uint64_t v) {
+    if constexpr (std::endian::native == std::endian::little) return v;
+    uint64_t out = 0;
+    for (int i = 0; i < 8; ++i) out = (out << 8) | ((v >> (8 * i)) & 0xff);
+    return out;
+  }
+  std::string_view data_;
+  size_t pos_ = 0;
+};
+
+Status Malformed(const char* what) { return Status::Internal(std::string("step block: ") + what); }
+
+}  // namespace
+
+void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out) {
+  const size_t n = steps.size();
+  out.push_back(static_cast<char>(kBlockVersion));
+  PutVarint(out, n);
+  std::vector<uint64_t> ints(n);
+  auto column = [&](auto field) {
+    for (size_t i = 0; i < n; ++i) ints[i] = field(steps[i]);
+    EncodeInts(ints, out);
+  };
+  column([](const CompletedStep& s) { return s.step; });
+  column([](const CompletedStep& s) { return Ordered64(s.wall_time); });
+  column([](const CompletedStep& s) { return uint64_t{s.partial}; });
+  column([](const CompletedStep& s) { return uint64_t{s.ranks_reported}; });
+  column([](const CompletedStep& s) { return s.client_dropped_steps; });
+  column([](const CompletedStep& s) { return uint64_t{s.values.size()}; });
+
+  // Series columns in order of first appearance, and the column of every value.
+  std::unordered_map<SeriesId, uint32_t> column_of;
+  std::vector<uint64_t> ids;
+  std::vector<uint32_t> value_columns;
+  bool full = true;
+  for (const CompletedStep& s : steps) {
+    for (size_t j = 0; j < s.values.size(); ++j) {
+      const auto [it, added] = column_of.try_emplace(s.values[j].id, static_cast<uint32_t>(ids.size()));
+      if (added) ids.push_back(s.values[j].id);
+      value_columns.push_back(it->second);
+      full = full && it->second == j;
+    }
+  }
+  for (const CompletedStep& s : steps) full = full && s.values.size() == ids.size();
+  PutVarint(out, ids.size());
+  EncodeInts(ids, out);
+  out.push_back(static_cast<char>(full ? 0 : 1));
+  if (!full) {
+    ints.assign(value_columns.begin(), value_columns.end());
+    EncodeInts(ints, out);
+  }
+  // Each column's values, gathered in step order.
+  std::vector<size_t> start(ids.size() + 1, 0);
+  for (uint32_t c : value_columns) ++start[c + 1];
+  for (size_t c = 0; c < ids.size(); ++c) start[c + 1] += start[c];
+  std::vector<double> gathered(value_columns.size());
+  {
+    std::vector<size_t> next(start.begin(), start.end() - 1);
+    size_t k = 0;
+    for (const CompletedStep& s : steps) {
+      for (const SeriesValue& v : s.values) gathered[next[value_columns[k++]]++] = v.value;
+    }
+  }
+  std::string candidate;
+  for (size_t c = 0; c < ids.size(); ++c) {
+    EncodeValues(gathered.data() + start[c], start[c + 1] - start[c], ints, candidate, out);
+  }
+}
+
+Status DecodeStepBlock(std::string_view data, std::vector<CompletedStep>& out) {
+  Reader in(data);
+  uint8_t version = 0;
+  if (!in.Byte(&version)) return Malformed("empty");
+  if (version != kBlockVersion) return Malformed("unknown version");
+  uint64_t n = 0;
+  if (!in.Varint(&n) || n == 0 || n > kMaxBlockSteps) return Malformed("bad step count");
+  out.resize(n);
+  std::vector<uint64_t> ints;
+  if (!in.Ints(n, ints)) return Malformed("bad step column");
+  for (size_t i = 0; i < n; ++i) out[i].step = ints[i];
+  if (!in.Ints(n, ints)) return Malformed("bad wall time column");
+  for (size_t i = 0; i < n; ++i) out[i].wall_time = FromOrdered64(ints[i]);
+  if (!in.Ints(n, ints)) return Malformed("bad partial column");
+  for (size_t i = 0; i < n; ++i) {
+    if (ints[i] > 1) return Malformed("bad partial flag");
+    out[i].partial = ints[i] != 0;
+  }
+  if (!in.Ints(n, ints)) return Malformed("bad ranks column");
+  for (size_t i = 0; i < n; ++i) {
+    if (ints[i] > std::numeric_limits<uint32_t>::max()) return Malformed("bad rank count");
+    out[i].ranks_reported = static_cast<uint32_t>(ints[i]);
+  }
+  if (!in.Ints(n, ints)) return Malformed("bad dropped column");
+  for (size_t i = 0; i < n; ++i) out[i].client_dropped_steps = ints[i];
+  std::vector<uint64_t> counts;
+  if (!in.Ints(n, counts)) return Malformed("bad value count column");
+  size_t total = 0;
+  for (uint64_t c : counts) {
+    if (c > kMaxBlockValues - total) return Malformed("too many values");
+    total += c;
+  }
+  uint64_t column_count = 0;
+  if (!in.Varint(&column_count) || column_count > total) return Malformed("bad series count");
+  std::vector<uint64_t> ids;
+  if (!in.Ints(column_count, ids)) return Malformed("bad series ids");
+  for (uint64_t id : ids) {
+    if (id > std::numeric_limits<SeriesId>::max()) return Malformed("bad series id");
+  }
+  uint8_t layout = 0;
+  if (!in.Byte(&layout) || layout > 1) return Malformed("bad layout");
+  std::vector<uint64_t> value_columns;
+  std::vector<size_t> lengths(column_count, 0);
+  if (layout == 0) {
+    for (uint64_t c : counts) {
+      if (c != column_count) return Malformed("a step of a full block lacks series");
+    }
+    for (size_t& l : lengths) l = n;
+  } else {
+    if (!in.Ints(total, value_columns)) return Malformed("bad layout column");
+    for (uint64_t c : value_columns) {
+      if (c >= column_count) return Malformed("bad column index");
+      ++lengths[c];
+    }
+  }
+  // Every column's values, decoded into one array at the column's offset.
+  std::vector<size_t> start(column_count + 1, 0);
+  for (size_t c = 0; c < column_count; ++c) start[c + 1] = start[c] + lengths[c];
+  std::vector<double> values(total);
+  for (size_t c = 0; c < column_count; ++c) {
+    uint8_t kind = 0;
+    if (lengths[c] == 0) continue;
+    if (!in.Byte(&kind) || kind > static_cast<uint8_t>(ValueKind::kFloat64)) return Malformed("bad value kind");
+    uint8_t exponent = 0;
+    if (kind == static_cast<uint8_t>(ValueKind::kDecimal) && (!in.Byte(&exponent) || exponent > kMaxDecimalExponent)) {
+      return Malformed("bad decimal exponent");
+    }
+    if (!in.Ints(lengths[c], ints)) return Malformed("bad value column");
+    double* dst = values.data() + start[c];
+    switch (static_cast<ValueKind>(kind)) {
+      case ValueKind::kFloat32:
+        for (size_t i = 0; i < lengths[c]; ++i) {
+          if (ints[i] > std::numeric_limits<uint32_t>::max()) return Malformed("bad float32 value");
+          dst[i] = static_cast<double>(std::bit_cast<float>(FromOrdered32(static_cast<uint32_t>(ints[i]))));
+        }
+        break;
+      case ValueKind::kDecimal:
+        for (size_t i = 0; i < lengths[c]; ++i) {
+          dst[i] = static_cast<double>(static_cast<int64_t>(ints[i])) / kPow10[exponent];
+        }
+        break;
+      case ValueKind::kFloat64:
+        for (size_t i = 0; i < lengths[c]; ++i) dst[i] = FromOrdered64(ints[i]);
+        break;
+    }
+  }
+  if (!in.AtEnd()) return Malformed("trailing bytes");
+  std::vector<size_t> next(start.begin(), start.end() - 1);
+  size_t k = 0;
+  for (size_t i = 0; i < n; ++i) {
+    CompletedStep& s = out[i];
+    s.values.resize(counts[i]);
+    for (size_t j = 0; j < counts[i]; ++j, ++k) {
+      const size_t c = layout == 0 ? j : static_cast<size_t>(value_columns[k]);
+      s.values[j] = {static_cast<SeriesId>(ids[c]), values[next[c]++]};
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace gradwatch::store

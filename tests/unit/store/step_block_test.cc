@@ -1,0 +1,193 @@
+#include "server/store/step_block.h"
+
+#include <catch2/catch.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace gradwatch;
+using namespace gradwatch::store;
+
+namespace {
+
+// A block of `steps` steps with one value per series per step, made by value(series, step).
+template <typename ValueFn>
+std::vector<CompletedStep> MakeSteps(size_t steps, uint32_t series, ValueFn value) {
+  std::vector<CompletedStep> out(steps);
+  for (size_t i = 0; i < steps; ++i) {
+    CompletedStep& s = out[i];
+    s.step = 1000 + i;
+    s.wall_time = 1.7e9 + 0.37 * static_cast<double>(i);
+    s.ranks_reported = 8;
+    for (uint32_t id = 0; id < series; ++id) s.values.push_back({id, value(id, i)});
+  }
+  return out;
+}
+
+// Every field, and every value bit for bit.
+void RequireSameSteps(const std::vector<CompletedStep>& a, const std::vector<CompletedStep>& b) {
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    REQUIRE(a[i].step == b[i].step);
+    REQUIRE(std::bit_cast<uint64_t>(a[i].wall_time) == std::bit_cast<uint64_t>(b[i].wall_time));
+    REQUIRE(a[i].partial == b[i].partial);
+    REQUIRE(a[i].ranks_reported == b[i].ranks_reported);
+    REQUIRE(a[i].client_dropped_steps == b[i].client_dropped_steps);
+    REQUIRE(a[i].values.size() == b[i].values.size());
+    for (size_t j = 0; j < a[i].values.size(); ++j) {
+      REQUIRE(a[i].values[j].id == b[i].values[j].id);
+      REQUIRE(std::bit_cast<uint64_t>(a[i].values[j].value) == std::bit_cast<uint64_t>(b[i].values[j].value));
+    }
+  }
+}
+
+// Encodes, decodes, checks equality; returns the encoded bytes per value.
+double RoundTrip(const std::vector<CompletedStep>& steps) {
+  std::string blob;
+  EncodeStepBlock(steps, blob);
+  std::vector<CompletedStep> back;
+  const Status s = DecodeStepBlock(blob, back);
+  REQUIRE(s.ok());
+  RequireSameSteps(steps, back);
+  size_t values = 0;
+  for (const CompletedStep& step : steps) values += step.values.size();
+  return static_cast<double>(blob.size()) / static_cast<double>(values);
+}
+
+}  // namespace
+
+TEST_CASE("step blocks of float32 norms widened to double take under 3 bytes a value", "[store][step_block]") {
+  std::mt19937_64 rng(7);
+  std::normal_distribution<double> noise(0.0, 0.01);
+  // A norm per series drifting slowly, with 1 % noise, computed in float32 as a trainer does.
+  const auto steps = MakeSteps(64, 2001, [&](uint32_t id, size_t i) {
+    const float v = static_cast<float>((1.0 + 0.1 * id) * (1.0 + 1e-4 * static_cast<double>(i)) * (1.0 + noise(rng)));
+    return static_cast<double>(v);
+  });
+  const double per_value = RoundTrip(steps);
+  CAPTURE(per_value);
+  REQUIRE(per_value < 3.0);
+}
+
+TEST_CASE("step blocks of decimal text with six significant digits take under 3 bytes a value",
+          "[store][step_block]") {
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> noise(0.0, 0.01);
+  // As a W&B JSONL log writes them ("%.6g"), read back with strtod.
+  const auto steps = MakeSteps(64, 2001, [&](uint32_t id, size_t i) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.6g",
+                  (0.01 + 0.001 * id) * (1.0 + 1e-4 * static_cast<double>(i)) * (1.0 + noise(rng)));
+    return std::strtod(text, nullptr);
+  });
+  const double per_value = RoundTrip(steps);
+  CAPTURE(per_value);
+  REQUIRE(per_value < 3.0);
+}
+
+TEST_CASE("step blocks of smooth computed doubles and of counters are tiny", "[store][step_block]") {
+  const auto steps = MakeSteps(64, 500, [](uint32_t id, size_t i) {
+    return id % 2 == 0 ? std::sqrt(100.0 + 1e-4 * static_cast<double>(i)) : static_cast<double>(i * 3 + id);
+  });
+  const double per_value = RoundTrip(steps);
+  CAPTURE(per_value);
+  REQUIRE(per_value < 1.5);
+}
+
+TEST_CASE("step blocks keep arbitrary doubles exactly", "[store][step_block]") {
+  std::mt19937_64 rng(3);
+  const auto steps = MakeSteps(40, 50, [&](uint32_t, size_t) {
+    uint64_t bits = rng();
+    return std::bit_cast<double>(bits);  // any bit pattern: NaNs with payloads, subnormals, infinities
+  });
+  const double per_value = RoundTrip(steps);
+  REQUIRE(per_value <= 8.5);
+}
+
+TEST_CASE("step blocks keep special values and extreme exponents exactly", "[store][step_block]") {
+  const double specials[] = {0.0,
+                             -0.0,
+                             std::numeric_limits<double>::infinity(),
+                             -std::numeric_limits<double>::infinity(),
+                             std::numeric_limits<double>::quiet_NaN(),
+                             -std::numeric_limits<double>::quiet_NaN(),
+                             std::bit_cast<double>(uint64_t{0x7ff0000000000001}),  // signalling NaN
+                             std::bit_cast<double>(uint64_t{0x7ff8dead00000000}),  // NaN with a payload
+                             std::numeric_limits<double>::denorm_min(),
+                             -std::numeric_limits<double>::denorm_min(),
+                             std::numeric_limits<double>::min(),
+                             std::numeric_limits<double>::max(),
+                             -std::numeric_limits<double>::max(),
+                             1e-300,
+                             1e300,
+                             0.1,
+                             -0.3,
+                             123456789.125,
+                             static_cast<double>(std::numeric_limits<float>::max()),
+                             static_cast<double>(std::numeric_limits<float>::denorm_min()),
+                             9007199254740993.0};
+  const size_t count = std::size(specials);
+  // Each special alone in a column, and every special mixed into every column.
+  SECTION("one kind per column") {
+    RoundTrip(MakeSteps(5, static_cast<uint32_t>(count), [&](uint32_t id, size_t) { return specials[id]; }));
+  }
+  SECTION("mixed in each column") {
+    RoundTrip(MakeSteps(count, 7, [&](uint32_t id, size_t i) { return specials[(i + id) % count]; }));
+  }
+  SECTION("one step") {
+    RoundTrip(MakeSteps(1, static_cast<uint32_t>(count), [&](uint32_t id, size_t) { return specials[id]; }));
+  }
+}
+
+TEST_CASE("step blocks keep steps with differing series, order and duplicates", "[store][step_block]") {
+  std::vector<CompletedStep> steps(6);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    steps[i].step = 10 + 3 * i + (i == 4 ? 100 : 0);  // a gap
+    steps[i].wall_time = i == 2 ? 0.0 : 1.7e9 + static_cast<double>(i);
+    steps[i].partial = i % 2 == 1;
+    steps[i].ranks_reported = static_cast<uint32_t>(i);
+    steps[i].client_dropped_steps = i == 5 ? std::numeric_limits<uint64_t>::max() : 0;
+  }
+  steps[0].values = {{5, 1.0}, {9, 2.0}};
+  steps[1].values = {{9, 3.0}, {5, 4.0}};                  // another order
+  steps[2].values = {};                                    // none
+  steps[3].values = {{7, 5.0}, {5, 6.0}, {5, 6.5}};        // a new series and a duplicate
+  steps[4].values = {{std::numeric_limits<SeriesId>::max(), 0.25}};
+  steps[5].values = {{5, 7.0}, {9, 8.0}, {7, 9.0}};
+  RoundTrip(steps);
+}
+
+TEST_CASE("step blocks of steps without values, and of one value", "[store][step_block]") {
+  std::vector<CompletedStep> steps(3);
+  for (size_t i = 0; i < steps.size(); ++i) steps[i].step = i;
+  RoundTrip(steps);
+  steps.resize(1);
+  steps[0].values = {{1, 0.5}};
+  RoundTrip(steps);
+}
+
+TEST_CASE("damaged step blocks are refused, never misread", "[store][step_block]") {
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const auto steps = MakeSteps(16, 20, [&](uint32_t, size_t) { return static_cast<double>(static_cast<float>(u(rng))); });
+  std::string blob;
+  EncodeStepBlock(steps, blob);
+  std::vector<CompletedStep> back;
+  REQUIRE_FALSE(DecodeStepBlock("", back).ok());
+  REQUIRE_FALSE(DecodeStepBlock(std::string(1, '\x02'), back).ok());  // unknown version
+  // Every truncation fails: the decoder knows how long each part must be.
+  for (size_t len = 0; len < blob.size(); ++len) {
+    CAPTURE(len);
+    REQUIRE_FALSE(DecodeStepBlock(std::string_view(blob).substr(0, len), back).ok());
+  }
+  REQUIRE_FALSE(DecodeStepBlock(blob + "x", back).ok());
+  // A claim of more steps than a block may hold.
+  std::string huge = "\x01\xff\xff\xff\x0f";
+  REQUIRE_FALSE(DecodeStepBlock(huge, back).ok());
+}
