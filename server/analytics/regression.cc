@@ -22,18 +22,6 @@ double LinearFit::PredictAt(uint64_t step) const {
   return value_at_last_step + slope_per_step * StepDelta(step, last_step);
 }
 
-void CompensatedSum::Add(double x) {
-  const double t = sum_ + x;
-  if (std::isinf(t)) {
-    compensation_ = 0;  // as Prometheus does: the compensation of an overflowed sum means nothing
-  } else if (std::fabs(sum_) >= std::fabs(x)) {
-    compensation_ += (sum_ - t) + x;  // Neumaier: the low bits of x were lost
-  } else {
-    compensation_ += (x - t) + sum_;  // the low bits of sum_ were lost
-  }
-  sum_ = t;
-}
-
 void CompensatedSum::Add(const CompensatedSum& other) {
   Add(other.sum_);
   Add(other.compensation_);
@@ -158,31 +146,44 @@ void RegressionSums::Clear() {
 }
 
 std::optional<LinearFit> RegressionSums::Fit() const {
-  if (count_ < 2 || first_step_ == last_step_) {
+  return FitSums(count_, sum_x_.value(), sum_y_.value(), sum_xx_.value(), sum_xy_.value(), sum_yy_.value(),
+                 origin_step_, value_origin_, first_step_, last_step_);
+}
+
+std::optional<LinearFit> RegressionSums::FitWith(const RegressionSums& other, uint64_t first_step,
+                                                 uint64_t last_step) const {
+  RegressionSums merged = *this;
+  merged.Merge(other);
+  merged.SetStepRange(first_step, last_step);
+  return merged.Fit();
+}
+
+std::optional<LinearFit> RegressionSums::FitSums(size_t count, double sx, double sy, double sxx, double sxy,
+                                                 double syy, uint64_t origin_step, double value_origin,
+                                                 uint64_t first_step, uint64_t last_step) {
+  if (count < 2 || first_step == last_step) {
     return std::nullopt;
   }
-  const double n = static_cast<double>(count_);
-  const double sx = sum_x_.value();
-  const double sy = sum_y_.value();
+  const double n = static_cast<double>(count);
   // Prometheus's covXY and varX.
-  const double cov_xy = sum_xy_.value() - sx * sy / n;
-  const double var_x = sum_xx_.value() - sx * sx / n;
+  const double cov_xy = sxy - sx * sy / n;
+  const double var_x = sxx - sx * sx / n;
   if (!(var_x > 0) || !std::isfinite(cov_xy)) {
     return std::nullopt;
   }
   LinearFit fit;
-  fit.samples = count_;
-  fit.first_step = first_step_;
-  fit.last_step = last_step_;
+  fit.samples = count;
+  fit.first_step = first_step;
+  fit.last_step = last_step;
   fit.slope_per_step = cov_xy / var_x;
   // The line passes through the means; evaluate it at last_step (Prometheus's intercept at the
   // evaluation time, sumY/n − slope·sumX/n with x measured from there).
   const double mean_x = sx / n;
   const double mean_y = sy / n;
   fit.value_at_last_step =
-      value_origin_ + (mean_y + fit.slope_per_step * (StepDelta(last_step_, origin_step_) - mean_x));
-  if (count_ >= 3) {
-    const double var_y = sum_yy_.value() - sy * sy / n;
+      value_origin + (mean_y + fit.slope_per_step * (StepDelta(last_step, origin_step) - mean_x));
+  if (count >= 3) {
+    const double var_y = syy - sy * sy / n;
     const double residual_ss = std::max(0.0, var_y - fit.slope_per_step * cov_xy);
     fit.residual_stddev = std::sqrt(residual_ss / (n - 2));
     fit.slope_stderr_per_step = fit.residual_stddev / std::sqrt(var_x);
@@ -209,7 +210,24 @@ void WindowedSlope::GrowRing() {
   // Unwrap the held buckets to the front, then extend: the ring's order is kept with head_ 0.
   std::rotate(ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(head_), ring_.end());
   head_ = 0;
-  ring_.resize(std::min(ring_capacity_, std::max<size_t>(kFirstRingSize, ring_.size() * 2)));
+  ring_.resize(std::min(ring_capacity_ - 1, std::max<size_t>(kFirstRingSize, ring_.size() * 2)));
+}
+
+void WindowedSlope::CloseOpenBucket() {
+  closed_.Merge(open_);
+  if (held_ == ring_.size()) GrowRing();
+  assert(held_ < ring_.size());
+  ring_[slot(held_)] = open_;
+  ++held_;
+}
+
+void WindowedSlope::OpenBucket(uint64_t step, double value) {
+  open_ = RegressionSums(step, value);
+  has_open_ = true;
+  if (held_ == 0) expire_step_ = step + window_steps_ > step ? step + window_steps_ : UINT64_MAX;
+  const uint64_t index = step / bucket_steps_;
+  const uint64_t end = (index + 1) * bucket_steps_;
+  open_end_step_ = end > step ? end : UINT64_MAX;
 }
 
 bool WindowedSlope::AddSample(uint64_t step, double value) {
@@ -223,58 +241,74 @@ bool WindowedSlope::AddSample(uint64_t step, double value) {
   }
   has_samples_ = true;
   last_step_ = step;
-  ExpireBefore(step);
-  if (held_ == 0) {
-    window_ = RegressionSums(step, value);
+  if (has_open_ && step >= expire_step_) ExpireBefore(step);
+  if (!has_open_) {
+    closed_ = RegressionSums(step, value);
     expiries_since_recompute_ = 0;
+    OpenBucket(step, value);
+  } else if (step >= open_end_step_) {
+    CloseOpenBucket();
+    OpenBucket(step, value);
+    MaybeRecompute();
   }
-  const uint64_t index = step / bucket_steps_;
-  if (held_ == 0 || held(held_ - 1).index != index) {
-    if (held_ == ring_.size()) GrowRing();
-    assert(held_ < ring_.size());
-    Bucket& bucket = ring_[(head_ + held_) % ring_.size()];
-    bucket.index = index;
-    bucket.sums = RegressionSums(step, value);
-    ++held_;
-  }
-  ring_[(head_ + held_ - 1) % ring_.size()].sums.Add(step, value);
-  window_.Add(step, value);
-  window_.SetStepRange(held(0).sums.first_step(), step);
-  if (expiries_since_recompute_ >= max_buckets_ ||
-      (step - window_.origin_step()) / 4 >= window_steps_) {
-    Recompute();
-  }
+  open_.Add(step, value);
   return true;
 }
 
 void WindowedSlope::ExpireBefore(uint64_t newest_step) {
-  while (held_ > 0 && newest_step - held(0).sums.first_step() >= window_steps_) {
-    window_.Subtract(held(0).sums);
-    head_ = (head_ + 1) % ring_.size();
+  while (held_ > 0 && newest_step - ring_[head_].first_step() >= window_steps_) {
+    closed_.Subtract(ring_[head_]);
+    head_ = slot(1);
     --held_;
     ++expiries_since_recompute_;
+  }
+  if (held_ > 0) {
+    const uint64_t first = ring_[head_].first_step();
+    expire_step_ = first + window_steps_ > first ? first + window_steps_ : UINT64_MAX;
+    MaybeRecompute();
+    return;
+  }
+  closed_.Clear();
+  if (newest_step - open_.first_step() >= window_steps_) {
+    // The open bucket expires too: nothing is left.
+    has_open_ = false;
+    ++expiries_since_recompute_;
+  } else {
+    const uint64_t first = open_.first_step();
+    expire_step_ = first + window_steps_ > first ? first + window_steps_ : UINT64_MAX;
+  }
+}
+
+void WindowedSlope::MaybeRecompute() {
+  if (expiries_since_recompute_ >= max_buckets_ ||
+      (closed_.count() > 0 && ((last_step_ - closed_.origin_step()) >> 2) >= window_steps_)) {
+    Recompute();
   }
 }
 
 void WindowedSlope::Recompute() {
-  const RegressionSums& oldest = held(0).sums;
+  if (held_ == 0) return;
+  const RegressionSums& oldest = ring_[head_];
   RegressionSums exact(oldest.origin_step(), oldest.value_origin());
   for (size_t i = 0; i < held_; ++i) {
-    exact.Merge(held(i).sums);
+    exact.Merge(ring_[slot(i)]);
   }
-  window_ = exact;
+  closed_ = exact;
   expiries_since_recompute_ = 0;
   ++recomputes_;
 }
 
-size_t WindowedSlope::CapacityBytes() const { return sizeof(*this) + ring_capacity_ * sizeof(Bucket); }
+size_t WindowedSlope::CapacityBytes() const { return sizeof(*this) + (ring_capacity_ - 1) * sizeof(Bucket); }
 
-std::optional<LinearFit> WindowedSlope::Fit() const { return window_.Fit(); }
+std::optional<LinearFit> WindowedSlope::Fit() const {
+  if (!has_open_) return std::nullopt;
+  return closed_.FitWith(open_, held_ > 0 ? ring_[head_].first_step() : open_.first_step(), last_step_);
+}
 
 RegressionSums WindowedSlope::SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const {
   RegressionSums sums;
   for (size_t i = 0; i < count; ++i) {
-    const RegressionSums& bucket = held(i).sums;
+    const RegressionSums& bucket = held(i);
     if (bucket.first_step() > to_step) {
       break;
     }
@@ -286,19 +320,18 @@ RegressionSums WindowedSlope::SumsOfHeldInRange(size_t count, uint64_t from_step
 }
 
 RegressionSums WindowedSlope::SumsInRange(uint64_t from_step, uint64_t to_step) const {
-  return SumsOfHeldInRange(held_, from_step, to_step);
+  return SumsOfHeldInRange(held_ + (has_open_ ? 1 : 0), from_step, to_step);
 }
 
 RegressionSums WindowedSlope::ClosedSumsInRange(uint64_t from_step, uint64_t to_step) const {
-  return SumsOfHeldInRange(held_ > 0 ? held_ - 1 : 0, from_step, to_step);
+  return SumsOfHeldInRange(held_, from_step, to_step);
 }
 
 const RegressionSums* WindowedSlope::ClosedBy(uint64_t step, double value) const {
-  if (held_ == 0 || !std::isfinite(value) || step < last_step_) {
+  if (!has_open_ || !std::isfinite(value) || step < last_step_) {
     return nullptr;
   }
-  const Bucket& newest = held(held_ - 1);
-  return step / bucket_steps_ != newest.index ? &newest.sums : nullptr;
+  return step >= open_end_step_ ? &open_ : nullptr;
 }
 
 std::optional<LinearFit> WindowedSlope::FitRange(uint64_t from_step, uint64_t to_step) const {

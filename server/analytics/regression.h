@@ -10,6 +10,7 @@
 // Pure maths: no I/O, no locks. Not thread-safe: the owner serialises access.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -38,10 +39,20 @@ struct LinearFit {
   double PredictAt(uint64_t step) const;
 };
 
-// A Kahan–Neumaier compensated sum (the variant Prometheus's kahanSumInc uses).
+// A Kahan–Neumaier compensated sum (the variant Prometheus's kahanSumInc uses). The error of each
+// addition is computed branch-free with Knuth's TwoSum, which gives the same exact error as
+// Neumaier's branch on the larger magnitude (so the same sums, bit for bit) without a
+// mispredicted branch when terms of either sign alternate.
 class CompensatedSum {
  public:
-  void Add(double x);
+  void Add(double x) {
+    const double t = sum_ + x;
+    const double x_part = t - sum_;
+    const double error = (sum_ - (t - x_part)) + (x - x_part);
+    // As Prometheus does: the compensation of an overflowed sum means nothing.
+    compensation_ = std::isinf(t) ? 0.0 : compensation_ + error;
+    sum_ = t;
+  }
   // Adds another compensated sum, keeping its compensation term.
   void Add(const CompensatedSum& other);
   void Subtract(const CompensatedSum& other);
@@ -56,8 +67,9 @@ class CompensatedSum {
 // y = value − value_origin: both origins keep the terms small, so a window far along the step axis
 // or values near 1e6 with a small slope lose no precision to cancellation. The origins are fixed
 // at construction (or by the first Add of a default-constructed object); Merge and Subtract shift
-// the other object's sums to this object's origins.
-class RegressionSums {
+// the other object's sums to this object's origins. 128 bytes, aligned to a cache line: an Add
+// touches two lines.
+class alignas(64) RegressionSums {
  public:
   // Origins are taken from the first sample added (or the first object merged).
   RegressionSums() = default;
@@ -77,6 +89,9 @@ class RegressionSums {
 
   // Needs ≥ 2 samples at distinct steps; the standard errors need ≥ 3 samples (NaN otherwise).
   std::optional<LinearFit> Fit() const;
+  // The fit of this object's samples and other's merged, their steps spanning
+  // [first_step, last_step].
+  std::optional<LinearFit> FitWith(const RegressionSums& other, uint64_t first_step, uint64_t last_step) const;
 
   size_t count() const { return count_; }
   bool empty() const { return count_ == 0; }
@@ -88,6 +103,10 @@ class RegressionSums {
  private:
   // Adds (sign = +1) or removes (sign = −1) other's sums, shifted to this object's origins.
   void Accumulate(const RegressionSums& other, double sign);
+  // The fit of n samples with these sums, x and y measured from the origins.
+  static std::optional<LinearFit> FitSums(size_t count, double sx, double sy, double sxx, double sxy, double syy,
+                                          uint64_t origin_step, double value_origin, uint64_t first_step,
+                                          uint64_t last_step);
 
   bool has_origin_ = false;
   uint64_t origin_step_ = 0;
@@ -106,10 +125,12 @@ class RegressionSums {
 // O(1) amortised per sample. Memory grows with the buckets held: the ring starts empty and
 // doubles (from 4 buckets) up to the most a window can span, after which AddSample never
 // allocates. Samples are aggregated into buckets of bucket_steps = ceil(window_steps / max_buckets)
-// consecutive steps (bucket k holds steps [k·bucket_steps, (k+1)·bucket_steps)), kept in a ring; the window sums add each new sample and
-// subtract each bucket that expires, and are recomputed exactly from the buckets every max_buckets
-// expiries (or when the window has moved 4 windows past the sums' origin), so rounding error cannot
-// build up.
+// consecutive steps (bucket k holds steps [k·bucket_steps, (k+1)·bucket_steps)), kept in a ring. A
+// sample is added to the newest (open) bucket only: the sums of the closed buckets in the window
+// add each bucket as it closes and subtract each bucket that expires, and are recomputed exactly
+// from the buckets every max_buckets expiries (or when the window has moved 4 windows past the
+// sums' origin), so rounding error cannot build up; Fit combines them with the open bucket. A
+// sample thus costs one bucket update, and reads only the window's bookkeeping and its open bucket.
 //
 // Window edge: a bucket expires, with all its samples, as soon as its oldest sample leaves the
 // window. With bucket_steps == 1 (window_steps ≤ max_buckets) the window is exact for every
@@ -139,7 +160,7 @@ class WindowedSlope {
   // Like SumsInRange over the held buckets but the newest (those no sample can join any more).
   RegressionSums ClosedSumsInRange(uint64_t from_step, uint64_t to_step) const;
   // The newest held bucket (samples may still join it); null when none is held.
-  const RegressionSums* open_bucket() const { return held_ > 0 ? &held(held_ - 1).sums : nullptr; }
+  const RegressionSums* open_bucket() const { return has_open_ ? &open_ : nullptr; }
   // The open bucket if AddSample(step, value) would close it (the sample is accepted and starts a
   // newer bucket); else null.
   const RegressionSums* ClosedBy(uint64_t step, double value) const;
@@ -148,7 +169,7 @@ class WindowedSlope {
   uint64_t bucket_steps() const { return bucket_steps_; }
   // The most memory the window can come to hold (its ring at full size), in bytes.
   size_t CapacityBytes() const;
-  size_t samples_in_window() const { return window_.count(); }
+  size_t samples_in_window() const { return has_open_ ? closed_.count() + open_.count() : 0; }
   // Whether any sample was ever accepted; last_step() is meaningful only then.
   bool has_samples() const { return has_samples_; }
   uint64_t last_step() const { return last_step_; }
@@ -158,31 +179,50 @@ class WindowedSlope {
   uint64_t recomputes() const { return recomputes_; }
 
  private:
-  struct Bucket {
-    uint64_t index = 0;  // step / bucket_steps_
-    RegressionSums sums;
-  };
+  // A held bucket is its sums: its index is first_step() / bucket_steps_.
+  using Bucket = RegressionSums;
 
-  const Bucket& held(size_t i) const { return ring_[(head_ + i) % ring_.size()]; }
+  // Ring slot of the ith closed bucket, oldest first (i < held_).
+  uint32_t slot(size_t i) const {
+    const size_t s = head_ + i;
+    return static_cast<uint32_t>(s < ring_.size() ? s : s - ring_.size());
+  }
+  // The ith held bucket, oldest first: the closed ones, then the open one (i ≤ held_).
+  const Bucket& held(size_t i) const { return i < held_ ? ring_[slot(i)] : open_; }
   // The sums of the first `count` held buckets whose samples all lie in [from_step, to_step].
   RegressionSums SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const;
   static constexpr size_t kFirstRingSize = 4;
   void ExpireBefore(uint64_t newest_step);
+  // Recomputes closed_ if due (see the class comment).
+  void MaybeRecompute();
   void Recompute();
-  // Doubles the ring (up to ring_capacity_); called when every slot holds a bucket.
+  // Doubles the ring (up to ring_capacity_ − 1); called when every slot holds a bucket.
   void GrowRing();
+  // Moves the open bucket into the ring and its sums into closed_.
+  void CloseOpenBucket();
+  // Opens a bucket with its first sample's step and value as origins.
+  void OpenBucket(uint64_t step, double value);
+
+  // What AddSample reads for every sample, contiguous: this first cache line, then the open
+  // bucket; no division, and no closed bucket.
+  std::vector<Bucket> ring_;  // closed buckets, oldest first from head_; at most ring_capacity_ − 1
+  uint64_t last_step_ = 0;
+  // The open bucket takes samples at steps below this (the next bucket's first step).
+  uint64_t open_end_step_ = 0;
+  // The oldest held bucket expires once the newest step reaches this (its first step + window).
+  uint64_t expire_step_ = 0;
+  uint32_t head_ = 0;
+  uint32_t held_ = 0;  // closed buckets in the ring
+  bool has_open_ = false;  // whether any bucket is held: the newest one is always open
+  bool has_samples_ = false;
+  Bucket open_;
+  RegressionSums closed_;  // the sums of the closed buckets
+  uint64_t expiries_since_recompute_ = 0;
 
   uint64_t window_steps_;
   uint64_t bucket_steps_;
   size_t max_buckets_;
-  std::vector<Bucket> ring_;  // non-empty buckets, oldest first from head_; at most ring_capacity_
   size_t ring_capacity_ = 0;  // buckets a window can span: ceil(window / bucket_steps) + 1
-  size_t head_ = 0;
-  size_t held_ = 0;
-  RegressionSums window_;
-  bool has_samples_ = false;
-  uint64_t last_step_ = 0;
-  uint64_t expiries_since_recompute_ = 0;
   uint64_t recomputes_ = 0;
   uint64_t ignored_non_finite_ = 0;
   uint64_t ignored_out_of_order_ = 0;

@@ -1,8 +1,11 @@
 #include "server/ingest/ingest_service.h"
 
+#include <algorithm>
 #include <deque>
 #include <memory>
+#include <optional>
 
+#include <google/protobuf/arena.h>
 #include <grpcpp/alarm.h>
 #include <spdlog/spdlog.h>
 
@@ -28,7 +31,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
                                      "too many open streams (limits.max_streams)"));
       return;
     }
-    StartRead(&in_);
+    StartRead(NextMessage());
   }
 
   void OnReadDone(bool ok) override {
@@ -41,7 +44,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       Handle();
     } catch (const std::exception& e) {
       spdlog::error("stream from {}: unexpected error handling a message: {}", peer_, e.what());
-      SendError({IngestErrorReason::kInvalidMessage, "internal error handling this message"}, in_.seq());
+      SendError({IngestErrorReason::kInvalidMessage, "internal error handling this message"}, in_->seq());
     }
     ReadNext();
   }
@@ -52,7 +55,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       MutexLock lock(&mu_);
       if (finishing_ || holding_) return;
     }
-    StartRead(&in_);
+    StartRead(NextMessage());
   }
 
   void OnWriteDone(bool ok) override EXCLUDES(mu_) {
@@ -155,10 +158,10 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   void Handle() {
     runs::DaemonStats& stats = *service_->stats();
     stats.messages_received.fetch_add(1, std::memory_order_relaxed);
-    const uint64_t seq = in_.seq();
-    const size_t size = in_.ByteSizeLong();
+    const uint64_t seq = in_->seq();
+    const size_t size = in_->ByteSizeLong();
     if (size > service_->options().max_message_bytes) {
-      const uint64_t step = in_.has_step() ? in_.step().step() : in_.has_event() ? in_.event().step() : 0;
+      const uint64_t step = in_->has_step() ? in_->step().step() : in_->has_event() ? in_->event().step() : 0;
       Reject({IngestErrorReason::kOversized,
               "message of " + std::to_string(size) + " bytes exceeds the limit of " +
                   std::to_string(service_->options().max_message_bytes) + " bytes",
@@ -166,7 +169,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
              seq);
       return;
     }
-    switch (in_.body_case()) {
+    switch (in_->body_case()) {
       case v1::TrainerMessage::kHello: return HandleHello(seq);
       case v1::TrainerMessage::kStep: return HandleStep(seq);
       case v1::TrainerMessage::kEvent: return HandleEvent(seq);
@@ -180,7 +183,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   void HandleHello(uint64_t seq) {
     RunMeta meta;
     uint32_t rank = 0;
-    if (auto err = HelloFromProto(in_.hello(), service_->options().hello, &meta, &rank)) {
+    if (auto err = HelloFromProto(in_->hello(), service_->options().hello, &meta, &rank)) {
       Reject(*err, seq);
       return;
     }
@@ -216,7 +219,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       run_ = std::move(run);
     }
     spdlog::info("run {} rank {}/{}: stream from {} ({}), {} parameters", meta.run_id, rank, meta.world_size,
-                 peer_, in_.hello().client().empty() ? "unknown client" : in_.hello().client(),
+                 peer_, in_->hello().client().empty() ? "unknown client" : in_->hello().client(),
                  meta.params.size());
     v1::DaemonMessage msg;
     v1::Accepted* a = msg.mutable_accepted();
@@ -262,10 +265,10 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     uint32_t rank = 0;
     std::shared_ptr<runs::Run> run = CurrentRun(&rank);
     if (!run) {
-      Reject({IngestErrorReason::kNoHello, "step before hello: send a Hello first", in_.step().step()}, seq);
+      Reject({IngestErrorReason::kNoHello, "step before hello: send a Hello first", in_->step().step()}, seq);
       return;
     }
-    if (auto err = StepFromProto(in_.step(), seq, &step_)) {
+    if (auto err = StepFromProto(in_->step(), seq, &step_)) {
       Reject(*err, seq);
       return;
     }
@@ -340,12 +343,12 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     uint32_t rank = 0;
     std::shared_ptr<runs::Run> run = CurrentRun(&rank);
     if (!run) {
-      Reject({IngestErrorReason::kNoHello, "event before hello: send a Hello first", in_.event().step()},
+      Reject({IngestErrorReason::kNoHello, "event before hello: send a Hello first", in_->event().step()},
              seq);
       return;
     }
     EventRecord event;
-    if (auto err = EventFromProto(in_.event(), &event)) {
+    if (auto err = EventFromProto(in_->event(), &event)) {
       Reject(*err, seq);
       return;
     }
@@ -363,7 +366,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     }
     EndReason reason = EndReason::kFinished;
     std::string message;
-    if (auto err = GoodbyeFromProto(in_.goodbye(), &reason, &message)) {
+    if (auto err = GoodbyeFromProto(in_->goodbye(), &reason, &message)) {
       Reject(*err, seq);
       return;
     }
@@ -444,9 +447,41 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     Finish(finish_status_);
   }
 
+  // The message the next read fills, on arena_ emptied first: the previous message (and whatever
+  // points into it) is done with once a read is started. A step's thousands of nested messages
+  // then cost no malloc or free: the arena's first block is this stream's own buffer, regrown
+  // (up to kMaxKeptArenaBytes) when a message needed more, so that once warm a read allocates
+  // nothing. Read path only.
+  v1::TrainerMessage* NextMessage() {
+    if (arena_) {
+      const uint64_t used = arena_->SpaceAllocated();
+      if (used > arena_block_size_ && arena_block_size_ < kMaxKeptArenaBytes) {
+        arena_.reset();
+        arena_block_size_ = std::min<size_t>(kMaxKeptArenaBytes, (used + used / 4 + 4095) / 4096 * 4096);
+        arena_block_ = std::make_unique_for_overwrite<char[]>(arena_block_size_);
+      } else {
+        arena_->Reset();
+      }
+    }
+    if (!arena_) {
+      google::protobuf::ArenaOptions options;
+      options.initial_block = arena_block_.get();
+      options.initial_block_size = arena_block_ ? arena_block_size_ : 0;
+      options.max_block_size = 1 << 20;
+      arena_.emplace(options);
+    }
+    in_ = google::protobuf::Arena::CreateMessage<v1::TrainerMessage>(&*arena_);
+    return in_;
+  }
+
+  static constexpr size_t kMaxKeptArenaBytes = size_t{1} << 20;
+
   IngestService* const service_;
   const std::string peer_;
-  v1::TrainerMessage in_;  // only touched by the read path
+  std::unique_ptr<char[]> arena_block_;  // outlives arena_ (declared first)
+  size_t arena_block_size_ = 0;
+  std::optional<google::protobuf::Arena> arena_;
+  v1::TrainerMessage* in_ = nullptr;  // on arena_; only touched by the read path
   RankStep step_;          // reused conversion buffer, read path only
 
   // Lock order: a run's mutex, then this one (the run calls StreamSink methods with its mutex

@@ -34,7 +34,8 @@ RunAnalytics::RunAnalytics(const AnalyticsOptions& options, AnalyticsCharging ch
         return o;
       }()),
       charging_(std::move(charging)),
-      charge_(charging_.budget) {}
+      charge_(charging_.budget),
+      forecast_ids_(options_.forecasts.size(), kNoSeries) {}
 
 void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
   for (size_t i = params_.size(); i < params.size(); ++i) {
@@ -125,6 +126,11 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   ClassifyLocked(t);
   if (key == keys::kLoss) t.key_series = true;
   if (t.role == Role::kTotalGrad) total_grad_ = id;
+  for (size_t f = 0; f < options_.forecasts.size(); ++f) {
+    if (options_.forecasts[f].first == key && (forecast_ids_[f] == kNoSeries || id < forecast_ids_[f])) {
+      forecast_ids_[f] = id;
+    }
+  }
   if (t.param >= 0 && t.role == Role::kParamGrad) param_state_[t.param].grad = id;
   if (t.param >= 0 && t.role == Role::kParamNorm) param_state_[t.param].norm = id;
 }
@@ -132,8 +138,8 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
 bool RunAnalytics::Materialize(Tracked& t) {
   // The trackers' rings start empty and grow with the steps they hold: charged at full size,
   // before anything of them is allocated.
-  auto slopes = std::make_unique<analytics::SlopeTracker>(options_.windows, BucketsFor(t));
-  uint64_t bytes = slopes->CapacityBytes();
+  analytics::SlopeTracker slopes(options_.windows, BucketsFor(t));
+  uint64_t bytes = slopes.CapacityBytes();
   std::unique_ptr<analytics::SlopeTracker> robust;
   if (t.key_series || IsForecastKey(t.key)) {
     // The longest window lets an event registered after its step find its before-window (as on
@@ -166,12 +172,14 @@ bool RunAnalytics::Materialize(Tracked& t) {
     }
     return false;
   }
-  t.slopes = std::move(slopes);
+  t.slopes.emplace(std::move(slopes));
   if (robust) {
     t.spike_filter = std::make_unique<analytics::SpikeFilter>();
     t.robust = std::move(robust);
   }
   if (t.key_series) {
+    const SeriesId id = static_cast<SeriesId>(&t - series_.data());
+    key_ids_.insert(std::lower_bound(key_ids_.begin(), key_ids_.end(), id), id);
     t.detector = std::make_unique<analytics::SlopeChangeDetector>(options_.change_points);
     t.events.reserve(events_.size());
     for (const EventRecord& e : events_) {
@@ -211,9 +219,15 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
     if (!t.added) continue;
     t.last_value = sv.value;
     t.has_value = true;
+    const bool param_norm = t.role == Role::kParamNorm && t.param >= 0;
+    if (param_norm) {
+      param_state_[t.param].norm_value = sv.value;
+      param_state_[t.param].has_norm_value = true;
+    }
     if (!t.slopes && (t.refused || !Materialize(t))) continue;
     if (!std::isfinite(sv.value)) continue;  // a NaN is a signal for alerts, not a slope sample
     t.slopes->AddSample(step.step, sv.value);
+    if (param_norm) UpdateNormFits(t.param, *t.slopes);
     if (t.detector) t.detector->AddSample(step.step, sv.value);
     if (!t.spike_filter) continue;
     if (const auto p = t.spike_filter->Add(step.step, sv.value)) {
@@ -269,7 +283,8 @@ bool RunAnalytics::IsForecastKey(const std::string& key) const {
 }
 
 const analytics::WindowedSlope* RunAnalytics::Window(const Tracked& t, uint64_t window_steps) const {
-  for (const auto& w : (t.robust ? t.robust : t.slopes)->windows()) {
+  const analytics::SlopeTracker& tracker = t.robust ? *t.robust : *t.slopes;
+  for (const auto& w : tracker.windows()) {
     if (w.window_steps() == window_steps) return &w;
   }
   return nullptr;
@@ -289,8 +304,8 @@ T& NextSlot(std::vector<T>& v, size_t* used) {
 
 void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
   size_t changes = 0, points = 0, forecasts = 0, shares = 0;
-  for (const Tracked& t : series_) {
-    if (!t.slopes) continue;
+  for (SeriesId id : key_ids_) {
+    const Tracked& t = series_[id];
     for (const auto& [text, slope] : t.events) {
       if (auto change = slope.Current(t.robust->longest())) {
         // Event slopes fit the spike filter's medians, and neighbouring medians share all but one
@@ -316,12 +331,11 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
   }
   out.slope_changes.resize(changes);
   out.change_points.resize(points);
-  for (const auto& [key, threshold] : options_.forecasts) {
-    // The binding is captured through a reference: clang 14 cannot capture structured bindings.
-    auto it =
-        std::find_if(series_.begin(), series_.end(), [&key = key](const Tracked& t) { return t.key == key; });
-    if (it == series_.end() || !it->slopes) continue;
-    const analytics::WindowedSlope* w = Window(*it, options_.forecast_window_steps);
+  for (size_t k = 0; k < options_.forecasts.size(); ++k) {
+    const auto& [key, threshold] = options_.forecasts[k];
+    const SeriesId id = forecast_ids_[k];
+    if (id == kNoSeries || !series_[id].slopes) continue;
+    const analytics::WindowedSlope* w = Window(series_[id], options_.forecast_window_steps);
     if (w == nullptr) continue;
     auto fit = w->Fit();
     if (!fit) continue;
@@ -355,37 +369,74 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
     if (g.has_share) add_share(g.name, true, ParamKind::kUnspecified, g.share, *g.share_trend);
   }
   out.shares.resize(shares);
-  std::stable_sort(out.shares.begin(), out.shares.end(),
-                   [](const ShareInfo& a, const ShareInfo& b) { return a.share > b.share; });
+  // Largest first, ties in the order added (parameters by catalog index, then groups): what a
+  // stable sort gives, but sorting (share, index) pairs and then swapping each entry into place
+  // (its strings' buffers move, nothing is copied or allocated once warm).
+  share_order_.resize(shares);
+  for (size_t i = 0; i < shares; ++i) share_order_[i] = {out.shares[i].share, static_cast<uint32_t>(i)};
+  std::sort(share_order_.begin(), share_order_.end(),
+            [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+  share_sorted_.resize(shares);
+  for (size_t i = 0; i < shares; ++i) std::swap(share_sorted_[i], out.shares[share_order_[i].second]);
+  out.shares.swap(share_sorted_);
 }
 
-ParamAnalysis RunAnalytics::ParamEntry(size_t i) const {
-  ParamAnalysis out;
+void RunAnalytics::UpdateNormFits(int param, const analytics::SlopeTracker& slopes) {
+  ParamState& ps = param_state_[param];
+  const analytics::WindowedSlope& longest = slopes.longest();
+  std::optional<analytics::LinearFit> longest_fit;
+  bool longest_fitted = false;
+  ps.norm_slope_per_kstep.reset();
+  for (const auto& w : slopes.windows()) {
+    if (w.window_steps() != options_.forecast_window_steps) continue;
+    auto fit = w.Fit();
+    if (fit) ps.norm_slope_per_kstep = fit->slope_per_kstep();
+    if (&w == &longest) {  // the same window: fitted once
+      longest_fit = fit;
+      longest_fitted = true;
+    }
+  }
+  if (!longest_fitted) longest_fit = longest.Fit();
+  ps.growth.reset();
+  if (const auto& fit = longest_fit) {
+    analytics::GrowthOptions growth_options;
+    growth_options.min_growth = options_.min_growth;
+    ps.growth = analytics::AssessGrowth(params_[param], static_cast<uint32_t>(param), fit->PredictAt(fit->first_step),
+                                        fit->value_at_last_step, fit->slope_per_kstep(), growth_options);
+    ps.growth_window_steps = longest.window_steps();
+  }
+}
+
+void RunAnalytics::FillParamEntry(size_t i, ParamAnalysis& out) const {
   const ParamState& ps = param_state_[i];
-  if (ps.norm == kNoSeries || !series_[ps.norm].has_value) return out;
-  const Tracked& norm = series_[ps.norm];
-  out.norm = norm.last_value;
-  const double amplification = ps.init_norm ? analytics::Amplification(norm.last_value, *ps.init_norm) : kNaN;
+  out.norm.reset();
+  out.init_norm.reset();
+  out.amplification.reset();
+  out.norm_slope_per_kstep.reset();
+  if (ps.norm == kNoSeries || !ps.has_norm_value) {
+    out.growth.reset();
+    return;
+  }
+  out.norm = ps.norm_value;
+  const double amplification = ps.init_norm ? analytics::Amplification(ps.norm_value, *ps.init_norm) : kNaN;
   if (ps.init_norm && params_[i].kind == ParamKind::kNormGain) {
     out.init_norm = *ps.init_norm;
     out.amplification = amplification;
   }
-  if (!norm.slopes) return out;  // refused analytics for memory
-  for (const auto& w : norm.slopes->windows()) {
-    if (w.window_steps() != options_.forecast_window_steps) continue;
-    if (auto fit = w.Fit()) out.norm_slope_per_kstep = fit->slope_per_kstep();
+  out.norm_slope_per_kstep = ps.norm_slope_per_kstep;
+  const auto& g = ps.growth;
+  if (!g) {
+    out.growth.reset();
+    return;
   }
-  const analytics::WindowedSlope& longest = norm.slopes->longest();
-  if (auto fit = longest.Fit()) {
-    analytics::GrowthOptions growth_options;
-    growth_options.min_growth = options_.min_growth;
-    if (auto g = analytics::AssessGrowth(params_[i], static_cast<uint32_t>(i), fit->PredictAt(fit->first_step),
-                                         fit->value_at_last_step, fit->slope_per_kstep(), growth_options)) {
-      out.growth = GrowthInfo{params_[i].name, g->growth_factor, g->slope_per_kstep, longest.window_steps(),
-                              amplification, norm.last_value};
-    }
-  }
-  return out;
+  // Field by field: an entry kept from the previous step keeps its name's buffer.
+  GrowthInfo& growth = out.growth ? *out.growth : out.growth.emplace();
+  growth.param = params_[i].name;
+  growth.growth_factor = g->growth_factor;
+  growth.slope_per_kstep = g->slope_per_kstep;
+  growth.window_steps = ps.growth_window_steps;
+  growth.amplification = amplification;
+  growth.norm = ps.norm_value;
 }
 
 void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params) const {
@@ -394,16 +445,7 @@ void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& pa
   out.growth_without_decay.clear();
   EventsForecastsShares(out);
   params.resize(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    ParamAnalysis entry = ParamEntry(i);
-    // Keep the growth entry's name buffer: assign field by field.
-    ParamAnalysis& slot = params[i];
-    slot.norm = entry.norm;
-    slot.init_norm = entry.init_norm;
-    slot.amplification = entry.amplification;
-    slot.norm_slope_per_kstep = entry.norm_slope_per_kstep;
-    slot.growth = std::move(entry.growth);
-  }
+  for (size_t i = 0; i < params_.size(); ++i) FillParamEntry(i, params[i]);
 }
 
 RunAnalysis RunAnalytics::Analysis() const {
@@ -428,8 +470,9 @@ void RunAnalytics::Analysis(RunAnalysis& out) const {
   out.slopes.resize(slopes);
   EventsForecastsShares(out);
   size_t amplifications = 0, growth = 0;
+  ParamAnalysis entry;
   for (size_t i = 0; i < params_.size(); ++i) {
-    ParamAnalysis entry = ParamEntry(i);
+    FillParamEntry(i, entry);
     if (entry.amplification) {
       AmplificationInfo& info = NextSlot(out.amplifications, &amplifications);
       info.param = params_[i].name;
@@ -437,7 +480,7 @@ void RunAnalytics::Analysis(RunAnalysis& out) const {
       info.init_norm = *entry.init_norm;
       info.amplification = *entry.amplification;
     }
-    if (entry.growth) NextSlot(out.growth_without_decay, &growth) = std::move(*entry.growth);
+    if (entry.growth) NextSlot(out.growth_without_decay, &growth) = *entry.growth;  // keeps the slot's buffer
   }
   out.amplifications.resize(amplifications);
   out.growth_without_decay.resize(growth);

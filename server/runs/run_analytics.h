@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "server/analytics/attribution.h"
 #include "server/analytics/change_point.h"
 #include "server/analytics/event_slope.h"
 #include "server/analytics/regression.h"
@@ -177,9 +178,10 @@ class RunAnalytics {
     bool added = false;  // AddSeries was called for this id
     Role role = Role::kExtra;
     int param = -1;
-    // Raw samples: the slopes shown, as Prometheus's deriv. Null until the first sample
-    // (Materialize), and so are the trackers below.
-    std::unique_ptr<analytics::SlopeTracker> slopes;
+    // Raw samples: the slopes shown, as Prometheus's deriv. Empty until the first sample
+    // (Materialize), and so are the trackers below. Held in the entry (its windows in one block):
+    // a sample reaches them without another pointer to follow.
+    std::optional<analytics::SlopeTracker> slopes;
     std::unique_ptr<analytics::SlopeChangeDetector> detector;  // key series only
     // Key series and forecast series: a spike filter's output, which feeds event slopes and
     // forecasts so that a one-step spike does not bend them (the longest window, and the
@@ -200,6 +202,13 @@ class RunAnalytics {
     std::unique_ptr<analytics::WindowedSlope> share_trend;
     double share = 0;
     bool has_share = false;
+    // The param norm's latest value and fits, updated as each of its samples is added (while its
+    // trackers are in cache), so that StepAnalysis reads this entry alone.
+    double norm_value = 0;
+    bool has_norm_value = false;
+    std::optional<double> norm_slope_per_kstep;
+    std::optional<analytics::GrowthWithoutDecay> growth;
+    uint64_t growth_window_steps = 0;
   };
   struct GroupState {
     std::string name;
@@ -222,7 +231,10 @@ class RunAnalytics {
   bool IsForecastKey(const std::string& key) const;
   // Analysis() and StepAnalysis() but the slopes and the per-parameter entries.
   void EventsForecastsShares(RunAnalysis& out) const;
-  ParamAnalysis ParamEntry(size_t i) const;
+  // Parameter i's entry, written over `out` in place (a kept entry's strings keep their buffers).
+  void FillParamEntry(size_t i, ParamAnalysis& out) const;
+  // Refits parameter `param`'s norm after a sample was added to its trackers.
+  void UpdateNormFits(int param, const analytics::SlopeTracker& slopes);
 
   const AnalyticsOptions options_;
   AnalyticsCharging charging_;
@@ -233,6 +245,11 @@ class RunAnalytics {
   std::vector<ParamState> param_state_;
   std::vector<GroupState> groups_;
   std::vector<Tracked> series_;  // by SeriesId
+  // Ids of the key series with trackers (those with events and change points), ascending: a
+  // step's analysis visits them, not every series.
+  std::vector<SeriesId> key_ids_;
+  // The series of each options_.forecasts entry (the lowest id with its key), or kNoSeries.
+  std::vector<SeriesId> forecast_ids_;
   SeriesId total_grad_ = kNoSeries;
   std::vector<EventRecord> events_;
   // Per-step scratch, reused.
@@ -240,6 +257,10 @@ class RunAnalytics {
   std::vector<uint32_t> group_of_param_;
   std::vector<double> param_share_scratch_;
   std::vector<double> group_share_scratch_;
+  // EventsForecastsShares' scratch for ordering the shares, reused across steps. Mutable: the
+  // const readers are serialised like every other call (the run's mutex).
+  mutable std::vector<std::pair<double, uint32_t>> share_order_;
+  mutable std::vector<ShareInfo> share_sorted_;
 };
 
 }  // namespace gradwatch::runs

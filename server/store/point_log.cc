@@ -108,52 +108,51 @@ uint64_t GetUint(BitReader& r, uint64_t previous) {
   return r.Get(width);
 }
 
+// A value XORed with the field's previous one: unchanged in 1 bit, within the field's window of
+// meaningful bits in 2 + window, else 13 + meaningful bits (and the window moves).
+void PutValue(BitWriter& w, uint8_t& window_leading, uint8_t& window_meaningful, double previous, double value) {
+  const uint64_t x = std::bit_cast<uint64_t>(value) ^ std::bit_cast<uint64_t>(previous);
+  if (x == 0) {
+    w.Put(0, 1);
+    return;
+  }
+  const auto leading = static_cast<unsigned>(std::min(std::countl_zero(x), 31));
+  const auto trailing = static_cast<unsigned>(std::countr_zero(x));
+  const unsigned window = window_meaningful;
+  const unsigned window_trailing = 64 - window_leading - window;
+  if (window != 0 && leading >= window_leading && trailing >= window_trailing) {
+    w.Put(0b01, 2);  // 1 (changed), then 0 (within the window)
+    w.Put(x >> window_trailing, window);
+    return;
+  }
+  const unsigned meaningful = 64 - leading - trailing;
+  w.Put(0b11, 2);
+  w.Put(leading, 5);
+  w.Put(meaningful - 1, 6);
+  w.Put(x >> trailing, meaningful);
+  window_leading = static_cast<uint8_t>(leading);
+  window_meaningful = static_cast<uint8_t>(meaningful);
+}
+
 }  // namespace
 
 bool PointLog::Encode(Chunk& chunk, CodecState& state, const Point& p) {
   CodecState s = state;
   BitWriter w(chunk.words.get(), s.bit, kChunkBits);
-  // A value XORed with the field's previous one: unchanged in 1 bit, within the field's window of
-  // meaningful bits in 2 + window, else 13 + meaningful bits (and the window moves).
-  const auto put_value = [&](int field, double previous, double value) {
-    const uint64_t x = std::bit_cast<uint64_t>(value) ^ std::bit_cast<uint64_t>(previous);
-    if (x == 0) {
-      w.Put(0, 1);
-      return;
-    }
-    w.Put(1, 1);
-    const auto leading = static_cast<unsigned>(std::min(std::countl_zero(x), 31));
-    const auto trailing = static_cast<unsigned>(std::countr_zero(x));
-    const unsigned window = s.meaningful[field];
-    const unsigned window_trailing = 64 - s.leading[field] - window;
-    if (window != 0 && leading >= s.leading[field] && trailing >= window_trailing) {
-      w.Put(0, 1);
-      w.Put(x >> window_trailing, window);
-      return;
-    }
-    const unsigned meaningful = 64 - leading - trailing;
-    w.Put(1, 1);
-    w.Put(leading, 5);
-    w.Put(meaningful - 1, 6);
-    w.Put(x >> trailing, meaningful);
-    s.leading[field] = static_cast<uint8_t>(leading);
-    s.meaningful[field] = static_cast<uint8_t>(meaningful);
-  };
-
   const bool sample = IsSamplePoint(p);
   const uint64_t delta = p.step - s.prev.step;
   w.Put(sample ? 1 : 0, 1);
   PutStep(w, delta, s.delta);
   if (sample) {
-    put_value(kLast, s.prev.last, p.last);
+    PutValue(w, s.leading[kLast], s.meaningful[kLast], s.prev.last, p.last);
   } else {
     PutUint(w, p.last_step - p.step, s.prev.last_step - s.prev.step);
     PutUint(w, p.count, s.prev.count);
     PutUint(w, p.nonfinite, s.prev.nonfinite);
-    put_value(kMean, s.prev.mean, p.mean);
-    put_value(kMin, s.prev.min, p.min);
-    put_value(kMax, s.prev.max, p.max);
-    put_value(kLast, s.prev.last, p.last);
+    PutValue(w, s.leading[kMean], s.meaningful[kMean], s.prev.mean, p.mean);
+    PutValue(w, s.leading[kMin], s.meaningful[kMin], s.prev.min, p.min);
+    PutValue(w, s.leading[kMax], s.meaningful[kMax], s.prev.max, p.max);
+    PutValue(w, s.leading[kLast], s.meaningful[kLast], s.prev.last, p.last);
   }
   if (w.overflow()) return false;
   s.delta = delta;
@@ -164,6 +163,30 @@ bool PointLog::Encode(Chunk& chunk, CodecState& state, const Point& p) {
   chunk.bits = s.bit;
   chunk.points = s.points;
   return true;
+}
+
+void PointLog::EncodeSampleInPlace(Chunk& chunk, CodecState& state, uint64_t step, double value) {
+  BitWriter w(chunk.words.get(), state.bit, kChunkBits);
+  const uint64_t delta = step - state.prev.step;
+  w.Put(1, 1);
+  PutStep(w, delta, state.delta);
+  PutValue(w, state.leading[kLast], state.meaningful[kLast], state.prev.last, value);
+  state.delta = delta;
+  state.prev = SamplePoint(step, value);
+  state.bit = w.bit();
+  ++state.points;
+  chunk.bits = state.bit;
+  chunk.points = state.points;
+}
+
+bool PointLog::AppendSample(uint64_t step, double value, bool may_allocate) {
+  if (chunks_used_ > 0 && write_.bit + kMaxSampleBits <= kChunkBits) {
+    // It fits whatever its bits: coded in place, without Encode's copy of the state for an undo.
+    EncodeSampleInPlace(slot(chunks_used_ - 1), write_, step, value);
+    ++size_;
+    return true;
+  }
+  return Append(SamplePoint(step, value), may_allocate);
 }
 
 Point PointLog::Decode(const Chunk& chunk, CodecState& state) {

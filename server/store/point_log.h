@@ -38,6 +38,8 @@ class PointLog {
   // Appends p. When it does not fit in the newest chunk and no emptied chunk is held, a chunk is
   // allocated if may_allocate; otherwise nothing is appended and false is returned.
   bool Append(const Point& p, bool may_allocate);
+  // Append(SamplePoint(step, value), may_allocate), coded in place when it surely fits.
+  bool AppendSample(uint64_t step, double value, bool may_allocate);
   // Bytes the next Append may allocate (0 when it will not): a chunk and, if the ring of slots is
   // full, its growth.
   size_t NextGrowthBytes() const;
@@ -87,6 +89,8 @@ class PointLog {
 
   // Writes p at `state` into `chunk`; false (state and chunk.bits unchanged) when it does not fit.
   static bool Encode(Chunk& chunk, CodecState& state, const Point& p);
+  // Writes the sample (step, value) at `state`, which must leave room for kMaxSampleBits.
+  static void EncodeSampleInPlace(Chunk& chunk, CodecState& state, uint64_t step, double value);
   // Reads the point at `state` and advances it.
   static Point Decode(const Chunk& chunk, CodecState& state);
 

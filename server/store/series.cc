@@ -26,12 +26,11 @@ size_t Series::NextGrowthBytes() const {
 
 bool Series::Append(uint64_t step, double value, bool may_grow) {
   if (sample_count_ > 0 && step <= last_step_) return false;
-  const Point point = SamplePoint(step, value);
   if (!held_) held_ = std::make_unique<Held>();
   if (held_->recent.size() >= options_.recent_points) PushHistory(held_->recent.PopFront(), may_grow);
   // Refused a chunk, the oldest points go to history until one is emptied (the last one held
   // empties with the log, so this ends).
-  while (!held_->recent.Append(point, may_grow || held_->recent.chunks_allocated() == 0)) {
+  while (!held_->recent.AppendSample(step, value, may_grow || held_->recent.chunks_allocated() == 0)) {
     PushHistory(held_->recent.PopFront(), may_grow);
   }
   ++sample_count_;

@@ -464,3 +464,76 @@ TEST_CASE("the windowed slope's ring grows as buckets arrive, wrapped or not, an
     add(step, std::sin(0.01 * static_cast<double>(step)) * 100.0 + 0.001 * static_cast<double>(step));
   }
 }
+
+TEST_CASE("the windowed slope holds exactly the buckets whose oldest sample is in the window, through gaps",
+          "[analytics]") {
+  // A model of the window: samples grouped by bucket (step / bucket_steps); a bucket is held while
+  // its oldest sample lies in (last − window, last]. Steps advance by 0 (a repeat) to beyond the
+  // window, so the open bucket expires alone, the closed ones expire around it, and the ring grows,
+  // wraps and empties.
+  struct Case {
+    uint64_t window_steps;
+    size_t max_buckets;
+  };
+  for (Case c : {Case{100, 8}, Case{1000, 16}, Case{5000, 128}, Case{7, 3}}) {
+    DYNAMIC_SECTION("window " << c.window_steps << ", max_buckets " << c.max_buckets) {
+      WindowedSlope window(c.window_steps, c.max_buckets);
+      std::mt19937_64 rng(11);
+      std::vector<uint64_t> steps;
+      std::vector<double> values;
+      uint64_t step = 1'000'000;
+      for (int i = 0; i < 4000; ++i) {
+        const uint64_t r = rng() % 100;
+        step += r < 3 ? 0 : r < 6 ? c.window_steps + rng() % (2 * c.window_steps) : 1 + rng() % 9;
+        const double value = 3.0 + 1e-3 * static_cast<double>(step % 100000) + static_cast<double>(rng() % 1000) * 1e-4;
+        const RegressionSums* closes = window.ClosedBy(step, value);
+        const RegressionSums* open = window.open_bucket();
+        REQUIRE(window.AddSample(step, value));
+        // ClosedBy names the open bucket exactly when the sample starts a new one.
+        if (open != nullptr) REQUIRE((closes != nullptr) == (window.open_bucket()->first_step() == step &&
+                                                             window.open_bucket()->count() == 1));
+        steps.push_back(step);
+        values.push_back(value);
+
+        // Samples are in step order, so a bucket's samples are consecutive, its oldest first.
+        std::vector<uint64_t> in_steps;
+        std::vector<double> in_values;
+        uint64_t bucket_first = 0;
+        for (size_t k = 0; k < steps.size(); ++k) {
+          if (k == 0 || steps[k] / window.bucket_steps() != steps[k - 1] / window.bucket_steps()) {
+            bucket_first = steps[k];
+          }
+          if (step - bucket_first < c.window_steps) {
+            in_steps.push_back(steps[k]);
+            in_values.push_back(values[k]);
+          }
+        }
+        REQUIRE(window.samples_in_window() == in_steps.size());
+        REQUIRE(window.SumsInRange(0, UINT64_MAX).count() == in_steps.size());
+        REQUIRE(window.ClosedSumsInRange(0, UINT64_MAX).count() + window.open_bucket()->count() == in_steps.size());
+        const auto fit = window.Fit();
+        if (in_steps.front() == in_steps.back()) {
+          REQUIRE_FALSE(fit);
+        } else {
+          REQUIRE(fit);
+          REQUIRE(fit->first_step == in_steps.front());
+          REQUIRE(fit->last_step == step);
+          if (in_steps.size() >= 3) {
+            const Reference ref = TwoPassFit(in_steps, in_values);
+            REQUIRE_THAT(fit->slope_per_step, WithinRel(ref.slope, 1e-9) || WithinAbs(ref.slope, 1e-12));
+            REQUIRE_THAT(fit->value_at_last_step, WithinRel(ref.value_at_last, 1e-12));
+          }
+        }
+        // The model needs only the buckets whose oldest sample is within the last window.
+        size_t stale = 0;
+        while (stale < steps.size() && steps[stale] + c.window_steps < step) ++stale;
+        while (stale > 0 && stale < steps.size() &&
+               steps[stale] / window.bucket_steps() == steps[stale - 1] / window.bucket_steps()) {
+          ++stale;
+        }
+        steps.erase(steps.begin(), steps.begin() + static_cast<std::ptrdiff_t>(stale));
+        values.erase(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(stale));
+      }
+    }
+  }
+}
