@@ -70,12 +70,43 @@ void ForEachLatest(const std::vector<std::string>& patterns, const RunFacts& fac
   }
 }
 
-// vars[key] = value, without building a key string when the entry is there (a reused slot).
-template <typename V>
-void SetVar(TemplateVars& vars, std::string_view key, V&& value) {
+// A template variable's value: text, or a number to format (Format* in templates.h).
+struct VarValue {
+  enum class As { kText, kNumber, kStep, kCount, kPercent, kInteger } as = As::kText;
+  std::string_view text;
+  double number = 0;
+  uint64_t step = 0;
+  // Implicit: a string is text.
+  VarValue(std::string_view t) : text(t) {}
+  VarValue(const std::string& t) : text(t) {}
+  VarValue(const char* t) : text(t) {}
+  VarValue(As a, double n, uint64_t s = 0) : as(a), number(n), step(s) {}
+};
+VarValue Number(double v) { return {VarValue::As::kNumber, v}; }
+VarValue Step(uint64_t s) { return {VarValue::As::kStep, 0, s}; }
+VarValue Count(double v) { return {VarValue::As::kCount, v}; }
+VarValue Percent(double v) { return {VarValue::As::kPercent, v}; }
+VarValue Integer(uint64_t v) { return {VarValue::As::kInteger, 0, v}; }  // without separators
+
+// vars[key] = value, formatted in place: a reused slot's entry keeps its key and buffer, so
+// setting it allocates nothing.
+void SetVar(TemplateVars& vars, std::string_view key, const VarValue& value) {
   auto it = vars.find(key);
   if (it == vars.end()) it = vars.emplace(std::string(key), std::string()).first;
-  it->second = std::forward<V>(value);
+  std::string& out = it->second;
+  switch (value.as) {
+    case VarValue::As::kText: out.assign(value.text); break;
+    case VarValue::As::kNumber: FormatNumberTo(out, value.number); break;
+    case VarValue::As::kStep: FormatStepTo(out, value.step); break;
+    case VarValue::As::kCount: FormatCountTo(out, value.number); break;
+    case VarValue::As::kPercent: FormatPercentTo(out, value.number); break;
+    case VarValue::As::kInteger: {
+      char buf[24];
+      const auto end = std::to_chars(buf, buf + sizeof(buf), value.step).ptr;
+      out.assign(buf, static_cast<size_t>(end - buf));
+      break;
+    }
+  }
 }
 
 // Sets what every condition has: value, step, run.
@@ -83,8 +114,8 @@ Condition& Make(ConditionList& out, const LabelSet& base,
                 std::initializer_list<std::pair<std::string_view, std::string_view>> own, const RunFacts& facts,
                 double value, bool active) {
   Condition& c = out.Add(base, own, value, active);
-  SetVar(c.vars, "value", FormatNumber(value));
-  SetVar(c.vars, "step", FormatStep(facts.step));
+  SetVar(c.vars, "value", Number(value));
+  SetVar(c.vars, "step", Step(facts.step));
   SetVar(c.vars, "run", facts.run_id);
   return c;
 }
@@ -114,7 +145,7 @@ void EvaluateThreshold(const Rule& rule, const RunFacts& facts, const LabelSet& 
     Condition& c = Make(out, base, {{"series", v.key}}, facts, v.value, Compare(v.value, rule.op, rule.value));
     c.level = PlainLevel(rule.op, rule.value, Upward(rule.op) ? rule.clear_below : rule.clear_above, v.value, true);
     SetVar(c.vars, "series", v.key);
-    SetVar(c.vars, "threshold", FormatNumber(rule.value));
+    SetVar(c.vars, "threshold", Number(rule.value));
     SetVar(c.vars, "op", CompareOpSymbol(rule.op));
   });
 }
@@ -132,12 +163,12 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
                          f.steps_to_threshold, gate);
     c.level->shows_level = false;
     SetVar(c.vars, "series", f.key);
-    SetVar(c.vars, "threshold", FormatNumber(rule.threshold));
-    SetVar(c.vars, "steps_to_threshold", FormatCount(f.steps_to_threshold));
-    SetVar(c.vars, "at_step", f.reachable ? FormatStep(f.at_step) : "never");
-    SetVar(c.vars, "within_steps", FormatStep(rule.within_steps));
-    SetVar(c.vars, "slope", FormatNumber(f.slope_per_kstep));
-    SetVar(c.vars, "current", FormatNumber(f.current_value));
+    SetVar(c.vars, "threshold", Number(rule.threshold));
+    SetVar(c.vars, "steps_to_threshold", Count(f.steps_to_threshold));
+    SetVar(c.vars, "at_step", f.reachable ? Step(f.at_step) : VarValue("never"));
+    SetVar(c.vars, "within_steps", Step(rule.within_steps));
+    SetVar(c.vars, "slope", Number(f.slope_per_kstep));
+    SetVar(c.vars, "current", Number(f.current_value));
   }
 }
 
@@ -156,13 +187,13 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
   auto fill = [&](Condition& c, const std::string& key, double ratio, double before, double after,
                   uint64_t step, const std::string& text) {
     SetVar(c.vars, "series", key);
-    SetVar(c.vars, "ratio", FormatNumber(ratio));
-    SetVar(c.vars, "min_ratio", FormatNumber(rule.min_ratio));
-    SetVar(c.vars, "slope_before", FormatNumber(before));
-    SetVar(c.vars, "slope_after", FormatNumber(after));
+    SetVar(c.vars, "ratio", Number(ratio));
+    SetVar(c.vars, "min_ratio", Number(rule.min_ratio));
+    SetVar(c.vars, "slope_before", Number(before));
+    SetVar(c.vars, "slope_after", Number(after));
     SetVar(c.vars, "event", text);
-    SetVar(c.vars, "event_step", FormatStep(step));
-    SetVar(c.vars, "at_step", FormatStep(step));
+    SetVar(c.vars, "event_step", Step(step));
+    SetVar(c.vars, "at_step", Step(step));
   };
   // The matching facts sorted by series, step and fact order; the last of each series (and
   // step, when `per_step`) is kept: the last fact of an event, the newest change point.
@@ -249,10 +280,10 @@ void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base
     c.level = PlainLevel(CompareOp::kGe, rule.min_share, rule.clear_below, s.share, true);
     c.level->percent = true;
     SetVar(c.vars, "param", s.name);
-    SetVar(c.vars, "share", FormatPercent(s.share));
-    SetVar(c.vars, "min_share", FormatPercent(rule.min_share));
-    SetVar(c.vars, "slope", FormatNumber(s.slope_per_kstep));
-    SetVar(c.vars, "value", FormatPercent(s.share));
+    SetVar(c.vars, "share", Percent(s.share));
+    SetVar(c.vars, "min_share", Percent(rule.min_share));
+    SetVar(c.vars, "slope", Number(s.slope_per_kstep));
+    SetVar(c.vars, "value", Percent(s.share));
   }
 }
 
@@ -281,15 +312,15 @@ void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& bas
     c.level = PlainLevel(CompareOp::kGe, rule.min_amplification ? *rule.min_amplification : rule.min_growth.value_or(0),
                          rule.clear_below, value, gate);
     SetVar(c.vars, "param", p.info.name);
-    SetVar(c.vars, "amplification", std::isfinite(amplification) ? FormatNumber(amplification) : "unknown");
-    SetVar(c.vars, "growth", std::isfinite(growth) ? FormatPercent(growth) : "unknown");
-    SetVar(c.vars, "norm", p.norm ? FormatNumber(*p.norm) : "unknown");
+    SetVar(c.vars, "amplification", std::isfinite(amplification) ? Number(amplification) : VarValue("unknown"));
+    SetVar(c.vars, "growth", std::isfinite(growth) ? Percent(growth) : VarValue("unknown"));
+    SetVar(c.vars, "norm", p.norm ? Number(*p.norm) : VarValue("unknown"));
     const auto init = InitNormOf(p);
-    SetVar(c.vars, "init_norm", init ? FormatNumber(*init) : "unknown");
-    SetVar(c.vars, "slope", slope ? FormatNumber(*slope) : "unknown");
-    SetVar(c.vars, "weight_decay", FormatNumber(p.info.weight_decay));
-    SetVar(c.vars, "min_amplification", rule.min_amplification ? FormatNumber(*rule.min_amplification) : "");
-    SetVar(c.vars, "min_growth", rule.min_growth ? FormatPercent(*rule.min_growth) : "");
+    SetVar(c.vars, "init_norm", init ? Number(*init) : VarValue("unknown"));
+    SetVar(c.vars, "slope", slope ? Number(*slope) : VarValue("unknown"));
+    SetVar(c.vars, "weight_decay", Number(p.info.weight_decay));
+    SetVar(c.vars, "min_amplification", rule.min_amplification ? Number(*rule.min_amplification) : VarValue(""));
+    SetVar(c.vars, "min_growth", rule.min_growth ? Percent(*rule.min_growth) : VarValue(""));
   }
 }
 
@@ -324,17 +355,17 @@ void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& 
 void EvaluateStalled(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   const bool active = facts.open_streams > 0 && facts.seconds_since_last_step >= rule.stalled_seconds;
   Condition& c = Make(out, base, {}, facts, facts.seconds_since_last_step, active);
-  SetVar(c.vars, "seconds", FormatCount(facts.seconds_since_last_step));
-  SetVar(c.vars, "threshold", FormatCount(rule.stalled_seconds));
-  SetVar(c.vars, "open_streams", std::to_string(facts.open_streams));
+  SetVar(c.vars, "seconds", Count(facts.seconds_since_last_step));
+  SetVar(c.vars, "threshold", Count(rule.stalled_seconds));
+  SetVar(c.vars, "open_streams", Integer(facts.open_streams));
 }
 
 void EvaluateRunDied(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   const double seconds = rule.stalled_seconds > 0 ? rule.stalled_seconds : kDefaultRunDiedSeconds;
   const bool active = !facts.ended_cleanly && facts.open_streams == 0 && facts.seconds_since_activity >= seconds;
   Condition& c = Make(out, base, {}, facts, facts.seconds_since_activity, active);
-  SetVar(c.vars, "seconds", FormatCount(facts.seconds_since_activity));
-  SetVar(c.vars, "threshold", FormatCount(seconds));
+  SetVar(c.vars, "seconds", Count(facts.seconds_since_activity));
+  SetVar(c.vars, "threshold", Count(seconds));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "alerts/templates.h"
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <optional>
@@ -57,28 +58,21 @@ std::optional<Placeholder> Next(std::string_view text, size_t from, std::string*
   return Placeholder{open, close + kClose.size(), inner};
 }
 
-std::string WithSeparators(std::string digits) {
-  std::string out;
+// out = sign + digits with thousands separators, in out's own buffer.
+void AssignWithSeparators(std::string& out, std::string_view sign, std::string_view digits) {
+  out.assign(sign);
   const size_t n = digits.size();
-  out.reserve(n + n / 3);
   for (size_t i = 0; i < n; ++i) {
     if (i > 0 && (n - i) % 3 == 0) out.push_back(',');
     out.push_back(digits[i]);
   }
-  return out;
 }
 
-// Drops trailing zeros of a fixed or %g mantissa: "4.620" → "4.62", "5.000" → "5".
 std::string TrimZeros(std::string s) {
   if (s.find('.') == std::string::npos) return s;
   while (!s.empty() && s.back() == '0') s.pop_back();
   if (!s.empty() && s.back() == '.') s.pop_back();
   return s;
-}
-
-std::string NonFinite(double v) {
-  if (std::isnan(v)) return "NaN";
-  return v > 0 ? "+Inf" : "-Inf";
 }
 
 }  // namespace
@@ -137,9 +131,15 @@ bool TemplateUses(std::string_view text, std::string_view name) {
   return false;
 }
 
-std::string FormatNumber(double value) {
-  if (!std::isfinite(value)) return NonFinite(value);
-  if (value == 0) return "0";
+void FormatNumberTo(std::string& out, double value) {
+  if (!std::isfinite(value)) {
+    out.assign(std::isnan(value) ? "NaN" : value > 0 ? "+Inf" : "-Inf");
+    return;
+  }
+  if (value == 0) {
+    out.assign("0");
+    return;
+  }
   const double mag = std::fabs(value);
   char buf[64];
   if (mag >= 9999.5) {
@@ -147,15 +147,17 @@ std::string FormatNumber(double value) {
       std::snprintf(buf, sizeof(buf), "%.3e", value);
     } else {
       std::snprintf(buf, sizeof(buf), "%.0f", mag);
-      return (value < 0 ? "-" : "") + WithSeparators(buf);
+      AssignWithSeparators(out, value < 0 ? "-" : "", buf);
+      return;
     }
   } else if (mag < 1e-3) {
     std::snprintf(buf, sizeof(buf), "%.3e", value);
   } else {
     std::snprintf(buf, sizeof(buf), "%.4g", value);
-    return TrimZeros(buf);
+    out.assign(TrimZeros(buf));
+    return;
   }
-  // Scientific: trim the mantissa, shorten the exponent ("1.000e-04" → "1e-4").
+  // Scientific: trim the mantissa, shorten the exponent ("1.000e-04" → "1e-4"). Short strings.
   std::string s(buf);
   const size_t e = s.find('e');
   std::string mantissa = TrimZeros(s.substr(0, e));
@@ -166,25 +168,70 @@ std::string FormatNumber(double value) {
     exponent.erase(0, 1);
   }
   while (exponent.size() > 1 && exponent[0] == '0') exponent.erase(0, 1);
-  return mantissa + "e" + sign + exponent;
+  out.assign(mantissa);
+  out.push_back('e');
+  out.append(sign);
+  out.append(exponent);
 }
 
-std::string FormatStep(uint64_t step) { return WithSeparators(std::to_string(step)); }
+void FormatStepTo(std::string& out, uint64_t step) {
+  char buf[24];
+  const auto end = std::to_chars(buf, buf + sizeof(buf), step).ptr;
+  AssignWithSeparators(out, "", std::string_view(buf, static_cast<size_t>(end - buf)));
+}
+
+void FormatCountTo(std::string& out, double value) {
+  if (std::isnan(value)) {
+    out.assign("NaN");
+  } else if (std::isinf(value)) {
+    out.assign(value > 0 ? "∞" : "-∞");
+  } else {
+    char buf[400];  // %.0f of the largest double: 309 digits
+    std::snprintf(buf, sizeof(buf), "%.0f", std::fabs(value));
+    AssignWithSeparators(out, value < 0 && std::llround(value) != 0 ? "-" : "", buf);
+  }
+}
+
+void FormatPercentTo(std::string& out, double fraction) {
+  if (!std::isfinite(fraction)) {
+    out.assign(std::isnan(fraction) ? "NaN" : fraction > 0 ? "+Inf" : "-Inf");
+  } else if (fraction > 0 && fraction < 0.001) {
+    out.assign("<0.1%");
+  } else {
+    char buf[400];
+    std::snprintf(buf, sizeof(buf), "%.1f", fraction * 100);
+    std::string_view text(buf);
+    if (text.find('.') != std::string_view::npos) {
+      while (!text.empty() && text.back() == '0') text.remove_suffix(1);
+      if (!text.empty() && text.back() == '.') text.remove_suffix(1);
+    }
+    out.assign(text);
+    out.push_back('%');
+  }
+}
+
+std::string FormatNumber(double value) {
+  std::string out;
+  FormatNumberTo(out, value);
+  return out;
+}
+
+std::string FormatStep(uint64_t step) {
+  std::string out;
+  FormatStepTo(out, step);
+  return out;
+}
 
 std::string FormatCount(double value) {
-  if (std::isnan(value)) return "NaN";
-  if (std::isinf(value)) return value > 0 ? "∞" : "-∞";
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.0f", std::fabs(value));
-  return (value < 0 && std::llround(value) != 0 ? "-" : "") + WithSeparators(buf);
+  std::string out;
+  FormatCountTo(out, value);
+  return out;
 }
 
 std::string FormatPercent(double fraction) {
-  if (!std::isfinite(fraction)) return NonFinite(fraction);
-  if (fraction > 0 && fraction < 0.001) return "<0.1%";
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.1f", fraction * 100);
-  return TrimZeros(buf) + "%";
+  std::string out;
+  FormatPercentTo(out, fraction);
+  return out;
 }
 
 }  // namespace gradwatch::alerts

@@ -49,5 +49,11 @@ std::string FormatCount(double value);
 // A fraction as a percentage with one decimal at most: 0.9394 → "93.9%", 0.5 → "50%",
 // below 0.001 (but above 0) "<0.1%".
 std::string FormatPercent(double fraction);
+// The same, written into `out` (its text replaced, its buffer reused: no allocation once it is
+// large enough).
+void FormatNumberTo(std::string& out, double value);
+void FormatStepTo(std::string& out, uint64_t step);
+void FormatCountTo(std::string& out, double value);
+void FormatPercentTo(std::string& out, double fraction);
 
 }  // namespace gradwatch::alerts
