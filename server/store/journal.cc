@@ -1436,6 +1436,22 @@ void Journal::SealDue() {
   }
 }
 
+Status Journal::InsertBlockLocked(const std::string& run_id, const std::vector<CompletedStep>& steps,
+                                  const std::string& what) {
+  Statements& st = *statements_;
+  std::string& blob = st.scratch;
+  blob.clear();
+  EncodeStepBlock(steps, blob);
+  sqlite::Query use(st.insert_block);
+  use.Bind(1, run_id);
+  use.Bind(2, steps.front().step);
+  use.Bind(3, steps.back().step);
+  use.Bind(4, static_cast<int64_t>(steps.size()));
+  use.Bind(5, steps.back().wall_time);
+  use.BindBlob(6, blob);
+  return use.Run(what);
+}
+
 Status Journal::SealRunLocked(const std::string& run_id) {
   Statements& st = *statements_;
   SealState& state = seal_state_[run_id];
@@ -1462,19 +1478,7 @@ Status Journal::SealRunLocked(const std::string& run_id) {
       return Status::Ok();
     }
   }
-  std::string& blob = st.scratch;
-  blob.clear();
-  EncodeStepBlock(steps, blob);
-  {
-    sqlite::Query use(st.insert_block);
-    use.Bind(1, run_id);
-    use.Bind(2, steps.front().step);
-    use.Bind(3, steps.back().step);
-    use.Bind(4, static_cast<int64_t>(steps.size()));
-    use.Bind(5, steps.back().wall_time);
-    use.BindBlob(6, blob);
-    if (Status s = use.Run(what); !s.ok()) return s;
-  }
+  if (Status s = InsertBlockLocked(run_id, steps, what); !s.ok()) return s;
   {
     sqlite::Query use(st.delete_raw);
     use.Bind(1, run_id);
@@ -1531,16 +1535,7 @@ Status Journal::SplitBlocksLocked(const std::string& run_id, uint64_t from_step,
       if (Status s = use.Run(what); !s.ok()) return s;
     }
     if (kept.empty()) continue;
-    std::string blob;
-    EncodeStepBlock(kept, blob);
-    sqlite::Query use(st.insert_block);
-    use.Bind(1, run_id);
-    use.Bind(2, kept.front().step);
-    use.Bind(3, kept.back().step);
-    use.Bind(4, static_cast<int64_t>(kept.size()));
-    use.Bind(5, kept.back().wall_time);
-    use.BindBlob(6, blob);
-    if (Status s = use.Run(what); !s.ok()) return s;
+    if (Status s = InsertBlockLocked(run_id, kept, what); !s.ok()) return s;
   }
   return Status::Ok();
 }

@@ -63,7 +63,7 @@ std::pair<uint64_t, uint64_t> Run(const DaemonProcess& daemon, const std::string
     const double total = (s >= 50 && s <= 120) ? 5.5 : 1.0;
     REQUIRE(stream.Step(Step(s, total), seq++));
     if (s == 100) {
-      stream.WaitAck(100);  // step 100 is processed (and evaluated) before it is acked
+      stream.WaitAck(100);  // the steps before 100 were evaluated before this stream read step 100
       bool firing = false;
       for (const auto& a : ListAlerts(daemon.grpc_target(), run)) {
         firing = firing || (a.name() == "GradNormContingency" && a.state() == v1::ALERT_STATE_FIRING);
