@@ -186,10 +186,12 @@ void EncodeValues(const double* values, size_t n, std::vector<uint64_t>& ints, s
     bool exact = true;
     for (size_t i = 0; i < n && exact; ++i) {
       const double m = std::nearbyint(values[i] * scale);
+      // Converted to an integer only once it is known to fit (a larger double or a NaN would be
+      // undefined behaviour).
       exact = std::fabs(m) < kMaxExactInteger &&
               std::bit_cast<uint64_t>(static_cast<double>(static_cast<int64_t>(m)) / scale) ==
                   std::bit_cast<uint64_t>(values[i]);
-      ints[i] = static_cast<uint64_t>(static_cast<int64_t>(m));
+      if (exact) ints[i] = static_cast<uint64_t>(static_cast<int64_t>(m));
     }
     if (exact) consider(ValueKind::kDecimal, exponent);
   }

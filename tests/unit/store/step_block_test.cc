@@ -143,6 +143,19 @@ TEST_CASE("step blocks keep special values and extreme exponents exactly", "[sto
   SECTION("one step") {
     RoundTrip(MakeSteps(1, static_cast<uint32_t>(count), [&](uint32_t id, size_t) { return specials[id]; }));
   }
+  SECTION("a short decimal too large for the column's scale beside one that needs it") {
+    // The block fuzz_step_block found: its values re-encode through a column whose decimal
+    // scale takes one of them beyond an integer; that column is kept as doubles, and the value
+    // is never converted (that conversion was undefined behaviour).
+    const std::string found(
+        "\x01\x01\x00\x64\x00\x00\xc4\x9f\xd5\xec\xc1\x01\x00\x00\x00\x00\x00\x02\x00\x00\x00\x00\x00\x03"
+        "\x00\x03\x00\x00\x02\x29\x00\x01\x00\x00\x01\x00\x01\x02\x00\xff\xff\xff\xff\x01\x00\x02\x00\xb3"
+        "\xfc\xcd\xf7\xe6\x93\xa8\xfb\xbf\x01\x00",
+        58);
+    std::vector<CompletedStep> decoded;
+    REQUIRE(DecodeStepBlock(found, decoded).ok());
+    RoundTrip(decoded);
+  }
 }
 
 TEST_CASE("step blocks keep steps with differing series, order and duplicates", "[store][step_block]") {
