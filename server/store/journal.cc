@@ -1319,12 +1319,13 @@ int64_t StepBound(uint64_t step) {
 // (`rows`: as ReadStepRow reads them, WHERE run_id = ?1 AND step < ?2 ORDER BY step). A step in
 // both (a row rewritten after its block was sealed, which only a late out-of-order step does) is
 // taken from its row, the later write.
-Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std::string& run_id, uint64_t before_step,
-                  const std::function<void(const CompletedStep&)>& on_step) {
+Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std::string& run_id, uint64_t from_step,
+                  uint64_t before_step, const std::function<void(const CompletedStep&)>& on_step) {
   const std::string what = "journal: reading steps of run '" + run_id + "'";
   sqlite::Query raw(rows);
   raw.Bind(1, run_id);
   raw.Bind(2, StepBound(before_step));
+  raw.Bind(3, StepBound(from_step));
   Status raw_status;
   CompletedStep row;
   bool have_row = false;
@@ -1337,6 +1338,7 @@ Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std:
   sqlite::Query block(blocks);
   block.Bind(1, run_id);
   block.Bind(2, StepBound(before_step));
+  block.Bind(3, StepBound(from_step));
   Status block_status;
   std::vector<CompletedStep> decoded;
   while (block.Next(&block_status, what)) {
@@ -1344,6 +1346,7 @@ Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std:
       return Status::Internal("journal: run '" + run_id + "': a block of steps cannot be read: " + s.message());
     }
     for (const CompletedStep& step : decoded) {
+      if (step.step < from_step) continue;
       if (step.step >= before_step) break;
       while (have_row && row.step < step.step) {
         on_step(row);
@@ -1611,11 +1614,13 @@ struct Journal::Reader {
          "WHERE run_id = ?1 ORDER BY idx"},
         {&series, "SELECT id, key FROM series WHERE run_id = ?1 ORDER BY id"},
         {&progress, "SELECT rank, step, seq FROM rank_progress WHERE run_id = ?1 ORDER BY rank"},
-        {&rewind, "SELECT from_step FROM rewinds WHERE run_id = ?1 ORDER BY branch DESC LIMIT 1"},
-        {&blocks, "SELECT data FROM step_blocks WHERE run_id = ?1 AND first_step < ?2 ORDER BY first_step"},
+        {&rewind, "SELECT from_step, branch FROM rewinds WHERE run_id = ?1 ORDER BY branch DESC LIMIT 1"},
+        {&blocks,
+         "SELECT data FROM step_blocks WHERE run_id = ?1 AND first_step < ?2 AND last_step >= ?3 "
+         "ORDER BY first_step"},
         {&steps,
          "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
-         "WHERE run_id = ?1 AND step < ?2 ORDER BY step"},
+         "WHERE run_id = ?1 AND step < ?2 AND step >= ?3 ORDER BY step"},
         {&events,
          "SELECT step, text, source, recorded_at FROM events WHERE run_id = ?1 ORDER BY id"},
     };
@@ -1690,11 +1695,13 @@ struct Journal::Reader {
       }
       if (!status.ok()) return status;
     }
+    uint64_t branch = 0;  // the current branch: the number of rewinds
     {
       sqlite::Query q(rewind);
       q.Bind(1, meta.run_id);
       if (q.Next(&status, "journal: reading rewinds of run '" + meta.run_id + "'")) {
         visitor.OnRewind(meta.run_id, q.Unsigned(0));
+        branch = q.Unsigned(1) + 1;
       }
       if (!status.ok()) return status;
     }
@@ -1711,7 +1718,8 @@ struct Journal::Reader {
       }
       if (!status.ok()) return status;
     }
-    return VisitSteps(blocks, steps, meta.run_id, std::numeric_limits<uint64_t>::max(),
+    const uint64_t from_step = visitor.OnStepsBegin(meta.run_id, branch);
+    return VisitSteps(blocks, steps, meta.run_id, from_step, std::numeric_limits<uint64_t>::max(),
                       [&](const CompletedStep& step) { visitor.OnStep(meta.run_id, step); });
   }
 };
@@ -1724,7 +1732,7 @@ Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
   if (Status s = reader.Prepare(db_); !s.ok()) return s;
   sqlite::Transaction txn(db_, "journal");
   if (Status s = txn.Begin(sqlite::Transaction::Mode::kDeferred); !s.ok()) return s;
-  return VisitSteps(reader.blocks, reader.steps, run_id, before_step, on_step);
+  return VisitSteps(reader.blocks, reader.steps, run_id, 0, before_step, on_step);
 }
 
 Status Journal::Load(JournalVisitor& visitor) {

@@ -144,7 +144,8 @@ struct RecoveryReport {
 
 // Receives runs from the journal, one after the other in creation order: each run, then (unless
 // OnRun declines it) its series, rank progress and latest rewind, its events (so that analytics
-// know them before the steps they concern), then its steps in step order: the current branch only.
+// know them before the steps they concern), then (OnStepsBegin) its steps in step order: the
+// current branch only.
 class JournalVisitor {
  public:
   virtual ~JournalVisitor() = default;
@@ -157,6 +158,14 @@ class JournalVisitor {
   // The run's latest rewind (after its rank progress, only for a run that rewound): steps and
   // events of abandoned branches are not visited.
   virtual void OnRewind(const std::string& run_id, uint64_t from_step) = 0;
+  // Just before the run's steps: `branch` is its current branch (the number of its rewinds).
+  // Returns the first step to visit: steps below it are skipped (a visitor that restored the run
+  // from a snapshot through a step wants only the steps after it); 0 visits them all.
+  virtual uint64_t OnStepsBegin(const std::string& run_id, uint64_t branch) {
+    (void)run_id;
+    (void)branch;
+    return 0;
+  }
   // A run the visitor kept could not be read to the end (a corrupt row: bad value blob, bad JSON,
   // a damaged page): forget what was handed out for it. Load goes on with the next run.
   virtual void OnRunFailed(const std::string& run_id, const Status& why) = 0;

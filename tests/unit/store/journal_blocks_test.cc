@@ -34,6 +34,12 @@ struct Collector : JournalVisitor {
   void OnEvent(const std::string&, const EventRecord&) override {}
   void OnRewind(const std::string& run_id, uint64_t from_step) override { rewinds.emplace_back(run_id, from_step); }
   void OnRunFailed(const std::string& run_id, const Status&) override { failed.push_back(run_id); }
+  uint64_t OnStepsBegin(const std::string& run_id, uint64_t branch) override {
+    branches.emplace_back(run_id, branch);
+    return from_step;
+  }
+  std::vector<std::pair<std::string, uint64_t>> branches;
+  uint64_t from_step = 0;  // what OnStepsBegin answers
 };
 
 std::unique_ptr<Journal> Open(const JournalOptions& options) {
@@ -192,6 +198,49 @@ TEST_CASE("a rewind into sealed blocks keeps the steps before it and abandons th
   }
   REQUIRE(got.rewinds.size() == 1);
   CHECK(got.rewinds[0].second == 13);
+}
+
+TEST_CASE("a visitor restored through a step is handed only the steps after it, and the run's branch",
+          "[store][blocks][snapshot]") {
+  TempDir dir;
+  std::vector<CompletedStep> expected;
+  {
+    auto journal = Open({.path = dir.db(), .block_steps = 8});
+    JournalRunRecord(*journal, "r");
+    for (uint64_t s = 1; s <= 60; ++s) {
+      expected.push_back(MakeStep(s, 4));
+      Write(*journal, "r", expected.back());
+      if (s % 7 == 0) REQUIRE(journal->Flush().ok());
+    }
+    REQUIRE(journal->Flush().ok());
+  }
+  for (const uint64_t from : {0, 1, 8, 9, 16, 17, 23, 56, 57, 60, 61, 1000}) {
+    auto journal = Open({.path = dir.db(), .block_steps = 8});
+    Collector got;
+    got.from_step = from;
+    REQUIRE(journal->Load(got).ok());
+    INFO("from step " << from);
+    REQUIRE(got.branches.size() == 1);
+    CHECK(got.branches[0].second == 0);
+    const uint64_t first = std::max<uint64_t>(from, 1);
+    REQUIRE(got.steps.size() == (first <= 60 ? 60 - first + 1 : 0));
+    for (size_t i = 0; i < got.steps.size(); ++i) CHECK(SameSteps(got.steps[i].second, expected[first - 1 + i]));
+  }
+  {
+    auto journal = Open({.path = dir.db(), .block_steps = 8});
+    REQUIRE(journal->Enqueue(RewindRecord{"r", 30, 1, 1.7e9 + 100}));
+    REQUIRE(journal->Enqueue(RewindRecord{"r", 20, 1, 1.7e9 + 200}));
+    REQUIRE(journal->Flush().ok());
+  }
+  auto journal = Open({.path = dir.db(), .block_steps = 8});
+  Collector got;
+  got.from_step = 10;
+  REQUIRE(journal->Load(got).ok());
+  REQUIRE(got.branches.size() == 1);
+  CHECK(got.branches[0].second == 2);  // two rewinds: the third branch
+  REQUIRE(got.steps.size() == 10);     // 10..19
+  CHECK(got.steps.front().second.step == 10);
+  CHECK(got.steps.back().second.step == 19);
 }
 
 TEST_CASE("pruning deletes an ended run's blocks, and abandoned branches once their rewind is past retention",
