@@ -1616,8 +1616,11 @@ struct Journal::Reader {
         {&progress, "SELECT rank, step, seq FROM rank_progress WHERE run_id = ?1 ORDER BY rank"},
         {&rewind, "SELECT from_step, branch FROM rewinds WHERE run_id = ?1 ORDER BY branch DESC LIMIT 1"},
         {&blocks,
-         "SELECT data FROM step_blocks WHERE run_id = ?1 AND first_step < ?2 AND last_step >= ?3 "
-         "ORDER BY first_step"},
+         // From the block holding ?3 on, found by a seek of the primary key (not a scan of the
+         // run's blocks: a restart from a snapshot reads only the blocks after it).
+         "SELECT data FROM step_blocks WHERE run_id = ?1 AND first_step < ?2 AND first_step >= "
+         "COALESCE((SELECT MAX(first_step) FROM step_blocks WHERE run_id = ?1 AND first_step <= ?3), 0) "
+         "AND last_step >= ?3 ORDER BY first_step"},
         {&steps,
          "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
          "WHERE run_id = ?1 AND step < ?2 AND step >= ?3 ORDER BY step"},
