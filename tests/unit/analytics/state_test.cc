@@ -20,10 +20,14 @@
 #include "server/analytics/regression.h"
 #include "server/analytics/spike_filter.h"
 #include "server/core/state_io.h"
+#include "tests/support/state_round_trip.h"
 
 using namespace gradwatch::analytics;
 using gradwatch::StateReader;
 using gradwatch::StateWriter;
+using gradwatch::testing::Damage;
+using gradwatch::testing::RequireLoads;
+using gradwatch::testing::StateOf;
 
 namespace {
 
@@ -71,24 +75,6 @@ std::vector<Sample> NoisySeries(size_t n, uint64_t seed, bool irregular, bool di
 // Where the round trips save: before anything, early, within the first window, and after many
 // expiries (recomputes, compactions).
 const std::vector<size_t> kSavePoints = {0, 3, 700, 2500, 17000, 44000};
-
-template <typename T>
-std::string StateOf(const T& object) {
-  std::string bytes;
-  StateWriter out(bytes);
-  object.SaveState(out);
-  return bytes;
-}
-
-template <typename T>
-void RequireLoads(T& object, std::string_view bytes) {
-  StateReader in(bytes);
-  const bool loaded = object.LoadState(in);
-  INFO(in.why());
-  REQUIRE(loaded);
-  REQUIRE(!in.failed());
-  REQUIRE(in.at_end());
-}
 
 bool Same(double a, double b) { return std::bit_cast<uint64_t>(a) == std::bit_cast<uint64_t>(b); }
 
@@ -193,52 +179,6 @@ void RoundTrip(const std::vector<Sample>& samples, Make make, Feed feed, Check c
     feed(original, samples[i]);
     feed(*loaded, samples[i]);
   }
-}
-
-// Cuts and byte flips of `bytes` (a state saved by an object that `make` constructs): every cut
-// fails, and a flipped state either fails or loads into an object that `exercise` can go on using.
-template <typename T, typename Make, typename Exercise>
-void Damage(const std::string& bytes, Make make, Exercise exercise, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<size_t> cuts;
-  if (bytes.size() <= 4096) {
-    for (size_t n = 0; n < bytes.size(); ++n) cuts.push_back(n);
-  } else {
-    for (int i = 0; i < 400; ++i) cuts.push_back(rng() % bytes.size());
-    for (size_t n = 0; n < 64; ++n) cuts.push_back(n);
-    cuts.push_back(bytes.size() - 1);
-  }
-  for (size_t n : cuts) {
-    T object = make();
-    StateReader in(std::string_view(bytes).substr(0, n));
-    const bool loaded = object.LoadState(in);
-    INFO("cut at " << n << " of " << bytes.size());
-    REQUIRE(!loaded);
-    REQUIRE(in.failed());
-  }
-  int loaded_count = 0;
-  for (int trial = 0; trial < 600; ++trial) {
-    std::string damaged = bytes;
-    const int flips = 1 + static_cast<int>(rng() % 3);
-    for (int f = 0; f < flips; ++f) {
-      const size_t at = rng() % damaged.size();
-      if (rng() % 2 == 0) {
-        damaged[at] = static_cast<char>(damaged[at] ^ (1 << (rng() % 8)));
-      } else {
-        damaged[at] = static_cast<char>(rng());
-      }
-    }
-    T object = make();
-    StateReader in(damaged);
-    const bool loaded = object.LoadState(in);
-    REQUIRE(loaded != in.failed());
-    if (loaded) {
-      ++loaded_count;
-      exercise(object);
-    }
-  }
-  // Flips in the values (not the bookkeeping) load: exercise ran on some.
-  CHECK(loaded_count > 0);
 }
 
 }  // namespace
