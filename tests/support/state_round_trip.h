@@ -80,7 +80,7 @@ void Damage(const std::string& bytes, Make make, Exercise exercise, uint64_t see
     }
   }
   // Flips in values (not in the bookkeeping) load: `exercise` ran on some.
-  CHECK(loaded_count > 0);
+  if (flip_trials > 0) CHECK(loaded_count > 0);
 }
 
 }  // namespace gradwatch::testing
