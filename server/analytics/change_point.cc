@@ -1,8 +1,10 @@
 #include "server/analytics/change_point.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 namespace gradwatch::analytics {
 namespace {
@@ -27,6 +29,39 @@ ChangePointOptions Sanitised(ChangePointOptions o) {
   o.persistence = std::max<uint32_t>(o.persistence, 1);
   o.max_changes = std::max<size_t>(o.max_changes, 1);
   return o;
+}
+
+// The options written by SaveState, field by field (the struct has padding).
+void PutOptions(StateWriter& out, const ChangePointOptions& o) {
+  out.Put(o.window_steps);
+  out.Put(o.buckets_per_window);
+  out.Put(o.min_segment_steps);
+  out.Put(o.min_samples);
+  out.Put(o.prefilter_samples);
+  out.Put(o.z_threshold);
+  out.Put(o.min_relative_change);
+  out.Put(o.persistence);
+  out.Put<uint64_t>(o.max_changes);
+}
+
+// Reads options written by PutOptions; false, `in` failed, unless they equal `expected` (the
+// doubles bit for bit).
+bool GetOptionsEqual(StateReader& in, const ChangePointOptions& expected) {
+  ChangePointOptions o;
+  uint64_t max_changes = 0;
+  if (!in.Get(o.window_steps) || !in.Get(o.buckets_per_window) || !in.Get(o.min_segment_steps) ||
+      !in.Get(o.min_samples) || !in.Get(o.prefilter_samples) || !in.Get(o.z_threshold) ||
+      !in.Get(o.min_relative_change) || !in.Get(o.persistence) || !in.Get(max_changes)) {
+    return false;
+  }
+  const bool equal = o.window_steps == expected.window_steps && o.buckets_per_window == expected.buckets_per_window &&
+                     o.min_segment_steps == expected.min_segment_steps && o.min_samples == expected.min_samples &&
+                     o.prefilter_samples == expected.prefilter_samples &&
+                     std::bit_cast<uint64_t>(o.z_threshold) == std::bit_cast<uint64_t>(expected.z_threshold) &&
+                     std::bit_cast<uint64_t>(o.min_relative_change) ==
+                         std::bit_cast<uint64_t>(expected.min_relative_change) &&
+                     o.persistence == expected.persistence && max_changes == expected.max_changes;
+  return equal ? true : in.Fail("a change detector was saved with other options");
 }
 
 // Above this z the data reject a kink in favour of two free lines (a level shift).
@@ -343,6 +378,90 @@ std::optional<SlopeChangeDetector::Candidate> SlopeChangeDetector::BestSplit(
   std::optional<Candidate>& best = shift_z < kLevelShiftZ ? best_kink : best_two_lines;
   best->pinned = best->break_step == newest_break || best->break_step == *oldest_break;
   return best;
+}
+
+void SlopeChangeDetector::SaveState(StateWriter& out) const {
+  PutOptions(out, options_);
+  out.Put(bucket_steps_);
+  out.Put(span_buckets_);
+  // Only the block's samples so far: the rest of block_values_ and block_steps_ is rewritten before
+  // it is read.
+  out.Put<uint64_t>(block_size_);
+  for (size_t i = 0; i < block_size_; ++i) {
+    out.Put(block_values_[i]);
+    out.Put(block_steps_[i]);
+  }
+  // Every slot, stale ones too: a slot is told stale by its index, so a ring copied whole reads
+  // the same.
+  static_assert(std::is_trivially_copyable_v<Bucket> && sizeof(Bucket) == sizeof(uint64_t) + 6 * sizeof(double));
+  out.PutVector(buckets_);
+  out.Put<uint8_t>(have_point_ ? 1 : 0);
+  out.Put(open_bucket_);
+  out.Put(baseline_bucket_);
+  out.Put(streak_);
+  out.Put(streak_break_);
+  out.Put<uint8_t>(refining_ ? 1 : 0);
+  out.Put(refine_first_bucket_);
+  out.Put(refine_break_bucket_);
+  out.Put<uint8_t>(have_step_ ? 1 : 0);
+  out.Put(last_step_);
+  out.Put<uint64_t>(changes_.size());
+  for (const ChangePoint& change : changes_) {
+    out.Put(change.step);
+    out.Put(change.slope_before_per_kstep);
+    out.Put(change.slope_after_per_kstep);
+    out.Put(change.ratio);
+    out.Put(change.z_score);
+    out.Put(change.detected_at_step);
+    out.Put<uint8_t>(change.settled ? 1 : 0);
+  }
+}
+
+bool SlopeChangeDetector::LoadState(StateReader& in) {
+  uint64_t bucket_steps = 0, span_buckets = 0;
+  if (!GetOptionsEqual(in, options_) || !in.Get(bucket_steps) || !in.Get(span_buckets)) return false;
+  if (bucket_steps != bucket_steps_ || span_buckets != span_buckets_) {
+    return in.Fail("a change detector was saved with other buckets");
+  }
+  uint64_t block_size = 0;
+  // A full block is turned into a point at once: at most prefilter_samples − 1 wait.
+  if (!in.GetCount(block_size, 2 * sizeof(uint64_t), block_values_.size() - 1)) return false;
+  block_size_ = static_cast<size_t>(block_size);
+  for (size_t i = 0; i < block_size_; ++i) {
+    if (!in.Get(block_values_[i]) || !in.Get(block_steps_[i])) return false;
+  }
+  // Read in place, as PutVector wrote it: the ring keeps its size, which the split search's
+  // bounds rely on.
+  uint64_t ring_size = 0;
+  if (!in.Get(ring_size)) return false;
+  if (ring_size != buckets_.size()) return in.Fail("a change detector's ring has another size");
+  for (Bucket& bucket : buckets_) {
+    if (!in.Get(bucket)) return false;
+  }
+  if (!in.GetBool(have_point_) || !in.Get(open_bucket_) || !in.Get(baseline_bucket_) || !in.Get(streak_) ||
+      !in.Get(streak_break_) || !in.GetBool(refining_) || !in.Get(refine_first_bucket_) ||
+      !in.Get(refine_break_bucket_) || !in.GetBool(have_step_) || !in.Get(last_step_)) {
+    return false;
+  }
+  // The split search spans the buckets from these to open_bucket_: one past it would make the span
+  // wrap around (and overrun the search's scratch).
+  if (baseline_bucket_ > open_bucket_ || refine_first_bucket_ > open_bucket_ || refine_break_bucket_ > open_bucket_) {
+    return in.Fail("a change detector's baseline is past its newest bucket");
+  }
+  uint64_t count = 0;
+  if (!in.GetCount(count, 6 * sizeof(uint64_t) + 1, options_.max_changes)) return false;
+  // changes_ keeps the capacity the constructor reserved: Record never allocates.
+  changes_.clear();
+  for (uint64_t i = 0; i < count; ++i) {
+    ChangePoint change;
+    if (!in.Get(change.step) || !in.Get(change.slope_before_per_kstep) || !in.Get(change.slope_after_per_kstep) ||
+        !in.Get(change.ratio) || !in.Get(change.z_score) || !in.Get(change.detected_at_step) ||
+        !in.GetBool(change.settled)) {
+      return false;
+    }
+    changes_.push_back(change);
+  }
+  return true;
 }
 
 void SlopeChangeDetector::Record(const ChangePoint& change) {

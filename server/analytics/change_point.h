@@ -7,6 +7,8 @@
 #include <optional>
 #include <vector>
 
+#include "server/core/state_io.h"
+
 namespace gradwatch::analytics {
 
 // Defaults suit a series reported every step or every few steps with a few percent of noise (the
@@ -108,6 +110,17 @@ class SlopeChangeDetector {
   // The memory a detector with these options holds (all of it allocated at construction), in
   // bytes: what to charge before constructing one.
   static size_t MemoryBytesFor(const ChangePointOptions& options);
+
+  // Writes the state (everything but what the constructor's arguments fix, and the options in
+  // effect for LoadState to check) for LoadState. The scratch of the prefilter's median and of the
+  // split search is not written: each use overwrites what it reads.
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote into this object, constructed with the same options as the one
+  // saved. False (with in.Fail(...) called, the reader failed) when the bytes are damaged or were
+  // written by a detector with other options; the object is then left in an unspecified but
+  // valid, destructible state: the caller discards it. Nothing is allocated: every buffer keeps
+  // the size the constructor gave it.
+  bool LoadState(StateReader& in);
 
  private:
   // Moments of a set of points about their own means (Welford / Chan et al.): numerically

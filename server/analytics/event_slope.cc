@@ -108,4 +108,23 @@ std::optional<SlopeChange> EventSlope::Current(const WindowedSlope& window) cons
   return change;
 }
 
+void EventSlope::SaveState(StateWriter& out) const {
+  out.Put(event_step_);
+  out.Put(window_steps_);
+  out.Put<uint64_t>(min_after_samples_);
+  before_.SaveState(out);
+  after_.SaveState(out);
+  out.Put<uint8_t>(has_closed_ ? 1 : 0);
+  out.Put(closed_through_);
+}
+
+bool EventSlope::LoadState(StateReader& in) {
+  uint64_t event_step = 0, window_steps = 0, min_after_samples = 0;
+  if (!in.Get(event_step) || !in.Get(window_steps) || !in.Get(min_after_samples)) return false;
+  if (event_step != event_step_ || window_steps != window_steps_ || min_after_samples != min_after_samples_) {
+    return in.Fail("an event slope was saved for another event or window");
+  }
+  return before_.LoadState(in) && after_.LoadState(in) && in.GetBool(has_closed_) && in.Get(closed_through_);
+}
+
 }  // namespace gradwatch::analytics

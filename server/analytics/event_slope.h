@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "server/analytics/regression.h"
+#include "server/core/state_io.h"
 
 namespace gradwatch::analytics {
 
@@ -60,6 +61,15 @@ class EventSlope {
 
   uint64_t event_step() const { return event_step_; }
   uint64_t window_steps() const { return window_steps_; }
+
+  // Writes the state (everything but what the constructor's arguments fix, and those arguments for
+  // LoadState to check) for LoadState.
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote into this object, constructed with the same arguments as the one
+  // saved. False (with in.Fail(...) called, the reader failed) when the bytes are damaged or were
+  // written by an event constructed differently; the object is then left in an unspecified but
+  // valid, destructible state: the caller discards it.
+  bool LoadState(StateReader& in);
 
  private:
   bool InBefore(const RegressionSums& bucket) const;

@@ -4,12 +4,20 @@
 #include <cassert>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 namespace gradwatch::analytics {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Written whole by RegressionSums::SaveState: two doubles, no padding. (RegressionSums itself is
+// trivially copyable too, but has padding after its flag: it is written field by field.)
+static_assert(std::is_trivially_copyable_v<CompensatedSum> && sizeof(CompensatedSum) == 2 * sizeof(double));
+
+// a + b, or UINT64_MAX when that overflows (the window's bookkeeping steps saturate so).
+uint64_t SaturatingAdd(uint64_t a, uint64_t b) { return a + b > a ? a + b : UINT64_MAX; }
 
 // a − b as a double, for steps on either side of each other.
 double StepDelta(uint64_t a, uint64_t b) {
@@ -194,6 +202,29 @@ std::optional<LinearFit> RegressionSums::FitSums(size_t count, double sx, double
   return fit;
 }
 
+void RegressionSums::SaveState(StateWriter& out) const {
+  out.Put<uint8_t>(has_origin_ ? 1 : 0);
+  out.Put(origin_step_);
+  out.Put(value_origin_);
+  out.Put<uint64_t>(count_);
+  out.Put(first_step_);
+  out.Put(last_step_);
+  for (const CompensatedSum* sum : {&sum_x_, &sum_y_, &sum_xx_, &sum_xy_, &sum_yy_}) out.Put(*sum);
+}
+
+bool RegressionSums::LoadState(StateReader& in) {
+  uint64_t count = 0;
+  if (!in.GetBool(has_origin_) || !in.Get(origin_step_) || !in.Get(value_origin_) || !in.Get(count) ||
+      !in.Get(first_step_) || !in.Get(last_step_)) {
+    return false;
+  }
+  count_ = static_cast<size_t>(count);
+  for (CompensatedSum* sum : {&sum_x_, &sum_y_, &sum_xx_, &sum_xy_, &sum_yy_}) {
+    if (!in.Get(*sum)) return false;
+  }
+  return true;
+}
+
 WindowedSlope::WindowedSlope(uint64_t window_steps, size_t max_buckets)
     : window_steps_(std::max<uint64_t>(window_steps, 1)),
       bucket_steps_(1),
@@ -338,6 +369,90 @@ std::optional<LinearFit> WindowedSlope::FitRange(uint64_t from_step, uint64_t to
   return SumsInRange(from_step, to_step).Fit();
 }
 
+void WindowedSlope::SaveState(StateWriter& out) const {
+  out.Put(window_steps_);
+  out.Put(bucket_steps_);
+  out.Put<uint64_t>(max_buckets_);
+  out.Put<uint64_t>(ring_capacity_);
+  // The ring's size, not its rotation, decides when it grows.
+  out.Put<uint64_t>(ring_.size());
+  out.Put<uint64_t>(held_);
+  for (size_t i = 0; i < held_; ++i) ring_[slot(i)].SaveState(out);
+  out.Put(last_step_);
+  out.Put(open_end_step_);
+  out.Put(expire_step_);
+  out.Put<uint8_t>(has_open_ ? 1 : 0);
+  out.Put<uint8_t>(has_samples_ ? 1 : 0);
+  open_.SaveState(out);
+  closed_.SaveState(out);
+  out.Put(expiries_since_recompute_);
+  out.Put(recomputes_);
+  out.Put(ignored_non_finite_);
+  out.Put(ignored_out_of_order_);
+}
+
+bool WindowedSlope::LoadState(StateReader& in) {
+  uint64_t window_steps = 0, bucket_steps = 0, max_buckets = 0, ring_capacity = 0;
+  if (!in.Get(window_steps) || !in.Get(bucket_steps) || !in.Get(max_buckets) || !in.Get(ring_capacity)) {
+    return false;
+  }
+  if (window_steps != window_steps_ || bucket_steps != bucket_steps_ || max_buckets != max_buckets_ ||
+      ring_capacity != ring_capacity_) {
+    return in.Fail("a window was saved with other steps or buckets");
+  }
+  uint64_t ring_size = 0, held_count = 0;
+  if (!in.Get(ring_size)) return false;
+  // The ring never exceeds ring_capacity_ − 1 slots (GrowRing).
+  if (ring_size > ring_capacity_ - 1) return in.Fail("a window's ring is larger than its capacity");
+  if (!in.GetCount(held_count, 1, ring_size)) return false;
+  // Loaded unrotated: the held buckets first, the free slots after them.
+  ring_.assign(ring_size, Bucket());
+  head_ = 0;
+  held_ = static_cast<uint32_t>(held_count);
+  for (size_t i = 0; i < held_; ++i) {
+    if (!ring_[i].LoadState(in)) return false;
+  }
+  bool has_open = false, has_samples = false;
+  if (!in.Get(last_step_) || !in.Get(open_end_step_) || !in.Get(expire_step_) || !in.GetBool(has_open) ||
+      !in.GetBool(has_samples) || !open_.LoadState(in) || !closed_.LoadState(in) ||
+      !in.Get(expiries_since_recompute_) || !in.Get(recomputes_) || !in.Get(ignored_non_finite_) ||
+      !in.Get(ignored_out_of_order_)) {
+    return false;
+  }
+  has_open_ = has_open;
+  has_samples_ = has_samples;
+  if (!has_open_) {
+    // Nothing held; the bookkeeping steps are set again when a bucket opens.
+    return held_ == 0 ? true : in.Fail("a window holds closed buckets but no open one");
+  }
+  if (!has_samples_) return in.Fail("a window holds a bucket but never took a sample");
+  // Every held bucket (the open one last) must be a non-empty bucket of its own index, the indices
+  // increasing, all of them within the window that ends at last_step_: then they are at most
+  // ring_capacity_, and the window keeps to its ring as it moves on.
+  const uint64_t oldest_first = held(0).first_step();
+  if (open_.last_step() > last_step_ || last_step_ - oldest_first >= window_steps_) {
+    return in.Fail("a window holds buckets outside it");
+  }
+  for (size_t i = 0; i <= held_; ++i) {
+    const Bucket& bucket = held(i);
+    const uint64_t index = bucket.first_step() / bucket_steps_;
+    if (bucket.empty() || bucket.first_step() > bucket.last_step() || bucket.last_step() / bucket_steps_ != index) {
+      return in.Fail("a window's bucket is empty or spans several buckets");
+    }
+    if (i > 0 && index <= held(i - 1).last_step() / bucket_steps_) {
+      return in.Fail("a window's buckets are out of order");
+    }
+  }
+  // As OpenBucket and ExpireBefore set them.
+  const uint64_t open_index = open_.first_step() / bucket_steps_;
+  const uint64_t open_end = (open_index + 1) * bucket_steps_;
+  if (open_end_step_ != (open_end > open_.first_step() ? open_end : UINT64_MAX) ||
+      expire_step_ != SaturatingAdd(oldest_first, window_steps_)) {
+    return in.Fail("a window's bookkeeping steps do not match its buckets");
+  }
+  return true;
+}
+
 SlopeTracker::SlopeTracker(std::vector<uint64_t> windows, size_t max_buckets) {
   if (windows.empty()) {
     windows = DefaultWindows();
@@ -373,6 +488,22 @@ std::optional<LinearFit> SlopeTracker::FitRange(uint64_t from_step, uint64_t to_
 
 RegressionSums SlopeTracker::SumsInRange(uint64_t from_step, uint64_t to_step) const {
   return longest().SumsInRange(from_step, to_step);
+}
+
+void SlopeTracker::SaveState(StateWriter& out) const {
+  out.Put<uint64_t>(windows_.size());
+  out.Put<uint64_t>(longest_);
+  for (const WindowedSlope& window : windows_) window.SaveState(out);
+}
+
+bool SlopeTracker::LoadState(StateReader& in) {
+  uint64_t count = 0, longest = 0;
+  if (!in.Get(count) || !in.Get(longest)) return false;
+  if (count != windows_.size() || longest != longest_) return in.Fail("a tracker was saved with other windows");
+  for (WindowedSlope& window : windows_) {
+    if (!window.LoadState(in)) return false;
+  }
+  return true;
 }
 
 }  // namespace gradwatch::analytics

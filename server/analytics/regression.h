@@ -16,6 +16,8 @@
 #include <optional>
 #include <vector>
 
+#include "server/core/state_io.h"
+
 namespace gradwatch::analytics {
 
 inline constexpr double kStepsPerKstep = 1000.0;
@@ -100,6 +102,13 @@ class alignas(64) RegressionSums {
   uint64_t origin_step() const { return origin_step_; }
   double value_origin() const { return value_origin_; }
 
+  // Writes every field for LoadState, one by one: a copy of the whole object would carry its
+  // padding, so equal sums would not always give equal bytes.
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote; false (in.Fail called) on a truncated or damaged input, the sums
+  // then unspecified. Any bytes make valid sums: their values are only ever added and divided.
+  bool LoadState(StateReader& in);
+
  private:
   // Adds (sign = +1) or removes (sign = −1) other's sums, shifted to this object's origins.
   void Accumulate(const RegressionSums& other, double sign);
@@ -178,6 +187,18 @@ class WindowedSlope {
   // Exact recomputations of the window sums so far.
   uint64_t recomputes() const { return recomputes_; }
 
+  // Writes the state (everything but what the constructor's arguments fix, and those arguments for
+  // LoadState to check) for LoadState: the held buckets oldest first, so equal windows give equal
+  // bytes whatever their ring's rotation.
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote into this object, constructed with the same arguments as the one
+  // saved. False (with in.Fail(...) called, the reader failed) when the bytes are damaged or were
+  // written by an object constructed differently; the object is then left in an unspecified but
+  // valid, destructible state: the caller discards it. The buckets read must lie in the window
+  // and in distinct buckets (so the ring can never overflow later), the bookkeeping steps must
+  // match them.
+  bool LoadState(StateReader& in);
+
  private:
   // A held bucket is its sums: its index is first_step() / bucket_steps_.
   using Bucket = RegressionSums;
@@ -255,6 +276,12 @@ class SlopeTracker {
 
   bool has_samples() const { return longest().has_samples(); }
   uint64_t last_step() const { return longest().last_step(); }
+
+  // Every window's state, for LoadState (see WindowedSlope::SaveState).
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote into a tracker constructed with the same windows and max_buckets;
+  // false (in.Fail called, the tracker to be discarded) otherwise or on damaged bytes.
+  bool LoadState(StateReader& in);
 
  private:
   std::vector<WindowedSlope> windows_;

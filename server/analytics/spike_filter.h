@@ -11,6 +11,8 @@
 #include <optional>
 #include <vector>
 
+#include "server/core/state_io.h"
+
 namespace gradwatch::analytics {
 
 struct FilteredPoint {
@@ -28,6 +30,15 @@ class SpikeFilter {
   std::optional<FilteredPoint> Add(uint64_t step, double value);
 
   uint32_t width() const { return width_; }
+
+  // Writes the state (the samples in the ring and how many were seen, and the width for LoadState
+  // to check) for LoadState. The median's scratch is not written: each Add overwrites it.
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote into this object, constructed with the same width as the one saved.
+  // False (with in.Fail(...) called, the reader failed) when the bytes are damaged or were written
+  // by a filter of another width; the object is then left in an unspecified but valid,
+  // destructible state: the caller discards it.
+  bool LoadState(StateReader& in);
 
  private:
   uint32_t width_;

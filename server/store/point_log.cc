@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <type_traits>
 
 namespace gradwatch::store {
 namespace {
@@ -58,6 +59,32 @@ class BitReader {
  private:
   const uint64_t* words_;
   uint32_t bit_;
+};
+
+// A BitReader for bits read from a snapshot: a read past `end` fails, and reads nothing.
+class CheckedBitReader {
+ public:
+  CheckedBitReader(const uint64_t* words, uint32_t bit, uint32_t end) : words_(words), bit_(bit), end_(end) {}
+
+  bool Get(unsigned n, uint64_t& v) {
+    if (bit_ > end_ || n > end_ - bit_) return false;
+    BitReader r(words_, bit_);
+    v = r.Get(n);
+    bit_ = r.bit();
+    return true;
+  }
+  bool GetBit(bool& b) {
+    uint64_t v = 0;
+    if (!Get(1, v)) return false;
+    b = v != 0;
+    return true;
+  }
+  uint32_t bit() const { return bit_; }
+
+ private:
+  const uint64_t* words_;
+  uint32_t bit_;
+  uint32_t end_;
 };
 
 constexpr int kMean = 0, kMin = 1, kMax = 2, kLast = 3;
@@ -229,6 +256,106 @@ Point PointLog::Decode(const Chunk& chunk, CodecState& state) {
   return p;
 }
 
+bool PointLog::DecodeChecked(const Chunk& chunk, uint32_t end_bit, CodecState& state) {
+  CheckedBitReader r(chunk.words.get(), state.bit, end_bit);
+  // As Decode's get_value, with the shifts kept in range as PutValue keeps them: a window read
+  // needs one (of 1 to 64 − leading bits), a new window fits in 64 bits.
+  const auto get_value = [&](int field, double previous, double& value) {
+    bool changed = false, new_window = false;
+    if (!r.GetBit(changed)) return false;
+    if (!changed) {
+      value = previous;
+      return true;
+    }
+    if (!r.GetBit(new_window)) return false;
+    uint64_t x = 0;
+    if (!new_window) {
+      const unsigned leading = state.leading[field];
+      const unsigned window = state.meaningful[field];
+      if (window == 0 || leading + window > 64 || !r.Get(window, x)) return false;
+      x <<= 64 - leading - window;
+    } else {
+      uint64_t leading = 0, meaningful = 0;
+      if (!r.Get(5, leading) || !r.Get(6, meaningful)) return false;
+      ++meaningful;
+      if (leading + meaningful > 64 || !r.Get(static_cast<unsigned>(meaningful), x)) return false;
+      x <<= 64 - leading - meaningful;
+      state.leading[field] = static_cast<uint8_t>(leading);
+      state.meaningful[field] = static_cast<uint8_t>(meaningful);
+    }
+    value = std::bit_cast<double>(std::bit_cast<uint64_t>(previous) ^ x);
+    return true;
+  };
+  const auto get_uint = [&](uint64_t previous, uint64_t& v) {
+    bool changed = false;
+    if (!r.GetBit(changed)) return false;
+    if (!changed) {
+      v = previous;
+      return true;
+    }
+    uint64_t width = 0;
+    return r.Get(6, width) && r.Get(static_cast<unsigned>(width) + 1, v);
+  };
+
+  bool sample = false;
+  if (!r.GetBit(sample)) return false;
+  // GetDelta's classes: up to four prefix bits, then the delta-of-delta or the raw delta.
+  static constexpr unsigned kDodBits[] = {7, 9, 12};
+  static constexpr uint64_t kDodBias[] = {63, 255, 2047};
+  uint64_t delta = state.delta;
+  bool more = false;
+  if (!r.GetBit(more)) return false;
+  if (more) {
+    size_t cls = 0;
+    for (; cls < 3; ++cls) {
+      if (!r.GetBit(more)) return false;
+      if (!more) break;
+    }
+    uint64_t v = 0;
+    if (cls < 3) {
+      if (!r.Get(kDodBits[cls], v)) return false;
+      delta = state.delta + (v - kDodBias[cls]);
+    } else {
+      if (!r.Get(64, v)) return false;
+      delta = v;
+    }
+  }
+  const uint64_t step = state.prev.step + delta;
+  Point p;
+  if (sample) {
+    double value = 0;
+    if (!get_value(kLast, state.prev.last, value)) return false;
+    p = SamplePoint(step, value);
+  } else {
+    uint64_t span = 0, count = 0, nonfinite = 0;
+    if (!get_uint(state.prev.last_step - state.prev.step, span) || !get_uint(state.prev.count, count) ||
+        !get_uint(state.prev.nonfinite, nonfinite)) {
+      return false;
+    }
+    p.step = step;
+    p.last_step = step + span;
+    p.count = static_cast<uint32_t>(count);
+    p.nonfinite = static_cast<uint32_t>(nonfinite);
+    if (!get_value(kMean, state.prev.mean, p.mean) || !get_value(kMin, state.prev.min, p.min) ||
+        !get_value(kMax, state.prev.max, p.max) || !get_value(kLast, state.prev.last, p.last)) {
+      return false;
+    }
+  }
+  state.delta = delta;
+  state.prev = p;
+  state.bit = r.bit();
+  ++state.points;
+  return true;
+}
+
+bool PointLog::SameState(const CodecState& a, const CodecState& b) {
+  const auto same = [](double x, double y) { return std::bit_cast<uint64_t>(x) == std::bit_cast<uint64_t>(y); };
+  return a.prev.step == b.prev.step && a.prev.last_step == b.prev.last_step && same(a.prev.mean, b.prev.mean) &&
+         same(a.prev.min, b.prev.min) && same(a.prev.max, b.prev.max) && a.prev.count == b.prev.count &&
+         a.prev.nonfinite == b.prev.nonfinite && same(a.prev.last, b.prev.last) && a.delta == b.delta &&
+         a.leading == b.leading && a.meaningful == b.meaningful && a.bit == b.bit && a.points == b.points;
+}
+
 bool PointLog::OpenChunk(bool may_allocate) {
   if (chunks_used_ == slots_.size()) {
     if (!may_allocate) return false;
@@ -311,6 +438,90 @@ void PointLog::Truncate(size_t count) {
 void PointLog::Clear() {
   chunks_used_ = 0;
   size_ = 0;
+}
+
+// Coding states are written whole: no padding, so equal states give equal bytes.
+static_assert(std::is_trivially_copyable_v<Point> &&
+              sizeof(Point) == 2 * sizeof(uint64_t) + 4 * sizeof(double) + 2 * sizeof(uint32_t));
+
+void PointLog::SaveState(StateWriter& out) const {
+  static_assert(std::is_trivially_copyable_v<CodecState> &&
+                sizeof(CodecState) == sizeof(Point) + sizeof(uint64_t) + 8 * sizeof(uint8_t) + 2 * sizeof(uint32_t));
+  out.Put<uint64_t>(chunks_used_);
+  out.Put<uint64_t>(size_);
+  // With no chunk in use both states are stale (OpenChunk resets them): written as new ones.
+  out.Put(chunks_used_ > 0 ? front_ : CodecState{});
+  out.Put(chunks_used_ > 0 ? write_ : CodecState{});
+  for (size_t i = 0; i < chunks_used_; ++i) {
+    const Chunk& chunk = slot(i);
+    out.Put(chunk.bits);
+    out.Put(chunk.points);
+    const uint32_t words = (chunk.bits + 63) / 64;
+    for (uint32_t w = 0; w < words; ++w) {
+      // The bits of the last word past chunk.bits are left over from earlier writes (the next
+      // write sets them): zeroed, so that equal logs give equal bytes.
+      const uint32_t used = std::min<uint32_t>(64, chunk.bits - 64 * w);
+      out.Put(used == 64 ? chunk.words[w] : chunk.words[w] & ((uint64_t{1} << used) - 1));
+    }
+  }
+}
+
+bool PointLog::LoadState(StateReader& in) {
+  uint64_t chunks = 0, size = 0;
+  CodecState front, write;
+  // A chunk in use takes its bits, its points and at least one word.
+  if (!in.GetCount(chunks, 2 * sizeof(uint32_t) + sizeof(uint64_t)) || !in.Get(size) || !in.Get(front) ||
+      !in.Get(write)) {
+    return false;
+  }
+  // The chunks held before are freed: the log holds exactly the chunks it loads.
+  slots_ = std::vector<Chunk>();
+  head_ = 0;
+  chunks_used_ = 0;
+  size_ = 0;
+  if (chunks == 0) {
+    if (size != 0 || !SameState(front, CodecState{}) || !SameState(write, CodecState{})) {
+      return in.Fail("an empty point log has points or a coding state");
+    }
+    front_ = write_ = CodecState{};
+    return true;
+  }
+  slots_.reserve(chunks);
+  uint64_t points = 0;
+  for (uint64_t i = 0; i < chunks; ++i) {
+    Chunk chunk;
+    if (!in.Get(chunk.bits) || !in.Get(chunk.points)) return false;
+    if (chunk.bits == 0 || chunk.bits > kChunkBits || chunk.points == 0) {
+      return in.Fail("a point log's chunk has no point or too many bits");
+    }
+    chunk.words = std::make_unique_for_overwrite<uint64_t[]>(kChunkWords);
+    for (uint32_t w = 0; w < (chunk.bits + 63) / 64; ++w) {
+      if (!in.Get(chunk.words[w])) return false;
+    }
+    // Every point decoded once, checked: Decode may then read any of them, and the states saved
+    // must be those its points lead to (the next point is coded against write_).
+    const bool first = i == 0;
+    if (first && front.points >= chunk.points) return in.Fail("a point log's oldest chunk is read past its end");
+    CodecState state;
+    while (state.points < chunk.points) {
+      if (first && state.points == front.points && !SameState(state, front)) {
+        return in.Fail("a point log's read position is not at a point");
+      }
+      if (!DecodeChecked(chunk, chunk.bits, state)) return in.Fail("a point log's chunk holds bits no point has");
+    }
+    if (state.bit != chunk.bits) return in.Fail("a point log's chunk has bits past its points");
+    if (i + 1 == chunks && !SameState(state, write)) {
+      return in.Fail("a point log's write position is not after its newest point");
+    }
+    points += first ? chunk.points - front.points : chunk.points;
+    slots_.push_back(std::move(chunk));
+  }
+  if (points != size) return in.Fail("a point log's size is not its chunks' points");
+  chunks_used_ = slots_.size();
+  size_ = size;
+  front_ = front;
+  write_ = write;
+  return true;
 }
 
 size_t PointLog::MemoryBytes() const {

@@ -23,6 +23,7 @@
 #include <memory>
 #include <vector>
 
+#include "server/core/state_io.h"
 #include "server/store/point.h"
 
 namespace gradwatch::store {
@@ -69,6 +70,20 @@ class PointLog {
   // MemoryBytes() of a log with one chunk.
   static size_t OneChunkBytes() { return kChunkBytes + sizeof(Chunk); }
 
+  // Writes the points for LoadState: the chunks in use, oldest first (the words their bits take),
+  // and where the oldest point is read and the next one written. Spare chunks are not written.
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote into this log (its points, if any, are replaced). False (with
+  // in.Fail(...) called, the reader failed) when the bytes are damaged; the log is then left in an
+  // unspecified but valid, destructible state: the caller discards it. Every chunk read is decoded
+  // once, with bounds checked, so a log loaded never decodes bits that no Append wrote.
+  //
+  // The log loaded allocates exactly the chunks in use, with no spare: its MemoryBytes() may be
+  // below the original's, and an Append the original would have coded into a spare chunk
+  // allocates one (or, refused the allocation, fails where the original's succeeded). With
+  // allocation allowed, every later call returns what the original's would.
+  bool LoadState(StateReader& in);
+
  private:
   static constexpr uint32_t kChunkBits = kChunkWords * 64;
 
@@ -93,6 +108,11 @@ class PointLog {
   static void EncodeSampleInPlace(Chunk& chunk, CodecState& state, uint64_t step, double value);
   // Reads the point at `state` and advances it.
   static Point Decode(const Chunk& chunk, CodecState& state);
+  // Decode for bits read from a snapshot: false, state unspecified, when the point at `state` is
+  // not one Encode could have written ending at or before `end_bit` (a read past it, a value
+  // window out of range).
+  static bool DecodeChecked(const Chunk& chunk, uint32_t end_bit, CodecState& state);
+  static bool SameState(const CodecState& a, const CodecState& b);
 
   Chunk& slot(size_t i) { return slots_[(head_ + i) % slots_.size()]; }
   const Chunk& slot(size_t i) const { return slots_[(head_ + i) % slots_.size()]; }

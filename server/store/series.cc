@@ -1,6 +1,7 @@
 #include "server/store/series.h"
 
 #include <algorithm>
+#include <bit>
 
 namespace gradwatch::store {
 namespace {
@@ -170,6 +171,56 @@ size_t Series::recent_size() const { return held_ ? held_->recent.size() : 0; }
 
 size_t Series::history_size() const {
   return held_ ? held_->history.size() + (held_->has_open_bucket ? 1 : 0) : 0;
+}
+
+void Series::SaveState(StateWriter& out) const {
+  out.Put<uint64_t>(options_.recent_points);
+  out.Put<uint64_t>(options_.history_buckets);
+  out.Put<uint8_t>(held_ ? 1 : 0);
+  if (held_) {
+    held_->recent.SaveState(out);
+    held_->history.SaveState(out);
+    // A stale open bucket (none held) is written as an empty one, so that equal series give equal
+    // bytes.
+    out.Put(held_->has_open_bucket ? held_->open_bucket : Point{});
+    out.Put<uint8_t>(held_->has_open_bucket ? 1 : 0);
+    out.Put(held_->bucket_width);
+  }
+  out.Put(sample_count_);
+  out.Put(last_step_);
+}
+
+bool Series::LoadState(StateReader& in) {
+  uint64_t recent_points = 0, history_buckets = 0;
+  bool has_held = false;
+  if (!in.Get(recent_points) || !in.Get(history_buckets) || !in.GetBool(has_held)) return false;
+  if (recent_points != options_.recent_points || history_buckets != options_.history_buckets) {
+    return in.Fail("a series was saved with other options");
+  }
+  held_.reset();
+  uint64_t samples = 0;  // what the points held cover
+  if (has_held) {
+    held_ = std::make_unique<Held>();
+    if (!held_->recent.LoadState(in) || !held_->history.LoadState(in) || !in.Get(held_->open_bucket) ||
+        !in.GetBool(held_->has_open_bucket) || !in.Get(held_->bucket_width)) {
+      return false;
+    }
+    // Append keeps to these bounds, and buckets only ever double.
+    if (held_->recent.size() > options_.recent_points || history_size() > options_.history_buckets ||
+        !std::has_single_bit(held_->bucket_width) || (!held_->has_open_bucket && !held_->history.empty())) {
+      return in.Fail("a series holds more points than its options allow");
+    }
+    const auto add = [&](const Point& p) { samples += p.count; };
+    held_->recent.ForEach(add);
+    held_->history.ForEach(add);
+    if (held_->has_open_bucket) add(held_->open_bucket);
+  }
+  if (!in.Get(sample_count_) || !in.Get(last_step_)) return false;
+  const std::optional<Point> latest = Latest();
+  if (samples != sample_count_ || (latest ? latest->last_step : 0) != last_step_) {
+    return in.Fail("a series' sample count or last step is not its points'");
+  }
+  return true;
 }
 
 size_t Series::MaxMemoryBytes(const SeriesOptions& options) {

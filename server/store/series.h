@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "server/core/state_io.h"
 #include "server/store/point.h"
 #include "server/store/point_log.h"
 
@@ -79,6 +80,19 @@ class Series {
   // Bytes a series that reported holds at least, growth refused or not: its coding state and a
   // chunk each of recent points and history.
   static size_t FloorBytes();
+
+  // Writes the state (everything but the options, and the options for LoadState to check) for
+  // LoadState.
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote into this object, constructed with the same options as the one
+  // saved. False (with in.Fail(...) called, the reader failed) when the bytes are damaged or were
+  // written by a series with other options; the object is then left in an unspecified but valid,
+  // destructible state: the caller discards it. The points read must fit the options and add up
+  // to sample_count(). As PointLog::LoadState says, the series loaded holds no spare chunk: its
+  // MemoryBytes() may be below the original's, and with growth refused (Append's may_grow) it may
+  // move points to history sooner than the original would; with growth allowed, every later call
+  // returns what the original's would.
+  bool LoadState(StateReader& in);
 
  private:
   // Moves a point evicted from recent_ into the newest history bucket, or opens a new one.
