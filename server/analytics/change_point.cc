@@ -448,6 +448,18 @@ bool SlopeChangeDetector::LoadState(StateReader& in) {
   if (baseline_bucket_ > open_bucket_ || refine_first_bucket_ > open_bucket_ || refine_break_bucket_ > open_bucket_) {
     return in.Fail("a change detector's baseline is past its newest bucket");
   }
+  // And open_bucket_ must never move back: every sample to come (past last_step_) and every one
+  // waiting in the block lies in it or after it.
+  if (block_size_ > 0 && !have_step_) return in.Fail("a change detector's block has samples but no step");
+  for (size_t i = 0; i < block_size_; ++i) {
+    if (block_steps_[i] > last_step_ || (i > 0 && block_steps_[i] <= block_steps_[i - 1]) ||
+        (have_point_ && block_steps_[i] / bucket_steps_ < open_bucket_)) {
+      return in.Fail("a change detector's block is out of order");
+    }
+  }
+  if (have_point_ && (!have_step_ || last_step_ / bucket_steps_ < open_bucket_)) {
+    return in.Fail("a change detector's newest bucket is past its last step");
+  }
   uint64_t count = 0;
   if (!in.GetCount(count, 6 * sizeof(uint64_t) + 1, options_.max_changes)) return false;
   // changes_ keeps the capacity the constructor reserved: Record never allocates.

@@ -79,9 +79,10 @@ class PointLog {
   // once, with bounds checked, so a log loaded never decodes bits that no Append wrote.
   //
   // The log loaded allocates exactly the chunks in use, with no spare: its MemoryBytes() may be
-  // below the original's, and an Append the original would have coded into a spare chunk
-  // allocates one (or, refused the allocation, fails where the original's succeeded). With
-  // allocation allowed, every later call returns what the original's would.
+  // below the original's and its NextGrowthBytes() above, and an Append the original would have
+  // coded into a spare chunk allocates one (or, refused the allocation, fails where the
+  // original's succeeded). With allocation allowed, every later call returns what the original's
+  // would.
   bool LoadState(StateReader& in);
 
  private:

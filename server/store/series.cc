@@ -208,7 +208,7 @@ bool Series::LoadState(StateReader& in) {
     // Append keeps to these bounds, and buckets only ever double.
     if (held_->recent.size() > options_.recent_points || history_size() > options_.history_buckets ||
         !std::has_single_bit(held_->bucket_width) || (!held_->has_open_bucket && !held_->history.empty())) {
-      return in.Fail("a series holds more points than its options allow");
+      return in.Fail("a series' points do not fit its options or its buckets");
     }
     const auto add = [&](const Point& p) { samples += p.count; };
     held_->recent.ForEach(add);

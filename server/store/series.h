@@ -89,9 +89,9 @@ class Series {
   // written by a series with other options; the object is then left in an unspecified but valid,
   // destructible state: the caller discards it. The points read must fit the options and add up
   // to sample_count(). As PointLog::LoadState says, the series loaded holds no spare chunk: its
-  // MemoryBytes() may be below the original's, and with growth refused (Append's may_grow) it may
-  // move points to history sooner than the original would; with growth allowed, every later call
-  // returns what the original's would.
+  // MemoryBytes() may be below the original's and its NextGrowthBytes() above, and with growth
+  // refused (Append's may_grow) it may move points to history sooner than the original would; with
+  // growth allowed, every later call returns what the original's would.
   bool LoadState(StateReader& in);
 
  private:

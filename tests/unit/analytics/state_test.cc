@@ -490,3 +490,32 @@ TEST_CASE("state: a spike filter loaded filters as the one saved, bit for bit", 
       },
       6);
 }
+
+TEST_CASE("state: a change detector whose newest bucket is past its last step is refused", "[state][analytics]") {
+  // Loaded, such a detector would see open_bucket_ move back with the next sample, below a
+  // baseline near 2^64: the split search's span would wrap around and overrun its scratch.
+  const std::vector<Sample> samples = NoisySeries(8000, 91, false, false);
+  ChangePointOptions options;
+  options.window_steps = 1000;
+  SlopeChangeDetector detector(options);
+  for (const Sample& s : samples) detector.AddSample(s.step, s.value);
+  const std::string bytes = StateOf(detector);
+  // From the end: the changes, then last_step_ (8), have_step_ (1), refine_break_bucket_ (8),
+  // refine_first_bucket_ (8), refining_ (1), streak_break_ (8), streak_ (4), baseline_bucket_ (8),
+  // open_bucket_ (8).
+  const size_t changes = 8 + detector.changes().size() * (6 * 8 + 1);
+  const size_t baseline_at = bytes.size() - changes - (8 + 1 + 8 + 8 + 1 + 8 + 4) - 8;
+  const size_t open_at = baseline_at - 8;
+  std::string damaged = bytes;
+  for (size_t i = 0; i < 8; ++i) {
+    damaged[open_at + i] = static_cast<char>(0xff);
+    damaged[baseline_at + i] = static_cast<char>(0xff);
+  }
+  SlopeChangeDetector loaded(options);
+  StateReader in(damaged);
+  CHECK(!loaded.LoadState(in));
+  CHECK(in.failed());
+  // The same offsets, values in range: loads.
+  SlopeChangeDetector same(options);
+  RequireLoads(same, bytes);
+}
