@@ -1,6 +1,7 @@
 #include "alerts/state_machine.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -122,9 +123,16 @@ void AlertEngine::SetChangeSink(ChangeSink sink) {
 
 void AlertEngine::PublishLocked(const std::vector<Transition>& transitions, bool progress_may_wait) {
   const bool durable = !dirty_instances_.empty() || !dirty_silences_.empty() || !transitions.empty();
-  if (!durable && (progress_may_wait || (dirty_levels_.empty() && dirty_evaluated_.empty()))) return;
+  if (!durable && (progress_may_wait || (dirty_levels_.empty() && dirty_evaluated_.empty() && dirty_shown_.empty()))) {
+    return;
+  }
   StateChanges changes;
   if (sink_) {
+    // Instances whose shown value moved: written with the progress, as they are at this moment.
+    for (uint64_t fp : dirty_shown_) {
+      auto it = instances_.find(fp);
+      if (it != instances_.end()) changes.instances[fp] = it->second;
+    }
     for (uint64_t fp : dirty_levels_) {
       auto it = levels_.find(fp);
       if (it == levels_.end()) {
@@ -151,6 +159,7 @@ void AlertEngine::PublishLocked(const std::vector<Transition>& transitions, bool
   dirty_silences_.clear();
   dirty_levels_.clear();
   dirty_evaluated_.clear();
+  dirty_shown_.clear();
   if (sink_) sink_(std::move(changes), transitions);
 }
 
@@ -484,8 +493,13 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
   // Advances one instance, recording a durable change; false when it ended.
   auto advance = [&](auto it, const Condition* c, const std::string* rec) {
     const auto before = DurableKey(it->second);
+    const double shown = it->second.alert.value;
     const bool keep = Advance(rule, it->second, c, facts.step, now, rec, out);
-    if (!keep || DurableKey(it->second) != before) Touch(it->first);
+    if (!keep || DurableKey(it->second) != before) {
+      Touch(it->first);
+    } else if (std::bit_cast<uint64_t>(it->second.alert.value) != std::bit_cast<uint64_t>(shown)) {
+      TouchShown(it->first);
+    }
     return keep;
   };
   for (size_t i = 0; i < conditions.size(); ++i) {
@@ -514,8 +528,13 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
     bool keep;
     if (tracker != nullptr) {
       const auto before = DurableKey(it->second);
+      const double shown = it->second.alert.value;
       keep = AdvanceLevel(rule, it->second, c, *tracker, facts.step, now, recommendation_for(), out);
-      if (!keep || DurableKey(it->second) != before) Touch(it->first);
+      if (!keep || DurableKey(it->second) != before) {
+        Touch(it->first);
+      } else if (std::bit_cast<uint64_t>(it->second.alert.value) != std::bit_cast<uint64_t>(shown)) {
+        TouchShown(it->first);
+      }
     } else {
       keep = advance(it, &c, recommendation_for());
     }

@@ -59,6 +59,7 @@
 // may be called from any thread; calls are serialised by an internal mutex.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -316,6 +317,16 @@ class AlertEngine {
   // Records that an instance changed or ended, for the next Publish.
   void Touch(uint64_t fingerprint) { dirty_instances_.insert(fingerprint); }
   void TouchLevel(uint64_t fingerprint) { dirty_levels_.insert(fingerprint); }
+  // An instance's state is unchanged but the value it shows (and its annotations) moved: written
+  // with the progress (every 200 ms, or with the next durable change), so that a restart shows
+  // what the alert showed, not the value it had when it last changed state.
+  // A vector (few alerts fire at once): cleared, it keeps its buffer, so a firing alert costs the
+  // step path no allocation.
+  void TouchShown(uint64_t fingerprint) {
+    if (std::find(dirty_shown_.begin(), dirty_shown_.end(), fingerprint) == dirty_shown_.end()) {
+      dirty_shown_.push_back(fingerprint);
+    }
+  }
   void SetEvaluatedLocked(const std::string& run, std::optional<uint64_t> step);
   void TouchSilence(const std::string& id) { dirty_silences_.insert(id); }
   // Hands the changes and transitions of this call to the sink.
@@ -335,6 +346,7 @@ class AlertEngine {
   std::set<std::string> dirty_silences_;  // since the last Publish
   std::set<uint64_t> dirty_levels_;       // since the last Publish
   std::set<std::string> dirty_evaluated_;  // since the last Publish
+  std::vector<uint64_t> dirty_shown_;      // since the last Publish (progress)
   std::unordered_map<std::string, RunScratch> scratch_;  // by run
   // EvaluateRule's scratch: (fingerprint, condition index), the fingerprints seen (sorted), which
   // conditions are evaluated (the first of each fingerprint), the series with an instance.

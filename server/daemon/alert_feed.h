@@ -45,6 +45,12 @@ class AlertFeed final : public runs::RunChannel {
   void OnRewind(uint64_t from_step, double now) override;
   void OnEnded(bool clean, double now) override;
   void Deliver() override;
+  // Restored steps up to evaluated_through are not evaluated again: a run restored from a
+  // snapshot through `step` needs none of them when step ≤ evaluated_through (or no evaluation of
+  // the run was kept, and restored steps are not evaluated at all).
+  bool AcceptsRestoreThrough(uint64_t step) override {
+    return !evaluated_through_ || step <= *evaluated_through_;
+  }
 
   // The timer rules against the run's latest facts and `activity`; transitions go to the sink.
   void EvaluateTimer(const runs::RunActivity& activity, double now);

@@ -136,7 +136,8 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                  {"param_history_buckets", Field(&Config::param_history_buckets)}}},
       {"journal", {{"batch_max", Field(&Config::journal_batch_max)},
                    {"max_delay_ms", Field(&Config::journal_max_delay_ms)},
-                   {"block_steps", Field(&Config::journal_block_steps)}}},
+                   {"block_steps", Field(&Config::journal_block_steps)},
+                   {"snapshot_interval_seconds", Field(&Config::journal_snapshot_interval_seconds)}}},
       {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)},
                 {"stalled_after_seconds", Field(&Config::run_stalled_after_seconds)},
                 {"retention_seconds", Field(&Config::run_retention_seconds)}}},
@@ -244,6 +245,9 @@ Status ValidateConfig(const Config& c) {
   }
   if (c.journal_block_steps < 1 || c.journal_block_steps > 4096) {
     return bad("journal.block_steps: must be between 1 and 4096");
+  }
+  if (!(c.journal_snapshot_interval_seconds >= 0) || !std::isfinite(c.journal_snapshot_interval_seconds)) {
+    return bad("journal.snapshot_interval_seconds: must be ≥ 0 (0: no snapshots)");
   }
   if (!(c.run_end_after_seconds > 0)) return bad("runs.end_after_seconds: must be > 0");
   if (!(c.run_stalled_after_seconds > 0) || !std::isfinite(c.run_stalled_after_seconds)) {

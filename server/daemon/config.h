@@ -37,6 +37,10 @@ struct Config {
   size_t journal_batch_max = 4096;
   int journal_max_delay_ms = 20;
   size_t journal_block_steps = 128;  // store::JournalOptions::block_steps
+  // Every this many seconds, runs with new steps are snapshotted (store::SnapshotStore), so that a
+  // restart replays only the journal's steps after their snapshot; 0: never (a restart replays
+  // the whole journal). Runs are also snapshotted at a clean shutdown.
+  double journal_snapshot_interval_seconds = 300;
   double run_end_after_seconds = 600;
   // A run with no open stream that said no Goodbye and showed no sign of life for this long is
   // presumed dead: the RunDied page (rules of kind run_died without their own `seconds`).

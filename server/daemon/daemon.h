@@ -25,7 +25,8 @@ struct DaemonStats;
 namespace store {
 class Journal;
 class AlertStore;
-}
+class SnapshotStore;
+}  // namespace store
 namespace ingest {
 class IngestService;
 class QueryService;
@@ -60,6 +61,10 @@ class Daemon {
 
  private:
   void TickLoop();
+  // Snapshots runs every journal.snapshot_interval_seconds until Stop.
+  void SnapshotLoop();
+  // One pass of RunRegistry::SaveSnapshots, logged when it wrote or failed anything.
+  void SaveSnapshots(const char* why);
   // Ingest's gRPC health follows the journal: NOT_SERVING while it cannot commit. Ticker thread.
   void UpdateIngestHealth();
   // Moves the journal's pruning cutoff (retention.journal_days) and prunes one batch of delivered
@@ -94,6 +99,8 @@ class Daemon {
   std::condition_variable tick_cv_;
   bool stopping_ = false;  // guarded by tick_mu_
   std::thread ticker_;
+  std::unique_ptr<store::SnapshotStore> snapshots_;
+  std::thread snapshotter_;  // waits on tick_cv_ too
   bool ingest_serving_ = true;  // ticker thread only, after Start
   bool stopped_ = false;
   int lock_fd_ = -1;

@@ -275,6 +275,19 @@ void MetricsCollector::Render(Exposition& out) {
         "Journaled runs skipped when rebuilding (beyond the memory budget, out of memory, or rows that cannot be "
         "read); the journal keeps them.",
         MetricType::kCounter, static_cast<double>(stats_->runs_not_restored.load()));
+  d.One("gradwatch_snapshots_written_total",
+        "Snapshots of runs' in-memory state written (journal.snapshot_interval_seconds), which a restart loads "
+        "instead of replaying the journal.",
+        MetricType::kCounter, static_cast<double>(stats_->snapshots_written.load()));
+  d.One("gradwatch_snapshot_failures_total",
+        "Snapshots that could not be written (the journal not committing, a full disk); the next restart replays "
+        "more of the journal.",
+        MetricType::kCounter, static_cast<double>(stats_->snapshot_failures.load()));
+  d.One("gradwatch_snapshot_written_bytes_total", "Bytes of snapshots written.", MetricType::kCounter,
+        static_cast<double>(stats_->snapshot_bytes_written.load()));
+  d.One("gradwatch_runs_restored_from_snapshot_total",
+        "Runs restored at start-up from their snapshot and the journal's steps after it.", MetricType::kCounter,
+        static_cast<double>(stats_->runs_restored_from_snapshot.load()));
   d.One("gradwatch_analytics_refused_series_total",
         "Series left without analytics (slopes, slope changes, forecasts) because their trackers did not fit in the "
         "memory budget; their points are still stored.",

@@ -42,6 +42,12 @@ struct DaemonStats {
   std::atomic<uint64_t> analytics_refused_series{0};  // series left without analytics: beyond the budget
   // Step reports held until the ranks a run waits for catch up (runs::Run::AddStep back-pressure).
   std::atomic<uint64_t> held_reports{0};
+  // Snapshots of runs (RunRegistry::SaveSnapshots): written, failed to write, and the runs a
+  // restart restored from one (replaying only the journal's steps after it).
+  std::atomic<uint64_t> snapshots_written{0};
+  std::atomic<uint64_t> snapshot_failures{0};
+  std::atomic<uint64_t> snapshot_bytes_written{0};
+  std::atomic<uint64_t> runs_restored_from_snapshot{0};
   std::array<std::atomic<uint64_t>, kIngestErrorReasonCount> errors{};
   LatencyHistogram journal_commit_seconds{
       {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5}};

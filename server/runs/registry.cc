@@ -1,6 +1,7 @@
 #include "server/runs/registry.h"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <new>
 
@@ -57,8 +58,34 @@ class RunRegistry::Loader final : public store::JournalVisitor {
   void OnRewind(const std::string& run_id, uint64_t from_step) override {
     Guarded(run_id, [&](Run& run) { run.RestoreRewind(from_step); });
   }
+  uint64_t OnStepsBegin(const std::string& run_id, uint64_t branch) override {
+    uint64_t from_step = 0;
+    Guarded(run_id, [&](Run& run) {
+      run.RestoreBranch(branch);
+      if (registry_.snapshots_ == nullptr) return;
+      auto payload = registry_.snapshots_->Read(run_id);
+      if (!payload.ok()) {
+        if (payload.status().code() != StatusCode::kNotFound) {
+          spdlog::warn("run {}: its snapshot is not used ({}); replaying its steps from the journal", run_id,
+                       payload.status().message());
+        }
+        return;
+      }
+      std::string why;
+      const auto mark = run.RestoreSnapshot(*payload, &why);
+      if (!mark) {
+        spdlog::warn("run {}: its snapshot is not used: {}; replaying its steps from the journal", run_id, why);
+        return;
+      }
+      snapshot_marks[run_id] = *mark;
+      from_step = mark->step + 1;
+      if (registry_.stats_) registry_.stats_->runs_restored_from_snapshot.fetch_add(1, std::memory_order_relaxed);
+    });
+    return from_step;
+  }
   void OnRunFailed(const std::string& run_id, const Status& why) override {
     runs.erase(run_id);
+    snapshot_marks.erase(run_id);
     Skip(run_id, "its rows cannot be read (" + why.message() + ")");
   }
 
@@ -77,6 +104,7 @@ class RunRegistry::Loader final : public store::JournalVisitor {
   }
 
   std::map<std::string, std::shared_ptr<Run>> runs;
+  std::map<std::string, Run::SnapshotMark> snapshot_marks;  // runs restored from a snapshot
   size_t archived = 0;
   std::vector<std::string> skipped;
 
@@ -89,6 +117,7 @@ class RunRegistry::Loader final : public store::JournalVisitor {
       restore(*it->second);
     } catch (const std::bad_alloc&) {
       runs.erase(it);
+      snapshot_marks.erase(run_id);
       Skip(run_id, "out of memory while rebuilding it");
     }
   }
@@ -114,9 +143,68 @@ Status RunRegistry::Load() {
   Status s = journal_->Load(loader);
   loader.Finish();
   if (loader.archived > 0) spdlog::info("{} ended runs stay archived in the journal", loader.archived);
+  if (snapshots_ != nullptr) {
+    if (!loader.snapshot_marks.empty()) {
+      spdlog::info("{} of {} runs restored from their snapshots and the journal's steps after them",
+                   loader.snapshot_marks.size(), loader.runs.size());
+    }
+    std::vector<std::string> held;
+    for (const auto& [id, run] : loader.runs) held.push_back(id);
+    if (const size_t removed = snapshots_->RemoveAllBut(held)) {
+      spdlog::info("deleted {} snapshot(s) of runs no longer held", removed);
+    }
+  }
+  {
+    std::lock_guard lock(snapshot_mu_);
+    for (const auto& [id, mark] : loader.snapshot_marks) {
+      if (loader.runs.count(id)) snapshot_marks_[id] = mark;
+    }
+  }
   std::unique_lock lock(mu_);
   for (auto& [id, run] : loader.runs) runs_[id] = std::move(run);
   return s;
+}
+
+RunRegistry::SnapshotReport RunRegistry::SaveSnapshots() {
+  SnapshotReport report;
+  if (snapshots_ == nullptr || journal_ == nullptr) return report;
+  std::string payload;
+  for (const auto& run : All()) {
+    std::optional<Run::SnapshotMark> last;
+    {
+      std::lock_guard lock(snapshot_mu_);
+      auto it = snapshot_marks_.find(run->id());
+      if (it != snapshot_marks_.end()) last = it->second;
+    }
+    const auto started = std::chrono::steady_clock::now();
+    const auto mark = run->SaveSnapshot(payload, last);
+    report.max_lock_seconds = std::max(
+        report.max_lock_seconds, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    if (!mark) {
+      ++report.unchanged;
+      continue;
+    }
+    // What the snapshot covers must be committed before it is kept: a snapshot ahead of the
+    // journal would restore steps the trainers were never told are durable.
+    Status s = journal_->Flush();
+    if (s.ok()) s = snapshots_->Write(run->id(), payload);
+    if (!s.ok()) {
+      ++report.failed;
+      if (stats_) stats_->snapshot_failures.fetch_add(1, std::memory_order_relaxed);
+      spdlog::warn("run {}: snapshot through step {} not written: {}; a restart replays its journal further",
+                   run->id(), mark->step, s.message());
+      continue;
+    }
+    ++report.written;
+    report.bytes += payload.size();
+    if (stats_) {
+      stats_->snapshots_written.fetch_add(1, std::memory_order_relaxed);
+      stats_->snapshot_bytes_written.fetch_add(payload.size(), std::memory_order_relaxed);
+    }
+    std::lock_guard lock(snapshot_mu_);
+    snapshot_marks_[run->id()] = *mark;
+  }
+  return report;
 }
 
 std::shared_ptr<Run> RunRegistry::Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink,
@@ -150,6 +238,10 @@ std::shared_ptr<Run> RunRegistry::AttachOnce(const RunMeta& hello, uint32_t rank
         loader.Finish();
         if (s.ok() && loader.runs.count(hello.run_id)) {
           run = loader.runs[hello.run_id];
+          if (auto mark = loader.snapshot_marks.find(hello.run_id); mark != loader.snapshot_marks.end()) {
+            std::lock_guard lock(snapshot_mu_);
+            snapshot_marks_[hello.run_id] = mark->second;
+          }
           spdlog::info("run {}: restored from the journal", hello.run_id);
         } else if (!loader.skipped.empty()) {
           *error = {IngestErrorReason::kLimitExceeded,
@@ -218,6 +310,11 @@ bool RunRegistry::MakeRoom() {
 void RunRegistry::Forget(const std::vector<std::string>& run_ids) {
   const double now = clock_->UnixSeconds();
   for (const std::string& id : run_ids) {
+    if (snapshots_ != nullptr) snapshots_->Remove(id);
+    {
+      std::lock_guard lock(snapshot_mu_);
+      snapshot_marks_.erase(id);
+    }
     if (journal_ != nullptr) journal_->Release(id);
     if (options_.listener != nullptr) options_.listener->OnRunLeftMemory(id, now);
     if (stats_) stats_->runs_evicted.fetch_add(1, std::memory_order_relaxed);

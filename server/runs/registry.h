@@ -16,6 +16,7 @@
 #include "server/runs/daemon_stats.h"
 #include "server/runs/run.h"
 #include "server/store/journal.h"
+#include "server/store/snapshots.h"
 
 namespace gradwatch::runs {
 
@@ -43,9 +44,28 @@ class RunRegistry {
   // The journal to write to; set once, before Load and before any stream.
   void set_journal(store::Journal* journal) { journal_ = journal; }
 
+  // Where runs' snapshots are kept (null: none, every restart replays the whole journal); set
+  // once, before Load and before any stream.
+  void set_snapshots(const store::SnapshotStore* snapshots) { snapshots_ = snapshots; }
+
   // Rebuilds the runs from the journal: the active ones and those that ended less than
-  // options.retention ago; older ones stay archived in the journal.
+  // options.retention ago; older ones stay archived in the journal. A run with a snapshot that is
+  // true to the journal (Run::RestoreSnapshot) is restored from it and the journal's steps after
+  // it; the others from all their journaled steps. Snapshots of runs not restored are deleted.
   Status Load();
+
+  struct SnapshotReport {
+    size_t written = 0;    // runs whose snapshot was written
+    size_t unchanged = 0;  // runs with no step since their last snapshot
+    size_t failed = 0;
+    uint64_t bytes = 0;
+    double max_lock_seconds = 0;  // the longest a run's lock was held to copy its state
+  };
+  // Writes a snapshot of every run held that completed a step since its last one. The journal is
+  // flushed between copying a run's state and writing it, so a snapshot never covers a step the
+  // journal could lose. Blocks (I/O): call it from a thread of its own, not concurrently with
+  // itself. Failures are logged and counted; the journal is then simply replayed further.
+  SnapshotReport SaveSnapshots();
 
   // Handles a Hello: finds, restores or creates the run, validates, attaches the sink. On error
   // returns nullptr and fills *error. Restoring a run reads the journal (once, on this thread).
@@ -86,6 +106,11 @@ class RunRegistry {
   DaemonStats* const stats_;
   const Clock* const clock_;
   store::Journal* journal_ = nullptr;
+  const store::SnapshotStore* snapshots_ = nullptr;
+
+  // The latest snapshot of each run held, which SaveSnapshots skips while it is current.
+  std::mutex snapshot_mu_;  // after mu_ and the runs' mutexes in lock order; never held across I/O
+  std::unordered_map<std::string, Run::SnapshotMark> snapshot_marks_;  // guarded by snapshot_mu_
 
   std::mutex admit_mu_;  // serialises restoring and creating runs (not the ingest of held ones)
   // Lock order: admit_mu_, then mu_, then a run's mutex.

@@ -335,6 +335,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
 
   last_resume_step_ = from_step;
   ++branch_;
+  ++journal_branch_;
   rebuilding_ = true;
   deferred_.clear();
   job.from_step = from_step;
@@ -944,6 +945,149 @@ void Run::RestoreEnded(const RunEnd& end) {
 void Run::RestoreRewind(uint64_t from_step) {
   MutexLock lock(&mu_);
   last_resume_step_ = from_step;
+}
+
+}  // namespace gradwatch::runs
+
+namespace gradwatch::runs {
+
+namespace {
+
+// Leads a run's snapshot payload: catches a payload of another kind before anything is read.
+constexpr uint64_t kSnapshotTag = 0x314e5552'50414e53ull;  // "SNAPRUN1"
+
+}  // namespace
+
+uint64_t Run::SnapshotFingerprint() {
+  // The sizes of what snapshots hold as bytes: a build that changes one of them does not read the
+  // snapshots of another (state_io.h). Field order changes within the same sizes are covered by
+  // kSnapshotTag, bumped with them.
+  uint64_t h = kSnapshotTag;
+  for (const uint64_t size : {sizeof(store::Point), sizeof(analytics::RegressionSums), sizeof(analytics::LinearFit),
+                              sizeof(analytics::ChangePoint), sizeof(analytics::FilteredPoint),
+                              sizeof(analytics::GrowthWithoutDecay), sizeof(EventRecord), sizeof(double)}) {
+    h = (h ^ size) * 1099511628211ull;
+  }
+  return h;
+}
+
+void Run::RestoreBranch(uint64_t branch) {
+  MutexLock lock(&mu_);
+  journal_branch_ = branch;
+}
+
+std::optional<Run::SnapshotMark> Run::SaveSnapshot(std::string& out, std::optional<SnapshotMark> last) const {
+  MutexLock lock(&mu_);
+  if (rebuilding_ || step_count_ == 0) return std::nullopt;
+  const SnapshotMark mark{journal_branch_, last_step_};
+  if (last == mark) return std::nullopt;
+  out.clear();
+  StateWriter w(out);
+  w.Put(kSnapshotTag);
+  w.Put(journal_branch_);
+  w.Put(last_step_);
+  w.Put(step_count_);
+  w.Put<uint8_t>(has_first_step_ ? 1 : 0);
+  w.Put(first_step_);
+  w.Put(last_wall_time_);
+  w.Put(partial_steps_);
+  w.Put(nonfinite_count_);
+  w.Put(last_nonfinite_step_);
+  w.Put(client_dropped_steps_);
+  w.Put<uint64_t>(speed_count_);
+  for (const auto& [time, step] : speed_ring_) {
+    w.Put(time);
+    w.Put(step);
+  }
+  w.Put<uint64_t>(series_.size());
+  for (const SeriesEntry& e : series_) {
+    w.PutString(e.key);
+    w.Put<uint8_t>(e.data ? 1 : 0);
+    if (e.data) e.data->SaveState(w);
+  }
+  analytics_->SaveState(w);
+  return mark;
+}
+
+std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, std::string* why) {
+  MutexLock lock(&mu_);
+  auto fail = [&](std::string reason) {
+    *why = std::move(reason);
+    return std::nullopt;
+  };
+  if (step_count_ != 0 || rebuilding_) return fail("the run already holds steps");
+  StateReader in(payload);
+  uint64_t tag = 0, branch = 0, last_step = 0;
+  if (!in.Get(tag) || tag != kSnapshotTag) return fail("not a snapshot of a run");
+  if (!in.Get(branch) || !in.Get(last_step)) return fail("truncated");
+  if (branch != journal_branch_) {
+    return fail("it was taken on branch " + std::to_string(branch) + " and the run rewound since (branch " +
+                std::to_string(journal_branch_) + ")");
+  }
+  if (channel_ && !channel_->AcceptsRestoreThrough(last_step)) {
+    return fail("the alerting's saved state is older than it, so the steps it covers are evaluated again");
+  }
+  uint64_t step_count = 0, first_step = 0, partial = 0, nonfinite = 0, last_nonfinite = 0, dropped = 0;
+  uint64_t speed_count = 0;
+  bool has_first = false;
+  double last_wall_time = 0;
+  std::array<std::pair<double, uint64_t>, kSpeedWindow> speed{};
+  if (!in.Get(step_count) || !in.GetBool(has_first) || !in.Get(first_step) || !in.Get(last_wall_time) ||
+      !in.Get(partial) || !in.Get(nonfinite) || !in.Get(last_nonfinite) || !in.Get(dropped) || !in.Get(speed_count)) {
+    return fail("truncated");
+  }
+  for (auto& [time, step] : speed) {
+    if (!in.Get(time) || !in.Get(step)) return fail("truncated");
+  }
+  uint64_t count = 0;
+  if (!in.GetCount(count, 9, series_.size())) {
+    return fail(in.failed() && std::string_view(in.why()) == "a count is beyond its bound"
+                    ? "it holds series the journal does not"
+                    : std::string(in.why()));
+  }
+  std::vector<std::unique_ptr<store::Series>> loaded(count);
+  std::string key;
+  uint64_t bytes = 0;
+  for (uint64_t id = 0; id < count; ++id) {
+    bool has_data = false;
+    if (!in.GetString(key) || !in.GetBool(has_data)) return fail(in.why());
+    if (key != series_[id].key) return fail("series " + std::to_string(id) + " is not the journal's");
+    if (!has_data) continue;
+    loaded[id] = std::make_unique<store::Series>(SeriesOptionsLocked(static_cast<SeriesId>(id), key));
+    if (!loaded[id]->LoadState(in)) return fail("series '" + key + "': " + in.why());
+    bytes += loaded[id]->MemoryBytes();
+  }
+  auto analytics =
+      std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
+  analytics->SetCatalog(meta_.params);
+  for (size_t id = 0; id < series_.size(); ++id) {
+    if (series_[id].data) analytics->AddSeries(static_cast<SeriesId>(id), series_[id].key);
+  }
+  if (!analytics->LoadState(in)) return fail(std::string("analytics: ") + in.why());
+  if (!in.at_end()) return fail("bytes are left after its end");
+  if (options_.budget != nullptr && !options_.budget->TryCharge(bytes)) {
+    return fail("its series need " + std::to_string(bytes) + " bytes, beyond the memory budget");
+  }
+
+  charged_bytes_ += bytes;
+  for (uint64_t id = 0; id < count; ++id) {
+    if (loaded[id]) series_[id].data = std::move(loaded[id]);
+  }
+  analytics_ = std::move(analytics);
+  for (const EventRecord& e : events_) analytics_->OnEvent(e);  // those after the snapshot
+  last_step_ = last_step;
+  step_count_ = step_count;
+  has_first_step_ = has_first;
+  first_step_ = first_step;
+  last_wall_time_ = last_wall_time;
+  partial_steps_ = partial;
+  nonfinite_count_ = nonfinite;
+  last_nonfinite_step_ = last_nonfinite;
+  client_dropped_steps_ = dropped;
+  speed_ring_ = speed;
+  speed_count_ = speed_count;
+  assembler_.RestoreLastCompleted(last_step);
+  return SnapshotMark{branch, last_step};
 }
 
 }  // namespace gradwatch::runs

@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -259,6 +260,36 @@ class Run {
   // an active run with no stream yet is treated as silent since then (not given a fresh grace
   // period), so the page neither resolves nor pages again. Ignored once a stream is open.
   void RestoreSilentSince(double unix_seconds);
+  // Where a snapshot stands: the journal branch (RestoreBranch) it was taken on and the last step
+  // it covers.
+  struct SnapshotMark {
+    uint64_t branch = 0;
+    uint64_t step = 0;
+    bool operator==(const SnapshotMark&) const = default;
+  };
+  // The run's current branch in the journal (JournalVisitor::OnStepsBegin): the number of its
+  // rewinds. Snapshots are taken on a branch and only restored on it.
+  void RestoreBranch(uint64_t branch);
+  // At restore, after the run's series, progress, rewind and events and before its steps: reads
+  // `payload` (a snapshot SaveSnapshot wrote) and, when it is true to the journal (taken on the
+  // current branch, of series the journal holds under the same ids) and the listener can take the
+  // run up from it (RunChannel::AcceptsRestoreThrough), installs its series, counters and
+  // analytics, then adds the journaled events it did not know. Returns the step it covers through:
+  // the journal's steps after it are to be restored (RestoreStep). Otherwise the run is left as it
+  // was, nullopt is returned and *why says why (every step is then restored from the journal).
+  std::optional<SnapshotMark> RestoreSnapshot(std::string_view payload, std::string* why);
+
+  // Snapshots (server/store/snapshots.h). Writes into `out` (overwritten) the run's state after
+  // its last completed step: its counters, every series' points and its analytics, so that a
+  // restart restores them and replays only the steps after it. Returns the branch and step it covers;
+  // nullopt (out unspecified) when there is nothing new to save since `last`, or the run
+  // cannot be saved now (a rewind's rebuild is running). Holds the run's lock while it copies:
+  // O(the run's memory), about 2 ms per MB. The caller makes sure the steps it covers are
+  // committed to the journal (Journal::Flush) before it keeps the snapshot.
+  std::optional<SnapshotMark> SaveSnapshot(std::string& out, std::optional<SnapshotMark> last) const;
+  // A fingerprint of the layouts a snapshot holds, for store::SnapshotStore.
+  static uint64_t SnapshotFingerprint();
+
   // After the journal is loaded: maps the fixed and catalog series to their restored ids,
   // creating (and journaling) any that are missing.
   void FinishRestore();
@@ -374,6 +405,7 @@ class Run {
   std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);  // replaced at a rewind
   std::optional<uint64_t> last_resume_step_ GUARDED_BY(mu_);  // the latest rewind's step (journaled)
   uint64_t branch_ GUARDED_BY(mu_) = 0;  // rewinds in this process's life; tags journal progress
+  uint64_t journal_branch_ GUARDED_BY(mu_) = 0;  // rewinds the journal holds (RestoreBranch)
   bool rebuilding_ GUARDED_BY(mu_) = false;  // a rewind's analytics rebuild is running off the lock
   // Steps completed while rebuilding, for the rebuilt analytics; at most max_pending_steps.
   std::vector<CompletedStep> deferred_ GUARDED_BY(mu_);

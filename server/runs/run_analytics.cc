@@ -487,3 +487,155 @@ void RunAnalytics::Analysis(RunAnalysis& out) const {
 }
 
 }  // namespace gradwatch::runs
+
+namespace gradwatch::runs {
+
+namespace {
+
+void PutOptional(StateWriter& out, const std::optional<double>& v) {
+  out.Put<uint8_t>(v ? 1 : 0);
+  out.Put(v.value_or(0.0));
+}
+
+bool GetOptional(StateReader& in, std::optional<double>& v) {
+  bool has = false;
+  double value = 0;
+  if (!in.GetBool(has) || !in.Get(value)) return false;
+  v = has ? std::optional<double>(value) : std::nullopt;
+  return true;
+}
+
+// A tracker held or not: a flag, then its state.
+template <typename T>
+void PutTracker(StateWriter& out, const T* tracker) {
+  out.Put<uint8_t>(tracker != nullptr ? 1 : 0);
+  if (tracker != nullptr) tracker->SaveState(out);
+}
+
+// Reads a tracker written by PutTracker into `tracker`, which must be held exactly when it was.
+template <typename T>
+bool GetTracker(StateReader& in, T* tracker) {
+  bool held = false;
+  if (!in.GetBool(held)) return false;
+  if (held != (tracker != nullptr)) return in.Fail("a tracker is held where the analytics hold none, or the reverse");
+  return !held || tracker->LoadState(in);
+}
+
+}  // namespace
+
+void RunAnalytics::SaveState(StateWriter& out) const {
+  out.Put<uint64_t>(events_.size());
+  for (const EventRecord& e : events_) {
+    out.Put(e.step);
+    out.PutString(e.text);
+    out.PutString(e.source);
+    out.Put(e.recorded_at);
+  }
+  out.Put<uint64_t>(series_.size());
+  for (const Tracked& t : series_) {
+    out.PutString(t.key);
+    out.Put<uint8_t>(t.added ? 1 : 0);
+    out.Put<uint8_t>(t.refused ? 1 : 0);
+    out.Put<uint8_t>(t.has_value ? 1 : 0);
+    out.Put(t.last_value);
+    out.Put<uint8_t>(t.slopes ? 1 : 0);
+    if (!t.slopes) continue;
+    t.slopes->SaveState(out);
+    PutTracker(out, t.detector.get());
+    PutTracker(out, t.spike_filter.get());
+    PutTracker(out, t.robust.get());
+    out.Put<uint64_t>(t.events.size());
+    for (const auto& [text, slope] : t.events) {
+      out.PutString(text);
+      slope.SaveState(out);
+    }
+  }
+  out.Put<uint64_t>(param_state_.size());
+  for (const ParamState& ps : param_state_) {
+    ps.share_trend->SaveState(out);
+    out.Put(ps.share);
+    out.Put<uint8_t>(ps.has_share ? 1 : 0);
+    out.Put(ps.norm_value);
+    out.Put<uint8_t>(ps.has_norm_value ? 1 : 0);
+    PutOptional(out, ps.norm_slope_per_kstep);
+    out.Put<uint8_t>(ps.growth ? 1 : 0);
+    out.Put(ps.growth.value_or(analytics::GrowthWithoutDecay{}));
+    out.Put(ps.growth_window_steps);
+  }
+  out.Put<uint64_t>(groups_.size());
+  for (const GroupState& g : groups_) {
+    out.PutString(g.name);
+    g.share_trend->SaveState(out);
+    out.Put(g.share);
+    out.Put<uint8_t>(g.has_share ? 1 : 0);
+  }
+}
+
+bool RunAnalytics::LoadState(StateReader& in) {
+  if (!events_.empty() || !key_ids_.empty()) return in.Fail("analytics already hold events or trackers");
+  uint64_t count = 0;
+  if (!in.GetCount(count, 32, options_.max_events)) return false;
+  for (uint64_t i = 0; i < count; ++i) {
+    EventRecord e;
+    if (!in.Get(e.step) || !in.GetString(e.text) || !in.GetString(e.source) || !in.Get(e.recorded_at)) return false;
+    OnEvent(e);
+  }
+  if (events_.size() != count) return in.Fail("the events are not those the analytics keep");
+
+  if (!in.GetCount(count, 13, series_.size())) return false;
+  std::string key;
+  for (uint64_t id = 0; id < count; ++id) {
+    Tracked& t = series_[id];
+    bool added = false, refused = false, has_value = false, tracked = false;
+    if (!in.GetString(key) || !in.GetBool(added) || !in.GetBool(refused) || !in.GetBool(has_value) ||
+        !in.Get(t.last_value) || !in.GetBool(tracked)) {
+      return false;
+    }
+    if (key != t.key || added != t.added) return in.Fail("a series is not the one the analytics hold under its id");
+    t.has_value = has_value;
+    if (refused) {
+      t.refused = true;
+      ++refused_series_;
+      if (charging_.stats != nullptr) {
+        charging_.stats->analytics_refused_series.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    if (!tracked) continue;
+    if (refused || !Materialize(t)) return in.Fail("a series' trackers do not fit in the memory budget");
+    if (!t.slopes->LoadState(in) || !GetTracker(in, t.detector.get()) || !GetTracker(in, t.spike_filter.get()) ||
+        !GetTracker(in, t.robust.get())) {
+      return false;
+    }
+    uint64_t events = 0;
+    if (!in.GetCount(events, 8, t.events.size())) return false;
+    if (events != t.events.size()) return in.Fail("a series' event slopes are not the run's events");
+    for (auto& [text, slope] : t.events) {
+      if (!in.GetString(key)) return false;
+      if (key != text) return in.Fail("a series' event slopes are not the run's events");
+      if (!slope.LoadState(in)) return false;
+    }
+  }
+
+  if (!in.GetCount(count, 1, param_state_.size())) return false;
+  for (uint64_t i = 0; i < count; ++i) {
+    ParamState& ps = param_state_[i];
+    bool has_growth = false;
+    analytics::GrowthWithoutDecay growth;
+    if (!ps.share_trend->LoadState(in) || !in.Get(ps.share) || !in.GetBool(ps.has_share) || !in.Get(ps.norm_value) ||
+        !in.GetBool(ps.has_norm_value) || !GetOptional(in, ps.norm_slope_per_kstep) || !in.GetBool(has_growth) ||
+        !in.Get(growth) || !in.Get(ps.growth_window_steps)) {
+      return false;
+    }
+    ps.growth = has_growth ? std::optional(growth) : std::nullopt;
+  }
+  if (!in.GetCount(count, 1, groups_.size())) return false;
+  for (uint64_t g = 0; g < count; ++g) {
+    GroupState& gs = groups_[g];
+    if (!in.GetString(key)) return false;
+    if (key != gs.name) return in.Fail("a parameter group is not the one the analytics hold");
+    if (!gs.share_trend->LoadState(in) || !in.Get(gs.share) || !in.GetBool(gs.has_share)) return false;
+  }
+  return true;
+}
+
+}  // namespace gradwatch::runs

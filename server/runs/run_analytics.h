@@ -31,6 +31,7 @@
 #include "server/analytics/event_slope.h"
 #include "server/analytics/regression.h"
 #include "server/analytics/spike_filter.h"
+#include "server/core/state_io.h"
 #include "server/core/types.h"
 #include "server/runs/daemon_stats.h"
 #include "server/runs/memory_budget.h"
@@ -165,6 +166,16 @@ class RunAnalytics {
   // stay empty). O(key series × events + parameters), not O(series × windows); `out` and
   // `params` are overwritten in place, so buffers reused across steps stop allocating once warm.
   void StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params) const;
+
+  // Snapshots (Run::SaveSnapshot). SaveState writes what the steps and events made of the
+  // analytics: every series' trackers, the events, the shares and the parameters' fits.
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote into fresh analytics (no step yet) constructed with the same
+  // options, whose catalog and series (SetCatalog, AddSeries) hold at least those of the saved
+  // ones under the same keys. Trackers are charged to the budget as OnStep would; false (the
+  // reader failed) when the bytes do not fit these analytics, or the budget refuses a series the
+  // saved analytics tracked: the caller discards them.
+  bool LoadState(StateReader& in);
 
   // Bytes charged to the budget (held until destruction).
   uint64_t charged_bytes() const { return charge_.bytes(); }

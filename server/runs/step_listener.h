@@ -57,6 +57,13 @@ class RunChannel {
   // The run ended: said Goodbye (`clean`), or had no stream and no step for end_after.
   virtual void OnEnded(bool clean, double now) = 0;
   virtual void Deliver() = 0;
+  // Whether the listener can take a restored run up after `step` without being shown the restored
+  // steps up to it (Run::RestoreSnapshot): it needs none of them. Called like the On* calls (under
+  // the run's lock), at restore, before any OnStep.
+  virtual bool AcceptsRestoreThrough(uint64_t step) {
+    (void)step;
+    return true;
+  }
 };
 
 class StepListener {
