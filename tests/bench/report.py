@@ -104,7 +104,8 @@ def main():
          f"{lr['restart_s']:.2f} s; at 1 B samples, linearly: {lr['restart_s'] * 1e9 / lr['samples']:.0f} s"],
         [f"large journal: restart to ready from the run's snapshot ({lr['snapshot_bytes'] / 2**20:.1f} MB)",
          f"{lr['snapshot_restart_s']:.2f} s (reads no step before the snapshot: independent of the journal's length)"],
-        ["large journal: clean stop, writing the snapshot", f"{lr['snapshot_stop_s']:.2f} s"],
+        ["large journal: clean stop, writing the snapshot",
+         f"{lr['snapshot_stop_s']:.2f} s; the run's lock held {lr['snapshot_lock_ms']:.0f} ms to copy its state"],
     ]))
 
     solo = next(r for r in gw["ingest"] if r["runs"] == 1 and r["ranks"] == 1 and r["params"] == 1000)
