@@ -105,8 +105,9 @@ class alignas(64) RegressionSums {
   // Writes every field for LoadState, one by one: a copy of the whole object would carry its
   // padding, so equal sums would not always give equal bytes.
   void SaveState(StateWriter& out) const;
-  // Reads what SaveState wrote; false (in.Fail called) on a truncated or damaged input, the sums
-  // then unspecified. Any bytes make valid sums: their values are only ever added and divided.
+  // Reads what SaveState wrote; false (in.Fail called) on a truncated input or a flag that is
+  // neither 0 nor 1, the sums then unspecified. Any other bytes make sums that are safe to use
+  // (their values are only ever added, compared and divided): the owner checks what it relies on.
   bool LoadState(StateReader& in);
 
  private:

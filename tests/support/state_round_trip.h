@@ -35,9 +35,10 @@ void RequireLoads(T& object, std::string_view bytes) {
 }
 
 // Cuts and byte flips of `bytes` (a state saved by an object that `make` constructs): every cut
-// (every length for a small state, a few hundred for a large one) fails, and a state with 1 to 3
-// bytes flipped either fails or loads into an object that `exercise` can go on using (run it
-// under ASan and UBSan to see that it does so without undefined behaviour).
+// (every length for a small state, a few hundred for a large one) fails, and a state with a byte
+// set (every byte of a small state, three ways) or 1 to 3 random bytes flipped either fails or
+// loads into an object that `exercise` can go on using (run it under ASan and UBSan to see that
+// it does so without undefined behaviour).
 template <typename T, typename Make, typename Exercise>
 void Damage(const std::string& bytes, Make make, Exercise exercise, uint64_t seed, int flip_trials = 600) {
   std::mt19937_64 rng(seed);
@@ -58,6 +59,29 @@ void Damage(const std::string& bytes, Make make, Exercise exercise, uint64_t see
     REQUIRE(in.failed());
   }
   int loaded_count = 0;
+  const auto load_damaged = [&](const std::string& damaged) {
+    T object = make();
+    StateReader in(damaged);
+    const bool loaded = object.LoadState(in);
+    // A load fails exactly when its reader does: the owner learns why.
+    REQUIRE(loaded != in.failed());
+    if (loaded) {
+      ++loaded_count;
+      exercise(object);
+    }
+  };
+  // A small state: every byte set to 0, to 0xff and with its top bit flipped (a count, an index or
+  // a flag out of range, or a sign).
+  if (bytes.size() <= 4096) {
+    for (size_t at = 0; at < bytes.size(); ++at) {
+      for (const int value : {0x00, 0xff, (bytes[at] & 0xff) ^ 0x80}) {
+        if ((bytes[at] & 0xff) == value) continue;
+        std::string damaged = bytes;
+        damaged[at] = static_cast<char>(value);
+        load_damaged(damaged);
+      }
+    }
+  }
   for (int trial = 0; trial < flip_trials; ++trial) {
     std::string damaged = bytes;
     const int flips = 1 + static_cast<int>(rng() % 3);
@@ -69,15 +93,7 @@ void Damage(const std::string& bytes, Make make, Exercise exercise, uint64_t see
         damaged[at] = static_cast<char>(rng());
       }
     }
-    T object = make();
-    StateReader in(damaged);
-    const bool loaded = object.LoadState(in);
-    // A load fails exactly when its reader does: the owner learns why.
-    REQUIRE(loaded != in.failed());
-    if (loaded) {
-      ++loaded_count;
-      exercise(object);
-    }
+    load_damaged(damaged);
   }
   // Flips in values (not in the bookkeeping) load: `exercise` ran on some.
   if (flip_trials > 0) CHECK(loaded_count > 0);

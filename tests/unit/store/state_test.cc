@@ -64,7 +64,8 @@ double NoisyValue(std::mt19937_64& rng, double& walk, bool any_bits) {
   walk += 0.01 * (unit(rng) - 0.5);
   const double u = unit(rng);
   if (u < 0.003) return std::numeric_limits<double>::quiet_NaN();
-  if (u < 0.004) return (rng() & 1) ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  if (u < 0.004) return (rng() & 1) ? kInf : -kInf;
   if (u < 0.01) return 3 * (4.0 + walk);
   if (any_bits && u < 0.02) return std::bit_cast<double>(rng());
   return 4.0 + walk + 0.05 * unit(rng);
@@ -224,7 +225,9 @@ TEST_CASE("state: truncated or damaged point logs fail or load a log that works"
   };
   // A few chunks, the oldest read part way: every cut.
   PointLog small;
-  for (size_t i = 0; i < 300; ++i) small.AppendSample(1000 + i * (1 + i % 3), std::sin(0.01 * static_cast<double>(i)), true);
+  for (size_t i = 0; i < 300; ++i) {
+    small.AppendSample(1000 + i * (1 + i % 3), std::sin(0.01 * static_cast<double>(i)), true);
+  }
   for (int i = 0; i < 40; ++i) small.PopFront();
   REQUIRE(small.chunks_allocated() >= 3);
   Damage<PointLog>(StateOf(small), [] { return PointLog(); }, exercise, 7, 2000);
