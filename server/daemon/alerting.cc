@@ -68,8 +68,30 @@ void Alerting::OnChanges(alerts::StateChanges changes, const std::vector<alerts:
   {
     std::lock_guard lock(mu_);
     queue_.push_back(std::move(batch));
+    ++queued_batches_;
   }
   cv_.notify_one();
+}
+
+bool Alerting::SaveEvaluatedThrough(const std::string& run, uint64_t step, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_ || !writer_.joinable()) return true;
+  }
+  // The step was published to the run's feed before its snapshot was copied; the thread that
+  // completed it evaluates it as soon as it leaves the run's lock.
+  for (;;) {
+    const std::optional<uint64_t> evaluated = engine_.EvaluatedThrough(run);
+    if (!evaluated || *evaluated >= step) break;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  engine_.FlushProgress();  // queues the progress, if any is not yet queued
+  std::unique_lock lock(mu_);
+  const uint64_t target = queued_batches_;
+  return written_cv_.wait_until(lock, deadline, [&] { return written_batches_ >= target || stopping_; }) &&
+         written_batches_ >= target;
 }
 
 notify::Status Alerting::Write(const Batch& batch) {
@@ -104,11 +126,14 @@ void Alerting::WriterLoop() {
       for (alerts::Alert& a : next.notify) batch.notify.push_back(std::move(a));
     }
     queue_.clear();
+    const uint64_t through = queued_batches_;  // the batches merged into this one
     const bool stopping = stopping_;
     lock.unlock();
     const notify::Status written = Write(batch);
     lock.lock();
     if (written.ok()) {
+      written_batches_ = through;
+      written_cv_.notify_all();
       retry_delay = kRetryFirst;
       continue;
     }
@@ -136,6 +161,7 @@ void Alerting::Stop() {
     stopping_ = true;
   }
   cv_.notify_all();
+  written_cv_.notify_all();
   if (writer_.joinable()) writer_.join();
   if (dispatcher_) dispatcher_->Stop();
 }

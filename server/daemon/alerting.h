@@ -61,6 +61,12 @@ class Alerting final : public runs::StepListener {
   void FinishRestore(const runs::RunRegistry& registry, double now);
   // Writes what is queued to the store and stops the dispatcher. Idempotent.
   void Stop();
+  // Blocks until the saved alert states record every step of `run` up to `step` as evaluated (a
+  // run's snapshot through `step` may then be kept: a restart from it evaluates no step again
+  // that the alerting already judged, and skips none it did not): waits for the run's feed to
+  // evaluate it, then has the progress written. False when that takes longer than `timeout` or the
+  // write fails. After Stop() (which writes the progress), true at once.
+  bool SaveEvaluatedThrough(const std::string& run, uint64_t step, std::chrono::milliseconds timeout);
   std::vector<notify::ReceiverStats> ReceiverStats() const;
 
   // Where firing and resolved alerts go for the trainers (the ingest streams of their run). Set
@@ -109,6 +115,11 @@ class Alerting final : public runs::StepListener {
   std::condition_variable cv_;
   std::deque<Batch> queue_;  // guarded by mu_
   bool stopping_ = false;    // guarded by mu_
+  // Batches queued since start, and how many of them are written (guarded by mu_); written_cv_
+  // wakes SaveEvaluatedThrough.
+  uint64_t queued_batches_ = 0;
+  uint64_t written_batches_ = 0;
+  std::condition_variable written_cv_;
   std::atomic<uint64_t> write_failures_{0};
   std::function<void(const alerts::Alert&)> trainer_sink_;
   std::mutex feeds_mu_;

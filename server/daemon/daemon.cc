@@ -33,6 +33,8 @@ namespace gradwatch::daemon {
 
 namespace {
 constexpr auto kTickInterval = std::chrono::milliseconds(200);
+// How long a snapshot waits for the alert states to be saved through its last step.
+constexpr auto kSnapshotSettleTimeout = std::chrono::seconds(5);
 
 std::chrono::nanoseconds Seconds(double s) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(s));
@@ -287,11 +289,16 @@ void Daemon::SnapshotLoop() {
 
 void Daemon::SaveSnapshots(const char* why) {
   const auto started = std::chrono::steady_clock::now();
-  const runs::RunRegistry::SnapshotReport r = registry_->SaveSnapshots();
-  if (r.written == 0 && r.failed == 0) return;
-  spdlog::info("snapshots ({}): {} run(s) written ({:.1f} MB), {} unchanged, {} failed in {:.2f} s; a run's lock "
-               "held at most {:.1f} ms",
-               why, r.written, r.bytes / 1e6, r.unchanged, r.failed,
+  // A snapshot through a step the saved alert states do not cover as evaluated would be refused
+  // at the restart (AlertFeed::AcceptsRestoreThrough): have them saved first.
+  const runs::RunRegistry::SnapshotReport r =
+      registry_->SaveSnapshots([this](const std::string& run, uint64_t step) {
+        return alerting_->SaveEvaluatedThrough(run, step, kSnapshotSettleTimeout);
+      });
+  if (r.written == 0 && r.failed == 0 && r.deferred == 0) return;
+  spdlog::info("snapshots ({}): {} run(s) written ({:.1f} MB), {} unchanged, {} deferred, {} failed in {:.2f} s; a "
+               "run's lock held at most {:.1f} ms",
+               why, r.written, r.bytes / 1e6, r.unchanged, r.deferred, r.failed,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
                r.max_lock_seconds * 1e3);
 }

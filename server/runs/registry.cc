@@ -165,7 +165,8 @@ Status RunRegistry::Load() {
   return s;
 }
 
-RunRegistry::SnapshotReport RunRegistry::SaveSnapshots() {
+RunRegistry::SnapshotReport RunRegistry::SaveSnapshots(
+    const std::function<bool(const std::string&, uint64_t)>& settle) {
   SnapshotReport report;
   if (snapshots_ == nullptr || journal_ == nullptr) return report;
   std::string payload;
@@ -187,6 +188,12 @@ RunRegistry::SnapshotReport RunRegistry::SaveSnapshots() {
     // What the snapshot covers must be committed before it is kept: a snapshot ahead of the
     // journal would restore steps the trainers were never told are durable.
     Status s = journal_->Flush();
+    if (s.ok() && settle && !settle(run->id(), mark->step)) {
+      ++report.deferred;
+      spdlog::debug("run {}: snapshot through step {} deferred: the alert states saved do not cover it yet",
+                    run->id(), mark->step);
+      continue;
+    }
     if (s.ok()) s = snapshots_->Write(run->id(), payload);
     if (!s.ok()) {
       ++report.failed;

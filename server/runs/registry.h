@@ -3,6 +3,7 @@
 // progress to the runs, drives timeouts, and drops ended runs from memory after their retention.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -58,14 +59,17 @@ class RunRegistry {
     size_t written = 0;    // runs whose snapshot was written
     size_t unchanged = 0;  // runs with no step since their last snapshot
     size_t failed = 0;
+    size_t deferred = 0;  // runs whose `settle` did not confirm in time: taken at the next pass
     uint64_t bytes = 0;
     double max_lock_seconds = 0;  // the longest a run's lock was held to copy its state
   };
   // Writes a snapshot of every run held that completed a step since its last one. The journal is
   // flushed between copying a run's state and writing it, so a snapshot never covers a step the
-  // journal could lose. Blocks (I/O): call it from a thread of its own, not concurrently with
-  // itself. Failures are logged and counted; the journal is then simply replayed further.
-  SnapshotReport SaveSnapshots();
+  // journal could lose; `settle(run_id, step)`, when given, must then confirm that the listener's
+  // own saved state covers the snapshot's last step (Alerting::SaveEvaluatedThrough), or the run
+  // is left for the next pass. Blocks (I/O): call it from a thread of its own, not concurrently
+  // with itself. Failures are logged and counted; the journal is then simply replayed further.
+  SnapshotReport SaveSnapshots(const std::function<bool(const std::string&, uint64_t)>& settle = nullptr);
 
   // Handles a Hello: finds, restores or creates the run, validates, attaches the sink. On error
   // returns nullptr and fills *error. Restoring a run reads the journal (once, on this thread).

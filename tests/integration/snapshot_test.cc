@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -68,10 +69,13 @@ std::string Header(const std::string& extra = "") {
          R"({"name": "layers.0.mlp.weight", "numel": 500000, "kind": "mlp", "weight_decay": 0.1}])" + extra + "}";
 }
 
-CommandResult Replay(const DaemonProcess& daemon, const std::filesystem::path& file) {
-  return RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--timeout", "60", "replay", file.string(),
-                     "--json"},
-                    std::nullopt, std::chrono::seconds(600));
+// Replays `file` into the daemon, which must take all of it.
+void Replay(const DaemonProcess& daemon, const std::filesystem::path& file) {
+  const CommandResult r = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "--timeout", "60", "replay", file.string(), "--json"},
+      std::nullopt, std::chrono::seconds(600));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
 }
 
 DaemonOptions Options(const std::filesystem::path& dir, double snapshot_interval) {
@@ -165,9 +169,7 @@ TEST_CASE("a restart from a snapshot and the journal's tail serves what a full r
   {
     // No periodic snapshot: the one written at the clean stop covers the run through 19,999.
     DaemonProcess daemon(Options(data, 3600));
-    const CommandResult r = Replay(daemon, dir.path() / "first.jsonl");
-    INFO(r.out << r.err);
-    REQUIRE(r.exit_code == 0);
+    Replay(daemon, dir.path() / "first.jsonl");
     before_stop = Read(daemon);
     REQUIRE(daemon.Stop() == 0);
     CHECK(daemon.LogText().find("snapshots (shutdown): 1 run(s) written") != std::string::npos);
@@ -182,9 +184,7 @@ TEST_CASE("a restart from a snapshot and the journal's tail serves what a full r
     RequireSame(before_stop, Read(daemon));
 
     // The tail: steps after the snapshot, then a crash before any other snapshot.
-    const CommandResult r = Replay(daemon, dir.path() / "second.jsonl");
-    INFO(r.out << r.err);
-    REQUIRE(r.exit_code == 0);
+    Replay(daemon, dir.path() / "second.jsonl");
     daemon.Stop(SIGKILL);
   }
 
@@ -211,9 +211,7 @@ TEST_CASE("a snapshot the run rewound past, or a damaged one, is not used: the j
 
   {
     DaemonProcess daemon(Options(data, 3600));
-    const CommandResult r = Replay(daemon, dir.path() / "first.jsonl");
-    INFO(r.out << r.err);
-    REQUIRE(r.exit_code == 0);
+    Replay(daemon, dir.path() / "first.jsonl");
     REQUIRE(daemon.Stop() == 0);  // a snapshot through 14,999 on the first branch
   }
   {
@@ -221,9 +219,7 @@ TEST_CASE("a snapshot the run rewound past, or a damaged one, is not used: the j
     CHECK(Metric(daemon, "gradwatch_runs_restored_from_snapshot_total") == 1);
     // The job resumes from its checkpoint at 12,000, below the snapshot; the daemon dies before
     // any other snapshot.
-    const CommandResult r = Replay(daemon, dir.path() / "resumed.jsonl");
-    INFO(r.out << r.err);
-    REQUIRE(r.exit_code == 0);
+    Replay(daemon, dir.path() / "resumed.jsonl");
     daemon.Stop(SIGKILL);
   }
   const auto full = CopyWithoutSnapshots(data, dir.path() / "full");
@@ -250,4 +246,32 @@ TEST_CASE("a snapshot the run rewound past, or a damaged one, is not used: the j
   CHECK(Metric(damaged, "gradwatch_runs_restored_from_snapshot_total") == 0);
   CHECK(damaged.LogText().find("checksum does not match") != std::string::npos);
   RequireSame(Read(damaged), Read(replayed));
+}
+
+TEST_CASE("snapshots are taken periodically while a run streams, and a crash restarts from the latest",
+          "[integration][snapshot]") {
+  TempDir dir("gradwatch-snapshot");
+  const auto data = dir.path() / "data";
+  std::filesystem::create_directories(data);
+  WriteHistory(dir.path() / "first.jsonl", Header(), 0, 9999);
+  WriteHistory(dir.path() / "second.jsonl", Header(), 10000, 11999);
+  {
+    DaemonProcess daemon(Options(data, 0.5));
+    Replay(daemon, dir.path() / "first.jsonl");
+    // A pass after the replay covers it all; then more steps, and a kill.
+    const double written = Metric(daemon, "gradwatch_snapshots_written_total");
+    const auto deadline = std::chrono::steady_clock::now() + Scaled(std::chrono::seconds(60));
+    while (Metric(daemon, "gradwatch_snapshots_written_total") <= written) {
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    CHECK(daemon.LogText().find("snapshots (periodic): 1 run(s) written") != std::string::npos);
+    Replay(daemon, dir.path() / "second.jsonl");
+    daemon.Stop(SIGKILL);
+  }
+  const auto full = CopyWithoutSnapshots(data, dir.path() / "full");
+  DaemonProcess from_snapshot(Options(data, 3600));
+  DaemonProcess replayed(Options(full, 0));
+  CHECK(Metric(from_snapshot, "gradwatch_runs_restored_from_snapshot_total") == 1);
+  RequireSame(Read(from_snapshot), Read(replayed));
 }
