@@ -856,7 +856,8 @@ json LargeRestartPart(uint64_t extra_steps) {
   TempDir data;
   DaemonOptions options;
   options.data_dir = data.path();
-  options.config_yaml = DaemonConfig();
+  // At info: the snapshot pass logs how long it held the run's lock.
+  options.config_yaml = "log: {format: text, level: info}\n";
   options.ready_timeout = std::chrono::seconds(1800);
   const Shape shape{.runs = 1, .ranks = 1, .params = 1000, .steps = 20};
   {
