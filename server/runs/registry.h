@@ -115,6 +115,8 @@ class RunRegistry {
   // The latest snapshot of each run held, which SaveSnapshots skips while it is current.
   std::mutex snapshot_mu_;  // after mu_ and the runs' mutexes in lock order; never held across I/O
   std::unordered_map<std::string, Run::SnapshotMark> snapshot_marks_;  // guarded by snapshot_mu_
+  // The size of each run's latest snapshot, to size the next one's buffer; guarded by snapshot_mu_.
+  std::unordered_map<std::string, size_t> snapshot_bytes_;
 
   std::mutex admit_mu_;  // serialises restoring and creating runs (not the ingest of held ones)
   // Lock order: admit_mu_, then mu_, then a run's mutex.
