@@ -337,7 +337,7 @@ TEST_CASE("state: a slope change detector loaded reports the same changes, bit f
   CHECK(detected > 2 * kSavePoints.size());
 }
 
-TEST_CASE("state: a slope change detector refuses other options; damage never breaks it", "[state][analytics]") {
+TEST_CASE("state: a slope change detector refuses other options, and damage never breaks it", "[state][analytics]") {
   const std::vector<Sample> samples = NoisySeries(30000, 61, false, false);
   ChangePointOptions options;
   options.window_steps = 1000;

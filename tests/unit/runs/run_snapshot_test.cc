@@ -209,7 +209,7 @@ TEST_CASE("a run restored from its snapshot and the journal's tail equals one re
   CHECK(replayed.Dump() == from_snapshot.substr(live.size()));
 }
 
-TEST_CASE("a snapshot the run rewound past is not used; one taken after the rewind is", "[runs][snapshot]") {
+TEST_CASE("a snapshot the run rewound past is not used, and one taken after the rewind is", "[runs][snapshot]") {
   TempDir dir;
   FakeClock clock;
   {

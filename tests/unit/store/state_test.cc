@@ -334,7 +334,7 @@ TEST_CASE("state: a series loaded answers as the one saved, bit for bit, through
   }
 }
 
-TEST_CASE("state: a series refuses a state saved with other options; damage fails or loads harmlessly",
+TEST_CASE("state: a series refuses a state saved with other options, and damage fails or loads harmlessly",
           "[state][store]") {
   const std::vector<SeriesOp> ops = SeriesOps(20000, 12);
   Series series(SeriesOptions{64, 8});
