@@ -109,8 +109,11 @@ double Measure(size_t params, uint64_t warm, uint64_t steps) {
     if (s > warm) cpu += ThreadCpuSeconds() - t0;
   }
   const double series = static_cast<double>(2 * params + 1);
-  std::printf("params %zu: RSS %.1f KB per series (%.0f MB in all), the store's own count (Run::MemoryBytes) %.1f KB per series\n", params,
-              (RssBytes() - rss0) / series / 1024, RssBytes() / 1048576, static_cast<double>(run.MemoryBytes()) / series / 1024);
+  const double rss = RssBytes();
+  std::printf("params %zu: RSS %.1f KB per series (%.0f MB in all), the store's own count (Run::MemoryBytes) "
+              "%.1f KB per series\n",
+              params, (rss - rss0) / series / 1024, rss / 1048576,
+              static_cast<double>(run.MemoryBytes()) / series / 1024);
   // A sample: the grad and param norm of each parameter, and the total grad norm (derived here).
   return cpu * 1e9 / static_cast<double>(steps * (2 * params + 1));
 }
@@ -132,7 +135,8 @@ int main(int argc, char** argv) {
     } else if (arg == "--repeat" && i + 1 < argc) {
       repeat = std::max(1, std::atoi(argv[++i]));
     } else {
-      std::fprintf(stderr, "usage: gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]\n");
+      std::fprintf(stderr,
+                   "usage: gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]\n");
       return 2;
     }
   }
@@ -148,6 +152,8 @@ int main(int argc, char** argv) {
     }
   }
   for (size_t p = 0; p < params.size(); ++p) std::printf("best: params %zu: %.1f ns/sample\n", params[p], best[p]);
-  if (params.size() > 1) std::printf("ratio %zu / %zu: %.2f\n", params.back(), params.front(), best.back() / best.front());
+  if (params.size() > 1) {
+    std::printf("ratio %zu / %zu: %.2f\n", params.back(), params.front(), best.back() / best.front());
+  }
   return 0;
 }
