@@ -70,6 +70,20 @@ class PointLog {
   // MemoryBytes() of a log with one chunk.
   static size_t OneChunkBytes() { return kChunkBytes + sizeof(Chunk); }
 
+  // Cache hints for an owner that appends to many logs in turn (Series::PrefetchSlots and
+  // PrefetchWords), each reading only what the one before brought into cache: the ring of slots,
+  // then the words the next append writes and the next PopFront reads. They change nothing.
+  void PrefetchSlots() const {
+    if (chunks_used_ == 0) return;
+    __builtin_prefetch(&slot(0));
+    __builtin_prefetch(&slot(chunks_used_ - 1));
+  }
+  void PrefetchWords() const {
+    if (chunks_used_ == 0) return;
+    __builtin_prefetch(slot(chunks_used_ - 1).words.get() + write_.bit / 64, 1);
+    __builtin_prefetch(slot(0).words.get() + front_.bit / 64);
+  }
+
   // Writes the points for LoadState: the chunks in use, oldest first (the words their bits take),
   // and where the oldest point is read and the next one written. Spare chunks are not written.
   void SaveState(StateWriter& out) const;
