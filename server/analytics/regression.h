@@ -16,6 +16,7 @@
 #include <optional>
 #include <vector>
 
+#include "server/core/prefetch.h"
 #include "server/core/state_io.h"
 
 namespace gradwatch::analytics {
@@ -177,9 +178,9 @@ class WindowedSlope {
   // A cache hint for an owner that adds samples to many windows in turn (runs::RunAnalytics):
   // brings in what AddSample reads for every sample (see the members). It changes nothing.
   void Prefetch() const {
-    __builtin_prefetch(this);
-    __builtin_prefetch(&open_);
-    __builtin_prefetch(reinterpret_cast<const char*>(&open_) + sizeof(open_) - 1);
+    PrefetchRead(this);
+    PrefetchRead(&open_);
+    PrefetchRead(reinterpret_cast<const char*>(&open_) + sizeof(open_) - 1);
   }
 
   uint64_t window_steps() const { return window_steps_; }

@@ -6,6 +6,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "server/core/prefetch.h"
+
 namespace gradwatch::runs {
 
 namespace {
@@ -613,7 +615,7 @@ void Run::AppendLocked(const CompletedStep& step) {
     return series_[values[i].id].data.get();
   };
   for (size_t i = 0; i < values.size(); ++i) {
-    if (const store::Series* s = ahead(i + 4 * kPrefetchStride)) __builtin_prefetch(s);
+    if (const store::Series* s = ahead(i + 4 * kPrefetchStride)) PrefetchRead(s);
     if (const store::Series* s = ahead(i + 3 * kPrefetchStride)) s->PrefetchHeld();
     if (const store::Series* s = ahead(i + 2 * kPrefetchStride)) s->PrefetchSlots();
     if (const store::Series* s = ahead(i + kPrefetchStride)) s->PrefetchWords();

@@ -23,6 +23,7 @@
 #include <memory>
 #include <vector>
 
+#include "server/core/prefetch.h"
 #include "server/core/state_io.h"
 #include "server/store/point.h"
 
@@ -75,13 +76,13 @@ class PointLog {
   // then the words the next append writes and the next PopFront reads. They change nothing.
   void PrefetchSlots() const {
     if (chunks_used_ == 0) return;
-    __builtin_prefetch(&slot(0));
-    __builtin_prefetch(&slot(chunks_used_ - 1));
+    PrefetchRead(&slot(0));
+    PrefetchRead(&slot(chunks_used_ - 1));
   }
   void PrefetchWords() const {
     if (chunks_used_ == 0) return;
-    __builtin_prefetch(slot(chunks_used_ - 1).words.get() + write_.bit / 64, 1);
-    __builtin_prefetch(slot(0).words.get() + front_.bit / 64);
+    PrefetchRead(slot(chunks_used_ - 1).words.get() + write_.bit / 64);
+    PrefetchRead(slot(0).words.get() + front_.bit / 64);
   }
 
   // Writes the points for LoadState: the chunks in use, oldest first (the words their bits take),

@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "server/core/prefetch.h"
 #include "server/core/state_io.h"
 #include "server/store/point.h"
 #include "server/store/point_log.h"
@@ -88,7 +89,7 @@ class Series {
   void PrefetchHeld() const {
     if (!held_) return;
     const char* p = reinterpret_cast<const char*>(held_.get());
-    for (size_t offset = 0; offset < sizeof(Held); offset += 64) __builtin_prefetch(p + offset);
+    for (size_t offset = 0; offset < sizeof(Held); offset += 64) PrefetchRead(p + offset);
   }
   void PrefetchSlots() const {
     if (!held_) return;
