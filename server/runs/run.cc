@@ -6,6 +6,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "server/core/prefetch.h"
+
 namespace gradwatch::runs {
 
 namespace {
@@ -601,7 +603,23 @@ void Run::AddSeriesLocked(SeriesId id, const std::string& key) {
 
 void Run::AppendLocked(const CompletedStep& step) {
   uint64_t grown = 0;
-  for (const SeriesValue& sv : step.values) {
+  // A large run's series (20,001 at 10,000 parameters) outgrow the caches, and each one's state
+  // is a chain of pointers (its Series, coding state, ring of chunks, words): the state of the
+  // series kPrefetchStride ahead is fetched a stage further each time, so that the misses of
+  // several series overlap instead of stalling every Append in turn.
+  constexpr size_t kPrefetchStride = 2;
+  const std::vector<SeriesValue>& values = step.values;
+  const auto ahead = [&](size_t i) -> const store::Series* {
+    mu_.AssertHeld();  // called only below, under the caller's lock
+    if (i >= values.size() || values[i].id >= series_.size()) return nullptr;
+    return series_[values[i].id].data.get();
+  };
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (const store::Series* s = ahead(i + 4 * kPrefetchStride)) PrefetchRead(s);
+    if (const store::Series* s = ahead(i + 3 * kPrefetchStride)) s->PrefetchHeld();
+    if (const store::Series* s = ahead(i + 2 * kPrefetchStride)) s->PrefetchSlots();
+    if (const store::Series* s = ahead(i + kPrefetchStride)) s->PrefetchWords();
+    const SeriesValue& sv = values[i];
     if (sv.id >= series_.size() || !series_[sv.id].data) continue;
     store::Series& series = *series_[sv.id].data;
     const size_t before = series.MemoryBytes();

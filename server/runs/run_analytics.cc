@@ -213,7 +213,17 @@ void RunAnalytics::OnEvent(const EventRecord& event) {
 }
 
 void RunAnalytics::OnStep(const CompletedStep& step) {
-  for (const SeriesValue& sv : step.values) {
+  // A large run's trackers outgrow the caches: the windows of the series kPrefetchAhead values on
+  // are fetched while this one's samples are added, so that their misses overlap (as
+  // Run::AppendLocked does for the points).
+  constexpr size_t kPrefetchAhead = 4;
+  const std::vector<SeriesValue>& values = step.values;
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i + kPrefetchAhead < values.size() && values[i + kPrefetchAhead].id < series_.size()) {
+      const Tracked& next = series_[values[i + kPrefetchAhead].id];
+      if (next.slopes) next.slopes->Prefetch();
+    }
+    const SeriesValue& sv = values[i];
     if (sv.id >= series_.size()) continue;
     Tracked& t = series_[sv.id];
     if (!t.added) continue;
@@ -261,7 +271,11 @@ void RunAnalytics::UpdateShares(const CompletedStep& step) {
   if (!any) return;
   analytics::ComputeShares(grad_scratch_, group_of_param_, groups_.size(), total, param_share_scratch_,
                            group_share_scratch_);
+  constexpr size_t kPrefetchAhead = 4;  // as in OnStep
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (i + kPrefetchAhead < params_.size() && param_state_[i + kPrefetchAhead].share_trend) {
+      param_state_[i + kPrefetchAhead].share_trend->Prefetch();
+    }
     if (!std::isfinite(grad_scratch_[i]) || !std::isfinite(param_share_scratch_[i])) continue;
     ParamState& ps = param_state_[i];
     ps.share = param_share_scratch_[i];

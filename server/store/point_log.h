@@ -23,6 +23,7 @@
 #include <memory>
 #include <vector>
 
+#include "server/core/prefetch.h"
 #include "server/core/state_io.h"
 #include "server/store/point.h"
 
@@ -69,6 +70,20 @@ class PointLog {
   static size_t MaxMemoryBytes(size_t points, size_t max_bits);
   // MemoryBytes() of a log with one chunk.
   static size_t OneChunkBytes() { return kChunkBytes + sizeof(Chunk); }
+
+  // Cache hints for an owner that appends to many logs in turn (Series::PrefetchSlots and
+  // PrefetchWords), each reading only what the one before brought into cache: the ring of slots,
+  // then the words the next append writes and the next PopFront reads. They change nothing.
+  void PrefetchSlots() const {
+    if (chunks_used_ == 0) return;
+    PrefetchRead(&slot(0));
+    PrefetchRead(&slot(chunks_used_ - 1));
+  }
+  void PrefetchWords() const {
+    if (chunks_used_ == 0) return;
+    PrefetchRead(slot(chunks_used_ - 1).words.get() + write_.bit / 64);
+    PrefetchRead(slot(0).words.get() + front_.bit / 64);
+  }
 
   // Writes the points for LoadState: the chunks in use, oldest first (the words their bits take),
   // and where the oldest point is read and the next one written. Spare chunks are not written.

@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "server/core/prefetch.h"
 #include "server/core/state_io.h"
 #include "server/store/point.h"
 #include "server/store/point_log.h"
@@ -80,6 +81,25 @@ class Series {
   // Bytes a series that reported holds at least, growth refused or not: its coding state and a
   // chunk each of recent points and history.
   static size_t FloorBytes();
+
+  // Cache hints for an owner that appends to many series in turn (runs::Run), whose states
+  // outgrow the caches: issued a few series ahead, in this order and a series or more apart, each
+  // reads only what the one before brought in (the first, this object), so that the misses of
+  // several series overlap instead of stalling each Append in turn. They change nothing.
+  void PrefetchHeld() const {
+    if (!held_) return;
+    const char* p = reinterpret_cast<const char*>(held_.get());
+    for (size_t offset = 0; offset < sizeof(Held); offset += 64) PrefetchRead(p + offset);
+  }
+  void PrefetchSlots() const {
+    if (!held_) return;
+    held_->recent.PrefetchSlots();
+    if (held_->recent.size() >= options_.recent_points) held_->history.PrefetchSlots();
+  }
+  void PrefetchWords() const {
+    if (!held_) return;
+    held_->recent.PrefetchWords();
+  }
 
   // Writes the state (everything but the options, and the options for LoadState to check) for
   // LoadState.

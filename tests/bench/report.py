@@ -73,6 +73,8 @@ def main():
                  "steps/s", "ack p99 ms (16 steps in flight)", "RSS MB", "Pushgateway samples/CPU-s",
                  "Pushgateway: rank-steps reaching Prometheus"], rows))
 
+    solo = next(r for r in gw["ingest"] if r["runs"] == 1 and r["ranks"] == 1 and r["params"] == 1000)
+    big = max((r for r in gw["ingest"] if r["runs"] == 1 and r["ranks"] == 1), key=lambda r: r["params"])
     pc, ec = gw["parse_ceiling"], gw["empty_stream_ceiling"]
     al, m, sr = gw["alert_latency"], gw["metrics"], gw["single_run"]
     lr = gw["large_restart"]
@@ -93,7 +95,12 @@ def main():
         *[[f"ingest ack latency, one step in flight, while /metrics ({fmt(m[k]['series'])} series) is scraped",
            f"p50 {m[k]['ack_p50_ms']:.1f} ms, p99 {m[k]['ack_p99_ms']:.1f} ms ({m[k]['scrapes']} scrapes)"]
           for k in ("ingest_while_scraping", "ingest_while_scraping_large")],
-        [f"RSS per series (1 x 1 x 1,000 after {fmt(sr['steps'])} steps)", f"{sr['rss_per_series_bytes'] / 1024:.0f} KB"],
+        [f"RSS per series (1 x 1 x 1,000 after {fmt(sr['steps'])} steps; fixed costs weigh at 2,001 series)",
+         f"{sr['rss_per_series_bytes'] / 1024:.0f} KB"],
+        [f"RSS holding {fmt(big['series'])} series (1 x 1 x {fmt(big['params'])} after {fmt(big['steps'])} steps): "
+         "the daemon's, and what the run added, per series",
+         f"{big['rss_after_bytes'] / 2**20:.0f} MB: {big['rss_after_bytes'] / big['series'] / 1024:.1f} KB per series; "
+         f"added {big['rss_per_series_bytes'] / 1024:.1f} KB per series"],
         ["journal bytes per sample (journal.db + WAL after SIGTERM)", f"{sr['journal_bytes_per_sample']:.1f}"],
         [f"restart to ready ({fmt(sr['journal_samples'])} journaled samples)", f"{sr['restart_s']:.2f} s"],
         [f"large journal of float32 norms ({fmt(lr['samples'])} samples, {fmt(lr['series'])} series): bytes per sample",
@@ -108,14 +115,15 @@ def main():
          f"{lr['snapshot_stop_s']:.2f} s; the run's lock held {lr['snapshot_lock_ms']:.0f} ms to copy its state"],
     ]))
 
-    solo = next(r for r in gw["ingest"] if r["runs"] == 1 and r["ranks"] == 1 and r["params"] == 1000)
-    big = max((r for r in gw["ingest"] if r["runs"] == 1 and r["ranks"] == 1), key=lambda r: r["params"])
     ratio = big["cpu_ns_per_sample"] / solo["cpu_ns_per_sample"]
     alert_p99 = max(al["stream_p99_ms"], al["webhook_p99_ms"])
     targets = [
         ["≥ 2,000,000 samples per daemon CPU-second at 1,000 params", fmt(solo["samples_per_cpu_s"]),
          solo["samples_per_cpu_s"] >= 2e6],
         [f"CPU per sample at {fmt(big['params'])} params ≤ 1.2 x that at 1,000", f"{ratio:.2f} x", ratio <= 1.2],
+        [f"≤ 20 KB RSS per series at the defaults ({fmt(big['series'])} series after {fmt(big['steps'])} steps, "
+         "the daemon's RSS / series)", f"{big['rss_after_bytes'] / big['series'] / 1024:.1f} KB",
+         big["rss_after_bytes"] / big["series"] <= 20 * 1024],
         ["alert p99 < 5 ms (stream and webhook)", f"{alert_p99:.2f} ms", alert_p99 < 5],
         [f"/metrics at {fmt(m['large']['series'])} series < 250 ms", f"{m['large']['p50_ms']:.0f} ms",
          m["large"]["p50_ms"] < 250],

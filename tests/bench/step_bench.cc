@@ -1,0 +1,159 @@
+// gradwatch_step_bench: the step path alone, in this process, without gRPC, journal or threads:
+// one rank's reports through assembly, the series store, the analytics and the alerting (the
+// default rules), as gradwatchd runs them. For issue 10's "CPU per sample at 10,000 parameters
+// within 1.2x of that at 1,000": the figure of the daemon (gradwatch_bench) scatters with the
+// machine's load; this one isolates the part whose cost grows with the run's working set.
+//
+//   gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]
+//
+// For each N (default 1,000 and 10,000): a fresh run of N parameters (2N + 1 series a step) is
+// fed --warm steps (300), then --steps more (300) are timed with the thread's CPU clock, --repeat
+// times (3) on fresh runs; prints the best ns per sample of each, and the ratio of the largest N's
+// to the first's. Reports are built outside the timed calls.
+#include <time.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "alerts/rules.h"
+#include "server/core/clock.h"
+#include "server/daemon/alerting.h"
+#include "server/runs/run.h"
+
+using namespace gradwatch;
+using namespace gradwatch::runs;
+
+namespace {
+
+// This process's resident set (VmRSS), bytes.
+double RssBytes() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  double kb = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "VmRSS: %lf kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return kb * 1024;
+}
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// A catalog like the bench's trainers send: parameters of a transformer's layers.
+RunMeta Meta(size_t params) {
+  RunMeta m;
+  m.run_id = "step-bench";
+  for (size_t i = 0; i < params; ++i) {
+    ParamInfo p;
+    p.numel = 4096;
+    p.name = "layers." + std::to_string(i) + ".mlp.weight";
+    p.kind = ParamKind::kMlp;
+    p.weight_decay = 0.1;
+    m.params.push_back(p);
+  }
+  return m;
+}
+
+// Noisy norms, 1 % wobble: no rule fires.
+void FillReport(RankStep& r, uint64_t step, size_t params) {
+  r.step = step;
+  r.loss = 2.0 + 0.01 * std::sin(static_cast<double>(step));
+  r.learning_rate = 3e-4;
+  r.params.resize(params);
+  for (size_t i = 0; i < params; ++i) {
+    const double wobble = 1.0 + 0.01 * std::sin(0.37 * static_cast<double>(step + i));
+    r.params[i] = {.index = static_cast<uint32_t>(i),
+                   .norms = {NormContribution::FromNorm(0.2 / std::sqrt(static_cast<double>(params)) * wobble),
+                             NormContribution::FromNorm(50.0 * wobble), NormContribution()}};
+  }
+}
+
+// ns per sample of `steps` steps after `warm` on a fresh run of `params` parameters; prints what
+// the run added to the process's RSS, and what its series store counts (Run::MemoryBytes), per series.
+double Measure(size_t params, uint64_t warm, uint64_t steps) {
+  const double rss0 = RssBytes();
+  FakeClock clock;
+  DaemonStats stats;
+  auto rules = alerts::LoadDefaultRules();
+  if (!rules.ok()) {
+    std::fprintf(stderr, "the default rules do not load\n");
+    std::exit(1);
+  }
+  daemon::Alerting alerting(std::move(rules).value());
+  RunOptions options;
+  options.listener = &alerting;
+  Run run(Meta(params), options, nullptr, &stats, &clock, true);
+  AttachInfo info;
+  if (run.Attach(Meta(params), 0, nullptr, &info).has_value()) {
+    std::fprintf(stderr, "attach failed\n");
+    std::exit(1);
+  }
+  RankStep report;
+  double cpu = 0;
+  for (uint64_t s = 1; s <= warm + steps; ++s) {
+    FillReport(report, s, params);
+    const double t0 = ThreadCpuSeconds();
+    if (run.AddStep(0, report, nullptr).has_value()) {
+      std::fprintf(stderr, "step %llu refused\n", static_cast<unsigned long long>(s));
+      std::exit(1);
+    }
+    if (s > warm) cpu += ThreadCpuSeconds() - t0;
+  }
+  const double series = static_cast<double>(2 * params + 1);
+  const double rss = RssBytes();
+  std::printf("params %zu: RSS %.1f KB per series (%.0f MB in all), the store's own count (Run::MemoryBytes) "
+              "%.1f KB per series\n",
+              params, (rss - rss0) / series / 1024, rss / 1048576,
+              static_cast<double>(run.MemoryBytes()) / series / 1024);
+  // A sample: the grad and param norm of each parameter, and the total grad norm (derived here).
+  return cpu * 1e9 / static_cast<double>(steps * (2 * params + 1));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<size_t> params;
+  uint64_t warm = 300, steps = 300;
+  int repeat = 3;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--params" && i + 1 < argc) {
+      params.push_back(std::strtoull(argv[++i], nullptr, 10));
+    } else if (arg == "--warm" && i + 1 < argc) {
+      warm = std::strtoull(argv[++i], nullptr, 10);
+    } else if (arg == "--steps" && i + 1 < argc) {
+      steps = std::max<uint64_t>(1, std::strtoull(argv[++i], nullptr, 10));
+    } else if (arg == "--repeat" && i + 1 < argc) {
+      repeat = std::max(1, std::atoi(argv[++i]));
+    } else {
+      std::fprintf(stderr,
+                   "usage: gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]\n");
+      return 2;
+    }
+  }
+  if (params.empty()) params = {1000, 10000};
+  // Repeats interleave the sizes, so that a change in the machine's load touches each alike.
+  std::vector<double> best(params.size(), 1e300);
+  for (int r = 0; r < repeat; ++r) {
+    for (size_t p = 0; p < params.size(); ++p) {
+      const double ns = Measure(params[p], warm, steps);
+      std::printf("params %zu: %.1f ns/sample (repeat %d)\n", params[p], ns, r + 1);
+      std::fflush(stdout);
+      best[p] = std::min(best[p], ns);
+    }
+  }
+  for (size_t p = 0; p < params.size(); ++p) std::printf("best: params %zu: %.1f ns/sample\n", params[p], best[p]);
+  if (params.size() > 1) {
+    std::printf("ratio %zu / %zu: %.2f\n", params.back(), params.front(), best.back() / best.front());
+  }
+  return 0;
+}
