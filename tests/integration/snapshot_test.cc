@@ -155,6 +155,26 @@ std::filesystem::path CopyWithoutSnapshots(const std::filesystem::path& from, co
   return to;
 }
 
+// A daemon on the data directory and one on a copy of it without snapshots, which replays the
+// whole journal: `RequireSame` checks they serve the same, the first having restored `restored`
+// runs from their snapshots and the second none.
+struct SnapshotAndReplay {
+  SnapshotAndReplay(const std::filesystem::path& data, const std::filesystem::path& copy)
+      : full(CopyWithoutSnapshots(data, copy)), from_snapshot(Options(data, 3600)), replayed(Options(full, 0)) {}
+
+  View RequireSame(double restored) {
+    CHECK(Metric(from_snapshot, "gradwatch_runs_restored_from_snapshot_total") == restored);
+    CHECK(Metric(replayed, "gradwatch_runs_restored_from_snapshot_total") == 0);
+    View a = Read(from_snapshot);
+    ::RequireSame(a, Read(replayed));
+    return a;
+  }
+
+  std::filesystem::path full;
+  DaemonProcess from_snapshot;
+  DaemonProcess replayed;
+};
+
 }  // namespace
 
 TEST_CASE("a restart from a snapshot and the journal's tail serves what a full replay serves",
@@ -188,14 +208,8 @@ TEST_CASE("a restart from a snapshot and the journal's tail serves what a full r
     daemon.Stop(SIGKILL);
   }
 
-  const auto full = CopyWithoutSnapshots(data, dir.path() / "full");
-  DaemonProcess from_snapshot(Options(data, 3600));
-  DaemonProcess replayed(Options(full, 0));
-  CHECK(Metric(from_snapshot, "gradwatch_runs_restored_from_snapshot_total") == 1);
-  CHECK(Metric(replayed, "gradwatch_runs_restored_from_snapshot_total") == 0);
-  const View a = Read(from_snapshot);
-  const View b = Read(replayed);
-  RequireSame(a, b);
+  SnapshotAndReplay daemons(data, dir.path() / "full");
+  const View a = daemons.RequireSame(1);
   // The run did page on the tail's steps (the contingency), and both hold it the same.
   CHECK(std::any_of(a.alerts.begin(), a.alerts.end(),
                     [](const std::string& s) { return s.rfind("GradNormContingency", 0) == 0; }));
@@ -222,14 +236,11 @@ TEST_CASE("a snapshot the run rewound past, or a damaged one, is not used: the j
     Replay(daemon, dir.path() / "resumed.jsonl");
     daemon.Stop(SIGKILL);
   }
-  const auto full = CopyWithoutSnapshots(data, dir.path() / "full");
   {
-    DaemonProcess from_snapshot(Options(data, 3600));
-    DaemonProcess replayed(Options(full, 0));
-    CHECK(Metric(from_snapshot, "gradwatch_runs_restored_from_snapshot_total") == 0);
-    CHECK(from_snapshot.LogText().find("the run rewound since") != std::string::npos);
-    RequireSame(Read(from_snapshot), Read(replayed));
-    REQUIRE(from_snapshot.Stop() == 0);  // a snapshot on the new branch
+    SnapshotAndReplay daemons(data, dir.path() / "full");
+    daemons.RequireSame(0);
+    CHECK(daemons.from_snapshot.LogText().find("the run rewound since") != std::string::npos);
+    REQUIRE(daemons.from_snapshot.Stop() == 0);  // a snapshot on the new branch
   }
 
   // A damaged snapshot: one byte changed.
@@ -241,11 +252,9 @@ TEST_CASE("a snapshot the run rewound past, or a damaged one, is not used: the j
     f.seekp(static_cast<std::streamoff>(std::filesystem::file_size(file) / 2));
     f.put('\x5a');
   }
-  DaemonProcess damaged(Options(data, 3600));
-  DaemonProcess replayed(Options(full, 0));
-  CHECK(Metric(damaged, "gradwatch_runs_restored_from_snapshot_total") == 0);
-  CHECK(damaged.LogText().find("checksum does not match") != std::string::npos);
-  RequireSame(Read(damaged), Read(replayed));
+  SnapshotAndReplay daemons(data, dir.path() / "full-again");
+  daemons.RequireSame(0);
+  CHECK(daemons.from_snapshot.LogText().find("checksum does not match") != std::string::npos);
 }
 
 TEST_CASE("snapshots are taken periodically while a run streams, and a crash restarts from the latest",
@@ -269,9 +278,5 @@ TEST_CASE("snapshots are taken periodically while a run streams, and a crash res
     Replay(daemon, dir.path() / "second.jsonl");
     daemon.Stop(SIGKILL);
   }
-  const auto full = CopyWithoutSnapshots(data, dir.path() / "full");
-  DaemonProcess from_snapshot(Options(data, 3600));
-  DaemonProcess replayed(Options(full, 0));
-  CHECK(Metric(from_snapshot, "gradwatch_runs_restored_from_snapshot_total") == 1);
-  RequireSame(Read(from_snapshot), Read(replayed));
+  SnapshotAndReplay(data, dir.path() / "full").RequireSame(1);
 }
