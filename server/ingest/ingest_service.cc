@@ -40,13 +40,17 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       FinishWhenDrained(grpc::Status::OK);
       return;
     }
+    bool held = false;
     try {
-      Handle();
+      held = Handle();
     } catch (const std::exception& e) {
       spdlog::error("stream from {}: unexpected error handling a message: {}", peer_, e.what());
       SendError({IngestErrorReason::kInvalidMessage, "internal error handling this message"}, in_->seq());
     }
-    ReadNext();
+    // A held step's retry (RetryHeld) starts the next read, and it may already have run on
+    // another thread and cleared holding_: reading here too would start a second read (gRPC
+    // aborts the daemon on it).
+    if (!held) ReadNext();
   }
 
   // Reads the next message, unless the stream is finishing or its current step is held.
@@ -155,7 +159,9 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   }
 
  private:
-  void Handle() {
+  // Handles the message just read; true when it is a step the run holds (Hold: its retry reads
+  // next).
+  bool Handle() {
     runs::DaemonStats& stats = *service_->stats();
     stats.messages_received.fetch_add(1, std::memory_order_relaxed);
     const uint64_t seq = in_->seq();
@@ -167,17 +173,18 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
                   std::to_string(service_->options().max_message_bytes) + " bytes",
               step},
              seq);
-      return;
+      return false;
     }
     switch (in_->body_case()) {
-      case v1::TrainerMessage::kHello: return HandleHello(seq);
+      case v1::TrainerMessage::kHello: HandleHello(seq); return false;
       case v1::TrainerMessage::kStep: return HandleStep(seq);
-      case v1::TrainerMessage::kEvent: return HandleEvent(seq);
-      case v1::TrainerMessage::kGoodbye: return HandleGoodbye(seq);
+      case v1::TrainerMessage::kEvent: HandleEvent(seq); return false;
+      case v1::TrainerMessage::kGoodbye: HandleGoodbye(seq); return false;
       case v1::TrainerMessage::BODY_NOT_SET:
         Reject({IngestErrorReason::kInvalidMessage, "message has no body (hello, step, event or goodbye)"}, seq);
-        return;
+        return false;
     }
+    return false;
   }
 
   void HandleHello(uint64_t seq) {
@@ -261,20 +268,22 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     if (!run_id.empty()) service_->Unsubscribe(run_id, this);
   }
 
-  void HandleStep(uint64_t seq) {
+  // True when the run holds the step (see Handle).
+  bool HandleStep(uint64_t seq) {
     uint32_t rank = 0;
     std::shared_ptr<runs::Run> run = CurrentRun(&rank);
     if (!run) {
       Reject({IngestErrorReason::kNoHello, "step before hello: send a Hello first", in_->step().step()}, seq);
-      return;
+      return false;
     }
     if (auto err = StepFromProto(in_->step(), seq, &step_)) {
       Reject(*err, seq);
-      return;
+      return false;
     }
     bool held = false;
     if (auto err = run->AddStep(rank, step_, this, &held)) Reject(*err, seq);
     if (held) Hold(seq);
+    return held;
   }
 
   // The run holds this step until the ranks it waits for catch up (Run::AddStep): offer it
