@@ -44,6 +44,7 @@ enum RunFamily : size_t {
   kNonfinite,
   kClientDropped,
   kRunOpenStreams,
+  kRunSnapshotStep,
   kSlope,
   kSlopeChangeRatio,
   kSlopeAtEvent,
@@ -74,6 +75,9 @@ constexpr std::array<FamilyInfo, kRunFamilyCount> kRunFamilies = {{
     {"gradwatch_client_dropped_steps_total", "Steps the trainer's client dropped because its queue overflowed.",
      MetricType::kCounter},
     {"gradwatch_run_open_streams", "Trainer streams open for the run.", MetricType::kGauge},
+    {"gradwatch_run_snapshot_step",
+     "Last step of the run's latest snapshot: a restart replays only the journal's steps after it.",
+     MetricType::kGauge},
     {"gradwatch_slope_per_kstep", "Least-squares slope of a series over a window of steps, per 1,000 steps.",
      MetricType::kGauge},
     {"gradwatch_slope_change_ratio", "Slope after an event over the slope before it.", MetricType::kGauge},
@@ -162,6 +166,7 @@ void MetricsCollector::Render(Exposition& out) {
     sample(kNonfinite, static_cast<double>(s.info.nonfinite_count));
     sample(kClientDropped, static_cast<double>(s.info.client_dropped_steps));
     sample(kRunOpenStreams, s.info.open_streams);
+    if (const auto step = registry_->SnapshotStep(s.info.run_id)) sample(kRunSnapshotStep, static_cast<double>(*step));
 
     const runs::RunAnalysis& a = s.analysis;
     // A series' windows come one after the other: its labels but the window are built once.

@@ -365,6 +365,13 @@ StatusOr<std::vector<store::StoredRun>> RunRegistry::Archived() const {
   return journal_->ListReleased();
 }
 
+std::optional<uint64_t> RunRegistry::SnapshotStep(const std::string& run_id) const {
+  std::lock_guard lock(snapshot_mu_);
+  const auto it = snapshot_marks_.find(run_id);
+  if (it == snapshot_marks_.end()) return std::nullopt;
+  return it->second.step;
+}
+
 size_t RunRegistry::run_count() const {
   std::shared_lock lock(mu_);
   return runs_.size();

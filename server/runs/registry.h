@@ -89,6 +89,9 @@ class RunRegistry {
   void OnCommit(const store::CommitReport& report);
 
   size_t run_count() const;
+  // The last step of the run's latest snapshot, written or restored from (nullopt: none yet); a
+  // restart replays only the journal's steps after it.
+  std::optional<uint64_t> SnapshotStep(const std::string& run_id) const;
   // The budget runs are charged to (null: unlimited).
   const MemoryBudget* budget() const { return options_.budget; }
 
@@ -113,7 +116,7 @@ class RunRegistry {
   const store::SnapshotStore* snapshots_ = nullptr;
 
   // The latest snapshot of each run held, which SaveSnapshots skips while it is current.
-  std::mutex snapshot_mu_;  // after mu_ and the runs' mutexes in lock order; never held across I/O
+  mutable std::mutex snapshot_mu_;  // after mu_ and the runs' mutexes in lock order; never held across I/O
   std::unordered_map<std::string, Run::SnapshotMark> snapshot_marks_;  // guarded by snapshot_mu_
   // The size of each run's latest snapshot, to size the next one's buffer; guarded by snapshot_mu_.
   std::unordered_map<std::string, size_t> snapshot_bytes_;

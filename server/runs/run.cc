@@ -1027,6 +1027,19 @@ std::optional<Run::SnapshotMark> Run::SaveSnapshot(std::string& out, std::option
   return mark;
 }
 
+std::unique_ptr<RunAnalytics> Run::FreshAnalyticsLocked(const std::vector<bool>& tracked, bool with_events) {
+  auto analytics =
+      std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
+  analytics->SetCatalog(meta_.params);
+  for (size_t id = 0; id < tracked.size(); ++id) {
+    if (tracked[id]) analytics->AddSeries(static_cast<SeriesId>(id), series_[id].key);
+  }
+  if (with_events) {
+    for (const EventRecord& e : events_) analytics->OnEvent(e);
+  }
+  return analytics;
+}
+
 std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, std::string* why) {
   MutexLock lock(&mu_);
   auto fail = [&](std::string reason) {
@@ -1063,35 +1076,40 @@ std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, 
                     ? "it holds series the journal does not"
                     : std::string(in.why()));
   }
-  std::vector<std::unique_ptr<store::Series>> loaded(count);
+  // Nothing is stepped yet: the run's series and analytics are replaced as the snapshot is read,
+  // so that a large run is never held twice, and made again as they were if it is refused.
+  std::vector<bool> had_data(series_.size());
+  for (size_t id = 0; id < series_.size(); ++id) had_data[id] = series_[id].data != nullptr;
+  auto refuse = [&](std::string reason) {
+    for (size_t id = 0; id < series_.size(); ++id) {
+      series_[id].data = had_data[id] ? std::make_unique<store::Series>(
+                                            SeriesOptionsLocked(static_cast<SeriesId>(id), series_[id].key))
+                                      : nullptr;
+    }
+    analytics_ = FreshAnalyticsLocked(had_data, /*with_events=*/true);
+    return fail(std::move(reason));
+  };
   std::string key;
   uint64_t bytes = 0;
   for (uint64_t id = 0; id < count; ++id) {
     bool has_data = false;
-    if (!in.GetString(key) || !in.GetBool(has_data)) return fail(in.why());
-    if (key != series_[id].key) return fail("series " + std::to_string(id) + " is not the journal's");
+    if (!in.GetString(key) || !in.GetBool(has_data)) return refuse(in.why());
+    if (key != series_[id].key) return refuse("series " + std::to_string(id) + " is not the journal's");
     if (!has_data) continue;
-    loaded[id] = std::make_unique<store::Series>(SeriesOptionsLocked(static_cast<SeriesId>(id), key));
-    if (!loaded[id]->LoadState(in)) return fail("series '" + key + "': " + in.why());
-    bytes += loaded[id]->MemoryBytes();
+    series_[id].data.reset();
+    series_[id].data = std::make_unique<store::Series>(SeriesOptionsLocked(static_cast<SeriesId>(id), key));
+    if (!series_[id].data->LoadState(in)) return refuse("series '" + key + "': " + in.why());
+    bytes += series_[id].data->MemoryBytes();
   }
-  auto analytics =
-      std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
-  analytics->SetCatalog(meta_.params);
-  for (size_t id = 0; id < series_.size(); ++id) {
-    if (series_[id].data) analytics->AddSeries(static_cast<SeriesId>(id), series_[id].key);
-  }
-  if (!analytics->LoadState(in)) return fail(std::string("analytics: ") + in.why());
-  if (!in.at_end()) return fail("bytes are left after its end");
+  analytics_.reset();
+  analytics_ = FreshAnalyticsLocked(had_data, /*with_events=*/false);
+  if (!analytics_->LoadState(in)) return refuse(std::string("analytics: ") + in.why());
+  if (!in.at_end()) return refuse("bytes are left after its end");
   if (options_.budget != nullptr && !options_.budget->TryCharge(bytes)) {
-    return fail("its series need " + std::to_string(bytes) + " bytes, beyond the memory budget");
+    return refuse("its series need " + std::to_string(bytes) + " bytes, beyond the memory budget");
   }
 
   charged_bytes_ += bytes;
-  for (uint64_t id = 0; id < count; ++id) {
-    if (loaded[id]) series_[id].data = std::move(loaded[id]);
-  }
-  analytics_ = std::move(analytics);
   for (const EventRecord& e : events_) analytics_->OnEvent(e);  // those after the snapshot
   last_step_ = last_step;
   step_count_ = step_count;

@@ -276,7 +276,9 @@ class Run {
   // run up from it (RunChannel::AcceptsRestoreThrough), installs its series, counters and
   // analytics, then adds the journaled events it did not know. Returns the step it covers through:
   // the journal's steps after it are to be restored (RestoreStep). Otherwise the run is left as it
-  // was, nullopt is returned and *why says why (every step is then restored from the journal).
+  // was (its series and analytics, replaced while the snapshot is read so that a large run is
+  // never held twice, are made again with no step), nullopt is returned and *why says why (every
+  // step is then restored from the journal).
   std::optional<SnapshotMark> RestoreSnapshot(std::string_view payload, std::string* why);
 
   // Snapshots (server/store/snapshots.h). Writes into `out` (overwritten) the run's state after
@@ -371,6 +373,10 @@ class Run {
   void AnalyzeLocked(const CompletedStep& step, bool restored) REQUIRES(mu_);
   // Registers series `id` under `key` with the analytics and the listener.
   void AddSeriesLocked(SeriesId id, const std::string& key) REQUIRES(mu_);
+  // Analytics with no step: the catalog, the series whose `tracked` entry is set and, when
+  // with_events, the run's events.
+  std::unique_ptr<RunAnalytics> FreshAnalyticsLocked(const std::vector<bool>& tracked, bool with_events)
+      REQUIRES(mu_);
   void AppendLocked(const CompletedStep& step) REQUIRES(mu_);
   // Returns the record's journal number, 0 when it was not journaled (counted as dropped).
   uint64_t JournalLocked(store::JournalRecord record) REQUIRES(mu_);

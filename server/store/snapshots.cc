@@ -98,13 +98,18 @@ bool ParseHeader(StateReader& in, Header& h, std::string* why) {
 }
 
 StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) {
     if (errno == ENOENT) return Status::NotFound("no snapshot at " + path);
     return Status::IoError(Errno("opening " + path));
   }
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (f.bad()) return Status::IoError(Errno("reading " + path));
+  // Sized once: a snapshot can be hundreds of megabytes, and a string grown as it is read would
+  // briefly take twice that.
+  const std::streamoff size = f.tellg();
+  if (size < 0) return Status::IoError(Errno("sizing " + path));
+  std::string bytes(static_cast<size_t>(size), '\0');
+  f.seekg(0);
+  if (!f.read(bytes.data(), size)) return Status::IoError(Errno("reading " + path));
   return bytes;
 }
 
@@ -165,7 +170,8 @@ StatusOr<std::string> SnapshotStore::Read(const std::string& run_id) const {
     return Status::Internal(path + ": " + std::to_string(bytes->size() - at) + " payload bytes where the header says " +
                             std::to_string(h.payload_bytes));
   }
-  std::string payload = bytes->substr(at);
+  std::string payload = std::move(*bytes);
+  payload.erase(0, at);  // in place: no second copy of the payload
   if (Crc32(payload) != h.crc) return Status::Internal(path + ": its checksum does not match (damaged)");
   return payload;
 }

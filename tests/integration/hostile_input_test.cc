@@ -124,9 +124,13 @@ TEST_CASE("a 65,536-parameter run costs memory by what it reports, across a rest
     stream.WaitFor([](const v1::DaemonMessage& m) { return m.has_ack() && m.ack().durable_step() >= 50; },
                    std::chrono::seconds(120));
   }
-  CHECK(PeakRssBytes(daemon.pid()) < (1024u << 20));
+  const uint64_t streamed_peak = PeakRssBytes(daemon.pid());
+  CAPTURE(streamed_peak);
+  CHECK(streamed_peak < (1024u << 20));
   CHECK(daemon.Restart() == 0);
-  CHECK(PeakRssBytes(daemon.pid()) < (1024u << 20));
+  const uint64_t restarted_peak = PeakRssBytes(daemon.pid());
+  CAPTURE(restarted_peak);
+  CHECK(restarted_peak < (1024u << 20));
   const auto runs = ListRuns(daemon.grpc_target());
   REQUIRE(runs.size() == 1);
   CHECK(runs[0].step_count() == 50);
