@@ -1040,6 +1040,33 @@ std::unique_ptr<RunAnalytics> Run::FreshAnalyticsLocked(const std::vector<bool>&
   return analytics;
 }
 
+bool Run::LoadSnapshotStateLocked(StateReader& in, uint64_t count, const std::vector<bool>& had_data,
+                                  uint64_t* bytes, std::string* why) {
+  auto fail = [&](std::string reason) {
+    *why = std::move(reason);
+    return false;
+  };
+  std::string key;
+  for (uint64_t id = 0; id < count; ++id) {
+    bool has_data = false;
+    if (!in.GetString(key) || !in.GetBool(has_data)) return fail(in.why());
+    if (key != series_[id].key) return fail("series " + std::to_string(id) + " is not the journal's");
+    if (!has_data) continue;
+    series_[id].data.reset();
+    series_[id].data = std::make_unique<store::Series>(SeriesOptionsLocked(static_cast<SeriesId>(id), key));
+    if (!series_[id].data->LoadState(in)) return fail("series '" + key + "': " + in.why());
+    *bytes += series_[id].data->MemoryBytes();
+  }
+  analytics_.reset();
+  analytics_ = FreshAnalyticsLocked(had_data, /*with_events=*/false);
+  if (!analytics_->LoadState(in)) return fail(std::string("analytics: ") + in.why());
+  if (!in.at_end()) return fail("bytes are left after its end");
+  if (options_.budget != nullptr && !options_.budget->TryCharge(*bytes)) {
+    return fail("its series need " + std::to_string(*bytes) + " bytes, beyond the memory budget");
+  }
+  return true;
+}
+
 std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, std::string* why) {
   MutexLock lock(&mu_);
   auto fail = [&](std::string reason) {
@@ -1080,7 +1107,9 @@ std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, 
   // so that a large run is never held twice, and made again as they were if it is refused.
   std::vector<bool> had_data(series_.size());
   for (size_t id = 0; id < series_.size(); ++id) had_data[id] = series_[id].data != nullptr;
-  auto refuse = [&](std::string reason) {
+  uint64_t bytes = 0;
+  std::string reason;
+  if (!LoadSnapshotStateLocked(in, count, had_data, &bytes, &reason)) {
     for (size_t id = 0; id < series_.size(); ++id) {
       series_[id].data = had_data[id] ? std::make_unique<store::Series>(
                                             SeriesOptionsLocked(static_cast<SeriesId>(id), series_[id].key))
@@ -1088,27 +1117,7 @@ std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, 
     }
     analytics_ = FreshAnalyticsLocked(had_data, /*with_events=*/true);
     return fail(std::move(reason));
-  };
-  std::string key;
-  uint64_t bytes = 0;
-  for (uint64_t id = 0; id < count; ++id) {
-    bool has_data = false;
-    if (!in.GetString(key) || !in.GetBool(has_data)) return refuse(in.why());
-    if (key != series_[id].key) return refuse("series " + std::to_string(id) + " is not the journal's");
-    if (!has_data) continue;
-    series_[id].data.reset();
-    series_[id].data = std::make_unique<store::Series>(SeriesOptionsLocked(static_cast<SeriesId>(id), key));
-    if (!series_[id].data->LoadState(in)) return refuse("series '" + key + "': " + in.why());
-    bytes += series_[id].data->MemoryBytes();
   }
-  analytics_.reset();
-  analytics_ = FreshAnalyticsLocked(had_data, /*with_events=*/false);
-  if (!analytics_->LoadState(in)) return refuse(std::string("analytics: ") + in.why());
-  if (!in.at_end()) return refuse("bytes are left after its end");
-  if (options_.budget != nullptr && !options_.budget->TryCharge(bytes)) {
-    return refuse("its series need " + std::to_string(bytes) + " bytes, beyond the memory budget");
-  }
-
   charged_bytes_ += bytes;
   for (const EventRecord& e : events_) analytics_->OnEvent(e);  // those after the snapshot
   last_step_ = last_step;

@@ -377,6 +377,11 @@ class Run {
   // with_events, the run's events.
   std::unique_ptr<RunAnalytics> FreshAnalyticsLocked(const std::vector<bool>& tracked, bool with_events)
       REQUIRES(mu_);
+  // RestoreSnapshot's body after the counters: reads `count` series and the analytics from `in`
+  // into the run, replacing its unstepped ones, and charges their bytes (*bytes). False with *why
+  // when the snapshot is refused; the run is then partly replaced.
+  bool LoadSnapshotStateLocked(StateReader& in, uint64_t count, const std::vector<bool>& had_data,
+                               uint64_t* bytes, std::string* why) REQUIRES(mu_);
   void AppendLocked(const CompletedStep& step) REQUIRES(mu_);
   // Returns the record's journal number, 0 when it was not journaled (counted as dropped).
   uint64_t JournalLocked(store::JournalRecord record) REQUIRES(mu_);
