@@ -16,31 +16,30 @@
 #include <type_traits>
 #include <vector>
 
+#include "server/core/byte_chunks.h"
+
 namespace gradwatch {
 
+// Writes into a string, or into chunks (ByteChunks: a snapshot, which may be large).
 class StateWriter {
  public:
-  explicit StateWriter(std::string& out) : out_(out) {}
+  explicit StateWriter(std::string& out) : string_(&out) {}
+  explicit StateWriter(ByteChunks& out) : chunks_(&out) {}
 
   template <typename T>
   void Put(const T& value) {
     static_assert(std::is_trivially_copyable_v<T>, "only trivially copyable values are written as bytes");
-    const size_t at = out_.size();
-    out_.resize(at + sizeof(T));
-    std::memcpy(out_.data() + at, &value, sizeof(T));
+    Append(&value, sizeof(T));
   }
   void PutString(std::string_view s) {
     Put<uint64_t>(s.size());
-    out_.append(s.data(), s.size());
+    Append(s.data(), s.size());
   }
   template <typename T>
   void PutVector(const std::vector<T>& v) {
     static_assert(std::is_trivially_copyable_v<T>, "only trivially copyable values are written as bytes");
     Put<uint64_t>(v.size());
-    if (v.empty()) return;
-    const size_t at = out_.size();
-    out_.resize(at + v.size() * sizeof(T));
-    std::memcpy(out_.data() + at, v.data(), v.size() * sizeof(T));
+    if (!v.empty()) Append(v.data(), v.size() * sizeof(T));
   }
   // A bool vector (not contiguous): one byte a value.
   void PutBools(const std::vector<bool>& v) {
@@ -48,10 +47,19 @@ class StateWriter {
     for (bool b : v) Put<uint8_t>(b ? 1 : 0);
   }
 
-  size_t size() const { return out_.size(); }
+  size_t size() const { return chunks_ != nullptr ? chunks_->size() : string_->size(); }
 
  private:
-  std::string& out_;
+  void Append(const void* data, size_t n) {
+    if (chunks_ != nullptr) {
+      chunks_->Append(data, n);
+    } else {
+      string_->append(static_cast<const char*>(data), n);
+    }
+  }
+
+  std::string* string_ = nullptr;
+  ByteChunks* chunks_ = nullptr;
 };
 
 class StateReader {

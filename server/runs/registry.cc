@@ -169,7 +169,7 @@ RunRegistry::SnapshotReport RunRegistry::SaveSnapshots(
     const std::function<bool(const std::string&, uint64_t)>& settle) {
   SnapshotReport report;
   if (snapshots_ == nullptr || journal_ == nullptr) return report;
-  std::string payload;
+  ByteChunks payload;  // unmapped at the end of the pass: the memory goes back to the system
   for (const auto& run : All()) {
     std::optional<Run::SnapshotMark> last;
     size_t expected_bytes = 0;
@@ -178,20 +178,25 @@ RunRegistry::SnapshotReport RunRegistry::SaveSnapshots(
       if (auto it = snapshot_marks_.find(run->id()); it != snapshot_marks_.end()) last = it->second;
       if (auto it = snapshot_bytes_.find(run->id()); it != snapshot_bytes_.end()) expected_bytes = it->second;
     }
-    // The buffer's pages are faulted in before the run's lock is taken: copying the run's state
-    // into memory already mapped is what keeps the lock short (0.4 ms per MB, against 9 when the
-    // buffer grows as it is written: 18 MB of 1,000 parameters' state).
-    // A run's first: what it is charged for (its analytics at their full size) bounds it.
-    if (expected_bytes == 0) expected_bytes = std::max<size_t>(2 * run->MemoryBytes(), run->ChargedBytes());
-    expected_bytes += expected_bytes / 8;
-    if (payload.capacity() < expected_bytes) {
-      payload.clear();
-      payload.shrink_to_fit();
-      payload.resize(expected_bytes);
+    // The chunks a snapshot is expected to fill are mapped, their pages faulted in, before the
+    // run's lock is taken: copying the run's state into memory already mapped is what keeps the
+    // lock short. The size of its last snapshot, or for its first what its series hold (what
+    // the analytics add is mapped as it is written, chunk by chunk, never copied).
+    if (expected_bytes == 0) expected_bytes = run->MemoryBytes();
+    std::chrono::steady_clock::time_point started;
+    std::optional<Run::SnapshotMark> mark;
+    try {
+      payload.Reserve(expected_bytes + expected_bytes / 8);
+      started = std::chrono::steady_clock::now();
+      mark = run->SaveSnapshot(payload, last);
+    } catch (const std::bad_alloc&) {
+      ++report.failed;
+      if (stats_) stats_->snapshot_failures.fetch_add(1, std::memory_order_relaxed);
+      spdlog::warn("run {}: snapshot not taken: out of memory for its {} bytes; a restart replays its journal further",
+                   run->id(), expected_bytes);
+      payload.Clear();
+      continue;
     }
-    payload.clear();
-    const auto started = std::chrono::steady_clock::now();
-    const auto mark = run->SaveSnapshot(payload, last);
     report.max_lock_seconds = std::max(
         report.max_lock_seconds, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
     if (!mark) {

@@ -994,12 +994,12 @@ void Run::RestoreBranch(uint64_t branch) {
   journal_branch_ = branch;
 }
 
-std::optional<Run::SnapshotMark> Run::SaveSnapshot(std::string& out, std::optional<SnapshotMark> last) const {
+std::optional<Run::SnapshotMark> Run::SaveSnapshot(ByteChunks& out, std::optional<SnapshotMark> last) const {
   MutexLock lock(&mu_);
   if (rebuilding_ || step_count_ == 0) return std::nullopt;
   const SnapshotMark mark{journal_branch_, last_step_};
   if (last == mark) return std::nullopt;
-  out.clear();
+  out.Clear();
   StateWriter w(out);
   w.Put(kSnapshotTag);
   w.Put(journal_branch_);

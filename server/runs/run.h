@@ -286,9 +286,10 @@ class Run {
   // restart restores them and replays only the steps after it. Returns the branch and step it covers;
   // nullopt (out unspecified) when there is nothing new to save since `last`, or the run
   // cannot be saved now (a rewind's rebuild is running). Holds the run's lock while it copies:
-  // O(the run's memory), 0.4 ms per MB into a buffer already mapped. The caller makes sure the steps it covers are
-  // committed to the journal (Journal::Flush) before it keeps the snapshot.
-  std::optional<SnapshotMark> SaveSnapshot(std::string& out, std::optional<SnapshotMark> last) const;
+  // O(the run's memory), 0.4 ms per MB into chunks already mapped (ByteChunks::Reserve). The
+  // caller makes sure the steps it covers are committed to the journal (Journal::Flush) before it
+  // keeps the snapshot.
+  std::optional<SnapshotMark> SaveSnapshot(ByteChunks& out, std::optional<SnapshotMark> last) const;
   // A fingerprint of the layouts a snapshot holds, for store::SnapshotStore.
   static uint64_t SnapshotFingerprint();
 

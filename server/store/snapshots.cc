@@ -36,8 +36,9 @@ uint64_t Fnv1a(std::string_view s) {
   return h;
 }
 
-uint32_t Crc32(std::string_view data) {
-  uLong crc = crc32(0L, Z_NULL, 0);
+// The CRC-32 of `data` following bytes whose CRC-32 is `crc_before` (zlib's, 0 for none).
+uint32_t Crc32(std::string_view data, uint32_t crc_before = 0) {
+  uLong crc = crc_before;
   // zlib takes lengths as uInt: feed large payloads in pieces.
   constexpr size_t kPiece = size_t{1} << 30;
   for (size_t at = 0; at < data.size(); at += kPiece) {
@@ -124,16 +125,32 @@ std::string SnapshotStore::PathFor(const std::string& run_id) const {
 }
 
 Status SnapshotStore::Write(const std::string& run_id, std::string_view payload) const {
+  return WritePieces(run_id, {payload});
+}
+
+Status SnapshotStore::Write(const std::string& run_id, const ByteChunks& payload) const {
+  std::vector<std::string_view> pieces;
+  payload.ForEachPiece([&](std::string_view piece) { pieces.push_back(piece); });
+  return WritePieces(run_id, pieces);
+}
+
+Status SnapshotStore::WritePieces(const std::string& run_id, const std::vector<std::string_view>& pieces) const {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) return Status::IoError("creating " + dir_ + ": " + ec.message());
+  uint64_t size = 0;
+  uint32_t crc = 0;
+  for (std::string_view piece : pieces) {
+    size += piece.size();
+    crc = Crc32(piece, crc);
+  }
   std::string header;
   StateWriter out(header);
   out.Put(kMagic);
   out.Put(kFormatVersion);
   out.Put(fingerprint_);
-  out.Put<uint64_t>(payload.size());
-  out.Put(Crc32(payload));
+  out.Put<uint64_t>(size);
+  out.Put(crc);
   out.Put<uint64_t>(run_id.size());
   header.append(run_id);
 
@@ -142,7 +159,7 @@ Status SnapshotStore::Write(const std::string& run_id, std::string_view payload)
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return Status::IoError(Errno("creating " + temp));
   Status s = WriteAll(fd, header, temp);
-  if (s.ok()) s = WriteAll(fd, payload, temp);
+  for (size_t i = 0; s.ok() && i < pieces.size(); ++i) s = WriteAll(fd, pieces[i], temp);
   if (s.ok() && ::fsync(fd) != 0) s = Status::IoError(Errno("syncing " + temp));
   if (::close(fd) != 0 && s.ok()) s = Status::IoError(Errno("closing " + temp));
   if (s.ok() && std::rename(temp.c_str(), path.c_str()) != 0) s = Status::IoError(Errno("renaming " + temp));

@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "server/core/byte_chunks.h"
 #include "server/core/status.h"
 
 namespace gradwatch::store {
@@ -29,6 +30,7 @@ class SnapshotStore {
   // Writes the run's snapshot, replacing the previous one. The payload's bytes are all synced
   // before the call returns OK.
   Status Write(const std::string& run_id, std::string_view payload) const;
+  Status Write(const std::string& run_id, const ByteChunks& payload) const;
   // The run's payload; NotFound when there is none, another error when the file cannot be read,
   // is damaged (CRC), is truncated, or was written by another layout or for another run.
   StatusOr<std::string> Read(const std::string& run_id) const;
@@ -44,6 +46,7 @@ class SnapshotStore {
   std::string PathFor(const std::string& run_id) const;
 
  private:
+  Status WritePieces(const std::string& run_id, const std::vector<std::string_view>& pieces) const;
   const std::string dir_;
   const uint64_t fingerprint_;
 };

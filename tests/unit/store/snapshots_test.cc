@@ -131,3 +131,16 @@ TEST_CASE("a snapshot that cannot be written fails cleanly and leaves the previo
   }
   CHECK(store.Read("run").value() == "old");
 }
+
+TEST_CASE("a snapshot written from chunks is the file written from the same bytes whole", "[snapshots]") {
+  testing::TempDir dir("gradwatch-snapshots");
+  const SnapshotStore store((dir.path() / "snapshots").string(), 42);
+  const std::string payload = Payload(3 * ByteChunks::kChunkBytes + 12345, 9);
+  ByteChunks chunks;
+  chunks.Append(payload.data(), payload.size());
+  REQUIRE(store.Write("run-a", chunks).ok());
+  const std::string from_chunks = ReadAll(store.PathFor("run-a"));
+  REQUIRE(store.Write("run-a", payload).ok());
+  CHECK(ReadAll(store.PathFor("run-a")) == from_chunks);
+  CHECK(store.Read("run-a").value() == payload);
+}
