@@ -15,6 +15,14 @@ using namespace gradwatch::testing;
 
 namespace {
 
+#ifdef GRADWATCH_TEST_SANITIZED
+// A sanitizer's shadow memory and quarantine multiply the daemon's RSS: 858 MB under TSan for the
+// 65,536-parameter run that peaks at 278 MB in the normal build.
+constexpr uint64_t kRssScale = 4;
+#else
+constexpr uint64_t kRssScale = 1;
+#endif
+
 // Peak resident memory of a process (VmHWM), bytes.
 uint64_t PeakRssBytes(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
@@ -91,7 +99,7 @@ TEST_CASE("a 65,536-parameter hello beyond the memory budget is refused, not jou
   }
   // The old daemon held about 1 MB per parameter at Hello (23.9 GB for this catalog).
   const uint64_t peak = PeakRssBytes(daemon.pid());
-  CHECK(peak < (512u << 20));
+  CHECK(peak < kRssScale * (512u << 20));
   const std::string metrics = daemon.ScrapeMetrics();
   CHECK(ParseMetric(metrics, "gradwatch_memory_budget_bytes") == 67108864.0);
   CHECK(ParseMetric(metrics, "gradwatch_ingest_errors_total", {{"reason", "limit_exceeded"}}) == 1.0);
@@ -126,11 +134,13 @@ TEST_CASE("a 65,536-parameter run costs memory by what it reports, across a rest
   }
   const uint64_t streamed_peak = PeakRssBytes(daemon.pid());
   CAPTURE(streamed_peak);
-  CHECK(streamed_peak < (1024u << 20));
+  // 278 MB measured (196,609 series of 50 steps, their analytics, the journal's blocks).
+  CHECK(streamed_peak < kRssScale * (512u << 20));
   CHECK(daemon.Restart() == 0);
   const uint64_t restarted_peak = PeakRssBytes(daemon.pid());
   CAPTURE(restarted_peak);
-  CHECK(restarted_peak < (1024u << 20));
+  // 296 MB measured: the run restored from its snapshot is held once, with the snapshot's bytes.
+  CHECK(restarted_peak < kRssScale * (512u << 20));
   const auto runs = ListRuns(daemon.grpc_target());
   REQUIRE(runs.size() == 1);
   CHECK(runs[0].step_count() == 50);
