@@ -111,9 +111,6 @@ SlopeChangeDetector::SlopeChangeDetector(const ChangePointOptions& options)
   block_sorted_.resize(options_.prefilter_samples);
   block_steps_.resize(options_.prefilter_samples);
   buckets_.resize(span_buckets_ + 1);
-  suffix_.resize(span_buckets_);
-  suffix_filled_.resize(span_buckets_);
-  changes_.reserve(options_.max_changes);
 }
 
 size_t SlopeChangeDetector::MemoryBytesFor(const ChangePointOptions& options) {
@@ -121,8 +118,7 @@ size_t SlopeChangeDetector::MemoryBytesFor(const ChangePointOptions& options) {
   const uint64_t bucket_steps = std::max<uint64_t>(1, o.window_steps / o.buckets_per_window);
   const uint64_t span = std::max<uint64_t>(2, (2 * o.window_steps + bucket_steps - 1) / bucket_steps);
   return sizeof(SlopeChangeDetector) + o.prefilter_samples * (2 * sizeof(double) + sizeof(uint64_t)) +
-         (span + 1) * sizeof(Bucket) + span * (sizeof(Moments) + sizeof(uint32_t)) +
-         o.max_changes * sizeof(ChangePoint);
+         (span + 1) * sizeof(Bucket) + o.max_changes * sizeof(ChangePoint);
 }
 
 std::optional<ChangePoint> SlopeChangeDetector::AddSample(uint64_t step, double value) {
@@ -318,7 +314,15 @@ std::optional<SlopeChangeDetector::Candidate> SlopeChangeDetector::BestSplit(
   if (hi < lo + 1) return std::nullopt;
   const size_t count = hi - lo + 1;
 
-  // suffix_[k]: buckets lo + k .. hi merged; suffix_filled_[k]: how many of them hold points.
+  // suffix[k]: buckets lo + k .. hi merged; suffix_filled[k]: how many of them hold points.
+  // Scratch of this thread's searches, shared by every detector: a run's thousands of detectors
+  // would each hold 3 KB of it. It grows to the largest span searched, once per thread.
+  thread_local std::vector<Moments> suffix;
+  thread_local std::vector<uint32_t> suffix_filled;
+  if (suffix.size() < count) {
+    suffix.resize(count);
+    suffix_filled.resize(count);
+  }
   Moments running;
   uint32_t filled = 0;
   for (size_t k = count; k-- > 0;) {
@@ -327,8 +331,8 @@ std::optional<SlopeChangeDetector::Candidate> SlopeChangeDetector::BestSplit(
       running.Merge(bucket.moments);
       ++filled;
     }
-    suffix_[k] = running;
-    suffix_filled_[k] = filled;
+    suffix[k] = running;
+    suffix_filled[k] = filled;
   }
 
   // The break is where the residual sum of squares is least: as a kink, and as two free lines.
@@ -347,8 +351,8 @@ std::optional<SlopeChangeDetector::Candidate> SlopeChangeDetector::BestSplit(
       ++prefix_filled;
     }
     const uint64_t break_bucket = lo + split;
-    const Moments& after = suffix_[split];
-    const uint64_t after_steps = suffix_filled_[split] * bucket_steps_;
+    const Moments& after = suffix[split];
+    const uint64_t after_steps = suffix_filled[split] * bucket_steps_;
     if (after_steps < min_segment) break;
     if (break_bucket < min_break_bucket || break_bucket > max_break_bucket) continue;
     if (prefix_filled * bucket_steps_ < min_segment) continue;
@@ -371,7 +375,7 @@ std::optional<SlopeChangeDetector::Candidate> SlopeChangeDetector::BestSplit(
   // A level shift (two free lines fitting significantly better than any kink, as an F test on
   // the one extra parameter) would otherwise pass for a steep slope: then judge two free lines,
   // whose slopes ignore the shift.
-  const double residual_variance = best_two_lines->fit.rss / (suffix_[0].n - 4);
+  const double residual_variance = best_two_lines->fit.rss / (suffix[0].n - 4);
   const double extra_rss = std::max(0.0, best_kink->fit.rss - best_two_lines->fit.rss);
   const double shift_z = residual_variance > 0 ? std::sqrt(extra_rss / residual_variance)
                                                : (extra_rss > 0 ? kInf : 0.0);
@@ -462,8 +466,8 @@ bool SlopeChangeDetector::LoadState(StateReader& in) {
   }
   uint64_t count = 0;
   if (!in.GetCount(count, 6 * sizeof(uint64_t) + 1, options_.max_changes)) return false;
-  // changes_ keeps the capacity the constructor reserved: Record never allocates.
   changes_.clear();
+  if (count > 0) changes_.reserve(options_.max_changes);
   for (uint64_t i = 0; i < count; ++i) {
     ChangePoint change;
     if (!in.Get(change.step) || !in.Get(change.slope_before_per_kstep) || !in.Get(change.slope_after_per_kstep) ||
@@ -477,6 +481,8 @@ bool SlopeChangeDetector::LoadState(StateReader& in) {
 }
 
 void SlopeChangeDetector::Record(const ChangePoint& change) {
+  // Allocated at the first change only: most series never have one.
+  if (changes_.capacity() == 0) changes_.reserve(options_.max_changes);
   if (changes_.size() >= options_.max_changes) changes_.erase(changes_.begin());
   changes_.push_back(change);
 }

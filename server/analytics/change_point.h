@@ -90,8 +90,10 @@ struct ChangePoint {
 // After a detection the detector re-baselines at the break: new changes are searched only after
 // it, so one break is reported once.
 //
-// Not thread-safe. Every buffer is sized at construction: AddSample never allocates. Each sample
-// costs O(1); each bucket an O(2 × buckets_per_window) search.
+// Not thread-safe. The buckets are sized at construction, the changes kept at the first change,
+// and the split search's scratch is the thread's, shared by every detector: AddSample allocates
+// only at a detector's first change. Each sample costs O(1); each bucket an O(2 ×
+// buckets_per_window) search.
 class SlopeChangeDetector {
  public:
   explicit SlopeChangeDetector(const ChangePointOptions& options = {});
@@ -195,10 +197,6 @@ class SlopeChangeDetector {
   uint64_t open_bucket_ = 0;
   // Buckets before this one belong to the regime before the last change: not searched.
   uint64_t baseline_bucket_ = 0;
-
-  // Scratch for the split search, sized span_buckets_.
-  std::vector<Moments> suffix_;
-  std::vector<uint32_t> suffix_filled_;
 
   uint32_t streak_ = 0;
   uint64_t streak_break_ = 0;

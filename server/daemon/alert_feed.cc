@@ -173,14 +173,30 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
   // The step's values in key order.
   ++value_epoch_;
   ranked_values_.clear();
+  size_t known = 0;
   for (const SeriesValue& sv : step.values) {
     if (sv.id >= key_rank_.size() || key_rank_[sv.id] == kUnknown) continue;
+    if (value_stamp_[sv.id] != value_epoch_) ++known;
     value_by_id_[sv.id] = sv.value;
     value_stamp_[sv.id] = value_epoch_;
-    ranked_values_.emplace_back(key_rank_[sv.id], sv.value);
   }
-  std::sort(ranked_values_.begin(), ranked_values_.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
+  // A step that holds most of the run's series (a trainer reports them all) is read in key order
+  // by walking the keys: O(series), no sort. A sparse step's few values are sorted instead.
+  if (known * 4 >= ids_by_key_.size()) {
+    for (uint32_t rank = 0; rank < ids_by_key_.size(); ++rank) {
+      const SeriesId id = ids_by_key_[rank];
+      if (value_stamp_[id] == value_epoch_) ranked_values_.emplace_back(rank, value_by_id_[id]);
+    }
+  } else {
+    for (const SeriesValue& sv : step.values) {
+      if (sv.id >= key_rank_.size() || key_rank_[sv.id] == kUnknown || value_stamp_[sv.id] != value_epoch_) continue;
+      value_stamp_[sv.id] = value_epoch_ - 1;  // once per id, with its last value
+      ranked_values_.emplace_back(key_rank_[sv.id], value_by_id_[sv.id]);
+    }
+    std::sort(ranked_values_.begin(), ranked_values_.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (const auto& [rank, value] : ranked_values_) value_stamp_[ids_by_key_[rank]] = value_epoch_;
+  }
   size_t latest = 0, nonfinite = 0;
   for (const auto& [rank, value] : ranked_values_) {
     const std::string& key = keys_[ids_by_key_[rank]];

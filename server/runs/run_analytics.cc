@@ -316,7 +316,7 @@ T& NextSlot(std::vector<T>& v, size_t* used) {
 
 }  // namespace
 
-void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
+void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares) const {
   size_t changes = 0, points = 0, forecasts = 0, shares = 0;
   for (SeriesId id : key_ids_) {
     const Tracked& t = series_[id];
@@ -383,6 +383,7 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out) const {
     if (g.has_share) add_share(g.name, true, ParamKind::kUnspecified, g.share, *g.share_trend);
   }
   out.shares.resize(shares);
+  if (!order_shares) return;
   // Largest first, ties in the order added (parameters by catalog index, then groups): what a
   // stable sort gives, but sorting (share, index) pairs and then swapping each entry into place
   // (its strings' buffers move, nothing is copied or allocated once warm).
@@ -457,7 +458,7 @@ void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& pa
   out.slopes.clear();
   out.amplifications.clear();
   out.growth_without_decay.clear();
-  EventsForecastsShares(out);
+  EventsForecastsShares(out, /*order_shares=*/false);
   params.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) FillParamEntry(i, params[i]);
 }
@@ -482,7 +483,7 @@ void RunAnalytics::Analysis(RunAnalysis& out) const {
     }
   }
   out.slopes.resize(slopes);
-  EventsForecastsShares(out);
+  EventsForecastsShares(out, /*order_shares=*/true);
   size_t amplifications = 0, growth = 0;
   ParamAnalysis entry;
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -129,7 +129,9 @@ struct RunAnalysis {
   std::vector<SlopeChangeInfo> slope_changes;
   std::vector<ChangePointInfo> change_points;
   std::vector<ForecastInfo> forecasts;
-  std::vector<ShareInfo> shares;  // largest first
+  // Largest first in Analysis(); in catalog order (parameters, then groups) in StepAnalysis(),
+  // whose readers (the alert rules) look at every share: no per-step sort.
+  std::vector<ShareInfo> shares;
   std::vector<AmplificationInfo> amplifications;
   std::vector<GrowthInfo> growth_without_decay;
 };
@@ -163,8 +165,9 @@ class RunAnalytics {
   void Analysis(RunAnalysis& out) const;
   // What the alert rules read at each step: Analysis() without the slopes of every series, the
   // per-parameter entries by catalog index in `params` (amplifications and growth_without_decay
-  // stay empty). O(key series × events + parameters), not O(series × windows); `out` and
-  // `params` are overwritten in place, so buffers reused across steps stop allocating once warm.
+  // stay empty; the shares in catalog order). O(key series × events + parameters), not O(series ×
+  // windows); `out` and `params` are overwritten in place, so buffers reused across steps stop
+  // allocating once warm.
   void StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params) const;
 
   // Snapshots (Run::SaveSnapshot). SaveState writes what the steps and events made of the
@@ -240,8 +243,9 @@ class RunAnalytics {
   // The window of this length of the series' robust tracker (its raw one when it has none).
   const analytics::WindowedSlope* Window(const Tracked& t, uint64_t window_steps) const;
   bool IsForecastKey(const std::string& key) const;
-  // Analysis() and StepAnalysis() but the slopes and the per-parameter entries.
-  void EventsForecastsShares(RunAnalysis& out) const;
+  // Analysis() and StepAnalysis() but the slopes and the per-parameter entries. The shares are
+  // ordered largest first when order_shares, else left in catalog order (parameters, then groups).
+  void EventsForecastsShares(RunAnalysis& out, bool order_shares) const;
   // Parameter i's entry, written over `out` in place (a kept entry's strings keep their buffers).
   void FillParamEntry(size_t i, ParamAnalysis& out) const;
   // Refits parameter `param`'s norm after a sample was added to its trackers.
