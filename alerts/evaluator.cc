@@ -50,9 +50,10 @@ bool MatchesAny(const std::vector<std::string>& patterns, std::string_view key) 
   return false;
 }
 
-// Calls fn(series) for every entry of facts.latest matching one of the patterns, once each.
-template <typename Fn>
-void ForEachLatest(const std::vector<std::string>& patterns, const RunFacts& facts, Fn fn) {
+// Calls fn(series) for every entry of facts.latest that `wanted` takes and that matches one of the
+// patterns, once each. `wanted` is asked first: it is cheaper than matching a run's every key.
+template <typename Wanted, typename Fn>
+void ForEachLatest(const std::vector<std::string>& patterns, const RunFacts& facts, Wanted wanted, Fn fn) {
   bool any_glob = false;
   for (const std::string& p : patterns) any_glob = any_glob || IsGlob(p);
   if (!any_glob) {
@@ -61,14 +62,16 @@ void ForEachLatest(const std::vector<std::string>& patterns, const RunFacts& fac
           patterns.begin() + static_cast<std::ptrdiff_t>(i)) {
         continue;  // listed twice
       }
-      if (const SeriesValue* v = FindLatest(facts, patterns[i])) fn(*v);
+      if (const SeriesValue* v = FindLatest(facts, patterns[i]); v != nullptr && wanted(*v)) fn(*v);
     }
     return;
   }
   for (const SeriesValue& v : facts.latest) {
-    if (MatchesAny(patterns, v.key)) fn(v);
+    if (wanted(v) && MatchesAny(patterns, v.key)) fn(v);
   }
 }
+
+bool Always(const SeriesValue&) { return true; }
 
 // A template variable's value: text, or a number to format (Format* in templates.h).
 struct VarValue {
@@ -141,7 +144,7 @@ std::optional<double> AmplificationOf(const ParamFact& p) {
 }
 
 void EvaluateThreshold(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
-  ForEachLatest(rule.series, facts, [&](const SeriesValue& v) {
+  ForEachLatest(rule.series, facts, Always, [&](const SeriesValue& v) {
     Condition& c = Make(out, base, {{"series", v.key}}, facts, v.value, Compare(v.value, rule.op, rule.value));
     c.level = PlainLevel(rule.op, rule.value, Upward(rule.op) ? rule.clear_below : rule.clear_above, v.value, true);
     SetVar(c.vars, "series", v.key);
@@ -328,10 +331,12 @@ void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& 
                        const SeriesFilter* with_instance, ConditionList& out) {
   // Key → value, by key; a listed non-finite value wins.
   out.found.clear();
-  ForEachLatest(rule.series, facts, [&](const SeriesValue& v) {
-    if (std::isfinite(v.value) && with_instance != nullptr && !(*with_instance)(v.key)) return;
-    out.found.emplace_back(v.key, v.value);
-  });
+  // A finite value is a condition only where it may resolve an instance: most keys of a large run
+  // are skipped before any pattern is matched.
+  const auto wanted = [&](const SeriesValue& v) {
+    return !std::isfinite(v.value) || with_instance == nullptr || (*with_instance)(v.key);
+  };
+  ForEachLatest(rule.series, facts, wanted, [&](const SeriesValue& v) { out.found.emplace_back(v.key, v.value); });
   const auto by_key = [](const auto& a, const auto& b) { return a.first < b.first; };
   std::sort(out.found.begin(), out.found.end(), by_key);
   const size_t from_latest = out.found.size();

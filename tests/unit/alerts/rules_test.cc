@@ -325,6 +325,15 @@ TEST_CASE("globs match series, parameter and group names", "[alerts]") {
       {"layers.?.norm", "layers.12.norm", false},
       {"a*b*c", "aXbYbZc", true},
       {"a*b*c", "aXbYbZ", false},
+      // The prefix shape's fast path, at its edges.
+      {"grad/norm/*", "grad/norm/", true},
+      {"grad/norm/*", "grad/norm", false},
+      {"grad/norm/*", "grad/nor", false},
+      {"*", "anything", true},
+      {"a?*", "a", false},
+      {"a?*", "ab", true},
+      {"ab**", "ab", true},
+      {"ab*?", "ab", false},
   };
   for (const Case& c : cases) {
     INFO(c.pattern << " ~ " << c.text);
