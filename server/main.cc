@@ -2,11 +2,13 @@
 // SIGTERM/SIGINT to stop it cleanly.
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
+#include <malloc.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -60,6 +62,11 @@ void InstallSigbusHandler() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // glibc gives every thread that allocates an arena of its own, up to 8 per core; the gRPC
+  // threads' transient step buffers then keep pages resident in each. Two arenas unless
+  // MALLOC_ARENA_MAX says otherwise: the bench's 20,001-series run added 17.9–19.9 KB of RSS per
+  // series with them against 19.5–20.2 KB without, at the same CPU per sample.
+  if (std::getenv("MALLOC_ARENA_MAX") == nullptr) mallopt(M_ARENA_MAX, 2);
   CLI::App app{"gradwatchd — live training-monitor daemon: trainers stream per-step gradient and "
                "parameter norms over gRPC; it keeps them durably and exports Prometheus metrics."};
   app.footer(
