@@ -20,11 +20,13 @@
 
 namespace gradwatch {
 
-// Writes into a string, or into chunks (ByteChunks: a snapshot, which may be large).
+// Writes into a string, or into chunks (ByteChunks: a snapshot, which may be large), or only
+// counts the bytes (Counting).
 class StateWriter {
  public:
   explicit StateWriter(std::string& out) : string_(&out) {}
   explicit StateWriter(ByteChunks& out) : chunks_(&out) {}
+  static StateWriter Counting() { return StateWriter(); }
 
   template <typename T>
   void Put(const T& value) {
@@ -47,19 +49,27 @@ class StateWriter {
     for (bool b : v) Put<uint8_t>(b ? 1 : 0);
   }
 
-  size_t size() const { return chunks_ != nullptr ? chunks_->size() : string_->size(); }
+  size_t size() const {
+    if (chunks_ != nullptr) return chunks_->size();
+    return string_ != nullptr ? string_->size() : counted_;
+  }
 
  private:
+  StateWriter() = default;
+
   void Append(const void* data, size_t n) {
     if (chunks_ != nullptr) {
       chunks_->Append(data, n);
-    } else {
+    } else if (string_ != nullptr) {
       string_->append(static_cast<const char*>(data), n);
+    } else {
+      counted_ += n;
     }
   }
 
   std::string* string_ = nullptr;
   ByteChunks* chunks_ = nullptr;
+  size_t counted_ = 0;
 };
 
 class StateReader {

@@ -995,12 +995,22 @@ void Run::RestoreBranch(uint64_t branch) {
 }
 
 std::optional<Run::SnapshotMark> Run::SaveSnapshot(ByteChunks& out, std::optional<SnapshotMark> last) const {
+  out.Clear();
+  StateWriter w(out);
+  return WriteSnapshot(w, last);
+}
+
+std::optional<size_t> Run::SnapshotBytes(std::optional<SnapshotMark> last) const {
+  StateWriter w = StateWriter::Counting();
+  if (!WriteSnapshot(w, last)) return std::nullopt;
+  return w.size();
+}
+
+std::optional<Run::SnapshotMark> Run::WriteSnapshot(StateWriter& w, std::optional<SnapshotMark> last) const {
   MutexLock lock(&mu_);
   if (rebuilding_ || step_count_ == 0) return std::nullopt;
   const SnapshotMark mark{journal_branch_, last_step_};
   if (last == mark) return std::nullopt;
-  out.Clear();
-  StateWriter w(out);
   w.Put(kSnapshotTag);
   w.Put(journal_branch_);
   w.Put(last_step_);
