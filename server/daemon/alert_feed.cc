@@ -176,7 +176,7 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
   size_t known = 0;
   for (const SeriesValue& sv : step.values) {
     if (sv.id >= key_rank_.size() || key_rank_[sv.id] == kUnknown) continue;
-    if (value_stamp_[sv.id] != value_epoch_) ++known;
+    ++known;
     value_by_id_[sv.id] = sv.value;
     value_stamp_[sv.id] = value_epoch_;
   }
@@ -189,13 +189,11 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
     }
   } else {
     for (const SeriesValue& sv : step.values) {
-      if (sv.id >= key_rank_.size() || key_rank_[sv.id] == kUnknown || value_stamp_[sv.id] != value_epoch_) continue;
-      value_stamp_[sv.id] = value_epoch_ - 1;  // once per id, with its last value
-      ranked_values_.emplace_back(key_rank_[sv.id], value_by_id_[sv.id]);
+      if (sv.id >= key_rank_.size() || key_rank_[sv.id] == kUnknown) continue;
+      ranked_values_.emplace_back(key_rank_[sv.id], sv.value);
     }
     std::sort(ranked_values_.begin(), ranked_values_.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (const auto& [rank, value] : ranked_values_) value_stamp_[ids_by_key_[rank]] = value_epoch_;
   }
   size_t latest = 0, nonfinite = 0;
   for (const auto& [rank, value] : ranked_values_) {
