@@ -1894,7 +1894,8 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
     if (!status.ok()) return status;
     if (pruning_run_.empty()) {
       MutexLock lock(&mu_);
-      prune_due_ = false;  // until the cutoff moves
+      // Done until the cutoff moves; if it moved while this pass ran, the next pass uses it.
+      if (prune_cutoff_ == cutoff) prune_due_ = false;
       return Status::Ok();
     }
   }

@@ -278,6 +278,30 @@ TEST_CASE("pruning deletes an ended run's blocks, and abandoned branches once th
   CHECK(SameSteps(got.steps.back().second, MakeStep(149, 2)));
 }
 
+TEST_CASE("a cutoff moved while a pruning pass runs is used by the next pass, not lost", "[store][blocks]") {
+  // Each round abandons a step and moves the cutoff past its rewind at once, while the journal's
+  // thread may be finishing the pass of the round before: every abandoned branch must still go.
+  TempDir dir;
+  auto journal = Open({.path = dir.db(), .prune_batch_rows = 100, .block_steps = 8});
+  JournalRunRecord(*journal, "live");
+  for (uint64_t s = 1; s <= 5; ++s) Write(*journal, "live", MakeStep(s, 2));
+  REQUIRE(journal->Flush().ok());
+  for (int round = 1; round <= 100; ++round) {
+    INFO("round " << round);
+    const double first = 1000.0 + 10.0 * round;
+    for (const double at : {first, first + 5.0}) {
+      Write(*journal, "live", MakeStep(6, 2, static_cast<uint64_t>(at)));
+      REQUIRE(journal->Enqueue(RewindRecord{"live", 6, 1, at}));
+    }
+    REQUIRE(journal->Flush().ok());
+    REQUIRE(Query(dir.db(), "SELECT count(*) FROM abandoned_steps") == "2");
+    journal->SetPruneCutoff(first + 1.0);
+    REQUIRE(WaitFor([&] { return Query(dir.db(), "SELECT count(*) FROM abandoned_steps") == "1"; }));
+    journal->SetPruneCutoff(first + 6.0);  // as the pass that found nothing more to prune may be running
+    REQUIRE(WaitFor([&] { return Query(dir.db(), "SELECT count(*) FROM abandoned_steps") == "0"; }));
+  }
+}
+
 TEST_CASE("a journal of float32 norms takes under 3 bytes a sample on disk", "[store][blocks]") {
   TempDir dir;
   constexpr uint32_t kSeries = 2001;
