@@ -1,0 +1,507 @@
+"""gradwatch.Monitor: a trainer rank's stream of per-step norms to gradwatchd.
+
+The training loop calls log() and event(), which only queue; a background thread connects, sends,
+resends what the daemon has not acknowledged after a reconnect, and hands alerts to a callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional
+
+import grpc
+
+from gradwatch import _catalog
+from gradwatch.v1 import gradwatch_pb2 as pb
+from gradwatch.v1 import gradwatch_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:7390"
+CLIENT_NAME = "gradwatch-python/0.1.0"
+
+log = logging.getLogger("gradwatch")
+
+_END = object()  # ends a connection's request iterator
+
+
+@dataclass
+class MonitorStats:
+    """What the Monitor has done so far (a copy; see Monitor.stats())."""
+
+    queued: int = 0  # steps and events waiting to be written
+    unacked: int = 0  # written, not yet durable
+    sent: int = 0  # step messages written, resends included
+    events_sent: int = 0
+    acked_through_step: Optional[int] = None  # the last durable step
+    dropped: int = 0  # steps refused because the queue was full
+    errors: int = 0  # Errors from the daemon
+    errors_by_reason: Dict[str, int] = field(default_factory=dict)
+    reconnects: int = 0  # streams accepted after the first
+    connected: bool = False
+    rejected: bool = False  # the daemon refused this rank's Hello: nothing more becomes durable
+    finished: bool = False  # the daemon confirmed the Goodbye of close(finished=True)
+    last_error: str = ""
+
+
+@dataclass
+class _Item:
+    kind: str  # "step", "event" or "goodbye"
+    seq: int
+    step: int = 0
+    wall_time: float = 0.0
+    values: Optional[Dict[str, float]] = None
+    dropped_before: int = 0  # steps dropped before this one, reported with it
+    text: str = ""
+    squared: bool = False  # norms given as squared (partial) sums
+
+
+class Monitor:
+    """Streams one rank of a run to gradwatchd from a background thread.
+
+    run: the run's id. address: the daemon's gRPC HOST:PORT. rank and world_size: this process's
+    place in the job; the daemon completes a step once every rank sent it (with world_size > 1 each
+    rank logs the squared sums of its shards' norms, log(..., squared=True), which the daemon
+    adds up). labels: the run's labels. config: the run's config (hidden_size, z_loss_coef,
+    optimizer, weight_decay, and any other key as extra text). params: the parameter catalog, as
+    names, mappings with the JSONL header's fields, or gradwatch.Param; parameters that log() names
+    and the catalog lacks are appended to it (kind inferred from the name, weight decay 0 for norm
+    gains, else config's weight_decay). resume_from_step: the first step this process logs after
+    resuming from a checkpoint (the daemon drops what it held from there on). on_alert: called with
+    each gradwatch.v1.Alert the daemon sends this stream, on the Monitor's thread.
+
+    Never blocks training: log() and event() queue, up to queue_capacity steps held (queued or
+    written and not yet durable); beyond it a step is dropped and counted, and the daemon is told
+    with the next step sent.
+    """
+
+    def __init__(
+        self,
+        run: str,
+        address: str = DEFAULT_ADDRESS,
+        rank: int = 0,
+        world_size: int = 1,
+        labels: Optional[Mapping[str, str]] = None,
+        config: Optional[Mapping[str, Any]] = None,
+        params: Optional[Iterable[Any]] = None,
+        resume_from_step: Optional[int] = None,
+        on_alert: Optional[Callable[[pb.Alert], None]] = None,
+        on_error: Optional[Callable[[pb.Error], None]] = None,
+        queue_capacity: int = 10_000,
+        event_capacity: int = 1_000,
+        max_unacked_steps: int = 1024,
+        initial_backoff: float = 0.1,
+        max_backoff: float = 10.0,
+        start: bool = True,
+    ) -> None:
+        if not run:
+            raise ValueError("run: a run id is required")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
+        self._run = run
+        self._address = address
+        self._rank = rank
+        self._world_size = world_size
+        self._labels = dict(labels or {})
+        self._config = self._run_config(config or {})
+        self._default_wd = self._config.weight_decay if self._config.HasField("weight_decay") else 0.0
+        self._resume_from_step = resume_from_step
+        self._on_alert = on_alert
+        self._on_error = on_error
+        self._queue_capacity = queue_capacity
+        self._event_capacity = event_capacity
+        self._max_unacked = max_unacked_steps
+        self._initial_backoff = initial_backoff
+        self._max_backoff = max_backoff
+
+        self._lock = threading.Condition()
+        self._params: List[pb.ParamInfo] = []
+        self._index: Dict[str, int] = {}
+        for entry in params or []:
+            self._add_param(_catalog.as_param(entry))
+        self._catalog_sent = 0  # catalog entries the current stream's Hello carried
+        self._seq = 0
+        self._pending: Deque[_Item] = deque()  # to write on the current stream, in order
+        self._inflight: List[_Item] = []  # written on it, not yet durable (steps) or acked (events)
+        self._steps_held = 0
+        self._events_held = 0
+        self._dropped_unreported = 0
+        self._last_logged_step: Optional[int] = None
+        self._owed_through: Optional[int] = None  # steps an earlier process sent, received only
+        self._stats = MonitorStats()
+        self._outbox: Optional[queue.Queue] = None  # the current stream's requests
+        self._accepted = False
+        self._acks_events = False
+        self._hello_seq = 0
+        self._goodbye: Optional[_Item] = None
+        self._stopping = False
+        self._call = None
+        self._thread: Optional[threading.Thread] = None
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1),
+                                                                  ("grpc.max_send_message_length", -1)])
+        self._stub = pb_grpc.IngestStub(self._channel)
+        if start:
+            self.start()
+
+    # ---- the training loop's side ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the background thread (the constructor does, unless start=False)."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run_loop, name="gradwatch-monitor", daemon=True)
+            self._thread.start()
+
+    def log(self, step: int, metrics: Mapping[str, Any], wall_time: Optional[float] = None,
+            squared: bool = False) -> bool:
+        """Queues one step's metrics (the JSONL keys) without blocking; False when it was dropped.
+
+        Values are anything float() takes. A key naming a parameter the catalog lacks adds it.
+        squared: the norms (grad/norm/..., params/norm/..., updates/norm/...) are this rank's
+        squared partial sums, which the daemon adds up over the ranks. Raises TypeError or
+        ValueError for a value that is not a number or a negative step.
+        """
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step {step} is negative")
+        values = {str(k): _catalog.to_float(str(k), v) for k, v in metrics.items()}
+        now = time.time() if wall_time is None else float(wall_time)
+        with self._lock:
+            if self._stopping:
+                self._stats.dropped += 1
+                return False
+            for key in values:
+                split = _catalog.split_key(key)
+                if split is not None and split[1] not in self._index:
+                    self._add_param(_catalog.Param(name=split[1]))
+            if self._steps_held >= self._queue_capacity:
+                self._stats.dropped += 1
+                self._dropped_unreported += 1
+                return False
+            self._seq += 1
+            item = _Item("step", self._seq, step=step, wall_time=now, values=values,
+                         dropped_before=self._dropped_unreported, squared=squared)
+            self._dropped_unreported = 0
+            self._pending.append(item)
+            self._steps_held += 1
+            self._last_logged_step = step
+            self._pump_locked()
+            return True
+
+    def event(self, step: int, text: str) -> bool:
+        """Queues an event (a change the run went through at `step`), in order with the steps."""
+        if not text:
+            raise ValueError("an event needs a text")
+        with self._lock:
+            if self._stopping or self._events_held >= self._event_capacity:
+                return False
+            self._seq += 1
+            self._pending.append(_Item("event", self._seq, step=int(step), text=str(text)))
+            self._events_held += 1
+            self._pump_locked()
+            return True
+
+    def flush(self, timeout: Optional[float] = 30.0) -> bool:
+        """Waits until everything logged is durable at the daemon; False on timeout or rejection."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not self._drained_locked():
+                if self._stats.rejected or self._thread is None:
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._lock.wait(remaining if remaining is not None else 1.0)
+            return True
+
+    def close(self, finished: bool = True, timeout: float = 30.0) -> bool:
+        """Flushes, then (finished=True) ends the run cleanly: the daemon records it as finished,
+        resolves its alerts and will not page it as dead. finished=False leaves the run open (a
+        rank that stops while others go on). Stops the thread. True when all of it was confirmed.
+        """
+        deadline = time.monotonic() + timeout
+        ok = self.flush(timeout)
+        if ok and finished:
+            with self._lock:
+                self._seq += 1
+                self._goodbye = _Item("goodbye", self._seq)
+                self._pending.append(self._goodbye)
+                self._pump_locked()
+                while not self._stats.finished and not self._stats.rejected:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._lock.wait(remaining)
+                ok = self._stats.finished
+        self._stop()
+        return ok
+
+    def stats(self) -> MonitorStats:
+        with self._lock:
+            s = MonitorStats(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self._stats).items()})
+            s.queued = len(self._pending)
+            s.unacked = len(self._inflight)
+            return s
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # A loop that raised did not reach its end: the run is left open (it pages as dead if
+        # nothing else reports), not recorded as finished.
+        self.close(finished=exc_type is None)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _run_config(config: Mapping[str, Any]) -> pb.RunConfig:
+        c = pb.RunConfig()
+        for key, value in config.items():
+            if key == "hidden_size":
+                c.hidden_size = int(value)
+            elif key == "z_loss_coef":
+                c.z_loss_coef = float(value)
+            elif key == "optimizer":
+                c.optimizer = str(value)
+            elif key == "weight_decay":
+                c.weight_decay = float(value)
+            else:
+                c.extra[str(key)] = str(value)
+        return c
+
+    def _add_param(self, param: _catalog.Param) -> None:
+        if param.name in self._index:
+            raise ValueError(f"parameter {param.name!r} is in the catalog twice")
+        self._index[param.name] = len(self._params)
+        self._params.append(param.to_proto(self._default_wd))
+
+    def _hello_locked(self) -> pb.TrainerMessage:
+        self._seq += 1
+        self._hello_seq = self._seq
+        hello = pb.Hello(run_id=self._run, rank=self._rank, world_size=self._world_size, labels=self._labels,
+                         params=self._params, client=CLIENT_NAME, config=self._config)
+        if self._resume_from_step is not None:
+            hello.resume_from_step = self._resume_from_step
+        self._catalog_sent = len(self._params)
+        return pb.TrainerMessage(seq=self._seq, hello=hello)
+
+    def _drained_locked(self) -> bool:
+        if self._pending or self._inflight:
+            return False
+        if self._owed_through is not None:
+            acked = self._stats.acked_through_step
+            return acked is not None and acked >= self._owed_through
+        return True
+
+    def _message_locked(self, item: _Item) -> pb.TrainerMessage:
+        if item.kind == "event":
+            return pb.TrainerMessage(seq=item.seq, event=pb.Event(step=item.step, text=item.text))
+        if item.kind == "goodbye":
+            return pb.TrainerMessage(seq=item.seq,
+                                     goodbye=pb.Goodbye(reason=pb.GOODBYE_REASON_FINISHED))
+        stats = pb.StepStats(step=item.step, wall_time=item.wall_time, client_dropped_steps=item.dropped_before)
+        by_index: Dict[int, pb.ParamStats] = {}
+        for key, value in item.values.items():
+            split = _catalog.split_key(key)
+            if split is None:
+                if key == _catalog.TOTAL_GRAD and item.squared:
+                    stats.total_grad.sq_sum = value
+                else:
+                    _catalog.set_scalar(stats, key, value)
+                continue
+            field_name, param = split
+            index = self._index[param]
+            p = by_index.get(index)
+            if p is None:
+                p = by_index[index] = pb.ParamStats(index=index)
+            if item.squared:
+                getattr(p, field_name).sq_sum = value
+            else:
+                getattr(p, field_name).norm = value
+        stats.params.extend(by_index[i] for i in sorted(by_index))
+        return pb.TrainerMessage(seq=item.seq, step=stats)
+
+    def _pump_locked(self) -> None:
+        """Writes what the window allows on the current stream."""
+        if self._outbox is None or not self._accepted:
+            return
+        if len(self._params) > self._catalog_sent:
+            self._outbox.put(self._hello_locked())  # extends the catalog on the same stream
+        unacked_steps = sum(1 for i in self._inflight if i.kind == "step")
+        while self._pending:
+            item = self._pending[0]
+            if item.kind == "step" and unacked_steps >= self._max_unacked:
+                break
+            if item.kind == "goodbye" and any(i.kind != "goodbye" for i in self._inflight):
+                break  # sent once everything before it is durable
+            self._pending.popleft()
+            self._outbox.put(self._message_locked(item))
+            if item.kind == "step":
+                unacked_steps += 1
+                self._stats.sent += 1
+                self._inflight.append(item)
+            elif item.kind == "goodbye":
+                self._inflight.append(item)  # sent again on a new stream until Finished
+            elif item.kind == "event":
+                self._stats.events_sent += 1
+                if self._acks_events:
+                    self._inflight.append(item)
+                else:
+                    self._events_held -= 1
+
+    def _requests(self, outbox: queue.Queue):
+        while True:
+            message = outbox.get()
+            if message is _END:
+                return
+            yield message
+
+    def _run_loop(self) -> None:
+        backoff = self._initial_backoff
+        ever_accepted = False
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+                outbox: queue.Queue = queue.Queue()
+                self._outbox = outbox
+                self._accepted = False
+                # What the last stream did not get acknowledged is sent again, first.
+                self._pending.extendleft(reversed(self._inflight))
+                self._inflight = []
+                outbox.put(self._hello_locked())
+            accepted = False
+            try:
+                call = self._stub.Stream(self._requests(outbox))
+                with self._lock:
+                    self._call = call
+                    if self._stopping:
+                        call.cancel()
+                for message in call:
+                    if self._handle(message, ever_accepted):
+                        accepted = True
+                        ever_accepted = True
+            except grpc.RpcError as e:
+                if not self._stopping:
+                    with self._lock:
+                        self._stats.last_error = f"{e.code().name}: {e.details()}"
+                    log.debug("gradwatch: stream to %s ended: %s", self._address, e)
+            finally:
+                outbox.put(_END)
+                with self._lock:
+                    self._outbox = None
+                    self._call = None
+                    self._stats.connected = False
+                    self._lock.notify_all()
+            with self._lock:
+                if self._stopping or self._stats.rejected:
+                    return
+            if accepted:
+                backoff = self._initial_backoff
+            delay = backoff * random.uniform(0.8, 1.2)
+            backoff = min(self._max_backoff, backoff * 2)
+            with self._lock:
+                self._lock.wait_for(lambda: self._stopping, timeout=delay)
+
+    def _handle(self, message: pb.DaemonMessage, reconnect: bool) -> bool:
+        """Handles one daemon message; True when it is the stream's Accepted."""
+        which = message.WhichOneof("body")
+        if which == "alert":
+            if self._on_alert is not None:
+                try:
+                    self._on_alert(message.alert)
+                except Exception:  # the callback's failure must not end the stream
+                    log.exception("gradwatch: the on_alert callback raised")
+            return False
+        if which == "error" and self._on_error is not None:
+            try:
+                self._on_error(message.error)
+            except Exception:
+                log.exception("gradwatch: the on_error callback raised")
+        with self._lock:
+            if which == "accepted":
+                a = message.accepted
+                self._accepted = True
+                self._acks_events = a.acks_events
+                self._stats.connected = True
+                if reconnect:
+                    self._stats.reconnects += 1
+                # Sent until the daemon accepts a stream: a later reconnect must not rewind the
+                # steps this process reported since.
+                self._resume_from_step = None
+                if a.has_received_step:
+                    # Received from this rank, maybe by an earlier process, and kept only once
+                    # durable: flush() waits for it too.
+                    owed = self._owed_through
+                    self._owed_through = a.last_received_step if owed is None else max(owed, a.last_received_step)
+                if a.has_durable_step:
+                    self._ack_locked(a.last_durable_step)
+                self._pump_locked()
+                self._lock.notify_all()
+                return True
+            if which == "ack":
+                self._ack_locked(message.ack.durable_step)
+            elif which == "event_ack":
+                seq = message.event_ack.seq
+                kept = [i for i in self._inflight if not (i.kind == "event" and i.seq == seq)]
+                self._events_held -= len(self._inflight) - len(kept)
+                self._inflight = kept
+            elif which == "finished":
+                self._stats.finished = True
+                self._inflight = [i for i in self._inflight if i.kind != "goodbye"]
+            elif which == "error":
+                e = message.error
+                reason = pb.ErrorReason.Name(e.reason)
+                self._stats.errors += 1
+                self._stats.errors_by_reason[reason] = self._stats.errors_by_reason.get(reason, 0) + 1
+                self._stats.last_error = f"{reason}: {e.message}"
+                if e.seq == self._hello_seq:
+                    self._stats.rejected = True
+                    log.error("gradwatch: the daemon refused run %s rank %d: %s", self._run, self._rank,
+                              self._stats.last_error)
+                else:
+                    # A refused step or event is not kept: it is not held for an ack either.
+                    kept = [i for i in self._inflight if i.seq != e.seq]
+                    for i in self._inflight:
+                        if i.seq == e.seq:
+                            if i.kind == "step":
+                                self._steps_held -= 1
+                            else:
+                                self._events_held -= 1
+                    self._inflight = kept
+                    log.warning("gradwatch: %s", self._stats.last_error)
+            self._pump_locked()
+            self._lock.notify_all()
+        return False
+
+    def _ack_locked(self, durable_step: int) -> None:
+        acked = self._stats.acked_through_step
+        if acked is None or durable_step > acked:
+            self._stats.acked_through_step = durable_step
+        kept = []
+        for item in self._inflight:
+            if item.kind == "step" and item.step <= durable_step:
+                self._steps_held -= 1
+            else:
+                kept.append(item)
+        self._inflight = kept
+
+    def _stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            if self._outbox is not None:
+                self._outbox.put(_END)
+            call = self._call
+            self._lock.notify_all()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=2.0)
+            if thread.is_alive() and call is not None:
+                call.cancel()
+                thread.join(timeout=5.0)
+        self._channel.close()

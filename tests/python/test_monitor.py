@@ -1,0 +1,203 @@
+"""gradwatch.Monitor against the real gradwatchd."""
+
+import math
+import signal
+import threading
+import unittest
+
+import numpy as np
+
+import gradwatch
+from gradwatch.v1 import gradwatch_pb2 as pb
+from support import Daemon, wait_for
+
+CATALOG = [
+    {"name": "final_norm.weight", "numel": 64},
+    {"name": "lm_head.weight", "numel": 6400, "weight_decay": 0.1},
+    "layers.0.mlp.weight",
+]
+
+
+def metrics(step: int, total: float = 0.5) -> dict:
+    return {
+        "train/loss": 3.0 - step * 1e-3,
+        "grad/norm/total": total,
+        "grad/norm/final_norm.weight": 0.1,
+        "params/norm/final_norm.weight": 8.0 + 0.01 * step,
+        "grad/norm/lm_head.weight": 0.4,
+        "grad/norm/layers.0.mlp.weight": 0.2,
+        "optim/learning_rate": 3e-4,
+    }
+
+
+class MonitorTest(unittest.TestCase):
+    def setUp(self) -> None:
+        self.daemon = Daemon()
+
+    def tearDown(self) -> None:
+        self.daemon.close()
+
+    def monitor(self, run: str, **kwargs) -> gradwatch.Monitor:
+        kwargs.setdefault("params", CATALOG)
+        kwargs.setdefault("config", {"weight_decay": 0.1})
+        return gradwatch.Monitor(run, address=self.daemon.address, **kwargs)
+
+    def test_steps_events_catalog_and_a_clean_finish(self) -> None:
+        with self.monitor("py-basic", labels={"team": "pretrain"}) as mon:
+            for s in range(1, 201):
+                m = metrics(s)
+                if s >= 50:
+                    m["grad/norm/layers.1.attn.weight"] = 0.3  # not in the catalog: it is added
+                self.assertTrue(mon.log(s, m))
+                if s == 100:
+                    self.assertTrue(mon.event(s, "routing switch"))
+            self.assertTrue(mon.flush(30))
+        self.assertTrue(mon.stats().finished)
+
+        run = self.daemon.run("py-basic")
+        self.assertEqual(run.info.state, pb.RUN_STATE_FINISHED)
+        self.assertEqual(run.info.step_count, 200)
+        self.assertEqual(run.info.labels["team"], "pretrain")
+        params = {p.name: p for p in run.params}
+        self.assertEqual(params["final_norm.weight"].kind, pb.PARAM_KIND_NORM_GAIN)
+        self.assertEqual(params["final_norm.weight"].weight_decay, 0.0)
+        self.assertEqual(params["lm_head.weight"].kind, pb.PARAM_KIND_OUTPUT)
+        self.assertEqual(params["lm_head.weight"].weight_decay, 0.1)
+        self.assertEqual(params["layers.0.mlp.weight"].kind, pb.PARAM_KIND_MLP)
+        self.assertEqual(params["layers.1.attn.weight"].kind, pb.PARAM_KIND_ATTENTION)
+        self.assertEqual([e.text for e in run.events], ["routing switch"])
+        norms = self.daemon.points("py-basic", "params/norm/final_norm.weight")
+        self.assertEqual([p.step for p in norms], list(range(1, 201)))
+        for p in norms:
+            self.assertAlmostEqual(p.value, 8.0 + 0.01 * p.step, places=9)
+        added = self.daemon.points("py-basic", "grad/norm/layers.1.attn.weight")
+        self.assertEqual([p.step for p in added], list(range(50, 201)))
+
+    def test_values_are_anything_float_takes(self) -> None:
+        class Scalar:  # a JAX or torch 0-d value: it converts with float()
+            def __float__(self) -> float:
+                return 0.25
+
+        with self.monitor("py-values") as mon:
+            mon.log(1, {"grad/norm/total": np.float32(0.5), "train/loss": np.float64(2.5),
+                        "grad/norm/final_norm.weight": np.array(0.125), "train/tokens": 4096,
+                        "params/norm/final_norm.weight": Scalar(), "my/metric": 7})
+            with self.assertRaises(TypeError):
+                mon.log(2, {"train/loss": "high"})
+            with self.assertRaises(ValueError):
+                mon.log(-1, {"train/loss": 1.0})
+        latest = {v.key: v.value for v in self.daemon.run("py-values").latest}
+        self.assertEqual(latest["grad/norm/total"], 0.5)
+        self.assertEqual(latest["train/loss"], 2.5)
+        self.assertEqual(latest["grad/norm/final_norm.weight"], 0.125)
+        self.assertEqual(latest["params/norm/final_norm.weight"], 0.25)
+        self.assertEqual(latest["my/metric"], 7.0)
+
+    def test_the_contingency_alert_reaches_the_callback(self) -> None:
+        alerts = []
+        seen = threading.Event()
+
+        def on_alert(alert: pb.Alert) -> None:
+            alerts.append(alert)
+            if alert.name == "GradNormContingency":
+                seen.set()
+
+        with self.monitor("py-alert", on_alert=on_alert) as mon:
+            for s in range(1, 41):
+                mon.log(s, metrics(s, total=0.5 if s < 20 else 6.0))
+            self.assertTrue(mon.flush(30))
+            self.assertTrue(seen.wait(30))
+        firing = [a for a in alerts if a.name == "GradNormContingency"]
+        self.assertTrue(firing)
+        self.assertEqual(firing[0].state, pb.ALERT_STATE_FIRING)
+        self.assertIn("enable weight decay on final_norm.weight", firing[0].annotations["recommendation"])
+
+    def test_a_daemon_killed_and_restarted_mid_run_loses_nothing(self) -> None:
+        mon = self.monitor("py-restart")
+        for s in range(1, 101):
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.flush(30))
+        self.daemon.stop(signal.SIGKILL)
+        for s in range(101, 201):  # queued while the daemon is away
+            self.assertTrue(mon.log(s, metrics(s)))
+        self.daemon.start()  # the same port
+        for s in range(201, 301):
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.flush(60))
+        stats = mon.stats()
+        self.assertGreaterEqual(stats.reconnects, 1)
+        self.assertEqual(stats.dropped, 0)
+        self.assertTrue(mon.close(finished=True))
+        run = self.daemon.run("py-restart")
+        self.assertEqual(run.info.step_count, 300)
+        self.assertEqual([p.step for p in self.daemon.points("py-restart", "train/loss")], list(range(1, 301)))
+
+    def test_steps_beyond_the_queue_are_dropped_counted_and_reported(self) -> None:
+        mon = self.monitor("py-drops", queue_capacity=10)
+        mon.log(1, metrics(1))
+        self.assertTrue(mon.flush(30))
+        self.daemon.stop()
+        kept = sum(mon.log(s, metrics(s)) for s in range(2, 27))
+        self.assertEqual(kept, 10)
+        self.assertEqual(mon.stats().dropped, 15)
+        self.daemon.start()
+        self.assertTrue(mon.flush(60))
+        self.assertTrue(mon.log(27, metrics(27)))
+        self.assertTrue(mon.close())
+        run = self.daemon.run("py-drops")
+        self.assertEqual(run.info.step_count, 12)
+        self.assertEqual(run.client_dropped_steps, 15)
+
+    def test_a_loop_that_raises_leaves_the_run_open(self) -> None:
+        with self.assertRaises(RuntimeError):
+            with self.monitor("py-crash") as mon:
+                mon.log(1, metrics(1))
+                raise RuntimeError("out of memory")
+        self.assertFalse(mon.stats().finished)
+        run = self.daemon.run("py-crash")
+        self.assertEqual(run.info.step_count, 1)
+        self.assertNotEqual(run.info.state, pb.RUN_STATE_FINISHED)
+
+    def test_a_refused_hello_is_reported_and_flush_gives_up(self) -> None:
+        with self.monitor("py-world") as mon:
+            mon.log(1, metrics(1))
+        other = self.monitor("py-world", rank=0, world_size=2)  # another world size, not a resume
+        other.log(2, metrics(2))
+        self.assertFalse(other.flush(30))
+        stats = other.stats()
+        self.assertTrue(stats.rejected)
+        self.assertIn("ERROR_REASON_WORLD_SIZE_CHANGED", stats.errors_by_reason)
+        self.assertFalse(other.close())
+
+    def test_resume_from_a_checkpoint_replaces_the_steps_after_it(self) -> None:
+        mon = self.monitor("py-resume")
+        for s in range(1, 101):
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.close(finished=False))
+        resumed = self.monitor("py-resume", resume_from_step=51)
+        for s in range(51, 81):
+            resumed.log(s, {"train/loss": 1.0})
+        self.assertTrue(resumed.close())
+        run = self.daemon.run("py-resume")
+        self.assertEqual(run.info.last_step, 80)
+        losses = self.daemon.points("py-resume", "train/loss")
+        self.assertEqual([p.step for p in losses], list(range(1, 81)))
+        self.assertTrue(all(p.value == 1.0 for p in losses if p.step >= 51))
+
+    def test_squared_partial_sums_of_two_ranks_are_merged(self) -> None:
+        ranks = [self.monitor("py-ranks", rank=r, world_size=2) for r in range(2)]
+        for s in range(1, 11):
+            for r, mon in enumerate(ranks):
+                mon.log(s, {"grad/norm/total": 9.0 if r == 0 else 16.0, "grad/norm/lm_head.weight": 1.0},
+                        squared=True)
+        for mon in ranks:
+            self.assertTrue(mon.flush(30))
+        for mon in ranks:
+            mon.close(finished=False)
+        latest = {v.key: v.value for v in self.daemon.run("py-ranks").latest}
+        self.assertAlmostEqual(latest["grad/norm/total"], 5.0)
+        self.assertAlmostEqual(latest["grad/norm/lm_head.weight"], math.sqrt(2.0))
+
+
+if __name__ == "__main__":
+    unittest.main()
