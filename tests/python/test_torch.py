@@ -1,0 +1,191 @@
+"""gradwatch.torch.Watch on a small model, against the real gradwatchd."""
+
+import os
+import socket
+import unittest
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import gradwatch.torch as gwt
+from gradwatch.v1 import gradwatch_pb2 as pb
+from support import Daemon
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.mlp = torch.nn.Linear(dim, dim)
+        self.final_norm = RMSNorm(dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final_norm(torch.relu(self.mlp(self.embed(tokens)))))
+
+
+def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if "norm" not in n and not n.endswith("bias")]
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n or n.endswith("bias")]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-2)
+
+
+def train_step(model, optimizer, generator):
+    tokens = torch.randint(0, 32, (4, 8), generator=generator)
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+class WatchTest(unittest.TestCase):
+    def setUp(self) -> None:
+        torch.manual_seed(0)
+        self.daemon = Daemon()
+
+    def tearDown(self) -> None:
+        self.daemon.close()
+
+    def test_catalog_and_norms_equal_those_torch_computes(self) -> None:
+        model = Tiny()
+        opt = optimizer_for(model)
+        init = {n: p.detach().norm().item() for n, p in model.named_parameters()}
+        watch = gwt.Watch(model, opt, run="torch-basic", address=self.daemon.address, update_norms=True)
+        generator = torch.Generator().manual_seed(1)
+        expected = {}
+        for step in range(1, 21):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            loss = train_step(model, opt, generator)
+            expected[step] = {
+                "grad": {n: p.grad.norm().item() for n, p in model.named_parameters()},
+                "param": {n: p.detach().norm().item() for n, p in model.named_parameters()},
+                "update": {n: (p.detach() - before[n]).norm().item() for n, p in model.named_parameters()},
+                "total": torch.linalg.vector_norm(
+                    torch.stack([p.grad.norm() for p in model.parameters()])).item(),
+                "loss": loss.item(),
+            }
+            self.assertTrue(watch.step(step, loss=loss))
+            opt.zero_grad()
+        self.assertTrue(watch.close())
+
+        run = self.daemon.run("torch-basic")
+        self.assertEqual(run.info.state, pb.RUN_STATE_FINISHED)
+        self.assertEqual(run.info.step_count, 20)
+        params = {p.name: p for p in run.params}
+        self.assertEqual(params["final_norm.weight"].kind, pb.PARAM_KIND_NORM_GAIN)
+        self.assertEqual(params["final_norm.weight"].weight_decay, 0.0)
+        self.assertEqual(params["lm_head.weight"].kind, pb.PARAM_KIND_OUTPUT)
+        self.assertAlmostEqual(params["lm_head.weight"].weight_decay, 0.1)
+        self.assertEqual(params["embed.weight"].kind, pb.PARAM_KIND_EMBEDDING)
+        self.assertEqual(params["mlp.bias"].weight_decay, 0.0)
+        self.assertEqual(params["mlp.weight"].numel, 16 * 16)
+        for name, norm in init.items():
+            self.assertAlmostEqual(params[name].init_norm, norm, places=4)
+
+        def series(key):
+            return {p.step: p.value for p in self.daemon.points("torch-basic", key)}
+
+        total = series("grad/norm/total")
+        loss = series("train/loss")
+        for step, e in expected.items():
+            self.assertAlmostEqual(total[step], e["total"], delta=1e-5 * e["total"])
+            self.assertAlmostEqual(loss[step], e["loss"], places=5)
+        for name in init:
+            for field, prefix in (("grad", "grad/norm/"), ("param", "params/norm/"), ("update", "updates/norm/")):
+                got = series(prefix + name)
+                for step, e in expected.items():
+                    want = e[field][name]
+                    self.assertAlmostEqual(got[step], want, delta=1e-5 * max(want, 1e-12), msg=f"{prefix}{name}@{step}")
+
+    def test_every_n_steps_and_kind_overrides(self) -> None:
+        model = Tiny()
+        opt = optimizer_for(model)
+        with gwt.Watch(model, opt, run="torch-every", address=self.daemon.address, every=5,
+                       kinds={"mlp.weight": "router"}) as watch:
+            generator = torch.Generator().manual_seed(2)
+            sent = [s for s in range(1, 21) if watch.step(s, loss=train_step(model, opt, generator))]
+            opt.zero_grad()
+        self.assertEqual(sent, [5, 10, 15, 20])
+        params = {p.name: p for p in self.daemon.run("torch-every").params}
+        self.assertEqual(params["mlp.weight"].kind, pb.PARAM_KIND_ROUTER)
+        self.assertEqual([p.step for p in self.daemon.points("torch-every", "grad/norm/total")], [5, 10, 15, 20])
+        with self.assertRaises(ValueError):
+            gwt.Watch(model, opt, run="x", address=self.daemon.address, kinds={"nope.weight": "mlp"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_rank(rank: int, world: int, port: int, address: str, out) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(Tiny())
+    opt = optimizer_for(model)
+    watch = gwt.Watch(model, opt, run="torch-ddp", address=address)
+    generator = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
+    totals, losses = {}, {}
+    for step in range(1, 11):
+        loss = train_step(model, opt, generator)
+        totals[step] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+        losses[step] = loss.item()
+        watch.step(step, loss=loss)
+        opt.zero_grad()
+    out.put((rank, totals, losses, watch.monitor.flush(60)))
+    watch.close(finished=False)
+    dist.destroy_process_group()
+
+
+class DistributedTest(unittest.TestCase):
+    def setUp(self) -> None:
+        self.daemon = Daemon()
+
+    def tearDown(self) -> None:
+        self.daemon.close()
+
+    def test_ddp_on_two_processes_reports_the_model_once_and_averages_the_loss(self) -> None:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, self.daemon.address, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        results = {}
+        for _ in procs:
+            rank, totals, losses, flushed = out.get(timeout=120)
+            self.assertTrue(flushed)
+            results[rank] = (totals, losses)
+        for p in procs:
+            p.join(timeout=60)
+            self.assertEqual(p.exitcode, 0)
+        run = self.daemon.run("torch-ddp")
+        self.assertEqual(run.info.world_size, 2)
+        self.assertEqual(run.info.step_count, 10)
+        self.assertEqual(run.info.partial_steps, 0)
+        total = {p.step: p.value for p in self.daemon.points("torch-ddp", "grad/norm/total")}
+        loss = {p.step: p.value for p in self.daemon.points("torch-ddp", "train/loss")}
+        for step in range(1, 11):
+            # DDP averages the gradients: both ranks hold the same; rank 0 reported them.
+            self.assertAlmostEqual(results[0][0][step], results[1][0][step], places=5)
+            self.assertAlmostEqual(total[step], results[0][0][step], delta=1e-5 * results[0][0][step])
+            self.assertAlmostEqual(loss[step], (results[0][1][step] + results[1][1][step]) / 2, places=5)
+
+
+if __name__ == "__main__":
+    unittest.main()
