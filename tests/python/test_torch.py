@@ -125,6 +125,32 @@ class WatchTest(unittest.TestCase):
             gwt.Watch(model, opt, run="x", address=self.daemon.address, kinds={"nope.weight": "mlp"})
 
 
+class RemediationTest(unittest.TestCase):
+    def test_the_recommendation_is_read_and_applied_once_between_steps(self) -> None:
+        model = Tiny()
+        opt = optimizer_for(model)
+        remedy = gwt.Remediation(model, opt)
+
+        def alert(text, name="GradNormContingency", state=pb.ALERT_STATE_FIRING):
+            return pb.Alert(name=name, state=state, annotations={"recommendation": text})
+
+        remedy(alert("Recommendation: enable weight decay on final_norm.weight (the run uses 0.05 for its decayed "
+                     "parameters).", state=pb.ALERT_STATE_PENDING))
+        remedy(alert("Recommendation: enable weight decay on mlp.weight.", name="OtherAlert"))
+        self.assertEqual(remedy.apply(), [])
+        remedy(alert("final_norm.weight has weight decay 0. Recommendation: enable weight decay on "
+                     "final_norm.weight (the run uses 0.05 for its decayed parameters)."))
+        self.assertEqual(remedy.applied, {})  # applied by the training loop, not the alert's thread
+        events = remedy.apply()
+        self.assertEqual(events, ["gradwatch remediation: weight decay 0.05 on final_norm.weight (was 0)"])
+        self.assertEqual(remedy.applied, {"final_norm.weight": 0.05})
+        remedy(alert("Recommendation: raise the weight decay on final_norm.weight."))
+        self.assertEqual(remedy.apply(), [])  # once
+        groups = [g for g in opt.param_groups if any(p is model.final_norm.weight for p in g["params"])]
+        self.assertEqual([(len(g["params"]), g["weight_decay"]) for g in groups], [(1, 0.05)])
+        self.assertEqual(sum(len(g["params"]) for g in opt.param_groups), len(list(model.parameters())))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

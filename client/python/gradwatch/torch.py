@@ -24,7 +24,10 @@ asks of a parameter held whole on several ranks.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+import logging
+import re
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
@@ -65,12 +68,14 @@ class Watch:
         kinds: Optional[Mapping[str, str]] = None,
         init_norms: bool = True,
         sharded: Optional[bool] = None,
+        remediation: Optional["Remediation"] = None,
         **monitor_kwargs: Any,
     ) -> None:
         if every < 1:
             raise ValueError(f"every={every}: must be at least 1")
         self.every = every
         self.update_norms = update_norms
+        self.remediation = remediation
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -117,6 +122,9 @@ class Watch:
         """Call after optimizer.step() and before zero_grad(). Sends this step's norms (and `loss`
         and `metrics`, any JSONL keys) on steps that are multiples of `every`; False otherwise, or
         when the Monitor dropped it."""
+        if self.remediation is not None:
+            for text in self.remediation.apply():
+                self.monitor.event(step, text)
         send = step % self.every == 0
         if not send:
             if self._before is not None:
@@ -168,3 +176,88 @@ class Watch:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(finished=exc_type is None)
+
+
+# "... Recommendation: enable weight decay on final_norm.weight (the run uses 0.1 for its decayed
+# parameters)." (alerts/recommendation.h)
+_RECOMMENDATION = re.compile(
+    r"(?:enable|raise) (?:the )?weight decay on (\S+?)(?: \(the run uses ([0-9.eE+-]+)[^)]*\)|\.?(?:\s|$))")
+
+
+class Remediation:
+    """Opt-in: an alert callback that acts on the grad-norm contingency's recommendation.
+
+    When a `GradNormContingency` alert fires, the parameter its recommendation names (the norm
+    gain feeding the lm_head, e.g. final_norm.weight) is moved into a param group of its own with
+    the recommended weight decay (the run's decayed parameters' value, or `weight_decay` when
+    given), once, and the change is reported to the daemon as an event of the run. The alert
+    arrives on the Monitor's thread while training runs on another: the move is applied by
+    apply(), which the training loop calls between steps (Watch.step does).
+
+        remedy = gradwatch.torch.Remediation(model, optimizer)
+        watch = gradwatch.torch.Watch(model, optimizer, run="r", on_alert=remedy, remediation=remedy)
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 alert: str = "GradNormContingency", weight_decay: Optional[float] = None,
+                 on_applied: Optional[Callable[[str, float], None]] = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.alert = alert
+        self.weight_decay = weight_decay
+        self.on_applied = on_applied
+        self.applied: Dict[str, float] = {}  # parameter name -> weight decay it was given
+        self._due: Dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, alert: Any) -> None:
+        """The Monitor's on_alert: notes what a firing contingency recommends."""
+        from gradwatch.v1 import gradwatch_pb2 as pb
+        if alert.name != self.alert or alert.state != pb.ALERT_STATE_FIRING:
+            return
+        match = _RECOMMENDATION.search(alert.annotations.get("recommendation", ""))
+        if match is None:
+            logging.getLogger("gradwatch").warning(
+                "gradwatch: %s fired without a weight-decay recommendation: nothing to apply", alert.name)
+            return
+        name = match.group(1)
+        if self.weight_decay is None and match.group(2) is None:
+            logging.getLogger("gradwatch").warning(
+                "gradwatch: %s recommends weight decay on %s without a value, and Remediation was given none",
+                alert.name, name)
+            return
+        wd = self.weight_decay if self.weight_decay is not None else float(match.group(2))
+        with self._lock:
+            if name not in self.applied:
+                self._due[name] = wd
+
+    def apply(self) -> List[str]:
+        """Moves the parameters due into their own param group; returns the events to report."""
+        with self._lock:
+            due, self._due = self._due, {}
+        events = []
+        params = dict(self.model.named_parameters())
+        for name, wd in due.items():
+            p = params.get(name)
+            if p is None:
+                logging.getLogger("gradwatch").warning("gradwatch: the recommendation names %s, which the model "
+                                                       "does not have", name)
+                continue
+            for group in self.optimizer.param_groups:
+                kept = [q for q in group["params"] if q is not p]
+                if len(kept) != len(group["params"]):
+                    moved_from = group
+                    group["params"] = kept
+                    break
+            else:
+                continue
+            new_group = {k: v for k, v in moved_from.items() if k != "params"}
+            new_group["weight_decay"] = wd
+            new_group["params"] = [p]
+            self.optimizer.add_param_group(new_group)
+            self.applied[name] = wd
+            events.append(f"gradwatch remediation: weight decay {wd:g} on {name} (was "
+                          f"{moved_from.get('weight_decay', 0.0):g})")
+            if self.on_applied is not None:
+                self.on_applied(name, wd)
+        return events
