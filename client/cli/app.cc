@@ -67,7 +67,11 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   bool replay_max = false;
   auto* replay_cmd = app.add_subcommand(
       "replay", "Stream a JSONL history (W&B history style) to the daemon as one trainer rank");
-  replay_cmd->add_option("FILE", replay.file, "JSONL file, one object per line")->required();
+  replay_cmd
+      ->add_option("FILE", replay.file,
+                   "JSONL file, one object per line; - (standard input), a pipe or a FIFO is read once, "
+                   "into a temporary copy")
+      ->required();
   replay_cmd->add_option("--run", replay.run,
                          "Run id (default: the header's \"run\", else the file's stem)");
   auto* speed =

@@ -1,5 +1,7 @@
 #include "client/cli/replay.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -263,11 +265,71 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
          FormatTable(rows);
 }
 
+namespace {
+
+// The replay reads its input twice (the catalog first, then the steps). A regular file is opened
+// as it is; anything else ("-" for standard input, a pipe, a FIFO, /dev/stdin) is read once, to its
+// end, into an unlinked temporary file, which is then read as the file. False with `why` set when
+// the input cannot be opened or copied.
+bool OpenReplayInput(const std::string& path, std::ifstream& in, std::string* why) {
+  struct stat st {};
+  const bool standard_input = path == "-";
+  if (!standard_input && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+    in.open(path);
+    if (!in) *why = std::strerror(errno);
+    return static_cast<bool>(in);
+  }
+  const int from = standard_input ? STDIN_FILENO : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (from < 0) {
+    *why = std::strerror(errno);
+    return false;
+  }
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string spool = std::string(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp") + "/gradwatch-replay-XXXXXX";
+  const int to = ::mkstemp(spool.data());
+  bool ok = to >= 0;
+  if (!ok) *why = "creating a temporary copy in " + spool + ": " + std::strerror(errno);
+  char buffer[1 << 16];
+  while (ok) {
+    const ssize_t n = ::read(from, buffer, sizeof buffer);
+    if (n == 0) break;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      *why = std::string("reading: ") + std::strerror(errno);
+      ok = false;
+      break;
+    }
+    for (ssize_t done = 0; ok && done < n;) {
+      const ssize_t w = ::write(to, buffer + done, static_cast<size_t>(n - done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) {
+        *why = "writing a temporary copy to " + spool + ": " + std::strerror(errno);
+        ok = false;
+      } else {
+        done += w;
+      }
+    }
+  }
+  if (!standard_input) ::close(from);
+  if (to >= 0) {
+    if (ok) in.open(spool);
+    ::close(to);
+    ::unlink(spool.c_str());  // the stream keeps the copy open; nothing is left behind
+    if (ok && !in) {
+      *why = "reopening its temporary copy: " + std::string(std::strerror(errno));
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+}  // namespace
+
 int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::ostream& out,
               std::ostream& err) {
-  std::ifstream in(options.file);
-  if (!in) {
-    err << "gradwatch: cannot open " << options.file << ": " << std::strerror(errno) << "\n";
+  std::ifstream in;
+  if (std::string why; !OpenReplayInput(options.file, in, &why)) {
+    err << "gradwatch: cannot open " << options.file << ": " << why << "\n";
     return kExitFailure;
   }
   ReplayPlan plan = ScanReplay(in);

@@ -1,7 +1,10 @@
 // `gradwatch replay` and the query subcommands against the real gradwatchd.
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
+
 #include <fstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -109,4 +112,41 @@ TEST_CASE("the CLI exits 1 with a clear message when the daemon is unreachable",
                                      std::nullopt, std::chrono::seconds(30));
   CHECK(r.exit_code == 1);
   CHECK_FALSE(r.err.empty());
+}
+
+TEST_CASE("a replay reads a pipe once: standard input, /dev/stdin and a FIFO send every step", "[integration]") {
+  DaemonProcess daemon;
+  std::string history;
+  for (int step = 1; step <= 100; ++step) {
+    history += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": )" + std::to_string(3.0 - 0.01 * step) +
+               R"(, "grad/norm/total": 0.5, "grad/norm/final_norm.weight": 0.1})" + "\n";
+  }
+  for (const std::string input : {"-", "/dev/stdin"}) {
+    CAPTURE(input);
+    const std::string run = input == "-" ? "piped-dash" : "piped-dev-stdin";
+    const CommandResult r =
+        RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", input, "--run", run, "--json"},
+                   history, std::chrono::seconds(120));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    const json summary = json::parse(r.out);
+    CHECK(summary["steps_sent"] == 100);
+    const CommandResult show = Cli(daemon, {"show", run, "--json"});
+    REQUIRE(show.exit_code == 0);
+    CHECK(json::parse(show.out)["info"]["step_count"] == 100);
+  }
+
+  // A FIFO written by another process: read once, then replayed from the copy.
+  TempDir dir("gradwatch-replay-fifo");
+  const std::string fifo = (dir.path() / "history.fifo").string();
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  std::thread writer([&] {
+    std::ofstream out(fifo);
+    out << history;
+  });
+  const CommandResult r = Cli(daemon, {"replay", fifo, "--run", "piped-fifo", "--json"});
+  writer.join();
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(json::parse(r.out)["steps_sent"] == 100);
 }
