@@ -327,6 +327,16 @@ void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& bas
   }
 }
 
+// A count of iterations that met a non-finite value (a log's "number of nan iterations"): the
+// non_finite rules read it as non-finite when above 0.
+bool IsNonFiniteCount(std::string_view key) {
+  return key == keys::kNanIterations || key == keys::kSkippedIterations;
+}
+
+bool IsNonFiniteObservation(std::string_view key, double value) {
+  return !std::isfinite(value) || (value > 0 && IsNonFiniteCount(key));
+}
+
 void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& base,
                        const SeriesFilter* with_instance, ConditionList& out) {
   // Key → value, by key; a listed non-finite value wins.
@@ -334,7 +344,7 @@ void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& 
   // A finite value is a condition only where it may resolve an instance: most keys of a large run
   // are skipped before any pattern is matched.
   const auto wanted = [&](const SeriesValue& v) {
-    return !std::isfinite(v.value) || with_instance == nullptr || (*with_instance)(v.key);
+    return IsNonFiniteObservation(v.key, v.value) || with_instance == nullptr || (*with_instance)(v.key);
   };
   ForEachLatest(rule.series, facts, wanted, [&](const SeriesValue& v) { out.found.emplace_back(v.key, v.value); });
   const auto by_key = [](const auto& a, const auto& b) { return a.first < b.first; };
@@ -352,7 +362,7 @@ void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& 
   }
   std::sort(out.found.begin(), out.found.end(), by_key);
   for (const auto& [key, value] : out.found) {
-    Condition& c = Make(out, base, {{"series", key}}, facts, value, !std::isfinite(value));
+    Condition& c = Make(out, base, {{"series", key}}, facts, value, IsNonFiniteObservation(key, value));
     SetVar(c.vars, "series", key);
   }
 }

@@ -64,7 +64,7 @@ bool Compare(double value, CompareOp op, double bound) {
 const std::vector<std::string>& DefaultNonFiniteSeries() {
   static const std::vector<std::string> kSeries = {
       std::string(keys::kGradNormPrefix) + "*", std::string(keys::kParamNormPrefix) + "*",
-      std::string(keys::kUpdateNormPrefix) + "*", std::string(keys::kLoss)};
+      std::string(keys::kUpdateNormPrefix) + "*", std::string(keys::kLoss), std::string(keys::kNanIterations)};
   return kSeries;
 }
 

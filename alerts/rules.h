@@ -29,8 +29,10 @@
 //   growth_without_decay  param_kind, param (glob), min_amplification and/or min_growth (a
 //                         fraction: 0.05 = the norm grew 5% over the analytics window),
 //                         max_weight_decay (default 0), clear_below
-//   non_finite            series (default: every grad, param and update norm and train/loss);
-//                         fires at once, so no for_steps
+//   non_finite            series (default: every grad, param and update norm, train/loss and
+//                         train/nan_iterations); a value that is NaN or ±Inf, or a count of
+//                         iterations that met one (train/nan_iterations, train/skipped_iterations)
+//                         above 0; fires at once, so no for_steps
 //   stalled               seconds (a number, or "90s", "10m", "1h"); evaluated on a timer, so no
 //                         for_steps or resolve_for_steps
 //   run_died              seconds (optional: the daemon's runs.stalled_after_seconds when absent);

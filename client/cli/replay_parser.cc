@@ -17,6 +17,8 @@ constexpr std::string_view kGradPrefix = "grad/norm/";
 constexpr std::string_view kParamPrefix = "params/norm/";
 constexpr std::string_view kUpdatePrefix = "updates/norm/";
 constexpr std::string_view kTotalGradKey = "grad/norm/total";
+constexpr std::string_view kTotalParamKey = "params/norm/total";
+constexpr std::string_view kTotalUpdateKey = "updates/norm/total";
 
 std::string Lower(std::string_view s) {
   std::string out(s);
@@ -201,6 +203,10 @@ std::optional<std::string> AddMetric(StepRecord& rec, const std::string& key, do
   rec.has_metrics = true;
   if (key == kTotalGradKey) {
     s.mutable_total_grad()->set_norm(value);
+    return std::nullopt;
+  }
+  if (key == kTotalParamKey || key == kTotalUpdateKey) {
+    (*s.mutable_extra())[key] = value;  // the whole model's norm: no parameter is named "total"
     return std::nullopt;
   }
   const std::pair<std::string_view, NormField> prefixes[] = {

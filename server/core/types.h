@@ -99,6 +99,15 @@ inline constexpr std::string_view kTokens = "train/tokens";
 inline constexpr std::string_view kGradNormPrefix = "grad/norm/";
 inline constexpr std::string_view kParamNormPrefix = "params/norm/";
 inline constexpr std::string_view kUpdateNormPrefix = "updates/norm/";
+// The whole model's parameter and update norms, as a trainer's log prints them ("params norm"):
+// extra series, since no parameter may be named "total".
+inline constexpr std::string_view kTotalParamNorm = "params/norm/total";
+inline constexpr std::string_view kTotalUpdateNorm = "updates/norm/total";
+// Iterations of the last logging interval whose optimizer step was skipped (an overflow, a
+// non-finite gradient), and those of them whose loss was NaN or infinite: counts, which the
+// non_finite rules read as non-finite when above 0.
+inline constexpr std::string_view kSkippedIterations = "train/skipped_iterations";
+inline constexpr std::string_view kNanIterations = "train/nan_iterations";
 std::string GradNorm(std::string_view param);
 std::string ParamNorm(std::string_view param);
 std::string UpdateNorm(std::string_view param);

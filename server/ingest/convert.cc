@@ -46,6 +46,7 @@ std::string Printable(const std::string& s) {
 // Keys the daemon fills from a step's own fields: an extra value under one of them would give
 // the step two values for one series.
 bool IsBuiltInKey(std::string_view key) {
+  if (key == keys::kTotalParamNorm || key == keys::kTotalUpdateNorm) return false;
   for (std::string_view fixed : {keys::kTotalGradNorm, keys::kLoss, keys::kZLoss, keys::kLearningRate, keys::kTokens}) {
     if (key == fixed) return true;
   }

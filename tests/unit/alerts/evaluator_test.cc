@@ -223,6 +223,35 @@ TEST_CASE("non_finite: NaN or Inf in any norm or the loss", "[alerts]") {
   CHECK(ByLabel(cs, "series", "updates/norm/lm_head.weight")->active);
 }
 
+TEST_CASE("non_finite: a count of NaN iterations above 0 is non-finite, and skipped iterations when listed",
+          "[alerts]") {
+  auto rules = LoadDefaultRules();
+  REQUIRE(rules.ok());
+  const Rule* rule = nullptr;
+  for (const Rule& r : *rules) {
+    if (r.kind == RuleKind::kNonFinite) rule = &r;
+  }
+  REQUIRE(rule);
+  // A Megatron line with NaN iterations prints no loss: the count is all the rule gets.
+  RunFacts facts = Facts({{"train/nan_iterations", 2}, {"train/skipped_iterations", 3}});
+  auto cs = Evaluate(*rule, facts);
+  REQUIRE(cs.size() == 1);  // skipped iterations are routine under fp16 loss scaling: not by default
+  CHECK(cs[0].active);
+  CHECK(cs[0].labels.at("series") == "train/nan_iterations");
+  CHECK(cs[0].vars.at("value") == "2");
+  facts = Facts({{"train/nan_iterations", 0}});
+  cs = Evaluate(*rule, facts);
+  REQUIRE(cs.size() == 1);
+  CHECK_FALSE(cs[0].active);  // resolves the instance
+
+  const Rule skipped = LoadOne("        kind: non_finite\n        series: [train/skipped_iterations]\n");
+  CHECK(Evaluate(skipped, Facts({{"train/skipped_iterations", 1}}))[0].active);
+  CHECK_FALSE(Evaluate(skipped, Facts({{"train/skipped_iterations", 0}}))[0].active);
+  // Any other finite value stays finite, however large.
+  const Rule other = LoadOne("        kind: non_finite\n        series: [train/loss_scale]\n");
+  CHECK_FALSE(Evaluate(other, Facts({{"train/loss_scale", 65536}}))[0].active);
+}
+
 TEST_CASE("stalled: an open run silent for the limit", "[alerts]") {
   const Rule rule = LoadOne("        kind: stalled\n        seconds: 600\n");
   RunFacts facts = Facts({});

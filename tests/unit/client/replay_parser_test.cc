@@ -73,6 +73,14 @@ TEST_CASE("every kind of key lands in its StepStats field", "[client]") {
   CHECK_FALSE(stats.params(1).has_grad());
 }
 
+TEST_CASE("the whole model's params and updates norms are sent as their own series, not a parameter", "[client]") {
+  StepRecord r = ParseStep(R"({"_step": 5, "params/norm/total": 312.5, "updates/norm/total": 0.02})");
+  CHECK(r.params.empty());
+  REQUIRE(r.stats.extra().size() == 2);
+  CHECK(r.stats.extra().at("params/norm/total") == Approx(312.5));
+  CHECK(r.stats.extra().at("updates/norm/total") == Approx(0.02));
+}
+
 TEST_CASE("NaN and infinities are accepted as bare tokens and as strings", "[client]") {
   StepRecord r = ParseStep(
       R"({"_step": 3, "grad/norm/total": NaN, "train/loss": Infinity, "train/z_loss": -Infinity,)"

@@ -181,8 +181,12 @@ TEST_CASE("extra keys cannot name a built-in series", "[ingest]") {
   v1::StepStats in;
   (*in.mutable_extra())["train/accuracy"] = 0.6;
   (*in.mutable_extra())["grad/norm_ratio"] = 0.6;
+  // The whole model's parameter and update norms, as logs print them: no parameter is "total".
+  (*in.mutable_extra())["params/norm/total"] = 312.5;
+  (*in.mutable_extra())["updates/norm/total"] = 0.02;
   RankStep out;
   CHECK_FALSE(StepFromProto(in, 1, &out));
+  CHECK(out.extra.size() == 4);
 }
 
 TEST_CASE("a norm's square keeps a finite norm finite", "[ingest]") {
