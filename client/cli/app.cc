@@ -12,6 +12,7 @@
 #include "client/cli/commands.h"
 #include "client/cli/options.h"
 #include "client/cli/replay.h"
+#include "client/cli/tail.h"
 #include "client/lib/monitor.h"
 #include "client/lib/query_client.h"
 
@@ -25,7 +26,8 @@ constexpr char kFooter[] = R"(Exit codes:
      --stall-timeout, SIGINT or SIGTERM, stream refused): it says which steps are kept, and
      the same command run again sends only the rest
   2  usage error
-  3  replay finished, but some lines were skipped or rejected by the daemon
+  3  replay finished, but some lines were skipped or rejected by the daemon; tail ended,
+     but the daemon rejected some steps or some were dropped while it was away
 
 Environment:
   GRADWATCH_ADDR  default for --addr)";
@@ -44,7 +46,7 @@ std::string Join(const std::vector<std::string>& words) {
 }  // namespace
 
 int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
-  CLI::App app{"gradwatch: query the gradwatch daemon and replay training histories into it",
+  CLI::App app{"gradwatch: query the gradwatch daemon, replay training histories and follow training logs into it",
                "gradwatch"};
   app.footer(kFooter);
   app.set_version_flag("--version", "gradwatch 0.1.0");
@@ -96,6 +98,42 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                          "replaces the steps it holds from N on (default: the header's "
                          "\"resume_from_step\")");
   replay_cmd->add_option("--world-size", replay.world_size, "Ranks reporting each step")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+
+  TailOptions tail;
+  auto* tail_cmd = app.add_subcommand(
+      "tail", "Follow a training job's output (a log file as tail -F, or - for a pipe) and stream the metrics "
+              "its lines print into a run");
+  tail_cmd
+      ->add_option("FILE", tail.file,
+                   "Log file, followed through rotation and truncation and waited for if it does not exist "
+                   "yet; - (standard input), a pipe or a FIFO is read until its writer closes it")
+      ->required();
+  tail_cmd->add_option("--run", tail.run, "Run id (default: the file's stem; required for -)");
+  tail_cmd
+      ->add_option("--format", tail.format,
+                   "jsonl, megatron (Megatron-LM and Megatron-DeepSpeed), deepspeed, hf (Hugging Face Trainer), "
+                   "torchtitan, nanogpt, llmc (default: detected from the first line one of them prints)")
+      ->check(CLI::IsMember({"jsonl", "megatron", "megatron-deepspeed", "deepspeed", "hf", "huggingface",
+                             "torchtitan", "nanogpt", "llmc", "llm.c"}));
+  tail_cmd->add_option("--step-interval", tail.step_interval,
+                       "Hugging Face Trainer dicts print no step: without a progress bar in the same output, "
+                       "the k-th is step k times this (the Trainer's logging_steps)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  tail_cmd->add_option("--pid", tail.pid, "Stop following the file once this process has exited (as tail --pid)")
+      ->check(CLI::PositiveNumber);
+  tail_cmd->add_flag("--finish", tail.finish,
+                     "When the input ends (its writer closed it, or --pid exited), say Goodbye: the run is "
+                     "recorded as finished");
+  tail_cmd->add_option("--stall-timeout", tail.stall_timeout_seconds,
+                       "At the end, give up waiting for acknowledgements once the daemon has acknowledged "
+                       "nothing for this long (seconds)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  tail_cmd->add_option("--rank", tail.rank, "This rank")->capture_default_str();
+  tail_cmd->add_option("--world-size", tail.world_size, "Ranks reporting each step")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
 
@@ -163,6 +201,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
 
   try {
     app.parse(argc, argv);
+    if (*tail_cmd && tail.rank >= tail.world_size) {
+      throw CLI::ValidationError("--rank", "must be below --world-size (" + std::to_string(tail.world_size) + ")");
+    }
     if (*replay_cmd && replay.rank >= replay.world_size) {
       throw CLI::ValidationError(
           "--rank", "must be below --world-size (" + std::to_string(replay.world_size) + ")");
@@ -175,6 +216,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   spdlog::set_level(global.verbose ? spdlog::level::debug : spdlog::level::warn);
 
   if (*replay_cmd) return RunReplay(global, replay, out, err);
+  if (*tail_cmd) return RunTail(global, tail, out, err);
   if (*rules_check_cmd) return RunRulesCheck(global, rule_files, out, err);
   client::QueryClient query(global.address, global.timeout());
   if (*runs_cmd) return RunRuns(global, query, runs_all, out, err);

@@ -1,0 +1,529 @@
+#include "client/cli/tail.h"
+
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <unordered_map>
+
+#include "client/cli/follow.h"
+#include "client/cli/format.h"
+#include "client/cli/signal_watch.h"
+#include "client/lib/monitor.h"
+#include "client/lib/query_client.h"
+
+namespace gradwatch::cli {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+constexpr size_t kUnparsedInSummary = 5;
+constexpr size_t kUnparsedShown = 100;  // with -v
+constexpr size_t kLinesBeforeFormat = 1000;
+constexpr std::string_view kSkippedTotalKey = "train/skipped_iterations_total";
+constexpr std::string_view kSkippedKey = "train/skipped_iterations";
+constexpr std::string_view kGradPrefix = "grad/norm/";
+constexpr std::string_view kParamPrefix = "params/norm/";
+constexpr std::string_view kUpdatePrefix = "updates/norm/";
+
+std::string RunIdFromFile(const std::string& file) {
+  std::string stem = std::filesystem::path(file).stem().string();
+  for (char& c : stem) {
+    const bool allowed = std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' ||
+                         c == '/' || c == '-';
+    if (!allowed) c = '-';
+  }
+  if (stem.size() > 128) stem.resize(128);
+  return stem;
+}
+
+// A per-parameter key of a JSONL line: its parameter and which norm; nullopt for other keys.
+std::optional<std::pair<std::string, int>> ParamKey(const std::string& key) {
+  const std::pair<std::string_view, int> prefixes[] = {{kGradPrefix, 0}, {kParamPrefix, 1}, {kUpdatePrefix, 2}};
+  for (const auto& [prefix, field] : prefixes) {
+    if (key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0) {
+      std::string param = key.substr(prefix.size());
+      if (param == "total") return std::nullopt;
+      return std::make_pair(std::move(param), field);
+    }
+  }
+  return std::nullopt;
+}
+
+// The stream to the daemon. It is made again (after every step it holds is durable) when the
+// catalog grows, since a Hello carries the catalog, and when the job resumed from a checkpoint.
+class Sender {
+ public:
+  Sender(const GlobalOptions& global, const TailOptions& options, std::string run, bool blocking,
+         std::function<void(const std::string&)> notice)
+      : global_(global), options_(options), run_(std::move(run)), blocking_(blocking), notice_(std::move(notice)) {}
+
+  ~Sender() { Close(); }
+
+  // Index of a parameter, adding it to the catalog when new.
+  uint32_t ParamIndex(const std::string& name) {
+    auto it = index_.find(name);
+    if (it != index_.end()) return it->second;
+    const auto index = static_cast<uint32_t>(params_.size());
+    v1::ParamInfo p;
+    p.set_name(name);
+    p.set_kind(InferParamKind(name));
+    if (p.kind() == v1::PARAM_KIND_NORM_GAIN) p.set_weight_decay(0);
+    params_.push_back(std::move(p));
+    index_.emplace(name, index);
+    catalog_grew_ = true;
+    return index;
+  }
+
+  // Opens (or reopens) the stream; false with `why` when the daemon cannot be reached or refuses.
+  bool Ensure(std::optional<uint64_t> resume_from, std::string* why) {
+    if (monitor_ != nullptr && !catalog_grew_ && !resume_from) return true;
+    Close();
+    catalog_grew_ = false;
+    client::MonitorOptions mo;
+    mo.address = global_.address;
+    v1::Hello& hello = mo.hello;
+    hello.set_run_id(run_);
+    hello.set_rank(options_.rank);
+    hello.set_world_size(options_.world_size);
+    hello.set_client("gradwatch-tail/0.1.0");
+    if (resume_from) hello.set_resume_from_step(*resume_from);
+    for (const v1::ParamInfo& p : params_) *hello.add_params() = p;
+    mo.on_accepted = [this](const v1::Accepted& a) {
+      if (a.has_received_step()) last_received_.store(a.last_received_step() + 1);
+    };
+    monitor_ = std::make_unique<client::Monitor>(std::move(mo));
+    monitor_->Start();
+    if (!monitor_->WaitAccepted(global_.timeout())) {
+      const client::MonitorStats stats = monitor_->Stats();
+      if (stats.rejected) {
+        *why = "the daemon at " + global_.address + " refused run " + run_ + ": " + stats.last_error;
+        monitor_->Stop();
+        return false;
+      }
+      // The Monitor keeps trying in the background: the job's lines are held (a bounded queue
+      // for a pipe, the file itself for a file) until the daemon is back.
+      notice_("the daemon at " + global_.address + " is not reachable yet" +
+              (stats.last_error.empty() ? "" : " (" + stats.last_error + ")") + "; steps are sent once it is");
+    }
+    if (resume_from) {
+      held_through_.reset();
+      if (*resume_from > 0) held_through_ = *resume_from - 1;
+      return true;
+    }
+    if (const uint64_t r = last_received_.load(); r > 0 && !held_through_) held_through_ = r - 1;
+    return true;
+  }
+
+  // The step through which the daemon held this rank's steps when the tail started.
+  std::optional<uint64_t> held_through() const { return held_through_; }
+
+  bool Log(v1::StepStats stats, const std::function<bool()>& keep_waiting) {
+    if (!blocking_) return monitor_->Log(std::move(stats));
+    // A file is its own buffer: wait for the daemon rather than drop, for as long as it takes.
+    for (;;) {
+      if (monitor_->LogBlocking(stats, std::chrono::seconds(1))) return true;
+      if (!keep_waiting() || monitor_->Stats().rejected) return false;
+    }
+  }
+
+  bool Event(uint64_t step, std::string text) { return monitor_->Event(step, std::move(text)); }
+
+  client::Monitor* monitor() { return monitor_.get(); }
+
+  // Waits for every step to be durable (as long as the daemon makes progress), then closes.
+  bool Drain(std::chrono::milliseconds stall) {
+    if (monitor_ == nullptr) return true;
+    const bool ok = monitor_->FlushWhileProgressing(stall);
+    Account();
+    return ok;
+  }
+
+  void Close() {
+    if (monitor_ == nullptr) return;
+    monitor_->FlushWhileProgressing(options_.stall_timeout_seconds > 0
+                                        ? std::chrono::milliseconds(static_cast<int64_t>(
+                                              options_.stall_timeout_seconds * 1000))
+                                        : std::chrono::milliseconds(0));
+    Account();
+    monitor_->Stop();
+    monitor_.reset();
+  }
+
+  // Totals over every stream this tail opened.
+  uint64_t dropped() const { return dropped_ + (monitor_ ? monitor_->Stats().dropped : 0); }
+  std::map<std::string, uint64_t> errors() const {
+    std::map<std::string, uint64_t> all = errors_;
+    if (monitor_) {
+      for (const auto& [reason, n] : monitor_->Stats().errors_by_reason) all[reason] += n;
+    }
+    return all;
+  }
+
+ private:
+  void Account() {
+    if (monitor_ == nullptr || accounted_ == monitor_.get()) return;
+    accounted_ = monitor_.get();
+    const client::MonitorStats stats = monitor_->Stats();
+    dropped_ += stats.dropped;
+    for (const auto& [reason, n] : stats.errors_by_reason) errors_[reason] += n;
+  }
+
+  const GlobalOptions& global_;
+  const TailOptions& options_;
+  std::string run_;
+  bool blocking_;
+  std::function<void(const std::string&)> notice_;
+  std::unique_ptr<client::Monitor> monitor_;
+  const client::Monitor* accounted_ = nullptr;
+  std::vector<v1::ParamInfo> params_;
+  std::unordered_map<std::string, uint32_t> index_;
+  bool catalog_grew_ = false;
+  std::atomic<uint64_t> last_received_{0};  // last received step + 1; 0: none
+  std::optional<uint64_t> held_through_;
+  uint64_t dropped_ = 0;
+  std::map<std::string, uint64_t> errors_;
+};
+
+std::string ReasonShortName(const std::string& reason) {
+  constexpr std::string_view kPrefix = "ERROR_REASON_";
+  return reason.rfind(kPrefix, 0) == 0 ? reason.substr(kPrefix.size()) : reason;
+}
+
+}  // namespace
+
+json TailSummaryToJson(const TailSummary& s) {
+  json unparsed = json::array();
+  for (const BadLine& b : s.first_unparsed) unparsed.push_back({{"line", b.line}, {"text", b.reason}});
+  json errors = json::object();
+  for (const auto& [reason, count] : s.daemon_errors) errors[reason] = count;
+  return {
+      {"file", s.file},
+      {"run", s.run},
+      {"format", s.format.empty() ? json(nullptr) : json(s.format)},
+      {"lines", s.lines},
+      {"metric_lines", s.metric_lines},
+      {"steps_sent", s.steps_sent},
+      {"events", s.events_sent},
+      {"repeated_steps", s.repeated_steps},
+      {"already_held_steps", s.already_held_steps},
+      {"resumes", s.resumes},
+      {"unparsed_lines", s.unparsed_lines},
+      {"first_unparsed", std::move(unparsed)},
+      {"truncations", s.truncations},
+      {"rotations", s.rotations},
+      {"dropped_steps", s.dropped_steps},
+      {"daemon_errors", std::move(errors)},
+      {"last_acked_step", s.has_acked ? json(s.last_acked_step) : json(nullptr)},
+      {"complete", s.complete},
+      {"ended", s.ended},
+      {"finished", s.finished ? json(*s.finished) : json(nullptr)},
+  };
+}
+
+std::string FormatTailSummary(const TailSummary& s) {
+  std::string errors;
+  for (const auto& [reason, count] : s.daemon_errors) {
+    errors += (errors.empty() ? "" : ", ") + ReasonShortName(reason) + " " + std::to_string(count);
+  }
+  std::string unparsed = std::to_string(s.unparsed_lines);
+  if (!s.first_unparsed.empty()) {
+    unparsed += " (line" + std::string(s.first_unparsed.size() > 1 ? "s " : " ");
+    for (size_t i = 0; i < s.first_unparsed.size(); ++i) {
+      unparsed += (i ? ", " : "") + std::to_string(s.first_unparsed[i].line);
+    }
+    unparsed += s.unparsed_lines > s.first_unparsed.size() ? ", ...; -v shows them)" : "; -v shows them)";
+  }
+  std::string sent = std::to_string(s.steps_sent);
+  if (s.repeated_steps > 0) sent += ", " + std::to_string(s.repeated_steps) + " repeated lines sent once";
+  if (s.already_held_steps > 0) sent += ", " + std::to_string(s.already_held_steps) + " already held";
+  std::vector<std::vector<std::string>> rows = {
+      {"format", s.format.empty() ? "none recognised" : s.format},
+      {"lines", std::to_string(s.lines) + ", " + std::to_string(s.metric_lines) + " with metrics"},
+      {"not parsed", unparsed},
+      {"steps sent", sent},
+      {"events", std::to_string(s.events_sent)},
+      {"daemon errors", errors.empty() ? "none" : errors},
+      {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
+      {"ended", s.ended},
+  };
+  if (s.resumes > 0) rows.push_back({"resumed", std::to_string(s.resumes) + " times from a checkpoint"});
+  if (s.rotations + s.truncations > 0) {
+    rows.push_back({"file", std::to_string(s.rotations) + " replaced, " + std::to_string(s.truncations) + " truncated"});
+  }
+  if (s.dropped_steps > 0) rows.push_back({"dropped", std::to_string(s.dropped_steps) + " steps (daemon away, queue full)"});
+  if (s.finished) rows.push_back({"finished", *s.finished ? "yes (Goodbye acknowledged)" : "no"});
+  return "followed " + s.file + " as run " + s.run + (s.complete ? "" : " (incomplete)") + "\n" + FormatTable(rows);
+}
+
+int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostream& out, std::ostream& err) {
+  std::optional<LogFormat> format;
+  if (!options.format.empty()) {
+    format = ParseLogFormatName(options.format);
+    if (!format) {
+      err << "gradwatch: unknown --format " << options.format << "\n";
+      return kExitUsage;
+    }
+  }
+  TailSummary summary;
+  summary.file = options.file;
+  summary.run = !options.run.empty() ? options.run : options.file == "-" ? "" : RunIdFromFile(options.file);
+  if (summary.run.empty()) {
+    err << "gradwatch: standard input has no name: give the run with --run\n";
+    return kExitUsage;
+  }
+  if (format) summary.format = std::string(LogFormatName(*format));
+
+  std::atomic<int> signalled{0};
+  SignalWatch signals([&signalled](int s) { signalled.store(s); });
+  const auto keep_waiting = [&] {
+    if (signalled.load() != 0) return false;
+    if (options.pid > 0 && ::kill(options.pid, 0) != 0 && errno == ESRCH) return false;
+    return true;
+  };
+
+  LineFollower::Options fo;
+  fo.path = options.file;
+  fo.notice = [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; };
+  LineFollower follower(std::move(fo));
+  Sender sender(global, options, summary.run, follower.follows_file(),
+                [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; });
+  const auto stall = std::chrono::milliseconds(static_cast<int64_t>(options.stall_timeout_seconds * 1000));
+
+  std::optional<uint64_t> last_step;     // the last step sent (or held by the daemon)
+  std::optional<uint64_t> progress_step;  // HF: the progress bar's count
+  std::optional<double> skipped_total;    // DeepSpeed's cumulative count
+  uint64_t hf_dicts = 0;
+  std::vector<std::pair<std::string, double>> stepless;  // values printed without a step: the next step's
+  // The step being read: lines naming the same step (nanoGPT's eval and train lines, every rank's
+  // copy of a line) are merged into it. It is sent when a line names another step, or as soon as
+  // the input has nothing more for now.
+  std::optional<uint64_t> held_step;
+  std::vector<std::pair<std::string, double>> held_values;
+  bool connected = false;
+  std::string line;
+  int exit_code = kExitOk;
+  std::string failure;
+
+  // Sends one step's values; false when the daemon cannot be reached.
+  const auto send_step = [&](uint64_t step, std::vector<std::pair<std::string, double>>& values) -> bool {
+    std::optional<uint64_t> resume;
+    if (last_step && step <= *last_step) {
+      if (step == *last_step) {
+        ++summary.repeated_steps;
+        return true;
+      }
+      // The job went back: it resumed from a checkpoint. The daemon replaces what it held from there on.
+      resume = step;
+      ++summary.resumes;
+      err << "gradwatch tail: step " << step << " follows step " << *last_step
+          << ": the job resumed from a checkpoint; the daemon replaces its steps from " << step << " on\n";
+    }
+    v1::StepStats stats;
+    stats.set_step(step);
+    for (auto& [key, value] : values) {
+      if (key == "train/loss") {
+        stats.set_loss(value);
+      } else if (key == "grad/norm/total") {
+        stats.mutable_total_grad()->set_norm(value);
+      } else if (key == "optim/learning_rate") {
+        stats.set_learning_rate(value);
+      } else if (key == "train/z_loss") {
+        stats.set_z_loss(value);
+      } else if (key == kSkippedTotalKey) {
+        // DeepSpeed counts skipped steps since the start: the series is per logging interval, as Megatron's.
+        const double interval = skipped_total && value >= *skipped_total ? value - *skipped_total : value;
+        skipped_total = value;
+        (*stats.mutable_extra())[std::string(kSkippedKey)] = interval;
+      } else if (auto param = ParamKey(key)) {
+        const uint32_t index = sender.ParamIndex(param->first);
+        v1::ParamStats* ps = nullptr;
+        for (auto& p : *stats.mutable_params()) {
+          if (p.index() == index) ps = &p;
+        }
+        if (ps == nullptr) {
+          ps = stats.add_params();
+          ps->set_index(index);
+        }
+        (param->second == 0 ? ps->mutable_grad() : param->second == 1 ? ps->mutable_param() : ps->mutable_update())
+            ->set_norm(value);
+      } else if (key != "train/tokens") {
+        (*stats.mutable_extra())[key] = value;
+      }
+    }
+    if (!sender.Ensure(resume, &failure)) return false;
+    if (!connected) {
+      connected = true;
+      if (const auto held = sender.held_through()) {
+        err << "gradwatch tail: the daemon already holds run " << summary.run << " rank " << options.rank
+            << " through step " << *held << "; sending only later steps\n";
+      }
+    }
+    last_step = step;
+    if (!resume && sender.held_through() && step <= *sender.held_through()) {
+      ++summary.already_held_steps;
+      return true;
+    }
+    if (sender.Log(std::move(stats), keep_waiting)) ++summary.steps_sent;
+    return true;
+  };
+
+  const auto flush_held = [&]() -> bool {
+    if (!held_step) return true;
+    const uint64_t step = *held_step;
+    held_step.reset();
+    return send_step(step, held_values);
+  };
+  const auto keep_waiting_after_flush = [&] { return flush_held() && keep_waiting(); };
+
+  // One cleaned line of a known format; false when the daemon cannot be reached.
+  const auto handle = [&](uint64_t line_number, const std::string& cleaned) -> bool {
+    std::optional<LogRecord> record = ParseLogLine(*format, cleaned);
+    if (!record) {
+      if (summary.first_unparsed.size() < kUnparsedInSummary) {
+        summary.first_unparsed.push_back({line_number, cleaned.substr(0, 200)});
+      }
+      if (global.verbose && summary.unparsed_lines < kUnparsedShown) {
+        err << options.file << ":" << line_number << ": not parsed: " << cleaned.substr(0, 200) << "\n";
+      }
+      ++summary.unparsed_lines;
+      return true;
+    }
+    if (record->progress_step) progress_step = record->progress_step;
+    if (record->kind == LogRecord::Kind::kProgress) return true;
+    if (record->kind == LogRecord::Kind::kEvent) {
+      const uint64_t at = record->step ? *record->step : held_step ? *held_step : last_step.value_or(0);
+      if (!sender.Ensure(std::nullopt, &failure)) return false;
+      connected = true;
+      if (sender.Event(at, record->event)) ++summary.events_sent;
+      return true;
+    }
+    std::optional<uint64_t> step = record->step;
+    if (!step && *format == LogFormat::kHfTrainer) {
+      ++hf_dicts;
+      step = progress_step ? *progress_step : hf_dicts * options.step_interval;
+    }
+    ++summary.metric_lines;
+    if (!step) {
+      // Printed without a step (llm.c's "val loss"): it belongs to the step the job prints next.
+      stepless.insert(stepless.end(), record->values.begin(), record->values.end());
+      return true;
+    }
+    if (held_step && *held_step == *step) {
+      ++summary.repeated_steps;
+    } else {
+      if (!flush_held()) return false;
+      held_step = step;
+      held_values.clear();
+    }
+    for (auto& value : stepless) record->values.insert(record->values.begin(), std::move(value));
+    stepless.clear();
+    for (auto& [key, value] : record->values) {
+      auto same = std::find_if(held_values.begin(), held_values.end(), [&](const auto& v) { return v.first == key; });
+      if (same != held_values.end()) {
+        same->second = value;
+      } else {
+        held_values.emplace_back(key, value);
+      }
+    }
+    return true;
+  };
+
+  // Lines before the format is known are kept (a bounded number) and read once it is: an
+  // overflow printed before the first step line is still an event.
+  std::vector<std::pair<uint64_t, std::string>> before_format;
+  while (follower.Next(&line, keep_waiting_after_flush)) {
+    ++summary.lines;
+    std::string cleaned = CleanLogLine(line);
+    if (cleaned.empty()) continue;
+    if (!format) {
+      format = DetectLogFormat(cleaned);
+      if (!format) {
+        if (before_format.size() < kLinesBeforeFormat) {
+          before_format.emplace_back(summary.lines, std::move(cleaned));
+        } else {
+          ++summary.unparsed_lines;
+          if (summary.first_unparsed.size() < kUnparsedInSummary) {
+            summary.first_unparsed.push_back({summary.lines, cleaned.substr(0, 200)});
+          }
+        }
+        continue;
+      }
+      summary.format = std::string(LogFormatName(*format));
+      err << "gradwatch tail: " << options.file << ":" << summary.lines << ": format " << summary.format << "\n";
+      bool ok = true;
+      for (const auto& [number, text] : before_format) {
+        if (ok) ok = handle(number, text);
+      }
+      before_format.clear();
+      if (!ok) break;
+    }
+    if (!handle(summary.lines, cleaned)) break;
+  }
+  // No line was recognised: the lines kept are what was not parsed.
+  for (const auto& [number, text] : before_format) {
+    ++summary.unparsed_lines;
+    if (summary.first_unparsed.size() < kUnparsedInSummary) summary.first_unparsed.push_back({number, text.substr(0, 200)});
+    if (global.verbose && number <= kUnparsedShown) {
+      err << options.file << ":" << number << ": not parsed: " << text.substr(0, 200) << "\n";
+    }
+  }
+  if (failure.empty()) flush_held();
+
+  const int signal = signalled.load();
+  if (signal != 0) {
+    summary.ended = SignalName(signal);
+  } else if (!failure.empty()) {
+    summary.ended = "daemon unreachable";
+  } else if (options.pid > 0 && follower.follows_file()) {
+    summary.ended = "process " + std::to_string(options.pid) + " exited";
+  } else {
+    summary.ended = "end of input";
+  }
+  summary.complete = failure.empty() && sender.Drain(stall);
+  if (options.finish && summary.complete && signal == 0 && sender.monitor() != nullptr) {
+    summary.finished = sender.monitor()->Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED,
+                                                "gradwatch tail: " + summary.ended + " of " + options.file);
+  }
+  if (client::Monitor* m = sender.monitor()) {
+    const client::MonitorStats stats = m->Stats();
+    summary.has_acked = stats.has_acked;
+    summary.last_acked_step = stats.acked_through_step;
+  }
+  summary.dropped_steps = sender.dropped();
+  summary.daemon_errors = sender.errors();
+  summary.truncations = follower.truncations();
+  summary.rotations = follower.rotations();
+  sender.Close();
+
+  if (global.json) {
+    out << TailSummaryToJson(summary).dump(2) << "\n";
+  } else {
+    out << FormatTailSummary(summary);
+  }
+  if (!failure.empty()) {
+    err << "gradwatch: " << failure << "\n";
+    return kExitFailure;
+  }
+  if (summary.format.empty() && summary.steps_sent == 0 && summary.events_sent == 0) {
+    err << "gradwatch: no line of " << options.file << " was a metric line of a format gradwatch reads (" << summary.lines
+        << " lines); nothing was sent. -v shows the lines; --format names the format\n";
+    return kExitFailure;
+  }
+  if (!summary.complete) {
+    err << "gradwatch: the daemon at " << global.address << " did not acknowledge every step (last acked: "
+        << (summary.has_acked ? std::to_string(summary.last_acked_step) : "none")
+        << "); run the same command again: it sends only what the daemon does not hold\n";
+    return kExitFailure;
+  }
+  if (summary.finished && !*summary.finished) exit_code = kExitFailure;
+  if (exit_code == kExitOk && (!summary.daemon_errors.empty() || summary.dropped_steps > 0)) exit_code = kExitPartial;
+  return exit_code;
+}
+
+}  // namespace gradwatch::cli

@@ -1,0 +1,251 @@
+// `gradwatch tail` against the real gradwatchd: a log file followed as `tail -F` follows it, every
+// trainer format read from a pipe, a job that resumes from a checkpoint, and the sidecar recipe.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/integration/daemon_process.h"
+
+using namespace gradwatch::testing;
+using nlohmann::json;
+
+namespace {
+
+const std::filesystem::path kFixtures = std::filesystem::path(GRADWATCH_SOURCE_DIR) / "tests" / "fixtures" / "tail";
+
+CommandResult Cli(const DaemonProcess& daemon, std::vector<std::string> args) {
+  std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+}
+
+std::string ReadFile(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+uint64_t AsStep(const json& v) { return v.is_string() ? std::stoull(v.get<std::string>()) : v.get<uint64_t>(); }
+
+double AsValue(const json& v) {
+  if (v.is_number()) return v.get<double>();
+  const std::string s = v.get<std::string>();
+  if (s == "NaN") return NAN;
+  return s == "-Infinity" ? -INFINITY : INFINITY;
+}
+
+// step → value of a series; empty when the run or the series does not exist (yet).
+std::map<uint64_t, double> Series(const DaemonProcess& daemon, const std::string& run, const std::string& key) {
+  const CommandResult r = Cli(daemon, {"series", run, key, "--json"});
+  std::map<uint64_t, double> out;
+  if (r.exit_code != 0) return out;
+  for (const json& p : json::parse(r.out)) out[AsStep(p["step"])] = AsValue(p["value"]);
+  return out;
+}
+
+void Append(const std::filesystem::path& file, const std::string& text) {
+  std::ofstream out(file, std::ios::app);
+  out << text;
+}
+
+std::string MegatronLine(uint64_t step, const std::string& loss, const std::string& grad_norm, int nan_iterations) {
+  // The format of Megatron-LM's training_log() (see tests/fixtures/tail/SOURCES.md), values of this test's own.
+  char line[512];
+  std::snprintf(line, sizeof line,
+                " iteration %8llu/  250000 | consumed samples:       124928 | elapsed time per iteration (ms): "
+                "86545.2 | learning rate: 9.150E-06 | global batch size:  1024 |%s loss scale: 1.0 | grad norm: %s "
+                "| params norm: 312.500 | number of skipped iterations: %3d | number of nan iterations: %3d |\n",
+                static_cast<unsigned long long>(step), loss.empty() ? "" : (" lm loss: " + loss + " |").c_str(),
+                grad_norm.c_str(), nan_iterations, nan_iterations);
+  return line;
+}
+
+}  // namespace
+
+TEST_CASE("tail follows a log file that appears late, is rotated and truncated, and a job that resumes",
+          "[integration]") {
+  DaemonProcess daemon;
+  TempDir dir("gradwatch-tail");
+  const std::filesystem::path log = dir.path() / "pretrain.log";
+  BackgroundCommand tail({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "-v", "tail", log.string()});
+  REQUIRE(WaitUntil([&] { return tail.Stderr().find("waiting for") != std::string::npos; }));
+
+  // The first lines: real Megatron-LM output (steps 122..125), with a banner before them.
+  std::string real;
+  {
+    std::istringstream lines(ReadFile(kFixtures / "megatron_lm.log"));
+    std::string line;
+    for (int i = 0; i < 4 && std::getline(lines, line); ++i) real += line + "\n";
+  }
+  Append(log, "using world size: 8, data-parallel size: 8\n" + real);
+  REQUIRE(WaitUntil([&] { return Series(daemon, "pretrain", "grad/norm/total").size() == 4; }, std::chrono::seconds(60)));
+  auto loss = Series(daemon, "pretrain", "train/loss");
+  CHECK(loss.at(122) == Approx(2.504220));
+  CHECK(Series(daemon, "pretrain", "optim/learning_rate").at(125) == Approx(9.375e-6));
+  CHECK(Series(daemon, "pretrain", "grad/norm/total").at(125) == Approx(0.356));
+  CHECK(Series(daemon, "pretrain", "train/skipped_iterations").at(123) == 0);
+
+  // Rotated: the file is moved away and a new one of the same name is written, with colours and a
+  // rank prefix as torchrun --tee adds them.
+  std::filesystem::rename(log, dir.path() / "pretrain.log.1");
+  Append(log, "[default0]: \x1b[32m" + MegatronLine(126, "2.470000E+00", "0.360", 0).substr(1));
+  Append(log, "[rank0]:" + MegatronLine(127, "2.460000E+00", "0.370", 0));
+  REQUIRE(WaitUntil([&] { return Series(daemon, "pretrain", "grad/norm/total").size() == 6; }, std::chrono::seconds(60)));
+  CHECK(Series(daemon, "pretrain", "params/norm/total").at(127) == Approx(312.5));
+
+  // Truncated in place (copytruncate): read again from its start. Two iterations went NaN: Megatron
+  // prints no loss and a NaN grad norm, and the count reaches the non-finite rule.
+  { std::ofstream truncate(log, std::ios::trunc); }
+  Append(log, MegatronLine(128, "", "nan", 2));
+  REQUIRE(WaitUntil([&] { return Series(daemon, "pretrain", "train/nan_iterations").count(128) == 1; },
+                    std::chrono::seconds(60)));
+  CHECK(Series(daemon, "pretrain", "train/nan_iterations").at(128) == 2);
+  CHECK(std::isnan(Series(daemon, "pretrain", "grad/norm/total").at(128)));
+  CHECK(Series(daemon, "pretrain", "train/loss").count(128) == 0);
+  REQUIRE(WaitUntil([&] {
+    const std::string alerts = Cli(daemon, {"alerts", "pretrain", "--json"}).out;
+    return alerts.find("train/nan_iterations") != std::string::npos;
+  }, std::chrono::seconds(60)));
+
+  // The job crashed and resumed from its checkpoint at step 126: the daemon replaces 126 on.
+  Append(log, MegatronLine(126, "2.400000E+00", "0.300", 0) + MegatronLine(127, "2.390000E+00", "0.290", 0));
+  REQUIRE(WaitUntil([&] {
+    const auto grad = Series(daemon, "pretrain", "grad/norm/total");
+    return grad.size() == 6 && grad.count(128) == 0 && grad.count(127) != 0 && std::abs(grad.at(127) - 0.29) < 1e-9;
+  }, std::chrono::seconds(60)));
+
+  tail.Signal(SIGTERM);
+  const CommandResult r = tail.Wait(std::chrono::seconds(60));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const json summary = json::parse(r.out);
+  CHECK(summary["format"] == "megatron");
+  CHECK(summary["run"] == "pretrain");
+  CHECK(summary["unparsed_lines"] == 1);
+  CHECK(summary["first_unparsed"][0]["line"] == 1);
+  CHECK(summary["rotations"] == 1);
+  CHECK(summary["truncations"] == 1);
+  CHECK(summary["resumes"] == 1);
+  CHECK(summary["steps_sent"] == 9);
+  CHECK(summary["complete"] == true);
+  CHECK(summary["ended"] == "SIGTERM");
+  CHECK(r.err.find("pretrain.log:1: not parsed: using world size") != std::string::npos);
+}
+
+TEST_CASE("tail reads every trainer's format from a pipe into the series of the JSONL keys", "[integration]") {
+  DaemonProcess daemon;
+  struct Case {
+    std::string fixture, format;
+    std::string key;  // a series its lines fill
+  };
+  const std::vector<Case> cases = {
+      {"megatron_lm.log", "megatron", "grad/norm/total"},
+      {"megatron_deepspeed.log", "megatron", "train/loss"},
+      {"deepspeed.log", "deepspeed", "optim/learning_rate"},
+      {"hf_trainer.log", "hf", "grad/norm/total"},
+      {"torchtitan.log", "torchtitan", "train/loss"},
+      {"nanogpt.log", "nanogpt", "train/loss"},
+      {"llmc.log", "llmc", "grad/norm/total"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.fixture);
+    const std::string run = "piped-" + c.format + "-" + std::filesystem::path(c.fixture).stem().string();
+    const CommandResult r = RunCommand(
+        {CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-", "--run", run, "--finish"},
+        ReadFile(kFixtures / c.fixture), std::chrono::seconds(120));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    const json summary = json::parse(r.out);
+    CHECK(summary["format"] == c.format);
+    CHECK(summary["complete"] == true);
+    CHECK(summary["finished"] == true);
+    CHECK(summary["daemon_errors"].empty());
+    CHECK(summary["ended"] == "end of input");
+    CHECK(summary["metric_lines"].get<uint64_t>() > 0);
+    CHECK(summary["steps_sent"].get<uint64_t>() > 0);
+    CHECK_FALSE(Series(daemon, run, c.key).empty());
+  }
+
+  // Output with no metric line of any format: said so, nothing sent, no run made.
+  const CommandResult none = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "tail", "-", "--run", "no-metrics"},
+      std::string("Loading checkpoint shards: 100%\nTraceback (most recent call last):\n"), std::chrono::seconds(60));
+  CHECK(none.exit_code == 1);
+  CHECK(none.err.find("no line of - was a metric line") != std::string::npos);
+  CHECK(Cli(daemon, {"show", "no-metrics"}).exit_code == 1);
+
+  // The Hugging Face Trainer prints no step: a progress bar on the same output gives it.
+  const std::string hf = "{'loss': 2.0, 'grad_norm': 1.5, 'learning_rate': 5e-05, 'epoch': 0.1}\n"
+                         " 10%|█         | 20/200 [00:10<01:30,  2.00it/s]\n"
+                         "{'loss': 1.8, 'grad_norm': 1.25, 'learning_rate': 4e-05, 'epoch': 0.2}\n";
+  const CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-", "--run",
+                                      "hf-steps", "--step-interval", "10"},
+                                     hf, std::chrono::seconds(120));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const auto grad = Series(daemon, "hf-steps", "grad/norm/total");
+  REQUIRE(grad.size() == 2);
+  CHECK(grad.at(10) == 1.5);   // the first dict: 1 × --step-interval
+  CHECK(grad.at(20) == 1.25);  // the bar said 20
+}
+
+TEST_CASE("tail of JSONL grows the catalog as new parameters appear, and a daemon restart loses nothing",
+          "[integration]") {
+  DaemonProcess daemon;
+  std::string lines;
+  for (int step = 1; step <= 40; ++step) {
+    lines += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": 2.0, "grad/norm/total": 0.5)";
+    lines += R"(, "params/norm/final_norm.weight": )" + std::to_string(10.0 + step);
+    if (step > 20) lines += R"(, "grad/norm/lm_head.weight": 0.25)";
+    lines += "}\n";
+  }
+  const CommandResult r = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-", "--run", "jsonl-tail", "--finish"},
+      lines, std::chrono::seconds(120));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(json::parse(r.out)["steps_sent"] == 40);
+  const json show = json::parse(Cli(daemon, {"show", "jsonl-tail", "--json"}).out);
+  REQUIRE(show["params"].size() == 2);
+  CHECK(show["params"][0]["name"] == "final_norm.weight");
+  CHECK(show["params"][0]["kind"] == "PARAM_KIND_NORM_GAIN");
+  CHECK(show["params"][1]["name"] == "lm_head.weight");
+  CHECK(Series(daemon, "jsonl-tail", "params/norm/final_norm.weight").at(40) == 50.0);
+  CHECK(Series(daemon, "jsonl-tail", "grad/norm/lm_head.weight").size() == 20);
+}
+
+TEST_CASE("the sidecar recipe runs a trainer unchanged, streams its log and exits with its status",
+          "[integration]") {
+  DaemonProcess daemon;
+  TempDir dir("gradwatch-sidecar");
+  const std::filesystem::path trainer = dir.path() / "trainer.sh";
+  {
+    std::ofstream out(trainer);
+    out << "#!/bin/sh\n"
+        << "for i in 1 2 3 4 5; do echo \"iter $((i * 10)): loss 3.$i, time 220.50ms, mfu 1.69%\"; done\n"
+        << "echo 'Traceback: CUDA error' >&2\n"
+        << "exit 3\n";
+  }
+  std::filesystem::permissions(trainer, std::filesystem::perms::owner_all);
+  const std::string script = std::string(GRADWATCH_SOURCE_DIR) + "/deploy/examples/gradwatch-sidecar.sh";
+  const CommandResult r = RunCommand({"bash", script, "--run", "sidecar", "--gradwatch", CliBinaryPath(), "--addr",
+                                      daemon.grpc_target(), "--", trainer.string()},
+                                     std::nullopt, std::chrono::seconds(120));
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 3);  // the trainer's status
+  CHECK(r.out.find("iter 50: loss 3.5") != std::string::npos);  // its output, unchanged
+  CHECK(r.out.find("Traceback: CUDA error") != std::string::npos);
+  const auto loss = Series(daemon, "sidecar", "train/loss");
+  REQUIRE(loss.size() == 5);
+  CHECK(loss.at(50) == Approx(3.5));
+  const json show = json::parse(Cli(daemon, {"show", "sidecar", "--json"}).out);
+  CHECK(show.dump().find("RUN_STATE_FINISHED") != std::string::npos);
+}
