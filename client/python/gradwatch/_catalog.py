@@ -8,6 +8,7 @@ series under its own name.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -113,8 +114,10 @@ def to_float(key: str, value: Any) -> float:
         raise TypeError(f"metric {key!r}: {value!r} is not a number ({e})") from None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def split_key(key: str):
-    """(field, param) for a per-parameter key, else None."""
+    """(field, param) for a per-parameter key, else None. Cached: a trainer sends the same keys
+    every step."""
     if key == TOTAL_GRAD:
         return None
     for prefix, field in ((GRAD_PREFIX, "grad"), (PARAM_PREFIX, "param"), (UPDATE_PREFIX, "update")):

@@ -298,7 +298,7 @@ class Monitor:
             return acked is not None and acked >= self._owed_through
         return True
 
-    def _message_locked(self, item: _Item) -> pb.TrainerMessage:
+    def _message(self, item: _Item) -> pb.TrainerMessage:
         if item.kind == "event":
             return pb.TrainerMessage(seq=item.seq, event=pb.Event(step=item.step, text=item.text))
         if item.kind == "goodbye":
@@ -340,7 +340,9 @@ class Monitor:
             if item.kind == "goodbye" and any(i.kind != "goodbye" for i in self._inflight):
                 break  # sent once everything before it is durable
             self._pending.popleft()
-            self._outbox.put(self._message_locked(item))
+            # Built into a message on the stream's thread, not the trainer's: the catalog's indexes
+            # never change once given, so reading them there needs no lock.
+            self._outbox.put(item)
             if item.kind == "step":
                 unacked_steps += 1
                 self._stats.sent += 1
@@ -359,7 +361,7 @@ class Monitor:
             message = outbox.get()
             if message is _END:
                 return
-            yield message
+            yield self._message(message) if isinstance(message, _Item) else message
 
     def _run_loop(self) -> None:
         backoff = self._initial_backoff

@@ -78,6 +78,9 @@ class Watch:
         self.remediation = remediation
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
+        self._grad_keys = [f"grad/norm/{n}" for n in self.names]
+        self._param_keys = [f"params/norm/{n}" for n in self.names]
+        self._update_keys = [f"updates/norm/{n}" for n in self.names]
         self.params = [p for _, p in named]
         decay: Dict[int, float] = {}
         for group in optimizer.param_groups:
@@ -142,30 +145,35 @@ class Watch:
         return self.monitor.log(step, out, squared=self._squared)
 
     def _norm_metrics(self) -> Dict[str, float]:
+        # Under no_grad the norms track no autograd history: no detach() per tensor is needed.
         with torch.no_grad():
             have_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
-            grads = _norms([self.params[i].grad.detach() for i in have_grad])
-            weights = _norms([p.detach() for p in self.params])
+            grads = _norms([self.params[i].grad for i in have_grad])
+            weights = _norms(self.params)
             updates: List[torch.Tensor] = []
             if self._before is not None:
-                updates = _norms([p.detach() - b for p, b in zip(self.params, self._before)])
+                updates = _norms(torch._foreach_sub(self.params, self._before)
+                                 if hasattr(torch, "_foreach_sub") else
+                                 [p - b for p, b in zip(self.params, self._before)])
                 for b, p in zip(self._before, self.params):
-                    b.copy_(p.detach())
+                    b.copy_(p)
             parts = grads + weights + updates
             # One device-to-host copy: every norm, squared, in one tensor.
             squares = (torch.stack(parts).double() ** 2).cpu().tolist() if parts else []
-        value = (lambda sq: sq) if self._squared else (lambda sq: sq ** 0.5)
-        out: Dict[str, float] = {}
-        for k, i in enumerate(have_grad):
-            out[f"grad/norm/{self.names[i]}"] = value(squares[k])
+        total = sum(squares[: len(have_grad)])
+        if not self._squared:
+            squares = [sq ** 0.5 for sq in squares]
+            total = total ** 0.5
+        n_grads = len(have_grad)
+        if n_grads == len(self.params):
+            out: Dict[str, float] = dict(zip(self._grad_keys, squares))
+        else:
+            out = {self._grad_keys[i]: squares[k] for k, i in enumerate(have_grad)}
         if have_grad:
-            out["grad/norm/total"] = value(sum(squares[: len(have_grad)]))
-        base = len(have_grad)
-        for i, name in enumerate(self.names):
-            out[f"params/norm/{name}"] = value(squares[base + i])
-        base += len(self.names)
-        for i in range(len(updates)):
-            out[f"updates/norm/{self.names[i]}"] = value(squares[base + i])
+            out["grad/norm/total"] = total
+        out.update(zip(self._param_keys, squares[n_grads:n_grads + len(self.params)]))
+        if updates:
+            out.update(zip(self._update_keys, squares[n_grads + len(self.params):]))
         return out
 
     def close(self, finished: bool = True, timeout: float = 30.0) -> bool:
