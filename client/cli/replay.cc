@@ -142,9 +142,7 @@ ReplayPlan ScanReplay(std::istream& in) {
   return plan;
 }
 
-std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const std::string& file) {
-  if (!flag.empty()) return flag;
-  if (plan.header && !plan.header->run.empty()) return plan.header->run;
+std::string RunIdFromFileName(const std::string& file) {
   std::string stem = std::filesystem::path(file).stem().string();
   for (char& c : stem) {
     const bool allowed = std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' ||
@@ -152,6 +150,13 @@ std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const s
     if (!allowed) c = '-';
   }
   if (stem.size() > 128) stem.resize(128);
+  return stem;
+}
+
+std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const std::string& file) {
+  if (!flag.empty()) return flag;
+  if (plan.header && !plan.header->run.empty()) return plan.header->run;
+  std::string stem = RunIdFromFileName(file);
   return stem.empty() ? "replay" : stem;
 }
 

@@ -64,6 +64,10 @@ inline constexpr size_t kMaxBadLinesKept = 100;
 // Reads the whole stream once: header, catalog, counts and bad lines.
 ReplayPlan ScanReplay(std::istream& in);
 
+// A file's stem with the characters the daemon does not accept in a run id replaced by '-', at
+// most 128 bytes; empty for a name with no stem.
+std::string RunIdFromFileName(const std::string& file);
+
 // The run id: `flag` if set, else the header's, else the file's stem with characters the daemon
 // does not accept in a run id replaced by '-'.
 std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const std::string& file);

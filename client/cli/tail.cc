@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <filesystem>
 #include <memory>
 #include <unordered_map>
 
@@ -30,17 +29,6 @@ constexpr std::string_view kSkippedKey = "train/skipped_iterations";
 constexpr std::string_view kGradPrefix = "grad/norm/";
 constexpr std::string_view kParamPrefix = "params/norm/";
 constexpr std::string_view kUpdatePrefix = "updates/norm/";
-
-std::string RunIdFromFile(const std::string& file) {
-  std::string stem = std::filesystem::path(file).stem().string();
-  for (char& c : stem) {
-    const bool allowed = std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' ||
-                         c == '/' || c == '-';
-    if (!allowed) c = '-';
-  }
-  if (stem.size() > 128) stem.resize(128);
-  return stem;
-}
 
 // A per-parameter key of a JSONL line: its parameter and which norm; nullopt for other keys.
 std::optional<std::pair<std::string, int>> ParamKey(const std::string& key) {
@@ -272,7 +260,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   }
   TailSummary summary;
   summary.file = options.file;
-  summary.run = !options.run.empty() ? options.run : options.file == "-" ? "" : RunIdFromFile(options.file);
+  summary.run = !options.run.empty() ? options.run : options.file == "-" ? "" : RunIdFromFileName(options.file);
   if (summary.run.empty()) {
     err << "gradwatch: standard input has no name: give the run with --run\n";
     return kExitUsage;

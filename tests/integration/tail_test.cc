@@ -249,3 +249,28 @@ TEST_CASE("the sidecar recipe runs a trainer unchanged, streams its log and exit
   const json show = json::parse(Cli(daemon, {"show", "sidecar", "--json"}).out);
   CHECK(show.dump().find("RUN_STATE_FINISHED") != std::string::npos);
 }
+
+TEST_CASE("tail --pid ends when the trainer's process exits and --finish records the run as finished",
+          "[integration]") {
+  DaemonProcess daemon;
+  TempDir dir("gradwatch-tail-pid");
+  const std::filesystem::path log = dir.path() / "train.log";
+  Append(log, "iter 10: loss 3.1459, time 220.50ms, mfu 1.69%\niter 20: loss 2.7319, time 221.44ms, mfu 1.69%\n");
+  BackgroundCommand trainer({"sleep", "600"});
+  BackgroundCommand tail({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", log.string(), "--pid",
+                          std::to_string(trainer.pid()), "--finish"});
+  REQUIRE(WaitUntil([&] { return Series(daemon, "train", "train/loss").size() == 2; }, std::chrono::seconds(60)));
+  Append(log, "iter 30: loss 2.5000, time 221.00ms, mfu 1.69%\n");
+  REQUIRE(WaitUntil([&] { return Series(daemon, "train", "train/loss").size() == 3; }, std::chrono::seconds(60)));
+  CHECK(tail.running());  // a followed file has no end of its own
+  trainer.Signal(SIGKILL);
+  trainer.Wait(std::chrono::seconds(30));  // reaped: a zombie would still answer kill(pid, 0)
+  const CommandResult r = tail.Wait(std::chrono::seconds(60));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const json summary = json::parse(r.out);
+  CHECK(summary["ended"] == "process " + std::to_string(trainer.pid()) + " exited");
+  CHECK(summary["steps_sent"] == 3);
+  CHECK(summary["finished"] == true);
+  CHECK(Cli(daemon, {"show", "train", "--json"}).out.find("RUN_STATE_FINISHED") != std::string::npos);
+}

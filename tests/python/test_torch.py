@@ -2,6 +2,7 @@
 
 import os
 import socket
+import sys
 import unittest
 
 import torch
@@ -12,14 +13,8 @@ import gradwatch.torch as gwt
 from gradwatch.v1 import gradwatch_pb2 as pb
 from support import Daemon
 
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "examples"))
+from tiny_trainer import RMSNorm  # noqa: E402
 
 
 class Tiny(torch.nn.Module):

@@ -22,6 +22,18 @@ Rule LoadOne(const std::string& body) {
   return (*rules)[0];
 }
 
+// The default rule set's rule of this kind (the last one, when there are several).
+Rule DefaultRule(RuleKind kind) {
+  auto rules = LoadDefaultRules();
+  REQUIRE(rules.ok());
+  const Rule* rule = nullptr;
+  for (const Rule& r : *rules) {
+    if (r.kind == kind) rule = &r;
+  }
+  REQUIRE(rule);
+  return *rule;
+}
+
 RunFacts Facts(std::vector<SeriesValue> latest) {
   RunFacts f;
   f.run_id = "r1";
@@ -202,13 +214,8 @@ TEST_CASE("growth_without_decay: rising norm gains without decay above the ampli
 }
 
 TEST_CASE("non_finite: NaN or Inf in any norm or the loss", "[alerts]") {
-  auto rules = LoadDefaultRules();
-  REQUIRE(rules.ok());
-  const Rule* rule = nullptr;
-  for (const Rule& r : *rules) {
-    if (r.kind == RuleKind::kNonFinite) rule = &r;
-  }
-  REQUIRE(rule);
+  const Rule nonfinite = DefaultRule(RuleKind::kNonFinite);
+  const Rule* rule = &nonfinite;
   RunFacts facts = Facts({{"grad/norm/total", 0.4},
                           {"params/norm/final_norm.weight", kInf},
                           {"train/loss", NAN},
@@ -225,13 +232,8 @@ TEST_CASE("non_finite: NaN or Inf in any norm or the loss", "[alerts]") {
 
 TEST_CASE("non_finite: a count of NaN iterations above 0 is non-finite, and skipped iterations when listed",
           "[alerts]") {
-  auto rules = LoadDefaultRules();
-  REQUIRE(rules.ok());
-  const Rule* rule = nullptr;
-  for (const Rule& r : *rules) {
-    if (r.kind == RuleKind::kNonFinite) rule = &r;
-  }
-  REQUIRE(rule);
+  const Rule nonfinite = DefaultRule(RuleKind::kNonFinite);
+  const Rule* rule = &nonfinite;
   // A Megatron line with NaN iterations prints no loss: the count is all the rule gets.
   RunFacts facts = Facts({{"train/nan_iterations", 2}, {"train/skipped_iterations", 3}});
   auto cs = Evaluate(*rule, facts);
