@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <thread>
 #include <unordered_map>
 
 #include "client/cli/follow.h"
@@ -24,6 +25,9 @@ using json = nlohmann::ordered_json;
 constexpr size_t kUnparsedInSummary = 5;
 constexpr size_t kUnparsedShown = 100;  // with -v
 constexpr size_t kLinesBeforeFormat = 1000;
+// Steps held while the daemon is away: a pipe's job is never blocked, what does not fit is dropped
+// (counted and reported); a file waits.
+constexpr size_t kQueueCapacity = 10'000;
 constexpr std::string_view kSkippedTotalKey = "train/skipped_iterations_total";
 constexpr std::string_view kSkippedKey = "train/skipped_iterations";
 constexpr std::string_view kGradPrefix = "grad/norm/";
@@ -75,6 +79,7 @@ class Sender {
     catalog_grew_ = false;
     client::MonitorOptions mo;
     mo.address = global_.address;
+    mo.queue_capacity = kQueueCapacity;
     v1::Hello& hello = mo.hello;
     hello.set_run_id(run_);
     hello.set_rank(options_.rank);
@@ -112,12 +117,21 @@ class Sender {
   std::optional<uint64_t> held_through() const { return held_through_; }
 
   bool Log(v1::StepStats stats, const std::function<bool()>& keep_waiting) {
-    if (!blocking_) return monitor_->Log(std::move(stats));
-    // A file is its own buffer: wait for the daemon rather than drop, for as long as it takes.
-    for (;;) {
-      if (monitor_->LogBlocking(stats, std::chrono::seconds(1))) return true;
-      if (!keep_waiting() || monitor_->Stats().rejected) return false;
+    if (blocking_) {
+      // A file is its own buffer: wait for room (the daemon away) rather than drop, for as long
+      // as it takes, or until the tail is stopped; a step left unsent then counts as dropped.
+      for (;;) {
+        const client::MonitorStats now = monitor_->Stats();
+        if (now.rejected) return false;
+        if (now.queued + now.unacked < kQueueCapacity) break;
+        if (!keep_waiting()) {
+          ++dropped_;
+          return false;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
     }
+    return monitor_->Log(std::move(stats));
   }
 
   bool Event(uint64_t step, std::string text) { return monitor_->Event(step, std::move(text)); }

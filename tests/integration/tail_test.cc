@@ -274,3 +274,32 @@ TEST_CASE("tail --pid ends when the trainer's process exits and --finish records
   CHECK(summary["finished"] == true);
   CHECK(Cli(daemon, {"show", "train", "--json"}).out.find("RUN_STATE_FINISHED") != std::string::npos);
 }
+
+TEST_CASE("tail of a file waits out a daemon restart: every line reaches the run, nothing dropped", "[integration]") {
+  DaemonOptions options;
+  options.listen = "127.0.0.1:" + std::to_string(FreeLoopbackPort());  // the tail reconnects to the same port
+  DaemonProcess daemon(options);
+  TempDir dir("gradwatch-tail-restart");
+  const std::filesystem::path log = dir.path() / "job.log";
+  std::string first, second;
+  for (int step = 1; step <= 50; ++step) {
+    (step <= 20 ? first : second) +=
+        "step " + std::to_string(step) + "/50 | loss 3.0 (+nanz)| norm 1.5 (+nanz)| lr 3.00e-04 | 44.57 ms\n";
+  }
+  Append(log, first);
+  BackgroundCommand tail({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", log.string()});
+  REQUIRE(WaitUntil([&] { return Series(daemon, "job", "train/loss").size() == 20; }, std::chrono::seconds(60)));
+  daemon.Signal(SIGKILL);
+  daemon.Stop();
+  Append(log, second);  // read while the daemon is away: held, sent once it is back
+  daemon.Restart();
+  REQUIRE(WaitUntil([&] { return Series(daemon, "job", "train/loss").size() == 50; }, std::chrono::seconds(120)));
+  tail.Signal(SIGTERM);
+  const CommandResult r = tail.Wait(std::chrono::seconds(60));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const json summary = json::parse(r.out);
+  CHECK(summary["steps_sent"] == 50);
+  CHECK(summary["dropped_steps"] == 0);
+  CHECK(summary["complete"] == true);
+}
