@@ -17,6 +17,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "client/cli/daemon_messages.h"
 #include "client/cli/format.h"
 #include "client/cli/signal_watch.h"
 #include "client/lib/monitor.h"
@@ -29,70 +30,10 @@ using Clock = std::chrono::steady_clock;
 using json = nlohmann::ordered_json;
 
 constexpr size_t kSkippedInSummary = 5;
-constexpr size_t kDaemonMessagesShown = 100;
 constexpr auto kProgressInterval = std::chrono::milliseconds(200);
 // Steps read from the file ahead of the flow-control window: this many, and this many bytes.
 constexpr size_t kReadAheadSteps = 64;
 constexpr size_t kReadAheadBytes = 4 << 20;
-
-std::string ReasonShortName(const std::string& reason) {
-  constexpr std::string_view kPrefix = "ERROR_REASON_";
-  return reason.rfind(kPrefix, 0) == 0 ? reason.substr(kPrefix.size()) : reason;
-}
-
-// Daemon messages arrive on the Monitor's reader thread; the main thread prints them, so that
-// `err` is only ever written from one thread. At most kDaemonMessagesShown of each are kept.
-class DaemonMessages {
- public:
-  void AddError(const v1::Error& e) {
-    std::lock_guard lock(mu_);
-    if (errors_seen_++ < kDaemonMessagesShown) errors_.push_back(e);
-  }
-  void AddAlert(const v1::Alert& a) {
-    std::lock_guard lock(mu_);
-    if (alerts_seen_++ < kDaemonMessagesShown) alerts_.push_back(a);
-  }
-  void Print(const std::string& file, const std::unordered_map<uint64_t, uint64_t>& line_of_step,
-             std::ostream& err) {
-    std::vector<v1::Error> errors;
-    std::vector<v1::Alert> alerts;
-    bool announce_limit = false;
-    {
-      std::lock_guard lock(mu_);
-      errors.swap(errors_);
-      alerts.swap(alerts_);
-      if (errors_seen_ > kDaemonMessagesShown && !limit_announced_) {
-        announce_limit = limit_announced_ = true;
-      }
-    }
-    for (const v1::Error& e : errors) {
-      auto it = line_of_step.find(e.step());
-      err << file;
-      if (it != line_of_step.end()) err << ":" << it->second;
-      err << ": daemon error at step " << e.step() << " ("
-          << ReasonShortName(v1::ErrorReason_Name(e.reason())) << "): " << e.message() << "\n";
-    }
-    if (announce_limit) err << file << ": further daemon errors are only counted\n";
-    for (const v1::Alert& a : alerts) {
-      std::string state = v1::AlertState_Name(a.state());
-      if (state.rfind("ALERT_STATE_", 0) == 0) state.erase(0, 12);
-      err << "alert " << a.name() << " " << state << " at step " << a.step() << ", value "
-          << FormatValue(a.value());
-      if (auto s = a.annotations().find("summary"); s != a.annotations().end()) {
-        err << ": " << s->second;
-      }
-      err << "\n";
-    }
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<v1::Error> errors_;
-  std::vector<v1::Alert> alerts_;
-  size_t errors_seen_ = 0;
-  size_t alerts_seen_ = 0;
-  bool limit_announced_ = false;
-};
 
 void ClearProgress(bool progress, std::ostream& err) {
   if (progress) err << "\r\033[K" << std::flush;

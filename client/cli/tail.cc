@@ -11,6 +11,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "client/cli/daemon_messages.h"
 #include "client/cli/follow.h"
 #include "client/cli/format.h"
 #include "client/cli/signal_watch.h"
@@ -52,8 +53,13 @@ std::optional<std::pair<std::string, int>> ParamKey(const std::string& key) {
 class Sender {
  public:
   Sender(const GlobalOptions& global, const TailOptions& options, std::string run, bool blocking,
-         std::function<void(const std::string&)> notice)
-      : global_(global), options_(options), run_(std::move(run)), blocking_(blocking), notice_(std::move(notice)) {}
+         std::function<void(const std::string&)> notice, DaemonMessages* messages)
+      : global_(global),
+        options_(options),
+        run_(std::move(run)),
+        blocking_(blocking),
+        notice_(std::move(notice)),
+        messages_(messages) {}
 
   ~Sender() { Close(); }
 
@@ -87,6 +93,8 @@ class Sender {
     hello.set_client("gradwatch-tail/0.1.0");
     if (resume_from) hello.set_resume_from_step(*resume_from);
     for (const v1::ParamInfo& p : params_) *hello.add_params() = p;
+    mo.on_error = [this](const v1::Error& e) { messages_->AddError(e); };
+    mo.on_alert = [this](const v1::Alert& a) { messages_->AddAlert(a); };
     mo.on_accepted = [this](const v1::Accepted& a) {
       if (a.has_received_step()) last_received_.store(a.last_received_step() + 1);
     };
@@ -181,6 +189,7 @@ class Sender {
   std::string run_;
   bool blocking_;
   std::function<void(const std::string&)> notice_;
+  DaemonMessages* messages_;
   std::unique_ptr<client::Monitor> monitor_;
   const client::Monitor* accounted_ = nullptr;
   std::vector<v1::ParamInfo> params_;
@@ -191,11 +200,6 @@ class Sender {
   uint64_t dropped_ = 0;
   std::map<std::string, uint64_t> errors_;
 };
-
-std::string ReasonShortName(const std::string& reason) {
-  constexpr std::string_view kPrefix = "ERROR_REASON_";
-  return reason.rfind(kPrefix, 0) == 0 ? reason.substr(kPrefix.size()) : reason;
-}
 
 }  // namespace
 
@@ -293,8 +297,11 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   fo.path = options.file;
   fo.notice = [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; };
   LineFollower follower(std::move(fo));
+  // The daemon's errors and alerts (a page, with its recommendation) are shown as they arrive.
+  DaemonMessages messages;
+  const std::unordered_map<uint64_t, uint64_t> no_line_numbers;
   Sender sender(global, options, summary.run, follower.follows_file(),
-                [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; });
+                [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; }, &messages);
   const auto stall = std::chrono::milliseconds(static_cast<int64_t>(options.stall_timeout_seconds * 1000));
 
   std::optional<uint64_t> last_step;     // the last step sent (or held by the daemon)
@@ -381,7 +388,11 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     held_step.reset();
     return send_step(step, held_values);
   };
-  const auto keep_waiting_after_flush = [&] { return flush_held() && keep_waiting(); };
+  const auto keep_waiting_after_flush = [&] {
+    const bool sent = flush_held();
+    messages.Print(options.file, no_line_numbers, err);
+    return sent && keep_waiting();
+  };
 
   // One cleaned line of a known format; false when the daemon cannot be reached.
   const auto handle = [&](uint64_t line_number, const std::string& cleaned) -> bool {
@@ -466,6 +477,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
       if (!ok) break;
     }
     if (!handle(summary.lines, cleaned)) break;
+    messages.Print(options.file, no_line_numbers, err);
   }
   // No line was recognised: the lines kept are what was not parsed.
   for (const auto& [number, text] : before_format) {
@@ -502,6 +514,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   summary.truncations = follower.truncations();
   summary.rotations = follower.rotations();
   sender.Close();
+  messages.Print(options.file, no_line_numbers, err);
 
   if (global.json) {
     out << TailSummaryToJson(summary).dump(2) << "\n";

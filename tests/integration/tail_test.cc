@@ -138,6 +138,8 @@ TEST_CASE("tail follows a log file that appears late, is rotated and truncated, 
   CHECK(summary["complete"] == true);
   CHECK(summary["ended"] == "SIGTERM");
   CHECK(r.err.find("pretrain.log:1: not parsed: using world size") != std::string::npos);
+  // The daemon's alert on the stream is shown where the job's output is watched.
+  CHECK(r.err.find("alert NonFiniteValue FIRING at step 128") != std::string::npos);
 }
 
 TEST_CASE("tail reads every trainer's format from a pipe into the series of the JSONL keys", "[integration]") {
