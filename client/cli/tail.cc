@@ -436,12 +436,13 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     }
     for (auto& value : stepless) record->values.insert(record->values.begin(), std::move(value));
     stepless.clear();
-    for (auto& [key, value] : record->values) {
+    for (auto& value : record->values) {
+      const std::string& key = value.first;
       auto same = std::find_if(held_values.begin(), held_values.end(), [&](const auto& v) { return v.first == key; });
       if (same != held_values.end()) {
-        same->second = value;
+        same->second = value.second;
       } else {
-        held_values.emplace_back(key, value);
+        held_values.push_back(std::move(value));
       }
     }
     return true;
