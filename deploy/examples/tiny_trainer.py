@@ -127,8 +127,9 @@ def parse_args(argv=None):
     return args
 
 
-def train(args, hook: Optional[Callable[..., None]] = None) -> int:
-    """Trains; `hook(step, model, loss, optimizer)` runs after each optimizer step, before zero_grad."""
+def train(args, hook: Optional[Callable[..., None]] = None, on_watch: Optional[Callable[..., None]] = None) -> int:
+    """Trains; `hook(step, model, loss, optimizer)` runs after each optimizer step, before zero_grad;
+    `on_watch(watch)` is handed the gradwatch Watch once it is made."""
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
@@ -146,6 +147,8 @@ def train(args, hook: Optional[Callable[..., None]] = None) -> int:
                       init_norms=first == 1, remediation=remedy, on_alert=remedy,
                       config={"weight_decay": args.weight_decay, "optimizer": "adamw", "hidden_size": args.dim},
                       resume_from_step=first if args.resume else None)
+    if on_watch is not None:
+        on_watch(watch)
     for step in range(first, args.steps + 1):
         tokens = batch(step, args)
         logits = model(tokens[:, :-1])

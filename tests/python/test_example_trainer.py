@@ -9,7 +9,7 @@ import unittest
 import torch
 
 from gradwatch.v1 import gradwatch_pb2 as pb
-from support import Daemon
+from support import Daemon, wait_for
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "examples"))
 import tiny_trainer  # noqa: E402
@@ -114,8 +114,13 @@ class TinyTrainerTest(unittest.TestCase):
 
         def hook(step, model, loss, optimizer):
             seen["model"], seen["optimizer"] = model, optimizer
+            if step == 10:
+                # The rule fired at step 3 on the daemon; its alert reaches the trainer's stream when
+                # it does (later under a sanitizer): wait for it, so that a later step applies it.
+                remedy = seen["watch"].remediation
+                wait_for(lambda: bool(remedy.pending or remedy.applied), 60, "the contingency alert at the trainer")
 
-        self.assertEqual(tiny_trainer.train(args, hook), 0)
+        self.assertEqual(tiny_trainer.train(args, hook, on_watch=lambda w: seen.update(watch=w)), 0)
         opt, model = seen["optimizer"], seen["model"]
         # The final norm's weight now sits alone in a group with the run's decay.
         final = model.final_norm.weight

@@ -239,6 +239,12 @@ class Remediation:
             if name not in self.applied:
                 self._due[name] = wd
 
+    @property
+    def pending(self) -> Dict[str, float]:
+        """Parameters a fired alert named, not yet moved (apply() moves them): name -> weight decay."""
+        with self._lock:
+            return dict(self._due)
+
     def apply(self) -> List[str]:
         """Moves the parameters due into their own param group; returns the events to report."""
         with self._lock:
