@@ -147,9 +147,14 @@ Status Daemon::Start() {
 
   collector_ = std::make_unique<exporter::MetricsCollector>(registry_.get(), stats_.get(), journal_.get());
   Alerting* alerting = alerting_.get();
-  alert_collector_ = std::make_unique<exporter::AlertMetricsCollector>([alerting] {
+  alert_collector_ = std::make_unique<exporter::AlertMetricsCollector>([alerting, registry] {
     exporter::AlertingView view;
     view.active = alerting->engine().Active();
+    for (const alerts::Alert& a : view.active) {
+      const auto run = a.labels.find("run");
+      if (run == a.labels.end() || view.run_labels.count(run->second) != 0) continue;
+      if (auto found = registry->Find(run->second)) view.run_labels.emplace(run->second, found->Info().labels);
+    }
     view.silences = alerting->engine().Silences().size();
     view.firing_transitions = alerting->firing_transitions();
     view.resolved_transitions = alerting->resolved_transitions();

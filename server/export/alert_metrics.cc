@@ -1,5 +1,6 @@
 #include "server/export/alert_metrics.h"
 
+#include <map>
 #include <string>
 
 #include "server/export/text_format.h"
@@ -13,12 +14,22 @@ void AlertMetricsCollector::Render(Exposition& exposition) const {
                      "Alerts pending or firing: 1 per alert, with its labels and alertstate (as Prometheus's ALERTS).",
                      MetricType::kGauge);
   std::string labels;
+  static const std::map<std::string, std::string> kNoLabels;
   for (const alerts::Alert& a : view.active) {
     labels.clear();
     AppendLabel(labels, "alertname", a.name, true);
     AppendLabel(labels, "alertstate", alerts::AlertStateName(a.state));
+    const auto run = a.labels.find("run");
+    const auto of_run = run == a.labels.end() ? view.run_labels.end() : view.run_labels.find(run->second);
+    const auto& run_labels = of_run == view.run_labels.end() ? kNoLabels : of_run->second;
     for (const auto& [name, value] : a.labels) {
-      if (name != "alertname" && name != "alertstate") AppendLabel(labels, name, value);
+      if (name == "alertname" || name == "alertstate" || name == "run") {
+        if (name == "run") AppendLabel(labels, name, value);
+        continue;
+      }
+      const auto inherited = run_labels.find(name);
+      if (inherited != run_labels.end() && inherited->second == value) continue;
+      AppendLabel(labels, name, value);
     }
     AppendSample(out, "gradwatch_alerts", labels, 1);
   }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <vector>
 
 #include "alerts/alert.h"
@@ -21,6 +22,10 @@ struct AlertingView {
   uint64_t resolved_transitions = 0;  // since start
   uint64_t store_write_failures = 0;  // since start
   std::vector<notify::ReceiverStats> receivers;
+  // Each run's own labels: an alert's label that is one of them (same name and value) is left off
+  // gradwatch_alerts, where gradwatch_run_info carries it, so that a run label named job or
+  // instance never meets Prometheus's target labels.
+  std::map<std::string, std::map<std::string, std::string>> run_labels;
 };
 
 class AlertMetricsCollector {

@@ -55,6 +55,7 @@ enum RunFamily : size_t {
   kGroupGradNormShare,
   kAmplification,
   kGrowthWithoutDecay,
+  kRunInfo,
   kRunFamilyCount,
 };
 
@@ -93,6 +94,9 @@ constexpr std::array<FamilyInfo, kRunFamilyCount> kRunFamilies = {{
     {"gradwatch_norm_amplification", "A norm gain's norm over its initial norm.", MetricType::kGauge},
     {"gradwatch_growth_without_decay_factor",
      "Norm growth over the long window of a parameter with weight decay 0 whose norm rises.", MetricType::kGauge},
+    {"gradwatch_run_info",
+     "1 per run, with the run's own labels as label_<name> (join with group_left); no other series carries them.",
+     MetricType::kGauge},
 }};
 
 // Appends `,name="value"` for an unsigned value (digits need no escaping).
@@ -155,6 +159,11 @@ void MetricsCollector::Render(Exposition& out) {
     ++active;
     run_label.clear();
     AppendLabel(run_label, "run", s.info.run_id, true);
+    // The run's labels (job, cluster, ...) are on this one series, prefixed: a run label named
+    // job or instance must not meet Prometheus's own target labels.
+    labels_ = run_label;
+    for (const auto& [name, value] : s.info.labels) AppendLabel(labels_, "label_" + name, value);
+    sample(kRunInfo, 1);
     labels_ = run_label;
     if (s.total_grad_norm) sample(kTotalGradNorm, *s.total_grad_norm);
     if (s.loss) sample(kLoss, *s.loss);

@@ -95,3 +95,44 @@ TEST_CASE("/metrics is valid text with escaped names, and the same text gzip-com
     CHECK((a[i].value == b[i].value || (std::isnan(a[i].value) && std::isnan(b[i].value))));
   }
 }
+
+TEST_CASE("a run's labels are on gradwatch_run_info alone, as label_<name>, never as job on other series",
+          "[integration]") {
+  DaemonProcess daemon;
+  StreamClient stream(daemon.grpc_target());
+  v1::Hello hello = MakeHello("labelled", 0, 1, kCatalog);  // labels job="it"
+  (*hello.mutable_labels())["instance"] = "node-7";
+  (*hello.mutable_labels())["cluster"] = "eu";
+  REQUIRE(stream.Hello(hello, 1));
+  stream.WaitAccepted();
+  for (uint64_t s = 1; s <= 5; ++s) {
+    v1::StepStats step = Step(s);
+    if (s == 5) step.set_loss(NAN);  // NonFiniteValue fires at once: an alert carrying the run's labels
+    REQUIRE(stream.Step(step, 1 + s));
+  }
+  CHECK(stream.WaitAck(5).durable_step() == 5);
+
+  std::string body;
+  REQUIRE(WaitUntil([&] {
+    body = HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/metrics").body;
+    return ParseMetric(body, "gradwatch_alerts",
+                       {{"alertname", "NonFiniteValue"}, {"alertstate", "firing"}, {"run", "labelled"},
+                        {"series", "train/loss"}, {"severity", "warning"}})
+        .has_value();
+  }));
+  CheckWithPromtool(body);
+  CHECK(ParseMetric(body, "gradwatch_run_info",
+                    {{"run", "labelled"}, {"label_job", "it"}, {"label_instance", "node-7"}, {"label_cluster", "eu"}}) ==
+        1);
+  size_t with_run = 0;
+  for (const MetricSample& s : ParseExposition(body)) {
+    if (s.labels.count("run") == 0) continue;
+    ++with_run;
+    INFO(s.name);
+    CHECK(s.labels.count("job") == 0);
+    CHECK(s.labels.count("instance") == 0);
+    CHECK(s.labels.count("cluster") == 0);
+    if (s.name != "gradwatch_run_info") CHECK(s.labels.count("label_job") == 0);
+  }
+  CHECK(with_run > 20);
+}
