@@ -4,6 +4,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <yaml-cpp/yaml.h>
@@ -117,11 +118,55 @@ Status ReadReceivers(const YAML::Node& node, const std::string& source, const st
   return Status::Ok();
 }
 
+// remote_write: [{url: http://127.0.0.1:9090/api/v1/write, name: tsdb, series: [grad/norm/total],
+//                 queue_config: {max_samples_per_send: 2000, capacity: 1000000},
+//                 remote_timeout_seconds: 30, bearer_token: ...}, ...]
+Status ReadRemoteWrite(const YAML::Node& node, const std::string& source, const std::string& key, Config* c) {
+  if (!node.IsSequence()) return Status::InvalidArgument(Where(source, node, key) + ": must be a list");
+  std::vector<Config::RemoteWrite> out;
+  for (const auto& item : node) {
+    if (!item.IsMap()) return Status::InvalidArgument(Where(source, item, key) + ": each receiver is a mapping");
+    Config::RemoteWrite r;
+    for (const auto& kv : item) {
+      std::string k;
+      if (Status s = ReadKey(kv.first, source, key, &k); !s.ok()) return s;
+      const std::string full = key + "." + k;
+      Status s;
+      if (k == "url") s = Read(kv.second, source, full, &r.url);
+      else if (k == "name") s = Read(kv.second, source, full, &r.name);
+      else if (k == "series") s = Read(kv.second, source, full, &r.series);
+      else if (k == "remote_timeout_seconds") s = Read(kv.second, source, full, &r.remote_timeout_seconds);
+      else if (k == "bearer_token") s = Read(kv.second, source, full, &r.bearer_token);
+      else if (k == "queue_config") {
+        if (!kv.second.IsMap()) return Status::InvalidArgument(Where(source, kv.second, full) + ": must be a mapping");
+        for (const auto& q : kv.second) {
+          std::string qk;
+          if (Status qs = ReadKey(q.first, source, full, &qk); !qs.ok()) return qs;
+          const std::string qfull = full + "." + qk;
+          if (qk == "max_samples_per_send") s = Read(q.second, source, qfull, &r.max_samples_per_send);
+          else if (qk == "capacity") s = Read(q.second, source, qfull, &r.capacity);
+          else s = Status::InvalidArgument(Where(source, q.first, qfull) + ": unknown key");
+          if (!s.ok()) return s;
+        }
+      } else {
+        s = Status::InvalidArgument(Where(source, kv.first, full) + ": unknown key");
+      }
+      if (!s.ok()) return s;
+    }
+    if (r.url.empty()) return Status::InvalidArgument(Where(source, item, key) + ": url is required");
+    if (r.name.empty()) r.name = "remote-write-" + std::to_string(out.size());
+    out.push_back(std::move(r));
+  }
+  c->remote_write = std::move(out);
+  return Status::Ok();
+}
+
 const std::map<std::string, std::map<std::string, Setter>>& Schema() {
   static const auto* kSchema = new std::map<std::string, std::map<std::string, Setter>>{
       {"", {{"listen", Field(&Config::listen)},
             {"metrics_listen", Field(&Config::metrics_listen)},
-            {"data_dir", Field(&Config::data_dir)}}},
+            {"data_dir", Field(&Config::data_dir)},
+            {"remote_write", ReadRemoteWrite}}},
       {"log", {{"format", Field(&Config::log_format)}, {"level", Field(&Config::log_level)}}},
       {"limits", {{"max_message_bytes", Field(&Config::max_message_bytes)},
                   {"max_runs", Field(&Config::max_runs)},
@@ -289,6 +334,22 @@ Status ValidateConfig(const Config& c) {
     if (r.url.empty()) continue;
     if (auto url = notify::ParseUrl(r.url); !url.ok()) {
       return bad("alerts.receivers: receiver '" + r.name + "': url '" + r.url + "': " + url.status().message());
+    }
+  }
+  std::set<std::string> remote_names;
+  for (const Config::RemoteWrite& r : c.remote_write) {
+    const std::string where = "remote_write: receiver '" + r.name + "': ";
+    if (auto url = notify::ParseUrl(r.url); !url.ok()) return bad(where + "url '" + r.url + "': " + url.status().message());
+    if (!remote_names.insert(r.name).second) return bad(where + "two receivers have this name");
+    if (r.max_samples_per_send < 1) return bad(where + "queue_config.max_samples_per_send: must be at least 1");
+    if (r.capacity < r.max_samples_per_send) {
+      return bad(where + "queue_config.capacity: must be at least max_samples_per_send");
+    }
+    if (!(r.remote_timeout_seconds > 0) || !std::isfinite(r.remote_timeout_seconds)) {
+      return bad(where + "remote_timeout_seconds: must be > 0");
+    }
+    for (const std::string& pattern : r.series) {
+      if (pattern.empty()) return bad(where + "series: an empty pattern matches nothing");
     }
   }
   if (auto url = notify::ParseUrl(c.external_url); !url.ok()) {

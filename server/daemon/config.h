@@ -73,6 +73,19 @@ struct Config {
   std::vector<Receiver> receivers;
   std::string external_url = "http://127.0.0.1:9390";  // base of generatorURL links
 
+  // remote_write: [{url: ..., name: ..., series: [...], queue_config: {...}}] at the top level, as
+  // Prometheus names it (exporter::RemoteWriteOptions).
+  struct RemoteWrite {
+    std::string name;
+    std::string url;
+    std::vector<std::string> series;  // series-key patterns ('*' wildcard); empty: every series
+    size_t max_samples_per_send = 2000;
+    size_t capacity = 1'000'000;  // samples queued at most
+    double remote_timeout_seconds = 30;
+    std::string bearer_token;
+  };
+  std::vector<RemoteWrite> remote_write;
+
   bool default_rules = true;            // load alerts/rules/default.yaml (built in)
   std::vector<std::string> rule_files;  // more rule files
 };

@@ -16,9 +16,11 @@
 #include <spdlog/spdlog.h>
 
 #include "server/daemon/alerting.h"
+#include "server/daemon/step_fanout.h"
 #include "server/export/alert_metrics.h"
 #include "server/export/metrics_collector.h"
 #include "server/export/metrics_server.h"
+#include "server/export/remote_write.h"
 #include "server/ingest/ingest_service.h"
 #include "server/ingest/query_service.h"
 #include "server/runs/daemon_stats.h"
@@ -26,6 +28,7 @@
 #include "server/runs/registry.h"
 #include "alerts/notify/receivers.h"
 #include "server/store/journal.h"
+#include "server/store/remote_write_progress.h"
 #include "server/store/snapshots.h"
 #include <malloc.h>
 #include "server/store/alert_store.h"
@@ -74,7 +77,23 @@ Status Daemon::Start() {
   run_options.analytics.forecast_window_steps = config_.forecast_window_steps;
   run_options.analytics.forecasts = config_.forecasts;
   run_options.analytics.change_points.window_steps = config_.change_point_window_steps;
-  run_options.listener = alerting_.get();
+  std::vector<runs::StepListener*> listeners = {alerting_.get()};
+  for (const Config::RemoteWrite& r : config_.remote_write) {
+    exporter::RemoteWriteOptions options;
+    options.name = r.name;
+    options.url = r.url;
+    options.series = r.series;
+    options.max_samples_per_send = r.max_samples_per_send;
+    options.capacity_samples = r.capacity;
+    options.timeout = std::chrono::milliseconds(static_cast<int64_t>(r.remote_timeout_seconds * 1000));
+    options.bearer_token = r.bearer_token;
+    auto writer = exporter::RemoteWriter::Create(std::move(options));
+    if (!writer.ok()) return writer.status();
+    listeners.push_back(writer->get());
+    remote_writers_.push_back(std::move(writer).value());
+  }
+  fanout_ = std::make_unique<StepFanout>(std::move(listeners));
+  run_options.listener = fanout_.get();
   budget_ = std::make_unique<runs::MemoryBudget>(config_.memory_budget_bytes != 0
                                                      ? config_.memory_budget_bytes
                                                      : runs::MemoryBudget::DefaultLimitBytes());
@@ -99,6 +118,15 @@ Status Daemon::Start() {
   registry_->set_snapshots(snapshots_.get());
 
   if (Status s = StartAlerting(journal_options.path); !s.ok()) return s;
+  if (!remote_writers_.empty()) {
+    // Before the runs are read: a run the receiver is behind on publishes the steps it lacks.
+    auto progress = store::RemoteWriteProgress::Open(journal_options.path);
+    if (!progress.ok()) return Status(progress.status().code(), "remote_write: " + progress.status().message());
+    remote_progress_ = std::move(progress).value();
+    for (auto& w : remote_writers_) {
+      if (Status s = w->Start(remote_progress_.get()); !s.ok()) return s;
+    }
+  }
   // The alert engine first: the runs evaluate the journaled steps its saved state does not cover.
   if (Status s = alerting_->RestoreState(clock_->UnixSeconds()); !s.ok()) {
     return Status(s.code(), "restoring alerts from " + journal_options.path + ": " + s.message());
@@ -164,9 +192,16 @@ Status Daemon::Start() {
   });
   exporter::MetricsCollector* collector = collector_.get();
   const exporter::AlertMetricsCollector* alert_collector = alert_collector_.get();
+  std::vector<const exporter::RemoteWriter*> writers;
+  for (const auto& w : remote_writers_) writers.push_back(w.get());
+  const Clock* clock = clock_;
   auto metrics_server = exporter::MetricsServer::Start(
-      config_.metrics_listen, {[collector](exporter::Exposition& out) { collector->Render(out); },
-                               [alert_collector](exporter::Exposition& out) { alert_collector->Render(out); }});
+      config_.metrics_listen,
+      {[collector](exporter::Exposition& out) { collector->Render(out); },
+       [alert_collector](exporter::Exposition& out) { alert_collector->Render(out); },
+       [writers, clock](exporter::Exposition& out) {
+         exporter::RemoteWriter::RenderMetrics(writers, out.NewChunk(), clock->UnixSeconds());
+       }});
   if (!metrics_server.ok()) {
     return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " +
                                metrics_server.status().message());
@@ -356,6 +391,12 @@ void Daemon::Stop(std::chrono::milliseconds grace) {
   if (ticker_.joinable()) ticker_.join();
   if (snapshotter_.joinable()) snapshotter_.join();
   if (alerting_) alerting_->Stop();  // saves how far the alerts were evaluated, which snapshots need
+  for (auto& w : remote_writers_) {
+    if (!w->Drain(grace)) {
+      spdlog::warn("remote_write {}: steps left unsent at shutdown; they are sent after the restart", w->options().name);
+    }
+    w->Stop();
+  }
   metrics_server_.reset();
   // No stream is left: the runs are as the next start will find them; snapshots spare it the
   // replay.

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "server/core/clock.h"
 #include "server/core/status.h"
@@ -26,6 +27,7 @@ namespace store {
 class Journal;
 class AlertStore;
 class SnapshotStore;
+class RemoteWriteProgress;
 }  // namespace store
 namespace ingest {
 class IngestService;
@@ -35,6 +37,7 @@ namespace exporter {
 class MetricsCollector;
 class AlertMetricsCollector;
 class MetricsServer;
+class RemoteWriter;
 }  // namespace exporter
 
 namespace daemon {
@@ -42,6 +45,7 @@ namespace daemon {
 // The service name gRPC health checks ask about for ingest.
 inline constexpr char kIngestServiceName[] = "gradwatch.v1.Ingest";
 class Alerting;
+class StepFanout;
 
 class Daemon {
  public:
@@ -83,6 +87,11 @@ class Daemon {
   std::unique_ptr<runs::DaemonStats> stats_;
   std::unique_ptr<runs::MemoryBudget> budget_;  // outlives registry_: its runs release their charges
   std::unique_ptr<Alerting> alerting_;
+  // remote_write receivers; with alerting_ behind fanout_, the runs' listener. They outlive
+  // registry_, whose runs hold their channels.
+  std::vector<std::unique_ptr<exporter::RemoteWriter>> remote_writers_;
+  std::unique_ptr<StepFanout> fanout_;
+  std::unique_ptr<store::RemoteWriteProgress> remote_progress_;
   std::unique_ptr<runs::RunRegistry> registry_;
   std::unique_ptr<store::Journal> journal_;
   std::unique_ptr<store::AlertStore> alert_store_;  // outlives alerting_'s writer: Stop() stops it first

@@ -1093,7 +1093,8 @@ std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, 
                 std::to_string(journal_branch_) + ")");
   }
   if (channel_ && !channel_->AcceptsRestoreThrough(last_step)) {
-    return fail("the alerting's saved state is older than it, so the steps it covers are evaluated again");
+    return fail("a listener has not seen the steps it covers (the alerting's saved state, or a remote-write "
+                "receiver, is behind it), so they are published again");
   }
   uint64_t step_count = 0, first_step = 0, partial = 0, nonfinite = 0, last_nonfinite = 0, dropped = 0;
   uint64_t speed_count = 0;

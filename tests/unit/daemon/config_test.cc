@@ -143,3 +143,47 @@ TEST_CASE("a config key that is a list or a mapping is an error, not a crash", "
                Catch::Contains("test.yaml:") && Catch::Contains("a key must be a plain name"));
   }
 }
+
+TEST_CASE("remote_write receivers are read at the top level, as Prometheus names them", "[daemon]") {
+  auto c = ParseConfig(
+      "remote_write:\n"
+      "  - url: http://127.0.0.1:9090/api/v1/write\n"
+      "    name: tsdb\n"
+      "    series: [grad/norm/total, '*final_norm*']\n"
+      "    queue_config: {max_samples_per_send: 500, capacity: 10000}\n"
+      "    remote_timeout_seconds: 5\n"
+      "  - url: https://mimir.example.com/api/v1/push\n"
+      "    bearer_token: t0k\n",
+      "rw.yaml");
+  REQUIRE(c.ok());
+  REQUIRE(c->remote_write.size() == 2);
+  const Config::RemoteWrite& a = c->remote_write[0];
+  CHECK(a.name == "tsdb");
+  CHECK(a.url == "http://127.0.0.1:9090/api/v1/write");
+  CHECK(a.series == std::vector<std::string>{"grad/norm/total", "*final_norm*"});
+  CHECK(a.max_samples_per_send == 500);
+  CHECK(a.capacity == 10000);
+  CHECK(a.remote_timeout_seconds == 5);
+  CHECK(c->remote_write[1].name == "remote-write-1");
+  CHECK(c->remote_write[1].bearer_token == "t0k");
+  CHECK(c->remote_write[1].series.empty());
+  CHECK(ValidateConfig(*c).ok());
+
+  auto unknown = ParseConfig("remote_write: [{url: 'http://a/', queue_config: {shards: 4}}]\n", "rw.yaml");
+  REQUIRE_FALSE(unknown.ok());
+  CHECK_THAT(unknown.status().message(), Catch::Contains("remote_write.queue_config.shards: unknown key"));
+  auto no_url = ParseConfig("remote_write: [{name: x}]\n", "rw.yaml");
+  REQUIRE_FALSE(no_url.ok());
+  CHECK_THAT(no_url.status().message(), Catch::Contains("url is required"));
+  for (const auto& [yaml, message] : std::vector<std::pair<std::string, std::string>>{
+           {"remote_write: [{url: 'ftp://a/'}]", "remote_write: receiver 'remote-write-0': url 'ftp://a/'"},
+           {"remote_write: [{url: 'http://a/', name: x}, {url: 'http://b/', name: x}]", "two receivers have this name"},
+           {"remote_write: [{url: 'http://a/', queue_config: {capacity: 10}}]", "queue_config.capacity"},
+           {"remote_write: [{url: 'http://a/', remote_timeout_seconds: 0}]", "remote_timeout_seconds"},
+       }) {
+    auto parsed = ParseConfig(yaml + "\n", "rw.yaml");
+    REQUIRE(parsed.ok());
+    const gradwatch::Status s = ValidateConfig(*parsed);
+    CHECK_THAT(s.message(), Catch::Contains(message));
+  }
+}
