@@ -109,43 +109,7 @@ int main(int argc, char** argv) {
     return kExitConfig;
   }
   if (check_config) {
-    const nlohmann::json shown = {
-        {"listen", config.listen},
-        {"metrics_listen", config.metrics_listen},
-        {"data_dir", config.data_dir},
-        {"log", {{"format", config.log_format}, {"level", config.log_level}}},
-        {"limits",
-         {{"max_message_bytes", config.max_message_bytes},
-          {"max_runs", config.max_runs},
-          {"max_params_per_run", config.max_params_per_run},
-          {"max_series_per_run", config.max_series_per_run},
-          {"max_streams", config.max_streams},
-          {"memory_budget_bytes", config.memory_budget_bytes}}},
-        {"assembly", {{"timeout_seconds", config.assembly_timeout_seconds}}},
-        {"store",
-         {{"recent_points", config.recent_points},
-          {"history_buckets", config.history_buckets},
-          {"param_recent_points", config.param_recent_points},
-          {"param_history_buckets", config.param_history_buckets}}},
-        {"journal", {{"batch_max", config.journal_batch_max}, {"max_delay_ms", config.journal_max_delay_ms}}},
-        {"runs", {{"end_after_seconds", config.run_end_after_seconds}}},
-        {"analytics",
-         {{"windows", config.slope_windows},
-          {"max_buckets", config.slope_max_buckets},
-          {"param_max_buckets", config.slope_param_max_buckets},
-          {"event_window_steps", config.event_window_steps},
-          {"forecast_window_steps", config.forecast_window_steps},
-          {"forecasts", [&] {
-             nlohmann::json list = nlohmann::json::array();
-             for (const auto& [series, threshold] : config.forecasts) {
-               list.push_back({{"series", series}, {"threshold", threshold}});
-             }
-             return list;
-           }()},
-          {"change_point_window_steps", config.change_point_window_steps}}},
-        {"alerts", {{"default_rules", config.default_rules}, {"rule_files", config.rule_files}}},
-    };
-    std::cout << shown.dump(2) << "\nconfiguration OK\n";
+    std::cout << gradwatch::daemon::ConfigJson(config) << "\nconfiguration OK\n";
     return kExitOk;
   }
   if (auto s = gradwatch::daemon::SetUpLogging(config.log_format, config.log_level); !s.ok()) {

@@ -1,5 +1,6 @@
 #include "server/daemon/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -7,6 +8,7 @@
 #include <set>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
 #include "alerts/notify/http_client.h"
@@ -362,6 +364,110 @@ Status CheckConfigFiles(const Config& c) {
   auto rules = LoadConfiguredRules(c.default_rules, c.rule_files, c.run_stalled_after_seconds);
   if (!rules.ok()) return Status::InvalidArgument("alerts.rule_files: " + rules.status().message());
   return Status::Ok();
+}
+
+}  // namespace gradwatch::daemon
+
+namespace gradwatch::daemon {
+
+namespace {
+
+nlohmann::json Secret(const std::string& value) {
+  return value.empty() ? nlohmann::json("") : nlohmann::json("<secret>");
+}
+
+}  // namespace
+
+std::string ConfigJson(const Config& c) {
+  nlohmann::json forecasts = nlohmann::json::array();
+  for (const auto& [series, threshold] : c.forecasts) forecasts.push_back({{"series", series}, {"threshold", threshold}});
+  nlohmann::json receivers = nlohmann::json::array();
+  for (const Config::Receiver& r : c.receivers) {
+    receivers.push_back({{"type", r.type},
+                         {"name", r.name},
+                         {"url", r.url},
+                         {"routing_key", Secret(r.routing_key)},
+                         {"bearer_token", Secret(r.bearer_token)},
+                         {"resend_interval_seconds", r.resend_interval_seconds}});
+  }
+  nlohmann::json remote_write = nlohmann::json::array();
+  for (const Config::RemoteWrite& r : c.remote_write) {
+    remote_write.push_back({{"name", r.name},
+                            {"url", r.url},
+                            {"series", r.series},
+                            {"queue_config", {{"max_samples_per_send", r.max_samples_per_send}, {"capacity", r.capacity}}},
+                            {"remote_timeout_seconds", r.remote_timeout_seconds},
+                            {"bearer_token", Secret(r.bearer_token)}});
+  }
+  const nlohmann::json shown = {
+      {"listen", c.listen},
+      {"metrics_listen", c.metrics_listen},
+      {"data_dir", c.data_dir},
+      {"remote_write", remote_write},
+      {"log", {{"format", c.log_format}, {"level", c.log_level}}},
+      {"limits",
+       {{"max_message_bytes", c.max_message_bytes},
+        {"max_runs", c.max_runs},
+        {"max_params_per_run", c.max_params_per_run},
+        {"max_series_per_run", c.max_series_per_run},
+        {"max_streams", c.max_streams},
+        {"memory_budget_bytes", c.memory_budget_bytes}}},
+      {"assembly", {{"timeout_seconds", c.assembly_timeout_seconds}}},
+      {"store",
+       {{"recent_points", c.recent_points},
+        {"history_buckets", c.history_buckets},
+        {"param_recent_points", c.param_recent_points},
+        {"param_history_buckets", c.param_history_buckets}}},
+      {"journal",
+       {{"batch_max", c.journal_batch_max},
+        {"max_delay_ms", c.journal_max_delay_ms},
+        {"block_steps", c.journal_block_steps},
+        {"snapshot_interval_seconds", c.journal_snapshot_interval_seconds}}},
+      {"runs",
+       {{"end_after_seconds", c.run_end_after_seconds},
+        {"stalled_after_seconds", c.run_stalled_after_seconds},
+        {"retention_seconds", c.run_retention_seconds}}},
+      {"retention", {{"journal_days", c.journal_retention_days}, {"outbox_days", c.outbox_retention_days}}},
+      {"analytics",
+       {{"windows", c.slope_windows},
+        {"max_buckets", c.slope_max_buckets},
+        {"param_max_buckets", c.slope_param_max_buckets},
+        {"event_window_steps", c.event_window_steps},
+        {"forecast_window_steps", c.forecast_window_steps},
+        {"forecasts", forecasts},
+        {"change_point_window_steps", c.change_point_window_steps}}},
+      {"alerts",
+       {{"default_rules", c.default_rules},
+        {"rule_files", c.rule_files},
+        {"receivers", receivers},
+        {"external_url", c.external_url}}},
+  };
+  return shown.dump(2);
+}
+
+std::vector<std::string> ConfigKeys() {
+  std::vector<std::string> keys;
+  for (const auto& [section, fields] : Schema()) {
+    for (const auto& [field, setter] : fields) keys.push_back(section.empty() ? field : section + "." + field);
+  }
+  // The entries of the lists of mappings.
+  for (const char* k : {"analytics.forecasts[].series", "analytics.forecasts[].threshold",
+                        "alerts.receivers[].type", "alerts.receivers[].name", "alerts.receivers[].url",
+                        "alerts.receivers[].routing_key", "alerts.receivers[].bearer_token",
+                        "alerts.receivers[].resend_interval_seconds", "remote_write[].name", "remote_write[].url",
+                        "remote_write[].series", "remote_write[].queue_config.max_samples_per_send",
+                        "remote_write[].queue_config.capacity", "remote_write[].remote_timeout_seconds",
+                        "remote_write[].bearer_token"}) {
+    keys.emplace_back(k);
+  }
+  // A list of mappings is named by its entries' keys alone.
+  std::set<std::string> lists;
+  for (const std::string& k : keys) {
+    if (const auto at = k.find("[]."); at != std::string::npos) lists.insert(k.substr(0, at));
+  }
+  std::erase_if(keys, [&](const std::string& k) { return lists.count(k) != 0; });
+  std::sort(keys.begin(), keys.end());
+  return keys;
 }
 
 }  // namespace gradwatch::daemon

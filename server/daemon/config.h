@@ -102,4 +102,12 @@ Status ValidateConfig(const Config& config);
 // exits 2 and never reaches the daemon.
 Status CheckConfigFiles(const Config& config);
 
+// The configuration in effect as JSON (`gradwatchd --check-config`), shaped like the YAML: every
+// key of the schema, secrets (bearer_token, routing_key) shown as "<secret>" when set.
+std::string ConfigJson(const Config& config);
+
+// Every key the YAML accepts, as "section.key" ("listen" at the top level); a list's entries'
+// keys as "alerts.receivers[].url", "remote_write[].queue_config.capacity".
+std::vector<std::string> ConfigKeys();
+
 }  // namespace gradwatch::daemon

@@ -499,7 +499,7 @@ void RemoteWriter::RenderMetrics(const std::vector<const RemoteWriter*>& writers
          "Samples a remote-write receiver refused for good (HTTP 4xx other than 429); dropped.",
          MetricType::kCounter, [](const RemoteWriteStats& s) { return s.failed_samples; });
   family("gradwatch_remote_write_samples_dropped_total",
-         "Samples dropped unsent because the remote-write queue was full (remote_write.capacity_samples).",
+         "Samples dropped unsent because the remote-write queue was full (remote_write[].queue_config.capacity).",
          MetricType::kCounter, [](const RemoteWriteStats& s) { return s.dropped_samples; });
   family("gradwatch_remote_write_requests_total", "Remote-write requests made, whatever their outcome.",
          MetricType::kCounter, [](const RemoteWriteStats& s) { return s.sent_requests; });

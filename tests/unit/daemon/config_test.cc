@@ -2,6 +2,9 @@
 
 #include "server/daemon/config.h"
 
+#include <nlohmann/json.hpp>
+#include <set>
+
 using namespace gradwatch::daemon;
 
 TEST_CASE("an empty config gives the loopback defaults", "[daemon]") {
@@ -186,4 +189,34 @@ TEST_CASE("remote_write receivers are read at the top level, as Prometheus names
     const gradwatch::Status s = ValidateConfig(*parsed);
     CHECK_THAT(s.message(), Catch::Contains(message));
   }
+}
+
+namespace {
+// The keys of a JSON document as ConfigKeys names them: "a.b", and "a[].b" inside lists of mappings.
+void Flatten(const nlohmann::json& j, const std::string& prefix, std::set<std::string>& out) {
+  if (j.is_object()) {
+    for (const auto& [k, v] : j.items()) Flatten(v, prefix.empty() ? k : prefix + "." + k, out);
+  } else if (j.is_array() && !j.empty() && j.front().is_object()) {
+    for (const auto& item : j) Flatten(item, prefix + "[]", out);
+  } else {
+    out.insert(prefix);
+  }
+}
+}  // namespace
+
+TEST_CASE("--check-config shows every key the schema accepts, and masks secrets", "[daemon]") {
+  auto c = ParseConfig(
+      "alerts: {receivers: [{type: pagerduty, routing_key: rk-secret}, {type: webhook, url: 'http://h/', "
+      "bearer_token: wh-secret}]}\n"
+      "remote_write: [{url: 'http://p/api/v1/write', bearer_token: rw-secret}]\n",
+      "all.yaml");
+  REQUIRE(c.ok());
+  const std::string text = ConfigJson(*c);
+  std::set<std::string> shown;
+  Flatten(nlohmann::json::parse(text), "", shown);
+  const std::vector<std::string> keys = ConfigKeys();
+  CHECK(std::vector<std::string>(shown.begin(), shown.end()) == keys);
+  CHECK(text.find("secret\"") == std::string::npos);
+  CHECK(text.find("rk-secret") == std::string::npos);
+  CHECK(text.find("\"<secret>\"") != std::string::npos);
 }
