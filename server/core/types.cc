@@ -54,6 +54,27 @@ std::string_view EndReasonName(EndReason reason) {
   return "active";
 }
 
+bool GlobMatches(std::string_view pattern, std::string_view text) {
+  // Greedy, with one back-tracking point: the last '*' seen.
+  size_t p = 0, t = 0, star = std::string_view::npos, mark = 0;
+  while (t < text.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = t;
+    } else if (p < pattern.size() && pattern[p] == text[t]) {
+      ++p;
+      ++t;
+    } else if (star != std::string_view::npos) {
+      p = star + 1;
+      t = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
 namespace keys {
 std::string GradNorm(std::string_view param) { return std::string(kGradNormPrefix) + std::string(param); }
 std::string ParamNorm(std::string_view param) { return std::string(kParamNormPrefix) + std::string(param); }

@@ -113,6 +113,10 @@ std::string ParamNorm(std::string_view param);
 std::string UpdateNorm(std::string_view param);
 }  // namespace keys
 
+// Whether `text` matches `pattern`, where '*' matches any run of characters (none included) and
+// every other character itself: series keys and parameter names in the configuration.
+bool GlobMatches(std::string_view pattern, std::string_view text);
+
 // Which of a parameter's three norms.
 enum class NormField : int { kGrad = 0, kParam = 1, kUpdate = 2 };
 inline constexpr int kNormFields = 3;

@@ -170,6 +170,9 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
             {"data_dir", Field(&Config::data_dir)},
             {"remote_write", ReadRemoteWrite}}},
       {"log", {{"format", Field(&Config::log_format)}, {"level", Field(&Config::log_level)}}},
+      {"metrics", {{"params", Field(&Config::metrics_params)},
+                   {"slope_series", Field(&Config::metrics_slope_series)},
+                   {"max_series_per_run", Field(&Config::metrics_max_series_per_run)}}},
       {"limits", {{"max_message_bytes", Field(&Config::max_message_bytes)},
                   {"max_runs", Field(&Config::max_runs)},
                   {"max_params_per_run", Field(&Config::max_params_per_run)},
@@ -338,6 +341,12 @@ Status ValidateConfig(const Config& c) {
       return bad("alerts.receivers: receiver '" + r.name + "': url '" + r.url + "': " + url.status().message());
     }
   }
+  for (const std::string& pattern : c.metrics_params) {
+    if (pattern.empty()) return bad("metrics.params: an empty pattern matches nothing");
+  }
+  for (const std::string& pattern : c.metrics_slope_series) {
+    if (pattern.empty()) return bad("metrics.slope_series: an empty pattern matches nothing");
+  }
   std::set<std::string> remote_names;
   for (const Config::RemoteWrite& r : c.remote_write) {
     const std::string where = "remote_write: receiver '" + r.name + "': ";
@@ -405,6 +414,10 @@ std::string ConfigJson(const Config& c) {
       {"data_dir", c.data_dir},
       {"remote_write", remote_write},
       {"log", {{"format", c.log_format}, {"level", c.log_level}}},
+      {"metrics",
+       {{"params", c.metrics_params},
+        {"slope_series", c.metrics_slope_series},
+        {"max_series_per_run", c.metrics_max_series_per_run}}},
       {"limits",
        {{"max_message_bytes", c.max_message_bytes},
         {"max_runs", c.max_runs},

@@ -86,6 +86,11 @@ struct Config {
   };
   std::vector<RemoteWrite> remote_write;
 
+  // What /metrics shows per run beyond its scalars (exporter::ExportOptions).
+  std::vector<std::string> metrics_params = {"key"};
+  std::vector<std::string> metrics_slope_series = {"key"};
+  size_t metrics_max_series_per_run = 10000;
+
   bool default_rules = true;            // load alerts/rules/default.yaml (built in)
   std::vector<std::string> rule_files;  // more rule files
 };

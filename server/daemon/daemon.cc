@@ -173,7 +173,12 @@ Status Daemon::Start() {
   server_->GetHealthCheckService()->SetServingStatus(true);
   server_->GetHealthCheckService()->SetServingStatus(kIngestServiceName, journal_->healthy());
 
-  collector_ = std::make_unique<exporter::MetricsCollector>(registry_.get(), stats_.get(), journal_.get());
+  exporter::ExportOptions export_options;
+  export_options.params = config_.metrics_params;
+  export_options.slope_series = config_.metrics_slope_series;
+  export_options.max_series_per_run = config_.metrics_max_series_per_run;
+  collector_ = std::make_unique<exporter::MetricsCollector>(registry_.get(), stats_.get(), journal_.get(),
+                                                            std::move(export_options));
   Alerting* alerting = alerting_.get();
   alert_collector_ = std::make_unique<exporter::AlertMetricsCollector>([alerting, registry] {
     exporter::AlertingView view;

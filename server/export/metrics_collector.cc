@@ -1,5 +1,8 @@
 #include "server/export/metrics_collector.h"
 
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -56,6 +59,7 @@ enum RunFamily : size_t {
   kAmplification,
   kGrowthWithoutDecay,
   kRunInfo,
+  kRunSeriesCapped,
   kRunFamilyCount,
 };
 
@@ -97,6 +101,9 @@ constexpr std::array<FamilyInfo, kRunFamilyCount> kRunFamilies = {{
     {"gradwatch_run_info",
      "1 per run, with the run's own labels as label_<name> (join with group_left); no other series carries them.",
      MetricType::kGauge},
+    {"gradwatch_run_series_capped",
+     "A run's per-parameter and slope series left off /metrics by metrics.max_series_per_run (the Query API has them).",
+     MetricType::kGauge},
 }};
 
 // Appends `,name="value"` for an unsigned value (digits need no escaping).
@@ -133,8 +140,48 @@ class DaemonFamilies {
 }  // namespace
 
 MetricsCollector::MetricsCollector(const runs::RunRegistry* registry, const runs::DaemonStats* stats,
-                                   const store::Journal* journal)
-    : registry_(registry), stats_(stats), journal_(journal) {}
+                                   const store::Journal* journal, ExportOptions options)
+    : registry_(registry),
+      stats_(stats),
+      journal_(journal),
+      options_(std::move(options)),
+      all_params_(std::find(options_.params.begin(), options_.params.end(), "*") != options_.params.end()) {}
+
+void MetricsCollector::SelectParams() {
+  const auto& params = snapshot_.params;
+  param_shown_.assign(params.size(), all_params_);
+  shown_names_.clear();
+  if (all_params_) return;
+  const bool key = std::find(options_.params.begin(), options_.params.end(), "key") != options_.params.end();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    bool shown = key && (p.kind == ParamKind::kNormGain || p.kind == ParamKind::kOutput || p.weight_decay == 0.0);
+    for (size_t k = 0; !shown && k < options_.params.size(); ++k) {
+      shown = options_.params[k] != "key" && GlobMatches(options_.params[k], p.name);
+    }
+    if (shown) {
+      param_shown_[i] = true;
+      shown_names_.insert(p.name);
+    }
+  }
+}
+
+bool MetricsCollector::SlopeShown(const std::string& key) const {
+  for (const std::string& pattern : options_.slope_series) {
+    if (pattern == "key") {
+      if (key == keys::kTotalGradNorm || key == keys::kLoss) return true;
+      for (std::string_view prefix : {keys::kGradNormPrefix, keys::kParamNormPrefix, keys::kUpdateNormPrefix}) {
+        if (key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0) {
+          const std::string_view name = std::string_view(key).substr(prefix.size());
+          if (all_params_ ? name != "total" : shown_names_.count(name) != 0) return true;
+        }
+      }
+    } else if (GlobMatches(pattern, key)) {
+      return true;
+    }
+  }
+  return false;
+}
 
 void MetricsCollector::Render(Exposition& out) {
   std::array<std::string*, kRunFamilyCount> chunks{};
@@ -178,15 +225,30 @@ void MetricsCollector::Render(Exposition& out) {
     if (const auto step = registry_->SnapshotStep(s.info.run_id)) sample(kRunSnapshotStep, static_cast<double>(*step));
 
     const runs::RunAnalysis& a = s.analysis;
+    SelectParams();
+    // The per-parameter and slope samples, against metrics.max_series_per_run.
+    size_t budget = options_.max_series_per_run;
+    uint64_t capped = 0;
+    auto take = [&](size_t n) {
+      if (budget >= n) {
+        budget -= n;
+        return true;
+      }
+      capped += n;
+      return false;
+    };
     // A series' windows come one after the other: its labels but the window are built once.
     const std::string* series_key = nullptr;
+    bool series_shown = false;
     std::string series_labels;
     for (const auto& sl : a.slopes) {
       if (series_key == nullptr || sl.key != *series_key) {
         series_key = &sl.key;
+        series_shown = SlopeShown(sl.key);
         series_labels = run_label;
         AppendLabel(series_labels, "series", sl.key);
       }
+      if (!series_shown || !take(1)) continue;
       labels_ = series_labels;
       AppendNumberLabel(labels_, "window", sl.window_steps);
       sample(kSlope, sl.fit.slope_per_kstep());
@@ -220,28 +282,45 @@ void MetricsCollector::Render(Exposition& out) {
       AppendLabel(labels_, "threshold", FormatThreshold(f.threshold));
       sample(kStepsToThreshold, f.steps_to_threshold);
     }
+    auto param_shown = [&](const std::string& name) { return all_params_ || shown_names_.count(name) != 0; };
     for (const auto& sh : a.shares) {
+      if (!sh.is_group && (!param_shown(sh.name) || !take(1))) continue;
       labels_ = run_label;
       AppendLabel(labels_, sh.is_group ? "group" : "param", sh.name);
       sample(sh.is_group ? kGroupGradNormShare : kGradNormShare, sh.share);
     }
     for (const auto& am : a.amplifications) {
+      if (!param_shown(am.param) || !take(1)) continue;
       labels_ = run_label;
       AppendLabel(labels_, "param", am.param);
       sample(kAmplification, am.amplification);
     }
     for (const auto& g : a.growth_without_decay) {
+      if (!param_shown(g.param) || !take(1)) continue;
       labels_ = run_label;
       AppendLabel(labels_, "param", g.param);
       sample(kGrowthWithoutDecay, g.growth_factor);
     }
-    for (const auto& p : s.params) {
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      const auto& p = s.params[i];
+      if (!param_shown_[i]) continue;
+      const size_t n = (p.norms[0] ? 1 : 0) + (p.norms[1] ? 1 : 0) + (p.norms[2] ? 1 : 0);
+      if (!take(n)) continue;
       labels_ = run_label;
       AppendLabel(labels_, "param", p.name);
       AppendLabel(labels_, "group", p.group);
       if (p.norms[0]) sample(kGradNorm, *p.norms[0]);
       if (p.norms[1]) sample(kParamNorm, *p.norms[1]);
       if (p.norms[2]) sample(kUpdateNorm, *p.norms[2]);
+    }
+    if (capped > 0) {
+      labels_ = run_label;
+      sample(kRunSeriesCapped, static_cast<double>(capped));
+      if (capped_logged_.insert(s.info.run_id).second) {
+        spdlog::warn("run {}: /metrics shows {} of its per-parameter and slope series and leaves {} out "
+                     "(metrics.max_series_per_run); the Query API and remote write have them all",
+                     s.info.run_id, options_.max_series_per_run, capped);
+      }
     }
   }
 

@@ -47,27 +47,6 @@ struct RemoteWriter::Step {
   std::vector<std::pair<const RemoteSeries*, double>> samples;
 };
 
-bool SeriesPatternMatches(std::string_view pattern, std::string_view key) {
-  // Greedy glob with one back-tracking point: the last '*' seen.
-  size_t p = 0, k = 0, star = std::string_view::npos, mark = 0;
-  while (k < key.size()) {
-    if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      mark = k;
-    } else if (p < pattern.size() && pattern[p] == key[k]) {
-      ++p;
-      ++k;
-    } else if (star != std::string_view::npos) {
-      p = star + 1;
-      k = ++mark;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
-}
-
 RemoteSeries RemoteSeriesFor(const std::string& run_id, const std::string& key, const ParamInfo* param, int field) {
   RemoteSeries s;
   auto name = [&](std::string n) { s.labels.emplace_back("__name__", std::move(n)); };
@@ -179,7 +158,7 @@ class RemoteWriter::Channel final : public runs::RunChannel {
     if (key.empty()) return nullptr;
     const auto& patterns = writer_->options_.series;
     if (!patterns.empty() &&
-        std::none_of(patterns.begin(), patterns.end(), [&](const std::string& pat) { return SeriesPatternMatches(pat, key); })) {
+        std::none_of(patterns.begin(), patterns.end(), [&](const std::string& pat) { return GlobMatches(pat, key); })) {
       return nullptr;
     }
     const ParamInfo* param = nullptr;

@@ -64,9 +64,6 @@ struct RemoteWriteOptions {
   std::string bearer_token;  // sent as "Authorization: Bearer ..."
 };
 
-// Whether `key` matches `pattern` ('*' matches any run of characters, including none).
-bool SeriesPatternMatches(std::string_view pattern, std::string_view key);
-
 // One series as sent: its labels, sorted by name, __name__ first.
 struct RemoteSeries {
   std::vector<std::pair<std::string, std::string>> labels;

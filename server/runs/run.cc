@@ -866,6 +866,8 @@ void Run::MetricsSnapshot(RunMetricsSnapshot& out) const {
     RunMetricsSnapshot::Param& p = out.params[i];
     p.name = meta_.params[i].name;
     p.group = meta_.params[i].EffectiveGroup();
+    p.kind = meta_.params[i].kind;
+    p.weight_decay = meta_.params[i].weight_decay;
     for (int f = 0; f < kNormFields; ++f) p.norms[f] = latest(param_series_[i][f]);
   }
   analytics_->Analysis(out.analysis);

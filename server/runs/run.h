@@ -113,6 +113,8 @@ struct RunMetricsSnapshot {
   struct Param {
     std::string name;
     std::string group;
+    ParamKind kind = ParamKind::kUnspecified;
+    double weight_decay = 0;
     std::array<std::optional<double>, kNormFields> norms;
   };
   std::vector<Param> params;

@@ -755,7 +755,9 @@ json IngestWhileScraping(const DaemonProcess& daemon, uint32_t params, uint64_t 
 json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint64_t fill_steps,
                  uint64_t probe_steps, int scrapes) {
   DaemonOptions options;
+  // Every series on /metrics (by default only the key parameters' are): the scrape's worst case.
   options.config_yaml = DaemonConfig() + "store: {recent_points: 64, history_buckets: 16}\n"
+                        "metrics: {params: ['*'], slope_series: ['*'], max_series_per_run: 100000000}\n"
                         "limits: {max_runs: " + std::to_string(runs_large + 16) + "}\n";
   DaemonProcess daemon(options);
   const Shape fill{.runs = runs_small, .ranks = 1, .params = params, .steps = fill_steps};

@@ -204,7 +204,7 @@ void Flatten(const nlohmann::json& j, const std::string& prefix, std::set<std::s
 }
 }  // namespace
 
-TEST_CASE("--check-config shows every key the schema accepts, and masks secrets", "[daemon]") {
+TEST_CASE("the configuration printed by check-config shows every key the schema accepts, and masks secrets", "[daemon]") {
   auto c = ParseConfig(
       "alerts: {receivers: [{type: pagerduty, routing_key: rk-secret}, {type: webhook, url: 'http://h/', "
       "bearer_token: wh-secret}]}\n"

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -184,4 +185,116 @@ TEST_CASE_METHOD(CollectorFixture, "an ended run's series leave the collector's 
     CHECK(m.value == (Label(m, "state") == "ended" ? 1 : 0));
   }
   CHECK(registry_.Find("finished"));  // still queryable
+}
+
+namespace {
+
+// A run of 6 parameters: a norm gain, the output layer, a weight-decay-0 bias and three weights
+// with decay, each reporting its three norms for `steps` steps.
+std::shared_ptr<runs::Run> AttachWide(runs::RunRegistry& registry, RecordingSink& sink, int steps) {
+  RunMeta m;
+  m.run_id = "wide";
+  m.params = {{.name = "final_norm.weight", .kind = ParamKind::kNormGain},
+              {.name = "lm_head.weight", .kind = ParamKind::kOutput, .weight_decay = 0.1},
+              {.name = "layers.0.bias", .kind = ParamKind::kMlp, .weight_decay = 0.0},
+              {.name = "layers.0.w1", .kind = ParamKind::kMlp, .weight_decay = 0.1},
+              {.name = "layers.0.w2", .kind = ParamKind::kMlp, .weight_decay = 0.1},
+              {.name = "layers.1.qkv", .kind = ParamKind::kAttention, .weight_decay = 0.1}};
+  runs::AttachInfo info;
+  runs::IngestError error{runs::IngestErrorReason::kInvalidHello, ""};
+  auto run = registry.Attach(m, 0, &sink, &info, &error);
+  REQUIRE(run);
+  for (int s = 1; s <= steps; ++s) {
+    RankStep step;
+    step.step = static_cast<uint64_t>(s);
+    step.loss = 2.5 - s * 1e-3;
+    for (uint32_t i = 0; i < 6; ++i) {
+      step.params.push_back({.index = i,
+                             .norms = {NormContribution::FromNorm(0.1 + i * 0.01), NormContribution::FromNorm(10.0 + s * 0.01),
+                                       NormContribution::FromNorm(0.001)}});
+    }
+    REQUIRE_FALSE(run->AddStep(0, step, &sink));
+  }
+  return run;
+}
+
+std::set<std::string> LabelValues(const Samples& samples, const std::string& name, const std::string& label) {
+  std::set<std::string> out;
+  for (const auto& s : Named(samples, name)) out.insert(Label(s, label));
+  return out;
+}
+
+Samples Scrape(runs::RunRegistry& registry, runs::DaemonStats& stats, exporter::ExportOptions options) {
+  exporter::MetricsCollector collector(&registry, &stats, nullptr, std::move(options));
+  exporter::Exposition out;
+  collector.Render(out);
+  CheckFamiliesContiguous(out.Text());
+  return testing::ParseExposition(out.Text());
+}
+
+}  // namespace
+
+TEST_CASE_METHOD(CollectorFixture, "by default /metrics shows per parameter only the norm gains, no-decay parameters and the output layer",
+                 "[export]") {
+  auto run = AttachWide(registry_, sink_, 50);
+  const std::set<std::string> key = {"final_norm.weight", "lm_head.weight", "layers.0.bias"};
+  const std::set<std::string> all = {"final_norm.weight", "lm_head.weight", "layers.0.bias",
+                                     "layers.0.w1",       "layers.0.w2",    "layers.1.qkv"};
+
+  const Samples by_default = Scrape(registry_, stats_, {});
+  for (const char* family : {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm",
+                             "gradwatch_grad_norm_share"}) {
+    INFO(family);
+    CHECK(LabelValues(by_default, family, "param") == key);
+  }
+  CHECK(LabelValues(by_default, "gradwatch_group_grad_norm_share", "group") ==
+        std::set<std::string>{"norm_gain", "output", "mlp", "attention"});
+  const std::set<std::string> slopes = LabelValues(by_default, "gradwatch_slope_per_kstep", "series");
+  CHECK(slopes.count("grad/norm/total") == 1);
+  CHECK(slopes.count("train/loss") == 1);
+  CHECK(slopes.count("params/norm/final_norm.weight") == 1);
+  CHECK(slopes.count("grad/norm/lm_head.weight") == 1);
+  CHECK(slopes.count("params/norm/layers.0.w1") == 0);
+  CHECK(slopes.count("updates/norm/layers.1.qkv") == 0);
+  CHECK(Named(by_default, "gradwatch_run_series_capped").empty());
+
+  const Samples everything = Scrape(registry_, stats_, {.params = {"*"}, .slope_series = {"*"}});
+  CHECK(LabelValues(everything, "gradwatch_grad_norm", "param") == all);
+  CHECK(LabelValues(everything, "gradwatch_slope_per_kstep", "series").count("updates/norm/layers.1.qkv") == 1);
+
+  const Samples chosen = Scrape(registry_, stats_, {.params = {"layers.0.*"}, .slope_series = {"params/norm/*"}});
+  CHECK(LabelValues(chosen, "gradwatch_param_norm", "param") == std::set<std::string>{"layers.0.bias", "layers.0.w1", "layers.0.w2"});
+  const std::set<std::string> chosen_slopes = LabelValues(chosen, "gradwatch_slope_per_kstep", "series");
+  CHECK(chosen_slopes.size() == 6);
+  for (const auto& k : chosen_slopes) CHECK(k.rfind("params/norm/", 0) == 0);
+}
+
+TEST_CASE_METHOD(CollectorFixture, "a run beyond metrics.max_series_per_run shows that many and the count left out",
+                 "[export]") {
+  auto run = AttachWide(registry_, sink_, 20);
+  const Samples full = Scrape(registry_, stats_, {.params = {"*"}, .slope_series = {"*"}, .max_series_per_run = 1'000'000});
+  size_t per_param = 0;
+  for (const char* family : {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm",
+                             "gradwatch_grad_norm_share", "gradwatch_norm_amplification",
+                             "gradwatch_growth_without_decay_factor", "gradwatch_slope_per_kstep"}) {
+    per_param += Named(full, family).size();
+  }
+  REQUIRE(per_param > 40);
+
+  const Samples capped = Scrape(registry_, stats_, {.params = {"*"}, .slope_series = {"*"}, .max_series_per_run = 30});
+  size_t shown = 0;
+  for (const char* family : {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm",
+                             "gradwatch_grad_norm_share", "gradwatch_norm_amplification",
+                             "gradwatch_growth_without_decay_factor", "gradwatch_slope_per_kstep"}) {
+    shown += Named(capped, family).size();
+  }
+  CHECK(shown <= 30);
+  CHECK(shown >= 28);  // a parameter's three norms go together
+  const Samples left_out = Named(capped, "gradwatch_run_series_capped");
+  REQUIRE(left_out.size() == 1);
+  CHECK(Label(left_out[0], "run") == "wide");
+  CHECK(left_out[0].value == static_cast<double>(per_param - shown));
+  // The run's scalars are not counted against the cap.
+  CHECK(Named(capped, "gradwatch_total_grad_norm").size() == 1);
+  CHECK(Named(capped, "gradwatch_loss").size() == 1);
 }

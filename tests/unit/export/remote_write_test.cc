@@ -108,17 +108,6 @@ bool WaitFor(const std::function<bool()>& condition, std::chrono::milliseconds t
   return true;
 }
 
-TEST_CASE("remote write: series patterns match with '*' anywhere") {
-  CHECK(SeriesPatternMatches("grad/norm/total", "grad/norm/total"));
-  CHECK_FALSE(SeriesPatternMatches("grad/norm/total", "grad/norm/totals"));
-  CHECK(SeriesPatternMatches("grad/norm/*", "grad/norm/layers.0.w1"));
-  CHECK(SeriesPatternMatches("*final_norm*", "params/norm/final_norm.weight"));
-  CHECK(SeriesPatternMatches("*", ""));
-  CHECK(SeriesPatternMatches("a*b*c", "aXbYbZc"));
-  CHECK_FALSE(SeriesPatternMatches("a*b*c", "aXbYbZ"));
-  CHECK_FALSE(SeriesPatternMatches("", "x"));
-}
-
 TEST_CASE("remote write: series are sent under the /metrics names, labels sorted by name") {
   const ParamInfo p{.name = "lm_head.weight", .kind = ParamKind::kOutput, .group = "head"};
   const RemoteSeries grad = RemoteSeriesFor("r", keys::GradNorm("lm_head.weight"), &p, 0);
