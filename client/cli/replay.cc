@@ -269,6 +269,19 @@ bool OpenReplayInput(const std::string& path, std::ifstream& in, std::string* wh
   return ok;
 }
 
+// "a:1,b:2" → {"a:1", "b:2"}: the daemons a replay sends every step to; empty entries dropped.
+std::vector<std::string> SplitAddresses(const std::string& list) {
+  std::vector<std::string> out;
+  size_t from = 0;
+  while (from <= list.size()) {
+    const size_t comma = std::min(list.find(',', from), list.size());
+    if (comma > from) out.push_back(list.substr(from, comma - from));
+    from = comma + 1;
+  }
+  if (out.empty()) out.push_back(list);
+  return out;
+}
+
 }  // namespace
 
 int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::ostream& out,
@@ -302,72 +315,116 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     summary.first_skipped.push_back(plan.bad_lines[i]);
   }
 
-  DaemonMessages messages;
-  std::mutex accepted_mu;
-  std::optional<v1::Accepted> first_accepted;
-  client::MonitorOptions monitor_options;
-  monitor_options.address = global.address;
-  monitor_options.hello = BuildHello(plan, options, summary.run);
-  // The file is the buffer: the Monitor holds the flow-control window and a little read-ahead,
-  // so memory stays bounded whatever the file's size.
-  monitor_options.queue_capacity = monitor_options.max_unacked_steps + kReadAheadSteps;
-  monitor_options.queue_capacity_bytes = monitor_options.max_unacked_bytes + kReadAheadBytes;
-  monitor_options.on_error = [&messages](const v1::Error& e) { messages.AddError(e); };
-  monitor_options.on_alert = [&messages](const v1::Alert& a) { messages.AddAlert(a); };
-  monitor_options.on_accepted = [&](const v1::Accepted& a) {
-    std::lock_guard lock(accepted_mu);
-    if (!first_accepted) first_accepted = a;
+  // One target per daemon address (--addr a,b sends every step to each: replicas watching one
+  // run). Each has its own stream, resume point and summary; a daemon that stops acknowledging
+  // gets no more steps while the others go on.
+  struct Target {
+    std::string address;
+    DaemonMessages messages;
+    std::mutex accepted_mu;
+    std::optional<v1::Accepted> first_accepted;
+    std::unique_ptr<client::Monitor> monitor;
+    std::optional<uint64_t> resume_after;
+    bool lagging = false;  // left behind: not accepted, or stalled
+    std::string lag_reason;
+    ReplaySummary summary;
+    client::MonitorStats stats;
   };
-  client::Monitor monitor(std::move(monitor_options));
-  // Before the Monitor starts its threads, so that they leave SIGINT and SIGTERM to the watch. A
-  // signal stops the Monitor: every wait below returns, and the replay reports what was kept.
-  SignalWatch signals([&monitor](int) { monitor.Stop(); });
-  monitor.Start();
+  const std::vector<std::string> addresses = SplitAddresses(global.address);
+  std::vector<std::unique_ptr<Target>> targets;
+  for (const std::string& address : addresses) {
+    auto t = std::make_unique<Target>();
+    t->address = address;
+    t->summary = summary;
+    client::MonitorOptions monitor_options;
+    monitor_options.address = address;
+    monitor_options.hello = BuildHello(plan, options, summary.run);
+    // The file is the buffer: the Monitor holds the flow-control window and a little read-ahead,
+    // so memory stays bounded whatever the file's size.
+    monitor_options.queue_capacity = monitor_options.max_unacked_steps + kReadAheadSteps;
+    monitor_options.queue_capacity_bytes = monitor_options.max_unacked_bytes + kReadAheadBytes;
+    Target* raw = t.get();
+    monitor_options.on_error = [raw](const v1::Error& e) { raw->messages.AddError(e); };
+    monitor_options.on_alert = [raw](const v1::Alert& a) { raw->messages.AddAlert(a); };
+    monitor_options.on_accepted = [raw](const v1::Accepted& a) {
+      std::lock_guard lock(raw->accepted_mu);
+      if (!raw->first_accepted) raw->first_accepted = a;
+    };
+    t->monitor = std::make_unique<client::Monitor>(std::move(monitor_options));
+    targets.push_back(std::move(t));
+  }
+  const bool several = targets.size() > 1;
+  // Messages about one daemon name it when there are several.
+  auto at = [several](const Target& t) { return several ? " (daemon " + t.address + ")" : std::string(); };
+  // Before the Monitors start their threads, so that they leave SIGINT and SIGTERM to the watch. A
+  // signal stops the Monitors: every wait below returns, and the replay reports what was kept.
+  SignalWatch signals([&targets](int) {
+    for (auto& t : targets) t->monitor->Stop();
+  });
+  for (auto& t : targets) t->monitor->Start();
   const auto stall_timeout = options.stall_timeout();
 
-  if (!monitor.WaitAccepted(global.timeout())) {
-    const client::MonitorStats stats = monitor.Stats();
-    monitor.Stop();
+  size_t accepted = 0;
+  const auto accept_deadline = Clock::now() + global.timeout();
+  for (auto& t : targets) {
+    const auto left = std::max<Clock::duration>(std::chrono::milliseconds(1), accept_deadline - Clock::now());
+    if (t->monitor->WaitAccepted(std::chrono::duration_cast<std::chrono::milliseconds>(left))) {
+      ++accepted;
+      continue;
+    }
+    const client::MonitorStats stats = t->monitor->Stats();
+    t->lagging = true;
     if (signals.received() != 0) {
-      err << "gradwatch: interrupted by " << SignalName(signals.received())
-          << " before the daemon accepted the stream; nothing was sent\n";
+      t->lag_reason = "interrupted by " + SignalName(signals.received()) + " before the daemon accepted the stream";
     } else if (stats.rejected) {
-      err << "gradwatch: the daemon at " << global.address << " refused run " << summary.run
-          << " rank " << options.rank << ": " << stats.last_error << "\n";
+      t->lag_reason = "the daemon at " + t->address + " refused run " + summary.run + " rank " +
+                      std::to_string(options.rank) + ": " + stats.last_error;
     } else {
       // The Monitor waits for the daemon without failing; a fail-fast call says why it cannot.
-      const auto probe = client::QueryClient(global.address, std::chrono::seconds(1)).ListRuns();
+      const auto probe = client::QueryClient(t->address, std::chrono::seconds(1)).ListRuns();
       std::string why = probe.ok() ? stats.last_error : probe.status.error_message();
-      err << "gradwatch: cannot reach the daemon at " << global.address << " within "
-          << FormatValue(global.timeout_seconds) << " s" << (why.empty() ? "" : ": " + why) << "\n";
+      t->lag_reason = "cannot reach the daemon at " + t->address + " within " + FormatValue(global.timeout_seconds) +
+                      " s" + (why.empty() ? "" : ": " + why);
+    }
+    t->monitor->Stop();
+  }
+  if (accepted == 0) {
+    for (auto& t : targets) {
+      err << "gradwatch: " << t->lag_reason << (signals.received() != 0 ? "; nothing was sent" : "") << "\n";
     }
     return kExitFailure;
   }
-  // The daemon refuses steps older than the last one it received from this rank, so a replay
-  // that is run again resumes after it instead of drawing an error for every line. Steps it
-  // received but has not committed are not sent again: the Monitor waits for their acks.
-  std::optional<uint64_t> resume_after;
-  {
-    std::lock_guard lock(accepted_mu);
-    if (first_accepted && first_accepted->has_received_step()) {
-      resume_after = first_accepted->last_received_step();
+  for (auto& t : targets) {
+    if (t->lagging) {
+      err << "gradwatch: " << t->lag_reason << "; it gets nothing, the other daemons get every step\n";
+      continue;
     }
-  }
-  // A resume replaces what the daemon holds from the checkpoint on: those steps are sent again
-  // (the daemon has rewound its progress to before the checkpoint; this holds even if it had not).
-  summary.resumed_from_step = ResumeFromStep(plan, options);
-  if (const auto resume = summary.resumed_from_step) {
-    if (*resume == 0) {
-      resume_after.reset();
-    } else if (resume_after) {
-      resume_after = std::min(*resume_after, *resume - 1);
+    // The daemon refuses steps older than the last one it received from this rank, so a replay
+    // that is run again resumes after it instead of drawing an error for every line. Steps it
+    // received but has not committed are not sent again: the Monitor waits for their acks.
+    {
+      std::lock_guard lock(t->accepted_mu);
+      if (t->first_accepted && t->first_accepted->has_received_step()) {
+        t->resume_after = t->first_accepted->last_received_step();
+      }
     }
-    err << "gradwatch: resuming run " << summary.run << " from the checkpoint at step " << *resume
-        << ": the daemon replaces what it held from there on\n";
-  }
-  if (resume_after) {
-    err << "gradwatch: the daemon already holds run " << summary.run << " rank " << options.rank
-        << " through step " << *resume_after << "; sending only later steps\n";
+    // A resume replaces what the daemon holds from the checkpoint on: those steps are sent again
+    // (the daemon has rewound its progress to before the checkpoint; this holds even if it had not).
+    t->summary.resumed_from_step = ResumeFromStep(plan, options);
+    if (const auto resume = t->summary.resumed_from_step) {
+      if (*resume == 0) {
+        t->resume_after.reset();
+      } else if (t->resume_after) {
+        t->resume_after = std::min(*t->resume_after, *resume - 1);
+      }
+      err << "gradwatch: resuming run " << summary.run << " from the checkpoint at step " << *resume
+          << ": the daemon replaces what it held from there on" << at(*t) << "\n";
+    }
+    if (t->resume_after) {
+      err << "gradwatch: the daemon" << (several ? " at " + t->address : std::string()) << " already holds run "
+          << summary.run << " rank " << options.rank << " through step " << *t->resume_after
+          << "; sending only later steps\n";
+    }
   }
 
   const bool progress = &err == &std::cerr && isatty(STDERR_FILENO) != 0;
@@ -376,16 +433,36 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   std::unordered_map<uint64_t, uint64_t> line_of_step;
   std::optional<double> first_timestamp;
   Clock::time_point paced_from;
+  auto print_messages = [&] {
+    for (auto& t : targets) t->messages.Print(several ? options.file + " (" + t->address + ")" : options.file, line_of_step, err);
+  };
+  // Hands the record to one daemon; false once that daemon is left behind.
+  auto send_to = [&](Target& t, const StepRecord& record) {
+    const bool held = t.resume_after && record.step <= *t.resume_after;
+    if (held && (record.has_metrics || !record.event)) ++t.summary.already_held_steps;
+    // Events are sent even at steps the daemon holds: it may hold those steps but not the event
+    // (refused while its storage failed, say), and it keeps one copy of an event sent twice.
+    if (held && !record.event) return true;
+    // Both wait for room as long as the daemon keeps acknowledging; they fail once it has
+    // acknowledged nothing for the stall timeout, or when a signal stopped the Monitor.
+    if (record.event) {
+      if (!t.monitor->EventBlocking(record.step, *record.event, stall_timeout)) return false;
+      ++t.summary.events_sent;
+    }
+    if (!held && (record.has_metrics || !record.event)) {
+      if (!t.monitor->LogBlocking(ToStepStats(record, plan.catalog), stall_timeout)) return false;
+      ++t.summary.steps_sent;
+    }
+    return true;
+  };
   auto send = [&](uint64_t line_number, LineResult& result) {
     if (!result.ok()) return true;
     const auto* record = std::get_if<StepRecord>(&*result.line);
     if (record == nullptr) return true;
-    // Events are sent even at steps the daemon holds: it may hold those steps but not the event
-    // (refused while its storage failed, say), and it keeps one copy of an event sent twice.
-    const bool held = resume_after && record->step <= *resume_after;
-    if (held && (record->has_metrics || !record->event)) ++summary.already_held_steps;
-    if (held && !record->event) return true;
-    if (!held && options.speed > 0 && record->timestamp) {
+    const bool held_everywhere = std::all_of(targets.begin(), targets.end(), [&](const auto& t) {
+      return t->lagging || (t->resume_after && record->step <= *t->resume_after);
+    });
+    if (!held_everywhere && options.speed > 0 && record->timestamp) {
       if (!first_timestamp) {
         first_timestamp = record->timestamp;
         paced_from = Clock::now();
@@ -396,91 +473,119 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
         return false;
       }
     }
-    // Both wait for room as long as the daemon keeps acknowledging; they fail once it has
-    // acknowledged nothing for the stall timeout, or when a signal stopped the Monitor.
-    if (record->event) {
-      if (!monitor.EventBlocking(record->step, *record->event, stall_timeout)) return false;
-      ++summary.events_sent;
+    if (record->has_metrics || !record->event) line_of_step[record->step] = line_number;
+    size_t going = 0;
+    for (auto& t : targets) {
+      if (t->lagging) continue;
+      if (send_to(*t, *record)) {
+        ++going;
+        continue;
+      }
+      if (signals.received() != 0) return false;
+      t->lagging = true;
+      t->lag_reason = t->monitor->Stats().rejected
+                          ? "the daemon at " + t->address + " closed the stream"
+                          : "the daemon at " + t->address + " acknowledged nothing for " +
+                                FormatValue(options.stall_timeout_seconds) + " s (--stall-timeout)";
+      if (several) err << "gradwatch: " << t->lag_reason << "; it gets no more steps, the other daemons go on\n";
     }
-    if (!held && (record->has_metrics || !record->event)) {
-      line_of_step[record->step] = line_number;
-      if (!monitor.LogBlocking(ToStepStats(*record, plan.catalog), stall_timeout)) return false;
-      ++summary.steps_sent;
-    }
+    if (going == 0) return false;
     const auto now = Clock::now();
     if (now - last_progress >= kProgressInterval) {
       last_progress = now;
       ClearProgress(progress, err);
-      messages.Print(options.file, line_of_step, err);
+      print_messages();
       if (progress) {
-        const client::MonitorStats stats = monitor.Stats();
-        err << "replay: line " << line_number << "/" << plan.lines << ", " << summary.steps_sent
+        const client::MonitorStats stats = targets.front()->monitor->Stats();
+        err << "replay: line " << line_number << "/" << plan.lines << ", " << targets.front()->summary.steps_sent
             << " steps sent, acked through "
             << (stats.has_acked ? std::to_string(stats.acked_through_step) : "-") << std::flush;
       }
     }
     return true;
   };
-  bool sent_everything = true;
+  bool read_everything = true;
   in.clear();
   in.seekg(0);
   ForEachLine(in, [&](uint64_t line_number, LineResult& result) {
-    sent_everything = send(line_number, result);
-    return sent_everything;
+    read_everything = send(line_number, result);
+    return read_everything;
   });
 
-  summary.complete = sent_everything && monitor.FlushWhileProgressing(stall_timeout);
-  if (options.finish) {
-    summary.finished = summary.complete && monitor.Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED,
-                                                          "replayed " + options.file);
+  for (auto& t : targets) {
+    ReplaySummary& ts = t->summary;
+    ts.complete = read_everything && !t->lagging && t->monitor->FlushWhileProgressing(stall_timeout);
+    if (options.finish) {
+      ts.finished = ts.complete && t->monitor->Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED,
+                                                      "replayed " + options.file);
+    }
+    ts.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    t->stats = t->monitor->Stats();
+    t->monitor->Stop();
   }
-  summary.seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  const client::MonitorStats stats = monitor.Stats();
-  monitor.Stop();
   ClearProgress(progress, err);
-  messages.Print(options.file, line_of_step, err);
-  summary.daemon_errors = stats.errors_by_reason;
-  summary.has_acked = stats.has_acked;
-  summary.last_acked_step = stats.acked_through_step;
-  if (!summary.complete) {
-    if (signals.received() != 0) {
-      summary.stopped = "interrupted";
-      summary.stop_detail = "interrupted by " + SignalName(signals.received());
-    } else if (stats.rejected) {
-      summary.stopped = "rejected";
-      summary.stop_detail = "the daemon at " + global.address + " closed the stream";
-    } else {
-      summary.stopped = "stalled";
-      summary.stop_detail = "the daemon at " + global.address + " acknowledged nothing for " +
-                            FormatValue(options.stall_timeout_seconds) + " s (--stall-timeout)";
-    }
-    CountUnackedSteps(plan, summary);
-  }
+  print_messages();
 
-  if (global.json) {
-    out << ReplaySummaryToJson(summary).dump(2) << "\n";
-  } else {
-    out << FormatReplaySummary(summary);
-  }
-  if (!summary.complete) {
-    err << "gradwatch: " << summary.stop_detail << "; "
-        << (summary.has_acked ? "steps through " + std::to_string(summary.last_acked_step) + " are kept; "
-                              : "no step was acknowledged; ")
-        << summary.unacked_steps << " steps not acknowledged";
-    if (summary.first_unacked_step) {
-      err << " (" << *summary.first_unacked_step << " to " << *summary.last_unacked_step << ")";
+  bool any_failure = false, any_partial = false;
+  size_t complete = 0;
+  nlohmann::ordered_json json_daemons = nlohmann::ordered_json::array();
+  for (auto& t : targets) {
+    ReplaySummary& ts = t->summary;
+    const client::MonitorStats& stats = t->stats;
+    ts.daemon_errors = stats.errors_by_reason;
+    ts.has_acked = stats.has_acked;
+    ts.last_acked_step = stats.acked_through_step;
+    if (!ts.complete) {
+      if (signals.received() != 0) {
+        ts.stopped = "interrupted";
+        ts.stop_detail = "interrupted by " + SignalName(signals.received());
+      } else if (t->lagging && !t->lag_reason.empty()) {
+        ts.stopped = stats.rejected ? "rejected" : "stalled";
+        ts.stop_detail = t->lag_reason;
+      } else if (stats.rejected) {
+        ts.stopped = "rejected";
+        ts.stop_detail = "the daemon at " + t->address + " closed the stream";
+      } else {
+        ts.stopped = "stalled";
+        ts.stop_detail = "the daemon at " + t->address + " acknowledged nothing for " +
+                         FormatValue(options.stall_timeout_seconds) + " s (--stall-timeout)";
+      }
+      CountUnackedSteps(plan, ts);
+    } else {
+      ++complete;
     }
-    err << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")")
-        << ". Run the same command again to send them: the daemon says what it holds, and only "
-           "the rest is sent\n";
-    return kExitFailure;
+    if (global.json) {
+      nlohmann::ordered_json j = ReplaySummaryToJson(ts);
+      if (several) j["daemon"] = t->address;
+      json_daemons.push_back(std::move(j));
+    } else {
+      if (several) out << "daemon " << t->address << "\n";
+      out << FormatReplaySummary(ts);
+    }
+    if (!ts.complete) {
+      err << "gradwatch: " << ts.stop_detail << "; "
+          << (ts.has_acked ? "steps through " + std::to_string(ts.last_acked_step) + " are kept; "
+                           : "no step was acknowledged; ")
+          << ts.unacked_steps << " steps not acknowledged";
+      if (ts.first_unacked_step) {
+        err << " (" << *ts.first_unacked_step << " to " << *ts.last_unacked_step << ")";
+      }
+      err << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")")
+          << ". Run the same command again to send them: the daemon says what it holds, and only "
+             "the rest is sent\n";
+      any_failure = true;
+    } else if (ts.finished && !*ts.finished) {
+      err << "gradwatch: the daemon at " << t->address << " did not confirm the end of run " << ts.run
+          << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")") << "\n";
+      any_failure = true;
+    } else if (ts.skipped_lines > 0 || !ts.daemon_errors.empty()) {
+      any_partial = true;
+    }
   }
-  if (summary.finished && !*summary.finished) {
-    err << "gradwatch: the daemon at " << global.address << " did not confirm the end of run " << summary.run
-        << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")") << "\n";
-    return kExitFailure;
-  }
-  return summary.skipped_lines > 0 || !summary.daemon_errors.empty() ? kExitPartial : kExitOk;
+  if (global.json) out << (several ? json_daemons : json_daemons.front()).dump(2) << "\n";
+  // With several daemons, one that holds every step makes the replay a partial success.
+  if (any_failure) return several && complete > 0 ? kExitPartial : kExitFailure;
+  return any_partial ? kExitPartial : kExitOk;
 }
 
 }  // namespace gradwatch::cli

@@ -186,6 +186,38 @@ TEST_CASE("a clean replay exits 0 and daemon rejections make it exit 3", "[clien
   }
 }
 
+TEST_CASE("replay sends every step to each of several daemons, and a dead one makes it partial", "[client]") {
+  TempFile file(R"({"_step": 1, "grad/norm/total": 0.28})"
+                "\n"
+                R"({"_step": 2, "grad/norm/total": 0.29})"
+                "\n");
+  FakeIngest first, second;
+  FakeServer a({&first});
+  FakeServer b({&second});
+  CliResult r = RunCli({"--addr", a.address() + "," + b.address(), "--json", "replay", file.path(), "--run", "two"});
+  INFO(r.err);
+  CHECK(r.code == 0);
+  const auto both = nlohmann::json::parse(r.out);
+  REQUIRE(both.size() == 2);
+  CHECK(both[0]["daemon"] == a.address());
+  CHECK(both[1]["daemon"] == b.address());
+  for (const auto& s : both) {
+    CHECK(s["complete"] == true);
+    CHECK(s["last_acked_step"] == 2);
+  }
+
+  // A daemon nobody listens for: the other still gets every step, and the replay is partial.
+  r = RunCli({"--addr", a.address() + ",127.0.0.1:1", "--timeout", "1", "replay", file.path(), "--run", "half"});
+  CHECK(r.code == 3);
+  CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon at 127.0.0.1:1"));
+  CHECK_THAT(r.out, Catch::Contains("daemon " + a.address()));
+
+  r = RunCli({"--addr", a.address() + "," + b.address(), "runs"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("only replay sends to several"));
+}
+
+
 TEST_CASE("a replay run again sends only the steps the daemon has not received", "[client]") {
   FakeIngest ingest;
   FakeServer server({&ingest});
