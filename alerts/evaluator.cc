@@ -45,7 +45,7 @@ bool IsGlob(std::string_view pattern) { return pattern.find_first_of("*?") != st
 
 bool MatchesAny(const std::vector<std::string>& patterns, std::string_view key) {
   for (const std::string& p : patterns) {
-    if (GlobMatch(p, key)) return true;
+    if (GlobMatches(p, key)) return true;
   }
   return false;
 }
@@ -273,9 +273,9 @@ void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base
   for (const ShareFact& s : facts.shares) {
     bool match = false;
     if (s.is_group) {
-      match = !rule.group.empty() && GlobMatch(rule.group, s.name);
+      match = !rule.group.empty() && GlobMatches(rule.group, s.name);
     } else if (watch_params) {
-      match = rule.param.empty() || GlobMatch(rule.param, s.name);
+      match = rule.param.empty() || GlobMatches(rule.param, s.name);
       if (match && rule.param_kind) match = s.kind == *rule.param_kind;
     }
     if (!match) continue;
@@ -293,7 +293,7 @@ void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base
 void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   for (const ParamFact& p : facts.params) {
     if (rule.param_kind && p.info.kind != *rule.param_kind) continue;
-    if (!rule.param.empty() && !GlobMatch(rule.param, p.info.name)) continue;
+    if (!rule.param.empty() && !GlobMatches(rule.param, p.info.name)) continue;
     if (!(p.info.weight_decay <= rule.max_weight_decay)) continue;
 
     // NaN stands for unknown here.

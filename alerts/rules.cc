@@ -97,32 +97,6 @@ const std::set<std::string>& TemplateVariablesFor(RuleKind kind) {
   return kVars.at(kind);
 }
 
-bool GlobMatch(std::string_view pattern, std::string_view text) {
-  // The common shape, "prefix*" (every parameter's grad norm: grad/norm/*): a prefix comparison.
-  if (!pattern.empty() && pattern.back() == '*' && pattern.find_first_of("*?") == pattern.size() - 1) {
-    return text.substr(0, pattern.size() - 1) == pattern.substr(0, pattern.size() - 1);
-  }
-  // Iterative matcher with single-star backtracking: O(|pattern| × |text|) at worst.
-  size_t p = 0, t = 0;
-  size_t star = std::string_view::npos, mark = 0;
-  while (t < text.size()) {
-    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == text[t])) {
-      ++p;
-      ++t;
-    } else if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      mark = t;
-    } else if (star != std::string_view::npos) {
-      p = star + 1;
-      t = ++mark;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
-}
-
 namespace {
 
 // Keys every rule may have, and those of each kind.

@@ -152,8 +152,5 @@ inline constexpr std::string_view kDefaultRulesSource = "alerts/rules/default.ya
 std::string_view DefaultRulesYaml();
 StatusOr<std::vector<Rule>> LoadDefaultRules();
 
-// Glob match used for series, param and group patterns: `*` any run of characters (including
-// '/'), `?` one character, everything else literal.
-bool GlobMatch(std::string_view pattern, std::string_view text);
 
 }  // namespace gradwatch::alerts

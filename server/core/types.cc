@@ -55,15 +55,20 @@ std::string_view EndReasonName(EndReason reason) {
 }
 
 bool GlobMatches(std::string_view pattern, std::string_view text) {
-  // Greedy, with one back-tracking point: the last '*' seen.
-  size_t p = 0, t = 0, star = std::string_view::npos, mark = 0;
+  // The common shape, "prefix*" (every parameter's grad norm: grad/norm/*): a prefix comparison.
+  if (!pattern.empty() && pattern.back() == '*' && pattern.find_first_of("*?") == pattern.size() - 1) {
+    return text.substr(0, pattern.size() - 1) == pattern.substr(0, pattern.size() - 1);
+  }
+  // Iterative matcher with single-star backtracking: O(|pattern| × |text|) at worst.
+  size_t p = 0, t = 0;
+  size_t star = std::string_view::npos, mark = 0;
   while (t < text.size()) {
-    if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      mark = t;
-    } else if (p < pattern.size() && pattern[p] == text[t]) {
+    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == text[t])) {
       ++p;
       ++t;
+    } else if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = t;
     } else if (star != std::string_view::npos) {
       p = star + 1;
       t = ++mark;

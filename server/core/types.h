@@ -113,8 +113,9 @@ std::string ParamNorm(std::string_view param);
 std::string UpdateNorm(std::string_view param);
 }  // namespace keys
 
-// Whether `text` matches `pattern`, where '*' matches any run of characters (none included) and
-// every other character itself: series keys and parameter names in the configuration.
+// Whether `text` matches `pattern`, where '*' matches any run of characters (none included), '?'
+// any one character, and every other character itself: series keys, parameter names and groups in
+// rules and in the configuration.
 bool GlobMatches(std::string_view pattern, std::string_view text);
 
 // Which of a parameter's three norms.

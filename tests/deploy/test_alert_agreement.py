@@ -11,7 +11,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,8 +18,9 @@ import unittest
 import urllib.parse
 import urllib.request
 
+from stack import SCALE, free_port, wait_for, get_json, stop_processes
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SCALE = max(1.0, float(os.environ.get("GRADWATCH_TEST_TIME_SCALE", "1")))
 RUN = "e2e-contingency"
 PARAMS = [
     {"name": "final_norm.weight", "numel": 6144, "kind": "norm_gain", "weight_decay": 0.0, "role": "final_norm"},
@@ -29,29 +29,7 @@ PARAMS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def wait_for(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds * SCALE
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {seconds * SCALE:.0f} s waiting for {what}")
-        time.sleep(0.5)
-
-
-def get_json(url: str):
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return json.load(r)
-    except (OSError, ValueError):
-        return None
 
 
 def rfc3339(text: str) -> float:
@@ -71,16 +49,7 @@ class BuiltInAndPrometheusRuleAgree(unittest.TestCase):
         self.logs = []
 
     def tearDown(self):
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        for f in self.logs:
-            f.close()
+        stop_processes(self.procs, self.logs)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def start(self, name, argv):

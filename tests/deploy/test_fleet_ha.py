@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -19,28 +18,14 @@ import time
 import unittest
 import urllib.request
 
-SCALE = max(1.0, float(os.environ.get("GRADWATCH_TEST_TIME_SCALE", "1")))
+from stack import SCALE, free_port, wait_for, stop_processes
+
 PARAMS = [
     {"name": "final_norm.weight", "numel": 6144, "kind": "norm_gain", "weight_decay": 0.0, "role": "final_norm"},
     {"name": "lm_head.weight", "numel": 1000000, "kind": "output", "weight_decay": 0.1},
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds * SCALE
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {seconds * SCALE:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 class Receiver:
@@ -99,16 +84,7 @@ class TwoReplicasTwoAlertmanagers(unittest.TestCase):
         self.receiver = Receiver()
 
     def tearDown(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        for f in self.logs:
-            f.close()
+        stop_processes(self.procs.values(), self.logs)
         self.receiver.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -10,36 +10,20 @@ GRADWATCH_TEST_TIME_SCALE.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 import urllib.parse
 import urllib.request
 
+from stack import SCALE, free_port, wait_for, stop_processes
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DASHBOARD = os.path.join(ROOT, "deploy", "grafana", "gradwatch-run.json")
 RUN = "moe-incident-demo"
-SCALE = max(1.0, float(os.environ.get("GRADWATCH_TEST_TIME_SCALE", "1")))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds * SCALE
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {seconds * SCALE:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def queries(dashboard: dict):
@@ -146,15 +130,7 @@ class DashboardAgainstPrometheus(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        for p in reversed(cls.procs):
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for log in cls.logs:
-            log.close()
+        stop_processes(cls.procs, cls.logs)
         shutil.rmtree(cls.dir, ignore_errors=True)
 
     @classmethod

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,28 +16,14 @@ import unittest
 import urllib.parse
 import urllib.request
 
-SCALE = max(1.0, float(os.environ.get("GRADWATCH_TEST_TIME_SCALE", "1")))
+from stack import SCALE, free_port, wait_for, stop_processes
+
 PARAMS = [
     {"name": "final_norm.weight", "numel": 6144, "kind": "norm_gain", "weight_decay": 0.0},
     {"name": "lm_head.weight", "numel": 1000000, "kind": "output", "weight_decay": 0.1},
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds * SCALE
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {seconds * SCALE:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def write_run(path: str, run: str, steps: int, t0: float):
@@ -148,16 +133,7 @@ class Stack:
         return {int(round(float(t) * 1000)): float(v) for t, v in body["data"]["result"][0]["values"]}
 
     def close(self):
-        for p in (self.daemon, self.prometheus):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        for f in self.logs:
-            f.close()
+        stop_processes([self.prometheus, self.daemon], self.logs)
 
 
 class RemoteWriteToPrometheus(unittest.TestCase):

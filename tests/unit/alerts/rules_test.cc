@@ -337,7 +337,7 @@ TEST_CASE("globs match series, parameter and group names", "[alerts]") {
   };
   for (const Case& c : cases) {
     INFO(c.pattern << " ~ " << c.text);
-    CHECK(GlobMatch(c.pattern, c.text) == c.match);
+    CHECK(gradwatch::GlobMatches(c.pattern, c.text) == c.match);
   }
 }
 
