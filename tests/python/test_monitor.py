@@ -73,6 +73,42 @@ class MonitorTest(unittest.TestCase):
         added = self.daemon.points("py-basic", "grad/norm/layers.1.attn.weight")
         self.assertEqual([p.step for p in added], list(range(50, 201)))
 
+    def test_every_step_goes_to_each_of_several_daemons_and_a_dead_one_holds_up_nothing(self) -> None:
+        replica = Daemon()
+        try:
+            address = f"{self.daemon.address},{replica.address}"
+            with gradwatch.Monitor("py-replicas", address=address, params=CATALOG) as mon:
+                self.assertEqual(mon.addresses, [self.daemon.address, replica.address])
+                for s in range(1, 101):
+                    self.assertTrue(mon.log(s, metrics(s)))
+                self.assertTrue(mon.event(50, "routing switch"))
+                self.assertTrue(mon.flush(30))
+                self.assertEqual(mon.stats().acked_through_step, 100)
+                self.assertEqual(set(mon.stats_by_daemon()), {self.daemon.address, replica.address})
+            for d in (self.daemon, replica):
+                run = d.run("py-replicas")
+                self.assertEqual(run.info.step_count, 100)
+                self.assertEqual(run.info.state, pb.RUN_STATE_FINISHED)
+                self.assertEqual([e.text for e in run.events], ["routing switch"])
+            self.assertEqual([(p.step, p.value) for p in self.daemon.points("py-replicas", "params/norm/final_norm.weight")],
+                             [(p.step, p.value) for p in replica.points("py-replicas", "params/norm/final_norm.weight")])
+
+            # One replica gone: the other gets every step, flush says not every daemon has them.
+            replica.stop(signal.SIGKILL)
+            mon = gradwatch.Monitor("py-half", address=[self.daemon.address, replica.address], params=CATALOG)
+            for s in range(1, 51):
+                self.assertTrue(mon.log(s, metrics(s)))
+            self.assertFalse(mon.flush(3))
+            by_daemon = mon.stats_by_daemon()
+            self.assertEqual(by_daemon[self.daemon.address].acked_through_step, 50)
+            self.assertIsNone(by_daemon[replica.address].acked_through_step)
+            self.assertIsNone(mon.stats().acked_through_step)
+            self.assertFalse(mon.close(finished=True, timeout=3))
+            self.assertEqual(self.daemon.run("py-half").info.step_count, 50)
+            self.assertEqual(self.daemon.run("py-half").info.state, pb.RUN_STATE_FINISHED)
+        finally:
+            replica.close()
+
     def test_values_are_anything_float_takes(self) -> None:
         class Scalar:  # a JAX or torch 0-d value: it converts with float()
             def __float__(self) -> float:

@@ -60,8 +60,8 @@ class _Item:
     squared: bool = False  # norms given as squared (partial) sums
 
 
-class Monitor:
-    """Streams one rank of a run to gradwatchd from a background thread.
+class _Stream:
+    """Streams one rank of a run to one gradwatchd from a background thread (Monitor's per daemon).
 
     run: the run's id. address: the daemon's gRPC HOST:PORT. rank and world_size: this process's
     place in the job; the daemon completes a step once every rank sent it (with world_size > 1 each
@@ -154,7 +154,8 @@ class Monitor:
         with self._lock:
             if self._thread is not None:
                 return
-            self._thread = threading.Thread(target=self._run_loop, name="gradwatch-monitor", daemon=True)
+            self._thread = threading.Thread(target=self._run_loop, name=f"gradwatch-monitor-{self._address}",
+                                            daemon=True)
             self._thread.start()
 
     def log(self, step: int, metrics: Mapping[str, Any], wall_time: Optional[float] = None,
@@ -247,14 +248,6 @@ class Monitor:
             s.queued = len(self._pending)
             s.unacked = len(self._inflight)
             return s
-
-    def __enter__(self) -> "Monitor":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        # A loop that raised did not reach its end: the run is left open (it pages as dead if
-        # nothing else reports), not recorded as finished.
-        self.close(finished=exc_type is None)
 
     # ---- internals ------------------------------------------------------------------------------
 
@@ -507,3 +500,137 @@ class Monitor:
                 call.cancel()
                 thread.join(timeout=5.0)
         self._channel.close()
+
+
+def _addresses(address: Any) -> List[str]:
+    """"a:1,b:2" or ["a:1", "b:2"] → ["a:1", "b:2"]."""
+    items = address.split(",") if isinstance(address, str) else list(address)
+    out = [str(a).strip() for a in items if str(a).strip()]
+    if not out:
+        raise ValueError("address: give at least one daemon HOST:PORT")
+    return out
+
+
+class Monitor:
+    """Streams one rank of a run to gradwatchd from background threads.
+
+    run: the run's id. address: the daemon's gRPC HOST:PORT, or several (a list, or comma-separated):
+    every step then goes to each daemon, on a stream of its own (replicas watching one run; a daemon
+    that is down gets its steps queued, up to queue_capacity, and does not hold up the others).
+    rank and world_size: this process's place in the job; the daemon completes a step once every rank
+    sent it (with world_size > 1 each rank logs the squared sums of its shards' norms, log(...,
+    squared=True), which the daemon adds up). labels: the run's labels. config: the run's config
+    (hidden_size, z_loss_coef, optimizer, weight_decay, and any other key as extra text). params: the
+    parameter catalog, as names, mappings with the JSONL header's fields, or gradwatch.Param;
+    parameters that log() names and the catalog lacks are appended to it (kind inferred from the
+    name, weight decay 0 for norm gains, else config's weight_decay). resume_from_step: the first step
+    this process logs after resuming from a checkpoint (the daemon drops what it held from there on).
+    on_alert: called with each gradwatch.v1.Alert a daemon sends this stream, on that stream's thread
+    (with several daemons, each calls it with its own copy of an alert).
+
+    Never blocks training: log() and event() queue, up to queue_capacity steps held per daemon
+    (queued or written and not yet durable); beyond it a step is dropped and counted, and the daemon
+    is told with the next step sent.
+    """
+
+    def __init__(self, run: str, address: Any = DEFAULT_ADDRESS, **kwargs: Any) -> None:
+        self._addresses = _addresses(address)
+        self._streams = [_Stream(run, a, **kwargs) for a in self._addresses]
+
+    @property
+    def addresses(self) -> List[str]:
+        return list(self._addresses)
+
+    def start(self) -> None:
+        """Starts the background threads (the constructor does, unless start=False)."""
+        for s in self._streams:
+            s.start()
+
+    def log(self, step: int, metrics: Mapping[str, Any], wall_time: Optional[float] = None,
+            squared: bool = False) -> bool:
+        """Queues one step's metrics (the JSONL keys) without blocking; False when every daemon's
+        queue dropped it.
+
+        Values are anything float() takes. A key naming a parameter the catalog lacks adds it.
+        squared: the norms (grad/norm/..., params/norm/..., updates/norm/...) are this rank's
+        squared partial sums, which the daemon adds up over the ranks. Raises TypeError or
+        ValueError for a value that is not a number or a negative step.
+        """
+        if len(self._streams) == 1:
+            return self._streams[0].log(step, metrics, wall_time, squared)
+        if wall_time is None:
+            wall_time = time.time()  # one wall time for every daemon
+        taken = [s.log(step, metrics, wall_time, squared) for s in self._streams]
+        return any(taken)
+
+    def event(self, step: int, text: str) -> bool:
+        """Queues an event (a change the run went through at `step`), in order with the steps."""
+        return any([s.event(step, text) for s in self._streams])
+
+    def flush(self, timeout: Optional[float] = 30.0) -> bool:
+        """Waits until everything logged is durable at every daemon; False on timeout or rejection."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ok = True
+        for s in self._streams:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ok = s.flush(left) and ok
+        return ok
+
+    def close(self, finished: bool = True, timeout: float = 30.0) -> bool:
+        """Flushes, then (finished=True) ends the run cleanly: the daemon records it as finished,
+        resolves its alerts and will not page it as dead. finished=False leaves the run open (a
+        rank that stops while others go on). Stops the threads. True when every daemon confirmed
+        all of it. The daemons are closed together: one that is down costs `timeout` once.
+        """
+        results: List[bool] = [False] * len(self._streams)
+
+        def close_one(i: int) -> None:
+            results[i] = self._streams[i].close(finished=finished, timeout=timeout)
+
+        if len(self._streams) == 1:
+            close_one(0)
+        else:
+            threads = [threading.Thread(target=close_one, args=(i,)) for i in range(len(self._streams))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        return all(results)
+
+    def stats(self) -> MonitorStats:
+        """What the Monitor has done. With several daemons: counts summed (sent, events_sent,
+        errors, reconnects), the largest backlog (queued, unacked, dropped), the step every daemon
+        holds (acked_through_step: the lowest), connected when any is, rejected and finished when
+        all are; stats_by_daemon() has each."""
+        each = [s.stats() for s in self._streams]
+        if len(each) == 1:
+            return each[0]
+        out = MonitorStats()
+        out.queued = max(e.queued for e in each)
+        out.unacked = max(e.unacked for e in each)
+        out.dropped = max(e.dropped for e in each)
+        out.sent = sum(e.sent for e in each)
+        out.events_sent = sum(e.events_sent for e in each)
+        out.errors = sum(e.errors for e in each)
+        out.reconnects = sum(e.reconnects for e in each)
+        for e in each:
+            for reason, n in e.errors_by_reason.items():
+                out.errors_by_reason[reason] = out.errors_by_reason.get(reason, 0) + n
+        acked = [e.acked_through_step for e in each]
+        out.acked_through_step = None if any(a is None for a in acked) else min(acked)
+        out.connected = any(e.connected for e in each)
+        out.rejected = all(e.rejected for e in each)
+        out.finished = all(e.finished for e in each)
+        out.last_error = next((e.last_error for e in each if e.last_error), "")
+        return out
+
+    def stats_by_daemon(self) -> Dict[str, MonitorStats]:
+        return {a: s.stats() for a, s in zip(self._addresses, self._streams)}
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # A loop that raised did not reach its end: the run is left open (it pages as dead if
+        # nothing else reports), not recorded as finished.
+        self.close(finished=exc_type is None)
