@@ -21,6 +21,7 @@
 #include "client/cli/format.h"
 #include "client/cli/signal_watch.h"
 #include "client/lib/monitor.h"
+#include "client/lib/monitor_set.h"
 #include "client/lib/query_client.h"
 
 namespace gradwatch::cli {
@@ -269,19 +270,6 @@ bool OpenReplayInput(const std::string& path, std::ifstream& in, std::string* wh
   return ok;
 }
 
-// "a:1,b:2" → {"a:1", "b:2"}: the daemons a replay sends every step to; empty entries dropped.
-std::vector<std::string> SplitAddresses(const std::string& list) {
-  std::vector<std::string> out;
-  size_t from = 0;
-  while (from <= list.size()) {
-    const size_t comma = std::min(list.find(',', from), list.size());
-    if (comma > from) out.push_back(list.substr(from, comma - from));
-    from = comma + 1;
-  }
-  if (out.empty()) out.push_back(list);
-  return out;
-}
-
 }  // namespace
 
 int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::ostream& out,
@@ -330,7 +318,8 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     ReplaySummary summary;
     client::MonitorStats stats;
   };
-  const std::vector<std::string> addresses = SplitAddresses(global.address);
+  std::vector<std::string> addresses = client::SplitAddresses(global.address);
+  if (addresses.empty()) addresses.push_back(global.address);
   std::vector<std::unique_ptr<Target>> targets;
   for (const std::string& address : addresses) {
     auto t = std::make_unique<Target>();
