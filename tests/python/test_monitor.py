@@ -98,6 +98,8 @@ class MonitorTest(unittest.TestCase):
             mon = gradwatch.Monitor("py-half", address=[self.daemon.address, replica.address], params=CATALOG)
             for s in range(1, 51):
                 self.assertTrue(mon.log(s, metrics(s)))
+            wait_for(lambda: mon.stats_by_daemon()[self.daemon.address].acked_through_step == 50, 30,
+                     "the live daemon's acks")
             self.assertFalse(mon.flush(3))
             by_daemon = mon.stats_by_daemon()
             self.assertEqual(by_daemon[self.daemon.address].acked_through_step, 50)

@@ -2,6 +2,7 @@
 
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <thread>
 
 #include "tests/unit/client/fake_daemon.h"
 
@@ -71,8 +72,12 @@ TEST_CASE("a monitor set sends every step and event to each daemon, and a dead o
   MonitorSet set({c.address(), b.address()}, SetOptions());
   set.Start();
   for (uint64_t n : steps) CHECK(set.Log(Step(n)));
-  CHECK_FALSE(set.Flush(500ms));
+  const auto deadline = std::chrono::steady_clock::now() + gradwatch::testing::Scaled(10s);
+  while (set.Stats(0).acked_through_step != 20 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
   CHECK(set.Stats(0).acked_through_step == 20);
+  CHECK_FALSE(set.Flush(500ms));
   CHECK_FALSE(set.Stats(1).has_acked);
   CHECK_FALSE(set.Finish(500ms));
   CHECK(third.Steps() == steps);
