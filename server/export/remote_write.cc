@@ -210,7 +210,7 @@ Status RemoteWriter::Start(store::RemoteWriteProgress* progress) {
     saved = std::move(loaded).value();
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (started_) return Status::Ok();
     started_ = true;
     saved_progress_ = std::move(saved);
@@ -223,18 +223,21 @@ Status RemoteWriter::Start(store::RemoteWriteProgress* progress) {
 }
 
 bool RemoteWriter::Drain(std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mu_);
-  return cv_.wait_for(lock, timeout, [&] { return stopping_ || (queue_.empty() && inflight_samples_ == 0); }) &&
-         queue_.empty() && inflight_samples_ == 0;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  MutexLock lock(&mu_);
+  while (!stopping_ && !(queue_.empty() && inflight_samples_ == 0)) {
+    if (!cv_.WaitUntil(&mu_, deadline)) break;
+  }
+  return queue_.empty() && inflight_samples_ == 0;
 }
 
 void RemoteWriter::Stop() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   http_->Abort();
   if (thread_.joinable()) thread_.join();
 }
@@ -245,14 +248,14 @@ std::shared_ptr<runs::RunChannel> RemoteWriter::Open(const RunMeta& meta, bool r
   run->last_step = RemoteSeries{{{"__name__", "gradwatch_last_step"}, {"run", meta.run_id}}};
   std::optional<uint64_t> next;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (auto it = saved_progress_.find(meta.run_id); it != saved_progress_.end()) next = it->second;
   }
   if (!next && !restored && progress_ != nullptr) {
     // A new run: from now on a restart sends what the receiver has not accepted.
     if (Status s = progress_->Save(options_.name, {{meta.run_id, 0}}); s.ok()) {
       next = 0;
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       saved_progress_[meta.run_id] = 0;
     } else {
       spdlog::warn("remote_write {}: run {}: cannot save its progress ({}); a restart may skip steps",
@@ -269,7 +272,7 @@ void RemoteWriter::OnRunLeftMemory(const std::string& run_id, double now) {
 }
 
 void RemoteWriter::Enqueue(Step step) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   queued_samples_ += step.samples.size();
   queue_.push_back(std::move(step));
   if (queued_samples_ <= options_.capacity_samples) return;
@@ -300,11 +303,11 @@ void RemoteWriter::Rewind(const std::shared_ptr<RunState>& run, uint64_t from_st
   marker.run = run;
   marker.step = from_step;
   marker.rewind = true;
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   queue_.push_back(std::move(marker));
 }
 
-void RemoteWriter::Wake() { cv_.notify_all(); }  // Drain may wait on cv_ too
+void RemoteWriter::Wake() { cv_.SignalAll(); }  // Drain may wait on cv_ too
 
 void RemoteWriter::Loop() {
   std::vector<Step> batch;
@@ -312,8 +315,8 @@ void RemoteWriter::Loop() {
   while (true) {
     batch.clear();
     {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      MutexLock lock(&mu_);
+      while (!stopping_ && queue_.empty()) cv_.Wait(&mu_);
       if (stopping_) return;
       size_t samples = 0;
       while (!queue_.empty() && (batch.empty() || (!queue_.front().rewind && !batch.front().rewind &&
@@ -339,24 +342,27 @@ void RemoteWriter::Loop() {
         }
       }
       {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         inflight_samples_ = 0;
       }
-      cv_.notify_all();
+      cv_.SignalAll();
       continue;
     }
     std::chrono::milliseconds backoff = options_.min_backoff;
     while (!Send(batch)) {
       const double now = WallNow();
       if (failing_since == 0) failing_since = now;
-      std::unique_lock lock(mu_);
+      MutexLock lock(&mu_);
       ++stats_.retried_requests;
-      if (cv_.wait_for(lock, backoff, [&] { return stopping_; })) return;
+      const auto until = std::chrono::steady_clock::now() + backoff;
+      while (!stopping_ && cv_.WaitUntil(&mu_, until)) {
+      }
+      if (stopping_) return;
       backoff = std::min(options_.max_backoff, backoff * 2);
     }
     if (failing_since != 0) {
       {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         last_retry_log_ = 0;
       }
       spdlog::info("remote_write {}: {} accepts samples again after {:.1f} s", options_.name, options_.url,
@@ -365,10 +371,10 @@ void RemoteWriter::Loop() {
     }
     SaveProgress(batch);
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       inflight_samples_ = 0;
     }
-    cv_.notify_all();  // Drain
+    cv_.SignalAll();  // Drain
   }
 }
 
@@ -407,7 +413,7 @@ bool RemoteWriter::Send(const std::vector<Step>& batch) {
   const notify::HttpResult result = http_->Send(http_request);
   if (result.error == notify::HttpResult::Error::kAborted) return true;  // stopping: sent after a restart
   const double now = WallNow();
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   ++stats_.sent_requests;
   if (result.has_response() && result.status >= 200 && result.status < 300) {
     stats_.sent_samples += samples;
@@ -449,7 +455,7 @@ void RemoteWriter::SaveProgress(const std::vector<Step>& batch) {
 }
 
 RemoteWriteStats RemoteWriter::stats(double now) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   RemoteWriteStats s = stats_;
   s.queued_samples = queued_samples_ + inflight_samples_;
   double oldest = inflight_samples_ > 0 ? inflight_oldest_wall_ : 0;

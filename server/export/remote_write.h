@@ -26,12 +26,10 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -128,8 +126,8 @@ class RemoteWriter final : public runs::StepListener {
   store::RemoteWriteProgress* progress_ = nullptr;  // set by Start, before the thread
   const std::unique_ptr<notify::HttpClient> http_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+  mutable Mutex mu_;
+  CondVar cv_;  // work queued, a batch done (Drain), stop
   bool stopping_ GUARDED_BY(mu_) = false;
   bool started_ GUARDED_BY(mu_) = false;
   std::map<std::string, uint64_t> saved_progress_ GUARDED_BY(mu_);  // run id → step, as loaded

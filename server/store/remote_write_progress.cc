@@ -16,7 +16,7 @@ StatusOr<std::unique_ptr<RemoteWriteProgress>> RemoteWriteProgress::Open(const s
 }
 
 StatusOr<std::map<std::string, uint64_t>> RemoteWriteProgress::Load(const std::string& receiver) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto select = db_.Prepare("SELECT run, step FROM remote_write_progress WHERE receiver = ?");
   if (!select.ok()) return select.status();
   std::map<std::string, uint64_t> out;
@@ -30,7 +30,7 @@ StatusOr<std::map<std::string, uint64_t>> RemoteWriteProgress::Load(const std::s
 
 Status RemoteWriteProgress::Save(const std::string& receiver,
                                  const std::vector<std::pair<std::string, uint64_t>>& steps) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   sqlite::Transaction txn(db_, "remote-write progress");
   if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) return s;
   auto upsert = db_.Prepare(

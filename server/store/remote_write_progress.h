@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,7 +29,7 @@ class RemoteWriteProgress {
 
  private:
   explicit RemoteWriteProgress(sqlite::Database db) : db_(std::move(db)) {}
-  std::mutex mu_;
+  Mutex mu_;
   sqlite::Database db_ GUARDED_BY(mu_);
 };
 
