@@ -99,7 +99,8 @@ class TwoReplicasTwoAlertmanagers(unittest.TestCase):
 
     def replay(self, addresses, path):
         return subprocess.run([os.environ.get("GRADWATCH_CLI_PATH", "gradwatch"), "--addr", ",".join(addresses),
-                               "--timeout", "5", "replay", path, "--max", "--stall-timeout", "10"],
+                               "--timeout", str(5 * SCALE), "replay", path, "--max", "--stall-timeout",
+                               str(10 * SCALE)],
                               capture_output=True, text=True, timeout=300 * SCALE)
 
     def firing_on(self, metrics_port, run):
