@@ -207,7 +207,7 @@ TEST_CASE("replay sends every step to each of several daemons, and a dead one ma
   }
 
   // A daemon nobody listens for: the other still gets every step, and the replay is partial.
-  r = RunCli({"--addr", a.address() + ",127.0.0.1:1", "--timeout", "1", "replay", file.path(), "--run", "half"});
+  r = RunCli({"--addr", a.address() + ",127.0.0.1:1", "--timeout", "5", "replay", file.path(), "--run", "half"});
   CHECK(r.code == 3);
   CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon at 127.0.0.1:1"));
   CHECK_THAT(r.out, Catch::Contains("daemon " + a.address()));
