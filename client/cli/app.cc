@@ -57,8 +57,8 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   GlobalOptions global;
   global.address = DefaultAddress();
   app.add_option("--addr", global.address,
-                 "Daemon gRPC address, host:port; replay takes several, comma-separated, and sends every step "
-                 "to each (replicas watching one run)")
+                 "Daemon gRPC address, host:port; replay and tail take several, comma-separated, and send "
+                 "every step to each (replicas watching one run)")
       ->capture_default_str();
   app.add_option("--timeout", global.timeout_seconds,
                  "Deadline of each query, and how long replay waits for the daemon to accept its "
@@ -207,8 +207,8 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     if (*tail_cmd && tail.rank >= tail.world_size) {
       throw CLI::ValidationError("--rank", "must be below --world-size (" + std::to_string(tail.world_size) + ")");
     }
-    if (!*replay_cmd && global.address.find(',') != std::string::npos) {
-      throw CLI::ValidationError("--addr", "lists several daemons; only replay sends to several: run tail and the "
+    if (!*replay_cmd && !*tail_cmd && global.address.find(',') != std::string::npos) {
+      throw CLI::ValidationError("--addr", "lists several daemons; only replay and tail send to several: run the "
                                            "queries once per daemon");
     }
     if (*replay_cmd && replay.rank >= replay.world_size) {

@@ -16,6 +16,7 @@
 #include "client/cli/format.h"
 #include "client/cli/signal_watch.h"
 #include "client/lib/monitor.h"
+#include "client/lib/monitor_set.h"
 #include "client/lib/query_client.h"
 
 namespace gradwatch::cli {
@@ -48,43 +49,52 @@ std::optional<std::pair<std::string, int>> ParamKey(const std::string& key) {
   return std::nullopt;
 }
 
-// The stream to the daemon. It is made again (after every step it holds is durable) when the
-// catalog grows, since a Hello carries the catalog, and when the job resumed from a checkpoint.
+// The parameters the job's lines have named so far, in the order they were met: the index of a
+// parameter in every step and every daemon's catalog.
+struct Catalog {
+  std::vector<v1::ParamInfo> params;
+  std::unordered_map<std::string, uint32_t> index;
+
+  uint32_t Index(const std::string& name) {
+    auto it = index.find(name);
+    if (it != index.end()) return it->second;
+    const auto i = static_cast<uint32_t>(params.size());
+    v1::ParamInfo p;
+    p.set_name(name);
+    p.set_kind(InferParamKind(name));
+    if (p.kind() == v1::PARAM_KIND_NORM_GAIN) p.set_weight_decay(0);
+    params.push_back(std::move(p));
+    index.emplace(name, i);
+    return i;
+  }
+};
+
+// The stream to one daemon. It is made again (after every step it holds is durable) when the
+// catalog grew, since a Hello carries the catalog, and when the job resumed from a checkpoint.
 class Sender {
  public:
-  Sender(const GlobalOptions& global, const TailOptions& options, std::string run, bool blocking,
-         std::function<void(const std::string&)> notice, DaemonMessages* messages)
+  Sender(const GlobalOptions& global, const TailOptions& options, std::string address, std::string run,
+         const Catalog* catalog, std::function<void(const std::string&)> notice, DaemonMessages* messages)
       : global_(global),
         options_(options),
+        address_(std::move(address)),
         run_(std::move(run)),
-        blocking_(blocking),
+        catalog_(catalog),
         notice_(std::move(notice)),
         messages_(messages) {}
 
   ~Sender() { Close(); }
 
-  // Index of a parameter, adding it to the catalog when new.
-  uint32_t ParamIndex(const std::string& name) {
-    auto it = index_.find(name);
-    if (it != index_.end()) return it->second;
-    const auto index = static_cast<uint32_t>(params_.size());
-    v1::ParamInfo p;
-    p.set_name(name);
-    p.set_kind(InferParamKind(name));
-    if (p.kind() == v1::PARAM_KIND_NORM_GAIN) p.set_weight_decay(0);
-    params_.push_back(std::move(p));
-    index_.emplace(name, index);
-    catalog_grew_ = true;
-    return index;
-  }
+  const std::string& address() const { return address_; }
 
-  // Opens (or reopens) the stream; false with `why` when the daemon cannot be reached or refuses.
+  // Opens (or reopens) the stream; false with `why` when the daemon refuses the run.
   bool Ensure(std::optional<uint64_t> resume_from, std::string* why) {
-    if (monitor_ != nullptr && !catalog_grew_ && !resume_from) return true;
+    const bool catalog_grew = catalog_->params.size() != catalog_sent_;
+    if (monitor_ != nullptr && !catalog_grew && !resume_from) return true;
     Close();
-    catalog_grew_ = false;
+    catalog_sent_ = catalog_->params.size();
     client::MonitorOptions mo;
-    mo.address = global_.address;
+    mo.address = address_;
     mo.queue_capacity = kQueueCapacity;
     v1::Hello& hello = mo.hello;
     hello.set_run_id(run_);
@@ -92,7 +102,7 @@ class Sender {
     hello.set_world_size(options_.world_size);
     hello.set_client("gradwatch-tail/0.1.0");
     if (resume_from) hello.set_resume_from_step(*resume_from);
-    for (const v1::ParamInfo& p : params_) *hello.add_params() = p;
+    for (const v1::ParamInfo& p : catalog_->params) *hello.add_params() = p;
     mo.on_error = [this](const v1::Error& e) { messages_->AddError(e); };
     mo.on_alert = [this](const v1::Alert& a) { messages_->AddAlert(a); };
     mo.on_accepted = [this](const v1::Accepted& a) {
@@ -103,13 +113,15 @@ class Sender {
     if (!monitor_->WaitAccepted(global_.timeout())) {
       const client::MonitorStats stats = monitor_->Stats();
       if (stats.rejected) {
-        *why = "the daemon at " + global_.address + " refused run " + run_ + ": " + stats.last_error;
+        *why = "the daemon at " + address_ + " refused run " + run_ + ": " + stats.last_error;
+        Account();
         monitor_->Stop();
+        monitor_.reset();
         return false;
       }
       // The Monitor keeps trying in the background: the job's lines are held (a bounded queue
       // for a pipe, the file itself for a file) until the daemon is back.
-      notice_("the daemon at " + global_.address + " is not reachable yet" +
+      notice_("the daemon at " + address_ + " is not reachable yet" +
               (stats.last_error.empty() ? "" : " (" + stats.last_error + ")") + "; steps are sent once it is");
     }
     if (resume_from) {
@@ -124,23 +136,17 @@ class Sender {
   // The step through which the daemon held this rank's steps when the tail started.
   std::optional<uint64_t> held_through() const { return held_through_; }
 
-  bool Log(v1::StepStats stats, const std::function<bool()>& keep_waiting) {
-    if (blocking_) {
-      // A file is its own buffer: wait for room (the daemon away) rather than drop, for as long
-      // as it takes, or until the tail is stopped; a step left unsent then counts as dropped.
-      for (;;) {
-        const client::MonitorStats now = monitor_->Stats();
-        if (now.rejected) return false;
-        if (now.queued + now.unacked < kQueueCapacity) break;
-        if (!keep_waiting()) {
-          ++dropped_;
-          return false;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-    return monitor_->Log(std::move(stats));
+  // Whether the stream takes another step without dropping one; false also once it was refused.
+  bool HasRoom() const {
+    const client::MonitorStats now = monitor_->Stats();
+    return !now.rejected && now.queued + now.unacked < kQueueCapacity;
   }
+  bool Refused() const { return monitor_->Stats().rejected; }
+
+  // Never blocks: a step that does not fit is dropped (counted, and reported to the daemon).
+  bool Log(v1::StepStats stats) { return monitor_->Log(std::move(stats)); }
+  // A step the tail gave up waiting room for.
+  void CountDrop() { ++dropped_; }
 
   bool Event(uint64_t step, std::string text) { return monitor_->Event(step, std::move(text)); }
 
@@ -165,11 +171,11 @@ class Sender {
     monitor_.reset();
   }
 
-  // Totals over every stream this tail opened.
-  uint64_t dropped() const { return dropped_ + (monitor_ ? monitor_->Stats().dropped : 0); }
+  // Totals over every stream this tail opened to the daemon.
+  uint64_t dropped() const { return dropped_ + (monitor_ && accounted_ != monitor_.get() ? monitor_->Stats().dropped : 0); }
   std::map<std::string, uint64_t> errors() const {
     std::map<std::string, uint64_t> all = errors_;
-    if (monitor_) {
+    if (monitor_ && accounted_ != monitor_.get()) {
       for (const auto& [reason, n] : monitor_->Stats().errors_by_reason) all[reason] += n;
     }
     return all;
@@ -186,15 +192,14 @@ class Sender {
 
   const GlobalOptions& global_;
   const TailOptions& options_;
+  const std::string address_;
   std::string run_;
-  bool blocking_;
+  const Catalog* catalog_;
+  size_t catalog_sent_ = 0;
   std::function<void(const std::string&)> notice_;
   DaemonMessages* messages_;
   std::unique_ptr<client::Monitor> monitor_;
   const client::Monitor* accounted_ = nullptr;
-  std::vector<v1::ParamInfo> params_;
-  std::unordered_map<std::string, uint32_t> index_;
-  bool catalog_grew_ = false;
   std::atomic<uint64_t> last_received_{0};  // last received step + 1; 0: none
   std::optional<uint64_t> held_through_;
   uint64_t dropped_ = 0;
@@ -297,14 +302,52 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   fo.path = options.file;
   fo.notice = [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; };
   LineFollower follower(std::move(fo));
-  // The daemon's errors and alerts (a page, with its recommendation) are shown as they arrive.
-  DaemonMessages messages;
+  // A file is its own buffer: while no daemon has room, the tail waits rather than drop. A pipe's
+  // job is never blocked: what does not fit is dropped, counted and reported.
+  const bool blocking = follower.follows_file();
+
+  // One target per daemon address (--addr a,b sends every line to each: replicas watching one
+  // run). Each has its own stream, resume point and summary; a daemon that refuses the run gets no
+  // more steps while the others go on.
+  struct Target {
+    std::unique_ptr<Sender> sender;
+    DaemonMessages messages;  // its errors and alerts (a page, with its recommendation), shown as they arrive
+    TailSummary summary;
+    bool connected = false;
+    std::string failure;  // set once the daemon refused the run
+  };
+  Catalog catalog;
+  std::vector<std::string> addresses = client::SplitAddresses(global.address);
+  if (addresses.empty()) addresses.push_back(global.address);
+  const bool several = addresses.size() > 1;
+  std::vector<std::unique_ptr<Target>> targets;
+  for (const std::string& address : addresses) {
+    auto t = std::make_unique<Target>();
+    t->sender = std::make_unique<Sender>(
+        global, options, address, summary.run, &catalog,
+        [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; }, &t->messages);
+    targets.push_back(std::move(t));
+  }
+  const auto live = [&targets] {
+    return std::any_of(targets.begin(), targets.end(), [](const auto& t) { return t->failure.empty(); });
+  };
   const std::unordered_map<uint64_t, uint64_t> no_line_numbers;
-  Sender sender(global, options, summary.run, follower.follows_file(),
-                [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; }, &messages);
+  const auto print_messages = [&] {
+    for (auto& t : targets) {
+      t->messages.Print(several ? options.file + " (" + t->sender->address() + ")" : options.file, no_line_numbers,
+                        err);
+    }
+  };
+  // False when no daemon is left; a daemon that refused the run is reported once.
+  const auto ensure = [&](Target& t, std::optional<uint64_t> resume) {
+    if (!t.failure.empty()) return false;
+    if (t.sender->Ensure(resume, &t.failure)) return true;
+    if (several) err << "gradwatch tail: " << t.failure << "; it gets no more steps, the other daemons go on\n";
+    return false;
+  };
   const auto stall = std::chrono::milliseconds(static_cast<int64_t>(options.stall_timeout_seconds * 1000));
 
-  std::optional<uint64_t> last_step;     // the last step sent (or held by the daemon)
+  std::optional<uint64_t> last_step;     // the last step read (and sent, or held by the daemons)
   std::optional<uint64_t> progress_step;  // HF: the progress bar's count
   std::optional<double> skipped_total;    // DeepSpeed's cumulative count
   uint64_t hf_dicts = 0;
@@ -314,12 +357,9 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   // the input has nothing more for now.
   std::optional<uint64_t> held_step;
   std::vector<std::pair<std::string, double>> held_values;
-  bool connected = false;
   std::string line;
-  int exit_code = kExitOk;
-  std::string failure;
 
-  // Sends one step's values; false when the daemon cannot be reached.
+  // Sends one step's values to every daemon; false when none is left.
   const auto send_step = [&](uint64_t step, std::vector<std::pair<std::string, double>>& values) -> bool {
     std::optional<uint64_t> resume;
     if (last_step && step <= *last_step) {
@@ -350,7 +390,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
         skipped_total = value;
         (*stats.mutable_extra())[std::string(kSkippedKey)] = interval;
       } else if (auto param = ParamKey(key)) {
-        const uint32_t index = sender.ParamIndex(param->first);
+        const uint32_t index = catalog.Index(param->first);
         v1::ParamStats* ps = nullptr;
         for (auto& p : *stats.mutable_params()) {
           if (p.index() == index) ps = &p;
@@ -365,20 +405,39 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
         (*stats.mutable_extra())[key] = value;
       }
     }
-    if (!sender.Ensure(resume, &failure)) return false;
-    if (!connected) {
-      connected = true;
-      if (const auto held = sender.held_through()) {
-        err << "gradwatch tail: the daemon already holds run " << summary.run << " rank " << options.rank
-            << " through step " << *held << "; sending only later steps\n";
-      }
-    }
     last_step = step;
-    if (!resume && sender.held_through() && step <= *sender.held_through()) {
-      ++summary.already_held_steps;
-      return true;
+    std::vector<Target*> sending;
+    for (auto& t : targets) {
+      if (!ensure(*t, resume)) continue;
+      if (!t->connected) {
+        t->connected = true;
+        if (const auto held = t->sender->held_through()) {
+          err << "gradwatch tail: the daemon" << (several ? " at " + t->sender->address() : std::string())
+              << " already holds run " << summary.run << " rank " << options.rank << " through step " << *held
+              << "; sending only later steps\n";
+        }
+      }
+      if (!resume && t->sender->held_through() && step <= *t->sender->held_through()) {
+        ++t->summary.already_held_steps;
+        continue;
+      }
+      sending.push_back(t.get());
     }
-    if (sender.Log(std::move(stats), keep_waiting)) ++summary.steps_sent;
+    if (!live()) return false;
+    // A file waits while no daemon has room (a daemon away for long drops steps, counted, while
+    // another takes them); given up (the tail stopped), the step is a drop for each.
+    while (blocking && !sending.empty() &&
+           std::none_of(sending.begin(), sending.end(), [](Target* t) { return t->sender->HasRoom(); })) {
+      if (std::all_of(sending.begin(), sending.end(), [](Target* t) { return t->sender->Refused(); })) break;
+      if (!keep_waiting()) {
+        for (Target* t : sending) t->sender->CountDrop();
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    for (Target* t : sending) {
+      if (t->sender->Log(stats)) ++t->summary.steps_sent;
+    }
     return true;
   };
 
@@ -390,11 +449,11 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   };
   const auto keep_waiting_after_flush = [&] {
     const bool sent = flush_held();
-    messages.Print(options.file, no_line_numbers, err);
+    print_messages();
     return sent && keep_waiting();
   };
 
-  // One cleaned line of a known format; false when the daemon cannot be reached.
+  // One cleaned line of a known format; false when no daemon is left.
   const auto handle = [&](uint64_t line_number, const std::string& cleaned) -> bool {
     std::optional<LogRecord> record = ParseLogLine(*format, cleaned);
     if (!record) {
@@ -411,10 +470,12 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     if (record->kind == LogRecord::Kind::kProgress) return true;
     if (record->kind == LogRecord::Kind::kEvent) {
       const uint64_t at = record->step ? *record->step : held_step ? *held_step : last_step.value_or(0);
-      if (!sender.Ensure(std::nullopt, &failure)) return false;
-      connected = true;
-      if (sender.Event(at, record->event)) ++summary.events_sent;
-      return true;
+      for (auto& t : targets) {
+        if (!ensure(*t, std::nullopt)) continue;
+        t->connected = true;
+        if (t->sender->Event(at, record->event)) ++t->summary.events_sent;
+      }
+      return live();
     }
     std::optional<uint64_t> step = record->step;
     if (!step && *format == LogFormat::kHfTrainer) {
@@ -478,7 +539,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
       if (!ok) break;
     }
     if (!handle(summary.lines, cleaned)) break;
-    messages.Print(options.file, no_line_numbers, err);
+    print_messages();
   }
   // No line was recognised: the lines kept are what was not parsed.
   for (const auto& [number, text] : before_format) {
@@ -488,58 +549,85 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
       err << options.file << ":" << number << ": not parsed: " << text.substr(0, 200) << "\n";
     }
   }
-  if (failure.empty()) flush_held();
+  if (live()) flush_held();
 
   const int signal = signalled.load();
   if (signal != 0) {
     summary.ended = SignalName(signal);
-  } else if (!failure.empty()) {
+  } else if (!live()) {
     summary.ended = "daemon unreachable";
   } else if (options.pid > 0 && follower.follows_file()) {
     summary.ended = "process " + std::to_string(options.pid) + " exited";
   } else {
     summary.ended = "end of input";
   }
-  summary.complete = failure.empty() && sender.Drain(stall);
-  if (options.finish && summary.complete && signal == 0 && sender.monitor() != nullptr) {
-    summary.finished = sender.monitor()->Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED,
-                                                "gradwatch tail: " + summary.ended + " of " + options.file);
-  }
-  if (client::Monitor* m = sender.monitor()) {
-    const client::MonitorStats stats = m->Stats();
-    summary.has_acked = stats.has_acked;
-    summary.last_acked_step = stats.acked_through_step;
-  }
-  summary.dropped_steps = sender.dropped();
-  summary.daemon_errors = sender.errors();
   summary.truncations = follower.truncations();
   summary.rotations = follower.rotations();
-  sender.Close();
-  messages.Print(options.file, no_line_numbers, err);
 
-  if (global.json) {
-    out << TailSummaryToJson(summary).dump(2) << "\n";
-  } else {
-    out << FormatTailSummary(summary);
+  // Each daemon's summary: the file's figures, and what this daemon got.
+  size_t complete = 0, failed = 0, partial = 0;
+  nlohmann::ordered_json json_daemons = nlohmann::ordered_json::array();
+  for (auto& t : targets) {
+    Sender& sender = *t->sender;
+    TailSummary ts = summary;
+    ts.steps_sent = t->summary.steps_sent;
+    ts.events_sent = t->summary.events_sent;
+    ts.already_held_steps = t->summary.already_held_steps;
+    ts.complete = t->failure.empty() && sender.Drain(stall);
+    if (options.finish && ts.complete && signal == 0 && sender.monitor() != nullptr) {
+      ts.finished = sender.monitor()->Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED,
+                                             "gradwatch tail: " + summary.ended + " of " + options.file);
+    }
+    if (client::Monitor* m = sender.monitor()) {
+      const client::MonitorStats stats = m->Stats();
+      ts.has_acked = stats.has_acked;
+      ts.last_acked_step = stats.acked_through_step;
+    }
+    if (!t->failure.empty()) ts.ended = "daemon unreachable";
+    ts.dropped_steps = sender.dropped();
+    ts.daemon_errors = sender.errors();
+    sender.Close();
+    t->summary = std::move(ts);
   }
-  if (!failure.empty()) {
-    err << "gradwatch: " << failure << "\n";
-    return kExitFailure;
+  print_messages();
+
+  for (auto& t : targets) {
+    const TailSummary& ts = t->summary;
+    const std::string& address = t->sender->address();
+    if (global.json) {
+      nlohmann::ordered_json j = TailSummaryToJson(ts);
+      if (several) j["daemon"] = address;
+      json_daemons.push_back(std::move(j));
+    } else {
+      if (several) out << "daemon " << address << "\n";
+      out << FormatTailSummary(ts);
+    }
+    if (!t->failure.empty()) {
+      err << "gradwatch: " << t->failure << "\n";
+      ++failed;
+    } else if (!ts.complete) {
+      err << "gradwatch: the daemon at " << address << " did not acknowledge every step (last acked: "
+          << (ts.has_acked ? std::to_string(ts.last_acked_step) : "none")
+          << "); run the same command again: it sends only what the daemon does not hold\n";
+      ++failed;
+    } else if (ts.finished && !*ts.finished) {
+      ++failed;
+    } else {
+      ++complete;
+      if (!ts.daemon_errors.empty() || ts.dropped_steps > 0) ++partial;
+    }
   }
-  if (summary.format.empty() && summary.steps_sent == 0 && summary.events_sent == 0) {
+  if (global.json) out << (several ? json_daemons : json_daemons.front()).dump(2) << "\n";
+  if (summary.format.empty() &&
+      std::all_of(targets.begin(), targets.end(),
+                  [](const auto& t) { return t->summary.steps_sent == 0 && t->summary.events_sent == 0; })) {
     err << "gradwatch: no line of " << options.file << " was a metric line of a format gradwatch reads (" << summary.lines
         << " lines); nothing was sent. -v shows the lines; --format names the format\n";
     return kExitFailure;
   }
-  if (!summary.complete) {
-    err << "gradwatch: the daemon at " << global.address << " did not acknowledge every step (last acked: "
-        << (summary.has_acked ? std::to_string(summary.last_acked_step) : "none")
-        << "); run the same command again: it sends only what the daemon does not hold\n";
-    return kExitFailure;
-  }
-  if (summary.finished && !*summary.finished) exit_code = kExitFailure;
-  if (exit_code == kExitOk && (!summary.daemon_errors.empty() || summary.dropped_steps > 0)) exit_code = kExitPartial;
-  return exit_code;
+  // With several daemons, one that holds every step makes the tail a partial success.
+  if (failed > 0) return complete > 0 ? kExitPartial : kExitFailure;
+  return partial > 0 ? kExitPartial : kExitOk;
 }
 
 }  // namespace gradwatch::cli

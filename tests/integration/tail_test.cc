@@ -305,3 +305,87 @@ TEST_CASE("tail of a file waits out a daemon restart: every line reaches the run
   CHECK(summary["dropped_steps"] == 0);
   CHECK(summary["complete"] == true);
 }
+
+TEST_CASE("tail sends every line to each of several daemons, and one that is away holds up none of the others",
+          "[integration][fleet]") {
+  DaemonOptions fixed_port;
+  fixed_port.listen = "127.0.0.1:" + std::to_string(FreeLoopbackPort());  // the tail reconnects to the same port
+  DaemonProcess first;
+  DaemonProcess second(fixed_port);
+  const std::string both = first.grpc_target() + "," + second.grpc_target();
+
+  SECTION("a pipe: both get every step and the end of the run") {
+    std::string lines;
+    for (int step = 1; step <= 40; ++step) {
+      lines += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": 2.0, "grad/norm/total": 0.5)";
+      lines += R"(, "params/norm/final_norm.weight": )" + std::to_string(10.0 + step) + "}\n";
+    }
+    const CommandResult r = RunCommand(
+        {CliBinaryPath(), "--addr", both, "--json", "tail", "-", "--run", "replicated", "--finish"}, lines,
+        std::chrono::seconds(120));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    const json summaries = json::parse(r.out);
+    REQUIRE(summaries.size() == 2);
+    CHECK(summaries[0]["daemon"] == first.grpc_target());
+    CHECK(summaries[1]["daemon"] == second.grpc_target());
+    for (const json& s : summaries) {
+      CHECK(s["steps_sent"] == 40);
+      CHECK(s["last_acked_step"] == 40);
+      CHECK(s["complete"] == true);
+      CHECK(s["finished"] == true);
+    }
+    for (const DaemonProcess* d : {&first, &second}) {
+      CHECK(Series(*d, "replicated", "params/norm/final_norm.weight").at(40) == 50.0);
+      CHECK(Cli(*d, {"show", "replicated", "--json"}).out.find("RUN_STATE_FINISHED") != std::string::npos);
+    }
+  }
+
+  SECTION("a file: one daemon killed and restarted gets its steps once back; the other never waits") {
+    TempDir dir("gradwatch-tail-replicas");
+    const std::filesystem::path log = dir.path() / "job.log";
+    const auto line = [](int step) {
+      return "step " + std::to_string(step) + "/60 | loss 3.0 (+nanz)| norm 1.5 (+nanz)| lr 3.00e-04 | 44.57 ms\n";
+    };
+    for (int step = 1; step <= 20; ++step) Append(log, line(step));
+    BackgroundCommand tail({CliBinaryPath(), "--addr", both, "--json", "tail", log.string()});
+    for (const DaemonProcess* d : {&first, &second}) {
+      REQUIRE(WaitUntil([&] { return Series(*d, "job", "train/loss").size() == 20; }, std::chrono::seconds(60)));
+    }
+    second.Signal(SIGKILL);
+    second.Stop();
+    for (int step = 21; step <= 60; ++step) Append(log, line(step));
+    REQUIRE(WaitUntil([&] { return Series(first, "job", "train/loss").size() == 60; }, std::chrono::seconds(60)));
+    second.Restart();
+    REQUIRE(WaitUntil([&] { return Series(second, "job", "train/loss").size() == 60; }, std::chrono::seconds(120)));
+    tail.Signal(SIGTERM);
+    const CommandResult r = tail.Wait(std::chrono::seconds(60));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    for (const json& s : json::parse(r.out)) {
+      CHECK(s["steps_sent"] == 60);
+      CHECK(s["dropped_steps"] == 0);
+      CHECK(s["complete"] == true);
+    }
+  }
+
+  SECTION("a daemon that never answers: the others get everything and the tail is a partial success") {
+    std::string lines;
+    for (int step = 1; step <= 10; ++step) lines += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": 2.0})" "\n";
+    const std::string timeout = std::to_string(2 * TimeScale());
+    const CommandResult r = RunCommand({CliBinaryPath(), "--addr", first.grpc_target() + ",127.0.0.1:1", "--timeout",
+                                        timeout, "--json", "tail", "-", "--run", "half", "--stall-timeout", timeout},
+                                       lines, std::chrono::seconds(120));
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 3);
+    CHECK_THAT(r.err, Catch::Contains("the daemon at 127.0.0.1:1 is not reachable yet"));
+    CHECK_THAT(r.err, Catch::Contains("the daemon at 127.0.0.1:1 did not acknowledge every step"));
+    const json summaries = json::parse(r.out);
+    REQUIRE(summaries.size() == 2);
+    CHECK(summaries[0]["complete"] == true);
+    CHECK(summaries[0]["steps_sent"] == 10);
+    CHECK(summaries[1]["complete"] == false);
+    CHECK(summaries[1]["last_acked_step"].is_null());
+    CHECK(Series(first, "half", "train/loss").size() == 10);
+  }
+}

@@ -214,7 +214,7 @@ TEST_CASE("replay sends every step to each of several daemons, and a dead one ma
 
   r = RunCli({"--addr", a.address() + "," + b.address(), "runs"});
   CHECK(r.code == 2);
-  CHECK_THAT(r.err, Catch::Contains("only replay sends to several"));
+  CHECK_THAT(r.err, Catch::Contains("only replay and tail send to several"));
 }
 
 
