@@ -89,7 +89,9 @@ def main():
          f"p50 {al['webhook_p50_ms']:.2f} ms, p99 {al['webhook_p99_ms']:.2f} ms"],
         *[[f"/metrics at {fmt(m[size]['series'])} series",
            f"{m[size]['p50_ms']:.0f} ms (median of {m[size]['scrapes']}), {m[size]['bytes'] / 2**20:.1f} MB; "
-           f"gzip {m[size]['gzip_p50_ms']:.0f} ms, {m[size]['gzip_bytes'] / 2**20:.1f} MB"] for size in ("small", "large")],
+           f"gzip {m[size]['gzip_p50_ms']:.0f} ms, {m[size]['gzip_bytes'] / 2**20:.1f} MB; "
+           f"the first scrape after start (allocating the buffers later scrapes reuse) {m[size]['first_ms']:.0f} ms"]
+          for size in ("small", "large")],
         [f"ingest ack latency, one step in flight, without scrapes ({fmt(m['ingest_without_scrapes']['series'])} series)",
          f"p50 {m['ingest_without_scrapes']['ack_p50_ms']:.1f} ms, p99 {m['ingest_without_scrapes']['ack_p99_ms']:.1f} ms"],
         *[[f"ingest ack latency, one step in flight, while /metrics ({fmt(m[k]['series'])} series) is scraped",
@@ -125,8 +127,9 @@ def main():
          "the daemon's RSS / series)", f"{big['rss_after_bytes'] / big['series'] / 1024:.1f} KB",
          big["rss_after_bytes"] / big["series"] <= 20 * 1024],
         ["alert p99 < 5 ms (stream and webhook)", f"{alert_p99:.2f} ms", alert_p99 < 5],
-        [f"/metrics at {fmt(m['large']['series'])} series < 250 ms", f"{m['large']['p50_ms']:.0f} ms",
-         m["large"]["p50_ms"] < 250],
+        [f"/metrics at {fmt(m['large']['series'])} series < 250 ms (median scrape, plain and gzip)",
+         f"{max(m['large']['p50_ms'], m['large']['gzip_p50_ms']):.0f} ms",
+         max(m["large"]["p50_ms"], m["large"]["gzip_p50_ms"]) < 250],
         ["journal ≤ 3 bytes per sample (float32 norms, large journal)", f"{lr['journal_bytes_per_sample']:.2f}",
          lr["journal_bytes_per_sample"] <= 3],
         ["restart within 10 s at 1 B journaled samples (from a snapshot, which reads no step before it)",
