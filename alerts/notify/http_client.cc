@@ -18,6 +18,7 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <vector>
 
 namespace gradwatch::notify {
 
@@ -179,12 +180,20 @@ struct HttpClient::Impl {
                             std::chrono::steady_clock::time_point deadline, HttpResult& out) {
     auto executor = co_await asio::this_coro::executor;
     beast::error_code ec;
-    tcp::resolver resolver(executor);
-    auto endpoints = co_await resolver.async_resolve(url.host, std::to_string(url.port),
-                                                     asio::redirect_error(asio::use_awaitable, ec));
-    if (ec) {
-      out = Failure(Error::kNetwork, "resolve " + url.host + ": " + ec.message());
-      co_return;
+    // An address is used as it is: asio's resolver runs getaddrinfo on a thread of its own, made
+    // anew for each request's io_context.
+    std::vector<tcp::endpoint> endpoints;
+    if (const asio::ip::address address = asio::ip::make_address(url.host, ec); !ec) {
+      endpoints.emplace_back(address, url.port);
+    } else {
+      tcp::resolver resolver(executor);
+      const auto resolved = co_await resolver.async_resolve(url.host, std::to_string(url.port),
+                                                            asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) {
+        out = Failure(Error::kNetwork, "resolve " + url.host + ": " + ec.message());
+        co_return;
+      }
+      for (const auto& entry : resolved) endpoints.push_back(entry.endpoint());
     }
     if (url.scheme == "http") {
       beast::tcp_stream stream(executor);

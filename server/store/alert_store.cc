@@ -128,7 +128,7 @@ StatusOr<std::unique_ptr<AlertStore>> AlertStore::Open(const std::string& path) 
 
 AlertStore::AlertStore(std::string path, sqlite::Database db) : path_(std::move(path)) {
   MutexLock lock(&mu_);
-  db_ = std::move(db);
+  ReplaceDbLocked(std::move(db));
   struct stat st {};
   if (::stat(path_.c_str(), &st) == 0) dev_ = st.st_dev, ino_ = st.st_ino;
 }
@@ -144,7 +144,7 @@ notify::Status AlertStore::FollowFileLocked() {
   // The old files are gone or someone else's: close without the checkpoint that would delete the
   // WAL by name (the new file's).
   db_.SkipCheckpointOnClose();
-  db_ = std::move(fresh).value();  // the old connection closes with `fresh`
+  ReplaceDbLocked(std::move(fresh).value());
   dev_ = st.st_dev;
   ino_ = st.st_ino;
   spdlog::warn("outbox: the journal '{}' was rebuilt; alert states and notifications go to the new file", path_);
@@ -158,13 +158,26 @@ AlertStore::~AlertStore() {
     // Not the file at the path any more: the checkpoint at close would delete that file's WAL.
     db_.SkipCheckpointOnClose();
   }
+  statements_.clear();
   if (Status s = db_.Close(); !s.ok()) spdlog::error("outbox: {}", s.message());
+}
+
+void AlertStore::ReplaceDbLocked(sqlite::Database db) {
+  statements_.clear();
+  db_ = std::move(db);  // the old connection closes with `db`
+}
+
+StatusOr<sqlite::Statement*> AlertStore::StatementLocked(std::string_view sql) {
+  if (auto it = statements_.find(sql); it != statements_.end()) return &it->second;
+  auto prepared = db_.Prepare(std::string(sql), /*persistent=*/true);
+  if (!prepared.ok()) return prepared.status();
+  return &statements_.emplace(sql, std::move(prepared).value()).first->second;
 }
 
 notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
   if (states.empty()) return notify::Status::Ok();
-  sqlite::Statement put, drop, put_silence, drop_silence, put_level, drop_level, put_progress, drop_progress;
-  const std::pair<sqlite::Statement*, const char*> all[] = {
+  sqlite::Statement *put, *drop, *put_silence, *drop_silence, *put_level, *drop_level, *put_progress, *drop_progress;
+  const std::pair<sqlite::Statement**, const char*> all[] = {
       {&put,
        "INSERT OR REPLACE INTO alert_instances (fingerprint, run, rule, alert, held_since_step, clearing, "
        "clearing_since_step, notified, ack) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"},
@@ -181,16 +194,16 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
       {&drop_progress, "DELETE FROM alert_progress WHERE run = ?"},
   };
   for (const auto& [statement, sql] : all) {
-    auto prepared = db_.Prepare(sql);
+    auto prepared = StatementLocked(sql);
     if (!prepared.ok()) return OutboxError(prepared.status());
-    *statement = std::move(prepared).value();
+    *statement = prepared.value();
   }
   for (const auto& [fp, inst] : states.instances) {
     // Bound text is not copied: it is declared before the Query that reads it.
     const std::string fingerprint = Hex(fp);
     const std::string alert = inst ? notify::AlertToJson(inst->alert) : "";
     const std::string ack = inst && inst->ack ? AckToJson(*inst->ack) : "";
-    sqlite::Query q(inst ? put : drop);
+    sqlite::Query q(inst ? *put : *drop);
     q.Bind(1, fingerprint);
     if (inst) {
       q.Bind(2, inst->run);
@@ -210,7 +223,7 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
   }
   for (const auto& [id, silence] : states.silences) {
     const std::string matchers = silence ? Dump(nlohmann::json(silence->matchers)) : "";
-    sqlite::Query q(silence ? put_silence : drop_silence);
+    sqlite::Query q(silence ? *put_silence : *drop_silence);
     q.Bind(1, id);
     if (silence) {
       q.Bind(2, matchers);
@@ -224,7 +237,7 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
   for (const auto& [fp, level] : states.levels) {
     const std::string fingerprint = Hex(fp);
     const std::vector<double> reports = level ? ReportsBlob(level->window) : std::vector<double>();
-    sqlite::Query q(level ? put_level : drop_level);
+    sqlite::Query q(level ? *put_level : *drop_level);
     q.Bind(1, fingerprint);
     if (level) {
       q.Bind(2, level->run);
@@ -237,7 +250,7 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
     if (Status s = q.Run("saving the reports of alert " + fingerprint); !s.ok()) return OutboxError(s);
   }
   for (const auto& [run, step] : states.evaluated) {
-    sqlite::Query q(step ? put_progress : drop_progress);
+    sqlite::Query q(step ? *put_progress : *drop_progress);
     q.Bind(1, run);
     if (step) q.Bind(2, *step);
     if (Status s = q.Run("saving the evaluated step of run " + run); !s.ok()) return OutboxError(s);
@@ -338,13 +351,13 @@ notify::Result<std::vector<uint64_t>> AlertStore::Write(std::vector<notify::Outb
   if (auto s = FollowFileLocked(); !s.ok()) return s;
   sqlite::Transaction txn(db_, "outbox");
   if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) return notify::NotifyError(s.message());
-  auto insert = db_.Prepare(
+  auto insert = StatementLocked(
       "INSERT INTO outbox (receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at) "
       "VALUES (?, ?, ?, ?, ?, ?, ?)");
   if (!insert.ok()) return OutboxError(insert.status());
   std::vector<uint64_t> ids;
   for (const notify::OutboxEntry& e : entries) {
-    sqlite::Query q(*insert);
+    sqlite::Query q(**insert);
     q.Bind(1, e.receiver);
     q.Bind(2, e.fingerprint);
     q.Bind(3, static_cast<int>(e.state));
@@ -365,13 +378,13 @@ notify::Result<std::vector<notify::OutboxEntry>> AlertStore::Pending(std::string
   MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
   // Due entries first; an entry waits (is left out) while an older one of its fingerprint is not due.
-  auto pending = db_.Prepare(
+  auto pending = StatementLocked(
       "SELECT id, receiver, fingerprint, state, payload, created_at, attempts, next_attempt_at FROM outbox o "
       "WHERE receiver = ?1 AND delivery = 0 AND NOT EXISTS (SELECT 1 FROM outbox p WHERE p.receiver = ?1 "
       "AND p.delivery = 0 AND p.fingerprint = o.fingerprint AND p.id < o.id AND p.next_attempt_at > ?3) "
       "ORDER BY next_attempt_at > ?3, id LIMIT ?2");
   if (!pending.ok()) return OutboxError(pending.status());
-  sqlite::Query q(*pending);
+  sqlite::Query q(**pending);
   q.Bind(1, receiver);
   q.Bind(2, limit);
   q.Bind(3, now);
@@ -396,9 +409,9 @@ notify::Result<std::vector<notify::OutboxEntry>> AlertStore::Pending(std::string
 notify::Result<uint64_t> AlertStore::PendingCount(std::string_view receiver) {
   MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
-  auto count = db_.Prepare("SELECT count(*) FROM outbox WHERE receiver = ? AND delivery = 0");
+  auto count = StatementLocked("SELECT count(*) FROM outbox WHERE receiver = ? AND delivery = 0");
   if (!count.ok()) return OutboxError(count.status());
-  sqlite::Query q(*count);
+  sqlite::Query q(**count);
   q.Bind(1, receiver);
   Status status;
   if (!q.Next(&status, "counting pending entries")) {
@@ -410,9 +423,9 @@ notify::Result<uint64_t> AlertStore::PendingCount(std::string_view receiver) {
 notify::Status AlertStore::SetState(uint64_t id, int state, std::string_view error) {
   MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
-  auto update = db_.Prepare("UPDATE outbox SET delivery = ?, error = ? WHERE id = ?");
+  auto update = StatementLocked("UPDATE outbox SET delivery = ?, error = ? WHERE id = ?");
   if (!update.ok()) return OutboxError(update.status());
-  sqlite::Query q(*update);
+  sqlite::Query q(**update);
   q.Bind(1, state);
   q.Bind(2, error);
   q.Bind(3, id);
@@ -444,9 +457,9 @@ notify::Status AlertStore::MarkRetry(uint64_t id, double next_attempt_at, uint32
                                        std::string_view error) {
   MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
-  auto update = db_.Prepare("UPDATE outbox SET attempts = ?, next_attempt_at = ?, error = ? WHERE id = ?");
+  auto update = StatementLocked("UPDATE outbox SET attempts = ?, next_attempt_at = ?, error = ? WHERE id = ?");
   if (!update.ok()) return OutboxError(update.status());
-  sqlite::Query q(*update);
+  sqlite::Query q(**update);
   q.Bind(1, attempts);
   q.Bind(2, next_attempt_at);
   q.Bind(3, error);
