@@ -72,8 +72,9 @@ int main(int argc, char** argv) {
   app.footer(
       "Flags override the config file. Exit codes: 0 clean stop or valid config, 1 failed to start, "
       "2 bad configuration or usage.\nSignals: SIGTERM/SIGINT stop accepting, commit the journal, exit 0; SIGHUP reloads "
-      "the rule files.");
+      "the rule files and checks the TLS files (which new connections get within a second of being rewritten).");
   std::string config_path, listen, metrics_listen, data_dir, log_format, log_level, ready_file;
+  std::string tls_cert, tls_key, tls_client_ca;
   bool check_config = false;
   app.add_option("-c,--config", config_path, "YAML config file")->check(CLI::ExistingFile);
   app.add_option("--listen", listen, "gRPC address HOST:PORT (port 0: any free port)");
@@ -83,6 +84,11 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
   app.add_option("--ready-file", ready_file,
                  "once serving, write {\"grpc_port\",\"metrics_port\",\"pid\"} as JSON to this file");
+  app.add_option("--tls-cert", tls_cert, "TLS certificate chain (PEM) of the gRPC listener (security.tls_cert_file)");
+  app.add_option("--tls-key", tls_key, "its private key (PEM) (security.tls_key_file)");
+  app.add_option("--tls-client-ca", tls_client_ca,
+                 "CA (PEM) of the clients' certificates: clients must present one it signed "
+                 "(mutual TLS; security.tls_client_ca_file)");
   app.add_flag("--check-config", check_config, "validate the configuration, print it as JSON, and exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -100,6 +106,9 @@ int main(int argc, char** argv) {
   if (!data_dir.empty()) config.data_dir = data_dir;
   if (!log_format.empty()) config.log_format = log_format;
   if (!log_level.empty()) config.log_level = log_level;
+  if (!tls_cert.empty()) config.tls_cert_file = tls_cert;
+  if (!tls_key.empty()) config.tls_key_file = tls_key;
+  if (!tls_client_ca.empty()) config.tls_client_ca_file = tls_client_ca;
   if (auto s = gradwatch::daemon::ValidateConfig(config); !s.ok()) {
     std::fprintf(stderr, "gradwatchd: invalid configuration: %s\n", s.message().c_str());
     return kExitConfig;
@@ -142,6 +151,7 @@ int main(int argc, char** argv) {
   while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
     spdlog::info("received SIGHUP: reloading the rule files");
     daemon.ReloadRules();  // logs the outcome; invalid files leave the rules unchanged
+    daemon.CheckTls();     // logs the certificate new connections get, or what is wrong with the files
   }
   spdlog::info("received {}: stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   daemon.Stop();

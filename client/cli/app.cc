@@ -60,6 +60,17 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                  "Daemon gRPC address, host:port; replay and tail take several, comma-separated, and send "
                  "every step to each (replicas watching one run)")
       ->capture_default_str();
+  global.tls = client::TlsOptionsFromEnvironment();
+  app.add_option("--tls-ca", global.tls.ca_file,
+                 "TLS: the CA file (PEM) that signed the daemon's certificate; giving any --tls-* option turns "
+                 "TLS on (env GRADWATCH_TLS_CA)");
+  app.add_option("--tls-cert", global.tls.cert_file,
+                 "TLS: this client's certificate (PEM), for a daemon that requires client certificates "
+                 "(env GRADWATCH_TLS_CERT)");
+  app.add_option("--tls-key", global.tls.key_file, "TLS: the key of --tls-cert (PEM) (env GRADWATCH_TLS_KEY)");
+  app.add_option("--tls-server-name", global.tls.server_name,
+                 "TLS: the name the daemon's certificate must carry, when not the address's host "
+                 "(env GRADWATCH_TLS_SERVER_NAME)");
   app.add_option("--timeout", global.timeout_seconds,
                  "Deadline of each query, and how long replay waits for the daemon to accept its "
                  "stream (seconds)")
@@ -222,10 +233,14 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
 
   spdlog::set_level(global.verbose ? spdlog::level::debug : spdlog::level::warn);
 
+  if (*rules_check_cmd) return RunRulesCheck(global, rule_files, out, err);
+  if (std::string error; global.tls.enabled() && client::MakeChannelCredentials(global.tls, &error) == nullptr) {
+    err << "gradwatch: " << error << "\n";
+    return kExitFailure;
+  }
   if (*replay_cmd) return RunReplay(global, replay, out, err);
   if (*tail_cmd) return RunTail(global, tail, out, err);
-  if (*rules_check_cmd) return RunRulesCheck(global, rule_files, out, err);
-  client::QueryClient query(global.address, global.timeout());
+  client::QueryClient query(global.address, global.timeout(), global.tls);
   if (*runs_cmd) return RunRuns(global, query, runs_all, out, err);
   if (*alerts_cmd) return RunAlerts(global, query, alerts_run, out, err);
   if (*rules_reload_cmd) return RunRulesReload(global, query, out, err);

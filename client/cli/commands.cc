@@ -11,10 +11,28 @@ namespace gradwatch::cli {
 int ReportRpcError(const GlobalOptions& global, const std::string& what, const grpc::Status& status,
                    std::ostream& err) {
   err << "gradwatch: ";
-  switch (status.error_code()) {
-    case grpc::StatusCode::UNAVAILABLE:
-      err << "cannot reach the daemon at " << global.address << ": " << status.error_message();
+  // A failed TLS handshake comes back as UNKNOWN: the daemon was not reached either.
+  const bool handshake = status.error_code() == grpc::StatusCode::UNKNOWN &&
+                         status.error_message().find("andshake") != std::string::npos;
+  switch (handshake ? grpc::StatusCode::UNAVAILABLE : status.error_code()) {
+    case grpc::StatusCode::UNAVAILABLE: {
+      const std::string& message = status.error_message();
+      err << "cannot reach the daemon at " << global.address << ": " << message;
+      // What a TLS mismatch looks like from this side: a listener that closes a plain-text
+      // connection, or a handshake that fails.
+      if (!global.tls.enabled() && message.find("Socket closed") != std::string::npos) {
+        err << "\n  (a daemon with TLS closes plain-text connections: give its CA with --tls-ca, and for mutual "
+               "TLS --tls-cert and --tls-key)";
+      } else if (message.find("andshake") != std::string::npos) {
+        err << "\n  (the TLS handshake failed: " <<
+            (message.find("certificate verify failed") != std::string::npos
+                 ? "the daemon's certificate is not signed by --tls-ca, or does not name this address "
+                   "(--tls-server-name), or the daemon refused this client's certificate"
+                 : "check --tls-ca, --tls-cert and --tls-key")
+            << ")";
+      }
       break;
+    }
     case grpc::StatusCode::DEADLINE_EXCEEDED:
       err << "no answer from the daemon at " << global.address << " within "
           << FormatValue(global.timeout_seconds) << " s (" << what << ")";

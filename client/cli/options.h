@@ -4,10 +4,13 @@
 #include <chrono>
 #include <string>
 
+#include "client/lib/tls.h"
+
 namespace gradwatch::cli {
 
 struct GlobalOptions {
   std::string address;
+  client::TlsOptions tls;
   double timeout_seconds = 10;
   bool json = false;
   bool verbose = false;

@@ -327,6 +327,7 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     t->summary = summary;
     client::MonitorOptions monitor_options;
     monitor_options.address = address;
+    monitor_options.tls = global.tls;
     monitor_options.hello = BuildHello(plan, options, summary.run);
     // The file is the buffer: the Monitor holds the flow-control window and a little read-ahead,
     // so memory stays bounded whatever the file's size.
@@ -370,7 +371,7 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
                       std::to_string(options.rank) + ": " + stats.last_error;
     } else {
       // The Monitor waits for the daemon without failing; a fail-fast call says why it cannot.
-      const auto probe = client::QueryClient(t->address, std::chrono::seconds(1)).ListRuns();
+      const auto probe = client::QueryClient(t->address, std::chrono::seconds(1), global.tls).ListRuns();
       std::string why = probe.ok() ? stats.last_error : probe.status.error_message();
       t->lag_reason = "cannot reach the daemon at " + t->address + " within " + FormatValue(global.timeout_seconds) +
                       " s" + (why.empty() ? "" : ": " + why);

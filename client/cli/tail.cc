@@ -95,6 +95,7 @@ class Sender {
     catalog_sent_ = catalog_->params.size();
     client::MonitorOptions mo;
     mo.address = address_;
+    mo.tls = global_.tls;
     mo.queue_capacity = kQueueCapacity;
     v1::Hello& hello = mo.hello;
     hello.set_run_id(run_);

@@ -89,7 +89,18 @@ void Monitor::Start() {
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
               static_cast<int>(options_.initial_backoff.count()));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(options_.max_backoff.count()));
-  channel_ = grpc::CreateCustomChannel(options_.address, grpc::InsecureChannelCredentials(), args);
+  std::string error;
+  const auto credentials = MakeChannelCredentials(options_.tls, &error);
+  if (credentials == nullptr) {
+    // As a daemon's refusal: nothing can be sent, and trying again would not help.
+    spdlog::error("gradwatch monitor: {}", error);
+    stats_.rejected = true;
+    stats_.last_error = error;
+    flush_cv_.notify_all();
+    return;
+  }
+  AddTlsArguments(options_.tls, args);
+  channel_ = grpc::CreateCustomChannel(options_.address, credentials, args);
   sender_ = std::thread([this] { SenderLoop(); });
 }
 

@@ -6,14 +6,18 @@
 
 namespace gradwatch::client {
 
-QueryClient::QueryClient(std::string address, std::chrono::milliseconds timeout)
-    : address_(std::move(address)),
-      timeout_(timeout),
-      stub_(v1::Query::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {
+QueryClient::QueryClient(std::string address, std::chrono::milliseconds timeout, const TlsOptions& tls)
+    : address_(std::move(address)), timeout_(timeout) {
+  const auto credentials = MakeChannelCredentials(tls, &setup_error_);
+  if (credentials == nullptr) return;  // every call answers setup_error_
+  grpc::ChannelArguments args;
+  AddTlsArguments(tls, args);
+  stub_ = v1::Query::NewStub(grpc::CreateCustomChannel(address_, credentials, args));
 }
 
 template <typename Request, typename Response, typename Method>
 QueryResult<Response> QueryClient::Call(const Request& request, Method method) {
+  if (stub_ == nullptr) return {grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, setup_error_), Response()};
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + timeout_);
   QueryResult<Response> result;

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "client/lib/tls.h"
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 
@@ -24,8 +25,9 @@ struct QueryResult {
 
 class QueryClient {
  public:
-  // `timeout` is the deadline of each call, counted from its start.
-  QueryClient(std::string address, std::chrono::milliseconds timeout);
+  // `timeout` is the deadline of each call, counted from its start. When the TLS files cannot be
+  // read, every call fails with FAILED_PRECONDITION and the reason.
+  QueryClient(std::string address, std::chrono::milliseconds timeout, const TlsOptions& tls = {});
 
   // The runs the daemon holds in memory; with `include_archived`, also those only its journal holds.
   QueryResult<v1::ListRunsResponse> ListRuns(bool include_archived = false);
@@ -50,6 +52,7 @@ class QueryClient {
   std::string address_;
   std::chrono::milliseconds timeout_;
   std::unique_ptr<v1::Query::Stub> stub_;
+  std::string setup_error_;  // why there is no stub
 };
 
 }  // namespace gradwatch::client

@@ -14,6 +14,7 @@
 #include "alerts/notify/http_client.h"
 #include "alerts/yaml_checks.h"
 #include "server/daemon/alerting.h"
+#include "server/daemon/tls.h"
 
 namespace gradwatch::daemon {
 
@@ -170,6 +171,9 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
             {"data_dir", Field(&Config::data_dir)},
             {"remote_write", ReadRemoteWrite}}},
       {"log", {{"format", Field(&Config::log_format)}, {"level", Field(&Config::log_level)}}},
+      {"security", {{"tls_cert_file", Field(&Config::tls_cert_file)},
+                    {"tls_key_file", Field(&Config::tls_key_file)},
+                    {"tls_client_ca_file", Field(&Config::tls_client_ca_file)}}},
       {"metrics", {{"params", Field(&Config::metrics_params)},
                    {"slope_series", Field(&Config::metrics_slope_series)},
                    {"max_series_per_run", Field(&Config::metrics_max_series_per_run)}}},
@@ -272,6 +276,13 @@ Status ValidateConfig(const Config& c) {
   if (!ValidAddress(c.listen)) return bad("listen: '" + c.listen + "' is not HOST:PORT");
   if (!ValidAddress(c.metrics_listen)) return bad("metrics_listen: '" + c.metrics_listen + "' is not HOST:PORT");
   if (c.data_dir.empty()) return bad("data_dir: must not be empty");
+  if (c.tls_cert_file.empty() != c.tls_key_file.empty()) {
+    return bad(c.tls_cert_file.empty() ? "security.tls_key_file: needs security.tls_cert_file"
+                                       : "security.tls_cert_file: needs security.tls_key_file");
+  }
+  if (!c.tls_client_ca_file.empty() && c.tls_cert_file.empty()) {
+    return bad("security.tls_client_ca_file: client certificates need TLS: set security.tls_cert_file and tls_key_file");
+  }
   if (c.log_format != "text" && c.log_format != "json") return bad("log.format: must be text or json");
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   bool level_ok = false;
@@ -372,6 +383,9 @@ Status ValidateConfig(const Config& c) {
 Status CheckConfigFiles(const Config& c) {
   auto rules = LoadConfiguredRules(c.default_rules, c.rule_files, c.run_stalled_after_seconds);
   if (!rules.ok()) return Status::InvalidArgument("alerts.rule_files: " + rules.status().message());
+  if (auto tls = CheckTlsFiles({c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file}); !tls.ok()) {
+    return tls.status();
+  }
   return Status::Ok();
 }
 
@@ -414,6 +428,10 @@ std::string ConfigJson(const Config& c) {
       {"data_dir", c.data_dir},
       {"remote_write", remote_write},
       {"log", {{"format", c.log_format}, {"level", c.log_level}}},
+      {"security",
+       {{"tls_cert_file", c.tls_cert_file},
+        {"tls_key_file", c.tls_key_file},
+        {"tls_client_ca_file", c.tls_client_ca_file}}},
       {"metrics",
        {{"params", c.metrics_params},
         {"slope_series", c.metrics_slope_series},

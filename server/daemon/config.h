@@ -91,6 +91,12 @@ struct Config {
   std::vector<std::string> metrics_slope_series = {"key"};
   size_t metrics_max_series_per_run = 10000;
 
+  // TLS on the gRPC listener (security.tls_*; daemon::TlsFiles): the daemon's certificate and key,
+  // and the CA of the clients' certificates for mutual TLS. Empty: plain text.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
+
   bool default_rules = true;            // load alerts/rules/default.yaml (built in)
   std::vector<std::string> rule_files;  // more rule files
 };

@@ -17,6 +17,7 @@
 
 #include "server/daemon/alerting.h"
 #include "server/daemon/step_fanout.h"
+#include "server/daemon/tls.h"
 #include "server/export/alert_metrics.h"
 #include "server/export/metrics_collector.h"
 #include "server/export/metrics_server.h"
@@ -159,7 +160,13 @@ Status Daemon::Start() {
   grpc::ServerBuilder builder;
   // A second daemon must not share the port while this one runs or shuts down.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &grpc_port_);
+  const TlsFiles tls{config_.tls_cert_file, config_.tls_key_file, config_.tls_client_ca_file};
+  if (tls.enabled()) {
+    auto checked = CheckTlsFiles(tls);
+    if (!checked.ok()) return checked.status();
+    spdlog::info("gRPC: TLS with {}", checked.value());
+  }
+  builder.AddListeningPort(config_.listen, MakeServerCredentials(tls, kTlsRefreshSeconds), &grpc_port_);
   // Let oversized messages through to the service (up to a margin) so that they get a
   // per-message error instead of breaking the stream.
   const size_t transport_max = std::max<size_t>(64u << 20, 4 * config_.max_message_bytes);
@@ -258,6 +265,18 @@ void Daemon::RelockDataDirIfGone() {
   }
   ::close(old_fd);
   spdlog::warn("data_dir {}: its LOCK file was deleted; locked a new one", config_.data_dir);
+}
+
+void Daemon::CheckTls() const {
+  const TlsFiles tls{config_.tls_cert_file, config_.tls_key_file, config_.tls_client_ca_file};
+  if (!tls.enabled()) return;
+  auto checked = CheckTlsFiles(tls);
+  if (checked.ok()) {
+    spdlog::info("gRPC: TLS files checked: new connections get {}", checked.value());
+  } else {
+    spdlog::error("gRPC: TLS files: {}; new connections keep the last certificate that loaded",
+                  checked.status().message());
+  }
 }
 
 StatusOr<size_t> Daemon::ReloadRules() {

@@ -57,6 +57,10 @@ class Daemon {
   // Stops accepting, lets streams finish (up to `grace`), commits the journal and closes it.
   void Stop(std::chrono::milliseconds grace = std::chrono::seconds(5));
 
+  // Checks the TLS files again (SIGHUP) and logs what new connections get: the listener reads
+  // them every kTlsRefreshSeconds, so a renewed certificate needs no restart.
+  void CheckTls() const;
+  static constexpr unsigned kTlsRefreshSeconds = 1;
   // Reloads the rule files (SIGHUP, `gradwatch rules reload`); invalid files change nothing.
   StatusOr<size_t> ReloadRules();
 

@@ -26,6 +26,12 @@ def time_scale() -> float:
         return 1.0
 
 
+def make_test_certs(directory: str) -> None:
+    """The TLS tests' certificates in `directory` (tests/support/make_test_certs.sh)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support", "make_test_certs.sh")
+    subprocess.run(["bash", script, directory], check=True, capture_output=True, timeout=120 * time_scale())
+
+
 def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
     """Polls `condition` until it holds, for up to `seconds` × time_scale()."""
     deadline = time.monotonic() + seconds * time_scale()
@@ -38,8 +44,10 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
 class Daemon:
     """gradwatchd in a temporary data directory; grpc_port is kept across restart()."""
 
-    def __init__(self, config_yaml: str = "log: {level: info}\n") -> None:
+    def __init__(self, config_yaml: str = "log: {level: info}\n",
+                 credentials: Optional[grpc.ChannelCredentials] = None) -> None:
         self.binary = os.environ.get("GRADWATCHD_PATH", "gradwatchd")
+        self.credentials = credentials  # for the queries, when the daemon serves TLS
         self.dir = tempfile.mkdtemp(prefix="gradwatch-py-")
         self.config = os.path.join(self.dir, "gradwatchd.yaml")
         with open(self.config, "w") as f:
@@ -70,7 +78,8 @@ class Daemon:
         wait_for(is_ready, 60, "gradwatchd to be ready")
         with open(ready) as f:
             self.grpc_port = json.load(f)["grpc_port"]
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (grpc.secure_channel(self.address, self.credentials) if self.credentials is not None
+                        else grpc.insecure_channel(self.address))
         self.query = pb_grpc.QueryStub(self.channel)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:

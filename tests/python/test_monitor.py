@@ -1,7 +1,10 @@
 """gradwatch.Monitor against the real gradwatchd."""
 
 import math
+import os
+import shutil
 import signal
+import tempfile
 import threading
 import unittest
 
@@ -9,7 +12,9 @@ import numpy as np
 
 import gradwatch
 from gradwatch.v1 import gradwatch_pb2 as pb
-from support import Daemon, wait_for
+import grpc
+
+from support import Daemon, make_test_certs, wait_for
 
 CATALOG = [
     {"name": "final_norm.weight", "numel": 64},
@@ -239,3 +244,67 @@ class MonitorTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TlsTest(unittest.TestCase):
+    """A daemon that requires client certificates (mutual TLS), with certificates the test makes."""
+
+    def setUp(self) -> None:
+        self.certs = tempfile.mkdtemp(prefix="gradwatch-py-certs-")
+        make_test_certs(self.certs)
+        def read(name: str) -> bytes:
+            with open(self.cert(name), "rb") as f:
+                return f.read()
+
+        credentials = grpc.ssl_channel_credentials(read("ca.pem"), read("client.key"), read("client.pem"))
+        self.daemon = Daemon(
+            "log: {level: info}\nsecurity:\n"
+            f"  tls_cert_file: {self.cert('server.pem')}\n  tls_key_file: {self.cert('server.key')}\n"
+            f"  tls_client_ca_file: {self.cert('ca.pem')}\n", credentials)
+
+    def tearDown(self) -> None:
+        self.daemon.close()
+        shutil.rmtree(self.certs, ignore_errors=True)
+
+    def cert(self, name: str) -> str:
+        return os.path.join(self.certs, name)
+
+    def test_steps_reach_a_daemon_that_requires_client_certificates(self) -> None:
+        with gradwatch.Monitor("py-tls", address=self.daemon.address, params=CATALOG, tls_ca=self.cert("ca.pem"),
+                               tls_cert=self.cert("client.pem"), tls_key=self.cert("client.key")) as mon:
+            for s in range(1, 21):
+                self.assertTrue(mon.log(s, metrics(s)))
+            self.assertTrue(mon.flush(30))
+        self.assertEqual(self.daemon.run("py-tls").info.step_count, 20)
+
+    def test_the_environment_gives_the_files(self) -> None:
+        saved = dict(os.environ)
+        os.environ.update(GRADWATCH_TLS_CA=self.cert("ca.pem"), GRADWATCH_TLS_CERT=self.cert("client.pem"),
+                          GRADWATCH_TLS_KEY=self.cert("client.key"))
+        try:
+            with gradwatch.Monitor("py-tls-env", address=self.daemon.address, params=CATALOG) as mon:
+                self.assertTrue(mon.log(1, metrics(1)))
+                self.assertTrue(mon.flush(30))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        self.assertEqual(self.daemon.run("py-tls-env").info.step_count, 1)
+
+    def test_a_client_without_the_right_certificate_gets_nothing_in(self) -> None:
+        for tls in ({}, {"tls_ca": self.cert("ca.pem")},
+                    {"tls_ca": self.cert("ca.pem"), "tls_cert": self.cert("other-client.pem"),
+                     "tls_key": self.cert("other-client.key")}):
+            mon = gradwatch.Monitor("py-tls-refused", address=self.daemon.address, params=CATALOG, **tls)
+            try:
+                self.assertTrue(mon.log(1, metrics(1)))  # queued: training never blocks
+                self.assertFalse(mon.flush(2), tls)
+            finally:
+                mon.close(finished=False, timeout=1)
+        with self.assertRaises(grpc.RpcError):
+            self.daemon.run("py-tls-refused")
+
+    def test_files_that_cannot_be_read_are_named(self) -> None:
+        with self.assertRaisesRegex(ValueError, "cannot read the TLS CA file .*missing.pem"):
+            gradwatch.Monitor("py-tls-bad", address=self.daemon.address, tls_ca=self.cert("missing.pem"))
+        with self.assertRaisesRegex(ValueError, "tls_cert and tls_key go together"):
+            gradwatch.Monitor("py-tls-bad", address=self.daemon.address, tls_cert=self.cert("client.pem"))

@@ -7,6 +7,7 @@ resends what the daemon has not acknowledged after a reconnect, and hands alerts
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -96,6 +97,10 @@ class _Stream:
         max_unacked_steps: int = 1024,
         initial_backoff: float = 0.1,
         max_backoff: float = 10.0,
+        tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
+        tls_server_name: Optional[str] = None,
         start: bool = True,
     ) -> None:
         if not run:
@@ -141,8 +146,7 @@ class _Stream:
         self._stopping = False
         self._call = None
         self._thread: Optional[threading.Thread] = None
-        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1),
-                                                                  ("grpc.max_send_message_length", -1)])
+        self._channel = _channel(address, tls_ca, tls_cert, tls_key, tls_server_name)
         self._stub = pb_grpc.IngestStub(self._channel)
         if start:
             self.start()
@@ -502,6 +506,39 @@ class _Stream:
         self._channel.close()
 
 
+def _read_pem(what: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read the TLS {what} file {path}: {e.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"the TLS {what} file {path} holds no PEM block (-----BEGIN ...)")
+    return data
+
+
+def _channel(address: str, ca: Optional[str], cert: Optional[str], key: Optional[str],
+             server_name: Optional[str]) -> grpc.Channel:
+    """A channel to the daemon: TLS when any TLS file is given (arguments first, then the environment:
+    GRADWATCH_TLS_CA, GRADWATCH_TLS_CERT, GRADWATCH_TLS_KEY, GRADWATCH_TLS_SERVER_NAME), else plain."""
+    ca = ca or os.environ.get("GRADWATCH_TLS_CA") or None
+    cert = cert or os.environ.get("GRADWATCH_TLS_CERT") or None
+    key = key or os.environ.get("GRADWATCH_TLS_KEY") or None
+    server_name = server_name or os.environ.get("GRADWATCH_TLS_SERVER_NAME") or None
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    if not (ca or cert or key):
+        return grpc.insecure_channel(address, options=options)
+    if bool(cert) != bool(key):
+        raise ValueError("tls_cert and tls_key go together (mutual TLS)")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read_pem("CA", ca) if ca else None,
+        private_key=_read_pem("key", key) if key else None,
+        certificate_chain=_read_pem("certificate", cert) if cert else None)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.secure_channel(address, credentials, options=options)
+
+
 def _addresses(address: Any) -> List[str]:
     """"a:1,b:2" or ["a:1", "b:2"] → ["a:1", "b:2"]."""
     items = address.split(",") if isinstance(address, str) else list(address)
@@ -526,7 +563,11 @@ class Monitor:
     name, weight decay 0 for norm gains, else config's weight_decay). resume_from_step: the first step
     this process logs after resuming from a checkpoint (the daemon drops what it held from there on).
     on_alert: called with each gradwatch.v1.Alert a daemon sends this stream, on that stream's thread
-    (with several daemons, each calls it with its own copy of an alert).
+    (with several daemons, each calls it with its own copy of an alert). tls_ca, tls_cert, tls_key,
+    tls_server_name: TLS to a daemon that serves it (the CA of its certificate; for mutual TLS this
+    client's certificate and key; the name its certificate carries when not the address's host), PEM
+    files; unset, the environment's GRADWATCH_TLS_CA, GRADWATCH_TLS_CERT, GRADWATCH_TLS_KEY and
+    GRADWATCH_TLS_SERVER_NAME; none of them: plain text.
 
     Never blocks training: log() and event() queue, up to queue_capacity steps held per daemon
     (queued or written and not yet durable); beyond it a step is dropped and counted, and the daemon

@@ -1,0 +1,206 @@
+// TLS on gradwatchd's gRPC listener, with certificates this test makes (tests/support/
+// make_test_certs.sh, openssl): plain and mutual TLS, every wrong client refused with a message
+// that says why, a renewed certificate served without a restart while a stream stays open, and
+// configurations that cannot work refused before the daemon starts.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/integration/daemon_process.h"
+
+using namespace gradwatch::testing;
+using nlohmann::json;
+
+namespace {
+
+// The test's certificates, made once per test case in a directory of its own.
+class Certs {
+ public:
+  Certs() : dir_("gradwatch-certs") {
+    const CommandResult r = RunCommand(
+        {"bash", std::string(GRADWATCH_SOURCE_DIR) + "/tests/support/make_test_certs.sh", dir_.path().string()},
+        std::nullopt, std::chrono::seconds(120));
+    if (r.exit_code != 0) throw std::runtime_error("make_test_certs.sh failed: " + r.err);
+  }
+  std::string operator()(const std::string& name) const { return (dir_.path() / name).string(); }
+  const std::filesystem::path& dir() const { return dir_.path(); }
+
+ private:
+  TempDir dir_;
+};
+
+std::string TlsConfig(const std::string& cert, const std::string& key, const std::string& client_ca) {
+  std::string yaml = "log: {format: text, level: debug}\nsecurity:\n  tls_cert_file: " + cert +
+                     "\n  tls_key_file: " + key + "\n";
+  if (!client_ca.empty()) yaml += "  tls_client_ca_file: " + client_ca + "\n";
+  return yaml;
+}
+
+// `gradwatch --addr <daemon> [tls...] runs --json`.
+CommandResult Runs(const DaemonProcess& daemon, std::vector<std::string> tls) {
+  std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target(), "--timeout", "5"};
+  argv.insert(argv.end(), tls.begin(), tls.end());
+  argv.insert(argv.end(), {"--json", "runs"});
+  return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+}
+
+}  // namespace
+
+TEST_CASE("mutual TLS: only a client with a certificate of the daemon's client CA gets through", "[integration][tls]") {
+  Certs c;
+  DaemonOptions options;
+  options.config_yaml = TlsConfig(c("server.pem"), c("server.key"), c("ca.pem"));
+  DaemonProcess daemon(options);
+  CHECK_THAT(daemon.LogText(), Catch::Contains("TLS with /CN=gradwatchd") &&
+                                   Catch::Contains("client certificates required (CA /CN=gradwatch test CA)"));
+  const std::vector<std::string> good = {"--tls-ca", c("ca.pem"), "--tls-cert", c("client.pem"), "--tls-key",
+                                         c("client.key")};
+
+  CommandResult r = Runs(daemon, good);
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+
+  SECTION("plain text is refused, and told to use TLS") {
+    r = Runs(daemon, {});
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Catch::Contains("closes plain-text connections") && Catch::Contains("--tls-ca"));
+  }
+  SECTION("TLS without a client certificate is refused") {
+    r = Runs(daemon, {"--tls-ca", c("ca.pem")});
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon"));
+  }
+  SECTION("an expired client certificate is refused") {
+    r = Runs(daemon, {"--tls-ca", c("ca.pem"), "--tls-cert", c("expired-client.pem"), "--tls-key",
+                      c("expired-client.key")});
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon"));
+  }
+  SECTION("a client certificate of another CA is refused") {
+    r = Runs(daemon, {"--tls-ca", c("ca.pem"), "--tls-cert", c("other-client.pem"), "--tls-key",
+                      c("other-client.key")});
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon"));
+  }
+  SECTION("a daemon whose certificate the client's CA did not sign is not trusted") {
+    r = Runs(daemon, {"--tls-ca", c("other-ca.pem"), "--tls-cert", c("client.pem"), "--tls-key", c("client.key")});
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Catch::Contains("TLS handshake failed") && Catch::Contains("not signed by --tls-ca"));
+  }
+  SECTION("files the client cannot read are named") {
+    r = Runs(daemon, {"--tls-ca", c("missing.pem")});
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Catch::Contains("cannot read the TLS CA file " + c("missing.pem")));
+    r = Runs(daemon, {"--tls-ca", c("ca.pem"), "--tls-cert", c("client.pem")});
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Catch::Contains("a TLS certificate needs its key"));
+  }
+  SECTION("replay streams over mutual TLS, and the environment gives the files") {
+    TempDir dir("gradwatch-tls-replay");
+    const auto file = dir.path() / "secure.jsonl";
+    std::ofstream(file) << R"({"_step": 1, "grad/norm/total": 0.5})" "\n" R"({"_step": 2, "grad/norm/total": 0.6})" "\n";
+    std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target(), "--json"};
+    argv.insert(argv.end(), good.begin(), good.end());
+    argv.insert(argv.end(), {"replay", file.string()});
+    r = RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(json::parse(r.out)["last_acked_step"] == 2);
+    r = RunCommand({"env", "GRADWATCH_TLS_CA=" + c("ca.pem"), "GRADWATCH_TLS_CERT=" + c("client.pem"),
+                    "GRADWATCH_TLS_KEY=" + c("client.key"), CliBinaryPath(), "--addr", daemon.grpc_target(), "--json",
+                    "runs"},
+                   std::nullopt, std::chrono::seconds(60));
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.out.find("secure") != std::string::npos);
+  }
+}
+
+TEST_CASE("a renewed certificate is served to new connections without a restart, and an open stream goes on",
+          "[integration][tls]") {
+  Certs c;
+  TempDir live("gradwatch-live-certs");
+  const auto cert = live.path() / "server.pem";
+  const auto key = live.path() / "server.key";
+  std::filesystem::copy_file(c("server.pem"), cert);
+  std::filesystem::copy_file(c("server.key"), key);
+  DaemonOptions options;
+  options.config_yaml = TlsConfig(cert.string(), key.string(), "");
+  DaemonProcess daemon(options);
+  CHECK_THAT(daemon.LogText(), Catch::Contains("no client certificates asked"));
+  REQUIRE(Runs(daemon, {"--tls-ca", c("ca.pem")}).exit_code == 0);
+
+  // A tail of a log file holds one stream open across the renewal.
+  TempDir dir("gradwatch-tls-tail");
+  const auto log = dir.path() / "job.log";
+  const auto append = [&](int from, int to) {
+    std::ofstream out(log, std::ios::app);
+    for (int step = from; step <= to; ++step) out << R"({"_step": )" << step << R"(, "train/loss": 2.0})" << "\n";
+  };
+  append(1, 5);
+  BackgroundCommand tail({CliBinaryPath(), "--addr", daemon.grpc_target(), "--tls-ca", c("ca.pem"), "--json", "tail",
+                          log.string(), "--run", "renewed"});
+  const auto steps = [&](const std::vector<std::string>& tls) {
+    std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target(), "--timeout", "5"};
+    argv.insert(argv.end(), tls.begin(), tls.end());
+    argv.insert(argv.end(), {"series", "renewed", "train/loss", "--json"});
+    const CommandResult r = RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+    return r.exit_code == 0 ? json::parse(r.out).size() : size_t{0};
+  };
+  REQUIRE(WaitUntil([&] { return steps({"--tls-ca", c("ca.pem")}) == 5; }, std::chrono::seconds(60)));
+
+  // The renewal: another CA's certificate written over the files, then SIGHUP.
+  std::filesystem::copy_file(c("other-server.key"), key, std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(c("other-server.pem"), cert, std::filesystem::copy_options::overwrite_existing);
+  daemon.Signal(SIGHUP);
+  REQUIRE(WaitUntil([&] { return Runs(daemon, {"--tls-ca", c("other-ca.pem")}).exit_code == 0; },
+                    std::chrono::seconds(60)));
+  CHECK(WaitUntil([&] { return daemon.LogText().find("TLS files checked: new connections get") != std::string::npos; },
+                  std::chrono::seconds(30)));
+  CHECK(Runs(daemon, {"--tls-ca", c("ca.pem")}).exit_code == 1);  // the old certificate is gone
+
+  // The stream opened before the renewal is still there and still delivers.
+  append(6, 9);
+  CHECK(WaitUntil([&] { return steps({"--tls-ca", c("other-ca.pem")}) == 9; }, std::chrono::seconds(60)));
+  CHECK(tail.running());
+  tail.Signal(SIGTERM);
+  const CommandResult r = tail.Wait(std::chrono::seconds(60));
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(json::parse(r.out)["steps_sent"] == 9);
+}
+
+TEST_CASE("a TLS configuration that cannot work is refused before the daemon starts", "[integration][tls]") {
+  Certs c;
+  const auto check = [](const std::string& yaml) {
+    TempDir dir("gradwatch-tls-config");
+    const auto file = dir.path() / "gradwatchd.yaml";
+    std::ofstream(file) << yaml;
+    return RunCommand({DaemonBinaryPath(), "--config", file.string(), "--check-config"}, std::nullopt,
+                      std::chrono::seconds(60));
+  };
+  CommandResult r = check("security: {tls_cert_file: " + c("server.pem") + "}\n");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("security.tls_cert_file: needs security.tls_key_file"));
+  r = check(TlsConfig(c("server.pem"), c("client.key"), ""));
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("is not the key of " + c("server.pem")));
+  r = check(TlsConfig(c("expired-client.pem"), c("expired-client.key"), ""));
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("expired at 2020-01-02T00:00:00Z"));
+  r = check(TlsConfig(c("server.pem"), c("server.key"), c("missing.pem")));
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("security.tls_client_ca_file " + c("missing.pem") + ": cannot be read"));
+  r = check(TlsConfig(c("server.pem"), c("server.key"), c("ca.pem")));
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.out, Catch::Contains("\"tls_client_ca_file\": \"" + c("ca.pem") + "\""));
+}
