@@ -89,6 +89,10 @@ int main(int argc, char** argv) {
   app.add_option("--tls-client-ca", tls_client_ca,
                  "CA (PEM) of the clients' certificates: clients must present one it signed "
                  "(mutual TLS; security.tls_client_ca_file)");
+  bool insecure = false;
+  app.add_flag("--insecure", insecure,
+               "allow a gRPC listener beyond loopback without mutual TLS: any host that reaches it may write runs, "
+               "silence alerts and reload rules (security.allow_insecure)");
   app.add_flag("--check-config", check_config, "validate the configuration, print it as JSON, and exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -109,6 +113,7 @@ int main(int argc, char** argv) {
   if (!tls_cert.empty()) config.tls_cert_file = tls_cert;
   if (!tls_key.empty()) config.tls_key_file = tls_key;
   if (!tls_client_ca.empty()) config.tls_client_ca_file = tls_client_ca;
+  if (insecure) config.allow_insecure = true;
   if (auto s = gradwatch::daemon::ValidateConfig(config); !s.ok()) {
     std::fprintf(stderr, "gradwatchd: invalid configuration: %s\n", s.message().c_str());
     return kExitConfig;

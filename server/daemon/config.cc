@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -173,7 +174,9 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
       {"log", {{"format", Field(&Config::log_format)}, {"level", Field(&Config::log_level)}}},
       {"security", {{"tls_cert_file", Field(&Config::tls_cert_file)},
                     {"tls_key_file", Field(&Config::tls_key_file)},
-                    {"tls_client_ca_file", Field(&Config::tls_client_ca_file)}}},
+                    {"tls_client_ca_file", Field(&Config::tls_client_ca_file)},
+                    {"allow_insecure", Field(&Config::allow_insecure)},
+                    {"max_silence_seconds", Field(&Config::max_silence_seconds)}}},
       {"metrics", {{"params", Field(&Config::metrics_params)},
                    {"slope_series", Field(&Config::metrics_slope_series)},
                    {"max_series_per_run", Field(&Config::metrics_max_series_per_run)}}},
@@ -271,6 +274,20 @@ StatusOr<Config> LoadConfigFile(const std::string& path) {
   return ParseConfig(text.str(), path);
 }
 
+bool IsLoopbackAddress(const std::string& address) {
+  std::string host = address.substr(0, address.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host == "localhost" || host == "::1") return true;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  char rest = 0;
+  return std::sscanf(host.c_str(), "%u.%u.%u.%u%c", &a, &b, &c, &d, &rest) == 4 && a == 127 && b < 256 &&
+         c < 256 && d < 256;
+}
+
+bool InsecureListener(const Config& c) {
+  return !IsLoopbackAddress(c.listen) && (c.tls_cert_file.empty() || c.tls_client_ca_file.empty());
+}
+
 Status ValidateConfig(const Config& c) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   if (!ValidAddress(c.listen)) return bad("listen: '" + c.listen + "' is not HOST:PORT");
@@ -282,6 +299,15 @@ Status ValidateConfig(const Config& c) {
   }
   if (!c.tls_client_ca_file.empty() && c.tls_cert_file.empty()) {
     return bad("security.tls_client_ca_file: client certificates need TLS: set security.tls_cert_file and tls_key_file");
+  }
+  if (InsecureListener(c) && !c.allow_insecure) {
+    return bad("listen: " + c.listen +
+               " is not loopback: any host that reaches the port could stream steps into runs, silence alerts and "
+               "reload rules. Serve mutual TLS (security.tls_cert_file, tls_key_file and tls_client_ca_file), or "
+               "accept the risk with --insecure (security.allow_insecure: true)");
+  }
+  if (!(c.max_silence_seconds > 0) || !std::isfinite(c.max_silence_seconds)) {
+    return bad("security.max_silence_seconds: must be > 0 (a silence that never ends mutes the pager for good)");
   }
   if (c.log_format != "text" && c.log_format != "json") return bad("log.format: must be text or json");
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
@@ -431,7 +457,9 @@ std::string ConfigJson(const Config& c) {
       {"security",
        {{"tls_cert_file", c.tls_cert_file},
         {"tls_key_file", c.tls_key_file},
-        {"tls_client_ca_file", c.tls_client_ca_file}}},
+        {"tls_client_ca_file", c.tls_client_ca_file},
+        {"allow_insecure", c.allow_insecure},
+        {"max_silence_seconds", c.max_silence_seconds}}},
       {"metrics",
        {{"params", c.metrics_params},
         {"slope_series", c.metrics_slope_series},

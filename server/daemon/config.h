@@ -96,6 +96,11 @@ struct Config {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;
+  // A gRPC listener beyond loopback without mutual TLS lets any host that reaches the port write
+  // runs, silence alerts and reload rules: refused unless this is set (--insecure).
+  bool allow_insecure = false;
+  // The longest a silence may last (security.max_silence_seconds).
+  double max_silence_seconds = 7 * 86400;
 
   bool default_rules = true;            // load alerts/rules/default.yaml (built in)
   std::vector<std::string> rule_files;  // more rule files
@@ -108,6 +113,11 @@ StatusOr<Config> LoadConfigFile(const std::string& path);
 StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source, Config base = {});
 // Checks ranges, addresses and receiver URLs; the message names the offending key.
 Status ValidateConfig(const Config& config);
+// Whether HOST:PORT's host is a loopback address (127.0.0.0/8, ::1, localhost).
+bool IsLoopbackAddress(const std::string& address);
+// A gRPC listener any host may reach and use: beyond loopback without mutual TLS (allowed only with
+// security.allow_insecure).
+bool InsecureListener(const Config& config);
 // Reads and checks what the configuration names on disk: the rule files (with the built-in rules,
 // as the daemon loads them). Run by --check-config and before start, so that a bad configuration
 // exits 2 and never reaches the daemon.

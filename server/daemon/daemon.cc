@@ -154,6 +154,7 @@ Status Daemon::Start() {
   alerting_->SetTrainerSink([ingest = ingest_.get()](const alerts::Alert& alert) { ingest->SendAlert(alert); });
   query_ = std::make_unique<ingest::QueryService>(registry_.get(), clock_, &alerting_->engine(),
                                                   [this] { return ReloadRules(); });
+  query_->set_max_silence_seconds(config_.max_silence_seconds);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -184,6 +185,7 @@ Status Daemon::Start() {
   export_options.params = config_.metrics_params;
   export_options.slope_series = config_.metrics_slope_series;
   export_options.max_series_per_run = config_.metrics_max_series_per_run;
+  export_options.insecure_listener = InsecureListener(config_);
   collector_ = std::make_unique<exporter::MetricsCollector>(registry_.get(), stats_.get(), journal_.get(),
                                                             std::move(export_options));
   Alerting* alerting = alerting_.get();
@@ -225,6 +227,12 @@ Status Daemon::Start() {
   if (config_.journal_snapshot_interval_seconds > 0) snapshotter_ = std::thread([this] { SnapshotLoop(); });
   spdlog::info("serving gRPC on {} (port {}), /metrics on {} (port {}), data in {}", config_.listen,
                grpc_port_, config_.metrics_listen, metrics_port_, config_.data_dir);
+  if (InsecureListener(config_)) {
+    spdlog::warn("gRPC on {} is reachable beyond loopback without mutual TLS (--insecure): any host that reaches "
+                 "the port may stream steps into runs, silence alerts and reload rules "
+                 "(gradwatch_insecure_listener 1; README \"Security\")",
+                 config_.listen);
+  }
   return Status::Ok();
 }
 

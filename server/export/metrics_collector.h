@@ -31,6 +31,8 @@ struct ExportOptions {
   // A run's per-parameter and slope samples at most; beyond it the rest is left out, logged once
   // per run and shown in gradwatch_run_series_capped{run}.
   size_t max_series_per_run = 10000;
+  // The gRPC listener is reachable beyond loopback without mutual TLS (gradwatch_insecure_listener).
+  bool insecure_listener = false;
 };
 
 class MetricsCollector {

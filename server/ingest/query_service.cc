@@ -1,6 +1,7 @@
 #include "server/ingest/query_service.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <spdlog/spdlog.h>
 
@@ -40,6 +41,28 @@ grpc::ServerUnaryReactor* QueryService::ReloadRules(grpc::CallbackServerContext*
   return Done(context, grpc::Status::OK);
 }
 
+namespace {
+
+// "7d", "36h", "90m", "45s": the largest unit that divides the duration, as Alertmanager's do.
+std::string FormatDuration(double seconds) {
+  const auto s = static_cast<long long>(std::llround(seconds));
+  for (const auto& [unit, size] : {std::pair{"d", 86400LL}, {"h", 3600LL}, {"m", 60LL}}) {
+    if (s >= size && s % size == 0) return std::to_string(s / size) + unit;
+  }
+  return std::to_string(s) + "s";
+}
+
+std::string Caller(const grpc::CallbackServerContext& context) {
+  const auto auth = context.auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    const auto identity = auth->GetPeerIdentity();
+    if (!identity.empty()) return "certificate " + std::string(identity.front().data(), identity.front().size());
+  }
+  return context.peer();
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* QueryService::AddSilence(grpc::CallbackServerContext* context,
                                                    const v1::AddSilenceRequest* request,
                                                    v1::AddSilenceResponse* response) {
@@ -54,9 +77,20 @@ grpc::ServerUnaryReactor* QueryService::AddSilence(grpc::CallbackServerContext* 
   silence.starts_at = in.starts_at() > 0 ? in.starts_at() : clock_->UnixSeconds();
   silence.ends_at = in.ends_at();
   silence.comment = in.comment();
-  silence.created_by = in.created_by();
+  // Who made it: the name the client gives, and the connection's identity (its certificate under
+  // mutual TLS, else its address), which the client cannot choose.
+  const std::string caller = Caller(*context);
+  silence.created_by = in.created_by().empty() ? caller : in.created_by() + " (" + caller + ")";
   if (!(silence.ends_at > silence.starts_at)) {
     return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, "a silence must end after it starts"});
+  }
+  if (silence.ends_at - silence.starts_at > max_silence_seconds_) {
+    return Done(context, {grpc::StatusCode::INVALID_ARGUMENT,
+                          "a silence may last at most " + FormatDuration(max_silence_seconds_) +
+                              " (security.max_silence_seconds); this one would last " +
+                              (std::isfinite(silence.ends_at) ? FormatDuration(silence.ends_at - silence.starts_at)
+                                                              : std::string("forever")) +
+                              ": add a shorter one, and renew it if it must go on"});
   }
   if (auto s = engine_->AddSilence(silence); !s.ok()) {
     return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, s.message()});

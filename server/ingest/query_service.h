@@ -19,6 +19,10 @@ class QueryService final : public v1::Query::CallbackService {
   QueryService(runs::RunRegistry* registry, const Clock* clock, alerts::AlertEngine* engine = nullptr,
                RuleReloader reload = {});
 
+  // The longest a silence may last (security.max_silence_seconds); longer ones are refused. Call
+  // before the service is registered.
+  void set_max_silence_seconds(double seconds) { max_silence_seconds_ = seconds; }
+
   grpc::ServerUnaryReactor* ListRuns(grpc::CallbackServerContext* context, const v1::ListRunsRequest* request,
                                      v1::ListRunsResponse* response) override;
   grpc::ServerUnaryReactor* GetRun(grpc::CallbackServerContext* context, const v1::GetRunRequest* request,
@@ -50,6 +54,7 @@ class QueryService final : public v1::Query::CallbackService {
   const Clock* const clock_;
   alerts::AlertEngine* const engine_;
   const RuleReloader reload_;
+  double max_silence_seconds_ = 7 * 86400;
 };
 
 }  // namespace gradwatch::ingest

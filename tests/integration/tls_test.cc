@@ -204,3 +204,58 @@ TEST_CASE("a TLS configuration that cannot work is refused before the daemon sta
   CHECK(r.exit_code == 0);
   CHECK_THAT(r.out, Catch::Contains("\"tls_client_ca_file\": \"" + c("ca.pem") + "\""));
 }
+
+TEST_CASE("a listener beyond loopback needs mutual TLS or --insecure", "[integration][security]") {
+  Certs c;
+  TempDir dir("gradwatch-insecure");
+  const auto check = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {DaemonBinaryPath(), "--data-dir", (dir.path() / "data").string(), "--check-config"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+  };
+  // --check-config validates the addresses without binding them: nothing listens beyond loopback here.
+  CommandResult r = check({"--listen", "0.0.0.0:7390"});
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("listen: 0.0.0.0:7390 is not loopback") && Catch::Contains("--insecure"));
+  r = check({"--listen", "10.1.2.3:7390", "--tls-cert", c("server.pem"), "--tls-key", c("server.key")});
+  CHECK(r.exit_code == 2);  // TLS alone: anyone may still connect
+  r = check({"--listen", "0.0.0.0:7390", "--insecure"});
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.out, Catch::Contains("\"allow_insecure\": true"));
+  r = check({"--listen", "[::]:7390", "--tls-cert", c("server.pem"), "--tls-key", c("server.key"), "--tls-client-ca",
+             c("ca.pem")});
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  for (const char* loopback : {"127.0.0.1:7390", "127.8.9.10:7390", "localhost:7390", "[::1]:7390"}) {
+    CHECK(check({"--listen", loopback}).exit_code == 0);
+  }
+  // A daemon on loopback says its listener is not open to others.
+  DaemonProcess daemon;
+  CHECK_THAT(daemon.ScrapeMetrics(), Catch::Contains("gradwatch_insecure_listener 0"));
+}
+
+TEST_CASE("silences have a maximum duration and record who made them", "[integration][security]") {
+  Certs c;
+  DaemonOptions options;
+  options.config_yaml = TlsConfig(c("server.pem"), c("server.key"), c("ca.pem")) + "  max_silence_seconds: 7200\n";
+  DaemonProcess daemon(options);
+  const auto cli = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target(), "--tls-ca", c("ca.pem"),
+                                     "--tls-cert", c("client.pem"), "--tls-key", c("client.key")};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+  };
+  CommandResult r = cli({"silence", "add", "run=moe", "--duration", "7201"});
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Catch::Contains("a silence may last at most 2h (security.max_silence_seconds)") &&
+                        Catch::Contains("this one would last 7201s"));
+  r = cli({"silence", "add", "run=moe", "--duration", "3600", "--by", "alice", "--comment", "planned restart"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  r = cli({"--json", "silence", "list"});
+  REQUIRE(r.exit_code == 0);
+  const json silences = json::parse(r.out)["silences"];
+  REQUIRE(silences.size() == 1);
+  // The name given, and the client certificate's identity, which the client cannot choose.
+  CHECK(silences[0]["created_by"] == "alice (certificate trainer)");
+}
