@@ -72,7 +72,8 @@ int main(int argc, char** argv) {
   app.footer(
       "Flags override the config file. Exit codes: 0 clean stop or valid config, 1 failed to start, "
       "2 bad configuration or usage.\nSignals: SIGTERM/SIGINT stop accepting, commit the journal, exit 0; SIGHUP reloads "
-      "the rule files and checks the TLS files (which new connections get within a second of being rewritten).");
+      "the rule files and the tokens file, and checks the TLS files (which new connections get within a second of being "
+      "rewritten).");
   std::string config_path, listen, metrics_listen, data_dir, log_format, log_level, ready_file;
   std::string tls_cert, tls_key, tls_client_ca;
   bool check_config = false;
@@ -157,6 +158,7 @@ int main(int argc, char** argv) {
     spdlog::info("received SIGHUP: reloading the rule files");
     daemon.ReloadRules();  // logs the outcome; invalid files leave the rules unchanged
     daemon.CheckTls();     // logs the certificate new connections get, or what is wrong with the files
+    daemon.ReloadTokens();  // an invalid file leaves the tokens in force
   }
   spdlog::info("received {}: stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   daemon.Stop();

@@ -60,7 +60,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                  "Daemon gRPC address, host:port; replay and tail take several, comma-separated, and send "
                  "every step to each (replicas watching one run)")
       ->capture_default_str();
-  global.tls = client::TlsOptionsFromEnvironment();
+  global.tls = client::ChannelSecurityFromEnvironment();
   app.add_option("--tls-ca", global.tls.ca_file,
                  "TLS: the CA file (PEM) that signed the daemon's certificate; giving any --tls-* option turns "
                  "TLS on (env GRADWATCH_TLS_CA)");
@@ -71,6 +71,11 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   app.add_option("--tls-server-name", global.tls.server_name,
                  "TLS: the name the daemon's certificate must carry, when not the address's host "
                  "(env GRADWATCH_TLS_SERVER_NAME)");
+  std::string token_file;
+  if (const char* env = std::getenv("GRADWATCH_TOKEN_FILE"); env != nullptr) token_file = env;
+  app.add_option("--token-file", token_file,
+                 "A file holding the bearer token for a daemon with security.tokens_file (env GRADWATCH_TOKEN_FILE, "
+                 "or the token itself in GRADWATCH_TOKEN)");
   app.add_option("--timeout", global.timeout_seconds,
                  "Deadline of each query, and how long replay waits for the daemon to accept its "
                  "stream (seconds)")
@@ -234,6 +239,10 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   spdlog::set_level(global.verbose ? spdlog::level::debug : spdlog::level::warn);
 
   if (*rules_check_cmd) return RunRulesCheck(global, rule_files, out, err);
+  if (std::string error; !token_file.empty() && !client::ReadTokenFile(token_file, &global.tls.token, &error)) {
+    err << "gradwatch: " << error << "\n";
+    return kExitFailure;
+  }
   if (std::string error; global.tls.enabled() && client::MakeChannelCredentials(global.tls, &error) == nullptr) {
     err << "gradwatch: " << error << "\n";
     return kExitFailure;

@@ -37,6 +37,10 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
       err << "no answer from the daemon at " << global.address << " within "
           << FormatValue(global.timeout_seconds) << " s (" << what << ")";
       break;
+    case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::PERMISSION_DENIED:
+      err << what << " refused by the daemon at " << global.address << ": " << status.error_message();
+      break;
     case grpc::StatusCode::NOT_FOUND:
       err << what << ": "
           << (status.error_message().empty() ? "not found" : status.error_message());

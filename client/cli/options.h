@@ -4,13 +4,13 @@
 #include <chrono>
 #include <string>
 
-#include "client/lib/tls.h"
+#include "client/lib/channel_security.h"
 
 namespace gradwatch::cli {
 
 struct GlobalOptions {
   std::string address;
-  client::TlsOptions tls;
+  client::ChannelSecurity tls;
   double timeout_seconds = 10;
   bool json = false;
   bool verbose = false;

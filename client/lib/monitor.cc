@@ -292,6 +292,7 @@ bool Monitor::RunConnection(Connection& conn) {
   // listens again (a fail-fast call only sees the channel's cached failure until its own
   // back-off expires). Stop() cancels the wait.
   conn.context.set_wait_for_ready(true);
+  AddToken(options_.tls, conn.context);
   auto stub = v1::Ingest::NewStub(channel_);
   conn.stream = stub->Stream(&conn.context);
   const bool hello_written = conn.stream->Write(hello);

@@ -16,7 +16,7 @@
 #include <thread>
 
 #include "client/lib/step_buffer.h"
-#include "client/lib/tls.h"
+#include "client/lib/channel_security.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 
 namespace grpc {
@@ -34,7 +34,7 @@ struct MonitorOptions {
   std::string address = kDefaultAddress;
   // TLS to the daemon (off when no file is given). Files that cannot be read make every stream
   // fail: Start() logs why, and Stats().last_error says it.
-  TlsOptions tls;
+  ChannelSecurity tls;
   // Sent at the start of every connection. `client` is filled in when empty. A trainer that
   // resumed from a checkpoint sets hello.resume_from_step to the first step it will log: it is
   // sent until the daemon accepts a stream, and left out of later reconnects, which must not

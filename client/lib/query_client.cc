@@ -6,8 +6,8 @@
 
 namespace gradwatch::client {
 
-QueryClient::QueryClient(std::string address, std::chrono::milliseconds timeout, const TlsOptions& tls)
-    : address_(std::move(address)), timeout_(timeout) {
+QueryClient::QueryClient(std::string address, std::chrono::milliseconds timeout, const ChannelSecurity& tls)
+    : address_(std::move(address)), timeout_(timeout), security_(tls) {
   const auto credentials = MakeChannelCredentials(tls, &setup_error_);
   if (credentials == nullptr) return;  // every call answers setup_error_
   grpc::ChannelArguments args;
@@ -20,6 +20,7 @@ QueryResult<Response> QueryClient::Call(const Request& request, Method method) {
   if (stub_ == nullptr) return {grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, setup_error_), Response()};
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + timeout_);
+  AddToken(security_, context);
   QueryResult<Response> result;
   result.status = ((*stub_).*method)(&context, request, &result.response);
   return result;

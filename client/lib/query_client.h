@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "client/lib/tls.h"
+#include "client/lib/channel_security.h"
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 
@@ -27,7 +27,7 @@ class QueryClient {
  public:
   // `timeout` is the deadline of each call, counted from its start. When the TLS files cannot be
   // read, every call fails with FAILED_PRECONDITION and the reason.
-  QueryClient(std::string address, std::chrono::milliseconds timeout, const TlsOptions& tls = {});
+  QueryClient(std::string address, std::chrono::milliseconds timeout, const ChannelSecurity& tls = {});
 
   // The runs the daemon holds in memory; with `include_archived`, also those only its journal holds.
   QueryResult<v1::ListRunsResponse> ListRuns(bool include_archived = false);
@@ -51,6 +51,7 @@ class QueryClient {
 
   std::string address_;
   std::chrono::milliseconds timeout_;
+  ChannelSecurity security_;
   std::unique_ptr<v1::Query::Stub> stub_;
   std::string setup_error_;  // why there is no stub
 };

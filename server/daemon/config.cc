@@ -16,6 +16,7 @@
 #include "alerts/yaml_checks.h"
 #include "server/daemon/alerting.h"
 #include "server/daemon/tls.h"
+#include "server/ingest/authorizer.h"
 
 namespace gradwatch::daemon {
 
@@ -175,6 +176,7 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
       {"security", {{"tls_cert_file", Field(&Config::tls_cert_file)},
                     {"tls_key_file", Field(&Config::tls_key_file)},
                     {"tls_client_ca_file", Field(&Config::tls_client_ca_file)},
+                    {"tokens_file", Field(&Config::tokens_file)},
                     {"allow_insecure", Field(&Config::allow_insecure)},
                     {"max_silence_seconds", Field(&Config::max_silence_seconds)}}},
       {"metrics", {{"params", Field(&Config::metrics_params)},
@@ -285,7 +287,8 @@ bool IsLoopbackAddress(const std::string& address) {
 }
 
 bool InsecureListener(const Config& c) {
-  return !IsLoopbackAddress(c.listen) && (c.tls_cert_file.empty() || c.tls_client_ca_file.empty());
+  const bool authenticated = !c.tls_cert_file.empty() && (!c.tls_client_ca_file.empty() || !c.tokens_file.empty());
+  return !IsLoopbackAddress(c.listen) && !authenticated;
 }
 
 Status ValidateConfig(const Config& c) {
@@ -303,8 +306,9 @@ Status ValidateConfig(const Config& c) {
   if (InsecureListener(c) && !c.allow_insecure) {
     return bad("listen: " + c.listen +
                " is not loopback: any host that reaches the port could stream steps into runs, silence alerts and "
-               "reload rules. Serve mutual TLS (security.tls_cert_file, tls_key_file and tls_client_ca_file), or "
-               "accept the risk with --insecure (security.allow_insecure: true)");
+               "reload rules. Serve TLS (security.tls_cert_file and tls_key_file) with client certificates "
+               "(tls_client_ca_file) or tokens (tokens_file), or accept the risk with --insecure "
+               "(security.allow_insecure: true)");
   }
   if (!(c.max_silence_seconds > 0) || !std::isfinite(c.max_silence_seconds)) {
     return bad("security.max_silence_seconds: must be > 0 (a silence that never ends mutes the pager for good)");
@@ -412,6 +416,9 @@ Status CheckConfigFiles(const Config& c) {
   if (auto tls = CheckTlsFiles({c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file}); !tls.ok()) {
     return tls.status();
   }
+  if (!c.tokens_file.empty()) {
+    if (auto policy = ingest::LoadPolicy(c.tokens_file); !policy.ok()) return policy.status();
+  }
   return Status::Ok();
 }
 
@@ -458,6 +465,7 @@ std::string ConfigJson(const Config& c) {
        {{"tls_cert_file", c.tls_cert_file},
         {"tls_key_file", c.tls_key_file},
         {"tls_client_ca_file", c.tls_client_ca_file},
+        {"tokens_file", c.tokens_file},
         {"allow_insecure", c.allow_insecure},
         {"max_silence_seconds", c.max_silence_seconds}}},
       {"metrics",

@@ -96,6 +96,9 @@ struct Config {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;
+  // Bearer tokens (hashed) and client-certificate identities with their scopes
+  // (ingest::LoadPolicy); empty: every caller may do everything. Reloaded on SIGHUP.
+  std::string tokens_file;
   // A gRPC listener beyond loopback without mutual TLS lets any host that reaches the port write
   // runs, silence alerts and reload rules: refused unless this is set (--insecure).
   bool allow_insecure = false;
@@ -115,8 +118,8 @@ StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source,
 Status ValidateConfig(const Config& config);
 // Whether HOST:PORT's host is a loopback address (127.0.0.0/8, ::1, localhost).
 bool IsLoopbackAddress(const std::string& address);
-// A gRPC listener any host may reach and use: beyond loopback without mutual TLS (allowed only with
-// security.allow_insecure).
+// A gRPC listener any host may reach and use: beyond loopback, and neither mutual TLS nor TLS with
+// tokens (allowed only with security.allow_insecure).
 bool InsecureListener(const Config& config);
 // Reads and checks what the configuration names on disk: the rule files (with the built-in rules,
 // as the daemon loads them). Run by --check-config and before start, so that a bad configuration

@@ -22,6 +22,8 @@
 #include "server/export/metrics_collector.h"
 #include "server/export/metrics_server.h"
 #include "server/export/remote_write.h"
+#include "server/export/text_format.h"
+#include "server/ingest/authorizer.h"
 #include "server/ingest/ingest_service.h"
 #include "server/ingest/query_service.h"
 #include "server/runs/daemon_stats.h"
@@ -150,11 +152,21 @@ Status Daemon::Start() {
   ingest_options.max_message_bytes = config_.max_message_bytes;
   ingest_options.hello.max_params = config_.max_params_per_run;
   ingest_options.max_streams = config_.max_streams;
+  authorizer_ = std::make_unique<ingest::Authorizer>();
+  if (!config_.tokens_file.empty()) {
+    auto policy = ingest::LoadPolicy(config_.tokens_file);
+    if (!policy.ok()) return policy.status();
+    spdlog::info("gRPC: callers need a token or a known certificate: {} tokens, {} identities from {}",
+                 policy.value()->by_token_sha256.size(), policy.value()->by_identity.size(), config_.tokens_file);
+    authorizer_->SetPolicy(std::move(policy).value());
+  }
   ingest_ = std::make_unique<ingest::IngestService>(ingest_options, registry_.get(), stats_.get(), clock_);
+  ingest_->set_authorizer(authorizer_.get());
   alerting_->SetTrainerSink([ingest = ingest_.get()](const alerts::Alert& alert) { ingest->SendAlert(alert); });
   query_ = std::make_unique<ingest::QueryService>(registry_.get(), clock_, &alerting_->engine(),
                                                   [this] { return ReloadRules(); });
   query_->set_max_silence_seconds(config_.max_silence_seconds);
+  query_->set_authorizer(authorizer_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -215,6 +227,18 @@ Status Daemon::Start() {
        [alert_collector](exporter::Exposition& out) { alert_collector->Render(out); },
        [writers, clock](exporter::Exposition& out) {
          exporter::RemoteWriter::RenderMetrics(writers, out.NewChunk(), clock->UnixSeconds());
+       },
+       [authorizer = authorizer_.get()](exporter::Exposition& out) {
+         std::string& text = out.NewChunk();
+         exporter::AppendFamilyHeader(text, "gradwatch_auth_refusals_total",
+                                      "gRPC calls refused by security.tokens_file: unauthenticated (no token or an "
+                                      "unknown one, no known certificate) or permission_denied (a scope or run it "
+                                      "lacks).",
+                                      exporter::MetricType::kCounter);
+         exporter::AppendSample(text, "gradwatch_auth_refusals_total", {{"reason", "unauthenticated"}},
+                                static_cast<double>(authorizer->refusals(ingest::Authorizer::kUnauthenticated)));
+         exporter::AppendSample(text, "gradwatch_auth_refusals_total", {{"reason", "permission_denied"}},
+                                static_cast<double>(authorizer->refusals(ingest::Authorizer::kPermissionDenied)));
        }});
   if (!metrics_server.ok()) {
     return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " +
@@ -285,6 +309,18 @@ void Daemon::CheckTls() const {
     spdlog::error("gRPC: TLS files: {}; new connections keep the last certificate that loaded",
                   checked.status().message());
   }
+}
+
+void Daemon::ReloadTokens() {
+  if (config_.tokens_file.empty() || authorizer_ == nullptr) return;
+  auto policy = ingest::LoadPolicy(config_.tokens_file);
+  if (!policy.ok()) {
+    spdlog::error("gRPC: tokens not reloaded, the ones in force stay: {}", policy.status().message());
+    return;
+  }
+  spdlog::info("gRPC: tokens reloaded: {} tokens, {} identities", policy.value()->by_token_sha256.size(),
+               policy.value()->by_identity.size());
+  authorizer_->SetPolicy(std::move(policy).value());
 }
 
 StatusOr<size_t> Daemon::ReloadRules() {

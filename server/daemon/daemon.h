@@ -30,6 +30,7 @@ class SnapshotStore;
 class RemoteWriteProgress;
 }  // namespace store
 namespace ingest {
+class Authorizer;
 class IngestService;
 class QueryService;
 }  // namespace ingest
@@ -60,6 +61,8 @@ class Daemon {
   // Checks the TLS files again (SIGHUP) and logs what new connections get: the listener reads
   // them every kTlsRefreshSeconds, so a renewed certificate needs no restart.
   void CheckTls() const;
+  // Reads security.tokens_file again (SIGHUP): a file with an error leaves the tokens in force.
+  void ReloadTokens();
   static constexpr unsigned kTlsRefreshSeconds = 1;
   // Reloads the rule files (SIGHUP, `gradwatch rules reload`); invalid files change nothing.
   StatusOr<size_t> ReloadRules();
@@ -99,6 +102,7 @@ class Daemon {
   std::unique_ptr<runs::RunRegistry> registry_;
   std::unique_ptr<store::Journal> journal_;
   std::unique_ptr<store::AlertStore> alert_store_;  // outlives alerting_'s writer: Stop() stops it first
+  std::unique_ptr<ingest::Authorizer> authorizer_;
   std::unique_ptr<ingest::IngestService> ingest_;
   std::unique_ptr<ingest::QueryService> query_;
   std::unique_ptr<grpc::Server> server_;

@@ -331,7 +331,8 @@ void MetricsCollector::Render(Exposition& out) {
   d.Sample("gradwatch_runs", "state", "ended", static_cast<double>(ended));
   d.Sample("gradwatch_runs", "state", "finished", static_cast<double>(finished));
   d.One("gradwatch_insecure_listener",
-        "1 when the gRPC listener is reachable beyond loopback without mutual TLS (started with --insecure): any "
+        "1 when the gRPC listener is reachable beyond loopback without TLS and client authentication (started with "
+        "--insecure): any "
         "host that reaches it may write runs, silence alerts and reload rules.",
         MetricType::kGauge, options_.insecure_listener ? 1.0 : 0.0);
   d.One("gradwatch_open_streams", "Trainer streams open.", MetricType::kGauge,

@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 
 #include "server/core/thread_annotations.h"
+#include "server/ingest/authorizer.h"
 
 namespace gradwatch::ingest {
 
@@ -23,7 +24,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
                            public AlertReceiver {
  public:
   IngestStream(IngestService* service, grpc::CallbackServerContext* context)
-      : service_(service), peer_(context->peer()) {
+      : service_(service), context_(context), peer_(context->peer()) {
     const int64_t open = service_->stats()->open_streams.fetch_add(1, std::memory_order_relaxed) + 1;
     if (static_cast<size_t>(open) > service_->options().max_streams) {
       spdlog::warn("refusing a stream from {}: {} streams open (limits.max_streams)", peer_, open - 1);
@@ -193,6 +194,19 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     if (auto err = HelloFromProto(in_->hello(), service_->options().hello, &meta, &rank)) {
       Reject(*err, seq);
       return;
+    }
+    if (const Authorizer* auth = service_->authorizer()) {
+      const grpc::Status allowed = auth->Check(*context_, Scope::kWrite, meta.run_id, "streaming run " + meta.run_id);
+      if (!allowed.ok()) {
+        // The Error tells the client to stop (a refused Hello); the stream ends with the status.
+        Reject({IngestErrorReason::kInvalidHello,
+                std::string(allowed.error_code() == grpc::StatusCode::UNAUTHENTICATED ? "UNAUTHENTICATED: "
+                                                                                       : "PERMISSION_DENIED: ") +
+                    allowed.error_message()},
+               seq);
+        FinishWhenDrained(allowed);
+        return;
+      }
     }
     std::string carried;
     {
@@ -486,6 +500,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   static constexpr size_t kMaxKeptArenaBytes = size_t{1} << 20;
 
   IngestService* const service_;
+  grpc::CallbackServerContext* const context_;  // valid for the reactor's life
   const std::string peer_;
   std::unique_ptr<char[]> arena_block_;  // outlives arena_ (declared first)
   size_t arena_block_size_ = 0;

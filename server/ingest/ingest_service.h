@@ -21,6 +21,8 @@
 
 namespace gradwatch::ingest {
 
+class Authorizer;
+
 struct IngestOptions {
   // Largest TrainerMessage accepted (bytes); larger ones get an OVERSIZED error. gRPC itself is
   // configured to let messages up to a margin above this through, so the stream survives them.
@@ -50,6 +52,9 @@ class IngestService final : public v1::Ingest::CallbackService {
   runs::RunRegistry* registry() const { return registry_; }
   runs::DaemonStats* stats() const { return stats_; }
   const Clock* clock() const { return clock_; }
+  // Who may stream which runs (null: everyone). Set before the service is registered.
+  void set_authorizer(const Authorizer* authorizer) { authorizer_ = authorizer; }
+  const Authorizer* authorizer() const { return authorizer_; }
 
   // Sends a firing or resolved alert to every stream carrying its run (the alert's "run" label):
   // each stream from just before its Hello is attached until it detaches or is superseded.
@@ -63,6 +68,7 @@ class IngestService final : public v1::Ingest::CallbackService {
   runs::RunRegistry* const registry_;
   runs::DaemonStats* const stats_;
   const Clock* const clock_;
+  const Authorizer* authorizer_ = nullptr;
   std::mutex receivers_mu_;
   std::unordered_map<std::string, std::vector<AlertReceiver*>> receivers_;  // guarded by receivers_mu_
 };

@@ -34,6 +34,7 @@ grpc::Status NoAlerting() { return {grpc::StatusCode::FAILED_PRECONDITION, "aler
 grpc::ServerUnaryReactor* QueryService::ReloadRules(grpc::CallbackServerContext* context,
                                                     const v1::ReloadRulesRequest*,
                                                     v1::ReloadRulesResponse* response) {
+  if (grpc::Status allowed = Allow(context, Scope::kAdmin, "", "reload rules"); !allowed.ok()) return Done(context, allowed);
   if (!reload_) return Done(context, NoAlerting());
   auto result = reload_();
   if (!result.ok()) return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, result.status().message()});
@@ -63,9 +64,15 @@ std::string Caller(const grpc::CallbackServerContext& context) {
 
 }  // namespace
 
+grpc::Status QueryService::Allow(const grpc::CallbackServerContext* context, Scope scope, std::string_view run,
+                                 std::string_view what) const {
+  return authorizer_ == nullptr ? grpc::Status::OK : authorizer_->Check(*context, scope, run, what);
+}
+
 grpc::ServerUnaryReactor* QueryService::AddSilence(grpc::CallbackServerContext* context,
                                                    const v1::AddSilenceRequest* request,
                                                    v1::AddSilenceResponse* response) {
+  if (grpc::Status allowed = Allow(context, Scope::kSilence, "", "add a silence"); !allowed.ok()) return Done(context, allowed);
   if (engine_ == nullptr) return Done(context, NoAlerting());
   const v1::Silence& in = request->silence();
   if (in.matchers().empty()) {
@@ -77,9 +84,10 @@ grpc::ServerUnaryReactor* QueryService::AddSilence(grpc::CallbackServerContext* 
   silence.starts_at = in.starts_at() > 0 ? in.starts_at() : clock_->UnixSeconds();
   silence.ends_at = in.ends_at();
   silence.comment = in.comment();
-  // Who made it: the name the client gives, and the connection's identity (its certificate under
-  // mutual TLS, else its address), which the client cannot choose.
-  const std::string caller = Caller(*context);
+  // Who made it: the name the client gives, and the caller's identity, which the client cannot
+  // choose: its token's name, else its certificate under mutual TLS, else its address.
+  std::string caller = authorizer_ != nullptr ? authorizer_->Who(*context) : std::string();
+  if (caller.empty()) caller = Caller(*context);
   silence.created_by = in.created_by().empty() ? caller : in.created_by() + " (" + caller + ")";
   if (!(silence.ends_at > silence.starts_at)) {
     return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, "a silence must end after it starts"});
@@ -104,6 +112,7 @@ grpc::ServerUnaryReactor* QueryService::AddSilence(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* QueryService::ListSilences(grpc::CallbackServerContext* context,
                                                      const v1::ListSilencesRequest*,
                                                      v1::ListSilencesResponse* response) {
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list silences"); !allowed.ok()) return Done(context, allowed);
   if (engine_ == nullptr) return Done(context, NoAlerting());
   for (const alerts::Silence& s : engine_->Silences()) {
     v1::Silence* out = response->add_silences();
@@ -120,6 +129,7 @@ grpc::ServerUnaryReactor* QueryService::ListSilences(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* QueryService::RemoveSilence(grpc::CallbackServerContext* context,
                                                       const v1::RemoveSilenceRequest* request,
                                                       v1::RemoveSilenceResponse*) {
+  if (grpc::Status allowed = Allow(context, Scope::kSilence, "", "remove a silence"); !allowed.ok()) return Done(context, allowed);
   if (engine_ == nullptr) return Done(context, NoAlerting());
   if (auto s = engine_->RemoveSilence(request->id()); !s.ok()) {
     return Done(context, {grpc::StatusCode::NOT_FOUND, s.message()});
@@ -129,6 +139,7 @@ grpc::ServerUnaryReactor* QueryService::RemoveSilence(grpc::CallbackServerContex
 
 grpc::ServerUnaryReactor* QueryService::Ack(grpc::CallbackServerContext* context, const v1::AckRequest* request,
                                             v1::AckResponse*) {
+  if (grpc::Status allowed = Allow(context, Scope::kAck, "", "ack an alert"); !allowed.ok()) return Done(context, allowed);
   if (engine_ == nullptr) return Done(context, NoAlerting());
   if (auto s = engine_->Ack(request->fingerprint(), request->by(), request->comment(), clock_->UnixSeconds());
       !s.ok()) {
@@ -143,6 +154,7 @@ grpc::ServerUnaryReactor* QueryService::Ack(grpc::CallbackServerContext* context
 grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* context,
                                                    const v1::ListAlertsRequest* request,
                                                    v1::ListAlertsResponse* response) {
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list alerts"); !allowed.ok()) return Done(context, allowed);
   if (engine_ != nullptr) {
     const double now = clock_->UnixSeconds();
     for (const alerts::Alert& a : engine_->Active(request->run_id())) {
@@ -162,6 +174,7 @@ grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* QueryService::ListRuns(grpc::CallbackServerContext* context,
                                                  const v1::ListRunsRequest* request,
                                                  v1::ListRunsResponse* response) {
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list runs"); !allowed.ok()) return Done(context, allowed);
   for (const auto& run : registry_->All()) RunInfoToProto(run->Info(), response->add_runs());
   if (request->include_archived()) {
     auto archived = registry_->Archived();
@@ -178,6 +191,7 @@ grpc::ServerUnaryReactor* QueryService::ListRuns(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* QueryService::GetRun(grpc::CallbackServerContext* context,
                                                const v1::GetRunRequest* request,
                                                v1::RunSummary* response) {
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "read a run"); !allowed.ok()) return Done(context, allowed);
   auto run = registry_->Find(request->run_id());
   if (!run) return Done(context, RunNotFound(request->run_id()));
   SummaryToProto(run->Summary(), response);
@@ -187,6 +201,7 @@ grpc::ServerUnaryReactor* QueryService::GetRun(grpc::CallbackServerContext* cont
 grpc::ServerUnaryReactor* QueryService::GetSeries(grpc::CallbackServerContext* context,
                                                   const v1::GetSeriesRequest* request,
                                                   v1::GetSeriesResponse* response) {
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "read a series"); !allowed.ok()) return Done(context, allowed);
   auto run = registry_->Find(request->run_id());
   if (!run) return Done(context, RunNotFound(request->run_id()));
   const uint64_t to = request->to_step() == 0 ? UINT64_MAX : request->to_step();
@@ -217,6 +232,10 @@ grpc::ServerUnaryReactor* QueryService::GetSeries(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* QueryService::Annotate(grpc::CallbackServerContext* context,
                                                  const v1::AnnotateRequest* request,
                                                  v1::AnnotateResponse*) {
+  if (grpc::Status allowed = Allow(context, Scope::kWrite, request->run_id(), "annotate run " + request->run_id());
+      !allowed.ok()) {
+    return Done(context, allowed);
+  }
   auto run = registry_->Find(request->run_id());
   if (!run) return Done(context, RunNotFound(request->run_id()));
   v1::Event in;

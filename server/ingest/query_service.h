@@ -7,6 +7,7 @@
 
 #include "server/core/clock.h"
 #include "server/core/status.h"
+#include "server/ingest/authorizer.h"
 #include "server/runs/registry.h"
 
 namespace gradwatch::ingest {
@@ -22,6 +23,8 @@ class QueryService final : public v1::Query::CallbackService {
   // The longest a silence may last (security.max_silence_seconds); longer ones are refused. Call
   // before the service is registered.
   void set_max_silence_seconds(double seconds) { max_silence_seconds_ = seconds; }
+  // Who may call what (null: everyone). Set before the service is registered.
+  void set_authorizer(const Authorizer* authorizer) { authorizer_ = authorizer; }
 
   grpc::ServerUnaryReactor* ListRuns(grpc::CallbackServerContext* context, const v1::ListRunsRequest* request,
                                      v1::ListRunsResponse* response) override;
@@ -55,6 +58,10 @@ class QueryService final : public v1::Query::CallbackService {
   alerts::AlertEngine* const engine_;
   const RuleReloader reload_;
   double max_silence_seconds_ = 7 * 86400;
+  const Authorizer* authorizer_ = nullptr;
+
+  grpc::Status Allow(const grpc::CallbackServerContext* context, Scope scope, std::string_view run,
+                     std::string_view what) const;
 };
 
 }  // namespace gradwatch::ingest

@@ -308,3 +308,34 @@ class TlsTest(unittest.TestCase):
             gradwatch.Monitor("py-tls-bad", address=self.daemon.address, tls_ca=self.cert("missing.pem"))
         with self.assertRaisesRegex(ValueError, "tls_cert and tls_key go together"):
             gradwatch.Monitor("py-tls-bad", address=self.daemon.address, tls_cert=self.cert("client.pem"))
+
+
+class TokenTest(unittest.TestCase):
+    """A daemon with security.tokens_file: the token goes with the stream; a missing one is refused."""
+
+    def setUp(self) -> None:
+        import hashlib
+        self.dir = tempfile.mkdtemp(prefix="gradwatch-py-tokens-")
+        tokens = os.path.join(self.dir, "tokens.yaml")
+        with open(tokens, "w") as f:
+            f.write("tokens:\n  - {name: trainer, sha256: %s, scopes: [write, read], runs: [\"py-*\"]}\n"
+                    % hashlib.sha256(b"py-secret").hexdigest())
+        self.daemon = Daemon(f"log: {{level: info}}\nsecurity: {{tokens_file: {tokens}}}\n")
+
+    def tearDown(self) -> None:
+        self.daemon.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def test_the_token_is_sent_and_runs_outside_its_patterns_are_refused(self) -> None:
+        with gradwatch.Monitor("py-token", address=self.daemon.address, params=CATALOG, token="py-secret") as mon:
+            self.assertTrue(mon.log(1, metrics(1)))
+            self.assertTrue(mon.flush(30))
+        refused = []
+        for run, token in (("py-none", None), ("other-run", "py-secret")):
+            mon = gradwatch.Monitor(run, address=self.daemon.address, params=CATALOG, token=token,
+                                    on_error=lambda e: refused.append(e.message))
+            mon.log(1, metrics(1))
+            self.assertFalse(mon.flush(3))
+            mon.close(finished=False, timeout=1)
+        self.assertTrue(any("requires a bearer token" in m for m in refused), refused)
+        self.assertTrue(any("may write only runs matching py-*" in m for m in refused), refused)

@@ -101,6 +101,7 @@ class _Stream:
         tls_cert: Optional[str] = None,
         tls_key: Optional[str] = None,
         tls_server_name: Optional[str] = None,
+        token: Optional[str] = None,
         start: bool = True,
     ) -> None:
         if not run:
@@ -147,6 +148,8 @@ class _Stream:
         self._call = None
         self._thread: Optional[threading.Thread] = None
         self._channel = _channel(address, tls_ca, tls_cert, tls_key, tls_server_name)
+        token = token or os.environ.get("GRADWATCH_TOKEN") or None
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._stub = pb_grpc.IngestStub(self._channel)
         if start:
             self.start()
@@ -376,7 +379,7 @@ class _Stream:
                 outbox.put(self._hello_locked())
             accepted = False
             try:
-                call = self._stub.Stream(self._requests(outbox))
+                call = self._stub.Stream(self._requests(outbox), metadata=self._metadata)
                 with self._lock:
                     self._call = call
                     if self._stopping:
@@ -567,7 +570,8 @@ class Monitor:
     tls_server_name: TLS to a daemon that serves it (the CA of its certificate; for mutual TLS this
     client's certificate and key; the name its certificate carries when not the address's host), PEM
     files; unset, the environment's GRADWATCH_TLS_CA, GRADWATCH_TLS_CERT, GRADWATCH_TLS_KEY and
-    GRADWATCH_TLS_SERVER_NAME; none of them: plain text.
+    GRADWATCH_TLS_SERVER_NAME; none of them: plain text. token: the bearer token for a daemon with
+    security.tokens_file (unset: GRADWATCH_TOKEN).
 
     Never blocks training: log() and event() queue, up to queue_capacity steps held per daemon
     (queued or written and not yet durable); beyond it a step is dropped and counted, and the daemon

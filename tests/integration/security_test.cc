@@ -1,7 +1,8 @@
-// TLS on gradwatchd's gRPC listener, with certificates this test makes (tests/support/
+// gradwatchd's security: TLS on the gRPC listener, with certificates this test makes (tests/support/
 // make_test_certs.sh, openssl): plain and mutual TLS, every wrong client refused with a message
 // that says why, a renewed certificate served without a restart while a stream stays open, and
-// configurations that cannot work refused before the daemon starts.
+// configurations that cannot work refused before the daemon starts; listeners beyond loopback;
+// silences' limits; bearer tokens and certificate identities with scopes.
 #include <catch2/catch.hpp>
 
 #include <signal.h>
@@ -258,4 +259,146 @@ TEST_CASE("silences have a maximum duration and record who made them", "[integra
   REQUIRE(silences.size() == 1);
   // The name given, and the client certificate's identity, which the client cannot choose.
   CHECK(silences[0]["created_by"] == "alice (certificate trainer)");
+}
+
+namespace {
+
+// A tokens file granting `trainer` write and read on runs pre-*, `oncall` read, silence and ack,
+// `admin` everything, and the client certificate "trainer" read only.
+std::string TokensYaml(bool with_trainer = true) {
+  const auto sha = [](const std::string& token) {
+    const CommandResult r = RunCommand({"bash", "-c", "printf %s '" + token + "' | sha256sum | cut -d' ' -f1"},
+                                       std::nullopt, std::chrono::seconds(30));
+    return r.out.substr(0, 64);
+  };
+  std::string yaml = "tokens:\n";
+  if (with_trainer) {
+    yaml += "  - {name: trainer, sha256: " + sha("trainer-secret-1") + ", scopes: [write, read], runs: [\"pre-*\"]}\n";
+  }
+  yaml += "  - {name: oncall, sha256: " + sha("oncall-secret-2") + ", scopes: [read, silence, ack]}\n";
+  yaml += "  - {name: admin, sha256: " + sha("admin-secret-3") + ", scopes: [read, write, silence, ack, admin]}\n";
+  yaml += "identities:\n  - {identity: trainer, scopes: [read]}\n";
+  return yaml;
+}
+
+}  // namespace
+
+TEST_CASE("tokens: each caller may do what its scopes and run patterns allow, and nothing else",
+          "[integration][security]") {
+  TempDir dir("gradwatch-tokens");
+  const auto tokens = dir.path() / "tokens.yaml";
+  std::ofstream(tokens) << TokensYaml();
+  DaemonOptions options;
+  options.config_yaml = "log: {format: text, level: debug}\nsecurity: {tokens_file: " + tokens.string() + "}\n";
+  DaemonProcess daemon(options);
+  const auto file = dir.path() / "job.jsonl";
+  std::ofstream(file) << R"({"_step": 1, "grad/norm/total": 0.5})" "\n";
+  const auto cli = [&](const std::string& token, std::vector<std::string> args) {
+    std::vector<std::string> argv = {"env", "GRADWATCH_TOKEN=" + token, CliBinaryPath(), "--addr", daemon.grpc_target()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+  };
+
+  CommandResult r = cli("", {"runs"});
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Catch::Contains("refused by the daemon") && Catch::Contains("requires a bearer token"));
+  r = cli("wrong", {"runs"});
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Catch::Contains("not one this daemon knows"));
+
+  r = cli("trainer-secret-1", {"replay", file.string(), "--run", "pre-1"});
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  r = cli("trainer-secret-1", {"replay", file.string(), "--run", "prod-1"});
+  CHECK(r.exit_code == 1);
+  // The refusal arrives as the Hello's error and as the stream's status; either says why.
+  CHECK_THAT(r.err, Catch::Contains("refused run prod-1") && Catch::Contains("may write only runs matching pre-*"));
+  r = cli("trainer-secret-1", {"annotate", "pre-1", "1", "note"});
+  CHECK(r.exit_code == 0);
+  r = cli("trainer-secret-1", {"silence", "add", "run=pre-1", "--duration", "60"});
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Catch::Contains("token trainer has no 'silence' scope"));
+
+  r = cli("oncall-secret-2", {"silence", "add", "run=pre-1", "--duration", "60", "--by", "bob"});
+  CHECK(r.exit_code == 0);
+  r = cli("oncall-secret-2", {"--json", "silence", "list"});
+  REQUIRE(r.exit_code == 0);
+  CHECK(json::parse(r.out)["silences"][0]["created_by"] == "bob (token oncall)");
+  r = cli("oncall-secret-2", {"replay", file.string(), "--run", "pre-2"});
+  CHECK(r.exit_code == 1);
+  r = cli("oncall-secret-2", {"rules", "reload"});
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Catch::Contains("token oncall has no 'admin' scope"));
+  r = cli("admin-secret-3", {"rules", "reload"});
+  CHECK(r.exit_code == 0);
+
+  // Refusals are counted, and logged without the secret.
+  const std::string metrics = daemon.ScrapeMetrics();
+  CHECK_THAT(metrics, Catch::Contains("gradwatch_auth_refusals_total{reason=\"unauthenticated\"} 2") &&
+                          Catch::Contains("gradwatch_auth_refusals_total{reason=\"permission_denied\"} 4"));
+  CHECK_THAT(daemon.LogText(), Catch::Contains("refused reload rules") && Catch::Contains("no token"));
+  for (const char* secret : {"trainer-secret-1", "oncall-secret-2", "admin-secret-3", "wrong"}) {
+    CHECK(daemon.LogText().find(secret) == std::string::npos);
+  }
+
+  // SIGHUP reloads the file: the trainer's token is revoked; a broken file changes nothing.
+  std::ofstream(tokens) << TokensYaml(/*with_trainer=*/false);
+  daemon.Signal(SIGHUP);
+  REQUIRE(WaitUntil([&] { return cli("trainer-secret-1", {"runs"}).exit_code == 1; }, std::chrono::seconds(30)));
+  std::ofstream(tokens) << "tokens:\n  - {name: x, sha256: not-a-hash, scopes: [read]}\n";
+  daemon.Signal(SIGHUP);
+  REQUIRE(WaitUntil([&] { return daemon.LogText().find("tokens not reloaded") != std::string::npos; },
+                    std::chrono::seconds(30)));
+  CHECK(cli("oncall-secret-2", {"runs"}).exit_code == 0);
+}
+
+TEST_CASE("client certificates map to scopes like tokens, and tokens open a listener beyond loopback",
+          "[integration][security]") {
+  Certs c;
+  TempDir dir("gradwatch-identities");
+  const auto tokens = dir.path() / "tokens.yaml";
+  std::ofstream(tokens) << TokensYaml();
+  DaemonOptions options;
+  options.config_yaml = TlsConfig(c("server.pem"), c("server.key"), c("ca.pem")) + "  tokens_file: " +
+                        tokens.string() + "\n";
+  DaemonProcess daemon(options);
+  const std::vector<std::string> cert = {CliBinaryPath(), "--addr", daemon.grpc_target(), "--tls-ca", c("ca.pem"),
+                                         "--tls-cert", c("client.pem"), "--tls-key", c("client.key")};
+  const auto cli = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = cert;
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+  };
+  CommandResult r = cli({"runs"});
+  INFO(r.err);
+  CHECK(r.exit_code == 0);  // the certificate "trainer" may read
+  r = cli({"silence", "add", "run=x", "--duration", "60"});
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Catch::Contains("certificate trainer has no 'silence' scope"));
+  // A token over the same connection wins over the certificate's grant.
+  r = cli({"--token-file", (dir.path() / "oncall.token").string(), "runs"});
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Catch::Contains("cannot read the token file"));
+  std::ofstream(dir.path() / "oncall.token") << "oncall-secret-2\n";
+  r = cli({"--token-file", (dir.path() / "oncall.token").string(), "silence", "add", "run=x", "--duration", "60"});
+  CHECK(r.exit_code == 0);
+
+  // TLS with tokens (without client certificates) may listen beyond loopback; --check-config binds nothing.
+  r = RunCommand({DaemonBinaryPath(), "--data-dir", (dir.path() / "data").string(), "--check-config", "--listen",
+                  "0.0.0.0:7390", "--tls-cert", c("server.pem"), "--tls-key", c("server.key")},
+                 std::nullopt, std::chrono::seconds(60));
+  CHECK(r.exit_code == 2);
+  std::ofstream(dir.path() / "c.yaml") << "security: {tokens_file: " + tokens.string() + "}\n";
+  r = RunCommand({DaemonBinaryPath(), "--config", (dir.path() / "c.yaml").string(), "--data-dir",
+                  (dir.path() / "data").string(), "--check-config", "--listen", "0.0.0.0:7390", "--tls-cert",
+                  c("server.pem"), "--tls-key", c("server.key")},
+                 std::nullopt, std::chrono::seconds(60));
+  CHECK(r.exit_code == 0);
+  // A tokens file with a token in clear instead of its hash is refused before start.
+  std::ofstream(tokens) << "tokens:\n  - {name: x, sha256: my-plain-token, scopes: [read]}\n";
+  r = RunCommand({DaemonBinaryPath(), "--config", (dir.path() / "c.yaml").string(), "--data-dir",
+                  (dir.path() / "data").string(), "--check-config"},
+                 std::nullopt, std::chrono::seconds(60));
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("sha256 must be the token's SHA-256 in hex") && Catch::Contains("never the token"));
 }

@@ -1,4 +1,4 @@
-#include "client/lib/tls.h"
+#include "client/lib/channel_security.h"
 
 #include <cerrno>
 #include <cstdlib>
@@ -33,16 +33,39 @@ std::string Env(const char* name) {
 
 }  // namespace
 
-TlsOptions TlsOptionsFromEnvironment() {
-  TlsOptions tls;
+ChannelSecurity ChannelSecurityFromEnvironment() {
+  ChannelSecurity tls;
   tls.ca_file = Env("GRADWATCH_TLS_CA");
   tls.cert_file = Env("GRADWATCH_TLS_CERT");
   tls.key_file = Env("GRADWATCH_TLS_KEY");
   tls.server_name = Env("GRADWATCH_TLS_SERVER_NAME");
+  tls.token = Env("GRADWATCH_TOKEN");
   return tls;
 }
 
-std::shared_ptr<grpc::ChannelCredentials> MakeChannelCredentials(const TlsOptions& tls, std::string* error) {
+bool ReadTokenFile(const std::string& path, std::string* token, std::string* error) {
+  std::ifstream in(path);
+  if (!in) {
+    *error = "cannot read the token file " + path + ": " + std::strerror(errno);
+    return false;
+  }
+  std::string line;
+  std::getline(in, line);
+  const size_t first = line.find_first_not_of(" \t\r");
+  const size_t last = line.find_last_not_of(" \t\r");
+  if (first == std::string::npos) {
+    *error = "the token file " + path + " is empty";
+    return false;
+  }
+  *token = line.substr(first, last - first + 1);
+  return true;
+}
+
+void AddToken(const ChannelSecurity& security, grpc::ClientContext& context) {
+  if (!security.token.empty()) context.AddMetadata("authorization", "Bearer " + security.token);
+}
+
+std::shared_ptr<grpc::ChannelCredentials> MakeChannelCredentials(const ChannelSecurity& tls, std::string* error) {
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
   if (tls.cert_file.empty() != tls.key_file.empty()) {
     *error = tls.cert_file.empty() ? "a TLS key needs its certificate (--tls-cert)"
@@ -58,7 +81,7 @@ std::shared_ptr<grpc::ChannelCredentials> MakeChannelCredentials(const TlsOption
   return grpc::SslCredentials(ssl);
 }
 
-void AddTlsArguments(const TlsOptions& tls, grpc::ChannelArguments& args) {
+void AddTlsArguments(const ChannelSecurity& tls, grpc::ChannelArguments& args) {
   if (tls.enabled() && !tls.server_name.empty()) args.SetSslTargetNameOverride(tls.server_name);
 }
 
