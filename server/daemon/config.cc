@@ -177,6 +177,7 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                     {"tls_key_file", Field(&Config::tls_key_file)},
                     {"tls_client_ca_file", Field(&Config::tls_client_ca_file)},
                     {"tokens_file", Field(&Config::tokens_file)},
+                    {"metrics_require_token", Field(&Config::metrics_require_token)},
                     {"allow_insecure", Field(&Config::allow_insecure)},
                     {"max_silence_seconds", Field(&Config::max_silence_seconds)}}},
       {"metrics", {{"params", Field(&Config::metrics_params)},
@@ -309,6 +310,9 @@ Status ValidateConfig(const Config& c) {
                "reload rules. Serve TLS (security.tls_cert_file and tls_key_file) with client certificates "
                "(tls_client_ca_file) or tokens (tokens_file), or accept the risk with --insecure "
                "(security.allow_insecure: true)");
+  }
+  if (c.metrics_require_token && c.tokens_file.empty()) {
+    return bad("security.metrics_require_token: needs security.tokens_file (the tokens /metrics accepts)");
   }
   if (!(c.max_silence_seconds > 0) || !std::isfinite(c.max_silence_seconds)) {
     return bad("security.max_silence_seconds: must be > 0 (a silence that never ends mutes the pager for good)");
@@ -466,6 +470,7 @@ std::string ConfigJson(const Config& c) {
         {"tls_key_file", c.tls_key_file},
         {"tls_client_ca_file", c.tls_client_ca_file},
         {"tokens_file", c.tokens_file},
+        {"metrics_require_token", c.metrics_require_token},
         {"allow_insecure", c.allow_insecure},
         {"max_silence_seconds", c.max_silence_seconds}}},
       {"metrics",

@@ -99,6 +99,8 @@ struct Config {
   // Bearer tokens (hashed) and client-certificate identities with their scopes
   // (ingest::LoadPolicy); empty: every caller may do everything. Reloaded on SIGHUP.
   std::string tokens_file;
+  // /metrics needs a token with the read scope too (Prometheus: authorization.credentials_file).
+  bool metrics_require_token = false;
   // A gRPC listener beyond loopback without mutual TLS lets any host that reaches the port write
   // runs, silence alerts and reload rules: refused unless this is set (--insecure).
   bool allow_insecure = false;

@@ -239,7 +239,13 @@ Status Daemon::Start() {
                                 static_cast<double>(authorizer->refusals(ingest::Authorizer::kUnauthenticated)));
          exporter::AppendSample(text, "gradwatch_auth_refusals_total", {{"reason", "permission_denied"}},
                                 static_cast<double>(authorizer->refusals(ingest::Authorizer::kPermissionDenied)));
-       }});
+       }},
+      /*threads=*/2,
+      config_.metrics_require_token
+          ? exporter::MetricsServer::Gate([authorizer = authorizer_.get()](const char* authorization) {
+              return authorizer->CheckHttp(authorization, ingest::Scope::kRead, "GET /metrics");
+            })
+          : exporter::MetricsServer::Gate());
   if (!metrics_server.ok()) {
     return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " +
                                metrics_server.status().message());

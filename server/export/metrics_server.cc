@@ -83,8 +83,10 @@ MetricsServer::MetricsServer(std::vector<Renderer> renderers)
 }
 
 StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& listen,
-                                                              std::vector<Renderer> renderers, int threads) {
+                                                              std::vector<Renderer> renderers, int threads,
+                                                              Gate gate) {
   std::unique_ptr<MetricsServer> server(new MetricsServer(std::move(renderers)));
+  server->gate_ = std::move(gate);
   const std::string thread_count = std::to_string(threads);
   const char* options[] = {"listening_ports", listen.c_str(), "num_threads", thread_count.c_str(), nullptr};
   mg_callbacks callbacks{};
@@ -122,7 +124,21 @@ int MetricsServer::HandleRequest(mg_connection* conn, void* self) {
               "HTTP/1.1 405 Method Not Allowed\r\nAllow: GET\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
     return 405;
   }
-  static_cast<MetricsServer*>(self)->Serve(conn);
+  auto* server = static_cast<MetricsServer*>(self);
+  if (server->gate_) {
+    const auto [status, message] = server->gate_(mg_get_header(conn, "Authorization"));
+    if (status != 200) {
+      const std::string body = message + "\n";
+      mg_printf(conn,
+                "HTTP/1.1 %d %s\r\n%sContent-Type: text/plain; charset=utf-8\r\nContent-Length: %zu\r\n"
+                "Connection: close\r\n\r\n",
+                status, status == 401 ? "Unauthorized" : "Forbidden",
+                status == 401 ? "WWW-Authenticate: Bearer realm=\"gradwatch\"\r\n" : "", body.size());
+      mg_write(conn, body.data(), body.size());
+      return status;
+    }
+  }
+  server->Serve(conn);
   return 200;
 }
 

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <prometheus/counter.h>
@@ -40,11 +41,14 @@ class MetricsServer {
  public:
   // Appends a part of the scrape's text (one or more chunks of whole families).
   using Renderer = std::function<void(Exposition&)>;
+  // Decides from a request's Authorization header (null when absent) whether it may scrape:
+  // 200, or 401 / 403 with the message for the body.
+  using Gate = std::function<std::pair<int, std::string>(const char* authorization)>;
 
   // Listens on `listen` (HOST:PORT; port 0: any free port) with `threads` request threads. Each
-  // scrape runs `renderers` in order; they must outlive the server.
+  // scrape passes `gate` (when set) and runs `renderers` in order; they must outlive the server.
   static StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& listen, std::vector<Renderer> renderers,
-                                                        int threads = 2);
+                                                        int threads = 2, Gate gate = {});
 
   // Stops listening and waits for the scrapes in progress.
   ~MetricsServer();
@@ -70,6 +74,7 @@ class MetricsServer {
   void GiveBack(std::unique_ptr<Buffers> buffers) EXCLUDES(pool_mu_);
 
   const std::vector<Renderer> renderers_;
+  Gate gate_;
   mg_context* ctx_ = nullptr;
   int port_ = 0;
 

@@ -194,4 +194,31 @@ grpc::Status Authorizer::Check(const grpc::ServerContextBase& context, Scope sco
   return {grpc::StatusCode::PERMISSION_DENIED, std::string(what) + ": " + denied};
 }
 
+std::pair<int, std::string> Authorizer::CheckHttp(const char* authorization, Scope scope,
+                                                  std::string_view what) const {
+  const auto p = policy();
+  if (p == nullptr) return {200, ""};
+  constexpr std::string_view kBearer = "Bearer ";
+  const std::string_view header = authorization != nullptr ? authorization : "";
+  const std::string_view token =
+      header.size() > kBearer.size() && header.substr(0, kBearer.size()) == kBearer ? header.substr(kBearer.size())
+                                                                                    : std::string_view();
+  const auto it = token.empty() ? p->by_token_sha256.end() : p->by_token_sha256.find(TokenSha256(token));
+  if (it == p->by_token_sha256.end()) {
+    refusals_[kUnauthenticated].fetch_add(1, std::memory_order_relaxed);
+    spdlog::warn("refused {}: {}", what, token.empty() ? "no bearer token" : "unknown token");
+    return {401, token.empty() ? "this daemon requires a bearer token for " + std::string(what) +
+                                     " (security.tokens_file): set authorization.credentials_file in Prometheus' "
+                                     "scrape config"
+                               : "the bearer token is not one this daemon knows (security.tokens_file)"};
+  }
+  if (!it->second.scopes[static_cast<size_t>(scope)]) {
+    refusals_[kPermissionDenied].fetch_add(1, std::memory_order_relaxed);
+    const std::string denied = "token " + it->second.name + " has no '" + std::string(ScopeName(scope)) + "' scope";
+    spdlog::warn("refused {}: {}", what, denied);
+    return {403, std::string(what) + ": " + denied};
+  }
+  return {200, ""};
+}
+
 }  // namespace gradwatch::ingest

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "server/core/thread_annotations.h"
@@ -58,6 +59,11 @@ class Authorizer {
   // message that says what to do. Refusals are counted and logged, never with the secret.
   grpc::Status Check(const grpc::ServerContextBase& context, Scope scope, std::string_view run,
                      std::string_view what) const EXCLUDES(mu_);
+  // An HTTP request's Authorization header (null when absent) against `scope`: 200, or 401 (no
+  // policy token in it) / 403 (a token without the scope) with a message; refusals are counted as
+  // the gRPC ones are. Certificates play no part (the HTTP listener has no TLS).
+  std::pair<int, std::string> CheckHttp(const char* authorization, Scope scope, std::string_view what) const
+      EXCLUDES(mu_);
   // The caller's name in the policy ("token trainer", "certificate oncall-laptop"); empty when
   // unknown or without a policy.
   std::string Who(const grpc::ServerContextBase& context) const EXCLUDES(mu_);

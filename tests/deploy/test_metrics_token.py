@@ -1,0 +1,124 @@
+"""/metrics behind a token: Debian's real prometheus scrapes a gradwatchd with
+security.metrics_require_token, with the shipped scrape config's `authorization.credentials_file`
+(up), without a token (401, down) and with a token that lacks the read scope (403, down).
+
+Environment: GRADWATCHD_PATH, GRADWATCH_PROMETHEUS_PATH, GRADWATCH_TEST_TIME_SCALE.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+import urllib.error
+import urllib.request
+
+import yaml
+
+from stack import free_port, get_json, stop_processes, wait_for
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+class MetricsTokenTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="gradwatch-metrics-token-")
+        self.processes, self.logs = [], []
+        tokens = os.path.join(self.dir, "tokens.yaml")
+        with open(tokens, "w") as f:
+            f.write("tokens:\n"
+                    f"  - {{name: prometheus, sha256: {hashlib.sha256(b'scrape-secret').hexdigest()}, scopes: [read]}}\n"
+                    f"  - {{name: trainer, sha256: {hashlib.sha256(b'write-secret').hexdigest()}, scopes: [write]}}\n")
+        config = os.path.join(self.dir, "gradwatchd.yaml")
+        with open(config, "w") as f:
+            f.write(f"security: {{tokens_file: {tokens}, metrics_require_token: true}}\n")
+        ready = os.path.join(self.dir, "ready.json")
+        log = open(os.path.join(self.dir, "gradwatchd.log"), "w")
+        self.logs.append(log)
+        self.processes.append(subprocess.Popen(
+            [os.environ.get("GRADWATCHD_PATH", "gradwatchd"), "--config", config, "--listen", "127.0.0.1:0",
+             "--metrics-listen", "127.0.0.1:0", "--data-dir", os.path.join(self.dir, "data"), "--ready-file", ready],
+            stdout=log, stderr=log))
+        wait_for(lambda: os.path.exists(ready) and os.path.getsize(ready) > 0, 60, "gradwatchd's ready file")
+        with open(ready) as f:
+            self.metrics_port = json.load(f)["metrics_port"]
+
+    def tearDown(self):
+        stop_processes(self.processes, self.logs)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def get(self, token=None):
+        request = urllib.request.Request(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def test_only_a_token_with_the_read_scope_scrapes(self):
+        status, body = self.get()
+        self.assertEqual(status, 401)
+        self.assertIn("requires a bearer token", body)
+        self.assertEqual(self.get("wrong")[0], 401)
+        status, body = self.get("write-secret")
+        self.assertEqual(status, 403)
+        self.assertIn("token trainer has no 'read' scope", body)
+        status, body = self.get("scrape-secret")
+        self.assertEqual(status, 200)
+        self.assertIn('gradwatch_auth_refusals_total{reason="unauthenticated"} 2', body)
+        self.assertIn('gradwatch_auth_refusals_total{reason="permission_denied"} 1', body)
+
+    def test_prometheus_scrapes_with_the_shipped_configs_credentials_file(self):
+        with open(os.path.join(self.dir, "gradwatch.token"), "w") as f:
+            f.write("scrape-secret\n")
+        with open(os.path.join(self.dir, "trainer.token"), "w") as f:
+            f.write("write-secret\n")
+        with open(os.path.join(ROOT, "deploy", "prometheus", "prometheus.yml")) as f:
+            shipped = yaml.safe_load(f)["scrape_configs"][0]
+        target = f"127.0.0.1:{self.metrics_port}"
+        jobs = []
+        for name, credentials in (("with-token", "gradwatch.token"), ("without-token", None),
+                                  ("read-less-token", "trainer.token")):
+            job = {"job_name": name, "scrape_interval": "1s", "static_configs": [{"targets": [target]}]}
+            if credentials:
+                # The shipped job's commented block, as a user uncomments it.
+                job["authorization"] = {"credentials_file": os.path.join(self.dir, credentials)}
+            jobs.append(job)
+        self.assertEqual(shipped["job_name"], "gradwatch")
+        prom_port = free_port()
+        config = os.path.join(self.dir, "prometheus.yml")
+        with open(config, "w") as f:
+            yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": jobs}, f)
+        log = open(os.path.join(self.dir, "prometheus.log"), "w")
+        self.logs.append(log)
+        self.processes.append(subprocess.Popen(
+            [os.environ.get("GRADWATCH_PROMETHEUS_PATH", "prometheus"), "--config.file", config,
+             "--storage.tsdb.path", os.path.join(self.dir, "tsdb"), "--web.listen-address", f"127.0.0.1:{prom_port}"],
+            stdout=log, stderr=log))
+
+        def health():
+            body = get_json(f"http://127.0.0.1:{prom_port}/api/v1/targets")
+            if not body:
+                return {}
+            return {t["labels"]["job"]: (t["health"], t["lastError"]) for t in body["data"]["activeTargets"]}
+
+        wait_for(lambda: all(h[0] in ("up", "down") for h in health().values()) and len(health()) == 3, 120,
+                 "Prometheus to scrape the three jobs")
+        targets = health()
+        self.assertEqual(targets["with-token"][0], "up", targets)
+        self.assertEqual(targets["without-token"][0], "down")
+        self.assertIn("401", targets["without-token"][1])
+        self.assertEqual(targets["read-less-token"][0], "down")
+        self.assertIn("403", targets["read-less-token"][1])
+        # The samples arrived, not only a status: the daemon's series, from the job with the token only.
+        url = f"http://127.0.0.1:{prom_port}/api/v1/query?query=gradwatch_insecure_listener"
+        result = wait_for(lambda: ((get_json(url) or {}).get("data") or {}).get("result"), 60, "a scraped series")
+        self.assertEqual([r["metric"]["job"] for r in result], ["with-token"])
+
+
+if __name__ == "__main__":
+    unittest.main()
