@@ -52,3 +52,19 @@ def stop_processes(processes, logs=()):
             p.wait()
     for f in logs:
         f.close()
+
+
+def start_prometheus(directory: str, config_text: str, *extra_args: str):
+    """Debian's prometheus on a free loopback port, its config, TSDB and log in `directory`; returns
+    (process, log file, port). Stop it with stop_processes."""
+    port = free_port()
+    config = os.path.join(directory, "prometheus.yml")
+    with open(config, "w") as f:
+        f.write(config_text)
+    log = open(os.path.join(directory, "prometheus.log"), "w")
+    process = subprocess.Popen(
+        [os.environ.get("GRADWATCH_PROMETHEUS_PATH", "prometheus"), "--config.file", config,
+         "--storage.tsdb.path", os.path.join(directory, "tsdb"), "--web.listen-address", f"127.0.0.1:{port}",
+         *extra_args],
+        stdout=log, stderr=log)
+    return process, log, port

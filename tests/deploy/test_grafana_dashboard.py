@@ -17,7 +17,7 @@ import unittest
 import urllib.parse
 import urllib.request
 
-from stack import SCALE, free_port, wait_for, stop_processes
+from stack import SCALE, start_prometheus, stop_processes, wait_for
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DASHBOARD = os.path.join(ROOT, "deploy", "grafana", "gradwatch-run.json")
@@ -110,19 +110,14 @@ class DashboardAgainstPrometheus(unittest.TestCase):
         if replay.returncode != 0:
             raise AssertionError(f"replay failed ({replay.returncode}): {replay.stdout}{replay.stderr}")
 
-        prom_port = free_port()
-        config = os.path.join(cls.dir, "prometheus.yml")
-        with open(config, "w") as f:
-            f.write("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-                    "scrape_configs:\n"
-                    "  - job_name: gradwatch\n"
-                    f"    static_configs: [{{targets: ['127.0.0.1:{ports['metrics_port']}']}}]\n")
-        prom_log = open(os.path.join(cls.dir, "prometheus.log"), "w")
+        process, prom_log, prom_port = start_prometheus(
+            cls.dir,
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            "scrape_configs:\n"
+            "  - job_name: gradwatch\n"
+            f"    static_configs: [{{targets: ['127.0.0.1:{ports['metrics_port']}']}}]\n")
+        cls.procs.append(process)
         cls.logs.append(prom_log)
-        cls.procs.append(subprocess.Popen(
-            [os.environ.get("GRADWATCH_PROMETHEUS_PATH", "prometheus"), "--config.file", config,
-             "--storage.tsdb.path", os.path.join(cls.dir, "tsdb"), "--web.listen-address", f"127.0.0.1:{prom_port}"],
-            stdout=prom_log, stderr=prom_log))
         cls.prometheus = f"http://127.0.0.1:{prom_port}"
         wait_for(lambda: len(cls.query(f'count_over_time(gradwatch_last_step{{run="{RUN}"}}[1m])')) == 1
                  and float(cls.query(f'count_over_time(gradwatch_last_step{{run="{RUN}"}}[1m])')[0]["value"][1]) >= 3,

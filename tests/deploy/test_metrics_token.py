@@ -17,7 +17,7 @@ import urllib.request
 
 import yaml
 
-from stack import free_port, get_json, stop_processes, wait_for
+from stack import get_json, start_prometheus, stop_processes, wait_for
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -89,16 +89,10 @@ class MetricsTokenTest(unittest.TestCase):
                 job["authorization"] = {"credentials_file": os.path.join(self.dir, credentials)}
             jobs.append(job)
         self.assertEqual(shipped["job_name"], "gradwatch")
-        prom_port = free_port()
-        config = os.path.join(self.dir, "prometheus.yml")
-        with open(config, "w") as f:
-            yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": jobs}, f)
-        log = open(os.path.join(self.dir, "prometheus.log"), "w")
+        process, log, prom_port = start_prometheus(
+            self.dir, yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": jobs}))
+        self.processes.append(process)
         self.logs.append(log)
-        self.processes.append(subprocess.Popen(
-            [os.environ.get("GRADWATCH_PROMETHEUS_PATH", "prometheus"), "--config.file", config,
-             "--storage.tsdb.path", os.path.join(self.dir, "tsdb"), "--web.listen-address", f"127.0.0.1:{prom_port}"],
-            stdout=log, stderr=log))
 
         def health():
             body = get_json(f"http://127.0.0.1:{prom_port}/api/v1/targets")
