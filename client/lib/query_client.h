@@ -53,7 +53,7 @@ class QueryClient {
   std::chrono::milliseconds timeout_;
   ChannelSecurity security_;
   std::unique_ptr<v1::Query::Stub> stub_;
-  std::string setup_error_;  // why there is no stub
+  std::string setup_error_;  // why stub_ is null: the TLS files could not be read
 };
 
 }  // namespace gradwatch::client
