@@ -59,6 +59,19 @@ Status ReadGrant(const YAML::Node& entry, const std::string& where, Grant* grant
   return Status::Ok();
 }
 
+// The caller's grant and name ("token oncall", "certificate trainer"): its bearer token's, else
+// its client certificate's; null and empty when the policy knows neither.
+std::pair<const Grant*, std::string> Identify(const Policy& policy, const grpc::ServerContextBase& context) {
+  if (const std::string_view token = BearerToken(context); !token.empty()) {
+    const auto it = policy.by_token_sha256.find(TokenSha256(token));
+    if (it != policy.by_token_sha256.end()) return {&it->second, "token " + it->second.name};
+  }
+  const std::string identity = PeerIdentity(context);
+  const auto it = identity.empty() ? policy.by_identity.end() : policy.by_identity.find(identity);
+  if (it != policy.by_identity.end()) return {&it->second, "certificate " + identity};
+  return {nullptr, ""};
+}
+
 }  // namespace
 
 std::string_view ScopeName(Scope scope) { return kScopeNames[static_cast<size_t>(scope)]; }
@@ -142,33 +155,15 @@ std::shared_ptr<const Policy> Authorizer::policy() const {
 
 std::string Authorizer::Who(const grpc::ServerContextBase& context) const {
   const auto p = policy();
-  if (p == nullptr) return {};
-  if (const std::string_view token = BearerToken(context); !token.empty()) {
-    const auto it = p->by_token_sha256.find(TokenSha256(token));
-    if (it != p->by_token_sha256.end()) return "token " + it->second.name;
-  }
-  if (const std::string identity = PeerIdentity(context); !identity.empty() && p->by_identity.count(identity)) {
-    return "certificate " + identity;
-  }
-  return {};
+  return p == nullptr ? std::string() : Identify(*p, context).second;
 }
 
 grpc::Status Authorizer::Check(const grpc::ServerContextBase& context, Scope scope, std::string_view run,
                                std::string_view what) const {
   const auto p = policy();
   if (p == nullptr) return grpc::Status::OK;
-  const Grant* grant = nullptr;
-  std::string who;
+  const auto [grant, who] = Identify(*p, context);
   const std::string_view token = BearerToken(context);
-  if (!token.empty()) {
-    const auto it = p->by_token_sha256.find(TokenSha256(token));
-    if (it != p->by_token_sha256.end()) grant = &it->second, who = "token " + it->second.name;
-  }
-  if (grant == nullptr) {
-    const std::string identity = PeerIdentity(context);
-    const auto it = identity.empty() ? p->by_identity.end() : p->by_identity.find(identity);
-    if (it != p->by_identity.end()) grant = &it->second, who = "certificate " + identity;
-  }
   if (grant == nullptr) {
     refusals_[kUnauthenticated].fetch_add(1, std::memory_order_relaxed);
     const std::string message =
