@@ -178,6 +178,8 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
                     {"tls_client_ca_file", Field(&Config::tls_client_ca_file)},
                     {"tokens_file", Field(&Config::tokens_file)},
                     {"metrics_require_token", Field(&Config::metrics_require_token)},
+                    {"http_tls", Field(&Config::http_tls)},
+                    {"http_client_ca_file", Field(&Config::http_client_ca_file)},
                     {"allow_insecure", Field(&Config::allow_insecure)},
                     {"max_silence_seconds", Field(&Config::max_silence_seconds)}}},
       {"metrics", {{"params", Field(&Config::metrics_params)},
@@ -292,6 +294,10 @@ bool InsecureListener(const Config& c) {
   return !IsLoopbackAddress(c.listen) && !authenticated;
 }
 
+bool HttpTls(const Config& c) { return c.http_tls && !c.tls_cert_file.empty(); }
+
+bool InsecureHttpListener(const Config& c) { return !IsLoopbackAddress(c.metrics_listen) && !HttpTls(c); }
+
 Status ValidateConfig(const Config& c) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   if (!ValidAddress(c.listen)) return bad("listen: '" + c.listen + "' is not HOST:PORT");
@@ -310,6 +316,16 @@ Status ValidateConfig(const Config& c) {
                "reload rules. Serve TLS (security.tls_cert_file and tls_key_file) with client certificates "
                "(tls_client_ca_file) or tokens (tokens_file), or accept the risk with --insecure "
                "(security.allow_insecure: true)");
+  }
+  if (!c.http_client_ca_file.empty() && !HttpTls(c)) {
+    return bad("security.http_client_ca_file: client certificates need TLS on the HTTP listener: set "
+               "security.tls_cert_file and tls_key_file, and leave http_tls true");
+  }
+  if (InsecureHttpListener(c) && !c.allow_insecure) {
+    return bad("metrics_listen: " + c.metrics_listen +
+               " is not loopback: /metrics, with what it shows of every run (and any token a scraper sends), would "
+               "cross the network in clear. Serve HTTPS (security.tls_cert_file and tls_key_file, with http_tls "
+               "true), or accept the risk with --insecure (security.allow_insecure: true)");
   }
   if (c.metrics_require_token && c.tokens_file.empty()) {
     return bad("security.metrics_require_token: needs security.tokens_file (the tokens /metrics accepts)");
@@ -420,6 +436,9 @@ Status CheckConfigFiles(const Config& c) {
   if (auto tls = CheckTlsFiles({c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file}); !tls.ok()) {
     return tls.status();
   }
+  if (!c.http_client_ca_file.empty()) {
+    if (auto ca = CheckCaFile("security.http_client_ca_file", c.http_client_ca_file); !ca.ok()) return ca.status();
+  }
   if (!c.tokens_file.empty()) {
     if (auto policy = ingest::LoadPolicy(c.tokens_file); !policy.ok()) return policy.status();
   }
@@ -471,6 +490,8 @@ std::string ConfigJson(const Config& c) {
         {"tls_client_ca_file", c.tls_client_ca_file},
         {"tokens_file", c.tokens_file},
         {"metrics_require_token", c.metrics_require_token},
+        {"http_tls", c.http_tls},
+        {"http_client_ca_file", c.http_client_ca_file},
         {"allow_insecure", c.allow_insecure},
         {"max_silence_seconds", c.max_silence_seconds}}},
       {"metrics",

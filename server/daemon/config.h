@@ -101,8 +101,14 @@ struct Config {
   std::string tokens_file;
   // /metrics needs a token with the read scope too (Prometheus: authorization.credentials_file).
   bool metrics_require_token = false;
+  // The HTTP listener (/metrics) serves HTTPS with tls_cert_file and tls_key_file when they are
+  // set (security.http_tls); false keeps it plain (a TLS proxy in front, a loopback scraper).
+  bool http_tls = true;
+  // HTTP clients must present a certificate this CA signed (security.http_client_ca_file).
+  std::string http_client_ca_file;
   // A gRPC listener beyond loopback without mutual TLS lets any host that reaches the port write
-  // runs, silence alerts and reload rules: refused unless this is set (--insecure).
+  // runs, silence alerts and reload rules, and an HTTP listener beyond loopback without TLS shows
+  // every run in clear: both refused unless this is set (--insecure).
   bool allow_insecure = false;
   // The longest a silence may last (security.max_silence_seconds).
   double max_silence_seconds = 7 * 86400;
@@ -123,6 +129,10 @@ bool IsLoopbackAddress(const std::string& address);
 // A gRPC listener any host may reach and use: beyond loopback, and neither mutual TLS nor TLS with
 // tokens (allowed only with security.allow_insecure).
 bool InsecureListener(const Config& config);
+// Whether the HTTP listener serves HTTPS (TLS files set and security.http_tls).
+bool HttpTls(const Config& config);
+// An HTTP listener beyond loopback without TLS (allowed only with security.allow_insecure).
+bool InsecureHttpListener(const Config& config);
 // Reads and checks what the configuration names on disk: the rule files (with the built-in rules,
 // as the daemon loads them). Run by --check-config and before start, so that a bad configuration
 // exits 2 and never reaches the daemon.

@@ -20,7 +20,7 @@
 #include "server/daemon/tls.h"
 #include "server/export/alert_metrics.h"
 #include "server/export/metrics_collector.h"
-#include "server/export/metrics_server.h"
+#include "server/export/metrics_endpoint.h"
 #include "server/export/remote_write.h"
 #include "server/export/text_format.h"
 #include "server/ingest/authorizer.h"
@@ -35,6 +35,7 @@
 #include "server/store/snapshots.h"
 #include <malloc.h>
 #include "server/store/alert_store.h"
+#include "server/web/server.h"
 
 namespace gradwatch::daemon {
 
@@ -197,7 +198,7 @@ Status Daemon::Start() {
   export_options.params = config_.metrics_params;
   export_options.slope_series = config_.metrics_slope_series;
   export_options.max_series_per_run = config_.metrics_max_series_per_run;
-  export_options.insecure_listener = InsecureListener(config_);
+  export_options.insecure_listener = InsecureListener(config_) || InsecureHttpListener(config_);
   collector_ = std::make_unique<exporter::MetricsCollector>(registry_.get(), stats_.get(), journal_.get(),
                                                             std::move(export_options));
   Alerting* alerting = alerting_.get();
@@ -221,47 +222,66 @@ Status Daemon::Start() {
   std::vector<const exporter::RemoteWriter*> writers;
   for (const auto& w : remote_writers_) writers.push_back(w.get());
   const Clock* clock = clock_;
-  auto metrics_server = exporter::MetricsServer::Start(
-      config_.metrics_listen,
-      {[collector](exporter::Exposition& out) { collector->Render(out); },
-       [alert_collector](exporter::Exposition& out) { alert_collector->Render(out); },
-       [writers, clock](exporter::Exposition& out) {
-         exporter::RemoteWriter::RenderMetrics(writers, out.NewChunk(), clock->UnixSeconds());
-       },
-       [authorizer = authorizer_.get()](exporter::Exposition& out) {
-         std::string& text = out.NewChunk();
-         exporter::AppendFamilyHeader(text, "gradwatch_auth_refusals_total",
-                                      "gRPC calls refused by security.tokens_file: unauthenticated (no token or an "
-                                      "unknown one, no known certificate) or permission_denied (a scope or run it "
-                                      "lacks).",
-                                      exporter::MetricType::kCounter);
-         exporter::AppendSample(text, "gradwatch_auth_refusals_total", {{"reason", "unauthenticated"}},
-                                static_cast<double>(authorizer->refusals(ingest::Authorizer::kUnauthenticated)));
-         exporter::AppendSample(text, "gradwatch_auth_refusals_total", {{"reason", "permission_denied"}},
-                                static_cast<double>(authorizer->refusals(ingest::Authorizer::kPermissionDenied)));
-       }},
-      /*threads=*/2,
-      config_.metrics_require_token
-          ? exporter::MetricsServer::Gate([authorizer = authorizer_.get()](const char* authorization) {
-              return authorizer->CheckHttp(authorization, ingest::Scope::kRead, "GET /metrics");
-            })
-          : exporter::MetricsServer::Gate());
-  if (!metrics_server.ok()) {
+  metrics_endpoint_ = std::make_unique<exporter::MetricsEndpoint>(std::vector<exporter::MetricsEndpoint::Renderer>{
+      [collector](exporter::Exposition& out) { collector->Render(out); },
+      [alert_collector](exporter::Exposition& out) { alert_collector->Render(out); },
+      [writers, clock](exporter::Exposition& out) {
+        exporter::RemoteWriter::RenderMetrics(writers, out.NewChunk(), clock->UnixSeconds());
+      },
+      [authorizer = authorizer_.get()](exporter::Exposition& out) {
+        std::string& text = out.NewChunk();
+        exporter::AppendFamilyHeader(text, "gradwatch_auth_refusals_total",
+                                     "Calls refused by security.tokens_file, over gRPC and HTTP: unauthenticated (no "
+                                     "token or an unknown one, no known certificate) or permission_denied (a scope "
+                                     "or run it lacks).",
+                                     exporter::MetricType::kCounter);
+        exporter::AppendSample(text, "gradwatch_auth_refusals_total", {{"reason", "unauthenticated"}},
+                               static_cast<double>(authorizer->refusals(ingest::Authorizer::kUnauthenticated)));
+        exporter::AppendSample(text, "gradwatch_auth_refusals_total", {{"reason", "permission_denied"}},
+                               static_cast<double>(authorizer->refusals(ingest::Authorizer::kPermissionDenied)));
+      }});
+  web::ServerOptions http_options;
+  http_options.listen = config_.metrics_listen;
+  if (HttpTls(config_)) http_options.tls = {config_.tls_cert_file, config_.tls_key_file, config_.http_client_ca_file};
+  web::Route metrics_route;
+  metrics_route.path = "/metrics";
+  metrics_route.handler = [endpoint = metrics_endpoint_.get(), authorizer = authorizer_.get(),
+                           require_token = config_.metrics_require_token](const web::Request& request) {
+    if (require_token) {
+      const std::string_view authorization = request.Header("authorization");
+      auto [status, message] =
+          authorizer->CheckHttp(authorization, request.client_identity, ingest::Scope::kRead, "GET /metrics", request.peer);
+      if (status != 200) {
+        web::Response refusal = web::Response::Text(status, std::move(message));
+        if (status == 401) refusal.headers.emplace_back("WWW-Authenticate", "Bearer realm=\"gradwatch\"");
+        return refusal;
+      }
+    }
+    return endpoint->Handle(request);
+  };
+  auto http = web::Server::Start(std::move(http_options), {std::move(metrics_route)});
+  if (!http.ok()) {
     return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " +
-                               metrics_server.status().message());
+                               http.status().message());
   }
-  metrics_server_ = std::move(metrics_server).value();
-  metrics_port_ = metrics_server_->port();
+  http_ = std::move(http).value();
+  metrics_port_ = http_->port();
 
   ticker_ = std::thread([this] { TickLoop(); });
   if (config_.journal_snapshot_interval_seconds > 0) snapshotter_ = std::thread([this] { SnapshotLoop(); });
-  spdlog::info("serving gRPC on {} (port {}), /metrics on {} (port {}), data in {}", config_.listen,
-               grpc_port_, config_.metrics_listen, metrics_port_, config_.data_dir);
+  spdlog::info("serving gRPC on {} (port {}{}), /metrics on {} (port {}, {}), data in {}", config_.listen, grpc_port_,
+               config_.tls_cert_file.empty() ? ", plain text" : ", TLS", config_.metrics_listen, metrics_port_,
+               http_->tls() ? "HTTPS" : "HTTP", config_.data_dir);
   if (InsecureListener(config_)) {
     spdlog::warn("gRPC on {} is reachable beyond loopback without mutual TLS (--insecure): any host that reaches "
                  "the port may stream steps into runs, silence alerts and reload rules "
                  "(gradwatch_insecure_listener 1; README \"Security\")",
                  config_.listen);
+  }
+  if (InsecureHttpListener(config_)) {
+    spdlog::warn("HTTP on {} is reachable beyond loopback without TLS (--insecure): /metrics, and any token a "
+                 "scraper sends, cross the network in clear (gradwatch_insecure_listener 1; README \"Security\")",
+                 config_.metrics_listen);
   }
   return Status::Ok();
 }
@@ -314,6 +334,14 @@ void Daemon::CheckTls() const {
   } else {
     spdlog::error("gRPC: TLS files: {}; new connections keep the last certificate that loaded",
                   checked.status().message());
+  }
+  if (http_ == nullptr || !http_->tls()) return;
+  auto reloaded = http_->ReloadTls();
+  if (reloaded.ok()) {
+    spdlog::info("HTTP: TLS files reloaded: new connections get {}", reloaded.value());
+  } else {
+    spdlog::error("HTTP: TLS files not reloaded ({}); new connections keep the last certificate that loaded",
+                  reloaded.status().message());
   }
 }
 
@@ -471,7 +499,7 @@ void Daemon::Stop(std::chrono::milliseconds grace) {
     }
     w->Stop();
   }
-  metrics_server_.reset();
+  http_.reset();
   // No stream is left: the runs are as the next start will find them; snapshots spare it the
   // replay.
   if (registry_ && journal_ && config_.journal_snapshot_interval_seconds > 0) SaveSnapshots("shutdown");

@@ -34,10 +34,13 @@ class Authorizer;
 class IngestService;
 class QueryService;
 }  // namespace ingest
+namespace web {
+class Server;
+}  // namespace web
 namespace exporter {
 class MetricsCollector;
 class AlertMetricsCollector;
-class MetricsServer;
+class MetricsEndpoint;
 class RemoteWriter;
 }  // namespace exporter
 
@@ -106,9 +109,10 @@ class Daemon {
   std::unique_ptr<ingest::IngestService> ingest_;
   std::unique_ptr<ingest::QueryService> query_;
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<exporter::MetricsCollector> collector_;  // outlive metrics_server_, which calls them
+  std::unique_ptr<exporter::MetricsCollector> collector_;  // outlive metrics_endpoint_, which calls them
   std::unique_ptr<exporter::AlertMetricsCollector> alert_collector_;
-  std::unique_ptr<exporter::MetricsServer> metrics_server_;
+  std::unique_ptr<exporter::MetricsEndpoint> metrics_endpoint_;  // outlives http_, which serves its buffers
+  std::unique_ptr<web::Server> http_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;
 

@@ -90,11 +90,18 @@ StatusOr<std::string> CheckTlsFiles(const TlsFiles& files) {
   SSL_CTX_free(ctx);
   if (!error.empty()) return Status::InvalidArgument(error);
   if (files.client_ca_file.empty()) return line + ", no client certificates asked";
-  X509* ca = ReadCertificate("security.tls_client_ca_file", files.client_ca_file, &error);
+  auto ca = CheckCaFile("security.tls_client_ca_file", files.client_ca_file);
+  if (!ca.ok()) return ca.status();
+  return line + ", client certificates required (CA " + ca.value() + ")";
+}
+
+StatusOr<std::string> CheckCaFile(const std::string& setting, const std::string& path) {
+  std::string error;
+  X509* ca = ReadCertificate(setting, path, &error);
   if (ca == nullptr) return Status::InvalidArgument(error);
-  line += ", client certificates required (CA " + Subject(ca) + ")";
+  std::string subject = Subject(ca);
   X509_free(ca);
-  return line;
+  return subject;
 }
 
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const TlsFiles& files, unsigned refresh_seconds) {

@@ -25,6 +25,10 @@ struct TlsFiles {
 // and what is wrong with it.
 StatusOr<std::string> CheckTlsFiles(const TlsFiles& files);
 
+// Reads the first certificate of a CA file; its subject ("CN=ops-ca"), or an error that names
+// `setting` and the file.
+StatusOr<std::string> CheckCaFile(const std::string& setting, const std::string& path);
+
 // Plain-text credentials when TLS is off. Otherwise TLS credentials whose files are read again
 // every `refresh_seconds`: a certificate renewed in place (and checked on SIGHUP with
 // CheckTlsFiles) is served to new connections without dropping the streams already open.

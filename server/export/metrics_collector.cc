@@ -331,9 +331,9 @@ void MetricsCollector::Render(Exposition& out) {
   d.Sample("gradwatch_runs", "state", "ended", static_cast<double>(ended));
   d.Sample("gradwatch_runs", "state", "finished", static_cast<double>(finished));
   d.One("gradwatch_insecure_listener",
-        "1 when the gRPC listener is reachable beyond loopback without TLS and client authentication (started with "
-        "--insecure): any "
-        "host that reaches it may write runs, silence alerts and reload rules.",
+        "1 when started with --insecure and a listener is open beyond loopback: gRPC without TLS and client "
+        "authentication (any host that reaches it may write runs, silence alerts and reload rules), or HTTP "
+        "without TLS (/metrics in clear).",
         MetricType::kGauge, options_.insecure_listener ? 1.0 : 0.0);
   d.One("gradwatch_open_streams", "Trainer streams open.", MetricType::kGauge,
         static_cast<double>(stats_->open_streams.load()));

@@ -61,14 +61,13 @@ Status ReadGrant(const YAML::Node& entry, const std::string& where, Grant* grant
 
 // The caller's grant and name ("token oncall", "certificate trainer"): its bearer token's, else
 // its client certificate's; null and empty when the policy knows neither.
-std::pair<const Grant*, std::string> Identify(const Policy& policy, const grpc::ServerContextBase& context) {
-  if (const std::string_view token = BearerToken(context); !token.empty()) {
+std::pair<const Grant*, std::string> Identify(const Policy& policy, std::string_view token, std::string_view identity) {
+  if (!token.empty()) {
     const auto it = policy.by_token_sha256.find(TokenSha256(token));
     if (it != policy.by_token_sha256.end()) return {&it->second, "token " + it->second.name};
   }
-  const std::string identity = PeerIdentity(context);
-  const auto it = identity.empty() ? policy.by_identity.end() : policy.by_identity.find(identity);
-  if (it != policy.by_identity.end()) return {&it->second, "certificate " + identity};
+  const auto it = identity.empty() ? policy.by_identity.end() : policy.by_identity.find(std::string(identity));
+  if (it != policy.by_identity.end()) return {&it->second, "certificate " + std::string(identity)};
   return {nullptr, ""};
 }
 
@@ -155,23 +154,24 @@ std::shared_ptr<const Policy> Authorizer::policy() const {
 
 std::string Authorizer::Who(const grpc::ServerContextBase& context) const {
   const auto p = policy();
-  return p == nullptr ? std::string() : Identify(*p, context).second;
+  return p == nullptr ? std::string() : Identify(*p, BearerToken(context), PeerIdentity(context)).second;
 }
 
-grpc::Status Authorizer::Check(const grpc::ServerContextBase& context, Scope scope, std::string_view run,
-                               std::string_view what) const {
+Authorizer::Decision Authorizer::Decide(std::string_view token, std::string_view identity, Scope scope,
+                                        std::string_view run, std::string_view what, std::string_view peer,
+                                        std::string_view how_to_send_a_token) const {
   const auto p = policy();
-  if (p == nullptr) return grpc::Status::OK;
-  const auto [grant, who] = Identify(*p, context);
-  const std::string_view token = BearerToken(context);
+  if (p == nullptr) return {};
+  const auto [grant, who] = Identify(*p, token, identity);
   if (grant == nullptr) {
     refusals_[kUnauthenticated].fetch_add(1, std::memory_order_relaxed);
-    const std::string message =
-        token.empty() ? "this daemon requires a bearer token (security.tokens_file): give one with --token-file "
-                        "or GRADWATCH_TOKEN"
-                      : "the bearer token is not one this daemon knows (security.tokens_file)";
-    spdlog::warn("refused {} from {}: {}", what, context.peer(), token.empty() ? "no token" : "unknown token");
-    return {grpc::StatusCode::UNAUTHENTICATED, message};
+    spdlog::warn("refused {} from {}: {}", what, peer,
+                 !token.empty()      ? "unknown token"
+                 : identity.empty() ? "no token"
+                                    : "no token, certificate " + std::string(identity) + " not in the policy");
+    return {kUnauthenticated,
+            token.empty() ? "this daemon requires a bearer token (security.tokens_file): " + std::string(how_to_send_a_token)
+                          : "the bearer token is not one this daemon knows (security.tokens_file)"};
   }
   std::string denied;
   if (!grant->scopes[static_cast<size_t>(scope)]) {
@@ -183,37 +183,32 @@ grpc::Status Authorizer::Check(const grpc::ServerContextBase& context, Scope sco
              (grant->runs.size() > 1 ? " (and " + std::to_string(grant->runs.size() - 1) + " more patterns)" : "") +
              ", not " + std::string(run);
   }
-  if (denied.empty()) return grpc::Status::OK;
+  if (denied.empty()) return {};
   refusals_[kPermissionDenied].fetch_add(1, std::memory_order_relaxed);
-  spdlog::warn("refused {} from {}: {}", what, context.peer(), denied);
-  return {grpc::StatusCode::PERMISSION_DENIED, std::string(what) + ": " + denied};
+  spdlog::warn("refused {} from {}: {}", what, peer, denied);
+  return {kPermissionDenied, std::string(what) + ": " + denied};
 }
 
-std::pair<int, std::string> Authorizer::CheckHttp(const char* authorization, Scope scope,
-                                                  std::string_view what) const {
-  const auto p = policy();
-  if (p == nullptr) return {200, ""};
+grpc::Status Authorizer::Check(const grpc::ServerContextBase& context, Scope scope, std::string_view run,
+                               std::string_view what) const {
+  const Decision d = Decide(BearerToken(context), PeerIdentity(context), scope, run, what, context.peer(),
+                            "give one with --token-file or GRADWATCH_TOKEN");
+  if (d.refusal == kNone) return grpc::Status::OK;
+  return {d.refusal == kUnauthenticated ? grpc::StatusCode::UNAUTHENTICATED : grpc::StatusCode::PERMISSION_DENIED,
+          d.message};
+}
+
+std::pair<int, std::string> Authorizer::CheckHttp(std::string_view authorization, std::string_view identity,
+                                                  Scope scope, std::string_view what, std::string_view peer) const {
   constexpr std::string_view kBearer = "Bearer ";
-  const std::string_view header = authorization != nullptr ? authorization : "";
-  const std::string_view token =
-      header.size() > kBearer.size() && header.substr(0, kBearer.size()) == kBearer ? header.substr(kBearer.size())
-                                                                                    : std::string_view();
-  const auto it = token.empty() ? p->by_token_sha256.end() : p->by_token_sha256.find(TokenSha256(token));
-  if (it == p->by_token_sha256.end()) {
-    refusals_[kUnauthenticated].fetch_add(1, std::memory_order_relaxed);
-    spdlog::warn("refused {}: {}", what, token.empty() ? "no bearer token" : "unknown token");
-    return {401, token.empty() ? "this daemon requires a bearer token for " + std::string(what) +
-                                     " (security.tokens_file): set authorization.credentials_file in Prometheus' "
-                                     "scrape config"
-                               : "the bearer token is not one this daemon knows (security.tokens_file)"};
-  }
-  if (!it->second.scopes[static_cast<size_t>(scope)]) {
-    refusals_[kPermissionDenied].fetch_add(1, std::memory_order_relaxed);
-    const std::string denied = "token " + it->second.name + " has no '" + std::string(ScopeName(scope)) + "' scope";
-    spdlog::warn("refused {}: {}", what, denied);
-    return {403, std::string(what) + ": " + denied};
-  }
-  return {200, ""};
+  const std::string_view token = authorization.size() > kBearer.size() && authorization.substr(0, kBearer.size()) == kBearer
+                                     ? authorization.substr(kBearer.size())
+                                     : std::string_view();
+  const Decision d = Decide(token, identity, scope, "", what, peer,
+                            "send it as \"Authorization: Bearer TOKEN\" (Prometheus: authorization.credentials_file in "
+                            "the scrape config)");
+  if (d.refusal == kNone) return {200, ""};
+  return {d.refusal == kUnauthenticated ? 401 : 403, d.message};
 }
 
 }  // namespace gradwatch::ingest

@@ -1,4 +1,4 @@
-// Who may do what over gRPC: bearer tokens (stored as SHA-256 hashes) and mutual-TLS client
+// Who may do what over gRPC and HTTP: bearer tokens (stored as SHA-256 hashes) and mutual-TLS client
 // identities, each granted scopes, `write` limited to runs matching given patterns. Loaded from
 // security.tokens_file, replaced whole on SIGHUP. Without a policy every caller may do everything
 // (a daemon on loopback, or one behind mutual TLS whose certificates are the access control).
@@ -48,7 +48,7 @@ std::string TokenSha256(std::string_view token);
 
 class Authorizer {
  public:
-  enum Refusal { kUnauthenticated = 0, kPermissionDenied = 1 };
+  enum Refusal { kUnauthenticated = 0, kPermissionDenied = 1, kNone = 2 };
 
   // Null: no policy, every caller may do everything.
   void SetPolicy(std::shared_ptr<const Policy> policy) EXCLUDES(mu_);
@@ -59,11 +59,11 @@ class Authorizer {
   // message that says what to do. Refusals are counted and logged, never with the secret.
   grpc::Status Check(const grpc::ServerContextBase& context, Scope scope, std::string_view run,
                      std::string_view what) const EXCLUDES(mu_);
-  // An HTTP request's Authorization header (null when absent) against `scope`: 200, or 401 (no
-  // policy token in it) / 403 (a token without the scope) with a message; refusals are counted as
-  // the gRPC ones are. Certificates play no part (the HTTP listener has no TLS).
-  std::pair<int, std::string> CheckHttp(const char* authorization, Scope scope, std::string_view what) const
-      EXCLUDES(mu_);
+  // An HTTP request's Authorization header (empty when absent) and verified client certificate
+  // identity (empty without one) against `scope`: 200, or 401 (neither known to the policy) / 403
+  // (known, without the scope) with a message; counted and logged as the gRPC refusals are.
+  std::pair<int, std::string> CheckHttp(std::string_view authorization, std::string_view identity, Scope scope,
+                                        std::string_view what, std::string_view peer) const EXCLUDES(mu_);
   // The caller's name in the policy ("token trainer", "certificate oncall-laptop"); empty when
   // unknown or without a policy.
   std::string Who(const grpc::ServerContextBase& context) const EXCLUDES(mu_);
@@ -71,7 +71,17 @@ class Authorizer {
   uint64_t refusals(Refusal r) const { return refusals_[r].load(std::memory_order_relaxed); }
 
  private:
+  struct Decision {
+    Refusal refusal = kNone;
+    std::string message;
+  };
   std::shared_ptr<const Policy> policy() const EXCLUDES(mu_);
+  // The caller's token (empty: none) or certificate identity against `scope` (and `run` for
+  // write); a refusal is counted and logged with `peer`. `how_to_send_a_token` ends the message
+  // to a caller without one.
+  Decision Decide(std::string_view token, std::string_view identity, Scope scope, std::string_view run,
+                  std::string_view what, std::string_view peer, std::string_view how_to_send_a_token) const
+      EXCLUDES(mu_);
 
   mutable Mutex mu_;
   std::shared_ptr<const Policy> policy_ GUARDED_BY(mu_);

@@ -26,6 +26,10 @@
 #include <utility>
 
 #include <nlohmann/json.hpp>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+#include <sys/time.h>
 
 #ifndef GRADWATCHD_PATH
 #define GRADWATCHD_PATH ""
@@ -506,13 +510,11 @@ int FreeLoopbackPort() {
 // ---------------------------------------------------------------------------------------------
 // HTTP
 
-HttpResponse HttpRequest(const std::string& method, const std::string& host, int port,
-                         const std::string& path, const std::string& body,
-                         const std::map<std::string, std::string>& headers,
-                         std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + Scaled(timeout);
-  const std::string where = host + ":" + std::to_string(port);
+namespace {
 
+// A non-blocking TCP connection to host:port, made before `deadline`.
+Fd ConnectTcp(const std::string& host, int port, Clock::time_point deadline) {
+  const std::string where = host + ":" + std::to_string(port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -548,7 +550,11 @@ HttpResponse HttpRequest(const std::string& method, const std::string& host, int
   }
   ::freeaddrinfo(addresses);
   if (!sock.valid()) throw std::runtime_error("HTTP: cannot connect to " + where + ": " + connect_error);
+  return sock;
+}
 
+std::string RequestText(const std::string& method, const std::string& where, const std::string& path,
+                        const std::string& body, const std::map<std::string, std::string>& headers) {
   std::string request = method + " " + path + " HTTP/1.1\r\nHost: " + where +
                         "\r\nConnection: close\r\nAccept: */*\r\n";
   for (const auto& [name, value] : headers) request += name + ": " + value + "\r\n";
@@ -556,6 +562,115 @@ HttpResponse HttpRequest(const std::string& method, const std::string& host, int
     request += "Content-Length: " + std::to_string(body.size()) + "\r\n";
   }
   request += "\r\n" + body;
+  return request;
+}
+
+HttpResponse ParseResponse(std::string raw, const std::string& where, bool head_request) {
+  const size_t head_end = raw.find("\r\n\r\n");
+  if (head_end == std::string::npos) throw std::runtime_error("HTTP: no complete response head from " + where);
+  HttpResponse response;
+  std::istringstream head(raw.substr(0, head_end));
+  std::string status_line;
+  std::getline(head, status_line);
+  if (status_line.rfind("HTTP/", 0) != 0 || status_line.size() < 12) {
+    throw std::runtime_error("HTTP: bad status line from " + where + ": " + status_line);
+  }
+  response.status = std::atoi(status_line.c_str() + status_line.find(' ') + 1);
+  std::string line;
+  while (std::getline(head, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    size_t value_start = line.find_first_not_of(" \t", colon + 1);
+    response.headers[Lower(line.substr(0, colon))] =
+        value_start == std::string::npos ? "" : line.substr(value_start);
+  }
+  raw.erase(0, head_end + 4);
+  response.body = std::move(raw);
+  if (auto te = response.headers.find("transfer-encoding");
+      te != response.headers.end() && Lower(te->second).find("chunked") != std::string::npos) {
+    response.body = Dechunk(response.body);
+  } else if (auto cl = response.headers.find("content-length"); cl != response.headers.end() && !head_request) {
+    size_t length = std::stoul(cl->second);
+    if (response.body.size() < length) throw std::runtime_error("HTTP: truncated body from " + where);
+    response.body.resize(length);
+  }
+  return response;
+}
+
+std::string OpenSslErrors() {
+  std::string text;
+  while (const unsigned long code = ERR_get_error()) {
+    char one[256];
+    ERR_error_string_n(code, one, sizeof one);
+    text += (text.empty() ? "" : "; ") + std::string(one);
+  }
+  return text.empty() ? "no OpenSSL error" : text;
+}
+
+}  // namespace
+
+HttpResponse HttpsRequest(const std::string& method, const std::string& host, int port, const std::string& path,
+                          const TlsClient& tls, const std::string& body,
+                          const std::map<std::string, std::string>& headers, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + Scaled(timeout);
+  const std::string where = host + ":" + std::to_string(port);
+  Fd sock = ConnectTcp(host, port, deadline);
+  // Blocking from here, each call bounded by what is left of the deadline.
+  ::fcntl(sock.get(), F_SETFL, ::fcntl(sock.get(), F_GETFL) & ~O_NONBLOCK);
+  const int left_ms = std::max(1, RemainingMs(deadline));
+  timeval tv{left_ms / 1000, (left_ms % 1000) * 1000};
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_client_method()), SSL_CTX_free);
+  auto fail = [&](const std::string& what) -> std::runtime_error {
+    return std::runtime_error("HTTPS " + where + ": " + what + ": " + OpenSslErrors());
+  };
+  if (!tls.ca_file.empty() && SSL_CTX_load_verify_locations(ctx.get(), tls.ca_file.c_str(), nullptr) != 1) {
+    throw fail("CA " + tls.ca_file);
+  }
+  if (!tls.cert_file.empty()) {
+    if (SSL_CTX_use_certificate_chain_file(ctx.get(), tls.cert_file.c_str()) != 1) throw fail("certificate " + tls.cert_file);
+    if (SSL_CTX_use_PrivateKey_file(ctx.get(), tls.key_file.c_str(), SSL_FILETYPE_PEM) != 1) throw fail("key " + tls.key_file);
+  }
+  SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
+  std::unique_ptr<SSL, decltype(&SSL_free)> ssl(SSL_new(ctx.get()), SSL_free);
+  const std::string name = tls.server_name.empty() ? host : tls.server_name;
+  SSL_set1_host(ssl.get(), name.c_str());
+  if (in_addr a{}; ::inet_pton(AF_INET, name.c_str(), &a) != 1) SSL_set_tlsext_host_name(ssl.get(), name.c_str());
+  SSL_set_fd(ssl.get(), sock.get());
+  if (SSL_connect(ssl.get()) != 1) {
+    const long verify = SSL_get_verify_result(ssl.get());
+    std::string why = "TLS handshake failed";
+    if (verify != X509_V_OK) why += " (" + std::string(X509_verify_cert_error_string(verify)) + ")";
+    throw fail(why);
+  }
+  const std::string request = RequestText(method, where, path, body, headers);
+  if (SSL_write(ssl.get(), request.data(), static_cast<int>(request.size())) <= 0) throw fail("write");
+  std::string raw;
+  char chunk[1 << 16];
+  while (true) {
+    const int n = SSL_read(ssl.get(), chunk, sizeof chunk);
+    if (n > 0) {
+      raw.append(chunk, static_cast<size_t>(n));
+      continue;
+    }
+    const int error = SSL_get_error(ssl.get(), n);
+    if (error == SSL_ERROR_ZERO_RETURN || (error == SSL_ERROR_SYSCALL && ERR_peek_error() == 0 && !raw.empty())) break;
+    throw fail(raw.empty() ? "read (the server closed the connection: a refused client certificate?)" : "read");
+  }
+  return ParseResponse(std::move(raw), where, method == "HEAD");
+}
+
+HttpResponse HttpRequest(const std::string& method, const std::string& host, int port,
+                         const std::string& path, const std::string& body,
+                         const std::map<std::string, std::string>& headers,
+                         std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + Scaled(timeout);
+  const std::string where = host + ":" + std::to_string(port);
+  Fd sock = ConnectTcp(host, port, deadline);
+  const std::string request = RequestText(method, where, path, body, headers);
 
   size_t sent = 0;
   while (sent < request.size()) {
@@ -591,37 +706,7 @@ HttpResponse HttpRequest(const std::string& method, const std::string& host, int
     received += static_cast<size_t>(n);
   }
   raw.resize(received);
-
-  const size_t head_end = raw.find("\r\n\r\n");
-  if (head_end == std::string::npos) throw std::runtime_error("HTTP: no complete response head from " + where);
-  HttpResponse response;
-  std::istringstream head(raw.substr(0, head_end));
-  std::string status_line;
-  std::getline(head, status_line);
-  if (status_line.rfind("HTTP/", 0) != 0 || status_line.size() < 12) {
-    throw std::runtime_error("HTTP: bad status line from " + where + ": " + status_line);
-  }
-  response.status = std::atoi(status_line.c_str() + status_line.find(' ') + 1);
-  std::string line;
-  while (std::getline(head, line)) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    size_t colon = line.find(':');
-    if (colon == std::string::npos) continue;
-    size_t value_start = line.find_first_not_of(" \t", colon + 1);
-    response.headers[Lower(line.substr(0, colon))] =
-        value_start == std::string::npos ? "" : line.substr(value_start);
-  }
-  raw.erase(0, head_end + 4);
-  response.body = std::move(raw);
-  if (auto te = response.headers.find("transfer-encoding");
-      te != response.headers.end() && Lower(te->second).find("chunked") != std::string::npos) {
-    response.body = Dechunk(response.body);
-  } else if (auto cl = response.headers.find("content-length"); cl != response.headers.end()) {
-    size_t length = std::stoul(cl->second);
-    if (response.body.size() < length) throw std::runtime_error("HTTP: truncated body from " + where);
-    response.body.resize(length);
-  }
-  return response;
+  return ParseResponse(std::move(raw), where, method == "HEAD");
 }
 
 std::string HttpGet(const std::string& host, int port, const std::string& path,

@@ -123,6 +123,22 @@ HttpResponse HttpRequest(const std::string& method, const std::string& host, int
                          const std::map<std::string, std::string>& headers = {},
                          std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
+// The client side of TLS: the CA to trust (required), a certificate and key to present (optional),
+// and the name to check the server's certificate against (default: the host).
+struct TlsClient {
+  std::string ca_file;
+  std::string cert_file;
+  std::string key_file;
+  std::string server_name;
+};
+
+// HttpRequest over TLS (OpenSSL). Throws std::runtime_error naming the step that failed and
+// OpenSSL's reasons (an untrusted certificate, a refused client certificate, ...).
+HttpResponse HttpsRequest(const std::string& method, const std::string& host, int port, const std::string& path,
+                          const TlsClient& tls, const std::string& body = "",
+                          const std::map<std::string, std::string>& headers = {},
+                          std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
 // A loopback TCP port that is free now (bound to port 0, read back, closed), for a daemon that
 // must come back on the same port after a restart.
 int FreeLoopbackPort();

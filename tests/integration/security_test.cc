@@ -16,27 +16,12 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/integration/daemon_process.h"
+#include "tests/support/test_certs.h"
 
 using namespace gradwatch::testing;
 using nlohmann::json;
 
 namespace {
-
-// The test's certificates, made once per test case in a directory of its own.
-class Certs {
- public:
-  Certs() : dir_("gradwatch-certs") {
-    const CommandResult r = RunCommand(
-        {"bash", std::string(GRADWATCH_SOURCE_DIR) + "/tests/support/make_test_certs.sh", dir_.path().string()},
-        std::nullopt, std::chrono::seconds(120));
-    if (r.exit_code != 0) throw std::runtime_error("make_test_certs.sh failed: " + r.err);
-  }
-  std::string operator()(const std::string& name) const { return (dir_.path() / name).string(); }
-  const std::filesystem::path& dir() const { return dir_.path(); }
-
- private:
-  TempDir dir_;
-};
 
 std::string TlsConfig(const std::string& cert, const std::string& key, const std::string& client_ca) {
   std::string yaml = "log: {format: text, level: debug}\nsecurity:\n  tls_cert_file: " + cert +
@@ -401,4 +386,144 @@ TEST_CASE("client certificates map to scopes like tokens, and tokens open a list
                  std::nullopt, std::chrono::seconds(60));
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.err, Catch::Contains("sha256 must be the token's SHA-256 in hex") && Catch::Contains("never the token"));
+}
+
+namespace {
+
+// `scraper` may read, `writer` may only write; the client certificate "trainer" may read.
+std::string HttpTokensYaml() {
+  const auto sha = [](const std::string& token) {
+    const CommandResult r = RunCommand({"bash", "-c", "printf %s '" + token + "' | sha256sum | cut -d' ' -f1"},
+                                       std::nullopt, std::chrono::seconds(30));
+    return r.out.substr(0, 64);
+  };
+  return "tokens:\n  - {name: scraper, sha256: " + sha("scrape-secret-4") + ", scopes: [read]}\n" +
+         "  - {name: writer, sha256: " + sha("write-secret-5") + ", scopes: [write]}\n" +
+         "identities:\n  - {identity: trainer, scopes: [read]}\n";
+}
+
+HttpResponse Scrape(const DaemonProcess& daemon, const TlsClient& tls, const std::string& token = "") {
+  std::map<std::string, std::string> headers;
+  if (!token.empty()) headers["Authorization"] = "Bearer " + token;
+  return HttpsRequest("GET", "127.0.0.1", daemon.metrics_port(), "/metrics", tls, "", headers);
+}
+
+}  // namespace
+
+TEST_CASE("HTTPS /metrics with tokens: each wrong client refused with a reason, a renewed certificate served",
+          "[integration][security][tls]") {
+  Certs c;
+  TempDir dir("gradwatch-https");
+  const auto tokens = dir.path() / "tokens.yaml";
+  std::ofstream(tokens) << HttpTokensYaml();
+  const auto cert = dir.path() / "server.pem";
+  const auto key = dir.path() / "server.key";
+  std::filesystem::copy_file(c("server.pem"), cert);
+  std::filesystem::copy_file(c("server.key"), key);
+  DaemonOptions options;
+  options.config_yaml = TlsConfig(cert.string(), key.string(), "") + "  tokens_file: " + tokens.string() +
+                        "\n  metrics_require_token: true\n";
+  DaemonProcess daemon(options);
+  CHECK_THAT(daemon.LogText(), Catch::Contains("/metrics on 127.0.0.1:0 (port " +
+                                               std::to_string(daemon.metrics_port()) + ", HTTPS)"));
+  const TlsClient ca{c("ca.pem"), "", "", ""};
+
+  HttpResponse r = HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/metrics");
+  CHECK(r.status == 400);
+  CHECK_THAT(r.body, Catch::Contains("this listener serves HTTPS: use https://"));
+  CHECK_THROWS_WITH(Scrape(daemon, {c("other-ca.pem"), "", "", ""}), Catch::Contains("certificate verify failed"));
+
+  r = Scrape(daemon, ca);
+  CHECK(r.status == 401);
+  CHECK(r.headers["www-authenticate"] == "Bearer realm=\"gradwatch\"");
+  CHECK_THAT(r.body, Catch::Contains("requires a bearer token") && Catch::Contains("credentials_file"));
+  r = Scrape(daemon, ca, "wrong-secret");
+  CHECK(r.status == 401);
+  CHECK_THAT(r.body, Catch::Contains("not one this daemon knows"));
+  r = Scrape(daemon, ca, "write-secret-5");
+  CHECK(r.status == 403);
+  CHECK(r.body == "GET /metrics: token writer has no 'read' scope\n");
+  r = Scrape(daemon, ca, "scrape-secret-4");
+  REQUIRE(r.status == 200);
+  CHECK_THAT(r.body, Catch::Contains("gradwatch_auth_refusals_total{reason=\"unauthenticated\"} 2") &&
+                         Catch::Contains("gradwatch_auth_refusals_total{reason=\"permission_denied\"} 1") &&
+                         Catch::Contains("gradwatch_insecure_listener 0"));
+  for (const char* secret : {"scrape-secret-4", "write-secret-5", "wrong-secret"}) {
+    CHECK(daemon.LogText().find(secret) == std::string::npos);
+  }
+  CHECK_THAT(daemon.LogText(), Catch::Contains("refused GET /metrics from 127.0.0.1:"));
+
+  // Renewed in place (another CA's certificate), then SIGHUP: new connections get it.
+  std::filesystem::copy_file(c("other-server.key"), key, std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(c("other-server.pem"), cert, std::filesystem::copy_options::overwrite_existing);
+  daemon.Signal(SIGHUP);
+  CHECK(WaitUntil([&] { return daemon.LogText().find("HTTP: TLS files reloaded") != std::string::npos; },
+                  std::chrono::seconds(30)));
+  r = Scrape(daemon, {c("other-ca.pem"), "", "", ""}, "scrape-secret-4");
+  CHECK(r.status == 200);
+  CHECK_THROWS_WITH(Scrape(daemon, ca, "scrape-secret-4"), Catch::Contains("certificate verify failed"));
+}
+
+TEST_CASE("HTTPS /metrics with client certificates: the certificate's identity has scopes, other clients cannot connect",
+          "[integration][security][tls]") {
+  Certs c;
+  TempDir dir("gradwatch-https-mtls");
+  const auto tokens = dir.path() / "tokens.yaml";
+  std::ofstream(tokens) << HttpTokensYaml();
+  DaemonOptions options;
+  options.config_yaml = TlsConfig(c("server.pem"), c("server.key"), "") + "  tokens_file: " + tokens.string() +
+                        "\n  metrics_require_token: true\n  http_client_ca_file: " + c("ca.pem") + "\n";
+  DaemonProcess daemon(options);
+
+  // The certificate "trainer" may read: no token needed.
+  HttpResponse r = Scrape(daemon, {c("ca.pem"), c("client.pem"), c("client.key"), ""});
+  CHECK(r.status == 200);
+  CHECK_THAT(r.body, Catch::Contains("gradwatch_auth_refusals_total{reason=\"unauthenticated\"} 0"));
+  // Without a certificate, with an expired one, or with another CA's: no connection at all.
+  CHECK_THROWS(Scrape(daemon, {c("ca.pem"), "", "", ""}, "scrape-secret-4"));
+  CHECK_THROWS(Scrape(daemon, {c("ca.pem"), c("expired-client.pem"), c("expired-client.key"), ""}));
+  CHECK_THROWS(Scrape(daemon, {c("ca.pem"), c("other-client.pem"), c("other-client.key"), ""}));
+  CHECK_THAT(daemon.LogText(), Catch::Contains("HTTP: TLS handshake with 127.0.0.1:"));
+  // A token still decides when it is sent: the writer's has no read scope.
+  r = Scrape(daemon, {c("ca.pem"), c("client.pem"), c("client.key"), ""}, "write-secret-5");
+  CHECK(r.status == 403);
+}
+
+TEST_CASE("the HTTP listener beyond loopback needs TLS or --insecure, and http_tls: false keeps it plain",
+          "[integration][security][tls]") {
+  Certs c;
+  TempDir dir("gradwatch-http-insecure");
+  const auto check = [&](std::vector<std::string> args, const std::string& yaml = "") {
+    const auto file = dir.path() / "c.yaml";
+    std::ofstream(file) << yaml;
+    std::vector<std::string> argv = {DaemonBinaryPath(), "--config", file.string(), "--data-dir",
+                                     (dir.path() / "data").string(), "--check-config"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
+  };
+  CommandResult r = check({"--metrics-listen", "0.0.0.0:9390"});
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("metrics_listen: 0.0.0.0:9390 is not loopback") && Catch::Contains("--insecure"));
+  r = check({"--metrics-listen", "0.0.0.0:9390", "--insecure"});
+  CHECK(r.exit_code == 0);
+  r = check({"--metrics-listen", "0.0.0.0:9390", "--tls-cert", c("server.pem"), "--tls-key", c("server.key")});
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  r = check({"--metrics-listen", "0.0.0.0:9390", "--tls-cert", c("server.pem"), "--tls-key", c("server.key")},
+            "security: {http_tls: false}\n");
+  CHECK(r.exit_code == 2);
+  r = check({}, "security: {http_client_ca_file: " + c("ca.pem") + "}\n");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("security.http_client_ca_file: client certificates need TLS"));
+  r = check({"--tls-cert", c("server.pem"), "--tls-key", c("server.key")},
+            "security: {http_client_ca_file: " + c("missing.pem") + "}\n");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("security.http_client_ca_file " + c("missing.pem") + ": cannot be read"));
+
+  // gRPC over TLS, /metrics plain on loopback.
+  DaemonOptions options;
+  options.config_yaml = TlsConfig(c("server.pem"), c("server.key"), "") + "  http_tls: false\n";
+  DaemonProcess daemon(options);
+  CHECK_THAT(daemon.ScrapeMetrics(), Catch::Contains("gradwatch_insecure_listener 0"));
+  CHECK(Runs(daemon, {"--tls-ca", c("ca.pem")}).exit_code == 0);
 }

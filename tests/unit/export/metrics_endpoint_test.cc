@@ -5,7 +5,7 @@
 #include <thread>
 #include <vector>
 
-#include "server/export/metrics_server.h"
+#include "server/export/metrics_endpoint.h"
 #include "server/export/text_format.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/unit/export/exposition_checks.h"
@@ -31,10 +31,15 @@ void RenderTestFamilies(exporter::Exposition& out, int n, std::atomic<int>* rend
   exporter::AppendSample(small, "test_last", std::string_view(), 1);
 }
 
+// The endpoint on a listener of its own, as the daemon serves it.
 struct TestServer {
-  explicit TestServer(int samples) {
-    auto started = exporter::MetricsServer::Start(
-        "127.0.0.1:0", {[this, samples](exporter::Exposition& out) { RenderTestFamilies(out, samples, &renders); }});
+  explicit TestServer(int samples)
+      : endpoint(std::vector<exporter::MetricsEndpoint::Renderer>{
+            [this, samples](exporter::Exposition& out) { RenderTestFamilies(out, samples, &renders); }}) {
+    web::Route route;
+    route.path = "/metrics";
+    route.handler = [this](const web::Request& r) { return endpoint.Handle(r); };
+    auto started = web::Server::Start({}, {route});
     INFO(started.status().message());
     REQUIRE(started.ok());
     server = std::move(started).value();
@@ -44,12 +49,13 @@ struct TestServer {
     return testing::HttpRequest("GET", "127.0.0.1", server->port(), "/metrics", "", headers);
   }
   std::atomic<int> renders{0};
-  std::unique_ptr<exporter::MetricsServer> server;
+  exporter::MetricsEndpoint endpoint;
+  std::unique_ptr<web::Server> server;
 };
 
 }  // namespace
 
-TEST_CASE("the metrics server serves the rendered text, and the same gzip-compressed when asked", "[export]") {
+TEST_CASE("the metrics endpoint serves the rendered text, and the same gzip-compressed when asked", "[export]") {
   TestServer t(50000);
   const testing::HttpResponse plain = t.Get();
   REQUIRE(plain.status == 200);
@@ -75,7 +81,7 @@ TEST_CASE("the metrics server serves the rendered text, and the same gzip-compre
   CHECK(t.renders.load() == 2);
 }
 
-TEST_CASE("the metrics server answers other paths with 404 and other methods with 405", "[export]") {
+TEST_CASE("the metrics endpoint answers other paths with 404 and other methods with 405", "[export]") {
   TestServer t(10);
   CHECK(testing::HttpRequest("GET", "127.0.0.1", t.server->port(), "/other").status == 404);
   CHECK(testing::HttpRequest("POST", "127.0.0.1", t.server->port(), "/metrics", "x").status == 405);
@@ -102,11 +108,4 @@ TEST_CASE("concurrent scrapes each get a whole text", "[export]") {
   for (auto& s : scrapers) s.join();
   CHECK(whole.load() == 12);
   CHECK(t.renders.load() == 12);
-}
-
-TEST_CASE("the metrics server reports an address it cannot listen on", "[export]") {
-  TestServer t(1);
-  auto second = exporter::MetricsServer::Start("127.0.0.1:" + std::to_string(t.server->port()), {});
-  REQUIRE_FALSE(second.ok());
-  CHECK_FALSE(second.status().message().empty());
 }
