@@ -14,6 +14,7 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/redirect_error.hpp>
+#include <boost/asio/strand.hpp>
 #include <boost/asio/ssl.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
@@ -277,7 +278,7 @@ struct Server::Impl {
       for (const Route& r : routes) known += (known.empty() ? "" : ", ") + r.path;
       return Response::Text(404, "no page at " + request.path + " (this listener serves " + known + ")");
     }
-    const std::string_view method = request.method == "HEAD" ? "GET" : request.method;
+    const std::string_view method = request.method == "HEAD" ? std::string_view("GET") : std::string_view(request.method);
     if (std::find(route->methods.begin(), route->methods.end(), method) == route->methods.end()) {
       Response r = Response::Text(405, request.method + " is not allowed on " + request.path);
       std::string allow;
@@ -427,7 +428,10 @@ struct Server::Impl {
   asio::awaitable<void> Accept() {
     for (;;) {
       beast::error_code ec;
-      tcp::socket socket = co_await acceptor.async_accept(asio::redirect_error(asio::use_awaitable, ec));
+      // Each connection on a strand of its own: its stream's timer and I/O handlers must not run
+      // at once on the two I/O threads (Beast's basic_stream requires it).
+      tcp::socket socket =
+          co_await acceptor.async_accept(asio::make_strand(io), asio::redirect_error(asio::use_awaitable, ec));
       if (ec == asio::error::operation_aborted) co_return;
       if (ec) {
         spdlog::warn("HTTP: accept failed: {}", ec.message());
@@ -439,7 +443,8 @@ struct Server::Impl {
         socket.close(ec);
         continue;
       }
-      asio::co_spawn(io, Connection(std::move(socket)), asio::detached);
+      auto strand = socket.get_executor();
+      asio::co_spawn(strand, Connection(std::move(socket)), asio::detached);
     }
   }
 };
