@@ -10,18 +10,11 @@
 #include <cstdio>
 #include <ctime>
 
+#include "server/core/openssl_error.h"
+
 namespace gradwatch::daemon {
 
 namespace {
-
-std::string OpenSslError() {
-  const unsigned long code = ERR_get_error();
-  ERR_clear_error();
-  if (code == 0) return "unknown error";
-  char text[256];
-  ERR_error_string_n(code, text, sizeof text);
-  return text;
-}
 
 std::string Subject(X509* cert) {
   char text[256];

@@ -30,6 +30,7 @@
 #include <optional>
 #include <thread>
 
+#include "server/core/openssl_error.h"
 #include "server/core/thread_annotations.h"
 
 namespace gradwatch::web {
@@ -65,15 +66,6 @@ size_t Response::body_size() const {
 namespace {
 
 constexpr size_t kMaxHeadBytes = 16 << 10;
-
-std::string OpenSslError() {
-  const unsigned long code = ERR_get_error();
-  ERR_clear_error();
-  if (code == 0) return "unknown error";
-  char text[256];
-  ERR_error_string_n(code, text, sizeof text);
-  return text;
-}
 
 std::string_view Reason(int status) {
   switch (status) {

@@ -248,14 +248,17 @@ TEST_CASE("silences have a maximum duration and record who made them", "[integra
 
 namespace {
 
+// A token's SHA-256 in hex, as the tokens file holds it, computed as the README says to.
+std::string Sha256Hex(const std::string& token) {
+  const CommandResult r = RunCommand({"bash", "-c", "printf %s '" + token + "' | sha256sum | cut -d' ' -f1"},
+                                     std::nullopt, std::chrono::seconds(30));
+  return r.out.substr(0, 64);
+}
+
 // A tokens file granting `trainer` write and read on runs pre-*, `oncall` read, silence and ack,
 // `admin` everything, and the client certificate "trainer" read only.
 std::string TokensYaml(bool with_trainer = true) {
-  const auto sha = [](const std::string& token) {
-    const CommandResult r = RunCommand({"bash", "-c", "printf %s '" + token + "' | sha256sum | cut -d' ' -f1"},
-                                       std::nullopt, std::chrono::seconds(30));
-    return r.out.substr(0, 64);
-  };
+  const auto sha = Sha256Hex;
   std::string yaml = "tokens:\n";
   if (with_trainer) {
     yaml += "  - {name: trainer, sha256: " + sha("trainer-secret-1") + ", scopes: [write, read], runs: [\"pre-*\"]}\n";
@@ -392,11 +395,7 @@ namespace {
 
 // `scraper` may read, `writer` may only write; the client certificate "trainer" may read.
 std::string HttpTokensYaml() {
-  const auto sha = [](const std::string& token) {
-    const CommandResult r = RunCommand({"bash", "-c", "printf %s '" + token + "' | sha256sum | cut -d' ' -f1"},
-                                       std::nullopt, std::chrono::seconds(30));
-    return r.out.substr(0, 64);
-  };
+  const auto sha = Sha256Hex;
   return "tokens:\n  - {name: scraper, sha256: " + sha("scrape-secret-4") + ", scopes: [read]}\n" +
          "  - {name: writer, sha256: " + sha("write-secret-5") + ", scopes: [write]}\n" +
          "identities:\n  - {identity: trainer, scopes: [read]}\n";
