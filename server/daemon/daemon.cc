@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "server/daemon/alerting.h"
+#include "server/daemon/run_view.h"
 #include "server/daemon/step_fanout.h"
 #include "server/daemon/tls.h"
 #include "server/export/alert_metrics.h"
@@ -243,23 +244,31 @@ Status Daemon::Start() {
   web::ServerOptions http_options;
   http_options.listen = config_.metrics_listen;
   if (HttpTls(config_)) http_options.tls = {config_.tls_cert_file, config_.tls_key_file, config_.http_client_ca_file};
+  // With security.metrics_require_token, every read on the HTTP listener (/metrics, the run view
+  // and its API) needs a token or client certificate with the read scope.
+  ReadGate gate;
+  if (config_.metrics_require_token) {
+    gate = [authorizer = authorizer_.get()](const web::Request& request) -> std::optional<web::Response> {
+      auto [status, message] = authorizer->CheckHttp(request.Header("authorization"), request.client_identity,
+                                                     ingest::Scope::kRead, request.method + " " + request.path,
+                                                     request.peer);
+      if (status == 200) return std::nullopt;
+      web::Response refusal = web::Response::Text(status, std::move(message));
+      if (status == 401) refusal.headers.emplace_back("WWW-Authenticate", "Bearer realm=\"gradwatch\"");
+      return refusal;
+    };
+  }
+  std::vector<web::Route> routes = RunViewRoutes({registry_.get(), clock_, &alerting_->engine()}, gate);
   web::Route metrics_route;
   metrics_route.path = "/metrics";
-  metrics_route.handler = [endpoint = metrics_endpoint_.get(), authorizer = authorizer_.get(),
-                           require_token = config_.metrics_require_token](const web::Request& request) {
-    if (require_token) {
-      const std::string_view authorization = request.Header("authorization");
-      auto [status, message] =
-          authorizer->CheckHttp(authorization, request.client_identity, ingest::Scope::kRead, "GET /metrics", request.peer);
-      if (status != 200) {
-        web::Response refusal = web::Response::Text(status, std::move(message));
-        if (status == 401) refusal.headers.emplace_back("WWW-Authenticate", "Bearer realm=\"gradwatch\"");
-        return refusal;
-      }
+  metrics_route.handler = [endpoint = metrics_endpoint_.get(), gate](const web::Request& request) {
+    if (gate) {
+      if (auto refusal = gate(request)) return std::move(*refusal);
     }
     return endpoint->Handle(request);
   };
-  auto http = web::Server::Start(std::move(http_options), {std::move(metrics_route)});
+  routes.push_back(std::move(metrics_route));
+  auto http = web::Server::Start(std::move(http_options), std::move(routes));
   if (!http.ok()) {
     return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " +
                                http.status().message());

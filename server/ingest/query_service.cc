@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include "server/ingest/convert.h"
+#include "server/ingest/queries.h"
 
 namespace gradwatch::ingest {
 
@@ -155,78 +156,28 @@ grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* 
                                                    const v1::ListAlertsRequest* request,
                                                    v1::ListAlertsResponse* response) {
   if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list alerts"); !allowed.ok()) return Done(context, allowed);
-  if (engine_ != nullptr) {
-    const double now = clock_->UnixSeconds();
-    for (const alerts::Alert& a : engine_->Active(request->run_id())) {
-      v1::Alert* out = response->add_alerts();
-      AlertToProto(a, out);
-      for (std::string& id : engine_->SilencesMuting(a, now)) out->add_silenced_by(std::move(id));
-      if (auto ack = engine_->AckOf(out->fingerprint())) {
-        out->mutable_ack()->set_by(ack->by);
-        out->mutable_ack()->set_comment(ack->comment);
-        out->mutable_ack()->set_at(ack->at);
-      }
-    }
-  }
-  return Done(context, grpc::Status::OK);
+  return Done(context, ingest::ListAlerts(sources(), *request, response));
 }
 
 grpc::ServerUnaryReactor* QueryService::ListRuns(grpc::CallbackServerContext* context,
                                                  const v1::ListRunsRequest* request,
                                                  v1::ListRunsResponse* response) {
   if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list runs"); !allowed.ok()) return Done(context, allowed);
-  for (const auto& run : registry_->All()) RunInfoToProto(run->Info(), response->add_runs());
-  if (request->include_archived()) {
-    auto archived = registry_->Archived();
-    if (!archived.ok()) {
-      return Done(context, {grpc::StatusCode::INTERNAL, "reading archived runs: " + archived.status().message()});
-    }
-    for (const store::StoredRun& r : archived.value()) StoredRunToProto(r, response->add_runs());
-    std::sort(response->mutable_runs()->begin(), response->mutable_runs()->end(),
-              [](const v1::RunInfo& a, const v1::RunInfo& b) { return a.run_id() < b.run_id(); });
-  }
-  return Done(context, grpc::Status::OK);
+  return Done(context, ingest::ListRuns(sources(), *request, response));
 }
 
 grpc::ServerUnaryReactor* QueryService::GetRun(grpc::CallbackServerContext* context,
                                                const v1::GetRunRequest* request,
                                                v1::RunSummary* response) {
   if (grpc::Status allowed = Allow(context, Scope::kRead, "", "read a run"); !allowed.ok()) return Done(context, allowed);
-  auto run = registry_->Find(request->run_id());
-  if (!run) return Done(context, RunNotFound(request->run_id()));
-  SummaryToProto(run->Summary(), response);
-  return Done(context, grpc::Status::OK);
+  return Done(context, ingest::GetRun(sources(), *request, response));
 }
 
 grpc::ServerUnaryReactor* QueryService::GetSeries(grpc::CallbackServerContext* context,
                                                   const v1::GetSeriesRequest* request,
                                                   v1::GetSeriesResponse* response) {
   if (grpc::Status allowed = Allow(context, Scope::kRead, "", "read a series"); !allowed.ok()) return Done(context, allowed);
-  auto run = registry_->Find(request->run_id());
-  if (!run) return Done(context, RunNotFound(request->run_id()));
-  const uint64_t to = request->to_step() == 0 ? UINT64_MAX : request->to_step();
-  if (to < request->from_step()) {
-    return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, "to_step is before from_step"});
-  }
-  auto points = run->QuerySeries(request->key(), request->from_step(), to, request->max_points());
-  if (!points) {
-    return Done(context, {grpc::StatusCode::NOT_FOUND,
-                          "run '" + request->run_id() + "' has no series '" + request->key() + "'"});
-  }
-  response->set_run_id(request->run_id());
-  response->set_key(request->key());
-  response->mutable_points()->Reserve(static_cast<int>(points->size()));
-  for (const store::Point& p : *points) {
-    v1::SeriesPoint* sp = response->add_points();
-    sp->set_step(p.step);
-    sp->set_last_step(p.last_step);
-    sp->set_value(p.count == 1 ? p.last : p.mean);
-    sp->set_min(p.count == 1 ? p.last : p.min);
-    sp->set_max(p.count == 1 ? p.last : p.max);
-    sp->set_count(p.count);
-    sp->set_nonfinite(p.nonfinite);
-  }
-  return Done(context, grpc::Status::OK);
+  return Done(context, ingest::GetSeries(sources(), *request, response));
 }
 
 grpc::ServerUnaryReactor* QueryService::Annotate(grpc::CallbackServerContext* context,

@@ -8,6 +8,7 @@
 #include "server/core/clock.h"
 #include "server/core/status.h"
 #include "server/ingest/authorizer.h"
+#include "server/ingest/queries.h"
 #include "server/runs/registry.h"
 
 namespace gradwatch::ingest {
@@ -62,6 +63,7 @@ class QueryService final : public v1::Query::CallbackService {
 
   grpc::Status Allow(const grpc::CallbackServerContext* context, Scope scope, std::string_view run,
                      std::string_view what) const;
+  QuerySources sources() const { return {registry_, clock_, engine_}; }
 };
 
 }  // namespace gradwatch::ingest

@@ -1,0 +1,427 @@
+// gradwatch's run view: the runs, and one run's charts drawn as SVG from the daemon's JSON API
+// (/api/v1/...). No library, nothing loaded from elsewhere. What the page shows is also kept in
+// window.gradwatch (the browser test reads it).
+"use strict";
+
+const SVG = "http://www.w3.org/2000/svg";
+const REFRESH_MS = 3000;
+const MAX_POINTS = 1000;
+const TOTAL_KEY = "grad/norm/total";
+
+const state = {
+  run: null,          // the run shown, or null on the list
+  summary: null,      // its RunSummary
+  alerts: [],         // its pending and firing alerts
+  series: {},         // key -> points as numbers
+  range: null,        // [from, to] steps when zoomed, else null (everything, live)
+  finalParam: null,   // the norm gain charted with its slopes
+  errors: [],
+  renders: 0,
+};
+window.gradwatch = state;
+
+// ---------------------------------------------------------------------------------------------
+// Data
+
+function num(x) {
+  // The API's 64-bit integers come as strings, NaN and infinities as "NaN", "Infinity".
+  return typeof x === "number" ? x : Number(x);
+}
+
+async function api(path) {
+  const response = await fetch(path, {headers: {Accept: "application/json"}, cache: "no-store"});
+  const body = await response.json().catch(() => ({error: `not JSON (HTTP ${response.status})`}));
+  if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
+  return body;
+}
+
+function runPath(run) {
+  return "/api/v1/runs/" + encodeURIComponent(run);
+}
+
+async function loadSeries(run, key, range) {
+  let q = `?key=${encodeURIComponent(key)}&max_points=${MAX_POINTS}`;
+  if (range) q += `&from=${Math.max(0, Math.floor(range[0]))}&to=${Math.max(1, Math.ceil(range[1]))}`;
+  const body = await api(runPath(run) + "/series" + q);
+  return (body.points || []).map((p) => ({
+    step: num(p.step),
+    last: num(p.last_step),
+    value: num(p.value),
+    min: num(p.min),
+    max: num(p.max),
+    count: num(p.count),
+  }));
+}
+
+function shortState(s) {
+  return String(s || "").replace(/^(RUN_STATE_|ALERT_STATE_)/, "").toLowerCase();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Formatting
+
+function fmt(v, digits = 4) {
+  if (!Number.isFinite(v)) return String(v);
+  if (v === 0) return "0";
+  const a = Math.abs(v);
+  if (a >= 1e6 || a < 1e-3) return v.toExponential(2);
+  return Number(v.toPrecision(digits)).toLocaleString("en-US", {maximumFractionDigits: 6});
+}
+
+function fmtStep(v) {
+  return Math.round(v).toLocaleString("en-US");
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+
+function svgEl(tag, attrs = {}, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function setStatus(text, error) {
+  const s = document.getElementById("status");
+  s.textContent = text;
+  s.className = error ? "status error" : "status";
+}
+
+// Round numbers for an axis between lo and hi, about `count` of them.
+function ticks(lo, hi, count) {
+  if (!(hi > lo)) return [lo];
+  const raw = (hi - lo) / count;
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw) || raw;
+  const out = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) out.push(Number(t.toPrecision(12)));
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Charts
+
+const PAD = {left: 62, right: 16, top: 12, bottom: 28};
+
+// A line chart of `points` (with min/max bands where a point covers several steps), horizontal
+// lines, vertical event lines and straight segments; a drag selects a step range (onZoom).
+function lineChart(options) {
+  const width = 640, height = 280;
+  const svg = svgEl("svg", {class: "chart", viewBox: `0 0 ${width} ${height}`, "data-chart": options.name});
+  const pts = options.points.filter((p) => Number.isFinite(p.value));
+  let x0 = options.xrange ? options.xrange[0] : Math.min(...pts.map((p) => p.step));
+  let x1 = options.xrange ? options.xrange[1] : Math.max(...pts.map((p) => p.last));
+  for (const s of options.segments || []) x1 = Math.max(x1, s.x1);
+  if (!Number.isFinite(x0) || !Number.isFinite(x1)) {
+    svg.append(svgEl("text", {x: width / 2, y: height / 2, "text-anchor": "middle", class: "label"}, "no data yet"));
+    return svg;
+  }
+  if (x1 <= x0) x1 = x0 + 1;
+  const ys = [];
+  for (const p of pts) ys.push(p.min, p.max, p.value);
+  for (const h of options.hlines || []) ys.push(h.y);
+  for (const s of options.segments || []) ys.push(s.y0, s.y1);
+  const finite = ys.filter(Number.isFinite);
+  let y0 = Math.min(...finite), y1 = Math.max(...finite);
+  if (!(y1 > y0)) { y0 -= 1; y1 += 1; }
+  const margin = (y1 - y0) * 0.06;
+  y0 -= margin; y1 += margin;
+  const X = (v) => PAD.left + (v - x0) / (x1 - x0) * (width - PAD.left - PAD.right);
+  const Y = (v) => height - PAD.bottom - (v - y0) / (y1 - y0) * (height - PAD.top - PAD.bottom);
+  const clipId = `clip-${options.name}`;
+  const defs = svgEl("defs");
+  const clip = svgEl("clipPath", {id: clipId});
+  clip.append(svgEl("rect", {x: PAD.left, y: PAD.top, width: width - PAD.left - PAD.right, height: height - PAD.top - PAD.bottom}));
+  defs.append(clip);
+  svg.append(defs);
+
+  const axis = svgEl("g", {class: "axis"});
+  for (const t of ticks(y0, y1, 5)) {
+    axis.append(svgEl("line", {class: "grid-line", x1: PAD.left, x2: width - PAD.right, y1: Y(t), y2: Y(t)}));
+    axis.append(svgEl("text", {x: PAD.left - 6, y: Y(t) + 4, "text-anchor": "end"}, fmt(t, 3)));
+  }
+  for (const t of ticks(x0, x1, 6)) {
+    axis.append(svgEl("line", {x1: X(t), x2: X(t), y1: height - PAD.bottom, y2: height - PAD.bottom + 4}));
+    axis.append(svgEl("text", {x: X(t), y: height - 8, "text-anchor": "middle"}, fmtStep(t)));
+  }
+  axis.append(svgEl("path", {d: `M${PAD.left},${PAD.top}V${height - PAD.bottom}H${width - PAD.right}`, fill: "none"}));
+  svg.append(axis);
+
+  const plot = svgEl("g", {"clip-path": `url(#${clipId})`});
+  const banded = pts.filter((p) => p.count > 1 && p.max > p.min);
+  if (banded.length > 0) {
+    const upper = pts.map((p) => `${X(p.step)},${Y(p.max)}`);
+    const lower = pts.slice().reverse().map((p) => `${X(p.step)},${Y(p.min)}`);
+    plot.append(svgEl("polygon", {class: "band", points: upper.concat(lower).join(" ")}));
+  }
+  if (pts.length > 0) {
+    const d = pts.map((p, i) => `${i ? "L" : "M"}${X(p.step).toFixed(1)},${Y(p.value).toFixed(1)}`).join("");
+    plot.append(svgEl("path", {class: "series", d, "data-points": String(pts.length)}));
+  }
+  for (const h of options.hlines || []) {
+    plot.append(svgEl("line", {class: h.cls, x1: PAD.left, x2: width - PAD.right, y1: Y(h.y), y2: Y(h.y)}));
+    plot.append(svgEl("text", {class: `label ${h.cls}-label`, x: width - PAD.right - 4, y: Y(h.y) - 4, "text-anchor": "end"}, h.label));
+  }
+  for (const s of options.segments || []) {
+    plot.append(svgEl("line", {class: s.cls, x1: X(s.x0), y1: Y(s.y0), x2: X(s.x1), y2: Y(s.y1)}));
+    if (s.label) plot.append(svgEl("text", {class: `label ${s.labelCls || "fit-label"}`, x: X(s.x1) - 4, y: Y(s.y1) - 6, "text-anchor": "end"}, s.label));
+  }
+  for (const v of options.vlines || []) {
+    if (v.x < x0 || v.x > x1) continue;
+    plot.append(svgEl("line", {class: "event", x1: X(v.x), x2: X(v.x), y1: PAD.top, y2: height - PAD.bottom}));
+    plot.append(svgEl("text", {class: "label event-label", x: X(v.x) + 4, y: PAD.top + 12}, v.label));
+  }
+  svg.append(plot);
+
+  if (options.onZoom) {
+    const selection = svgEl("rect", {class: "selection", y: PAD.top, height: height - PAD.top - PAD.bottom, width: 0, visibility: "hidden"});
+    svg.append(selection);
+    const toStep = (event) => {
+      const box = svg.getBoundingClientRect();
+      const px = (event.clientX - box.left) / box.width * width;
+      return x0 + (px - PAD.left) / (width - PAD.left - PAD.right) * (x1 - x0);
+    };
+    let start = null;
+    svg.addEventListener("mousedown", (e) => { start = toStep(e); });
+    svg.addEventListener("mousemove", (e) => {
+      if (start === null) return;
+      const a = X(Math.min(start, toStep(e))), b = X(Math.max(start, toStep(e)));
+      selection.setAttribute("x", a);
+      selection.setAttribute("width", Math.max(0, b - a));
+      selection.setAttribute("visibility", "visible");
+    });
+    svg.addEventListener("mouseup", (e) => {
+      if (start === null) return;
+      const end = toStep(e);
+      const lo = Math.max(x0, Math.min(start, end)), hi = Math.min(x1, Math.max(start, end));
+      start = null;
+      selection.setAttribute("visibility", "hidden");
+      if (hi - lo >= 2) options.onZoom([lo, hi]);
+    });
+  }
+  return svg;
+}
+
+// Horizontal bars: [{label, value, cls}] with values in [0, max].
+function barChart(name, bars, format) {
+  const width = 640, rowHeight = 20, labelWidth = 230;
+  const height = Math.max(40, bars.length * rowHeight + 10);
+  const svg = svgEl("svg", {class: "chart", viewBox: `0 0 ${width} ${height}`, "data-chart": name});
+  svg.style.height = `${height}px`;
+  const max = Math.max(...bars.map((b) => b.value).filter(Number.isFinite), 1e-12);
+  bars.forEach((b, i) => {
+    const y = 5 + i * rowHeight;
+    const w = Number.isFinite(b.value) ? Math.max(1, b.value / max * (width - labelWidth - 90)) : 0;
+    svg.append(svgEl("text", {class: "bar-label", x: labelWidth - 6, y: y + 13, "text-anchor": "end"}, b.label));
+    svg.append(svgEl("rect", {class: `bar ${b.cls || ""}`, x: labelWidth, y: y + 3, width: w, height: rowHeight - 6, "data-value": String(b.value)}));
+    svg.append(svgEl("text", {class: "bar-label", x: labelWidth + w + 6, y: y + 13}, format(b.value)));
+  });
+  return svg;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Views
+
+function panel(title, note, ...content) {
+  return el("section", {class: "panel"}, el("h2", {}, title), el("p", {class: "note"}, note), ...content);
+}
+
+async function showRuns() {
+  document.getElementById("where").textContent = "runs";
+  const [runs, alerts] = await Promise.all([api("/api/v1/runs"), api("/api/v1/alerts")]);
+  const firing = {};
+  for (const a of alerts.alerts || []) {
+    const run = (a.labels || {}).run;
+    if (run && shortState(a.state) === "firing") firing[run] = (firing[run] || 0) + 1;
+  }
+  const rows = (runs.runs || []).map((r) => el("tr", {"data-run": r.run_id},
+    el("td", {}, el("a", {href: "/runs/" + encodeURIComponent(r.run_id)}, r.run_id)),
+    el("td", {}, el("span", {class: `state ${shortState(r.state)}`}, shortState(r.state))),
+    el("td", {class: "num"}, num(r.step_count) ? fmtStep(num(r.last_step)) : "–"),
+    el("td", {class: "num"}, num(r.steps_per_second) ? fmt(num(r.steps_per_second), 3) : "–"),
+    el("td", {class: "num"}, firing[r.run_id] ? el("span", {class: "state firing"}, `${firing[r.run_id]} firing`) : "0")));
+  const table = el("table", {id: "runs"},
+    el("thead", {}, el("tr", {}, el("th", {}, "run"), el("th", {}, "state"), el("th", {class: "num"}, "last step"),
+      el("th", {class: "num"}, "steps/s"), el("th", {class: "num"}, "alerts"))),
+    el("tbody", {}, ...rows));
+  const main = document.getElementById("main");
+  main.replaceChildren(rows.length ? table : el("p", {class: "muted"}, "No runs yet: stream steps to the daemon."));
+  state.runs = runs.runs || [];
+}
+
+// The norm gain whose slopes the second chart shows: the final norm's, else the norm gain that
+// grew most over its initial norm.
+function pickFinalParam(summary) {
+  const params = summary.params || [];
+  const byRole = params.find((p) => p.role === "final_norm");
+  if (byRole) return byRole.name;
+  const analysis = summary.analysis || {};
+  const amplified = (analysis.amplifications || []).slice().sort((a, b) => num(b.amplification) - num(a.amplification));
+  if (amplified.length) return amplified[0].param;
+  const grown = analysis.growth_without_decay || [];
+  if (grown.length) return grown[0].param;
+  const gain = params.find((p) => /NORM_GAIN/.test(p.kind));
+  return gain ? gain.name : null;
+}
+
+// Least-squares line with the daemon's slope through the centroid of the points in [lo, hi).
+function fittedSegment(points, lo, hi, slopePerKstep, cls, label) {
+  const inside = points.filter((p) => p.step >= lo && p.step < hi && Number.isFinite(p.value));
+  if (inside.length < 2 || !Number.isFinite(slopePerKstep)) return null;
+  const mx = inside.reduce((s, p) => s + p.step, 0) / inside.length;
+  const my = inside.reduce((s, p) => s + p.value, 0) / inside.length;
+  const slope = slopePerKstep / 1000;
+  const a = inside[0].step, b = inside[inside.length - 1].step;
+  return {x0: a, y0: my + slope * (a - mx), x1: b, y1: my + slope * (b - mx), cls, label};
+}
+
+function renderRun() {
+  const summary = state.summary;
+  const info = summary.info || {};
+  const analysis = summary.analysis || {};
+  const events = (summary.events || []).map((e) => ({x: num(e.step), label: e.text}));
+  const zoom = (range) => { state.range = range; refresh(); };
+  const main = document.getElementById("main");
+  const parts = [];
+
+  const toolbar = el("div", {class: "toolbar"},
+    el("span", {class: `state ${shortState(info.state)}`}, shortState(info.state)),
+    el("span", {}, `step ${fmtStep(num(info.last_step))}`),
+    el("span", {class: "muted"}, `${fmtStep(num(info.step_count))} steps held`),
+    el("span", {class: "muted"}, state.range ? `zoomed to steps ${fmtStep(state.range[0])}–${fmtStep(state.range[1])}` : "live: drag across a chart to zoom"));
+  if (state.range) {
+    const reset = el("button", {id: "reset-zoom"}, "whole run");
+    reset.addEventListener("click", () => { state.range = null; refresh(); });
+    toolbar.append(reset);
+  }
+  parts.push(toolbar);
+
+  const alertBox = el("div", {class: "alerts", id: "alerts"});
+  for (const a of state.alerts) {
+    const ann = a.annotations || {};
+    const s = shortState(a.state);
+    alertBox.append(el("div", {class: `alert ${s}`, "data-fingerprint": a.fingerprint},
+      el("div", {class: "title"}, `${a.name} — ${s} at step ${fmtStep(num(a.step))}, value ${fmt(num(a.value))}`),
+      ann.summary ? el("div", {}, ann.summary) : "",
+      ann.description ? el("div", {class: "muted"}, ann.description) : "",
+      ann.recommendation ? el("div", {class: "recommendation"}, "Recommendation: " + ann.recommendation) : ""));
+  }
+  if (state.alerts.length) parts.push(alertBox);
+
+  const charts = el("div", {class: "grid"});
+  // 1. The total grad norm, its threshold and the forecast of the crossing.
+  const total = state.series[TOTAL_KEY] || [];
+  const forecast = (analysis.forecasts || []).find((f) => f.key === TOTAL_KEY);
+  const hlines = [], segments = [];
+  let note = "Mean per point; the band is min–max where a point covers several steps.";
+  if (forecast) {
+    const threshold = num(forecast.threshold);
+    hlines.push({y: threshold, cls: "threshold", label: `threshold ${fmt(threshold)}`});
+    if (forecast.reachable && total.length) {
+      const from = Math.max(...total.map((p) => p.last));
+      segments.push({x0: num(info.last_step) || from, y0: num(forecast.current_value), x1: num(forecast.at_step), y1: threshold,
+        cls: "forecast", label: `reaches it at step ${fmtStep(num(forecast.at_step))}`, labelCls: "forecast-label"});
+      note += ` At the current slope (${fmt(num(forecast.slope_per_kstep))} per 1k steps) it reaches ${fmt(threshold)} in ${fmtStep(num(forecast.steps_to_threshold))} steps.`;
+    } else {
+      note += " Not rising: no crossing forecast.";
+    }
+  }
+  charts.append(panel("Total grad norm", note,
+    lineChart({name: "total", points: total, hlines, segments: state.range ? [] : segments, vlines: events, xrange: state.range, onZoom: zoom})));
+
+  // 2. The final norm gain's norm, with the slopes before and after each event.
+  if (state.finalParam) {
+    const key = "params/norm/" + state.finalParam;
+    const points = state.series[key] || [];
+    const changes = (analysis.slope_changes || []).filter((c) => c.key === key).sort((a, b) => num(a.event_step) - num(b.event_step));
+    const fits = [];
+    const first = points.length ? points[0].step : 0, last = points.length ? points[points.length - 1].last + 1 : 0;
+    changes.forEach((c, i) => {
+      const at = num(c.event_step);
+      const lo = i > 0 ? num(changes[i - 1].event_step) : first;
+      const hi = i + 1 < changes.length ? num(changes[i + 1].event_step) : last;
+      const before = fittedSegment(points, lo, at, num(c.before_per_kstep), "fit-before", `${fmt(num(c.before_per_kstep), 3)}/1k`);
+      const after = fittedSegment(points, at, hi, num(c.after_per_kstep), "fit-after",
+        `${fmt(num(c.after_per_kstep), 3)}/1k (×${fmt(num(c.ratio), 2)})`);
+      if (before) fits.push(before);
+      if (after) fits.push(after);
+    });
+    const amp = (analysis.amplifications || []).find((a) => a.param === state.finalParam);
+    let finalNote = "Lines: the daemon's least-squares slopes before (green) and after (red) each event.";
+    if (amp) finalNote += ` Now ${fmt(num(amp.norm))}, ${fmt(num(amp.amplification), 3)}× its initial norm ${fmt(num(amp.init_norm))}.`;
+    charts.append(panel(`Norm of ${state.finalParam}`, finalNote,
+      lineChart({name: "final", points, segments: fits, vlines: events, xrange: state.range, onZoom: zoom})));
+  }
+
+  // 3. Where the grad norm comes from.
+  const shares = (analysis.shares || []).slice(0, 16).map((s) => ({label: s.name + (s.is_group ? " (group)" : ""), value: num(s.share), cls: s.is_group ? "group" : ""}));
+  charts.append(panel("Share of the squared total grad norm", "Largest first; groups and single parameters.",
+    shares.length ? barChart("shares", shares, (v) => `${fmt(v * 100, 3)} %`) : el("p", {class: "muted"}, "No attribution yet.")));
+
+  // 4. Norm gains over their initial norm.
+  const amps = (analysis.amplifications || []).slice().sort((a, b) => num(b.amplification) - num(a.amplification)).slice(0, 16)
+    .map((a) => ({label: a.param, value: num(a.amplification)}));
+  charts.append(panel("Amplification (norm / initial norm)", "Norm gains without weight decay grow without bound.",
+    amps.length ? barChart("amplification", amps, (v) => `${fmt(v, 3)}×`) : el("p", {class: "muted"}, "No norm gains with a known initial norm.")));
+
+  // 5. The alerts on a step axis.
+  const timeline = state.alerts.map((a) => ({label: a.name, value: num(a.step), cls: shortState(a.state) === "firing" ? "" : "group"}));
+  charts.append(panel("Alerts", "Pending and firing alerts of this run, at the step their state last changed.",
+    timeline.length ? barChart("alerts", timeline, (v) => `step ${fmtStep(v)}`) : el("p", {class: "muted"}, "No pending or firing alert.")));
+
+  parts.push(charts);
+  main.replaceChildren(...parts);
+  state.renders += 1;
+  document.body.dataset.renders = String(state.renders);
+}
+
+async function showRun(run) {
+  document.getElementById("where").textContent = run;
+  document.title = `${run} — gradwatch`;
+  const [summary, alerts] = await Promise.all([api(runPath(run)), api("/api/v1/alerts?run=" + encodeURIComponent(run))]);
+  state.summary = summary;
+  state.alerts = alerts.alerts || [];
+  state.finalParam = pickFinalParam(summary);
+  const keys = [TOTAL_KEY];
+  if (state.finalParam) keys.push("params/norm/" + state.finalParam);
+  const loaded = await Promise.all(keys.map((k) => loadSeries(run, k, state.range).catch(() => [])));
+  keys.forEach((k, i) => { state.series[k] = loaded[i]; });
+  renderRun();
+}
+
+let timer = null;
+
+async function refresh() {
+  clearTimeout(timer);
+  try {
+    if (state.run === null) await showRuns();
+    else await showRun(state.run);
+    setStatus(`updated ${new Date().toLocaleTimeString()}`, false);
+  } catch (e) {
+    state.errors.push(String(e.message || e));
+    setStatus(`cannot reach the daemon: ${e.message || e}`, true);
+    if (state.run !== null && state.summary === null) {
+      document.getElementById("main").replaceChildren(el("p", {class: "muted"}, `No run ${state.run}: ${e.message || e}. `, el("a", {href: "/runs/"}, "All runs")));
+    }
+  }
+  // Live while the view reaches the latest step; a zoomed range stays as it is.
+  if (!state.range) timer = setTimeout(refresh, REFRESH_MS);
+}
+
+function start() {
+  const path = window.location.pathname;
+  const prefix = "/runs/";
+  const rest = path.startsWith(prefix) ? path.slice(prefix.length) : "";
+  state.run = rest ? decodeURIComponent(rest.replace(/\/$/, "")) : null;
+  refresh();
+}
+
+document.addEventListener("DOMContentLoaded", start);

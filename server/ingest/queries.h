@@ -1,0 +1,31 @@
+// The Query API's reads without a transport: the gRPC Query service and the HTTP JSON API behind
+// the run view (server/daemon/run_view.h) answer with the same code, so they cannot disagree.
+// Callers check the caller's scope first.
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include "alerts/state_machine.h"
+#include "gradwatch/v1/gradwatch.pb.h"
+#include "server/core/clock.h"
+#include "server/runs/registry.h"
+
+namespace gradwatch::ingest {
+
+struct QuerySources {
+  runs::RunRegistry* registry = nullptr;
+  const Clock* clock = nullptr;
+  alerts::AlertEngine* engine = nullptr;  // null: no alerting (no alerts listed)
+};
+
+grpc::Status ListRuns(const QuerySources& from, const v1::ListRunsRequest& request, v1::ListRunsResponse* response);
+// NOT_FOUND for a run the daemon does not hold.
+grpc::Status GetRun(const QuerySources& from, const v1::GetRunRequest& request, v1::RunSummary* response);
+// NOT_FOUND for an unknown run or series, INVALID_ARGUMENT for to_step before from_step.
+grpc::Status GetSeries(const QuerySources& from, const v1::GetSeriesRequest& request,
+                       v1::GetSeriesResponse* response);
+// The pending and firing alerts (of one run when run_id is set), with their silences and acks.
+grpc::Status ListAlerts(const QuerySources& from, const v1::ListAlertsRequest& request,
+                        v1::ListAlertsResponse* response);
+
+}  // namespace gradwatch::ingest
