@@ -255,6 +255,8 @@ async function showRuns() {
   const main = document.getElementById("main");
   main.replaceChildren(rows.length ? table : el("p", {class: "muted"}, "No runs yet: stream steps to the daemon."));
   state.runs = runs.runs || [];
+  state.renders += 1;
+  document.body.dataset.renders = String(state.renders);
 }
 
 // The norm gain whose slopes the second chart shows: the final norm's, else the norm gain that
@@ -407,6 +409,7 @@ async function refresh() {
     setStatus(`updated ${new Date().toLocaleTimeString()}`, false);
   } catch (e) {
     state.errors.push(String(e.message || e));
+    document.body.dataset.errors = String(state.errors.length);
     setStatus(`cannot reach the daemon: ${e.message || e}`, true);
     if (state.run !== null && state.summary === null) {
       document.getElementById("main").replaceChildren(el("p", {class: "muted"}, `No run ${state.run}: ${e.message || e}. `, el("a", {href: "/runs/"}, "All runs")));
