@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "client/cli/commands.h"
+#include "client/cli/plot.h"
 #include "client/cli/options.h"
 #include "client/cli/replay.h"
 #include "client/cli/tail.h"
@@ -212,6 +213,12 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   auto* silence_remove_cmd = silence_cmd->add_subcommand("remove", "Remove a silence");
   silence_remove_cmd->add_option("ID", silence_id, "Silence id")->required();
 
+  std::string plot_run, plot_output;
+  auto* plot_cmd = app.add_subcommand(
+      "plot", "Draw a run's total grad norm and final norm (with its slopes at events) into an SVG or PNG file");
+  plot_cmd->add_option("RUN", plot_run, "Run id")->required();
+  plot_cmd->add_option("-o,--output", plot_output, "FILE.svg, or FILE.png (needs rsvg-convert)")->required();
+
   std::string ack_fingerprint, ack_by, ack_comment;
   auto* ack_cmd = app.add_subcommand("ack", "Acknowledge a firing alert: no re-notification until it resolves");
   ack_cmd->add_option("FINGERPRINT", ack_fingerprint, "The alert's fingerprint (see gradwatch alerts)")->required();
@@ -259,6 +266,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   if (*ack_cmd) return RunAck(global, query, ack_fingerprint, ack_by, ack_comment, out, err);
   if (*show_cmd) return RunShow(global, query, show_run, out, err);
   if (*series_cmd) return RunSeries(global, query, series, out, err);
+  if (*plot_cmd) return RunPlot(global, query, plot_run, plot_output, out, err);
   if (*annotate_cmd) {
     return RunAnnotate(global, query, annotate_run, annotate_step, Join(annotate_text), out, err);
   }
