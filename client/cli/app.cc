@@ -11,6 +11,7 @@
 
 #include "client/cli/commands.h"
 #include "client/cli/plot.h"
+#include "client/cli/report.h"
 #include "client/cli/options.h"
 #include "client/cli/replay.h"
 #include "client/cli/tail.h"
@@ -219,6 +220,12 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   plot_cmd->add_option("RUN", plot_run, "Run id")->required();
   plot_cmd->add_option("-o,--output", plot_output, "FILE.svg, or FILE.png (needs rsvg-convert)")->required();
 
+  std::string report_run, report_dir;
+  auto* report_cmd = app.add_subcommand(
+      "report", "Write a run's incident report: DIR/report.md from the daemon's analysis, with its SVG charts");
+  report_cmd->add_option("RUN", report_run, "Run id")->required();
+  report_cmd->add_option("-o,--output", report_dir, "Directory to write (created if missing)")->required();
+
   std::string ack_fingerprint, ack_by, ack_comment;
   auto* ack_cmd = app.add_subcommand("ack", "Acknowledge a firing alert: no re-notification until it resolves");
   ack_cmd->add_option("FINGERPRINT", ack_fingerprint, "The alert's fingerprint (see gradwatch alerts)")->required();
@@ -267,6 +274,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   if (*show_cmd) return RunShow(global, query, show_run, out, err);
   if (*series_cmd) return RunSeries(global, query, series, out, err);
   if (*plot_cmd) return RunPlot(global, query, plot_run, plot_output, out, err);
+  if (*report_cmd) return RunReport(global, query, report_run, report_dir, out, err);
   if (*annotate_cmd) {
     return RunAnnotate(global, query, annotate_run, annotate_step, Join(annotate_text), out, err);
   }

@@ -1,0 +1,207 @@
+#include "client/cli/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "client/cli/commands.h"
+
+namespace gradwatch::cli {
+
+namespace {
+
+constexpr const char* kTotalKey = "grad/norm/total";
+
+// Three significant digits: every number of the report, so that a reader (and the test) can
+// match it with the Query API's value.
+std::string Num(double v) {
+  if (!std::isfinite(v)) return v != v ? "NaN" : (v > 0 ? "+Inf" : "-Inf");
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3g", v);
+  return text;
+}
+
+std::string Step(uint64_t v) {
+  std::string digits = std::to_string(v), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string Percent(double share) { return Num(share * 100) + " %"; }
+
+// The value of `points` at the last point that starts before `step` (mean of its bucket).
+const v1::SeriesPoint* Before(const std::vector<v1::SeriesPoint>& points, uint64_t step) {
+  const v1::SeriesPoint* found = nullptr;
+  for (const auto& p : points) {
+    if (p.step() < step && std::isfinite(p.value())) found = &p;
+  }
+  return found;
+}
+
+std::string StateName(v1::AlertState state) {
+  std::string name = v1::AlertState_Name(state);
+  constexpr std::string_view kPrefix = "ALERT_STATE_";
+  if (name.rfind(kPrefix, 0) == 0) name = name.substr(kPrefix.size());
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+  return name;
+}
+
+std::string RunStateName(v1::RunState state) {
+  std::string name = v1::RunState_Name(state);
+  constexpr std::string_view kPrefix = "RUN_STATE_";
+  if (name.rfind(kPrefix, 0) == 0) name = name.substr(kPrefix.size());
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+  return name;
+}
+
+}  // namespace
+
+std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& alerts, const std::string& daemon) {
+  const v1::RunSummary& s = data.summary;
+  const v1::Analysis& a = s.analysis();
+  std::ostringstream md;
+  md << "# " << s.info().run_id() << ": what the gradients did\n\n";
+  md << "From gradwatchd at " << daemon << ": steps " << Step(s.info().first_step()) << " to "
+     << Step(s.info().last_step()) << " (" << Step(s.info().step_count()) << " held), run "
+     << RunStateName(s.info().state()) << ". Every number below is the daemon's analysis "
+     << "(`gradwatch show " << s.info().run_id() << " --json`), rounded to three digits.\n\n";
+  md << "![total grad norm](total-grad-norm.svg)\n\n";
+  if (!data.final_param.empty()) md << "![norm of " << data.final_param << "](final-norm.svg)\n\n";
+
+  md << "## What grew, and since when\n\n";
+  bool grew = false;
+  for (const auto& g : a.growth_without_decay()) {
+    grew = true;
+    md << "- The norm of **" << g.param() << "** (weight decay 0) grew ×" << Num(g.growth_factor()) << " over the last "
+       << Step(g.window_steps()) << " steps, at " << Num(g.slope_per_kstep()) << " per 1k steps; it is now "
+       << Num(g.norm());
+    if (std::isfinite(g.amplification())) md << ", " << Num(g.amplification()) << "× its initial norm";
+    md << ".\n";
+  }
+  const std::string final_key = "params/norm/" + data.final_param;
+  for (const auto& c : a.slope_changes()) {
+    if (c.key() != final_key) continue;
+    const v1::SeriesPoint* at = Before(data.final, c.event_step());
+    double init = NAN;
+    for (const auto& amp : a.amplifications()) {
+      if (amp.param() == data.final_param) init = amp.init_norm();
+    }
+    if (at != nullptr) {
+      grew = true;
+      md << "- The norm of **" << data.final_param << "** had reached " << Num(at->value());
+      if (std::isfinite(init) && init > 0) md << " (" << Num(at->value() / init) << "× its initial norm " << Num(init) << ")";
+      md << " before step " << Step(c.event_step()) << " (" << c.event_text() << "); the event changed its slope ×"
+         << Num(c.ratio()) << ", from " << Num(c.before_per_kstep()) << " to " << Num(c.after_per_kstep())
+         << " per 1k steps.\n";
+    }
+  }
+  if (!grew) md << "Nothing grew without weight decay.\n";
+  md << "\n## Where the total grad norm comes from\n\n";
+  if (a.shares().empty()) md << "No attribution: the run reports no per-parameter grad norms.\n";
+  int listed = 0;
+  for (const auto& share : a.shares()) {
+    if (listed++ == 5) break;
+    md << "- " << (share.is_group() ? "group " : "") << "**" << share.name() << "** carries " << Percent(share.share())
+       << " of the squared total grad norm (trend " << Num(share.slope_per_kstep() * 100) << " points per 1k steps).\n";
+  }
+  md << "\n## Amplification\n\n";
+  if (a.amplifications().empty()) {
+    md << "No norm gain with a known initial norm.\n";
+  } else {
+    md << "| parameter | norm | initial norm | amplification |\n| --- | ---: | ---: | ---: |\n";
+    for (const auto& amp : a.amplifications()) {
+      md << "| " << amp.param() << " | " << Num(amp.norm()) << " | " << Num(amp.init_norm()) << " | "
+         << Num(amp.amplification()) << "× |\n";
+    }
+  }
+  md << "\n## Slope changes at events\n\n";
+  if (a.slope_changes().empty()) {
+    md << "No event, or no slope measured around one.\n";
+  } else {
+    md << "| series | event | before (per 1k steps) | after (per 1k steps) | ratio |\n| --- | --- | ---: | ---: | ---: |\n";
+    for (const auto& c : a.slope_changes()) {
+      md << "| " << c.key() << " | step " << Step(c.event_step()) << ": " << c.event_text() << " | "
+         << Num(c.before_per_kstep()) << " | " << Num(c.after_per_kstep()) << " | ×" << Num(c.ratio()) << " |\n";
+    }
+  }
+  md << "\n## Forecast\n\n";
+  bool forecast = false;
+  for (const auto& f : a.forecasts()) {
+    forecast = true;
+    md << "- **" << f.key() << "** is " << Num(f.current_value()) << " against a threshold of " << Num(f.threshold())
+       << ": ";
+    if (f.reachable()) {
+      md << "at " << Num(f.slope_per_kstep()) << " per 1k steps it reaches it at step " << Step(f.at_step()) << ", "
+         << Step(static_cast<uint64_t>(std::llround(f.steps_to_threshold()))) << " steps after the last one.\n";
+    } else {
+      md << "not rising, so it does not reach it at this slope.\n";
+    }
+  }
+  if (!forecast) md << "No forecast configured for this run's series.\n";
+  md << "\n## Alerts\n\n";
+  std::vector<std::string> recommendations;
+  if (alerts.alerts().empty()) md << "No alert is pending or firing.\n";
+  for (const auto& alert : alerts.alerts()) {
+    const auto& ann = alert.annotations();
+    md << "- **" << alert.name() << "** " << StateName(alert.state()) << " at step " << Step(alert.step())
+       << ", value " << Num(alert.value());
+    if (const auto it = ann.find("summary"); it != ann.end()) md << ": " << it->second;
+    md << "\n";
+    if (const auto it = ann.find("recommendation"); it != ann.end() &&
+        std::find(recommendations.begin(), recommendations.end(), it->second) == recommendations.end()) {
+      recommendations.push_back(it->second);
+    }
+  }
+  md << "\n## Recommendation\n\n";
+  if (recommendations.empty()) md << "No alert carries a recommendation.\n";
+  for (const std::string& r : recommendations) md << "- " << r << "\n";
+  return md.str();
+}
+
+int RunReport(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
+              const std::string& directory, std::ostream& out, std::ostream& err) {
+  PlotData data;
+  std::string what;
+  if (grpc::Status s = FetchPlotData(query, run, 2000, &data, &what); !s.ok()) {
+    return ReportRpcError(global, what, s, err);
+  }
+  auto alerts = query.ListAlerts(run);
+  if (!alerts.ok()) return ReportRpcError(global, "alerts of run " + run, alerts.status, err);
+  std::error_code ec;
+  std::filesystem::create_directories(directory, ec);
+  if (ec) {
+    err << "gradwatch report: cannot create " << directory << ": " << ec.message() << "\n";
+    return kExitFailure;
+  }
+  const std::filesystem::path dir(directory);
+  std::vector<std::pair<std::filesystem::path, std::string>> files = {
+      {dir / "report.md", RenderReport(data, alerts.response, global.address)},
+      {dir / "total-grad-norm.svg", RenderChartSvg(data, "total")}};
+  if (!data.final_param.empty()) files.emplace_back(dir / "final-norm.svg", RenderChartSvg(data, "final"));
+  for (const auto& [path, text] : files) {
+    std::ofstream file(path, std::ios::binary | std::ios::trunc);
+    file << text;
+    if (!file.flush()) {
+      err << "gradwatch report: cannot write " << path.string() << "\n";
+      return kExitFailure;
+    }
+  }
+  if (global.json) {
+    nlohmann::ordered_json written = nlohmann::ordered_json::array();
+    for (const auto& f : files) written.push_back(f.first.string());
+    out << nlohmann::ordered_json{{"run", run}, {"files", written}}.dump(2) << "\n";
+  } else {
+    out << "wrote " << (dir / "report.md").string() << " and its charts\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace gradwatch::cli
