@@ -1,0 +1,162 @@
+// `gradwatch plot` and `gradwatch report` on the replayed incident of DESIGN.md: the charts hold
+// the replayed series, the threshold and the slopes at the event; every number of the report is
+// the Query API's, as the report rounds it (three significant digits).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "gradwatch/v1/gradwatch.pb.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/integration/stream_client.h"
+
+using namespace gradwatch;
+using namespace gradwatch::testing;
+
+namespace {
+
+constexpr const char* kRun = "moe-incident-demo";
+
+std::string Num(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3g", v);
+  return text;
+}
+
+std::string Step(uint64_t v) {
+  std::string digits = std::to_string(v), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string ReadFile(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+size_t Count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+struct Incident {
+  Incident() : dir("gradwatch-report") {
+    const std::string file = (dir.path() / "incident.jsonl").string();
+    CommandResult r = RunCommand({"/usr/bin/python3", SourceDir() + "/deploy/examples/make_incident_run.py", "--out",
+                                  file},
+                                 std::nullopt, std::chrono::seconds(120));
+    REQUIRE(r.exit_code == 0);
+    r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", file, "--max", "--json"}, std::nullopt,
+                   std::chrono::seconds(300));
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+  }
+  v1::RunSummary Summary() const {
+    auto stub = QueryStub(daemon.grpc_target());
+    grpc::ClientContext ctx;
+    v1::GetRunRequest req;
+    req.set_run_id(kRun);
+    v1::RunSummary summary;
+    REQUIRE(stub->GetRun(&ctx, req, &summary).ok());
+    return summary;
+  }
+  CommandResult Cli(std::vector<std::string> args) const {
+    std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv, std::nullopt, std::chrono::seconds(120));
+  }
+  TempDir dir;
+  DaemonProcess daemon;
+};
+
+}  // namespace
+
+TEST_CASE("gradwatch plot draws the total grad norm and the final norm with its slopes at the event",
+          "[integration]") {
+  Incident incident;
+  const std::string svg_path = (incident.dir.path() / "incident.svg").string();
+  CommandResult r = incident.Cli({"plot", kRun, "-o", svg_path});
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Catch::Contains("total grad norm (1201 points) and final_norm.weight (1201 points)"));
+  const std::string svg = ReadFile(svg_path);
+  CHECK(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0) == 0);
+  CHECK(Count(svg, "<path class=\"series\"") == 2);
+  CHECK(Count(svg, "class=\"threshold\"") == 1);
+  CHECK_THAT(svg, Catch::Contains("threshold 5"));
+  CHECK(Count(svg, "<line class=\"fit-before\"") == 1);
+  CHECK(Count(svg, "<line class=\"fit-after\"") == 1);
+  CHECK_THAT(svg, Catch::Contains("switched to near-dropless EP routing (step 81,716)"));
+  // Every point of the 1,201 replayed steps: one path command each.
+  const size_t series = svg.find("<path class=\"series\" d=\"");
+  const std::string d = svg.substr(series, svg.find("\"/>", series) - series);
+  CHECK(Count(d, "L") == 1200);
+
+  const std::string png = (incident.dir.path() / "incident.png").string();
+  r = incident.Cli({"plot", kRun, "-o", png});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(ReadFile(png).rfind("\x89PNG", 0) == 0);
+
+  r = incident.Cli({"plot", kRun, "-o", "chart.pdf"});
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Catch::Contains("-o must name a .svg or .png file"));
+  r = incident.Cli({"plot", "no-such-run", "-o", svg_path});
+  CHECK(r.exit_code == 1);
+}
+
+TEST_CASE("gradwatch report writes the incident up from the analysis, every number the Query API's",
+          "[integration]") {
+  Incident incident;
+  const auto out = incident.dir.path() / "report";
+  const CommandResult r = incident.Cli({"report", kRun, "-o", out.string()});
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string md = ReadFile(out / "report.md");
+  INFO(md);
+  CHECK(std::filesystem::file_size(out / "total-grad-norm.svg") > 1000);
+  CHECK(std::filesystem::file_size(out / "final-norm.svg") > 1000);
+  CHECK_THAT(md, Catch::Contains("![total grad norm](total-grad-norm.svg)") &&
+                     Catch::Contains("![norm of final_norm.weight](final-norm.svg)"));
+
+  const v1::RunSummary summary = incident.Summary();
+  const v1::Analysis& a = summary.analysis();
+  // The final norm's slope change at the routing switch.
+  bool found = false;
+  for (const auto& c : a.slope_changes()) {
+    if (c.key() != "params/norm/final_norm.weight") continue;
+    found = true;
+    CHECK(c.event_step() == 81716);
+    CHECK_THAT(md, Catch::Contains("the event changed its slope ×" + Num(c.ratio()) + ", from " +
+                                   Num(c.before_per_kstep()) + " to " + Num(c.after_per_kstep()) + " per 1k steps"));
+    CHECK_THAT(md, Catch::Contains("before step 81,716 (switched to near-dropless EP routing)"));
+  }
+  CHECK(found);
+  // The parameter that dominates the grad norm.
+  REQUIRE(a.shares_size() > 0);
+  CHECK_THAT(md, Catch::Contains("**" + a.shares(0).name() + "** carries " + Num(a.shares(0).share() * 100) + " %"));
+  // Amplification, growth without decay, the forecast.
+  for (const auto& amp : a.amplifications()) {
+    CHECK_THAT(md, Catch::Contains("| " + amp.param() + " | " + Num(amp.norm()) + " | " + Num(amp.init_norm()) + " | " +
+                                   Num(amp.amplification()) + "× |"));
+  }
+  REQUIRE(a.growth_without_decay_size() > 0);
+  CHECK_THAT(md, Catch::Contains("The norm of **" + a.growth_without_decay(0).param() + "** (weight decay 0) grew ×" +
+                                 Num(a.growth_without_decay(0).growth_factor())));
+  for (const auto& f : a.forecasts()) {
+    if (f.key() != "grad/norm/total") continue;
+    CHECK_THAT(md, Catch::Contains("**grad/norm/total** is " + Num(f.current_value()) + " against a threshold of " +
+                                   Num(f.threshold())));
+    if (f.reachable()) CHECK_THAT(md, Catch::Contains("reaches it at step " + Step(f.at_step())));
+  }
+  CHECK_THAT(md, Catch::Contains("## Recommendation"));
+}
