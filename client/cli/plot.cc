@@ -38,6 +38,7 @@ std::string Escape(std::string_view text) {
 
 std::string Num(double v, int digits = 4) {
   if (!std::isfinite(v)) return v != v ? "NaN" : (v > 0 ? "+Inf" : "-Inf");
+  if (v == 0) return "0";
   char text[32];
   const double a = std::fabs(v);
   if (a != 0 && (a >= 1e6 || a < 1e-3)) {
@@ -71,7 +72,9 @@ std::vector<double> Ticks(double lo, double hi, int count) {
       break;
     }
   }
-  for (double t = std::ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) out.push_back(t);
+  for (double t = std::ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) {
+    out.push_back(std::fabs(t) < step * 1e-9 ? 0.0 : t);
+  }
   return out;
 }
 
@@ -101,7 +104,15 @@ void Draw(std::ostringstream& svg, const Chart& c, double top) {
     }
   }
   for (const auto& [y, label] : c.hlines) y0 = std::min(y0, y), y1 = std::max(y1, y);
-  for (const Line& l : c.segments) {
+  // A forecast may reach far beyond the data: the axis goes at most half the data's span further,
+  // and a longer segment is cut there (its label still says where it ends).
+  const double x_limit = x1 + (x1 - x0) * 0.5;
+  std::vector<Line> segments = c.segments;
+  for (Line& l : segments) {
+    if (l.x1 > x_limit && l.x1 > l.x0) {
+      l.y1 = l.y0 + (l.y1 - l.y0) * (x_limit - l.x0) / (l.x1 - l.x0);
+      l.x1 = x_limit;
+    }
     x1 = std::max(x1, l.x1);
     y0 = std::min({y0, l.y0, l.y1});
     y1 = std::max({y1, l.y0, l.y1});
@@ -145,6 +156,15 @@ void Draw(std::ostringstream& svg, const Chart& c, double top) {
     }
     svg << "\"/>\n";
   }
+  for (const Line& l : segments) {
+    svg << "<line class=\"" << l.cls << "\" x1=\"" << X(l.x0) << "\" y1=\"" << Y(l.y0) << "\" x2=\"" << X(l.x1)
+        << "\" y2=\"" << Y(l.y1) << "\"/>";
+    if (!l.label.empty()) {
+      svg << "<text class=\"" << l.cls << "-label\" x=\"" << X(l.x1) - 4 << "\" y=\"" << Y(l.y1) + 16
+          << "\" text-anchor=\"end\">" << Escape(l.label) << "</text>";
+    }
+    svg << "\n";
+  }
   svg << "<path class=\"series\" d=\"";
   bool first = true;
   for (const auto& p : pts) {
@@ -156,22 +176,13 @@ void Draw(std::ostringstream& svg, const Chart& c, double top) {
   svg << "\"/>\n";
   for (const auto& [y, label] : c.hlines) {
     svg << "<line class=\"threshold\" x1=\"" << kLeft << "\" x2=\"" << kWidth - kRight << "\" y1=\"" << Y(y)
-        << "\" y2=\"" << Y(y) << "\"/><text class=\"threshold-label\" x=\"" << kWidth - kRight - 4 << "\" y=\""
-        << Y(y) - 5 << "\" text-anchor=\"end\">" << Escape(label) << "</text>\n";
-  }
-  for (const Line& l : c.segments) {
-    svg << "<line class=\"" << l.cls << "\" x1=\"" << X(l.x0) << "\" y1=\"" << Y(l.y0) << "\" x2=\"" << X(l.x1)
-        << "\" y2=\"" << Y(l.y1) << "\"/>";
-    if (!l.label.empty()) {
-      svg << "<text class=\"" << l.cls << "-label\" x=\"" << X(l.x1) - 4 << "\" y=\"" << Y(l.y1) - 7
-          << "\" text-anchor=\"end\">" << Escape(l.label) << "</text>";
-    }
-    svg << "\n";
+        << "\" y2=\"" << Y(y) << "\"/><text class=\"threshold-label\" x=\"" << kLeft + 6 << "\" y=\"" << Y(y) - 5
+        << "\">" << Escape(label) << "</text>\n";
   }
   for (const auto& [x, label] : c.events) {
     if (x < x0 || x > x1) continue;
     svg << "<line class=\"event\" x1=\"" << X(x) << "\" x2=\"" << X(x) << "\" y1=\"" << plot_top << "\" y2=\""
-        << plot_bottom << "\"/><text class=\"event-label\" x=\"" << X(x) + 4 << "\" y=\"" << plot_top + 12 << "\">"
+        << plot_bottom << "\"/><text class=\"event-label\" x=\"" << X(x) + 4 << "\" y=\"" << plot_bottom - 6 << "\">"
         << Escape(label) << " (step " << Step(x) << ")</text>\n";
   }
 }

@@ -127,7 +127,7 @@ class RunViewBrowserTest(unittest.TestCase):
         text = " ".join(dom.text)
         self.assertIn("Norm of final_norm.weight", text)
         self.assertIn("switched to near-dropless EP routing", text)
-        self.assertIn("Recommendation:", text)
+        self.assertIn("Recommendation: enable weight decay on final_norm.weight", text)
         bars = [a for a in dom.find("rect") if "data-value" in a]
         self.assertTrue(bars, "shares and amplification bars")
 

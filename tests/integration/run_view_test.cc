@@ -15,8 +15,8 @@ using nlohmann::json;
 
 namespace {
 
-constexpr const char* kRun = "view run/1";            // a space and a slash: percent-encoded in URLs
-constexpr const char* kRunPath = "view%20run%2F1";
+constexpr const char* kRun = "view:run/1";  // a colon and a slash: percent-encoded in URLs
+constexpr const char* kRunPath = "view%3Arun%2F1";
 
 // Steps 1..60 of a run whose total grad norm crosses 5 at step 50 (the page fires), with the
 // final norm's norm rising, then an event at step 30.
@@ -80,7 +80,7 @@ TEST_CASE("the run view's JSON API answers for a replayed run, and its errors sa
   CHECK(max == 5.5);
 
   // The alert the crossing fired, with its recommendation.
-  const json alerts = GetJson(daemon, "/api/v1/alerts?run=view+run%2F1");
+  const json alerts = GetJson(daemon, "/api/v1/alerts?run=view%3Arun%2F1");
   REQUIRE(alerts["alerts"].size() >= 1);
   CHECK(alerts["alerts"][0]["labels"]["run"] == kRun);
   CHECK_FALSE(alerts["alerts"][0]["annotations"]["recommendation"].get<std::string>().empty());
@@ -89,7 +89,7 @@ TEST_CASE("the run view's JSON API answers for a replayed run, and its errors sa
   CHECK(error["error"] == "no run 'nope'");
   CHECK(error["code"] == "NOT_FOUND");
   error = GetJson(daemon, std::string("/api/v1/runs/") + kRunPath + "/series?key=no/such", 404);
-  CHECK(error["error"] == "run 'view run/1' has no series 'no/such'");
+  CHECK(error["error"] == "run 'view:run/1' has no series 'no/such'");
   error = GetJson(daemon, std::string("/api/v1/runs/") + kRunPath + "/series", 400);
   CHECK(error["error"] == "key is required: ?key=grad/norm/total");
   error = GetJson(daemon, std::string("/api/v1/runs/") + kRunPath + "/series?key=train/loss&from=x", 400);
@@ -108,7 +108,7 @@ TEST_CASE("the run view's page is served from the binary, and an alert's link op
   CHECK(r.status == 302);
   CHECK(r.headers.at("location") == "/runs/");
   // generatorURL is <external_url>/runs/<run, percent-encoded>.
-  for (const std::string path : {"/runs/", std::string("/runs/") + kRunPath}) {
+  for (const std::string& path : {std::string("/runs/"), std::string("/runs/") + kRunPath}) {
     r = Get(daemon, path);
     INFO(path);
     CHECK(r.status == 200);

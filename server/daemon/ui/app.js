@@ -62,7 +62,7 @@ function shortState(s) {
 
 function fmt(v, digits = 4) {
   if (!Number.isFinite(v)) return String(v);
-  if (v === 0) return "0";
+  if (v === 0 || Math.abs(v) < 1e-12) return "0";
   const a = Math.abs(v);
   if (a >= 1e6 || a < 1e-3) return v.toExponential(2);
   return Number(v.toPrecision(digits)).toLocaleString("en-US", {maximumFractionDigits: 6});
@@ -119,7 +119,14 @@ function lineChart(options) {
   const pts = options.points.filter((p) => Number.isFinite(p.value));
   let x0 = options.xrange ? options.xrange[0] : Math.min(...pts.map((p) => p.step));
   let x1 = options.xrange ? options.xrange[1] : Math.max(...pts.map((p) => p.last));
-  for (const s of options.segments || []) x1 = Math.max(x1, s.x1);
+  // A forecast may reach far beyond the data: the axis goes at most half the data's span further,
+  // and a longer segment is cut there (its label still says where it ends).
+  const xLimit = x1 + (x1 - x0) * 0.5;
+  const segments = (options.segments || []).map((s) => {
+    if (!(s.x1 > xLimit && s.x1 > s.x0) || options.xrange) return s;
+    return {...s, x1: xLimit, y1: s.y0 + (s.y1 - s.y0) * (xLimit - s.x0) / (s.x1 - s.x0)};
+  });
+  if (!options.xrange) for (const s of segments) x1 = Math.max(x1, s.x1);
   if (!Number.isFinite(x0) || !Number.isFinite(x1)) {
     svg.append(svgEl("text", {x: width / 2, y: height / 2, "text-anchor": "middle", class: "label"}, "no data yet"));
     return svg;
@@ -128,7 +135,7 @@ function lineChart(options) {
   const ys = [];
   for (const p of pts) ys.push(p.min, p.max, p.value);
   for (const h of options.hlines || []) ys.push(h.y);
-  for (const s of options.segments || []) ys.push(s.y0, s.y1);
+  for (const s of segments) ys.push(s.y0, s.y1);
   const finite = ys.filter(Number.isFinite);
   let y0 = Math.min(...finite), y1 = Math.max(...finite);
   if (!(y1 > y0)) { y0 -= 1; y1 += 1; }
@@ -162,22 +169,22 @@ function lineChart(options) {
     const lower = pts.slice().reverse().map((p) => `${X(p.step)},${Y(p.min)}`);
     plot.append(svgEl("polygon", {class: "band", points: upper.concat(lower).join(" ")}));
   }
+  for (const s of segments) {
+    plot.append(svgEl("line", {class: s.cls, x1: X(s.x0), y1: Y(s.y0), x2: X(s.x1), y2: Y(s.y1)}));
+    if (s.label) plot.append(svgEl("text", {class: `label ${s.labelCls || "fit-label"}`, x: X(s.x1) - 4, y: Y(s.y1) + 16, "text-anchor": "end"}, s.label));
+  }
   if (pts.length > 0) {
     const d = pts.map((p, i) => `${i ? "L" : "M"}${X(p.step).toFixed(1)},${Y(p.value).toFixed(1)}`).join("");
     plot.append(svgEl("path", {class: "series", d, "data-points": String(pts.length)}));
   }
   for (const h of options.hlines || []) {
     plot.append(svgEl("line", {class: h.cls, x1: PAD.left, x2: width - PAD.right, y1: Y(h.y), y2: Y(h.y)}));
-    plot.append(svgEl("text", {class: `label ${h.cls}-label`, x: width - PAD.right - 4, y: Y(h.y) - 4, "text-anchor": "end"}, h.label));
-  }
-  for (const s of options.segments || []) {
-    plot.append(svgEl("line", {class: s.cls, x1: X(s.x0), y1: Y(s.y0), x2: X(s.x1), y2: Y(s.y1)}));
-    if (s.label) plot.append(svgEl("text", {class: `label ${s.labelCls || "fit-label"}`, x: X(s.x1) - 4, y: Y(s.y1) - 6, "text-anchor": "end"}, s.label));
+    plot.append(svgEl("text", {class: `label ${h.cls}-label`, x: PAD.left + 6, y: Y(h.y) - 5}, h.label));
   }
   for (const v of options.vlines || []) {
     if (v.x < x0 || v.x > x1) continue;
     plot.append(svgEl("line", {class: "event", x1: X(v.x), x2: X(v.x), y1: PAD.top, y2: height - PAD.bottom}));
-    plot.append(svgEl("text", {class: "label event-label", x: X(v.x) + 4, y: PAD.top + 12}, v.label));
+    plot.append(svgEl("text", {class: "label event-label", x: X(v.x) + 4, y: height - PAD.bottom - 6}, v.label));
   }
   svg.append(plot);
 
@@ -314,7 +321,7 @@ function renderRun() {
       el("div", {class: "title"}, `${a.name} — ${s} at step ${fmtStep(num(a.step))}, value ${fmt(num(a.value))}`),
       ann.summary ? el("div", {}, ann.summary) : "",
       ann.description ? el("div", {class: "muted"}, ann.description) : "",
-      ann.recommendation ? el("div", {class: "recommendation"}, "Recommendation: " + ann.recommendation) : ""));
+      ann.recommendation ? el("div", {class: "recommendation"}, ann.recommendation) : ""));
   }
   if (state.alerts.length) parts.push(alertBox);
 
