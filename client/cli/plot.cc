@@ -49,16 +49,7 @@ std::string Num(double v, int digits = 4) {
   return text;
 }
 
-std::string Step(double v) {
-  std::string digits = std::to_string(static_cast<long long>(std::llround(v)));
-  std::string out;
-  const size_t n = digits.size();
-  for (size_t i = 0; i < n; ++i) {
-    if (i > 0 && (n - i) % 3 == 0 && digits[0] != '-') out += ',';
-    out += digits[i];
-  }
-  return out;
-}
+std::string Step(double v) { return GroupedStep(v); }
 
 std::vector<double> Ticks(double lo, double hi, int count) {
   std::vector<double> out;
@@ -289,6 +280,17 @@ std::string Document(const std::vector<Chart>& charts) {
 }
 
 }  // namespace
+
+std::string GroupedStep(double step) {
+  const long long v = std::llround(step);
+  const std::string digits = std::to_string(v < 0 ? -v : v);
+  std::string out = v < 0 ? "-" : "";
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
 
 std::string PickFinalParam(const v1::RunSummary& summary) {
   for (const auto& p : summary.params()) {

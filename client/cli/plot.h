@@ -21,6 +21,9 @@ struct PlotData {
   std::vector<v1::SeriesPoint> final;  // params/norm/<final_param>
 };
 
+// A step with thousands separated: 81716 -> "81,716".
+std::string GroupedStep(double step);
+
 // The norm gain whose slopes are charted: role final_norm, else the most amplified norm gain,
 // else the first parameter that grew without weight decay; empty when none.
 std::string PickFinalParam(const v1::RunSummary& summary);

@@ -26,14 +26,7 @@ std::string Num(double v) {
   return text;
 }
 
-std::string Step(uint64_t v) {
-  std::string digits = std::to_string(v), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
+std::string Step(uint64_t v) { return GroupedStep(static_cast<double>(v)); }
 
 std::string Percent(double share) { return Num(share * 100) + " %"; }
 
@@ -46,21 +39,15 @@ const v1::SeriesPoint* Before(const std::vector<v1::SeriesPoint>& points, uint64
   return found;
 }
 
-std::string StateName(v1::AlertState state) {
-  std::string name = v1::AlertState_Name(state);
-  constexpr std::string_view kPrefix = "ALERT_STATE_";
-  if (name.rfind(kPrefix, 0) == 0) name = name.substr(kPrefix.size());
+// An enum value's name without its prefix, lower-cased: ALERT_STATE_FIRING -> firing.
+std::string ShortName(std::string name, std::string_view prefix) {
+  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
   std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
   return name;
 }
 
-std::string RunStateName(v1::RunState state) {
-  std::string name = v1::RunState_Name(state);
-  constexpr std::string_view kPrefix = "RUN_STATE_";
-  if (name.rfind(kPrefix, 0) == 0) name = name.substr(kPrefix.size());
-  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
-  return name;
-}
+std::string StateName(v1::AlertState state) { return ShortName(v1::AlertState_Name(state), "ALERT_STATE_"); }
+std::string RunStateName(v1::RunState state) { return ShortName(v1::RunState_Name(state), "RUN_STATE_"); }
 
 }  // namespace
 
