@@ -15,7 +15,6 @@ namespace gradwatch::cli {
 
 namespace {
 
-constexpr const char* kTotalKey = "grad/norm/total";
 
 // Three significant digits: every number of the report, so that a reader (and the test) can
 // match it with the Query API's value.
