@@ -166,6 +166,8 @@ metrics="$(curl -fsS --max-time 10 "$metrics_url")"
 awk -v run="$RUN_ID" 'index($0, run) && n < 12 { print; n++ }' <<<"$metrics"
 echo
 echo "Prometheus metrics: $metrics_url (scrape it, or curl it as above)"
+echo "Run view (charts, alerts; what alerts link to): http://127.0.0.1:$metrics_port/runs/$RUN_ID"
+echo "Incident report: $CLI --addr 127.0.0.1:$grpc_port report $RUN_ID -o $RUN_ID-report/"
 echo
 echo "\$ gradwatch alerts $RUN_ID"
 "$CLI" alerts "$RUN_ID"
