@@ -147,15 +147,6 @@ void Draw(std::ostringstream& svg, const Chart& c, double top) {
     }
     svg << "\"/>\n";
   }
-  for (const Line& l : segments) {
-    svg << "<line class=\"" << l.cls << "\" x1=\"" << X(l.x0) << "\" y1=\"" << Y(l.y0) << "\" x2=\"" << X(l.x1)
-        << "\" y2=\"" << Y(l.y1) << "\"/>";
-    if (!l.label.empty()) {
-      svg << "<text class=\"" << l.cls << "-label\" x=\"" << X(l.x1) - 4 << "\" y=\"" << Y(l.y1) + 16
-          << "\" text-anchor=\"end\">" << Escape(l.label) << "</text>";
-    }
-    svg << "\n";
-  }
   svg << "<path class=\"series\" d=\"";
   bool first = true;
   for (const auto& p : pts) {
@@ -165,6 +156,15 @@ void Draw(std::ostringstream& svg, const Chart& c, double top) {
     first = false;
   }
   svg << "\"/>\n";
+  for (const Line& l : segments) {
+    svg << "<line class=\"" << l.cls << "\" x1=\"" << X(l.x0) << "\" y1=\"" << Y(l.y0) << "\" x2=\"" << X(l.x1)
+        << "\" y2=\"" << Y(l.y1) << "\"/>";
+    if (!l.label.empty()) {
+      svg << "<text class=\"" << l.cls << "-label\" x=\"" << X(l.x1) - 4 << "\" y=\"" << Y(l.y1) + 16
+          << "\" text-anchor=\"end\">" << Escape(l.label) << "</text>";
+    }
+    svg << "\n";
+  }
   for (const auto& [y, label] : c.hlines) {
     svg << "<line class=\"threshold\" x1=\"" << kLeft << "\" x2=\"" << kWidth - kRight << "\" y1=\"" << Y(y)
         << "\" y2=\"" << Y(y) << "\"/><text class=\"threshold-label\" x=\"" << kLeft + 6 << "\" y=\"" << Y(y) - 5
@@ -265,8 +265,9 @@ const char* kStyle =
     ".threshold{stroke:#dc2626;stroke-dasharray:6 4}.threshold-label{fill:#dc2626}"
     ".forecast{stroke:#d97706;stroke-width:1.5;stroke-dasharray:3 3}.forecast-label{fill:#d97706}"
     ".event{stroke:#7c3aed;stroke-dasharray:2 3}.event-label{fill:#7c3aed}"
-    ".fit-before{stroke:#059669;stroke-width:2.2}.fit-before-label{fill:#059669}"
-    ".fit-after{stroke:#dc2626;stroke-width:2.2}.fit-after-label{fill:#dc2626}</style>\n";
+    ".fit-before{stroke:#059669;stroke-width:2.5;stroke-opacity:0.8;stroke-dasharray:10 5}.fit-before-label{fill:#059669}"
+    ".fit-after{stroke:#dc2626;stroke-width:2.5;stroke-opacity:0.8;stroke-dasharray:10 5}.fit-after-label{fill:#dc2626}"
+    "</style>\n";
 
 std::string Document(const std::vector<Chart>& charts) {
   std::ostringstream svg;

@@ -169,13 +169,13 @@ function lineChart(options) {
     const lower = pts.slice().reverse().map((p) => `${X(p.step)},${Y(p.min)}`);
     plot.append(svgEl("polygon", {class: "band", points: upper.concat(lower).join(" ")}));
   }
-  for (const s of segments) {
-    plot.append(svgEl("line", {class: s.cls, x1: X(s.x0), y1: Y(s.y0), x2: X(s.x1), y2: Y(s.y1)}));
-    if (s.label) plot.append(svgEl("text", {class: `label ${s.labelCls || "fit-label"}`, x: X(s.x1) - 4, y: Y(s.y1) + 16, "text-anchor": "end"}, s.label));
-  }
   if (pts.length > 0) {
     const d = pts.map((p, i) => `${i ? "L" : "M"}${X(p.step).toFixed(1)},${Y(p.value).toFixed(1)}`).join("");
     plot.append(svgEl("path", {class: "series", d, "data-points": String(pts.length)}));
+  }
+  for (const s of segments) {
+    plot.append(svgEl("line", {class: s.cls, x1: X(s.x0), y1: Y(s.y0), x2: X(s.x1), y2: Y(s.y1)}));
+    if (s.label) plot.append(svgEl("text", {class: `label ${s.labelCls || "fit-label"}`, x: X(s.x1) - 4, y: Y(s.y1) + 16, "text-anchor": "end"}, s.label));
   }
   for (const h of options.hlines || []) {
     plot.append(svgEl("line", {class: h.cls, x1: PAD.left, x2: width - PAD.right, y1: Y(h.y), y2: Y(h.y)}));
