@@ -259,15 +259,9 @@ Status Daemon::Start() {
     };
   }
   std::vector<web::Route> routes = RunViewRoutes({registry_.get(), clock_, &alerting_->engine()}, gate);
-  web::Route metrics_route;
-  metrics_route.path = "/metrics";
-  metrics_route.handler = [endpoint = metrics_endpoint_.get(), gate](const web::Request& request) {
-    if (gate) {
-      if (auto refusal = gate(request)) return std::move(*refusal);
-    }
+  routes.push_back(GatedRoute("/metrics", false, gate, [endpoint = metrics_endpoint_.get()](const web::Request& request) {
     return endpoint->Handle(request);
-  };
-  routes.push_back(std::move(metrics_route));
+  }));
   auto http = web::Server::Start(std::move(http_options), std::move(routes));
   if (!http.ok()) {
     return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " +

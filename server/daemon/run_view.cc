@@ -188,39 +188,39 @@ web::Response Asset(std::string_view name) {
   return r;
 }
 
-web::Route Route(std::string path, bool prefix, ReadGate gate, std::function<web::Response(const web::Request&)> f) {
+}  // namespace
+
+web::Route GatedRoute(std::string path, bool prefix, ReadGate gate, web::Handler handler) {
   web::Route route;
   route.path = std::move(path);
   route.prefix = prefix;
-  route.handler = [gate = std::move(gate), f = std::move(f)](const web::Request& request) {
+  route.handler = [gate = std::move(gate), handler = std::move(handler)](const web::Request& request) {
     if (gate) {
       if (auto refusal = gate(request)) return std::move(*refusal);
     }
-    return f(request);
+    return handler(request);
   };
   return route;
 }
 
-}  // namespace
-
 std::vector<web::Route> RunViewRoutes(ingest::QuerySources sources, ReadGate gate) {
   std::vector<web::Route> routes;
-  routes.push_back(Route("/", false, gate, [](const web::Request&) {
+  routes.push_back(GatedRoute("/", false, gate, [](const web::Request&) {
     web::Response r = web::Response::Text(302, "the run view is at /runs/");
     r.headers.emplace_back("Location", "/runs/");
     return r;
   }));
-  routes.push_back(Route("/runs/", true, gate, [](const web::Request&) { return Asset("index.html"); }));
-  routes.push_back(Route("/runs", false, gate, [](const web::Request&) {
+  routes.push_back(GatedRoute("/runs/", true, gate, [](const web::Request&) { return Asset("index.html"); }));
+  routes.push_back(GatedRoute("/runs", false, gate, [](const web::Request&) {
     web::Response r = web::Response::Text(301, "the run view is at /runs/");
     r.headers.emplace_back("Location", "/runs/");
     return r;
   }));
-  routes.push_back(Route("/ui/", true, gate, [](const web::Request& request) {
+  routes.push_back(GatedRoute("/ui/", true, gate, [](const web::Request& request) {
     return Asset(std::string_view(request.path).substr(4));
   }));
   routes.push_back(
-      Route("/api/", true, gate, [sources](const web::Request& request) { return Api(sources, request); }));
+      GatedRoute("/api/", true, gate, [sources](const web::Request& request) { return Api(sources, request); }));
   return routes;
 }
 

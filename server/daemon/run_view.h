@@ -16,6 +16,7 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "server/ingest/queries.h"
@@ -25,6 +26,9 @@ namespace gradwatch::daemon {
 
 // Decides whether a request may read (nullopt) or answers it with a refusal (401 / 403).
 using ReadGate = std::function<std::optional<web::Response>(const web::Request&)>;
+
+// A route whose requests pass `gate` (when set) before `handler`.
+web::Route GatedRoute(std::string path, bool prefix, ReadGate gate, web::Handler handler);
 
 // The routes above over `sources`, each request passing `gate` first when it is set.
 std::vector<web::Route> RunViewRoutes(ingest::QuerySources sources, ReadGate gate);
