@@ -112,6 +112,7 @@ void StateChanges::Merge(StateChanges later) {
   for (auto& [id, silence] : later.silences) silences[id] = std::move(silence);
   for (auto& [fp, level] : later.levels) levels[fp] = std::move(level);
   for (auto& [run, step] : later.evaluated) evaluated[run] = step;
+  for (HistoryEntry& e : later.history) history.push_back(std::move(e));
 }
 
 AlertEngine::AlertEngine(std::vector<Rule> rules) { SetRulesLocked(std::move(rules)); }

@@ -131,17 +131,30 @@ struct LevelState {
   bool operator==(const LevelState&) const = default;
 };
 
+// One entry of the alert history (the run view's alert timeline): an alert's state change, with
+// the alert as it was after it (alert.state is the new state; kInactive: a pending alert whose
+// condition cleared before it fired).
+struct HistoryEntry {
+  Alert alert;
+  AlertState from = AlertState::kInactive;
+  double at = 0;  // seconds since the Unix epoch
+};
+
 // Changes of the engine's durable state since the last report, latest wins per key: an
 // instance created or changed (its state, s0, r0, notified or ack; not merely its value) maps to
 // its new state, an instance that ended maps to nullopt; likewise silences by id, level trackers
-// by fingerprint (every report changes one), and the last step evaluated per run.
+// by fingerprint (every report changes one), and the last step evaluated per run. `history` is
+// appended to, never replaced: every state change, in order, for the alert history.
 struct StateChanges {
   std::map<uint64_t, std::optional<InstanceState>> instances;  // by fingerprint
   std::map<std::string, std::optional<Silence>> silences;      // by id
   std::map<uint64_t, std::optional<LevelState>> levels;        // by fingerprint
   std::map<std::string, std::optional<uint64_t>> evaluated;    // by run
+  std::vector<HistoryEntry> history;
 
-  bool empty() const { return instances.empty() && silences.empty() && levels.empty() && evaluated.empty(); }
+  bool empty() const {
+    return instances.empty() && silences.empty() && levels.empty() && evaluated.empty() && history.empty();
+  }
   // Folds later changes into these.
   void Merge(StateChanges later);
 };

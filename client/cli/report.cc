@@ -50,7 +50,8 @@ std::string RunStateName(v1::RunState state) { return ShortName(v1::RunState_Nam
 
 }  // namespace
 
-std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& alerts, const std::string& daemon) {
+std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& alerts,
+                         const v1::ListAlertHistoryResponse& history, const std::string& daemon) {
   const v1::RunSummary& s = data.summary;
   const v1::Analysis& a = s.analysis();
   std::ostringstream md;
@@ -133,17 +134,57 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   }
   if (!forecast) md << "No forecast configured for this run's series.\n";
   md << "\n## Alerts\n\n";
-  std::vector<std::string> recommendations;
-  if (alerts.alerts().empty()) md << "No alert is pending or firing.\n";
+  // Each alert's latest recommendation: as it is now for the alerts still active, as it was when
+  // it last fired for the others; the same text once.
+  std::vector<std::pair<std::string, std::string>> by_alert;  // fingerprint, recommendation
+  auto recommend = [&](const v1::Alert& alert) {
+    const auto it = alert.annotations().find("recommendation");
+    if (it == alert.annotations().end()) return;
+    auto known = std::find_if(by_alert.begin(), by_alert.end(), [&](const auto& r) { return r.first == alert.fingerprint(); });
+    if (known == by_alert.end()) {
+      by_alert.emplace_back(alert.fingerprint(), it->second);
+    } else {
+      known->second = it->second;
+    }
+  };
+  auto annotation = [](const v1::Alert& alert, const std::string& name) {
+    const auto it = alert.annotations().find(name);
+    return it == alert.annotations().end() ? std::string() : it->second;
+  };
+  // Every time an alert fired, from the alert history, with how it ended.
+  size_t fired = 0;
+  const auto& entries = history.entries();
+  for (int i = 0; i < entries.size(); ++i) {
+    const v1::Alert& alert = entries[i].alert();
+    if (alert.state() != v1::ALERT_STATE_FIRING) continue;
+    ++fired;
+    md << "- **" << alert.name() << "** fired at step " << Step(alert.step()) << ", value " << Num(alert.value());
+    if (const std::string summary = annotation(alert, "summary"); !summary.empty()) md << ": " << summary;
+    const v1::Alert* end = nullptr;
+    for (int j = i + 1; j < entries.size() && end == nullptr; ++j) {
+      if (entries[j].alert().fingerprint() == alert.fingerprint()) end = &entries[j].alert();
+    }
+    if (end != nullptr && end->state() == v1::ALERT_STATE_RESOLVED) {
+      md << ". Resolved at step " << Step(end->step());
+      if (const std::string summary = annotation(*end, "summary"); !summary.empty()) md << ": " << summary;
+    } else {
+      md << ". Still firing";
+    }
+    md << ".\n";
+    recommend(alert);
+  }
   for (const auto& alert : alerts.alerts()) {
-    const auto& ann = alert.annotations();
-    md << "- **" << alert.name() << "** " << StateName(alert.state()) << " at step " << Step(alert.step())
-       << ", value " << Num(alert.value());
-    if (const auto it = ann.find("summary"); it != ann.end()) md << ": " << it->second;
-    md << "\n";
-    if (const auto it = ann.find("recommendation"); it != ann.end() &&
-        std::find(recommendations.begin(), recommendations.end(), it->second) == recommendations.end()) {
-      recommendations.push_back(it->second);
+    if (alert.state() != v1::ALERT_STATE_PENDING) continue;
+    md << "- **" << alert.name() << "** pending since step " << Step(alert.step()) << ", value " << Num(alert.value());
+    if (const std::string summary = annotation(alert, "summary"); !summary.empty()) md << ": " << summary;
+    md << ".\n";
+  }
+  for (const auto& alert : alerts.alerts()) recommend(alert);
+  if (fired == 0 && alerts.alerts().empty()) md << "No alert fired, and none is pending.\n";
+  std::vector<std::string> recommendations;
+  for (const auto& [fingerprint, text] : by_alert) {
+    if (std::find(recommendations.begin(), recommendations.end(), text) == recommendations.end()) {
+      recommendations.push_back(text);
     }
   }
   md << "\n## Recommendation\n\n";
@@ -161,6 +202,8 @@ int RunReport(const GlobalOptions& global, client::QueryClient& query, const std
   }
   auto alerts = query.ListAlerts(run);
   if (!alerts.ok()) return ReportRpcError(global, "alerts of run " + run, alerts.status, err);
+  auto history = query.ListAlertHistory(run, 10000);
+  if (!history.ok()) return ReportRpcError(global, "alert history of run " + run, history.status, err);
   std::error_code ec;
   std::filesystem::create_directories(directory, ec);
   if (ec) {
@@ -169,7 +212,7 @@ int RunReport(const GlobalOptions& global, client::QueryClient& query, const std
   }
   const std::filesystem::path dir(directory);
   std::vector<std::pair<std::filesystem::path, std::string>> files = {
-      {dir / "report.md", RenderReport(data, alerts.response, global.address)},
+      {dir / "report.md", RenderReport(data, alerts.response, history.response, global.address)},
       {dir / "total-grad-norm.svg", RenderChartSvg(data, "total")}};
   if (!data.final_param.empty()) files.emplace_back(dir / "final-norm.svg", RenderChartSvg(data, "final"));
   for (const auto& [path, text] : files) {

@@ -32,6 +32,13 @@ QueryResult<v1::ListRunsResponse> QueryClient::ListRuns(bool include_archived) {
   return Call<v1::ListRunsRequest, v1::ListRunsResponse>(request, &v1::Query::Stub::ListRuns);
 }
 
+QueryResult<v1::ListAlertHistoryResponse> QueryClient::ListAlertHistory(const std::string& run_id, uint32_t limit) {
+  v1::ListAlertHistoryRequest request;
+  request.set_run_id(run_id);
+  request.set_limit(limit);
+  return Call<v1::ListAlertHistoryRequest, v1::ListAlertHistoryResponse>(request, &v1::Query::Stub::ListAlertHistory);
+}
+
 QueryResult<v1::ListAlertsResponse> QueryClient::ListAlerts(const std::string& run_id) {
   v1::ListAlertsRequest request;
   request.set_run_id(run_id);

@@ -37,6 +37,8 @@ class QueryClient {
                                              const std::string& text);
 
   QueryResult<v1::ListAlertsResponse> ListAlerts(const std::string& run_id);
+  // The latest `limit` alert state changes of the run (0: the daemon's default), oldest first.
+  QueryResult<v1::ListAlertHistoryResponse> ListAlertHistory(const std::string& run_id, uint32_t limit = 0);
   QueryResult<v1::ReloadRulesResponse> ReloadRules();
   QueryResult<v1::AddSilenceResponse> AddSilence(const v1::Silence& silence);
   QueryResult<v1::ListSilencesResponse> ListSilences();

@@ -59,6 +59,9 @@ void Alerting::Start(notify::Outbox* store, std::unique_ptr<notify::Dispatcher> 
 void Alerting::OnChanges(alerts::StateChanges changes, const std::vector<alerts::Transition>& transitions) {
   Batch batch;
   batch.changes = std::move(changes);
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  for (const alerts::Transition& t : transitions) batch.changes.history.push_back({t.alert, t.from, now});
   if (dispatcher_) {
     for (const alerts::Transition& t : transitions) {
       if (t.notify) batch.notify.push_back(t.alert);

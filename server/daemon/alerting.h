@@ -8,7 +8,8 @@
 // the journaled steps after it (alerts::AlertEngine::Restore). Changes that notify nobody (a
 // tracker's new report, the evaluated step) are fetched from the engine every kProgressInterval
 // (or with the next change that does), so that neither the evaluation nor the alert store does
-// work for them on every step. Thread-safe.
+// work for them on every step. Every transition is also written, in the same transaction, to the
+// store's alert history (StateChanges::history), which the run view's timeline reads. Thread-safe.
 #pragma once
 
 #include <atomic>

@@ -48,6 +48,10 @@ constexpr auto kSnapshotSettleTimeout = std::chrono::seconds(5);
 std::chrono::nanoseconds Seconds(double s) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(s));
 }
+
+ingest::AlertHistoryReader HistoryOf(store::AlertStore* store) {
+  return [store](std::string_view run, size_t limit) { return store->History(run, limit); };
+}
 }  // namespace
 
 Daemon::Daemon(Config config, const Clock* clock) : config_(std::move(config)), clock_(clock) {}
@@ -169,6 +173,7 @@ Status Daemon::Start() {
                                                   [this] { return ReloadRules(); });
   query_->set_max_silence_seconds(config_.max_silence_seconds);
   query_->set_authorizer(authorizer_.get());
+  query_->set_alert_history(HistoryOf(alert_store_.get()));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -258,7 +263,8 @@ Status Daemon::Start() {
       return refusal;
     };
   }
-  std::vector<web::Route> routes = RunViewRoutes({registry_.get(), clock_, &alerting_->engine()}, gate);
+  std::vector<web::Route> routes =
+      RunViewRoutes({registry_.get(), clock_, &alerting_->engine(), HistoryOf(alert_store_.get())}, gate);
   routes.push_back(GatedRoute("/metrics", false, gate, [endpoint = metrics_endpoint_.get()](const web::Request& request) {
     return endpoint->Handle(request);
   }));
@@ -476,6 +482,11 @@ void Daemon::PruneOld() {
     stats_->outbox_pruned_rows.fetch_add(pruned.value(), std::memory_order_relaxed);
   } else {
     spdlog::error("alerts: pruning the outbox: {}", pruned.status().message());
+  }
+  // The alert history lives as long as the journal's data it describes.
+  if (config_.journal_retention_days > 0) {
+    auto history = alert_store_->PruneHistory(now - config_.journal_retention_days * kDay, kOutboxBatch);
+    if (!history.ok()) spdlog::error("alerts: pruning the alert history: {}", history.status().message());
   }
 }
 

@@ -94,6 +94,7 @@ web::Response FromStatus(const grpc::Status& status, const google::protobuf::Mes
     switch (status.error_code()) {
       case grpc::StatusCode::NOT_FOUND: return JsonError(404, "NOT_FOUND", status.error_message());
       case grpc::StatusCode::INVALID_ARGUMENT: return JsonError(400, "INVALID_ARGUMENT", status.error_message());
+      case grpc::StatusCode::UNAVAILABLE: return JsonError(503, "UNAVAILABLE", status.error_message());
       default: return JsonError(500, "INTERNAL", status.error_message());
     }
   }
@@ -149,6 +150,21 @@ web::Response Api(const ingest::QuerySources& sources, const web::Request& reque
     v1::ListAlertsResponse response;
     return FromStatus(ingest::ListAlerts(sources, q, &response), response);
   }
+  if (path == "/api/v1/alerts/history") {
+    v1::ListAlertHistoryRequest q;
+    if (auto run = QueryParam(request.query, "run")) q.set_run_id(*run);
+    if (const auto text = QueryParam(request.query, "limit")) {
+      const auto value = Number(text);
+      if (!value || *value > ingest::kAlertHistoryMax) {
+        return JsonError(400, "INVALID_ARGUMENT",
+                         "limit must be a number up to " + std::to_string(ingest::kAlertHistoryMax) + ", not '" +
+                             *text + "'");
+      }
+      q.set_limit(static_cast<uint32_t>(*value));
+    }
+    v1::ListAlertHistoryResponse response;
+    return FromStatus(ingest::ListAlertHistory(sources, q, &response), response);
+  }
   if (path == kRuns || path == "/api/v1/runs/") {
     v1::ListRunsRequest q;
     const auto archived = QueryParam(request.query, "archived");
@@ -171,7 +187,7 @@ web::Response Api(const ingest::QuerySources& sources, const web::Request& reque
   }
   return JsonError(404, "NOT_FOUND",
                    "no API at " + request.path + " (/api/v1/runs, /api/v1/runs/RUN, /api/v1/runs/RUN/series, "
-                   "/api/v1/alerts)");
+                   "/api/v1/alerts, /api/v1/alerts/history)");
 }
 
 web::Response Asset(std::string_view name) {

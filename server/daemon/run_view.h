@@ -8,10 +8,11 @@
 //   GET /api/v1/runs/RUN          RunSummary
 //   GET /api/v1/runs/RUN/series   GetSeriesResponse (?key=K&from=S&to=S&max_points=N)
 //   GET /api/v1/alerts            ListAlertsResponse (?run=RUN)
+//   GET /api/v1/alerts/history    ListAlertHistoryResponse (?run=RUN&limit=N)
 //
 // The JSON is the Query API's messages in protobuf's JSON mapping with the proto's field names
 // (64-bit integers as strings, NaN and infinities as "NaN", "Infinity", "-Infinity"); errors are
-// {"error": "...", "code": "NOT_FOUND"} with 400, 404 or 500. docs/http-api.md documents them.
+// {"error": "...", "code": "NOT_FOUND"} with 400, 404, 500 or 503. docs/http-api.md documents them.
 #pragma once
 
 #include <functional>

@@ -314,15 +314,20 @@ void StoredRunToProto(const store::StoredRun& in, v1::RunInfo* out) {
   }
 }
 
+v1::AlertState AlertStateToProto(alerts::AlertState state) {
+  switch (state) {
+    case alerts::AlertState::kPending: return v1::ALERT_STATE_PENDING;
+    case alerts::AlertState::kFiring: return v1::ALERT_STATE_FIRING;
+    case alerts::AlertState::kResolved: return v1::ALERT_STATE_RESOLVED;
+    case alerts::AlertState::kInactive: return v1::ALERT_STATE_INACTIVE;
+  }
+  return v1::ALERT_STATE_UNSPECIFIED;
+}
+
 void AlertToProto(const alerts::Alert& in, v1::Alert* out) {
   out->set_fingerprint(alerts::FingerprintHex(in.labels));
   out->set_name(in.name);
-  switch (in.state) {
-    case alerts::AlertState::kPending: out->set_state(v1::ALERT_STATE_PENDING); break;
-    case alerts::AlertState::kFiring: out->set_state(v1::ALERT_STATE_FIRING); break;
-    case alerts::AlertState::kResolved: out->set_state(v1::ALERT_STATE_RESOLVED); break;
-    case alerts::AlertState::kInactive: out->set_state(v1::ALERT_STATE_UNSPECIFIED); break;
-  }
+  out->set_state(AlertStateToProto(in.state));
   out->mutable_labels()->insert(in.labels.begin(), in.labels.end());
   out->mutable_annotations()->insert(in.annotations.begin(), in.annotations.end());
   out->set_step(in.step);

@@ -45,6 +45,7 @@ v1::ErrorReason ReasonToProto(runs::IngestErrorReason reason);
 void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out);
 // A run only the journal holds: state ARCHIVED.
 void StoredRunToProto(const store::StoredRun& in, v1::RunInfo* out);
+v1::AlertState AlertStateToProto(alerts::AlertState state);
 void AlertToProto(const alerts::Alert& in, v1::Alert* out);
 void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out);
 void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out);

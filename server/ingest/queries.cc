@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "server/ingest/convert.h"
 
@@ -73,6 +74,25 @@ grpc::Status ListAlerts(const QuerySources& from, const v1::ListAlertsRequest& r
       out->mutable_ack()->set_comment(ack->comment);
       out->mutable_ack()->set_at(ack->at);
     }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ListAlertHistory(const QuerySources& from, const v1::ListAlertHistoryRequest& request,
+                              v1::ListAlertHistoryResponse* response) {
+  if (request.limit() > kAlertHistoryMax) {
+    return {grpc::StatusCode::INVALID_ARGUMENT,
+            "limit is at most " + std::to_string(kAlertHistoryMax) + ", not " + std::to_string(request.limit())};
+  }
+  if (!from.alert_history) return grpc::Status::OK;
+  auto entries = from.alert_history(request.run_id(), request.limit() == 0 ? kAlertHistoryDefault : request.limit());
+  if (!entries.ok()) return {grpc::StatusCode::UNAVAILABLE, "reading the alert history: " + entries.status().message()};
+  response->mutable_entries()->Reserve(static_cast<int>(entries->size()));
+  for (const alerts::HistoryEntry& e : entries.value()) {
+    v1::AlertHistoryEntry* out = response->add_entries();
+    AlertToProto(e.alert, out->mutable_alert());
+    out->set_from(e.from == alerts::AlertState::kInactive ? v1::ALERT_STATE_UNSPECIFIED : AlertStateToProto(e.from));
+    out->set_at(e.at);
   }
   return grpc::Status::OK;
 }

@@ -3,8 +3,14 @@
 // Callers check the caller's scope first.
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <string_view>
+#include <vector>
+
 #include <grpcpp/support/status.h>
 
+#include "alerts/notify/status.h"
 #include "alerts/state_machine.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 #include "server/core/clock.h"
@@ -12,11 +18,20 @@
 
 namespace gradwatch::ingest {
 
+// The latest `limit` alert state changes of a run (every run's when empty), oldest first
+// (store::AlertStore::History).
+using AlertHistoryReader =
+    std::function<notify::Result<std::vector<alerts::HistoryEntry>>(std::string_view run, size_t limit)>;
+
 struct QuerySources {
   runs::RunRegistry* registry = nullptr;
   const Clock* clock = nullptr;
   alerts::AlertEngine* engine = nullptr;  // null: no alerting (no alerts listed)
+  AlertHistoryReader alert_history;       // empty: no history kept
 };
+
+// The most entries ListAlertHistory returns, and how many when the request does not say.
+inline constexpr uint32_t kAlertHistoryMax = 10000, kAlertHistoryDefault = 1000;
 
 grpc::Status ListRuns(const QuerySources& from, const v1::ListRunsRequest& request, v1::ListRunsResponse* response);
 // NOT_FOUND for a run the daemon does not hold.
@@ -27,5 +42,9 @@ grpc::Status GetSeries(const QuerySources& from, const v1::GetSeriesRequest& req
 // The pending and firing alerts (of one run when run_id is set), with their silences and acks.
 grpc::Status ListAlerts(const QuerySources& from, const v1::ListAlertsRequest& request,
                         v1::ListAlertsResponse* response);
+// Every state change (of one run when run_id is set), oldest first; INVALID_ARGUMENT for a limit
+// over kAlertHistoryMax, UNAVAILABLE when the store cannot be read.
+grpc::Status ListAlertHistory(const QuerySources& from, const v1::ListAlertHistoryRequest& request,
+                              v1::ListAlertHistoryResponse* response);
 
 }  // namespace gradwatch::ingest

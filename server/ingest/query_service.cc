@@ -159,6 +159,15 @@ grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* 
   return Done(context, ingest::ListAlerts(sources(), *request, response));
 }
 
+grpc::ServerUnaryReactor* QueryService::ListAlertHistory(grpc::CallbackServerContext* context,
+                                                         const v1::ListAlertHistoryRequest* request,
+                                                         v1::ListAlertHistoryResponse* response) {
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "read the alert history"); !allowed.ok()) {
+    return Done(context, allowed);
+  }
+  return Done(context, ingest::ListAlertHistory(sources(), *request, response));
+}
+
 grpc::ServerUnaryReactor* QueryService::ListRuns(grpc::CallbackServerContext* context,
                                                  const v1::ListRunsRequest* request,
                                                  v1::ListRunsResponse* response) {

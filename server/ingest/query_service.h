@@ -26,6 +26,8 @@ class QueryService final : public v1::Query::CallbackService {
   void set_max_silence_seconds(double seconds) { max_silence_seconds_ = seconds; }
   // Who may call what (null: everyone). Set before the service is registered.
   void set_authorizer(const Authorizer* authorizer) { authorizer_ = authorizer; }
+  // Where ListAlertHistory reads (unset: no history). Set before the service is registered.
+  void set_alert_history(AlertHistoryReader reader) { alert_history_ = std::move(reader); }
 
   grpc::ServerUnaryReactor* ListRuns(grpc::CallbackServerContext* context, const v1::ListRunsRequest* request,
                                      v1::ListRunsResponse* response) override;
@@ -40,6 +42,9 @@ class QueryService final : public v1::Query::CallbackService {
   grpc::ServerUnaryReactor* ListAlerts(grpc::CallbackServerContext* context,
                                        const v1::ListAlertsRequest* request,
                                        v1::ListAlertsResponse* response) override;
+  grpc::ServerUnaryReactor* ListAlertHistory(grpc::CallbackServerContext* context,
+                                             const v1::ListAlertHistoryRequest* request,
+                                             v1::ListAlertHistoryResponse* response) override;
   grpc::ServerUnaryReactor* ReloadRules(grpc::CallbackServerContext* context, const v1::ReloadRulesRequest* request,
                                         v1::ReloadRulesResponse* response) override;
   grpc::ServerUnaryReactor* AddSilence(grpc::CallbackServerContext* context, const v1::AddSilenceRequest* request,
@@ -60,10 +65,11 @@ class QueryService final : public v1::Query::CallbackService {
   const RuleReloader reload_;
   double max_silence_seconds_ = 7 * 86400;
   const Authorizer* authorizer_ = nullptr;
+  AlertHistoryReader alert_history_;
 
   grpc::Status Allow(const grpc::CallbackServerContext* context, Scope scope, std::string_view run,
                      std::string_view what) const;
-  QuerySources sources() const { return {registry_, clock_, engine_}; }
+  QuerySources sources() const { return {registry_, clock_, engine_, alert_history_}; }
 };
 
 }  // namespace gradwatch::ingest

@@ -99,7 +99,12 @@ constexpr const char* kTables[] = {
     "CREATE TABLE IF NOT EXISTS alert_levels (fingerprint TEXT PRIMARY KEY, run TEXT NOT NULL, "
     "rule TEXT NOT NULL, reports BLOB NOT NULL, report_count INTEGER NOT NULL, "
     "since_mark INTEGER NOT NULL, all_since_mark INTEGER NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS alert_progress (run TEXT PRIMARY KEY, evaluated_step INTEGER NOT NULL)"};
+    "CREATE TABLE IF NOT EXISTS alert_progress (run TEXT PRIMARY KEY, evaluated_step INTEGER NOT NULL)",
+    // The alert history: every state change (alerts::HistoryEntry), the alert as JSON with its new
+    // state; from_state is an alerts::AlertState.
+    "CREATE TABLE IF NOT EXISTS alert_history (id INTEGER PRIMARY KEY AUTOINCREMENT, run TEXT NOT NULL, "
+    "fingerprint TEXT NOT NULL, from_state INTEGER NOT NULL, at REAL NOT NULL, alert TEXT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS alert_history_run ON alert_history (run, id)"};
 
 // Opens the journal's file at `path` (creating it only when `create`) with the settings and the
 // tables the alert store needs.
@@ -176,7 +181,8 @@ StatusOr<sqlite::Statement*> AlertStore::StatementLocked(std::string_view sql) {
 
 notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
   if (states.empty()) return notify::Status::Ok();
-  sqlite::Statement *put, *drop, *put_silence, *drop_silence, *put_level, *drop_level, *put_progress, *drop_progress;
+  sqlite::Statement *put, *drop, *put_silence, *drop_silence, *put_level, *drop_level, *put_progress, *drop_progress,
+      *put_history;
   const std::pair<sqlite::Statement**, const char*> all[] = {
       {&put,
        "INSERT OR REPLACE INTO alert_instances (fingerprint, run, rule, alert, held_since_step, clearing, "
@@ -192,6 +198,7 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
       {&drop_level, "DELETE FROM alert_levels WHERE fingerprint = ?"},
       {&put_progress, "INSERT OR REPLACE INTO alert_progress (run, evaluated_step) VALUES (?, ?)"},
       {&drop_progress, "DELETE FROM alert_progress WHERE run = ?"},
+      {&put_history, "INSERT INTO alert_history (run, fingerprint, from_state, at, alert) VALUES (?, ?, ?, ?, ?)"},
   };
   for (const auto& [statement, sql] : all) {
     auto prepared = StatementLocked(sql);
@@ -255,7 +262,63 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
     if (step) q.Bind(2, *step);
     if (Status s = q.Run("saving the evaluated step of run " + run); !s.ok()) return OutboxError(s);
   }
+  for (const alerts::HistoryEntry& e : states.history) {
+    auto label = e.alert.labels.find("run");
+    const std::string run = label == e.alert.labels.end() ? "" : label->second;
+    const std::string fingerprint = alerts::FingerprintHex(e.alert.labels);
+    const std::string alert = notify::AlertToJson(e.alert);
+    sqlite::Query q(*put_history);
+    q.Bind(1, run);
+    q.Bind(2, fingerprint);
+    q.Bind(3, static_cast<int>(e.from));
+    q.Bind(4, e.at);
+    q.Bind(5, alert);
+    if (Status s = q.Run("saving the history of alert " + fingerprint); !s.ok()) return OutboxError(s);
+  }
   return notify::Status::Ok();
+}
+
+notify::Result<std::vector<alerts::HistoryEntry>> AlertStore::History(std::string_view run, size_t limit) {
+  MutexLock lock(&mu_);
+  if (auto s = FollowFileLocked(); !s.ok()) return s;
+  auto select = StatementLocked(
+      "SELECT from_state, at, alert FROM (SELECT id, from_state, at, alert FROM alert_history "
+      "WHERE ifnull(?1, '') = '' OR run = ?1 ORDER BY id DESC LIMIT ?2) ORDER BY id");
+  if (!select.ok()) return OutboxError(select.status());
+  sqlite::Query q(**select);
+  q.Bind(1, run);
+  q.Bind(2, static_cast<int64_t>(std::min<size_t>(limit, INT64_MAX)));
+  std::vector<alerts::HistoryEntry> out;
+  Status status;
+  while (q.Next(&status, "reading the alert history")) {
+    auto alert = notify::AlertFromJson(q.Text(2));
+    if (!alert.ok()) {
+      spdlog::error("alert store: an entry of the alert history cannot be read, it is skipped: {}",
+                    alert.status().message());
+      continue;
+    }
+    const int from = q.Int(0);
+    out.push_back({std::move(alert).value(),
+                   from >= 0 && from <= static_cast<int>(alerts::AlertState::kResolved)
+                       ? static_cast<alerts::AlertState>(from)
+                       : alerts::AlertState::kInactive,
+                   q.Real(1)});
+  }
+  if (!status.ok()) return OutboxError(status);
+  return out;
+}
+
+notify::Result<uint64_t> AlertStore::PruneHistory(double before, size_t max_rows) {
+  MutexLock lock(&mu_);
+  if (auto s = FollowFileLocked(); !s.ok()) return s;
+  auto prune = StatementLocked(
+      "DELETE FROM alert_history WHERE id IN (SELECT id FROM alert_history WHERE at < ? ORDER BY id LIMIT ?)");
+  if (!prune.ok()) return OutboxError(prune.status());
+  sqlite::Query q(**prune);
+  q.Bind(1, before);
+  q.Bind(2, static_cast<int64_t>(std::min<size_t>(max_rows, INT64_MAX)));
+  if (Status s = q.Run("pruning the alert history"); !s.ok()) return OutboxError(s);
+  return static_cast<uint64_t>(db_.changes());
 }
 
 notify::Result<alerts::SavedState> AlertStore::LoadState() {

@@ -1,6 +1,7 @@
 // The alerting's durable state in the journal's SQLite database, on a connection of its own:
 // the notifier outbox (so that notifications survive a receiver being down and a daemon
-// restart), the alert instances (pending and firing, with s0, acks...) and the silences. Write()
+// restart), the alert instances (pending and firing, with s0, acks...), the silences and the
+// alert history (every state change, for the run view's timeline). Write()
 // stores notifications and state changes in one transaction. Thread-safe.
 #pragma once
 
@@ -42,6 +43,15 @@ class AlertStore final : public notify::Outbox {
   // (seconds since the Unix epoch), oldest first, in one short transaction; returns how many. Pending
   // ones are never deleted. Call periodically (the daemon's ticker does, off the ingest path).
   notify::Result<uint64_t> PruneDone(double created_before, size_t max_rows) EXCLUDES(mu_);
+
+  // The alert history (StateChanges::history, written by Write): the latest `limit` state changes
+  // of `run` (of every run when empty), oldest first. An entry that cannot be read is skipped with
+  // an error in the log.
+  notify::Result<std::vector<alerts::HistoryEntry>> History(std::string_view run, size_t limit) EXCLUDES(mu_);
+  // Deletes at most `max_rows` history entries from before `before` (seconds since the Unix
+  // epoch), oldest first; returns how many. The daemon's ticker calls it with the journal's
+  // retention.
+  notify::Result<uint64_t> PruneHistory(double before, size_t max_rows) EXCLUDES(mu_);
 
  private:
   AlertStore(std::string path, sqlite::Database db);

@@ -1,7 +1,9 @@
 """The run view in a real browser: Debian's headless chromium opens the page of a replayed
 incident run on a real gradwatchd, with no console error; the charts hold the replayed data (read
-back from the DOM the page built); an alert's generatorURL opens the same page; screenshots are
-saved under GRADWATCH_TEST_OUTPUT (default: test-output/ in the working directory).
+back from the DOM the page built); an alert's generatorURL opens the same page; a mouse drag zooms
+to a step range at full resolution and a button goes back; a page left open follows a live run
+as steps arrive, its alert timeline showing the page fire and resolve; screenshots are saved under
+GRADWATCH_TEST_OUTPUT (default: test-output/ in the working directory).
 
 Environment: GRADWATCHD_PATH, GRADWATCH_CLI_PATH, GRADWATCH_TEST_TIME_SCALE, GRADWATCH_TEST_OUTPUT.
 """
@@ -9,12 +11,14 @@ Environment: GRADWATCHD_PATH, GRADWATCH_CLI_PATH, GRADWATCH_TEST_TIME_SCALE, GRA
 import html.parser
 import json
 import os
+import random
 import shutil
 import subprocess
 import tempfile
 import unittest
 import urllib.parse
 
+from browser import Browser
 from stack import free_port, get_json, stop_processes, wait_for
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -136,6 +140,112 @@ class RunViewBrowserTest(unittest.TestCase):
             _, console = self.browse(url, screenshot=path)
             self.assertEqual(console, [])
             self.assertGreater(os.path.getsize(path), 10000, path)
+
+    def open_page(self, url):
+        """A Browser showing url once the page has rendered."""
+        browser = Browser(self.chromium, self.dir)
+        self.addCleanup(browser.close)
+        browser.navigate(url)
+        browser.wait_for("window.gradwatch && window.gradwatch.renders >= 1", 60, "the page's first render")
+        return browser
+
+    def test_a_drag_zooms_to_a_step_range_at_full_resolution_and_the_button_goes_back(self):
+        page = self.open_page(f"{self.base}/runs/{RUN}")
+        whole = page.evaluate("window.gradwatch.series['grad/norm/total'].map(p => [p.step, p.last, p.count])")
+        self.assertEqual(len(whole), 1000, "the whole run in the page's budget of 1,000 points")
+        self.assertTrue(any(count > 1 for _, _, count in whole), "points covering several steps (min-max bands)")
+        renders = page.evaluate("window.gradwatch.renders")
+        # The plot area of the total grad norm chart, in CSS pixels: drag across its middle fifth.
+        left, top, width, height, x0, x1 = page.evaluate(
+            "(() => { const svg = document.querySelector('svg[data-chart=total]'), r = svg.getBoundingClientRect();"
+            " return [r.left, r.top, r.width, r.height, Number(svg.dataset.x0), Number(svg.dataset.x1)]; })()")
+        scale = width / 640  # the chart's viewBox is 640 wide with 62 px left of the plot and 16 right
+        plot_left, plot_width = left + 62 * scale, (640 - 62 - 16) * scale
+        page.drag(plot_left + 0.4 * plot_width, top + height / 2, plot_left + 0.6 * plot_width)
+        page.wait_for(f"window.gradwatch.range !== null && window.gradwatch.renders > {renders}", 60, "the zoom")
+        lo, hi = page.evaluate("window.gradwatch.range")
+        # The axis spans the data and, cut at half its span beyond, the forecast.
+        self.assertEqual(x0, whole[0][0])
+        self.assertGreaterEqual(x1, whole[-1][1])
+        self.assertAlmostEqual(lo, x0 + 0.4 * (x1 - x0), delta=0.02 * (x1 - x0))
+        self.assertAlmostEqual(hi, x0 + 0.6 * (x1 - x0), delta=0.02 * (x1 - x0))
+        zoomed = page.evaluate("window.gradwatch.series['grad/norm/total'].map(p => [p.step, p.count])")
+        self.assertTrue(zoomed)
+        self.assertTrue(all(lo - 1 <= step <= hi + 1 for step, _ in zoomed), (lo, hi, zoomed[:3], zoomed[-3:]))
+        # Full resolution: every step the daemon keeps in that range is one point.
+        kept = get_json(f"{self.base}/api/v1/runs/{RUN}/series?key=grad%2Fnorm%2Ftotal&from={int(lo)}&to={int(hi) + 1}"
+                        "&max_points=100000")["points"]
+        self.assertEqual([int(p["step"]) for p in kept], [step for step, _ in zoomed])
+        self.assertTrue(all(count == 1 for _, count in zoomed))
+        self.assertIn("zoomed to steps", page.evaluate("document.querySelector('.toolbar').textContent"))
+        # Both step charts follow the range.
+        final = page.evaluate("Object.keys(window.gradwatch.series).find(k => k.startsWith('params/norm/'))")
+        steps = page.evaluate(f"window.gradwatch.series[{json.dumps(final)}].map(p => p.step)")
+        self.assertTrue(steps and all(lo - 1 <= step <= hi + 1 for step in steps))
+        page.screenshot(os.path.join(self.out, "run-zoomed.png"))
+
+        renders = page.evaluate("window.gradwatch.renders")
+        x, y = page.evaluate("(() => { const r = document.getElementById('reset-zoom').getBoundingClientRect();"
+                             " return [r.left + r.width / 2, r.top + r.height / 2]; })()")
+        page.click(x, y)
+        page.wait_for(f"window.gradwatch.range === null && window.gradwatch.renders > {renders}", 60, "the whole run again")
+        self.assertEqual(page.evaluate("window.gradwatch.series['grad/norm/total'].length"), 1000)
+        self.assertEqual(page.console, [], "console messages")
+
+    def write_steps(self, path, steps, total_at):
+        rng = random.Random(7)
+        with open(path, "w") as f:
+            for step in steps:
+                f.write(json.dumps({"_step": step, "grad/norm/total": total_at(step) + rng.gauss(0, 0.05),
+                                    "params/norm/final_norm.weight": 78.0 + 0.05 * step,
+                                    "train/loss": 2.0 - 0.001 * step}) + "\n")
+
+    def replay(self, path, run):
+        r = subprocess.run([os.environ.get("GRADWATCH_CLI_PATH", "gradwatch"), "--addr", self.grpc, "replay", path,
+                            "--run", run, "--max", "--json"], capture_output=True, text=True, timeout=300)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def test_an_open_page_follows_a_live_run_and_its_alert_timeline_shows_a_page_fire_and_resolve(self):
+        run = "live-demo"
+        # Steady near 1, then (after the page is open) above 5 for 100 steps and back to 1.
+        first, second = os.path.join(self.dir, "first.jsonl"), os.path.join(self.dir, "second.jsonl")
+        self.write_steps(first, range(1, 201), lambda step: 1.0)
+        self.write_steps(second, range(201, 401), lambda step: 5.5 if step <= 300 else 1.0)
+        self.replay(first, run)
+        page = self.open_page(f"{self.base}/runs/{run}")
+        self.assertEqual(page.evaluate("Number(window.gradwatch.summary.info.last_step)"), 200)
+        self.assertEqual(page.evaluate("window.gradwatch.series['grad/norm/total'].length"), 200)
+        self.assertFalse(page.evaluate("window.gradwatch.history.some(e => e.alert.name === 'GradNormContingency')"))
+        renders = page.evaluate("window.gradwatch.renders")
+
+        self.replay(second, run)  # the page is not reloaded: it polls
+        page.wait_for("Number(window.gradwatch.summary.info.last_step) === 400 && "
+                      "window.gradwatch.series['grad/norm/total'].length === 400 && "
+                      "window.gradwatch.history.some(e => e.alert.name === 'GradNormContingency' && "
+                      "e.alert.state === 'ALERT_STATE_RESOLVED')", 60, "the live steps and the resolution")
+        self.assertGreater(page.evaluate("window.gradwatch.renders"), renders)
+        self.assertEqual(page.evaluate("performance.getEntriesByType('navigation').length"), 1, "no reload")
+        spans = page.evaluate(
+            "[...document.querySelectorAll('svg[data-chart=alerts] rect.span')].map(r => "
+            "[r.dataset.state, Number(r.dataset.from), Number(r.dataset.to), r.dataset.fingerprint])")
+        page_fp = page.evaluate("window.gradwatch.history.find(e => e.alert.name === 'GradNormContingency').alert.fingerprint")
+        mine = [(state, lo, hi) for state, lo, hi, fp in spans if fp == page_fp]
+        self.assertEqual([state for state, _, _ in mine][-2:], ["pending", "firing"], spans)
+        pending, firing = mine[-2], mine[-1]
+        self.assertGreaterEqual(pending[1], 201)
+        self.assertEqual(pending[2], firing[1])
+        self.assertLess(firing[1], 300)
+        self.assertGreater(firing[2], 300, "firing until it resolved after the norm fell back")
+        self.assertLess(firing[2], 400, "closed at the resolution, not drawn to the last step")
+        self.assertGreaterEqual(page.evaluate("document.querySelectorAll('svg[data-chart=alerts] line.resolved-tick').length"), 1)
+        changes = page.evaluate("[...document.querySelectorAll('#alert-history li')].map(li => li.dataset.state)")
+        self.assertIn("resolved", changes)
+        self.assertIn("firing", changes)
+        text = page.evaluate("document.getElementById('alert-history').textContent")
+        self.assertIn("Recommendation", text)
+        self.assertIn("back to", text)
+        page.screenshot(os.path.join(self.out, "run-live.png"))
+        self.assertEqual(page.console, [], "console messages")
 
 
 if __name__ == "__main__":

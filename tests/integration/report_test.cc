@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "gradwatch/v1/gradwatch.pb.h"
 #include "tests/integration/daemon_process.h"
@@ -42,10 +44,25 @@ std::string ReadFile(const std::filesystem::path& path) {
   return s.str();
 }
 
+std::string Annotation(const v1::Alert& alert, const std::string& name) {
+  const auto it = alert.annotations().find(name);
+  return it == alert.annotations().end() ? "<no " + name + ">" : it->second;
+}
+
 size_t Count(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
   return n;
+}
+
+v1::ListAlertHistoryResponse AlertHistory(const DaemonProcess& daemon, const std::string& run) {
+  auto stub = QueryStub(daemon.grpc_target());
+  grpc::ClientContext ctx;
+  v1::ListAlertHistoryRequest req;
+  req.set_run_id(run);
+  v1::ListAlertHistoryResponse history;
+  REQUIRE(stub->ListAlertHistory(&ctx, req, &history).ok());
+  return history;
 }
 
 struct Incident {
@@ -69,6 +86,7 @@ struct Incident {
     REQUIRE(stub->GetRun(&ctx, req, &summary).ok());
     return summary;
   }
+  v1::ListAlertHistoryResponse History() const { return AlertHistory(daemon, kRun); }
   CommandResult Cli(std::vector<std::string> args) const {
     std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target()};
     argv.insert(argv.end(), args.begin(), args.end());
@@ -158,5 +176,62 @@ TEST_CASE("gradwatch report writes the incident up from the analysis, every numb
                                    Num(f.threshold())));
     if (f.reachable()) CHECK_THAT(md, Catch::Contains("reaches it at step " + Step(f.at_step())));
   }
-  CHECK_THAT(md, Catch::Contains("## Recommendation"));
+  // Every alert that fired, as the alert history has it.
+  size_t fired = 0;
+  const v1::ListAlertHistoryResponse history = incident.History();
+  for (const auto& e : history.entries()) {
+    if (e.alert().state() != v1::ALERT_STATE_FIRING) continue;
+    ++fired;
+    CHECK_THAT(md, Catch::Contains("- **" + e.alert().name() + "** fired at step " + Step(e.alert().step()) +
+                                   ", value " + Num(e.alert().value()) + ": " +
+                                   Annotation(e.alert(), "summary") + ". Still firing."));
+  }
+  CHECK(fired >= 2);
+  CHECK_THAT(md, Catch::Contains("## Recommendation\n\n- final_norm.weight has weight decay 0"));
+}
+
+TEST_CASE("gradwatch report lists the alerts that fired and resolved, from the alert history", "[integration]") {
+  TempDir dir("gradwatch-report-resolved");
+  const auto path = dir.path() / "run.jsonl";
+  {
+    // Above 5 from step 50 to 99, back to 1 after: the contingency fires, then resolves.
+    std::ofstream out(path);
+    for (int step = 1; step <= 200; ++step) {
+      out << R"({"_step": )" << step << R"(, "grad/norm/total": )" << (step >= 50 && step < 100 ? 5.5 : 1.0)
+          << "}\n";
+    }
+  }
+  DaemonProcess daemon;
+  CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path.string(), "--run",
+                                "spiky", "--max"},
+                               std::nullopt, std::chrono::seconds(120));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  // The history is written off the ingest path: wait for the resolution.
+  std::vector<v1::Alert> changes;  // the contingency's
+  REQUIRE(WaitUntil([&] {
+    changes.clear();
+    const v1::ListAlertHistoryResponse history = AlertHistory(daemon, "spiky");
+    for (const auto& e : history.entries()) {
+      if (e.alert().name() == "GradNormContingency") changes.push_back(e.alert());
+    }
+    return !changes.empty() && changes.back().state() == v1::ALERT_STATE_RESOLVED;
+  }, std::chrono::seconds(60)));
+  REQUIRE(changes.size() >= 2);
+  const v1::Alert& fired = changes[changes.size() - 2];
+  const v1::Alert& resolved = changes.back();
+  REQUIRE(fired.state() == v1::ALERT_STATE_FIRING);
+
+  const auto out = dir.path() / "report";
+  r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "report", "spiky", "-o", out.string()},
+                 std::nullopt, std::chrono::seconds(120));
+  REQUIRE(r.exit_code == 0);
+  const std::string md = ReadFile(out / "report.md");
+  INFO(md);
+  CHECK_THAT(md, Catch::Contains("- **GradNormContingency** fired at step " + Step(fired.step()) + ", value " +
+                                 Num(fired.value()) + ": " + Annotation(fired, "summary") +
+                                 ". Resolved at step " + Step(resolved.step()) + ": " +
+                                 Annotation(resolved, "summary") + "."));
+  CHECK_THAT(md, Catch::Contains("Total grad norm back to"));
+  CHECK_THAT(md, Catch::Contains("## Recommendation\n\n- "));
 }

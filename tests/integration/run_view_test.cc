@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <fstream>
+#include <vector>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -142,4 +143,76 @@ TEST_CASE("with metrics_require_token, the run view and its API need a read toke
     r = Get(daemon, path, {{"Authorization", "Bearer view-secret"}});
     CHECK(r.status == 200);
   }
+}
+
+TEST_CASE("the alert history lists a page's pending, firing and resolved states in order, and survives a restart",
+          "[integration]") {
+  TempDir dir("gradwatch-alert-history");
+  const auto path = dir.path() / "run.jsonl";
+  {
+    // Steady at 1, one spike at step 20, above 5 from step 50 to 99, back to 1 until step 200.
+    std::ofstream out(path);
+    for (int step = 1; step <= 200; ++step) {
+      const double total = step == 20 ? 5.6 : step >= 50 && step < 100 ? 5.5 : 1.0;
+      out << R"({"_step": )" << step << R"(, "grad/norm/total": )" << total << R"(, "train/loss": 2.0})" << "\n";
+    }
+  }
+  DaemonOptions options;
+  options.data_dir = dir.path() / "data";
+  DaemonProcess daemon(options);
+  const CommandResult replay = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path.string(),
+                                           "--run", "hist-1", "--max", "--json"},
+                                          std::nullopt, std::chrono::seconds(120));
+  INFO(replay.out << replay.err);
+  REQUIRE(replay.exit_code == 0);
+
+  // The contingency's changes, oldest first; the store is written off the ingest path, so wait.
+  auto contingency = [&](const DaemonProcess& d) {
+    const json history = GetJson(d, "/api/v1/alerts/history?run=hist-1");
+    std::vector<json> out;
+    for (const json& e : history["entries"]) {
+      if (e["alert"]["name"] == "GradNormContingency") out.push_back(e);
+    }
+    return out;
+  };
+  std::vector<json> changes;
+  REQUIRE(WaitUntil([&] {
+    changes = contingency(daemon);
+    return !changes.empty() && changes.back()["alert"]["state"] == "ALERT_STATE_RESOLVED";
+  }, std::chrono::seconds(60)));
+  INFO(json(changes).dump(1));
+  REQUIRE(changes.size() >= 3);
+  const size_t n = changes.size();
+  CHECK(changes[n - 3]["alert"]["state"] == "ALERT_STATE_PENDING");
+  CHECK(changes[n - 3]["from"] == "ALERT_STATE_UNSPECIFIED");
+  CHECK(changes[n - 2]["alert"]["state"] == "ALERT_STATE_FIRING");
+  CHECK(changes[n - 2]["from"] == "ALERT_STATE_PENDING");
+  CHECK(changes[n - 1]["from"] == "ALERT_STATE_FIRING");
+  const auto step = [](const json& e) { return std::stoull(e["alert"]["step"].get<std::string>()); };
+  CHECK(step(changes[n - 3]) >= 50);
+  CHECK(step(changes[n - 2]) >= 59);  // for_steps: 10
+  CHECK(step(changes[n - 2]) < 100);
+  CHECK(step(changes[n - 1]) >= 100);  // back below clear_below from step 100
+  CHECK(step(changes[n - 1]) <= 200);
+  CHECK_THAT(changes[n - 1]["alert"]["annotations"]["summary"].get<std::string>(), Catch::Contains("back to"));
+  CHECK(changes[n - 1]["at"].get<double>() >= changes[n - 2]["at"].get<double>());
+  // Any earlier change is the spike's: pending, then cleared without firing.
+  for (size_t i = 0; i + 3 < n; ++i) {
+    CHECK(step(changes[i]) < 50);
+    CHECK(changes[i]["alert"]["state"] != "ALERT_STATE_FIRING");
+  }
+  // Resolved: no longer listed as active, still in the history.
+  CHECK(GetJson(daemon, "/api/v1/alerts?run=hist-1")["alerts"].empty());
+
+  // The latest N; a limit beyond the maximum is refused; an unknown run has no history.
+  CHECK(GetJson(daemon, "/api/v1/alerts/history?run=hist-1&limit=1")["entries"].size() == 1);
+  CHECK(GetJson(daemon, "/api/v1/alerts/history?limit=10001", 400)["error"] ==
+        "limit must be a number up to 10000, not '10001'");
+  CHECK(GetJson(daemon, "/api/v1/alerts/history?run=nobody")["entries"].empty());
+
+  // Kept in the journal's database: a restart serves the same history.
+  REQUIRE(daemon.Restart() == 0);
+  const std::vector<json> after = contingency(daemon);
+  REQUIRE(after.size() == changes.size());
+  for (size_t i = 0; i < n; ++i) CHECK(after[i] == changes[i]);
 }

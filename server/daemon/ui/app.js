@@ -12,6 +12,7 @@ const state = {
   run: null,          // the run shown, or null on the list
   summary: null,      // its RunSummary
   alerts: [],         // its pending and firing alerts
+  history: [],        // its alert state changes, oldest first (resolved alerts included)
   series: {},         // key -> points as numbers
   range: null,        // [from, to] steps when zoomed, else null (everything, live)
   finalParam: null,   // the norm gain charted with its slopes
@@ -132,6 +133,8 @@ function lineChart(options) {
     return svg;
   }
   if (x1 <= x0) x1 = x0 + 1;
+  svg.dataset.x0 = String(x0);
+  svg.dataset.x1 = String(x1);
   const ys = [];
   for (const p of pts) ys.push(p.min, p.max, p.value);
   for (const h of options.hlines || []) ys.push(h.y);
@@ -234,11 +237,103 @@ function barChart(name, bars, format) {
   return svg;
 }
 
+// The alert history as one row per alert instance: [{fingerprint, name, label, spans, last}],
+// spans [{state: "pending"|"firing", from, to, open}] (open: still in that state, drawn to `end`).
+function alertRows(history, end) {
+  const rows = new Map();
+  for (const e of history) {
+    const a = e.alert || {};
+    const step = num(a.step);
+    let row = rows.get(a.fingerprint);
+    if (!row) {
+      // The labels that tell instances of one rule apart (the run's own labels are on all).
+      const labels = a.labels || {};
+      const which = ["param", "series", "group", "rank"].filter((k) => labels[k]).map((k) => labels[k]);
+      row = {fingerprint: a.fingerprint, name: a.name, label: a.name + (which.length ? ` · ${which.join(", ")}` : ""), spans: [], last: null};
+      rows.set(a.fingerprint, row);
+    }
+    const open = row.spans.length && row.spans[row.spans.length - 1].open ? row.spans[row.spans.length - 1] : null;
+    if (open) { open.to = step; open.open = false; }
+    const s = shortState(a.state);
+    if (s === "pending" || s === "firing") row.spans.push({state: s, from: step, to: end, open: true});
+    row.last = e;
+  }
+  for (const row of rows.values()) for (const span of row.spans) if (span.open) span.to = Math.max(end, span.from);
+  return [...rows.values()];
+}
+
+// The alert timeline: a row per alert, pending (amber) and firing (red) spans on the step axis,
+// resolutions as ticks, events as vertical lines.
+function timelineChart(rows, x0, x1, events) {
+  const width = 1240, rowHeight = 22, labelWidth = 330;
+  const height = PAD.top + rows.length * rowHeight + PAD.bottom;
+  const svg = svgEl("svg", {class: "chart", viewBox: `0 0 ${width} ${height}`, "data-chart": "alerts"});
+  svg.style.height = `${height}px`;
+  if (!(x1 > x0)) x1 = x0 + 1;
+  const X = (v) => labelWidth + (Math.min(Math.max(v, x0), x1) - x0) / (x1 - x0) * (width - labelWidth - PAD.right);
+  const axis = svgEl("g", {class: "axis"});
+  for (const t of ticks(x0, x1, 5)) {
+    axis.append(svgEl("line", {class: "grid-line", x1: X(t), x2: X(t), y1: PAD.top, y2: height - PAD.bottom}));
+    axis.append(svgEl("text", {x: X(t), y: height - 8, "text-anchor": "middle"}, fmtStep(t)));
+  }
+  svg.append(axis);
+  rows.forEach((row, i) => {
+    const y = PAD.top + i * rowHeight;
+    const label = svgEl("text", {class: "bar-label", x: labelWidth - 6, y: y + 15, "text-anchor": "end"},
+      row.label.length > 52 ? row.label.slice(0, 51) + "…" : row.label);
+    label.append(svgEl("title", {}, row.label));
+    svg.append(label);
+    for (const span of row.spans) {
+      if (span.to < x0 || span.from > x1) continue;
+      const rect = svgEl("rect", {class: `span timeline-${span.state}`, x: X(span.from), y: y + 4,
+        width: Math.max(2, X(span.to) - X(span.from)), height: rowHeight - 8,
+        "data-fingerprint": row.fingerprint, "data-state": span.state, "data-from": String(span.from), "data-to": String(span.to)});
+      rect.append(svgEl("title", {}, `${row.label}: ${span.state} from step ${fmtStep(span.from)}` + (span.open ? " (now)" : ` to ${fmtStep(span.to)}`)));
+      svg.append(rect);
+    }
+    const last = row.last;
+    if (last && shortState(last.alert.state) === "resolved") {
+      const at = num(last.alert.step);
+      if (at >= x0 && at <= x1) svg.append(svgEl("line", {class: "resolved-tick", x1: X(at), x2: X(at), y1: y + 2, y2: y + rowHeight - 2}));
+    }
+  });
+  for (const v of events || []) {
+    if (v.x < x0 || v.x > x1) continue;
+    svg.append(svgEl("line", {class: "event", x1: X(v.x), x2: X(v.x), y1: PAD.top, y2: height - PAD.bottom}));
+  }
+  return svg;
+}
+
+// The latest changes, newest first, with the summary and (for a page) the recommendation.
+function historyList(history, limit) {
+  const list = el("ol", {class: "history", id: "alert-history"});
+  for (const e of history.slice(-limit).reverse()) {
+    const a = e.alert || {};
+    const s = shortState(a.state) || "inactive";
+    const ann = a.annotations || {};
+    const when = num(e.at) > 0 ? new Date(num(e.at) * 1000).toLocaleString() : "";
+    list.append(el("li", {class: `change ${s}`, "data-state": s},
+      el("span", {class: `state ${s}`}, s === "inactive" ? "cleared" : s),
+      el("span", {}, ` ${a.name} at step ${fmtStep(num(a.step))}`),
+      when ? el("span", {class: "muted"}, ` · ${when}`) : "",
+      ann.summary ? el("div", {}, ann.summary) : "",
+      s === "firing" && ann.recommendation ? el("div", {class: "recommendation"}, ann.recommendation) : ""));
+  }
+  return list;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Views
 
 function panel(title, note, ...content) {
   return el("section", {class: "panel"}, el("h2", {}, title), el("p", {class: "note"}, note), ...content);
+}
+
+// A panel across the whole grid.
+function widePanel(title, note, ...content) {
+  const p = panel(title, note, ...content);
+  p.classList.add("wide");
+  return p;
 }
 
 async function showRuns() {
@@ -381,10 +476,14 @@ function renderRun() {
   charts.append(panel("Amplification (norm / initial norm)", "Norm gains without weight decay grow without bound.",
     amps.length ? barChart("amplification", amps, (v) => `${fmt(v, 3)}×`) : el("p", {class: "muted"}, "No norm gains with a known initial norm.")));
 
-  // 5. The alerts on a step axis.
-  const timeline = state.alerts.map((a) => ({label: a.name, value: num(a.step), cls: shortState(a.state) === "firing" ? "" : "group"}));
-  charts.append(panel("Alerts", "Pending and firing alerts of this run, at the step their state last changed.",
-    timeline.length ? barChart("alerts", timeline, (v) => `step ${fmtStep(v)}`) : el("p", {class: "muted"}, "No pending or firing alert.")));
+  // 5. The alert timeline: every alert of the run, resolved ones included.
+  const lastStep = Math.max(num(info.last_step) || 0, ...total.map((p) => p.last));
+  const firstStep = total.length ? total[0].step : 0;
+  const rows = alertRows(state.history, lastStep);
+  const [t0, t1] = state.range || [firstStep, lastStep];
+  charts.append(widePanel("Alert timeline", "Pending (amber) and firing (red) on the step axis, a tick where an alert resolved; the latest changes below.",
+    rows.length ? timelineChart(rows, t0, t1, events) : el("p", {class: "muted"}, "No alert in this run so far."),
+    rows.length ? historyList(state.history, 12) : ""));
 
   parts.push(charts);
   main.replaceChildren(...parts);
@@ -395,9 +494,11 @@ function renderRun() {
 async function showRun(run) {
   document.getElementById("where").textContent = run;
   document.title = `${run} — gradwatch`;
-  const [summary, alerts] = await Promise.all([api(runPath(run)), api("/api/v1/alerts?run=" + encodeURIComponent(run))]);
+  const q = "?run=" + encodeURIComponent(run);
+  const [summary, alerts, history] = await Promise.all([api(runPath(run)), api("/api/v1/alerts" + q), api("/api/v1/alerts/history" + q)]);
   state.summary = summary;
   state.alerts = alerts.alerts || [];
+  state.history = history.entries || [];
   state.finalParam = pickFinalParam(summary);
   const keys = [TOTAL_KEY];
   if (state.finalParam) keys.push("params/norm/" + state.finalParam);

@@ -283,3 +283,65 @@ TEST_CASE("alert store saves an acknowledgement with invalid UTF-8 instead of th
   REQUIRE(saved.silences.size() == 1);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("the alert history keeps every state change of a run in order, across a reopen, until pruned",
+          "[store]") {
+  const auto dir = TempPath();
+  const std::string path = (dir / "journal.db").string();
+  auto change = [](const std::string& run, alerts::AlertState from, alerts::AlertState to, uint64_t step,
+                   double at) {
+    alerts::HistoryEntry e{Firing(run, step).alert, from, at};
+    e.alert.state = to;
+    return e;
+  };
+  {
+    auto store = store::AlertStore::Open(path);
+    REQUIRE(store.ok());
+    alerts::StateChanges first;
+    first.history.push_back(change("a", alerts::AlertState::kInactive, alerts::AlertState::kPending, 100, 1000));
+    first.history.push_back(change("b", alerts::AlertState::kInactive, alerts::AlertState::kPending, 150, 1001));
+    REQUIRE((*store)->Write({}, first).ok());
+    alerts::StateChanges second;
+    second.history.push_back(change("a", alerts::AlertState::kPending, alerts::AlertState::kFiring, 120, 1002));
+    second.history.push_back(change("a", alerts::AlertState::kFiring, alerts::AlertState::kResolved, 300, 1003));
+    second.history.push_back(change("b", alerts::AlertState::kPending, alerts::AlertState::kInactive, 160, 1004));
+    // With a notification, in the same transaction.
+    REQUIRE((*store)->Write({Entry("am", "fp", alerts::AlertState::kResolved)}, second).ok());
+  }
+  auto store = store::AlertStore::Open(path);
+  REQUIRE(store.ok());
+  const auto a = (*store)->History("a", 100);
+  REQUIRE(a.ok());
+  REQUIRE(a->size() == 3);
+  CHECK(a->at(0).alert.state == alerts::AlertState::kPending);
+  CHECK(a->at(0).from == alerts::AlertState::kInactive);
+  CHECK(a->at(0).alert.step == 100);
+  CHECK(a->at(1).alert.state == alerts::AlertState::kFiring);
+  CHECK(a->at(1).from == alerts::AlertState::kPending);
+  CHECK(a->at(2).alert.state == alerts::AlertState::kResolved);
+  CHECK(a->at(2).alert.step == 300);
+  CHECK(a->at(2).at == 1003);
+  CHECK(a->at(2).alert.labels.at("run") == "a");
+  CHECK(a->at(2).alert.annotations.count("summary") == 1);
+
+  const auto b = (*store)->History("b", 100).value();
+  REQUIRE(b.size() == 2);
+  CHECK(b[1].alert.state == alerts::AlertState::kInactive);  // cleared before it fired
+
+  // The latest `limit` entries, oldest first; every run's with an empty run.
+  const auto last2 = (*store)->History("a", 2).value();
+  REQUIRE(last2.size() == 2);
+  CHECK(last2[0].alert.state == alerts::AlertState::kFiring);
+  CHECK((*store)->History("", 100).value().size() == 5);
+  CHECK((*store)->History("nobody", 100).value().empty());
+
+  // Pruned by age, bounded per call.
+  CHECK((*store)->PruneHistory(1002.5, 1).value() == 1);
+  CHECK((*store)->PruneHistory(1002.5, 100).value() == 2);
+  CHECK((*store)->PruneHistory(1002.5, 100).value() == 0);
+  const auto left = (*store)->History("", 100).value();
+  REQUIRE(left.size() == 2);
+  CHECK(left[0].at == 1003);
+  CHECK(left[1].at == 1004);
+  std::filesystem::remove_all(dir);
+}
