@@ -1037,7 +1037,8 @@ PRAGMA user_version = 1;
   CHECK(raw.Query("SELECT count(*) FROM abandoned_steps") == "1");
 }
 
-TEST_CASE("a version-2 journal and alert store written before the SQLite helper open, gaining only the step blocks",
+TEST_CASE("a version-2 journal and alert store written before the SQLite helper open, "
+          "gaining only the step blocks and the alert history",
           "[store][migration]") {
   TempDir dir;
   // The schema as the journal and the alert store of 44f6238 created it (user_version 2), with a
@@ -1146,11 +1147,13 @@ INSERT INTO alert_progress VALUES('r', 2);
     RawDb raw(dir.db(), /*create=*/true);
     raw.Exec(v2);
   }
-  // Everything but version 3's step_blocks table (and its key's index).
+  // Everything but version 3's step_blocks table (and its key's index) and the alert store's
+  // alert_history (the alert store only ever adds tables).
   auto schema_text = [&] {
     RawDb raw(dir.db());
     return raw.Query("SELECT group_concat(type || ' ' || name || ' ' || ifnull(sql, ''), char(10)) FROM "
-                     "(SELECT * FROM sqlite_master WHERE tbl_name != 'step_blocks' ORDER BY name)");
+                     "(SELECT * FROM sqlite_master WHERE tbl_name NOT IN ('step_blocks', 'alert_history') "
+                     "ORDER BY name)");
   };
   const std::string schema_before = schema_text();
   REQUIRE_FALSE(schema_before.empty());
@@ -1215,7 +1218,7 @@ INSERT INTO alert_progress VALUES('r', 2);
   }
 
   // Opened, read and written to (a new step) with no change to the schema but the step blocks of
-  // version 3.
+  // version 3 and the alert history.
   {
     auto journal = OpenOrFail({.path = dir.db()});
     REQUIRE(journal->Enqueue(MakeStep("r", 3, {{0, 2.0}})));
@@ -1226,6 +1229,7 @@ INSERT INTO alert_progress VALUES('r', 2);
   CHECK(raw.Query("SELECT count(*) FROM steps") == "3");
   CHECK(schema_text() == schema_before);
   CHECK(raw.Query("SELECT count(*) FROM step_blocks") == "0");
+  CHECK(raw.Query("SELECT count(*) FROM alert_history") == "0");
 }
 
 namespace {
