@@ -13,6 +13,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include "server/core/version.h"
 #include "server/daemon/config.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/logging.h"
@@ -95,7 +96,14 @@ int main(int argc, char** argv) {
                "allow a gRPC listener beyond loopback without mutual TLS: any host that reaches it may write runs, "
                "silence alerts and reload rules (security.allow_insecure)");
   app.add_flag("--check-config", check_config, "validate the configuration, print it as JSON, and exit");
-  CLI11_PARSE(app, argc, argv);
+  app.set_version_flag("--version", std::string("gradwatchd ") + gradwatch::kVersion);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; every usage error (an unknown flag, a bad value, a config file
+    // that does not exist) exits 2, as the footer says.
+    return app.exit(e) == 0 ? kExitOk : kExitConfig;
+  }
 
   gradwatch::daemon::Config config;
   if (!config_path.empty()) {

@@ -14,9 +14,11 @@
 #include "client/cli/report.h"
 #include "client/cli/options.h"
 #include "client/cli/replay.h"
+#include "client/cli/suggest.h"
 #include "client/cli/tail.h"
 #include "client/lib/monitor.h"
 #include "client/lib/query_client.h"
+#include "server/core/version.h"
 
 namespace gradwatch::cli {
 namespace {
@@ -45,13 +47,51 @@ std::string Join(const std::vector<std::string>& words) {
   return out;
 }
 
+// The names of `app`'s subcommands.
+std::vector<std::string> SubcommandNames(CLI::App& app) {
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) names.push_back(sub->get_name());
+  return names;
+}
+
+// The words of argv that name commands (not options or their values), as far as they go:
+// `gradwatch --addr x silence add run=a` gives {silence, add}. Options are looked up in the
+// command reached so far, then in its parents (global options may come anywhere).
+std::vector<std::string> CommandWords(CLI::App& app, int argc, const char* const* argv) {
+  std::vector<std::string> words;
+  CLI::App* at = &app;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() > 1 && arg[0] == '-') {
+      if (arg.find('=') != std::string::npos) continue;
+      for (CLI::App* scope = at; scope != nullptr; scope = scope->get_parent()) {
+        if (const CLI::Option* opt = scope->get_option_no_throw(arg); opt != nullptr) {
+          if (opt->get_items_expected_min() > 0) ++i;  // its value
+          break;
+        }
+      }
+      continue;
+    }
+    words.push_back(arg);
+    if (words[0] == "help") continue;  // help's words name commands to describe
+    CLI::App* sub = nullptr;
+    for (CLI::App* candidate : at->get_subcommands([](CLI::App*) { return true; })) {
+      if (candidate->get_name() == arg) sub = candidate;
+    }
+    if (sub == nullptr) break;  // a positional argument, or an unknown command
+    at = sub;
+  }
+  return words;
+}
+
 }  // namespace
 
 int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
   CLI::App app{"gradwatch: query the gradwatch daemon, replay training histories and follow training logs into it",
                "gradwatch"};
   app.footer(kFooter);
-  app.set_version_flag("--version", "gradwatch 0.1.0");
+  app.set_version_flag("--version", std::string("gradwatch ") + kVersion);
   app.require_subcommand(1);
   // Lets global options follow the subcommand: `gradwatch runs --json`.
   app.fallthrough();
@@ -232,10 +272,60 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   ack_cmd->add_option("--by", ack_by, "Who");
   ack_cmd->add_option("--comment", ack_comment, "Why");
 
+  // `gradwatch help [COMMAND...]`, and unknown commands with a suggestion, before CLI11 (which
+  // only says "A subcommand is required").
+  const std::vector<std::string> words = CommandWords(app, argc, argv);
+  if (!words.empty() && words[0] == "help") {
+    CLI::App* at = &app;
+    for (size_t i = 1; i < words.size(); ++i) {
+      CLI::App* sub = nullptr;
+      for (CLI::App* candidate : at->get_subcommands([](CLI::App*) { return true; })) {
+        if (candidate->get_name() == words[i]) sub = candidate;
+      }
+      if (sub == nullptr) {
+        err << "gradwatch help: no command '" << words[i] << "'" << DidYouMean(words[i], SubcommandNames(*at))
+            << "\n";
+        return kExitUsage;
+      }
+      at = sub;
+    }
+    out << at->help();
+    return kExitOk;
+  }
+  if (!words.empty()) {
+    // The deepest command reached, and the word after it that is not one of its commands.
+    CLI::App* at = &app;
+    for (const std::string& word : words) {
+      CLI::App* sub = nullptr;
+      for (CLI::App* candidate : at->get_subcommands([](CLI::App*) { return true; })) {
+        if (candidate->get_name() == word) sub = candidate;
+      }
+      if (sub != nullptr) {
+        at = sub;
+        continue;
+      }
+      // Commands that take no positional argument here (they have subcommands): a typo.
+      if (!SubcommandNames(*at).empty()) {
+        const std::string where = at == &app ? "gradwatch" : "gradwatch " + at->get_name();
+        std::vector<std::string> names = SubcommandNames(*at);
+        if (at == &app) names.push_back("help");
+        err << where << ": unknown command '" << word << "'" << DidYouMean(word, names)
+            << "\n  `" << where << " --help` lists the commands\n";
+        return kExitUsage;
+      }
+      break;
+    }
+  }
+
   try {
     app.parse(argc, argv);
     if (*tail_cmd && tail.rank >= tail.world_size) {
       throw CLI::ValidationError("--rank", "must be below --world-size (" + std::to_string(tail.world_size) + ")");
+    }
+    if (const size_t scheme = global.address.find("://"); scheme != std::string::npos) {
+      const std::string rest = global.address.substr(scheme + 3);
+      throw CLI::ValidationError("--addr", "takes host:port, not a URL: try --addr " +
+                                               rest.substr(0, rest.find('/')));
     }
     if (!*replay_cmd && !*tail_cmd && global.address.find(',') != std::string::npos) {
       throw CLI::ValidationError("--addr", "lists several daemons; only replay and tail send to several: run the "

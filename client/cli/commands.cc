@@ -5,11 +5,31 @@
 
 #include "alerts/rules.h"
 #include "client/cli/format.h"
+#include "client/cli/suggest.h"
 
 namespace gradwatch::cli {
 
+std::string NotFoundHint(client::QueryClient& query, const std::string& run, const std::string& key) {
+  auto summary = query.GetRun(run);
+  if (summary.ok()) {
+    if (key.empty()) return "";
+    std::vector<std::string> keys;
+    for (const auto& latest : summary.response.latest()) keys.push_back(latest.key());
+    const std::string hint = DidYouMean(key, keys);
+    return hint.empty() ? "\n  `gradwatch show " + run + "` lists its series" : hint;
+  }
+  if (summary.status.error_code() != grpc::StatusCode::NOT_FOUND) return "";
+  auto runs = query.ListRuns(/*include_archived=*/true);
+  if (!runs.ok()) return "";
+  std::vector<std::string> ids;
+  for (const auto& r : runs.response.runs()) ids.push_back(r.run_id());
+  if (ids.empty()) return "\n  the daemon holds no run yet";
+  const std::string hint = DidYouMean(run, ids);
+  return hint.empty() ? "\n  `gradwatch runs --all` lists the runs" : hint;
+}
+
 int ReportRpcError(const GlobalOptions& global, const std::string& what, const grpc::Status& status,
-                   std::ostream& err) {
+                   std::ostream& err, const std::function<std::string()>& hint) {
   err << "gradwatch: ";
   // A failed TLS handshake comes back as UNKNOWN: the daemon was not reached either.
   const bool handshake = status.error_code() == grpc::StatusCode::UNKNOWN &&
@@ -20,7 +40,14 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
       err << "cannot reach the daemon at " << global.address << ": " << message;
       // What a TLS mismatch looks like from this side: a listener that closes a plain-text
       // connection, or a handshake that fails.
-      if (!global.tls.enabled() && message.find("Socket closed") != std::string::npos) {
+      if (message.find("HTTP/2") != std::string::npos || message.find("http1") != std::string::npos ||
+          message.find("HTTP/1") != std::string::npos) {
+        err << "\n  (this looks like gradwatchd's HTTP port, for /metrics and the run view; its gRPC listener "
+               "is another port, 7390 unless `listen` says otherwise)";
+      } else if (message.find("onnection refused") != std::string::npos) {
+        err << "\n  (nothing listens there: is gradwatchd running? give its gRPC address with --addr or "
+               "GRADWATCH_ADDR)";
+      } else if (!global.tls.enabled() && message.find("Socket closed") != std::string::npos) {
         err << "\n  (a daemon with TLS closes plain-text connections: give its CA with --tls-ca, and for mutual "
                "TLS --tls-cert and --tls-key)";
       } else if (message.find("andshake") != std::string::npos) {
@@ -42,8 +69,8 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
       err << what << " refused by the daemon at " << global.address << ": " << status.error_message();
       break;
     case grpc::StatusCode::NOT_FOUND:
-      err << what << ": "
-          << (status.error_message().empty() ? "not found" : status.error_message());
+      err << what << ": " << (status.error_message().empty() ? "not found" : status.error_message());
+      if (hint) err << hint();
       break;
     default:
       err << what << " failed: code " << static_cast<int>(status.error_code()) << ": "
@@ -56,6 +83,15 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
 
 int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std::string& run, std::ostream& out,
               std::ostream& err) {
+  if (!run.empty()) {
+    // A run the daemon does not know is an error, not "no alerts": a typo must not look like
+    // all-clear.
+    auto known = query.GetRun(run);
+    if (!known.ok() && known.status.error_code() == grpc::StatusCode::NOT_FOUND) {
+      return ReportRpcError(global, "alerts of run " + run, known.status, err,
+                            [&] { return NotFoundHint(query, run); });
+    }
+  }
   auto result = query.ListAlerts(run);
   if (!result.ok()) return ReportRpcError(global, "list alerts", result.status, err);
   if (global.json) {
@@ -153,7 +189,17 @@ int RunSilenceList(const GlobalOptions& global, client::QueryClient& query, std:
 int RunSilenceRemove(const GlobalOptions& global, client::QueryClient& query, const std::string& id,
                      std::ostream& out, std::ostream& err) {
   auto result = query.RemoveSilence(id);
-  if (!result.ok()) return ReportRpcError(global, "remove silence " + id, result.status, err);
+  if (!result.ok()) {
+    return ReportRpcError(global, "remove silence " + id, result.status, err, [&] {
+      auto silences = query.ListSilences();
+      std::vector<std::string> ids;
+      if (silences.ok()) {
+        for (const auto& s : silences.response.silences()) ids.push_back(s.id());
+      }
+      const std::string hint = DidYouMean(id, ids);
+      return hint.empty() ? "\n  `gradwatch silence list` lists the silences" : hint;
+    });
+  }
   if (!global.json) out << "silence " << id << " removed\n";
   return kExitOk;
 }
@@ -161,7 +207,17 @@ int RunSilenceRemove(const GlobalOptions& global, client::QueryClient& query, co
 int RunAck(const GlobalOptions& global, client::QueryClient& query, const std::string& fingerprint,
            const std::string& by, const std::string& comment, std::ostream& out, std::ostream& err) {
   auto result = query.Ack(fingerprint, by, comment);
-  if (!result.ok()) return ReportRpcError(global, "ack " + fingerprint, result.status, err);
+  if (!result.ok()) {
+    return ReportRpcError(global, "ack " + fingerprint, result.status, err, [&] {
+      auto alerts = query.ListAlerts("");
+      std::vector<std::string> fingerprints;
+      if (alerts.ok()) {
+        for (const auto& a : alerts.response.alerts()) fingerprints.push_back(a.fingerprint());
+      }
+      const std::string hint = DidYouMean(fingerprint, fingerprints);
+      return hint.empty() ? "\n  `gradwatch alerts` lists the alerts and their fingerprints" : hint;
+    });
+  }
   if (!global.json) out << "alert " << fingerprint << " acknowledged\n";
   return kExitOk;
 }
@@ -181,7 +237,9 @@ int RunRuns(const GlobalOptions& global, client::QueryClient& query, bool all, s
 int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
             std::ostream& out, std::ostream& err) {
   auto result = query.GetRun(run);
-  if (!result.ok()) return ReportRpcError(global, "run " + run, result.status, err);
+  if (!result.ok()) {
+    return ReportRpcError(global, "run " + run, result.status, err, [&] { return NotFoundHint(query, run); });
+  }
   if (global.json) {
     out << RunSummaryToJson(result.response).dump(2) << "\n";
   } else {
@@ -200,8 +258,8 @@ int RunSeries(const GlobalOptions& global, client::QueryClient& query, const Ser
   request.set_max_points(options.max_points);
   auto result = query.GetSeries(request);
   if (!result.ok()) {
-    return ReportRpcError(global, "series " + options.key + " of run " + options.run, result.status,
-                          err);
+    return ReportRpcError(global, "series " + options.key + " of run " + options.run, result.status, err,
+                          [&] { return NotFoundHint(query, options.run, options.key); });
   }
   if (global.json) {
     out << SeriesToJson(result.response).dump(2) << "\n";
@@ -214,7 +272,9 @@ int RunSeries(const GlobalOptions& global, client::QueryClient& query, const Ser
 int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
                 uint64_t step, const std::string& text, std::ostream& out, std::ostream& err) {
   auto result = query.Annotate(run, step, text);
-  if (!result.ok()) return ReportRpcError(global, "annotate run " + run, result.status, err);
+  if (!result.ok()) {
+    return ReportRpcError(global, "annotate run " + run, result.status, err, [&] { return NotFoundHint(query, run); });
+  }
   if (global.json) {
     out << nlohmann::ordered_json{{"run", run}, {"step", step}, {"text", text}}.dump(2) << "\n";
   } else {

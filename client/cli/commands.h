@@ -1,6 +1,8 @@
 // The query subcommands. Each returns the process exit code.
 #pragma once
 
+#include <functional>
+
 #include <grpcpp/support/status.h>
 
 #include <cstdint>
@@ -57,7 +59,12 @@ int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const s
                 uint64_t step, const std::string& text, std::ostream& out, std::ostream& err);
 
 // Explains a failed call on `err` ("cannot reach the daemon at ...") and returns kExitFailure.
+// For NOT_FOUND, `hint` (when set) adds what to do instead (NotFoundHint).
 int ReportRpcError(const GlobalOptions& global, const std::string& what, const grpc::Status& status,
-                   std::ostream& err);
+                   std::ostream& err, const std::function<std::string()>& hint = {});
+
+// What to say when `run` (or its series `key`) was not found: the closest run or series the
+// daemon has ("did you mean ..."), or where to look.
+std::string NotFoundHint(client::QueryClient& query, const std::string& run, const std::string& key = "");
 
 }  // namespace gradwatch::cli

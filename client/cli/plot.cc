@@ -359,7 +359,7 @@ int RunPlot(const GlobalOptions& global, client::QueryClient& query, const std::
   PlotData data;
   std::string what;
   if (grpc::Status s = FetchPlotData(query, run, 2000, &data, &what); !s.ok()) {
-    return ReportRpcError(global, what, s, err);
+    return ReportRpcError(global, what, s, err, [&] { return NotFoundHint(query, run); });
   }
   const std::string document = RenderPlotSvg(data);
   const std::string svg_path = png ? output + ".svg.tmp" : output;

@@ -198,7 +198,7 @@ int RunReport(const GlobalOptions& global, client::QueryClient& query, const std
   PlotData data;
   std::string what;
   if (grpc::Status s = FetchPlotData(query, run, 2000, &data, &what); !s.ok()) {
-    return ReportRpcError(global, what, s, err);
+    return ReportRpcError(global, what, s, err, [&] { return NotFoundHint(query, run); });
   }
   auto alerts = query.ListAlerts(run);
   if (!alerts.ok()) return ReportRpcError(global, "alerts of run " + run, alerts.status, err);

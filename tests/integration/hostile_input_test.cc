@@ -226,6 +226,36 @@ TEST_CASE("a bad configuration is caught by --check-config and exits 2 at start"
   }
 }
 
+TEST_CASE("gradwatchd's usage errors exit 2, --help and --version 0, as both binaries' contract says",
+          "[integration]") {
+  struct Case {
+    std::vector<std::string> args;
+    int exit_code;
+    std::string text;
+  };
+  const std::vector<Case> cases = {
+      {{"--bogus"}, 2, "--bogus"},
+      {{"--log-format", "xml"}, 2, "--log-format: xml not in {text,json}"},
+      {{"--config", "/nonexistent/gradwatchd.yaml"}, 2, "/nonexistent/gradwatchd.yaml"},
+      {{"--listen"}, 2, "--listen"},
+      {{"--version"}, 0, "gradwatchd 0."},
+      {{"--help"}, 0, "Exit codes: 0 clean stop or valid config, 1 failed to start, 2 bad configuration or usage"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> argv = {DaemonBinaryPath()};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    const CommandResult r = RunCommand(argv);
+    CAPTURE(c.args, r.out, r.err);
+    CHECK(r.exit_code == c.exit_code);
+    CHECK_THAT(r.out + r.err, Catch::Contains(c.text));
+  }
+  // The CLI's version is the daemon's.
+  const CommandResult daemon = RunCommand({DaemonBinaryPath(), "--version"});
+  const CommandResult cli = RunCommand({CliBinaryPath(), "--version"});
+  CHECK(cli.exit_code == 0);
+  CHECK(cli.out.substr(cli.out.find(' ')) == daemon.out.substr(daemon.out.find(' ')));
+}
+
 TEST_CASE("a replay of a file with no step creates no run and fails", "[integration]") {
   DaemonProcess daemon;
   TempDir dir;

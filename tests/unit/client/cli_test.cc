@@ -11,6 +11,7 @@
 #include "client/cli/app.h"
 #include "client/cli/format.h"
 #include "client/cli/replay.h"
+#include "client/cli/suggest.h"
 #include "tests/unit/client/fake_daemon.h"
 
 using gradwatch::testing::FakeIngest;
@@ -554,4 +555,94 @@ TEST_CASE("the steps not acknowledged are those after the last acked one, or all
   summary.stop_detail = "interrupted by SIGINT";
   gradwatch::cli::CountUnackedSteps(plan, summary);
   CHECK_THAT(gradwatch::cli::FormatReplaySummary(summary), Catch::Contains("2 (steps 30 to 40)"));
+}
+
+TEST_CASE("a run or series that does not exist is an error with a did-you-mean, never all-clear", "[client]") {
+  FakeQuery query;
+  v1::RunSummary summary = SampleSummary();
+  summary.mutable_info()->set_run_id("moe-incident-demo");
+  query.runs["moe-incident-demo"] = summary;
+  FakeServer server({&query});
+  const std::string addr = server.address();
+
+  // A typo of a run in `alerts` must not read as "no alerts".
+  CliResult r = RunCli({"--addr", addr, "alerts", "moe-incident-dmeo"});
+  CHECK(r.code == 1);
+  CHECK(r.out.empty());
+  CHECK_THAT(r.err, Catch::Contains("alerts of run moe-incident-dmeo") &&
+                        Catch::Contains("did you mean 'moe-incident-demo'?"));
+  r = RunCli({"--addr", addr, "show", "moe-incident"});
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("did you mean 'moe-incident-demo'?"));
+  r = RunCli({"--addr", addr, "show", "llama-70b"});
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("`gradwatch runs --all` lists the runs"));
+  r = RunCli({"--addr", addr, "series", "moe-incident-demo", "grad/norm/totl"});
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("did you mean 'grad/norm/total'?"));
+  r = RunCli({"--addr", addr, "series", "moe-incident-dem", "grad/norm/total"});
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("did you mean 'moe-incident-demo'?"));
+}
+
+TEST_CASE("unknown commands get suggestions, help describes any command, and --addr wants host:port",
+          "[client]") {
+  CliResult r = RunCli({"shwo", "x"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("gradwatch: unknown command 'shwo'") && Catch::Contains("did you mean 'show'?"));
+  r = RunCli({"--addr", "127.0.0.1:1", "silence", "ad", "run=x"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("gradwatch silence: unknown command 'ad'") &&
+                        Catch::Contains("did you mean 'add'?"));
+  r = RunCli({"rules", "chek", "f.yaml"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("did you mean 'check'?"));
+  r = RunCli({"xyzzy"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("unknown command 'xyzzy'") && !Catch::Contains("did you mean"));
+
+  r = RunCli({"help"});
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("Subcommands:") && Catch::Contains("Exit codes"));
+  r = RunCli({"help", "silence", "add"});
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("Add a silence"));
+  r = RunCli({"help", "sho"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("no command 'sho'") && Catch::Contains("did you mean 'show'?"));
+
+  r = RunCli({"--addr", "http://gpu-node-3:7390/", "runs"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("takes host:port, not a URL: try --addr gpu-node-3:7390"));
+  r = RunCli({"--version"});
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::StartsWith("gradwatch 0."));
+}
+
+TEST_CASE("an unreachable daemon is named with what to do", "[client]") {
+  FakeQuery query;
+  FakeServer server({&query});
+  // A port nothing listens on: the server's, once it is gone.
+  std::string addr = server.address();
+  server.Shutdown();
+  const CliResult r = RunCli({"--addr", addr, "--timeout", "5", "runs"});
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon at " + addr) &&
+                        Catch::Contains("is gradwatchd running?"));
+}
+
+TEST_CASE("did-you-mean picks the closest name within a few edits, prefixes included", "[client]") {
+  using gradwatch::cli::Closest;
+  using gradwatch::cli::EditDistance;
+  CHECK(EditDistance("kitten", "sitting") == 3);
+  CHECK(EditDistance("dmeo", "demo") == 1);  // a swap is one edit
+  CHECK(EditDistance("", "abc") == 3);
+  const std::vector<std::string> runs = {"moe-incident-demo", "moe-6b-2026-11-20", "llama-70b"};
+  CHECK(Closest("moe-incident-dmeo", runs) == "moe-incident-demo");
+  CHECK(Closest("moe-6b-2026-11-2", runs) == "moe-6b-2026-11-20");
+  CHECK(Closest("llama", runs) == "llama-70b");  // a prefix
+  CHECK(Closest("gpt-neox", runs) == std::nullopt);
+  CHECK(Closest("llama-70b", runs) == std::nullopt);  // itself: nothing to suggest
+  CHECK(Closest("ab", {"xy"}) == std::nullopt);
+  CHECK(Closest("shwo", {"show", "series", "silence"}) == "show");
 }
