@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -670,8 +671,13 @@ std::string Join(const std::vector<std::string>& lines) {
 }
 
 StatusOr<std::string> ReadFile(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return Status::IoError(path + ": is a directory, not a rules file");
   std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::IoError(path + ": cannot read rules file");
+  if (!in) {
+    return Status::IoError(path + ": cannot read rules file" +
+                           (std::filesystem::exists(path, ec) ? "" : ": no such file"));
+  }
   std::ostringstream text;
   text << in.rdbuf();
   if (in.bad()) return Status::IoError(path + ": error reading rules file");

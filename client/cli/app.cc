@@ -15,6 +15,7 @@
 #include "client/cli/options.h"
 #include "client/cli/replay.h"
 #include "client/cli/suggest.h"
+#include "client/cli/values.h"
 #include "client/cli/tail.h"
 #include "client/lib/monitor.h"
 #include "client/lib/query_client.h"
@@ -120,9 +121,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                  "or the token itself in GRADWATCH_TOKEN)");
   app.add_option("--timeout", global.timeout_seconds,
                  "Deadline of each query, and how long replay waits for the daemon to accept its "
-                 "stream (seconds)")
+                 "stream (90s, 15m, 1h or seconds)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->transform(PositiveDuration());
   app.add_flag("--json", global.json, "Machine-readable output on stdout");
   app.add_flag("-v,--verbose", global.verbose, "Log connection details on stderr");
 
@@ -139,7 +140,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                          "Run id (default: the header's \"run\", else the file's stem)");
   auto* speed =
       replay_cmd->add_option("--speed", replay.speed, "Pace by _timestamp at X times real time")
-          ->check(CLI::PositiveNumber);
+          ->check(PositiveValue());
   auto* max = replay_cmd->add_flag("--max", replay_max,
                                    "Send as fast as the daemon acknowledges (the default)");
   speed->excludes(max);
@@ -148,11 +149,11 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                        "(its alerts resolve; it does not page as dead)");
   replay_cmd
       ->add_option("--stall-timeout", replay.stall_timeout_seconds,
-                   "Give up once the daemon has acknowledged nothing for this long (seconds). There is "
+                   "Give up once the daemon has acknowledged nothing for this long (90s, 15m, 1h or seconds). There is "
                    "no overall deadline: a slow daemon is waited for as long as it keeps "
                    "acknowledging, and the file is read only as fast as it does")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->transform(PositiveDuration());
   replay_cmd->add_option("--rank", replay.rank, "This rank")->capture_default_str();
   replay_cmd->add_option("--resume-from", replay.resume_from,
                          "The history resumes the run from its checkpoint at step N: the daemon "
@@ -160,7 +161,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                          "\"resume_from_step\")");
   replay_cmd->add_option("--world-size", replay.world_size, "Ranks reporting each step")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(PositiveValue());
 
   TailOptions tail;
   auto* tail_cmd = app.add_subcommand(
@@ -182,21 +183,21 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                        "Hugging Face Trainer dicts print no step: without a progress bar in the same output, "
                        "the k-th is step k times this (the Trainer's logging_steps)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(PositiveValue());
   tail_cmd->add_option("--pid", tail.pid, "Stop following the file once this process has exited (as tail --pid)")
-      ->check(CLI::PositiveNumber);
+      ->check(PositiveValue());
   tail_cmd->add_flag("--finish", tail.finish,
                      "When the input ends (its writer closed it, or --pid exited), say Goodbye: the run is "
                      "recorded as finished");
   tail_cmd->add_option("--stall-timeout", tail.stall_timeout_seconds,
                        "At the end, give up waiting for acknowledgements once the daemon has acknowledged "
-                       "nothing for this long (seconds)")
+                       "nothing for this long (90s, 15m, 1h or seconds)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->transform(PositiveDuration());
   tail_cmd->add_option("--rank", tail.rank, "This rank")->capture_default_str();
   tail_cmd->add_option("--world-size", tail.world_size, "Ranks reporting each step")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(PositiveValue());
 
   bool runs_all = false;
   auto* runs_cmd = app.add_subcommand("runs", "List the runs the daemon holds");
@@ -234,7 +235,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   std::vector<std::string> rule_files;
   auto* rules_check_cmd =
       rules_cmd->add_subcommand("check", "Validate rule files (errors give file:line); needs no daemon");
-  rules_check_cmd->add_option("FILE", rule_files, "Rule files")->required()->check(CLI::ExistingFile);
+  rules_check_cmd->add_option("FILE", rule_files, "Rule files")->required();
 
   auto* rules_reload_cmd = rules_cmd->add_subcommand("reload", "Make the daemon reload its rule files (as SIGHUP)");
 
@@ -244,9 +245,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   auto* silence_add_cmd = silence_cmd->add_subcommand("add", "Add a silence");
   silence_add_cmd->add_option("MATCHER", silence.matchers, "label=value pairs, e.g. run=my-run alertname=X")
       ->required();
-  silence_add_cmd->add_option("--duration", silence.duration_seconds, "Seconds the silence lasts")
+  silence_add_cmd->add_option("--duration", silence.duration_seconds, "How long the silence lasts: 90s, 15m, 1h30m, 2d, or seconds")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->transform(PositiveDuration());
   silence_add_cmd->add_option("--comment", silence.comment, "Why");
   silence_add_cmd->add_option("--by", silence.by, "Who");
   auto* silence_list_cmd = silence_cmd->add_subcommand("list", "List silences");
@@ -330,6 +331,10 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     if (!*replay_cmd && !*tail_cmd && global.address.find(',') != std::string::npos) {
       throw CLI::ValidationError("--addr", "lists several daemons; only replay and tail send to several: run the "
                                            "queries once per daemon");
+    }
+    if (*series_cmd && series.to_step != 0 && series.to_step < series.from_step) {
+      throw CLI::ValidationError("--to", "step " + std::to_string(series.to_step) + " is before --from " +
+                                             std::to_string(series.from_step) + ": the range is inclusive, --to last");
     }
     if (*replay_cmd && replay.rank >= replay.world_size) {
       throw CLI::ValidationError(

@@ -298,9 +298,11 @@ class RulesReference(unittest.TestCase):
         self.assertFalse(yaml.safe_load(out.stdout)["ok"])
         missing = os.path.join(self.dir, "does-not-exist.yaml")
         out = rules_check(missing)
-        self.assertEqual(out.returncode, 2, out.stderr)
-        self.assertIn("File does not exist", out.stderr)
-        self.assertEqual(rules_check(self.dir).returncode, 2)  # a directory
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertIn(missing + ": cannot read rules file: no such file", out.stderr)
+        out = rules_check(self.dir)  # a directory
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertIn(self.dir + ": is a directory, not a rules file", out.stderr)
         self.assertEqual(subprocess.run([CLI, "rules", "check"], capture_output=True, timeout=60).returncode, 2)
 
 

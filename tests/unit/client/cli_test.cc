@@ -12,6 +12,7 @@
 #include "client/cli/format.h"
 #include "client/cli/replay.h"
 #include "client/cli/suggest.h"
+#include "client/cli/values.h"
 #include "tests/unit/client/fake_daemon.h"
 
 using gradwatch::testing::FakeIngest;
@@ -645,4 +646,46 @@ TEST_CASE("did-you-mean picks the closest name within a few edits, prefixes incl
   CHECK(Closest("llama-70b", runs) == std::nullopt);  // itself: nothing to suggest
   CHECK(Closest("ab", {"xy"}) == std::nullopt);
   CHECK(Closest("shwo", {"show", "series", "silence"}) == "show");
+}
+
+TEST_CASE("durations are written as Prometheus writes them, and bad values say what to write", "[client]") {
+  using gradwatch::cli::ParseDuration;
+  CHECK(ParseDuration("90") == 90.0);
+  CHECK(ParseDuration("2.5") == 2.5);
+  CHECK(ParseDuration("90s") == 90.0);
+  CHECK(ParseDuration("15m") == 900.0);
+  CHECK(ParseDuration("1h30m") == 5400.0);
+  CHECK(ParseDuration("2d") == 172800.0);
+  CHECK(ParseDuration("1w") == 604800.0);
+  CHECK(ParseDuration("500ms") == 0.5);
+  CHECK(ParseDuration("1h500ms") == 3600.5);
+  CHECK(ParseDuration("") == std::nullopt);
+  CHECK(ParseDuration("1x") == std::nullopt);
+  CHECK(ParseDuration("m") == std::nullopt);
+  CHECK(ParseDuration("30m1h") == std::nullopt);  // largest unit first, as Prometheus
+  CHECK(ParseDuration("1h1h") == std::nullopt);
+  CHECK(ParseDuration("1 h") == std::nullopt);
+
+  CliResult r = RunCli({"--timeout", "0", "runs"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("--timeout: must be longer than 0, not '0'"));
+  r = RunCli({"silence", "add", "run=x", "--duration", "1hour"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("'1hour' is not a duration: write 90s, 15m, 1h30m, 2d or a number of seconds"));
+  CHECK_THAT(r.err, !Catch::Contains("179769"));
+  r = RunCli({"replay", "f", "--speed", "-1"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("--speed: must be above 0, not '-1'"));
+  r = RunCli({"series", "run", "grad/norm/total", "--from", "90000", "--to", "80000"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("--to: step 80000 is before --from 90000"));
+
+  // A silence of 1h lasts 3,600 s.
+  FakeQuery query;
+  FakeServer server({&query});
+  r = RunCli({"--addr", server.address(), "--timeout", "30s", "silence", "add", "run=x", "--duration", "1h"});
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  REQUIRE(query.silences.size() == 1);
+  CHECK(query.silences[0].ends_at() - query.silences[0].starts_at() == Approx(3600));
 }

@@ -182,6 +182,13 @@ class FakeQuery final : public v1::Query::Service {
     annotations.push_back(*request);
     return grpc::Status::OK;
   }
+  grpc::Status AddSilence(grpc::ServerContext*, const v1::AddSilenceRequest* request,
+                          v1::AddSilenceResponse* response) override {
+    silences.push_back(request->silence());
+    response->set_id("s" + std::to_string(silences.size()));
+    return grpc::Status::OK;
+  }
+  std::vector<v1::Silence> silences;
 };
 
 // Owns a running server for the given services.
