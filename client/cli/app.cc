@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "client/cli/commands.h"
+#include "client/cli/completion.h"
 #include "client/cli/plot.h"
 #include "client/cli/report.h"
 #include "client/cli/options.h"
@@ -273,6 +274,13 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   ack_cmd->add_option("--by", ack_by, "Who");
   ack_cmd->add_option("--comment", ack_comment, "Why");
 
+  std::string completion_shell;
+  auto* completion_cmd = app.add_subcommand(
+      "completion", "Print the shell completion script: source <(gradwatch completion bash), or zsh");
+  completion_cmd->add_option("SHELL", completion_shell, "bash or zsh")
+      ->required()
+      ->check(CLI::IsMember({"bash", "zsh"}));
+
   // `gradwatch help [COMMAND...]`, and unknown commands with a suggestion, before CLI11 (which
   // only says "A subcommand is required").
   const std::vector<std::string> words = CommandWords(app, argc, argv);
@@ -347,6 +355,10 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
 
   spdlog::set_level(global.verbose ? spdlog::level::debug : spdlog::level::warn);
 
+  if (*completion_cmd) {
+    out << CompletionScript(app, completion_shell).value_or("");
+    return kExitOk;
+  }
   if (*rules_check_cmd) return RunRulesCheck(global, rule_files, out, err);
   if (std::string error; !token_file.empty() && !client::ReadTokenFile(token_file, &global.tls.token, &error)) {
     err << "gradwatch: " << error << "\n";
