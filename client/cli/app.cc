@@ -87,6 +87,29 @@ std::vector<std::string> CommandWords(CLI::App& app, int argc, const char* const
   return words;
 }
 
+// "  --addr TEXT=127.0.0.1:7390  Daemon gRPC address..." for each of the top level's options.
+std::string GlobalOptionsText(const CLI::App& root) {
+  std::string text = "Global options (before or after the command):\n";
+  for (const CLI::Option* o : root.get_options([](const CLI::Option* o) { return o->nonpositional(); })) {
+    std::string name;
+    for (const std::string& s : o->get_snames()) name += (name.empty() ? "-" : ",-") + s;
+    for (const std::string& l : o->get_lnames()) name += (name.empty() ? "--" : ",--") + l;
+    if (name == "-h,--help" || name == "--version") continue;
+    if (o->get_items_expected_min() > 0) name += " " + o->get_type_name();
+    if (!o->get_default_str().empty()) name += "=" + o->get_default_str();
+    text += "  " + name + std::string(name.size() < 28 ? 28 - name.size() : 1, ' ') + o->get_description() + "\n";
+  }
+  return text;
+}
+
+// Every command's --help ends with the global options, the exit codes and the environment.
+void SetCommandFooters(const CLI::App& root, CLI::App& app) {
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    sub->footer(GlobalOptionsText(root) + "\n" + kFooter);
+    SetCommandFooters(root, *sub);
+  }
+}
+
 }  // namespace
 
 int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
@@ -124,7 +147,8 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                  "Deadline of each query, and how long replay waits for the daemon to accept its "
                  "stream (90s, 15m, 1h or seconds)")
       ->capture_default_str()
-      ->transform(PositiveDuration());
+      ->transform(PositiveDuration())
+      ->type_name("DURATION");
   app.add_flag("--json", global.json, "Machine-readable output on stdout");
   app.add_flag("-v,--verbose", global.verbose, "Log connection details on stderr");
 
@@ -154,7 +178,8 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                    "no overall deadline: a slow daemon is waited for as long as it keeps "
                    "acknowledging, and the file is read only as fast as it does")
       ->capture_default_str()
-      ->transform(PositiveDuration());
+      ->transform(PositiveDuration())
+      ->type_name("DURATION");
   replay_cmd->add_option("--rank", replay.rank, "This rank")->capture_default_str();
   replay_cmd->add_option("--resume-from", replay.resume_from,
                          "The history resumes the run from its checkpoint at step N: the daemon "
@@ -194,7 +219,8 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                        "At the end, give up waiting for acknowledgements once the daemon has acknowledged "
                        "nothing for this long (90s, 15m, 1h or seconds)")
       ->capture_default_str()
-      ->transform(PositiveDuration());
+      ->transform(PositiveDuration())
+      ->type_name("DURATION");
   tail_cmd->add_option("--rank", tail.rank, "This rank")->capture_default_str();
   tail_cmd->add_option("--world-size", tail.world_size, "Ranks reporting each step")
       ->capture_default_str()
@@ -248,7 +274,8 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       ->required();
   silence_add_cmd->add_option("--duration", silence.duration_seconds, "How long the silence lasts: 90s, 15m, 1h30m, 2d, or seconds")
       ->capture_default_str()
-      ->transform(PositiveDuration());
+      ->transform(PositiveDuration())
+      ->type_name("DURATION");
   silence_add_cmd->add_option("--comment", silence.comment, "Why");
   silence_add_cmd->add_option("--by", silence.by, "Who");
   auto* silence_list_cmd = silence_cmd->add_subcommand("list", "List silences");
@@ -280,6 +307,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   completion_cmd->add_option("SHELL", completion_shell, "bash or zsh")
       ->required()
       ->check(CLI::IsMember({"bash", "zsh"}));
+  SetCommandFooters(app, app);
 
   // `gradwatch help [COMMAND...]`, and unknown commands with a suggestion, before CLI11 (which
   // only says "A subcommand is required").

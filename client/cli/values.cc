@@ -64,7 +64,7 @@ CLI::Validator PositiveDuration() {
         text.assign(buffer, end);
         return "";
       },
-      "DURATION");
+      "");
 }
 
 CLI::Validator PositiveValue() {

@@ -374,6 +374,21 @@ TEST_CASE("usage errors exit 2 and help exits 0 with the exit codes", "[client]"
     CAPTURE(sub);
     CHECK(RunCli({sub, "--help"}).code == 0);
   }
+  // Every command's help shows the global options and the exit codes.
+  for (const std::vector<std::string>& command :
+       std::vector<std::vector<std::string>>{{"replay"}, {"tail"}, {"runs"}, {"show"}, {"series"}, {"annotate"},
+                                             {"alerts"}, {"rules", "check"}, {"rules", "reload"}, {"silence", "add"},
+                                             {"silence", "list"}, {"silence", "remove"}, {"plot"}, {"report"},
+                                             {"ack"}, {"completion"}}) {
+    std::vector<std::string> args = command;
+    args.push_back("--help");
+    const CliResult r = RunCli(args);
+    CAPTURE(args);
+    CHECK(r.code == 0);
+    CHECK_THAT(r.out, Catch::Contains("Global options") && Catch::Contains("--addr TEXT=") &&
+                          Catch::Contains("--json") && Catch::Contains("--timeout DURATION=") &&
+                          Catch::Contains("Exit codes:") && Catch::Contains("GRADWATCH_ADDR"));
+  }
 }
 
 TEST_CASE("runs, show, series and annotate query the daemon", "[client]") {
