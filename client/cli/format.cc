@@ -1,5 +1,7 @@
 #include "client/cli/format.h"
 
+#include <cctype>
+
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/reflection.h>
 
@@ -27,6 +29,21 @@ constexpr std::string_view kUpdatePrefix = "updates/norm/";
 constexpr std::string_view kKeySeries[] = {"grad/norm/total", "train/loss", "train/z_loss",
                                            "optim/learning_rate"};
 
+// An enum value as the CLI's JSON writes it: its name without the enum's prefix, lower case
+// (RUN_STATE_ACTIVE of RunState -> "active", PARAM_KIND_NORM_GAIN -> "norm_gain").
+std::string EnumJsonName(const google::protobuf::EnumValueDescriptor& value) {
+  std::string prefix;  // RunState -> RUN_STATE_
+  for (const char c : value.type()->name()) {
+    if (std::isupper(static_cast<unsigned char>(c)) && !prefix.empty()) prefix += '_';
+    prefix += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  prefix += '_';
+  std::string name = value.name();
+  if (name.rfind(prefix, 0) == 0) name.erase(0, prefix.size());
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
+}
+
 // One field value; `index` < 0 for a singular field.
 json FieldToJson(const Message& m, const Reflection* r, const FieldDescriptor* f, int index) {
   const bool rep = index >= 0;
@@ -48,7 +65,7 @@ json FieldToJson(const Message& m, const Reflection* r, const FieldDescriptor* f
     case FieldDescriptor::CPPTYPE_ENUM: {
       const int number = rep ? r->GetRepeatedEnumValue(m, f, index) : r->GetEnumValue(m, f);
       const auto* value = f->enum_type()->FindValueByNumber(number);
-      return value != nullptr ? json(value->name()) : json(number);
+      return value != nullptr ? json(EnumJsonName(*value)) : json(number);
     }
     case FieldDescriptor::CPPTYPE_STRING:
       return rep ? r->GetRepeatedString(m, f, index) : r->GetString(m, f);

@@ -73,7 +73,7 @@ TEST_CASE("replay of a file with a broken line reports it with its line number a
   // The catalog got the header's entry plus the one created from the keys, with its kind inferred.
   REQUIRE(run["params"].size() == 2);
   CHECK(run["params"][1]["name"] == "lm_head.weight");
-  CHECK(run["params"][1]["kind"] == "PARAM_KIND_OUTPUT");
+  CHECK(run["params"][1]["kind"] == "output");
 
   const CommandResult series = Cli(daemon, {"series", "replayed", "grad/norm/total", "--json"});
   INFO(series.out << series.err);

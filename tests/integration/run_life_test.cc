@@ -313,7 +313,7 @@ TEST_CASE("a run that left memory is listed as archived and restored when it com
     if (all.exit_code != 0) return false;
     const json listed = json::parse(all.out);
     for (const auto& r : listed["runs"]) {
-      if (r["run_id"] == "returns" && r["state"] == "RUN_STATE_ARCHIVED") return true;
+      if (r["run_id"] == "returns" && r["state"] == "archived") return true;
     }
     return false;
   };

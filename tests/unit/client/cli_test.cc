@@ -415,6 +415,8 @@ TEST_CASE("runs, show, series and annotate query the daemon", "[client]") {
   r = RunCli({"--addr", addr, "runs", "--json"});
   CHECK(r.code == 0);
   CHECK(nlohmann::json::parse(r.out)["runs"][0]["world_size"] == 8);
+  // Enums as lower-case names without their prefix, as the human output writes them.
+  CHECK(nlohmann::json::parse(r.out)["runs"][0]["state"] == "active");
 
   r = RunCli({"--addr", addr, "show", "moe-6b"});
   CHECK(r.code == 0);
@@ -426,6 +428,8 @@ TEST_CASE("runs, show, series and annotate query the daemon", "[client]") {
   CHECK(shown["info"]["last_step"] == 81716);
   CHECK(shown["overview"]["top_params"][0]["grad_norm"] == "NaN");
   CHECK(shown["overview"]["top_params"][1]["name"] == "lm_head.weight");
+  CHECK(shown["params"][0]["kind"] == "norm_gain");
+  CHECK(shown["info"]["state"] == "active");
 
   r = RunCli({"--addr", addr, "show", "nope"});
   CHECK(r.code == 1);
