@@ -177,12 +177,16 @@ int RunSilenceList(const GlobalOptions& global, client::QueryClient& query, std:
     out << "no silences\n";
     return kExitOk;
   }
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::vector<std::vector<std::string>> rows = {{"ID", "MATCHERS", "STARTS", "ENDS", "BY", "COMMENT"}};
   for (const v1::Silence& s : result.response.silences()) {
-    std::map<std::string, std::string> matchers(s.matchers().begin(), s.matchers().end());
-    out << s.id() << "  until " << FormatValue(s.ends_at()) << "  ";
-    for (const auto& [k, v] : matchers) out << k << "=" << v << " ";
-    out << " " << s.comment() << "\n";
+    std::map<std::string, std::string> sorted(s.matchers().begin(), s.matchers().end());
+    std::string matchers;
+    for (const auto& [k, v] : sorted) matchers += (matchers.empty() ? "" : " ") + k + "=" + v;
+    rows.push_back({s.id(), matchers, FormatLocalTime(s.starts_at(), now), FormatLocalTime(s.ends_at(), now),
+                    s.created_by().empty() ? "-" : s.created_by(), s.comment()});
   }
+  out << FormatTable(rows);
   return kExitOk;
 }
 

@@ -148,6 +148,34 @@ bool GradNormBefore(const ParamLatest& a, const ParamLatest& b) {
 
 }  // namespace
 
+std::string FormatDuration(double seconds) {
+  if (!std::isfinite(seconds)) return "-";
+  const auto total = static_cast<long long>(std::llround(std::fabs(seconds)));
+  const long long d = total / 86400, h = total % 86400 / 3600, m = total % 3600 / 60, sec = total % 60;
+  char buf[48];
+  if (d > 0) {
+    std::snprintf(buf, sizeof buf, "%lldd %lldh", d, h);
+  } else if (h > 0) {
+    std::snprintf(buf, sizeof buf, "%lldh %lldm", h, m);
+  } else if (m > 0) {
+    std::snprintf(buf, sizeof buf, "%lldm %llds", m, sec);
+  } else {
+    std::snprintf(buf, sizeof buf, "%llds", sec);
+  }
+  return buf;
+}
+
+std::string FormatLocalTime(double seconds, double now) {
+  if (!(seconds > 0) || !std::isfinite(seconds)) return "-";
+  const std::time_t t = static_cast<std::time_t>(seconds);
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  char buf[40];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
+  const double delta = seconds - now;
+  return std::string(buf) + (delta >= 0 ? " (in " + FormatDuration(delta) + ")" : " (" + FormatDuration(delta) + " ago)");
+}
+
 std::string FormatValue(double value) {
   if (std::isnan(value)) return "NaN";
   if (std::isinf(value)) return value > 0 ? "Infinity" : "-Infinity";

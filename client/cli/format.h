@@ -26,6 +26,11 @@ nlohmann::ordered_json ProtoToJson(const google::protobuf::Message& message);
 
 // Rows of text as left-aligned columns separated by two spaces.
 std::string FormatTable(const std::vector<std::vector<std::string>>& rows);
+// "2h 13m", "5m 2s", "3d 4h": a span of time for people, its sign dropped.
+std::string FormatDuration(double seconds);
+// A Unix time as local time with how far it is from `now`: "2026-12-02 10:13:05 (in 2h 13m)",
+// "... (5m 2s ago)"; "-" when unset.
+std::string FormatLocalTime(double seconds, double now);
 
 std::string FormatRunsTable(const v1::ListRunsResponse& runs);
 

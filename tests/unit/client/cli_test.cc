@@ -1,6 +1,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -707,4 +708,40 @@ TEST_CASE("durations are written as Prometheus writes them, and bad values say w
   REQUIRE(r.code == 0);
   REQUIRE(query.silences.size() == 1);
   CHECK(query.silences[0].ends_at() - query.silences[0].starts_at() == Approx(3600));
+}
+
+TEST_CASE("silence list is a table with local times and how far they are", "[client]") {
+  using gradwatch::cli::FormatDuration;
+  CHECK(FormatDuration(2 * 3600 + 13 * 60 + 30) == "2h 13m");  // whole units, as a countdown
+  CHECK(FormatDuration(-(5 * 60 + 2)) == "5m 2s");
+  CHECK(FormatDuration(3 * 86400 + 4 * 3600) == "3d 4h");
+  CHECK(FormatDuration(0.4) == "0s");
+
+  FakeQuery query;
+  FakeServer server({&query});
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  v1::Silence s;
+  s.set_id("s1");
+  (*s.mutable_matchers())["run"] = "moe-6b";
+  (*s.mutable_matchers())["alertname"] = "GradNormContingency";
+  s.set_starts_at(now - 302);
+  s.set_ends_at(now + 2 * 3600 + 13 * 60 + 50);
+  s.set_created_by("alice");
+  s.set_comment("enabling wd");
+  query.silences.push_back(s);
+  const CliResult r = RunCli({"--addr", server.address(), "silence", "list"});
+  INFO(r.out << r.err);
+  REQUIRE(r.code == 0);
+  std::istringstream lines(r.out);
+  std::string header, row;
+  std::getline(lines, header);
+  std::getline(lines, row);
+  CHECK_THAT(header, Catch::StartsWith("ID") && Catch::Contains("MATCHERS") && Catch::Contains("ENDS") &&
+                         Catch::Contains("COMMENT"));
+  CHECK(row.find("alertname=GradNormContingency run=moe-6b") == header.find("MATCHERS"));  // aligned
+  CHECK_THAT(row, Catch::Contains("(5m 2s ago)") || Catch::Contains("(5m 3s ago)"));
+  CHECK_THAT(row, Catch::Contains("(in 2h 13m)") || Catch::Contains("(in 2h 14m)"));
+  CHECK_THAT(row, Catch::Contains("alice") && Catch::Contains("enabling wd"));
+  CHECK_THAT(r.out, !Catch::Contains(std::to_string(static_cast<long long>(now) / 1000)));  // no epoch seconds
 }

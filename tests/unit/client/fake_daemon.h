@@ -188,6 +188,11 @@ class FakeQuery final : public v1::Query::Service {
     response->set_id("s" + std::to_string(silences.size()));
     return grpc::Status::OK;
   }
+  grpc::Status ListSilences(grpc::ServerContext*, const v1::ListSilencesRequest*,
+                            v1::ListSilencesResponse* response) override {
+    for (const v1::Silence& s : silences) *response->add_silences() = s;
+    return grpc::Status::OK;
+  }
   std::vector<v1::Silence> silences;
 };
 
