@@ -49,6 +49,14 @@ std::string Join(const std::vector<std::string>& words) {
   return out;
 }
 
+// `app`'s subcommand called `name`, or null.
+CLI::App* FindSubcommand(CLI::App& app, const std::string& name) {
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    if (sub->get_name() == name) return sub;
+  }
+  return nullptr;
+}
+
 // The names of `app`'s subcommands.
 std::vector<std::string> SubcommandNames(CLI::App& app) {
   std::vector<std::string> names;
@@ -77,10 +85,7 @@ std::vector<std::string> CommandWords(CLI::App& app, int argc, const char* const
     }
     words.push_back(arg);
     if (words[0] == "help") continue;  // help's words name commands to describe
-    CLI::App* sub = nullptr;
-    for (CLI::App* candidate : at->get_subcommands([](CLI::App*) { return true; })) {
-      if (candidate->get_name() == arg) sub = candidate;
-    }
+    CLI::App* sub = FindSubcommand(*at, arg);
     if (sub == nullptr) break;  // a positional argument, or an unknown command
     at = sub;
   }
@@ -315,10 +320,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   if (!words.empty() && words[0] == "help") {
     CLI::App* at = &app;
     for (size_t i = 1; i < words.size(); ++i) {
-      CLI::App* sub = nullptr;
-      for (CLI::App* candidate : at->get_subcommands([](CLI::App*) { return true; })) {
-        if (candidate->get_name() == words[i]) sub = candidate;
-      }
+      CLI::App* sub = FindSubcommand(*at, words[i]);
       if (sub == nullptr) {
         err << "gradwatch help: no command '" << words[i] << "'" << DidYouMean(words[i], SubcommandNames(*at))
             << "\n";
@@ -333,10 +335,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     // The deepest command reached, and the word after it that is not one of its commands.
     CLI::App* at = &app;
     for (const std::string& word : words) {
-      CLI::App* sub = nullptr;
-      for (CLI::App* candidate : at->get_subcommands([](CLI::App*) { return true; })) {
-        if (candidate->get_name() == word) sub = candidate;
-      }
+      CLI::App* sub = FindSubcommand(*at, word);
       if (sub != nullptr) {
         at = sub;
         continue;
