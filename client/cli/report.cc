@@ -6,6 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -154,16 +157,24 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   // Every time an alert fired, from the alert history, with how it ended.
   size_t fired = 0;
   const auto& entries = history.entries();
+  // The next change of the same alert after each entry (one pass from the end), or -1.
+  std::vector<int> next(static_cast<size_t>(entries.size()), -1);
+  std::unordered_map<std::string, int> later;
+  for (int i = entries.size() - 1; i >= 0; --i) {
+    auto [it, fresh] = later.try_emplace(entries[i].alert().fingerprint(), i);
+    if (!fresh) {
+      next[static_cast<size_t>(i)] = it->second;
+      it->second = i;
+    }
+  }
   for (int i = 0; i < entries.size(); ++i) {
     const v1::Alert& alert = entries[i].alert();
     if (alert.state() != v1::ALERT_STATE_FIRING) continue;
     ++fired;
     md << "- **" << alert.name() << "** fired at step " << Step(alert.step()) << ", value " << Num(alert.value());
     if (const std::string summary = annotation(alert, "summary"); !summary.empty()) md << ": " << summary;
-    const v1::Alert* end = nullptr;
-    for (int j = i + 1; j < entries.size() && end == nullptr; ++j) {
-      if (entries[j].alert().fingerprint() == alert.fingerprint()) end = &entries[j].alert();
-    }
+    const int j = next[static_cast<size_t>(i)];
+    const v1::Alert* end = j < 0 ? nullptr : &entries[j].alert();
     if (end != nullptr && end->state() == v1::ALERT_STATE_RESOLVED) {
       md << ". Resolved at step " << Step(end->step());
       if (const std::string summary = annotation(*end, "summary"); !summary.empty()) md << ": " << summary;
