@@ -47,10 +47,8 @@ std::optional<uint64_t> ParseFingerprint(std::string_view hex) {
 
 bool SilenceMatches(const Silence& s, const Alert& alert, double now) {
   if (!(s.starts_at <= now && now < s.ends_at)) return false;
-  for (const auto& [name, value] : s.matchers) {
-    auto it = alert.labels.find(name);
-    const std::string_view actual = it == alert.labels.end() ? std::string_view() : it->second;
-    if (actual != value) return false;
+  for (const Matcher& m : s.matchers) {
+    if (!m.Matches(alert.labels)) return false;
   }
   return true;
 }
@@ -746,12 +744,7 @@ std::vector<Alert> AlertEngine::Active(std::string_view run) const {
 
 Status AlertEngine::AddSilence(Silence silence) {
   if (silence.id.empty()) return Status::InvalidArgument("a silence needs an id");
-  if (silence.matchers.empty()) {
-    return Status::InvalidArgument("a silence needs at least one matcher: it would mute every alert");
-  }
-  for (const auto& [name, value] : silence.matchers) {
-    if (name.empty()) return Status::InvalidArgument("a silence matcher needs a label name");
-  }
+  if (Status s = CheckSilenceMatchers(silence.matchers); !s.ok()) return s;
   if (!(silence.ends_at > silence.starts_at)) {
     return Status::InvalidArgument("a silence must end after it starts");
   }

@@ -77,6 +77,7 @@
 #include "alerts/report_window.h"
 #include "alerts/rules.h"
 #include "alerts/templates.h"
+#include "alerts/matcher.h"
 #include "server/core/status.h"
 
 namespace gradwatch::alerts {
@@ -88,11 +89,11 @@ struct Transition {
   bool notify = false;  // send it to the receivers; false when pending, muted or never notified
 };
 
-// Mutes notifications of every alert whose labels equal all `matchers` (a matcher with an empty
-// value matches an alert without that label) while starts_at ≤ now < ends_at.
+// Mutes notifications of every alert all `matchers` match (an alert without a matcher's label is
+// taken to carry it empty) while starts_at ≤ now < ends_at.
 struct Silence {
   std::string id;
-  LabelSet matchers;
+  std::vector<Matcher> matchers;
   double starts_at = 0;  // seconds since the Unix epoch
   double ends_at = 0;
   std::string comment;

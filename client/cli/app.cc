@@ -275,7 +275,11 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   silence_cmd->require_subcommand(1);
   SilenceOptions silence;
   auto* silence_add_cmd = silence_cmd->add_subcommand("add", "Add a silence");
-  silence_add_cmd->add_option("MATCHER", silence.matchers, "label=value pairs, e.g. run=my-run alertname=X")
+  silence_add_cmd
+      ->add_option("MATCHER", silence.matchers,
+                   "Matchers as amtool takes them, all of which an alert must match: name=value, name!=value, "
+                   "name=~regex, name!~regex (RE2, anchored; quote the argument for the shell, e.g. "
+                   "'run=~moe-.*'); a word without an operator is an alertname")
       ->required();
   silence_add_cmd->add_option("--duration", silence.duration_seconds, "How long the silence lasts: 90s, 15m, 1h30m, 2d, or seconds")
       ->capture_default_str()

@@ -3,11 +3,52 @@
 #include <chrono>
 #include <map>
 
+#include "alerts/matcher.h"
 #include "alerts/rules.h"
 #include "client/cli/format.h"
 #include "client/cli/suggest.h"
 
 namespace gradwatch::cli {
+
+namespace {
+
+v1::MatchType MatchTypeToProto(alerts::MatchType type) {
+  switch (type) {
+    case alerts::MatchType::kEqual:
+      return v1::MATCH_TYPE_EQUAL;
+    case alerts::MatchType::kNotEqual:
+      return v1::MATCH_TYPE_NOT_EQUAL;
+    case alerts::MatchType::kRegex:
+      return v1::MATCH_TYPE_REGEX;
+    case alerts::MatchType::kNotRegex:
+      return v1::MATCH_TYPE_NOT_REGEX;
+  }
+  return v1::MATCH_TYPE_EQUAL;
+}
+
+}  // namespace
+
+std::vector<std::string> SilenceMatcherTexts(const v1::Silence& silence) {
+  std::vector<std::string> out;
+  if (silence.label_matchers().empty()) {  // a daemon that only knows equality matchers
+    std::map<std::string, std::string> sorted(silence.matchers().begin(), silence.matchers().end());
+    for (const auto& [name, value] : sorted) {
+      auto m = alerts::Matcher::Make(name, alerts::MatchType::kEqual, value);
+      out.push_back(m.ok() ? m->ToString() : name + "=" + value);
+    }
+    return out;
+  }
+  for (const v1::Matcher& m : silence.label_matchers()) {
+    const auto type = m.type() == v1::MATCH_TYPE_NOT_EQUAL ? alerts::MatchType::kNotEqual
+                      : m.type() == v1::MATCH_TYPE_REGEX   ? alerts::MatchType::kRegex
+                      : m.type() == v1::MATCH_TYPE_NOT_REGEX ? alerts::MatchType::kNotRegex
+                                                               : alerts::MatchType::kEqual;
+    auto matcher = alerts::Matcher::Make(m.name(), type, m.value());
+    out.push_back(matcher.ok() ? matcher->ToString()
+                               : m.name() + std::string(alerts::MatchOperator(type)) + m.value());
+  }
+  return out;
+}
 
 std::string NotFoundHint(client::QueryClient& query, const std::string& run, const std::string& key) {
   auto summary = query.GetRun(run);
@@ -142,13 +183,24 @@ int RunRulesReload(const GlobalOptions& global, client::QueryClient& query, std:
 int RunSilenceAdd(const GlobalOptions& global, client::QueryClient& query, const SilenceOptions& options,
                   std::ostream& out, std::ostream& err) {
   v1::Silence silence;
-  for (const std::string& m : options.matchers) {
-    const auto eq = m.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      err << "gradwatch: matcher '" << m << "' is not name=value\n";
+  std::vector<alerts::Matcher> matchers;
+  for (const std::string& text : options.matchers) {
+    auto m = alerts::Matcher::Parse(text);
+    if (!m.ok()) {
+      err << "gradwatch: " << m.status().message() << "\n";
       return kExitUsage;
     }
-    (*silence.mutable_matchers())[m.substr(0, eq)] = m.substr(eq + 1);
+    matchers.push_back(*m);
+    // Equality matchers also go in the map, which daemons before `label_matchers` read.
+    if (m->type() == alerts::MatchType::kEqual) (*silence.mutable_matchers())[m->name()] = m->value();
+    v1::Matcher* out = silence.add_label_matchers();
+    out->set_name(m->name());
+    out->set_type(MatchTypeToProto(m->type()));
+    out->set_value(m->value());
+  }
+  if (Status s = alerts::CheckSilenceMatchers(matchers); !s.ok()) {
+    err << "gradwatch: " << s.message() << "\n";
+    return kExitUsage;
   }
   const double now =
       std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -180,9 +232,8 @@ int RunSilenceList(const GlobalOptions& global, client::QueryClient& query, std:
   const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   std::vector<std::vector<std::string>> rows = {{"ID", "MATCHERS", "STARTS", "ENDS", "BY", "COMMENT"}};
   for (const v1::Silence& s : result.response.silences()) {
-    std::map<std::string, std::string> sorted(s.matchers().begin(), s.matchers().end());
     std::string matchers;
-    for (const auto& [k, v] : sorted) matchers += (matchers.empty() ? "" : " ") + k + "=" + v;
+    for (const std::string& m : SilenceMatcherTexts(s)) matchers += (matchers.empty() ? "" : " ") + m;
     rows.push_back({s.id(), matchers, FormatLocalTime(s.starts_at(), now), FormatLocalTime(s.ends_at(), now),
                     s.created_by().empty() ? "-" : s.created_by(), s.comment()});
   }

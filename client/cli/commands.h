@@ -41,7 +41,7 @@ int RunRulesCheck(const GlobalOptions& global, const std::vector<std::string>& f
 int RunRulesReload(const GlobalOptions& global, client::QueryClient& query, std::ostream& out, std::ostream& err);
 
 struct SilenceOptions {
-  std::vector<std::string> matchers;  // name=value
+  std::vector<std::string> matchers;  // name=value, name!=value, name=~regex, name!~regex
   double duration_seconds = 3600;
   std::string comment;
   std::string by;
@@ -50,6 +50,8 @@ struct SilenceOptions {
 int RunSilenceAdd(const GlobalOptions& global, client::QueryClient& query, const SilenceOptions& options,
                   std::ostream& out, std::ostream& err);
 int RunSilenceList(const GlobalOptions& global, client::QueryClient& query, std::ostream& out, std::ostream& err);
+// A silence's matchers as `silence add` takes them (run=moe-6b, alertname=~"Grad.*").
+std::vector<std::string> SilenceMatcherTexts(const v1::Silence& silence);
 int RunSilenceRemove(const GlobalOptions& global, client::QueryClient& query, const std::string& id,
                      std::ostream& out, std::ostream& err);
 // `gradwatch ack FINGERPRINT`: a firing alert is not re-notified until it resolves.

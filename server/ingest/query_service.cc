@@ -54,6 +54,54 @@ std::string FormatDuration(double seconds) {
   return std::to_string(s) + "s";
 }
 
+v1::MatchType ToProto(alerts::MatchType type) {
+  switch (type) {
+    case alerts::MatchType::kEqual:
+      return v1::MATCH_TYPE_EQUAL;
+    case alerts::MatchType::kNotEqual:
+      return v1::MATCH_TYPE_NOT_EQUAL;
+    case alerts::MatchType::kRegex:
+      return v1::MATCH_TYPE_REGEX;
+    case alerts::MatchType::kNotRegex:
+      return v1::MATCH_TYPE_NOT_REGEX;
+  }
+  return v1::MATCH_TYPE_EQUAL;
+}
+
+// Both fields' matchers, each checked (label name, regular expression) and the whole as a silence
+// (at least one that does not match everything).
+StatusOr<std::vector<alerts::Matcher>> SilenceMatchers(const v1::Silence& in) {
+  auto equal = alerts::EqualityMatchers({in.matchers().begin(), in.matchers().end()});
+  if (!equal.ok()) return equal.status();
+  std::vector<alerts::Matcher> out = std::move(*equal);
+  for (const v1::Matcher& m : in.label_matchers()) {
+    alerts::MatchType type;
+    switch (m.type()) {
+      case v1::MATCH_TYPE_EQUAL:
+        type = alerts::MatchType::kEqual;
+        break;
+      case v1::MATCH_TYPE_NOT_EQUAL:
+        type = alerts::MatchType::kNotEqual;
+        break;
+      case v1::MATCH_TYPE_REGEX:
+        type = alerts::MatchType::kRegex;
+        break;
+      case v1::MATCH_TYPE_NOT_REGEX:
+        type = alerts::MatchType::kNotRegex;
+        break;
+      default:
+        return Status::InvalidArgument("matcher " + m.name() + ": unknown match type " + std::to_string(m.type()));
+    }
+    auto matcher = alerts::Matcher::Make(m.name(), type, m.value());
+    if (!matcher.ok()) return matcher.status();
+    out.push_back(std::move(*matcher));
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  if (Status s = alerts::CheckSilenceMatchers(out); !s.ok()) return s;
+  return out;
+}
+
 std::string Caller(const grpc::CallbackServerContext& context) {
   const auto auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
@@ -76,12 +124,13 @@ grpc::ServerUnaryReactor* QueryService::AddSilence(grpc::CallbackServerContext* 
   if (grpc::Status allowed = Allow(context, Scope::kSilence, "", "add a silence"); !allowed.ok()) return Done(context, allowed);
   if (engine_ == nullptr) return Done(context, NoAlerting());
   const v1::Silence& in = request->silence();
-  if (in.matchers().empty()) {
-    return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, "a silence needs at least one matcher"});
-  }
   alerts::Silence silence;
+  if (auto matchers = SilenceMatchers(in); matchers.ok()) {
+    silence.matchers = std::move(*matchers);
+  } else {
+    return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, matchers.status().message()});
+  }
   silence.id = in.id().empty() ? "s" + std::to_string(static_cast<long long>(clock_->UnixSeconds() * 1e6)) : in.id();
-  silence.matchers = {in.matchers().begin(), in.matchers().end()};
   silence.starts_at = in.starts_at() > 0 ? in.starts_at() : clock_->UnixSeconds();
   silence.ends_at = in.ends_at();
   silence.comment = in.comment();
@@ -118,7 +167,13 @@ grpc::ServerUnaryReactor* QueryService::ListSilences(grpc::CallbackServerContext
   for (const alerts::Silence& s : engine_->Silences()) {
     v1::Silence* out = response->add_silences();
     out->set_id(s.id);
-    out->mutable_matchers()->insert(s.matchers.begin(), s.matchers.end());
+    for (const alerts::Matcher& m : s.matchers) {
+      v1::Matcher* matcher = out->add_label_matchers();
+      matcher->set_name(m.name());
+      matcher->set_type(ToProto(m.type()));
+      matcher->set_value(m.value());
+      if (m.type() == alerts::MatchType::kEqual) (*out->mutable_matchers())[m.name()] = m.value();
+    }
     out->set_starts_at(s.starts_at);
     out->set_ends_at(s.ends_at);
     out->set_comment(s.comment);

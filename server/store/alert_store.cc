@@ -70,6 +70,40 @@ std::string AckToJson(const alerts::Acknowledgement& ack) {
   return Dump(nlohmann::json{{"by", ack.by}, {"comment", ack.comment}, {"at", ack.at}});
 }
 
+// A silence's matchers: [{"name": "run", "op": "=~", "value": "moe-.*"}, ...].
+nlohmann::json MatchersJson(const std::vector<alerts::Matcher>& matchers) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const alerts::Matcher& m : matchers) {
+    out.push_back({{"name", m.name()}, {"op", std::string(alerts::MatchOperator(m.type()))}, {"value", m.value()}});
+  }
+  return out;
+}
+
+// Also reads what versions before regular-expression matchers wrote: {"label": "value", ...}.
+StatusOr<std::vector<alerts::Matcher>> ParseMatchers(const std::string& text) {
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    if (j.is_object()) return alerts::EqualityMatchers(j.get<alerts::LabelSet>());
+    if (!j.is_array()) return Status::InvalidArgument("matchers are neither a list nor an object");
+    std::vector<alerts::Matcher> out;
+    for (const nlohmann::json& m : j) {
+      const std::string op = m.at("op").get<std::string>();
+      std::optional<alerts::MatchType> type;
+      for (auto t : {alerts::MatchType::kEqual, alerts::MatchType::kNotEqual, alerts::MatchType::kRegex,
+                     alerts::MatchType::kNotRegex}) {
+        if (alerts::MatchOperator(t) == op) type = t;
+      }
+      if (!type) return Status::InvalidArgument("unknown matcher operator '" + op + "'");
+      auto matcher = alerts::Matcher::Make(m.at("name").get<std::string>(), *type, m.at("value").get<std::string>());
+      if (!matcher.ok()) return matcher.status();
+      out.push_back(std::move(*matcher));
+    }
+    return out;
+  } catch (const nlohmann::json::exception& e) {
+    return Status::InvalidArgument(e.what());
+  }
+}
+
 alerts::Acknowledgement AckFromJson(const std::string& text) {
   const nlohmann::json j = nlohmann::json::parse(text);
   return {j.at("by").get<std::string>(), j.at("comment").get<std::string>(), j.at("at").get<double>()};
@@ -229,7 +263,7 @@ notify::Status AlertStore::ApplyLocked(const alerts::StateChanges& states) {
     if (Status s = q.Run("saving alert " + fingerprint); !s.ok()) return OutboxError(s);
   }
   for (const auto& [id, silence] : states.silences) {
-    const std::string matchers = silence ? Dump(nlohmann::json(silence->matchers)) : "";
+    const std::string matchers = silence ? Dump(MatchersJson(silence->matchers)) : "";
     sqlite::Query q(silence ? *put_silence : *drop_silence);
     q.Bind(1, id);
     if (silence) {
@@ -363,12 +397,13 @@ notify::Result<alerts::SavedState> AlertStore::LoadState() {
   for (sqlite::Query q(*silences); q.Next(&status, "reading silences");) {
     alerts::Silence silence;
     silence.id = q.Text(0);
-    try {
-      silence.matchers = nlohmann::json::parse(q.Text(1)).get<alerts::LabelSet>();
-    } catch (const nlohmann::json::exception& e) {
-      spdlog::error("alert store: silence {} cannot be read, it is not restored: {}", silence.id, e.what());
+    auto matchers = ParseMatchers(q.Text(1));
+    if (!matchers.ok()) {
+      spdlog::error("alert store: silence {} cannot be read, it is not restored: {}", silence.id,
+                    matchers.status().message());
       continue;
     }
+    silence.matchers = std::move(*matchers);
     silence.starts_at = q.Real(2);
     silence.ends_at = q.Real(3);
     silence.comment = q.Text(4);

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -475,8 +476,112 @@ TEST_CASE("rules reload via the CLI and SIGHUP keeps the old rules when a file i
         std::string::npos);
   CHECK(cli({"silence", "remove", id}).exit_code == 0);
   CHECK(cli({"silence", "list"}).out.find("no silences") != std::string::npos);
-  CHECK(cli({"silence", "add", "nonsense"}).exit_code == 2);
+  CHECK(cli({"silence", "add", "run=~("}).exit_code == 2);
   stream.Close();
+}
+
+TEST_CASE("silences take amtool's matchers (=, !=, =~, !~) and keep them across a restart", "[integration]") {
+  TempDir data("gradwatch-silence-matchers");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  DaemonProcess daemon(options);
+  auto cli = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv);
+  };
+  // Three runs page.
+  std::map<std::string, std::string> fingerprints;
+  for (const std::string run : {"moe-a", "moe-b", "dense-c"}) {
+    StreamClient stream(daemon.grpc_target());
+    REQUIRE(stream.Hello(IncidentHello(run), 1));
+    stream.WaitAccepted();
+    for (uint64_t s = 1; s <= 20; ++s) REQUIRE(stream.Step(Step(s, 6.0), s + 1));
+    fingerprints[run] =
+        stream.WaitFor([](const v1::DaemonMessage& m) { return IsContingency(m, v1::ALERT_STATE_FIRING); })
+            .alert()
+            .fingerprint();
+    stream.Close();
+  }
+  const auto silenced_by = [&](const std::string& run) {
+    const CommandResult r = cli({"alerts", run});
+    INFO(r.out << r.err);
+    const std::string marker = "GradNormContingency " + fingerprints[run] + " silenced by ";
+    const size_t at = r.out.find(marker);
+    if (at == std::string::npos) return std::string();
+    return r.out.substr(at + marker.size(), r.out.find_first_of(" \n", at + marker.size()) - at - marker.size());
+  };
+  const auto add = [&](std::vector<std::string> matchers) {
+    matchers.insert(matchers.begin(), {"silence", "add"});
+    matchers.insert(matchers.end(), {"--duration", "10m"});
+    const CommandResult r = cli(matchers);
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    return r.out.substr(std::string("silence ").size(), r.out.find(" added") - 8);
+  };
+
+  // A regular expression is anchored: "moe-.*" matches moe-a and moe-b, not dense-c.
+  const std::string moe = add({"run=~moe-.*", "alertname!~Loss.*", "severity!=info"});
+  CHECK(silenced_by("moe-a") == moe);
+  CHECK(silenced_by("moe-b") == moe);
+  CHECK(silenced_by("dense-c").empty());
+  REQUIRE(cli({"silence", "remove", moe}).exit_code == 0);
+  CHECK(silenced_by("moe-a").empty());
+
+  // != and !~: everything but moe-a; a quoted value; a bare word is an alertname.
+  const std::string others = add({"GradNormContingency", "run!=moe-a", "run!~\"dense-x|other\""});
+  CHECK(silenced_by("moe-a").empty());
+  CHECK(silenced_by("moe-b") == others);
+  CHECK(silenced_by("dense-c") == others);
+  const CommandResult listed = cli({"silence", "list"});
+  INFO(listed.out);
+  CHECK_THAT(listed.out, Catch::Contains("alertname=GradNormContingency run!=moe-a run!~\"dense-x|other\""));
+  const CommandResult as_json = cli({"--json", "silence", "list"});
+  const json matchers = json::parse(as_json.out)["silences"][0]["label_matchers"];
+  INFO(as_json.out);
+  REQUIRE(matchers.size() == 3);
+  CHECK(matchers[2] == json({{"name", "run"}, {"type", "not_regex"}, {"value", "dense-x|other"}}));
+
+  // Kept across a restart, with the same effect.
+  REQUIRE(daemon.Restart() == 0);
+  CHECK(silenced_by("moe-a").empty());
+  CHECK(silenced_by("dense-c") == others);
+  CHECK_THAT(cli({"silence", "list"}).out, Catch::Contains("run!~\"dense-x|other\""));
+
+  // Mistakes are usage errors that say what is wrong.
+  CommandResult bad = cli({"silence", "add", "run=~moe-(", "--duration", "1h"});
+  CHECK(bad.exit_code == 2);
+  CHECK_THAT(bad.err, Catch::Contains("not a regular expression (RE2 syntax): missing )"));
+  bad = cli({"silence", "add", "run=~.*", "--duration", "1h"});
+  CHECK(bad.exit_code == 2);
+  CHECK_THAT(bad.err, Catch::Contains("it would mute every alert"));
+  bad = cli({"silence", "add", "run!moe", "--duration", "1h"});
+  CHECK(bad.exit_code == 2);
+  CHECK_THAT(bad.err, Catch::Contains("'!' must be followed by = or ~"));
+  bad = cli({"silence", "add", "9run=moe", "--duration", "1h"});
+  CHECK(bad.exit_code == 2);
+  CHECK_THAT(bad.err, Catch::Contains("is not a label name"));
+
+  // The daemon checks what any client sends, not only this CLI.
+  auto stub = v1::Query::NewStub(grpc::CreateChannel(daemon.grpc_target(), grpc::InsecureChannelCredentials()));
+  v1::AddSilenceRequest request;
+  request.mutable_silence()->set_ends_at(4e9);
+  v1::Matcher* m = request.mutable_silence()->add_label_matchers();
+  m->set_name("run");
+  m->set_type(v1::MATCH_TYPE_REGEX);
+  m->set_value("(unclosed");
+  v1::AddSilenceResponse response;
+  grpc::ClientContext context;
+  grpc::Status status = stub->AddSilence(&context, request, &response);
+  CHECK(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(status.error_message(), Catch::Contains("not a regular expression"));
+  m->set_type(static_cast<v1::MatchType>(9));
+  grpc::ClientContext context2;
+  status = stub->AddSilence(&context2, request, &response);
+  CHECK(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(status.error_message(), Catch::Contains("unknown match type 9"));
+  CHECK(cli({"silence", "list"}).out.find("unclosed") == std::string::npos);
+  CHECK(daemon.Stop() == 0);
 }
 
 TEST_CASE("every stream of a run hears its alerts, a resumed one the page its rewind resolved, another run none",

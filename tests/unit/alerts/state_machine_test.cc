@@ -249,7 +249,7 @@ TEST_CASE("resolve_for_steps keeps an alert firing until the condition stayed cl
 TEST_CASE("a silence mutes notifications without hiding state", "[alerts]") {
   AlertEngine engine({DefaultRule("GradNormContingency")});
   Driver d{engine};
-  REQUIRE(engine.AddSilence({"s1", {{"alertname", "GradNormContingency"}, {"run", "r1"}}, kT0, kT0 + 200,
+  REQUIRE(engine.AddSilence({"s1", EqualityMatchers({{"alertname", "GradNormContingency"}, {"run", "r1"}}).value(), kT0, kT0 + 200,
                              "known: weight decay change scheduled", "alice"})
               .ok());
   CHECK(engine.Silences().size() == 1);
@@ -285,7 +285,7 @@ TEST_CASE("a silence mutes notifications without hiding state", "[alerts]") {
 TEST_CASE("an alert that fires and resolves under a silence is never sent", "[alerts]") {
   AlertEngine engine({DefaultRule("GradNormContingency")});
   Driver d{engine};
-  REQUIRE(engine.AddSilence({"s1", {{"severity", "page"}}, kT0, kT0 + 1000, "", "bob"}).ok());
+  REQUIRE(engine.AddSilence({"s1", EqualityMatchers({{"severity", "page"}}).value(), kT0, kT0 + 1000, "", "bob"}).ok());
   auto ts = d.Run(100, 111, 1, 5.1);
   auto end = d.Report(120, 1.0);
   ts.insert(ts.end(), end.begin(), end.end());
@@ -295,7 +295,7 @@ TEST_CASE("an alert that fires and resolves under a silence is never sent", "[al
   CHECK(engine.RemoveSilence("s1").ok());
   CHECK(engine.RemoveSilence("s1").code() == gradwatch::StatusCode::kNotFound);
   CHECK(engine.AddSilence({"s2", {}, kT0, kT0 + 1, "", ""}).code() == gradwatch::StatusCode::kInvalidArgument);
-  CHECK(engine.AddSilence({"s3", {{"run", "r1"}}, kT0, kT0, "", ""}).code() ==
+  CHECK(engine.AddSilence({"s3", EqualityMatchers({{"run", "r1"}}).value(), kT0, kT0, "", ""}).code() ==
         gradwatch::StatusCode::kInvalidArgument);
 }
 
@@ -531,7 +531,7 @@ TEST_CASE("every durable change reaches the sink, value-only updates only when p
   REQUIRE(rec.folded.instances.at(fp)->ack);
   CHECK(rec.folded.instances.at(fp)->ack->by == "alice");
 
-  REQUIRE(engine.AddSilence({"s1", {{"run", "r1"}}, kT0, kT0 + 500, "", "bob"}).ok());
+  REQUIRE(engine.AddSilence({"s1", EqualityMatchers({{"run", "r1"}}).value(), kT0, kT0 + 500, "", "bob"}).ok());
   REQUIRE(rec.folded.silences.at("s1"));
   REQUIRE(engine.RemoveSilence("s1").ok());
   CHECK_FALSE(rec.folded.silences.at("s1"));
@@ -596,8 +596,8 @@ TEST_CASE("restore ends alerts of rules that are gone, keeps acks, drops ended s
       if (a.name == "GradNormContingency") fp = Fp(a);
     }
     REQUIRE(before.Ack(fp, "alice", "", kT0 + 111).ok());
-    REQUIRE(before.AddSilence({"short", {{"run", "r9"}}, kT0, kT0 + 150, "", "bob"}).ok());
-    REQUIRE(before.AddSilence({"long", {{"run", "r9"}}, kT0, kT0 + 5000, "", "bob"}).ok());
+    REQUIRE(before.AddSilence({"short", EqualityMatchers({{"run", "r9"}}).value(), kT0, kT0 + 150, "", "bob"}).ok());
+    REQUIRE(before.AddSilence({"long", EqualityMatchers({{"run", "r9"}}).value(), kT0, kT0 + 5000, "", "bob"}).ok());
   }
   AlertEngine after({DefaultRule("GradNormContingency")});
   Recorder rec2;

@@ -76,7 +76,7 @@ TEST_CASE("memory outbox keeps the state changes written with the entries, lates
   alerts::StateChanges first;
   first.instances[1] = firing;
   first.instances[2] = other;
-  first.silences["s1"] = alerts::Silence{"s1", {{"run", "r1"}}, 0, 100, "", "bob"};
+  first.silences["s1"] = alerts::Silence{"s1", alerts::EqualityMatchers({{"run", "r1"}}).value(), 0, 100, "", "bob"};
   REQUIRE(outbox.Write({Entry("am", "f1")}, first).ok());
   alerts::StateChanges second;
   second.instances[2] = std::nullopt;

@@ -134,8 +134,8 @@ TEST_CASE("alert states and silences are written with the notifications and read
     alerts::StateChanges first;
     first.instances[fa] = a;
     first.instances[fb] = b;
-    first.silences["s1"] = alerts::Silence{"s1", {{"run", "run-a"}}, 1.7e9, 1.7e9 + 600, "maintenance", "bob"};
-    first.silences["s2"] = alerts::Silence{"s2", {{"run", "run-b"}}, 1.7e9, 1.7e9 + 600, "", "bob"};
+    first.silences["s1"] = alerts::Silence{"s1", alerts::EqualityMatchers({{"run", "run-a"}}).value(), 1.7e9, 1.7e9 + 600, "maintenance", "bob"};
+    first.silences["s2"] = alerts::Silence{"s2", alerts::EqualityMatchers({{"run", "run-b"}}).value(), 1.7e9, 1.7e9 + 600, "", "bob"};
     auto ids = (*store)->Write({Entry("am", alerts::FingerprintHex(a.alert.labels), alerts::AlertState::kFiring)}, first);
     REQUIRE(ids.ok());
     CHECK(ids->size() == 1);
@@ -164,7 +164,7 @@ TEST_CASE("alert states and silences are written with the notifications and read
   REQUIRE(got.ack);
   CHECK(*got.ack == *a.ack);
   REQUIRE(saved->silences.size() == 1);
-  CHECK(saved->silences[0] == alerts::Silence{"s1", {{"run", "run-a"}}, 1.7e9, 1.7e9 + 600, "maintenance", "bob"});
+  CHECK(saved->silences[0] == alerts::Silence{"s1", alerts::EqualityMatchers({{"run", "run-a"}}).value(), 1.7e9, 1.7e9 + 600, "maintenance", "bob"});
   CHECK((*store)->PendingCount("am").value() == 1);
   std::filesystem::remove_all(dir);
 }
@@ -270,7 +270,7 @@ TEST_CASE("alert store saves an acknowledgement with invalid UTF-8 instead of th
   changes.instances[42] = inst;
   alerts::Silence silence;
   silence.id = "s1";
-  silence.matchers = {{"run", "bad\xfe"}};
+  silence.matchers = alerts::EqualityMatchers({{"run", "bad\xfe"}}).value();
   silence.starts_at = 1.7e9;
   silence.ends_at = 1.7e9 + 60;
   changes.silences["s1"] = silence;

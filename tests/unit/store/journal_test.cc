@@ -1213,7 +1213,7 @@ INSERT INTO alert_progress VALUES('r', 2);
     REQUIRE(state.ok());
     REQUIRE(state->silences.size() == 1);
     CHECK(state->silences[0].comment == "maintenance");
-    CHECK(state->silences[0].matchers == alerts::LabelSet{{"run", "r"}});
+    CHECK(state->silences[0].matchers == alerts::EqualityMatchers({{"run", "r"}}).value());
     CHECK(state->evaluated == std::map<std::string, uint64_t>{{"r", 2}});
   }
 
