@@ -185,6 +185,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       ->capture_default_str()
       ->transform(PositiveDuration())
       ->type_name("DURATION");
+  replay_cmd->add_flag("-q,--quiet", replay.quiet,
+                       "No progress line (percentage, rate, ETA) on stderr; it is drawn only when stderr is a "
+                       "terminal, and the report at the end is printed either way");
   replay_cmd->add_option("--rank", replay.rank, "This rank")->capture_default_str();
   replay_cmd->add_option("--resume-from", replay.resume_from,
                          "The history resumes the run from its checkpoint at step N: the daemon "
@@ -226,6 +229,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       ->capture_default_str()
       ->transform(PositiveDuration())
       ->type_name("DURATION");
+  tail_cmd->add_flag("-q,--quiet", tail.quiet,
+                     "No progress line (steps, rate, step reached) on stderr; it is drawn only when stderr is a "
+                     "terminal, and the report at the end is printed either way");
   tail_cmd->add_option("--rank", tail.rank, "This rank")->capture_default_str();
   tail_cmd->add_option("--world-size", tail.world_size, "Ranks reporting each step")
       ->capture_default_str()

@@ -19,6 +19,7 @@
 
 #include "client/cli/daemon_messages.h"
 #include "client/cli/format.h"
+#include "client/cli/progress.h"
 #include "client/cli/signal_watch.h"
 #include "client/lib/monitor.h"
 #include "client/lib/monitor_set.h"
@@ -31,14 +32,11 @@ using Clock = std::chrono::steady_clock;
 using json = nlohmann::ordered_json;
 
 constexpr size_t kSkippedInSummary = 5;
-constexpr auto kProgressInterval = std::chrono::milliseconds(200);
+// How often what the daemon said (errors, alerts) is printed while the replay runs.
+constexpr auto kMessagesInterval = std::chrono::milliseconds(200);
 // Steps read from the file ahead of the flow-control window: this many, and this many bytes.
 constexpr size_t kReadAheadSteps = 64;
 constexpr size_t kReadAheadBytes = 4 << 20;
-
-void ClearProgress(bool progress, std::ostream& err) {
-  if (progress) err << "\r\033[K" << std::flush;
-}
 
 // Calls fn(line_number, result) for every line that is not blank, allowing a header on the
 // first of them, until fn returns false. Returns the number of lines read.
@@ -165,6 +163,27 @@ json ReplaySummaryToJson(const ReplaySummary& s) {
   };
 }
 
+std::string FormatReplaySummaryLine(const ReplaySummary& s) {
+  std::string line = "replayed " + s.file + " as run " + s.run + ": " + StepCountText(s.steps_sent);
+  if (s.already_held_steps > 0) line += " (" + FormatStepCount(s.already_held_steps) + " already held)";
+  line += " in " + FormatTimeTaken(s.seconds) + " (" + FormatStepRate(s.seconds > 0 ? s.steps_sent / s.seconds : 0) +
+          ")";
+  if (s.complete) {
+    line += ", all acknowledged";
+  } else {
+    // Why, in a word: the report's table and the message on stderr say it in full.
+    line += ", " + FormatStepCount(s.unacked_steps) + " not acknowledged" +
+            (s.stopped.empty() ? "" : " (" + s.stopped + ")");
+  }
+  if (s.skipped_lines > 0) {
+    line += "; " + FormatStepCount(s.skipped_lines) + (s.skipped_lines == 1 ? " line" : " lines") + " skipped";
+  }
+  uint64_t errors = 0;
+  for (const auto& [reason, count] : s.daemon_errors) errors += count;
+  if (errors > 0) line += "; " + FormatStepCount(errors) + (errors == 1 ? " daemon error" : " daemon errors");
+  return line;
+}
+
 std::string FormatReplaySummary(const ReplaySummary& s) {
   std::string skipped = std::to_string(s.skipped_lines) + " skipped";
   if (!s.first_skipped.empty()) {
@@ -180,9 +199,6 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
   for (const auto& [reason, count] : s.daemon_errors) {
     errors += (errors.empty() ? "" : ", ") + ReasonShortName(reason) + " " + std::to_string(count);
   }
-  char rate[64];
-  std::snprintf(rate, sizeof rate, "%.1f s (%.0f steps/s)", s.seconds,
-                s.seconds > 0 ? s.steps_sent / s.seconds : 0.0);
   std::vector<std::vector<std::string>> rows = {
       {"lines", std::to_string(s.lines) + ", " + skipped},
       {"steps sent", std::to_string(s.steps_sent) +
@@ -192,7 +208,6 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
       {"events", std::to_string(s.events_sent)},
       {"daemon errors", errors.empty() ? "none" : errors},
       {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
-      {"time", rate},
   };
   if (!s.stopped.empty()) {
     std::string unacked = std::to_string(s.unacked_steps);
@@ -208,8 +223,8 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
                 {"resumed from", "the checkpoint at step " + std::to_string(*s.resumed_from_step)});
   }
   if (s.finished) rows.push_back({"finished", *s.finished ? "yes (Goodbye acknowledged)" : "no"});
-  return "replayed " + s.file + " as run " + s.run + (s.complete ? "" : " (incomplete)") + "\n" +
-         FormatTable(rows);
+  // The time and the rate are in the first line, which is also the line --json writes to stderr.
+  return FormatReplaySummaryLine(s) + "\n" + FormatTable(rows);
 }
 
 namespace {
@@ -417,14 +432,26 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     }
   }
 
-  const bool progress = &err == &std::cerr && isatty(STDERR_FILENO) != 0;
   const auto started = Clock::now();
-  auto last_progress = started;
+  // The pre-scan counted the file's steps: the progress line has a total, a percentage and an ETA. Every write to
+  // `err` from here on goes through progress.Print(), which takes the line off the terminal first.
+  ProgressReporter progress(err,
+                            {.label = "replay " + summary.run,
+                             .total = plan.step_lines,
+                             .draw = ShouldDrawProgress(err, options.quiet),
+                             .columns = StderrColumns()},
+                            started);
+  uint64_t steps_read = 0;  // the file's steps handed on (or held by every daemon already)
+  auto last_messages = started;
   std::unordered_map<uint64_t, uint64_t> line_of_step;
   std::optional<double> first_timestamp;
   Clock::time_point paced_from;
   auto print_messages = [&] {
-    for (auto& t : targets) t->messages.Print(several ? options.file + " (" + t->address + ")" : options.file, line_of_step, err);
+    std::ostringstream text;
+    for (auto& t : targets) {
+      t->messages.Print(several ? options.file + " (" + t->address + ")" : options.file, line_of_step, text);
+    }
+    if (text.tellp() > 0) progress.Print() << text.str() << std::flush;
   };
   // Hands the record to one daemon; false once that daemon is left behind.
   auto send_to = [&](Target& t, const StepRecord& record) {
@@ -477,21 +504,18 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
                           ? "the daemon at " + t->address + " closed the stream"
                           : "the daemon at " + t->address + " acknowledged nothing for " +
                                 FormatValue(options.stall_timeout_seconds) + " s (--stall-timeout)";
-      if (several) err << "gradwatch: " << t->lag_reason << "; it gets no more steps, the other daemons go on\n";
-    }
-    if (going == 0) return false;
-    const auto now = Clock::now();
-    if (now - last_progress >= kProgressInterval) {
-      last_progress = now;
-      ClearProgress(progress, err);
-      print_messages();
-      if (progress) {
-        const client::MonitorStats stats = targets.front()->monitor->Stats();
-        err << "replay: line " << line_number << "/" << plan.lines << ", " << targets.front()->summary.steps_sent
-            << " steps sent, acked through "
-            << (stats.has_acked ? std::to_string(stats.acked_through_step) : "-") << std::flush;
+      if (several) {
+        progress.Print() << "gradwatch: " << t->lag_reason << "; it gets no more steps, the other daemons go on\n";
       }
     }
+    if (going == 0) return false;
+    if (record->has_metrics || !record->event) ++steps_read;
+    const auto now = Clock::now();
+    if (now - last_messages >= kMessagesInterval) {
+      last_messages = now;
+      print_messages();
+    }
+    progress.Update(now, steps_read);
     return true;
   };
   bool read_everything = true;
@@ -513,12 +537,10 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     t->stats = t->monitor->Stats();
     t->monitor->Stop();
   }
-  ClearProgress(progress, err);
   print_messages();
 
   bool any_failure = false, any_partial = false;
   size_t complete = 0;
-  nlohmann::ordered_json json_daemons = nlohmann::ordered_json::array();
   for (auto& t : targets) {
     ReplaySummary& ts = t->summary;
     const client::MonitorStats& stats = t->stats;
@@ -544,6 +566,21 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     } else {
       ++complete;
     }
+  }
+  // The text report starts with the summary line; with --json, stdout is the JSON report, and the line for people
+  // goes to stderr instead, once, where the progress line was.
+  std::string summary_lines;
+  for (auto& t : targets) {
+    if (!global.json) break;
+    summary_lines += (summary_lines.empty() ? "" : "\n") + (several ? "daemon " + t->address + ": " : std::string()) +
+                     FormatReplaySummaryLine(t->summary);
+  }
+  progress.Finish(summary_lines);
+
+  nlohmann::ordered_json json_daemons = nlohmann::ordered_json::array();
+  for (auto& t : targets) {
+    ReplaySummary& ts = t->summary;
+    const client::MonitorStats& stats = t->stats;
     if (global.json) {
       nlohmann::ordered_json j = ReplaySummaryToJson(ts);
       if (several) j["daemon"] = t->address;

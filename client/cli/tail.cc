@@ -8,12 +8,14 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <sstream>
 #include <thread>
 #include <unordered_map>
 
 #include "client/cli/daemon_messages.h"
 #include "client/cli/follow.h"
 #include "client/cli/format.h"
+#include "client/cli/progress.h"
 #include "client/cli/signal_watch.h"
 #include "client/lib/monitor.h"
 #include "client/lib/monitor_set.h"
@@ -232,10 +234,24 @@ json TailSummaryToJson(const TailSummary& s) {
       {"dropped_steps", s.dropped_steps},
       {"daemon_errors", std::move(errors)},
       {"last_acked_step", s.has_acked ? json(s.last_acked_step) : json(nullptr)},
+      {"seconds", s.seconds},
+      {"steps_per_second", s.seconds > 0 ? s.steps_sent / s.seconds : 0.0},
       {"complete", s.complete},
       {"ended", s.ended},
       {"finished", s.finished ? json(*s.finished) : json(nullptr)},
   };
+}
+
+std::string FormatTailSummaryLine(const TailSummary& s) {
+  std::string line = "followed " + s.file + " as run " + s.run + ": " + StepCountText(s.steps_sent) + " in " +
+                     FormatTimeTaken(s.seconds) + " (" +
+                     FormatStepRate(s.seconds > 0 ? s.steps_sent / s.seconds : 0) + "), " +
+                     (s.complete ? "all acknowledged" : "not all acknowledged");
+  uint64_t errors = 0;
+  for (const auto& [reason, count] : s.daemon_errors) errors += count;
+  if (errors > 0) line += "; " + FormatStepCount(errors) + (errors == 1 ? " daemon error" : " daemon errors");
+  if (s.dropped_steps > 0) line += "; " + FormatStepCount(s.dropped_steps) + " dropped";
+  return line + "; " + s.ended;
 }
 
 std::string FormatTailSummary(const TailSummary& s) {
@@ -270,7 +286,7 @@ std::string FormatTailSummary(const TailSummary& s) {
   }
   if (s.dropped_steps > 0) rows.push_back({"dropped", std::to_string(s.dropped_steps) + " steps (daemon away, queue full)"});
   if (s.finished) rows.push_back({"finished", *s.finished ? "yes (Goodbye acknowledged)" : "no"});
-  return "followed " + s.file + " as run " + s.run + (s.complete ? "" : " (incomplete)") + "\n" + FormatTable(rows);
+  return FormatTailSummaryLine(s) + "\n" + FormatTable(rows);
 }
 
 int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostream& out, std::ostream& err) {
@@ -291,6 +307,18 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   }
   if (format) summary.format = std::string(LogFormatName(*format));
 
+  // A followed file has no end, so the line has no total: the steps, the rate and the step reached. A job logs every
+  // few seconds, so the rate is taken over half a minute rather than a replay's few seconds. Every write to `err`
+  // from here on goes through progress.Print(), which takes the line off the terminal first.
+  const auto started = std::chrono::steady_clock::now();
+  ProgressReporter progress(err,
+                            {.label = "tail " + summary.run,
+                             .draw = ShouldDrawProgress(err, options.quiet),
+                             .columns = StderrColumns(),
+                             .rate_window_seconds = 30},
+                            started);
+  uint64_t steps_read = 0;  // steps handed on (or held by the daemons already), repeats not counted
+
   std::atomic<int> signalled{0};
   SignalWatch signals([&signalled](int s) { signalled.store(s); });
   const auto keep_waiting = [&] {
@@ -301,7 +329,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
 
   LineFollower::Options fo;
   fo.path = options.file;
-  fo.notice = [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; };
+  fo.notice = [&progress](const std::string& text) { progress.Print() << "gradwatch tail: " << text << "\n"; };
   LineFollower follower(std::move(fo));
   // A file is its own buffer: while no daemon has room, the tail waits rather than drop. A pipe's
   // job is never blocked: what does not fit is dropped, counted and reported.
@@ -326,7 +354,8 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     auto t = std::make_unique<Target>();
     t->sender = std::make_unique<Sender>(
         global, options, address, summary.run, &catalog,
-        [&err](const std::string& text) { err << "gradwatch tail: " << text << "\n"; }, &t->messages);
+        [&progress](const std::string& text) { progress.Print() << "gradwatch tail: " << text << "\n"; },
+        &t->messages);
     targets.push_back(std::move(t));
   }
   const auto live = [&targets] {
@@ -334,16 +363,20 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   };
   const std::unordered_map<uint64_t, uint64_t> no_line_numbers;
   const auto print_messages = [&] {
+    std::ostringstream text;
     for (auto& t : targets) {
       t->messages.Print(several ? options.file + " (" + t->sender->address() + ")" : options.file, no_line_numbers,
-                        err);
+                        text);
     }
+    if (text.tellp() > 0) progress.Print() << text.str() << std::flush;
   };
   // False when no daemon is left; a daemon that refused the run is reported once.
   const auto ensure = [&](Target& t, std::optional<uint64_t> resume) {
     if (!t.failure.empty()) return false;
     if (t.sender->Ensure(resume, &t.failure)) return true;
-    if (several) err << "gradwatch tail: " << t.failure << "; it gets no more steps, the other daemons go on\n";
+    if (several) {
+      progress.Print() << "gradwatch tail: " << t.failure << "; it gets no more steps, the other daemons go on\n";
+    }
     return false;
   };
   const auto stall = std::chrono::milliseconds(static_cast<int64_t>(options.stall_timeout_seconds * 1000));
@@ -371,8 +404,9 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
       // The job went back: it resumed from a checkpoint. The daemon replaces what it held from there on.
       resume = step;
       ++summary.resumes;
-      err << "gradwatch tail: step " << step << " follows step " << *last_step
-          << ": the job resumed from a checkpoint; the daemon replaces its steps from " << step << " on\n";
+      progress.Print() << "gradwatch tail: step " << step << " follows step " << *last_step
+                       << ": the job resumed from a checkpoint; the daemon replaces its steps from " << step
+                       << " on\n";
     }
     v1::StepStats stats;
     stats.set_step(step);
@@ -407,15 +441,17 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
       }
     }
     last_step = step;
+    ++steps_read;
     std::vector<Target*> sending;
     for (auto& t : targets) {
       if (!ensure(*t, resume)) continue;
       if (!t->connected) {
         t->connected = true;
         if (const auto held = t->sender->held_through()) {
-          err << "gradwatch tail: the daemon" << (several ? " at " + t->sender->address() : std::string())
-              << " already holds run " << summary.run << " rank " << options.rank << " through step " << *held
-              << "; sending only later steps\n";
+          progress.Print() << "gradwatch tail: the daemon"
+                           << (several ? " at " + t->sender->address() : std::string()) << " already holds run "
+                           << summary.run << " rank " << options.rank << " through step " << *held
+                           << "; sending only later steps\n";
         }
       }
       if (!resume && t->sender->held_through() && step <= *t->sender->held_through()) {
@@ -434,6 +470,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
         for (Target* t : sending) t->sender->CountDrop();
         return true;
       }
+      progress.Update(std::chrono::steady_clock::now(), steps_read, last_step);
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     for (Target* t : sending) {
@@ -448,9 +485,11 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     held_step.reset();
     return send_step(step, held_values);
   };
+  // Called at every poll while the input has nothing new: the line's rate falls while the job is quiet.
   const auto keep_waiting_after_flush = [&] {
     const bool sent = flush_held();
     print_messages();
+    progress.Update(std::chrono::steady_clock::now(), steps_read, last_step);
     return sent && keep_waiting();
   };
 
@@ -462,7 +501,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
         summary.first_unparsed.push_back({line_number, cleaned.substr(0, 200)});
       }
       if (global.verbose && summary.unparsed_lines < kUnparsedShown) {
-        err << options.file << ":" << line_number << ": not parsed: " << cleaned.substr(0, 200) << "\n";
+        progress.Print() << options.file << ":" << line_number << ": not parsed: " << cleaned.substr(0, 200) << "\n";
       }
       ++summary.unparsed_lines;
       return true;
@@ -531,7 +570,8 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
         continue;
       }
       summary.format = std::string(LogFormatName(*format));
-      err << "gradwatch tail: " << options.file << ":" << summary.lines << ": format " << summary.format << "\n";
+      progress.Print() << "gradwatch tail: " << options.file << ":" << summary.lines << ": format " << summary.format
+                       << "\n";
       bool ok = true;
       for (const auto& [number, text] : before_format) {
         if (ok) ok = handle(number, text);
@@ -541,13 +581,14 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     }
     if (!handle(summary.lines, cleaned)) break;
     print_messages();
+    progress.Update(std::chrono::steady_clock::now(), steps_read, last_step);
   }
   // No line was recognised: the lines kept are what was not parsed.
   for (const auto& [number, text] : before_format) {
     ++summary.unparsed_lines;
     if (summary.first_unparsed.size() < kUnparsedInSummary) summary.first_unparsed.push_back({number, text.substr(0, 200)});
     if (global.verbose && number <= kUnparsedShown) {
-      err << options.file << ":" << number << ": not parsed: " << text.substr(0, 200) << "\n";
+      progress.Print() << options.file << ":" << number << ": not parsed: " << text.substr(0, 200) << "\n";
     }
   }
   if (live()) flush_held();
@@ -591,6 +632,18 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     t->summary = std::move(ts);
   }
   print_messages();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  // The text report starts with the summary line; with --json, stdout is the JSON report, and the line for people
+  // goes to stderr instead, once, where the progress line was.
+  std::string summary_lines;
+  for (auto& t : targets) {
+    t->summary.seconds = seconds;
+    if (!global.json) continue;
+    summary_lines += (summary_lines.empty() ? "" : "\n") +
+                     (several ? "daemon " + t->sender->address() + ": " : std::string()) +
+                     FormatTailSummaryLine(t->summary);
+  }
+  progress.Finish(summary_lines);
 
   for (auto& t : targets) {
     const TailSummary& ts = t->summary;

@@ -30,6 +30,8 @@ struct TailOptions {
   bool finish = false;
   int pid = 0;  // > 0: stop following once this process has exited (as tail --pid)
   double stall_timeout_seconds = kDefaultStallTimeoutSeconds;
+  // --quiet: no progress line on a terminal's stderr (there is none elsewhere).
+  bool quiet = false;
 };
 
 struct TailSummary {
@@ -51,12 +53,18 @@ struct TailSummary {
   std::map<std::string, uint64_t> daemon_errors;
   bool has_acked = false;
   uint64_t last_acked_step = 0;
+  double seconds = 0;     // from the start of the tail to its last acknowledgement
   bool complete = false;  // every step sent was acknowledged durable
   std::string ended;      // "end of input", "SIGTERM", "process N exited"
   std::optional<bool> finished;
 };
 
 nlohmann::ordered_json TailSummaryToJson(const TailSummary& summary);
+// The tail in one line: "followed job.log as run pretrain-7b: 12,345 steps in 5m 3s (41 steps/s), all
+// acknowledged; end of input". The text report's first line; with --json, where stdout is the JSON report, it goes
+// to stderr.
+std::string FormatTailSummaryLine(const TailSummary& summary);
+// The text report: FormatTailSummaryLine, then a table of the details.
 std::string FormatTailSummary(const TailSummary& summary);
 
 // Runs the command; returns the process exit code.

@@ -390,3 +390,42 @@ TEST_CASE("tail sends every line to each of several daemons, and one that is awa
     CHECK(Series(first, "half", "train/loss").size() == 10);
   }
 }
+
+TEST_CASE("a tail off a terminal draws no progress, and its report leads with the summary line (on stderr with --json)",
+          "[integration]") {
+  DaemonProcess daemon;
+  std::string log;
+  for (int step = 1; step <= 50; ++step) log += "iter " + std::to_string(step) + ": loss 3.14, time 220ms\n";
+
+  // stderr is a pipe here: no carriage returns, no erase-line sequences; the report's first line sums it up.
+  const CommandResult text =
+      RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "tail", "-", "--run", "tail-progress"}, log,
+                 std::chrono::seconds(60));
+  INFO(text.out << text.err);
+  REQUIRE(text.exit_code == 0);
+  CHECK(text.err.find('\r') == std::string::npos);
+  CHECK(text.err.find("\033[K") == std::string::npos);
+  CHECK(text.out.rfind("followed - as run tail-progress: 50 steps in ", 0) == 0);
+  const std::string first_line = text.out.substr(0, text.out.find('\n'));
+  const std::string ending = "steps/s), all acknowledged; end of input";
+  REQUIRE(first_line.size() > ending.size());
+  CHECK(first_line.compare(first_line.size() - ending.size(), ending.size(), ending) == 0);
+
+  // --json (and --quiet, which changes nothing off a terminal): stdout is the JSON report, with the time and the
+  // rate; the summary line is stderr's last.
+  const CommandResult json_run = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-",
+                                             "--run", "tail-progress-json", "--quiet"},
+                                            log, std::chrono::seconds(60));
+  INFO(json_run.out << json_run.err);
+  REQUIRE(json_run.exit_code == 0);
+  const json summary = json::parse(json_run.out);
+  CHECK(summary["steps_sent"] == 50);
+  CHECK(summary["seconds"].get<double>() > 0);
+  CHECK(summary["steps_per_second"].get<double>() > 0);
+  CHECK(json_run.err.find('\r') == std::string::npos);
+  const std::string last_line = "followed - as run tail-progress-json: 50 steps in ";
+  const size_t at = json_run.err.rfind(last_line);
+  REQUIRE(at != std::string::npos);
+  CHECK(json_run.err.find('\n', at) == json_run.err.size() - 1);
+  CHECK(json_run.err.find("all acknowledged; end of input\n", at) != std::string::npos);
+}
