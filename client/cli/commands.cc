@@ -26,6 +26,10 @@ v1::MatchType MatchTypeToProto(alerts::MatchType type) {
   return v1::MATCH_TYPE_EQUAL;
 }
 
+double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 }  // namespace
 
 std::vector<std::string> SilenceMatcherTexts(const v1::Silence& silence) {
@@ -138,7 +142,7 @@ int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std
   if (global.json) {
     out << ProtoToJson(result.response).dump(2) << "\n";
   } else {
-    out << FormatAlerts(result.response);
+    out << FormatAlerts(result.response, NowSeconds());
   }
   return kExitOk;
 }
@@ -202,8 +206,7 @@ int RunSilenceAdd(const GlobalOptions& global, client::QueryClient& query, const
     err << "gradwatch: " << s.message() << "\n";
     return kExitUsage;
   }
-  const double now =
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const double now = NowSeconds();
   silence.set_starts_at(now);
   silence.set_ends_at(now + options.duration_seconds);
   silence.set_comment(options.comment);
@@ -229,7 +232,7 @@ int RunSilenceList(const GlobalOptions& global, client::QueryClient& query, std:
     out << "no silences\n";
     return kExitOk;
   }
-  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const double now = NowSeconds();
   std::vector<std::vector<std::string>> rows = {{"ID", "MATCHERS", "STARTS", "ENDS", "BY", "COMMENT"}};
   for (const v1::Silence& s : result.response.silences()) {
     std::string matchers;
@@ -284,7 +287,7 @@ int RunRuns(const GlobalOptions& global, client::QueryClient& query, bool all, s
   if (global.json) {
     out << ProtoToJson(result.response).dump(2) << "\n";
   } else {
-    out << FormatRunsTable(result.response);
+    out << FormatRunsTable(result.response, NowSeconds());
   }
   return kExitOk;
 }
@@ -298,7 +301,7 @@ int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::
   if (global.json) {
     out << RunSummaryToJson(result.response).dump(2) << "\n";
   } else {
-    out << FormatRunSummary(result.response);
+    out << FormatRunSummary(result.response, NowSeconds());
   }
   return kExitOk;
 }

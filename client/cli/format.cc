@@ -94,23 +94,6 @@ std::string StateName(v1::RunState state) {
   }
 }
 
-std::string FormatWallTime(double seconds) {
-  if (!(seconds > 0) || !std::isfinite(seconds)) return "-";
-  const std::time_t t = static_cast<std::time_t>(seconds);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-// A speed for people to read: two decimals are plenty.
-std::string FormatRate(double per_second) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f", per_second);
-  return buf;
-}
-
 std::string FormatOptional(const std::optional<double>& v) { return v ? FormatValue(*v) : "-"; }
 
 std::string JoinMap(const google::protobuf::Map<std::string, std::string>& map) {
@@ -172,21 +155,59 @@ std::string FormatLocalTime(double seconds, double now) {
   localtime_r(&t, &tm);
   char buf[40];
   std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
-  const double delta = seconds - now;
-  return std::string(buf) + (delta >= 0 ? " (in " + FormatDuration(delta) + ")" : " (" + FormatDuration(delta) + " ago)");
+  return std::string(buf) + " (" + FormatAge(seconds, now) + ")";
 }
 
 std::string FormatValue(double value) {
   if (std::isnan(value)) return "NaN";
   if (std::isinf(value)) return value > 0 ? "Infinity" : "-Infinity";
+  if (value == 0) return "0";
+  const double magnitude = std::fabs(value);
   char buf[64];
-  const auto result = std::to_chars(buf, buf + sizeof buf, value);
-  return std::string(buf, result.ptr);
+  if (magnitude >= 1e4 && magnitude < 1e15) return GroupedStep(value);
+  if (magnitude >= 1e-4 && magnitude < 1e4) {
+    std::snprintf(buf, sizeof buf, "%.4g", value);  // fixed notation in this range, trailing zeros dropped
+    return buf;
+  }
+  // 1.235e-05 -> 1.235e-5; 1.000e+20 -> 1e+20.
+  std::snprintf(buf, sizeof buf, "%.3e", value);
+  std::string text = buf;
+  const size_t e = text.find('e');
+  std::string mantissa = text.substr(0, e);
+  if (mantissa.find('.') != std::string::npos) {
+    mantissa.erase(mantissa.find_last_not_of('0') + 1);
+    if (mantissa.back() == '.') mantissa.pop_back();
+  }
+  std::string exponent = text.substr(e + 2);
+  exponent.erase(0, std::min(exponent.find_first_not_of('0'), exponent.size() - 1));
+  return mantissa + "e" + text[e + 1] + exponent;
+}
+
+std::string GroupedStep(double step) {
+  const long long v = std::llround(step);
+  const std::string digits = std::to_string(v < 0 ? -v : v);
+  std::string out = v < 0 ? "-" : "";
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string FormatAge(double seconds, double now) {
+  if (!(seconds > 0) || !std::isfinite(seconds)) return "-";
+  const double delta = seconds - now;
+  return delta >= 0 ? "in " + FormatDuration(delta) : FormatDuration(delta) + " ago";
+}
+
+std::string FormatSteps(uint64_t first, uint64_t last) {
+  return first == last ? std::to_string(first) : std::to_string(first) + ".." + std::to_string(last);
 }
 
 json JsonValue(double value) {
   if (std::isfinite(value)) return value;
-  return FormatValue(value);
+  if (std::isnan(value)) return "NaN";
+  return value > 0 ? "Infinity" : "-Infinity";
 }
 
 json ProtoToJson(const Message& message) {
@@ -235,21 +256,20 @@ std::string FormatTable(const std::vector<std::vector<std::string>>& rows) {
   return out;
 }
 
-std::string FormatRunsTable(const v1::ListRunsResponse& runs) {
+std::string FormatRunsTable(const v1::ListRunsResponse& runs, double now) {
   if (runs.runs().empty()) return "no runs\n";
   std::vector<std::vector<std::string>> rows = {
-      {"RUN", "STATE", "WORLD", "STEPS", "FIRST..LAST", "STEPS/S", "STREAMS"}};
+      {"RUN", "STATE", "WORLD", "STEPS", "FIRST..LAST", "STEPS/S", "STREAMS", "LAST STEP"}};
   for (const v1::RunInfo& run : runs.runs()) {
     rows.push_back({
         run.run_id(),
         StateName(run.state()),
         std::to_string(run.world_size()),
-        std::to_string(run.step_count()),
-        run.step_count() > 0
-            ? std::to_string(run.first_step()) + ".." + std::to_string(run.last_step())
-            : "-",
-        run.steps_per_second() > 0 ? FormatRate(run.steps_per_second()) : "-",
+        FormatValue(static_cast<double>(run.step_count())),
+        run.step_count() > 0 ? FormatSteps(run.first_step(), run.last_step()) : "-",
+        run.steps_per_second() > 0 ? FormatValue(run.steps_per_second()) : "-",
         std::to_string(run.open_streams()),
+        FormatAge(run.last_wall_time(), now),
     });
   }
   return FormatTable(rows);
@@ -305,18 +325,6 @@ RunOverview BuildOverview(const v1::RunSummary& summary, size_t top_n) {
 namespace {
 
 // 48000 → "48,000".
-std::string WithThousands(double v) {
-  if (!std::isfinite(v)) return v > 0 ? "∞" : "-";
-  std::string digits = std::to_string(static_cast<long long>(std::llround(v)));
-  std::string out;
-  const size_t lead = digits.size() % 3 == 0 ? 3 : digits.size() % 3;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (i - lead) % 3 == 0 && i >= lead && digits[i - 1] != '-') out += ',';
-    out += digits[i];
-  }
-  return out;
-}
-
 std::string Percent(double share) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * share);
@@ -330,13 +338,7 @@ std::string Trend(double slope_per_kstep, double scale) {
 }
 
 // Four significant digits: enough to read a slope or a ratio.
-std::string Short(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.4g", v);
-  return buf;
-}
-
-std::string Signed(double v) { return (v >= 0 ? "+" : "") + Short(v); }
+std::string Signed(double v) { return (v >= 0 ? "+" : "") + FormatValue(v); }
 
 }  // namespace
 
@@ -354,10 +356,10 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
     if (v.key() == total_key) total_now = v.value();
   }
   if (std::isfinite(total_now) || forecast != nullptr) {
-    out << "total grad norm " << Short(total_now);
+    out << "total grad norm " << FormatValue(total_now);
     if (forecast != nullptr) {
       out << ", " << Trend(forecast->slope_per_kstep(), forecast->current_value()) << " "
-          << Signed(forecast->slope_per_kstep()) << " per 1k steps (" << WithThousands(forecast->window_steps())
+          << Signed(forecast->slope_per_kstep()) << " per 1k steps (" << FormatValue(forecast->window_steps())
           << "-step window)";
     }
     out << "\n";
@@ -365,12 +367,12 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
   for (const auto& f : a.forecasts()) {
     out << "forecast: " << f.key() << " ";
     if (f.current_value() >= f.threshold()) {
-      out << "is at or above " << Short(f.threshold()) << " now\n";
+      out << "is at or above " << FormatValue(f.threshold()) << " now\n";
     } else if (!f.reachable()) {
-      out << "is not rising: it does not reach " << Short(f.threshold()) << " at the current slope\n";
+      out << "is not rising: it does not reach " << FormatValue(f.threshold()) << " at the current slope\n";
     } else {
-      out << "reaches " << Short(f.threshold()) << " in ~" << WithThousands(f.steps_to_threshold())
-          << " steps, near step " << WithThousands(static_cast<double>(f.at_step())) << "\n";
+      out << "reaches " << FormatValue(f.threshold()) << " in ~" << FormatValue(std::round(f.steps_to_threshold()))
+          << " steps, near step " << GroupedStep(static_cast<double>(f.at_step())) << "\n";
     }
   }
   int shown = 0;
@@ -382,39 +384,39 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
   }
   if (!shares.empty()) out << "largest shares of the squared grad norm: " << shares << "\n";
   for (const auto& g : a.growth_without_decay()) {
-    out << "growing without weight decay: " << g.param() << " ×" << Short(g.growth_factor()) << " over the last "
-        << WithThousands(static_cast<double>(g.window_steps())) << " steps, " << Signed(g.slope_per_kstep())
-        << " per 1k steps, norm " << Short(g.norm());
-    if (std::isfinite(g.amplification())) out << " (" << Short(g.amplification()) << "× its init norm)";
+    out << "growing without weight decay: " << g.param() << " ×" << FormatValue(g.growth_factor()) << " over the last "
+        << FormatValue(static_cast<double>(g.window_steps())) << " steps, " << Signed(g.slope_per_kstep())
+        << " per 1k steps, norm " << FormatValue(g.norm());
+    if (std::isfinite(g.amplification())) out << " (" << FormatValue(g.amplification()) << "× its init norm)";
     out << "\n";
   }
   for (const auto& am : a.amplifications()) {
     bool listed = false;
     for (const auto& g : a.growth_without_decay()) listed = listed || g.param() == am.param();
     if (!listed) {
-      out << "norm gain " << am.param() << ": " << Short(am.amplification()) << "× its init norm ("
-          << Short(am.norm()) << " / " << Short(am.init_norm()) << ")\n";
+      out << "norm gain " << am.param() << ": " << FormatValue(am.amplification()) << "× its init norm ("
+          << FormatValue(am.norm()) << " / " << FormatValue(am.init_norm()) << ")\n";
     }
   }
   for (const auto& c : a.slope_changes()) {
     if (c.key() != total_key && c.key().rfind("params/norm/", 0) != 0) continue;
-    out << "at step " << WithThousands(static_cast<double>(c.event_step())) << " (" << c.event_text() << "): "
-        << c.key() << " slope ×" << Short(c.ratio()) << ", " << Short(c.before_per_kstep()) << " → "
-        << Short(c.after_per_kstep()) << " per 1k steps"
+    out << "at step " << GroupedStep(static_cast<double>(c.event_step())) << " (" << c.event_text() << "): "
+        << c.key() << " slope ×" << FormatValue(c.ratio()) << ", " << FormatValue(c.before_per_kstep()) << " → "
+        << FormatValue(c.after_per_kstep()) << " per 1k steps"
         << (c.after_window_full() ? "" : " (after-window still filling)") << "\n";
   }
   for (const auto& c : a.change_points()) {
-    out << "slope change without an event: " << c.key() << " at step " << WithThousands(static_cast<double>(c.step()))
-        << ", " << Short(c.before_per_kstep()) << " → " << Short(c.after_per_kstep())
-        << " per 1k steps (×" << Short(c.ratio()) << ")\n";
+    out << "slope change without an event: " << c.key() << " at step " << GroupedStep(static_cast<double>(c.step()))
+        << ", " << FormatValue(c.before_per_kstep()) << " → " << FormatValue(c.after_per_kstep())
+        << " per 1k steps (×" << FormatValue(c.ratio()) << ")\n";
   }
   return out.str();
 }
 
-std::string FormatAlerts(const v1::ListAlertsResponse& alerts) {
+std::string FormatAlerts(const v1::ListAlertsResponse& alerts, double now) {
   if (alerts.alerts().empty()) return "no pending or firing alerts\n";
   std::vector<std::vector<std::string>> rows = {
-      {"STATE", "ALERT", "RUN", "SEVERITY", "STEP", "VALUE", "FINGERPRINT", "SUMMARY"}};
+      {"STATE", "ALERT", "RUN", "SEVERITY", "STEP", "VALUE", "SINCE", "FINGERPRINT", "SUMMARY"}};
   for (const v1::Alert& a : alerts.alerts()) {
     auto label = [&a](const char* name) {
       auto it = a.labels().find(name);
@@ -427,14 +429,14 @@ std::string FormatAlerts(const v1::ListAlertsResponse& alerts) {
     } else if (!a.silenced_by().empty()) {
       state += " (silenced)";
     }
-    rows.push_back({state, a.name(), label("run"), label("severity"), std::to_string(a.step()), Short(a.value()),
-                    a.fingerprint(), summary == a.annotations().end() ? "" : summary->second});
+    rows.push_back({state, a.name(), label("run"), label("severity"), std::to_string(a.step()), FormatValue(a.value()),
+                    FormatAge(a.starts_at(), now), a.fingerprint(), summary == a.annotations().end() ? "" : summary->second});
   }
   std::string out = FormatTable(rows);
   for (const v1::Alert& a : alerts.alerts()) {
     if (a.has_ack()) {
       out += "\n" + a.name() + " " + a.fingerprint() + " acknowledged by " + a.ack().by() + " at " +
-             FormatWallTime(a.ack().at()) + (a.ack().comment().empty() ? "" : ": " + a.ack().comment()) + "\n";
+             FormatLocalTime(a.ack().at(), now) + (a.ack().comment().empty() ? "" : ": " + a.ack().comment()) + "\n";
     }
     if (!a.silenced_by().empty()) {
       std::string ids;
@@ -459,7 +461,7 @@ std::string FormatAlerts(const v1::ListAlertsResponse& alerts) {
   return out;
 }
 
-std::string FormatRunSummary(const v1::RunSummary& summary) {
+std::string FormatRunSummary(const v1::RunSummary& summary, double now) {
   const v1::RunInfo& info = summary.info();
   const RunOverview overview = BuildOverview(summary);
   std::ostringstream out;
@@ -469,15 +471,13 @@ std::string FormatRunSummary(const v1::RunSummary& summary) {
       {"state", StateName(info.state()) + ", world size " + std::to_string(info.world_size()) +
                     ", " + std::to_string(info.open_streams()) + " open stream(s)"},
   };
-  std::string steps = std::to_string(info.step_count());
-  if (info.step_count() > 0) {
-    steps +=
-        " (" + std::to_string(info.first_step()) + ".." + std::to_string(info.last_step()) + ")";
-  }
-  if (info.steps_per_second() > 0) steps += ", " + FormatRate(info.steps_per_second()) + " steps/s";
+  std::string steps = FormatValue(static_cast<double>(info.step_count()));
+  if (info.step_count() > 0) steps += " (" + FormatSteps(info.first_step(), info.last_step()) + ")";
+  if (info.steps_per_second() > 0) steps += ", " + FormatValue(info.steps_per_second()) + " steps/s";
   head.push_back({"steps", steps});
-  head.push_back({"last step at", FormatWallTime(info.last_wall_time())});
-  head.push_back({"partial steps", std::to_string(info.partial_steps())});
+  head.push_back({"last step at", FormatLocalTime(info.last_wall_time(), now)});
+  if (info.ended_at() > 0) head.push_back({"ended at", FormatLocalTime(info.ended_at(), now)});
+  head.push_back({"partial steps", FormatValue(static_cast<double>(info.partial_steps()))});
   head.push_back({"labels", JoinMap(info.labels())});
 
   const v1::RunConfig& c = summary.config();
@@ -572,12 +572,13 @@ json RunSummaryToJson(const v1::RunSummary& summary) {
 }
 
 std::string FormatSeries(const v1::GetSeriesResponse& series) {
-  std::string out;
+  if (series.points().empty()) return "no points in this range\n";
+  std::vector<std::vector<std::string>> rows = {{"STEP", "VALUE", "MIN", "MAX", "STEPS"}};
   for (const v1::SeriesPoint& p : series.points()) {
-    out += std::to_string(p.step()) + " " + FormatValue(p.value()) + " " + FormatValue(p.min()) +
-           " " + FormatValue(p.max()) + " " + std::to_string(p.count()) + "\n";
+    rows.push_back({std::to_string(p.step()), FormatValue(p.value()), FormatValue(p.min()), FormatValue(p.max()),
+                    std::to_string(p.count())});
   }
-  return out;
+  return FormatTable(rows);
 }
 
 json SeriesToJson(const v1::GetSeriesResponse& series) {

@@ -14,8 +14,17 @@
 
 namespace gradwatch::cli {
 
-// A double as text: shortest round-trip form, "NaN", "Infinity" or "-Infinity".
+// A value for people, the one number style of human output: 4 significant digits (5.123,
+// 0.01235, 362), whole numbers with thousands separated from 10,000 (12,346), an exponent below
+// 1e-4 and from 1e15 (1.235e-5); "NaN", "Infinity", "-Infinity". --json keeps full precision.
 std::string FormatValue(double value);
+// A whole number with thousands separated: 81716 -> "81,716" (steps in sentences and charts;
+// tables write steps plainly, as they are typed back).
+std::string GroupedStep(double step);
+// How far a Unix time is from `now`: "5m 2s ago", "in 2h 13m"; "-" when unset.
+std::string FormatAge(double seconds, double now);
+// A step range, "100..200", or "100" when it is one step.
+std::string FormatSteps(uint64_t first, uint64_t last);
 // A double as JSON: a number, or the strings "NaN", "Infinity", "-Infinity" (protobuf's JSON
 // spelling; nlohmann-json would print null).
 nlohmann::ordered_json JsonValue(double value);
@@ -32,7 +41,8 @@ std::string FormatDuration(double seconds);
 // "... (5m 2s ago)"; "-" when unset.
 std::string FormatLocalTime(double seconds, double now);
 
-std::string FormatRunsTable(const v1::ListRunsResponse& runs);
+// `gradwatch runs`: a table, with how long ago each run's last step arrived.
+std::string FormatRunsTable(const v1::ListRunsResponse& runs, double now);
 
 // The figures `show` leads with, drawn from a RunSummary's latest values.
 struct ParamLatest {
@@ -55,17 +65,18 @@ struct RunOverview {
 RunOverview BuildOverview(const v1::RunSummary& summary, size_t top_n = 10);
 
 // `gradwatch show`: text, and JSON (the summary's fields plus "overview").
-std::string FormatRunSummary(const v1::RunSummary& summary);
+std::string FormatRunSummary(const v1::RunSummary& summary, double now);
 // The analysis as a few sentences: total grad norm and slope, forecast, largest shares, growth
 // without decay, slope changes at events and without them. Empty when there is nothing to say.
 std::string FormatDiagnosis(const v1::RunSummary& summary);
 nlohmann::ordered_json RunSummaryToJson(const v1::RunSummary& summary);
 
 // `gradwatch alerts`: one line per alert (state, acked or silenced, name, run, severity, step,
-// value, summary), then who acknowledged which and the silences muting them, then recommendations.
-std::string FormatAlerts(const v1::ListAlertsResponse& alerts);
+// value, how long it has fired, summary), then who acknowledged which and when (local time), the
+// silences muting them, then recommendations.
+std::string FormatAlerts(const v1::ListAlertsResponse& alerts, double now);
 
-// `gradwatch series`: "step value min max count" per point.
+// `gradwatch series`: a table, STEP VALUE MIN MAX STEPS (the steps a point stands for).
 std::string FormatSeries(const v1::GetSeriesResponse& series);
 nlohmann::ordered_json SeriesToJson(const v1::GetSeriesResponse& series);
 

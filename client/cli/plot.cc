@@ -282,17 +282,6 @@ std::string Document(const std::vector<Chart>& charts) {
 
 }  // namespace
 
-std::string GroupedStep(double step) {
-  const long long v = std::llround(step);
-  const std::string digits = std::to_string(v < 0 ? -v : v);
-  std::string out = v < 0 ? "-" : "";
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
-
 std::string PickFinalParam(const v1::RunSummary& summary) {
   for (const auto& p : summary.params()) {
     if (p.role() == "final_norm") return p.name();

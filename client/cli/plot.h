@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "client/cli/format.h"
 #include "client/cli/options.h"
 #include "client/lib/query_client.h"
 #include "gradwatch/v1/gradwatch.pb.h"
@@ -21,8 +22,6 @@ struct PlotData {
   std::vector<v1::SeriesPoint> final;  // params/norm/<final_param>
 };
 
-// A step with thousands separated: 81716 -> "81,716".
-std::string GroupedStep(double step);
 
 // The norm gain whose slopes are charted: role final_norm, else the most amplified norm gain,
 // else the first parameter that grew without weight decay; empty when none.

@@ -19,14 +19,9 @@ namespace gradwatch::cli {
 namespace {
 
 
-// Three significant digits: every number of the report, so that a reader (and the test) can
-// match it with the Query API's value.
-std::string Num(double v) {
-  if (!std::isfinite(v)) return v != v ? "NaN" : (v > 0 ? "+Inf" : "-Inf");
-  char text[32];
-  std::snprintf(text, sizeof text, "%.3g", v);
-  return text;
-}
+// Every number of the report in the CLI's one style (FormatValue), so that a reader (and the
+// test) can match it with the Query API's value.
+std::string Num(double v) { return FormatValue(v); }
 
 std::string Step(uint64_t v) { return GroupedStep(static_cast<double>(v)); }
 

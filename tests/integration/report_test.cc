@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gradwatch/v1/gradwatch.pb.h"
+#include "client/cli/format.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
 
@@ -22,20 +23,10 @@ namespace {
 
 constexpr const char* kRun = "moe-incident-demo";
 
-std::string Num(double v) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.3g", v);
-  return text;
-}
+// The report writes numbers as every human output of the CLI does.
+std::string Num(double v) { return gradwatch::cli::FormatValue(v); }
 
-std::string Step(uint64_t v) {
-  std::string digits = std::to_string(v), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
+std::string Step(uint64_t v) { return gradwatch::cli::GroupedStep(static_cast<double>(v)); }
 
 std::string ReadFile(const std::filesystem::path& path) {
   std::ifstream in(path);

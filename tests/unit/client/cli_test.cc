@@ -438,7 +438,11 @@ TEST_CASE("runs, show, series and annotate query the daemon", "[client]") {
 
   r = RunCli({"--addr", addr, "series", "moe-6b", "grad/norm/total", "--max-points", "10"});
   CHECK(r.code == 0);
-  CHECK(r.out == "1 0.25 0.1 0.9 1\n2 NaN 0.1 0.9 1\n3 0.75 0.1 0.9 1\n");
+  CHECK(r.out ==
+        "STEP  VALUE  MIN  MAX  STEPS\n"
+        "1     0.25   0.1  0.9  1\n"
+        "2     NaN    0.1  0.9  1\n"
+        "3     0.75   0.1  0.9  1\n");
   r = RunCli({"--addr", addr, "--json", "series", "moe-6b", "grad/norm/total"});
   CHECK(nlohmann::json::parse(r.out)[1]["value"] == "NaN");
 
@@ -484,6 +488,7 @@ TEST_CASE("alerts show who acknowledged a page and which silences mute one", "[c
   page->mutable_ack()->set_by("alice");
   page->mutable_ack()->set_comment("enabling wd on final_norm");
   page->mutable_ack()->set_at(1.8e9);
+  page->set_starts_at(1.8e9 - 300);
   v1::Alert* warning = resp.add_alerts();
   warning->set_name("LmHeadGradShareHigh");
   warning->set_state(v1::ALERT_STATE_FIRING);
@@ -494,14 +499,76 @@ TEST_CASE("alerts show who acknowledged a page and which silences mute one", "[c
   plain->set_name("GradNormForecast");
   plain->set_state(v1::ALERT_STATE_PENDING);
 
-  const std::string text = gradwatch::cli::FormatAlerts(resp);
+  const std::string text = gradwatch::cli::FormatAlerts(resp, 1.8e9 + 3600);
   INFO(text);
   CHECK(text.find("firing (acked)") != std::string::npos);
+  CHECK_THAT(text, Catch::Contains("SINCE") && Catch::Contains("1h 5m ago"));
   CHECK(text.find("firing (silenced)") != std::string::npos);
-  CHECK(text.find("GradNormContingency 0123456789abcdef acknowledged by alice at 2027-01-15T08:00:00Z: "
-                  "enabling wd on final_norm") != std::string::npos);
+  CHECK_THAT(text, Catch::Contains("GradNormContingency 0123456789abcdef acknowledged by alice at " +
+                                    gradwatch::cli::FormatLocalTime(1.8e9, 1.8e9 + 3600) + ": enabling wd on final_norm"));
+  CHECK_THAT(gradwatch::cli::FormatLocalTime(1.8e9, 1.8e9 + 3600), Catch::EndsWith(" (1h 0m ago)"));
   CHECK(text.find("LmHeadGradShareHigh fedcba9876543210 silenced by s-1, s-2") != std::string::npos);
   CHECK(text.find("pending (") == std::string::npos);
+}
+
+TEST_CASE("human output writes every number one way, --json at full precision", "[client]") {
+  using gradwatch::cli::FormatValue;
+  CHECK(FormatValue(5.123456789) == "5.123");
+  CHECK(FormatValue(-5.123456789) == "-5.123");
+  CHECK(FormatValue(5.0) == "5");
+  CHECK(FormatValue(362.04) == "362");
+  CHECK(FormatValue(0.012345678) == "0.01235");
+  CHECK(FormatValue(0.0001) == "0.0001");
+  CHECK(FormatValue(0.00001234567) == "1.235e-5");
+  CHECK(FormatValue(1e-12) == "1e-12");
+  CHECK(FormatValue(9999.4) == "9999");
+  CHECK(FormatValue(12345.678) == "12,346");
+  CHECK(FormatValue(-1234567.0) == "-1,234,567");
+  CHECK(FormatValue(2.5e20) == "2.5e+20");
+  CHECK(FormatValue(0) == "0");
+  CHECK(FormatValue(std::nan("")) == "NaN");
+  CHECK(FormatValue(-std::numeric_limits<double>::infinity()) == "-Infinity");
+  CHECK(gradwatch::cli::GroupedStep(81716) == "81,716");
+  CHECK(gradwatch::cli::FormatAge(1000, 1300) == "5m 0s ago");
+  CHECK(gradwatch::cli::FormatAge(1300, 1000) == "in 5m 0s");
+  CHECK(gradwatch::cli::FormatAge(0, 1000) == "-");
+
+  v1::ListRunsResponse runs;
+  v1::RunInfo* run = runs.add_runs();
+  run->set_run_id("moe-6b");
+  run->set_state(v1::RUN_STATE_ACTIVE);
+  run->set_world_size(64);
+  run->set_step_count(123456);
+  run->set_first_step(1);
+  run->set_last_step(123456);
+  run->set_steps_per_second(2.3456789);
+  run->set_last_wall_time(1.8e9 - 12);
+  const std::string table = gradwatch::cli::FormatRunsTable(runs, 1.8e9);
+  INFO(table);
+  std::istringstream lines(table);
+  std::string header, row;
+  std::getline(lines, header);
+  std::getline(lines, row);
+  CHECK_THAT(header, Catch::StartsWith("RUN") && Catch::EndsWith("LAST STEP"));
+  CHECK(row.find("123,456") == header.find("STEPS  "));
+  CHECK(row.find("1..123456") == header.find("FIRST..LAST"));
+  CHECK(row.find("2.346") == header.find("STEPS/S"));
+  CHECK(row.find("12s ago") == header.find("LAST STEP"));
+
+  // `show` the same way: local times with their age, values rounded.
+  v1::RunSummary summary;
+  *summary.mutable_info() = *run;
+  summary.mutable_info()->set_ended_at(1.8e9 - 5);
+  v1::LatestValue* total = summary.add_latest();
+  total->set_key("grad/norm/total");
+  total->set_value(5.123456789012345);
+  total->set_step(123456);
+  const std::string shown = gradwatch::cli::FormatRunSummary(summary, 1.8e9);
+  INFO(shown);
+  CHECK_THAT(shown, Catch::Contains("123,456 (1..123456), 2.346 steps/s"));
+  CHECK_THAT(shown, Catch::Contains(" (12s ago)") && Catch::Contains("ended at") && Catch::Contains(" (5s ago)"));
+  CHECK_THAT(shown, Catch::Contains("5.123") && !Catch::Contains("5.12345"));
+  CHECK(gradwatch::cli::RunSummaryToJson(summary)["latest"][0]["value"] == 5.123456789012345);
 }
 
 TEST_CASE("alerts print a recommendation they share once", "[client]") {
@@ -517,7 +584,7 @@ TEST_CASE("alerts print a recommendation they share once", "[client]") {
   other->set_state(v1::ALERT_STATE_FIRING);
   (*other->mutable_annotations())["recommendation"] = "look at the last checkpoint";
 
-  const std::string text = gradwatch::cli::FormatAlerts(resp);
+  const std::string text = gradwatch::cli::FormatAlerts(resp, 0);
   INFO(text);
   const std::string shared = "GradNormContingency, LmHeadGradShareHigh: enable weight decay on final_norm.weight";
   CHECK(text.find(shared) != std::string::npos);
