@@ -164,8 +164,8 @@ std::string FormatValue(double value) {
   if (value == 0) return "0";
   const double magnitude = std::fabs(value);
   char buf[64];
-  if (magnitude >= 1e4 && magnitude < 1e15) return GroupedStep(value);
-  if (magnitude >= 1e-4 && magnitude < 1e4) {
+  if (magnitude >= 1e3 && magnitude < 1e15) return GroupedStep(value);
+  if (magnitude >= 1e-4) {
     std::snprintf(buf, sizeof buf, "%.4g", value);  // fixed notation in this range, trailing zeros dropped
     return buf;
   }

@@ -15,7 +15,7 @@
 namespace gradwatch::cli {
 
 // A value for people, the one number style of human output: 4 significant digits (5.123,
-// 0.01235, 362), whole numbers with thousands separated from 10,000 (12,346), an exponent below
+// 0.01235, 362), whole numbers with thousands separated from 1,000 (12,346), an exponent below
 // 1e-4 and from 1e15 (1.235e-5); "NaN", "Infinity", "-Infinity". --json keeps full precision.
 std::string FormatValue(double value);
 // A whole number with thousands separated: 81716 -> "81,716" (steps in sentences and charts;

