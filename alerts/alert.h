@@ -20,8 +20,8 @@ struct Alert {
   AlertState state = AlertState::kInactive;
   LabelSet labels;
   LabelSet annotations;
-  uint64_t step = 0;   // step of the last state change
-  double value = 0;    // the value that triggered the rule, in the series' unit
+  uint64_t step = 0;     // step of the last state change
+  double value = 0;      // the value that triggered the rule, in the series' unit
   double starts_at = 0;  // seconds since the Unix epoch; 0 when unset
   double ends_at = 0;
 };

@@ -1,8 +1,8 @@
 #include "alerts/evaluator.h"
 
 #include <algorithm>
-#include <cmath>
 #include <charconv>
+#include <cmath>
 #include <map>
 #include <span>
 #include <type_traits>
@@ -15,8 +15,7 @@ bool Upward(CompareOp op) { return op == CompareOp::kGe || op == CompareOp::kGt;
 // The measure that neither holds nor stays in the clear band: a failed precondition.
 double Shut(CompareOp op) { return Upward(op) ? -INFINITY : INFINITY; }
 
-LevelTest PlainLevel(CompareOp op, double bound, std::optional<double> clear_bound, double measure,
-                     bool gate) {
+LevelTest PlainLevel(CompareOp op, double bound, std::optional<double> clear_bound, double measure, bool gate) {
   LevelTest t;
   t.op = op;
   t.bound = bound;
@@ -162,8 +161,8 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
     Condition& c = Make(out, base, {{"series", f.key}}, facts, f.current_value, active);
     // Judged on the steps to the threshold: the forecast itself is the value's fitted level.
     const bool gate = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0;
-    c.level = PlainLevel(CompareOp::kLe, static_cast<double>(rule.within_steps), std::nullopt,
-                         f.steps_to_threshold, gate);
+    c.level =
+        PlainLevel(CompareOp::kLe, static_cast<double>(rule.within_steps), std::nullopt, f.steps_to_threshold, gate);
     c.level->shows_level = false;
     SetVar(c.vars, "series", f.key);
     SetVar(c.vars, "threshold", Number(rule.threshold));
@@ -187,8 +186,8 @@ LevelTest EstimateLevel(const Rule& rule, double low, double high) {
 }
 
 void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
-  auto fill = [&](Condition& c, const std::string& key, double ratio, double before, double after,
-                  uint64_t step, const std::string& text) {
+  auto fill = [&](Condition& c, const std::string& key, double ratio, double before, double after, uint64_t step,
+                  const std::string& text) {
     SetVar(c.vars, "series", key);
     SetVar(c.vars, "ratio", Number(ratio));
     SetVar(c.vars, "min_ratio", Number(rule.min_ratio));
@@ -228,8 +227,9 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
     out.picks.resize(kept);
   };
   if (rule.at != SlopeChangeAt::kChangePoint) {
-    pick(std::span<const SlopeChangeFact>(facts.slope_changes), [](const SlopeChangeFact& f) { return f.event_step; },
-         true);
+    pick(
+        std::span<const SlopeChangeFact>(facts.slope_changes), [](const SlopeChangeFact& f) { return f.event_step; },
+        true);
     for (const auto& [ptr, index] : out.picks) {
       const SlopeChangeFact* s = static_cast<const SlopeChangeFact*>(ptr);
       const auto [low, high] =
@@ -246,8 +246,8 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
     }
   }
   if (rule.at != SlopeChangeAt::kEvent) {
-    pick(std::span<const ChangePointFact>(facts.change_points), [](const ChangePointFact& f) { return f.step; },
-         false);
+    pick(
+        std::span<const ChangePointFact>(facts.change_points), [](const ChangePointFact& f) { return f.step; }, false);
     for (const auto& [ptr, index] : out.picks) {
       const ChangePointFact* p = static_cast<const ChangePointFact*>(ptr);
       // The detector gives the z-score of the slope difference: its standard error, carried to
@@ -279,7 +279,8 @@ void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base
       if (match && rule.param_kind) match = s.kind == *rule.param_kind;
     }
     if (!match) continue;
-    Condition& c = Make(out, base, {{s.is_group ? "group" : "param", s.name}}, facts, s.share, s.share >= rule.min_share);
+    Condition& c =
+        Make(out, base, {{s.is_group ? "group" : "param", s.name}}, facts, s.share, s.share >= rule.min_share);
     c.level = PlainLevel(CompareOp::kGe, rule.min_share, rule.clear_below, s.share, true);
     c.level->percent = true;
     SetVar(c.vars, "param", s.name);
@@ -329,16 +330,14 @@ void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& bas
 
 // A count of iterations that met a non-finite value (a log's "number of nan iterations"): the
 // non_finite rules read it as non-finite when above 0.
-bool IsNonFiniteCount(std::string_view key) {
-  return key == keys::kNanIterations || key == keys::kSkippedIterations;
-}
+bool IsNonFiniteCount(std::string_view key) { return key == keys::kNanIterations || key == keys::kSkippedIterations; }
 
 bool IsNonFiniteObservation(std::string_view key, double value) {
   return !std::isfinite(value) || (value > 0 && IsNonFiniteCount(key));
 }
 
-void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& base,
-                       const SeriesFilter* with_instance, ConditionList& out) {
+void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& base, const SeriesFilter* with_instance,
+                       ConditionList& out) {
   // Key → value, by key; a listed non-finite value wins.
   out.found.clear();
   // A finite value is a condition only where it may resolve an instance: most keys of a large run
@@ -402,8 +401,8 @@ LabelSet BaseLabels(const Rule& rule, const RunFacts& facts) {
 }
 
 Condition& ConditionList::Add(const LabelSet& base,
-                               std::initializer_list<std::pair<std::string_view, std::string_view>> own,
-                               double value, bool active) {
+                              std::initializer_list<std::pair<std::string_view, std::string_view>> own, double value,
+                              bool active) {
   if (size_ == slots_.size()) slots_.emplace_back();
   Condition& c = slots_[size_++];
   // The slot's labels are kept when they are already base + own (the same instance as at its

@@ -3,8 +3,8 @@
 // state machine.
 #pragma once
 
-#include <map>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -49,7 +49,7 @@ struct Condition {
   // instance's own: `series` (threshold, forecast, slope_change, non_finite), `param` or `group`
   // (share, growth_without_decay), `event_step` and `trigger` (slope_change).
   LabelSet labels;
-  double value = 0;  // in the unit the rule compares: the series' value, a share, a ratio, ...
+  double value = 0;   // in the unit the rule compares: the series' value, a share, a ratio, ...
   TemplateVars vars;  // formatted for templates (see TemplateVariablesFor); no "recommendation"
   bool active = false;
   // Set for every kind that holds (threshold, forecast, slope_change, share,

@@ -100,9 +100,9 @@ struct RunFacts {
   // The run's own labels (job, cluster, ...), copied onto every alert of the run. A rule's labels
   // and the alert's own (alertname, run, series, ...) win over them.
   LabelSet run_labels;
-  uint64_t step = 0;      // the completed step being evaluated
-  double wall_time = 0;   // the step's wall time, seconds since the Unix epoch; 0 when unknown
-  double now = 0;         // seconds since the Unix epoch, when the facts were taken
+  uint64_t step = 0;     // the completed step being evaluated
+  double wall_time = 0;  // the step's wall time, seconds since the Unix epoch; 0 when unknown
+  double now = 0;        // seconds since the Unix epoch, when the facts were taken
   uint32_t open_streams = 0;
   double seconds_since_last_step = 0;  // for stalled rules
   // For run_died rules: seconds since the run last showed a sign of life (a hello, a stream

@@ -54,14 +54,10 @@ StatusOr<std::string> Unquote(std::string_view text, std::string_view whole) {
 
 std::string_view MatchOperator(MatchType type) {
   switch (type) {
-    case MatchType::kEqual:
-      return "=";
-    case MatchType::kNotEqual:
-      return "!=";
-    case MatchType::kRegex:
-      return "=~";
-    case MatchType::kNotRegex:
-      return "!~";
+    case MatchType::kEqual: return "=";
+    case MatchType::kNotEqual: return "!=";
+    case MatchType::kRegex: return "=~";
+    case MatchType::kNotRegex: return "!~";
   }
   return "=";
 }
@@ -133,14 +129,10 @@ StatusOr<Matcher> Matcher::Parse(std::string_view text) {
 
 bool Matcher::Matches(std::string_view value) const {
   switch (type_) {
-    case MatchType::kEqual:
-      return value == value_;
-    case MatchType::kNotEqual:
-      return value != value_;
-    case MatchType::kRegex:
-      return RE2::FullMatch(value, *regex_);
-    case MatchType::kNotRegex:
-      return !RE2::FullMatch(value, *regex_);
+    case MatchType::kEqual: return value == value_;
+    case MatchType::kNotEqual: return value != value_;
+    case MatchType::kRegex: return RE2::FullMatch(value, *regex_);
+    case MatchType::kNotRegex: return !RE2::FullMatch(value, *regex_);
   }
   return false;
 }
@@ -174,7 +166,8 @@ bool Matcher::operator<(const Matcher& other) const {
 }
 
 Status CheckSilenceMatchers(const std::vector<Matcher>& matchers) {
-  if (matchers.empty()) return Status::InvalidArgument("a silence needs at least one matcher: it would mute every alert");
+  if (matchers.empty())
+    return Status::InvalidArgument("a silence needs at least one matcher: it would mute every alert");
   for (const Matcher& m : matchers) {
     if (!m.Matches(std::string_view())) return Status::Ok();
   }

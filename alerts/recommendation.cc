@@ -89,8 +89,7 @@ std::string OutputShareSentence(const RunFacts& facts) {
   }
   if (outputs.empty()) return "";
   if (outputs.size() == 1) {
-    return std::string(outputs[0].first) + " carries " + FormatPercent(outputs[0].second) +
-           " of the squared grad norm";
+    return std::string(outputs[0].first) + " carries " + FormatPercent(outputs[0].second) + " of the squared grad norm";
   }
   double sum = 0;
   for (const auto& [name, share] : outputs) sum += share;
@@ -155,8 +154,7 @@ std::string Recommend(const RunFacts& facts) {
       std::optional<double> slope = gain->norm_slope_per_kstep;
       if (!slope) slope = gain->growth_slope_per_kstep;
       if (slope && std::isfinite(*slope)) {
-        s += std::string(*slope >= 0 ? ", rising " : ", falling ") + FormatNumber(std::fabs(*slope)) +
-             " per 1k steps";
+        s += std::string(*slope >= 0 ? ", rising " : ", falling ") + FormatNumber(std::fabs(*slope)) + " per 1k steps";
       }
       const std::string note = SlopeChangeNote(facts, keys::ParamNorm(name));
       if (!note.empty()) s += " (" + note + ")";
@@ -168,9 +166,8 @@ std::string Recommend(const RunFacts& facts) {
   // A sentence may open with a parameter name, which keeps its case; prose is capitalised.
   const bool opens_with_name = !evidence.empty() && evidence.rfind("the ", 0) != 0;
   if (facts.config.z_loss_coef) {
-    const std::string z = *facts.config.z_loss_coef > 0
-                              ? "z-loss coefficient " + FormatNumber(*facts.config.z_loss_coef)
-                              : "no z-loss";
+    const std::string z =
+        *facts.config.z_loss_coef > 0 ? "z-loss coefficient " + FormatNumber(*facts.config.z_loss_coef) : "no z-loss";
     evidence = evidence.empty() ? z : evidence + "; " + z;
   }
   if (!evidence.empty()) {
@@ -180,9 +177,8 @@ std::string Recommend(const RunFacts& facts) {
 
   if (gain) {
     const std::string& name = gain->info.name;
-    std::string action = gain->info.weight_decay > 0
-                             ? "Recommendation: raise the weight decay on " + name
-                             : "Recommendation: enable weight decay on " + name;
+    std::string action = gain->info.weight_decay > 0 ? "Recommendation: raise the weight decay on " + name
+                                                     : "Recommendation: enable weight decay on " + name;
     if (suggested_wd > 0) {
       action += " (the run uses " + FormatNumber(suggested_wd) + " for its decayed parameters)";
     }

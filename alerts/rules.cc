@@ -34,9 +34,8 @@ std::string_view RuleKindName(RuleKind kind) {
 bool IsTimerRule(RuleKind kind) { return kind == RuleKind::kStalled || kind == RuleKind::kRunDied; }
 
 std::optional<RuleKind> ParseRuleKind(std::string_view name) {
-  for (RuleKind k : {RuleKind::kThreshold, RuleKind::kForecast, RuleKind::kSlopeChange,
-                     RuleKind::kShare, RuleKind::kGrowthWithoutDecay, RuleKind::kNonFinite,
-                     RuleKind::kStalled, RuleKind::kRunDied}) {
+  for (RuleKind k : {RuleKind::kThreshold, RuleKind::kForecast, RuleKind::kSlopeChange, RuleKind::kShare,
+                     RuleKind::kGrowthWithoutDecay, RuleKind::kNonFinite, RuleKind::kStalled, RuleKind::kRunDied}) {
     if (RuleKindName(k) == name) return k;
   }
   return std::nullopt;
@@ -75,15 +74,13 @@ const std::set<std::string>& TemplateVariablesFor(RuleKind kind) {
     const std::map<RuleKind, std::set<std::string>> own = {
         {RuleKind::kThreshold, {"series", "threshold", "op"}},
         {RuleKind::kForecast,
-         {"series", "threshold", "steps_to_threshold", "at_step", "within_steps", "slope",
-          "current"}},
+         {"series", "threshold", "steps_to_threshold", "at_step", "within_steps", "slope", "current"}},
         {RuleKind::kSlopeChange,
-         {"series", "ratio", "min_ratio", "slope_before", "slope_after", "event", "event_step",
-          "at_step"}},
+         {"series", "ratio", "min_ratio", "slope_before", "slope_after", "event", "event_step", "at_step"}},
         {RuleKind::kShare, {"param", "share", "min_share", "slope"}},
         {RuleKind::kGrowthWithoutDecay,
-         {"param", "amplification", "growth", "norm", "init_norm", "slope", "weight_decay",
-          "min_amplification", "min_growth"}},
+         {"param", "amplification", "growth", "norm", "init_norm", "slope", "weight_decay", "min_amplification",
+          "min_growth"}},
         {RuleKind::kNonFinite, {"series"}},
         {RuleKind::kStalled, {"seconds", "threshold", "open_streams"}},
         {RuleKind::kRunDied, {"seconds", "threshold"}},
@@ -102,9 +99,8 @@ namespace {
 
 // Keys every rule may have, and those of each kind.
 const std::set<std::string>& CommonKeys() {
-  static const std::set<std::string> k = {"alert",       "kind",   "labels", "annotations",
-                                          "for_steps",   "resolve_for_steps",
-                                          "clear_below", "clear_above"};
+  static const std::set<std::string> k = {
+      "alert", "kind", "labels", "annotations", "for_steps", "resolve_for_steps", "clear_below", "clear_above"};
   return k;
 }
 
@@ -114,8 +110,7 @@ const std::set<std::string>& KindKeys(RuleKind kind) {
       {RuleKind::kForecast, {"series", "threshold", "within_steps"}},
       {RuleKind::kSlopeChange, {"series", "min_ratio", "at"}},
       {RuleKind::kShare, {"param", "group", "param_kind", "min_share"}},
-      {RuleKind::kGrowthWithoutDecay,
-       {"param", "param_kind", "min_amplification", "min_growth", "max_weight_decay"}},
+      {RuleKind::kGrowthWithoutDecay, {"param", "param_kind", "min_amplification", "min_growth", "max_weight_decay"}},
       {RuleKind::kNonFinite, {"series"}},
       {RuleKind::kStalled, {"seconds"}},
       {RuleKind::kRunDied, {"seconds"}},
@@ -209,8 +204,7 @@ std::optional<uint64_t> Parser::Steps(const YAML::Node& node, const std::string&
     char* end = nullptr;
     errno = 0;
     const double v = std::strtod(s.c_str(), &end);
-    if (!s.empty() && end == s.c_str() + s.size() && errno == 0 && v >= 0 && v < 9.2e18 &&
-        v == std::floor(v)) {
+    if (!s.empty() && end == s.c_str() + s.size() && errno == 0 && v >= 0 && v < 9.2e18 && v == std::floor(v)) {
       return static_cast<uint64_t>(v);
     }
   }
@@ -223,10 +217,22 @@ std::optional<double> Parser::Seconds(const YAML::Node& node, const std::string&
     std::string s = node.Scalar();
     double unit = 1;
     switch (s.back()) {
-      case 's': unit = 1; s.pop_back(); break;
-      case 'm': unit = 60; s.pop_back(); break;
-      case 'h': unit = 3600; s.pop_back(); break;
-      case 'd': unit = 86400; s.pop_back(); break;
+      case 's':
+        unit = 1;
+        s.pop_back();
+        break;
+      case 'm':
+        unit = 60;
+        s.pop_back();
+        break;
+      case 'h':
+        unit = 3600;
+        s.pop_back();
+        break;
+      case 'd':
+        unit = 86400;
+        s.pop_back();
+        break;
       default: break;
     }
     char* end = nullptr;
@@ -236,13 +242,11 @@ std::optional<double> Parser::Seconds(const YAML::Node& node, const std::string&
       return v * unit;
     }
   }
-  Error(node.Mark(), key + " must be a positive duration (600, \"90s\", \"10m\", \"1h\"), got " +
-                         Shown(node));
+  Error(node.Mark(), key + " must be a positive duration (600, \"90s\", \"10m\", \"1h\"), got " + Shown(node));
   return std::nullopt;
 }
 
-std::optional<std::vector<std::string>> Parser::Patterns(const YAML::Node& node,
-                                                         const std::string& key) {
+std::optional<std::vector<std::string>> Parser::Patterns(const YAML::Node& node, const std::string& key) {
   std::vector<std::string> out;
   if (node.IsScalar() && !node.Scalar().empty()) {
     out.push_back(node.Scalar());
@@ -375,8 +379,9 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
   const YAML::Node kind_node = node["kind"];
   std::optional<RuleKind> kind;
   if (!kind_node) {
-    Error(at, "missing 'kind' (threshold, forecast, slope_change, share, growth_without_decay, "
-              "non_finite, stalled or run_died)");
+    Error(at,
+          "missing 'kind' (threshold, forecast, slope_change, share, growth_without_decay, "
+          "non_finite, stalled or run_died)");
   } else if (!kind_node.IsScalar() || !(kind = ParseRuleKind(kind_node.Scalar()))) {
     Error(kind_node.Mark(), "unknown kind " + Shown(kind_node) +
                                 " (threshold, forecast, slope_change, share, "
@@ -479,9 +484,8 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
       if (require("op")) {
         const YAML::Node op = get("op");
         static const std::map<std::string, CompareOp> kOps = {
-            {">=", CompareOp::kGe}, {">", CompareOp::kGt}, {"<=", CompareOp::kLe},
-            {"<", CompareOp::kLt},  {"ge", CompareOp::kGe}, {"gt", CompareOp::kGt},
-            {"le", CompareOp::kLe}, {"lt", CompareOp::kLt}};
+            {">=", CompareOp::kGe}, {">", CompareOp::kGt},  {"<=", CompareOp::kLe}, {"<", CompareOp::kLt},
+            {"ge", CompareOp::kGe}, {"gt", CompareOp::kGt}, {"le", CompareOp::kLe}, {"lt", CompareOp::kLt}};
         auto it = op.IsScalar() ? kOps.find(op.Scalar()) : kOps.end();
         if (it == kOps.end()) {
           Error(op.Mark(), "bad op " + Shown(op) + " (one of \">=\", \">\", \"<=\", \"<\", quoted)");
@@ -500,8 +504,8 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
         if (auto v = Number(get("value"), "value")) rule.value = *v;
       }
       if (rule.clear_below && has("value") && *rule.clear_below > rule.value) {
-        Error(get("clear_below").Mark(), "clear_below " + FormatNumber(*rule.clear_below) +
-                                             " must not exceed value " + FormatNumber(rule.value));
+        Error(get("clear_below").Mark(),
+              "clear_below " + FormatNumber(*rule.clear_below) + " must not exceed value " + FormatNumber(rule.value));
       }
       if (rule.clear_above && has("value") && *rule.clear_above < rule.value) {
         Error(get("clear_above").Mark(), "clear_above " + FormatNumber(*rule.clear_above) +
@@ -562,21 +566,21 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
         std::optional<ParamKind> pk;
         if (k.IsScalar() && !k.Scalar().empty()) pk = ParseParamKind(k.Scalar());
         if (!pk) {
-          Error(k.Mark(), "unknown param_kind " + Shown(k) +
-                              " (norm_gain, output, embedding, router, attention, mlp, other)");
+          Error(k.Mark(),
+                "unknown param_kind " + Shown(k) + " (norm_gain, output, embedding, router, attention, mlp, other)");
         }
         rule.param_kind = pk;
       }
       if (rule.kind == RuleKind::kShare) {
         if (!has("param") && !has("group") && !has("param_kind")) {
-          Error(at, "missing 'param', 'group' or 'param_kind' (which shares to watch; \"*\" for any "
-                    "parameter)");
+          Error(at,
+                "missing 'param', 'group' or 'param_kind' (which shares to watch; \"*\" for any "
+                "parameter)");
         }
         if (require("min_share")) {
           if (auto v = Number(get("min_share"), "min_share")) {
             if (*v <= 0 || *v > 1) {
-              Error(get("min_share").Mark(), "min_share is a fraction in (0, 1]: 0.9 for 90%, got " +
-                                                 FormatNumber(*v));
+              Error(get("min_share").Mark(), "min_share is a fraction in (0, 1]: 0.9 for 90%, got " + FormatNumber(*v));
             }
             rule.min_share = *v;
           }
@@ -599,9 +603,8 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
         }
         const std::optional<double> bound = rule.min_amplification ? rule.min_amplification : rule.min_growth;
         if (rule.clear_below && bound && *rule.clear_below > *bound) {
-          Error(get("clear_below").Mark(),
-                rule.min_amplification ? "clear_below must not exceed min_amplification"
-                                       : "clear_below must not exceed min_growth");
+          Error(get("clear_below").Mark(), rule.min_amplification ? "clear_below must not exceed min_amplification"
+                                                                  : "clear_below must not exceed min_growth");
         }
       }
       break;
@@ -724,8 +727,7 @@ StatusOr<std::vector<Rule>> LoadRuleFiles(const std::vector<std::string>& paths)
     }
   }
   if (!errors.empty()) {
-    return io_error && errors.size() == 1 ? Status::IoError(errors.front())
-                                          : Status::InvalidArgument(Join(errors));
+    return io_error && errors.size() == 1 ? Status::IoError(errors.front()) : Status::InvalidArgument(Join(errors));
   }
   return all;
 }

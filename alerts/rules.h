@@ -73,7 +73,7 @@ std::string_view RuleKindName(RuleKind kind);  // "threshold", "forecast", ...
 std::optional<RuleKind> ParseRuleKind(std::string_view name);
 
 enum class CompareOp : int { kGe = 0, kGt, kLe, kLt };
-std::string_view CompareOpSymbol(CompareOp op);  // ">=", ">", "<=", "<"
+std::string_view CompareOpSymbol(CompareOp op);          // ">=", ">", "<=", "<"
 bool Compare(double value, CompareOp op, double bound);  // false when value is NaN
 
 enum class SlopeChangeAt : int { kEvent = 0, kChangePoint, kAny };
@@ -151,6 +151,5 @@ Status CheckRuleFiles(const std::vector<std::string>& paths);
 inline constexpr std::string_view kDefaultRulesSource = "alerts/rules/default.yaml";
 std::string_view DefaultRulesYaml();
 StatusOr<std::vector<Rule>> LoadDefaultRules();
-
 
 }  // namespace gradwatch::alerts

@@ -22,8 +22,7 @@ uint64_t EffectiveForSteps(const Rule& rule) {
 // A firing instance whose condition no longer holds stays firing while its value has not crossed
 // the clear bound. NaN has crossed nothing.
 bool InClearBand(const Rule& rule, double value) {
-  return (rule.clear_below && !(value < *rule.clear_below)) ||
-         (rule.clear_above && !(value > *rule.clear_above));
+  return (rule.clear_below && !(value < *rule.clear_below)) || (rule.clear_above && !(value > *rule.clear_above));
 }
 
 std::optional<uint64_t> ParseFingerprint(std::string_view hex) {
@@ -62,8 +61,7 @@ auto DurableKey(const InstanceState& inst) {
 
 constexpr std::string_view kResolvedSummary = "resolved_summary";
 
-LabelSet Render(const Rule& rule, const TemplateVars& vars, const LabelSet& labels,
-                const std::string* recommendation) {
+LabelSet Render(const Rule& rule, const TemplateVars& vars, const LabelSet& labels, const std::string* recommendation) {
   LabelSet out;
   if (recommendation) {
     TemplateVars with = vars;
@@ -262,9 +260,8 @@ std::vector<Rule> AlertEngine::Rules() const {
   return rules_;
 }
 
-bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step,
-                          double now, const std::string* recommendation,
-                          std::vector<Transition>* out) {
+bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step, double now,
+                          const std::string* recommendation, std::vector<Transition>* out) {
   const AlertState state = inst.alert.state;
   const bool holds = cond && cond->active;
   const bool in_band = !holds && cond && state == AlertState::kFiring && InClearBand(rule, cond->value);
@@ -321,10 +318,11 @@ bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* con
       }
       if (step < inst.clearing_since_step + rule.resolve_for_steps) return true;
       if (cond) inst.alert.value = cond->value;
-      Resolve(rule, inst,
-              cond ? cond->vars
-                   : TemplateVars{{"step", FormatStep(step)}, {"run", inst.run}, {"value", FormatNumber(inst.alert.value)}},
-              step, now, out);
+      Resolve(
+          rule, inst,
+          cond ? cond->vars
+               : TemplateVars{{"step", FormatStep(step)}, {"run", inst.run}, {"value", FormatNumber(inst.alert.value)}},
+          step, now, out);
       return false;
     }
   }
@@ -413,8 +411,7 @@ bool AlertEngine::AdvanceLevel(const Rule& rule, Instance& inst, const Condition
     case AlertState::kFiring: {
       if (!inst.clearing) {
         tracker.Count(holds);
-        inst.alert.annotations =
-            Render(rule, render(recent(Column::kValue)), inst.alert.labels, recommendation);
+        inst.alert.annotations = Render(rule, render(recent(Column::kValue)), inst.alert.labels, recommendation);
         if (!past) return true;
         inst.clearing = true;
         inst.clearing_since_step = step;
@@ -424,8 +421,7 @@ bool AlertEngine::AdvanceLevel(const Rule& rule, Instance& inst, const Condition
         if (!LevelPastClear(level, recent(Column::kClear))) {
           inst.clearing = false;
           tracker.since_mark = kLevelReports;  // the level shown is that of the last reports again
-          inst.alert.annotations =
-              Render(rule, render(recent(Column::kValue)), inst.alert.labels, recommendation);
+          inst.alert.annotations = Render(rule, render(recent(Column::kValue)), inst.alert.labels, recommendation);
           return true;
         }
         if (step < inst.clearing_since_step) inst.clearing_since_step = step;
@@ -451,8 +447,7 @@ void AlertEngine::DropTrackers(Pred drop) {
 }
 
 void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double now,
-                               std::optional<std::string>* recommendation,
-                               std::vector<Transition>* out) {
+                               std::optional<std::string>* recommendation, std::vector<Transition>* out) {
   const Rule& rule = rules_[rule_index];
   RunScratch& scratch = ScratchLocked(facts);
   // A non_finite rule looks at every series: only those with an instance need an inactive
@@ -604,11 +599,10 @@ std::vector<Transition> AlertEngine::EndTimers(const std::vector<std::string>& h
   for (const Rule& r : rules_) {
     if (r.kind == RuleKind::kStalled) stalled_rules.insert(r.name);
   }
-  EndInstances(
-      [&](const Instance& inst) { return stalled_rules.count(inst.rule) && !listed.count(inst.run); },
-      now, &out);
-  EndRunDiedLocked(RunEnding::kLeftMemory, [&](const Instance& inst) { return !listed.count(inst.run); }, now,
-                   &out);
+  EndInstances([&](const Instance& inst) { return stalled_rules.count(inst.rule) && !listed.count(inst.run); }, now,
+               &out);
+  EndRunDiedLocked(
+      RunEnding::kLeftMemory, [&](const Instance& inst) { return !listed.count(inst.run); }, now, &out);
   for (auto it = silences_.begin(); it != silences_.end();) {
     if (it->second.ends_at <= now) {
       TouchSilence(it->first);
@@ -663,9 +657,9 @@ std::vector<Transition> AlertEngine::RewindRun(const std::string& run_id, uint64
 std::vector<Transition> AlertEngine::EndRun(const std::string& run_id, RunEnding how, double now) {
   std::lock_guard lock(mu_);
   std::vector<Transition> out;
-  EndInstances([&](const Instance& inst) { return inst.run == run_id && !IsRunDiedRuleLocked(inst.rule); }, now,
-               &out);
-  EndRunDiedLocked(how, [&](const Instance& inst) { return inst.run == run_id; }, now, &out);
+  EndInstances([&](const Instance& inst) { return inst.run == run_id && !IsRunDiedRuleLocked(inst.rule); }, now, &out);
+  EndRunDiedLocked(
+      how, [&](const Instance& inst) { return inst.run == run_id; }, now, &out);
   DropTrackers([&](const LevelTracker& t) { return t.run == run_id; });
   // A run brought back into memory later is evaluated from its next live step on.
   if (how == RunEnding::kLeftMemory) {
@@ -736,9 +730,8 @@ std::vector<Alert> AlertEngine::Active(std::string_view run) const {
       out.push_back(inst.alert);
     }
   }
-  std::sort(out.begin(), out.end(), [](const Alert& a, const Alert& b) {
-    return std::tie(a.name, a.labels) < std::tie(b.name, b.labels);
-  });
+  std::sort(out.begin(), out.end(),
+            [](const Alert& a, const Alert& b) { return std::tie(a.name, a.labels) < std::tie(b.name, b.labels); });
   return out;
 }
 

@@ -74,10 +74,10 @@
 #include "alerts/alert.h"
 #include "alerts/evaluator.h"
 #include "alerts/facts.h"
+#include "alerts/matcher.h"
 #include "alerts/report_window.h"
 #include "alerts/rules.h"
 #include "alerts/templates.h"
-#include "alerts/matcher.h"
 #include "server/core/status.h"
 
 namespace gradwatch::alerts {
@@ -113,7 +113,7 @@ struct InstanceState {
   std::string rule;
   std::string run;
   Alert alert;
-  uint64_t held_since_step = 0;      // s0
+  uint64_t held_since_step = 0;  // s0
   bool clearing = false;
   uint64_t clearing_since_step = 0;  // r0
   bool notified = false;             // its firing was notified
@@ -164,7 +164,7 @@ struct StateChanges {
 struct SavedState {
   std::vector<InstanceState> instances;
   std::vector<Silence> silences;
-  std::map<uint64_t, LevelState> levels;    // by fingerprint
+  std::map<uint64_t, LevelState> levels;      // by fingerprint
   std::map<std::string, uint64_t> evaluated;  // the last step evaluated, by run
 };
 
@@ -286,8 +286,8 @@ class AlertEngine {
     std::string rule;
     std::string run;
     ReportWindow window;
-    size_t since_mark = 0;        // reports since s0 (pending, firing) or r0 (clearing)
-    bool all_since_mark = true;   // every one of them held (pending) / was past the clear band
+    size_t since_mark = 0;       // reports since s0 (pending, firing) or r0 (clearing)
+    bool all_since_mark = true;  // every one of them held (pending) / was past the clear band
     void Mark() { since_mark = 1, all_since_mark = true; }
     void Count(bool ok) { ++since_mark, all_since_mark = all_since_mark && ok; }
   };
@@ -310,15 +310,14 @@ class AlertEngine {
                const std::string* recommendation, std::vector<Transition>* out);
   // Advance for a condition judged on its level (Condition::level), with the instance's reports
   // (this one already added).
-  bool AdvanceLevel(const Rule& rule, Instance& inst, const Condition& cond, LevelTracker& tracker,
-                    uint64_t step, double now, const std::string* recommendation,
-                    std::vector<Transition>* out);
+  bool AdvanceLevel(const Rule& rule, Instance& inst, const Condition& cond, LevelTracker& tracker, uint64_t step,
+                    double now, const std::string* recommendation, std::vector<Transition>* out);
   // Drops the trackers for which `drop` is true.
   template <typename Pred>
   void DropTrackers(Pred drop);
   // Evaluates `rule` for one run and advances its instances of that run.
-  void EvaluateRule(size_t rule_index, const RunFacts& facts, double now,
-                    std::optional<std::string>* recommendation, std::vector<Transition>* out);
+  void EvaluateRule(size_t rule_index, const RunFacts& facts, double now, std::optional<std::string>* recommendation,
+                    std::vector<Transition>* out);
   // Ends every instance for which `ends` is true (resolve firing, drop pending).
   template <typename Pred>
   void EndInstances(Pred ends, double now, std::vector<Transition>* out);
@@ -350,17 +349,17 @@ class AlertEngine {
 
   mutable std::mutex mu_;
   std::vector<Rule> rules_;
-  std::vector<bool> uses_recommendation_;  // by rule index
-  std::unordered_map<uint64_t, Instance> instances_;  // by fingerprint
-  std::unordered_map<uint64_t, LevelTracker> levels_;  // by fingerprint
+  std::vector<bool> uses_recommendation_;                   // by rule index
+  std::unordered_map<uint64_t, Instance> instances_;        // by fingerprint
+  std::unordered_map<uint64_t, LevelTracker> levels_;       // by fingerprint
   std::map<std::string, uint64_t, std::less<>> evaluated_;  // the last step evaluated, by run
-  std::map<std::string, Silence, std::less<>> silences_;  // by id
+  std::map<std::string, Silence, std::less<>> silences_;    // by id
   ChangeSink sink_;
-  std::set<uint64_t> dirty_instances_;   // since the last Publish
-  std::set<std::string> dirty_silences_;  // since the last Publish
-  std::set<uint64_t> dirty_levels_;       // since the last Publish
-  std::set<std::string> dirty_evaluated_;  // since the last Publish
-  std::vector<uint64_t> dirty_shown_;      // since the last Publish (progress)
+  std::set<uint64_t> dirty_instances_;                   // since the last Publish
+  std::set<std::string> dirty_silences_;                 // since the last Publish
+  std::set<uint64_t> dirty_levels_;                      // since the last Publish
+  std::set<std::string> dirty_evaluated_;                // since the last Publish
+  std::vector<uint64_t> dirty_shown_;                    // since the last Publish (progress)
   std::unordered_map<std::string, RunScratch> scratch_;  // by run
   // EvaluateRule's scratch: (fingerprint, condition index), the fingerprints seen (sorted), which
   // conditions are evaluated (the first of each fingerprint), the series with an instance.

@@ -96,8 +96,7 @@ Status CheckTemplate(std::string_view text, const std::set<std::string>& allowed
     if (name.rfind(kLabelsPrefix, 0) == 0 || allowed.count(name)) continue;
     std::string known;
     for (const std::string& a : allowed) known += (known.empty() ? "" : ", ") + a;
-    return Status::InvalidArgument("unknown variable '" + name + "' (known: " + known +
-                                   ", labels.<name>)");
+    return Status::InvalidArgument("unknown variable '" + name + "' (known: " + known + ", labels.<name>)");
   }
   return Status::Ok();
 }

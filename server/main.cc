@@ -7,11 +7,11 @@
 #include <fstream>
 #include <iostream>
 
-#include <CLI/CLI.hpp>
 #include <malloc.h>
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "server/core/version.h"
 #include "server/daemon/config.h"
@@ -68,12 +68,15 @@ int main(int argc, char** argv) {
   // MALLOC_ARENA_MAX says otherwise: the bench's 20,001-series run added 17.9–19.9 KB of RSS per
   // series with them against 19.5–20.2 KB without, at the same CPU per sample.
   if (std::getenv("MALLOC_ARENA_MAX") == nullptr) mallopt(M_ARENA_MAX, 2);
-  CLI::App app{"gradwatchd — live training-monitor daemon: trainers stream per-step gradient and "
-               "parameter norms over gRPC; it keeps them durably and exports Prometheus metrics."};
+  CLI::App app{
+      "gradwatchd — live training-monitor daemon: trainers stream per-step gradient and "
+      "parameter norms over gRPC; it keeps them durably and exports Prometheus metrics."};
   app.footer(
       "Flags override the config file. Exit codes: 0 clean stop or valid config, 1 failed to start, "
-      "2 bad configuration or usage.\nSignals: SIGTERM/SIGINT stop accepting, commit the journal, exit 0; SIGHUP reloads "
-      "the rule files and the tokens file, and checks the TLS files (which new connections get within a second of being "
+      "2 bad configuration or usage.\nSignals: SIGTERM/SIGINT stop accepting, commit the journal, exit 0; SIGHUP "
+      "reloads "
+      "the rule files and the tokens file, and checks the TLS files (which new connections get within a second of "
+      "being "
       "rewritten).");
   std::string config_path, listen, metrics_listen, data_dir, log_format, log_level, ready_file;
   std::string tls_cert, tls_key, tls_client_ca;
@@ -164,8 +167,8 @@ int main(int argc, char** argv) {
   int sig = 0;
   while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
     spdlog::info("received SIGHUP: reloading the rule files");
-    daemon.ReloadRules();  // logs the outcome; invalid files leave the rules unchanged
-    daemon.CheckTls();     // logs the certificate new connections get, or what is wrong with the files
+    daemon.ReloadRules();   // logs the outcome; invalid files leave the rules unchanged
+    daemon.CheckTls();      // logs the certificate new connections get, or what is wrong with the files
     daemon.ReloadTokens();  // an invalid file leaves the tokens in force
   }
   spdlog::info("received {}: stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");

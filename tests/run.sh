@@ -8,6 +8,8 @@ Usage: tests/run.sh [--no-sanitizers] [--no-asan] [--no-tsan] [--no-fuzz] [--hel
 
 Installs the Debian packages listed in deploy/packages.txt and deploy/packages-test.txt that are
 missing (needs root then), then runs these phases, printing the time each took:
+  format         every tracked .cc and .h file is as clang-format-14 formats it with the
+                 repository's .clang-format (fix: clang-format-14 -i $(git ls-files '*.cc' '*.h'))
   build, test    gradwatch and its tests (gcc, RelWithDebInfo, Ninja, one job per core) into
                  build/, and ctest --test-dir build --output-on-failure --timeout 300
   asan build     everything and the tests again with clang-14, ASan and UBSan, into build-fuzz/
@@ -106,6 +108,20 @@ sanitized_ctest() {
   return "$rc"
 }
 
+# The sources as clang-format-14 writes them with .clang-format: a difference fails the phase and
+# names the file and line.
+check_format() {
+  local -a files
+  if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+    mapfile -t files < <(git ls-files '*.cc' '*.h')
+  else
+    mapfile -t files < <(find alerts client server tests \( -name '*.cc' -o -name '*.h' \) | sort)
+  fi
+  gw_log "format: ${#files[@]} files"
+  clang-format-14 --dry-run --Werror "${files[@]}"
+}
+
+phase format check_format
 phase build gw_build "$GW_REPO_ROOT/build" RelWithDebInfo -DGRADWATCH_BUILD_TESTS=ON
 phase test ctest --test-dir build --output-on-failure --timeout 300 --no-tests=error "${ctest_args[@]}"
 

@@ -16,8 +16,7 @@ namespace gradwatch::notify {
 
 using alerts::AlertState;
 
-std::chrono::duration<double> BackoffDelay(const BackoffOptions& options, uint32_t attempts,
-                                           double random01) {
+std::chrono::duration<double> BackoffDelay(const BackoffOptions& options, uint32_t attempts, double random01) {
   const double initial = std::chrono::duration<double>(options.initial).count();
   const double max = std::chrono::duration<double>(options.max).count();
   const double exponent = attempts > 0 ? static_cast<double>(attempts - 1) : 0.0;
@@ -73,14 +72,11 @@ std::string Describe(const HttpResult& result) {
   return std::string(HttpErrorName(result.error)) + ": " + result.message;
 }
 
-bool IsNotified(AlertState state) {
-  return state == AlertState::kFiring || state == AlertState::kResolved;
-}
+bool IsNotified(AlertState state) { return state == AlertState::kFiring || state == AlertState::kResolved; }
 
 }  // namespace
 
-Dispatcher::Dispatcher(Outbox& outbox, std::vector<std::unique_ptr<Receiver>> receivers,
-                       DispatcherOptions options)
+Dispatcher::Dispatcher(Outbox& outbox, std::vector<std::unique_ptr<Receiver>> receivers, DispatcherOptions options)
     : outbox_(outbox), options_(std::move(options)) {
   if (options_.clock == nullptr) options_.clock = SystemClock::Default();
   if (options_.batch_limit == 0) options_.batch_limit = 1;
@@ -252,8 +248,7 @@ Status Dispatcher::Refresh(const std::vector<Alert>& active, double now) {
   auto ids = outbox_.Add(std::move(entries));
   if (!ids.ok()) return ids.status();
   for (size_t i = 0; i < targets.size(); ++i) {
-    records_[targets[i].fingerprint].receivers[targets[i].worker] =
-        ResendState{ids.value()[i], false, 0};
+    records_[targets[i].fingerprint].receivers[targets[i].worker] = ResendState{ids.value()[i], false, 0};
     Worker& worker = *workers_[targets[i].worker];
     ++worker.queue_depth;
     worker.Wake();
@@ -261,8 +256,7 @@ Status Dispatcher::Refresh(const std::vector<Alert>& active, double now) {
   return Status::Ok();
 }
 
-void Dispatcher::OnSettled(size_t receiver, const std::string& fingerprint, uint64_t id,
-                           double now) {
+void Dispatcher::OnSettled(size_t receiver, const std::string& fingerprint, uint64_t id, double now) {
   MutexLock lock(&mu_);
   auto record = records_.find(fingerprint);
   if (record == records_.end()) return;
@@ -323,8 +317,7 @@ double Dispatcher::RunPass(Worker& worker) {
   Receiver& receiver = *worker.receiver;
   auto pending = outbox_.Pending(receiver.name(), options_.batch_limit, Now());
   if (!pending.ok()) {
-    spdlog::warn("notify {}: cannot read the outbox: {}", receiver.name(),
-                 pending.status().message());
+    spdlog::warn("notify {}: cannot read the outbox: {}", receiver.name(), pending.status().message());
     return idle;
   }
   if (auto count = outbox_.PendingCount(receiver.name()); count.ok()) {
@@ -357,8 +350,8 @@ double Dispatcher::RunPass(Worker& worker) {
     auto alert = AlertFromJson(entry.payload);
     if (!alert.ok()) {
       worker.SetLastError(alert.status().message());
-      spdlog::error("notify {}: dropping outbox entry {} (fingerprint {}): {}", receiver.name(),
-                    entry.id, entry.fingerprint, alert.status().message());
+      spdlog::error("notify {}: dropping outbox entry {} (fingerprint {}): {}", receiver.name(), entry.id,
+                    entry.fingerprint, alert.status().message());
       if (!settle(entry, outbox_.MarkFailed(entry.id, alert.status().message()))) return idle;
       ++worker.failures;
       continue;
@@ -375,23 +368,21 @@ double Dispatcher::RunPass(Worker& worker) {
     const std::string state_name(alerts::AlertStateName(entry.state));
 
     if (outcome == Outcome::kDelivered) {
-      spdlog::debug("notify {}: delivered {} {} (entry {}, attempt {})", receiver.name(),
-                    state_name, entry.fingerprint, entry.id, attempts);
+      spdlog::debug("notify {}: delivered {} {} (entry {}, attempt {})", receiver.name(), state_name, entry.fingerprint,
+                    entry.id, attempts);
       if (!settle(entry, outbox_.MarkDelivered(entry.id))) return idle;
       ++worker.sent;  // counted once settled, so that a reader of Stats() sees a settled entry
       continue;
     }
     const std::string error = Describe(result);
     worker.SetLastError(error);
-    const bool expired = options_.give_up_after_seconds > 0 &&
-                         now - entry.created_at >= options_.give_up_after_seconds;
+    const bool expired = options_.give_up_after_seconds > 0 && now - entry.created_at >= options_.give_up_after_seconds;
     if (outcome == Outcome::kPermanentFailure || expired) {
-      const std::string reason =
-          outcome == Outcome::kPermanentFailure
-              ? error
-              : "gave up after " + std::to_string(attempts) + " attempts: " + error;
-      spdlog::error("notify {}: dropping {} {} (entry {}): {}", receiver.name(), state_name,
-                    entry.fingerprint, entry.id, reason);
+      const std::string reason = outcome == Outcome::kPermanentFailure
+                                     ? error
+                                     : "gave up after " + std::to_string(attempts) + " attempts: " + error;
+      spdlog::error("notify {}: dropping {} {} (entry {}): {}", receiver.name(), state_name, entry.fingerprint,
+                    entry.id, reason);
       if (!settle(entry, outbox_.MarkFailed(entry.id, reason))) return idle;
       ++worker.failures;
       continue;
@@ -401,8 +392,8 @@ double Dispatcher::RunPass(Worker& worker) {
     std::uniform_real_distribution<double> uniform(0.0, 1.0);
     const double delay = BackoffDelay(options_.backoff, attempts, uniform(worker.rng)).count();
     const double next_at = now + delay;
-    spdlog::warn("notify {}: {} {} (entry {}) attempt {} failed, retrying in {:.3f} s: {}",
-                 receiver.name(), state_name, entry.fingerprint, entry.id, attempts, delay, error);
+    spdlog::warn("notify {}: {} {} (entry {}) attempt {} failed, retrying in {:.3f} s: {}", receiver.name(), state_name,
+                 entry.fingerprint, entry.id, attempts, delay, error);
     Status marked = outbox_.MarkRetry(entry.id, next_at, attempts, error);
     if (!marked.ok()) {
       spdlog::warn("notify {}: outbox entry {}: {}", receiver.name(), entry.id, marked.message());

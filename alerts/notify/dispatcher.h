@@ -45,8 +45,7 @@ struct BackoffOptions {
 
 // The wait after the attempts-th consecutive recoverable failure (attempts ≥ 1):
 // min(max, initial × multiplier^(attempts − 1)) × (1 − jitter × random01), random01 in [0, 1).
-std::chrono::duration<double> BackoffDelay(const BackoffOptions& options, uint32_t attempts,
-                                           double random01);
+std::chrono::duration<double> BackoffDelay(const BackoffOptions& options, uint32_t attempts, double random01);
 
 struct DispatcherOptions {
   BackoffOptions backoff;
@@ -76,8 +75,7 @@ struct ReceiverStats {
 class Dispatcher {
  public:
   // The outbox must outlive the Dispatcher. Receiver names must be unique.
-  Dispatcher(Outbox& outbox, std::vector<std::unique_ptr<Receiver>> receivers,
-             DispatcherOptions options = {});
+  Dispatcher(Outbox& outbox, std::vector<std::unique_ptr<Receiver>> receivers, DispatcherOptions options = {});
   // Stops (see Stop()).
   ~Dispatcher();
   Dispatcher(const Dispatcher&) = delete;

@@ -60,8 +60,7 @@ std::string HostHeader(const Url& url) {
 }
 
 bool HasControlChars(std::string_view s) {
-  return std::any_of(s.begin(), s.end(),
-                     [](char c) { return c == '\r' || c == '\n' || c == '\0'; });
+  return std::any_of(s.begin(), s.end(), [](char c) { return c == '\r' || c == '\n' || c == '\0'; });
 }
 
 Error ClassifyError(const beast::error_code& ec) {
@@ -73,8 +72,8 @@ Error ClassifyError(const beast::error_code& ec) {
 // Writes the request and reads the response on a connected (and, for TLS, handshaken) stream.
 // Every operation shares the deadline set on the lowest layer.
 template <typename Stream>
-asio::awaitable<void> Exchange(Stream& stream, http::request<http::string_body>& request,
-                               size_t max_response_bytes, HttpResult& out) {
+asio::awaitable<void> Exchange(Stream& stream, http::request<http::string_body>& request, size_t max_response_bytes,
+                               HttpResult& out) {
   beast::error_code ec;
   co_await http::async_write(stream, request, asio::redirect_error(asio::use_awaitable, ec));
   if (ec) {
@@ -110,8 +109,7 @@ std::string_view HttpErrorName(HttpResult::Error error) {
 
 Result<Url> ParseUrl(std::string_view text) {
   const size_t scheme_end = text.find("://");
-  if (scheme_end == std::string_view::npos)
-    return NotifyError("url: no scheme in '" + std::string(text) + "'");
+  if (scheme_end == std::string_view::npos) return NotifyError("url: no scheme in '" + std::string(text) + "'");
   Url url;
   url.scheme = Lower(text.substr(0, scheme_end));
   if (url.scheme != "http" && url.scheme != "https") {
@@ -120,8 +118,7 @@ Result<Url> ParseUrl(std::string_view text) {
   std::string_view rest = text.substr(scheme_end + 3);
   const size_t authority_end = rest.find_first_of("/?#");
   std::string_view authority = rest.substr(0, authority_end);
-  std::string_view tail =
-      authority_end == std::string_view::npos ? std::string_view() : rest.substr(authority_end);
+  std::string_view tail = authority_end == std::string_view::npos ? std::string_view() : rest.substr(authority_end);
   if (authority.find('@') != std::string_view::npos) {
     return NotifyError("url: user info is not supported; use headers for credentials");
   }
@@ -149,8 +146,7 @@ Result<Url> ParseUrl(std::string_view text) {
   if (!port_text.empty()) {
     unsigned port = 0;
     auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
-    if (ec != std::errc() || end != port_text.data() + port_text.size() || port == 0 ||
-        port > 65535) {
+    if (ec != std::errc() || end != port_text.data() + port_text.size() || port == 0 || port > 65535) {
       return NotifyError("url: bad port '" + std::string(port_text) + "'");
     }
     url.port = static_cast<uint16_t>(port);
@@ -200,8 +196,7 @@ struct HttpClient::Impl {
       stream.expires_at(deadline);
       co_await stream.async_connect(endpoints, asio::redirect_error(asio::use_awaitable, ec));
       if (ec) {
-        out = Failure(ClassifyError(ec),
-                      "connect " + url.host + ":" + std::to_string(url.port) + ": " + ec.message());
+        out = Failure(ClassifyError(ec), "connect " + url.host + ":" + std::to_string(url.port) + ": " + ec.message());
         co_return;
       }
       co_await Exchange(stream, request, options.max_response_bytes, out);
@@ -210,8 +205,7 @@ struct HttpClient::Impl {
     }
 
     beast::ssl_stream<beast::tcp_stream> stream(executor, tls);
-    if (!IsIpLiteral(url.host) &&
-        !SSL_set_tlsext_host_name(stream.native_handle(), url.host.c_str())) {
+    if (!IsIpLiteral(url.host) && !SSL_set_tlsext_host_name(stream.native_handle(), url.host.c_str())) {
       out = Failure(Error::kTls, "cannot set SNI host name " + url.host);
       co_return;
     }
@@ -222,22 +216,17 @@ struct HttpClient::Impl {
       stream.set_verify_mode(ssl::verify_none);
     }
     beast::get_lowest_layer(stream).expires_at(deadline);
-    co_await beast::get_lowest_layer(stream).async_connect(
-        endpoints, asio::redirect_error(asio::use_awaitable, ec));
+    co_await beast::get_lowest_layer(stream).async_connect(endpoints, asio::redirect_error(asio::use_awaitable, ec));
     if (ec) {
-      out = Failure(ClassifyError(ec),
-                    "connect " + url.host + ":" + std::to_string(url.port) + ": " + ec.message());
+      out = Failure(ClassifyError(ec), "connect " + url.host + ":" + std::to_string(url.port) + ": " + ec.message());
       co_return;
     }
-    co_await stream.async_handshake(ssl::stream_base::client,
-                                    asio::redirect_error(asio::use_awaitable, ec));
+    co_await stream.async_handshake(ssl::stream_base::client, asio::redirect_error(asio::use_awaitable, ec));
     if (ec) {
       std::string message = "TLS handshake with " + url.host + ": " + ec.message();
       const long verify = SSL_get_verify_result(stream.native_handle());
-      if (verify != X509_V_OK)
-        message += " (" + std::string(X509_verify_cert_error_string(verify)) + ")";
-      out =
-          Failure(ec == beast::error::timeout ? Error::kTimeout : Error::kTls, std::move(message));
+      if (verify != X509_V_OK) message += " (" + std::string(X509_verify_cert_error_string(verify)) + ")";
+      out = Failure(ec == beast::error::timeout ? Error::kTimeout : Error::kTls, std::move(message));
       co_return;
     }
     co_await Exchange(stream, request, options.max_response_bytes, out);
@@ -275,26 +264,21 @@ Result<std::unique_ptr<HttpClient>> HttpClient::Create(HttpClientOptions options
   return std::unique_ptr<HttpClient>(new HttpClient(std::move(impl)));
 }
 
-HttpResult HttpClient::Send(const HttpRequest& request) {
-  return Send(request, impl_->options.timeout);
-}
+HttpResult HttpClient::Send(const HttpRequest& request) { return Send(request, impl_->options.timeout); }
 
 HttpResult HttpClient::Send(const HttpRequest& request, std::chrono::milliseconds timeout) {
   auto url = ParseUrl(request.url);
   if (!url.ok()) return Failure(Error::kInvalidRequest, url.status().message());
-  if (request.method.empty() || HasControlChars(request.method) ||
-      request.method.find(' ') != std::string::npos) {
+  if (request.method.empty() || HasControlChars(request.method) || request.method.find(' ') != std::string::npos) {
     return Failure(Error::kInvalidRequest, "bad method '" + request.method + "'");
   }
   for (const auto& [name, value] : request.headers) {
-    if (name.empty() || HasControlChars(name) || HasControlChars(value) ||
-        name.find(':') != std::string::npos) {
+    if (name.empty() || HasControlChars(name) || HasControlChars(value) || name.find(':') != std::string::npos) {
       return Failure(Error::kInvalidRequest, "bad header '" + name + "'");
     }
   }
 
-  HttpResult out =
-      Failure(Error::kTimeout, "no response within " + std::to_string(timeout.count()) + " ms");
+  HttpResult out = Failure(Error::kTimeout, "no response within " + std::to_string(timeout.count()) + " ms");
   try {
     http::request<http::string_body> req;
     req.method_string(request.method);
@@ -308,8 +292,7 @@ HttpResult HttpClient::Send(const HttpRequest& request, std::chrono::millisecond
       if (Lower(name) == "content-type") has_content_type = true;
       req.set(name, value);
     }
-    if (!request.body.empty() && !has_content_type)
-      req.set(http::field::content_type, "application/json");
+    if (!request.body.empty() && !has_content_type) req.set(http::field::content_type, "application/json");
     req.body() = request.body;
     req.prepare_payload();
 
@@ -344,8 +327,7 @@ HttpResult HttpClient::Send(const HttpRequest& request, std::chrono::millisecond
     }
     if (!finished) {
       out = aborted ? Failure(Error::kAborted, "aborted")
-                    : Failure(Error::kTimeout,
-                              "no response within " + std::to_string(timeout.count()) + " ms");
+                    : Failure(Error::kTimeout, "no response within " + std::to_string(timeout.count()) + " ms");
     } else if (!exception_message.empty()) {
       out = Failure(Error::kNetwork, exception_message);
     }

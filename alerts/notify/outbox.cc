@@ -58,7 +58,7 @@ Result<alerts::SavedState> MemoryOutbox::LoadState() {
 Result<std::vector<OutboxEntry>> MemoryOutbox::Pending(std::string_view receiver, size_t limit, double now) {
   std::lock_guard lock(mu_);
   std::vector<OutboxEntry> due, later;
-  std::set<std::string> waiting;  // fingerprints with an older pending entry not due
+  std::set<std::string> waiting;               // fingerprints with an older pending entry not due
   for (const auto& [id, record] : records_) {  // ordered by id
     if (record.state != EntryState::kPending || record.entry.receiver != receiver) continue;
     if (waiting.count(record.entry.fingerprint)) continue;
@@ -100,8 +100,7 @@ Status MemoryOutbox::MarkFailed(uint64_t id, std::string_view error) {
   return Status::Ok();
 }
 
-Status MemoryOutbox::MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts,
-                               std::string_view error) {
+Status MemoryOutbox::MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts, std::string_view error) {
   std::lock_guard lock(mu_);
   auto it = records_.find(id);
   if (it == records_.end()) return NotifyError("outbox: no entry " + std::to_string(id));

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "alerts/alert.h"
-#include "alerts/state_machine.h"
 #include "alerts/notify/status.h"
+#include "alerts/state_machine.h"
 
 namespace gradwatch::notify {
 
@@ -25,9 +25,9 @@ struct OutboxEntry {
   std::string receiver;     // Receiver::name()
   std::string fingerprint;  // NotifiedFingerprint(alert): its labels with alertname, in hex
   alerts::AlertState state = alerts::AlertState::kFiring;  // kFiring or kResolved
-  std::string payload;    // the alert as JSON (AlertToJson), rendered into a request at send time
-  double created_at = 0;  // seconds since the Unix epoch
-  uint32_t attempts = 0;  // attempts made so far
+  std::string payload;         // the alert as JSON (AlertToJson), rendered into a request at send time
+  double created_at = 0;       // seconds since the Unix epoch
+  uint32_t attempts = 0;       // attempts made so far
   double next_attempt_at = 0;  // not tried again before this time (seconds since the Unix epoch)
 };
 
@@ -39,8 +39,7 @@ class Outbox {
 
   // Stores the entries and applies the state changes atomically (all or none), ignoring the
   // entries' ids, and returns their ids in order. Each entry starts pending.
-  virtual Result<std::vector<uint64_t>> Write(std::vector<OutboxEntry> entries,
-                                              const alerts::StateChanges& states) = 0;
+  virtual Result<std::vector<uint64_t>> Write(std::vector<OutboxEntry> entries, const alerts::StateChanges& states) = 0;
   Result<std::vector<uint64_t>> Add(std::vector<OutboxEntry> entries) { return Write(std::move(entries), {}); }
 
   // The alert states and silences stored by Write, for a restart.
@@ -62,8 +61,7 @@ class Outbox {
   virtual Status MarkFailed(uint64_t id, std::string_view error) = 0;
 
   // The entry stays pending with these attempts and is not due before next_attempt_at.
-  virtual Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts,
-                           std::string_view error) = 0;
+  virtual Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts, std::string_view error) = 0;
 };
 
 // An Outbox in memory: survives a Dispatcher, not the process.
@@ -82,16 +80,15 @@ class MemoryOutbox final : public Outbox {
   Result<uint64_t> PendingCount(std::string_view receiver) override;
   Status MarkDelivered(uint64_t id) override;
   Status MarkFailed(uint64_t id, std::string_view error) override;
-  Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts,
-                   std::string_view error) override;
+  Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts, std::string_view error) override;
 
   // Every entry ever added, by id, for inspection.
   std::vector<Record> Snapshot() const;
 
  private:
   mutable std::mutex mu_;
-  uint64_t next_id_ = 1;                // guarded by mu_
-  std::map<uint64_t, Record> records_;  // guarded by mu_
+  uint64_t next_id_ = 1;                                 // guarded by mu_
+  std::map<uint64_t, Record> records_;                   // guarded by mu_
   std::map<uint64_t, alerts::InstanceState> instances_;  // guarded by mu_
   std::map<std::string, alerts::Silence> silences_;      // guarded by mu_
   std::map<uint64_t, alerts::LevelState> levels_;        // guarded by mu_

@@ -21,9 +21,7 @@ constexpr size_t kSlackMaxAlertsDetailed = 10;  // Slack takes at most 50 blocks
 
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-const char* StatusName(AlertState state) {
-  return state == AlertState::kResolved ? "resolved" : "firing";
-}
+const char* StatusName(AlertState state) { return state == AlertState::kResolved ? "resolved" : "firing"; }
 
 // Cuts s to at most max_bytes without splitting a UTF-8 sequence, marking the cut with "…".
 std::string Truncate(std::string_view s, size_t max_bytes) {
@@ -128,9 +126,7 @@ LabelSet NotifiedLabels(const Alert& alert) {
   return labels;
 }
 
-std::string NotifiedFingerprint(const Alert& alert) {
-  return alerts::FingerprintHex(NotifiedLabels(alert));
-}
+std::string NotifiedFingerprint(const Alert& alert) { return alerts::FingerprintHex(NotifiedLabels(alert)); }
 
 std::string FormatRfc3339(double unix_seconds) {
   if (!std::isfinite(unix_seconds) || unix_seconds < 0) unix_seconds = 0;
@@ -140,8 +136,8 @@ std::string FormatRfc3339(double unix_seconds) {
   std::tm tm{};
   gmtime_r(&seconds, &tm);
   char buf[96];
-  std::snprintf(buf, sizeof(buf), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
-                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
+  std::snprintf(buf, sizeof(buf), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
   return buf;
 }
 
@@ -181,9 +177,8 @@ std::string AlertmanagerBody(const std::vector<Alert>& alerts, AlertState state,
   return Dump(body);
 }
 
-std::string WebhookBody(const std::vector<Alert>& alerts, AlertState state, double now,
-                        std::string_view receiver, std::string_view external_url,
-                        const std::vector<std::string>& group_by) {
+std::string WebhookBody(const std::vector<Alert>& alerts, AlertState state, double now, std::string_view receiver,
+                        std::string_view external_url, const std::vector<std::string>& group_by) {
   const LabelSet common_labels = Common(alerts, &Alert::labels, true);
   LabelSet group_labels;
   for (const std::string& name : group_by) {
@@ -254,8 +249,7 @@ std::string PagerDutyBody(const Alert& alert, AlertState state, std::string_view
   return Dump(body);
 }
 
-std::string SlackBody(const std::vector<Alert>& alerts, AlertState state,
-                      std::string_view external_url) {
+std::string SlackBody(const std::vector<Alert>& alerts, AlertState state, std::string_view external_url) {
   const bool resolved = state == AlertState::kResolved;
   const std::string tag = resolved ? "[RESOLVED]" : "[FIRING]";
   std::string text;
@@ -281,21 +275,16 @@ std::string SlackBody(const std::vector<Alert>& alerts, AlertState state,
     if (!recommendation.empty()) text += "\nRecommendation: " + SlackEscape(recommendation);
 
     if (i >= kSlackMaxAlertsDetailed) continue;
-    blocks.push_back(
-        {{"type", "header"},
-         {"text",
-          {{"type", "plain_text"}, {"text", Truncate(tag + " " + name, kSlackHeaderMax)}}}});
+    blocks.push_back({{"type", "header"},
+                      {"text", {{"type", "plain_text"}, {"text", Truncate(tag + " " + name, kSlackHeaderMax)}}}});
     if (!summary.empty()) {
-      blocks.push_back(
-          {{"type", "section"},
-           {"text",
-            {{"type", "mrkdwn"}, {"text", Truncate(SlackEscape(summary), kSlackSectionMax)}}}});
+      blocks.push_back({{"type", "section"},
+                        {"text", {{"type", "mrkdwn"}, {"text", Truncate(SlackEscape(summary), kSlackSectionMax)}}}});
     }
     json fields = json::array();
     auto field = [&](std::string_view label, const std::string& v) {
       fields.push_back(
-          {{"type", "mrkdwn"},
-           {"text", Truncate("*" + std::string(label) + "*\n" + SlackEscape(v), 2000)}});
+          {{"type", "mrkdwn"}, {"text", Truncate("*" + std::string(label) + "*\n" + SlackEscape(v), 2000)}});
     };
     field("Run", run.empty() ? "-" : run);
     field(resolved ? "Resolved at step" : "Step", step);
@@ -306,21 +295,17 @@ std::string SlackBody(const std::vector<Alert>& alerts, AlertState state,
       blocks.push_back({{"type", "section"},
                         {"text",
                          {{"type", "mrkdwn"},
-                          {"text", Truncate("*Recommendation*\n" + SlackEscape(recommendation),
-                                            kSlackSectionMax)}}}});
+                          {"text", Truncate("*Recommendation*\n" + SlackEscape(recommendation), kSlackSectionMax)}}}});
     }
     blocks.push_back(
         {{"type", "context"},
-         {"elements",
-          json::array({{{"type", "mrkdwn"}, {"text", "<" + SlackEscape(url) + "|gradwatch>"}}})}});
+         {"elements", json::array({{{"type", "mrkdwn"}, {"text", "<" + SlackEscape(url) + "|gradwatch>"}}})}});
   }
   if (alerts.size() > kSlackMaxAlertsDetailed) {
-    blocks.push_back(
-        {{"type", "context"},
-         {"elements",
-          json::array({{{"type", "mrkdwn"},
-                        {"text", std::to_string(alerts.size() - kSlackMaxAlertsDetailed) +
-                                     " more alerts in the text above"}}})}});
+    blocks.push_back({{"type", "context"},
+                      {"elements", json::array({{{"type", "mrkdwn"},
+                                                 {"text", std::to_string(alerts.size() - kSlackMaxAlertsDetailed) +
+                                                              " more alerts in the text above"}}})}});
   }
   return Dump({{"text", text}, {"blocks", blocks}});
 }

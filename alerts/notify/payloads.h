@@ -48,9 +48,8 @@ std::string AlertmanagerBody(const std::vector<Alert>& alerts, AlertState state,
 // group_by labels common to all alerts), commonLabels, commonAnnotations, externalURL, and
 // alerts with status, labels, annotations, startsAt, endsAt ("0001-01-01T00:00:00Z" while
 // firing, as Alertmanager sends), generatorURL and fingerprint.
-std::string WebhookBody(const std::vector<Alert>& alerts, AlertState state, double now,
-                        std::string_view receiver, std::string_view external_url,
-                        const std::vector<std::string>& group_by);
+std::string WebhookBody(const std::vector<Alert>& alerts, AlertState state, double now, std::string_view receiver,
+                        std::string_view external_url, const std::vector<std::string>& group_by);
 
 // PagerDuty's severity for the alert's "severity" label: page → critical, warning → warning,
 // PagerDuty's own critical / error / info kept, anything else (or none) → info.
@@ -65,8 +64,7 @@ std::string PagerDutyBody(const Alert& alert, AlertState state, std::string_view
 // Slack incoming webhook: {text, blocks}. text alone tells the story (state, alert, run, step,
 // value, summary, recommendation) for clients that show no blocks; resolved messages say
 // RESOLVED.
-std::string SlackBody(const std::vector<Alert>& alerts, AlertState state,
-                      std::string_view external_url);
+std::string SlackBody(const std::vector<Alert>& alerts, AlertState state, std::string_view external_url);
 
 // An alert as JSON for the outbox, and back. Non-finite values survive the round trip.
 std::string AlertToJson(const Alert& alert);

@@ -25,8 +25,7 @@ bool Receiver::Accepts(const Alert& alert) const {
 Outcome Receiver::Classify(const HttpResult& result) const {
   if (!result.has_response()) {
     // A request that cannot even be formed will not get better by waiting.
-    return result.error == HttpResult::Error::kInvalidRequest ? Outcome::kPermanentFailure
-                                                              : Outcome::kRetry;
+    return result.error == HttpResult::Error::kInvalidRequest ? Outcome::kPermanentFailure : Outcome::kRetry;
   }
   if (result.status >= 200 && result.status < 300) return Outcome::kDelivered;
   if (result.status == 408 || result.status == 429 || result.status >= 500) return Outcome::kRetry;
@@ -47,8 +46,7 @@ namespace {
 std::string AlertmanagerAlertsUrl(std::string base) {
   constexpr std::string_view kPath = "/api/v2/alerts";
   while (!base.empty() && base.back() == '/') base.pop_back();
-  if (base.size() >= kPath.size() &&
-      base.compare(base.size() - kPath.size(), kPath.size(), kPath) == 0) {
+  if (base.size() >= kPath.size() && base.compare(base.size() - kPath.size(), kPath.size(), kPath) == 0) {
     return base;
   }
   return base + std::string(kPath);
@@ -67,41 +65,33 @@ ReceiverConfig WithDefaultUrl(ReceiverConfig config, std::string_view url) {
 }  // namespace
 
 AlertmanagerReceiver::AlertmanagerReceiver(AlertmanagerConfig config)
-    : Receiver(std::move(config.receiver)),
-      resend_interval_seconds_(config.resend_interval_seconds) {}
+    : Receiver(std::move(config.receiver)), resend_interval_seconds_(config.resend_interval_seconds) {}
 
-HttpRequest AlertmanagerReceiver::Build(const std::vector<Alert>& alerts, AlertState state,
-                                        double now) const {
-  return MakeRequest(
-      AlertmanagerAlertsUrl(config().url),
-      AlertmanagerBody(alerts, state, now, resend_interval_seconds_, config().external_url));
+HttpRequest AlertmanagerReceiver::Build(const std::vector<Alert>& alerts, AlertState state, double now) const {
+  return MakeRequest(AlertmanagerAlertsUrl(config().url),
+                     AlertmanagerBody(alerts, state, now, resend_interval_seconds_, config().external_url));
 }
 
 WebhookReceiver::WebhookReceiver(WebhookConfig config)
-    : Receiver(WithBearer(std::move(config.receiver), config.bearer_token)),
-      group_by_(std::move(config.group_by)) {}
+    : Receiver(WithBearer(std::move(config.receiver), config.bearer_token)), group_by_(std::move(config.group_by)) {}
 
-HttpRequest WebhookReceiver::Build(const std::vector<Alert>& alerts, AlertState state,
-                                   double now) const {
-  return MakeRequest(config().url,
-                     WebhookBody(alerts, state, now, name(), config().external_url, group_by_));
+HttpRequest WebhookReceiver::Build(const std::vector<Alert>& alerts, AlertState state, double now) const {
+  return MakeRequest(config().url, WebhookBody(alerts, state, now, name(), config().external_url, group_by_));
 }
 
 PagerDutyReceiver::PagerDutyReceiver(PagerDutyConfig config)
     : Receiver(WithDefaultUrl(std::move(config.receiver), kPagerDutyEventsUrl)),
       routing_key_(std::move(config.routing_key)) {}
 
-HttpRequest PagerDutyReceiver::Build(const std::vector<Alert>& alerts, AlertState state,
-                                     double now) const {
+HttpRequest PagerDutyReceiver::Build(const std::vector<Alert>& alerts, AlertState state, double now) const {
   const Alert empty;
-  return MakeRequest(config().url, PagerDutyBody(alerts.empty() ? empty : alerts.front(), state,
-                                                 routing_key_, config().external_url));
+  return MakeRequest(
+      config().url, PagerDutyBody(alerts.empty() ? empty : alerts.front(), state, routing_key_, config().external_url));
 }
 
 SlackReceiver::SlackReceiver(SlackConfig config) : Receiver(std::move(config.receiver)) {}
 
-HttpRequest SlackReceiver::Build(const std::vector<Alert>& alerts, AlertState state,
-                                 double now) const {
+HttpRequest SlackReceiver::Build(const std::vector<Alert>& alerts, AlertState state, double now) const {
   return MakeRequest(config().url, SlackBody(alerts, state, config().external_url));
 }
 

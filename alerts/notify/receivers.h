@@ -24,11 +24,11 @@ std::string_view OutcomeName(Outcome outcome);
 
 // Settings every receiver has.
 struct ReceiverConfig {
-  std::string name;  // unique among the dispatcher's receivers; the outbox keys entries by it
-  std::string url;   // http:// or https://
-  Headers headers;   // sent with every request (e.g. Authorization)
-  LabelSet match;    // only alerts carrying all these labels (equal values) go here; empty: all
-  HttpClientOptions http;                                       // TLS and the per-request timeout
+  std::string name;        // unique among the dispatcher's receivers; the outbox keys entries by it
+  std::string url;         // http:// or https://
+  Headers headers;         // sent with every request (e.g. Authorization)
+  LabelSet match;          // only alerts carrying all these labels (equal values) go here; empty: all
+  HttpClientOptions http;  // TLS and the per-request timeout
   std::string external_url = std::string(kDefaultExternalUrl);  // base of generatorURL links
 };
 
@@ -45,8 +45,7 @@ class Receiver {
 
   // The request announcing that alerts entered state (kFiring or kResolved), at time now
   // (seconds since the Unix epoch).
-  virtual HttpRequest Build(const std::vector<Alert>& alerts, AlertState state,
-                            double now) const = 0;
+  virtual HttpRequest Build(const std::vector<Alert>& alerts, AlertState state, double now) const = 0;
 
   // Delivered (2xx), retry (no answer, 408, 429, 5xx) or permanent failure (anything else).
   virtual Outcome Classify(const HttpResult& result) const;

@@ -11,13 +11,13 @@
 
 #include "client/cli/commands.h"
 #include "client/cli/completion.h"
-#include "client/cli/plot.h"
-#include "client/cli/report.h"
 #include "client/cli/options.h"
+#include "client/cli/plot.h"
 #include "client/cli/replay.h"
+#include "client/cli/report.h"
 #include "client/cli/suggest.h"
-#include "client/cli/values.h"
 #include "client/cli/tail.h"
+#include "client/cli/values.h"
 #include "client/lib/monitor.h"
 #include "client/lib/query_client.h"
 #include "server/core/version.h"
@@ -60,7 +60,8 @@ CLI::App* FindSubcommand(CLI::App& app, const std::string& name) {
 // The names of `app`'s subcommands.
 std::vector<std::string> SubcommandNames(CLI::App& app) {
   std::vector<std::string> names;
-  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) names.push_back(sub->get_name());
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    names.push_back(sub->get_name());
   return names;
 }
 
@@ -159,20 +160,17 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
 
   ReplayOptions replay;
   bool replay_max = false;
-  auto* replay_cmd = app.add_subcommand(
-      "replay", "Stream a JSONL history (W&B history style) to the daemon as one trainer rank");
+  auto* replay_cmd =
+      app.add_subcommand("replay", "Stream a JSONL history (W&B history style) to the daemon as one trainer rank");
   replay_cmd
       ->add_option("FILE", replay.file,
                    "JSONL file, one object per line; - (standard input), a pipe or a FIFO is read once, "
                    "into a temporary copy")
       ->required();
-  replay_cmd->add_option("--run", replay.run,
-                         "Run id (default: the header's \"run\", else the file's stem)");
-  auto* speed =
-      replay_cmd->add_option("--speed", replay.speed, "Pace by _timestamp at X times real time")
-          ->check(PositiveValue());
-  auto* max = replay_cmd->add_flag("--max", replay_max,
-                                   "Send as fast as the daemon acknowledges (the default)");
+  replay_cmd->add_option("--run", replay.run, "Run id (default: the header's \"run\", else the file's stem)");
+  auto* speed = replay_cmd->add_option("--speed", replay.speed, "Pace by _timestamp at X times real time")
+                    ->check(PositiveValue());
+  auto* max = replay_cmd->add_flag("--max", replay_max, "Send as fast as the daemon acknowledges (the default)");
   speed->excludes(max);
   replay_cmd->add_flag("--finish", replay.finish,
                        "Once every step is acknowledged, say Goodbye: the run is recorded as finished "
@@ -199,8 +197,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
 
   TailOptions tail;
   auto* tail_cmd = app.add_subcommand(
-      "tail", "Follow a training job's output (a log file as tail -F, or - for a pipe) and stream the metrics "
-              "its lines print into a run");
+      "tail",
+      "Follow a training job's output (a log file as tail -F, or - for a pipe) and stream the metrics "
+      "its lines print into a run");
   tail_cmd
       ->add_option("FILE", tail.file,
                    "Log file, followed through rotation and truncation and waited for if it does not exist "
@@ -211,11 +210,12 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       ->add_option("--format", tail.format,
                    "jsonl, megatron (Megatron-LM and Megatron-DeepSpeed), deepspeed, hf (Hugging Face Trainer), "
                    "torchtitan, nanogpt, llmc (default: detected from the first line one of them prints)")
-      ->check(CLI::IsMember({"jsonl", "megatron", "megatron-deepspeed", "deepspeed", "hf", "huggingface",
-                             "torchtitan", "nanogpt", "llmc", "llm.c"}));
-  tail_cmd->add_option("--step-interval", tail.step_interval,
-                       "Hugging Face Trainer dicts print no step: without a progress bar in the same output, "
-                       "the k-th is step k times this (the Trainer's logging_steps)")
+      ->check(CLI::IsMember({"jsonl", "megatron", "megatron-deepspeed", "deepspeed", "hf", "huggingface", "torchtitan",
+                             "nanogpt", "llmc", "llm.c"}));
+  tail_cmd
+      ->add_option("--step-interval", tail.step_interval,
+                   "Hugging Face Trainer dicts print no step: without a progress bar in the same output, "
+                   "the k-th is step k times this (the Trainer's logging_steps)")
       ->capture_default_str()
       ->check(PositiveValue());
   tail_cmd->add_option("--pid", tail.pid, "Stop following the file once this process has exited (as tail --pid)")
@@ -223,9 +223,10 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   tail_cmd->add_flag("--finish", tail.finish,
                      "When the input ends (its writer closed it, or --pid exited), say Goodbye: the run is "
                      "recorded as finished");
-  tail_cmd->add_option("--stall-timeout", tail.stall_timeout_seconds,
-                       "At the end, give up waiting for acknowledgements once the daemon has acknowledged "
-                       "nothing for this long (90s, 15m, 1h or seconds)")
+  tail_cmd
+      ->add_option("--stall-timeout", tail.stall_timeout_seconds,
+                   "At the end, give up waiting for acknowledgements once the daemon has acknowledged "
+                   "nothing for this long (90s, 15m, 1h or seconds)")
       ->capture_default_str()
       ->transform(PositiveDuration())
       ->type_name("DURATION");
@@ -242,13 +243,11 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   runs_cmd->add_flag("--all", runs_all, "Also the runs that left memory but are still in the journal (archived)");
 
   std::string show_run;
-  auto* show_cmd =
-      app.add_subcommand("show", "Summarise a run: info, config, catalog, latest values, events");
+  auto* show_cmd = app.add_subcommand("show", "Summarise a run: info, config, catalog, latest values, events");
   show_cmd->add_option("RUN", show_run, "Run id")->required();
 
   SeriesOptions series;
-  auto* series_cmd =
-      app.add_subcommand("series", "Print a series: step value min max count per point");
+  auto* series_cmd = app.add_subcommand("series", "Print a series: step value min max count per point");
   series_cmd->add_option("RUN", series.run, "Run id")->required();
   series_cmd->add_option("KEY", series.key, "Series key, e.g. grad/norm/total")->required();
   series_cmd->add_option("--from", series.from_step, "First step (inclusive)");
@@ -287,7 +286,9 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                    "name=~regex, name!~regex (RE2, anchored; quote the argument for the shell, e.g. "
                    "'run=~moe-.*'); a word without an operator is an alertname")
       ->required();
-  silence_add_cmd->add_option("--duration", silence.duration_seconds, "How long the silence lasts: 90s, 15m, 1h30m, 2d, or seconds")
+  silence_add_cmd
+      ->add_option("--duration", silence.duration_seconds,
+                   "How long the silence lasts: 90s, 15m, 1h30m, 2d, or seconds")
       ->capture_default_str()
       ->transform(PositiveDuration())
       ->type_name("DURATION");
@@ -332,8 +333,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     for (size_t i = 1; i < words.size(); ++i) {
       CLI::App* sub = FindSubcommand(*at, words[i]);
       if (sub == nullptr) {
-        err << "gradwatch help: no command '" << words[i] << "'" << DidYouMean(words[i], SubcommandNames(*at))
-            << "\n";
+        err << "gradwatch help: no command '" << words[i] << "'" << DidYouMean(words[i], SubcommandNames(*at)) << "\n";
         return kExitUsage;
       }
       at = sub;
@@ -355,8 +355,8 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
         const std::string where = at == &app ? "gradwatch" : "gradwatch " + at->get_name();
         std::vector<std::string> names = SubcommandNames(*at);
         if (at == &app) names.push_back("help");
-        err << where << ": unknown command '" << word << "'" << DidYouMean(word, names)
-            << "\n  `" << where << " --help` lists the commands\n";
+        err << where << ": unknown command '" << word << "'" << DidYouMean(word, names) << "\n  `" << where
+            << " --help` lists the commands\n";
         return kExitUsage;
       }
       break;
@@ -370,20 +370,19 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     }
     if (const size_t scheme = global.address.find("://"); scheme != std::string::npos) {
       const std::string rest = global.address.substr(scheme + 3);
-      throw CLI::ValidationError("--addr", "takes host:port, not a URL: try --addr " +
-                                               rest.substr(0, rest.find('/')));
+      throw CLI::ValidationError("--addr", "takes host:port, not a URL: try --addr " + rest.substr(0, rest.find('/')));
     }
     if (!*replay_cmd && !*tail_cmd && global.address.find(',') != std::string::npos) {
-      throw CLI::ValidationError("--addr", "lists several daemons; only replay and tail send to several: run the "
-                                           "queries once per daemon");
+      throw CLI::ValidationError("--addr",
+                                 "lists several daemons; only replay and tail send to several: run the "
+                                 "queries once per daemon");
     }
     if (*series_cmd && series.to_step != 0 && series.to_step < series.from_step) {
       throw CLI::ValidationError("--to", "step " + std::to_string(series.to_step) + " is before --from " +
                                              std::to_string(series.from_step) + ": the range is inclusive, --to last");
     }
     if (*replay_cmd && replay.rank >= replay.world_size) {
-      throw CLI::ValidationError(
-          "--rank", "must be below --world-size (" + std::to_string(replay.world_size) + ")");
+      throw CLI::ValidationError("--rank", "must be below --world-size (" + std::to_string(replay.world_size) + ")");
     }
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e, out, err);

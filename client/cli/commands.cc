@@ -14,14 +14,10 @@ namespace {
 
 v1::MatchType MatchTypeToProto(alerts::MatchType type) {
   switch (type) {
-    case alerts::MatchType::kEqual:
-      return v1::MATCH_TYPE_EQUAL;
-    case alerts::MatchType::kNotEqual:
-      return v1::MATCH_TYPE_NOT_EQUAL;
-    case alerts::MatchType::kRegex:
-      return v1::MATCH_TYPE_REGEX;
-    case alerts::MatchType::kNotRegex:
-      return v1::MATCH_TYPE_NOT_REGEX;
+    case alerts::MatchType::kEqual: return v1::MATCH_TYPE_EQUAL;
+    case alerts::MatchType::kNotEqual: return v1::MATCH_TYPE_NOT_EQUAL;
+    case alerts::MatchType::kRegex: return v1::MATCH_TYPE_REGEX;
+    case alerts::MatchType::kNotRegex: return v1::MATCH_TYPE_NOT_REGEX;
   }
   return v1::MATCH_TYPE_EQUAL;
 }
@@ -43,13 +39,12 @@ std::vector<std::string> SilenceMatcherTexts(const v1::Silence& silence) {
     return out;
   }
   for (const v1::Matcher& m : silence.label_matchers()) {
-    const auto type = m.type() == v1::MATCH_TYPE_NOT_EQUAL ? alerts::MatchType::kNotEqual
-                      : m.type() == v1::MATCH_TYPE_REGEX   ? alerts::MatchType::kRegex
+    const auto type = m.type() == v1::MATCH_TYPE_NOT_EQUAL   ? alerts::MatchType::kNotEqual
+                      : m.type() == v1::MATCH_TYPE_REGEX     ? alerts::MatchType::kRegex
                       : m.type() == v1::MATCH_TYPE_NOT_REGEX ? alerts::MatchType::kNotRegex
-                                                               : alerts::MatchType::kEqual;
+                                                             : alerts::MatchType::kEqual;
     auto matcher = alerts::Matcher::Make(m.name(), type, m.value());
-    out.push_back(matcher.ok() ? matcher->ToString()
-                               : m.name() + std::string(alerts::MatchOperator(type)) + m.value());
+    out.push_back(matcher.ok() ? matcher->ToString() : m.name() + std::string(alerts::MatchOperator(type)) + m.value());
   }
   return out;
 }
@@ -73,12 +68,12 @@ std::string NotFoundHint(client::QueryClient& query, const std::string& run, con
   return hint.empty() ? "\n  `gradwatch runs --all` lists the runs" : hint;
 }
 
-int ReportRpcError(const GlobalOptions& global, const std::string& what, const grpc::Status& status,
-                   std::ostream& err, const std::function<std::string()>& hint) {
+int ReportRpcError(const GlobalOptions& global, const std::string& what, const grpc::Status& status, std::ostream& err,
+                   const std::function<std::string()>& hint) {
   err << "gradwatch: ";
   // A failed TLS handshake comes back as UNKNOWN: the daemon was not reached either.
-  const bool handshake = status.error_code() == grpc::StatusCode::UNKNOWN &&
-                         status.error_message().find("andshake") != std::string::npos;
+  const bool handshake =
+      status.error_code() == grpc::StatusCode::UNKNOWN && status.error_message().find("andshake") != std::string::npos;
   switch (handshake ? grpc::StatusCode::UNAVAILABLE : status.error_code()) {
     case grpc::StatusCode::UNAVAILABLE: {
       const std::string& message = status.error_message();
@@ -96,18 +91,18 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
         err << "\n  (a daemon with TLS closes plain-text connections: give its CA with --tls-ca, and for mutual "
                "TLS --tls-cert and --tls-key)";
       } else if (message.find("andshake") != std::string::npos) {
-        err << "\n  (the TLS handshake failed: " <<
-            (message.find("certificate verify failed") != std::string::npos
-                 ? "the daemon's certificate is not signed by --tls-ca, or does not name this address "
-                   "(--tls-server-name), or the daemon refused this client's certificate"
-                 : "check --tls-ca, --tls-cert and --tls-key")
+        err << "\n  (the TLS handshake failed: "
+            << (message.find("certificate verify failed") != std::string::npos
+                    ? "the daemon's certificate is not signed by --tls-ca, or does not name this address "
+                      "(--tls-server-name), or the daemon refused this client's certificate"
+                    : "check --tls-ca, --tls-cert and --tls-key")
             << ")";
       }
       break;
     }
     case grpc::StatusCode::DEADLINE_EXCEEDED:
-      err << "no answer from the daemon at " << global.address << " within "
-          << FormatValue(global.timeout_seconds) << " s (" << what << ")";
+      err << "no answer from the daemon at " << global.address << " within " << FormatValue(global.timeout_seconds)
+          << " s (" << what << ")";
       break;
     case grpc::StatusCode::UNAUTHENTICATED:
     case grpc::StatusCode::PERMISSION_DENIED:
@@ -118,8 +113,7 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
       if (hint) err << hint();
       break;
     default:
-      err << what << " failed: code " << static_cast<int>(status.error_code()) << ": "
-          << status.error_message();
+      err << what << " failed: code " << static_cast<int>(status.error_code()) << ": " << status.error_message();
       break;
   }
   err << "\n";
@@ -244,8 +238,8 @@ int RunSilenceList(const GlobalOptions& global, client::QueryClient& query, std:
   return kExitOk;
 }
 
-int RunSilenceRemove(const GlobalOptions& global, client::QueryClient& query, const std::string& id,
-                     std::ostream& out, std::ostream& err) {
+int RunSilenceRemove(const GlobalOptions& global, client::QueryClient& query, const std::string& id, std::ostream& out,
+                     std::ostream& err) {
   auto result = query.RemoveSilence(id);
   if (!result.ok()) {
     return ReportRpcError(global, "remove silence " + id, result.status, err, [&] {
@@ -280,8 +274,7 @@ int RunAck(const GlobalOptions& global, client::QueryClient& query, const std::s
   return kExitOk;
 }
 
-int RunRuns(const GlobalOptions& global, client::QueryClient& query, bool all, std::ostream& out,
-            std::ostream& err) {
+int RunRuns(const GlobalOptions& global, client::QueryClient& query, bool all, std::ostream& out, std::ostream& err) {
   auto result = query.ListRuns(all);
   if (!result.ok()) return ReportRpcError(global, "list runs", result.status, err);
   if (global.json) {
@@ -292,8 +285,8 @@ int RunRuns(const GlobalOptions& global, client::QueryClient& query, bool all, s
   return kExitOk;
 }
 
-int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
-            std::ostream& out, std::ostream& err) {
+int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::string& run, std::ostream& out,
+            std::ostream& err) {
   auto result = query.GetRun(run);
   if (!result.ok()) {
     return ReportRpcError(global, "run " + run, result.status, err, [&] { return NotFoundHint(query, run); });
@@ -306,8 +299,8 @@ int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::
   return kExitOk;
 }
 
-int RunSeries(const GlobalOptions& global, client::QueryClient& query, const SeriesOptions& options,
-              std::ostream& out, std::ostream& err) {
+int RunSeries(const GlobalOptions& global, client::QueryClient& query, const SeriesOptions& options, std::ostream& out,
+              std::ostream& err) {
   v1::GetSeriesRequest request;
   request.set_run_id(options.run);
   request.set_key(options.key);
@@ -327,8 +320,8 @@ int RunSeries(const GlobalOptions& global, client::QueryClient& query, const Ser
   return kExitOk;
 }
 
-int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
-                uint64_t step, const std::string& text, std::ostream& out, std::ostream& err) {
+int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run, uint64_t step,
+                const std::string& text, std::ostream& out, std::ostream& err) {
   auto result = query.Annotate(run, step, text);
   if (!result.ok()) {
     return ReportRpcError(global, "annotate run " + run, result.status, err, [&] { return NotFoundHint(query, run); });

@@ -24,12 +24,11 @@ struct SeriesOptions {
 
 // `gradwatch runs [--all]`: with `all`, runs that left memory but are in the journal too
 // (state archived).
-int RunRuns(const GlobalOptions& global, client::QueryClient& query, bool all, std::ostream& out,
+int RunRuns(const GlobalOptions& global, client::QueryClient& query, bool all, std::ostream& out, std::ostream& err);
+int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::string& run, std::ostream& out,
             std::ostream& err);
-int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
-            std::ostream& out, std::ostream& err);
-int RunSeries(const GlobalOptions& global, client::QueryClient& query, const SeriesOptions& options,
-              std::ostream& out, std::ostream& err);
+int RunSeries(const GlobalOptions& global, client::QueryClient& query, const SeriesOptions& options, std::ostream& out,
+              std::ostream& err);
 // `gradwatch alerts [RUN]`: pending and firing alerts.
 int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std::string& run, std::ostream& out,
               std::ostream& err);
@@ -52,18 +51,18 @@ int RunSilenceAdd(const GlobalOptions& global, client::QueryClient& query, const
 int RunSilenceList(const GlobalOptions& global, client::QueryClient& query, std::ostream& out, std::ostream& err);
 // A silence's matchers as `silence add` takes them (run=moe-6b, alertname=~"Grad.*").
 std::vector<std::string> SilenceMatcherTexts(const v1::Silence& silence);
-int RunSilenceRemove(const GlobalOptions& global, client::QueryClient& query, const std::string& id,
-                     std::ostream& out, std::ostream& err);
+int RunSilenceRemove(const GlobalOptions& global, client::QueryClient& query, const std::string& id, std::ostream& out,
+                     std::ostream& err);
 // `gradwatch ack FINGERPRINT`: a firing alert is not re-notified until it resolves.
 int RunAck(const GlobalOptions& global, client::QueryClient& query, const std::string& fingerprint,
            const std::string& by, const std::string& comment, std::ostream& out, std::ostream& err);
-int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
-                uint64_t step, const std::string& text, std::ostream& out, std::ostream& err);
+int RunAnnotate(const GlobalOptions& global, client::QueryClient& query, const std::string& run, uint64_t step,
+                const std::string& text, std::ostream& out, std::ostream& err);
 
 // Explains a failed call on `err` ("cannot reach the daemon at ...") and returns kExitFailure.
 // For NOT_FOUND, `hint` (when set) adds what to do instead (NotFoundHint).
-int ReportRpcError(const GlobalOptions& global, const std::string& what, const grpc::Status& status,
-                   std::ostream& err, const std::function<std::string()>& hint = {});
+int ReportRpcError(const GlobalOptions& global, const std::string& what, const grpc::Status& status, std::ostream& err,
+                   const std::function<std::string()>& hint = {});
 
 // What to say when `run` (or its series `key`) was not found: the closest run or series the
 // daemon has ("did you mean ..."), or where to look.

@@ -26,8 +26,7 @@ using json = nlohmann::ordered_json;
 constexpr std::string_view kGradPrefix = "grad/norm/";
 constexpr std::string_view kParamPrefix = "params/norm/";
 constexpr std::string_view kUpdatePrefix = "updates/norm/";
-constexpr std::string_view kKeySeries[] = {"grad/norm/total", "train/loss", "train/z_loss",
-                                           "optim/learning_rate"};
+constexpr std::string_view kKeySeries[] = {"grad/norm/total", "train/loss", "train/z_loss", "optim/learning_rate"};
 
 // An enum value as the CLI's JSON writes it: its name without the enum's prefix, lower case
 // (RUN_STATE_ACTIVE of RunState -> "active", PARAM_KIND_NORM_GAIN -> "norm_gain").
@@ -48,49 +47,35 @@ std::string EnumJsonName(const google::protobuf::EnumValueDescriptor& value) {
 json FieldToJson(const Message& m, const Reflection* r, const FieldDescriptor* f, int index) {
   const bool rep = index >= 0;
   switch (f->cpp_type()) {
-    case FieldDescriptor::CPPTYPE_INT32:
-      return rep ? r->GetRepeatedInt32(m, f, index) : r->GetInt32(m, f);
-    case FieldDescriptor::CPPTYPE_INT64:
-      return rep ? r->GetRepeatedInt64(m, f, index) : r->GetInt64(m, f);
-    case FieldDescriptor::CPPTYPE_UINT32:
-      return rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f);
-    case FieldDescriptor::CPPTYPE_UINT64:
-      return rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f);
+    case FieldDescriptor::CPPTYPE_INT32: return rep ? r->GetRepeatedInt32(m, f, index) : r->GetInt32(m, f);
+    case FieldDescriptor::CPPTYPE_INT64: return rep ? r->GetRepeatedInt64(m, f, index) : r->GetInt64(m, f);
+    case FieldDescriptor::CPPTYPE_UINT32: return rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f);
+    case FieldDescriptor::CPPTYPE_UINT64: return rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f);
     case FieldDescriptor::CPPTYPE_DOUBLE:
       return JsonValue(rep ? r->GetRepeatedDouble(m, f, index) : r->GetDouble(m, f));
-    case FieldDescriptor::CPPTYPE_FLOAT:
-      return JsonValue(rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f));
-    case FieldDescriptor::CPPTYPE_BOOL:
-      return rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f);
+    case FieldDescriptor::CPPTYPE_FLOAT: return JsonValue(rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f));
+    case FieldDescriptor::CPPTYPE_BOOL: return rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f);
     case FieldDescriptor::CPPTYPE_ENUM: {
       const int number = rep ? r->GetRepeatedEnumValue(m, f, index) : r->GetEnumValue(m, f);
       const auto* value = f->enum_type()->FindValueByNumber(number);
       return value != nullptr ? json(EnumJsonName(*value)) : json(number);
     }
-    case FieldDescriptor::CPPTYPE_STRING:
-      return rep ? r->GetRepeatedString(m, f, index) : r->GetString(m, f);
+    case FieldDescriptor::CPPTYPE_STRING: return rep ? r->GetRepeatedString(m, f, index) : r->GetString(m, f);
     case FieldDescriptor::CPPTYPE_MESSAGE:
       return ProtoToJson(rep ? r->GetRepeatedMessage(m, f, index) : r->GetMessage(m, f));
   }
   return nullptr;
 }
 
-std::string MapKey(const json& key) {
-  return key.is_string() ? key.get<std::string>() : key.dump();
-}
+std::string MapKey(const json& key) { return key.is_string() ? key.get<std::string>() : key.dump(); }
 
 std::string StateName(v1::RunState state) {
   switch (state) {
-    case v1::RUN_STATE_ACTIVE:
-      return "active";
-    case v1::RUN_STATE_ENDED:
-      return "ended";
-    case v1::RUN_STATE_FINISHED:
-      return "finished";
-    case v1::RUN_STATE_ARCHIVED:
-      return "archived";
-    default:
-      return "unknown";
+    case v1::RUN_STATE_ACTIVE: return "active";
+    case v1::RUN_STATE_ENDED: return "ended";
+    case v1::RUN_STATE_FINISHED: return "finished";
+    case v1::RUN_STATE_ARCHIVED: return "archived";
+    default: return "unknown";
   }
 }
 
@@ -228,8 +213,7 @@ json ProtoToJson(const Message& message) {
       out[f->name()] = std::move(obj);
     } else if (f->is_repeated()) {
       json arr = json::array();
-      for (int j = 0; j < r->FieldSize(message, f); ++j)
-        arr.push_back(FieldToJson(message, r, f, j));
+      for (int j = 0; j < r->FieldSize(message, f); ++j) arr.push_back(FieldToJson(message, r, f, j));
       out[f->name()] = std::move(arr);
     } else if (!f->has_presence() || r->HasField(message, f)) {
       out[f->name()] = FieldToJson(message, r, f, -1);
@@ -379,8 +363,8 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
   std::string shares;
   for (const auto& s : a.shares()) {
     if (s.is_group() || shown == 3) continue;
-    shares += (shown++ ? "; " : "") + s.name() + " " + Percent(s.share()) + " and " +
-              Trend(s.slope_per_kstep(), 1.0) + " (" + Signed(100.0 * s.slope_per_kstep()) + " pts per 1k steps)";
+    shares += (shown++ ? "; " : "") + s.name() + " " + Percent(s.share()) + " and " + Trend(s.slope_per_kstep(), 1.0) +
+              " (" + Signed(100.0 * s.slope_per_kstep()) + " pts per 1k steps)";
   }
   if (!shares.empty()) out << "largest shares of the squared grad norm: " << shares << "\n";
   for (const auto& g : a.growth_without_decay()) {
@@ -400,15 +384,15 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
   }
   for (const auto& c : a.slope_changes()) {
     if (c.key() != total_key && c.key().rfind("params/norm/", 0) != 0) continue;
-    out << "at step " << GroupedStep(static_cast<double>(c.event_step())) << " (" << c.event_text() << "): "
-        << c.key() << " slope ×" << FormatValue(c.ratio()) << ", " << FormatValue(c.before_per_kstep()) << " → "
+    out << "at step " << GroupedStep(static_cast<double>(c.event_step())) << " (" << c.event_text() << "): " << c.key()
+        << " slope ×" << FormatValue(c.ratio()) << ", " << FormatValue(c.before_per_kstep()) << " → "
         << FormatValue(c.after_per_kstep()) << " per 1k steps"
         << (c.after_window_full() ? "" : " (after-window still filling)") << "\n";
   }
   for (const auto& c : a.change_points()) {
     out << "slope change without an event: " << c.key() << " at step " << GroupedStep(static_cast<double>(c.step()))
-        << ", " << FormatValue(c.before_per_kstep()) << " → " << FormatValue(c.after_per_kstep())
-        << " per 1k steps (×" << FormatValue(c.ratio()) << ")\n";
+        << ", " << FormatValue(c.before_per_kstep()) << " → " << FormatValue(c.after_per_kstep()) << " per 1k steps (×"
+        << FormatValue(c.ratio()) << ")\n";
   }
   return out.str();
 }
@@ -423,14 +407,17 @@ std::string FormatAlerts(const v1::ListAlertsResponse& alerts, double now) {
       return it == a.labels().end() ? std::string("-") : it->second;
     };
     auto summary = a.annotations().find("summary");
-    std::string state = a.state() == v1::ALERT_STATE_FIRING ? "firing" : a.state() == v1::ALERT_STATE_PENDING ? "pending" : "resolved";
+    std::string state = a.state() == v1::ALERT_STATE_FIRING    ? "firing"
+                        : a.state() == v1::ALERT_STATE_PENDING ? "pending"
+                                                               : "resolved";
     if (a.has_ack()) {
       state += " (acked)";
     } else if (!a.silenced_by().empty()) {
       state += " (silenced)";
     }
     rows.push_back({state, a.name(), label("run"), label("severity"), std::to_string(a.step()), FormatValue(a.value()),
-                    FormatAge(a.starts_at(), now), a.fingerprint(), summary == a.annotations().end() ? "" : summary->second});
+                    FormatAge(a.starts_at(), now), a.fingerprint(),
+                    summary == a.annotations().end() ? "" : summary->second});
   }
   std::string out = FormatTable(rows);
   for (const v1::Alert& a : alerts.alerts()) {
@@ -468,8 +455,8 @@ std::string FormatRunSummary(const v1::RunSummary& summary, double now) {
 
   std::vector<std::vector<std::string>> head = {
       {"run", info.run_id()},
-      {"state", StateName(info.state()) + ", world size " + std::to_string(info.world_size()) +
-                    ", " + std::to_string(info.open_streams()) + " open stream(s)"},
+      {"state", StateName(info.state()) + ", world size " + std::to_string(info.world_size()) + ", " +
+                    std::to_string(info.open_streams()) + " open stream(s)"},
   };
   std::string steps = FormatValue(static_cast<double>(info.step_count()));
   if (info.step_count() > 0) steps += " (" + FormatSteps(info.first_step(), info.last_step()) + ")";
@@ -492,11 +479,11 @@ std::string FormatRunSummary(const v1::RunSummary& summary, double now) {
   std::map<std::string, std::string> extra(c.extra().begin(), c.extra().end());
   for (const auto& [k, v] : extra) add(k, v);
   head.push_back({"config", config.empty() ? "-" : config});
-  head.push_back({"non-finite values",
-                  std::to_string(summary.nonfinite_count()) +
-                      (summary.nonfinite_count() > 0
-                           ? " (last at step " + std::to_string(summary.last_nonfinite_step()) + ")"
-                           : "")});
+  head.push_back(
+      {"non-finite values",
+       std::to_string(summary.nonfinite_count()) +
+           (summary.nonfinite_count() > 0 ? " (last at step " + std::to_string(summary.last_nonfinite_step()) + ")"
+                                          : "")});
   head.push_back({"client-dropped steps", std::to_string(summary.client_dropped_steps())});
   out << FormatTable(head);
 
@@ -514,15 +501,15 @@ std::string FormatRunSummary(const v1::RunSummary& summary, double now) {
     out << Indent(FormatTable(rows), "  ");
   }
 
-  out << "\nparameters by grad norm (top " << overview.top_params.size() << " of "
-      << overview.params_with_values << ")\n";
+  out << "\nparameters by grad norm (top " << overview.top_params.size() << " of " << overview.params_with_values
+      << ")\n";
   if (overview.top_params.empty()) {
     out << "  -\n";
   } else {
     std::vector<std::vector<std::string>> rows = {{"PARAM", "KIND", "GRAD NORM", "PARAM NORM"}};
     for (const ParamLatest& p : overview.top_params) {
-      rows.push_back({p.name, std::string(ParamKindName(p.kind)), FormatOptional(p.grad_norm),
-                      FormatOptional(p.param_norm)});
+      rows.push_back(
+          {p.name, std::string(ParamKindName(p.kind)), FormatOptional(p.grad_norm), FormatOptional(p.param_norm)});
     }
     out << Indent(FormatTable(rows), "  ");
   }

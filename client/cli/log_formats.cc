@@ -749,20 +749,13 @@ std::optional<LogRecord> ParseLlmc(std::string_view line) {
 
 std::optional<LogRecord> Parse(LogFormat f, std::string_view line) {
   switch (f) {
-    case LogFormat::kJsonl:
-      return ParseJsonl(line);
-    case LogFormat::kMegatron:
-      return ParseMegatron(line);
-    case LogFormat::kHfTrainer:
-      return ParseHf(line);
-    case LogFormat::kTorchtitan:
-      return ParseTorchtitan(line);
-    case LogFormat::kNanoGpt:
-      return ParseNanoGpt(line);
-    case LogFormat::kLlmc:
-      return ParseLlmc(line);
-    case LogFormat::kDeepSpeed:
-      return ParseDeepSpeed(line);
+    case LogFormat::kJsonl: return ParseJsonl(line);
+    case LogFormat::kMegatron: return ParseMegatron(line);
+    case LogFormat::kHfTrainer: return ParseHf(line);
+    case LogFormat::kTorchtitan: return ParseTorchtitan(line);
+    case LogFormat::kNanoGpt: return ParseNanoGpt(line);
+    case LogFormat::kLlmc: return ParseLlmc(line);
+    case LogFormat::kDeepSpeed: return ParseDeepSpeed(line);
   }
   return std::nullopt;
 }
@@ -771,20 +764,13 @@ std::optional<LogRecord> Parse(LogFormat f, std::string_view line) {
 
 std::string_view LogFormatName(LogFormat f) {
   switch (f) {
-    case LogFormat::kJsonl:
-      return "jsonl";
-    case LogFormat::kMegatron:
-      return "megatron";
-    case LogFormat::kHfTrainer:
-      return "hf";
-    case LogFormat::kTorchtitan:
-      return "torchtitan";
-    case LogFormat::kNanoGpt:
-      return "nanogpt";
-    case LogFormat::kLlmc:
-      return "llmc";
-    case LogFormat::kDeepSpeed:
-      return "deepspeed";
+    case LogFormat::kJsonl: return "jsonl";
+    case LogFormat::kMegatron: return "megatron";
+    case LogFormat::kHfTrainer: return "hf";
+    case LogFormat::kTorchtitan: return "torchtitan";
+    case LogFormat::kNanoGpt: return "nanogpt";
+    case LogFormat::kLlmc: return "llmc";
+    case LogFormat::kDeepSpeed: return "deepspeed";
   }
   return "unknown";
 }

@@ -126,8 +126,8 @@ void Draw(std::ostringstream& svg, const Chart& c, double top) {
   for (double t : Ticks(y0, y1, 5)) {
     std::snprintf(buf, sizeof buf, "%.1f", Y(t));
     svg << "<line class=\"grid\" x1=\"" << kLeft << "\" x2=\"" << kWidth - kRight << "\" y1=\"" << buf << "\" y2=\""
-        << buf << "\"/><text class=\"tick\" x=\"" << kLeft - 6 << "\" y=\"" << Y(t) + 4
-        << "\" text-anchor=\"end\">" << Num(t, 3) << "</text>\n";
+        << buf << "\"/><text class=\"tick\" x=\"" << kLeft - 6 << "\" y=\"" << Y(t) + 4 << "\" text-anchor=\"end\">"
+        << Num(t, 3) << "</text>\n";
   }
   for (double t : Ticks(x0, x1, 6)) {
     svg << "<text class=\"tick\" x=\"" << X(t) << "\" y=\"" << plot_bottom + 16 << "\" text-anchor=\"middle\">"
@@ -219,8 +219,8 @@ Chart TotalChart(const PlotData& d) {
       c.segments.push_back({static_cast<double>(d.summary.info().last_step()), f.current_value(),
                             static_cast<double>(f.at_step()), f.threshold(), "forecast",
                             "reaches " + Num(f.threshold()) + " at step " + Step(static_cast<double>(f.at_step()))});
-      c.note += "; at " + Num(f.slope_per_kstep()) + " per 1k steps it crosses in " +
-                Step(f.steps_to_threshold()) + " steps";
+      c.note +=
+          "; at " + Num(f.slope_per_kstep()) + " per 1k steps it crosses in " + Step(f.steps_to_threshold()) + " steps";
     }
   }
   return c;
@@ -246,8 +246,9 @@ Chart FinalChart(const PlotData& d) {
     const double hi = i + 1 < changes.size() ? static_cast<double>(changes[i + 1]->event_step()) : last;
     Line before{0, 0, 0, 0, "fit-before", Num(changes[i]->before_per_kstep(), 3) + " per 1k"};
     if (Fit(d.final, lo, at, changes[i]->before_per_kstep(), &before)) c.segments.push_back(before);
-    Line after{0, 0, 0, 0, "fit-after",
-               Num(changes[i]->after_per_kstep(), 3) + " per 1k (x" + Num(changes[i]->ratio(), 2) + ")"};
+    Line after{0,           0,
+               0,           0,
+               "fit-after", Num(changes[i]->after_per_kstep(), 3) + " per 1k (x" + Num(changes[i]->ratio(), 2) + ")"};
     if (Fit(d.final, at, hi, changes[i]->after_per_kstep(), &after)) c.segments.push_back(after);
   }
   for (const auto& a : d.summary.analysis().amplifications()) {
@@ -265,7 +266,8 @@ const char* kStyle =
     ".threshold{stroke:#dc2626;stroke-dasharray:6 4}.threshold-label{fill:#dc2626}"
     ".forecast{stroke:#d97706;stroke-width:1.5;stroke-dasharray:3 3}.forecast-label{fill:#d97706}"
     ".event{stroke:#7c3aed;stroke-dasharray:2 3}.event-label{fill:#7c3aed}"
-    ".fit-before{stroke:#059669;stroke-width:2.5;stroke-opacity:0.8;stroke-dasharray:10 5}.fit-before-label{fill:#059669}"
+    ".fit-before{stroke:#059669;stroke-width:2.5;stroke-opacity:0.8;stroke-dasharray:10 "
+    "5}.fit-before-label{fill:#059669}"
     ".fit-after{stroke:#dc2626;stroke-width:2.5;stroke-opacity:0.8;stroke-dasharray:10 5}.fit-after-label{fill:#dc2626}"
     "</style>\n";
 
@@ -337,8 +339,8 @@ std::string RenderPlotSvg(const PlotData& data) {
   return Document(charts);
 }
 
-int RunPlot(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
-            const std::string& output, std::ostream& out, std::ostream& err) {
+int RunPlot(const GlobalOptions& global, client::QueryClient& query, const std::string& run, const std::string& output,
+            std::ostream& out, std::ostream& err) {
   const bool png = output.size() > 4 && output.substr(output.size() - 4) == ".png";
   const bool svg = output.size() > 4 && output.substr(output.size() - 4) == ".svg";
   if (!png && !svg) {

@@ -22,7 +22,6 @@ struct PlotData {
   std::vector<v1::SeriesPoint> final;  // params/norm/<final_param>
 };
 
-
 // The norm gain whose slopes are charted: role final_norm, else the most amplified norm gain,
 // else the first parameter that grew without weight decay; empty when none.
 std::string PickFinalParam(const v1::RunSummary& summary);
@@ -39,7 +38,7 @@ std::string RenderChartSvg(const PlotData& data, const std::string& which);
 std::string RenderPlotSvg(const PlotData& data);
 
 // `gradwatch plot`: writes FILE.svg, or FILE.png through rsvg-convert (librsvg2-bin).
-int RunPlot(const GlobalOptions& global, client::QueryClient& query, const std::string& run,
-            const std::string& output, std::ostream& out, std::ostream& err);
+int RunPlot(const GlobalOptions& global, client::QueryClient& query, const std::string& run, const std::string& output,
+            std::ostream& out, std::ostream& err);
 
 }  // namespace gradwatch::cli

@@ -110,11 +110,7 @@ int StderrColumns() {
 }
 
 ProgressReporter::ProgressReporter(std::ostream& err, Options options, Clock::time_point start)
-    : err_(err),
-      options_(std::move(options)),
-      start_(start),
-      last_draw_(start),
-      meter_(options_.rate_window_seconds) {
+    : err_(err), options_(std::move(options)), start_(start), last_draw_(start), meter_(options_.rate_window_seconds) {
   meter_.Add(0, 0);
 }
 

@@ -85,8 +85,8 @@ ReplayPlan ScanReplay(std::istream& in) {
 std::string RunIdFromFileName(const std::string& file) {
   std::string stem = std::filesystem::path(file).stem().string();
   for (char& c : stem) {
-    const bool allowed = std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' ||
-                         c == ':' || c == '/' || c == '-';
+    const bool allowed =
+        std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' || c == '/' || c == '-';
     if (!allowed) c = '-';
   }
   if (stem.size() > 128) stem.resize(128);
@@ -106,8 +106,7 @@ std::optional<uint64_t> ResumeFromStep(const ReplayPlan& plan, const ReplayOptio
   return std::nullopt;
 }
 
-v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options,
-                     const std::string& run_id) {
+v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options, const std::string& run_id) {
   v1::Hello hello;
   if (const auto resume = ResumeFromStep(plan, options)) hello.set_resume_from_step(*resume);
   hello.set_run_id(run_id);
@@ -136,8 +135,7 @@ void CountUnackedSteps(const ReplayPlan& plan, ReplaySummary& summary) {
 
 json ReplaySummaryToJson(const ReplaySummary& s) {
   json skipped = json::array();
-  for (const BadLine& b : s.first_skipped)
-    skipped.push_back({{"line", b.line}, {"reason", b.reason}});
+  for (const BadLine& b : s.first_skipped) skipped.push_back({{"line", b.line}, {"reason", b.reason}});
   json errors = json::object();
   for (const auto& [reason, count] : s.daemon_errors) errors[reason] = count;
   return {
@@ -166,8 +164,8 @@ json ReplaySummaryToJson(const ReplaySummary& s) {
 std::string FormatReplaySummaryLine(const ReplaySummary& s) {
   std::string line = "replayed " + s.file + " as run " + s.run + ": " + StepCountText(s.steps_sent);
   if (s.already_held_steps > 0) line += " (" + FormatStepCount(s.already_held_steps) + " already held)";
-  line += " in " + FormatTimeTaken(s.seconds) + " (" + FormatStepRate(s.seconds > 0 ? s.steps_sent / s.seconds : 0) +
-          ")";
+  line +=
+      " in " + FormatTimeTaken(s.seconds) + " (" + FormatStepRate(s.seconds > 0 ? s.steps_sent / s.seconds : 0) + ")";
   if (s.complete) {
     line += ", all acknowledged";
   } else {
@@ -201,10 +199,9 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
   }
   std::vector<std::vector<std::string>> rows = {
       {"lines", std::to_string(s.lines) + ", " + skipped},
-      {"steps sent", std::to_string(s.steps_sent) +
-                         (s.already_held_steps > 0
-                              ? " (" + std::to_string(s.already_held_steps) + " already held)"
-                              : "")},
+      {"steps sent",
+       std::to_string(s.steps_sent) +
+           (s.already_held_steps > 0 ? " (" + std::to_string(s.already_held_steps) + " already held)" : "")},
       {"events", std::to_string(s.events_sent)},
       {"daemon errors", errors.empty() ? "none" : errors},
       {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
@@ -212,15 +209,14 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
   if (!s.stopped.empty()) {
     std::string unacked = std::to_string(s.unacked_steps);
     if (s.first_unacked_step) {
-      unacked += " (steps " + std::to_string(*s.first_unacked_step) + " to " +
-                 std::to_string(*s.last_unacked_step) + ")";
+      unacked +=
+          " (steps " + std::to_string(*s.first_unacked_step) + " to " + std::to_string(*s.last_unacked_step) + ")";
     }
     rows.push_back({"stopped", s.stop_detail});
     rows.push_back({"not acked", unacked});
   }
   if (s.resumed_from_step) {
-    rows.insert(rows.begin() + 2,
-                {"resumed from", "the checkpoint at step " + std::to_string(*s.resumed_from_step)});
+    rows.insert(rows.begin() + 2, {"resumed from", "the checkpoint at step " + std::to_string(*s.resumed_from_step)});
   }
   if (s.finished) rows.push_back({"finished", *s.finished ? "yes (Goodbye acknowledged)" : "no"});
   // The time and the rate are in the first line, which is also the line --json writes to stderr.
@@ -287,8 +283,7 @@ bool OpenReplayInput(const std::string& path, std::ifstream& in, std::string* wh
 
 }  // namespace
 
-int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::ostream& out,
-              std::ostream& err) {
+int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::ostream& out, std::ostream& err) {
   std::ifstream in;
   if (std::string why; !OpenReplayInput(options.file, in, &why)) {
     err << "gradwatch: cannot open " << options.file << ": " << why << "\n";
@@ -299,8 +294,7 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     err << options.file << ":" << bad.line << ": " << bad.reason << "; line skipped\n";
   }
   if (plan.bad_line_count > plan.bad_lines.size()) {
-    err << options.file << ": " << plan.bad_line_count - plan.bad_lines.size()
-        << " more bad lines not shown\n";
+    err << options.file << ": " << plan.bad_line_count - plan.bad_lines.size() << " more bad lines not shown\n";
   }
   if (plan.step_lines == 0 && plan.events == 0) {
     // An empty or unreadable file must not create an empty run on the daemon.
@@ -485,8 +479,8 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
         paced_from = Clock::now();
       }
       const double offset = std::max(0.0, (*record->timestamp - *first_timestamp) / options.speed);
-      if (!signals.SleepUntil(paced_from + std::chrono::duration_cast<Clock::duration>(
-                                               std::chrono::duration<double>(offset)))) {
+      if (!signals.SleepUntil(paced_from +
+                              std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(offset)))) {
         return false;
       }
     }
@@ -530,8 +524,8 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     ReplaySummary& ts = t->summary;
     ts.complete = read_everything && !t->lagging && t->monitor->FlushWhileProgressing(stall_timeout);
     if (options.finish) {
-      ts.finished = ts.complete && t->monitor->Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED,
-                                                      "replayed " + options.file);
+      ts.finished =
+          ts.complete && t->monitor->Finish(global.timeout(), v1::GOODBYE_REASON_FINISHED, "replayed " + options.file);
     }
     ts.seconds = std::chrono::duration<double>(Clock::now() - started).count();
     t->stats = t->monitor->Stats();

@@ -22,9 +22,8 @@ inline constexpr double kDefaultStallTimeoutSeconds = 60;
 
 struct ReplayOptions {
   std::string file;
-  std::string run;  // empty: the header's, else the file's stem
-  double speed =
-      0;  // > 0: pace by _timestamp at this multiple of real time; 0: as fast as acks allow
+  std::string run;   // empty: the header's, else the file's stem
+  double speed = 0;  // > 0: pace by _timestamp at this multiple of real time; 0: as fast as acks allow
   uint32_t rank = 0;
   uint32_t world_size = 1;
   // --resume-from: the history resumes the run from its checkpoint at this step; overrides the
@@ -78,8 +77,7 @@ std::string ChooseRunId(const std::string& flag, const ReplayPlan& plan, const s
 std::optional<uint64_t> ResumeFromStep(const ReplayPlan& plan, const ReplayOptions& options);
 
 // The Hello for the replay; carries ResumeFromStep as resume_from_step.
-v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options,
-                     const std::string& run_id);
+v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options, const std::string& run_id);
 
 struct ReplaySummary {
   std::string file;
@@ -126,7 +124,6 @@ std::string FormatReplaySummaryLine(const ReplaySummary& summary);
 std::string FormatReplaySummary(const ReplaySummary& summary);
 
 // Runs the command; returns the process exit code.
-int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::ostream& out,
-              std::ostream& err);
+int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::ostream& out, std::ostream& err);
 
 }  // namespace gradwatch::cli

@@ -31,13 +31,9 @@ bool Contains(std::string_view haystack, std::string_view needle) {
   return haystack.find(needle) != std::string_view::npos;
 }
 
-bool IsValueEnd(char c) {
-  return c == ',' || c == '}' || c == ']' || std::isspace(static_cast<unsigned char>(c));
-}
+bool IsValueEnd(char c) { return c == ',' || c == '}' || c == ']' || std::isspace(static_cast<unsigned char>(c)); }
 
-bool IsValueStart(char c) {
-  return c == ':' || c == ',' || c == '[' || std::isspace(static_cast<unsigned char>(c));
-}
+bool IsValueStart(char c) { return c == ':' || c == ',' || c == '[' || std::isspace(static_cast<unsigned char>(c)); }
 
 // A number, or one of the spellings of NaN and ±infinity as a string.
 std::optional<double> AsNumber(const json& v) {
@@ -146,8 +142,7 @@ LineResult ParseHeader(const json& obj) {
         info.set_numel(*n);
       }
       if (auto f = p.find("kind"); f != p.end()) {
-        auto kind =
-            f->is_string() ? ParseParamKind(f->get_ref<const std::string&>()) : std::nullopt;
+        auto kind = f->is_string() ? ParseParamKind(f->get_ref<const std::string&>()) : std::nullopt;
         if (!kind) return Error(where + ".kind " + f->dump() + " is not a known kind");
         info.set_kind(*kind);
         kind_given = true;
@@ -244,8 +239,7 @@ std::optional<std::string> AddMetric(StepRecord& rec, const std::string& key, do
 std::string QuoteNonFiniteTokens(std::string_view line) {
   static constexpr std::string_view kTokens[] = {"-Infinity", "Infinity", "-NaN", "NaN"};
   // Most lines have neither token: skip the character walk for them.
-  if (line.find("NaN") == std::string_view::npos &&
-      line.find("Infinity") == std::string_view::npos) {
+  if (line.find("NaN") == std::string_view::npos && line.find("Infinity") == std::string_view::npos) {
     return std::string(line);
   }
   std::string out;
@@ -306,9 +300,8 @@ LineResult ParseReplayLine(std::string_view text, bool first_line) {
 
   auto step_it = obj.find("_step");
   if (step_it == obj.end()) {
-    const bool looks_like_header = obj.contains("run") || obj.contains("config") ||
-                                   obj.contains("labels") || obj.contains("params") ||
-                                   obj.contains("resume_from_step");
+    const bool looks_like_header = obj.contains("run") || obj.contains("config") || obj.contains("labels") ||
+                                   obj.contains("params") || obj.contains("resume_from_step");
     if (looks_like_header && first_line) return ParseHeader(obj);
     if (looks_like_header) return Error("a header is only allowed on the first line");
     return Error("missing _step");
@@ -389,22 +382,14 @@ std::optional<v1::ParamKind> ParseParamKind(std::string_view name) {
 
 std::string_view ParamKindName(v1::ParamKind kind) {
   switch (kind) {
-    case v1::PARAM_KIND_NORM_GAIN:
-      return "norm_gain";
-    case v1::PARAM_KIND_OUTPUT:
-      return "output";
-    case v1::PARAM_KIND_EMBEDDING:
-      return "embedding";
-    case v1::PARAM_KIND_ROUTER:
-      return "router";
-    case v1::PARAM_KIND_ATTENTION:
-      return "attention";
-    case v1::PARAM_KIND_MLP:
-      return "mlp";
-    case v1::PARAM_KIND_OTHER:
-      return "other";
-    default:
-      return "unspecified";
+    case v1::PARAM_KIND_NORM_GAIN: return "norm_gain";
+    case v1::PARAM_KIND_OUTPUT: return "output";
+    case v1::PARAM_KIND_EMBEDDING: return "embedding";
+    case v1::PARAM_KIND_ROUTER: return "router";
+    case v1::PARAM_KIND_ATTENTION: return "attention";
+    case v1::PARAM_KIND_MLP: return "mlp";
+    case v1::PARAM_KIND_OTHER: return "other";
+    default: return "unspecified";
   }
 }
 
@@ -443,8 +428,7 @@ std::vector<v1::ParamInfo> ReplayCatalog::Params() const {
     if (!kind_given_[i]) out[i].set_kind(InferParamKind(out[i].name()));
     if (!weight_decay_given_[i]) {
       // Norm gains are conventionally excluded from weight decay.
-      out[i].set_weight_decay(
-          out[i].kind() == v1::PARAM_KIND_NORM_GAIN ? 0.0 : default_weight_decay_.value_or(0.0));
+      out[i].set_weight_decay(out[i].kind() == v1::PARAM_KIND_NORM_GAIN ? 0.0 : default_weight_decay_.value_or(0.0));
     }
   }
   return out;
@@ -459,15 +443,9 @@ v1::StepStats ToStepStats(const StepRecord& record, const ReplayCatalog& catalog
     v1::ParamStats& p = by_index[*index];
     p.set_index(*index);
     switch (v.field) {
-      case NormField::kGrad:
-        p.mutable_grad()->set_norm(v.value);
-        break;
-      case NormField::kParam:
-        p.mutable_param()->set_norm(v.value);
-        break;
-      case NormField::kUpdate:
-        p.mutable_update()->set_norm(v.value);
-        break;
+      case NormField::kGrad: p.mutable_grad()->set_norm(v.value); break;
+      case NormField::kParam: p.mutable_param()->set_norm(v.value); break;
+      case NormField::kUpdate: p.mutable_update()->set_norm(v.value); break;
     }
   }
   for (auto& [index, p] : by_index) *stats.add_params() = std::move(p);

@@ -18,7 +18,6 @@ namespace gradwatch::cli {
 
 namespace {
 
-
 // Every number of the report in the CLI's one style (FormatValue), so that a reader (and the
 // test) can match it with the Query API's value.
 std::string Num(double v) { return FormatValue(v); }
@@ -82,7 +81,8 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
     if (at != nullptr) {
       grew = true;
       md << "- The norm of **" << data.final_param << "** had reached " << Num(at->value());
-      if (std::isfinite(init) && init > 0) md << " (" << Num(at->value() / init) << "× its initial norm " << Num(init) << ")";
+      if (std::isfinite(init) && init > 0)
+        md << " (" << Num(at->value() / init) << "× its initial norm " << Num(init) << ")";
       md << " before step " << Step(c.event_step()) << " (" << c.event_text() << "); the event changed its slope ×"
          << Num(c.ratio()) << ", from " << Num(c.before_per_kstep()) << " to " << Num(c.after_per_kstep())
          << " per 1k steps.\n";
@@ -111,7 +111,8 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   if (a.slope_changes().empty()) {
     md << "No event, or no slope measured around one.\n";
   } else {
-    md << "| series | event | before (per 1k steps) | after (per 1k steps) | ratio |\n| --- | --- | ---: | ---: | ---: |\n";
+    md << "| series | event | before (per 1k steps) | after (per 1k steps) | ratio |\n| --- | --- | ---: | ---: | ---: "
+          "|\n";
     for (const auto& c : a.slope_changes()) {
       md << "| " << c.key() << " | step " << Step(c.event_step()) << ": " << c.event_text() << " | "
          << Num(c.before_per_kstep()) << " | " << Num(c.after_per_kstep()) << " | ×" << Num(c.ratio()) << " |\n";
@@ -138,7 +139,8 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   auto recommend = [&](const v1::Alert& alert) {
     const auto it = alert.annotations().find("recommendation");
     if (it == alert.annotations().end()) return;
-    auto known = std::find_if(by_alert.begin(), by_alert.end(), [&](const auto& r) { return r.first == alert.fingerprint(); });
+    auto known =
+        std::find_if(by_alert.begin(), by_alert.end(), [&](const auto& r) { return r.first == alert.fingerprint(); });
     if (known == by_alert.end()) {
       by_alert.emplace_back(alert.fingerprint(), it->second);
     } else {

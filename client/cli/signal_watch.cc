@@ -27,9 +27,7 @@ void SignalWatch::Loop() {
     if (closing_) return;
     int expected = 0;
     if (!received_.compare_exchange_strong(expected, signal)) std::_Exit(128 + signal);
-    {
-      std::lock_guard lock(mu_);
-    }
+    { std::lock_guard lock(mu_); }
     signalled_.notify_all();
     if (on_signal_) on_signal_(signal);
   }

@@ -165,17 +165,18 @@ class Sender {
 
   void Close() {
     if (monitor_ == nullptr) return;
-    monitor_->FlushWhileProgressing(options_.stall_timeout_seconds > 0
-                                        ? std::chrono::milliseconds(static_cast<int64_t>(
-                                              options_.stall_timeout_seconds * 1000))
-                                        : std::chrono::milliseconds(0));
+    monitor_->FlushWhileProgressing(options_.stall_timeout_seconds > 0 ? std::chrono::milliseconds(static_cast<int64_t>(
+                                                                             options_.stall_timeout_seconds * 1000))
+                                                                       : std::chrono::milliseconds(0));
     Account();
     monitor_->Stop();
     monitor_.reset();
   }
 
   // Totals over every stream this tail opened to the daemon.
-  uint64_t dropped() const { return dropped_ + (monitor_ && accounted_ != monitor_.get() ? monitor_->Stats().dropped : 0); }
+  uint64_t dropped() const {
+    return dropped_ + (monitor_ && accounted_ != monitor_.get() ? monitor_->Stats().dropped : 0);
+  }
   std::map<std::string, uint64_t> errors() const {
     std::map<std::string, uint64_t> all = errors_;
     if (monitor_ && accounted_ != monitor_.get()) {
@@ -244,9 +245,8 @@ json TailSummaryToJson(const TailSummary& s) {
 
 std::string FormatTailSummaryLine(const TailSummary& s) {
   std::string line = "followed " + s.file + " as run " + s.run + ": " + StepCountText(s.steps_sent) + " in " +
-                     FormatTimeTaken(s.seconds) + " (" +
-                     FormatStepRate(s.seconds > 0 ? s.steps_sent / s.seconds : 0) + "), " +
-                     (s.complete ? "all acknowledged" : "not all acknowledged");
+                     FormatTimeTaken(s.seconds) + " (" + FormatStepRate(s.seconds > 0 ? s.steps_sent / s.seconds : 0) +
+                     "), " + (s.complete ? "all acknowledged" : "not all acknowledged");
   uint64_t errors = 0;
   for (const auto& [reason, count] : s.daemon_errors) errors += count;
   if (errors > 0) line += "; " + FormatStepCount(errors) + (errors == 1 ? " daemon error" : " daemon errors");
@@ -282,9 +282,11 @@ std::string FormatTailSummary(const TailSummary& s) {
   };
   if (s.resumes > 0) rows.push_back({"resumed", std::to_string(s.resumes) + " times from a checkpoint"});
   if (s.rotations + s.truncations > 0) {
-    rows.push_back({"file", std::to_string(s.rotations) + " replaced, " + std::to_string(s.truncations) + " truncated"});
+    rows.push_back(
+        {"file", std::to_string(s.rotations) + " replaced, " + std::to_string(s.truncations) + " truncated"});
   }
-  if (s.dropped_steps > 0) rows.push_back({"dropped", std::to_string(s.dropped_steps) + " steps (daemon away, queue full)"});
+  if (s.dropped_steps > 0)
+    rows.push_back({"dropped", std::to_string(s.dropped_steps) + " steps (daemon away, queue full)"});
   if (s.finished) rows.push_back({"finished", *s.finished ? "yes (Goodbye acknowledged)" : "no"});
   return FormatTailSummaryLine(s) + "\n" + FormatTable(rows);
 }
@@ -354,8 +356,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     auto t = std::make_unique<Target>();
     t->sender = std::make_unique<Sender>(
         global, options, address, summary.run, &catalog,
-        [&progress](const std::string& text) { progress.Print() << "gradwatch tail: " << text << "\n"; },
-        &t->messages);
+        [&progress](const std::string& text) { progress.Print() << "gradwatch tail: " << text << "\n"; }, &t->messages);
     targets.push_back(std::move(t));
   }
   const auto live = [&targets] {
@@ -381,7 +382,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   };
   const auto stall = std::chrono::milliseconds(static_cast<int64_t>(options.stall_timeout_seconds * 1000));
 
-  std::optional<uint64_t> last_step;     // the last step read (and sent, or held by the daemons)
+  std::optional<uint64_t> last_step;      // the last step read (and sent, or held by the daemons)
   std::optional<uint64_t> progress_step;  // HF: the progress bar's count
   std::optional<double> skipped_total;    // DeepSpeed's cumulative count
   uint64_t hf_dicts = 0;
@@ -405,8 +406,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
       resume = step;
       ++summary.resumes;
       progress.Print() << "gradwatch tail: step " << step << " follows step " << *last_step
-                       << ": the job resumed from a checkpoint; the daemon replaces its steps from " << step
-                       << " on\n";
+                       << ": the job resumed from a checkpoint; the daemon replaces its steps from " << step << " on\n";
     }
     v1::StepStats stats;
     stats.set_step(step);
@@ -434,7 +434,9 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
           ps = stats.add_params();
           ps->set_index(index);
         }
-        (param->second == 0 ? ps->mutable_grad() : param->second == 1 ? ps->mutable_param() : ps->mutable_update())
+        (param->second == 0   ? ps->mutable_grad()
+         : param->second == 1 ? ps->mutable_param()
+                              : ps->mutable_update())
             ->set_norm(value);
       } else if (key != "train/tokens") {
         (*stats.mutable_extra())[key] = value;
@@ -448,10 +450,9 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
       if (!t->connected) {
         t->connected = true;
         if (const auto held = t->sender->held_through()) {
-          progress.Print() << "gradwatch tail: the daemon"
-                           << (several ? " at " + t->sender->address() : std::string()) << " already holds run "
-                           << summary.run << " rank " << options.rank << " through step " << *held
-                           << "; sending only later steps\n";
+          progress.Print() << "gradwatch tail: the daemon" << (several ? " at " + t->sender->address() : std::string())
+                           << " already holds run " << summary.run << " rank " << options.rank << " through step "
+                           << *held << "; sending only later steps\n";
         }
       }
       if (!resume && t->sender->held_through() && step <= *t->sender->held_through()) {
@@ -586,7 +587,8 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   // No line was recognised: the lines kept are what was not parsed.
   for (const auto& [number, text] : before_format) {
     ++summary.unparsed_lines;
-    if (summary.first_unparsed.size() < kUnparsedInSummary) summary.first_unparsed.push_back({number, text.substr(0, 200)});
+    if (summary.first_unparsed.size() < kUnparsedInSummary)
+      summary.first_unparsed.push_back({number, text.substr(0, 200)});
     if (global.verbose && number <= kUnparsedShown) {
       progress.Print() << options.file << ":" << number << ": not parsed: " << text.substr(0, 200) << "\n";
     }
@@ -672,11 +674,11 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     }
   }
   if (global.json) out << (several ? json_daemons : json_daemons.front()).dump(2) << "\n";
-  if (summary.format.empty() &&
-      std::all_of(targets.begin(), targets.end(),
-                  [](const auto& t) { return t->summary.steps_sent == 0 && t->summary.events_sent == 0; })) {
-    err << "gradwatch: no line of " << options.file << " was a metric line of a format gradwatch reads (" << summary.lines
-        << " lines); nothing was sent. -v shows the lines; --format names the format\n";
+  if (summary.format.empty() && std::all_of(targets.begin(), targets.end(), [](const auto& t) {
+        return t->summary.steps_sent == 0 && t->summary.events_sent == 0;
+      })) {
+    err << "gradwatch: no line of " << options.file << " was a metric line of a format gradwatch reads ("
+        << summary.lines << " lines); nothing was sent. -v shows the lines; --format names the format\n";
     return kExitFailure;
   }
   // With several daemons, one that holds every step makes the tail a partial success.

@@ -27,7 +27,7 @@ std::optional<double> ParseDuration(std::string_view text) {
   };
   // In the order they must appear; "ms" before "m" so that it is matched whole.
   static constexpr Unit kUnits[] = {{"y", 365 * 86400.0}, {"w", 7 * 86400.0}, {"d", 86400.0}, {"h", 3600.0},
-                                    {"ms", 0.001},        {"m", 60.0},         {"s", 1.0}};
+                                    {"ms", 0.001},        {"m", 60.0},        {"s", 1.0}};
   double total = 0;
   size_t next_unit = 0;  // units must come largest first, each once
   while (!text.empty()) {

@@ -24,10 +24,8 @@ bool RefersToStep(v1::ErrorReason reason) {
     case v1::ERROR_REASON_NEGATIVE_NORM:
     case v1::ERROR_REASON_OVERSIZED:
     case v1::ERROR_REASON_INVALID_MESSAGE:
-    case v1::ERROR_REASON_LATE_FOR_STEP:
-      return true;
-    default:
-      return false;
+    case v1::ERROR_REASON_LATE_FOR_STEP: return true;
+    default: return false;
   }
 }
 
@@ -70,8 +68,7 @@ struct Monitor::Connection {
 Monitor::Monitor(MonitorOptions options)
     : options_(std::move(options)),
       buffer_(options_.queue_capacity, options_.event_capacity,
-              SendWindow{options_.max_unacked_steps, options_.max_unacked_bytes},
-              options_.queue_capacity_bytes),
+              SendWindow{options_.max_unacked_steps, options_.max_unacked_bytes}, options_.queue_capacity_bytes),
       backoff_(options_.initial_backoff),
       rng_(std::random_device{}()) {}
 
@@ -84,10 +81,8 @@ void Monitor::Start() {
   grpc::ChannelArguments args;
   // gRPC's own reconnect back-off (up to 120 s by default) would otherwise keep a restarted
   // daemon unreachable long after ours has expired.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
-              static_cast<int>(options_.initial_backoff.count()));
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
-              static_cast<int>(options_.initial_backoff.count()));
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, static_cast<int>(options_.initial_backoff.count()));
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, static_cast<int>(options_.initial_backoff.count()));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(options_.max_backoff.count()));
   std::string error;
   const auto credentials = MakeChannelCredentials(options_.tls, &error);
@@ -205,8 +200,7 @@ bool Monitor::Finish(std::chrono::milliseconds timeout, v1::GoodbyeReason reason
 
 bool Monitor::WaitAccepted(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
-  flush_cv_.wait_for(lock, timeout,
-                     [this] { return stats_.connected || stopping_ || stats_.rejected; });
+  flush_cv_.wait_for(lock, timeout, [this] { return stats_.connected || stopping_ || stats_.rejected; });
   return stats_.connected;
 }
 
@@ -249,9 +243,8 @@ void Monitor::SenderLoop() {
         std::lock_guard lock(mu_);
         if (stopping_) break;
         if (conn.superseded) {
-          spdlog::warn(
-              "gradwatch monitor: another stream took over run {} rank {}; not reconnecting",
-              options_.hello.run_id(), options_.hello.rank());
+          spdlog::warn("gradwatch monitor: another stream took over run {} rank {}; not reconnecting",
+                       options_.hello.run_id(), options_.hello.rank());
           break;
         }
         if (accepted && !conn.storage_unavailable) backoff_ = options_.initial_backoff;
@@ -259,8 +252,7 @@ void Monitor::SenderLoop() {
         if (conn.rejected) backoff_ = options_.max_backoff;
       }
       delay = NextBackoff();
-      spdlog::debug("gradwatch monitor: reconnecting to {} in {} ms", options_.address,
-                    delay.count());
+      spdlog::debug("gradwatch monitor: reconnecting to {} in {} ms", options_.address, delay.count());
       SleepBackoff(delay);
     }
   } catch (const std::exception& e) {
@@ -302,14 +294,11 @@ bool Monitor::RunConnection(Connection& conn) {
   bool accepted = false;
   if (hello_written) {
     std::unique_lock lock(mu_);
-    sender_cv_.wait(lock,
-                    [&] { return conn.accepted || conn.ended || conn.rejected || stopping_; });
+    sender_cv_.wait(lock, [&] { return conn.accepted || conn.ended || conn.rejected || stopping_; });
     accepted = conn.accepted;
     while (conn.accepted && !conn.ended && !conn.rejected && !conn.storage_unavailable && !stopping_) {
       // The Goodbye goes once every step is durable, so the run ends with all of them kept.
-      const auto goodbye_due = [&] {
-        return goodbye_ && !conn.goodbye_sent && !stats_.finished && DrainedLocked();
-      };
+      const auto goodbye_due = [&] { return goodbye_ && !conn.goodbye_sent && !stats_.finished && DrainedLocked(); };
       if (goodbye_due()) {
         v1::TrainerMessage goodbye;
         goodbye.set_seq(next_seq_++);
@@ -334,8 +323,7 @@ bool Monitor::RunConnection(Connection& conn) {
       const size_t size = msg.ByteSizeLong();
       if (conn.max_message_bytes != 0 && size > conn.max_message_bytes) {
         const uint64_t step = msg.has_step() ? msg.step().step() : msg.event().step();
-        const std::string text = "message of " + std::to_string(size) +
-                                 " bytes exceeds the daemon's limit of " +
+        const std::string text = "message of " + std::to_string(size) + " bytes exceeds the daemon's limit of " +
                                  std::to_string(conn.max_message_bytes);
         lock.unlock();
         RecordLocalError(v1::ERROR_REASON_OVERSIZED, step, text);
@@ -382,11 +370,10 @@ bool Monitor::RunConnection(Connection& conn) {
   if (stopping) {
     spdlog::debug("gradwatch monitor: stream closed");
   } else if (accepted) {
-    spdlog::warn("gradwatch monitor: stream to {} ended: {} ({})", options_.address,
-                 status.error_message(), static_cast<int>(status.error_code()));
+    spdlog::warn("gradwatch monitor: stream to {} ended: {} ({})", options_.address, status.error_message(),
+                 static_cast<int>(status.error_code()));
   } else {
-    spdlog::debug("gradwatch monitor: cannot open stream to {}: {}", options_.address,
-                  status.error_message());
+    spdlog::debug("gradwatch monitor: cannot open stream to {}: {}", options_.address, status.error_message());
   }
   return accepted;
 }
@@ -460,8 +447,7 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
     }
     case v1::DaemonMessage::kError: {
       const v1::Error& e = msg.error();
-      const std::string text =
-          ReasonName(e.reason()) + " at step " + std::to_string(e.step()) + ": " + e.message();
+      const std::string text = ReasonName(e.reason()) + " at step " + std::to_string(e.step()) + ": " + e.message();
       spdlog::debug("gradwatch monitor: daemon error {}", text);
       // Before the step is released: once Flush returns, every callback about it has run.
       InvokeCallback(options_.on_error, e, "on_error");
@@ -494,9 +480,7 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
       if (buffer_.OnEventAck(msg.event_ack().seq())) ProgressLocked();
       break;
     }
-    case v1::DaemonMessage::kAlert:
-      InvokeCallback(options_.on_alert, msg.alert(), "on_alert");
-      break;
+    case v1::DaemonMessage::kAlert: InvokeCallback(options_.on_alert, msg.alert(), "on_alert"); break;
     case v1::DaemonMessage::kFinished: {
       spdlog::info("gradwatch monitor: run {} recorded as finished", msg.finished().run_id());
       std::lock_guard lock(mu_);
@@ -504,8 +488,7 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
       ProgressLocked();
       break;
     }
-    default:
-      break;
+    default: break;
   }
 }
 
@@ -526,8 +509,8 @@ void Monitor::RecordLocalError(v1::ErrorReason reason, uint64_t step, std::strin
 std::chrono::milliseconds Monitor::NextBackoff() {
   std::lock_guard lock(mu_);
   std::uniform_real_distribution<double> jitter(0.8, 1.2);
-  const auto delay = std::chrono::milliseconds(
-      static_cast<int64_t>(static_cast<double>(backoff_.count()) * jitter(rng_)));
+  const auto delay =
+      std::chrono::milliseconds(static_cast<int64_t>(static_cast<double>(backoff_.count()) * jitter(rng_)));
   backoff_ = std::min(backoff_ * 2, options_.max_backoff);
   return delay;
 }

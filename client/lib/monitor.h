@@ -15,8 +15,8 @@
 #include <string>
 #include <thread>
 
-#include "client/lib/step_buffer.h"
 #include "client/lib/channel_security.h"
+#include "client/lib/step_buffer.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 
 namespace grpc {
@@ -73,9 +73,9 @@ struct MonitorStats {
   uint64_t sent = 0;     // step messages written, resends included
   uint64_t events_sent = 0;
   bool has_acked = false;
-  uint64_t acked_through_step = 0;  // last durable step; valid when has_acked
-  uint64_t dropped = 0;             // steps refused because the buffer was full
-  uint64_t errors = 0;              // Errors from the daemon plus messages refused locally
+  uint64_t acked_through_step = 0;                   // last durable step; valid when has_acked
+  uint64_t dropped = 0;                              // steps refused because the buffer was full
+  uint64_t errors = 0;                               // Errors from the daemon plus messages refused locally
   std::map<std::string, uint64_t> errors_by_reason;  // ErrorReason name → count
   uint64_t reconnects = 0;                           // streams accepted after the first one
   bool connected = false;                            // a stream is open and accepted
@@ -173,7 +173,7 @@ class Monitor {
   uint64_t next_seq_ = 1;
   uint64_t accepted_streams_ = 0;
   std::optional<uint64_t> owed_through_;  // the latest Accepted's received step, when beyond durable
-  bool storage_retrying_ = false;        // a STORAGE_UNAVAILABLE since the last ack: keep backing off
+  bool storage_retrying_ = false;         // a STORAGE_UNAVAILABLE since the last ack: keep backing off
   // Counts what the daemon settled (acks that release or advance, errors that release, a
   // confirmed Goodbye); StallTimer watches it.
   uint64_t progress_ = 0;

@@ -47,7 +47,8 @@ bool MonitorSet::Flush(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   bool all = true;
   for (auto& m : monitors_) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     all = m->Flush(std::max(left, std::chrono::milliseconds(0))) && all;
   }
   return all;

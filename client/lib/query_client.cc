@@ -46,8 +46,7 @@ QueryResult<v1::ListAlertsResponse> QueryClient::ListAlerts(const std::string& r
 }
 
 QueryResult<v1::ReloadRulesResponse> QueryClient::ReloadRules() {
-  return Call<v1::ReloadRulesRequest, v1::ReloadRulesResponse>(v1::ReloadRulesRequest{},
-                                                               &v1::Query::Stub::ReloadRules);
+  return Call<v1::ReloadRulesRequest, v1::ReloadRulesResponse>(v1::ReloadRulesRequest{}, &v1::Query::Stub::ReloadRules);
 }
 
 QueryResult<v1::AddSilenceResponse> QueryClient::AddSilence(const v1::Silence& silence) {

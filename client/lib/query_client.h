@@ -33,8 +33,7 @@ class QueryClient {
   QueryResult<v1::ListRunsResponse> ListRuns(bool include_archived = false);
   QueryResult<v1::RunSummary> GetRun(const std::string& run_id);
   QueryResult<v1::GetSeriesResponse> GetSeries(const v1::GetSeriesRequest& request);
-  QueryResult<v1::AnnotateResponse> Annotate(const std::string& run_id, uint64_t step,
-                                             const std::string& text);
+  QueryResult<v1::AnnotateResponse> Annotate(const std::string& run_id, uint64_t step, const std::string& text);
 
   QueryResult<v1::ListAlertsResponse> ListAlerts(const std::string& run_id);
   // The latest `limit` alert state changes of the run (0: the daemon's default), oldest first.

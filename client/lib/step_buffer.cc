@@ -5,12 +5,8 @@
 
 namespace gradwatch::client {
 
-StepBuffer::StepBuffer(size_t step_capacity, size_t event_capacity, SendWindow window,
-                       size_t byte_capacity)
-    : step_capacity_(step_capacity),
-      event_capacity_(event_capacity),
-      window_(window),
-      byte_capacity_(byte_capacity) {}
+StepBuffer::StepBuffer(size_t step_capacity, size_t event_capacity, SendWindow window, size_t byte_capacity)
+    : step_capacity_(step_capacity), event_capacity_(event_capacity), window_(window), byte_capacity_(byte_capacity) {}
 
 bool StepBuffer::PushStep(v1::StepStats step) {
   if (!HasRoomForStep()) {
@@ -100,15 +96,13 @@ size_t StepBuffer::OnAccepted(const v1::Accepted& accepted) {
   size_t released = 0;
   if (accepted.has_durable_step()) {
     const uint64_t durable = accepted.last_durable_step();
-    released = EraseFront(entries_.size(),
-                          [durable](const Entry& e) { return e.is_step() && e.step() <= durable; });
+    released = EraseFront(entries_.size(), [durable](const Entry& e) { return e.is_step() && e.step() <= durable; });
   }
   written_steps_ = 0;
   written_bytes_ = 0;
   written_events_ = 0;
   for (Entry& e : entries_) {
-    e.written =
-        e.is_step() && accepted.has_received_step() && e.step() <= accepted.last_received_step();
+    e.written = e.is_step() && accepted.has_received_step() && e.step() <= accepted.last_received_step();
     e.last_seq = 0;
     if (e.written) {
       ++written_steps_;
@@ -123,12 +117,10 @@ size_t StepBuffer::OnAck(uint64_t durable_step) {
   // Steps arrive in increasing order, so the released ones sit at the front (with at most a few
   // unwritten events among them); stop at the first step the ack does not cover.
   size_t limit = 0;
-  while (limit < entries_.size() &&
-         (!entries_[limit].is_step() || entries_[limit].step() <= durable_step)) {
+  while (limit < entries_.size() && (!entries_[limit].is_step() || entries_[limit].step() <= durable_step)) {
     ++limit;
   }
-  return EraseFront(
-      limit, [durable_step](const Entry& e) { return e.is_step() && e.step() <= durable_step; });
+  return EraseFront(limit, [durable_step](const Entry& e) { return e.is_step() && e.step() <= durable_step; });
 }
 
 bool StepBuffer::ReleaseRejected(uint64_t seq, uint64_t step) {
@@ -189,8 +181,7 @@ void StepBuffer::Erase(size_t index) {
 }
 
 size_t StepBuffer::IndexOf(uint64_t id) const {
-  auto it = std::lower_bound(entries_.begin(), entries_.end(), id,
-                             [](const Entry& e, uint64_t v) { return e.id < v; });
+  auto it = std::lower_bound(entries_.begin(), entries_.end(), id, [](const Entry& e, uint64_t v) { return e.id < v; });
   if (it == entries_.end() || it->id != id) return entries_.size();
   return static_cast<size_t>(it - entries_.begin());
 }

@@ -86,13 +86,13 @@ class StepBuffer {
   // Releases one entry by id (a message the sender refused to write, e.g. oversized).
   bool Release(uint64_t id);
 
-  size_t steps() const { return steps_; }            // steps held
-  size_t events() const { return events_; }          // events not yet acked (or written)
+  size_t steps() const { return steps_; }    // steps held
+  size_t events() const { return events_; }  // events not yet acked (or written)
   // Steps and events written, not yet durable.
   size_t unacked() const { return written_steps_ + written_events_; }
   size_t queued() const { return entries_.size() - unacked(); }  // waiting to be written
-  size_t unacked_bytes() const { return written_bytes_; }         // of the written steps
-  size_t held_bytes() const { return held_bytes_; }               // of every step held
+  size_t unacked_bytes() const { return written_bytes_; }        // of the written steps
+  size_t held_bytes() const { return held_bytes_; }              // of every step held
   bool empty() const { return entries_.empty(); }
   uint64_t dropped() const { return dropped_; }  // steps refused since construction
 

@@ -22,9 +22,9 @@ std::string FormatPercent(double share) {
 
 }  // namespace
 
-void ComputeShares(std::span<const double> grad_norms, std::span<const uint32_t> group_of_param,
-                   size_t group_count, std::optional<double> total_grad_norm,
-                   std::vector<double>& param_share, std::vector<double>& group_share) {
+void ComputeShares(std::span<const double> grad_norms, std::span<const uint32_t> group_of_param, size_t group_count,
+                   std::optional<double> total_grad_norm, std::vector<double>& param_share,
+                   std::vector<double>& group_share) {
   param_share.assign(grad_norms.size(), kNaN);
   group_share.assign(group_count, kNaN);
 
@@ -83,10 +83,8 @@ double Amplification(double norm, double init_norm) {
   return norm / init_norm;
 }
 
-std::optional<GrowthWithoutDecay> AssessGrowth(const ParamInfo& param, uint32_t index,
-                                               double norm_at_window_start, double norm_now,
-                                               double slope_per_kstep,
-                                               const GrowthOptions& options) {
+std::optional<GrowthWithoutDecay> AssessGrowth(const ParamInfo& param, uint32_t index, double norm_at_window_start,
+                                               double norm_now, double slope_per_kstep, const GrowthOptions& options) {
   if (!(param.weight_decay <= options.max_weight_decay)) return std::nullopt;
   if (!std::isfinite(norm_at_window_start) || !(norm_at_window_start > 0)) return std::nullopt;
   if (!std::isfinite(norm_now) || !std::isfinite(slope_per_kstep) || !(slope_per_kstep > 0)) {

@@ -28,9 +28,9 @@ namespace gradwatch::analytics {
 //
 // param_share and group_share are resized to grad_norms.size() and group_count: once they have
 // the capacity, no allocation.
-void ComputeShares(std::span<const double> grad_norms, std::span<const uint32_t> group_of_param,
-                   size_t group_count, std::optional<double> total_grad_norm,
-                   std::vector<double>& param_share, std::vector<double>& group_share);
+void ComputeShares(std::span<const double> grad_norms, std::span<const uint32_t> group_of_param, size_t group_count,
+                   std::optional<double> total_grad_norm, std::vector<double>& param_share,
+                   std::vector<double>& group_share);
 
 // Share trends: the caller feeds each share (a fraction, 0..1) into the regression module's
 // SlopeTracker like any other series and passes its slope here; attribution keeps no history.
@@ -42,8 +42,7 @@ inline constexpr double kSteadyShareSlopePerKstep = 0.001;
 enum class Trend : int { kFalling = -1, kSteady = 0, kRising = 1 };
 
 // kSteady when |slope_per_kstep| < steady_below_per_kstep or the slope is not finite.
-Trend ClassifyTrend(double slope_per_kstep,
-                    double steady_below_per_kstep = kSteadyShareSlopePerKstep);
+Trend ClassifyTrend(double slope_per_kstep, double steady_below_per_kstep = kSteadyShareSlopePerKstep);
 
 // "95% and rising", "3.2% and falling", "40% and steady"; "95%" when the slope is not finite,
 // "unknown" when the share is not. Percentages below 10% keep one decimal, below 0.1% read
@@ -81,9 +80,8 @@ struct GrowthWithoutDecay {
 // options.max_weight_decay, its norm rose over the long window (norm_now / norm_at_window_start
 // > 1 + options.min_growth, both finite and the start > 0) and it is still rising
 // (slope_per_kstep > 0). nullopt otherwise.
-std::optional<GrowthWithoutDecay> AssessGrowth(const ParamInfo& param, uint32_t index,
-                                               double norm_at_window_start, double norm_now,
-                                               double slope_per_kstep,
+std::optional<GrowthWithoutDecay> AssessGrowth(const ParamInfo& param, uint32_t index, double norm_at_window_start,
+                                               double norm_now, double slope_per_kstep,
                                                const GrowthOptions& options = {});
 
 }  // namespace gradwatch::analytics

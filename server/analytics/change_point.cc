@@ -23,8 +23,7 @@ ChangePointOptions Sanitised(ChangePointOptions o) {
   if (o.prefilter_samples % 2 == 0) ++o.prefilter_samples;
   if (!(o.z_threshold >= 0)) o.z_threshold = std::isnan(o.z_threshold) ? defaults.z_threshold : 0;
   if (!(o.min_relative_change >= 0)) {
-    o.min_relative_change =
-        std::isnan(o.min_relative_change) ? defaults.min_relative_change : 0;
+    o.min_relative_change = std::isnan(o.min_relative_change) ? defaults.min_relative_change : 0;
   }
   o.persistence = std::max<uint32_t>(o.persistence, 1);
   o.max_changes = std::max<size_t>(o.max_changes, 1);
@@ -54,13 +53,13 @@ bool GetOptionsEqual(StateReader& in, const ChangePointOptions& expected) {
       !in.Get(o.min_relative_change) || !in.Get(o.persistence) || !in.Get(max_changes)) {
     return false;
   }
-  const bool equal = o.window_steps == expected.window_steps && o.buckets_per_window == expected.buckets_per_window &&
-                     o.min_segment_steps == expected.min_segment_steps && o.min_samples == expected.min_samples &&
-                     o.prefilter_samples == expected.prefilter_samples &&
-                     std::bit_cast<uint64_t>(o.z_threshold) == std::bit_cast<uint64_t>(expected.z_threshold) &&
-                     std::bit_cast<uint64_t>(o.min_relative_change) ==
-                         std::bit_cast<uint64_t>(expected.min_relative_change) &&
-                     o.persistence == expected.persistence && max_changes == expected.max_changes;
+  const bool equal =
+      o.window_steps == expected.window_steps && o.buckets_per_window == expected.buckets_per_window &&
+      o.min_segment_steps == expected.min_segment_steps && o.min_samples == expected.min_samples &&
+      o.prefilter_samples == expected.prefilter_samples &&
+      std::bit_cast<uint64_t>(o.z_threshold) == std::bit_cast<uint64_t>(expected.z_threshold) &&
+      std::bit_cast<uint64_t>(o.min_relative_change) == std::bit_cast<uint64_t>(expected.min_relative_change) &&
+      o.persistence == expected.persistence && max_changes == expected.max_changes;
   return equal ? true : in.Fail("a change detector was saved with other options");
 }
 
@@ -103,8 +102,7 @@ void SlopeChangeDetector::Moments::Merge(const Moments& other) {
   n = total;
 }
 
-SlopeChangeDetector::SlopeChangeDetector(const ChangePointOptions& options)
-    : options_(Sanitised(options)) {
+SlopeChangeDetector::SlopeChangeDetector(const ChangePointOptions& options) : options_(Sanitised(options)) {
   bucket_steps_ = std::max<uint64_t>(1, options_.window_steps / options_.buckets_per_window);
   span_buckets_ = std::max<uint64_t>(2, (2 * options_.window_steps + bucket_steps_ - 1) / bucket_steps_);
   block_values_.resize(options_.prefilter_samples);
@@ -137,8 +135,7 @@ std::optional<ChangePoint> SlopeChangeDetector::AddSample(uint64_t step, double 
   return AddPoint(block_steps_[middle], block_sorted_[middle], step);
 }
 
-std::optional<ChangePoint> SlopeChangeDetector::AddPoint(uint64_t step, double value,
-                                                         uint64_t now_step) {
+std::optional<ChangePoint> SlopeChangeDetector::AddPoint(uint64_t step, double value, uint64_t now_step) {
   const uint64_t index = step / bucket_steps_;
   std::optional<ChangePoint> detected;
   if (!have_point_ || index != open_bucket_) {
@@ -160,8 +157,7 @@ std::optional<ChangePoint> SlopeChangeDetector::AddPoint(uint64_t step, double v
   return detected;
 }
 
-SlopeChangeDetector::SplitFit SlopeChangeDetector::FitTwoLines(const Moments& before,
-                                                                const Moments& after) {
+SlopeChangeDetector::SplitFit SlopeChangeDetector::FitTwoLines(const Moments& before, const Moments& after) {
   SplitFit fit;
   fit.slope_before = before.cxy / before.cxx;
   fit.slope_after = after.cxy / after.cxx;
@@ -176,8 +172,7 @@ SlopeChangeDetector::SplitFit SlopeChangeDetector::FitTwoLines(const Moments& be
   return fit;
 }
 
-SlopeChangeDetector::SplitFit SlopeChangeDetector::FitKink(const Moments& before,
-                                                           const Moments& after, double at) {
+SlopeChangeDetector::SplitFit SlopeChangeDetector::FitKink(const Moments& before, const Moments& after, double at) {
   // Model: y = a + b_s·u on side s, with u = x − at, so both lines meet at the break. With each
   // side's moments, m = mean(u) and d = mean(y) − mean(y over both sides):
   //   Σ_s (y − a − b_s·u)² = rss_s(b_s) + n_s·(d_s − a − b_s·m_s)²,
@@ -227,16 +222,14 @@ SlopeChangeDetector::SplitFit SlopeChangeDetector::FitKink(const Moments& before
 std::optional<ChangePoint> SlopeChangeDetector::Evaluate(uint64_t now_step) {
   if (refining_) Refine(now_step);
 
-  const std::optional<Candidate> candidate =
-      BestSplit(baseline_bucket_, 0, std::numeric_limits<uint64_t>::max());
+  const std::optional<Candidate> candidate = BestSplit(baseline_bucket_, 0, std::numeric_limits<uint64_t>::max());
   if (!candidate) {
     streak_ = 0;
     return std::nullopt;
   }
   const SplitFit& fit = candidate->fit;
   const double diff = std::abs(fit.slope_after - fit.slope_before);
-  const double relative =
-      fit.slope_before != 0 ? diff / std::abs(fit.slope_before) : (diff > 0 ? kInf : 0);
+  const double relative = fit.slope_before != 0 ? diff / std::abs(fit.slope_before) : (diff > 0 ? kInf : 0);
   if (!(fit.z >= options_.z_threshold) || !(relative >= options_.min_relative_change)) {
     streak_ = 0;
     return std::nullopt;
@@ -249,9 +242,8 @@ std::optional<ChangePoint> SlopeChangeDetector::Evaluate(uint64_t now_step) {
     return std::nullopt;
   }
   // A streak counts evaluations that agree on where the break is; a different break starts anew.
-  const uint64_t distance = candidate->break_step > streak_break_
-                                ? candidate->break_step - streak_break_
-                                : streak_break_ - candidate->break_step;
+  const uint64_t distance = candidate->break_step > streak_break_ ? candidate->break_step - streak_break_
+                                                                  : streak_break_ - candidate->break_step;
   if (streak_ > 0 && distance > options_.min_segment_steps) streak_ = 0;
   ++streak_;
   streak_break_ = candidate->break_step;
@@ -278,10 +270,8 @@ std::optional<ChangePoint> SlopeChangeDetector::Evaluate(uint64_t now_step) {
 }
 
 void SlopeChangeDetector::Refine(uint64_t now_step) {
-  const uint64_t tolerance =
-      std::max<uint64_t>(1, options_.window_steps / 2 / bucket_steps_);
-  const uint64_t min_break =
-      refine_break_bucket_ > tolerance ? refine_break_bucket_ - tolerance : 0;
+  const uint64_t tolerance = std::max<uint64_t>(1, options_.window_steps / 2 / bucket_steps_);
+  const uint64_t min_break = refine_break_bucket_ > tolerance ? refine_break_bucket_ - tolerance : 0;
   const std::optional<Candidate> candidate =
       BestSplit(refine_first_bucket_, min_break, refine_break_bucket_ + tolerance);
   if (candidate && !changes_.empty()) {
@@ -297,8 +287,7 @@ void SlopeChangeDetector::Refine(uint64_t now_step) {
   // Settled once the after-segment covers a window and the break had min_segment_steps more to
   // move (an early first estimate already spans a window), or when no split qualifies any more
   // (the data before the break left the searched span).
-  const bool done = candidate && candidate->after_steps >= options_.window_steps &&
-                    !changes_.empty() &&
+  const bool done = candidate && candidate->after_steps >= options_.window_steps && !changes_.empty() &&
                     now_step - changes_.back().detected_at_step >= options_.min_segment_steps;
   if (!candidate || done || changes_.empty()) {
     if (!changes_.empty()) changes_.back().settled = true;
@@ -306,8 +295,9 @@ void SlopeChangeDetector::Refine(uint64_t now_step) {
   }
 }
 
-std::optional<SlopeChangeDetector::Candidate> SlopeChangeDetector::BestSplit(
-    uint64_t first_bucket, uint64_t min_break_bucket, uint64_t max_break_bucket) {
+std::optional<SlopeChangeDetector::Candidate> SlopeChangeDetector::BestSplit(uint64_t first_bucket,
+                                                                             uint64_t min_break_bucket,
+                                                                             uint64_t max_break_bucket) {
   if (open_bucket_ == 0) return std::nullopt;
   const uint64_t hi = open_bucket_ - 1;
   const uint64_t lo = std::max(OldestSearched(), first_bucket);
@@ -377,8 +367,8 @@ std::optional<SlopeChangeDetector::Candidate> SlopeChangeDetector::BestSplit(
   // whose slopes ignore the shift.
   const double residual_variance = best_two_lines->fit.rss / (suffix[0].n - 4);
   const double extra_rss = std::max(0.0, best_kink->fit.rss - best_two_lines->fit.rss);
-  const double shift_z = residual_variance > 0 ? std::sqrt(extra_rss / residual_variance)
-                                               : (extra_rss > 0 ? kInf : 0.0);
+  const double shift_z =
+      residual_variance > 0 ? std::sqrt(extra_rss / residual_variance) : (extra_rss > 0 ? kInf : 0.0);
   std::optional<Candidate>& best = shift_z < kLevelShiftZ ? best_kink : best_two_lines;
   best->pinned = best->break_step == newest_break || best->break_step == *oldest_break;
   return best;

@@ -169,15 +169,12 @@ class SlopeChangeDetector {
   std::optional<ChangePoint> Evaluate(uint64_t now_step);
   // The best split of the closed buckets from first_bucket on (within the searched span), with
   // the break between min_break_bucket and max_break_bucket, if one satisfies the minimums.
-  std::optional<Candidate> BestSplit(uint64_t first_bucket, uint64_t min_break_bucket,
-                                     uint64_t max_break_bucket);
+  std::optional<Candidate> BestSplit(uint64_t first_bucket, uint64_t min_break_bucket, uint64_t max_break_bucket);
   // Re-estimates the newest change (break, slopes, ratio, z) with the data that arrived since.
   void Refine(uint64_t now_step);
   void Record(const ChangePoint& change);
   // The oldest closed bucket within the searched span (2 × window_steps).
-  uint64_t OldestSearched() const {
-    return open_bucket_ >= span_buckets_ ? open_bucket_ - span_buckets_ : 0;
-  }
+  uint64_t OldestSearched() const { return open_bucket_ >= span_buckets_ ? open_bucket_ - span_buckets_ : 0; }
   const Bucket& BucketAt(uint64_t index) const { return buckets_[index % buckets_.size()]; }
   Bucket& BucketAt(uint64_t index) { return buckets_[index % buckets_.size()]; }
 

@@ -14,8 +14,7 @@ double SlopeRatio(double after, double before) {
       return std::numeric_limits<double>::quiet_NaN();
     }
     // Spelled out so that a before slope of −0.0 does not flip the sign.
-    return after > 0 ? std::numeric_limits<double>::infinity()
-                     : -std::numeric_limits<double>::infinity();
+    return after > 0 ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
   }
   return after / before;
 }
@@ -54,8 +53,7 @@ void EventSlope::Seed(const WindowedSlope& window) {
   has_closed_ = true;
   closed_through_ = open_first - 1;
   if (event_step_ > 0) {
-    before_ = window.ClosedSumsInRange(event_step_ >= window_steps_ ? event_step_ - window_steps_ : 0,
-                                       event_step_ - 1);
+    before_ = window.ClosedSumsInRange(event_step_ >= window_steps_ ? event_step_ - window_steps_ : 0, event_step_ - 1);
   }
   const uint64_t after_to = window_steps_ <= std::numeric_limits<uint64_t>::max() - event_step_
                                 ? event_step_ + window_steps_
@@ -103,8 +101,8 @@ std::optional<SlopeChange> EventSlope::Current(const WindowedSlope& window) cons
   change.difference_per_kstep = after_fit->slope_per_kstep() - before_fit->slope_per_kstep();
   change.before_stderr_per_kstep = before_fit->slope_stderr_per_kstep();
   change.after_stderr_per_kstep = after_fit->slope_stderr_per_kstep();
-  change.after_window_full = window.has_samples() && window.last_step() >= event_step_ &&
-                             window.last_step() - event_step_ >= window_steps_;
+  change.after_window_full =
+      window.has_samples() && window.last_step() >= event_step_ && window.last_step() - event_step_ >= window_steps_;
   return change;
 }
 

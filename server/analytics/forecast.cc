@@ -38,9 +38,8 @@ std::string FormatValue(double v) {
 
 uint64_t RoundTo(uint64_t n, uint64_t granularity) {
   const uint64_t rounded = (n / granularity) * granularity;
-  return n - rounded >= granularity / 2 + granularity % 2 && rounded <= kNever - granularity
-             ? rounded + granularity
-             : rounded;
+  return n - rounded >= granularity / 2 + granularity % 2 && rounded <= kNever - granularity ? rounded + granularity
+                                                                                             : rounded;
 }
 
 }  // namespace
@@ -89,8 +88,8 @@ std::string DescribeForecast(const Forecast& forecast, double threshold) {
   while (steps / granularity >= 100) {
     granularity *= 10;
   }
-  return "reaches " + target + " in ~" + GroupThousands(RoundTo(steps, granularity)) +
-         " steps, near step " + GroupThousands(RoundTo(forecast.at_step, granularity));
+  return "reaches " + target + " in ~" + GroupThousands(RoundTo(steps, granularity)) + " steps, near step " +
+         GroupThousands(RoundTo(forecast.at_step, granularity));
 }
 
 }  // namespace gradwatch::analytics

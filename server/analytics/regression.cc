@@ -20,9 +20,7 @@ static_assert(std::is_trivially_copyable_v<CompensatedSum> && sizeof(Compensated
 uint64_t SaturatingAdd(uint64_t a, uint64_t b) { return a + b > a ? a + b : UINT64_MAX; }
 
 // a − b as a double, for steps on either side of each other.
-double StepDelta(uint64_t a, uint64_t b) {
-  return a >= b ? static_cast<double>(a - b) : -static_cast<double>(b - a);
-}
+double StepDelta(uint64_t a, uint64_t b) { return a >= b ? static_cast<double>(a - b) : -static_cast<double>(b - a); }
 
 }  // namespace
 
@@ -166,9 +164,9 @@ std::optional<LinearFit> RegressionSums::FitWith(const RegressionSums& other, ui
   return merged.Fit();
 }
 
-std::optional<LinearFit> RegressionSums::FitSums(size_t count, double sx, double sy, double sxx, double sxy,
-                                                 double syy, uint64_t origin_step, double value_origin,
-                                                 uint64_t first_step, uint64_t last_step) {
+std::optional<LinearFit> RegressionSums::FitSums(size_t count, double sx, double sy, double sxx, double sxy, double syy,
+                                                 uint64_t origin_step, double value_origin, uint64_t first_step,
+                                                 uint64_t last_step) {
   if (count < 2 || first_step == last_step) {
     return std::nullopt;
   }
@@ -188,8 +186,7 @@ std::optional<LinearFit> RegressionSums::FitSums(size_t count, double sx, double
   // evaluation time, sumY/n − slope·sumX/n with x measured from there).
   const double mean_x = sx / n;
   const double mean_y = sy / n;
-  fit.value_at_last_step =
-      value_origin + (mean_y + fit.slope_per_step * (StepDelta(last_step, origin_step) - mean_x));
+  fit.value_at_last_step = value_origin + (mean_y + fit.slope_per_step * (StepDelta(last_step, origin_step) - mean_x));
   if (count >= 3) {
     const double var_y = syy - sy * sy / n;
     const double residual_ss = std::max(0.0, var_y - fit.slope_per_step * cov_xy);
@@ -232,8 +229,7 @@ WindowedSlope::WindowedSlope(uint64_t window_steps, size_t max_buckets)
   const uint64_t buckets = max_buckets_;
   bucket_steps_ = window_steps_ / buckets + (window_steps_ % buckets != 0 ? 1 : 0);
   // Samples in a window of window_steps steps fall into at most ceil(window / bucket) + 1 buckets.
-  const uint64_t spanned =
-      window_steps_ / bucket_steps_ + (window_steps_ % bucket_steps_ != 0 ? 1 : 0) + 1;
+  const uint64_t spanned = window_steps_ / bucket_steps_ + (window_steps_ % bucket_steps_ != 0 ? 1 : 0) + 1;
   ring_capacity_ = static_cast<size_t>(spanned);
 }
 

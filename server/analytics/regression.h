@@ -243,7 +243,7 @@ class WindowedSlope {
   // The oldest held bucket expires once the newest step reaches this (its first step + window).
   uint64_t expire_step_ = 0;
   uint32_t head_ = 0;
-  uint32_t held_ = 0;  // closed buckets in the ring
+  uint32_t held_ = 0;      // closed buckets in the ring
   bool has_open_ = false;  // whether any bucket is held: the newest one is always open
   bool has_samples_ = false;
   Bucket open_;

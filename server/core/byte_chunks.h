@@ -61,7 +61,6 @@ class ByteChunks {
   }
 
  public:
-
   // Maps chunks until `bytes` can be appended to an empty buffer without mapping another.
   void Reserve(size_t bytes) {
     while (chunks_.size() * kChunkBytes < bytes) chunks_.push_back(Map());

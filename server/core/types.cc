@@ -25,14 +25,22 @@ std::optional<ParamKind> ParseParamKind(std::string_view name) {
     ParamKind kind;
   };
   static constexpr Alias kAliases[] = {
-      {"unspecified", ParamKind::kUnspecified}, {"", ParamKind::kUnspecified},
-      {"norm_gain", ParamKind::kNormGain},      {"norm", ParamKind::kNormGain},
-      {"gain", ParamKind::kNormGain},           {"output", ParamKind::kOutput},
-      {"lm_head", ParamKind::kOutput},          {"embedding", ParamKind::kEmbedding},
-      {"embed", ParamKind::kEmbedding},         {"router", ParamKind::kRouter},
-      {"gate", ParamKind::kRouter},             {"attention", ParamKind::kAttention},
-      {"attn", ParamKind::kAttention},          {"mlp", ParamKind::kMlp},
-      {"expert", ParamKind::kMlp},              {"other", ParamKind::kOther},
+      {"unspecified", ParamKind::kUnspecified},
+      {"", ParamKind::kUnspecified},
+      {"norm_gain", ParamKind::kNormGain},
+      {"norm", ParamKind::kNormGain},
+      {"gain", ParamKind::kNormGain},
+      {"output", ParamKind::kOutput},
+      {"lm_head", ParamKind::kOutput},
+      {"embedding", ParamKind::kEmbedding},
+      {"embed", ParamKind::kEmbedding},
+      {"router", ParamKind::kRouter},
+      {"gate", ParamKind::kRouter},
+      {"attention", ParamKind::kAttention},
+      {"attn", ParamKind::kAttention},
+      {"mlp", ParamKind::kMlp},
+      {"expert", ParamKind::kMlp},
+      {"other", ParamKind::kOther},
   };
   for (const auto& a : kAliases) {
     if (a.name == name) return a.kind;
@@ -83,9 +91,7 @@ bool GlobMatches(std::string_view pattern, std::string_view text) {
 namespace keys {
 std::string GradNorm(std::string_view param) { return std::string(kGradNormPrefix) + std::string(param); }
 std::string ParamNorm(std::string_view param) { return std::string(kParamNormPrefix) + std::string(param); }
-std::string UpdateNorm(std::string_view param) {
-  return std::string(kUpdateNormPrefix) + std::string(param);
-}
+std::string UpdateNorm(std::string_view param) { return std::string(kUpdateNormPrefix) + std::string(param); }
 }  // namespace keys
 
 namespace {
@@ -97,16 +103,14 @@ bool SameOpt(const std::optional<double>& a, const std::optional<double>& b) {
 }
 bool SameNorm(const NormContribution& a, const NormContribution& b) {
   // Compared by value (a long double's padding bytes are unspecified); NaN matches NaN.
-  return a.present == b.present &&
-         (!a.present || a.sq == b.sq || (std::isnan(a.sq) && std::isnan(b.sq)));
+  return a.present == b.present && (!a.present || a.sq == b.sq || (std::isnan(a.sq) && std::isnan(b.sq)));
 }
 }  // namespace
 
 bool RankStep::SameValues(const RankStep& o) const {
-  if (step != o.step || !SameDouble(wall_time, o.wall_time) || !SameOpt(loss, o.loss) ||
-      !SameOpt(z_loss, o.z_loss) || !SameOpt(learning_rate, o.learning_rate) || tokens != o.tokens ||
-      !SameNorm(total_grad, o.total_grad) || params.size() != o.params.size() ||
-      extra.size() != o.extra.size()) {
+  if (step != o.step || !SameDouble(wall_time, o.wall_time) || !SameOpt(loss, o.loss) || !SameOpt(z_loss, o.z_loss) ||
+      !SameOpt(learning_rate, o.learning_rate) || tokens != o.tokens || !SameNorm(total_grad, o.total_grad) ||
+      params.size() != o.params.size() || extra.size() != o.extra.size()) {
     return false;
   }
   for (size_t i = 0; i < params.size(); ++i) {

@@ -171,8 +171,8 @@ struct SeriesValue {
 // stored, journaled and analysed.
 struct CompletedStep {
   uint64_t step = 0;
-  double wall_time = 0;         // seconds since the Unix epoch; 0 when unknown
-  bool partial = false;         // completed by timeout or overtaken, not every rank reported
+  double wall_time = 0;  // seconds since the Unix epoch; 0 when unknown
+  bool partial = false;  // completed by timeout or overtaken, not every rank reported
   uint32_t ranks_reported = 0;
   std::vector<SeriesValue> values;
   uint64_t client_dropped_steps = 0;

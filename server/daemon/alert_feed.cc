@@ -132,9 +132,7 @@ void AlertFeed::Evaluate(Item& item) {
       if (!transitions.empty()) sink_(std::move(transitions), /*to_trainers=*/true);
       break;
     }
-    case Item::Kind::kRewind:
-      sink_(engine_.RewindRun(run_id_, item.from_step, item.now), /*to_trainers=*/true);
-      break;
+    case Item::Kind::kRewind: sink_(engine_.RewindRun(run_id_, item.from_step, item.now), /*to_trainers=*/true); break;
     case Item::Kind::kEnded:
       sink_(engine_.EndRun(run_id_, item.clean ? Ending::kGoodbye : Ending::kWithoutGoodbye, item.now),
             /*to_trainers=*/false);

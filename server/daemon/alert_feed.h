@@ -48,9 +48,7 @@ class AlertFeed final : public runs::RunChannel {
   // Restored steps up to evaluated_through are not evaluated again: a run restored from a
   // snapshot through `step` needs none of them when step ≤ evaluated_through (or no evaluation of
   // the run was kept, and restored steps are not evaluated at all).
-  bool AcceptsRestoreThrough(uint64_t step) override {
-    return !evaluated_through_ || step <= *evaluated_through_;
-  }
+  bool AcceptsRestoreThrough(uint64_t step) override { return !evaluated_through_ || step <= *evaluated_through_; }
 
   // The timer rules against the run's latest facts and `activity`; transitions go to the sink.
   void EvaluateTimer(const runs::RunActivity& activity, double now);
@@ -80,9 +78,9 @@ class AlertFeed final : public runs::RunChannel {
   const TransitionSink sink_;
 
   // Touched only in the On* calls, which the run makes under its lock, one at a time.
-  std::vector<std::string> keys_;         // by series id
-  std::vector<uint32_t> key_rank_;        // by series id: its key's rank in key order
-  std::vector<SeriesId> ids_by_key_;      // series ids in key order
+  std::vector<std::string> keys_;     // by series id
+  std::vector<uint32_t> key_rank_;    // by series id: its key's rank in key order
+  std::vector<SeriesId> ids_by_key_;  // series ids in key order
   bool keys_ranked_ = true;
   std::vector<std::pair<uint32_t, double>> ranked_values_;
   // The current step's value of each series id, valid where value_stamp_[id] == value_epoch_.
@@ -94,14 +92,14 @@ class AlertFeed final : public runs::RunChannel {
   std::optional<uint64_t> evaluated_through_;
 
   // Lock order: the run's mutex, then eval_mu_, then queue_mu_, then the engine's.
-  std::mutex eval_mu_;  // one evaluation of this run at a time, in queue order
+  std::mutex eval_mu_;                      // one evaluation of this run at a time, in queue order
   std::unique_ptr<alerts::RunFacts> last_;  // guarded by eval_mu_: the latest evaluated facts
   std::mutex queue_mu_;
   // Guarded by queue_mu_. A vector: at most kMaxQueued + 1 items, so shifting them is cheap and,
   // unlike a deque's blocks, its buffer is allocated once.
   std::vector<Item> queue_;
-  std::vector<std::unique_ptr<alerts::RunFacts>> spare_;   // guarded by queue_mu_
-  bool queued_ = false;                                     // guarded by queue_mu_: !queue_.empty()
+  std::vector<std::unique_ptr<alerts::RunFacts>> spare_;  // guarded by queue_mu_
+  bool queued_ = false;                                   // guarded by queue_mu_: !queue_.empty()
 };
 
 }  // namespace gradwatch::daemon

@@ -26,8 +26,9 @@ StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, cons
     for (const alerts::Rule& r : rules) names.insert(r.name);
     for (alerts::Rule& r : loaded.value()) {
       if (!names.insert(r.name).second) {
-        return Status::InvalidArgument(r.source + ": rule '" + r.name +
-                                       "' has the name of a built-in rule; rename it or set alerts.default_rules: false");
+        return Status::InvalidArgument(
+            r.source + ": rule '" + r.name +
+            "' has the name of a built-in rule; rename it or set alerts.default_rules: false");
       }
       rules.push_back(std::move(r));
     }
@@ -59,8 +60,7 @@ void Alerting::Start(notify::Outbox* store, std::unique_ptr<notify::Dispatcher> 
 void Alerting::OnChanges(alerts::StateChanges changes, const std::vector<alerts::Transition>& transitions) {
   Batch batch;
   batch.changes = std::move(changes);
-  const double now =
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   for (const alerts::Transition& t : transitions) batch.changes.history.push_back({t.alert, t.from, now});
   if (dispatcher_) {
     for (const alerts::Transition& t : transitions) {
@@ -148,8 +148,8 @@ void Alerting::WriterLoop() {
       if (queue_.empty()) return;
       continue;
     }
-    spdlog::error("alerts: cannot write alert states and notifications, retrying in {} ms: {}",
-                  retry_delay.count(), written.message());
+    spdlog::error("alerts: cannot write alert states and notifications, retrying in {} ms: {}", retry_delay.count(),
+                  written.message());
     carry = std::move(batch);
     cv_.wait_for(lock, retry_delay, [this] { return stopping_; });
     retry_delay = std::min<std::chrono::milliseconds>(retry_delay * 2, kRetryMax);
@@ -201,8 +201,8 @@ void Alerting::FinishRestore(const runs::RunRegistry& registry, double now) {
     if (!held) {
       gone[run->second] = alerts::AlertEngine::RunEnding::kLeftMemory;
     } else if (const runs::RunInfo info = held->Info(); info.ended) {
-      gone[run->second] = info.end.clean() ? alerts::AlertEngine::RunEnding::kGoodbye
-                                           : alerts::AlertEngine::RunEnding::kWithoutGoodbye;
+      gone[run->second] =
+          info.end.clean() ? alerts::AlertEngine::RunEnding::kGoodbye : alerts::AlertEngine::RunEnding::kWithoutGoodbye;
     }
   }
   for (const auto& [run, how] : gone) Count(engine_.EndRun(run, how, now));
@@ -232,8 +232,8 @@ void Alerting::Count(const std::vector<alerts::Transition>& transitions) {
   }
 }
 
-StatusOr<size_t> Alerting::Reload(bool default_rules, const std::vector<std::string>& files,
-                                  double run_died_seconds, double now) {
+StatusOr<size_t> Alerting::Reload(bool default_rules, const std::vector<std::string>& files, double run_died_seconds,
+                                  double now) {
   auto rules = LoadConfiguredRules(default_rules, files, run_died_seconds);
   if (!rules.ok()) {
     spdlog::error("rule reload refused, the rules in force are unchanged: {}", rules.status().message());
@@ -246,11 +246,11 @@ StatusOr<size_t> Alerting::Reload(bool default_rules, const std::vector<std::str
 }
 
 std::shared_ptr<runs::RunChannel> Alerting::Open(const RunMeta& meta, bool restored) {
-  auto feed = std::make_shared<AlertFeed>(
-      meta, restored ? engine_.EvaluatedThrough(meta.run_id) : std::nullopt, engine_,
-      [this](std::vector<alerts::Transition> transitions, bool to_trainers) {
-        Handle(std::move(transitions), to_trainers);
-      });
+  auto feed =
+      std::make_shared<AlertFeed>(meta, restored ? engine_.EvaluatedThrough(meta.run_id) : std::nullopt, engine_,
+                                  [this](std::vector<alerts::Transition> transitions, bool to_trainers) {
+                                    Handle(std::move(transitions), to_trainers);
+                                  });
   std::lock_guard lock(feeds_mu_);
   feeds_[meta.run_id] = feed;
   return feed;

@@ -27,8 +27,8 @@
 
 #include "alerts/notify/dispatcher.h"
 #include "alerts/state_machine.h"
-#include "server/daemon/alert_feed.h"
 #include "server/core/status.h"
+#include "server/daemon/alert_feed.h"
 #include "server/runs/registry.h"
 
 namespace gradwatch::daemon {

@@ -9,8 +9,8 @@
 #include <set>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
+#include <nlohmann/json.hpp>
 
 #include "alerts/notify/http_client.h"
 #include "alerts/yaml_checks.h"
@@ -97,13 +97,20 @@ Status ReadReceivers(const YAML::Node& node, const std::string& source, const st
       if (Status s = ReadKey(kv.first, source, key, &k); !s.ok()) return s;
       const std::string full = key + "." + k;
       Status s;
-      if (k == "type") s = Read(kv.second, source, full, &r.type);
-      else if (k == "name") s = Read(kv.second, source, full, &r.name);
-      else if (k == "url") s = Read(kv.second, source, full, &r.url);
-      else if (k == "routing_key") s = Read(kv.second, source, full, &r.routing_key);
-      else if (k == "bearer_token") s = Read(kv.second, source, full, &r.bearer_token);
-      else if (k == "resend_interval_seconds") s = Read(kv.second, source, full, &r.resend_interval_seconds);
-      else s = Status::InvalidArgument(Where(source, kv.first, full) + ": unknown key");
+      if (k == "type")
+        s = Read(kv.second, source, full, &r.type);
+      else if (k == "name")
+        s = Read(kv.second, source, full, &r.name);
+      else if (k == "url")
+        s = Read(kv.second, source, full, &r.url);
+      else if (k == "routing_key")
+        s = Read(kv.second, source, full, &r.routing_key);
+      else if (k == "bearer_token")
+        s = Read(kv.second, source, full, &r.bearer_token);
+      else if (k == "resend_interval_seconds")
+        s = Read(kv.second, source, full, &r.resend_interval_seconds);
+      else
+        s = Status::InvalidArgument(Where(source, kv.first, full) + ": unknown key");
       if (!s.ok()) return s;
     }
     if (r.type != "alertmanager" && r.type != "webhook" && r.type != "pagerduty" && r.type != "slack") {
@@ -137,20 +144,28 @@ Status ReadRemoteWrite(const YAML::Node& node, const std::string& source, const 
       if (Status s = ReadKey(kv.first, source, key, &k); !s.ok()) return s;
       const std::string full = key + "." + k;
       Status s;
-      if (k == "url") s = Read(kv.second, source, full, &r.url);
-      else if (k == "name") s = Read(kv.second, source, full, &r.name);
-      else if (k == "series") s = Read(kv.second, source, full, &r.series);
-      else if (k == "remote_timeout_seconds") s = Read(kv.second, source, full, &r.remote_timeout_seconds);
-      else if (k == "bearer_token") s = Read(kv.second, source, full, &r.bearer_token);
+      if (k == "url")
+        s = Read(kv.second, source, full, &r.url);
+      else if (k == "name")
+        s = Read(kv.second, source, full, &r.name);
+      else if (k == "series")
+        s = Read(kv.second, source, full, &r.series);
+      else if (k == "remote_timeout_seconds")
+        s = Read(kv.second, source, full, &r.remote_timeout_seconds);
+      else if (k == "bearer_token")
+        s = Read(kv.second, source, full, &r.bearer_token);
       else if (k == "queue_config") {
         if (!kv.second.IsMap()) return Status::InvalidArgument(Where(source, kv.second, full) + ": must be a mapping");
         for (const auto& q : kv.second) {
           std::string qk;
           if (Status qs = ReadKey(q.first, source, full, &qk); !qs.ok()) return qs;
           const std::string qfull = full + "." + qk;
-          if (qk == "max_samples_per_send") s = Read(q.second, source, qfull, &r.max_samples_per_send);
-          else if (qk == "capacity") s = Read(q.second, source, qfull, &r.capacity);
-          else s = Status::InvalidArgument(Where(source, q.first, qfull) + ": unknown key");
+          if (qk == "max_samples_per_send")
+            s = Read(q.second, source, qfull, &r.max_samples_per_send);
+          else if (qk == "capacity")
+            s = Read(q.second, source, qfull, &r.capacity);
+          else
+            s = Status::InvalidArgument(Where(source, q.first, qfull) + ": unknown key");
           if (!s.ok()) return s;
         }
       } else {
@@ -168,54 +183,64 @@ Status ReadRemoteWrite(const YAML::Node& node, const std::string& source, const 
 
 const std::map<std::string, std::map<std::string, Setter>>& Schema() {
   static const auto* kSchema = new std::map<std::string, std::map<std::string, Setter>>{
-      {"", {{"listen", Field(&Config::listen)},
-            {"metrics_listen", Field(&Config::metrics_listen)},
-            {"data_dir", Field(&Config::data_dir)},
-            {"remote_write", ReadRemoteWrite}}},
+      {"",
+       {{"listen", Field(&Config::listen)},
+        {"metrics_listen", Field(&Config::metrics_listen)},
+        {"data_dir", Field(&Config::data_dir)},
+        {"remote_write", ReadRemoteWrite}}},
       {"log", {{"format", Field(&Config::log_format)}, {"level", Field(&Config::log_level)}}},
-      {"security", {{"tls_cert_file", Field(&Config::tls_cert_file)},
-                    {"tls_key_file", Field(&Config::tls_key_file)},
-                    {"tls_client_ca_file", Field(&Config::tls_client_ca_file)},
-                    {"tokens_file", Field(&Config::tokens_file)},
-                    {"metrics_require_token", Field(&Config::metrics_require_token)},
-                    {"http_tls", Field(&Config::http_tls)},
-                    {"http_client_ca_file", Field(&Config::http_client_ca_file)},
-                    {"allow_insecure", Field(&Config::allow_insecure)},
-                    {"max_silence_seconds", Field(&Config::max_silence_seconds)}}},
-      {"metrics", {{"params", Field(&Config::metrics_params)},
-                   {"slope_series", Field(&Config::metrics_slope_series)},
-                   {"max_series_per_run", Field(&Config::metrics_max_series_per_run)}}},
-      {"limits", {{"max_message_bytes", Field(&Config::max_message_bytes)},
-                  {"max_runs", Field(&Config::max_runs)},
-                  {"max_params_per_run", Field(&Config::max_params_per_run)},
-                  {"max_series_per_run", Field(&Config::max_series_per_run)},
-                  {"max_streams", Field(&Config::max_streams)},
-                  {"memory_budget_bytes", Field(&Config::memory_budget_bytes)}}},
+      {"security",
+       {{"tls_cert_file", Field(&Config::tls_cert_file)},
+        {"tls_key_file", Field(&Config::tls_key_file)},
+        {"tls_client_ca_file", Field(&Config::tls_client_ca_file)},
+        {"tokens_file", Field(&Config::tokens_file)},
+        {"metrics_require_token", Field(&Config::metrics_require_token)},
+        {"http_tls", Field(&Config::http_tls)},
+        {"http_client_ca_file", Field(&Config::http_client_ca_file)},
+        {"allow_insecure", Field(&Config::allow_insecure)},
+        {"max_silence_seconds", Field(&Config::max_silence_seconds)}}},
+      {"metrics",
+       {{"params", Field(&Config::metrics_params)},
+        {"slope_series", Field(&Config::metrics_slope_series)},
+        {"max_series_per_run", Field(&Config::metrics_max_series_per_run)}}},
+      {"limits",
+       {{"max_message_bytes", Field(&Config::max_message_bytes)},
+        {"max_runs", Field(&Config::max_runs)},
+        {"max_params_per_run", Field(&Config::max_params_per_run)},
+        {"max_series_per_run", Field(&Config::max_series_per_run)},
+        {"max_streams", Field(&Config::max_streams)},
+        {"memory_budget_bytes", Field(&Config::memory_budget_bytes)}}},
       {"assembly", {{"timeout_seconds", Field(&Config::assembly_timeout_seconds)}}},
-      {"store", {{"recent_points", Field(&Config::recent_points)},
-                 {"history_buckets", Field(&Config::history_buckets)},
-                 {"param_recent_points", Field(&Config::param_recent_points)},
-                 {"param_history_buckets", Field(&Config::param_history_buckets)}}},
-      {"journal", {{"batch_max", Field(&Config::journal_batch_max)},
-                   {"max_delay_ms", Field(&Config::journal_max_delay_ms)},
-                   {"block_steps", Field(&Config::journal_block_steps)},
-                   {"snapshot_interval_seconds", Field(&Config::journal_snapshot_interval_seconds)}}},
-      {"runs", {{"end_after_seconds", Field(&Config::run_end_after_seconds)},
-                {"stalled_after_seconds", Field(&Config::run_stalled_after_seconds)},
-                {"retention_seconds", Field(&Config::run_retention_seconds)}}},
-      {"retention", {{"journal_days", Field(&Config::journal_retention_days)},
-                     {"outbox_days", Field(&Config::outbox_retention_days)}}},
-      {"analytics", {{"windows", Field(&Config::slope_windows)},
-                     {"max_buckets", Field(&Config::slope_max_buckets)},
-                     {"param_max_buckets", Field(&Config::slope_param_max_buckets)},
-                     {"event_window_steps", Field(&Config::event_window_steps)},
-                     {"forecast_window_steps", Field(&Config::forecast_window_steps)},
-                     {"forecasts", ReadForecasts},
-                     {"change_point_window_steps", Field(&Config::change_point_window_steps)}}},
-      {"alerts", {{"default_rules", Field(&Config::default_rules)},
-                  {"rule_files", Field(&Config::rule_files)},
-                  {"receivers", ReadReceivers},
-                  {"external_url", Field(&Config::external_url)}}},
+      {"store",
+       {{"recent_points", Field(&Config::recent_points)},
+        {"history_buckets", Field(&Config::history_buckets)},
+        {"param_recent_points", Field(&Config::param_recent_points)},
+        {"param_history_buckets", Field(&Config::param_history_buckets)}}},
+      {"journal",
+       {{"batch_max", Field(&Config::journal_batch_max)},
+        {"max_delay_ms", Field(&Config::journal_max_delay_ms)},
+        {"block_steps", Field(&Config::journal_block_steps)},
+        {"snapshot_interval_seconds", Field(&Config::journal_snapshot_interval_seconds)}}},
+      {"runs",
+       {{"end_after_seconds", Field(&Config::run_end_after_seconds)},
+        {"stalled_after_seconds", Field(&Config::run_stalled_after_seconds)},
+        {"retention_seconds", Field(&Config::run_retention_seconds)}}},
+      {"retention",
+       {{"journal_days", Field(&Config::journal_retention_days)},
+        {"outbox_days", Field(&Config::outbox_retention_days)}}},
+      {"analytics",
+       {{"windows", Field(&Config::slope_windows)},
+        {"max_buckets", Field(&Config::slope_max_buckets)},
+        {"param_max_buckets", Field(&Config::slope_param_max_buckets)},
+        {"event_window_steps", Field(&Config::event_window_steps)},
+        {"forecast_window_steps", Field(&Config::forecast_window_steps)},
+        {"forecasts", ReadForecasts},
+        {"change_point_window_steps", Field(&Config::change_point_window_steps)}}},
+      {"alerts",
+       {{"default_rules", Field(&Config::default_rules)},
+        {"rule_files", Field(&Config::rule_files)},
+        {"receivers", ReadReceivers},
+        {"external_url", Field(&Config::external_url)}}},
   };
   return *kSchema;
 }
@@ -285,8 +310,8 @@ bool IsLoopbackAddress(const std::string& address) {
   if (host == "localhost" || host == "::1") return true;
   unsigned a = 0, b = 0, c = 0, d = 0;
   char rest = 0;
-  return std::sscanf(host.c_str(), "%u.%u.%u.%u%c", &a, &b, &c, &d, &rest) == 4 && a == 127 && b < 256 &&
-         c < 256 && d < 256;
+  return std::sscanf(host.c_str(), "%u.%u.%u.%u%c", &a, &b, &c, &d, &rest) == 4 && a == 127 && b < 256 && c < 256 &&
+         d < 256;
 }
 
 bool InsecureListener(const Config& c) {
@@ -308,7 +333,8 @@ Status ValidateConfig(const Config& c) {
                                        : "security.tls_cert_file: needs security.tls_key_file");
   }
   if (!c.tls_client_ca_file.empty() && c.tls_cert_file.empty()) {
-    return bad("security.tls_client_ca_file: client certificates need TLS: set security.tls_cert_file and tls_key_file");
+    return bad(
+        "security.tls_client_ca_file: client certificates need TLS: set security.tls_cert_file and tls_key_file");
   }
   if (InsecureListener(c) && !c.allow_insecure) {
     return bad("listen: " + c.listen +
@@ -318,8 +344,9 @@ Status ValidateConfig(const Config& c) {
                "(security.allow_insecure: true)");
   }
   if (!c.http_client_ca_file.empty() && !HttpTls(c)) {
-    return bad("security.http_client_ca_file: client certificates need TLS on the HTTP listener: set "
-               "security.tls_cert_file and tls_key_file, and leave http_tls true");
+    return bad(
+        "security.http_client_ca_file: client certificates need TLS on the HTTP listener: set "
+        "security.tls_cert_file and tls_key_file, and leave http_tls true");
   }
   if (InsecureHttpListener(c) && !c.allow_insecure) {
     return bad("metrics_listen: " + c.metrics_listen +
@@ -411,7 +438,8 @@ Status ValidateConfig(const Config& c) {
   std::set<std::string> remote_names;
   for (const Config::RemoteWrite& r : c.remote_write) {
     const std::string where = "remote_write: receiver '" + r.name + "': ";
-    if (auto url = notify::ParseUrl(r.url); !url.ok()) return bad(where + "url '" + r.url + "': " + url.status().message());
+    if (auto url = notify::ParseUrl(r.url); !url.ok())
+      return bad(where + "url '" + r.url + "': " + url.status().message());
     if (!remote_names.insert(r.name).second) return bad(where + "two receivers have this name");
     if (r.max_samples_per_send < 1) return bad(where + "queue_config.max_samples_per_send: must be at least 1");
     if (r.capacity < r.max_samples_per_send) {
@@ -459,7 +487,8 @@ nlohmann::json Secret(const std::string& value) {
 
 std::string ConfigJson(const Config& c) {
   nlohmann::json forecasts = nlohmann::json::array();
-  for (const auto& [series, threshold] : c.forecasts) forecasts.push_back({{"series", series}, {"threshold", threshold}});
+  for (const auto& [series, threshold] : c.forecasts)
+    forecasts.push_back({{"series", series}, {"threshold", threshold}});
   nlohmann::json receivers = nlohmann::json::array();
   for (const Config::Receiver& r : c.receivers) {
     receivers.push_back({{"type", r.type},
@@ -471,12 +500,13 @@ std::string ConfigJson(const Config& c) {
   }
   nlohmann::json remote_write = nlohmann::json::array();
   for (const Config::RemoteWrite& r : c.remote_write) {
-    remote_write.push_back({{"name", r.name},
-                            {"url", r.url},
-                            {"series", r.series},
-                            {"queue_config", {{"max_samples_per_send", r.max_samples_per_send}, {"capacity", r.capacity}}},
-                            {"remote_timeout_seconds", r.remote_timeout_seconds},
-                            {"bearer_token", Secret(r.bearer_token)}});
+    remote_write.push_back(
+        {{"name", r.name},
+         {"url", r.url},
+         {"series", r.series},
+         {"queue_config", {{"max_samples_per_send", r.max_samples_per_send}, {"capacity", r.capacity}}},
+         {"remote_timeout_seconds", r.remote_timeout_seconds},
+         {"bearer_token", Secret(r.bearer_token)}});
   }
   const nlohmann::json shown = {
       {"listen", c.listen},
@@ -544,13 +574,12 @@ std::vector<std::string> ConfigKeys() {
     for (const auto& [field, setter] : fields) keys.push_back(section.empty() ? field : section + "." + field);
   }
   // The entries of the lists of mappings.
-  for (const char* k : {"analytics.forecasts[].series", "analytics.forecasts[].threshold",
-                        "alerts.receivers[].type", "alerts.receivers[].name", "alerts.receivers[].url",
-                        "alerts.receivers[].routing_key", "alerts.receivers[].bearer_token",
-                        "alerts.receivers[].resend_interval_seconds", "remote_write[].name", "remote_write[].url",
-                        "remote_write[].series", "remote_write[].queue_config.max_samples_per_send",
-                        "remote_write[].queue_config.capacity", "remote_write[].remote_timeout_seconds",
-                        "remote_write[].bearer_token"}) {
+  for (const char* k : {"analytics.forecasts[].series", "analytics.forecasts[].threshold", "alerts.receivers[].type",
+                        "alerts.receivers[].name", "alerts.receivers[].url", "alerts.receivers[].routing_key",
+                        "alerts.receivers[].bearer_token", "alerts.receivers[].resend_interval_seconds",
+                        "remote_write[].name", "remote_write[].url", "remote_write[].series",
+                        "remote_write[].queue_config.max_samples_per_send", "remote_write[].queue_config.capacity",
+                        "remote_write[].remote_timeout_seconds", "remote_write[].bearer_token"}) {
     keys.emplace_back(k);
   }
   // A list of mappings is named by its entries' keys alone.

@@ -66,8 +66,8 @@ struct Config {
     std::string type;  // alertmanager | webhook | pagerduty | slack
     std::string name;
     std::string url;
-    std::string routing_key;             // pagerduty
-    std::string bearer_token;            // webhook
+    std::string routing_key;              // pagerduty
+    std::string bearer_token;             // webhook
     double resend_interval_seconds = 60;  // alertmanager
   };
   std::vector<Receiver> receivers;

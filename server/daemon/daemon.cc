@@ -15,6 +15,8 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
 
+#include <malloc.h>
+#include "alerts/notify/receivers.h"
 #include "server/daemon/alerting.h"
 #include "server/daemon/run_view.h"
 #include "server/daemon/step_fanout.h"
@@ -30,12 +32,10 @@
 #include "server/runs/daemon_stats.h"
 #include "server/runs/memory_budget.h"
 #include "server/runs/registry.h"
-#include "alerts/notify/receivers.h"
+#include "server/store/alert_store.h"
 #include "server/store/journal.h"
 #include "server/store/remote_write_progress.h"
 #include "server/store/snapshots.h"
-#include <malloc.h>
-#include "server/store/alert_store.h"
 #include "server/web/server.h"
 
 namespace gradwatch::daemon {
@@ -103,9 +103,8 @@ Status Daemon::Start() {
   }
   fanout_ = std::make_unique<StepFanout>(std::move(listeners));
   run_options.listener = fanout_.get();
-  budget_ = std::make_unique<runs::MemoryBudget>(config_.memory_budget_bytes != 0
-                                                     ? config_.memory_budget_bytes
-                                                     : runs::MemoryBudget::DefaultLimitBytes());
+  budget_ = std::make_unique<runs::MemoryBudget>(
+      config_.memory_budget_bytes != 0 ? config_.memory_budget_bytes : runs::MemoryBudget::DefaultLimitBytes());
   run_options.budget = budget_.get();
   spdlog::info("memory budget for runs: {} bytes (limits.memory_budget_bytes)", budget_->limit());
   registry_ = std::make_unique<runs::RunRegistry>(run_options, config_.max_runs, stats_.get(), clock_);
@@ -116,14 +115,13 @@ Status Daemon::Start() {
   journal_options.max_delay = std::chrono::milliseconds(config_.journal_max_delay_ms);
   journal_options.block_steps = config_.journal_block_steps;
   runs::RunRegistry* registry = registry_.get();
-  auto journal = store::Journal::Open(journal_options, [registry](const store::CommitReport& report) {
-    registry->OnCommit(report);
-  });
+  auto journal = store::Journal::Open(journal_options,
+                                      [registry](const store::CommitReport& report) { registry->OnCommit(report); });
   if (!journal.ok()) return journal.status();
   journal_ = std::move(journal).value();
   registry_->set_journal(journal_.get());
-  snapshots_ = std::make_unique<store::SnapshotStore>(
-      (std::filesystem::path(config_.data_dir) / "snapshots").string(), runs::Run::SnapshotFingerprint());
+  snapshots_ = std::make_unique<store::SnapshotStore>((std::filesystem::path(config_.data_dir) / "snapshots").string(),
+                                                      runs::Run::SnapshotFingerprint());
   registry_->set_snapshots(snapshots_.get());
 
   if (Status s = StartAlerting(journal_options.path); !s.ok()) return s;
@@ -144,8 +142,8 @@ Status Daemon::Start() {
   const auto load_start = std::chrono::steady_clock::now();
   if (Status s = registry_->Load(); !s.ok()) {
     // Stopping here would only make a restart loop: serve with the runs that could be read.
-    spdlog::error("rebuilding from the journal {}: {}; going on with the {} runs read before it",
-                  journal_options.path, s.message(), registry_->run_count());
+    spdlog::error("rebuilding from the journal {}: {}; going on with the {} runs read before it", journal_options.path,
+                  s.message(), registry_->run_count());
   }
   spdlog::info("rebuilt {} runs from {} in {:.2f} s", registry_->run_count(), journal_options.path,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
@@ -254,9 +252,9 @@ Status Daemon::Start() {
   ReadGate gate;
   if (config_.metrics_require_token) {
     gate = [authorizer = authorizer_.get()](const web::Request& request) -> std::optional<web::Response> {
-      auto [status, message] = authorizer->CheckHttp(request.Header("authorization"), request.client_identity,
-                                                     ingest::Scope::kRead, request.method + " " + request.path,
-                                                     request.peer);
+      auto [status, message] =
+          authorizer->CheckHttp(request.Header("authorization"), request.client_identity, ingest::Scope::kRead,
+                                request.method + " " + request.path, request.peer);
       if (status == 200) return std::nullopt;
       web::Response refusal = web::Response::Text(status, std::move(message));
       if (status == 401) refusal.headers.emplace_back("WWW-Authenticate", "Bearer realm=\"gradwatch\"");
@@ -265,9 +263,9 @@ Status Daemon::Start() {
   }
   std::vector<web::Route> routes =
       RunViewRoutes({registry_.get(), clock_, &alerting_->engine(), HistoryOf(alert_store_.get())}, gate);
-  routes.push_back(GatedRoute("/metrics", false, gate, [endpoint = metrics_endpoint_.get()](const web::Request& request) {
-    return endpoint->Handle(request);
-  }));
+  routes.push_back(GatedRoute(
+      "/metrics", false, gate,
+      [endpoint = metrics_endpoint_.get()](const web::Request& request) { return endpoint->Handle(request); }));
   auto http = web::Server::Start(std::move(http_options), std::move(routes));
   if (!http.ok()) {
     return Status::Unavailable("cannot listen for /metrics on " + config_.metrics_listen + ": " +
@@ -282,15 +280,17 @@ Status Daemon::Start() {
                config_.tls_cert_file.empty() ? ", plain text" : ", TLS", config_.metrics_listen, metrics_port_,
                http_->tls() ? "HTTPS" : "HTTP", config_.data_dir);
   if (InsecureListener(config_)) {
-    spdlog::warn("gRPC on {} is reachable beyond loopback without mutual TLS (--insecure): any host that reaches "
-                 "the port may stream steps into runs, silence alerts and reload rules "
-                 "(gradwatch_insecure_listener 1; README \"Security\")",
-                 config_.listen);
+    spdlog::warn(
+        "gRPC on {} is reachable beyond loopback without mutual TLS (--insecure): any host that reaches "
+        "the port may stream steps into runs, silence alerts and reload rules "
+        "(gradwatch_insecure_listener 1; README \"Security\")",
+        config_.listen);
   }
   if (InsecureHttpListener(config_)) {
-    spdlog::warn("HTTP on {} is reachable beyond loopback without TLS (--insecure): /metrics, and any token a "
-                 "scraper sends, cross the network in clear (gradwatch_insecure_listener 1; README \"Security\")",
-                 config_.metrics_listen);
+    spdlog::warn(
+        "HTTP on {} is reachable beyond loopback without TLS (--insecure): /metrics, and any token a "
+        "scraper sends, cross the network in clear (gradwatch_insecure_listener 1; README \"Security\")",
+        config_.metrics_listen);
   }
   return Status::Ok();
 }
@@ -319,7 +319,8 @@ Status Daemon::LockDataDir() {
 
 void Daemon::RelockDataDirIfGone() {
   const std::string path = (std::filesystem::path(config_.data_dir) / "LOCK").string();
-  struct stat held {}, found {};
+  struct stat held {
+  }, found{};
   if (lock_fd_ < 0 || ::fstat(lock_fd_, &held) != 0) return;
   if (::stat(path.c_str(), &found) == 0 && found.st_dev == held.st_dev && found.st_ino == held.st_ino) return;
   if (!std::filesystem::is_directory(config_.data_dir)) return;  // the journal recreates it
@@ -387,8 +388,8 @@ Status Daemon::StartAlerting(const std::string& journal_path) {
     base.url = r.url;
     base.external_url = config_.external_url;
     if (r.type == "alertmanager") {
-      receivers.push_back(std::make_unique<notify::AlertmanagerReceiver>(
-          notify::AlertmanagerConfig{base, r.resend_interval_seconds}));
+      receivers.push_back(
+          std::make_unique<notify::AlertmanagerReceiver>(notify::AlertmanagerConfig{base, r.resend_interval_seconds}));
     } else if (r.type == "webhook") {
       notify::WebhookConfig c;
       c.receiver = base;
@@ -446,16 +447,15 @@ void Daemon::SaveSnapshots(const char* why) {
   const auto started = std::chrono::steady_clock::now();
   // A snapshot through a step the saved alert states do not cover as evaluated would be refused
   // at the restart (AlertFeed::AcceptsRestoreThrough): have them saved first.
-  const runs::RunRegistry::SnapshotReport r =
-      registry_->SaveSnapshots([this](const std::string& run, uint64_t step) {
-        return alerting_->SaveEvaluatedThrough(run, step, kSnapshotSettleTimeout);
-      });
+  const runs::RunRegistry::SnapshotReport r = registry_->SaveSnapshots([this](const std::string& run, uint64_t step) {
+    return alerting_->SaveEvaluatedThrough(run, step, kSnapshotSettleTimeout);
+  });
   if (r.written == 0 && r.failed == 0 && r.deferred == 0) return;
-  spdlog::info("snapshots ({}): {} run(s) written ({:.1f} MB), {} unchanged, {} deferred, {} failed in {:.2f} s; a "
-               "run's lock held at most {:.1f} ms",
-               why, r.written, r.bytes / 1e6, r.unchanged, r.deferred, r.failed,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
-               r.max_lock_seconds * 1e3);
+  spdlog::info(
+      "snapshots ({}): {} run(s) written ({:.1f} MB), {} unchanged, {} deferred, {} failed in {:.2f} s; a "
+      "run's lock held at most {:.1f} ms",
+      why, r.written, r.bytes / 1e6, r.unchanged, r.deferred, r.failed,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), r.max_lock_seconds * 1e3);
 }
 
 void Daemon::UpdateIngestHealth() {
@@ -466,9 +466,10 @@ void Daemon::UpdateIngestHealth() {
   if (healthy) {
     spdlog::warn("health: {} is SERVING again: the journal commits", kIngestServiceName);
   } else {
-    spdlog::error("health: {} is NOT_SERVING: the journal cannot commit (storage fault); trainers are told to "
-                  "keep their data and retry",
-                  kIngestServiceName);
+    spdlog::error(
+        "health: {} is NOT_SERVING: the journal cannot commit (storage fault); trainers are told to "
+        "keep their data and retry",
+        kIngestServiceName);
   }
 }
 
@@ -509,7 +510,8 @@ void Daemon::Stop(std::chrono::milliseconds grace) {
   if (alerting_) alerting_->Stop();  // saves how far the alerts were evaluated, which snapshots need
   for (auto& w : remote_writers_) {
     if (!w->Drain(grace)) {
-      spdlog::warn("remote_write {}: steps left unsent at shutdown; they are sent after the restart", w->options().name);
+      spdlog::warn("remote_write {}: steps left unsent at shutdown; they are sent after the restart",
+                   w->options().name);
     }
     w->Stop();
   }

@@ -121,7 +121,7 @@ class Daemon {
   bool stopping_ = false;  // guarded by tick_mu_
   std::thread ticker_;
   std::unique_ptr<store::SnapshotStore> snapshots_;
-  std::thread snapshotter_;  // waits on tick_cv_ too
+  std::thread snapshotter_;     // waits on tick_cv_ too
   bool ingest_serving_ = true;  // ticker thread only, after Start
   bool stopped_ = false;
   int lock_fd_ = -1;

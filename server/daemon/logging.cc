@@ -3,10 +3,10 @@
 #include <chrono>
 #include <memory>
 
-#include <nlohmann/json.hpp>
 #include <spdlog/formatter.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 namespace gradwatch::daemon {
 
@@ -16,8 +16,7 @@ namespace {
 class JsonFormatter final : public spdlog::formatter {
  public:
   void format(const spdlog::details::log_msg& msg, spdlog::memory_buf_t& dest) override {
-    const auto micros =
-        std::chrono::duration_cast<std::chrono::microseconds>(msg.time.time_since_epoch()).count();
+    const auto micros = std::chrono::duration_cast<std::chrono::microseconds>(msg.time.time_since_epoch()).count();
     const std::time_t secs = static_cast<std::time_t>(micros / 1000000);
     std::tm tm{};
     gmtime_r(&secs, &tm);
@@ -26,8 +25,8 @@ class JsonFormatter final : public spdlog::formatter {
     std::snprintf(ts + n, sizeof(ts) - n, ".%06lldZ", static_cast<long long>(micros % 1000000));
     nlohmann::json line = {
         {"ts", ts},
-        {"level", std::string(spdlog::level::to_string_view(msg.level).data(),
-                              spdlog::level::to_string_view(msg.level).size())},
+        {"level",
+         std::string(spdlog::level::to_string_view(msg.level).data(), spdlog::level::to_string_view(msg.level).size())},
         {"msg", std::string(msg.payload.data(), msg.payload.size())},
     };
     const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";

@@ -122,12 +122,13 @@ web::Response Series(const ingest::QuerySources& sources, const std::string& run
   const auto key = QueryParam(request.query, "key");
   if (!key || key->empty()) return JsonError(400, "INVALID_ARGUMENT", "key is required: ?key=grad/norm/total");
   q.set_key(*key);
-  for (const auto& [name, param] : {std::pair{"from", &v1::GetSeriesRequest::set_from_step},
-                                    std::pair{"to", &v1::GetSeriesRequest::set_to_step}}) {
+  for (const auto& [name, param] :
+       {std::pair{"from", &v1::GetSeriesRequest::set_from_step}, std::pair{"to", &v1::GetSeriesRequest::set_to_step}}) {
     const auto text = QueryParam(request.query, name);
     if (!text) continue;
     const auto value = Number(text);
-    if (!value) return JsonError(400, "INVALID_ARGUMENT", std::string(name) + " must be a step number, not '" + *text + "'");
+    if (!value)
+      return JsonError(400, "INVALID_ARGUMENT", std::string(name) + " must be a step number, not '" + *text + "'");
     (q.*param)(*value);
   }
   if (const auto text = QueryParam(request.query, "max_points")) {
@@ -156,9 +157,9 @@ web::Response Api(const ingest::QuerySources& sources, const web::Request& reque
     if (const auto text = QueryParam(request.query, "limit")) {
       const auto value = Number(text);
       if (!value || *value > ingest::kAlertHistoryMax) {
-        return JsonError(400, "INVALID_ARGUMENT",
-                         "limit must be a number up to " + std::to_string(ingest::kAlertHistoryMax) + ", not '" +
-                             *text + "'");
+        return JsonError(
+            400, "INVALID_ARGUMENT",
+            "limit must be a number up to " + std::to_string(ingest::kAlertHistoryMax) + ", not '" + *text + "'");
       }
       q.set_limit(static_cast<uint32_t>(*value));
     }
@@ -186,8 +187,9 @@ web::Response Api(const ingest::QuerySources& sources, const web::Request& reque
     return FromStatus(ingest::GetRun(sources, q, &response), response);
   }
   return JsonError(404, "NOT_FOUND",
-                   "no API at " + request.path + " (/api/v1/runs, /api/v1/runs/RUN, /api/v1/runs/RUN/series, "
-                   "/api/v1/alerts, /api/v1/alerts/history)");
+                   "no API at " + request.path +
+                       " (/api/v1/runs, /api/v1/runs/RUN, /api/v1/runs/RUN/series, "
+                       "/api/v1/alerts, /api/v1/alerts/history)");
 }
 
 web::Response Asset(std::string_view name) {
@@ -232,9 +234,8 @@ std::vector<web::Route> RunViewRoutes(ingest::QuerySources sources, ReadGate gat
     r.headers.emplace_back("Location", "/runs/");
     return r;
   }));
-  routes.push_back(GatedRoute("/ui/", true, gate, [](const web::Request& request) {
-    return Asset(std::string_view(request.path).substr(4));
-  }));
+  routes.push_back(GatedRoute(
+      "/ui/", true, gate, [](const web::Request& request) { return Asset(std::string_view(request.path).substr(4)); }));
   routes.push_back(
       GatedRoute("/api/", true, gate, [sources](const web::Request& request) { return Api(sources, request); }));
   return routes;

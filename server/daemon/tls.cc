@@ -59,7 +59,8 @@ StatusOr<std::string> CheckTlsFiles(const TlsFiles& files) {
   if (ctx == nullptr) return Status::Internal("TLS: " + OpenSslError());
   std::string error;
   if (SSL_CTX_use_certificate_chain_file(ctx, files.cert_file.c_str()) != 1) {
-    error = "security.tls_cert_file " + files.cert_file + ": not a readable PEM certificate chain (" + OpenSslError() + ")";
+    error =
+        "security.tls_cert_file " + files.cert_file + ": not a readable PEM certificate chain (" + OpenSslError() + ")";
   } else if (EVP_PKEY* key = ReadKey(files.key_file); key == nullptr) {
     error = "security.tls_key_file " + files.key_file + ": not a readable PEM private key (" + OpenSslError() + ")";
   } else {

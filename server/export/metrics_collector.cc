@@ -317,9 +317,10 @@ void MetricsCollector::Render(Exposition& out) {
       labels_ = run_label;
       sample(kRunSeriesCapped, static_cast<double>(capped));
       if (capped_logged_.insert(s.info.run_id).second) {
-        spdlog::warn("run {}: /metrics shows {} of its per-parameter and slope series and leaves {} out "
-                     "(metrics.max_series_per_run); the Query API and remote write have them all",
-                     s.info.run_id, options_.max_series_per_run, capped);
+        spdlog::warn(
+            "run {}: /metrics shows {} of its per-parameter and slope series and leaves {} out "
+            "(metrics.max_series_per_run); the Query API and remote write have them all",
+            s.info.run_id, options_.max_series_per_run, capped);
       }
     }
   }
@@ -342,8 +343,8 @@ void MetricsCollector::Render(Exposition& out) {
   d.One("gradwatch_samples_received_total", "Series samples stored from completed steps.", MetricType::kCounter,
         static_cast<double>(stats_->samples_received.load()));
   d.One("gradwatch_ingest_held_reports_total",
-        "Step reports held back (their stream paused) until the ranks a run waits for catch up.",
-        MetricType::kCounter, static_cast<double>(stats_->held_reports.load()));
+        "Step reports held back (their stream paused) until the ranks a run waits for catch up.", MetricType::kCounter,
+        static_cast<double>(stats_->held_reports.load()));
   d.Header("gradwatch_ingest_errors_total", "Trainer messages refused, by reason.", MetricType::kCounter);
   for (runs::IngestErrorReason r : runs::AllIngestErrorReasons()) {
     d.Sample("gradwatch_ingest_errors_total", "reason", runs::IngestErrorReasonName(r),
@@ -360,8 +361,8 @@ void MetricsCollector::Render(Exposition& out) {
            MetricType::kHistogram);
   {
     const auto h = stats_->journal_commit_seconds.Read();
-    AppendHistogram(d.out(), "gradwatch_journal_commit_duration_seconds", std::string_view(), h.bounds,
-                    h.cumulative, h.sum, h.count);
+    AppendHistogram(d.out(), "gradwatch_journal_commit_duration_seconds", std::string_view(), h.bounds, h.cumulative,
+                    h.sum, h.count);
   }
   d.One("gradwatch_runs_evicted_total",
         "Ended runs dropped from memory (retention over, or room needed); the journal keeps them.",

@@ -38,8 +38,8 @@ struct ExportOptions {
 class MetricsCollector {
  public:
   // journal may be null. The registry, stats and journal must outlive the collector.
-  MetricsCollector(const runs::RunRegistry* registry, const runs::DaemonStats* stats,
-                   const store::Journal* journal, ExportOptions options = {});
+  MetricsCollector(const runs::RunRegistry* registry, const runs::DaemonStats* stats, const store::Journal* journal,
+                   ExportOptions options = {});
 
   // Appends the per-run families, then the daemon's own, one chunk per family. One call at a
   // time (it reuses its buffers); MetricsServer serialises its renders.
@@ -57,7 +57,7 @@ class MetricsCollector {
   // Whether the parameter (snapshot_.params[i]) gets per-parameter families; reused.
   std::vector<bool> param_shown_;
   std::unordered_set<std::string_view> shown_names_;  // their names, into snapshot_
-  std::set<std::string> capped_logged_;  // runs whose cap was logged
+  std::set<std::string> capped_logged_;               // runs whose cap was logged
   // Reused from one run and one scrape to the next.
   runs::RunMetricsSnapshot snapshot_;
   std::string labels_;  // the labels of the sample being written

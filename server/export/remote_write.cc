@@ -18,9 +18,7 @@ namespace gradwatch::exporter {
 
 namespace {
 
-double WallNow() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double WallNow() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 // Failures of one outage are logged at its start and then at most this often.
 constexpr double kLogEverySeconds = 60;
@@ -182,8 +180,8 @@ class RemoteWriter::Channel final : public runs::RunChannel {
 
 StatusOr<std::unique_ptr<RemoteWriter>> RemoteWriter::Create(RemoteWriteOptions options) {
   if (auto url = notify::ParseUrl(options.url); !url.ok()) {
-    return Status::InvalidArgument("remote_write " + options.name + ": url '" + options.url + "': " +
-                                   url.status().message());
+    return Status::InvalidArgument("remote_write " + options.name + ": url '" + options.url +
+                                   "': " + url.status().message());
   }
   notify::HttpClientOptions http_options;
   http_options.timeout = options.timeout;
@@ -258,8 +256,8 @@ std::shared_ptr<runs::RunChannel> RemoteWriter::Open(const RunMeta& meta, bool r
       MutexLock lock(&mu_);
       saved_progress_[meta.run_id] = 0;
     } else {
-      spdlog::warn("remote_write {}: run {}: cannot save its progress ({}); a restart may skip steps",
-                   options_.name, meta.run_id, s.message());
+      spdlog::warn("remote_write {}: run {}: cannot save its progress ({}); a restart may skip steps", options_.name,
+                   meta.run_id, s.message());
     }
   }
   run->next_to_send = next.value_or(0);
@@ -292,9 +290,10 @@ void RemoteWriter::Enqueue(Step step) {
   const double now = WallNow();
   if (now - last_drop_log_ >= kLogEverySeconds) {
     last_drop_log_ = now;
-    spdlog::warn("remote_write {}: queue full ({} samples, remote_write.capacity_samples): dropped the oldest {} "
-                 "steps ({} samples); {} dropped in all",
-                 options_.name, options_.capacity_samples, dropped_steps, dropped, stats_.dropped_samples);
+    spdlog::warn(
+        "remote_write {}: queue full ({} samples, remote_write.capacity_samples): dropped the oldest {} "
+        "steps ({} samples); {} dropped in all",
+        options_.name, options_.capacity_samples, dropped_steps, dropped, stats_.dropped_samples);
   }
 }
 
@@ -319,9 +318,9 @@ void RemoteWriter::Loop() {
       while (!stopping_ && queue_.empty()) cv_.Wait(&mu_);
       if (stopping_) return;
       size_t samples = 0;
-      while (!queue_.empty() && (batch.empty() || (!queue_.front().rewind && !batch.front().rewind &&
-                                                    samples + queue_.front().samples.size() <=
-                                                        options_.max_samples_per_send))) {
+      while (!queue_.empty() &&
+             (batch.empty() || (!queue_.front().rewind && !batch.front().rewind &&
+                                samples + queue_.front().samples.size() <= options_.max_samples_per_send))) {
         samples += queue_.front().samples.size();
         batch.push_back(std::move(queue_.front()));
         queue_.pop_front();
@@ -408,7 +407,8 @@ bool RemoteWriter::Send(const std::vector<Step>& batch) {
   http_request.headers = {{"Content-Type", "application/x-protobuf"},
                           {"Content-Encoding", "snappy"},
                           {"X-Prometheus-Remote-Write-Version", "0.1.0"}};
-  if (!options_.bearer_token.empty()) http_request.headers.emplace_back("Authorization", "Bearer " + options_.bearer_token);
+  if (!options_.bearer_token.empty())
+    http_request.headers.emplace_back("Authorization", "Bearer " + options_.bearer_token);
   http_request.body = std::move(body);
   const notify::HttpResult result = http_->Send(http_request);
   if (result.error == notify::HttpResult::Error::kAborted) return true;  // stopping: sent after a restart
@@ -420,16 +420,16 @@ bool RemoteWriter::Send(const std::vector<Step>& batch) {
     return true;
   }
   const bool retry = !result.has_response() || result.status == 429 || result.status >= 500;
-  std::string why = result.has_response()
-                        ? "HTTP " + std::to_string(result.status) + ": " + result.body.substr(0, 300)
-                        : std::string(notify::HttpErrorName(result.error)) + ": " + result.message;
+  std::string why = result.has_response() ? "HTTP " + std::to_string(result.status) + ": " + result.body.substr(0, 300)
+                                          : std::string(notify::HttpErrorName(result.error)) + ": " + result.message;
   while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) why.pop_back();
   if (retry) {
     if (now - last_retry_log_ >= kLogEverySeconds) {
       last_retry_log_ = now;
-      spdlog::warn("remote_write {}: {} did not take {} samples ({}); retrying with back-off, new steps queue "
-                   "up (at most {} samples)",
-                   options_.name, options_.url, samples, why, options_.capacity_samples);
+      spdlog::warn(
+          "remote_write {}: {} did not take {} samples ({}); retrying with back-off, new steps queue "
+          "up (at most {} samples)",
+          options_.name, options_.url, samples, why, options_.capacity_samples);
     }
     return false;
   }
@@ -449,8 +449,8 @@ void RemoteWriter::SaveProgress(const std::vector<Step>& batch) {
   if (progress_ == nullptr) return;
   std::vector<std::pair<std::string, uint64_t>> rows(next.begin(), next.end());
   if (Status s = progress_->Save(options_.name, rows); !s.ok()) {
-    spdlog::warn("remote_write {}: cannot save its progress ({}); a restart may send some steps again",
-                 options_.name, s.message());
+    spdlog::warn("remote_write {}: cannot save its progress ({}); a restart may send some steps again", options_.name,
+                 s.message());
   }
 }
 
@@ -478,19 +478,18 @@ void RemoteWriter::RenderMetrics(const std::vector<const RemoteWriter*>& writers
       AppendSample(out, name, {{"receiver", writers[i]->options().name}}, static_cast<double>(field(stats[i])));
     }
   };
-  family("gradwatch_remote_write_samples_sent_total", "Samples a remote-write receiver accepted.",
-         MetricType::kCounter, [](const RemoteWriteStats& s) { return s.sent_samples; });
+  family("gradwatch_remote_write_samples_sent_total", "Samples a remote-write receiver accepted.", MetricType::kCounter,
+         [](const RemoteWriteStats& s) { return s.sent_samples; });
   family("gradwatch_remote_write_samples_failed_total",
-         "Samples a remote-write receiver refused for good (HTTP 4xx other than 429); dropped.",
-         MetricType::kCounter, [](const RemoteWriteStats& s) { return s.failed_samples; });
+         "Samples a remote-write receiver refused for good (HTTP 4xx other than 429); dropped.", MetricType::kCounter,
+         [](const RemoteWriteStats& s) { return s.failed_samples; });
   family("gradwatch_remote_write_samples_dropped_total",
          "Samples dropped unsent because the remote-write queue was full (remote_write[].queue_config.capacity).",
          MetricType::kCounter, [](const RemoteWriteStats& s) { return s.dropped_samples; });
   family("gradwatch_remote_write_requests_total", "Remote-write requests made, whatever their outcome.",
          MetricType::kCounter, [](const RemoteWriteStats& s) { return s.sent_requests; });
-  family("gradwatch_remote_write_retries_total",
-         "Remote-write requests retried (network failure, HTTP 5xx or 429).", MetricType::kCounter,
-         [](const RemoteWriteStats& s) { return s.retried_requests; });
+  family("gradwatch_remote_write_retries_total", "Remote-write requests retried (network failure, HTTP 5xx or 429).",
+         MetricType::kCounter, [](const RemoteWriteStats& s) { return s.retried_requests; });
   family("gradwatch_remote_write_queue_samples", "Samples waiting for the remote-write receiver or in flight.",
          MetricType::kGauge, [](const RemoteWriteStats& s) { return s.queued_samples; });
   family("gradwatch_remote_write_lag_seconds",

@@ -126,21 +126,11 @@ void AppendFamilyHeader(std::string& out, std::string_view name, std::string_vie
   out.append("# TYPE ");
   out.append(name);
   switch (type) {
-    case MetricType::kCounter:
-      out.append(" counter\n");
-      break;
-    case MetricType::kGauge:
-      out.append(" gauge\n");
-      break;
-    case MetricType::kHistogram:
-      out.append(" histogram\n");
-      break;
-    case MetricType::kSummary:
-      out.append(" summary\n");
-      break;
-    case MetricType::kUntyped:
-      out.append(" untyped\n");
-      break;
+    case MetricType::kCounter: out.append(" counter\n"); break;
+    case MetricType::kGauge: out.append(" gauge\n"); break;
+    case MetricType::kHistogram: out.append(" histogram\n"); break;
+    case MetricType::kSummary: out.append(" summary\n"); break;
+    case MetricType::kUntyped: out.append(" untyped\n"); break;
   }
 }
 
@@ -232,20 +222,11 @@ void AppendFamilies(std::string& out, const std::vector<prometheus::MetricFamily
   for (const prometheus::MetricFamily& f : families) {
     MetricType type = MetricType::kUntyped;
     switch (f.type) {
-      case prometheus::MetricType::Counter:
-        type = MetricType::kCounter;
-        break;
-      case prometheus::MetricType::Gauge:
-        type = MetricType::kGauge;
-        break;
-      case prometheus::MetricType::Summary:
-        type = MetricType::kSummary;
-        break;
-      case prometheus::MetricType::Histogram:
-        type = MetricType::kHistogram;
-        break;
-      default:
-        break;
+      case prometheus::MetricType::Counter: type = MetricType::kCounter; break;
+      case prometheus::MetricType::Gauge: type = MetricType::kGauge; break;
+      case prometheus::MetricType::Summary: type = MetricType::kSummary; break;
+      case prometheus::MetricType::Histogram: type = MetricType::kHistogram; break;
+      default: break;
     }
     AppendFamilyHeader(out, f.name, f.help, type);
     for (const prometheus::ClientMetric& m : f.metric) {

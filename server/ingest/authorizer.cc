@@ -97,7 +97,8 @@ StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& path) {
   }
   auto policy = std::make_shared<Policy>();
   try {
-    if (!root.IsMap()) return Status::InvalidArgument("security.tokens_file " + path + ": expected tokens: and identities:");
+    if (!root.IsMap())
+      return Status::InvalidArgument("security.tokens_file " + path + ": expected tokens: and identities:");
     for (const auto& kv : root) {
       const std::string key = kv.first.as<std::string>();
       if (key != "tokens" && key != "identities") {
@@ -166,12 +167,12 @@ Authorizer::Decision Authorizer::Decide(std::string_view token, std::string_view
   if (grant == nullptr) {
     refusals_[kUnauthenticated].fetch_add(1, std::memory_order_relaxed);
     spdlog::warn("refused {} from {}: {}", what, peer,
-                 !token.empty()      ? "unknown token"
+                 !token.empty()     ? "unknown token"
                  : identity.empty() ? "no token"
                                     : "no token, certificate " + std::string(identity) + " not in the policy");
-    return {kUnauthenticated,
-            token.empty() ? "this daemon requires a bearer token (security.tokens_file): " + std::string(how_to_send_a_token)
-                          : "the bearer token is not one this daemon knows (security.tokens_file)"};
+    return {kUnauthenticated, token.empty() ? "this daemon requires a bearer token (security.tokens_file): " +
+                                                  std::string(how_to_send_a_token)
+                                            : "the bearer token is not one this daemon knows (security.tokens_file)"};
   }
   std::string denied;
   if (!grant->scopes[static_cast<size_t>(scope)]) {
@@ -201,9 +202,10 @@ grpc::Status Authorizer::Check(const grpc::ServerContextBase& context, Scope sco
 std::pair<int, std::string> Authorizer::CheckHttp(std::string_view authorization, std::string_view identity,
                                                   Scope scope, std::string_view what, std::string_view peer) const {
   constexpr std::string_view kBearer = "Bearer ";
-  const std::string_view token = authorization.size() > kBearer.size() && authorization.substr(0, kBearer.size()) == kBearer
-                                     ? authorization.substr(kBearer.size())
-                                     : std::string_view();
+  const std::string_view token =
+      authorization.size() > kBearer.size() && authorization.substr(0, kBearer.size()) == kBearer
+          ? authorization.substr(kBearer.size())
+          : std::string_view();
   const Decision d = Decide(token, identity, scope, "", what, peer,
                             "send it as \"Authorization: Bearer TOKEN\" (Prometheus: authorization.credentials_file in "
                             "the scrape config)");

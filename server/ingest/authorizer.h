@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "server/core/thread_annotations.h"
 #include "server/core/status.h"
+#include "server/core/thread_annotations.h"
 
 namespace gradwatch::ingest {
 

@@ -58,13 +58,11 @@ bool IsBuiltInKey(std::string_view key) {
 
 bool ValidParamName(const std::string& name) {
   if (name.empty() || name.size() > kMaxParamName || name == "total") return false;
-  return std::none_of(name.begin(), name.end(),
-                      [](unsigned char c) { return c < 0x20 || c == 0x7f; });
+  return std::none_of(name.begin(), name.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; });
 }
 
 // Reads a NormValue; a negative finite value is an error.
-std::optional<IngestError> ReadNorm(const v1::NormValue& in, const char* what, uint64_t step,
-                                    NormContribution* out) {
+std::optional<IngestError> ReadNorm(const v1::NormValue& in, const char* what, uint64_t step, NormContribution* out) {
   switch (in.value_case()) {
     case v1::NormValue::kNorm: {
       const double v = in.norm();
@@ -79,15 +77,12 @@ std::optional<IngestError> ReadNorm(const v1::NormValue& in, const char* what, u
       const double v = in.sq_sum();
       if (v < 0 && std::isfinite(v)) {
         return IngestError{IngestErrorReason::kNegativeNorm,
-                           std::string(what) + " squared sum is negative (" + std::to_string(v) + ")",
-                           step};
+                           std::string(what) + " squared sum is negative (" + std::to_string(v) + ")", step};
       }
       *out = NormContribution::FromSqSum(v);
       return std::nullopt;
     }
-    case v1::NormValue::VALUE_NOT_SET:
-      *out = {};
-      return std::nullopt;
+    case v1::NormValue::VALUE_NOT_SET: *out = {}; return std::nullopt;
   }
   *out = {};
   return std::nullopt;
@@ -102,8 +97,8 @@ bool ValidRunId(const std::string& id) {
   });
 }
 
-std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits& limits,
-                                          RunMeta* meta, uint32_t* rank) {
+std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits& limits, RunMeta* meta,
+                                          uint32_t* rank) {
   auto invalid = [](std::string m) { return IngestError{IngestErrorReason::kInvalidHello, std::move(m)}; };
   if (!ValidRunId(in.run_id())) {
     return invalid("run_id '" + in.run_id().substr(0, 160) +
@@ -114,13 +109,12 @@ std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits
                    std::to_string(limits.max_world_size));
   }
   if (in.rank() >= in.world_size()) {
-    return invalid("rank " + std::to_string(in.rank()) + " is not below world_size " +
-                   std::to_string(in.world_size()));
+    return invalid("rank " + std::to_string(in.rank()) + " is not below world_size " + std::to_string(in.world_size()));
   }
   if (static_cast<size_t>(in.params_size()) > limits.max_params) {
-    return IngestError{IngestErrorReason::kLimitExceeded,
-                       "catalog has " + std::to_string(in.params_size()) + " parameters; the limit is " +
-                           std::to_string(limits.max_params)};
+    return IngestError{IngestErrorReason::kLimitExceeded, "catalog has " + std::to_string(in.params_size()) +
+                                                              " parameters; the limit is " +
+                                                              std::to_string(limits.max_params)};
   }
   for (const auto& [k, v] : in.labels()) {
     if (k.empty() || k.size() > kMaxLabelBytes || v.size() > kMaxLabelBytes) {
@@ -133,8 +127,7 @@ std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits
   }
   meta->run_id = in.run_id();
   meta->world_size = in.world_size();
-  meta->resume_from_step =
-      in.has_resume_from_step() ? std::optional<uint64_t>(in.resume_from_step()) : std::nullopt;
+  meta->resume_from_step = in.has_resume_from_step() ? std::optional<uint64_t>(in.resume_from_step()) : std::nullopt;
   meta->labels = {in.labels().begin(), in.labels().end()};
   const v1::RunConfig& c = in.config();
   meta->config.hidden_size = c.hidden_size();
@@ -210,8 +203,7 @@ std::optional<IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, 
   for (const auto& [k, v] : out->extra) {
     if (k.empty() || k.size() > kMaxParamName) {
       return IngestError{IngestErrorReason::kInvalidMessage,
-                         "extra series key '" + k.substr(0, 64) + "' is empty or longer than 256 bytes",
-                         in.step()};
+                         "extra series key '" + k.substr(0, 64) + "' is empty or longer than 256 bytes", in.step()};
     }
     if (IsBuiltInKey(k)) {
       return IngestError{IngestErrorReason::kInvalidMessage,
@@ -227,8 +219,7 @@ std::optional<IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, 
 std::optional<IngestError> EventFromProto(const v1::Event& in, EventRecord* out) {
   if (in.text().empty() || in.text().size() > kMaxEventText) {
     return IngestError{IngestErrorReason::kInvalidMessage,
-                       "event text must be 1 to 1024 bytes (got " + std::to_string(in.text().size()) + ")",
-                       in.step()};
+                       "event text must be 1 to 1024 bytes (got " + std::to_string(in.text().size()) + ")", in.step()};
   }
   out->step = in.step();
   out->text = in.text();
@@ -277,9 +268,7 @@ void ParamToProto(const ParamInfo& in, v1::ParamInfo* out) {
 
 void RunInfoToProto(const runs::RunInfo& in, v1::RunInfo* out) {
   out->set_run_id(in.run_id);
-  out->set_state(!in.ended         ? v1::RUN_STATE_ACTIVE
-                 : in.end.clean() ? v1::RUN_STATE_FINISHED
-                                  : v1::RUN_STATE_ENDED);
+  out->set_state(!in.ended ? v1::RUN_STATE_ACTIVE : in.end.clean() ? v1::RUN_STATE_FINISHED : v1::RUN_STATE_ENDED);
   out->set_world_size(in.world_size);
   out->mutable_labels()->insert(in.labels.begin(), in.labels.end());
   out->set_step_count(in.step_count);

@@ -4,8 +4,8 @@
 
 #include <optional>
 
-#include "gradwatch/v1/gradwatch.pb.h"
 #include "alerts/alert.h"
+#include "gradwatch/v1/gradwatch.pb.h"
 #include "server/core/types.h"
 #include "server/runs/errors.h"
 #include "server/runs/run.h"
@@ -22,8 +22,8 @@ struct HelloLimits {
 // Run label names must be Prometheus label names ([a-zA-Z_][a-zA-Z0-9_]*, not starting with the
 // reserved "__"): they are written as label names on /metrics; any other is refused with
 // INVALID_HELLO naming it. Label values may hold any bytes (the exporter escapes them).
-std::optional<runs::IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits& limits,
-                                                RunMeta* meta, uint32_t* rank);
+std::optional<runs::IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits& limits, RunMeta* meta,
+                                                uint32_t* rank);
 
 // Converts StepStats into *out (whose buffers are reused). Rejects negative finite norms and extra
 // keys that name a built-in series (grad/norm/total, train/loss, train/z_loss,

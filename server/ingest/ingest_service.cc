@@ -28,8 +28,8 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     const int64_t open = service_->stats()->open_streams.fetch_add(1, std::memory_order_relaxed) + 1;
     if (static_cast<size_t>(open) > service_->options().max_streams) {
       spdlog::warn("refusing a stream from {}: {} streams open (limits.max_streams)", peer_, open - 1);
-      FinishWhenDrained(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                                     "too many open streams (limits.max_streams)"));
+      FinishWhenDrained(
+          grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "too many open streams (limits.max_streams)"));
       return;
     }
     StartRead(NextMessage());
@@ -148,8 +148,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       rank = rank_;
     }
     SendError({IngestErrorReason::kSuperseded,
-               "another stream opened for run " + run_id + " rank " + std::to_string(rank) +
-                   "; this one is closed"},
+               "another stream opened for run " + run_id + " rank " + std::to_string(rank) + "; this one is closed"},
               0);
     Unsubscribe();
     MutexLock lock(&mu_);
@@ -201,7 +200,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
         // The Error tells the client to stop (a refused Hello); the stream ends with the status.
         Reject({IngestErrorReason::kInvalidHello,
                 std::string(allowed.error_code() == grpc::StatusCode::UNAUTHENTICATED ? "UNAUTHENTICATED: "
-                                                                                       : "PERMISSION_DENIED: ") +
+                                                                                      : "PERMISSION_DENIED: ") +
                     allowed.error_message()},
                seq);
         FinishWhenDrained(allowed);
@@ -239,9 +238,8 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       MutexLock lock(&mu_);
       run_ = std::move(run);
     }
-    spdlog::info("run {} rank {}/{}: stream from {} ({}), {} parameters", meta.run_id, rank, meta.world_size,
-                 peer_, in_->hello().client().empty() ? "unknown client" : in_->hello().client(),
-                 meta.params.size());
+    spdlog::info("run {} rank {}/{}: stream from {} ({}), {} parameters", meta.run_id, rank, meta.world_size, peer_,
+                 in_->hello().client().empty() ? "unknown client" : in_->hello().client(), meta.params.size());
     v1::DaemonMessage msg;
     v1::Accepted* a = msg.mutable_accepted();
     a->set_run_id(meta.run_id);
@@ -366,8 +364,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     uint32_t rank = 0;
     std::shared_ptr<runs::Run> run = CurrentRun(&rank);
     if (!run) {
-      Reject({IngestErrorReason::kNoHello, "event before hello: send a Hello first", in_->event().step()},
-             seq);
+      Reject({IngestErrorReason::kNoHello, "event before hello: send a Hello first", in_->event().step()}, seq);
       return;
     }
     EventRecord event;
@@ -506,7 +503,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   size_t arena_block_size_ = 0;
   std::optional<google::protobuf::Arena> arena_;
   v1::TrainerMessage* in_ = nullptr;  // on arena_; only touched by the read path
-  RankStep step_;          // reused conversion buffer, read path only
+  RankStep step_;                     // reused conversion buffer, read path only
 
   // Lock order: a run's mutex, then this one (the run calls StreamSink methods with its mutex
   // held); never the other way round: run methods are called with mu_ released. gRPC calls
@@ -536,8 +533,8 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
 
 }  // namespace
 
-IngestService::IngestService(const IngestOptions& options, runs::RunRegistry* registry,
-                             runs::DaemonStats* stats, const Clock* clock)
+IngestService::IngestService(const IngestOptions& options, runs::RunRegistry* registry, runs::DaemonStats* stats,
+                             const Clock* clock)
     : options_(options), registry_(registry), stats_(stats), clock_(clock) {}
 
 void IngestService::SendAlert(const alerts::Alert& alert) {

@@ -12,8 +12,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "alerts/alert.h"
+#include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "server/core/clock.h"
 #include "server/ingest/convert.h"
 #include "server/runs/daemon_stats.h"
@@ -45,8 +45,7 @@ class IngestService final : public v1::Ingest::CallbackService {
   IngestService(const IngestOptions& options, runs::RunRegistry* registry, runs::DaemonStats* stats,
                 const Clock* clock);
 
-  grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>* Stream(
-      grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>* Stream(grpc::CallbackServerContext* context) override;
 
   const IngestOptions& options() const { return options_; }
   runs::RunRegistry* registry() const { return registry_; }

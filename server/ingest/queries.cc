@@ -10,9 +10,7 @@ namespace gradwatch::ingest {
 
 namespace {
 
-grpc::Status RunNotFound(const std::string& run_id) {
-  return {grpc::StatusCode::NOT_FOUND, "no run '" + run_id + "'"};
-}
+grpc::Status RunNotFound(const std::string& run_id) { return {grpc::StatusCode::NOT_FOUND, "no run '" + run_id + "'"}; }
 
 }  // namespace
 
@@ -35,8 +33,7 @@ grpc::Status GetRun(const QuerySources& from, const v1::GetRunRequest& request, 
   return grpc::Status::OK;
 }
 
-grpc::Status GetSeries(const QuerySources& from, const v1::GetSeriesRequest& request,
-                       v1::GetSeriesResponse* response) {
+grpc::Status GetSeries(const QuerySources& from, const v1::GetSeriesRequest& request, v1::GetSeriesResponse* response) {
   auto run = from.registry->Find(request.run_id());
   if (!run) return RunNotFound(request.run_id());
   const uint64_t to = request.to_step() == 0 ? UINT64_MAX : request.to_step();

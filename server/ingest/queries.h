@@ -37,8 +37,7 @@ grpc::Status ListRuns(const QuerySources& from, const v1::ListRunsRequest& reque
 // NOT_FOUND for a run the daemon does not hold.
 grpc::Status GetRun(const QuerySources& from, const v1::GetRunRequest& request, v1::RunSummary* response);
 // NOT_FOUND for an unknown run or series, INVALID_ARGUMENT for to_step before from_step.
-grpc::Status GetSeries(const QuerySources& from, const v1::GetSeriesRequest& request,
-                       v1::GetSeriesResponse* response);
+grpc::Status GetSeries(const QuerySources& from, const v1::GetSeriesRequest& request, v1::GetSeriesResponse* response);
 // The pending and firing alerts (of one run when run_id is set), with their silences and acks.
 grpc::Status ListAlerts(const QuerySources& from, const v1::ListAlertsRequest& request,
                         v1::ListAlertsResponse* response);

@@ -18,9 +18,7 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, grpc::Statu
   return reactor;
 }
 
-grpc::Status RunNotFound(const std::string& run_id) {
-  return {grpc::StatusCode::NOT_FOUND, "no run '" + run_id + "'"};
-}
+grpc::Status RunNotFound(const std::string& run_id) { return {grpc::StatusCode::NOT_FOUND, "no run '" + run_id + "'"}; }
 
 }  // namespace
 
@@ -32,10 +30,10 @@ namespace {
 grpc::Status NoAlerting() { return {grpc::StatusCode::FAILED_PRECONDITION, "alerting is not configured"}; }
 }  // namespace
 
-grpc::ServerUnaryReactor* QueryService::ReloadRules(grpc::CallbackServerContext* context,
-                                                    const v1::ReloadRulesRequest*,
+grpc::ServerUnaryReactor* QueryService::ReloadRules(grpc::CallbackServerContext* context, const v1::ReloadRulesRequest*,
                                                     v1::ReloadRulesResponse* response) {
-  if (grpc::Status allowed = Allow(context, Scope::kAdmin, "", "reload rules"); !allowed.ok()) return Done(context, allowed);
+  if (grpc::Status allowed = Allow(context, Scope::kAdmin, "", "reload rules"); !allowed.ok())
+    return Done(context, allowed);
   if (!reload_) return Done(context, NoAlerting());
   auto result = reload_();
   if (!result.ok()) return Done(context, {grpc::StatusCode::INVALID_ARGUMENT, result.status().message()});
@@ -56,14 +54,10 @@ std::string FormatDuration(double seconds) {
 
 v1::MatchType ToProto(alerts::MatchType type) {
   switch (type) {
-    case alerts::MatchType::kEqual:
-      return v1::MATCH_TYPE_EQUAL;
-    case alerts::MatchType::kNotEqual:
-      return v1::MATCH_TYPE_NOT_EQUAL;
-    case alerts::MatchType::kRegex:
-      return v1::MATCH_TYPE_REGEX;
-    case alerts::MatchType::kNotRegex:
-      return v1::MATCH_TYPE_NOT_REGEX;
+    case alerts::MatchType::kEqual: return v1::MATCH_TYPE_EQUAL;
+    case alerts::MatchType::kNotEqual: return v1::MATCH_TYPE_NOT_EQUAL;
+    case alerts::MatchType::kRegex: return v1::MATCH_TYPE_REGEX;
+    case alerts::MatchType::kNotRegex: return v1::MATCH_TYPE_NOT_REGEX;
   }
   return v1::MATCH_TYPE_EQUAL;
 }
@@ -77,18 +71,10 @@ StatusOr<std::vector<alerts::Matcher>> SilenceMatchers(const v1::Silence& in) {
   for (const v1::Matcher& m : in.label_matchers()) {
     alerts::MatchType type;
     switch (m.type()) {
-      case v1::MATCH_TYPE_EQUAL:
-        type = alerts::MatchType::kEqual;
-        break;
-      case v1::MATCH_TYPE_NOT_EQUAL:
-        type = alerts::MatchType::kNotEqual;
-        break;
-      case v1::MATCH_TYPE_REGEX:
-        type = alerts::MatchType::kRegex;
-        break;
-      case v1::MATCH_TYPE_NOT_REGEX:
-        type = alerts::MatchType::kNotRegex;
-        break;
+      case v1::MATCH_TYPE_EQUAL: type = alerts::MatchType::kEqual; break;
+      case v1::MATCH_TYPE_NOT_EQUAL: type = alerts::MatchType::kNotEqual; break;
+      case v1::MATCH_TYPE_REGEX: type = alerts::MatchType::kRegex; break;
+      case v1::MATCH_TYPE_NOT_REGEX: type = alerts::MatchType::kNotRegex; break;
       default:
         return Status::InvalidArgument("matcher " + m.name() + ": unknown match type " + std::to_string(m.type()));
     }
@@ -121,7 +107,8 @@ grpc::Status QueryService::Allow(const grpc::CallbackServerContext* context, Sco
 grpc::ServerUnaryReactor* QueryService::AddSilence(grpc::CallbackServerContext* context,
                                                    const v1::AddSilenceRequest* request,
                                                    v1::AddSilenceResponse* response) {
-  if (grpc::Status allowed = Allow(context, Scope::kSilence, "", "add a silence"); !allowed.ok()) return Done(context, allowed);
+  if (grpc::Status allowed = Allow(context, Scope::kSilence, "", "add a silence"); !allowed.ok())
+    return Done(context, allowed);
   if (engine_ == nullptr) return Done(context, NoAlerting());
   const v1::Silence& in = request->silence();
   alerts::Silence silence;
@@ -162,7 +149,8 @@ grpc::ServerUnaryReactor* QueryService::AddSilence(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* QueryService::ListSilences(grpc::CallbackServerContext* context,
                                                      const v1::ListSilencesRequest*,
                                                      v1::ListSilencesResponse* response) {
-  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list silences"); !allowed.ok()) return Done(context, allowed);
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list silences"); !allowed.ok())
+    return Done(context, allowed);
   if (engine_ == nullptr) return Done(context, NoAlerting());
   for (const alerts::Silence& s : engine_->Silences()) {
     v1::Silence* out = response->add_silences();
@@ -185,7 +173,8 @@ grpc::ServerUnaryReactor* QueryService::ListSilences(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* QueryService::RemoveSilence(grpc::CallbackServerContext* context,
                                                       const v1::RemoveSilenceRequest* request,
                                                       v1::RemoveSilenceResponse*) {
-  if (grpc::Status allowed = Allow(context, Scope::kSilence, "", "remove a silence"); !allowed.ok()) return Done(context, allowed);
+  if (grpc::Status allowed = Allow(context, Scope::kSilence, "", "remove a silence"); !allowed.ok())
+    return Done(context, allowed);
   if (engine_ == nullptr) return Done(context, NoAlerting());
   if (auto s = engine_->RemoveSilence(request->id()); !s.ok()) {
     return Done(context, {grpc::StatusCode::NOT_FOUND, s.message()});
@@ -195,12 +184,13 @@ grpc::ServerUnaryReactor* QueryService::RemoveSilence(grpc::CallbackServerContex
 
 grpc::ServerUnaryReactor* QueryService::Ack(grpc::CallbackServerContext* context, const v1::AckRequest* request,
                                             v1::AckResponse*) {
-  if (grpc::Status allowed = Allow(context, Scope::kAck, "", "ack an alert"); !allowed.ok()) return Done(context, allowed);
+  if (grpc::Status allowed = Allow(context, Scope::kAck, "", "ack an alert"); !allowed.ok())
+    return Done(context, allowed);
   if (engine_ == nullptr) return Done(context, NoAlerting());
   if (auto s = engine_->Ack(request->fingerprint(), request->by(), request->comment(), clock_->UnixSeconds());
       !s.ok()) {
     return Done(context, {s.code() == StatusCode::kNotFound ? grpc::StatusCode::NOT_FOUND
-                                                             : grpc::StatusCode::FAILED_PRECONDITION,
+                                                            : grpc::StatusCode::FAILED_PRECONDITION,
                           s.message()});
   }
   spdlog::info("alert {} acknowledged by '{}': {}", request->fingerprint(), request->by(), request->comment());
@@ -210,7 +200,8 @@ grpc::ServerUnaryReactor* QueryService::Ack(grpc::CallbackServerContext* context
 grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* context,
                                                    const v1::ListAlertsRequest* request,
                                                    v1::ListAlertsResponse* response) {
-  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list alerts"); !allowed.ok()) return Done(context, allowed);
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list alerts"); !allowed.ok())
+    return Done(context, allowed);
   return Done(context, ingest::ListAlerts(sources(), *request, response));
 }
 
@@ -224,29 +215,29 @@ grpc::ServerUnaryReactor* QueryService::ListAlertHistory(grpc::CallbackServerCon
 }
 
 grpc::ServerUnaryReactor* QueryService::ListRuns(grpc::CallbackServerContext* context,
-                                                 const v1::ListRunsRequest* request,
-                                                 v1::ListRunsResponse* response) {
-  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list runs"); !allowed.ok()) return Done(context, allowed);
+                                                 const v1::ListRunsRequest* request, v1::ListRunsResponse* response) {
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "list runs"); !allowed.ok())
+    return Done(context, allowed);
   return Done(context, ingest::ListRuns(sources(), *request, response));
 }
 
-grpc::ServerUnaryReactor* QueryService::GetRun(grpc::CallbackServerContext* context,
-                                               const v1::GetRunRequest* request,
+grpc::ServerUnaryReactor* QueryService::GetRun(grpc::CallbackServerContext* context, const v1::GetRunRequest* request,
                                                v1::RunSummary* response) {
-  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "read a run"); !allowed.ok()) return Done(context, allowed);
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "read a run"); !allowed.ok())
+    return Done(context, allowed);
   return Done(context, ingest::GetRun(sources(), *request, response));
 }
 
 grpc::ServerUnaryReactor* QueryService::GetSeries(grpc::CallbackServerContext* context,
                                                   const v1::GetSeriesRequest* request,
                                                   v1::GetSeriesResponse* response) {
-  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "read a series"); !allowed.ok()) return Done(context, allowed);
+  if (grpc::Status allowed = Allow(context, Scope::kRead, "", "read a series"); !allowed.ok())
+    return Done(context, allowed);
   return Done(context, ingest::GetSeries(sources(), *request, response));
 }
 
 grpc::ServerUnaryReactor* QueryService::Annotate(grpc::CallbackServerContext* context,
-                                                 const v1::AnnotateRequest* request,
-                                                 v1::AnnotateResponse*) {
+                                                 const v1::AnnotateRequest* request, v1::AnnotateResponse*) {
   if (grpc::Status allowed = Allow(context, Scope::kWrite, request->run_id(), "annotate run " + request->run_id());
       !allowed.ok()) {
     return Done(context, allowed);

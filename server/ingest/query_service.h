@@ -1,9 +1,9 @@
 // The Query service: unary calls over the run registry (list, summary, series, annotate).
 #pragma once
 
-#include "gradwatch/v1/gradwatch.grpc.pb.h"
-#include "alerts/state_machine.h"
 #include <functional>
+#include "alerts/state_machine.h"
+#include "gradwatch/v1/gradwatch.grpc.pb.h"
 
 #include "server/core/clock.h"
 #include "server/core/status.h"
@@ -33,14 +33,11 @@ class QueryService final : public v1::Query::CallbackService {
                                      v1::ListRunsResponse* response) override;
   grpc::ServerUnaryReactor* GetRun(grpc::CallbackServerContext* context, const v1::GetRunRequest* request,
                                    v1::RunSummary* response) override;
-  grpc::ServerUnaryReactor* GetSeries(grpc::CallbackServerContext* context,
-                                      const v1::GetSeriesRequest* request,
+  grpc::ServerUnaryReactor* GetSeries(grpc::CallbackServerContext* context, const v1::GetSeriesRequest* request,
                                       v1::GetSeriesResponse* response) override;
-  grpc::ServerUnaryReactor* Annotate(grpc::CallbackServerContext* context,
-                                     const v1::AnnotateRequest* request,
+  grpc::ServerUnaryReactor* Annotate(grpc::CallbackServerContext* context, const v1::AnnotateRequest* request,
                                      v1::AnnotateResponse* response) override;
-  grpc::ServerUnaryReactor* ListAlerts(grpc::CallbackServerContext* context,
-                                       const v1::ListAlertsRequest* request,
+  grpc::ServerUnaryReactor* ListAlerts(grpc::CallbackServerContext* context, const v1::ListAlertsRequest* request,
                                        v1::ListAlertsResponse* response) override;
   grpc::ServerUnaryReactor* ListAlertHistory(grpc::CallbackServerContext* context,
                                              const v1::ListAlertHistoryRequest* request,
@@ -49,11 +46,9 @@ class QueryService final : public v1::Query::CallbackService {
                                         v1::ReloadRulesResponse* response) override;
   grpc::ServerUnaryReactor* AddSilence(grpc::CallbackServerContext* context, const v1::AddSilenceRequest* request,
                                        v1::AddSilenceResponse* response) override;
-  grpc::ServerUnaryReactor* ListSilences(grpc::CallbackServerContext* context,
-                                         const v1::ListSilencesRequest* request,
+  grpc::ServerUnaryReactor* ListSilences(grpc::CallbackServerContext* context, const v1::ListSilencesRequest* request,
                                          v1::ListSilencesResponse* response) override;
-  grpc::ServerUnaryReactor* RemoveSilence(grpc::CallbackServerContext* context,
-                                          const v1::RemoveSilenceRequest* request,
+  grpc::ServerUnaryReactor* RemoveSilence(grpc::CallbackServerContext* context, const v1::RemoveSilenceRequest* request,
                                           v1::RemoveSilenceResponse* response) override;
   grpc::ServerUnaryReactor* Ack(grpc::CallbackServerContext* context, const v1::AckRequest* request,
                                 v1::AckResponse* response) override;

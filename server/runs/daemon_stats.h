@@ -36,9 +36,9 @@ struct DaemonStats {
   std::atomic<uint64_t> messages_received{0};
   std::atomic<uint64_t> samples_received{0};
   std::atomic<uint64_t> journal_dropped_records{0};
-  std::atomic<uint64_t> runs_evicted{0};         // ended runs dropped from memory
-  std::atomic<uint64_t> runs_not_restored{0};    // journaled runs skipped: beyond the budget, or out of memory
-  std::atomic<uint64_t> outbox_pruned_rows{0};   // delivered or given-up notifications deleted
+  std::atomic<uint64_t> runs_evicted{0};              // ended runs dropped from memory
+  std::atomic<uint64_t> runs_not_restored{0};         // journaled runs skipped: beyond the budget, or out of memory
+  std::atomic<uint64_t> outbox_pruned_rows{0};        // delivered or given-up notifications deleted
   std::atomic<uint64_t> analytics_refused_series{0};  // series left without analytics: beyond the budget
   // Step reports held until the ranks a run waits for catch up (runs::Run::AddStep back-pressure).
   std::atomic<uint64_t> held_reports{0};
@@ -49,8 +49,7 @@ struct DaemonStats {
   std::atomic<uint64_t> snapshot_bytes_written{0};
   std::atomic<uint64_t> runs_restored_from_snapshot{0};
   std::array<std::atomic<uint64_t>, kIngestErrorReasonCount> errors{};
-  LatencyHistogram journal_commit_seconds{
-      {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5}};
+  LatencyHistogram journal_commit_seconds{{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5}};
 
   void CountError(IngestErrorReason reason) {
     errors[static_cast<int>(reason)].fetch_add(1, std::memory_order_relaxed);

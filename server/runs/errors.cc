@@ -24,12 +24,10 @@ std::string_view IngestErrorReasonName(IngestErrorReason reason) {
 
 const std::array<IngestErrorReason, 14>& AllIngestErrorReasons() {
   static const std::array<IngestErrorReason, 14> kAll = {
-      IngestErrorReason::kNoHello,         IngestErrorReason::kInvalidHello,
-      IngestErrorReason::kWorldSizeChanged, IngestErrorReason::kCatalogMismatch,
-      IngestErrorReason::kUnknownParam,    IngestErrorReason::kNegativeNorm,
-      IngestErrorReason::kStepRegression,  IngestErrorReason::kStepConflict,
-      IngestErrorReason::kOversized,       IngestErrorReason::kInvalidMessage,
-      IngestErrorReason::kLimitExceeded,   IngestErrorReason::kSuperseded,
+      IngestErrorReason::kNoHello,         IngestErrorReason::kInvalidHello,       IngestErrorReason::kWorldSizeChanged,
+      IngestErrorReason::kCatalogMismatch, IngestErrorReason::kUnknownParam,       IngestErrorReason::kNegativeNorm,
+      IngestErrorReason::kStepRegression,  IngestErrorReason::kStepConflict,       IngestErrorReason::kOversized,
+      IngestErrorReason::kInvalidMessage,  IngestErrorReason::kLimitExceeded,      IngestErrorReason::kSuperseded,
       IngestErrorReason::kLateForStep,     IngestErrorReason::kStorageUnavailable,
   };
   return kAll;

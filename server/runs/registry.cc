@@ -11,7 +11,8 @@ namespace gradwatch::runs {
 
 // Builds runs from what the journal hands out (start-up, or one run coming back). A run it cannot
 // hold (its catalog beyond the memory budget, an allocation failing while it is rebuilt, or rows
-// the journal cannot read) is skipped, with an error logged and counted: the daemon starts without it rather than not at all.
+// the journal cannot read) is skipped, with an error logged and counted: the daemon starts without it rather than not
+// at all.
 class RunRegistry::Loader final : public store::JournalVisitor {
  public:
   Loader(const RunRegistry& registry, bool skip_archived) : registry_(registry), skip_archived_(skip_archived) {}
@@ -31,8 +32,8 @@ class RunRegistry::Loader final : public store::JournalVisitor {
       return false;
     }
     try {
-      auto run = std::make_shared<Run>(meta, registry_.options_, registry_.journal_, registry_.stats_,
-                                       registry_.clock_, false);
+      auto run = std::make_shared<Run>(meta, registry_.options_, registry_.journal_, registry_.stats_, registry_.clock_,
+                                       false);
       run->AdoptCharge(bytes);
       run->RestoreEnded(end);
       runs[meta.run_id] = std::move(run);
@@ -133,8 +134,7 @@ class RunRegistry::Loader final : public store::JournalVisitor {
   const bool skip_archived_;
 };
 
-RunRegistry::RunRegistry(const RunOptions& options, size_t max_runs, DaemonStats* stats,
-                         const Clock* clock)
+RunRegistry::RunRegistry(const RunOptions& options, size_t max_runs, DaemonStats* stats, const Clock* clock)
     : options_(options), max_runs_(max_runs), stats_(stats), clock_(clock) {}
 
 Status RunRegistry::Load() {
@@ -214,16 +214,16 @@ RunRegistry::SnapshotReport RunRegistry::SaveSnapshots(
     Status s = journal_->Flush();
     if (s.ok() && settle && !settle(run->id(), mark->step)) {
       ++report.deferred;
-      spdlog::debug("run {}: snapshot through step {} deferred: the alert states saved do not cover it yet",
-                    run->id(), mark->step);
+      spdlog::debug("run {}: snapshot through step {} deferred: the alert states saved do not cover it yet", run->id(),
+                    mark->step);
       continue;
     }
     if (s.ok()) s = snapshots_->Write(run->id(), payload);
     if (!s.ok()) {
       ++report.failed;
       if (stats_) stats_->snapshot_failures.fetch_add(1, std::memory_order_relaxed);
-      spdlog::warn("run {}: snapshot through step {} not written: {}; a restart replays its journal further",
-                   run->id(), mark->step, s.message());
+      spdlog::warn("run {}: snapshot through step {} not written: {}; a restart replays its journal further", run->id(),
+                   mark->step, s.message());
       continue;
     }
     ++report.written;
@@ -239,8 +239,8 @@ RunRegistry::SnapshotReport RunRegistry::SaveSnapshots(
   return report;
 }
 
-std::shared_ptr<Run> RunRegistry::Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink,
-                                         AttachInfo* info, IngestError* error) {
+std::shared_ptr<Run> RunRegistry::Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink, AttachInfo* info,
+                                         IngestError* error) {
   // A run dropped from memory between Find and its Attach is attached to no more: go again, and
   // the second time it is restored from the journal.
   for (int attempt = 0;; ++attempt) {
@@ -250,8 +250,8 @@ std::shared_ptr<Run> RunRegistry::Attach(const RunMeta& hello, uint32_t rank, St
   }
 }
 
-std::shared_ptr<Run> RunRegistry::AttachOnce(const RunMeta& hello, uint32_t rank, StreamSink* sink,
-                                             AttachInfo* info, IngestError* error) {
+std::shared_ptr<Run> RunRegistry::AttachOnce(const RunMeta& hello, uint32_t rank, StreamSink* sink, AttachInfo* info,
+                                             IngestError* error) {
   std::shared_ptr<Run> run = Find(hello.run_id);
   bool created = false;
   if (!run) {
@@ -259,9 +259,8 @@ std::shared_ptr<Run> RunRegistry::AttachOnce(const RunMeta& hello, uint32_t rank
     run = Find(hello.run_id);
     if (!run) {
       if (!MakeRoom()) {
-        *error = {IngestErrorReason::kLimitExceeded,
-                  "the daemon already holds " + std::to_string(max_runs_) +
-                      " active runs (limits.max_runs); ended runs make room"};
+        *error = {IngestErrorReason::kLimitExceeded, "the daemon already holds " + std::to_string(max_runs_) +
+                                                         " active runs (limits.max_runs); ended runs make room"};
         return nullptr;
       }
       if (journal_ != nullptr) {

@@ -1,8 +1,8 @@
 #include "server/runs/run.h"
 
 #include <algorithm>
-#include <limits>
 #include <cmath>
+#include <limits>
 
 #include <spdlog/spdlog.h>
 
@@ -46,16 +46,15 @@ class DeliverOnExit {
 
 }  // namespace
 
-Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, DaemonStats* stats,
-         const Clock* clock, bool journal_new)
+Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, DaemonStats* stats, const Clock* clock,
+         bool journal_new)
     : id_(meta.run_id),
       options_(options),
       journal_(journal),
       stats_(stats),
       clock_(clock),
       channel_(options.listener != nullptr ? options.listener->Open(meta, !journal_new) : nullptr),
-      assembler_(std::max<uint32_t>(1, meta.world_size), options.assembly_timeout,
-                 options.max_pending_steps),
+      assembler_(std::max<uint32_t>(1, meta.world_size), options.assembly_timeout, options.max_pending_steps),
       ranks_(std::max<uint32_t>(1, meta.world_size)),
       analytics_(
           std::make_unique<RunAnalytics>(options.analytics, AnalyticsCharging{options.budget, stats, meta.run_id})),
@@ -156,16 +155,16 @@ std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello, bool
   for (size_t i = 0; i < common; ++i) {
     if (!SameCatalogEntry(hello.params[i], meta_.params[i])) {
       return IngestError{IngestErrorReason::kCatalogMismatch,
-                         "catalog entry " + std::to_string(i) + " is '" + hello.params[i].name +
-                             "' but the run has '" + meta_.params[i].name +
+                         "catalog entry " + std::to_string(i) + " is '" + hello.params[i].name + "' but the run has '" +
+                             meta_.params[i].name +
                              "' (name, kind and numel must match; new entries may only be appended)"};
     }
   }
   for (size_t i = common; i < hello.params.size(); ++i) {
     if (series_by_key_.count(keys::GradNorm(hello.params[i].name)) != 0) {
-      return IngestError{IngestErrorReason::kCatalogMismatch,
-                         "catalog entry " + std::to_string(i) + " '" + hello.params[i].name +
-                             "' names a parameter or series the run already has"};
+      return IngestError{IngestErrorReason::kCatalogMismatch, "catalog entry " + std::to_string(i) + " '" +
+                                                                  hello.params[i].name +
+                                                                  "' names a parameter or series the run already has"};
     }
   }
   if (meta_.params.size() + (hello.params.size() - common) > options_.max_params) {
@@ -194,12 +193,11 @@ std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>
   if (!prepaid && options_.budget != nullptr) {
     const uint64_t bytes = MemoryBudget::CatalogBytes(params, first);
     if (!options_.budget->TryCharge(bytes)) {
-      return IngestError{IngestErrorReason::kLimitExceeded,
-                         "extending the catalog by " + std::to_string(params.size() - first) +
-                             " parameters needs about " + std::to_string(bytes) +
-                             " bytes, beyond the daemon's memory budget (limits.memory_budget_bytes " +
-                             std::to_string(options_.budget->limit()) + ", " +
-                             std::to_string(options_.budget->used()) + " in use)"};
+      return IngestError{
+          IngestErrorReason::kLimitExceeded,
+          "extending the catalog by " + std::to_string(params.size() - first) + " parameters needs about " +
+              std::to_string(bytes) + " bytes, beyond the daemon's memory budget (limits.memory_budget_bytes " +
+              std::to_string(options_.budget->limit()) + ", " + std::to_string(options_.budget->used()) + " in use)"};
     }
     charged_bytes_ += bytes;
   }
@@ -221,8 +219,7 @@ std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>
   return std::nullopt;
 }
 
-std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink,
-                                       AttachInfo* info) {
+std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink, AttachInfo* info) {
   std::optional<RebuildJob> job;
   {
     DeliverOnExit deliver(channel_);
@@ -273,9 +270,10 @@ bool Run::RewindsLocked(uint64_t from_step, uint32_t rank) const {
 
 Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   const double now = clock_->UnixSeconds();
-  spdlog::info("run {}: resumed from the checkpoint at step {} (world size {} → {}); the branch from there on "
-               "is abandoned",
-               id_, from_step, meta_.world_size, world_size);
+  spdlog::info(
+      "run {}: resumed from the checkpoint at step {} (world size {} → {}); the branch from there on "
+      "is abandoned",
+      id_, from_step, meta_.world_size, world_size);
   // Pending steps below the resume point complete as they are (nobody will report them again).
   assembler_.Rewind(from_step, world_size, [this](const PendingStep& p) {
     mu_.AssertHeld();  // called back synchronously, under this function's lock
@@ -378,8 +376,8 @@ void Run::RebuildAnalytics(RebuildJob job) {
       });
     }
     if (!s.ok()) {
-      spdlog::error("run {}: reading the history kept at the rewind to step {}: {}; analytics miss it",
-                    id_, job.from_step, s.ToString());
+      spdlog::error("run {}: reading the history kept at the rewind to step {}: {}; analytics miss it", id_,
+                    job.from_step, s.ToString());
     }
   }
 
@@ -433,15 +431,15 @@ std::optional<IngestError> Run::ValidateStepLocked(const RankStep& report) {
   seen_scratch_.assign(n, 0);
   for (const ParamContribution& pc : report.params) {
     if (pc.index >= n) {
-      return IngestError{IngestErrorReason::kUnknownParam,
-                         "parameter index " + std::to_string(pc.index) + " is not in the catalog (" +
-                             std::to_string(n) + " entries)",
-                         report.step};
+      return IngestError{
+          IngestErrorReason::kUnknownParam,
+          "parameter index " + std::to_string(pc.index) + " is not in the catalog (" + std::to_string(n) + " entries)",
+          report.step};
     }
     if (seen_scratch_[pc.index]) {
       return IngestError{IngestErrorReason::kInvalidMessage,
-                         "parameter index " + std::to_string(pc.index) + " ('" +
-                             meta_.params[pc.index].name + "') appears twice in one step",
+                         "parameter index " + std::to_string(pc.index) + " ('" + meta_.params[pc.index].name +
+                             "') appears twice in one step",
                          report.step};
     }
     seen_scratch_[pc.index] = 1;
@@ -464,16 +462,14 @@ std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, S
   if (rs.has_received && report.step < rs.last_received) {
     return IngestError{IngestErrorReason::kStepRegression,
                        "step " + std::to_string(report.step) + " is older than step " +
-                           std::to_string(rs.last_received) + " already received from rank " +
-                           std::to_string(rank),
+                           std::to_string(rs.last_received) + " already received from rank " + std::to_string(rank),
                        report.step};
   }
   if (rs.has_received && report.step == rs.last_received) {
     if (rs.has_last_report && !rs.last_report.SameValues(report)) {
       return IngestError{IngestErrorReason::kStepConflict,
-                         "step " + std::to_string(report.step) +
-                             " was already received from rank " + std::to_string(rank) +
-                             " with different values",
+                         "step " + std::to_string(report.step) + " was already received from rank " +
+                             std::to_string(rank) + " with different values",
                          report.step};
     }
     // An idempotent repeat: acknowledge if already durable, else the pending ack covers it.
@@ -499,8 +495,8 @@ std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, S
   if (result == AddResult::kLate) {
     rs.has_last_report = false;
     return IngestError{IngestErrorReason::kLateForStep,
-                       "step " + std::to_string(report.step) +
-                           " was already completed without rank " + std::to_string(rank) +
+                       "step " + std::to_string(report.step) + " was already completed without rank " +
+                           std::to_string(rank) +
                            " (assembly timeout or a later step completed first); this report is not stored",
                        report.step};
   }
@@ -556,9 +552,10 @@ void Run::CompleteLocked(const PendingStep& p) {
   } else if (deferred_.size() < options_.max_pending_steps) {
     deferred_.push_back(out);
   } else {
-    spdlog::warn("run {}: step {} completed while the analytics are rebuilt after a rewind and more than {} "
-                 "steps wait; it is stored but its analytics and alerts are skipped",
-                 id_, out.step, options_.max_pending_steps);
+    spdlog::warn(
+        "run {}: step {} completed while the analytics are rebuilt after a rewind and more than {} "
+        "steps wait; it is stored but its analytics and alerts are skipped",
+        id_, out.step, options_.max_pending_steps);
   }
 
   if (journal_ == nullptr) return;
@@ -647,9 +644,8 @@ void Run::AppendLocked(const CompletedStep& step) {
   if (step.wall_time > 0) last_wall_time_ = step.wall_time;
   if (step.partial) ++partial_steps_;
   client_dropped_steps_ += step.client_dropped_steps;
-  const double t = step.wall_time > 0
-                       ? step.wall_time
-                       : std::chrono::duration<double>(clock_->Now().time_since_epoch()).count();
+  const double t =
+      step.wall_time > 0 ? step.wall_time : std::chrono::duration<double>(clock_->Now().time_since_epoch()).count();
   speed_ring_[speed_count_ % kSpeedWindow] = {t, step.step};
   ++speed_count_;
 }
@@ -675,12 +671,11 @@ std::optional<IngestError> Run::AddEvent(EventRecord event, uint32_t rank, uint6
   }
   if (auto err = StorageRefusalLocked(rank, event.step)) return err;
   last_activity_ = clock_->Now();
-  const auto [first, last] = std::equal_range(
-      events_.begin(), events_.end(), event,
-      [](const EventRecord& a, const EventRecord& b) { return a.step < b.step; });
-  const bool held = std::any_of(first, last, [&event](const EventRecord& e) {
-    return e.text == event.text && e.source == event.source;
-  });
+  const auto [first, last] =
+      std::equal_range(events_.begin(), events_.end(), event,
+                       [](const EventRecord& a, const EventRecord& b) { return a.step < b.step; });
+  const bool held = std::any_of(
+      first, last, [&event](const EventRecord& e) { return e.text == event.text && e.source == event.source; });
   uint64_t record = 0;
   if (held) {
     // A resend: what the run holds was enqueued at the latest by the last record so far.
@@ -718,8 +713,7 @@ void Run::Tick() {
     mu_.AssertHeld();  // called back synchronously, under this function's lock
     CompleteLocked(p);
   });
-  if (!end_.ended() && open_streams_ == 0 && assembler_.pending() == 0 &&
-      now - last_activity_ >= options_.end_after) {
+  if (!end_.ended() && open_streams_ == 0 && assembler_.pending() == 0 && now - last_activity_ >= options_.end_after) {
     end_ = {clock_->UnixSeconds(), EndReason::kInactive, {}};
     spdlog::info("run {}: ended without a Goodbye (no stream and no step for {:.0f} s)", id_,
                  std::chrono::duration<double>(options_.end_after).count());
@@ -888,8 +882,8 @@ RunSummary Run::Summary() const {
   return s;
 }
 
-std::optional<std::vector<store::Point>> Run::QuerySeries(const std::string& key, uint64_t from_step,
-                                                          uint64_t to_step, size_t max_points) const {
+std::optional<std::vector<store::Point>> Run::QuerySeries(const std::string& key, uint64_t from_step, uint64_t to_step,
+                                                          size_t max_points) const {
   MutexLock lock(&mu_);
   auto it = series_by_key_.find(key);
   if (it == series_by_key_.end() || !series_[it->second].data) return std::nullopt;
@@ -945,9 +939,8 @@ void Run::RestoreSilentSince(double unix_seconds) {
   MutexLock lock(&mu_);
   if (open_streams_ > 0 || end_.ended()) return;
   const double ago = std::max(0.0, clock_->UnixSeconds() - unix_seconds);
-  last_activity_ = std::min(
-      last_activity_,
-      clock_->Now() - std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(ago)));
+  last_activity_ = std::min(last_activity_, clock_->Now() - std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                                std::chrono::duration<double>(ago)));
 }
 
 void Run::RestoreEnded(const RunEnd& end) {
@@ -1040,8 +1033,7 @@ std::optional<Run::SnapshotMark> Run::WriteSnapshot(StateWriter& w, std::optiona
 }
 
 std::unique_ptr<RunAnalytics> Run::FreshAnalyticsLocked(const std::vector<bool>& tracked, bool with_events) {
-  auto analytics =
-      std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
+  auto analytics = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   analytics->SetCatalog(meta_.params);
   for (size_t id = 0; id < tracked.size(); ++id) {
     if (tracked[id]) analytics->AddSeries(static_cast<SeriesId>(id), series_[id].key);
@@ -1052,8 +1044,8 @@ std::unique_ptr<RunAnalytics> Run::FreshAnalyticsLocked(const std::vector<bool>&
   return analytics;
 }
 
-bool Run::LoadSnapshotStateLocked(StateReader& in, uint64_t count, const std::vector<bool>& had_data,
-                                  uint64_t* bytes, std::string* why) {
+bool Run::LoadSnapshotStateLocked(StateReader& in, uint64_t count, const std::vector<bool>& had_data, uint64_t* bytes,
+                                  std::string* why) {
   auto fail = [&](std::string reason) {
     *why = std::move(reason);
     return false;
@@ -1095,8 +1087,9 @@ std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, 
                 std::to_string(journal_branch_) + ")");
   }
   if (channel_ && !channel_->AcceptsRestoreThrough(last_step)) {
-    return fail("a listener has not seen the steps it covers (the alerting's saved state, or a remote-write "
-                "receiver, is behind it), so they are published again");
+    return fail(
+        "a listener has not seen the steps it covers (the alerting's saved state, or a remote-write "
+        "receiver, is behind it), so they are published again");
   }
   uint64_t step_count = 0, first_step = 0, partial = 0, nonfinite = 0, last_nonfinite = 0, dropped = 0;
   uint64_t speed_count = 0;
@@ -1124,9 +1117,10 @@ std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, 
   std::string reason;
   if (!LoadSnapshotStateLocked(in, count, had_data, &bytes, &reason)) {
     for (size_t id = 0; id < series_.size(); ++id) {
-      series_[id].data = had_data[id] ? std::make_unique<store::Series>(
-                                            SeriesOptionsLocked(static_cast<SeriesId>(id), series_[id].key))
-                                      : nullptr;
+      series_[id].data =
+          had_data[id]
+              ? std::make_unique<store::Series>(SeriesOptionsLocked(static_cast<SeriesId>(id), series_[id].key))
+              : nullptr;
     }
     analytics_ = FreshAnalyticsLocked(had_data, /*with_events=*/true);
     return fail(std::move(reason));

@@ -134,8 +134,8 @@ class Run {
  public:
   // journal and stats may be null (tests). The run registers its fixed series on creation; when
   // `journal_new` is true it journals the run, its catalog and series (a new run, not a restore).
-  Run(RunMeta meta, const RunOptions& options, store::Journal* journal, DaemonStats* stats,
-      const Clock* clock, bool journal_new);
+  Run(RunMeta meta, const RunOptions& options, store::Journal* journal, DaemonStats* stats, const Clock* clock,
+      bool journal_new);
 
   // Releases what the run was charged to options.budget.
   ~Run();
@@ -180,8 +180,7 @@ class Run {
   //    the rebuild and then run in step order. Without a journal (tests) the analytics restart empty.
   // A Hello without resume_from_step never rewinds: a changed world size is refused, and steps
   // the run holds are still answered with STEP_REGRESSION / STEP_CONFLICT.
-  std::optional<IngestError> Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink,
-                                    AttachInfo* info);
+  std::optional<IngestError> Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink, AttachInfo* info);
   // Detaches `sink` if it is still the one attached to `rank`.
   void Detach(uint32_t rank, StreamSink* sink);
 
@@ -199,8 +198,7 @@ class Run {
   // catches up instead of finding its steps completed without it; a rank that never comes back
   // is cut short by the assembly timeout (Tick), as before. With `held` null (restores, tests),
   // the oldest step is completed as partial.
-  std::optional<IngestError> AddStep(uint32_t rank, const RankStep& report, StreamSink* sink,
-                                     bool* held = nullptr);
+  std::optional<IngestError> AddStep(uint32_t rank, const RankStep& report, StreamSink* sink, bool* held = nullptr);
 
   // Adds an event (from a trainer or an annotation).
   std::optional<IngestError> AddEvent(EventRecord event);
@@ -242,8 +240,8 @@ class Run {
   void MetricsSnapshot(RunMetricsSnapshot& out) const;
   RunSummary Summary() const;
   // nullopt when the key is unknown.
-  std::optional<std::vector<store::Point>> QuerySeries(const std::string& key, uint64_t from_step,
-                                                       uint64_t to_step, size_t max_points) const;
+  std::optional<std::vector<store::Point>> QuerySeries(const std::string& key, uint64_t from_step, uint64_t to_step,
+                                                       size_t max_points) const;
   size_t MemoryBytes() const;
 
   // Restore from the journal (start-up, before any stream).
@@ -358,14 +356,12 @@ class Run {
   RebuildJob RewindLocked(uint64_t from_step, uint32_t world_size) REQUIRES(mu_);
   // Rebuilds the analytics off the lock and installs them, unless a newer rewind came first.
   void RebuildAnalytics(RebuildJob job);
-  std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const
-      REQUIRES(mu_);
+  std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const REQUIRES(mu_);
   void AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info) REQUIRES(mu_);
   // The options of series `id` under `key` (RunOptions::series or param_series).
   const store::SeriesOptions& SeriesOptionsLocked(SeriesId id, std::string_view key) const REQUIRES(mu_);
   // Charges the budget for the new entries unless `prepaid` (the constructor's catalog).
-  std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid)
-      REQUIRES(mu_);
+  std::optional<IngestError> ExtendCatalogLocked(const std::vector<ParamInfo>& params, bool prepaid) REQUIRES(mu_);
   // Whether `rank`'s report of `step` must wait (see AddStep's back-pressure).
   bool MustHoldLocked(uint32_t rank, uint64_t step) const REQUIRES(mu_);
   std::optional<IngestError> ValidateStepLocked(const RankStep& report) REQUIRES(mu_);
@@ -381,15 +377,14 @@ class Run {
   void AddSeriesLocked(SeriesId id, const std::string& key) REQUIRES(mu_);
   // Analytics with no step: the catalog, the series whose `tracked` entry is set and, when
   // with_events, the run's events.
-  std::unique_ptr<RunAnalytics> FreshAnalyticsLocked(const std::vector<bool>& tracked, bool with_events)
-      REQUIRES(mu_);
+  std::unique_ptr<RunAnalytics> FreshAnalyticsLocked(const std::vector<bool>& tracked, bool with_events) REQUIRES(mu_);
   // RestoreSnapshot's body after the counters: reads `count` series and the analytics from `in`
   // into the run, replacing its unstepped ones, and charges their bytes (*bytes). False with *why
   // when the snapshot is refused; the run is then partly replaced.
   // SaveSnapshot and SnapshotBytes: the snapshot through `w`.
   std::optional<SnapshotMark> WriteSnapshot(StateWriter& w, std::optional<SnapshotMark> last) const;
-  bool LoadSnapshotStateLocked(StateReader& in, uint64_t count, const std::vector<bool>& had_data,
-                               uint64_t* bytes, std::string* why) REQUIRES(mu_);
+  bool LoadSnapshotStateLocked(StateReader& in, uint64_t count, const std::vector<bool>& had_data, uint64_t* bytes,
+                               std::string* why) REQUIRES(mu_);
   void AppendLocked(const CompletedStep& step) REQUIRES(mu_);
   // Returns the record's journal number, 0 when it was not journaled (counted as dropped).
   uint64_t JournalLocked(store::JournalRecord record) REQUIRES(mu_);
@@ -419,13 +414,13 @@ class Run {
   std::vector<std::array<SeriesId, kNormFields>> param_series_ GUARDED_BY(mu_);
   std::array<SeriesId, 5> scalar_series_ GUARDED_BY(mu_){};  // total grad, loss, z-loss, lr, tokens
   std::vector<RankState> ranks_ GUARDED_BY(mu_);
-  std::vector<EventRecord> events_ GUARDED_BY(mu_);  // ordered by step
-  std::deque<PendingEventAck> event_acks_ GUARDED_BY(mu_);  // ordered by record
-  std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);  // replaced at a rewind
+  std::vector<EventRecord> events_ GUARDED_BY(mu_);           // ordered by step
+  std::deque<PendingEventAck> event_acks_ GUARDED_BY(mu_);    // ordered by record
+  std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);   // replaced at a rewind
   std::optional<uint64_t> last_resume_step_ GUARDED_BY(mu_);  // the latest rewind's step (journaled)
-  uint64_t branch_ GUARDED_BY(mu_) = 0;  // rewinds in this process's life; tags journal progress
-  uint64_t journal_branch_ GUARDED_BY(mu_) = 0;  // rewinds the journal holds (RestoreBranch)
-  bool rebuilding_ GUARDED_BY(mu_) = false;  // a rewind's analytics rebuild is running off the lock
+  uint64_t branch_ GUARDED_BY(mu_) = 0;                       // rewinds in this process's life; tags journal progress
+  uint64_t journal_branch_ GUARDED_BY(mu_) = 0;               // rewinds the journal holds (RestoreBranch)
+  bool rebuilding_ GUARDED_BY(mu_) = false;                   // a rewind's analytics rebuild is running off the lock
   // Steps completed while rebuilding, for the rebuilt analytics; at most max_pending_steps.
   std::vector<CompletedStep> deferred_ GUARDED_BY(mu_);
   uint32_t open_streams_ GUARDED_BY(mu_) = 0;
@@ -450,7 +445,7 @@ class Run {
   std::array<std::pair<double, uint64_t>, kSpeedWindow> speed_ring_ GUARDED_BY(mu_){};
   size_t speed_count_ GUARDED_BY(mu_) = 0;
 
-  CompletedStep scratch_ GUARDED_BY(mu_);  // reused for every completed step
+  CompletedStep scratch_ GUARDED_BY(mu_);              // reused for every completed step
   std::vector<uint8_t> seen_scratch_ GUARDED_BY(mu_);  // reused by ValidateStepLocked
 };
 

@@ -45,14 +45,13 @@ void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
     const std::string group(p.EffectiveGroup());
     auto g = std::find_if(groups_.begin(), groups_.end(), [&](const GroupState& s) { return s.name == group; });
     if (g == groups_.end()) {
-      groups_.push_back({group, std::make_unique<analytics::WindowedSlope>(options_.forecast_window_steps,
-                                                                           options_.max_buckets)});
+      groups_.push_back(
+          {group, std::make_unique<analytics::WindowedSlope>(options_.forecast_window_steps, options_.max_buckets)});
       g = groups_.end() - 1;
     }
     state.group = static_cast<int>(g - groups_.begin());
     state.init_norm = analytics::InitNorm(p);
-    state.share_trend =
-        std::make_unique<analytics::WindowedSlope>(options_.forecast_window_steps, ShareBucketsFor(p));
+    state.share_trend = std::make_unique<analytics::WindowedSlope>(options_.forecast_window_steps, ShareBucketsFor(p));
     param_state_.push_back(std::move(state));
     params_.push_back(p);
     group_of_param_.push_back(static_cast<uint32_t>(param_state_.back().group));
@@ -71,8 +70,7 @@ void RunAnalytics::ClassifyLocked(Tracked& t) const {
   t.param = -1;
   if (t.key == keys::kTotalGradNorm) {
     t.role = Role::kTotalGrad;
-  } else if (t.key == keys::kLoss || t.key == keys::kZLoss || t.key == keys::kLearningRate ||
-             t.key == keys::kTokens) {
+  } else if (t.key == keys::kLoss || t.key == keys::kZLoss || t.key == keys::kLearningRate || t.key == keys::kTokens) {
     t.role = Role::kScalar;
   } else {
     struct Prefix {
@@ -163,12 +161,13 @@ bool RunAnalytics::Materialize(Tracked& t) {
       charging_.stats->analytics_refused_series.fetch_add(1, std::memory_order_relaxed);
     }
     if (refused_series_ == 1) {
-      spdlog::warn("run {}: series {} gets no analytics (slopes, slope changes, forecasts): its trackers need "
-                   "about {} bytes, beyond the memory budget ({} of {} bytes in use); its points are still "
-                   "stored. Further series of this run refused for memory are only counted "
-                   "(gradwatch_analytics_refused_series_total)",
-                   charging_.run_id, t.key, bytes, charging_.budget != nullptr ? charging_.budget->used() : 0,
-                   charging_.budget != nullptr ? charging_.budget->limit() : 0);
+      spdlog::warn(
+          "run {}: series {} gets no analytics (slopes, slope changes, forecasts): its trackers need "
+          "about {} bytes, beyond the memory budget ({} of {} bytes in use); its points are still "
+          "stored. Further series of this run refused for memory are only counted "
+          "(gradwatch_analytics_refused_series_total)",
+          charging_.run_id, t.key, bytes, charging_.budget != nullptr ? charging_.budget->used() : 0,
+          charging_.budget != nullptr ? charging_.budget->limit() : 0);
     }
     return false;
   }
@@ -183,8 +182,8 @@ bool RunAnalytics::Materialize(Tracked& t) {
     t.detector = std::make_unique<analytics::SlopeChangeDetector>(options_.change_points);
     t.events.reserve(events_.size());
     for (const EventRecord& e : events_) {
-      t.events.emplace_back(e.text, analytics::EventSlope(e.step, options_.event_window_steps,
-                                                          options_.event_min_after_samples));
+      t.events.emplace_back(
+          e.text, analytics::EventSlope(e.step, options_.event_window_steps, options_.event_min_after_samples));
     }
   }
   return true;
@@ -198,7 +197,7 @@ void RunAnalytics::OnEvent(const EventRecord& event) {
   };
   const auto pos = std::lower_bound(events_.begin(), events_.end(), event, before);
   if (pos != events_.end() && pos->step == event.step && pos->text == event.text) return;  // held
-  if (events_.size() >= options_.max_events && pos == events_.begin()) return;  // older than those kept
+  if (events_.size() >= options_.max_events && pos == events_.begin()) return;             // older than those kept
   const auto index = pos - events_.begin();
   events_.insert(pos, event);
   const bool evict = events_.size() > options_.max_events;

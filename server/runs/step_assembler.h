@@ -24,7 +24,7 @@ struct PendingStep {
   SteadyTime first_seen{};
   double wall_time = 0;  // the latest wall time any rank reported
   uint32_t ranks_reported = 0;
-  bool partial = false;  // set when completed without every rank
+  bool partial = false;                                     // set when completed without every rank
   std::vector<uint8_t> rank_seen;                           // per rank
   std::vector<std::pair<uint32_t, uint64_t>> contributors;  // (rank, seq)
 
@@ -122,8 +122,7 @@ void StepAssembler::CompleteFront(OnComplete& on_complete) {
 }
 
 template <typename OnComplete>
-AddResult StepAssembler::Add(uint32_t rank, const RankStep& report, SteadyTime now,
-                             OnComplete&& on_complete) {
+AddResult StepAssembler::Add(uint32_t rank, const RankStep& report, SteadyTime now, OnComplete&& on_complete) {
   if (has_completed_ && report.step <= last_completed_step_) return AddResult::kLate;
   PendingStep* p = FindOrInsert(report.step, now);
   if (p->rank_seen[rank]) return AddResult::kDuplicate;

@@ -8,8 +8,8 @@
 #include <optional>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 #include "alerts/notify/payloads.h"
 
@@ -384,8 +384,8 @@ notify::Result<alerts::SavedState> AlertStore::LoadState() {
       try {
         inst.ack = AckFromJson(q.Text(8));
       } catch (const nlohmann::json::exception& e) {
-        spdlog::error("alert store: the acknowledgement of alert {} cannot be read, it is dropped: {}",
-                      fingerprint, e.what());
+        spdlog::error("alert store: the acknowledgement of alert {} cannot be read, it is dropped: {}", fingerprint,
+                      e.what());
       }
     }
     saved.instances.push_back(std::move(inst));
@@ -551,8 +551,7 @@ notify::Status AlertStore::MarkDelivered(uint64_t id) { return SetState(id, kDel
 
 notify::Status AlertStore::MarkFailed(uint64_t id, std::string_view error) { return SetState(id, kFailed, error); }
 
-notify::Status AlertStore::MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts,
-                                       std::string_view error) {
+notify::Status AlertStore::MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts, std::string_view error) {
   MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
   auto update = StatementLocked("UPDATE outbox SET attempts = ?, next_attempt_at = ?, error = ? WHERE id = ?");

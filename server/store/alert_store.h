@@ -31,8 +31,8 @@ class AlertStore final : public notify::Outbox {
   // A row that cannot be read (bad JSON) is skipped with an error in the log: one damaged alert
   // must not keep the daemon from starting.
   notify::Result<alerts::SavedState> LoadState() override EXCLUDES(mu_);
-  notify::Result<std::vector<notify::OutboxEntry>> Pending(std::string_view receiver, size_t limit,
-                                                           double now) override EXCLUDES(mu_);
+  notify::Result<std::vector<notify::OutboxEntry>> Pending(std::string_view receiver, size_t limit, double now) override
+      EXCLUDES(mu_);
   notify::Result<uint64_t> PendingCount(std::string_view receiver) override EXCLUDES(mu_);
   notify::Status MarkDelivered(uint64_t id) override EXCLUDES(mu_);
   notify::Status MarkFailed(uint64_t id, std::string_view error) override EXCLUDES(mu_);
@@ -55,7 +55,7 @@ class AlertStore final : public notify::Outbox {
 
  private:
   AlertStore(std::string path, sqlite::Database db);
-  notify::Status FollowFileLocked() REQUIRES(mu_);  // see Open
+  notify::Status FollowFileLocked() REQUIRES(mu_);                               // see Open
   notify::Status ApplyLocked(const alerts::StateChanges& states) REQUIRES(mu_);  // inside a transaction
   notify::Status SetState(uint64_t id, int state, std::string_view error) EXCLUDES(mu_);
   // The statement of `sql` (a string literal), prepared once per connection: preparing the eight

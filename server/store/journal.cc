@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <spdlog/spdlog.h>
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -19,7 +20,6 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 #include <string_view>
 #include <system_error>
 #include <type_traits>
@@ -204,9 +204,7 @@ std::string LabelsJson(const std::map<std::string, std::string>& labels) {
 
 std::string ConfigJson(const RunConfig& config) {
   try {
-    json j = {{"hidden_size", config.hidden_size},
-              {"optimizer", config.optimizer},
-              {"extra", config.extra}};
+    json j = {{"hidden_size", config.hidden_size}, {"optimizer", config.optimizer}, {"extra", config.extra}};
     if (config.z_loss_coef) j["z_loss_coef"] = *config.z_loss_coef;
     if (config.weight_decay) j["weight_decay"] = *config.weight_decay;
     return Dump(j);
@@ -234,8 +232,7 @@ bool ParseOptionalDouble(const json& j, const char* key, std::optional<double>& 
   return true;
 }
 
-Status ParseLabels(const std::string& text, const std::string& run_id,
-                   std::map<std::string, std::string>& out) {
+Status ParseLabels(const std::string& text, const std::string& run_id, std::map<std::string, std::string>& out) {
   try {
     const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (!j.is_discarded() && ParseStringMap(j, out)) return Status::Ok();
@@ -336,8 +333,10 @@ void ScanWal(const std::string& wal_path, RecoveryReport& report) {
       if (c0 == GetBe32(frame.data() + 16) && c1 == GetBe32(frame.data() + 20)) {
         s0 = c0, s1 = c1;
         ++valid;
-        if (GetBe32(frame.data() + 4) != 0) committed = valid, after_commit = 0;
-        else ++after_commit;
+        if (GetBe32(frame.data() + 4) != 0)
+          committed = valid, after_commit = 0;
+        else
+          ++after_commit;
         continue;
       }
       broken = true;
@@ -350,7 +349,8 @@ void ScanWal(const std::string& wal_path, RecoveryReport& report) {
     report.detail += std::to_string(after_commit) + " WAL frame(s) after the last good transaction (frame " +
                      std::to_string(committed) + ") are discarded" +
                      (report.corrupt_tail ? ": the tail is damaged (bad checksum or torn frame)"
-                                          : ": a transaction that never committed") + ". ";
+                                          : ": a transaction that never committed") +
+                     ". ";
   }
 }
 
@@ -378,8 +378,8 @@ struct Journal::Statements {
   sqlite::Statement insert_run, insert_param, insert_series, insert_step, upsert_progress, insert_event, end_run;
   sqlite::Statement count_rewinds, insert_rewind, abandon_steps, delete_steps, abandon_events, delete_events,
       rewind_progress, drop_progress, set_world_size;
-  sqlite::Statement prune_candidates, prune_steps, prune_events, prune_series, prune_params, prune_progress,
-      prune_run, prune_rewinds, prune_abandoned_steps, prune_abandoned_events, prune_blocks, prune_old_branch_steps,
+  sqlite::Statement prune_candidates, prune_steps, prune_events, prune_series, prune_params, prune_progress, prune_run,
+      prune_rewinds, prune_abandoned_steps, prune_abandoned_events, prune_blocks, prune_old_branch_steps,
       prune_old_branch_events;
   sqlite::Statement last_block, count_raw_after, raw_after, insert_block, delete_raw, blocks_from, delete_block,
       insert_abandoned_step;
@@ -402,25 +402,19 @@ struct Journal::Statements {
          "INSERT INTO rank_progress(run_id, rank, step, seq) VALUES(?1, ?2, ?3, ?4) "
          "ON CONFLICT(run_id, rank) DO UPDATE SET step = max(step, excluded.step), "
          "seq = max(seq, excluded.seq)"},
-        {&insert_event,
-         "INSERT INTO events(run_id, step, text, source, recorded_at) VALUES(?1, ?2, ?3, ?4, ?5)"},
-        {&end_run,
-         "UPDATE runs SET ended_at = ?2, end_reason = ?3, end_message = ?4 WHERE run_id = ?1"},
+        {&insert_event, "INSERT INTO events(run_id, step, text, source, recorded_at) VALUES(?1, ?2, ?3, ?4, ?5)"},
+        {&end_run, "UPDATE runs SET ended_at = ?2, end_reason = ?3, end_message = ?4 WHERE run_id = ?1"},
         {&prune_candidates,
          "SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?1 ORDER BY ended_at LIMIT 64"},
         {&prune_steps,
          "DELETE FROM steps WHERE run_id = ?1 AND step IN "
          "(SELECT step FROM steps WHERE run_id = ?1 ORDER BY step LIMIT ?2)"},
-        {&prune_events,
-         "DELETE FROM events WHERE id IN (SELECT id FROM events WHERE run_id = ?1 LIMIT ?2)"},
-        {&prune_series,
-         "DELETE FROM series WHERE rowid IN (SELECT rowid FROM series WHERE run_id = ?1 LIMIT ?2)"},
-        {&prune_params,
-         "DELETE FROM params WHERE rowid IN (SELECT rowid FROM params WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_events, "DELETE FROM events WHERE id IN (SELECT id FROM events WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_series, "DELETE FROM series WHERE rowid IN (SELECT rowid FROM series WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_params, "DELETE FROM params WHERE rowid IN (SELECT rowid FROM params WHERE run_id = ?1 LIMIT ?2)"},
         {&prune_progress,
          "DELETE FROM rank_progress WHERE rowid IN (SELECT rowid FROM rank_progress WHERE run_id = ?1 LIMIT ?2)"},
-        {&prune_rewinds,
-         "DELETE FROM rewinds WHERE rowid IN (SELECT rowid FROM rewinds WHERE run_id = ?1 LIMIT ?2)"},
+        {&prune_rewinds, "DELETE FROM rewinds WHERE rowid IN (SELECT rowid FROM rewinds WHERE run_id = ?1 LIMIT ?2)"},
         {&prune_abandoned_steps,
          "DELETE FROM abandoned_steps WHERE run_id = ?1 AND (branch, step) IN "
          "(SELECT branch, step FROM abandoned_steps WHERE run_id = ?1 ORDER BY branch, step LIMIT ?2)"},
@@ -510,9 +504,9 @@ struct Journal::Connection {
 namespace {
 
 // The tables that hold runs' rows, each with a run_id column: copied run by run when salvaging.
-constexpr std::array<const char*, 10> kRunTables = {"runs",    "params",  "series",          "steps",
-                                                    "rank_progress", "events", "rewinds", "abandoned_steps",
-                                                    "abandoned_events", "step_blocks"};
+constexpr std::array<const char*, 10> kRunTables = {
+    "runs",    "params",          "series",           "steps",      "rank_progress", "events",
+    "rewinds", "abandoned_steps", "abandoned_events", "step_blocks"};
 constexpr auto kIdleFileCheck = std::chrono::seconds(1);
 
 bool FileId(const std::string& path, uint64_t& dev, uint64_t& ino) {
@@ -753,8 +747,8 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options, 
   std::error_code ec;
   const std::filesystem::path dir = std::filesystem::path(options.path).parent_path();
   if (!dir.empty() && !std::filesystem::is_directory(dir, ec)) {
-    return Status::IoError("cannot open journal '" + options.path + "': directory '" +
-                           dir.string() + "' does not exist");
+    return Status::IoError("cannot open journal '" + options.path + "': directory '" + dir.string() +
+                           "' does not exist");
   }
 
   // Before SQLite opens the files: its recovery rewrites the WAL index and forgets what it dropped.
@@ -763,7 +757,8 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options, 
   if (had_db && std::filesystem::exists(options.path + "-shm", ec) &&
       !std::filesystem::exists(options.path + "-wal", ec)) {
     recovery.wal_missing = true;
-    recovery.detail += "the WAL (" + options.path + "-wal) is missing after an unclean stop: transactions "
+    recovery.detail += "the WAL (" + options.path +
+                       "-wal) is missing after an unclean stop: transactions "
                        "since the last checkpoint are lost. ";
   }
   ScanWal(options.path + "-wal", recovery);
@@ -797,12 +792,12 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options, 
     if (recovery.lost_run_ids.size() > 20) lost += ", ...";
     std::string tables;
     for (const std::string& t : recovery.lost_tables) tables += (tables.empty() ? "" : ", ") + t;
-    spdlog::error("journal '{}' is damaged: {}its files were moved aside to {} (kept for inspection) and a fresh "
-                  "journal started; salvaged {} run(s), lost {} run(s){}{}; trainers resend what they did not "
-                  "see acknowledged",
-                  options.path, recovery.detail, files, recovery.salvaged_runs, recovery.lost_runs,
-                  lost.empty() ? "" : " (" + lost + ")",
-                  tables.empty() ? "" : "; tables not salvaged: " + tables);
+    spdlog::error(
+        "journal '{}' is damaged: {}its files were moved aside to {} (kept for inspection) and a fresh "
+        "journal started; salvaged {} run(s), lost {} run(s){}{}; trainers resend what they did not "
+        "see acknowledged",
+        options.path, recovery.detail, files, recovery.salvaged_runs, recovery.lost_runs,
+        lost.empty() ? "" : " (" + lost + ")", tables.empty() ? "" : "; tables not salvaged: " + tables);
   } else if (recovery.wal_missing || recovery.corrupt_tail || recovery.damaged) {
     spdlog::error("journal '{}': recovered with losses: {}", options.path, recovery.detail);
   } else if (!recovery.ok()) {
@@ -917,9 +912,10 @@ void Journal::NoteFailureLocked(const Status& status, size_t held) {
     storage_faults_.fetch_add(1, std::memory_order_relaxed);
     fault_started_ = Clock::now();
     retry_delay_ = kFirstRetryDelay;
-    spdlog::error("journal '{}': storage fault, commits are retried and nothing more is acked until "
-                  "one succeeds ({} records held): {}",
-                  options_.path, held, status.ToString());
+    spdlog::error(
+        "journal '{}': storage fault, commits are retried and nothing more is acked until "
+        "one succeeds ({} records held): {}",
+        options_.path, held, status.ToString());
   }
 }
 
@@ -985,8 +981,8 @@ void Journal::Run() {
         // Shutting down with storage that still fails: these records were never acked, so
         // their ranks resend them to the next daemon.
         dropped_records_.fetch_add(batch.size(), std::memory_order_relaxed);
-        spdlog::error("journal '{}': {} records not committed at shutdown; they were never acknowledged",
-                      options_.path, batch.size());
+        spdlog::error("journal '{}': {} records not committed at shutdown; they were never acknowledged", options_.path,
+                      batch.size());
         mu_.Unlock();
         break;
       }
@@ -1039,13 +1035,12 @@ void Journal::PruneOnce() {
   Status pruned;
   {
     MutexLock db_lock(&db_mu_);
-    pruned = !db_.is_open() ? Status::FailedPrecondition("journal is closed")
-                            : PruneBatchLocked(options_.prune_batch_rows);
+    pruned =
+        !db_.is_open() ? Status::FailedPrecondition("journal is closed") : PruneBatchLocked(options_.prune_batch_rows);
   }
   mu_.Lock();
   if (!pruned.ok()) {
-    spdlog::error("journal '{}': pruning failed, retried at the next cutoff: {}", options_.path,
-                  pruned.ToString());
+    spdlog::error("journal '{}': pruning failed, retried at the next cutoff: {}", options_.path, pruned.ToString());
     prune_due_ = false;
   }
 }
@@ -1147,10 +1142,11 @@ Status Journal::RebuildLocked(const std::string& why) {
   rebuilds_.fetch_add(1, std::memory_order_relaxed);
   std::string aside;
   for (const std::string& f : moved) aside += (aside.empty() ? "" : ", ") + f;
-  spdlog::error("journal '{}' rebuilt in {:.2f} s from the open connection after: {}; every committed record is "
-                "kept{}",
-                options_.path, std::chrono::duration<double>(Clock::now() - start).count(), why,
-                aside.empty() ? "" : "; the files found at its paths were moved to " + aside);
+  spdlog::error(
+      "journal '{}' rebuilt in {:.2f} s from the open connection after: {}; every committed record is "
+      "kept{}",
+      options_.path, std::chrono::duration<double>(Clock::now() - start).count(), why,
+      aside.empty() ? "" : "; the files found at its paths were moved to " + aside);
   return Status::Ok();
 }
 
@@ -1178,8 +1174,8 @@ Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) 
     if (const auto* step = std::get_if<StepJournalRecord>(&record)) {
       MergeProgress(step->progress, progress);
     } else if (const auto* end = std::get_if<RunEndedRecord>(&record)) {
-      const bool clean = end->ended_at != 0 &&
-                         (end->reason == EndReason::kFinished || end->reason == EndReason::kStopped);
+      const bool clean =
+          end->ended_at != 0 && (end->reason == EndReason::kFinished || end->reason == EndReason::kStopped);
       if (clean) report.clean_ends.push_back(end->run_id);
     }
   }
@@ -1218,9 +1214,7 @@ Status Journal::Apply(const JournalRecord& record) {
             use.Bind(7, p.init_norm);
             use.Bind(8, p.role);
             use.Bind(9, p.group);
-            if (Status s = use.Run("journal: writing parameter '" + p.name + "' of run '" +
-                                   r.run_id + "'");
-                !s.ok()) {
+            if (Status s = use.Run("journal: writing parameter '" + p.name + "' of run '" + r.run_id + "'"); !s.ok()) {
               return s;
             }
           }
@@ -1242,8 +1236,8 @@ Status Journal::Apply(const JournalRecord& record) {
             use.Bind(5, r.step.ranks_reported);
             use.Bind(6, r.step.client_dropped_steps);
             use.BindBlob(7, st.scratch);
-            if (Status s = use.Run("journal: writing step " + std::to_string(r.step.step) +
-                                   " of run '" + r.run_id + "'");
+            if (Status s =
+                    use.Run("journal: writing step " + std::to_string(r.step.step) + " of run '" + r.run_id + "'");
                 !s.ok()) {
               return s;
             }
@@ -1256,8 +1250,8 @@ Status Journal::Apply(const JournalRecord& record) {
             use.Bind(2, p.rank);
             use.Bind(3, p.step);
             use.Bind(4, p.seq);
-            if (Status s = use.Run("journal: writing progress of rank " + std::to_string(p.rank) +
-                                   " of run '" + p.run_id + "'");
+            if (Status s = use.Run("journal: writing progress of rank " + std::to_string(p.rank) + " of run '" +
+                                   p.run_id + "'");
                 !s.ok()) {
               return s;
             }
@@ -1303,8 +1297,8 @@ Status ReadStepRow(sqlite::Query& row, const std::string& run_id, CompletedStep&
   step.client_dropped_steps = row.Unsigned(4);
   const std::string_view blob = row.Blob(5);
   if (!DecodeValues(blob, step.values)) {
-    return Status::Internal("journal: run '" + run_id + "' step " + std::to_string(step.step) +
-                            ": value blob of " + std::to_string(blob.size()) + " bytes is not a whole number of " +
+    return Status::Internal("journal: run '" + run_id + "' step " + std::to_string(step.step) + ": value blob of " +
+                            std::to_string(blob.size()) + " bytes is not a whole number of " +
                             std::to_string(kValueEntryBytes) + "-byte entries");
   }
   return Status::Ok();
@@ -1624,8 +1618,7 @@ struct Journal::Reader {
         {&steps,
          "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
          "WHERE run_id = ?1 AND step < ?2 AND step >= ?3 ORDER BY step"},
-        {&events,
-         "SELECT step, text, source, recorded_at FROM events WHERE run_id = ?1 ORDER BY id"},
+        {&events, "SELECT step, text, source, recorded_at FROM events WHERE run_id = ?1 ORDER BY id"},
     };
     for (const auto& [stmt, sql] : all) {
       auto prepared = db.Prepare(sql);
@@ -1660,12 +1653,12 @@ struct Journal::Reader {
       while (q.Next(&status, "journal: reading parameters of run '" + meta.run_id + "'")) {
         const int64_t idx = q.Int(0);
         if (idx < 0 || idx >= kMaxParamIndex) {
-          return Status::Internal("journal: run '" + meta.run_id + "': parameter index " +
-                                  std::to_string(idx) + " is out of range");
+          return Status::Internal("journal: run '" + meta.run_id + "': parameter index " + std::to_string(idx) +
+                                  " is out of range");
         }
         if (static_cast<size_t>(idx) > meta.params.size()) {
-          spdlog::warn("journal: run '{}': parameters {}..{} are missing; keeping their slots",
-                       meta.run_id, meta.params.size(), idx - 1);
+          spdlog::warn("journal: run '{}': parameters {}..{} are missing; keeping their slots", meta.run_id,
+                       meta.params.size(), idx - 1);
         }
         meta.params.resize(std::max(meta.params.size(), static_cast<size_t>(idx) + 1));
         ParamInfo& p = meta.params[static_cast<size_t>(idx)];
@@ -1693,8 +1686,8 @@ struct Journal::Reader {
       sqlite::Query q(progress);
       q.Bind(1, meta.run_id);
       while (q.Next(&status, "journal: reading progress of run '" + meta.run_id + "'")) {
-        visitor.OnRankProgress(RankProgress{meta.run_id, static_cast<uint32_t>(q.Int(0)),
-                                            q.Unsigned(1), q.Unsigned(2)});
+        visitor.OnRankProgress(
+            RankProgress{meta.run_id, static_cast<uint32_t>(q.Int(0)), q.Unsigned(1), q.Unsigned(2)});
       }
       if (!status.ok()) return status;
     }
@@ -1915,9 +1908,9 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
     // Blocks may remain: the run's other rows wait for the next transaction.
     if (changes == static_cast<uint64_t>(limit)) deleted = std::max<uint64_t>(deleted, max_rows);
   }
-  for (sqlite::Statement* del : {&st.prune_steps, &st.prune_events, &st.prune_series, &st.prune_params,
-                                 &st.prune_progress, &st.prune_rewinds, &st.prune_abandoned_steps,
-                                 &st.prune_abandoned_events}) {
+  for (sqlite::Statement* del :
+       {&st.prune_steps, &st.prune_events, &st.prune_series, &st.prune_params, &st.prune_progress, &st.prune_rewinds,
+        &st.prune_abandoned_steps, &st.prune_abandoned_events}) {
     if (deleted >= max_rows) break;
     sqlite::Query use(*del);
     use.Bind(1, pruning_run_);

@@ -4,8 +4,8 @@
 // value instead of 12. A rewind (a run resumed from a checkpoint)
 // moves the run's steps and events from the resume step on into abandoned_steps /
 // abandoned_events, numbered by the branch they belonged to (0 for the run's first), so the
-// abandoned branch stays inspectable but is never mixed with the new one nor returned by Load. Callers enqueue without blocking on I/O; after
-// each commit the journal reports the durable progress so that acks can go out.
+// abandoned branch stays inspectable but is never mixed with the new one nor returned by Load. Callers enqueue without
+// blocking on I/O; after each commit the journal reports the durable progress so that acks can go out.
 #pragma once
 
 #include <atomic>
@@ -85,7 +85,7 @@ struct EventJournalRecord {
 };
 struct RunEndedRecord {
   std::string run_id;
-  double ended_at = 0;  // seconds since the Unix epoch; 0 marks the run active again
+  double ended_at = 0;                      // seconds since the Unix epoch; 0 marks the run active again
   EndReason reason = EndReason::kInactive;  // ignored when ended_at is 0
   std::string message;                      // the Goodbye's message
 };
@@ -100,8 +100,8 @@ struct RewindRecord {
   double rewound_at = 0;  // seconds since the Unix epoch
 };
 
-using JournalRecord = std::variant<RunRecord, ParamsRecord, SeriesRecord, StepJournalRecord,
-                                   EventJournalRecord, RunEndedRecord, RewindRecord>;
+using JournalRecord = std::variant<RunRecord, ParamsRecord, SeriesRecord, StepJournalRecord, EventJournalRecord,
+                                   RunEndedRecord, RewindRecord>;
 
 struct CommitReport {
   size_t records = 0;
@@ -316,7 +316,7 @@ class Journal {
 
   void Run() EXCLUDES(db_mu_, mu_);
   Status Commit(std::vector<JournalRecord>& batch, CommitReport& report) EXCLUDES(db_mu_);
-  Status Apply(const JournalRecord& record) REQUIRES(db_mu_);  // inside a transaction
+  Status Apply(const JournalRecord& record) REQUIRES(db_mu_);       // inside a transaction
   Status ApplyRewind(const RewindRecord& record) REQUIRES(db_mu_);  // likewise
   // The run's blocks from `from_step` on: their steps before it become a smaller block, the others
   // rows of the abandoned branch. Inside the rewind's transaction.
@@ -327,8 +327,8 @@ class Journal {
   void SealDue() EXCLUDES(db_mu_);
   Status SealRunLocked(const std::string& run_id) REQUIRES(db_mu_);
   // Encodes `steps` (one run's, in step order, at least one) into a block row.
-  Status InsertBlockLocked(const std::string& run_id, const std::vector<CompletedStep>& steps,
-                           const std::string& what) REQUIRES(db_mu_);
+  Status InsertBlockLocked(const std::string& run_id, const std::vector<CompletedStep>& steps, const std::string& what)
+      REQUIRES(db_mu_);
   // Fails when the database or its WAL is gone or replaced since it was opened.
   Status CheckFilesLocked() REQUIRES(db_mu_);
   // CheckFilesLocked, and when the files are lost, rebuilds them (see the class comment).
@@ -360,7 +360,7 @@ class Journal {
   std::unique_ptr<Statements> statements_ GUARDED_BY(db_mu_);
   uint64_t db_dev_ GUARDED_BY(db_mu_) = 0, db_ino_ GUARDED_BY(db_mu_) = 0;    // the database file open
   uint64_t wal_dev_ GUARDED_BY(db_mu_) = 0, wal_ino_ GUARDED_BY(db_mu_) = 0;  // its WAL
-  std::string pruning_run_ GUARDED_BY(db_mu_);  // the run being pruned, if any
+  std::string pruning_run_ GUARDED_BY(db_mu_);                                // the run being pruned, if any
   // Per run the writer touched: steps at or below sealed_through are in blocks (none when
   // !sealed), and raw_after step rows lie above it. Learnt from the database at the run's first
   // step since open; an over-count (a rolled-back commit) only costs a seal that finds too few.
@@ -383,9 +383,9 @@ class Journal {
   std::atomic<uint64_t> pruned_rows_{0};
 
   mutable Mutex mu_ ACQUIRED_AFTER(held_mu_);
-  CondVar cv_;          // wakes the writer thread
-  CondVar flushed_cv_;  // wakes Flush() waiters
-  std::vector<JournalRecord> queue_ GUARDED_BY(mu_);  // swapped with the writer's batch
+  CondVar cv_;                                                 // wakes the writer thread
+  CondVar flushed_cv_;                                         // wakes Flush() waiters
+  std::vector<JournalRecord> queue_ GUARDED_BY(mu_);           // swapped with the writer's batch
   std::vector<StepJournalRecord> free_steps_ GUARDED_BY(mu_);  // committed records for reuse
   uint64_t enqueued_ GUARDED_BY(mu_) = 0;
   uint64_t committed_ GUARDED_BY(mu_) = 0;  // records committed, or given up at Stop

@@ -43,8 +43,7 @@ void MergeInto(Point& a, const Point& b) {
     a.max = b.max;
   } else if (finite_b != 0) {
     // Incremental form: stays within [min, max] and does not overflow for large magnitudes.
-    a.mean += (b.mean - a.mean) * (static_cast<double>(finite_b) /
-                                   static_cast<double>(finite_a + finite_b));
+    a.mean += (b.mean - a.mean) * (static_cast<double>(finite_b) / static_cast<double>(finite_a + finite_b));
     a.min = std::min(a.min, b.min);
     a.max = std::max(a.max, b.max);
   }

@@ -524,9 +524,7 @@ bool PointLog::LoadState(StateReader& in) {
   return true;
 }
 
-size_t PointLog::MemoryBytes() const {
-  return slots_.size() * kChunkBytes + slots_.capacity() * sizeof(Chunk);
-}
+size_t PointLog::MemoryBytes() const { return slots_.size() * kChunkBytes + slots_.capacity() * sizeof(Chunk); }
 
 size_t PointLog::MaxMemoryBytes(size_t points, size_t max_bits) {
   // A chunk is closed only when the next point does not fit: it then holds more than

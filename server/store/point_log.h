@@ -110,12 +110,12 @@ class PointLog {
   };
   // What coding the next point of a chunk depends on, and where it goes.
   struct CodecState {
-    Point prev;               // the previous point (all zero before a chunk's first)
-    uint64_t delta = 0;       // prev.step minus the step before it, modulo 2^64
-    std::array<uint8_t, 4> leading{};   // XOR windows of mean, min, max, last
+    Point prev;                           // the previous point (all zero before a chunk's first)
+    uint64_t delta = 0;                   // prev.step minus the step before it, modulo 2^64
+    std::array<uint8_t, 4> leading{};     // XOR windows of mean, min, max, last
     std::array<uint8_t, 4> meaningful{};  // 0: no window yet
-    uint32_t bit = 0;         // position in the chunk
-    uint32_t points = 0;      // points of the chunk before `bit`
+    uint32_t bit = 0;                     // position in the chunk
+    uint32_t points = 0;                  // points of the chunk before `bit`
   };
 
   // Writes p at `state` into `chunk`; false (state and chunk.bits unchanged) when it does not fit.

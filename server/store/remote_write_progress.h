@@ -24,8 +24,7 @@ class RemoteWriteProgress {
   // The receiver's progress: run id → step sent through.
   StatusOr<std::map<std::string, uint64_t>> Load(const std::string& receiver) EXCLUDES(mu_);
   // Sets the receiver's progress of each (run, step) pair, in one transaction.
-  Status Save(const std::string& receiver, const std::vector<std::pair<std::string, uint64_t>>& steps)
-      EXCLUDES(mu_);
+  Status Save(const std::string& receiver, const std::vector<std::pair<std::string, uint64_t>>& steps) EXCLUDES(mu_);
 
  private:
   explicit RemoteWriteProgress(sqlite::Database db) : db_(std::move(db)) {}

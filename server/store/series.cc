@@ -169,9 +169,7 @@ size_t Series::FloorBytes() { return sizeof(Series) + sizeof(Held) + 2 * PointLo
 
 size_t Series::recent_size() const { return held_ ? held_->recent.size() : 0; }
 
-size_t Series::history_size() const {
-  return held_ ? held_->history.size() + (held_->has_open_bucket ? 1 : 0) : 0;
-}
+size_t Series::history_size() const { return held_ ? held_->history.size() + (held_->has_open_bucket ? 1 : 0) : 0; }
 
 void Series::SaveState(StateWriter& out) const {
   out.Put<uint64_t>(options_.recent_points);

@@ -86,7 +86,8 @@ bool ParseHeader(StateReader& in, Header& h, std::string* why) {
   if (!in.Get(magic) || magic != kMagic) return *why = "not a snapshot file", false;
   if (!in.Get(version) || version != kFormatVersion) return *why = "another snapshot format version", false;
   uint64_t id_bytes = 0;
-  if (!in.Get(h.fingerprint) || !in.Get(h.payload_bytes) || !in.Get(h.crc) || !in.GetCount(id_bytes, 1, kMaxRunIdBytes)) {
+  if (!in.Get(h.fingerprint) || !in.Get(h.payload_bytes) || !in.Get(h.crc) ||
+      !in.GetCount(id_bytes, 1, kMaxRunIdBytes)) {
     return *why = "its header is truncated", false;
   }
   h.run_id.clear();

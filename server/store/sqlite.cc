@@ -108,9 +108,9 @@ StatusOr<Database::TransactionStatements*> Database::transaction_statements() {
   if (transaction_statements_ != nullptr) return transaction_statements_.get();
   auto statements = std::make_unique<TransactionStatements>();
   const std::pair<Statement*, const char*> all[] = {{&statements->begin, "BEGIN"},
-                                                     {&statements->begin_immediate, "BEGIN IMMEDIATE"},
-                                                     {&statements->commit, "COMMIT"},
-                                                     {&statements->rollback, "ROLLBACK"}};
+                                                    {&statements->begin_immediate, "BEGIN IMMEDIATE"},
+                                                    {&statements->commit, "COMMIT"},
+                                                    {&statements->rollback, "ROLLBACK"}};
   for (const auto& [statement, sql] : all) {
     auto prepared = Prepare(sql, true);
     if (!prepared.ok()) return prepared.status();
@@ -281,8 +281,8 @@ Status ApplySchema(Database& db, const Schema& schema) {
     }
     for (const std::string& sql : migration->scripts) {
       if (Status s = db.Exec(sql); !s.ok()) {
-        return Status(s.code(), label + ": migrating from schema version " + std::to_string(version) + ": " +
-                                    s.message());
+        return Status(s.code(),
+                      label + ": migrating from schema version " + std::to_string(version) + ": " + s.message());
       }
     }
     ++version;

@@ -20,9 +20,9 @@ enum class Frame : uint8_t { kReference = 0, kDelta = 1, kDelta2 = 2 };
 
 // Powers of ten that are exact doubles (10^22 is the last).
 constexpr int kMaxDecimalExponent = 22;
-constexpr std::array<double, kMaxDecimalExponent + 1> kPow10 = {
-    1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,  1e8,  1e9,  1e10, 1e11,
-    1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+constexpr std::array<double, kMaxDecimalExponent + 1> kPow10 = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
+                                                                1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                                                                1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
 // The largest |m| whose double is exact.
 constexpr double kMaxExactInteger = 9007199254740992.0;  // 2^53
 
@@ -41,9 +41,7 @@ uint64_t Ordered64(double v) {
   const uint64_t b = std::bit_cast<uint64_t>(v);
   return (b >> 63) != 0 ? ~b : b | (uint64_t{1} << 63);
 }
-double FromOrdered64(uint64_t u) {
-  return std::bit_cast<double>((u >> 63) != 0 ? u & ~(uint64_t{1} << 63) : ~u);
-}
+double FromOrdered64(uint64_t u) { return std::bit_cast<double>((u >> 63) != 0 ? u & ~(uint64_t{1} << 63) : ~u); }
 uint32_t Ordered32(uint32_t b) { return (b >> 31) != 0 ? ~b : b | (uint32_t{1} << 31); }
 uint32_t FromOrdered32(uint32_t u) { return (u >> 31) != 0 ? u & ~(uint32_t{1} << 31) : ~u; }
 
@@ -105,9 +103,7 @@ void EncodeInts(const std::vector<uint64_t>& v, std::string& out) {
     if (cost < best) best = cost, frame = Frame::kDelta;
   }
   if (n >= 3) {
-    auto dd_at = [&](size_t i) {
-      return static_cast<int64_t>((v[i] - v[i - 1]) - (v[i - 1] - v[i - 2]));
-    };
+    auto dd_at = [&](size_t i) { return static_cast<int64_t>((v[i] - v[i - 1]) - (v[i - 1] - v[i - 2])); };
     dd_lo = dd_hi = dd_at(2);
     for (size_t i = 3; i < n; ++i) {
       const int64_t dd = dd_at(i);
@@ -188,9 +184,8 @@ void EncodeValues(const double* values, size_t n, std::vector<uint64_t>& ints, s
       const double m = std::nearbyint(values[i] * scale);
       // Converted to an integer only once it is known to fit (a larger double or a NaN would be
       // undefined behaviour).
-      exact = std::fabs(m) < kMaxExactInteger &&
-              std::bit_cast<uint64_t>(static_cast<double>(static_cast<int64_t>(m)) / scale) ==
-                  std::bit_cast<uint64_t>(values[i]);
+      exact = std::fabs(m) < kMaxExactInteger && std::bit_cast<uint64_t>(static_cast<double>(static_cast<int64_t>(m)) /
+                                                                         scale) == std::bit_cast<uint64_t>(values[i]);
       if (exact) ints[i] = static_cast<uint64_t>(static_cast<int64_t>(m));
     }
     if (exact) consider(ValueKind::kDecimal, exponent);
@@ -242,7 +237,7 @@ class Reader {
     if (!Byte(&width) || width > 64) return false;
     const size_t fixed = frame == static_cast<uint8_t>(Frame::kReference) ? 0
                          : frame == static_cast<uint8_t>(Frame::kDelta)   ? 1
-                                                                           : 2;
+                                                                          : 2;
     if (n < fixed) return false;
     const size_t packed = n - fixed;
     const size_t bytes = PackedBytes(packed, width);

@@ -48,7 +48,8 @@ inline constexpr size_t kMaxBlockValues = 1 << 22;
 // all) to `out`.
 void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out);
 
-// Decodes a block into `out` (replaced). Internal on anything malformed (a damaged row): never reads outside `data`, never allocates beyond the bounds above.
+// Decodes a block into `out` (replaced). Internal on anything malformed (a damaged row): never reads outside `data`,
+// never allocates beyond the bounds above.
 Status DecodeStepBlock(std::string_view data, std::vector<CompletedStep>& out);
 
 }  // namespace gradwatch::store

@@ -14,8 +14,8 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/redirect_error.hpp>
-#include <boost/asio/strand.hpp>
 #include <boost/asio/ssl.hpp>
+#include <boost/asio/strand.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
@@ -121,7 +121,8 @@ StatusOr<std::shared_ptr<ssl::context>> MakeTlsContext(const TlsFiles& files) {
   if (f == nullptr) return Status::InvalidArgument("key " + files.key_file + ": " + std::strerror(errno));
   EVP_PKEY* key = PEM_read_PrivateKey(f, nullptr, nullptr, nullptr);
   std::fclose(f);
-  if (key == nullptr) return Status::InvalidArgument("key " + files.key_file + ": no PEM private key in it (" + OpenSslError() + ")");
+  if (key == nullptr)
+    return Status::InvalidArgument("key " + files.key_file + ": no PEM private key in it (" + OpenSslError() + ")");
   const bool matches = SSL_CTX_use_PrivateKey(native, key) == 1 && SSL_CTX_check_private_key(native) == 1;
   EVP_PKEY_free(key);
   if (!matches) {
@@ -270,11 +271,13 @@ struct Server::Impl {
       for (const Route& r : routes) known += (known.empty() ? "" : ", ") + r.path;
       return Response::Text(404, "no page at " + request.path + " (this listener serves " + known + ")");
     }
-    const std::string_view method = request.method == "HEAD" ? std::string_view("GET") : std::string_view(request.method);
+    const std::string_view method =
+        request.method == "HEAD" ? std::string_view("GET") : std::string_view(request.method);
     if (std::find(route->methods.begin(), route->methods.end(), method) == route->methods.end()) {
       Response r = Response::Text(405, request.method + " is not allowed on " + request.path);
       std::string allow;
-      for (const std::string& m : route->methods) allow += (allow.empty() ? "" : ", ") + m + (m == "GET" ? ", HEAD" : "");
+      for (const std::string& m : route->methods)
+        allow += (allow.empty() ? "" : ", ") + m + (m == "GET" ? ", HEAD" : "");
       r.headers.emplace_back("Allow", allow);
       return r;
     }

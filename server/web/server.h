@@ -57,7 +57,7 @@ struct Response {
 using Handler = std::function<Response(const Request&)>;
 
 struct Route {
-  std::string path;    // "/metrics"; with `prefix`, every path under it ("/runs/")
+  std::string path;  // "/metrics"; with `prefix`, every path under it ("/runs/")
   bool prefix = false;
   std::vector<std::string> methods = {"GET"};  // GET allows HEAD too; others get 405
   Handler handler;

@@ -33,18 +33,18 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
-#include <random>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -133,9 +133,7 @@ struct Shape {
   uint32_t params = 1000;
   uint64_t steps = 100;
   uint64_t window = kWindow;  // unacknowledged steps a rank may have in flight
-  std::string Name() const {
-    return std::to_string(runs) + "x" + std::to_string(ranks) + "x" + std::to_string(params);
-  }
+  std::string Name() const { return std::to_string(runs) + "x" + std::to_string(ranks) + "x" + std::to_string(params); }
   // Values one rank sends per step: grad and param norm of each parameter, and the total.
   uint64_t SamplesPerMessage() const { return 2ull * params + 1; }
   uint64_t Samples() const { return uint64_t{runs} * ranks * steps * SamplesPerMessage(); }
@@ -299,7 +297,8 @@ struct IngestResult {
     return static_cast<double>(SteadySamples()) / std::max(cpu_s - warm_cpu_s, 1e-3);
   }
   double StepsPerSecond() const {
-    const double steps = static_cast<double>(SteadySamples()) / static_cast<double>(shape.SamplesPerMessage() * shape.ranks);
+    const double steps =
+        static_cast<double>(SteadySamples()) / static_cast<double>(shape.SamplesPerMessage() * shape.ranks);
     return steps / std::max(wall_s - warm_wall_s, 1e-6);
   }
   json ToJson() const {
@@ -567,7 +566,7 @@ class TimedStream {
   bool Send(const v1::TrainerMessage& msg) { return stream_->Write(msg); }
   // The first answer satisfying `pred` and when it arrived; throws after `timeout`.
   std::pair<v1::DaemonMessage, Clock::time_point> WaitFor(const std::function<bool(const v1::DaemonMessage&)>& pred,
-                                                         Clock::duration timeout) {
+                                                          Clock::duration timeout) {
     std::unique_lock lock(mu_);
     const auto deadline = Clock::now() + timeout;
     size_t checked = 0;
@@ -752,9 +751,8 @@ json Scrapes(const DaemonProcess& daemon, int count, uint64_t series) {
     gzip_bytes = r.gzip ? r.body_bytes : 0;
   }
   Log("  /metrics at " + std::to_string(series) + " series: first " + std::to_string(first_ms) + " ms, then p50 " +
-      std::to_string(Quantile(ms, 0.5)) + " ms, " +
-      std::to_string(bytes) + " bytes; gzip p50 " + std::to_string(Quantile(gzip_ms, 0.5)) + " ms, " +
-      std::to_string(gzip_bytes) + " bytes");
+      std::to_string(Quantile(ms, 0.5)) + " ms, " + std::to_string(bytes) + " bytes; gzip p50 " +
+      std::to_string(Quantile(gzip_ms, 0.5)) + " ms, " + std::to_string(gzip_bytes) + " bytes");
   return {{"series", series},
           {"scrapes", count},
           {"first_ms", first_ms},
@@ -796,8 +794,8 @@ json IngestWhileScraping(const DaemonProcess& daemon, uint32_t params, uint64_t 
   stop = true;
   scraper.join();
   if (!scrape_error.empty()) Fail("scrape during ingest: " + scrape_error);
-  Log(std::string("  ack p99 ") + (scrape ? "while scraping " : "without scrapes ") + "at " +
-      std::to_string(series) + " series: " + std::to_string(Quantile(result->ack_us, 0.99) / 1e3) + " ms");
+  Log(std::string("  ack p99 ") + (scrape ? "while scraping " : "without scrapes ") + "at " + std::to_string(series) +
+      " series: " + std::to_string(Quantile(result->ack_us, 0.99) / 1e3) + " ms");
   return {{"series", series},
           {"scrapes", during.load()},
           {"steps", steps},
@@ -809,13 +807,15 @@ json IngestWhileScraping(const DaemonProcess& daemon, uint32_t params, uint64_t 
 // each, short per-series history so 100,000 series fit in memory), times /metrics at each, and at
 // each measures ingest ack latency while another thread scrapes without pause (at the first, also
 // without scrapes, for comparison).
-json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint64_t fill_steps,
-                 uint64_t probe_steps, int scrapes) {
+json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint64_t fill_steps, uint64_t probe_steps,
+                 int scrapes) {
   DaemonOptions options;
   // Every series on /metrics (by default only the key parameters' are): the scrape's worst case.
-  options.config_yaml = DaemonConfig() + "store: {recent_points: 64, history_buckets: 16}\n"
+  options.config_yaml = DaemonConfig() +
+                        "store: {recent_points: 64, history_buckets: 16}\n"
                         "metrics: {params: ['*'], slope_series: ['*'], max_series_per_run: 100000000}\n"
-                        "limits: {max_runs: " + std::to_string(runs_large + 16) + "}\n";
+                        "limits: {max_runs: " +
+                        std::to_string(runs_large + 16) + "}\n";
   DaemonProcess daemon(options);
   const Shape fill{.runs = runs_small, .ranks = 1, .params = params, .steps = fill_steps};
   RunIngest(daemon.grpc_target(), daemon.pid(), fill, "fill-a");
@@ -823,8 +823,7 @@ json MetricsPart(uint32_t params, uint32_t runs_small, uint32_t runs_large, uint
   out["small"] = Scrapes(daemon, scrapes, fill.Series());
 
   IngestResult idle, probe;
-  out["ingest_without_scrapes"] =
-      IngestWhileScraping(daemon, params, probe_steps, fill.Series(), false, "idle", &idle);
+  out["ingest_without_scrapes"] = IngestWhileScraping(daemon, params, probe_steps, fill.Series(), false, "idle", &idle);
   out["ingest_while_scraping"] = IngestWhileScraping(daemon, params, probe_steps, fill.Series(), true, "probe", &probe);
 
   const Shape more{.runs = runs_large - runs_small, .ranks = 1, .params = params, .steps = fill_steps};
@@ -939,7 +938,8 @@ json LargeRestartPart(uint64_t extra_steps) {
     ids = before.series[run];
     last = before.last_step[run];
     if (ids.empty() || last != shape.steps) Fail("the ingested run is not in the journal as expected");
-    Log("writing " + std::to_string(extra_steps) + " steps of " + std::to_string(ids.size()) + " series to the journal");
+    Log("writing " + std::to_string(extra_steps) + " steps of " + std::to_string(ids.size()) +
+        " series to the journal");
     std::mt19937_64 rng(1);
     std::normal_distribution<double> noise(0.0, 0.01);
     const auto t0 = Clock::now();
@@ -953,8 +953,8 @@ json LargeRestartPart(uint64_t extra_steps) {
       record.step.client_dropped_steps = 0;
       record.step.values.clear();
       for (size_t i = 0; i < ids.size(); ++i) {
-        const double norm = (1.0 + 0.01 * static_cast<double>(i)) * (1.0 + 1e-6 * static_cast<double>(step)) *
-                            (1.0 + noise(rng));
+        const double norm =
+            (1.0 + 0.01 * static_cast<double>(i)) * (1.0 + 1e-6 * static_cast<double>(step)) * (1.0 + noise(rng));
         record.step.values.push_back({ids[i], static_cast<double>(static_cast<float>(norm))});
       }
       record.progress.assign(1, store::RankProgress{run, 0, step, step});

@@ -110,10 +110,10 @@ double Measure(size_t params, uint64_t warm, uint64_t steps) {
   }
   const double series = static_cast<double>(2 * params + 1);
   const double rss = RssBytes();
-  std::printf("params %zu: RSS %.1f KB per series (%.0f MB in all), the store's own count (Run::MemoryBytes) "
-              "%.1f KB per series\n",
-              params, (rss - rss0) / series / 1024, rss / 1048576,
-              static_cast<double>(run.MemoryBytes()) / series / 1024);
+  std::printf(
+      "params %zu: RSS %.1f KB per series (%.0f MB in all), the store's own count (Run::MemoryBytes) "
+      "%.1f KB per series\n",
+      params, (rss - rss0) / series / 1024, rss / 1048576, static_cast<double>(run.MemoryBytes()) / series / 1024);
   // A sample: the grad and param norm of each parameter, and the total grad norm (derived here).
   return cpu * 1e9 / static_cast<double>(steps * (2 * params + 1));
 }
@@ -135,8 +135,7 @@ int main(int argc, char** argv) {
     } else if (arg == "--repeat" && i + 1 < argc) {
       repeat = std::max(1, std::atoi(argv[++i]));
     } else {
-      std::fprintf(stderr,
-                   "usage: gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]\n");
+      std::fprintf(stderr, "usage: gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]\n");
       return 2;
     }
   }

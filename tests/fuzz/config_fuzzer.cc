@@ -8,8 +8,7 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
-  gradwatch::StatusOr<gradwatch::daemon::Config> config =
-      gradwatch::daemon::ParseConfig(text, "fuzz.yaml");
+  gradwatch::StatusOr<gradwatch::daemon::Config> config = gradwatch::daemon::ParseConfig(text, "fuzz.yaml");
   if (config.ok()) (void)gradwatch::daemon::ValidateConfig(*config);
   return 0;
 }

@@ -9,8 +9,7 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
-  gradwatch::StatusOr<std::vector<gradwatch::alerts::Rule>> rules =
-      gradwatch::alerts::LoadRules(text, "fuzz.yaml");
+  gradwatch::StatusOr<std::vector<gradwatch::alerts::Rule>> rules = gradwatch::alerts::LoadRules(text, "fuzz.yaml");
   if (rules.ok()) gradwatch::alerts::AlertEngine engine(std::move(rules).value());
   return 0;
 }

@@ -23,9 +23,9 @@
 #include "alerts/rules.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 #include "server/core/clock.h"
+#include "server/daemon/alerting.h"
 #include "server/ingest/convert.h"
 #include "server/runs/daemon_stats.h"
-#include "server/daemon/alerting.h"
 #include "server/runs/registry.h"
 
 namespace {
@@ -98,7 +98,10 @@ class FuzzStream final : public runs::StreamSink {
   void SendFinished(const std::string& run_id, uint64_t seq) override { ++answers_; }
 
  private:
-  void Count(const IngestError& error) { (void)ingest::ReasonToProto(error.reason); ++answers_; }
+  void Count(const IngestError& error) {
+    (void)ingest::ReasonToProto(error.reason);
+    ++answers_;
+  }
 
   runs::RunRegistry* const registry_;
   const Clock* const clock_;

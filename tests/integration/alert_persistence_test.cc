@@ -28,8 +28,10 @@ DaemonOptions WithWebhook(const TempDir& data, const notify::testing::TestReceiv
                           const std::string& more_yaml = "") {
   DaemonOptions options;
   options.data_dir = data.path();
-  options.config_yaml = "log: {format: text, level: debug}\n" + more_yaml + "alerts:\n  receivers:\n"
-                        "    - {type: webhook, name: hook, url: " + receiver.url("/hook") + "}\n";
+  options.config_yaml = "log: {format: text, level: debug}\n" + more_yaml +
+                        "alerts:\n  receivers:\n"
+                        "    - {type: webhook, name: hook, url: " +
+                        receiver.url("/hook") + "}\n";
   return options;
 }
 
@@ -140,10 +142,11 @@ TEST_CASE("a firing page survives a crash and is sent resolved exactly once", "[
   StreamClient stream(daemon.grpc_target());
   Hello(stream, "crash-run", &seq);
   Send(stream, 71, 90, 1.0, &seq);
-  const v1::Alert resolved =
-      stream.WaitFor([](const v1::DaemonMessage& m) {
-              return m.has_alert() && m.alert().state() == v1::ALERT_STATE_RESOLVED;
-            }).alert();
+  const v1::Alert resolved = stream
+                                 .WaitFor([](const v1::DaemonMessage& m) {
+                                   return m.has_alert() && m.alert().state() == v1::ALERT_STATE_RESOLVED;
+                                 })
+                                 .alert();
   CHECK(resolved.fingerprint() == before->fingerprint());
   CHECK(resolved.step() == 71);
   CHECK_FALSE(FindPage(daemon, "crash-run"));

@@ -115,8 +115,7 @@ TEST_CASE("gradwatch alerts lists a firing page with its recommendation, and rul
   stream.WaitAccepted();
   for (uint64_t s = 1; s <= 20; ++s) REQUIRE(stream.Step(Step(s, 6.0), s + 1));
   stream.WaitFor([](const v1::DaemonMessage& m) { return IsContingency(m, v1::ALERT_STATE_FIRING); });
-  const CommandResult alerts =
-      RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "alerts", "cli-run"});
+  const CommandResult alerts = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "alerts", "cli-run"});
   INFO(alerts.out << alerts.err);
   CHECK(alerts.exit_code == 0);
   CHECK(alerts.out.find("firing") != std::string::npos);
@@ -130,7 +129,8 @@ TEST_CASE("gradwatch alerts lists a firing page with its recommendation, and rul
   const std::string bad = (dir.path() / "bad.yaml").string();
   {
     std::ofstream out(bad);
-    out << "groups:\n  - name: g\n    rules:\n      - alert: X\n        kind: threshold\n        series: grad/norm/total\n"
+    out << "groups:\n  - name: g\n    rules:\n      - alert: X\n        kind: threshold\n        series: "
+           "grad/norm/total\n"
            "        op: \">>\"\n        value: 5\n        labels: {severity: page}\n";
   }
   const CommandResult rejected = RunCommand({CliBinaryPath(), "rules", "check", bad});
@@ -228,7 +228,10 @@ std::string WriteAmReplay(const TempDir& dir, uint64_t last) {
       {"labels", {{"job", "it"}}},
       {"config", {{"hidden_size", 6144}, {"z_loss_coef", 1e-4}, {"weight_decay", 0.1}}},
       {"params",
-       json::array({{{"name", "final_norm.weight"}, {"numel", 6144}, {"kind", "norm_gain"}, {"weight_decay", 0.0},
+       json::array({{{"name", "final_norm.weight"},
+                     {"numel", 6144},
+                     {"kind", "norm_gain"},
+                     {"weight_decay", 0.0},
                      {"role", "final_norm"}},
                     {{"name", "lm_head.weight"}, {"numel", 6144 * 1024}, {"kind", "output"}, {"weight_decay", 0.1}}})}};
   out << header.dump() << "\n";
@@ -314,9 +317,10 @@ TEST_CASE("the contingency pages a real Alertmanager with the recommendation, an
   // test only gradwatch's resolved notification can end it in Alertmanager, not expiry, and the
   // page Alertmanager holds is the one sent at the firing step (annotations are re-rendered later).
   DaemonOptions options;
-  options.config_yaml = "alerts:\n  external_url: http://gradwatch.test:9390\n  receivers:\n"
-                        "    - {type: alertmanager, name: am, url: http://127.0.0.1:" +
-                        std::to_string(am.port()) + ", resend_interval_seconds: 30}\n";
+  options.config_yaml =
+      "alerts:\n  external_url: http://gradwatch.test:9390\n  receivers:\n"
+      "    - {type: alertmanager, name: am, url: http://127.0.0.1:" +
+      std::to_string(am.port()) + ", resend_interval_seconds: 30}\n";
   DaemonProcess daemon(options);
   TempDir dir("gradwatch-am-replay");
   const std::string firing_log = "alert GradNormContingency firing for run am-run at step ";

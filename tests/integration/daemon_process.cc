@@ -1,9 +1,9 @@
 #include "tests/integration/daemon_process.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <arpa/inet.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sys/prctl.h>
@@ -25,11 +25,11 @@
 #include <thread>
 #include <utility>
 
-#include <nlohmann/json.hpp>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
 #include <sys/time.h>
+#include <nlohmann/json.hpp>
 
 #ifndef GRADWATCHD_PATH
 #define GRADWATCHD_PATH ""
@@ -55,9 +55,7 @@ std::string EnvOr(const char* name, const char* fallback) {
   return value != nullptr && *value != '\0' ? value : fallback;
 }
 
-[[noreturn]] void ThrowErrno(const std::string& what) {
-  throw std::runtime_error(what + ": " + std::strerror(errno));
-}
+[[noreturn]] void ThrowErrno(const std::string& what) { throw std::runtime_error(what + ": " + std::strerror(errno)); }
 
 // Owns a file descriptor; closes it on destruction.
 class Fd {
@@ -372,8 +370,7 @@ DaemonProcess::~DaemonProcess() {
 
 void DaemonProcess::Start() {
   if (options_.binary.empty() || ::access(options_.binary.c_str(), X_OK) != 0) {
-    throw std::runtime_error("gradwatchd binary not executable: '" + options_.binary +
-                             "' (set GRADWATCHD_PATH)");
+    throw std::runtime_error("gradwatchd binary not executable: '" + options_.binary + "' (set GRADWATCHD_PATH)");
   }
   const fs::path config = data_dir_ / "gradwatchd.yaml";
   {
@@ -394,12 +391,8 @@ void DaemonProcess::Start() {
 
   ChildSpec spec;
   spec.program = options_.binary;
-  spec.argv = {options_.binary,
-               "--config", config.string(),
-               "--listen", options_.listen,
-               "--metrics-listen", "127.0.0.1:0",
-               "--data-dir", data_dir_.string(),
-               "--ready-file", ready.string()};
+  spec.argv = {options_.binary, "--config",   config.string(),    "--listen",     options_.listen, "--metrics-listen",
+               "127.0.0.1:0",   "--data-dir", data_dir_.string(), "--ready-file", ready.string()};
   spec.argv.insert(spec.argv.end(), options_.extra_args.begin(), options_.extra_args.end());
   spec.stdin_fd = dev_null.get();
   spec.stdout_fd = out_log.get();
@@ -417,13 +410,13 @@ void DaemonProcess::Start() {
       std::stringstream text;
       text << in.rdbuf();
       auto json = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-      if (!json.is_discarded() && json.is_object() && json.contains("grpc_port") &&
-          json.contains("metrics_port") && json.contains("pid") && json["grpc_port"].is_number_integer() &&
-          json["metrics_port"].is_number_integer() && json["pid"].is_number_integer()) {
+      if (!json.is_discarded() && json.is_object() && json.contains("grpc_port") && json.contains("metrics_port") &&
+          json.contains("pid") && json["grpc_port"].is_number_integer() && json["metrics_port"].is_number_integer() &&
+          json["pid"].is_number_integer()) {
         if (json["pid"].get<pid_t>() != pid_) {
           Stop(SIGKILL);
-          throw std::runtime_error("ready file names pid " + json["pid"].dump() + ", expected " +
-                                   std::to_string(pid_) + "\n" + LogText());
+          throw std::runtime_error("ready file names pid " + json["pid"].dump() + ", expected " + std::to_string(pid_) +
+                                   "\n" + LogText());
         }
         grpc_port_ = json["grpc_port"].get<int>();
         metrics_port_ = json["metrics_port"].get<int>();
@@ -431,13 +424,13 @@ void DaemonProcess::Start() {
       }
     }
     if (Reap(false)) {
-      throw std::runtime_error("gradwatchd exited with status " + std::to_string(*status_) +
-                               " before it was ready\n" + LogText());
+      throw std::runtime_error("gradwatchd exited with status " + std::to_string(*status_) + " before it was ready\n" +
+                               LogText());
     }
     if (Clock::now() >= deadline) {
       Stop(SIGKILL);
-      throw std::runtime_error("gradwatchd was not ready within " +
-                               std::to_string(ready_timeout.count()) + " s\n" + LogText());
+      throw std::runtime_error("gradwatchd was not ready within " + std::to_string(ready_timeout.count()) + " s\n" +
+                               LogText());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -480,13 +473,9 @@ bool DaemonProcess::running() { return pid_ > 0 && !Reap(false); }
 
 std::string DaemonProcess::grpc_target() const { return "127.0.0.1:" + std::to_string(grpc_port_); }
 
-std::string DaemonProcess::Stdout() const {
-  return ReadFileFrom(data_dir_ / "gradwatchd.stdout.log", stdout_offset_);
-}
+std::string DaemonProcess::Stdout() const { return ReadFileFrom(data_dir_ / "gradwatchd.stdout.log", stdout_offset_); }
 
-std::string DaemonProcess::Stderr() const {
-  return ReadFileFrom(data_dir_ / "gradwatchd.stderr.log", stderr_offset_);
-}
+std::string DaemonProcess::Stderr() const { return ReadFileFrom(data_dir_ / "gradwatchd.stderr.log", stderr_offset_); }
 
 std::string DaemonProcess::LogText() const {
   return "--- gradwatchd stderr ---\n" + Stderr() + "--- gradwatchd stdout ---\n" + Stdout();
@@ -555,8 +544,8 @@ Fd ConnectTcp(const std::string& host, int port, Clock::time_point deadline) {
 
 std::string RequestText(const std::string& method, const std::string& where, const std::string& path,
                         const std::string& body, const std::map<std::string, std::string>& headers) {
-  std::string request = method + " " + path + " HTTP/1.1\r\nHost: " + where +
-                        "\r\nConnection: close\r\nAccept: */*\r\n";
+  std::string request =
+      method + " " + path + " HTTP/1.1\r\nHost: " + where + "\r\nConnection: close\r\nAccept: */*\r\n";
   for (const auto& [name, value] : headers) request += name + ": " + value + "\r\n";
   if (!body.empty() || method == "POST" || method == "PUT") {
     request += "Content-Length: " + std::to_string(body.size()) + "\r\n";
@@ -582,8 +571,7 @@ HttpResponse ParseResponse(std::string raw, const std::string& where, bool head_
     size_t colon = line.find(':');
     if (colon == std::string::npos) continue;
     size_t value_start = line.find_first_not_of(" \t", colon + 1);
-    response.headers[Lower(line.substr(0, colon))] =
-        value_start == std::string::npos ? "" : line.substr(value_start);
+    response.headers[Lower(line.substr(0, colon))] = value_start == std::string::npos ? "" : line.substr(value_start);
   }
   raw.erase(0, head_end + 4);
   response.body = std::move(raw);
@@ -631,8 +619,10 @@ HttpResponse HttpsRequest(const std::string& method, const std::string& host, in
     throw fail("CA " + tls.ca_file);
   }
   if (!tls.cert_file.empty()) {
-    if (SSL_CTX_use_certificate_chain_file(ctx.get(), tls.cert_file.c_str()) != 1) throw fail("certificate " + tls.cert_file);
-    if (SSL_CTX_use_PrivateKey_file(ctx.get(), tls.key_file.c_str(), SSL_FILETYPE_PEM) != 1) throw fail("key " + tls.key_file);
+    if (SSL_CTX_use_certificate_chain_file(ctx.get(), tls.cert_file.c_str()) != 1)
+      throw fail("certificate " + tls.cert_file);
+    if (SSL_CTX_use_PrivateKey_file(ctx.get(), tls.key_file.c_str(), SSL_FILETYPE_PEM) != 1)
+      throw fail("key " + tls.key_file);
   }
   SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
   std::unique_ptr<SSL, decltype(&SSL_free)> ssl(SSL_new(ctx.get()), SSL_free);
@@ -663,9 +653,8 @@ HttpResponse HttpsRequest(const std::string& method, const std::string& host, in
   return ParseResponse(std::move(raw), where, method == "HEAD");
 }
 
-HttpResponse HttpRequest(const std::string& method, const std::string& host, int port,
-                         const std::string& path, const std::string& body,
-                         const std::map<std::string, std::string>& headers,
+HttpResponse HttpRequest(const std::string& method, const std::string& host, int port, const std::string& path,
+                         const std::string& body, const std::map<std::string, std::string>& headers,
                          std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + Scaled(timeout);
   const std::string where = host + ":" + std::to_string(port);
@@ -709,8 +698,7 @@ HttpResponse HttpRequest(const std::string& method, const std::string& host, int
   return ParseResponse(std::move(raw), where, method == "HEAD");
 }
 
-std::string HttpGet(const std::string& host, int port, const std::string& path,
-                    std::chrono::milliseconds timeout) {
+std::string HttpGet(const std::string& host, int port, const std::string& path, std::chrono::milliseconds timeout) {
   HttpResponse response = HttpRequest("GET", host, port, path, "", {}, timeout);
   if (response.status != 200) {
     throw std::runtime_error("HTTP GET " + host + ":" + std::to_string(port) + path + " returned " +

@@ -113,14 +113,13 @@ class DaemonProcess {
 struct HttpResponse {
   int status = 0;
   std::map<std::string, std::string> headers;  // names lower-cased
-  std::string body;                             // de-chunked
+  std::string body;                            // de-chunked
 };
 
 // One HTTP/1.1 request over a plain TCP connection (Connection: close), bounded by `timeout` as a
 // whole. Throws std::runtime_error on connection or protocol failure (not on HTTP error statuses).
-HttpResponse HttpRequest(const std::string& method, const std::string& host, int port,
-                         const std::string& path, const std::string& body = "",
-                         const std::map<std::string, std::string>& headers = {},
+HttpResponse HttpRequest(const std::string& method, const std::string& host, int port, const std::string& path,
+                         const std::string& body = "", const std::map<std::string, std::string>& headers = {},
                          std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
 // The client side of TLS: the CA to trust (required), a certificate and key to present (optional),

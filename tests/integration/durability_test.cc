@@ -57,14 +57,16 @@ void WriteHistory(const std::filesystem::path& file, const std::string& run, uin
                   const std::map<uint64_t, std::string>& events = {}) {
   std::ofstream out(file);
   out << R"({"run": ")" << run << R"(", "params": [{"name": "final_norm.weight", "numel": 6144, )"
-      << R"("kind": "norm_gain", "weight_decay": 0.0}]})" << "\n";
+      << R"("kind": "norm_gain", "weight_decay": 0.0}]})"
+      << "\n";
   for (uint64_t s = from; s <= to; ++s) {
-    out << R"({"_step": )" << s << R"(, "_timestamp": )" << 1.7e9 + static_cast<double>(s)
-        << R"(, "grad/norm/total": )" << 0.3 + 1e-4 * static_cast<double>(s)
-        << R"(, "params/norm/final_norm.weight": )" << 78.4 + 1e-3 * static_cast<double>(s)
-        << R"(, "train/loss": 2.0})" << "\n";
+    out << R"({"_step": )" << s << R"(, "_timestamp": )" << 1.7e9 + static_cast<double>(s) << R"(, "grad/norm/total": )"
+        << 0.3 + 1e-4 * static_cast<double>(s) << R"(, "params/norm/final_norm.weight": )"
+        << 78.4 + 1e-3 * static_cast<double>(s) << R"(, "train/loss": 2.0})"
+        << "\n";
     if (auto e = events.find(s); e != events.end()) {
-      out << R"({"_step": )" << s << R"(, "event": ")" << e->second << R"("})" << "\n";
+      out << R"({"_step": )" << s << R"(, "event": ")" << e->second << R"("})"
+          << "\n";
     }
   }
 }
@@ -129,7 +131,7 @@ bool Chattr(const std::string& flag, const std::filesystem::path& path) {
 
 // Rows of the journal, read with SQLite directly (the daemon must be stopped).
 struct JournalRows {
-  std::vector<uint64_t> steps;                        // in step order
+  std::vector<uint64_t> steps;                           // in step order
   std::vector<std::pair<uint64_t, std::string>> events;  // (step, text), in step order
 };
 
@@ -154,10 +156,10 @@ JournalRows ReadJournal(const std::filesystem::path& db_path, const std::string&
         [&](sqlite3_stmt* s) { rows.steps.push_back(static_cast<uint64_t>(sqlite3_column_int64(s, 0))); });
   query("SELECT data FROM step_blocks WHERE run_id = ?1", [&](sqlite3_stmt* s) {
     std::vector<gradwatch::CompletedStep> block;
-    const gradwatch::Status decoded = gradwatch::store::DecodeStepBlock(
-        std::string_view(static_cast<const char*>(sqlite3_column_blob(s, 0)),
-                         static_cast<size_t>(sqlite3_column_bytes(s, 0))),
-        block);
+    const gradwatch::Status decoded =
+        gradwatch::store::DecodeStepBlock(std::string_view(static_cast<const char*>(sqlite3_column_blob(s, 0)),
+                                                           static_cast<size_t>(sqlite3_column_bytes(s, 0))),
+                                          block);
     if (!decoded.ok()) throw std::runtime_error(decoded.ToString());
     for (const gradwatch::CompletedStep& step : block) rows.steps.push_back(step.step);
   });
@@ -244,8 +246,7 @@ TEST_CASE("a replay run again sends the events at steps the daemon already holds
   REQUIRE(daemon.Stop() == 0);
   const JournalRows rows = ReadJournal(data.path() / "journal.db", "held-events");
   CHECK(rows.steps.size() == 300);
-  CHECK(rows.events ==
-        std::vector<std::pair<uint64_t, std::string>>{{200, "switched routing"}, {250, "lr decay"}});
+  CHECK(rows.events == std::vector<std::pair<uint64_t, std::string>>{{200, "switched routing"}, {250, "lr decay"}});
 }
 
 TEST_CASE("an immutable WAL: steps are not acked, and after it clears a replay resends them all",
@@ -349,7 +350,8 @@ TEST_CASE("a data directory deleted under the running daemon is rebuilt without 
   const JournalRows rows = ReadJournal(data / "journal.db", "vanished");
   CHECK(rows.steps.size() == 300);
   CHECK(std::set<uint64_t>(rows.steps.begin(), rows.steps.end()).size() == 300);
-  CHECK(rows.events == std::vector<std::pair<uint64_t, std::string>>{{50, "lr warmup over"}, {250, "data mix changed"}});
+  CHECK(rows.events ==
+        std::vector<std::pair<uint64_t, std::string>>{{50, "lr warmup over"}, {250, "data mix changed"}});
 }
 
 TEST_CASE("a journal that is not a database is moved aside at start and the daemon serves",
@@ -790,16 +792,19 @@ DaemonOptions CrashDaemonOptions(const TempDir& data, const notify::testing::Tes
   DaemonOptions options;
   options.data_dir = data.path();
   options.listen = "127.0.0.1:" + std::to_string(FreeLoopbackPort());
-  options.config_yaml = "log: {format: text, level: info}\nalerts:\n  receivers:\n"
-                        "    - {type: webhook, name: hook, url: " + receiver.url("/hook") + "}\n";
+  options.config_yaml =
+      "log: {format: text, level: info}\nalerts:\n  receivers:\n"
+      "    - {type: webhook, name: hook, url: " +
+      receiver.url("/hook") + "}\n";
   return options;
 }
 
 // Alert state changes this daemon process made that are notified (to firing or resolved).
 size_t Transitions(const DaemonProcess& daemon) {
   const std::string metrics = daemon.ScrapeMetrics();
-  return static_cast<size_t>(ParseMetric(metrics, "gradwatch_alert_transitions_total", {{"to", "firing"}}).value_or(0) +
-                             ParseMetric(metrics, "gradwatch_alert_transitions_total", {{"to", "resolved"}}).value_or(0));
+  return static_cast<size_t>(
+      ParseMetric(metrics, "gradwatch_alert_transitions_total", {{"to", "firing"}}).value_or(0) +
+      ParseMetric(metrics, "gradwatch_alert_transitions_total", {{"to", "resolved"}}).value_or(0));
 }
 
 // Waits until the receiver got `count` alerts and the daemon's outbox is empty.
@@ -824,8 +829,8 @@ TEST_CASE("three ranks replaying while the daemon is SIGKILLed 20 times end up a
   {
     RankFeeders feeders(reference.grpc_target());
     for (int k = 0; k < kKills; ++k) {
-      REQUIRE(feeders.AllowAndFlush(kCrashSteps * static_cast<uint64_t>(k + 1) / (kKills + 1),
-                                    std::chrono::seconds(60)));
+      REQUIRE(
+          feeders.AllowAndFlush(kCrashSteps * static_cast<uint64_t>(k + 1) / (kKills + 1), std::chrono::seconds(60)));
     }
     REQUIRE(feeders.FinishAndFlush(std::chrono::seconds(60)));
   }
@@ -908,7 +913,7 @@ TEST_CASE("three ranks replaying while the daemon is SIGKILLed 20 times end up a
   CHECK(rows.events == events);
 
   const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  WARN("crash test: " << kKills << " SIGKILLs, " << kCrashSteps << " steps x " << kRanks << " ranks in "
-                      << seconds << " s; " << repeats << " notification(s) delivered again after a kill");
+  WARN("crash test: " << kKills << " SIGKILLs, " << kCrashSteps << " steps x " << kRanks << " ranks in " << seconds
+                      << " s; " << repeats << " notification(s) delivered again after a kill");
   CHECK(seconds < Scaled(std::chrono::seconds(90)).count());
 }

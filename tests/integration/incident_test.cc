@@ -33,9 +33,9 @@ std::string MakeRun(const TempDir& dir, uint64_t from, uint64_t to, const std::s
 }
 
 void Replay(const DaemonProcess& daemon, const std::string& file) {
-  const CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--timeout", "60", "replay",
-                                      file, "--max", "--json"},
-                                     std::nullopt, std::chrono::seconds(300));
+  const CommandResult r = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "--timeout", "60", "replay", file, "--max", "--json"},
+      std::nullopt, std::chrono::seconds(300));
   INFO(r.out << r.err);
   REQUIRE(r.exit_code == 0);
 }
@@ -62,9 +62,10 @@ const v1::SlopeChangeAtEvent* ChangeAt(const v1::Analysis& a, const std::string&
 
 }  // namespace
 
-TEST_CASE("the incident is explained: slope change at the event, shares, amplification, growth, no false "
-          "change points",
-          "[integration]") {
+TEST_CASE(
+    "the incident is explained: slope change at the event, shares, amplification, growth, no false "
+    "change points",
+    "[integration]") {
   TempDir dir("gradwatch-incident");
   DaemonProcess daemon;
 

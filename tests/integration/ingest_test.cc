@@ -97,8 +97,7 @@ TEST_CASE("two ranks stream sharded squared sums, and merged norms show in the q
 
   const std::string metrics = daemon.ScrapeMetrics();
   CHECK(ParseMetric(metrics, "gradwatch_grad_norm",
-                    {{"run", "sharded"}, {"param", "lm_head.weight"}, {"group", "output"}}) ==
-        Approx(5.0 * kSteps));
+                    {{"run", "sharded"}, {"param", "lm_head.weight"}, {"group", "output"}}) == Approx(5.0 * kSteps));
   CHECK(ParseMetric(metrics, "gradwatch_total_grad_norm", {{"run", "sharded"}}) == Approx(5.0 * kSteps));
   CHECK(ParseMetric(metrics, "gradwatch_param_norm",
                     {{"run", "sharded"}, {"param", "final_norm.weight"}, {"group", "norm_gain"}}) ==
@@ -298,10 +297,9 @@ TEST_CASE("an ended run leaves /metrics but stays queryable", "[integration]") {
 
 TEST_CASE("a second daemon on the same data directory refuses to start", "[integration]") {
   DaemonProcess first;
-  const CommandResult second =
-      RunCommand({DaemonBinaryPath(), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--data-dir",
-                  first.data_dir().string()},
-                 std::nullopt, std::chrono::seconds(20));
+  const CommandResult second = RunCommand({DaemonBinaryPath(), "--listen", "127.0.0.1:0", "--metrics-listen",
+                                           "127.0.0.1:0", "--data-dir", first.data_dir().string()},
+                                          std::nullopt, std::chrono::seconds(20));
   CHECK(second.exit_code == 1);
   CHECK(second.err.find("already in use by another gradwatchd (pid " + std::to_string(first.pid()) + ")") !=
         std::string::npos);
@@ -331,9 +329,8 @@ TEST_CASE("ranks resending a backlog while one reconnects late complete every st
   bool sent0 = false, sent1 = false;
   std::thread t0([&] { sent0 = send_all(rank0); });
   std::thread t1([&] { sent1 = send_all(rank1); });
-  const bool paused = WaitUntil([&] {
-    return ParseMetric(daemon.ScrapeMetrics(), "gradwatch_ingest_held_reports_total").value_or(0) >= 2;
-  });
+  const bool paused = WaitUntil(
+      [&] { return ParseMetric(daemon.ScrapeMetrics(), "gradwatch_ingest_held_reports_total").value_or(0) >= 2; });
   hello(rank2, 2);
   const bool sent2 = send_all(rank2);
   t0.join();

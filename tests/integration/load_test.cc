@@ -47,8 +47,7 @@ const std::vector<std::pair<std::string, v1::ParamKind>> kCatalog = {
 // acked as durable, and counts down `done` when the call ends.
 class RankStream final : public grpc::ClientBidiReactor<v1::TrainerMessage, v1::DaemonMessage> {
  public:
-  RankStream(v1::Ingest::Stub* stub, const std::string& run, uint32_t rank, Latch* done)
-      : rank_(rank), done_(done) {
+  RankStream(v1::Ingest::Stub* stub, const std::string& run, uint32_t rank, Latch* done) : rank_(rank), done_(done) {
     *out_.mutable_hello() = MakeHello(run, rank, kWorldSize, kCatalog);
     stub->async()->Stream(&context_, this);
     StartRead(&in_);
@@ -166,8 +165,7 @@ ProcessUsage ReadUsage(pid_t pid) {
 
 }  // namespace
 
-TEST_CASE("1,024 concurrent rank streams are all acked while /metrics and Query are busy",
-          "[integration][load]") {
+TEST_CASE("1,024 concurrent rank streams are all acked while /metrics and Query are busy", "[integration][load]") {
   DaemonProcess daemon(DaemonOptions{.config_yaml = "log: {format: text, level: info}\n"});
   const auto start = std::chrono::steady_clock::now();
 

@@ -116,14 +116,17 @@ TEST_CASE("a run's labels are on gradwatch_run_info alone, as label_<name>, neve
   REQUIRE(WaitUntil([&] {
     body = HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/metrics").body;
     return ParseMetric(body, "gradwatch_alerts",
-                       {{"alertname", "NonFiniteValue"}, {"alertstate", "firing"}, {"run", "labelled"},
-                        {"series", "train/loss"}, {"severity", "warning"}})
+                       {{"alertname", "NonFiniteValue"},
+                        {"alertstate", "firing"},
+                        {"run", "labelled"},
+                        {"series", "train/loss"},
+                        {"severity", "warning"}})
         .has_value();
   }));
   CheckWithPromtool(body);
-  CHECK(ParseMetric(body, "gradwatch_run_info",
-                    {{"run", "labelled"}, {"label_job", "it"}, {"label_instance", "node-7"}, {"label_cluster", "eu"}}) ==
-        1);
+  CHECK(ParseMetric(
+            body, "gradwatch_run_info",
+            {{"run", "labelled"}, {"label_job", "it"}, {"label_instance", "node-7"}, {"label_cluster", "eu"}}) == 1);
   size_t with_run = 0;
   for (const MetricSample& s : ParseExposition(body)) {
     if (s.labels.count("run") == 0) continue;

@@ -34,13 +34,13 @@ void WriteWideHistory(const std::filesystem::path& file) {
   }
   out << "]}\n";
   for (uint64_t s = 1; s <= kSteps; ++s) {
-    out << R"({"_step": )" << s << R"(, "_timestamp": )" << 1.7e9 + static_cast<double>(s)
-        << R"(, "train/loss": )" << 2.0 - 1e-4 * static_cast<double>(s);
+    out << R"({"_step": )" << s << R"(, "_timestamp": )" << 1.7e9 + static_cast<double>(s) << R"(, "train/loss": )"
+        << 2.0 - 1e-4 * static_cast<double>(s);
     for (int p = 0; p < kParams; ++p) {
       const std::string name = "layers." + std::to_string(p / 8) + ".experts." + std::to_string(p % 8) + ".weight";
       const double x = static_cast<double>((s * 31 + static_cast<uint64_t>(p) * 17) % 1000) / 1000.0;
-      out << R"(, "grad/norm/)" << name << R"(": )" << 0.01 + 0.01 * x << R"(, "params/norm/)" << name
-          << R"(": )" << 50.0 + x << R"(, "updates/norm/)" << name << R"(": )" << 1e-3 * x;
+      out << R"(, "grad/norm/)" << name << R"(": )" << 0.01 + 0.01 * x << R"(, "params/norm/)" << name << R"(": )"
+          << 50.0 + x << R"(, "updates/norm/)" << name << R"(": )" << 1e-3 * x;
     }
     out << "}\n";
   }
@@ -50,8 +50,17 @@ std::vector<std::string> ReplayArgv(const DaemonProcess& daemon, const std::file
                                     double stall_timeout_s) {
   // --timeout 2: the old replay gave up 2 s (or a millisecond a step still outstanding) after it
   // had read the file; nothing in the new one depends on it but the wait for the stream.
-  return {CliBinaryPath(), "--addr", daemon.grpc_target(), "--timeout", "2", "--json", "replay", file.string(),
-          "--max", "--stall-timeout", std::to_string(stall_timeout_s * TimeScale())};
+  return {CliBinaryPath(),
+          "--addr",
+          daemon.grpc_target(),
+          "--timeout",
+          "2",
+          "--json",
+          "replay",
+          file.string(),
+          "--max",
+          "--stall-timeout",
+          std::to_string(stall_timeout_s * TimeScale())};
 }
 
 // The run as the daemon holds it; nullopt while it does not (or cannot answer).

@@ -84,8 +84,7 @@ std::pair<int, std::string> RunWithTerminalStderr(const std::vector<std::string>
 
 }  // namespace
 
-TEST_CASE("replay of a file with a broken line reports it with its line number and ingests the rest",
-          "[integration]") {
+TEST_CASE("replay of a file with a broken line reports it with its line number and ingests the rest", "[integration]") {
   DaemonProcess daemon;
   TempDir dir("gradwatch-replay");
   const std::string file = (dir.path() / "history.jsonl").string();
@@ -97,16 +96,17 @@ TEST_CASE("replay of a file with a broken line reports it with its line number a
     for (int i = 1; i <= 10; ++i) {
       const int step = i * 10;
       if (i == 4) {
-        out << R"({"_step": 40, "grad/norm/total": 0.3, )" << "\n";  // line 5: truncated JSON
+        out << R"({"_step": 40, "grad/norm/total": 0.3, )"
+            << "\n";  // line 5: truncated JSON
         continue;
       }
-      out << R"({"_step": )" << step << R"(, "_timestamp": )" << 1.7e9 + step
-          << R"(, "grad/norm/total": )" << (i == 7 ? "NaN" : std::to_string(0.1 * i))
-          << R"(, "grad/norm/lm_head.weight": )" << 0.09 * i
-          << R"(, "params/norm/final_norm.weight": )" << 78.4 + i
-          << R"(, "train/loss": 2.0, "train/accuracy": 0.5})" << "\n";
+      out << R"({"_step": )" << step << R"(, "_timestamp": )" << 1.7e9 + step << R"(, "grad/norm/total": )"
+          << (i == 7 ? "NaN" : std::to_string(0.1 * i)) << R"(, "grad/norm/lm_head.weight": )" << 0.09 * i
+          << R"(, "params/norm/final_norm.weight": )" << 78.4 + i << R"(, "train/loss": 2.0, "train/accuracy": 0.5})"
+          << "\n";
     }
-    out << R"({"_step": 55, "event": "switched to near-dropless EP routing"})" << "\n";
+    out << R"({"_step": 55, "event": "switched to near-dropless EP routing"})"
+        << "\n";
   }
 
   const CommandResult replay = Cli(daemon, {"replay", file, "--max", "--json"});
@@ -169,8 +169,8 @@ TEST_CASE("replay of a file with a broken line reports it with its line number a
 }
 
 TEST_CASE("the CLI exits 1 with a clear message when the daemon is unreachable", "[integration]") {
-  const CommandResult r = RunCommand({CliBinaryPath(), "--addr", "127.0.0.1:1", "--timeout", "2", "runs"},
-                                     std::nullopt, std::chrono::seconds(30));
+  const CommandResult r = RunCommand({CliBinaryPath(), "--addr", "127.0.0.1:1", "--timeout", "2", "runs"}, std::nullopt,
+                                     std::chrono::seconds(30));
   CHECK(r.exit_code == 1);
   CHECK_FALSE(r.err.empty());
 }
@@ -186,8 +186,8 @@ TEST_CASE("a replay reads a pipe once: standard input, /dev/stdin and a FIFO sen
     CAPTURE(input);
     const std::string run = input == "-" ? "piped-dash" : "piped-dev-stdin";
     const CommandResult r =
-        RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", input, "--run", run, "--json"},
-                   history, std::chrono::seconds(120));
+        RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", input, "--run", run, "--json"}, history,
+                   std::chrono::seconds(120));
     INFO(r.out << r.err);
     REQUIRE(r.exit_code == 0);
     const json summary = json::parse(r.out);

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "gradwatch/v1/gradwatch.pb.h"
 #include "client/cli/format.h"
+#include "gradwatch/v1/gradwatch.pb.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
 
@@ -59,9 +59,9 @@ v1::ListAlertHistoryResponse AlertHistory(const DaemonProcess& daemon, const std
 struct Incident {
   Incident() : dir("gradwatch-report") {
     const std::string file = (dir.path() / "incident.jsonl").string();
-    CommandResult r = RunCommand({"/usr/bin/python3", SourceDir() + "/deploy/examples/make_incident_run.py", "--out",
-                                  file},
-                                 std::nullopt, std::chrono::seconds(120));
+    CommandResult r =
+        RunCommand({"/usr/bin/python3", SourceDir() + "/deploy/examples/make_incident_run.py", "--out", file},
+                   std::nullopt, std::chrono::seconds(120));
     REQUIRE(r.exit_code == 0);
     r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", file, "--max", "--json"}, std::nullopt,
                    std::chrono::seconds(300));
@@ -89,8 +89,7 @@ struct Incident {
 
 }  // namespace
 
-TEST_CASE("gradwatch plot draws the total grad norm and the final norm with its slopes at the event",
-          "[integration]") {
+TEST_CASE("gradwatch plot draws the total grad norm and the final norm with its slopes at the event", "[integration]") {
   Incident incident;
   const std::string svg_path = (incident.dir.path() / "incident.svg").string();
   CommandResult r = incident.Cli({"plot", kRun, "-o", svg_path});
@@ -123,8 +122,7 @@ TEST_CASE("gradwatch plot draws the total grad norm and the final norm with its 
   CHECK(r.exit_code == 1);
 }
 
-TEST_CASE("gradwatch report writes the incident up from the analysis, every number the Query API's",
-          "[integration]") {
+TEST_CASE("gradwatch report writes the incident up from the analysis, every number the Query API's", "[integration]") {
   Incident incident;
   const auto out = incident.dir.path() / "report";
   const CommandResult r = incident.Cli({"report", kRun, "-o", out.string()});
@@ -173,9 +171,9 @@ TEST_CASE("gradwatch report writes the incident up from the analysis, every numb
   for (const auto& e : history.entries()) {
     if (e.alert().state() != v1::ALERT_STATE_FIRING) continue;
     ++fired;
-    CHECK_THAT(md, Catch::Contains("- **" + e.alert().name() + "** fired at step " + Step(e.alert().step()) +
-                                   ", value " + Num(e.alert().value()) + ": " +
-                                   Annotation(e.alert(), "summary") + ". Still firing."));
+    CHECK_THAT(md,
+               Catch::Contains("- **" + e.alert().name() + "** fired at step " + Step(e.alert().step()) + ", value " +
+                               Num(e.alert().value()) + ": " + Annotation(e.alert(), "summary") + ". Still firing."));
   }
   CHECK(fired >= 2);
   CHECK_THAT(md, Catch::Contains("## Recommendation\n\n- final_norm.weight has weight decay 0"));
@@ -188,41 +186,41 @@ TEST_CASE("gradwatch report lists the alerts that fired and resolved, from the a
     // Above 5 from step 50 to 99, back to 1 after: the contingency fires, then resolves.
     std::ofstream out(path);
     for (int step = 1; step <= 200; ++step) {
-      out << R"({"_step": )" << step << R"(, "grad/norm/total": )" << (step >= 50 && step < 100 ? 5.5 : 1.0)
-          << "}\n";
+      out << R"({"_step": )" << step << R"(, "grad/norm/total": )" << (step >= 50 && step < 100 ? 5.5 : 1.0) << "}\n";
     }
   }
   DaemonProcess daemon;
-  CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path.string(), "--run",
-                                "spiky", "--max"},
-                               std::nullopt, std::chrono::seconds(120));
+  CommandResult r =
+      RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path.string(), "--run", "spiky", "--max"},
+                 std::nullopt, std::chrono::seconds(120));
   INFO(r.out << r.err);
   REQUIRE(r.exit_code == 0);
   // The history is written off the ingest path: wait for the resolution.
   std::vector<v1::Alert> changes;  // the contingency's
-  REQUIRE(WaitUntil([&] {
-    changes.clear();
-    const v1::ListAlertHistoryResponse history = AlertHistory(daemon, "spiky");
-    for (const auto& e : history.entries()) {
-      if (e.alert().name() == "GradNormContingency") changes.push_back(e.alert());
-    }
-    return !changes.empty() && changes.back().state() == v1::ALERT_STATE_RESOLVED;
-  }, std::chrono::seconds(60)));
+  REQUIRE(WaitUntil(
+      [&] {
+        changes.clear();
+        const v1::ListAlertHistoryResponse history = AlertHistory(daemon, "spiky");
+        for (const auto& e : history.entries()) {
+          if (e.alert().name() == "GradNormContingency") changes.push_back(e.alert());
+        }
+        return !changes.empty() && changes.back().state() == v1::ALERT_STATE_RESOLVED;
+      },
+      std::chrono::seconds(60)));
   REQUIRE(changes.size() >= 2);
   const v1::Alert& fired = changes[changes.size() - 2];
   const v1::Alert& resolved = changes.back();
   REQUIRE(fired.state() == v1::ALERT_STATE_FIRING);
 
   const auto out = dir.path() / "report";
-  r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "report", "spiky", "-o", out.string()},
-                 std::nullopt, std::chrono::seconds(120));
+  r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "report", "spiky", "-o", out.string()}, std::nullopt,
+                 std::chrono::seconds(120));
   REQUIRE(r.exit_code == 0);
   const std::string md = ReadFile(out / "report.md");
   INFO(md);
   CHECK_THAT(md, Catch::Contains("- **GradNormContingency** fired at step " + Step(fired.step()) + ", value " +
-                                 Num(fired.value()) + ": " + Annotation(fired, "summary") +
-                                 ". Resolved at step " + Step(resolved.step()) + ": " +
-                                 Annotation(resolved, "summary") + "."));
+                                 Num(fired.value()) + ": " + Annotation(fired, "summary") + ". Resolved at step " +
+                                 Step(resolved.step()) + ": " + Annotation(resolved, "summary") + "."));
   CHECK_THAT(md, Catch::Contains("Total grad norm back to"));
   CHECK_THAT(md, Catch::Contains("## Recommendation\n\n- "));
 }

@@ -42,8 +42,8 @@ void WriteHistory(const std::string& path, const std::string& header, uint64_t f
   std::ofstream out(path);
   out << header << "\n";
   for (uint64_t s = from; s <= to; s += kEvery) {
-    out << R"({"_step": )" << s << R"(, "grad/norm/total": )" << json(total(s)).dump()
-        << R"(, "train/loss": 2.0})" << "\n";
+    out << R"({"_step": )" << s << R"(, "grad/norm/total": )" << json(total(s)).dump() << R"(, "train/loss": 2.0})"
+        << "\n";
     for (const auto& [step, text] : events) {
       if (step == s) out << R"({"_step": )" << step << R"(, "event": )" << json(text).dump() << "}\n";
     }
@@ -113,10 +113,10 @@ void CheckHoldsTheNewBranch(const DaemonProcess& daemon) {
   CHECK(run.info().last_step() == kNewEnd);
   std::vector<std::pair<uint64_t, std::string>> events;
   for (const auto& e : run.events()) events.emplace_back(e.step(), e.text());
-  CHECK(events == std::vector<std::pair<uint64_t, std::string>>{
-                      {10000, "lr warmup done"},
-                      {kResumeStep, "resumed from the checkpoint at step 20000"},
-                      {32000, "switched routing"}});
+  CHECK(events ==
+        std::vector<std::pair<uint64_t, std::string>>{{10000, "lr warmup done"},
+                                                      {kResumeStep, "resumed from the checkpoint at step 20000"},
+                                                      {32000, "switched routing"}});
 }
 
 }  // namespace

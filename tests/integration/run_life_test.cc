@@ -80,7 +80,9 @@ TEST_CASE("replay --finish ends the run cleanly, and a run gone without a Goodby
     std::ofstream out(file);
     out << R"({"run": "done", "params": [{"name": "final_norm.weight", "numel": 6144, "kind": "norm_gain"}]})"
         << "\n";
-    for (int step = 1; step <= 20; ++step) out << R"({"_step": )" << step << R"(, "grad/norm/total": 0.3})" << "\n";
+    for (int step = 1; step <= 20; ++step)
+      out << R"({"_step": )" << step << R"(, "grad/norm/total": 0.3})"
+          << "\n";
   }
   const CommandResult replay = Cli(daemon, {"replay", file, "--finish", "--json"});
   INFO(replay.out << replay.err);
@@ -149,9 +151,8 @@ TEST_CASE("a hung run that is still connected warns RunStalled and does not page
   auto hung = Report(daemon, "hung", 5);
   REQUIRE(WaitUntil([&] { return FindAlert(daemon, "hung", "FastStalled").has_value(); }));
   CHECK(hung->WaitFor([](const v1::DaemonMessage& m) {
-               return m.has_alert() && m.alert().name() == "FastStalled" &&
-                      m.alert().state() == v1::ALERT_STATE_FIRING;
-             })
+              return m.has_alert() && m.alert().name() == "FastStalled" && m.alert().state() == v1::ALERT_STATE_FIRING;
+            })
             .alert()
             .labels()
             .at("severity") == "warning");
@@ -238,8 +239,7 @@ double RssBytes(pid_t pid) {
 
 }  // namespace
 
-TEST_CASE("a daemon with max_runs 64 takes 1000 runs that come and go, in bounded memory and disk",
-          "[integration]") {
+TEST_CASE("a daemon with max_runs 64 takes 1000 runs that come and go, in bounded memory and disk", "[integration]") {
   DaemonOptions options;
   // Runs leave memory a second after they end and the journal ~1.3 s after.
   options.config_yaml =

@@ -4,8 +4,8 @@
 #include <catch2/catch.hpp>
 
 #include <fstream>
-#include <vector>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -26,9 +26,9 @@ std::string WriteRun(const TempDir& dir) {
   std::ofstream out(path);
   for (int step = 1; step <= 60; ++step) {
     const double total = step < 50 ? 1.0 + step * 0.01 : 5.5;
-    out << R"({"_step": )" << step << R"(, "grad/norm/total": )" << total
-        << R"(, "params/norm/final_norm.weight": )" << 78.0 + step * 0.5 << R"(, "train/loss": 2.0)"
-        << (step == 30 ? R"(, "event": "switched routing")" : "") << "}\n";
+    out << R"({"_step": )" << step << R"(, "grad/norm/total": )" << total << R"(, "params/norm/final_norm.weight": )"
+        << 78.0 + step * 0.5 << R"(, "train/loss": 2.0)" << (step == 30 ? R"(, "event": "switched routing")" : "")
+        << "}\n";
   }
   return path.string();
 }
@@ -51,9 +51,9 @@ json GetJson(const DaemonProcess& daemon, const std::string& path, int status = 
 TEST_CASE("the run view's JSON API answers for a replayed run, and its errors say what is wrong", "[integration]") {
   TempDir dir("gradwatch-run-view");
   DaemonProcess daemon;
-  const CommandResult replay = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay",
-                                           WriteRun(dir), "--run", kRun, "--max", "--json"},
-                                          std::nullopt, std::chrono::seconds(120));
+  const CommandResult replay = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", WriteRun(dir), "--run", kRun, "--max", "--json"},
+      std::nullopt, std::chrono::seconds(120));
   INFO(replay.out << replay.err);
   REQUIRE(replay.exit_code == 0);
 
@@ -73,8 +73,8 @@ TEST_CASE("the run view's JSON API answers for a replayed run, and its errors sa
   CHECK(series["points"][59]["value"] == 5.5);
   CHECK(series["points"][0]["step"] == "1");
   // A range and a point budget: buckets keep min, max and mean.
-  series = GetJson(daemon, std::string("/api/v1/runs/") + kRunPath +
-                               "/series?key=grad/norm/total&from=41&to=60&max_points=4");
+  series = GetJson(daemon,
+                   std::string("/api/v1/runs/") + kRunPath + "/series?key=grad/norm/total&from=41&to=60&max_points=4");
   REQUIRE(series["points"].size() <= 4);
   double max = 0;
   for (const json& p : series["points"]) max = std::max(max, p["max"].get<double>());
@@ -154,15 +154,16 @@ TEST_CASE("the alert history lists a page's pending, firing and resolved states 
     std::ofstream out(path);
     for (int step = 1; step <= 200; ++step) {
       const double total = step == 20 ? 5.6 : step >= 50 && step < 100 ? 5.5 : 1.0;
-      out << R"({"_step": )" << step << R"(, "grad/norm/total": )" << total << R"(, "train/loss": 2.0})" << "\n";
+      out << R"({"_step": )" << step << R"(, "grad/norm/total": )" << total << R"(, "train/loss": 2.0})"
+          << "\n";
     }
   }
   DaemonOptions options;
   options.data_dir = dir.path() / "data";
   DaemonProcess daemon(options);
-  const CommandResult replay = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path.string(),
-                                           "--run", "hist-1", "--max", "--json"},
-                                          std::nullopt, std::chrono::seconds(120));
+  const CommandResult replay = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path.string(), "--run", "hist-1", "--max", "--json"},
+      std::nullopt, std::chrono::seconds(120));
   INFO(replay.out << replay.err);
   REQUIRE(replay.exit_code == 0);
 
@@ -176,10 +177,12 @@ TEST_CASE("the alert history lists a page's pending, firing and resolved states 
     return out;
   };
   std::vector<json> changes;
-  REQUIRE(WaitUntil([&] {
-    changes = contingency(daemon);
-    return !changes.empty() && changes.back()["alert"]["state"] == "ALERT_STATE_RESOLVED";
-  }, std::chrono::seconds(60)));
+  REQUIRE(WaitUntil(
+      [&] {
+        changes = contingency(daemon);
+        return !changes.empty() && changes.back()["alert"]["state"] == "ALERT_STATE_RESOLVED";
+      },
+      std::chrono::seconds(60)));
   INFO(json(changes).dump(1));
   REQUIRE(changes.size() >= 3);
   const size_t n = changes.size();

@@ -24,8 +24,8 @@ using nlohmann::json;
 namespace {
 
 std::string TlsConfig(const std::string& cert, const std::string& key, const std::string& client_ca) {
-  std::string yaml = "log: {format: text, level: debug}\nsecurity:\n  tls_cert_file: " + cert +
-                     "\n  tls_key_file: " + key + "\n";
+  std::string yaml =
+      "log: {format: text, level: debug}\nsecurity:\n  tls_cert_file: " + cert + "\n  tls_key_file: " + key + "\n";
   if (!client_ca.empty()) yaml += "  tls_client_ca_file: " + client_ca + "\n";
   return yaml;
 }
@@ -47,8 +47,8 @@ TEST_CASE("mutual TLS: only a client with a certificate of the daemon's client C
   DaemonProcess daemon(options);
   CHECK_THAT(daemon.LogText(), Catch::Contains("TLS with /CN=gradwatchd") &&
                                    Catch::Contains("client certificates required (CA /CN=gradwatch test CA)"));
-  const std::vector<std::string> good = {"--tls-ca", c("ca.pem"), "--tls-cert", c("client.pem"), "--tls-key",
-                                         c("client.key")};
+  const std::vector<std::string> good = {"--tls-ca",      c("ca.pem"), "--tls-cert",
+                                         c("client.pem"), "--tls-key", c("client.key")};
 
   CommandResult r = Runs(daemon, good);
   INFO(r.err);
@@ -65,14 +65,14 @@ TEST_CASE("mutual TLS: only a client with a certificate of the daemon's client C
     CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon"));
   }
   SECTION("an expired client certificate is refused") {
-    r = Runs(daemon, {"--tls-ca", c("ca.pem"), "--tls-cert", c("expired-client.pem"), "--tls-key",
-                      c("expired-client.key")});
+    r = Runs(daemon,
+             {"--tls-ca", c("ca.pem"), "--tls-cert", c("expired-client.pem"), "--tls-key", c("expired-client.key")});
     CHECK(r.exit_code == 1);
     CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon"));
   }
   SECTION("a client certificate of another CA is refused") {
-    r = Runs(daemon, {"--tls-ca", c("ca.pem"), "--tls-cert", c("other-client.pem"), "--tls-key",
-                      c("other-client.key")});
+    r = Runs(daemon,
+             {"--tls-ca", c("ca.pem"), "--tls-cert", c("other-client.pem"), "--tls-key", c("other-client.key")});
     CHECK(r.exit_code == 1);
     CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon"));
   }
@@ -92,7 +92,10 @@ TEST_CASE("mutual TLS: only a client with a certificate of the daemon's client C
   SECTION("replay streams over mutual TLS, and the environment gives the files") {
     TempDir dir("gradwatch-tls-replay");
     const auto file = dir.path() / "secure.jsonl";
-    std::ofstream(file) << R"({"_step": 1, "grad/norm/total": 0.5})" "\n" R"({"_step": 2, "grad/norm/total": 0.6})" "\n";
+    std::ofstream(file) << R"({"_step": 1, "grad/norm/total": 0.5})"
+                           "\n"
+                           R"({"_step": 2, "grad/norm/total": 0.6})"
+                           "\n";
     std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target(), "--json"};
     argv.insert(argv.end(), good.begin(), good.end());
     argv.insert(argv.end(), {"replay", file.string()});
@@ -100,10 +103,10 @@ TEST_CASE("mutual TLS: only a client with a certificate of the daemon's client C
     INFO(r.out << r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(json::parse(r.out)["last_acked_step"] == 2);
-    r = RunCommand({"env", "GRADWATCH_TLS_CA=" + c("ca.pem"), "GRADWATCH_TLS_CERT=" + c("client.pem"),
-                    "GRADWATCH_TLS_KEY=" + c("client.key"), CliBinaryPath(), "--addr", daemon.grpc_target(), "--json",
-                    "runs"},
-                   std::nullopt, std::chrono::seconds(60));
+    r = RunCommand(
+        {"env", "GRADWATCH_TLS_CA=" + c("ca.pem"), "GRADWATCH_TLS_CERT=" + c("client.pem"),
+         "GRADWATCH_TLS_KEY=" + c("client.key"), CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "runs"},
+        std::nullopt, std::chrono::seconds(60));
     INFO(r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(r.out.find("secure") != std::string::npos);
@@ -129,7 +132,9 @@ TEST_CASE("a renewed certificate is served to new connections without a restart,
   const auto log = dir.path() / "job.log";
   const auto append = [&](int from, int to) {
     std::ofstream out(log, std::ios::app);
-    for (int step = from; step <= to; ++step) out << R"({"_step": )" << step << R"(, "train/loss": 2.0})" << "\n";
+    for (int step = from; step <= to; ++step)
+      out << R"({"_step": )" << step << R"(, "train/loss": 2.0})"
+          << "\n";
   };
   append(1, 5);
   BackgroundCommand tail({CliBinaryPath(), "--addr", daemon.grpc_target(), "--tls-ca", c("ca.pem"), "--json", "tail",
@@ -147,8 +152,11 @@ TEST_CASE("a renewed certificate is served to new connections without a restart,
   std::filesystem::copy_file(c("other-server.key"), key, std::filesystem::copy_options::overwrite_existing);
   std::filesystem::copy_file(c("other-server.pem"), cert, std::filesystem::copy_options::overwrite_existing);
   daemon.Signal(SIGHUP);
-  REQUIRE(WaitUntil([&] { return Runs(daemon, {"--tls-ca", c("other-ca.pem")}).exit_code == 0; },
-                    std::chrono::seconds(60)));
+  REQUIRE(WaitUntil(
+      [&] {
+        return Runs(daemon, {"--tls-ca", c("other-ca.pem")}).exit_code == 0;
+      },
+      std::chrono::seconds(60)));
   CHECK(WaitUntil([&] { return daemon.LogText().find("TLS files checked: new connections get") != std::string::npos; },
                   std::chrono::seconds(30)));
   CHECK(Runs(daemon, {"--tls-ca", c("ca.pem")}).exit_code == 1);  // the old certificate is gone
@@ -195,7 +203,8 @@ TEST_CASE("a listener beyond loopback needs mutual TLS or --insecure", "[integra
   Certs c;
   TempDir dir("gradwatch-insecure");
   const auto check = [&](std::vector<std::string> args) {
-    std::vector<std::string> argv = {DaemonBinaryPath(), "--data-dir", (dir.path() / "data").string(), "--check-config"};
+    std::vector<std::string> argv = {DaemonBinaryPath(), "--data-dir", (dir.path() / "data").string(),
+                                     "--check-config"};
     argv.insert(argv.end(), args.begin(), args.end());
     return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
   };
@@ -226,8 +235,9 @@ TEST_CASE("silences have a maximum duration and record who made them", "[integra
   options.config_yaml = TlsConfig(c("server.pem"), c("server.key"), c("ca.pem")) + "  max_silence_seconds: 7200\n";
   DaemonProcess daemon(options);
   const auto cli = [&](std::vector<std::string> args) {
-    std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target(), "--tls-ca", c("ca.pem"),
-                                     "--tls-cert", c("client.pem"), "--tls-key", c("client.key")};
+    std::vector<std::string> argv = {CliBinaryPath(), "--addr",    daemon.grpc_target(),
+                                     "--tls-ca",      c("ca.pem"), "--tls-cert",
+                                     c("client.pem"), "--tls-key", c("client.key")};
     argv.insert(argv.end(), args.begin(), args.end());
     return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
   };
@@ -280,9 +290,11 @@ TEST_CASE("tokens: each caller may do what its scopes and run patterns allow, an
   options.config_yaml = "log: {format: text, level: debug}\nsecurity: {tokens_file: " + tokens.string() + "}\n";
   DaemonProcess daemon(options);
   const auto file = dir.path() / "job.jsonl";
-  std::ofstream(file) << R"({"_step": 1, "grad/norm/total": 0.5})" "\n";
+  std::ofstream(file) << R"({"_step": 1, "grad/norm/total": 0.5})"
+                         "\n";
   const auto cli = [&](const std::string& token, std::vector<std::string> args) {
-    std::vector<std::string> argv = {"env", "GRADWATCH_TOKEN=" + token, CliBinaryPath(), "--addr", daemon.grpc_target()};
+    std::vector<std::string> argv = {"env", "GRADWATCH_TOKEN=" + token, CliBinaryPath(), "--addr",
+                                     daemon.grpc_target()};
     argv.insert(argv.end(), args.begin(), args.end());
     return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
   };
@@ -347,11 +359,12 @@ TEST_CASE("client certificates map to scopes like tokens, and tokens open a list
   const auto tokens = dir.path() / "tokens.yaml";
   std::ofstream(tokens) << TokensYaml();
   DaemonOptions options;
-  options.config_yaml = TlsConfig(c("server.pem"), c("server.key"), c("ca.pem")) + "  tokens_file: " +
-                        tokens.string() + "\n";
+  options.config_yaml =
+      TlsConfig(c("server.pem"), c("server.key"), c("ca.pem")) + "  tokens_file: " + tokens.string() + "\n";
   DaemonProcess daemon(options);
-  const std::vector<std::string> cert = {CliBinaryPath(), "--addr", daemon.grpc_target(), "--tls-ca", c("ca.pem"),
-                                         "--tls-cert", c("client.pem"), "--tls-key", c("client.key")};
+  const std::vector<std::string> cert = {CliBinaryPath(), "--addr",    daemon.grpc_target(),
+                                         "--tls-ca",      c("ca.pem"), "--tls-cert",
+                                         c("client.pem"), "--tls-key", c("client.key")};
   const auto cli = [&](std::vector<std::string> args) {
     std::vector<std::string> argv = cert;
     argv.insert(argv.end(), args.begin(), args.end());
@@ -377,10 +390,10 @@ TEST_CASE("client certificates map to scopes like tokens, and tokens open a list
                  std::nullopt, std::chrono::seconds(60));
   CHECK(r.exit_code == 2);
   std::ofstream(dir.path() / "c.yaml") << "security: {tokens_file: " + tokens.string() + "}\n";
-  r = RunCommand({DaemonBinaryPath(), "--config", (dir.path() / "c.yaml").string(), "--data-dir",
-                  (dir.path() / "data").string(), "--check-config", "--listen", "0.0.0.0:7390", "--tls-cert",
-                  c("server.pem"), "--tls-key", c("server.key")},
-                 std::nullopt, std::chrono::seconds(60));
+  r = RunCommand(
+      {DaemonBinaryPath(), "--config", (dir.path() / "c.yaml").string(), "--data-dir", (dir.path() / "data").string(),
+       "--check-config", "--listen", "0.0.0.0:7390", "--tls-cert", c("server.pem"), "--tls-key", c("server.key")},
+      std::nullopt, std::chrono::seconds(60));
   CHECK(r.exit_code == 0);
   // A tokens file with a token in clear instead of its hash is refused before start.
   std::ofstream(tokens) << "tokens:\n  - {name: x, sha256: my-plain-token, scopes: [read]}\n";
@@ -423,8 +436,8 @@ TEST_CASE("HTTPS /metrics with tokens: each wrong client refused with a reason, 
   options.config_yaml = TlsConfig(cert.string(), key.string(), "") + "  tokens_file: " + tokens.string() +
                         "\n  metrics_require_token: true\n";
   DaemonProcess daemon(options);
-  CHECK_THAT(daemon.LogText(), Catch::Contains("/metrics on 127.0.0.1:0 (port " +
-                                               std::to_string(daemon.metrics_port()) + ", HTTPS)"));
+  CHECK_THAT(daemon.LogText(),
+             Catch::Contains("/metrics on 127.0.0.1:0 (port " + std::to_string(daemon.metrics_port()) + ", HTTPS)"));
   const TlsClient ca{c("ca.pem"), "", "", ""};
 
   HttpResponse r = HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/metrics");
@@ -463,8 +476,9 @@ TEST_CASE("HTTPS /metrics with tokens: each wrong client refused with a reason, 
   CHECK_THROWS_WITH(Scrape(daemon, ca, "scrape-secret-4"), Catch::Contains("certificate verify failed"));
 }
 
-TEST_CASE("HTTPS /metrics with client certificates: the certificate's identity has scopes, other clients cannot connect",
-          "[integration][security][tls]") {
+TEST_CASE(
+    "HTTPS /metrics with client certificates: the certificate's identity has scopes, other clients cannot connect",
+    "[integration][security][tls]") {
   Certs c;
   TempDir dir("gradwatch-https-mtls");
   const auto tokens = dir.path() / "tokens.yaml";
@@ -495,8 +509,8 @@ TEST_CASE("the HTTP listener beyond loopback needs TLS or --insecure, and http_t
   const auto check = [&](std::vector<std::string> args, const std::string& yaml = "") {
     const auto file = dir.path() / "c.yaml";
     std::ofstream(file) << yaml;
-    std::vector<std::string> argv = {DaemonBinaryPath(), "--config", file.string(), "--data-dir",
-                                     (dir.path() / "data").string(), "--check-config"};
+    std::vector<std::string> argv = {
+        DaemonBinaryPath(), "--config", file.string(), "--data-dir", (dir.path() / "data").string(), "--check-config"};
     argv.insert(argv.end(), args.begin(), args.end());
     return RunCommand(argv, std::nullopt, std::chrono::seconds(60));
   };

@@ -48,17 +48,19 @@ void WriteHistory(const std::filesystem::path& file, const std::string& header, 
     const double x = static_cast<double>(s);
     const double gain = 78.4 + 1e-3 * x + (s > kEvent ? 1.5e-3 * (x - kEvent) : 0.0) + 0.05 * Noise(s, 1);
     const double total = 0.3 + 1.95e-4 * x + 0.05 * Noise(s, 2) + (s % 997 == 0 ? 3.0 : 0.0);
-    out << R"({"_step": )" << s << R"(, "_timestamp": )" << json(1.7e9 + x).dump()
-        << R"(, "grad/norm/total": )" << json(total).dump()
-        << R"(, "grad/norm/final_norm.weight": )" << json(0.2 * total + 0.01 * Noise(s, 3)).dump()
-        << R"(, "params/norm/final_norm.weight": )" << json(gain).dump()
-        << R"(, "grad/norm/lm_head.weight": )" << json(0.7 * total + 0.01 * Noise(s, 4)).dump()
-        << R"(, "params/norm/lm_head.weight": )" << json(310.0 + 2e-4 * x).dump()
-        << R"(, "grad/norm/layers.0.mlp.weight": )" << json(0.1 * total).dump()
-        << R"(, "params/norm/layers.0.mlp.weight": )" << json(120.0 - 1e-4 * x).dump()
-        << R"(, "train/loss": )" << json(2.0 + 1.0 / (1.0 + x / 1000.0) + 0.01 * Noise(s, 5)).dump() << "}\n";
-    if (s == kEvent) out << R"({"_step": )" << s << R"(, "event": "routing switch"})" << "\n";
-    if (s == 22000) out << R"({"_step": )" << s << R"(, "event": "lr warmup restarted"})" << "\n";
+    out << R"({"_step": )" << s << R"(, "_timestamp": )" << json(1.7e9 + x).dump() << R"(, "grad/norm/total": )"
+        << json(total).dump() << R"(, "grad/norm/final_norm.weight": )" << json(0.2 * total + 0.01 * Noise(s, 3)).dump()
+        << R"(, "params/norm/final_norm.weight": )" << json(gain).dump() << R"(, "grad/norm/lm_head.weight": )"
+        << json(0.7 * total + 0.01 * Noise(s, 4)).dump() << R"(, "params/norm/lm_head.weight": )"
+        << json(310.0 + 2e-4 * x).dump() << R"(, "grad/norm/layers.0.mlp.weight": )" << json(0.1 * total).dump()
+        << R"(, "params/norm/layers.0.mlp.weight": )" << json(120.0 - 1e-4 * x).dump() << R"(, "train/loss": )"
+        << json(2.0 + 1.0 / (1.0 + x / 1000.0) + 0.01 * Noise(s, 5)).dump() << "}\n";
+    if (s == kEvent)
+      out << R"({"_step": )" << s << R"(, "event": "routing switch"})"
+          << "\n";
+    if (s == 22000)
+      out << R"({"_step": )" << s << R"(, "event": "lr warmup restarted"})"
+          << "\n";
   }
 }
 
@@ -81,8 +83,9 @@ void Replay(const DaemonProcess& daemon, const std::filesystem::path& file) {
 DaemonOptions Options(const std::filesystem::path& dir, double snapshot_interval) {
   DaemonOptions o;
   o.data_dir = dir;
-  o.config_yaml = "log: {format: text, level: debug}\njournal: {snapshot_interval_seconds: " +
-                  json(snapshot_interval).dump() + "}\n";
+  o.config_yaml =
+      "log: {format: text, level: debug}\njournal: {snapshot_interval_seconds: " + json(snapshot_interval).dump() +
+      "}\n";
   return o;
 }
 
@@ -117,8 +120,8 @@ View Read(const DaemonProcess& daemon) {
     v.summary = summary.SerializeAsString();
     v.debug += summary.DebugString();
   }
-  for (const char* key : {"grad/norm/total", "params/norm/final_norm.weight", "grad/norm/layers.0.mlp.weight",
-                          "train/loss"}) {
+  for (const char* key :
+       {"grad/norm/total", "params/norm/final_norm.weight", "grad/norm/layers.0.mlp.weight", "train/loss"}) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + Scaled(std::chrono::seconds(30)));
     v1::GetSeriesRequest req;

@@ -10,8 +10,7 @@
 namespace gradwatch::testing {
 
 StreamClient::StreamClient(const std::string& target)
-    : channel_(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())),
-      stub_(v1::Ingest::NewStub(channel_)) {
+    : channel_(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())), stub_(v1::Ingest::NewStub(channel_)) {
   context_.set_deadline(std::chrono::system_clock::now() + Scaled(std::chrono::seconds(120)));
   stream_ = stub_->Stream(&context_);
   reader_ = std::thread([this] {
@@ -79,13 +78,11 @@ v1::Accepted StreamClient::WaitAccepted() {
 }
 
 v1::Error StreamClient::WaitError(uint64_t seq) {
-  return WaitFor([seq](const v1::DaemonMessage& m) { return m.has_error() && m.error().seq() == seq; })
-      .error();
+  return WaitFor([seq](const v1::DaemonMessage& m) { return m.has_error() && m.error().seq() == seq; }).error();
 }
 
 v1::Ack StreamClient::WaitAck(uint64_t step) {
-  return WaitFor([step](const v1::DaemonMessage& m) { return m.has_ack() && m.ack().durable_step() >= step; })
-      .ack();
+  return WaitFor([step](const v1::DaemonMessage& m) { return m.has_ack() && m.ack().durable_step() >= step; }).ack();
 }
 
 std::vector<v1::DaemonMessage> StreamClient::Received() {
@@ -135,8 +132,7 @@ std::vector<v1::Alert> ListAlerts(const std::string& target, const std::string& 
 
 namespace gradwatch::testing {
 
-std::string HealthStatus(const std::string& target, const std::string& service,
-                         std::chrono::milliseconds timeout) {
+std::string HealthStatus(const std::string& target, const std::string& service, std::chrono::milliseconds timeout) {
   // HealthCheckRequest{service = 1} and HealthCheckResponse{status = 1}, encoded by hand: the
   // health proto's generated code is not part of the packages we build with.
   std::string request = "\x0a";

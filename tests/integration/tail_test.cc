@@ -86,7 +86,8 @@ TEST_CASE("tail follows a log file that appears late, is rotated and truncated, 
     for (int i = 0; i < 4 && std::getline(lines, line); ++i) real += line + "\n";
   }
   Append(log, "using world size: 8, data-parallel size: 8\n" + real);
-  REQUIRE(WaitUntil([&] { return Series(daemon, "pretrain", "grad/norm/total").size() == 4; }, std::chrono::seconds(60)));
+  REQUIRE(
+      WaitUntil([&] { return Series(daemon, "pretrain", "grad/norm/total").size() == 4; }, std::chrono::seconds(60)));
   auto loss = Series(daemon, "pretrain", "train/loss");
   CHECK(loss.at(122) == Approx(2.504220));
   CHECK(Series(daemon, "pretrain", "optim/learning_rate").at(125) == Approx(9.375e-6));
@@ -98,7 +99,8 @@ TEST_CASE("tail follows a log file that appears late, is rotated and truncated, 
   std::filesystem::rename(log, dir.path() / "pretrain.log.1");
   Append(log, "[default0]: \x1b[32m" + MegatronLine(126, "2.470000E+00", "0.360", 0).substr(1));
   Append(log, "[rank0]:" + MegatronLine(127, "2.460000E+00", "0.370", 0));
-  REQUIRE(WaitUntil([&] { return Series(daemon, "pretrain", "grad/norm/total").size() == 6; }, std::chrono::seconds(60)));
+  REQUIRE(
+      WaitUntil([&] { return Series(daemon, "pretrain", "grad/norm/total").size() == 6; }, std::chrono::seconds(60)));
   CHECK(Series(daemon, "pretrain", "params/norm/total").at(127) == Approx(312.5));
 
   // Truncated in place (copytruncate): read again from its start. Two iterations went NaN: Megatron
@@ -110,17 +112,21 @@ TEST_CASE("tail follows a log file that appears late, is rotated and truncated, 
   CHECK(Series(daemon, "pretrain", "train/nan_iterations").at(128) == 2);
   CHECK(std::isnan(Series(daemon, "pretrain", "grad/norm/total").at(128)));
   CHECK(Series(daemon, "pretrain", "train/loss").count(128) == 0);
-  REQUIRE(WaitUntil([&] {
-    const std::string alerts = Cli(daemon, {"alerts", "pretrain", "--json"}).out;
-    return alerts.find("train/nan_iterations") != std::string::npos;
-  }, std::chrono::seconds(60)));
+  REQUIRE(WaitUntil(
+      [&] {
+        const std::string alerts = Cli(daemon, {"alerts", "pretrain", "--json"}).out;
+        return alerts.find("train/nan_iterations") != std::string::npos;
+      },
+      std::chrono::seconds(60)));
 
   // The job crashed and resumed from its checkpoint at step 126: the daemon replaces 126 on.
   Append(log, MegatronLine(126, "2.400000E+00", "0.300", 0) + MegatronLine(127, "2.390000E+00", "0.290", 0));
-  REQUIRE(WaitUntil([&] {
-    const auto grad = Series(daemon, "pretrain", "grad/norm/total");
-    return grad.size() == 6 && grad.count(128) == 0 && grad.count(127) != 0 && std::abs(grad.at(127) - 0.29) < 1e-9;
-  }, std::chrono::seconds(60)));
+  REQUIRE(WaitUntil(
+      [&] {
+        const auto grad = Series(daemon, "pretrain", "grad/norm/total");
+        return grad.size() == 6 && grad.count(128) == 0 && grad.count(127) != 0 && std::abs(grad.at(127) - 0.29) < 1e-9;
+      },
+      std::chrono::seconds(60)));
 
   tail.Signal(SIGTERM);
   const CommandResult r = tail.Wait(std::chrono::seconds(60));
@@ -160,9 +166,9 @@ TEST_CASE("tail reads every trainer's format from a pipe into the series of the 
   for (const Case& c : cases) {
     CAPTURE(c.fixture);
     const std::string run = "piped-" + c.format + "-" + std::filesystem::path(c.fixture).stem().string();
-    const CommandResult r = RunCommand(
-        {CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-", "--run", run, "--finish"},
-        ReadFile(kFixtures / c.fixture), std::chrono::seconds(120));
+    const CommandResult r =
+        RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-", "--run", run, "--finish"},
+                   ReadFile(kFixtures / c.fixture), std::chrono::seconds(120));
     INFO(r.out << r.err);
     REQUIRE(r.exit_code == 0);
     const json summary = json::parse(r.out);
@@ -185,9 +191,10 @@ TEST_CASE("tail reads every trainer's format from a pipe into the series of the 
   CHECK(Cli(daemon, {"show", "no-metrics"}).exit_code == 1);
 
   // The Hugging Face Trainer prints no step: a progress bar on the same output gives it.
-  const std::string hf = "{'loss': 2.0, 'grad_norm': 1.5, 'learning_rate': 5e-05, 'epoch': 0.1}\n"
-                         " 10%|█         | 20/200 [00:10<01:30,  2.00it/s]\n"
-                         "{'loss': 1.8, 'grad_norm': 1.25, 'learning_rate': 4e-05, 'epoch': 0.2}\n";
+  const std::string hf =
+      "{'loss': 2.0, 'grad_norm': 1.5, 'learning_rate': 5e-05, 'epoch': 0.1}\n"
+      " 10%|█         | 20/200 [00:10<01:30,  2.00it/s]\n"
+      "{'loss': 1.8, 'grad_norm': 1.25, 'learning_rate': 4e-05, 'epoch': 0.2}\n";
   const CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-", "--run",
                                       "hf-steps", "--step-interval", "10"},
                                      hf, std::chrono::seconds(120));
@@ -224,8 +231,7 @@ TEST_CASE("tail of JSONL grows the catalog as new parameters appear, and a daemo
   CHECK(Series(daemon, "jsonl-tail", "grad/norm/lm_head.weight").size() == 20);
 }
 
-TEST_CASE("the sidecar recipe runs a trainer unchanged, streams its log and exits with its status",
-          "[integration]") {
+TEST_CASE("the sidecar recipe runs a trainer unchanged, streams its log and exits with its status", "[integration]") {
   DaemonProcess daemon;
   TempDir dir("gradwatch-sidecar");
   const std::filesystem::path trainer = dir.path() / "trainer.sh";
@@ -242,7 +248,7 @@ TEST_CASE("the sidecar recipe runs a trainer unchanged, streams its log and exit
                                       daemon.grpc_target(), "--", trainer.string()},
                                      std::nullopt, std::chrono::seconds(120));
   INFO(r.out << r.err);
-  CHECK(r.exit_code == 3);  // the trainer's status
+  CHECK(r.exit_code == 3);                                      // the trainer's status
   CHECK(r.out.find("iter 50: loss 3.5") != std::string::npos);  // its output, unchanged
   CHECK(r.out.find("Traceback: CUDA error") != std::string::npos);
   const auto loss = Series(daemon, "sidecar", "train/loss");
@@ -321,9 +327,9 @@ TEST_CASE("tail sends every line to each of several daemons, and one that is awa
       lines += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": 2.0, "grad/norm/total": 0.5)";
       lines += R"(, "params/norm/final_norm.weight": )" + std::to_string(10.0 + step) + "}\n";
     }
-    const CommandResult r = RunCommand(
-        {CliBinaryPath(), "--addr", both, "--json", "tail", "-", "--run", "replicated", "--finish"}, lines,
-        std::chrono::seconds(120));
+    const CommandResult r =
+        RunCommand({CliBinaryPath(), "--addr", both, "--json", "tail", "-", "--run", "replicated", "--finish"}, lines,
+                   std::chrono::seconds(120));
     INFO(r.out << r.err);
     REQUIRE(r.exit_code == 0);
     const json summaries = json::parse(r.out);
@@ -372,7 +378,10 @@ TEST_CASE("tail sends every line to each of several daemons, and one that is awa
 
   SECTION("a daemon that never answers: the others get everything and the tail is a partial success") {
     std::string lines;
-    for (int step = 1; step <= 10; ++step) lines += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": 2.0})" "\n";
+    for (int step = 1; step <= 10; ++step)
+      lines += R"({"_step": )" + std::to_string(step) +
+               R"(, "train/loss": 2.0})"
+               "\n";
     const std::string timeout = std::to_string(2 * TimeScale());
     const CommandResult r = RunCommand({CliBinaryPath(), "--addr", first.grpc_target() + ",127.0.0.1:1", "--timeout",
                                         timeout, "--json", "tail", "-", "--run", "half", "--stall-timeout", timeout},

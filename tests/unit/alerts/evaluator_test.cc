@@ -13,9 +13,9 @@ using gradwatch::ParamKind;
 namespace {
 
 Rule LoadOne(const std::string& body) {
-  auto rules = LoadRules("groups:\n  - name: g\n    rules:\n      - alert: R\n" + body +
-                             "        labels: {severity: warning}\n",
-                         "test.yaml");
+  auto rules =
+      LoadRules("groups:\n  - name: g\n    rules:\n      - alert: R\n" + body + "        labels: {severity: warning}\n",
+                "test.yaml");
   INFO(rules.status().message());
   REQUIRE(rules.ok());
   REQUIRE(rules->size() == 1);
@@ -65,8 +65,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 }  // namespace
 
 TEST_CASE("threshold: one condition per matching series, NaN never active", "[alerts]") {
-  const Rule rule = LoadOne(
-      "        kind: threshold\n        series: \"grad/norm/*\"\n        op: \">=\"\n        value: 5\n");
+  const Rule rule =
+      LoadOne("        kind: threshold\n        series: \"grad/norm/*\"\n        op: \">=\"\n        value: 5\n");
   RunFacts facts = Facts({{"grad/norm/total", 5.0},
                           {"grad/norm/a", 4.99},
                           {"grad/norm/b", NAN},
@@ -79,8 +79,11 @@ TEST_CASE("threshold: one condition per matching series, NaN never active", "[al
   REQUIRE(total);
   CHECK(total->active);
   CHECK(total->value == 5.0);
-  CHECK(total->labels == LabelSet{{"alertname", "R"}, {"run", "r1"}, {"severity", "warning"},
-                                  {"job", "pretrain"}, {"series", "grad/norm/total"}});
+  CHECK(total->labels == LabelSet{{"alertname", "R"},
+                                  {"run", "r1"},
+                                  {"severity", "warning"},
+                                  {"job", "pretrain"},
+                                  {"series", "grad/norm/total"}});
   CHECK(total->vars.at("value") == "5");
   CHECK(total->vars.at("step") == "1,000");
   CHECK(total->vars.at("threshold") == "5");
@@ -90,8 +93,8 @@ TEST_CASE("threshold: one condition per matching series, NaN never active", "[al
 }
 
 TEST_CASE("threshold: a series without a value at this step has no condition", "[alerts]") {
-  const Rule rule = LoadOne(
-      "        kind: threshold\n        series: grad/norm/total\n        op: \"<\"\n        value: 1\n");
+  const Rule rule =
+      LoadOne("        kind: threshold\n        series: grad/norm/total\n        op: \"<\"\n        value: 1\n");
   CHECK(Evaluate(rule, Facts({{"train/loss", 0.5}})).empty());
   const auto cs = Evaluate(rule, Facts({{"grad/norm/total", 0.5}}));
   REQUIRE(cs.size() == 1);
@@ -125,8 +128,8 @@ TEST_CASE("forecast: active when the threshold is reached within the horizon", "
 }
 
 TEST_CASE("slope_change: events and change points are separate instances", "[alerts]") {
-  const Rule at_event = LoadOne(
-      "        kind: slope_change\n        series: grad/norm/total\n        min_ratio: 1.5\n");
+  const Rule at_event =
+      LoadOne("        kind: slope_change\n        series: grad/norm/total\n        min_ratio: 1.5\n");
   RunFacts facts = Facts({});
   facts.slope_changes = {{"grad/norm/total", 81716, "switched to near-dropless EP routing", 2.1, 0.005, 0.0105, 40},
                          {"grad/norm/total", 60000, "lr warmup ended", 1.1, 0.005, 0.0055, 40},
@@ -157,7 +160,8 @@ TEST_CASE("slope_change: events and change points are separate instances", "[ale
 TEST_CASE("share: parameters by kind, groups by name", "[alerts]") {
   const Rule by_kind = LoadOne("        kind: share\n        param_kind: output\n        min_share: 0.9\n");
   RunFacts facts = Facts({});
-  facts.params = {Param("lm_head.weight", ParamKind::kOutput, 0.1), Param("final_norm.weight", ParamKind::kNormGain, 0)};
+  facts.params = {Param("lm_head.weight", ParamKind::kOutput, 0.1),
+                  Param("final_norm.weight", ParamKind::kNormGain, 0)};
   facts.shares = {{"lm_head.weight", false, 0.939, 0.01, ParamKind::kOutput},
                   {"final_norm.weight", false, 0.001, 0, ParamKind::kNormGain},
                   {"output", true, 0.939, 0.01}};
@@ -176,8 +180,8 @@ TEST_CASE("share: parameters by kind, groups by name", "[alerts]") {
 }
 
 TEST_CASE("growth_without_decay: rising norm gains without decay above the amplification", "[alerts]") {
-  const Rule rule = LoadOne(
-      "        kind: growth_without_decay\n        param_kind: norm_gain\n        min_amplification: 4\n");
+  const Rule rule =
+      LoadOne("        kind: growth_without_decay\n        param_kind: norm_gain\n        min_amplification: 4\n");
   RunFacts facts = Facts({});
   ParamFact final_norm = Param("final_norm.weight", ParamKind::kNormGain, 0);
   final_norm.norm = 362.1;  // init: sqrt(6144) = 78.38 → 4.62×

@@ -112,8 +112,8 @@ TEST_CASE("a regular-expression silence mutes the runs it matches and no other",
   constexpr double kT0 = 1.7e9;
   CHECK(engine.AddSilence({"all", {Parsed("run=~.*")}, kT0, kT0 + 100, "", ""}).code() ==
         gradwatch::StatusCode::kInvalidArgument);
-  REQUIRE(engine.AddSilence({"moe", {Parsed("run=~moe-.*"), Parsed("alertname!~Loss.*")}, kT0, kT0 + 100, "", ""})
-              .ok());
+  REQUIRE(
+      engine.AddSilence({"moe", {Parsed("run=~moe-.*"), Parsed("alertname!~Loss.*")}, kT0, kT0 + 100, "", ""}).ok());
   Alert alert;
   alert.name = "GradNormContingency";
   alert.labels = {{"alertname", "GradNormContingency"}, {"run", "moe-6b"}};

@@ -19,7 +19,6 @@ namespace {
 
 constexpr double kT0 = 1'790'000'000.0;
 
-
 struct Outcome {
   std::vector<Transition> fired;     // notified firings
   std::vector<Transition> resolved;  // notified resolves
@@ -46,8 +45,10 @@ Outcome Drive(const Rule& rule, uint64_t end, uint64_t every, uint64_t seed,
     put(f, value);
     SortLatest(f);
     for (Transition& t : engine.EvaluateStep(f, f.now)) {
-      if (t.to == AlertState::kFiring && t.notify) out.fired.push_back(std::move(t));
-      else if (t.to == AlertState::kResolved && t.notify) out.resolved.push_back(std::move(t));
+      if (t.to == AlertState::kFiring && t.notify)
+        out.fired.push_back(std::move(t));
+      else if (t.to == AlertState::kResolved && t.notify)
+        out.resolved.push_back(std::move(t));
     }
   }
   return out;
@@ -83,8 +84,7 @@ TEST_CASE("a trend rising through 5 under 5% noise pages once, near 5, and resol
       CHECK(r.alert.step <= 16'000 + 10 * every);
       CHECK(r.alert.value == Approx(4.0).epsilon(0.05));  // the level that resolved it
       CHECK(r.alert.annotations.at("summary") == "Total grad norm back to " + FormatNumber(r.alert.value) +
-                                                     " (below 4.5) at step " + FormatStep(r.alert.step) +
-                                                     " in run r1");
+                                                     " (below 4.5) at step " + FormatStep(r.alert.step) + " in run r1");
     }
   }
 }
@@ -95,7 +95,8 @@ TEST_CASE("lone x1.6 spikes from a level of 3.2 never page", "[alerts]") {
   for (uint64_t every : {1u, 10u}) {
     for (uint64_t seed : kSeeds) {
       INFO("every " << every << " seed " << seed);
-      const Outcome o = Drive(rule, 30'000, every, seed, [](uint64_t) { return 3.2; }, 0.05, PutTotal, spike);
+      const Outcome o = Drive(
+          rule, 30'000, every, seed, [](uint64_t) { return 3.2; }, 0.05, PutTotal, spike);
       CHECK(o.fired.empty());
     }
   }

@@ -41,12 +41,13 @@ RunFacts Incident() {
   ParamFact mlp = Param("layers.0.mlp.w1", ParamKind::kMlp, 0.1, 1'000'000);
   f.params = {layer_norm, final_norm, head, mlp};
 
-  f.shares = {{"lm_head.weight", false, 0.939, 0.01, ParamKind::kOutput}, {"output", true, 0.939, 0.01},
+  f.shares = {{"lm_head.weight", false, 0.939, 0.01, ParamKind::kOutput},
+              {"output", true, 0.939, 0.01},
               {"final_norm.weight", false, 0.0004, 0}};
-  f.slope_changes = {{"params/norm/final_norm.weight", 60000, "lr decay starts", 0.9, 1.1, 1.0, 50},
-                     {"params/norm/final_norm.weight", 81716, "switched to near-dropless EP routing", 2.5,
-                      1.0, 2.5, 50},
-                     {"grad/norm/total", 81716, "switched to near-dropless EP routing", 2.0, 0.005, 0.01, 50}};
+  f.slope_changes = {
+      {"params/norm/final_norm.weight", 60000, "lr decay starts", 0.9, 1.1, 1.0, 50},
+      {"params/norm/final_norm.weight", 81716, "switched to near-dropless EP routing", 2.5, 1.0, 2.5, 50},
+      {"grad/norm/total", 81716, "switched to near-dropless EP routing", 2.0, 0.005, 0.01, 50}};
   return f;
 }
 
@@ -124,7 +125,8 @@ TEST_CASE("the suggested weight decay comes from the config, else the catalog's 
 TEST_CASE("missing facts are left out of the recommendation", "[alerts]") {
   RunFacts f;
   f.params = {Param("final_norm.weight", ParamKind::kNormGain, 0)};
-  CHECK(Recommend(f) == "final_norm.weight has weight decay 0. Recommendation: enable weight decay on final_norm.weight.");
+  CHECK(Recommend(f) ==
+        "final_norm.weight has weight decay 0. Recommendation: enable weight decay on final_norm.weight.");
 
   f.params[0].norm = 156.8;  // amplification from sqrt(numel), no slope, no event
   CHECK(Recommend(f) ==

@@ -10,8 +10,8 @@
 #include "tests/support/temp_dir.h"
 
 using namespace gradwatch::alerts;
-using gradwatch::testing::TempDir;
 using gradwatch::ParamKind;
+using gradwatch::testing::TempDir;
 
 namespace {
 
@@ -185,16 +185,17 @@ TEST_CASE("bad rule files are rejected with file:line and what is wrong", "[aler
     std::string error;
   };
   const std::vector<Case> cases = {
-      {kHead + "        kind: thresold\n" + kSeverity,
-       "bad.yaml:5: rule 'A': unknown kind 'thresold'"},
+      {kHead + "        kind: thresold\n" + kSeverity, "bad.yaml:5: rule 'A': unknown kind 'thresold'"},
       {kHead + kSeverity, "bad.yaml:4: rule 'A': missing 'kind'"},
       {kThreshold + kSeverity + "        vaule: 5\n", "bad.yaml:10: rule 'A': unknown key 'vaule'"},
       {kThreshold + kSeverity + "        min_share: 0.5\n",
        "bad.yaml:10: rule 'A': key 'min_share' does not apply to kind threshold"},
       {kHead + "        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n" + kSeverity,
        "bad.yaml:4: rule 'A': missing 'value' (required by kind threshold)"},
-      {kHead + "        kind: threshold\n        series: grad/norm/total\n        op: \"=>\"\n"
-               "        value: 5\n" + kSeverity,
+      {kHead +
+           "        kind: threshold\n        series: grad/norm/total\n        op: \"=>\"\n"
+           "        value: 5\n" +
+           kSeverity,
        "bad.yaml:7: rule 'A': bad op '=>'"},
       {kThreshold + kSeverity + kThreshold + kSeverity,
        "bad.yaml:10: rule 'A': duplicate rule name (first defined at bad.yaml:4)"},
@@ -205,16 +206,17 @@ TEST_CASE("bad rule files are rejected with file:line and what is wrong", "[aler
       {kThreshold + kSeverity + "        annotations:\n          summary: \"{{ share }}\"\n",
        "bad.yaml:11: rule 'A': annotation 'summary': unknown variable 'share'"},
       {kThreshold, "bad.yaml:4: rule 'A': missing label 'severity'"},
-      {kThreshold + "        labels: {severity: page, run: x}\n",
-       "bad.yaml:9: rule 'A': label 'run' is reserved"},
+      {kThreshold + "        labels: {severity: page, run: x}\n", "bad.yaml:9: rule 'A': label 'run' is reserved"},
       {kThreshold + "        labels: {severity: page, bad-name: x}\n",
        "bad.yaml:9: rule 'A': labels: bad name 'bad-name'"},
       {kThreshold + kSeverity + "        clear_below: 5.5\n",
        "bad.yaml:10: rule 'A': clear_below 5.5 must not exceed value 5"},
       {kThreshold + kSeverity + "        clear_above: 4\n",
        "bad.yaml:10: rule 'A': clear_above does not fit op >=: use clear_below"},
-      {kHead + "        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n"
-               "        value: five\n" + kSeverity,
+      {kHead +
+           "        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n"
+           "        value: five\n" +
+           kSeverity,
        "bad.yaml:8: rule 'A': value must be a finite number, got 'five'"},
       {kThreshold + kSeverity + "        for_steps: -1\n",
        "bad.yaml:10: rule 'A': for_steps must be a whole number of steps ≥ 0, got '-1'"},
@@ -234,14 +236,20 @@ TEST_CASE("bad rule files are rejected with file:line and what is wrong", "[aler
        "bad.yaml:6: rule 'A': unknown param_kind 'head'"},
       {kHead + "        kind: growth_without_decay\n        param_kind: norm_gain\n" + kSeverity,
        "bad.yaml:4: rule 'A': missing 'min_amplification' or 'min_growth'"},
-      {kHead + "        kind: slope_change\n        series: grad/norm/total\n        min_ratio: 1.5\n"
-               "        at: events\n" + kSeverity,
+      {kHead +
+           "        kind: slope_change\n        series: grad/norm/total\n        min_ratio: 1.5\n"
+           "        at: events\n" +
+           kSeverity,
        "bad.yaml:8: rule 'A': bad at 'events' (event, change_point or any)"},
-      {kHead + "        kind: forecast\n        series: grad/norm/total\n        threshold: 5\n"
-               "        within_steps: 0\n" + kSeverity,
+      {kHead +
+           "        kind: forecast\n        series: grad/norm/total\n        threshold: 5\n"
+           "        within_steps: 0\n" +
+           kSeverity,
        "bad.yaml:8: rule 'A': within_steps must be > 0"},
-      {kHead + "        kind: forecast\n        series: grad/norm/total\n        threshold: 5\n"
-               "        within_steps: 100\n        clear_below: 3\n" + kSeverity,
+      {kHead +
+           "        kind: forecast\n        series: grad/norm/total\n        threshold: 5\n"
+           "        within_steps: 100\n        clear_below: 3\n" +
+           kSeverity,
        "bad.yaml:9: rule 'A': clear_below does not apply to kind forecast"},
       {"      - kind: threshold\n", "bad.yaml:4: rule '': missing 'alert'"},
       {"      - just a string\n", "bad.yaml:4: a rule must be a map, got 'just a string'"},
@@ -266,8 +274,7 @@ TEST_CASE("bad file structure is rejected with file:line", "[alerts]") {
       {"rules: []\n", "top.yaml:1: unknown top-level key 'rules' (expected 'groups')"},
       {"groups: {a: 1}\n", "top.yaml:1: groups must be a list, got a map"},
       {"groups:\n  - rules: []\n", "top.yaml:2: group '': missing 'name'"},
-      {"groups:\n  - name: g\n    interval: 1m\n    rules: []\n",
-       "top.yaml:3: group 'g': unknown key 'interval'"},
+      {"groups:\n  - name: g\n    interval: 1m\n    rules: []\n", "top.yaml:3: group 'g': unknown key 'interval'"},
       {"- a\n- b\n", "top.yaml:1: a rules file is a map with 'groups', got a list"},
   };
   for (const Case& c : cases) {
@@ -291,8 +298,7 @@ TEST_CASE("every error of a rules file is reported, one per line", "[alerts]") {
 
 TEST_CASE("rule names are unique across files and unreadable files are errors", "[alerts]") {
   TempDir dir;
-  const std::string rule =
-      "      - alert: Same\n        kind: non_finite\n        labels: {severity: page}\n";
+  const std::string rule = "      - alert: Same\n        kind: non_finite\n        labels: {severity: page}\n";
   const std::string a = dir.Write("a.yaml", OneGroup(rule));
   const std::string b = dir.Write("b.yaml", OneGroup(rule));
 

@@ -1,7 +1,7 @@
 #include <catch2/catch.hpp>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -11,8 +11,8 @@
 #include "tests/unit/alerts/default_rule.h"
 
 using namespace gradwatch::alerts;
-using gradwatch::alerts::testing::DefaultRule;
 using gradwatch::ParamKind;
+using gradwatch::alerts::testing::DefaultRule;
 
 namespace {
 
@@ -24,7 +24,6 @@ std::vector<Rule> Load(const std::string& rules) {
   REQUIRE(loaded.ok());
   return *loaded;
 }
-
 
 // The contingency without its hysteresis, for contrast.
 Rule PlainThreshold(uint64_t for_steps) {
@@ -133,8 +132,9 @@ TEST_CASE("for_steps with a report every step fires at s0 + 10 exactly", "[alert
   CHECK(a.value == 5.1);
   CHECK(a.starts_at == kT0 + 100);  // when the condition began, as Prometheus's activeAt
   CHECK(a.ends_at == 0);
-  CHECK(a.labels == LabelSet{{"alertname", "GradNormContingency"}, {"run", "r1"}, {"severity", "page"},
-                             {"series", "grad/norm/total"}});
+  CHECK(a.labels ==
+        LabelSet{
+            {"alertname", "GradNormContingency"}, {"run", "r1"}, {"severity", "page"}, {"series", "grad/norm/total"}});
   CHECK(a.annotations.at("summary") == "Total grad norm 5.1 ≥ 5 at step 110 in run r1");
   CHECK(d.Run(111, 200, 1, 5.5).empty());  // firing: no more transitions while it holds
 }
@@ -144,7 +144,7 @@ TEST_CASE("for_steps with a report every 10 steps fires at the first report at o
     AlertEngine engine({DefaultRule("GradNormContingency")});
     Driver d{engine};
     auto ts = d.Run(0, 100, 10, 1.0);
-    ts = d.Run(100, 300, 10, 5.2);  // s0 = 100
+    ts = d.Run(100, 300, 10, 5.2);                   // s0 = 100
     CHECK(StepOf(ts, AlertState::kFiring) == 110u);  // the same step as reporting every step
   }
   SECTION("reports not aligned with s0 + 10") {
@@ -223,9 +223,9 @@ TEST_CASE("a firing alert resolves once, sent with ends_at = now", "[alerts]") {
 }
 
 TEST_CASE("resolve_for_steps keeps an alert firing until the condition stayed clear that long", "[alerts]") {
-  AlertEngine engine(Load(
-      "      - alert: Slow\n        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n"
-      "        value: 5\n        resolve_for_steps: 20\n        labels: {severity: page}\n"));
+  AlertEngine engine(
+      Load("      - alert: Slow\n        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n"
+           "        value: 5\n        resolve_for_steps: 20\n        labels: {severity: page}\n"));
   Driver d{engine};
   REQUIRE(StepOf(d.Report(100, 6), AlertState::kFiring) == 100u);
   CHECK(d.Run(101, 115, 1, 4).empty());  // r0 = 101
@@ -235,9 +235,9 @@ TEST_CASE("resolve_for_steps keeps an alert firing until the condition stayed cl
   CHECK(StepOf(ts, AlertState::kResolved) == 140u);
 
   // One report back above is a blip: the clock goes on.
-  AlertEngine blip(Load(
-      "      - alert: Slow\n        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n"
-      "        value: 5\n        resolve_for_steps: 20\n        labels: {severity: page}\n"));
+  AlertEngine blip(
+      Load("      - alert: Slow\n        kind: threshold\n        series: grad/norm/total\n        op: \">=\"\n"
+           "        value: 5\n        resolve_for_steps: 20\n        labels: {severity: page}\n"));
   Driver b{blip};
   REQUIRE(StepOf(b.Report(100, 6), AlertState::kFiring) == 100u);
   CHECK(b.Run(101, 115, 1, 4).empty());
@@ -249,8 +249,9 @@ TEST_CASE("resolve_for_steps keeps an alert firing until the condition stayed cl
 TEST_CASE("a silence mutes notifications without hiding state", "[alerts]") {
   AlertEngine engine({DefaultRule("GradNormContingency")});
   Driver d{engine};
-  REQUIRE(engine.AddSilence({"s1", EqualityMatchers({{"alertname", "GradNormContingency"}, {"run", "r1"}}).value(), kT0, kT0 + 200,
-                             "known: weight decay change scheduled", "alice"})
+  REQUIRE(engine
+              .AddSilence({"s1", EqualityMatchers({{"alertname", "GradNormContingency"}, {"run", "r1"}}).value(), kT0,
+                           kT0 + 200, "known: weight decay change scheduled", "alice"})
               .ok());
   CHECK(engine.Silences().size() == 1);
 
@@ -407,9 +408,9 @@ TEST_CASE("stalled alerts come from the timer and resolve when steps resume", "[
 }
 
 TEST_CASE("instances are keyed by their labels: one alert per series and per run", "[alerts]") {
-  AlertEngine engine(Load(
-      "      - alert: ParamGrad\n        kind: threshold\n        series: \"grad/norm/*\"\n        op: \">\"\n"
-      "        value: 1\n        labels: {severity: warning}\n"));
+  AlertEngine engine(
+      Load("      - alert: ParamGrad\n        kind: threshold\n        series: \"grad/norm/*\"\n        op: \">\"\n"
+           "        value: 1\n        labels: {severity: warning}\n"));
   RunFacts f = Step(10, 0.5);
   f.latest = {{"grad/norm/a", 2}, {"grad/norm/b", 3}, {"grad/norm/total", 0.5}};
   auto ts = engine.EvaluateStep(f, kT0);
@@ -541,7 +542,8 @@ TEST_CASE("every durable change reaches the sink, value-only updates only when p
   CHECK(rec.Saved().instances.empty());
 }
 
-TEST_CASE("a restored firing alert resolves, and is sent resolved, when the condition cleared", "[alerts][persistence]") {
+TEST_CASE("a restored firing alert resolves, and is sent resolved, when the condition cleared",
+          "[alerts][persistence]") {
   Recorder rec;
   std::string fp;
   {
@@ -622,8 +624,8 @@ namespace {
 
 std::string Describe(const Transition& t) {
   std::ostringstream out;
-  out << std::hexfloat << t.alert.name << " " << static_cast<int>(t.from) << "->" << static_cast<int>(t.to)
-      << " at " << t.alert.step << " value " << t.alert.value << (t.notify ? " notified" : "");
+  out << std::hexfloat << t.alert.name << " " << static_cast<int>(t.from) << "->" << static_cast<int>(t.to) << " at "
+      << t.alert.step << " value " << t.alert.value << (t.notify ? " notified" : "");
   return out.str();
 }
 
@@ -646,11 +648,12 @@ TEST_CASE("an engine restored from any saved cut makes the transitions of an uni
       for (const Transition& t : Driver{whole}.Report(s, NoisyTotal(s))) expected.push_back(Describe(t));
     }
   }
-  INFO("uninterrupted:\n" << [&] {
-    std::string all;
-    for (const auto& e : expected) all += e + "\n";
-    return all;
-  }());
+  INFO("uninterrupted:\n"
+       << [&] {
+            std::string all;
+            for (const auto& e : expected) all += e + "\n";
+            return all;
+          }());
   REQUIRE(std::count_if(expected.begin(), expected.end(),
                         [](const std::string& e) { return e.find("notified") != std::string::npos; }) == 2);
 

@@ -39,8 +39,7 @@ ParamInfo FinalNorm() { return Param("final_norm.weight", 6144, ParamKind::kNorm
 
 }  // namespace
 
-TEST_CASE("shares are squared grad norms over their squared sum: 3 and 4 give 36% and 64%",
-          "[analytics]") {
+TEST_CASE("shares are squared grad norms over their squared sum: 3 and 4 give 36% and 64%", "[analytics]") {
   const std::vector<double> grads = {3.0, 4.0};
   const std::vector<uint32_t> groups = {0, 0};
   std::vector<double> param_share;
@@ -78,8 +77,7 @@ TEST_CASE("an unusable reported total falls back to the parameters' sum", "[anal
   }
 }
 
-TEST_CASE("group shares add their members' shares, and a group without members is NaN",
-          "[analytics]") {
+TEST_CASE("group shares add their members' shares, and a group without members is NaN", "[analytics]") {
   // lm_head 0.9² = 0.81, two norms 0.3² = 0.09 each, an embedding 0.1² = 0.01: total² = 1.
   const std::vector<double> grads = {0.9, 0.3, 0.3, 0.1};
   const std::vector<uint32_t> groups = {0, 1, 1, 2};
@@ -94,8 +92,7 @@ TEST_CASE("group shares add their members' shares, and a group without members i
   CHECK(std::isnan(group_share[3]));
 }
 
-TEST_CASE("a NaN grad norm is skipped: NaN share, not in the total, not in its group",
-          "[analytics]") {
+TEST_CASE("a NaN grad norm is skipped: NaN share, not in the total, not in its group", "[analytics]") {
   const std::vector<double> grads = {3.0, kNaN, 4.0, -1.0};
   const std::vector<uint32_t> groups = {0, 1, 0, 1};
   std::vector<double> param_share;
@@ -110,8 +107,7 @@ TEST_CASE("a NaN grad norm is skipped: NaN share, not in the total, not in its g
   CHECK(std::isnan(group_share[1]));
 }
 
-TEST_CASE("parameters without a group entry or with an out-of-range group join no group",
-          "[analytics]") {
+TEST_CASE("parameters without a group entry or with an out-of-range group join no group", "[analytics]") {
   const std::vector<double> grads = {3.0, 4.0, 0.0};
   const std::vector<uint32_t> groups = {7};  // out of range; the others have no entry
   std::vector<double> param_share;
@@ -128,8 +124,7 @@ TEST_CASE("with no usable grad norm every share is NaN", "[analytics]") {
   const std::vector<uint32_t> groups = {0, 0};
   std::vector<double> param_share;
   std::vector<double> group_share;
-  for (const std::vector<double>& grads : {std::vector<double>{kNaN, kNaN},
-                                           std::vector<double>{0.0, 0.0}}) {
+  for (const std::vector<double>& grads : {std::vector<double>{kNaN, kNaN}, std::vector<double>{0.0, 0.0}}) {
     ComputeShares(grads, groups, 1, std::nullopt, param_share, group_share);
     REQUIRE(param_share.size() == 2);
     CHECK(std::isnan(param_share[0]));
@@ -185,9 +180,10 @@ TEST_CASE("a trend is steady below the threshold or when unknown", "[analytics]"
   CHECK(ClassifyTrend(0.05, 0.1) == Trend::kSteady);
 }
 
-TEST_CASE("a 6144-entry norm gain initialised at ones starts at norm 78.38, and at 362 it amplifies "
-          "4.62x",
-          "[analytics]") {
+TEST_CASE(
+    "a 6144-entry norm gain initialised at ones starts at norm 78.38, and at 362 it amplifies "
+    "4.62x",
+    "[analytics]") {
   const std::optional<double> init = InitNorm(FinalNorm());
   REQUIRE(init.has_value());
   CHECK(*init == Approx(std::sqrt(6144.0)));
@@ -206,8 +202,7 @@ TEST_CASE("the catalog's init_norm wins over sqrt(numel)", "[analytics]") {
   CHECK(InitNorm(lm_head) == Approx(12.5));
 }
 
-TEST_CASE("without a usable catalog init_norm only norm gains have an initial norm",
-          "[analytics]") {
+TEST_CASE("without a usable catalog init_norm only norm gains have an initial norm", "[analytics]") {
   ParamInfo gain = FinalNorm();
   gain.init_norm = 0.0;  // not a norm to divide by: ignored
   CHECK(InitNorm(gain) == Approx(std::sqrt(6144.0)));
@@ -227,9 +222,10 @@ TEST_CASE("amplification needs a positive finite initial norm", "[analytics]") {
   CHECK(std::isnan(Amplification(10.0, kNaN)));
 }
 
-TEST_CASE("a gain without weight decay whose norm rises is reported with factor, slope and "
-          "amplification",
-          "[analytics]") {
+TEST_CASE(
+    "a gain without weight decay whose norm rises is reported with factor, slope and "
+    "amplification",
+    "[analytics]") {
   // final_norm: 320 → 340 over a 20k-step window, rising 1.0 per 1k steps.
   const std::optional<GrowthWithoutDecay> growth = AssessGrowth(FinalNorm(), 5, 320.0, 340.0, 1.0);
   REQUIRE(growth.has_value());
@@ -269,8 +265,7 @@ TEST_CASE("growth is not assessed from unusable norms", "[analytics]") {
   CHECK_FALSE(AssessGrowth(gain, 0, 320.0, 340.0, kNaN).has_value());
 }
 
-TEST_CASE("growth of a parameter with no known initial norm has NaN amplification",
-          "[analytics]") {
+TEST_CASE("growth of a parameter with no known initial norm has NaN amplification", "[analytics]") {
   const ParamInfo router = Param("router.weight", 6144 * 64, ParamKind::kRouter);
   const std::optional<GrowthWithoutDecay> growth = AssessGrowth(router, 2, 10.0, 12.0, 0.1);
   REQUIRE(growth.has_value());

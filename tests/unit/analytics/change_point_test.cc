@@ -73,8 +73,7 @@ int64_t Signed(uint64_t step) { return static_cast<int64_t>(step); }
 
 }  // namespace
 
-TEST_CASE("a noise-free doubling of the slope is reported once, at its break, with ratio 2",
-          "[analytics]") {
+TEST_CASE("a noise-free doubling of the slope is reported once, at its break, with ratio 2", "[analytics]") {
   SlopeChangeDetector detector;
   const std::vector<ChangePoint> reported = Run(detector, Piecewise, {.from = 0, .to = 40000});
 
@@ -110,8 +109,7 @@ TEST_CASE("a break inside a bucket is placed at a neighbouring bucket boundary",
   CHECK(settled.ratio == Approx(2.0).margin(0.01));
 }
 
-TEST_CASE("with 3% lognormal noise the doubling is reported once, near its break, ratio about 2",
-          "[analytics]") {
+TEST_CASE("with 3% lognormal noise the doubling is reported once, near its break, ratio about 2", "[analytics]") {
   SlopeChangeDetector detector;
   const std::vector<ChangePoint> reported =
       Run(detector, Piecewise, {.from = 0, .to = 40000, .noise = kNoise, .seed = 7});
@@ -139,8 +137,7 @@ TEST_CASE("a slope that halves is reported with ratio about 0.5", "[analytics]")
     return 5.0 + 1e-4 * static_cast<double>(step - kPiecewiseBreak);
   };
   SlopeChangeDetector detector;
-  const std::vector<ChangePoint> reported =
-      Run(detector, curve, {.from = 0, .to = 40000, .noise = kNoise, .seed = 3});
+  const std::vector<ChangePoint> reported = Run(detector, curve, {.from = 0, .to = 40000, .noise = kNoise, .seed = 3});
 
   REQUIRE(reported.size() == 1);
   REQUIRE(detector.changes().size() == 1);
@@ -177,19 +174,16 @@ TEST_CASE("a straight noisy line yields no change point", "[analytics]") {
   }
 }
 
-TEST_CASE("a x1.5 one-step spike every 3,000 steps on a straight noisy line is no change point",
-          "[analytics]") {
+TEST_CASE("a x1.5 one-step spike every 3,000 steps on a straight noisy line is no change point", "[analytics]") {
   auto rising = [](uint64_t step) { return 0.28 + 5e-6 * static_cast<double>(step); };
   for (uint64_t seed = 1; seed <= 5; ++seed) {
     CAPTURE(seed);
     SlopeChangeDetector every_step;
-    CHECK(Run(every_step, rising,
-              {.from = 0, .to = 100000, .noise = kNoise, .spike_every = 3000, .seed = seed})
-              .empty());
+    CHECK(
+        Run(every_step, rising, {.from = 0, .to = 100000, .noise = kNoise, .spike_every = 3000, .seed = seed}).empty());
     SlopeChangeDetector every_10_steps;
     CHECK(Run(every_10_steps, rising,
-              {.from = 0, .to = 100000, .every = 10, .noise = kNoise, .spike_every = 3000,
-               .seed = seed})
+              {.from = 0, .to = 100000, .every = 10, .noise = kNoise, .spike_every = 3000, .seed = seed})
               .empty());
   }
 }
@@ -209,9 +203,8 @@ TEST_CASE("a level shift without a slope change is no change point", "[analytics
 
 TEST_CASE("the incident: one change near step 81,716 and none at the spikes", "[analytics]") {
   SlopeChangeDetector detector;
-  const std::vector<ChangePoint> reported =
-      Run(detector, IncidentGradNorm,
-          {.from = 58000, .to = 100000, .noise = kNoise, .spike_every = 3000, .seed = 2024});
+  const std::vector<ChangePoint> reported = Run(
+      detector, IncidentGradNorm, {.from = 58000, .to = 100000, .noise = kNoise, .spike_every = 3000, .seed = 2024});
 
   REQUIRE(reported.size() == 1);
   const ChangePoint& first = reported[0];
@@ -229,8 +222,7 @@ TEST_CASE("the incident: one change near step 81,716 and none at the spikes", "[
   CHECK(settled.ratio == Approx(2.0).margin(0.45));
 }
 
-TEST_CASE("x10 one-step spikes do not hide the incident's change: the median prefilter drops them",
-          "[analytics]") {
+TEST_CASE("x10 one-step spikes do not hide the incident's change: the median prefilter drops them", "[analytics]") {
   auto spiky = [](uint64_t step) { return IncidentGradNorm(step) * (step % 3000 == 0 ? 10.0 : 1.0); };
   const Feed feed{.from = 58000, .to = 100000, .noise = kNoise, .seed = 5};
 
@@ -276,8 +268,7 @@ TEST_CASE("non-finite values and steps that do not increase are ignored", "[anal
   CHECK(from_dirty[0].ratio == Approx(2.0));
 }
 
-TEST_CASE("every break of a zigzag is reported once and only the newest max_changes are kept",
-          "[analytics]") {
+TEST_CASE("every break of a zigzag is reported once and only the newest max_changes are kept", "[analytics]") {
   // The slope alternates between 1e-4 and 3e-4 per step every 10,000 steps: breaks at 10k, 20k,
   // 30k and 40k.
   auto zigzag = [](uint64_t step) {
@@ -304,8 +295,7 @@ TEST_CASE("every break of a zigzag is reported once and only the newest max_chan
   CHECK(detector.changes()[1].step == 40000);
 }
 
-TEST_CASE("options are bounded: an even prefilter block becomes odd, zero minimums are raised",
-          "[analytics]") {
+TEST_CASE("options are bounded: an even prefilter block becomes odd, zero minimums are raised", "[analytics]") {
   ChangePointOptions options;
   options.prefilter_samples = 4;
   options.min_samples = 0;

@@ -15,8 +15,7 @@ using Catch::Matchers::WithinRel;
 namespace {
 
 // before_slope up to the event, after_slope from it on, continuous at the event.
-double Piecewise(uint64_t step, uint64_t event, double base, double before_slope,
-                 double after_slope) {
+double Piecewise(uint64_t step, uint64_t event, double base, double before_slope, double after_slope) {
   if (step < event) {
     return base - before_slope * static_cast<double>(event - step);
   }
@@ -42,8 +41,7 @@ void CheckSameFit(const LinearFit& a, const LinearFit& b) {
 
 }  // namespace
 
-TEST_CASE("an event's slope change is exact on a piecewise line and waits for min_after_samples",
-          "[analytics]") {
+TEST_CASE("an event's slope change is exact on a piecewise line and waits for min_after_samples", "[analytics]") {
   const uint64_t event = 50000;
   auto value = [&](uint64_t step) { return Piecewise(step, event, 340.0, 1e-3, 2.5e-3); };
   WindowedSlope window(20000, 1000);
@@ -83,8 +81,7 @@ TEST_CASE("an event's slope change is exact on a piecewise line and waits for mi
   CHECK(change->after_stderr_per_kstep < 1e-9);
 }
 
-TEST_CASE("an event registered after its step backfills both windows from the tracker",
-          "[analytics]") {
+TEST_CASE("an event registered after its step backfills both windows from the tracker", "[analytics]") {
   const uint64_t event = 50010;  // inside a 20-step bucket of the 20k window
   auto value = [&](uint64_t step) { return Piecewise(step, event, 100.0, 2e-3, 5e-3); };
   WindowedSlope window(20000, 1000);
@@ -107,8 +104,7 @@ TEST_CASE("an event registered after its step backfills both windows from the tr
   CHECK(slope.Current(window)->after.last_step == event + 2001);
 }
 
-TEST_CASE("an event registered before, at or after its step gives the same change, bit for bit",
-          "[analytics]") {
+TEST_CASE("an event registered before, at or after its step gives the same change, bit for bit", "[analytics]") {
   // Shaped like the incident: total grad norm 0.28 at step 58,000 rising 5e-6 per step, 1e-5 per
   // step after the routing switch at 81,716, with 3% lognormal noise.
   const uint64_t event = 81716;
@@ -194,8 +190,7 @@ TEST_CASE("an event earlier than one window uses the steps from 0", "[analytics]
   CHECK_THAT(change->ratio, WithinRel(3.0, 1e-12));
 }
 
-TEST_CASE("the ratio is infinite when the before slope is 0 and NaN when both are",
-          "[analytics]") {
+TEST_CASE("the ratio is infinite when the before slope is 0 and NaN when both are", "[analytics]") {
   const double inf = std::numeric_limits<double>::infinity();
   CHECK(SlopeRatio(1e-3, 0.0) == inf);
   CHECK(SlopeRatio(1e-3, -0.0) == inf);

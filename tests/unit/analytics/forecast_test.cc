@@ -36,8 +36,7 @@ TEST_CASE("a rising series reaches the threshold at its current slope", "[analyt
   CHECK(DescribeForecast(forecast, 5.0) == "reaches 5.0 in ~440,000 steps, near step 540,000");
 }
 
-TEST_CASE("forecast descriptions round to two significant digits of the step count",
-          "[analytics]") {
+TEST_CASE("forecast descriptions round to two significant digits of the step count", "[analytics]") {
   // 2.0 / 4.17e-5 = 47,961.6 steps: "~48,000", near step 100,000 + 47,962 → "148,000".
   const Forecast forecast = StepsToThreshold(FitAt(100000, 3.0, 4.17e-5), 5.0);
   CHECK(forecast.at_step == 147962);
@@ -79,8 +78,7 @@ TEST_CASE("an absurdly distant forecast saturates instead of overflowing", "[ana
   CHECK(DescribeForecast(forecast, 5.0) == "reaches 5.0 in ~5.0e+300 steps");
 }
 
-TEST_CASE("a forecast from a windowed fit starts at the fitted value of the last step",
-          "[analytics]") {
+TEST_CASE("a forecast from a windowed fit starts at the fitted value of the last step", "[analytics]") {
   WindowedSlope window(1000);
   for (uint64_t step = 58000; step <= 60000; step += 10) {
     window.AddSample(step, 0.28 + 5e-6 * static_cast<double>(step - 58000));

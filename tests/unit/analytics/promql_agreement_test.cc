@@ -49,8 +49,7 @@ constexpr uint64_t kSeriesSeconds = 1200;
 constexpr double kWrongValue = -123456789;
 
 bool IsExecutable(const std::string& path) {
-  return !path.empty() && ::access(path.c_str(), X_OK) == 0 &&
-         std::filesystem::is_regular_file(path);
+  return !path.empty() && ::access(path.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(path);
 }
 
 // The promtool CMake found, else the first on PATH; empty when there is none.
@@ -182,8 +181,7 @@ std::pair<double, double> ExactSlopeAndPrediction(const Series& series, uint64_t
     }
   }
   const long double slope = sxy / sxx;
-  return {static_cast<double>(slope),
-          static_cast<double>(mean_y + slope * (predict_at - mean_x))};
+  return {static_cast<double>(slope), static_cast<double>(mean_y + slope * (predict_at - mean_x))};
 }
 
 std::vector<Series> MakeSeries() {
@@ -197,8 +195,7 @@ std::vector<Series> MakeSeries() {
     const double r = trend + 2 * std::sin(x / 7) + 0.5 * noise(rng);
     regular.values.push_back(t >= 700 && t < 740 ? std::nullopt : std::optional<double>(r));
     // Every 10 s, then every second, a 100 s gap, then every 3 s.
-    const bool present = (t < 600 && t % 10 == 0) || (t >= 600 && t < 900) ||
-                         (t >= 1000 && t % 3 == 0);
+    const bool present = (t < 600 && t % 10 == 0) || (t >= 600 && t < 900) || (t >= 1000 && t % 3 == 0);
     const double i = 1000 + 3e-2 * x + 0.1 * noise(rng);
     irregular.values.push_back(present ? std::optional<double>(i) : std::nullopt);
     // Near 1e6 with a small slope, every second.
@@ -223,15 +220,16 @@ std::vector<Ours> Evaluate(const Series& series) {
       continue;
     }
     last_pick = t;
-    Ours ours{t, {open_fit->samples, closed_fit->samples},
+    Ours ours{t,
+              {open_fit->samples, closed_fit->samples},
               {open_fit->slope_per_step, closed_fit->slope_per_step},
               {open_fit->PredictAt(t + kPredictSeconds), closed_fit->PredictAt(t + kPredictSeconds)},
               {},
               {}};
     for (int w = 0; w < 2; ++w) {
       const uint64_t reach = kRangeSeconds - (w == 0 ? 1 : 0);
-      const auto [slope, prediction] = ExactSlopeAndPrediction(
-          series, t >= reach ? t - reach : 0, t, t + kPredictSeconds);
+      const auto [slope, prediction] =
+          ExactSlopeAndPrediction(series, t >= reach ? t - reach : 0, t, t + kPredictSeconds);
       ours.exact_deriv[w] = slope;
       ours.exact_predict[w] = prediction;
     }
@@ -289,17 +287,15 @@ TEST_CASE("deriv and predict_linear agree with promtool to 1e-9 relative", "[ana
     for (const Series& series : all_series) {
       const std::string selector = "gw_" + series.name + "[" + std::to_string(kRangeSeconds) + "s]";
       rules << "  - record: " << series.name << ":deriv\n    expr: deriv(" << selector << ")\n"
-            << "  - record: " << series.name << ":predict\n    expr: predict_linear(" << selector
-            << ", " << kPredictSeconds << ")\n"
-            << "  - record: " << series.name << ":count\n    expr: count_over_time(" << selector
-            << ")\n";
+            << "  - record: " << series.name << ":predict\n    expr: predict_linear(" << selector << ", "
+            << kPredictSeconds << ")\n"
+            << "  - record: " << series.name << ":count\n    expr: count_over_time(" << selector << ")\n";
     }
     std::ofstream test(test_path);
     test << "rule_files: ['" << rules_path.string() << "']\nevaluation_interval: 1s\ntests:\n"
          << "- interval: 1s\n  input_series:\n";
     for (const Series& series : all_series) {
-      test << "  - series: 'gw_" << series.name << "'\n    values: '" << ValuesLine(series)
-           << "'\n";
+      test << "  - series: 'gw_" << series.name << "'\n    values: '" << ValuesLine(series) << "'\n";
     }
     test << "  promql_expr_test:\n";
     for (size_t s = 0; s < all_series.size(); ++s) {
@@ -307,8 +303,7 @@ TEST_CASE("deriv and predict_linear agree with promtool to 1e-9 relative", "[ana
         for (const char* what : {"deriv", "predict", "count"}) {
           const std::string name = all_series[s].name + ":" + what;
           test << "  - expr: " << name << "\n    eval_time: " << pick.second << "s\n"
-               << "    exp_samples:\n    - labels: '" << name << "'\n      value: " << kWrongValue
-               << "\n";
+               << "    exp_samples:\n    - labels: '" << name << "'\n      value: " << kWrongValue << "\n";
         }
       }
     }
@@ -316,8 +311,7 @@ TEST_CASE("deriv and predict_linear agree with promtool to 1e-9 relative", "[ana
     REQUIRE(test.good());
   }
 
-  const CommandResult run =
-      RunCommand("timeout 120 '" + promtool + "' test rules '" + test_path.string() + "'");
+  const CommandResult run = RunCommand("timeout 120 '" + promtool + "' test rules '" + test_path.string() + "'");
   {
     INFO(run.output.substr(0, 4000));
     // Every expectation is wrong on purpose: promtool must fail (1), not time out (124) or crash.
@@ -353,13 +347,11 @@ TEST_CASE("deriv and predict_linear agree with promtool to 1e-9 relative", "[ana
         (closed_matches ? closed_evidence : open_evidence)++;
       }
       const int w = closed_matches ? 1 : 0;
-      const std::pair<double, double> figures[] = {{pick.deriv[w], deriv->second},
-                                                   {pick.predict[w], predict->second}};
+      const std::pair<double, double> figures[] = {{pick.deriv[w], deriv->second}, {pick.predict[w], predict->second}};
       const double exact[] = {pick.exact_deriv[w], pick.exact_predict[w]};
       for (int f = 0; f < 2; ++f) {
-        INFO((f == 0 ? "deriv" : "predict_linear") << ": ours " << figures[f].first
-                                                   << ", promtool " << figures[f].second
-                                                   << ", exact " << exact[f]);
+        INFO((f == 0 ? "deriv" : "predict_linear")
+             << ": ours " << figures[f].first << ", promtool " << figures[f].second << ", exact " << exact[f]);
         const double vs_promtool = RelativeDifference(figures[f].first, figures[f].second);
         const double vs_exact = RelativeDifference(figures[f].first, exact[f]);
         const double promtool_error = RelativeDifference(figures[f].second, exact[f]);
@@ -381,11 +373,8 @@ TEST_CASE("deriv and predict_linear agree with promtool to 1e-9 relative", "[ana
   CHECK(closed_evidence + open_evidence > 10);
   CHECK((closed_evidence == 0 || open_evidence == 0));
   WARN("promtool agreement over " << compared << " evaluations ("
-                                  << (closed_evidence > 0 ? "[T-300s, T], Prometheus 2"
-                                                          : "(T-300s, T], Prometheus 3")
-                                  << "), max relative differences: ours vs promtool "
-                                  << ours_promtool_well_conditioned
-                                  << " (well-conditioned series), " << ours_promtool
-                                  << " (all); ours vs exact " << ours_exact
-                                  << "; promtool vs exact " << promtool_exact);
+                                  << (closed_evidence > 0 ? "[T-300s, T], Prometheus 2" : "(T-300s, T], Prometheus 3")
+                                  << "), max relative differences: ours vs promtool " << ours_promtool_well_conditioned
+                                  << " (well-conditioned series), " << ours_promtool << " (all); ours vs exact "
+                                  << ours_exact << "; promtool vs exact " << promtool_exact);
 }

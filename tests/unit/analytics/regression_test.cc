@@ -18,9 +18,7 @@ namespace {
 
 constexpr double kExact = 1e-12;
 
-double Line(double intercept, double slope, uint64_t step) {
-  return intercept + slope * static_cast<double>(step);
-}
+double Line(double intercept, double slope, uint64_t step) { return intercept + slope * static_cast<double>(step); }
 
 // Least-squares fit by the two-pass (centred) formula in long double: the reference.
 struct Reference {
@@ -79,8 +77,7 @@ TEST_CASE("regression sums fit an exact line exactly", "[analytics]") {
   CHECK_THAT(fit->slope_stderr_per_step, WithinAbs(0.0, 1e-12));
 }
 
-TEST_CASE("regression sums need two distinct steps to fit and three samples for a stderr",
-          "[analytics]") {
+TEST_CASE("regression sums need two distinct steps to fit and three samples for a stderr", "[analytics]") {
   RegressionSums sums;
   CHECK_FALSE(sums.Fit());
   sums.Add(10, 1.0);
@@ -125,8 +122,7 @@ TEST_CASE("a constant series has slope exactly 0 and its value, as in Prometheus
   CHECK(fit->value_at_last_step == 1234567.891);
 }
 
-TEST_CASE("merging and subtracting sums with different origins equals a direct fit",
-          "[analytics]") {
+TEST_CASE("merging and subtracting sums with different origins equals a direct fit", "[analytics]") {
   std::mt19937_64 rng(7);
   std::normal_distribution<double> noise(0.0, 0.3);
   std::vector<uint64_t> steps;
@@ -188,8 +184,7 @@ TEST_CASE("the windowed slope is exact for every sample when bucket_steps is 1",
   }
 }
 
-TEST_CASE("the windowed slope fits exact lines exactly with bucket_steps above 1, edge by bucket",
-          "[analytics]") {
+TEST_CASE("the windowed slope fits exact lines exactly with bucket_steps above 1, edge by bucket", "[analytics]") {
   WindowedSlope window(20000, 1024);
   REQUIRE(window.bucket_steps() == 20);
   for (uint64_t step = 0; step < 70000; ++step) {
@@ -209,8 +204,7 @@ TEST_CASE("the windowed slope fits exact lines exactly with bucket_steps above 1
   }
 }
 
-TEST_CASE("the windowed slope recovers a noisy slope within five theoretical standard errors",
-          "[analytics]") {
+TEST_CASE("the windowed slope recovers a noisy slope within five theoretical standard errors", "[analytics]") {
   // y = 0.3 + 5e-6·step + N(0, σ²): the LS slope's stderr is σ / sqrt(Σ(x − x̄)²).
   const double sigma = 0.01;
   const double true_slope = 5e-6;
@@ -263,8 +257,7 @@ TEST_CASE("the windowed slope handles reporting every 10 steps", "[analytics]") 
   CHECK_THAT(fit->slope_per_kstep(), WithinRel(5e-3, kExact));
 }
 
-TEST_CASE("the windowed slope handles gaps, and a gap longer than the window empties it",
-          "[analytics]") {
+TEST_CASE("the windowed slope handles gaps, and a gap longer than the window empties it", "[analytics]") {
   WindowedSlope window(1000);
   for (uint64_t step = 0; step < 2000; ++step) {
     if (step >= 1500 && step < 1800) {
@@ -288,13 +281,11 @@ TEST_CASE("the windowed slope handles gaps, and a gap longer than the window emp
   CHECK_THAT(fit->slope_per_step, WithinRel(2e-3, kExact));
 }
 
-TEST_CASE("the window forgets old samples: after a slope change the 1k window shows the new slope",
-          "[analytics]") {
+TEST_CASE("the window forgets old samples: after a slope change the 1k window shows the new slope", "[analytics]") {
   SlopeTracker tracker;  // 1k, 5k, 20k
   REQUIRE(tracker.window_count() == 3);
   auto value = [](uint64_t step) {
-    return step <= 10000 ? Line(50.0, 1e-3, step)
-                         : Line(50.0, 1e-3, 10000) + 3e-3 * static_cast<double>(step - 10000);
+    return step <= 10000 ? Line(50.0, 1e-3, step) : Line(50.0, 1e-3, 10000) + 3e-3 * static_cast<double>(step - 10000);
   };
   for (uint64_t step = 0; step <= 11000; ++step) {
     tracker.AddSample(step, value(step));
@@ -313,8 +304,7 @@ TEST_CASE("the window forgets old samples: after a slope change the 1k window sh
   CHECK(tracker.window(2).Fit()->slope_per_kstep() < five_k);
 }
 
-TEST_CASE("the windowed slope ignores non-finite and out-of-order samples and counts them",
-          "[analytics]") {
+TEST_CASE("the windowed slope ignores non-finite and out-of-order samples and counts them", "[analytics]") {
   WindowedSlope window(100);
   window.AddSample(10, 1.0);
   window.AddSample(20, 2.0);
@@ -331,8 +321,7 @@ TEST_CASE("the windowed slope ignores non-finite and out-of-order samples and co
   CHECK_THAT(fit->slope_per_step, WithinRel(0.1, kExact));
 }
 
-TEST_CASE("periodic recompute keeps drift small over a million samples with large offsets",
-          "[analytics]") {
+TEST_CASE("periodic recompute keeps drift small over a million samples with large offsets", "[analytics]") {
   // Values near 1e6 with a slope of 1e-4 per step and small noise: a plain running sum would
   // accumulate the rounding of a million adds and subtracts.
   struct Case {
@@ -408,8 +397,7 @@ TEST_CASE("FitRange uses only the held buckets that lie wholly inside the range"
   CHECK(exact.FitRange(0, 1500)->first_step == 1000);
 }
 
-TEST_CASE("the slope tracker feeds every window and delegates FitRange to the longest",
-          "[analytics]") {
+TEST_CASE("the slope tracker feeds every window and delegates FitRange to the longest", "[analytics]") {
   SlopeTracker tracker({300, 2000, 700}, 1024);
   CHECK(tracker.longest().window_steps() == 2000);
   for (uint64_t step = 0; step < 5000; step += 2) {
@@ -490,8 +478,9 @@ TEST_CASE("the windowed slope holds exactly the buckets whose oldest sample is i
         const RegressionSums* open = window.open_bucket();
         REQUIRE(window.AddSample(step, value));
         // ClosedBy names the open bucket exactly when the sample starts a new one.
-        if (open != nullptr) REQUIRE((closes != nullptr) == (window.open_bucket()->first_step() == step &&
-                                                             window.open_bucket()->count() == 1));
+        if (open != nullptr)
+          REQUIRE((closes != nullptr) ==
+                  (window.open_bucket()->first_step() == step && window.open_bucket()->count() == 1));
         steps.push_back(step);
         values.push_back(value);
 

@@ -65,8 +65,8 @@ std::vector<Sample> NoisySeries(size_t n, uint64_t seed, bool irregular, bool di
     uint64_t sample_step = step;
     if (disorder && u > 0.995) sample_step = step - 1 - rng() % 3;  // repeated or older
     if (u > 0.9993) value = std::numeric_limits<double>::quiet_NaN();
-    if (u > 0.9997) value = (rng() & 1) ? std::numeric_limits<double>::infinity()
-                                         : -std::numeric_limits<double>::infinity();
+    if (u > 0.9997)
+      value = (rng() & 1) ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
     out.push_back({sample_step, value});
   }
   return out;
@@ -105,8 +105,8 @@ bool Same(const std::vector<ChangePoint>& a, const std::vector<ChangePoint>& b) 
 }
 
 bool Same(const SlopeChange& a, const SlopeChange& b) {
-  return a.event_step == b.event_step && Same(a.before, b.before) && Same(a.after, b.after) &&
-         Same(a.ratio, b.ratio) && Same(a.difference_per_kstep, b.difference_per_kstep) &&
+  return a.event_step == b.event_step && Same(a.before, b.before) && Same(a.after, b.after) && Same(a.ratio, b.ratio) &&
+         Same(a.difference_per_kstep, b.difference_per_kstep) &&
          Same(a.before_stderr_per_kstep, b.before_stderr_per_kstep) &&
          Same(a.after_stderr_per_kstep, b.after_stderr_per_kstep) && a.after_window_full == b.after_window_full;
 }
@@ -120,10 +120,10 @@ bool Same(const std::optional<T>& a, const std::optional<T>& b) {
 
 // Every query of a window, the ranges taken around its newest step.
 bool SameWindow(const WindowedSlope& a, const WindowedSlope& b, bool ranges) {
-  if (!Same(a.Fit(), b.Fit()) || a.samples_in_window() != b.samples_in_window() ||
-      a.has_samples() != b.has_samples() || a.last_step() != b.last_step() ||
-      a.ignored_non_finite() != b.ignored_non_finite() || a.ignored_out_of_order() != b.ignored_out_of_order() ||
-      a.recomputes() != b.recomputes() || !Same(a.open_bucket(), b.open_bucket())) {
+  if (!Same(a.Fit(), b.Fit()) || a.samples_in_window() != b.samples_in_window() || a.has_samples() != b.has_samples() ||
+      a.last_step() != b.last_step() || a.ignored_non_finite() != b.ignored_non_finite() ||
+      a.ignored_out_of_order() != b.ignored_out_of_order() || a.recomputes() != b.recomputes() ||
+      !Same(a.open_bucket(), b.open_bucket())) {
     return false;
   }
   if (!ranges) return true;
@@ -226,8 +226,7 @@ TEST_CASE("state: a windowed slope loaded answers as the one saved, bit for bit"
 TEST_CASE("state: a slope tracker loaded answers as the one saved, in every window", "[state][analytics]") {
   const std::vector<Sample> samples = NoisySeries(50000, 21, true, true);
   RoundTrip<SlopeTracker>(
-      samples, [] { return SlopeTracker(); },
-      [](SlopeTracker& t, const Sample& s) { t.AddSample(s.step, s.value); },
+      samples, [] { return SlopeTracker(); }, [](SlopeTracker& t, const Sample& s) { t.AddSample(s.step, s.value); },
       [](SlopeTracker& a, SlopeTracker& b, size_t i, const Sample& s) {
         REQUIRE(a.AddSample(s.step, s.value) == b.AddSample(s.step, s.value));
         const bool ranges = i % 1499 == 0;
@@ -280,18 +279,23 @@ TEST_CASE("state: truncated or damaged window and tracker states never break the
   {
     WindowedSlope small(50, 8);
     for (size_t i = 0; i < 2000; ++i) small.AddSample(samples[i].step, samples[i].value);
-    Damage<WindowedSlope>(StateOf(small), [] { return WindowedSlope(50, 8); }, exercise_window, 1);
+    Damage<WindowedSlope>(
+        StateOf(small), [] { return WindowedSlope(50, 8); }, exercise_window, 1);
   }
   {
     WindowedSlope large(20000, 1024);
     for (const Sample& s : samples) large.AddSample(s.step, s.value);
-    Damage<WindowedSlope>(StateOf(large), [] { return WindowedSlope(20000, 1024); }, exercise_window, 2);
+    Damage<WindowedSlope>(
+        StateOf(large), [] { return WindowedSlope(20000, 1024); }, exercise_window, 2);
   }
   {
     SlopeTracker tracker({300, 1000}, 32);
     for (const Sample& s : samples) tracker.AddSample(s.step, s.value);
     Damage<SlopeTracker>(
-        StateOf(tracker), [] { return SlopeTracker({300, 1000}, 32); },
+        StateOf(tracker),
+        [] {
+          return SlopeTracker({300, 1000}, 32);
+        },
         [&](SlopeTracker& t) {
           const uint64_t from = t.has_samples() ? t.last_step() : 0;
           for (size_t i = 0; i < 3000; ++i) t.AddSample(from + samples[i].step, samples[i].value);
@@ -324,7 +328,8 @@ TEST_CASE("state: a slope change detector loaded reports the same changes, bit f
     detected += change ? 1 : 0;
     if (i % 997 == 0) REQUIRE(Same(a.changes(), b.changes()));
   };
-  RoundTrip<SlopeChangeDetector>(samples, [&] { return SlopeChangeDetector(options); }, feed, check);
+  RoundTrip<SlopeChangeDetector>(
+      samples, [&] { return SlopeChangeDetector(options); }, feed, check);
   // Saved while the first change is refined, then fed on.
   SlopeChangeDetector original(options);
   for (size_t i = 0; i < first_detection; ++i) original.AddSample(samples[i].step, samples[i].value);

@@ -57,9 +57,8 @@ class FakeIngest final : public v1::Ingest::Service {
     alert_ = std::move(alert);
   }
 
-  grpc::Status Stream(
-      grpc::ServerContext*,
-      grpc::ServerReaderWriter<v1::DaemonMessage, v1::TrainerMessage>* stream) override {
+  grpc::Status Stream(grpc::ServerContext*,
+                      grpc::ServerReaderWriter<v1::DaemonMessage, v1::TrainerMessage>* stream) override {
     v1::TrainerMessage msg;
     while (stream->Read(&msg)) {
       std::vector<v1::DaemonMessage> replies;
@@ -154,13 +153,11 @@ class FakeQuery final : public v1::Query::Service {
   std::map<std::string, v1::GetSeriesResponse> series;  // by key
   std::vector<v1::AnnotateRequest> annotations;
 
-  grpc::Status ListRuns(grpc::ServerContext*, const v1::ListRunsRequest*,
-                        v1::ListRunsResponse* response) override {
+  grpc::Status ListRuns(grpc::ServerContext*, const v1::ListRunsRequest*, v1::ListRunsResponse* response) override {
     for (const auto& [id, summary] : runs) *response->add_runs() = summary.info();
     return grpc::Status::OK;
   }
-  grpc::Status GetRun(grpc::ServerContext*, const v1::GetRunRequest* request,
-                      v1::RunSummary* response) override {
+  grpc::Status GetRun(grpc::ServerContext*, const v1::GetRunRequest* request, v1::RunSummary* response) override {
     auto it = runs.find(request->run_id());
     if (it == runs.end()) {
       return {grpc::StatusCode::NOT_FOUND, "run " + request->run_id() + " not found"};
@@ -177,8 +174,7 @@ class FakeQuery final : public v1::Query::Service {
     *response = it->second;
     return grpc::Status::OK;
   }
-  grpc::Status Annotate(grpc::ServerContext*, const v1::AnnotateRequest* request,
-                        v1::AnnotateResponse*) override {
+  grpc::Status Annotate(grpc::ServerContext*, const v1::AnnotateRequest* request, v1::AnnotateResponse*) override {
     annotations.push_back(*request);
     return grpc::Status::OK;
   }
@@ -202,8 +198,7 @@ class FakeServer {
   // port 0 picks a free one.
   explicit FakeServer(std::vector<grpc::Service*> services, int port = 0) {
     grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:" + std::to_string(port), grpc::InsecureServerCredentials(),
-                             &port_);
+    builder.AddListeningPort("127.0.0.1:" + std::to_string(port), grpc::InsecureServerCredentials(), &port_);
     for (grpc::Service* s : services) builder.RegisterService(s);
     server_ = builder.BuildAndStart();
   }

@@ -42,8 +42,7 @@ TEST_CASE("addresses split on commas, empty entries dropped", "[client]") {
   CHECK(SplitAddresses("").empty());
 }
 
-TEST_CASE("a monitor set sends every step and event to each daemon, and a dead one holds up nothing",
-          "[client]") {
+TEST_CASE("a monitor set sends every step and event to each daemon, and a dead one holds up nothing", "[client]") {
   FakeIngest first, second;
   FakeServer a({&first});
   FakeServer b({&second});

@@ -118,8 +118,7 @@ TEST_CASE("Finish sends no Goodbye while a step is not durable", "[client]") {
   CHECK_FALSE(monitor.Stats().finished);
 }
 
-TEST_CASE("monitor reconnects after the daemon restarts and resends what it did not receive",
-          "[client]") {
+TEST_CASE("monitor reconnects after the daemon restarts and resends what it did not receive", "[client]") {
   auto first = std::make_unique<FakeIngest>();
   first->set_ack_limit(50);
   auto server = std::make_unique<FakeServer>(std::vector<grpc::Service*>{first.get()});
@@ -280,8 +279,7 @@ TEST_CASE("alerts reach the on_alert callback", "[client]") {
   CHECK(seen == std::vector<std::string>{"GradNormContingency"});
 }
 
-TEST_CASE("without a daemon, Log never blocks, drops past capacity and Stop is prompt",
-          "[client]") {
+TEST_CASE("without a daemon, Log never blocks, drops past capacity and Stop is prompt", "[client]") {
   MonitorOptions options = Options("127.0.0.1:" + std::to_string(UnusedPort()));
   options.queue_capacity = 5;
   Monitor monitor(options);
@@ -337,8 +335,7 @@ TEST_CASE("the window bounds what is written while the daemon acknowledges nothi
   CHECK_FALSE(stats.has_acked);
 }
 
-TEST_CASE("a slow daemon that keeps acknowledging is waited for far beyond the stall timeout",
-          "[client][flow]") {
+TEST_CASE("a slow daemon that keeps acknowledging is waited for far beyond the stall timeout", "[client][flow]") {
   const auto stall_timeout = Scaled(300ms);
   FakeIngest ingest;
   // One ack every tenth of the stall timeout: the whole takes three stall timeouts.

@@ -144,8 +144,9 @@ TEST_CASE("off a terminal, or with --quiet, the only output is the summary line"
     progress.Finish("replayed moe.jsonl as run moe-6b: 30,000 steps in 10.0s (3,000 steps/s), all acknowledged");
     CHECK(progress.rate().value() == Approx(3000));  // measured all the same
   }
-  CHECK(err.str() == "a warning\nreplayed moe.jsonl as run moe-6b: 30,000 steps in 10.0s (3,000 steps/s), all "
-                     "acknowledged\n");
+  CHECK(err.str() ==
+        "a warning\nreplayed moe.jsonl as run moe-6b: 30,000 steps in 10.0s (3,000 steps/s), all "
+        "acknowledged\n");
 
   // Whether to draw: never on a stream that is not this process's stderr, never with --quiet.
   std::ostringstream other;
@@ -183,8 +184,9 @@ TEST_CASE("the replay's and the tail's summary lines say what was sent, how fast
   replay.seconds = 3.1;
   replay.skipped_lines = 1;
   replay.daemon_errors = {{"ERROR_REASON_NEGATIVE_NORM", 2}};
-  CHECK(FormatReplaySummaryLine(replay) == "replayed moe.jsonl as run moe-6b: 467 steps (133 already held) in 3.1s "
-                                           "(150.6 steps/s), all acknowledged; 1 line skipped; 2 daemon errors");
+  CHECK(FormatReplaySummaryLine(replay) ==
+        "replayed moe.jsonl as run moe-6b: 467 steps (133 already held) in 3.1s "
+        "(150.6 steps/s), all acknowledged; 1 line skipped; 2 daemon errors");
 
   ReplaySummary stopped;
   stopped.file = "wide.jsonl";
@@ -210,8 +212,9 @@ TEST_CASE("the replay's and the tail's summary lines say what was sent, how fast
   tail.complete = false;
   tail.dropped_steps = 7;
   tail.ended = "SIGTERM";
-  CHECK(FormatTailSummaryLine(tail) == "followed job.log as run pretrain-7b: 12,345 steps in 5m 3s (40.74 steps/s), not "
-                                       "all acknowledged; 7 dropped; SIGTERM");
+  CHECK(FormatTailSummaryLine(tail) ==
+        "followed job.log as run pretrain-7b: 12,345 steps in 5m 3s (40.74 steps/s), not "
+        "all acknowledged; 7 dropped; SIGTERM");
   const auto json = TailSummaryToJson(tail);
   CHECK(json["seconds"] == 303);
   CHECK(json["steps_per_second"].get<double>() == Approx(12345 / 303.0));

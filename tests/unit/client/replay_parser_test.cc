@@ -30,19 +30,17 @@ TEST_CASE("bare NaN and Infinity tokens are quoted, strings are left alone", "[c
   CHECK(QuoteNonFiniteTokens(R"({"a": NaN, "b": Infinity, "c": -Infinity})") ==
         R"({"a": "NaN", "b": "Infinity", "c": "-Infinity"})");
   CHECK(QuoteNonFiniteTokens(R"({"a":[NaN,1,-Infinity]})") == R"({"a":["NaN",1,"-Infinity"]})");
-  CHECK(QuoteNonFiniteTokens(R"({"NaN": "Infinity NaN", "x": NaN})") ==
-        R"({"NaN": "Infinity NaN", "x": "NaN"})");
+  CHECK(QuoteNonFiniteTokens(R"({"NaN": "Infinity NaN", "x": NaN})") == R"({"NaN": "Infinity NaN", "x": "NaN"})");
   CHECK(QuoteNonFiniteTokens(R"({"esc\"NaN": NaN})") == R"({"esc\"NaN": "NaN"})");
   CHECK(QuoteNonFiniteTokens(R"({"a": NaNx})") == R"({"a": NaNx})");
 }
 
 TEST_CASE("every kind of key lands in its StepStats field", "[client]") {
-  StepRecord r = ParseStep(
-      R"({"_step": 81716, "_timestamp": 1757800000.5, "_runtime": 12, "grad/norm/total": 0.40,)"
-      R"( "grad/norm/output_proj": 0.38, "params/norm/final_norm.weight": 340.2,)"
-      R"( "updates/norm/final_norm.weight": 0.01, "train/loss": 1.23, "train/z_loss": 0.002,)"
-      R"( "optim/learning_rate": 3e-4, "train/tokens": 4194304, "train/accuracy": 0.61,)"
-      R"( "note": "text", "flag": true, "nothing": null})");
+  StepRecord r = ParseStep(R"({"_step": 81716, "_timestamp": 1757800000.5, "_runtime": 12, "grad/norm/total": 0.40,)"
+                           R"( "grad/norm/output_proj": 0.38, "params/norm/final_norm.weight": 340.2,)"
+                           R"( "updates/norm/final_norm.weight": 0.01, "train/loss": 1.23, "train/z_loss": 0.002,)"
+                           R"( "optim/learning_rate": 3e-4, "train/tokens": 4194304, "train/accuracy": 0.61,)"
+                           R"( "note": "text", "flag": true, "nothing": null})");
   CHECK(r.step == 81716);
   CHECK(r.stats.step() == 81716);
   REQUIRE(r.timestamp);
@@ -82,11 +80,10 @@ TEST_CASE("the whole model's params and updates norms are sent as their own seri
 }
 
 TEST_CASE("NaN and infinities are accepted as bare tokens and as strings", "[client]") {
-  StepRecord r = ParseStep(
-      R"({"_step": 3, "grad/norm/total": NaN, "train/loss": Infinity, "train/z_loss": -Infinity,)"
-      R"( "grad/norm/lm_head": "nan", "params/norm/lm_head": "inf",)"
-      R"( "updates/norm/lm_head": "-inf",)"
-      R"( "x/a": "NaN", "x/b": "Infinity", "x/c": "-Infinity"})");
+  StepRecord r = ParseStep(R"({"_step": 3, "grad/norm/total": NaN, "train/loss": Infinity, "train/z_loss": -Infinity,)"
+                           R"( "grad/norm/lm_head": "nan", "params/norm/lm_head": "inf",)"
+                           R"( "updates/norm/lm_head": "-inf",)"
+                           R"( "x/a": "NaN", "x/b": "Infinity", "x/c": "-Infinity"})");
   CHECK(std::isnan(r.stats.total_grad().norm()));
   CHECK(r.stats.loss() == std::numeric_limits<double>::infinity());
   CHECK(r.stats.z_loss() == -std::numeric_limits<double>::infinity());
@@ -132,14 +129,14 @@ TEST_CASE("bad lines are rejected with a reason", "[client]") {
 }
 
 TEST_CASE("a header gives run, config, labels and catalog entries", "[client]") {
-  LineResult r = ParseReplayLine(
-      R"({"run": "moe-6b", "config": {"hidden_size": 6144, "z_loss_coef": 1e-4,)"
-      R"( "optimizer": "adamw", "weight_decay": 0.1, "routing": "dropless-ep", "layers": 48},)"
-      R"( "labels": {"job": "pretrain"}, "params": [{"name": "final_norm.weight", "numel": 6144,)"
-      R"( "kind": "norm", "weight_decay": 0, "init_norm": 78.38, "role": "final_norm"},)"
-      R"( {"name": "lm_head.weight", "numel": 788000000,)"
-      R"( "kind": "lm_head", "group": "head"}, {"name": "blocks.0.w1"}]})",
-      true);
+  LineResult r =
+      ParseReplayLine(R"({"run": "moe-6b", "config": {"hidden_size": 6144, "z_loss_coef": 1e-4,)"
+                      R"( "optimizer": "adamw", "weight_decay": 0.1, "routing": "dropless-ep", "layers": 48},)"
+                      R"( "labels": {"job": "pretrain"}, "params": [{"name": "final_norm.weight", "numel": 6144,)"
+                      R"( "kind": "norm", "weight_decay": 0, "init_norm": 78.38, "role": "final_norm"},)"
+                      R"( {"name": "lm_head.weight", "numel": 788000000,)"
+                      R"( "kind": "lm_head", "group": "head"}, {"name": "blocks.0.w1"}]})",
+                      true);
   INFO(r.error);
   REQUIRE(r.ok());
   const auto& h = std::get<HeaderRecord>(*r.line);
@@ -201,21 +198,20 @@ TEST_CASE("param kinds are inferred from names", "[client]") {
 }
 
 TEST_CASE("the pre-scan builds the catalog from header and keys and counts bad lines", "[client]") {
-  std::istringstream in(
-      R"({"run": "r1", "config": {"weight_decay": 0.05},)"
-      R"( "params": [{"name": "lm_head.weight", "numel": 10}]})"
-      "\n"
-      R"({"_step": 1, "grad/norm/lm_head.weight": 0.3, "grad/norm/final_norm.weight": 0.01,)"
-      R"( "train/loss": NaN})"
-      "\n"
-      "\n"
-      R"({"_step": 2, "params/norm/blocks.0.attn.qkv": 12.5})"
-      "\n"
-      R"({"_step": -1})"
-      "\n"
-      R"({"_step": 2, "event": "routing switch"})"
-      "\n"
-      "garbage\n");
+  std::istringstream in(R"({"run": "r1", "config": {"weight_decay": 0.05},)"
+                        R"( "params": [{"name": "lm_head.weight", "numel": 10}]})"
+                        "\n"
+                        R"({"_step": 1, "grad/norm/lm_head.weight": 0.3, "grad/norm/final_norm.weight": 0.01,)"
+                        R"( "train/loss": NaN})"
+                        "\n"
+                        "\n"
+                        R"({"_step": 2, "params/norm/blocks.0.attn.qkv": 12.5})"
+                        "\n"
+                        R"({"_step": -1})"
+                        "\n"
+                        R"({"_step": 2, "event": "routing switch"})"
+                        "\n"
+                        "garbage\n");
   const ReplayPlan plan = ScanReplay(in);
   CHECK(plan.lines == 7);
   CHECK(plan.step_lines == 2);

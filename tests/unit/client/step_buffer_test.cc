@@ -56,8 +56,7 @@ v1::Accepted MakeAccepted(std::optional<uint64_t> durable, std::optional<uint64_
 
 }  // namespace
 
-TEST_CASE("a full buffer refuses steps, counts the drops and reports them on the next step",
-          "[client]") {
+TEST_CASE("a full buffer refuses steps, counts the drops and reports them on the next step", "[client]") {
   StepBuffer buffer(3, 10);
   CHECK(buffer.PushStep(Step(1)));
   CHECK(buffer.PushStep(Step(2)));
@@ -140,10 +139,8 @@ TEST_CASE("the event bound is separate from the step capacity", "[client]") {
   CHECK(buffer.dropped() == 0);
 }
 
-TEST_CASE("after Accepted, durable steps leave, received ones wait, the rest is resent",
-          "[client]") {
-  using Case =
-      std::tuple<std::optional<uint64_t>, std::optional<uint64_t>, std::vector<uint64_t>, size_t>;
+TEST_CASE("after Accepted, durable steps leave, received ones wait, the rest is resent", "[client]") {
+  using Case = std::tuple<std::optional<uint64_t>, std::optional<uint64_t>, std::vector<uint64_t>, size_t>;
   // durable, received → steps resent, steps still held
   const std::vector<Case> cases = {
       {std::nullopt, std::nullopt, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, 10},

@@ -112,7 +112,7 @@ TEST_CASE("a burst of steps published under one lock is evaluated in order, neve
   feed.Deliver();
   CHECK(engine.EvaluatedThrough("r1") == 100u);
   CHECK(firing_steps == std::vector<uint64_t>{60});  // every step seen, in order: ≥ 5 from 50, for 10 steps
-  feed.Deliver();  // nothing left: a no-op
+  feed.Deliver();                                    // nothing left: a no-op
   CHECK(engine.EvaluatedThrough("r1") == 100u);
 }
 
@@ -124,7 +124,7 @@ TEST_CASE("a restored run's feed evaluates the journaled steps after the engine'
   for (uint64_t s = 40; s <= 60; ++s) pub.Publish(feed, s, 1.0, /*restored=*/true);
   feed.Deliver();
   CHECK(engine.EvaluatedThrough("r1") == 60u);  // 51..60 evaluated
-  pub.Publish(feed, 55, 1.0);                    // a live resend of a step evaluated before
+  pub.Publish(feed, 55, 1.0);                   // a live resend of a step evaluated before
   feed.Deliver();
   CHECK(engine.EvaluatedThrough("r1") == 60u);
   pub.Publish(feed, 61, 1.0);

@@ -142,8 +142,7 @@ TEST_CASE("a config key that is a list or a mapping is an error, not a crash", "
     INFO(yaml);
     auto c = ParseConfig(yaml, "test.yaml");
     REQUIRE_FALSE(c.ok());
-    CHECK_THAT(c.status().message(),
-               Catch::Contains("test.yaml:") && Catch::Contains("a key must be a plain name"));
+    CHECK_THAT(c.status().message(), Catch::Contains("test.yaml:") && Catch::Contains("a key must be a plain name"));
   }
 }
 
@@ -204,7 +203,8 @@ void Flatten(const nlohmann::json& j, const std::string& prefix, std::set<std::s
 }
 }  // namespace
 
-TEST_CASE("the configuration printed by check-config shows every key the schema accepts, and masks secrets", "[daemon]") {
+TEST_CASE("the configuration printed by check-config shows every key the schema accepts, and masks secrets",
+          "[daemon]") {
   auto c = ParseConfig(
       "alerts: {receivers: [{type: pagerduty, routing_key: rk-secret}, {type: webhook, url: 'http://h/', "
       "bearer_token: wh-secret}]}\n"

@@ -81,8 +81,8 @@ TEST_CASE("a x3 slope change reported every step warns once significant, near x3
     const double z = alerts::kEstimateZ;
     const double low = (after - z * e.after_stderr_per_kstep) / (before + z * e.before_stderr_per_kstep);
     const double high = (after + z * e.after_stderr_per_kstep) / (before - z * e.before_stderr_per_kstep);
-    INFO("fired at step " << fired->step << " with x" << e.ratio << " [" << low << ", " << high
-                          << "]; final x" << *final_ratio);
+    INFO("fired at step " << fired->step << " with x" << e.ratio << " [" << low << ", " << high << "]; final x"
+                          << *final_ratio);
     CHECK(low >= 1.5);
     CHECK(low <= *final_ratio);
     CHECK(*final_ratio <= high);

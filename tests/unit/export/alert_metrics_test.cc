@@ -60,10 +60,9 @@ TEST_CASE("alerting metrics: one ALERTS-shaped sample per active alert, receiver
 
   const Samples alerts = Named(samples, "gradwatch_alerts");
   REQUIRE(alerts.size() == 2);
-  CHECK(alerts[0].labels == std::map<std::string, std::string>{{"alertname", "GradNormContingency"},
-                                                               {"alertstate", "firing"},
-                                                               {"run", "r1"},
-                                                               {"severity", "page"}});
+  CHECK(alerts[0].labels ==
+        std::map<std::string, std::string>{
+            {"alertname", "GradNormContingency"}, {"alertstate", "firing"}, {"run", "r1"}, {"severity", "page"}});
   CHECK(alerts[0].value == 1);
   CHECK(alerts[1].labels.at("alertstate") == "pending");
 

@@ -4,8 +4,8 @@
 // parser and linter) has nothing to say. Also a gzip decoder for compressed scrapes.
 #pragma once
 
-#include <catch2/catch.hpp>
 #include <zlib.h>
+#include <catch2/catch.hpp>
 
 #include <set>
 #include <sstream>

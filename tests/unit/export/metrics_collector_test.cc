@@ -94,8 +94,8 @@ TEST_CASE_METHOD(CollectorFixture, "the collector reports live runs' latest valu
 
   const Samples grad = Named(samples, "gradwatch_grad_norm");
   REQUIRE(grad.size() == 1);
-  CHECK(grad[0].labels == std::map<std::string, std::string>{{"run", "live"}, {"param", "lm_head.weight"},
-                                                             {"group", "head"}});
+  CHECK(grad[0].labels ==
+        std::map<std::string, std::string>{{"run", "live"}, {"param", "lm_head.weight"}, {"group", "head"}});
   CHECK(grad[0].value == 0.4);
 
   const Samples param = Named(samples, "gradwatch_param_norm");
@@ -129,8 +129,8 @@ TEST_CASE_METHOD(CollectorFixture, "the collector reports live runs' latest valu
   CheckWithPromtool(text);
 }
 
-TEST_CASE_METHOD(CollectorFixture, "run ids and parameter names are escaped, and every run's samples stay in their family",
-                 "[export]") {
+TEST_CASE_METHOD(CollectorFixture,
+                 "run ids and parameter names are escaped, and every run's samples stay in their family", "[export]") {
   RunMeta odd;
   odd.run_id = "say \"hi\" \\ there";
   odd.params = {{.name = "emb\"ed\\dings", .kind = ParamKind::kEmbedding, .group = "µ \"group\""}};
@@ -143,7 +143,8 @@ TEST_CASE_METHOD(CollectorFixture, "run ids and parameter names are escaped, and
     RankStep step;
     step.step = 7;
     step.loss = 1.25;
-    step.params.push_back({.index = 0, .norms = {NormContribution::FromNorm(0.5), NormContribution::FromNorm(2.0), {}}});
+    step.params.push_back(
+        {.index = 0, .norms = {NormContribution::FromNorm(0.5), NormContribution::FromNorm(2.0), {}}});
     REQUIRE_FALSE(run->AddStep(0, step, &sink_));
   }
 
@@ -209,9 +210,10 @@ std::shared_ptr<runs::Run> AttachWide(runs::RunRegistry& registry, RecordingSink
     step.step = static_cast<uint64_t>(s);
     step.loss = 2.5 - s * 1e-3;
     for (uint32_t i = 0; i < 6; ++i) {
-      step.params.push_back({.index = i,
-                             .norms = {NormContribution::FromNorm(0.1 + i * 0.01), NormContribution::FromNorm(10.0 + s * 0.01),
-                                       NormContribution::FromNorm(0.001)}});
+      step.params.push_back(
+          {.index = i,
+           .norms = {NormContribution::FromNorm(0.1 + i * 0.01), NormContribution::FromNorm(10.0 + s * 0.01),
+                     NormContribution::FromNorm(0.001)}});
     }
     REQUIRE_FALSE(run->AddStep(0, step, &sink));
   }
@@ -234,16 +236,18 @@ Samples Scrape(runs::RunRegistry& registry, runs::DaemonStats& stats, exporter::
 
 }  // namespace
 
-TEST_CASE_METHOD(CollectorFixture, "by default /metrics shows per parameter only the norm gains, no-decay parameters and the output layer",
-                 "[export]") {
+TEST_CASE_METHOD(
+    CollectorFixture,
+    "by default /metrics shows per parameter only the norm gains, no-decay parameters and the output layer",
+    "[export]") {
   auto run = AttachWide(registry_, sink_, 50);
   const std::set<std::string> key = {"final_norm.weight", "lm_head.weight", "layers.0.bias"};
   const std::set<std::string> all = {"final_norm.weight", "lm_head.weight", "layers.0.bias",
                                      "layers.0.w1",       "layers.0.w2",    "layers.1.qkv"};
 
   const Samples by_default = Scrape(registry_, stats_, {});
-  for (const char* family : {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm",
-                             "gradwatch_grad_norm_share"}) {
+  for (const char* family :
+       {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm", "gradwatch_grad_norm_share"}) {
     INFO(family);
     CHECK(LabelValues(by_default, family, "param") == key);
   }
@@ -263,7 +267,8 @@ TEST_CASE_METHOD(CollectorFixture, "by default /metrics shows per parameter only
   CHECK(LabelValues(everything, "gradwatch_slope_per_kstep", "series").count("updates/norm/layers.1.qkv") == 1);
 
   const Samples chosen = Scrape(registry_, stats_, {.params = {"layers.0.*"}, .slope_series = {"params/norm/*"}});
-  CHECK(LabelValues(chosen, "gradwatch_param_norm", "param") == std::set<std::string>{"layers.0.bias", "layers.0.w1", "layers.0.w2"});
+  CHECK(LabelValues(chosen, "gradwatch_param_norm", "param") ==
+        std::set<std::string>{"layers.0.bias", "layers.0.w1", "layers.0.w2"});
   const std::set<std::string> chosen_slopes = LabelValues(chosen, "gradwatch_slope_per_kstep", "series");
   CHECK(chosen_slopes.size() == 6);
   for (const auto& k : chosen_slopes) CHECK(k.rfind("params/norm/", 0) == 0);
@@ -272,20 +277,21 @@ TEST_CASE_METHOD(CollectorFixture, "by default /metrics shows per parameter only
 TEST_CASE_METHOD(CollectorFixture, "a run beyond metrics.max_series_per_run shows that many and the count left out",
                  "[export]") {
   auto run = AttachWide(registry_, sink_, 20);
-  const Samples full = Scrape(registry_, stats_, {.params = {"*"}, .slope_series = {"*"}, .max_series_per_run = 1'000'000});
+  const Samples full =
+      Scrape(registry_, stats_, {.params = {"*"}, .slope_series = {"*"}, .max_series_per_run = 1'000'000});
   size_t per_param = 0;
-  for (const char* family : {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm",
-                             "gradwatch_grad_norm_share", "gradwatch_norm_amplification",
-                             "gradwatch_growth_without_decay_factor", "gradwatch_slope_per_kstep"}) {
+  for (const char* family :
+       {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm", "gradwatch_grad_norm_share",
+        "gradwatch_norm_amplification", "gradwatch_growth_without_decay_factor", "gradwatch_slope_per_kstep"}) {
     per_param += Named(full, family).size();
   }
   REQUIRE(per_param > 40);
 
   const Samples capped = Scrape(registry_, stats_, {.params = {"*"}, .slope_series = {"*"}, .max_series_per_run = 30});
   size_t shown = 0;
-  for (const char* family : {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm",
-                             "gradwatch_grad_norm_share", "gradwatch_norm_amplification",
-                             "gradwatch_growth_without_decay_factor", "gradwatch_slope_per_kstep"}) {
+  for (const char* family :
+       {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm", "gradwatch_grad_norm_share",
+        "gradwatch_norm_amplification", "gradwatch_growth_without_decay_factor", "gradwatch_slope_per_kstep"}) {
     shown += Named(capped, family).size();
   }
   CHECK(shown <= 30);

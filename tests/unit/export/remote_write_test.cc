@@ -111,8 +111,9 @@ bool WaitFor(const std::function<bool()>& condition, std::chrono::milliseconds t
 TEST_CASE("remote write: series are sent under the /metrics names, labels sorted by name") {
   const ParamInfo p{.name = "lm_head.weight", .kind = ParamKind::kOutput, .group = "head"};
   const RemoteSeries grad = RemoteSeriesFor("r", keys::GradNorm("lm_head.weight"), &p, 0);
-  CHECK(grad.labels == std::vector<std::pair<std::string, std::string>>{
-                           {"__name__", "gradwatch_grad_norm"}, {"group", "head"}, {"param", "lm_head.weight"}, {"run", "r"}});
+  CHECK(grad.labels ==
+        std::vector<std::pair<std::string, std::string>>{
+            {"__name__", "gradwatch_grad_norm"}, {"group", "head"}, {"param", "lm_head.weight"}, {"run", "r"}});
   CHECK(RemoteSeriesFor("r", keys::ParamNorm("lm_head.weight"), &p, 1).labels.front().second == "gradwatch_param_norm");
   CHECK(RemoteSeriesFor("r", std::string(keys::kTotalGradNorm), nullptr, 0).labels ==
         std::vector<std::pair<std::string, std::string>>{{"__name__", "gradwatch_total_grad_norm"}, {"run", "r"}});
@@ -183,11 +184,11 @@ TEST_CASE("remote write: only the selected series go, and steps in one milliseco
   const auto accepted = Accepted(receiver);
   std::vector<std::string> names;
   for (const auto& [name, samples] : accepted) names.push_back(name);
-  CHECK(names == std::vector<std::string>{
-                     "__name__=gradwatch_grad_norm,group=norm_gain,param=final_norm.weight,run=r1",
-                     "__name__=gradwatch_last_step,run=r1",
-                     "__name__=gradwatch_param_norm,group=norm_gain,param=final_norm.weight,run=r1",
-                     "__name__=gradwatch_total_grad_norm,run=r1"});
+  CHECK(names ==
+        std::vector<std::string>{"__name__=gradwatch_grad_norm,group=norm_gain,param=final_norm.weight,run=r1",
+                                 "__name__=gradwatch_last_step,run=r1",
+                                 "__name__=gradwatch_param_norm,group=norm_gain,param=final_norm.weight,run=r1",
+                                 "__name__=gradwatch_total_grad_norm,run=r1"});
   const auto& total = accepted.at("__name__=gradwatch_total_grad_norm,run=r1");
   REQUIRE(total.size() == 5);
   for (size_t i = 1; i < total.size(); ++i) CHECK(total[i].first == total[i - 1].first + 1);

@@ -4,8 +4,8 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
-#include <map>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -49,7 +49,8 @@ prometheus::ClientMetric Counter(std::vector<prometheus::ClientMetric::Label> la
 // prometheus-cpp's "%.16g" and the shortest round-trip text both write the same way.
 std::vector<prometheus::MetricFamily> ReferenceFamilies() {
   std::vector<prometheus::MetricFamily> out;
-  prometheus::MetricFamily gauge{"test_norm", "A gauge with \"quotes\" in its help.", prometheus::MetricType::Gauge, {}};
+  prometheus::MetricFamily gauge{
+      "test_norm", "A gauge with \"quotes\" in its help.", prometheus::MetricType::Gauge, {}};
   gauge.metric.push_back(Gauge({L("run", "plain"), L("param", "layers.0.weight")}, 0.4));
   gauge.metric.push_back(Gauge({L("run", "back\\slash"), L("param", "say \"hi\"")}, 340));
   gauge.metric.push_back(Gauge({L("run", "two\nlines"), L("param", "µ-unicode")}, -2.5e-7));

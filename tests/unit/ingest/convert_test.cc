@@ -165,8 +165,8 @@ TEST_CASE("run label names must be Prometheus label names", "[ingest]") {
 }
 
 TEST_CASE("extra keys cannot name a built-in series", "[ingest]") {
-  for (const std::string key : {"grad/norm/total", "train/loss", "train/z_loss", "optim/learning_rate",
-                                "train/tokens", "grad/norm/lm_head.weight", "params/norm/x", "updates/norm/x"}) {
+  for (const std::string key : {"grad/norm/total", "train/loss", "train/z_loss", "optim/learning_rate", "train/tokens",
+                                "grad/norm/lm_head.weight", "params/norm/x", "updates/norm/x"}) {
     CAPTURE(key);
     v1::StepStats in;
     in.set_step(7);

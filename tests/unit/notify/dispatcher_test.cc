@@ -36,8 +36,7 @@ notify::ReceiverConfig Config(std::string name, std::string url) {
 }
 
 std::unique_ptr<notify::Receiver> Webhook(std::string name, std::string url) {
-  return std::make_unique<notify::WebhookReceiver>(
-      notify::WebhookConfig{Config(std::move(name), std::move(url))});
+  return std::make_unique<notify::WebhookReceiver>(notify::WebhookConfig{Config(std::move(name), std::move(url))});
 }
 
 template <typename... R>
@@ -47,14 +46,12 @@ std::vector<std::unique_ptr<notify::Receiver>> Receivers(R... receivers) {
   return out;
 }
 
-Alert MakeAlert(const std::string& run, AlertState state, double starts_at = 1000,
-                double ends_at = 0) {
+Alert MakeAlert(const std::string& run, AlertState state, double starts_at = 1000, double ends_at = 0) {
   Alert alert;
   alert.name = "GradNormContingency";
   alert.state = state;
   alert.labels = {{"alertname", "GradNormContingency"}, {"run", run}, {"severity", "page"}};
-  alert.annotations = {{"summary", "grad norm of " + run},
-                       {"recommendation", "enable weight decay on final_norm"}};
+  alert.annotations = {{"summary", "grad norm of " + run}, {"recommendation", "enable weight decay on final_norm"}};
   alert.step = 100;
   alert.value = 5.5;
   alert.starts_at = starts_at;
@@ -83,8 +80,7 @@ std::vector<std::pair<std::string, std::string>> DeliveredWebhooks(const TestRec
 }
 
 // The firing/resolved sequence one run received.
-std::vector<std::string> StatesOf(const std::vector<std::pair<std::string, std::string>>& all,
-                                  const std::string& run) {
+std::vector<std::string> StatesOf(const std::vector<std::pair<std::string, std::string>>& all, const std::string& run) {
   std::vector<std::string> states;
   for (const auto& [r, status] : all) {
     if (r == run) states.push_back(status);
@@ -107,21 +103,18 @@ TEST_CASE("back-off doubles from initial up to max and jitter only shortens it",
   options.max = 1000ms;
   options.multiplier = 2;
   options.jitter = 0.5;
-  const std::vector<std::pair<uint32_t, double>> cases = {{1, 0.1}, {2, 0.2}, {3, 0.4},
-                                                          {4, 0.8}, {5, 1.0}, {40, 1.0}};
+  const std::vector<std::pair<uint32_t, double>> cases = {{1, 0.1}, {2, 0.2}, {3, 0.4}, {4, 0.8}, {5, 1.0}, {40, 1.0}};
   for (const auto& [attempts, seconds] : cases) {
     INFO("attempts " << attempts);
     CHECK(notify::BackoffDelay(options, attempts, 0).count() == Approx(seconds));
-    CHECK(notify::BackoffDelay(options, attempts, 0.999).count() ==
-          Approx(seconds * (1 - 0.5 * 0.999)));
+    CHECK(notify::BackoffDelay(options, attempts, 0.999).count() == Approx(seconds * (1 - 0.5 * 0.999)));
   }
 }
 
 TEST_CASE("start refuses duplicate receiver names and bad URLs", "[notify]") {
   notify::MemoryOutbox outbox;
   notify::Dispatcher duplicate(
-      outbox, Receivers(Webhook("a", "http://127.0.0.1:1/"), Webhook("a", "http://127.0.0.1:2/")),
-      FastOptions());
+      outbox, Receivers(Webhook("a", "http://127.0.0.1:1/"), Webhook("a", "http://127.0.0.1:2/")), FastOptions());
   CHECK_FALSE(duplicate.Start().ok());
   notify::Dispatcher bad_url(outbox, Receivers(Webhook("a", "gopher://x/")), FastOptions());
   CHECK_FALSE(bad_url.Start().ok());
@@ -129,20 +122,17 @@ TEST_CASE("start refuses duplicate receiver names and bad URLs", "[notify]") {
 
 TEST_CASE("pending and inactive alerts are never notified", "[notify]") {
   notify::MemoryOutbox outbox;
-  notify::Dispatcher dispatcher(outbox, Receivers(Webhook("hook", "http://127.0.0.1:1/")),
-                                FastOptions());
+  notify::Dispatcher dispatcher(outbox, Receivers(Webhook("hook", "http://127.0.0.1:1/")), FastOptions());
   CHECK(dispatcher.Enqueue(MakeAlert("r1", AlertState::kPending)).ok());
   CHECK(dispatcher.Enqueue(MakeAlert("r1", AlertState::kInactive)).ok());
   CHECK(outbox.Snapshot().empty());
 }
 
-TEST_CASE("a receiver answering 503 three times then 200 gets the state change exactly once",
-          "[notify]") {
+TEST_CASE("a receiver answering 503 three times then 200 gets the state change exactly once", "[notify]") {
   TestReceiver receiver;
   receiver.Script({503, 503, 503});
   notify::MemoryOutbox outbox;
-  notify::Dispatcher dispatcher(outbox, Receivers(Webhook("hook", receiver.url("/hook"))),
-                                FastOptions());
+  notify::Dispatcher dispatcher(outbox, Receivers(Webhook("hook", receiver.url("/hook"))), FastOptions());
   REQUIRE(dispatcher.Start().ok());
   REQUIRE(dispatcher.Enqueue(MakeAlert("r1", AlertState::kFiring)).ok());
 
@@ -153,8 +143,7 @@ TEST_CASE("a receiver answering 503 three times then 200 gets the state change e
   for (const auto& request : receiver.Requests()) {
     CHECK(request.headers.at("idempotency-key") == notify::IdempotencyKey(outbox.Snapshot()[0].entry.id));
   }
-  CHECK(DeliveredWebhooks(receiver) ==
-        std::vector<std::pair<std::string, std::string>>{{"r1", "firing"}});
+  CHECK(DeliveredWebhooks(receiver) == std::vector<std::pair<std::string, std::string>>{{"r1", "firing"}});
   const auto stats = StatsOf(dispatcher);
   CHECK(stats.receiver == "hook");
   CHECK(stats.sent == 1);
@@ -209,8 +198,7 @@ TEST_CASE("a 400 answer is not retried and does not hold back later changes", "[
   REQUIRE(WaitUntil([&] { return StatsOf(dispatcher).sent == 1; }));
   std::this_thread::sleep_for(kSettle);
   CHECK(receiver.Requests().size() == 2);
-  CHECK(DeliveredWebhooks(receiver) ==
-        std::vector<std::pair<std::string, std::string>>{{"a", "resolved"}});
+  CHECK(DeliveredWebhooks(receiver) == std::vector<std::pair<std::string, std::string>>{{"a", "resolved"}});
   const auto stats = StatsOf(dispatcher);
   CHECK(stats.failures == 1);
   CHECK(stats.retries == 0);
@@ -237,8 +225,7 @@ TEST_CASE("a 503 for one fingerprint does not hold back another fingerprint", "[
   REQUIRE(receiver.WaitForDelivered(1, 1500ms));
   std::this_thread::sleep_for(kSettle);
   // "a" resolved stays behind "a" firing, which waits for its retry.
-  CHECK(DeliveredWebhooks(receiver) ==
-        std::vector<std::pair<std::string, std::string>>{{"b", "firing"}});
+  CHECK(DeliveredWebhooks(receiver) == std::vector<std::pair<std::string, std::string>>{{"b", "firing"}});
   CHECK(StatsOf(dispatcher).queue_depth == 2);
 }
 
@@ -247,8 +234,8 @@ TEST_CASE("a slow receiver delays neither the caller nor another receiver", "[no
   slow.SetDelay(2000ms);
   TestReceiver fast;
   notify::MemoryOutbox outbox;
-  notify::Dispatcher dispatcher(
-      outbox, Receivers(Webhook("slow", slow.url()), Webhook("fast", fast.url())), FastOptions());
+  notify::Dispatcher dispatcher(outbox, Receivers(Webhook("slow", slow.url()), Webhook("fast", fast.url())),
+                                FastOptions());
   REQUIRE(dispatcher.Start().ok());
 
   const auto start = std::chrono::steady_clock::now();
@@ -297,8 +284,7 @@ TEST_CASE("entries left in the outbox are delivered by the next dispatcher", "[n
   CHECK(outbox.PendingCount("hook").value() == 0);
 }
 
-TEST_CASE("alertmanager gets firing alerts again every resend interval, until resolved",
-          "[notify]") {
+TEST_CASE("alertmanager gets firing alerts again every resend interval, until resolved", "[notify]") {
   gradwatch::FakeClock clock;
   const double kStart = clock.UnixSeconds();
   TestReceiver alertmanager;
@@ -306,12 +292,11 @@ TEST_CASE("alertmanager gets firing alerts again every resend interval, until re
   notify::MemoryOutbox outbox;
   auto options = FastOptions();
   options.clock = &clock;
-  notify::Dispatcher dispatcher(
-      outbox,
-      Receivers(std::make_unique<notify::AlertmanagerReceiver>(
-                    notify::AlertmanagerConfig{Config("am", alertmanager.url()), 60}),
-                Webhook("hook", webhook.url())),
-      options);
+  notify::Dispatcher dispatcher(outbox,
+                                Receivers(std::make_unique<notify::AlertmanagerReceiver>(
+                                              notify::AlertmanagerConfig{Config("am", alertmanager.url()), 60}),
+                                          Webhook("hook", webhook.url())),
+                                options);
   REQUIRE(dispatcher.Start().ok());
   auto ends_at_of = [&](size_t request) {
     const auto delivered = alertmanager.Delivered();
@@ -340,8 +325,7 @@ TEST_CASE("alertmanager gets firing alerts again every resend interval, until re
 
   // Resolved: sent once with its real end; a stale snapshot still listing it sends nothing.
   clock.Advance(69s);  // kStart + 130
-  REQUIRE(
-      dispatcher.Enqueue(MakeAlert("r1", AlertState::kResolved, kStart - 10, kStart + 125)).ok());
+  REQUIRE(dispatcher.Enqueue(MakeAlert("r1", AlertState::kResolved, kStart - 10, kStart + 125)).ok());
   REQUIRE(WaitUntil([&] { return StatsOf(dispatcher, 0).sent == 3; }));
   CHECK(ends_at_of(2) == notify::FormatRfc3339(kStart + 125));
   clock.Advance(170s);  // kStart + 300
@@ -349,8 +333,7 @@ TEST_CASE("alertmanager gets firing alerts again every resend interval, until re
   CHECK(outbox.Snapshot().size() == 5);
 
   // A new firing instance of the same labels is refreshed again.
-  REQUIRE(
-      dispatcher.Refresh({MakeAlert("r1", AlertState::kFiring, kStart + 290)}, kStart + 300).ok());
+  REQUIRE(dispatcher.Refresh({MakeAlert("r1", AlertState::kFiring, kStart + 290)}, kStart + 300).ok());
   CHECK(outbox.Snapshot().size() == 6);
   REQUIRE(WaitUntil([&] { return StatsOf(dispatcher, 0).sent == 4; }));
 

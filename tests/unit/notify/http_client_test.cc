@@ -42,8 +42,7 @@ TEST_CASE("url parsing gives scheme, host, port and target", "[notify]") {
   };
   const std::vector<Case> cases = {
       {"http://127.0.0.1:9093/api/v2/alerts", "http", "127.0.0.1", 9093, "/api/v2/alerts"},
-      {"HTTPS://hooks.slack.com/services/T/B/X", "https", "hooks.slack.com", 443,
-       "/services/T/B/X"},
+      {"HTTPS://hooks.slack.com/services/T/B/X", "https", "hooks.slack.com", 443, "/services/T/B/X"},
       {"http://localhost", "http", "localhost", 80, "/"},
       {"http://h:81?x=1&y=2#frag", "http", "h", 81, "/?x=1&y=2"},
       {"https://[::1]:8443/p?q", "https", "::1", 8443, "/p?q"},
@@ -57,9 +56,8 @@ TEST_CASE("url parsing gives scheme, host, port and target", "[notify]") {
     CHECK(url->port == c.port);
     CHECK(url->target == c.target);
   }
-  for (const std::string bad :
-       {"ftp://h/", "127.0.0.1:80", "http://", "http://h:0/", "http://h:65536/", "http://h:x/",
-        "http://u:p@h/", "http://h/a b"}) {
+  for (const std::string bad : {"ftp://h/", "127.0.0.1:80", "http://", "http://h:0/", "http://h:65536/", "http://h:x/",
+                                "http://u:p@h/", "http://h/a b"}) {
     INFO(bad);
     CHECK_FALSE(notify::ParseUrl(bad).ok());
   }
@@ -92,8 +90,7 @@ TEST_CASE("http client posts JSON and returns status and body", "[notify]") {
 
 TEST_CASE("http client reports a closed port as a network error", "[notify]") {
   auto client = Client();
-  const HttpResult result =
-      client->Send(Post("http://127.0.0.1:" + std::to_string(ClosedPort()) + "/"), 5s);
+  const HttpResult result = client->Send(Post("http://127.0.0.1:" + std::to_string(ClosedPort()) + "/"), 5s);
   CHECK(result.error == HttpResult::Error::kNetwork);
   CHECK_FALSE(result.message.empty());
 }
@@ -136,8 +133,7 @@ TEST_CASE("abort makes a pending request return at once", "[notify]") {
   CHECK(client->Send(Post(receiver.url()), 5s).error == HttpResult::Error::kAborted);
 }
 
-TEST_CASE("https to a self-signed server works with its CA and fails verification without",
-          "[notify]") {
+TEST_CASE("https to a self-signed server works with its CA and fails verification without", "[notify]") {
   const auto cert = notify::testing::MakeSelfSignedCert();
   TestReceiver receiver(TestReceiver::Options{cert});
   REQUIRE(receiver.url().rfind("https://127.0.0.1:", 0) == 0);

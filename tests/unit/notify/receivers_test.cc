@@ -49,8 +49,7 @@ std::string Header(const notify::HttpRequest& request, const std::string& name) 
 
 }  // namespace
 
-TEST_CASE("classify: 2xx delivered, 408/429/5xx and no answer retried, other 4xx permanent",
-          "[notify]") {
+TEST_CASE("classify: 2xx delivered, 408/429/5xx and no answer retried, other 4xx permanent", "[notify]") {
   const notify::SlackReceiver receiver({Config("http://127.0.0.1:1/hook")});
   using notify::Outcome;
   using Error = notify::HttpResult::Error;
@@ -89,8 +88,7 @@ TEST_CASE("alertmanager receiver posts to /api/v2/alerts with its resend interva
   CHECK(body[0].at("generatorURL") == "http://gw:1/runs/r1");
 
   const notify::AlertmanagerReceiver full({Config("http://am:9093/api/v2/alerts"), 30});
-  CHECK(full.Build({FiringAlert()}, AlertState::kFiring, 2000).url ==
-        "http://am:9093/api/v2/alerts");
+  CHECK(full.Build({FiringAlert()}, AlertState::kFiring, 2000).url == "http://am:9093/api/v2/alerts");
 }
 
 TEST_CASE("webhook receiver sends its headers and the bearer token", "[notify]") {

@@ -45,8 +45,7 @@ struct SelfSignedCert {
 
 // A P-256 certificate for the given subject alternative names (by default 127.0.0.1 and
 // localhost), valid for a day, that is its own CA.
-inline SelfSignedCert MakeSelfSignedCert(
-    const std::string& alt_names = "IP:127.0.0.1,DNS:localhost") {
+inline SelfSignedCert MakeSelfSignedCert(const std::string& alt_names = "IP:127.0.0.1,DNS:localhost") {
   auto fail = [](const char* what) { throw std::runtime_error(std::string("openssl: ") + what); };
   std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(EVP_EC_gen("P-256"), EVP_PKEY_free);
   if (!key) fail("EVP_EC_gen");
@@ -62,17 +61,15 @@ inline SelfSignedCert MakeSelfSignedCert(
   X509_gmtime_adj(X509_getm_notAfter(cert.get()), 86400);
   X509_set_pubkey(cert.get(), key.get());
   X509_NAME* name = X509_get_subject_name(cert.get());
-  X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
-                             reinterpret_cast<const unsigned char*>("gradwatch test"), -1, -1, 0);
+  X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC, reinterpret_cast<const unsigned char*>("gradwatch test"), -1, -1,
+                             0);
   X509_set_issuer_name(cert.get(), name);
   X509V3_CTX ctx;
   X509V3_set_ctx_nodb(&ctx);
   X509V3_set_ctx(&ctx, cert.get(), cert.get(), nullptr, nullptr, 0);
   const std::pair<int, const char*> extensions[] = {
-      {NID_basic_constraints, "critical,CA:TRUE"},
-      {NID_key_usage, "critical,digitalSignature,keyCertSign"},
-      {NID_ext_key_usage, "serverAuth"},
-      {NID_subject_key_identifier, "hash"},
+      {NID_basic_constraints, "critical,CA:TRUE"}, {NID_key_usage, "critical,digitalSignature,keyCertSign"},
+      {NID_ext_key_usage, "serverAuth"},           {NID_subject_key_identifier, "hash"},
       {NID_subject_alt_name, alt_names.c_str()},
   };
   for (const auto& [nid, value] : extensions) {
@@ -92,9 +89,8 @@ inline SelfSignedCert MakeSelfSignedCert(
   };
   SelfSignedCert out;
   out.cert_pem = to_pem([&](BIO* bio) { return PEM_write_bio_X509(bio, cert.get()) == 1; });
-  out.key_pem = to_pem([&](BIO* bio) {
-    return PEM_write_bio_PrivateKey(bio, key.get(), nullptr, nullptr, 0, nullptr, nullptr) == 1;
-  });
+  out.key_pem = to_pem(
+      [&](BIO* bio) { return PEM_write_bio_PrivateKey(bio, key.get(), nullptr, nullptr, 0, nullptr, nullptr) == 1; });
   return out;
 }
 
@@ -121,7 +117,7 @@ struct RecordedRequest {
   std::string target;
   std::map<std::string, std::string> headers;  // names in lower case
   std::string body;
-  int answered_status = 0;  // what the receiver answered
+  int answered_status = 0;                            // what the receiver answered
   std::chrono::steady_clock::time_point received_at;  // when the whole request had been read
 };
 
@@ -251,8 +247,7 @@ class TestReceiver {
       std::lock_guard lock(mu_);
       if (stopping_) return;
       open_sockets_.insert(socket.native_handle());
-      connections_.emplace_back(
-          [this, s = std::make_shared<tcp::socket>(std::move(socket))]() mutable { Serve(*s); });
+      connections_.emplace_back([this, s = std::make_shared<tcp::socket>(std::move(socket))]() mutable { Serve(*s); });
       Accept();
     });
   }
@@ -314,8 +309,7 @@ class TestReceiver {
       if (record.answered_status >= 200 && record.answered_status < 300) ++delivered_;
     }
     cv_.notify_all();
-    http::response<http::string_body> response{static_cast<http::status>(record.answered_status),
-                                               request.version()};
+    http::response<http::string_body> response{static_cast<http::status>(record.answered_status), request.version()};
     response.set(http::field::content_type, "application/json");
     response.keep_alive(false);
     response.body() = "{}";

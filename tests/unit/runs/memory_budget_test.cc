@@ -63,7 +63,8 @@ TEST_CASE("a catalog's charge grows with its entries and their names", "[runs]")
   const RunMeta small = Hello("r", 10);
   const RunMeta large = Hello("r", 1000);
   CHECK(MemoryBudget::CatalogBytes(small.params) > 10 * 1000);
-  CHECK(MemoryBudget::CatalogBytes(large.params) == Approx(100.0 * MemoryBudget::CatalogBytes(small.params)).epsilon(0.05));
+  CHECK(MemoryBudget::CatalogBytes(large.params) ==
+        Approx(100.0 * MemoryBudget::CatalogBytes(small.params)).epsilon(0.05));
   CHECK(MemoryBudget::CatalogBytes(large.params, 990) < MemoryBudget::CatalogBytes(small.params) * 1.01);
 }
 
@@ -273,6 +274,6 @@ TEST_CASE("a series whose analytics do not fit gets none, counted, and its run g
   const RunAnalysis r = a.Analysis();
   for (const auto& sl : r.slopes) CHECK(sl.key == "grad/norm/total");
   CHECK_FALSE(r.slopes.empty());
-  CHECK(r.forecasts.size() == 1);  // the total grad norm's, which fitted
+  CHECK(r.forecasts.size() == 1);         // the total grad norm's, which fitted
   CHECK(r.growth_without_decay.empty());  // the norm series has no trackers
 }

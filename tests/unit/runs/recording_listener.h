@@ -55,9 +55,7 @@ class RecordingListener final : public StepListener {
   class Channel final : public RunChannel {
    public:
     Channel(RecordingListener* owner, std::string run_id) : owner_(owner), run_id_(std::move(run_id)) {}
-    void OnSeries(SeriesId id, const std::string& key) override {
-      Add("series " + std::to_string(id) + " " + key);
-    }
+    void OnSeries(SeriesId id, const std::string& key) override { Add("series " + std::to_string(id) + " " + key); }
     void OnStep(const PublishedStep& p) override {
       Add((p.restored ? "restored " : "step ") + std::to_string(p.step.step));
     }

@@ -18,7 +18,7 @@ class RecordingSink final : public StreamSink {
   void SendFinished(const std::string&, uint64_t seq) override { finished.push_back(seq); }
   void SendEventAck(uint64_t seq, uint64_t step) override { event_acks.emplace_back(seq, step); }
 
-  std::vector<std::pair<uint64_t, uint64_t>> acks;        // (durable step, seq)
+  std::vector<std::pair<uint64_t, uint64_t>> acks;  // (durable step, seq)
   std::vector<IngestError> errors;
   bool superseded = false;
   std::vector<uint64_t> finished;                         // seqs of the Goodbyes made durable

@@ -60,7 +60,8 @@ std::string Exact(const RunAnalysis& r) {
         << c.change.before.samples << " " << c.change.after.samples << " " << c.change.before_stderr_per_kstep << " "
         << c.change.after_stderr_per_kstep << " " << c.after_samples << "\n";
   }
-  for (const auto& c : r.change_points) out << "point " << c.key << " " << c.change.step << " " << c.change.ratio << "\n";
+  for (const auto& c : r.change_points)
+    out << "point " << c.key << " " << c.change.step << " " << c.change.ratio << "\n";
   for (const auto& f : r.forecasts) out << "forecast " << f.key << " " << f.steps_to_threshold << "\n";
   for (const auto& s : r.shares) out << "share " << s.name << " " << s.share << " " << s.slope_per_kstep << "\n";
   for (const auto& g : r.growth_without_decay) out << "growth " << g.param << " " << g.growth_factor << "\n";
@@ -215,8 +216,7 @@ TEST_CASE("analytics rebuilt as after a restart equal the live ones", "[runs]") 
   CHECK(Exact(restored.Analysis()) == exact);
 }
 
-TEST_CASE("the per-step analysis the alert rules read equals the full one, by parameter, in reused buffers",
-          "[runs]") {
+TEST_CASE("the per-step analysis the alert rules read equals the full one, by parameter, in reused buffers", "[runs]") {
   RunAnalytics a = Make();
   a.OnEvent({.step = 6000, .text = "switched routing"});
   const double init = std::sqrt(6144.0);

@@ -1,8 +1,8 @@
 // Durable acks at the run: events sent by a trainer are acked on their stream only once the
 // journal committed them, an event sent again (after a reconnect or a daemon restart) is stored
 // once, and while the journal cannot commit a rank's reports are refused as retryable.
-#include <catch2/catch.hpp>
 #include <sqlite3.h>
+#include <catch2/catch.hpp>
 
 #include <filesystem>
 #include <random>

@@ -1,5 +1,5 @@
-#include <catch2/catch.hpp>
 #include <unistd.h>
+#include <catch2/catch.hpp>
 
 #include <atomic>
 #include <cmath>
@@ -48,14 +48,17 @@ RunMeta Meta(const std::string& run_id, uint32_t world_size = 1, std::optional<u
 RankStep Step(uint64_t step, double lm_head_grad, double final_norm = 80.0) {
   RankStep r;
   r.step = step;
-  r.params.push_back({.index = 0, .norms = {NormContribution::FromNorm(0.01), NormContribution::FromNorm(final_norm), {}}});
+  r.params.push_back(
+      {.index = 0, .norms = {NormContribution::FromNorm(0.01), NormContribution::FromNorm(final_norm), {}}});
   r.params.push_back({.index = 1, .norms = {NormContribution::FromNorm(lm_head_grad), {}, {}}});
   return r;
 }
 
 // The old branch rises slowly; the new one, resumed at step 20,000 from the old one's level, rises
 // faster: after a resume the values differ, but there is no jump between the branches.
-double OldBranch(uint64_t s) { return 0.3 + 2e-5 * static_cast<double>(s) + 0.01 * std::sin(0.37 * static_cast<double>(s)); }
+double OldBranch(uint64_t s) {
+  return 0.3 + 2e-5 * static_cast<double>(s) + 0.01 * std::sin(0.37 * static_cast<double>(s));
+}
 double NewBranch(uint64_t s, uint64_t resume = 20000) {
   return 0.3 + 2e-5 * static_cast<double>(resume) + 5e-5 * (static_cast<double>(s) - static_cast<double>(resume)) +
          0.01 * std::cos(0.41 * static_cast<double>(s));

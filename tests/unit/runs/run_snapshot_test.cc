@@ -52,9 +52,11 @@ RankStep Step(uint64_t s) {
                                 NormContribution::FromNorm(78.4 + 1e-3 * x + (s > 3000 ? 2e-3 * (x - 3000) : 0.0) +
                                                            0.02 * Noise(s, 2)),
                                 {}}});
-  r.params.push_back({.index = 1, .norms = {NormContribution::FromNorm(0.7 * total), NormContribution::FromNorm(300), {}}});
   r.params.push_back(
-      {.index = 2, .norms = {NormContribution::FromNorm(0.1 * total + 0.01 * Noise(s, 3)), NormContribution::FromNorm(120), {}}});
+      {.index = 1, .norms = {NormContribution::FromNorm(0.7 * total), NormContribution::FromNorm(300), {}}});
+  r.params.push_back(
+      {.index = 2,
+       .norms = {NormContribution::FromNorm(0.1 * total + 0.01 * Noise(s, 3)), NormContribution::FromNorm(120), {}}});
   if (s % 1013 == 0) r.params[2].norms[0] = NormContribution::FromNorm(std::nan(""));
   return r;
 }
@@ -80,10 +82,12 @@ std::string Dump(const Run& run) {
          std::to_string(i.last_step) + " " + Hex(i.last_wall_time) + " " + Hex(i.steps_per_second) + " " +
          std::to_string(i.partial_steps) + " " + std::to_string(i.nonfinite_count) + " " +
          std::to_string(i.last_nonfinite_step) + "\n";
-  for (const LatestSample& l : s.latest) out += "latest " + l.key + " " + std::to_string(l.step) + " " + Hex(l.value) + "\n";
+  for (const LatestSample& l : s.latest)
+    out += "latest " + l.key + " " + std::to_string(l.step) + " " + Hex(l.value) + "\n";
   for (const EventRecord& e : s.events) out += "event " + std::to_string(e.step) + " " + e.text + "\n";
   const RunAnalysis& a = s.analysis;
-  for (const auto& x : a.slopes) out += "slope " + x.key + " " + std::to_string(x.window_steps) + " " + Fit(x.fit) + "\n";
+  for (const auto& x : a.slopes)
+    out += "slope " + x.key + " " + std::to_string(x.window_steps) + " " + Fit(x.fit) + "\n";
   for (const auto& x : a.slope_changes) {
     out += "change " + x.key + " " + x.event_text + " " + Fit(x.change.before) + " | " + Fit(x.change.after) + " " +
            Hex(x.change.ratio) + " " + Hex(x.change.before_stderr_per_kstep) + " " +
@@ -107,7 +111,8 @@ std::string Dump(const Run& run) {
     const auto points = run.QuerySeries(l.key, 0, UINT64_MAX, 0);
     for (const store::Point& p : points.value()) {
       out += "point " + l.key + " " + std::to_string(p.step) + "-" + std::to_string(p.last_step) + " " +
-             std::to_string(p.count) + " " + Hex(p.mean) + " " + Hex(p.min) + " " + Hex(p.max) + " " + Hex(p.last) + "\n";
+             std::to_string(p.count) + " " + Hex(p.mean) + " " + Hex(p.min) + " " + Hex(p.max) + " " + Hex(p.last) +
+             "\n";
     }
   }
   return out;
@@ -141,7 +146,8 @@ struct Daemon {
     registry = std::make_unique<RunRegistry>(options, 16, &stats, clock);
     registry->set_journal(journal.get());
     if (use_snapshots) {
-      snapshots = std::make_unique<store::SnapshotStore>((dir.path() / "snapshots").string(), Run::SnapshotFingerprint());
+      snapshots =
+          std::make_unique<store::SnapshotStore>((dir.path() / "snapshots").string(), Run::SnapshotFingerprint());
       registry->set_snapshots(snapshots.get());
     }
     REQUIRE(registry->Load().ok());

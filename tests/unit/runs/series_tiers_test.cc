@@ -66,17 +66,18 @@ TEST_CASE("key series keep the full series options and other parameter series th
   }
   run.Tick();
 
-  for (const std::string key : {"grad/norm/total", "train/loss", "params/norm/final_norm.weight", "grad/norm/lm_head.weight",
-                                "params/norm/lm_head.weight", "updates/norm/lm_head.weight"}) {
+  for (const std::string key :
+       {"grad/norm/total", "train/loss", "params/norm/final_norm.weight", "grad/norm/lm_head.weight",
+        "params/norm/lm_head.weight", "updates/norm/lm_head.weight"}) {
     INFO(key);
     const Held h = HeldOf(run, key);
     CHECK(h.samples == kSteps);
     CHECK(h.full >= 64);
     CHECK(h.points <= 64 + 16);
   }
-  for (const std::string key : {"grad/norm/final_norm.weight", "updates/norm/final_norm.weight",
-                                "grad/norm/layers.0.mlp.weight", "params/norm/layers.0.mlp.weight",
-                                "updates/norm/layers.0.mlp.weight"}) {
+  for (const std::string key :
+       {"grad/norm/final_norm.weight", "updates/norm/final_norm.weight", "grad/norm/layers.0.mlp.weight",
+        "params/norm/layers.0.mlp.weight", "updates/norm/layers.0.mlp.weight"}) {
     INFO(key);
     const Held h = HeldOf(run, key);
     CHECK(h.samples == kSteps);

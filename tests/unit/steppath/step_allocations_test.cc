@@ -66,9 +66,10 @@ RankStep Report(uint64_t step, size_t params) {
   r.learning_rate = 3e-4;
   for (size_t i = 0; i < params; ++i) {
     const double wobble = 1.0 + 0.02 * std::sin(0.37 * static_cast<double>(step + i));
-    r.params.push_back({.index = static_cast<uint32_t>(i),
-                        .norms = {NormContribution::FromNorm(0.2 / std::sqrt(static_cast<double>(params)) * wobble),
-                                  NormContribution::FromNorm(50.0 * wobble), NormContribution::FromNorm(0.01 * wobble)}});
+    r.params.push_back(
+        {.index = static_cast<uint32_t>(i),
+         .norms = {NormContribution::FromNorm(0.2 / std::sqrt(static_cast<double>(params)) * wobble),
+                   NormContribution::FromNorm(50.0 * wobble), NormContribution::FromNorm(0.01 * wobble)}});
   }
   return r;
 }

@@ -58,8 +58,9 @@ TEST_CASE("the SQLite outbox keeps pending entries in order across a reopen unti
   {
     auto outbox = store::AlertStore::Open(path);
     REQUIRE(outbox.ok());
-    auto ids = (*outbox)->Add({Entry("am", "f1", alerts::AlertState::kFiring), Entry("pd", "f1", alerts::AlertState::kFiring),
-                               Entry("am", "f1", alerts::AlertState::kResolved)});
+    auto ids =
+        (*outbox)->Add({Entry("am", "f1", alerts::AlertState::kFiring), Entry("pd", "f1", alerts::AlertState::kFiring),
+                        Entry("am", "f1", alerts::AlertState::kResolved)});
     REQUIRE(ids.ok());
     REQUIRE(ids->size() == 3);
     CHECK(ids.value()[0] < ids.value()[2]);
@@ -121,8 +122,7 @@ TEST_CASE("opening the outbox in a missing directory fails with a clear message"
   CHECK(outbox.status().message().find("/nonexistent-gradwatch-dir/journal.db") != std::string::npos);
 }
 
-TEST_CASE("alert states and silences are written with the notifications and read back after a reopen",
-          "[store]") {
+TEST_CASE("alert states and silences are written with the notifications and read back after a reopen", "[store]") {
   const auto dir = TempPath();
   const std::string path = (dir / "journal.db").string();
   const alerts::InstanceState a = Firing("run-a", 60);
@@ -134,9 +134,12 @@ TEST_CASE("alert states and silences are written with the notifications and read
     alerts::StateChanges first;
     first.instances[fa] = a;
     first.instances[fb] = b;
-    first.silences["s1"] = alerts::Silence{"s1", alerts::EqualityMatchers({{"run", "run-a"}}).value(), 1.7e9, 1.7e9 + 600, "maintenance", "bob"};
-    first.silences["s2"] = alerts::Silence{"s2", alerts::EqualityMatchers({{"run", "run-b"}}).value(), 1.7e9, 1.7e9 + 600, "", "bob"};
-    auto ids = (*store)->Write({Entry("am", alerts::FingerprintHex(a.alert.labels), alerts::AlertState::kFiring)}, first);
+    first.silences["s1"] = alerts::Silence{
+        "s1", alerts::EqualityMatchers({{"run", "run-a"}}).value(), 1.7e9, 1.7e9 + 600, "maintenance", "bob"};
+    first.silences["s2"] =
+        alerts::Silence{"s2", alerts::EqualityMatchers({{"run", "run-b"}}).value(), 1.7e9, 1.7e9 + 600, "", "bob"};
+    auto ids =
+        (*store)->Write({Entry("am", alerts::FingerprintHex(a.alert.labels), alerts::AlertState::kFiring)}, first);
     REQUIRE(ids.ok());
     CHECK(ids->size() == 1);
     alerts::StateChanges second;  // b resolved, s2 removed: no notification for these in this write
@@ -164,7 +167,8 @@ TEST_CASE("alert states and silences are written with the notifications and read
   REQUIRE(got.ack);
   CHECK(*got.ack == *a.ack);
   REQUIRE(saved->silences.size() == 1);
-  CHECK(saved->silences[0] == alerts::Silence{"s1", alerts::EqualityMatchers({{"run", "run-a"}}).value(), 1.7e9, 1.7e9 + 600, "maintenance", "bob"});
+  CHECK(saved->silences[0] == alerts::Silence{"s1", alerts::EqualityMatchers({{"run", "run-a"}}).value(), 1.7e9,
+                                              1.7e9 + 600, "maintenance", "bob"});
   CHECK((*store)->PendingCount("am").value() == 1);
   std::filesystem::remove_all(dir);
 }
@@ -240,7 +244,8 @@ TEST_CASE("alert store outbox: entries in back-off never crowd out due ones", "[
   auto store = store::AlertStore::Open((dir / "journal.db").string());
   REQUIRE(store.ok());
   std::vector<notify::OutboxEntry> entries;
-  for (int i = 0; i < 300; ++i) entries.push_back(Entry("am", "backoff" + std::to_string(i), alerts::AlertState::kFiring));
+  for (int i = 0; i < 300; ++i)
+    entries.push_back(Entry("am", "backoff" + std::to_string(i), alerts::AlertState::kFiring));
   entries.push_back(Entry("am", "held", alerts::AlertState::kFiring));
   entries.push_back(Entry("am", "held", alerts::AlertState::kResolved));
   entries.push_back(Entry("am", "due", alerts::AlertState::kFiring));
@@ -284,12 +289,10 @@ TEST_CASE("alert store saves an acknowledgement with invalid UTF-8 instead of th
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("the alert history keeps every state change of a run in order, across a reopen, until pruned",
-          "[store]") {
+TEST_CASE("the alert history keeps every state change of a run in order, across a reopen, until pruned", "[store]") {
   const auto dir = TempPath();
   const std::string path = (dir / "journal.db").string();
-  auto change = [](const std::string& run, alerts::AlertState from, alerts::AlertState to, uint64_t step,
-                   double at) {
+  auto change = [](const std::string& run, alerts::AlertState from, alerts::AlertState to, uint64_t step, double at) {
     alerts::HistoryEntry e{Firing(run, step).alert, from, at};
     e.alert.state = to;
     return e;

@@ -1,7 +1,7 @@
 // The journal's compressed blocks of steps: sealing, reading back merged with the rows not yet
 // sealed, rewinds into sealed blocks, pruning, and the bytes a sample costs on disk.
-#include <catch2/catch.hpp>
 #include <sqlite3.h>
+#include <catch2/catch.hpp>
 
 #include <bit>
 #include <chrono>
@@ -185,8 +185,9 @@ TEST_CASE("a rewind into sealed blocks keeps the steps before it and abandons th
     for (uint64_t s = 13; s <= 30; ++s) Write(*journal, "r", MakeStep(s, 3, /*salt=*/2));
     REQUIRE(journal->Flush().ok());
   }
-  CHECK(Query(dir.db(), "SELECT group_concat(step) FROM (SELECT step FROM abandoned_steps WHERE run_id = 'r' "
-                        "AND branch = 0 ORDER BY step)") ==
+  CHECK(Query(dir.db(),
+              "SELECT group_concat(step) FROM (SELECT step FROM abandoned_steps WHERE run_id = 'r' "
+              "AND branch = 0 ORDER BY step)") ==
         "13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,35,36,37,38,39,40");
   auto journal = Open({.path = dir.db(), .block_steps = 8});
   Collector got;
@@ -327,8 +328,9 @@ TEST_CASE("a journal of float32 norms takes under 3 bytes a sample on disk", "[s
   }
   // Pages in use: the file also keeps the free pages the unsealed rows left (reused by the next
   // rows, so a constant, not a share of the history).
-  const double used = std::stod(Query(dir.db(), "SELECT (SELECT page_count FROM pragma_page_count) - "
-                                                "(SELECT freelist_count FROM pragma_freelist_count)")) *
+  const double used = std::stod(Query(dir.db(),
+                                      "SELECT (SELECT page_count FROM pragma_page_count) - "
+                                      "(SELECT freelist_count FROM pragma_freelist_count)")) *
                       std::stod(Query(dir.db(), "PRAGMA page_size"));
   const double per_sample = used / static_cast<double>(kSeries * kSteps);
   CAPTURE(per_sample);

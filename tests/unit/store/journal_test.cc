@@ -1,6 +1,6 @@
-#include <catch2/catch.hpp>
 #include <sqlite3.h>
 #include <unistd.h>
+#include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -94,8 +94,7 @@ struct Recorder : JournalVisitor {
   }
 };
 
-std::unique_ptr<Journal> OpenOrFail(const JournalOptions& options,
-                                    Journal::CommitCallback on_commit = nullptr) {
+std::unique_ptr<Journal> OpenOrFail(const JournalOptions& options, Journal::CommitCallback on_commit = nullptr) {
   auto journal = Journal::Open(options, std::move(on_commit));
   INFO(journal.status().ToString());
   REQUIRE(journal.ok());
@@ -176,8 +175,7 @@ int64_t CountStepsOutside(const std::string& path) {
 
 }  // namespace
 
-TEST_CASE("journal round-trips runs, catalogs, series, steps, events and progress through reopen",
-          "[store]") {
+TEST_CASE("journal round-trips runs, catalogs, series, steps, events and progress through reopen", "[store]") {
   TempDir dir;
   const double kNaN = std::numeric_limits<double>::quiet_NaN();
   const double kPayloadNaN = std::bit_cast<double>(uint64_t{0x7ff8dead'beef0001});
@@ -237,10 +235,9 @@ TEST_CASE("journal round-trips runs, catalogs, series, steps, events and progres
 
   const Recorder got = LoadFrom(dir.db());
 
-  CHECK(got.order == std::vector<std::string>{
-                         "run:moe-6144", "series:moe-6144", "series:moe-6144", "progress:moe-6144",
-                         "progress:moe-6144", "event:moe-6144", "step:moe-6144", "step:moe-6144",
-                         "run:small", "series:small", "event:small", "step:small"});
+  CHECK(got.order == std::vector<std::string>{"run:moe-6144", "series:moe-6144", "series:moe-6144", "progress:moe-6144",
+                                              "progress:moe-6144", "event:moe-6144", "step:moe-6144", "step:moe-6144",
+                                              "run:small", "series:small", "event:small", "step:small"});
 
   REQUIRE(got.runs.size() == 2);
   const RunMeta& loaded = got.runs[0].meta;
@@ -444,9 +441,7 @@ TEST_CASE("stored rank progress never moves backwards", "[store]") {
 TEST_CASE("group commit puts many records in few transactions", "[store]") {
   TempDir dir;
   std::atomic<size_t> reported{0};
-  auto journal = OpenOrFail({.path = dir.db()}, [&](const CommitReport& report) {
-    reported += report.records;
-  });
+  auto journal = OpenOrFail({.path = dir.db()}, [&](const CommitReport& report) { reported += report.records; });
   constexpr uint64_t kSteps = 10'000;
   for (uint64_t s = 0; s < kSteps; ++s) {
     REQUIRE(journal->Enqueue(MakeStep("run", s, {{0, static_cast<double>(s)}}, {{"run", 0, s, s}})));
@@ -690,8 +685,9 @@ TEST_CASE("a damaged page: the runs that read cleanly are salvaged whole, the ot
   int64_t page = 0, page_size = 0;
   {
     RawDb raw(dir.db());
-    page = std::stoll(raw.Query("SELECT pageno FROM dbstat WHERE name = 'steps' AND pagetype = 'leaf' "
-                                "ORDER BY path LIMIT 1 OFFSET 1"));
+    page =
+        std::stoll(raw.Query("SELECT pageno FROM dbstat WHERE name = 'steps' AND pagetype = 'leaf' "
+                             "ORDER BY path LIMIT 1 OFFSET 1"));
     page_size = std::stoll(raw.Query("PRAGMA page_size"));
   }
   REQUIRE(!fs::exists(dir.db() + "-wal"));  // a clean close checkpointed everything
@@ -745,8 +741,9 @@ TEST_CASE("a journal beyond quick_check_max_bytes opens without quick_check, its
   int64_t page = 0, page_size = 0;
   {
     RawDb raw(dir.db());
-    page = std::stoll(raw.Query("SELECT pageno FROM dbstat WHERE name = 'steps' AND pagetype = 'leaf' "
-                                "ORDER BY path LIMIT 1 OFFSET 1"));
+    page =
+        std::stoll(raw.Query("SELECT pageno FROM dbstat WHERE name = 'steps' AND pagetype = 'leaf' "
+                             "ORDER BY path LIMIT 1 OFFSET 1"));
     page_size = std::stoll(raw.Query("PRAGMA page_size"));
   }
   {
@@ -871,8 +868,8 @@ TEST_CASE("a rewind moves the abandoned branch aside and Load returns only the n
     other.run_id = "b";
     REQUIRE(journal->Enqueue(RunRecord{other}));
     for (uint64_t s = 0; s <= 300; s += 100) {
-      REQUIRE(journal->Enqueue(MakeStep("a", s, {{0, 1.0 + static_cast<double>(s)}},
-                                        {{"a", 0, s, s + 1}, {"a", 1, s, s + 2}})));
+      REQUIRE(journal->Enqueue(
+          MakeStep("a", s, {{0, 1.0 + static_cast<double>(s)}}, {{"a", 0, s, s + 1}, {"a", 1, s, s + 2}})));
     }
     REQUIRE(journal->Enqueue(MakeStep("b", 250, {{0, 7.0}}, {{"b", 0, 250, 9}})));
     REQUIRE(journal->Enqueue(EventJournalRecord{"a", {100, "lr warmup done", "trainer", 1.0}}));
@@ -967,8 +964,7 @@ TEST_CASE("a version-1 journal gains the rewind tables when opened", "[store][re
   TempDir dir;
   {
     sqlite3* db = nullptr;
-    REQUIRE(sqlite3_open_v2(dir.db().c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr) ==
-            SQLITE_OK);
+    REQUIRE(sqlite3_open_v2(dir.db().c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr) == SQLITE_OK);
     // The version-1 schema, as released.
     const char* v1 = R"sql(
 CREATE TABLE IF NOT EXISTS runs(
@@ -1037,9 +1033,10 @@ PRAGMA user_version = 1;
   CHECK(raw.Query("SELECT count(*) FROM abandoned_steps") == "1");
 }
 
-TEST_CASE("a version-2 journal and alert store written before the SQLite helper open, "
-          "gaining only the step blocks and the alert history",
-          "[store][migration]") {
+TEST_CASE(
+    "a version-2 journal and alert store written before the SQLite helper open, "
+    "gaining only the step blocks and the alert history",
+    "[store][migration]") {
   TempDir dir;
   // The schema as the journal and the alert store of 44f6238 created it (user_version 2), with a
   // row in every table.
@@ -1151,9 +1148,10 @@ INSERT INTO alert_progress VALUES('r', 2);
   // alert_history (the alert store only ever adds tables).
   auto schema_text = [&] {
     RawDb raw(dir.db());
-    return raw.Query("SELECT group_concat(type || ' ' || name || ' ' || ifnull(sql, ''), char(10)) FROM "
-                     "(SELECT * FROM sqlite_master WHERE tbl_name NOT IN ('step_blocks', 'alert_history') "
-                     "ORDER BY name)");
+    return raw.Query(
+        "SELECT group_concat(type || ' ' || name || ' ' || ifnull(sql, ''), char(10)) FROM "
+        "(SELECT * FROM sqlite_master WHERE tbl_name NOT IN ('step_blocks', 'alert_history') "
+        "ORDER BY name)");
   };
   const std::string schema_before = schema_text();
   REQUIRE_FALSE(schema_before.empty());

@@ -73,8 +73,7 @@ TEST_CASE("Append rejects steps that do not strictly increase and keeps nothing"
   CHECK(series.Latest()->last == Approx(3.0));
 }
 
-TEST_CASE("overflow into history preserves the total count, the sum and a spike's min and max",
-          "[store]") {
+TEST_CASE("overflow into history preserves the total count, the sum and a spike's min and max", "[store]") {
   Series series({.recent_points = 8, .history_buckets = 4});
   double expected_sum = 0;
   for (uint64_t step = 1; step <= 100; ++step) {
@@ -140,8 +139,7 @@ TEST_CASE("pairwise compaction covers the whole step range with constant memory"
   }
 }
 
-TEST_CASE("NaN and Inf are counted as nonfinite and excluded from mean, min and max",
-          "[store]") {
+TEST_CASE("NaN and Inf are counted as nonfinite and excluded from mean, min and max", "[store]") {
   SECTION("a single non-finite sample has no mean, min or max but keeps its raw value") {
     Series series({.recent_points = 4, .history_buckets = 2});
     REQUIRE(series.Append(1, std::nan("")));
@@ -268,10 +266,9 @@ TEST_CASE("Latest returns the newest sample, or nothing before the first", "[sto
 }
 
 TEST_CASE("MergeInto weights the mean by finite counts and spans both points", "[store]") {
-  Point a{.step = 1, .last_step = 4, .mean = 2.0, .min = 1.0, .max = 3.0,
-          .count = 4, .nonfinite = 1, .last = 3.0};
-  const Point b{.step = 5, .last_step = 5, .mean = 8.0, .min = 8.0, .max = 8.0,
-                .count = 1, .nonfinite = 0, .last = 8.0};
+  Point a{.step = 1, .last_step = 4, .mean = 2.0, .min = 1.0, .max = 3.0, .count = 4, .nonfinite = 1, .last = 3.0};
+  const Point b{
+      .step = 5, .last_step = 5, .mean = 8.0, .min = 8.0, .max = 8.0, .count = 1, .nonfinite = 0, .last = 8.0};
   MergeInto(a, b);
   CHECK(a.step == 1);
   CHECK(a.last_step == 5);

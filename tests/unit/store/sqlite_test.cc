@@ -186,13 +186,12 @@ namespace {
 // Version 1 had t(a); version 2 added b, filled from a; version 3 added c, filled from b (so the
 // migrations must run in order).
 sqlite::Schema TestSchema() {
-  return {.name = "test db",
-          .version = 3,
-          .scripts = {"CREATE TABLE t(a INTEGER, b INTEGER, c INTEGER)"},
-          .migrations = {{.from_version = 2, .scripts = {"ALTER TABLE t ADD COLUMN c INTEGER",
-                                                         "UPDATE t SET c = b * 10"}},
-                         {.from_version = 1, .scripts = {"ALTER TABLE t ADD COLUMN b INTEGER",
-                                                         "UPDATE t SET b = a + 1"}}}};
+  return {
+      .name = "test db",
+      .version = 3,
+      .scripts = {"CREATE TABLE t(a INTEGER, b INTEGER, c INTEGER)"},
+      .migrations = {{.from_version = 2, .scripts = {"ALTER TABLE t ADD COLUMN c INTEGER", "UPDATE t SET c = b * 10"}},
+                     {.from_version = 1, .scripts = {"ALTER TABLE t ADD COLUMN b INTEGER", "UPDATE t SET b = a + 1"}}}};
 }
 
 }  // namespace

@@ -122,21 +122,11 @@ std::vector<LogOp> RandomLogOps(size_t n, uint64_t seed) {
 // Applies op; what it returned (a point popped, or whether an append was taken) goes to `result`.
 void Apply(PointLog& log, const LogOp& op, Point& result) {
   switch (op.kind) {
-    case LogOp::kAppendSample:
-      result.count = log.AppendSample(op.point.step, op.point.last, true) ? 1 : 0;
-      break;
-    case LogOp::kAppend:
-      result.count = log.Append(op.point, true) ? 1 : 0;
-      break;
-    case LogOp::kPopFront:
-      result = log.empty() ? Point{} : log.PopFront();
-      break;
-    case LogOp::kTruncate:
-      log.Truncate(static_cast<size_t>(op.fraction * static_cast<double>(log.size())));
-      break;
-    case LogOp::kClear:
-      log.Clear();
-      break;
+    case LogOp::kAppendSample: result.count = log.AppendSample(op.point.step, op.point.last, true) ? 1 : 0; break;
+    case LogOp::kAppend: result.count = log.Append(op.point, true) ? 1 : 0; break;
+    case LogOp::kPopFront: result = log.empty() ? Point{} : log.PopFront(); break;
+    case LogOp::kTruncate: log.Truncate(static_cast<size_t>(op.fraction * static_cast<double>(log.size()))); break;
+    case LogOp::kClear: log.Clear(); break;
   }
 }
 
@@ -230,10 +220,13 @@ TEST_CASE("state: truncated or damaged point logs fail or load a log that works"
   }
   for (int i = 0; i < 40; ++i) small.PopFront();
   REQUIRE(small.chunks_allocated() >= 3);
-  Damage<PointLog>(StateOf(small), [] { return PointLog(); }, exercise, 7, 2000);
-  Damage<PointLog>(StateOf(LogAfter(ops, 15000)), [] { return PointLog(); }, exercise, 8);
+  Damage<PointLog>(
+      StateOf(small), [] { return PointLog(); }, exercise, 7, 2000);
+  Damage<PointLog>(
+      StateOf(LogAfter(ops, 15000)), [] { return PointLog(); }, exercise, 8);
   // An empty log, and one emptied (its stale coding state is not written).
-  Damage<PointLog>(StateOf(PointLog()), [] { return PointLog(); }, exercise, 9, 0);
+  Damage<PointLog>(
+      StateOf(PointLog()), [] { return PointLog(); }, exercise, 9, 0);
   PointLog emptied = LogAfter(ops, 500);
   emptied.Clear();
   CHECK(StateOf(emptied) == StateOf(PointLog()));
@@ -295,8 +288,8 @@ bool SameSeries(const Series& a, const Series& b, bool queries) {
 TEST_CASE("state: a series loaded answers as the one saved, bit for bit, through compactions and rewinds",
           "[state][store]") {
   const std::vector<SeriesOp> ops = SeriesOps(60000, 11);
-  for (const SeriesOptions options : {SeriesOptions{256, 64}, SeriesOptions{}, SeriesOptions{2, 2},
-                                      SeriesOptions{1000, 3}}) {
+  for (const SeriesOptions options :
+       {SeriesOptions{256, 64}, SeriesOptions{}, SeriesOptions{2, 2}, SeriesOptions{1000, 3}}) {
     INFO("options " << options.recent_points << ", " << options.history_buckets);
     for (size_t save_at : {size_t{0}, size_t{3}, size_t{200}, size_t{3000}, size_t{20000}, size_t{45000}}) {
       INFO("saved after " << save_at << " ops");
@@ -361,9 +354,16 @@ TEST_CASE("state: a series refuses a state saved with other options, and damage 
     s.TruncateFrom(from + ops[1500].step);
     SameSeries(s, s, true);
   };
-  Damage<Series>(bytes, [] { return Series(SeriesOptions{64, 8}); }, exercise, 13, 2000);
+  Damage<Series>(
+      bytes,
+      [] {
+        return Series(SeriesOptions{64, 8});
+      },
+      exercise, 13, 2000);
   Series large;
   for (const SeriesOp& op : SeriesOps(60000, 14)) Apply(large, op);
-  Damage<Series>(StateOf(large), [] { return Series(); }, exercise, 15);
-  Damage<Series>(StateOf(Series()), [] { return Series(); }, exercise, 16, 0);
+  Damage<Series>(
+      StateOf(large), [] { return Series(); }, exercise, 15);
+  Damage<Series>(
+      StateOf(Series()), [] { return Series(); }, exercise, 16, 0);
 }

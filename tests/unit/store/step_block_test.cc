@@ -75,8 +75,7 @@ TEST_CASE("step blocks of float32 norms widened to double take under 3 bytes a v
   REQUIRE(per_value < 3.0);
 }
 
-TEST_CASE("step blocks of decimal text with six significant digits take under 3 bytes a value",
-          "[store][step_block]") {
+TEST_CASE("step blocks of decimal text with six significant digits take under 3 bytes a value", "[store][step_block]") {
   std::mt19937_64 rng(11);
   std::normal_distribution<double> noise(0.0, 0.01);
   // As a W&B JSONL log writes them ("%.6g"), read back with strtod.
@@ -168,9 +167,9 @@ TEST_CASE("step blocks keep steps with differing series, order and duplicates", 
     steps[i].client_dropped_steps = i == 5 ? std::numeric_limits<uint64_t>::max() : 0;
   }
   steps[0].values = {{5, 1.0}, {9, 2.0}};
-  steps[1].values = {{9, 3.0}, {5, 4.0}};                  // another order
-  steps[2].values = {};                                    // none
-  steps[3].values = {{7, 5.0}, {5, 6.0}, {5, 6.5}};        // a new series and a duplicate
+  steps[1].values = {{9, 3.0}, {5, 4.0}};            // another order
+  steps[2].values = {};                              // none
+  steps[3].values = {{7, 5.0}, {5, 6.0}, {5, 6.5}};  // a new series and a duplicate
   steps[4].values = {{std::numeric_limits<SeriesId>::max(), 0.25}};
   steps[5].values = {{5, 7.0}, {9, 8.0}, {7, 9.0}};
   RoundTrip(steps);
@@ -188,7 +187,8 @@ TEST_CASE("step blocks of steps without values, and of one value", "[store][step
 TEST_CASE("damaged step blocks are refused, never misread", "[store][step_block]") {
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<double> u(0.0, 1.0);
-  const auto steps = MakeSteps(16, 20, [&](uint32_t, size_t) { return static_cast<double>(static_cast<float>(u(rng))); });
+  const auto steps =
+      MakeSteps(16, 20, [&](uint32_t, size_t) { return static_cast<double>(static_cast<float>(u(rng))); });
   std::string blob;
   EncodeStepBlock(steps, blob);
   std::vector<CompletedStep> back;

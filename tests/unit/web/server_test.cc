@@ -1,11 +1,11 @@
 // gradwatchd's HTTP listener (server/web/server.h) against real clients on loopback: routing,
 // keep-alive, hostile requests, limits, and HTTPS with and without client certificates, with
 // certificates made by openssl (tests/support/make_test_certs.sh), renewed in place.
-#include <catch2/catch.hpp>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <catch2/catch.hpp>
 
 #include <atomic>
 #include <filesystem>
@@ -39,8 +39,8 @@ web::Route Echo(std::string path, bool prefix = false) {
   r.prefix = prefix;
   r.methods = {"GET", "POST"};
   r.handler = [](const web::Request& q) {
-    return web::Response::Text(200, q.method + " " + q.path + " ?" + q.query + " x-test=" +
-                                        std::string(q.Header("x-test")) + " body=" + q.body +
+    return web::Response::Text(200, q.method + " " + q.path + " ?" + q.query +
+                                        " x-test=" + std::string(q.Header("x-test")) + " body=" + q.body +
                                         " tls=" + (q.tls ? "yes" : "no") + " identity=" + q.client_identity);
   };
   return r;
@@ -58,7 +58,8 @@ class Raw {
   }
   ~Raw() { ::close(fd_); }
   void Send(const std::string& s) {
-    if (::send(fd_, s.data(), s.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(s.size())) throw std::runtime_error("send");
+    if (::send(fd_, s.data(), s.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(s.size()))
+      throw std::runtime_error("send");
   }
   // Everything until the server closes the connection (or `limit` passes: then what came).
   std::string ReadUntilClosed(std::chrono::milliseconds limit = std::chrono::seconds(20)) {
@@ -133,8 +134,9 @@ TEST_CASE("the HTTP listener keeps a connection open for the next request, as sc
   counted.handler = [&calls](const web::Request&) { return web::Response::Text(200, std::to_string(++calls)); };
   auto server = StartServer({}, {counted});
   Raw c(server->port());
-  c.Send("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
-         "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  c.Send(
+      "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+      "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   const std::string all = c.ReadUntilClosed();
   CHECK(c.closed());
   CHECK(Count(all, "HTTP/1.1 200 OK") == 3);
@@ -229,8 +231,7 @@ TEST_CASE("the HTTP listener reports an address it cannot listen on", "[web]") {
   CHECK(second.status().message() == "'nowhere:80': nowhere is not an IP address");
 }
 
-TEST_CASE("HTTPS: the listener serves TLS, says so to plain HTTP, and checks client certificates",
-          "[web][tls]") {
+TEST_CASE("HTTPS: the listener serves TLS, says so to plain HTTP, and checks client certificates", "[web][tls]") {
   const testing::Certs certs;
   const TlsClient client{certs("ca.pem"), "", "", ""};
 
@@ -251,8 +252,9 @@ TEST_CASE("HTTPS: the listener serves TLS, says so to plain HTTP, and checks cli
 
     CHECK_THROWS_WITH(HttpsRequest("GET", "127.0.0.1", port, "/metrics", {certs("other-ca.pem"), "", "", ""}),
                       Catch::Contains("certificate verify failed"));
-    CHECK_THROWS_WITH(HttpsRequest("GET", "127.0.0.1", port, "/metrics", {certs("ca.pem"), "", "", "elsewhere.example"}),
-                      Catch::Contains("hostname mismatch"));
+    CHECK_THROWS_WITH(
+        HttpsRequest("GET", "127.0.0.1", port, "/metrics", {certs("ca.pem"), "", "", "elsewhere.example"}),
+        Catch::Contains("hostname mismatch"));
   }
 
   SECTION("client certificates") {
@@ -260,7 +262,8 @@ TEST_CASE("HTTPS: the listener serves TLS, says so to plain HTTP, and checks cli
     options.tls = {certs("server.pem"), certs("server.key"), certs("ca.pem")};
     auto server = StartServer(options, {Echo("/metrics")});
     const int port = server->port();
-    auto r = HttpsRequest("GET", "127.0.0.1", port, "/metrics", {certs("ca.pem"), certs("client.pem"), certs("client.key"), ""});
+    auto r = HttpsRequest("GET", "127.0.0.1", port, "/metrics",
+                          {certs("ca.pem"), certs("client.pem"), certs("client.key"), ""});
     CHECK(r.status == 200);
     CHECK(r.body.find("identity=trainer\n") != std::string::npos);
     CHECK_THROWS_WITH(HttpsRequest("GET", "127.0.0.1", port, "/metrics", client),
@@ -270,7 +273,8 @@ TEST_CASE("HTTPS: the listener serves TLS, says so to plain HTTP, and checks cli
                               {certs("ca.pem"), certs("expired-client.pem"), certs("expired-client.key"), ""}));
     CHECK_THROWS(HttpsRequest("GET", "127.0.0.1", port, "/metrics",
                               {certs("ca.pem"), certs("other-client.pem"), certs("other-client.key"), ""}));
-    CHECK(HttpsRequest("GET", "127.0.0.1", port, "/metrics", {certs("ca.pem"), certs("client.pem"), certs("client.key"), ""})
+    CHECK(HttpsRequest("GET", "127.0.0.1", port, "/metrics",
+                       {certs("ca.pem"), certs("client.pem"), certs("client.key"), ""})
               .status == 200);
   }
 
@@ -279,7 +283,8 @@ TEST_CASE("HTTPS: the listener serves TLS, says so to plain HTTP, and checks cli
     options.tls = {certs("server.pem"), certs("client.key"), ""};
     auto started = web::Server::Start(options, {Echo("/metrics")});
     REQUIRE_FALSE(started.ok());
-    CHECK(started.status().message() == "TLS: key " + certs("client.key") + " is not the key of " + certs("server.pem"));
+    CHECK(started.status().message() ==
+          "TLS: key " + certs("client.key") + " is not the key of " + certs("server.pem"));
     options.tls = {certs("missing.pem"), certs("server.key"), ""};
     started = web::Server::Start(options, {Echo("/metrics")});
     REQUIRE_FALSE(started.ok());
