@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -43,8 +44,7 @@ class TempFile {
  public:
   explicit TempFile(const std::string& content) {
     path_ = std::filesystem::temp_directory_path() /
-            ("gradwatch-cli-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++) +
-             ".jsonl");
+            ("gradwatch-cli-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++) + ".jsonl");
     std::ofstream(path_) << content;
   }
   ~TempFile() { std::filesystem::remove(path_); }
@@ -101,8 +101,7 @@ v1::RunSummary SampleSummary() {
 
 }  // namespace
 
-TEST_CASE("replay sends the file's steps, events and catalog and exits 3 on a bad line",
-          "[client]") {
+TEST_CASE("replay sends the file's steps, events and catalog and exits 3 on a bad line", "[client]") {
   FakeIngest ingest;
   FakeServer server({&ingest});
   TempFile file(R"({"run": "hist-1", "config": {"weight_decay": 0.1}, "labels": {"job": "replay"}})"
@@ -162,8 +161,7 @@ TEST_CASE("a clean replay exits 0 and daemon rejections make it exit 3", "[clien
   {
     FakeIngest ingest;
     FakeServer server({&ingest});
-    const CliResult r =
-        RunCli({"--addr", server.address(), "replay", file.path(), "--run", "clean"});
+    const CliResult r = RunCli({"--addr", server.address(), "replay", file.path(), "--run", "clean"});
     INFO(r.err);
     CHECK(r.code == 0);
     CHECK_THAT(r.out, Catch::Contains("as run clean"));
@@ -220,7 +218,6 @@ TEST_CASE("replay sends every step to each of several daemons, and a dead one ma
   CHECK_THAT(r.err, Catch::Contains("only replay and tail send to several"));
 }
 
-
 TEST_CASE("a replay run again sends only the steps the daemon has not received", "[client]") {
   FakeIngest ingest;
   FakeServer server({&ingest});
@@ -257,7 +254,8 @@ TEST_CASE("a resumed replay sends the steps from its checkpoint on even those th
   std::string lines = R"({"run": "resumed", "resume_from_step": 20})"
                       "\n";
   for (int step = 10; step <= 40; step += 10) {
-    lines += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": 1.5})"
+    lines += R"({"_step": )" + std::to_string(step) +
+             R"(, "train/loss": 1.5})"
              "\n";
   }
   TempFile file(lines);
@@ -275,8 +273,7 @@ TEST_CASE("a resumed replay sends the steps from its checkpoint on even those th
     CHECK(ingest.Messages()[0].hello().resume_from_step() == 20);
   }
   SECTION("--resume-from overrides the header") {
-    const CliResult r =
-        RunCli({"--addr", server.address(), "--json", "replay", file.path(), "--resume-from", "30"});
+    const CliResult r = RunCli({"--addr", server.address(), "--json", "replay", file.path(), "--resume-from", "30"});
     INFO(r.err);
     CHECK(r.code == 0);
     CHECK(ingest.Steps() == std::vector<uint64_t>{30, 40});
@@ -312,8 +309,7 @@ TEST_CASE("replay fails with 1 when the daemon is unreachable or the file is mis
   }
   TempFile file(R"({"_step": 1, "train/loss": 1})"
                 "\n");
-  CliResult r = RunCli(
-      {"--addr", "127.0.0.1:" + std::to_string(port), "--timeout", "0.5", "replay", file.path()});
+  CliResult r = RunCli({"--addr", "127.0.0.1:" + std::to_string(port), "--timeout", "0.5", "replay", file.path()});
   CHECK(r.code == 1);
   CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon"));
   r = RunCli({"replay", "/nonexistent/history.jsonl"});
@@ -325,7 +321,7 @@ TEST_CASE("an empty or unreadable file creates no run and fails", "[client]") {
   FakeIngest ingest;
   FakeServer server({&ingest});
   for (const std::string& text : {std::string(), std::string("\n\n"), std::string("garbage\nmore garbage\n"),
-                                 std::string(R"({"run": "only-a-header"})") + "\n"}) {
+                                  std::string(R"({"run": "only-a-header"})") + "\n"}) {
     CAPTURE(text);
     TempFile file(text);
     const CliResult r = RunCli({"--addr", server.address(), "replay", file.path()});
@@ -376,11 +372,22 @@ TEST_CASE("usage errors exit 2 and help exits 0 with the exit codes", "[client]"
     CHECK(RunCli({sub, "--help"}).code == 0);
   }
   // Every command's help shows the global options and the exit codes.
-  for (const std::vector<std::string>& command :
-       std::vector<std::vector<std::string>>{{"replay"}, {"tail"}, {"runs"}, {"show"}, {"series"}, {"annotate"},
-                                             {"alerts"}, {"rules", "check"}, {"rules", "reload"}, {"silence", "add"},
-                                             {"silence", "list"}, {"silence", "remove"}, {"plot"}, {"report"},
-                                             {"ack"}, {"completion"}}) {
+  for (const std::vector<std::string>& command : std::vector<std::vector<std::string>>{{"replay"},
+                                                                                       {"tail"},
+                                                                                       {"runs"},
+                                                                                       {"show"},
+                                                                                       {"series"},
+                                                                                       {"annotate"},
+                                                                                       {"alerts"},
+                                                                                       {"rules", "check"},
+                                                                                       {"rules", "reload"},
+                                                                                       {"silence", "add"},
+                                                                                       {"silence", "list"},
+                                                                                       {"silence", "remove"},
+                                                                                       {"plot"},
+                                                                                       {"report"},
+                                                                                       {"ack"},
+                                                                                       {"completion"}}) {
     std::vector<std::string> args = command;
     args.push_back("--help");
     const CliResult r = RunCli(args);
@@ -389,6 +396,50 @@ TEST_CASE("usage errors exit 2 and help exits 0 with the exit codes", "[client]"
     CHECK_THAT(r.out, Catch::Contains("Global options") && Catch::Contains("--addr TEXT=") &&
                           Catch::Contains("--json") && Catch::Contains("--timeout DURATION=") &&
                           Catch::Contains("Exit codes:") && Catch::Contains("GRADWATCH_ADDR"));
+    // An unknown flag is a usage error for every command, named in the message, and so is a bad
+    // value of a global flag given after the command.
+    static const std::map<std::string, std::vector<std::string>> kPositionals = {{"replay", {"f.jsonl"}},
+                                                                                 {"tail", {"job.log"}},
+                                                                                 {"show", {"r"}},
+                                                                                 {"series", {"r", "k"}},
+                                                                                 {"annotate", {"r", "1", "t"}},
+                                                                                 {"check", {"f.yaml"}},
+                                                                                 {"add", {"run=x"}},
+                                                                                 {"remove", {"s1"}},
+                                                                                 {"plot", {"r", "-o", "x.svg"}},
+                                                                                 {"report", {"r", "-o", "x.md"}},
+                                                                                 {"ack", {"0123456789abcdef"}},
+                                                                                 {"completion", {"bash"}}};
+    args.pop_back();
+    if (auto it = kPositionals.find(command.back()); it != kPositionals.end()) {
+      args.insert(args.end(), it->second.begin(), it->second.end());
+    }
+    args.push_back("--no-such-flag");
+    const CliResult unknown = RunCli(args);
+    CHECK(unknown.code == 2);
+    CHECK_THAT(unknown.err, Catch::Contains("--no-such-flag"));
+    args.back() = "--timeout";
+    args.push_back("soon");
+    const CliResult bad_value = RunCli(args);
+    CHECK(bad_value.code == 2);
+    CHECK_THAT(bad_value.err, Catch::Contains("'soon' is not a duration"));
+  }
+  // Values of the wrong type or out of range.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"series", "run", "key", "--from", "x"},
+           {"series", "run", "key", "--max-points", "-1"},
+           {"annotate", "run", "step-one", "text"},
+           {"replay", "f", "--speed", "fast"},
+           {"replay", "f", "--rank", "-1"},
+           {"tail", "f", "--world-size", "0"},
+           {"silence", "add", "run=x", "--duration", "0"},
+           {"silence", "add", "run=~(x", "--duration", "1h"},
+           {"completion", "fish"},
+           {"silence"},
+           {"rules"},
+       }) {
+    CAPTURE(args);
+    CHECK(RunCli(args).code == 2);
   }
 }
 
@@ -411,8 +462,7 @@ TEST_CASE("runs, show, series and annotate query the daemon", "[client]") {
 
   CliResult r = RunCli({"--addr", addr, "runs"});
   CHECK(r.code == 0);
-  CHECK_THAT(r.out, Catch::Contains("moe-6b") && Catch::Contains("active") &&
-                        Catch::Contains("81714..81716"));
+  CHECK_THAT(r.out, Catch::Contains("moe-6b") && Catch::Contains("active") && Catch::Contains("81714..81716"));
   r = RunCli({"--addr", addr, "runs", "--json"});
   CHECK(r.code == 0);
   CHECK(nlohmann::json::parse(r.out)["runs"][0]["world_size"] == 8);
@@ -504,8 +554,9 @@ TEST_CASE("alerts show who acknowledged a page and which silences mute one", "[c
   CHECK(text.find("firing (acked)") != std::string::npos);
   CHECK_THAT(text, Catch::Contains("SINCE") && Catch::Contains("1h 5m ago"));
   CHECK(text.find("firing (silenced)") != std::string::npos);
-  CHECK_THAT(text, Catch::Contains("GradNormContingency 0123456789abcdef acknowledged by alice at " +
-                                    gradwatch::cli::FormatLocalTime(1.8e9, 1.8e9 + 3600) + ": enabling wd on final_norm"));
+  CHECK_THAT(text,
+             Catch::Contains("GradNormContingency 0123456789abcdef acknowledged by alice at " +
+                             gradwatch::cli::FormatLocalTime(1.8e9, 1.8e9 + 3600) + ": enabling wd on final_norm"));
   CHECK_THAT(gradwatch::cli::FormatLocalTime(1.8e9, 1.8e9 + 3600), Catch::EndsWith(" (1h 0m ago)"));
   CHECK(text.find("LmHeadGradShareHigh fedcba9876543210 silenced by s-1, s-2") != std::string::npos);
   CHECK(text.find("pending (") == std::string::npos);
@@ -599,11 +650,13 @@ TEST_CASE("a replay the daemon stops acknowledging gives up after --stall-timeou
   ingest.set_ack_limit(3);
   FakeServer server({&ingest});
   std::string lines;
-  for (int step = 1; step <= 6; ++step) lines += R"({"_step": )" + std::to_string(step) + R"(, "train/loss": 1.5})" "\n";
+  for (int step = 1; step <= 6; ++step)
+    lines += R"({"_step": )" + std::to_string(step) +
+             R"(, "train/loss": 1.5})"
+             "\n";
   TempFile file(lines);
   const auto started = std::chrono::steady_clock::now();
-  const CliResult r =
-      RunCli({"--addr", server.address(), "--json", "replay", file.path(), "--stall-timeout", "0.3"});
+  const CliResult r = RunCli({"--addr", server.address(), "--json", "replay", file.path(), "--stall-timeout", "0.3"});
   INFO(r.err);
   CHECK(r.code == 1);
   CHECK(std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(300));
@@ -674,15 +727,14 @@ TEST_CASE("a run or series that does not exist is an error with a did-you-mean, 
   CHECK_THAT(r.err, Catch::Contains("did you mean 'moe-incident-demo'?"));
 }
 
-TEST_CASE("unknown commands get suggestions, help describes any command, and --addr wants host:port",
-          "[client]") {
+TEST_CASE("unknown commands get suggestions, help describes any command, and --addr wants host:port", "[client]") {
   CliResult r = RunCli({"shwo", "x"});
   CHECK(r.code == 2);
   CHECK_THAT(r.err, Catch::Contains("gradwatch: unknown command 'shwo'") && Catch::Contains("did you mean 'show'?"));
   r = RunCli({"--addr", "127.0.0.1:1", "silence", "ad", "run=x"});
   CHECK(r.code == 2);
-  CHECK_THAT(r.err, Catch::Contains("gradwatch silence: unknown command 'ad'") &&
-                        Catch::Contains("did you mean 'add'?"));
+  CHECK_THAT(r.err,
+             Catch::Contains("gradwatch silence: unknown command 'ad'") && Catch::Contains("did you mean 'add'?"));
   r = RunCli({"rules", "chek", "f.yaml"});
   CHECK(r.code == 2);
   CHECK_THAT(r.err, Catch::Contains("did you mean 'check'?"));
@@ -716,8 +768,7 @@ TEST_CASE("an unreachable daemon is named with what to do", "[client]") {
   server.Shutdown();
   const CliResult r = RunCli({"--addr", addr, "--timeout", "5", "runs"});
   CHECK(r.code == 1);
-  CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon at " + addr) &&
-                        Catch::Contains("is gradwatchd running?"));
+  CHECK_THAT(r.err, Catch::Contains("cannot reach the daemon at " + addr) && Catch::Contains("is gradwatchd running?"));
 }
 
 TEST_CASE("did-you-mean picks the closest name within a few edits, prefixes included", "[client]") {
@@ -787,8 +838,7 @@ TEST_CASE("silence list is a table with local times and how far they are", "[cli
 
   FakeQuery query;
   FakeServer server({&query});
-  const double now =
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   v1::Silence s;
   s.set_id("s1");
   (*s.mutable_matchers())["run"] = "moe-6b";
