@@ -62,6 +62,11 @@ std::string_view MatchOperator(MatchType type) {
   return "=";
 }
 
+std::optional<MatchType> MatchTypeFromNumber(int number) {
+  if (number < 0 || number > static_cast<int>(MatchType::kNotRegex)) return std::nullopt;
+  return static_cast<MatchType>(number);
+}
+
 StatusOr<Matcher> Matcher::Make(std::string name, MatchType type, std::string value) {
   if (name.empty()) return Status::InvalidArgument("a matcher needs a label name: " + kForms);
   if (!ValidLabelName(name)) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -16,7 +17,11 @@ class RE2;
 
 namespace gradwatch::alerts {
 
-enum class MatchType { kEqual, kNotEqual, kRegex, kNotRegex };
+// Numbered as the wire's v1::MatchType (checked where they meet), so either converts by number.
+enum class MatchType { kEqual = 0, kNotEqual = 1, kRegex = 2, kNotRegex = 3 };
+
+// The type numbered `number`, if there is one.
+std::optional<MatchType> MatchTypeFromNumber(int number);
 
 // "=", "!=", "=~", "!~".
 std::string_view MatchOperator(MatchType type);

@@ -12,16 +12,6 @@ namespace gradwatch::cli {
 
 namespace {
 
-v1::MatchType MatchTypeToProto(alerts::MatchType type) {
-  switch (type) {
-    case alerts::MatchType::kEqual: return v1::MATCH_TYPE_EQUAL;
-    case alerts::MatchType::kNotEqual: return v1::MATCH_TYPE_NOT_EQUAL;
-    case alerts::MatchType::kRegex: return v1::MATCH_TYPE_REGEX;
-    case alerts::MatchType::kNotRegex: return v1::MATCH_TYPE_NOT_REGEX;
-  }
-  return v1::MATCH_TYPE_EQUAL;
-}
-
 double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -39,10 +29,7 @@ std::vector<std::string> SilenceMatcherTexts(const v1::Silence& silence) {
     return out;
   }
   for (const v1::Matcher& m : silence.label_matchers()) {
-    const auto type = m.type() == v1::MATCH_TYPE_NOT_EQUAL   ? alerts::MatchType::kNotEqual
-                      : m.type() == v1::MATCH_TYPE_REGEX     ? alerts::MatchType::kRegex
-                      : m.type() == v1::MATCH_TYPE_NOT_REGEX ? alerts::MatchType::kNotRegex
-                                                             : alerts::MatchType::kEqual;
+    const alerts::MatchType type = alerts::MatchTypeFromNumber(m.type()).value_or(alerts::MatchType::kEqual);
     auto matcher = alerts::Matcher::Make(m.name(), type, m.value());
     out.push_back(matcher.ok() ? matcher->ToString() : m.name() + std::string(alerts::MatchOperator(type)) + m.value());
   }
@@ -193,7 +180,7 @@ int RunSilenceAdd(const GlobalOptions& global, client::QueryClient& query, const
     if (m->type() == alerts::MatchType::kEqual) (*silence.mutable_matchers())[m->name()] = m->value();
     v1::Matcher* out = silence.add_label_matchers();
     out->set_name(m->name());
-    out->set_type(MatchTypeToProto(m->type()));
+    out->set_type(static_cast<v1::MatchType>(m->type()));  // numbered alike
     out->set_value(m->value());
   }
   if (Status s = alerts::CheckSilenceMatchers(matchers); !s.ok()) {

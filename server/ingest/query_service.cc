@@ -52,15 +52,10 @@ std::string FormatDuration(double seconds) {
   return std::to_string(s) + "s";
 }
 
-v1::MatchType ToProto(alerts::MatchType type) {
-  switch (type) {
-    case alerts::MatchType::kEqual: return v1::MATCH_TYPE_EQUAL;
-    case alerts::MatchType::kNotEqual: return v1::MATCH_TYPE_NOT_EQUAL;
-    case alerts::MatchType::kRegex: return v1::MATCH_TYPE_REGEX;
-    case alerts::MatchType::kNotRegex: return v1::MATCH_TYPE_NOT_REGEX;
-  }
-  return v1::MATCH_TYPE_EQUAL;
-}
+static_assert(static_cast<int>(alerts::MatchType::kEqual) == v1::MATCH_TYPE_EQUAL &&
+              static_cast<int>(alerts::MatchType::kNotEqual) == v1::MATCH_TYPE_NOT_EQUAL &&
+              static_cast<int>(alerts::MatchType::kRegex) == v1::MATCH_TYPE_REGEX &&
+              static_cast<int>(alerts::MatchType::kNotRegex) == v1::MATCH_TYPE_NOT_REGEX);
 
 // Both fields' matchers, each checked (label name, regular expression) and the whole as a silence
 // (at least one that does not match everything).
@@ -69,16 +64,10 @@ StatusOr<std::vector<alerts::Matcher>> SilenceMatchers(const v1::Silence& in) {
   if (!equal.ok()) return equal.status();
   std::vector<alerts::Matcher> out = std::move(*equal);
   for (const v1::Matcher& m : in.label_matchers()) {
-    alerts::MatchType type;
-    switch (m.type()) {
-      case v1::MATCH_TYPE_EQUAL: type = alerts::MatchType::kEqual; break;
-      case v1::MATCH_TYPE_NOT_EQUAL: type = alerts::MatchType::kNotEqual; break;
-      case v1::MATCH_TYPE_REGEX: type = alerts::MatchType::kRegex; break;
-      case v1::MATCH_TYPE_NOT_REGEX: type = alerts::MatchType::kNotRegex; break;
-      default:
-        return Status::InvalidArgument("matcher " + m.name() + ": unknown match type " + std::to_string(m.type()));
-    }
-    auto matcher = alerts::Matcher::Make(m.name(), type, m.value());
+    const std::optional<alerts::MatchType> type = alerts::MatchTypeFromNumber(m.type());
+    if (!type)
+      return Status::InvalidArgument("matcher " + m.name() + ": unknown match type " + std::to_string(m.type()));
+    auto matcher = alerts::Matcher::Make(m.name(), *type, m.value());
     if (!matcher.ok()) return matcher.status();
     out.push_back(std::move(*matcher));
   }
@@ -158,7 +147,7 @@ grpc::ServerUnaryReactor* QueryService::ListSilences(grpc::CallbackServerContext
     for (const alerts::Matcher& m : s.matchers) {
       v1::Matcher* matcher = out->add_label_matchers();
       matcher->set_name(m.name());
-      matcher->set_type(ToProto(m.type()));
+      matcher->set_type(static_cast<v1::MatchType>(m.type()));
       matcher->set_value(m.value());
       if (m.type() == alerts::MatchType::kEqual) (*out->mutable_matchers())[m.name()] = m.value();
     }

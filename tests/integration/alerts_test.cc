@@ -489,11 +489,7 @@ TEST_CASE("silences take amtool's matchers (=, !=, =~, !~) and keep them across 
   DaemonOptions options;
   options.data_dir = data.path();
   DaemonProcess daemon(options);
-  auto cli = [&](std::vector<std::string> args) {
-    std::vector<std::string> argv = {CliBinaryPath(), "--addr", daemon.grpc_target()};
-    argv.insert(argv.end(), args.begin(), args.end());
-    return RunCommand(argv);
-  };
+  auto cli = [&](std::vector<std::string> args) { return Cli(daemon, std::move(args)); };
   // Three runs page.
   std::map<std::string, std::string> fingerprints;
   for (const std::string run : {"moe-a", "moe-b", "dense-c"}) {

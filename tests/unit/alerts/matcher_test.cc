@@ -103,6 +103,9 @@ TEST_CASE("a silence needs a matcher that does not match everything", "[alerts]"
   CHECK(CheckSilenceMatchers({Parsed("run=~.*"), Parsed("alertname=X")}).ok());
   CHECK(CheckSilenceMatchers({Parsed("run!=")}).ok());
   CHECK(EqualityMatchers({{"run", "a"}, {"rank", "0"}}).value().size() == 2);
+  CHECK(MatchTypeFromNumber(2) == MatchType::kRegex);
+  CHECK_FALSE(MatchTypeFromNumber(4).has_value());
+  CHECK_FALSE(MatchTypeFromNumber(-1).has_value());
   CHECK_THAT(EqualityMatchers({{"run", "a"}, {"bad-name", "0"}}).status().message(),
              Catch::Contains("is not a label name"));
 }
