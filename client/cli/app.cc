@@ -15,11 +15,11 @@
 #include "client/cli/plot.h"
 #include "client/cli/replay.h"
 #include "client/cli/report.h"
-#include "client/cli/suggest.h"
 #include "client/cli/tail.h"
 #include "client/cli/values.h"
 #include "client/lib/monitor.h"
 #include "client/lib/query_client.h"
+#include "server/core/suggest.h"
 #include "server/core/version.h"
 
 namespace gradwatch::cli {

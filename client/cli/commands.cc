@@ -6,7 +6,7 @@
 #include "alerts/matcher.h"
 #include "alerts/rules.h"
 #include "client/cli/format.h"
-#include "client/cli/suggest.h"
+#include "server/core/suggest.h"
 
 namespace gradwatch::cli {
 

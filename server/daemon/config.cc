@@ -14,6 +14,7 @@
 
 #include "alerts/notify/http_client.h"
 #include "alerts/yaml_checks.h"
+#include "server/core/suggest.h"
 #include "server/daemon/alerting.h"
 #include "server/daemon/tls.h"
 #include "server/ingest/authorizer.h"
@@ -245,6 +246,12 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
   return *kSchema;
 }
 
+// " (did you mean 'retention.journal_days'?)" when a known key is close to `key`, else "".
+std::string Suggestion(const std::string& key, const std::vector<std::string>& known) {
+  const std::optional<std::string> closest = Closest(key, known);
+  return closest ? " (did you mean '" + *closest + "'?)" : "";
+}
+
 bool ValidAddress(const std::string& addr) {
   const auto colon = addr.rfind(':');
   if (colon == std::string::npos || colon == 0 || colon + 1 >= addr.size()) return false;
@@ -276,7 +283,12 @@ StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source,
     }
     auto section = schema.find(key);
     if (section == schema.end() || key.empty()) {
-      return Status::InvalidArgument(Where(source, kv.first, key) + ": unknown key");
+      std::vector<std::string> known;
+      for (const auto& [name, fields] : schema) {
+        if (!name.empty()) known.push_back(name);
+      }
+      for (const auto& [name, read] : top) known.push_back(name);
+      return Status::InvalidArgument(Where(source, kv.first, key) + ": unknown key" + Suggestion(key, known));
     }
     if (kv.second.IsNull()) continue;
     if (!kv.second.IsMap()) {
@@ -288,7 +300,9 @@ StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source,
       const std::string full = key + "." + subkey;
       auto field = section->second.find(subkey);
       if (field == section->second.end()) {
-        return Status::InvalidArgument(Where(source, sub.first, full) + ": unknown key");
+        std::vector<std::string> known;
+        for (const auto& [name, read] : section->second) known.push_back(key + "." + name);
+        return Status::InvalidArgument(Where(source, sub.first, full) + ": unknown key" + Suggestion(full, known));
       }
       if (Status s = field->second(sub.second, source, full, &base); !s.ok()) return s;
     }

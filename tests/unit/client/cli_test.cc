@@ -13,8 +13,8 @@
 #include "client/cli/app.h"
 #include "client/cli/format.h"
 #include "client/cli/replay.h"
-#include "client/cli/suggest.h"
 #include "client/cli/values.h"
+#include "server/core/suggest.h"
 #include "tests/unit/client/fake_daemon.h"
 
 using gradwatch::testing::FakeIngest;
@@ -772,8 +772,8 @@ TEST_CASE("an unreachable daemon is named with what to do", "[client]") {
 }
 
 TEST_CASE("did-you-mean picks the closest name within a few edits, prefixes included", "[client]") {
-  using gradwatch::cli::Closest;
-  using gradwatch::cli::EditDistance;
+  using gradwatch::Closest;
+  using gradwatch::EditDistance;
   CHECK(EditDistance("kitten", "sitting") == 3);
   CHECK(EditDistance("dmeo", "demo") == 1);  // a swap is one edit
   CHECK(EditDistance("", "abc") == 3);

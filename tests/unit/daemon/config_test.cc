@@ -51,7 +51,14 @@ retention: {journal_days: 0.5, outbox_days: 2}
 TEST_CASE("config errors name the file, line and key", "[daemon]") {
   auto unknown = ParseConfig("listen: 127.0.0.1:1\nstore:\n  recent_pints: 5\n", "gw.yaml");
   REQUIRE_FALSE(unknown.ok());
-  CHECK(unknown.status().message() == "gw.yaml:3: store.recent_pints: unknown key");
+  CHECK(unknown.status().message() ==
+        "gw.yaml:3: store.recent_pints: unknown key (did you mean 'store.recent_points'?)");
+  auto section = ParseConfig("retension:\n  journal_days: 5\n", "gw.yaml");
+  REQUIRE_FALSE(section.ok());
+  CHECK(section.status().message() == "gw.yaml:1: retension: unknown key (did you mean 'retention'?)");
+  auto far = ParseConfig("colour: blue\n", "gw.yaml");
+  REQUIRE_FALSE(far.ok());
+  CHECK(far.status().message() == "gw.yaml:1: colour: unknown key");
 
   auto badtype = ParseConfig("limits:\n  max_runs: many\n", "gw.yaml");
   REQUIRE_FALSE(badtype.ok());

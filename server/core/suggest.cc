@@ -1,8 +1,8 @@
-#include "client/cli/suggest.h"
+#include "server/core/suggest.h"
 
 #include <algorithm>
 
-namespace gradwatch::cli {
+namespace gradwatch {
 
 size_t EditDistance(std::string_view a, std::string_view b) {
   // Optimal string alignment distance over three rows.
@@ -46,4 +46,4 @@ std::string DidYouMean(std::string_view word, const std::vector<std::string>& ca
   return closest ? "\n  did you mean '" + *closest + "'?" : "";
 }
 
-}  // namespace gradwatch::cli
+}  // namespace gradwatch

@@ -1,4 +1,5 @@
-// "Did you mean": the known name closest to a mistyped one, as git and kubectl suggest.
+// "Did you mean": the known name closest to a mistyped one, as git and kubectl suggest (the CLI's
+// commands, runs and series; the daemon's configuration keys).
 #pragma once
 
 #include <optional>
@@ -6,7 +7,7 @@
 #include <string_view>
 #include <vector>
 
-namespace gradwatch::cli {
+namespace gradwatch {
 
 // Edits (insertions, deletions, substitutions, swaps of adjacent characters) from a to b.
 size_t EditDistance(std::string_view a, std::string_view b);
@@ -19,4 +20,4 @@ std::optional<std::string> Closest(std::string_view word, const std::vector<std:
 // "\n  did you mean 'X'?" for the closest candidate, or "".
 std::string DidYouMean(std::string_view word, const std::vector<std::string>& candidates);
 
-}  // namespace gradwatch::cli
+}  // namespace gradwatch
