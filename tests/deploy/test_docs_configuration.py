@@ -28,13 +28,13 @@ import unittest
 
 import yaml
 
+from doc_blocks import unescape, yaml_blocks
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DAEMON = os.environ.get("GRADWATCHD_PATH", "gradwatchd")
 DOC = os.path.join(ROOT, "docs", "configuration.md")
 MAKE_CERTS = os.path.join(ROOT, "tests", "support", "make_test_certs.sh")
 
-FENCE = re.compile(r"^```(\S*)\s*$")
-MARKER = re.compile(r"^<!--\s*check-config:\s*(.*?)\s*-->\s*$")
 FAILS = re.compile(r'^fails\s+"((?:[^"\\]|\\.)*)"$')
 FILE = re.compile(r"^file\s+(/\S+)$")
 
@@ -61,58 +61,21 @@ class Block:
 
 def read_blocks():
     """Every ```yaml block of the page, with the check-config marker of the line before it (blank
-    lines aside). Raises on a marker that is not followed by a yaml block or that is malformed, on a
-    fence left open, and on a block whose language looks like YAML but is not exactly `yaml` (it
-    would be skipped silently)."""
+    lines aside): `fails "TEXT"` or `file PATH` (doc_blocks.yaml_blocks: markers, fences and
+    languages checked)."""
     blocks = []
-    pending = None  # (line, fails, file)
-    fence = None    # (line, language, lines) while inside a fenced block
-    with open(DOC, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-
-    def dangling():
-        return AssertionError(f"docs/configuration.md:{pending[0]}: check-config marker not followed by a yaml block")
-
-    for number, line in enumerate(lines, start=1):
-        m = FENCE.match(line)
-        if fence is not None:
-            if m and m.group(1) == "":
-                start, language, body = fence
-                if language == "yaml":
-                    fails, file = (pending[1], pending[2]) if pending else (None, None)
-                    pending = None
-                    blocks.append(Block(start, "\n".join(body) + "\n", fails, file))
-                fence = None
+    for block in yaml_blocks(DOC, "check-config"):
+        fails = file = None
+        if block.marker is not None:
+            failing, named = FAILS.match(block.marker), FILE.match(block.marker)
+            if failing:
+                fails = unescape(failing.group(1))
+            elif named:
+                file = named.group(1)
             else:
-                fence[2].append(line)
-            continue
-        if m:
-            language = m.group(1)
-            if language != "yaml" and re.match(r"(?i)ya?ml", language):
-                raise AssertionError(f"docs/configuration.md:{number}: fence language {language!r}: use yaml")
-            if pending is not None and language != "yaml":
-                raise dangling()
-            fence = (number, language, [])
-            continue
-        marker = MARKER.match(line)
-        if marker:
-            if pending is not None:
-                raise dangling()
-            fails, file = FAILS.match(marker.group(1)), FILE.match(marker.group(1))
-            if fails:
-                pending = (number, re.sub(r"\\(.)", r"\1", fails.group(1)), None)
-            elif file:
-                pending = (number, None, file.group(1))
-            else:
-                raise AssertionError(f"docs/configuration.md:{number}: malformed check-config marker: {line}")
-        elif "check-config:" in line and line.lstrip().startswith("<!--"):
-            raise AssertionError(f"docs/configuration.md:{number}: malformed check-config marker: {line}")
-        elif line.strip() and pending is not None:
-            raise dangling()
-    if fence is not None:
-        raise AssertionError(f"docs/configuration.md:{fence[0]}: fenced block never closed")
-    if pending is not None:
-        raise dangling()
+                raise AssertionError(
+                    f"docs/configuration.md:{block.marker_line}: malformed check-config marker: {block.marker}")
+        blocks.append(Block(block.line, block.text, fails, file))
     return blocks
 
 

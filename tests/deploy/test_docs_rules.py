@@ -27,6 +27,8 @@ import unittest
 
 import yaml
 
+from doc_blocks import unescape, yaml_blocks
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CLI = os.environ.get("GRADWATCH_CLI_PATH", "gradwatch")
 DAEMON = os.environ.get("GRADWATCHD_PATH", "gradwatchd")
@@ -34,8 +36,7 @@ DOC = os.path.join(ROOT, "docs", "rules.md")
 RULES_CC = os.path.join(ROOT, "alerts", "rules.cc")
 DEFAULT_RULES = os.path.join(ROOT, "alerts", "rules", "default.yaml")
 
-FENCE = re.compile(r"^```(\S*)\s*$")
-FAILS = re.compile(r'^<!--\s*rules-check:\s*fails\s+"((?:[^"\\]|\\.)*)"\s*-->\s*$')
+FAILS = re.compile(r'^fails\s+"((?:[^"\\]|\\.)*)"$')
 
 
 class Example:
@@ -46,51 +47,18 @@ class Example:
 
 
 def read_examples():
-    """Every ```yaml block of the page, with its `rules-check: fails` marker when the line before it
-    (blank lines aside) is one. Raises on a marker that is not followed by a yaml block, on a fence
-    left open, and on a block whose language looks like YAML but is not exactly `yaml` (it would be
-    skipped silently)."""
+    """Every ```yaml block of the page, with its `rules-check: fails "TEXT"` marker when the line
+    before it (blank lines aside) is one (doc_blocks.yaml_blocks: markers, fences and languages
+    checked)."""
     examples = []
-    pending_marker = None  # (line, text)
-    fence = None           # (line, language, lines) while inside a fenced block
-    with open(DOC, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    for number, line in enumerate(lines, start=1):
-        m = FENCE.match(line)
-        if fence is not None:
-            if m and m.group(1) == "":
-                start, language, body = fence
-                if language == "yaml":
-                    fails = None
-                    if pending_marker is not None:
-                        fails = re.sub(r"\\(.)", r"\1", pending_marker[1])
-                        pending_marker = None
-                    examples.append(Example(start, "\n".join(body) + "\n", fails))
-                fence = None
-            else:
-                fence[2].append(line)
-            continue
-        if m:
-            language = m.group(1)
-            if language != "yaml" and re.match(r"(?i)ya?ml", language):
-                raise AssertionError(f"docs/rules.md:{number}: fence language {language!r}: use yaml")
-            if pending_marker is not None and language != "yaml":
-                raise AssertionError(f"docs/rules.md:{pending_marker[0]}: rules-check marker not followed by a yaml block")
-            fence = (number, language, [])
-            continue
-        marker = FAILS.match(line)
-        if marker:
-            if pending_marker is not None:
-                raise AssertionError(f"docs/rules.md:{pending_marker[0]}: rules-check marker not followed by a yaml block")
-            pending_marker = (number, marker.group(1))
-        elif "rules-check" in line:
-            raise AssertionError(f"docs/rules.md:{number}: malformed rules-check marker: {line}")
-        elif line.strip() and pending_marker is not None:
-            raise AssertionError(f"docs/rules.md:{pending_marker[0]}: rules-check marker not followed by a yaml block")
-    if fence is not None:
-        raise AssertionError(f"docs/rules.md:{fence[0]}: fenced block never closed")
-    if pending_marker is not None:
-        raise AssertionError(f"docs/rules.md:{pending_marker[0]}: rules-check marker not followed by a yaml block")
+    for block in yaml_blocks(DOC, "rules-check"):
+        fails = None
+        if block.marker is not None:
+            m = FAILS.match(block.marker)
+            if not m:
+                raise AssertionError(f"docs/rules.md:{block.marker_line}: malformed rules-check marker: {block.marker}")
+            fails = unescape(m.group(1))
+        examples.append(Example(block.line, block.text, fails))
     return examples
 
 
