@@ -10,10 +10,8 @@
 namespace gradwatch::alerts {
 namespace {
 
-bool Upward(CompareOp op) { return op == CompareOp::kGe || op == CompareOp::kGt; }
-
 // The measure that neither holds nor stays in the clear band: a failed precondition.
-double Shut(CompareOp op) { return Upward(op) ? -INFINITY : INFINITY; }
+double Shut(CompareOp op) { return IsUpward(op) ? -INFINITY : INFINITY; }
 
 LevelTest PlainLevel(CompareOp op, double bound, std::optional<double> clear_bound, double measure, bool gate) {
   LevelTest t;
@@ -145,7 +143,7 @@ std::optional<double> AmplificationOf(const ParamFact& p) {
 void EvaluateThreshold(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   ForEachLatest(rule.series, facts, Always, [&](const SeriesValue& v) {
     Condition& c = Make(out, base, {{"series", v.key}}, facts, v.value, Compare(v.value, rule.op, rule.value));
-    c.level = PlainLevel(rule.op, rule.value, Upward(rule.op) ? rule.clear_below : rule.clear_above, v.value, true);
+    c.level = PlainLevel(rule.op, rule.value, IsUpward(rule.op) ? rule.clear_below : rule.clear_above, v.value, true);
     SetVar(c.vars, "series", v.key);
     SetVar(c.vars, "threshold", Number(rule.value));
     SetVar(c.vars, "op", CompareOpSymbol(rule.op));
@@ -389,7 +387,7 @@ bool LevelHolds(const LevelTest& test, double measure) { return Compare(measure,
 bool LevelPastClear(const LevelTest& test, double measure) {
   if (std::isnan(measure)) return false;
   if (!test.clear_bound) return !Compare(measure, test.op, test.bound);
-  return Upward(test.op) ? measure < *test.clear_bound : measure > *test.clear_bound;
+  return IsUpward(test.op) ? measure < *test.clear_bound : measure > *test.clear_bound;
 }
 
 LabelSet BaseLabels(const Rule& rule, const RunFacts& facts) {

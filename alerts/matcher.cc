@@ -1,5 +1,7 @@
 #include "alerts/matcher.h"
 
+#include "alerts/rules.h"
+
 #include <re2/re2.h>
 
 #include <tuple>
@@ -11,16 +13,6 @@ namespace {
 // alert notification.
 constexpr size_t kMaxNameBytes = 256;
 constexpr size_t kMaxValueBytes = 4096;
-
-bool ValidLabelName(std::string_view name) {
-  if (name.empty() || name.size() > kMaxNameBytes) return false;
-  for (size_t i = 0; i < name.size(); ++i) {
-    const char c = name[i];
-    const bool letter = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
-    if (!letter && !(i > 0 && c >= '0' && c <= '9')) return false;
-  }
-  return true;
-}
 
 bool PlainValueChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '.' ||
@@ -69,7 +61,7 @@ std::optional<MatchType> MatchTypeFromNumber(int number) {
 
 StatusOr<Matcher> Matcher::Make(std::string name, MatchType type, std::string value) {
   if (name.empty()) return Status::InvalidArgument("a matcher needs a label name: " + kForms);
-  if (!ValidLabelName(name)) {
+  if (name.size() > kMaxNameBytes || !IsLabelName(name)) {
     return Status::InvalidArgument("matcher label '" + name.substr(0, 64) +
                                    "' is not a label name: letters, digits and _, not starting with a digit, "
                                    "at most 256 bytes");

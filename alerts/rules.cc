@@ -61,6 +61,18 @@ bool Compare(double value, CompareOp op, double bound) {
   return false;
 }
 
+bool IsUpward(CompareOp op) { return op == CompareOp::kGe || op == CompareOp::kGt; }
+
+bool IsLabelName(std::string_view name) {
+  if (name.empty()) return false;
+  for (size_t i = 0; i < name.size(); ++i) {
+    const char c = name[i];
+    const bool letter = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+    if (!letter && !(i > 0 && c >= '0' && c <= '9')) return false;
+  }
+  return true;
+}
+
 const std::vector<std::string>& DefaultNonFiniteSeries() {
   static const std::vector<std::string> kSeries = {
       std::string(keys::kGradNormPrefix) + "*", std::string(keys::kParamNormPrefix) + "*",
@@ -124,15 +136,6 @@ bool IsKnownKey(const std::string& key) {
     if (KindKeys(static_cast<RuleKind>(k)).count(key)) return true;
   }
   return false;
-}
-
-bool ValidLabelName(std::string_view name) {
-  if (name.empty() || (name[0] >= '0' && name[0] <= '9')) return false;
-  for (char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
-    if (!ok) return false;
-  }
-  return true;
 }
 
 std::string Line(const YAML::Mark& mark) {
@@ -275,7 +278,7 @@ std::optional<LabelSet> Parser::StringMap(const YAML::Node& node, const std::str
   bool ok = true;
   for (const auto& kv : node) {
     const std::string name = kv.first.Scalar();
-    if (!ValidLabelName(name)) {
+    if (!IsLabelName(name)) {
       Error(kv.first.Mark(), key + ": bad name " + Quote(name) + " (letters, digits and _)");
       ok = false;
       continue;

@@ -75,6 +75,10 @@ std::optional<RuleKind> ParseRuleKind(std::string_view name);
 enum class CompareOp : int { kGe = 0, kGt, kLe, kLt };
 std::string_view CompareOpSymbol(CompareOp op);          // ">=", ">", "<=", "<"
 bool Compare(double value, CompareOp op, double bound);  // false when value is NaN
+// True for >= and >: the alert is for a value rising to its bound.
+bool IsUpward(CompareOp op);
+// A label name as Prometheus allows it: [a-zA-Z_][a-zA-Z0-9_]*.
+bool IsLabelName(std::string_view name);
 
 enum class SlopeChangeAt : int { kEvent = 0, kChangePoint, kAny };
 

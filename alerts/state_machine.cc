@@ -89,8 +89,6 @@ std::string ResolvedSummary(const Rule& rule, const TemplateVars& vars, const La
   return rule.name + " resolved at step " + var("step") + " in run " + var("run") + ": value " + var("value");
 }
 
-bool Upward(CompareOp op) { return op == CompareOp::kGe || op == CompareOp::kGt; }
-
 // Firing → resolved at `step`, its summary rendered from the values that resolved it.
 void Resolve(const Rule& rule, InstanceState& inst, const TemplateVars& vars, uint64_t step, double now,
              std::vector<Transition>* out) {
@@ -336,7 +334,7 @@ bool AlertEngine::AdvanceLevel(const Rule& rule, Instance& inst, const Condition
   const LevelTest& level = *cond.level;
   const ReportWindow& window = tracker.window;
   const AlertState state = inst.alert.state;
-  const bool up = Upward(level.op);
+  const bool up = IsUpward(level.op);
   const size_t k = std::min(window.size(), kLevelReports);
   const double sigma = window.Noise();
   const double scale = std::max(std::fabs(level.bound), std::numeric_limits<double>::min());

@@ -37,12 +37,6 @@ bool IsAlpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); 
 bool IsWordChar(char c) { return IsAlpha(c) || IsDigit(c) || c == '_'; }
 char LowerChar(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
 
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = LowerChar(c);
-  return out;
-}
-
 std::string_view TrimLeft(std::string_view s) {
   size_t i = 0;
   while (i < s.size() && IsSpace(s[i])) ++i;
@@ -62,7 +56,7 @@ std::string_view Trim(std::string_view s) { return TrimRight(TrimLeft(s)); }
 std::optional<double> ParseNumber(std::string_view text) {
   text = Trim(text);
   if (text.empty() || text.size() > kMaxNumberLength) return std::nullopt;
-  const std::string lower = Lower(text);
+  const std::string lower = AsciiLower(text);
   std::string_view body = lower;
   double sign = 1.0;
   if (body[0] == '+' || body[0] == '-') {
@@ -280,7 +274,7 @@ std::optional<double> JsonNumber(const json& v) {
   if (v.is_number()) return v.get<double>();
   if (!v.is_string()) return std::nullopt;
   const std::string& s = v.get_ref<const std::string&>();
-  std::string lower = Lower(s);
+  std::string lower = AsciiLower(s);
   std::string_view body = lower;
   if (!body.empty() && (body[0] == '-' || body[0] == '+')) body.remove_prefix(1);
   if (body != "nan" && body != "inf" && body != "infinity") return std::nullopt;
@@ -776,7 +770,7 @@ std::string_view LogFormatName(LogFormat f) {
 }
 
 std::optional<LogFormat> ParseLogFormatName(std::string_view name) {
-  const std::string n = Lower(name);
+  const std::string n = AsciiLower(name);
   if (n == "huggingface") return LogFormat::kHfTrainer;
   if (n == "llm.c") return LogFormat::kLlmc;
   if (n == "megatron-deepspeed") return LogFormat::kMegatron;

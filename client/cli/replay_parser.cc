@@ -20,13 +20,6 @@ constexpr std::string_view kTotalGradKey = "grad/norm/total";
 constexpr std::string_view kTotalParamKey = "params/norm/total";
 constexpr std::string_view kTotalUpdateKey = "updates/norm/total";
 
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  std::transform(out.begin(), out.end(), out.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return out;
-}
-
 bool Contains(std::string_view haystack, std::string_view needle) {
   return haystack.find(needle) != std::string_view::npos;
 }
@@ -39,7 +32,7 @@ bool IsValueStart(char c) { return c == ':' || c == ',' || c == '[' || std::issp
 std::optional<double> AsNumber(const json& v) {
   if (v.is_number()) return v.get<double>();
   if (!v.is_string()) return std::nullopt;
-  std::string s = Lower(v.get_ref<const std::string&>());
+  std::string s = AsciiLower(v.get_ref<const std::string&>());
   double sign = 1.0;
   if (!s.empty() && (s[0] == '-' || s[0] == '+')) {
     if (s[0] == '-') sign = -1.0;
@@ -349,7 +342,7 @@ LineResult ParseReplayLine(std::string_view text, bool first_line) {
 }
 
 v1::ParamKind InferParamKind(std::string_view name) {
-  const std::string n = Lower(name);
+  const std::string n = AsciiLower(name);
   if (Contains(n, "norm") || Contains(n, "ln_f") || Contains(n, "ln_")) {
     return v1::PARAM_KIND_NORM_GAIN;
   }
@@ -368,7 +361,7 @@ v1::ParamKind InferParamKind(std::string_view name) {
 }
 
 std::optional<v1::ParamKind> ParseParamKind(std::string_view name) {
-  std::string n = Lower(name);
+  std::string n = AsciiLower(name);
   if (n.rfind("param_kind_", 0) == 0) n.erase(0, 11);
   if (n == "norm_gain" || n == "norm") return v1::PARAM_KIND_NORM_GAIN;
   if (n == "output" || n == "lm_head") return v1::PARAM_KIND_OUTPUT;
@@ -450,6 +443,14 @@ v1::StepStats ToStepStats(const StepRecord& record, const ReplayCatalog& catalog
   }
   for (auto& [index, p] : by_index) *stats.add_params() = std::move(p);
   return stats;
+}
+
+std::string AsciiLower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) {
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  }
+  return out;
 }
 
 }  // namespace gradwatch::cli

@@ -101,4 +101,7 @@ class ReplayCatalog {
 // missing from the catalog (impossible after a pre-scan) are skipped.
 v1::StepStats ToStepStats(const StepRecord& record, const ReplayCatalog& catalog);
 
+// `s` with A-Z lowered; other bytes as they are (keys and format names are ASCII).
+std::string AsciiLower(std::string_view s);
+
 }  // namespace gradwatch::cli

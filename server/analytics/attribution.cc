@@ -7,8 +7,6 @@
 namespace gradwatch::analytics {
 namespace {
 
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
 bool Usable(double grad_norm) { return std::isfinite(grad_norm) && grad_norm >= 0; }
 
 // "95%", "3.2%", "<0.1%": whole percents from 10% up, one decimal below.

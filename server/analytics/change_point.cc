@@ -6,10 +6,11 @@
 #include <limits>
 #include <type_traits>
 
+#include "server/analytics/regression.h"
+
 namespace gradwatch::analytics {
 namespace {
 
-constexpr double kStepsPerKstep = 1000.0;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 ChangePointOptions Sanitised(ChangePointOptions o) {

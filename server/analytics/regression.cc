@@ -7,10 +7,10 @@
 #include <type_traits>
 #include <utility>
 
+#include "server/core/types.h"
+
 namespace gradwatch::analytics {
 namespace {
-
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 // Written whole by RegressionSums::SaveState: two doubles, no padding. (RegressionSums itself is
 // trivially copyable too, but has padding after its flag: it is written field by field.)

@@ -11,6 +11,9 @@
 
 namespace gradwatch {
 
+// A value not known: no point, too few points to fit, a ratio of zero.
+inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
 enum class ParamKind : int {
   kUnspecified = 0,
   kNormGain = 1,

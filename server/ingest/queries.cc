@@ -8,11 +8,7 @@
 
 namespace gradwatch::ingest {
 
-namespace {
-
-grpc::Status RunNotFound(const std::string& run_id) { return {grpc::StatusCode::NOT_FOUND, "no run '" + run_id + "'"}; }
-
-}  // namespace
+namespace {}  // namespace
 
 grpc::Status ListRuns(const QuerySources& from, const v1::ListRunsRequest& request, v1::ListRunsResponse* response) {
   for (const auto& run : from.registry->All()) RunInfoToProto(run->Info(), response->add_runs());
@@ -93,5 +89,7 @@ grpc::Status ListAlertHistory(const QuerySources& from, const v1::ListAlertHisto
   }
   return grpc::Status::OK;
 }
+
+grpc::Status RunNotFound(const std::string& run_id) { return {grpc::StatusCode::NOT_FOUND, "no run '" + run_id + "'"}; }
 
 }  // namespace gradwatch::ingest

@@ -18,6 +18,9 @@
 
 namespace gradwatch::ingest {
 
+// NOT_FOUND for a run id the registry does not hold.
+grpc::Status RunNotFound(const std::string& run_id);
+
 // The latest `limit` alert state changes of a run (every run's when empty), oldest first
 // (store::AlertStore::History).
 using AlertHistoryReader =

@@ -18,8 +18,6 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, grpc::Statu
   return reactor;
 }
 
-grpc::Status RunNotFound(const std::string& run_id) { return {grpc::StatusCode::NOT_FOUND, "no run '" + run_id + "'"}; }
-
 }  // namespace
 
 QueryService::QueryService(runs::RunRegistry* registry, const Clock* clock, alerts::AlertEngine* engine,

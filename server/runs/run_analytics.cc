@@ -13,8 +13,6 @@ namespace gradwatch::runs {
 
 namespace {
 
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
 std::vector<uint64_t> WindowsWith(std::vector<uint64_t> windows, uint64_t extra) {
   if (std::find(windows.begin(), windows.end(), extra) == windows.end()) windows.push_back(extra);
   std::sort(windows.begin(), windows.end());

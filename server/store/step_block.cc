@@ -49,9 +49,9 @@ size_t VarintSize(uint64_t v) { return std::max<size_t>(1, (static_cast<size_t>(
 size_t PackedBytes(size_t n, int width) { return (n * static_cast<size_t>(width) + 7) / 8; }
 
 // Packs values of `width` bits, low bits first.
-class BitWriter {
+class StringBitWriter {
  public:
-  explicit BitWriter(std::string& out) : out_(out) {}
+  explicit StringBitWriter(std::string& out) : out_(out) {}
   void Put(uint64_t v, int width) {
     if (width == 0) return;
     if (width < 64) v &= (uint64_t{1} << width) - 1;
@@ -115,7 +115,7 @@ void EncodeInts(const std::vector<uint64_t>& v, std::string& out) {
     if (cost < best) best = cost, frame = Frame::kDelta2;
   }
   out.push_back(static_cast<char>(frame));
-  BitWriter bits(out);
+  StringBitWriter bits(out);
   switch (frame) {
     case Frame::kReference:
       PutVarint(out, ref_base);
