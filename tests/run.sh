@@ -10,15 +10,17 @@ Installs the Debian packages listed in deploy/packages.txt and deploy/packages-t
 missing (needs root then), then runs these phases, printing the time each took:
   format         every tracked .cc and .h file is as clang-format-14 formats it with the
                  repository's .clang-format (fix: clang-format-14 -i $(git ls-files '*.cc' '*.h'))
-  build, test    gradwatch and its tests (gcc, RelWithDebInfo, Ninja, one job per core) into
-                 build/, and ctest --test-dir build --output-on-failure --timeout 300
+  build          gradwatch and its tests (gcc, RelWithDebInfo with -g1, Ninja, one job per core)
+                 into build/
+  test           ctest --test-dir build -j2 --output-on-failure --timeout 300, while the asan
+                 build compiles in the background at nice 19
   asan build     everything and the tests again with clang-14, ASan and UBSan, into build-fuzz/
                  (the fuzzers' build, which also checks the lock annotations with -Wthread-safety)
-  asan test      ctest -j2 on that build; any ASan, UBSan or LeakSanitizer report fails it
+  asan test      ctest -j2 on that build, while the tsan build compiles in the background;
+                 any ASan, UBSan or LeakSanitizer report fails it
   fuzz           tests/fuzz/run.sh: the libFuzzer targets from that same build, each run for
                  $GRADWATCH_FUZZ_SECONDS seconds (default 20)
-  tsan build     everything and the tests with clang-14 and TSan into build-tsan/; it builds
-                 while the asan tests and the fuzzers run
+  tsan build     everything and the tests with clang-14 and TSan into build-tsan/
   tsan test      ctest -j2 on that build; any ThreadSanitizer report fails it
 The sanitizer runs stretch the tests' waits and time bounds (tests/support/time_scale.h) and use
 the suppressions in tests/sanitizers/ (third-party libraries only). Their reports are written to
@@ -122,11 +124,15 @@ check_format() {
 }
 
 phase format check_format
-phase build gw_build "$GW_REPO_ROOT/build" RelWithDebInfo -DGRADWATCH_BUILD_TESTS=ON
-phase test ctest --test-dir build --output-on-failure --timeout 300 --no-tests=error "${ctest_args[@]}"
+# -g1: line tables, enough for the stack traces of a failing test; full -g made a quarter of the
+# build's time. The tests' own code is built at -O1 (tests/CMakeLists.txt).
+phase build gw_build "$GW_REPO_ROOT/build" RelWithDebInfo -DGRADWATCH_BUILD_TESTS=ON \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG"
 
-# The asan build first, then the tsan build in the background while the asan tests and the
-# fuzzers run: those wait on sockets and timers much of the time, a build keeps the cores busy.
+# Each sanitizer build compiles in the background, at the lowest CPU priority, while the tests of
+# the build before it run: the tests wait on sockets and timers much of the time, and a build that
+# yields the CPU to them keeps the cores busy without slowing them. Order: gcc build; gcc tests
+# while the asan build compiles; asan tests and the fuzzers while the tsan build compiles; tsan tests.
 asan_build() {
   gw_configure_sanitized build-fuzz address,undefined -DGRADWATCH_FUZZ=ON &&
     cmake --build build-fuzz --parallel "$(nproc)"
@@ -134,32 +140,44 @@ asan_build() {
 tsan_build() {
   gw_configure_sanitized build-tsan thread && cmake --build build-tsan --parallel "$(nproc)"
 }
-tsan_pid=""
-if ((asan)); then
-  phase 'asan build' asan_build
-  if ((tsan)); then
-    tsan_start=$SECONDS
-    mkdir -p build-tsan
-    tsan_build > build-tsan/build.log 2>&1 &
-    tsan_pid=$!
-    gw_log "building build-tsan in the background (log: build-tsan/build.log)"
+# background_build NAME DIR FUNCTION: starts FUNCTION at nice 19, its output in DIR/build.log.
+declare -A bg_pid=() bg_start=()
+background_build() {
+  local name="$1" dir="$2" fn="$3"
+  mkdir -p "$dir"
+  bg_start[$name]=$SECONDS
+  (renice -n 19 -p "$BASHPID" > /dev/null && "$fn") > "$dir/build.log" 2>&1 &
+  bg_pid[$name]=$!
+  gw_log "building $dir in the background at nice 19 (log: $dir/build.log)"
+}
+# wait_build NAME DIR: waits for a background build and records it as a phase; returns non-zero
+# if it failed (its log's tail is printed).
+wait_build() {
+  local name="$1" dir="$2" rc=0
+  wait "${bg_pid[$name]}" || rc=$?
+  timings+=("$(printf '%-11s %4d s (in the background)%s' "$name" $((SECONDS - bg_start[$name])) \
+    "$( ((rc == 0)) || echo '  FAILED')")")
+  if ((rc != 0)); then
+    tail -n 60 "$dir/build.log" >&2
+    failed+=("$name")
+    status=1
   fi
-  if [[ " ${failed[*]} " != *" asan build "* ]]; then
+  return "$rc"
+}
+
+((asan)) && background_build 'asan build' build-fuzz asan_build
+# -j2: the tests use ephemeral ports and their own data directories.
+phase test ctest --test-dir build --output-on-failure --timeout 300 --no-tests=error -j2 "${ctest_args[@]}"
+if ((asan)); then
+  if wait_build 'asan build' build-fuzz; then
+    ((tsan)) && background_build 'tsan build' build-tsan tsan_build
     phase 'asan test' sanitized_ctest build-fuzz asan
     ((fuzz)) && phase fuzz bash tests/fuzz/run.sh
   fi
 fi
 if ((tsan)); then
-  if [[ -n "$tsan_pid" ]]; then
-    rc=0
-    wait "$tsan_pid" || rc=$?
-    timings+=("$(printf '%-11s %4d s (in the background)%s' 'tsan build' $((SECONDS - tsan_start)) \
-      "$( ((rc == 0)) || echo '  FAILED')")")
-    if ((rc != 0)); then
-      tail -n 60 build-tsan/build.log >&2
-      failed+=('tsan build')
-      status=1
-    fi
+  if [[ -n "${bg_pid['tsan build']:-}" ]]; then
+    wait_build 'tsan build' build-tsan || true
   else
     phase 'tsan build' tsan_build
   fi
