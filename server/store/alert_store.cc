@@ -142,15 +142,30 @@ constexpr const char* kTables[] = {
 
 // Opens the journal's file at `path` (creating it only when `create`) with the settings and the
 // tables the alert store needs.
+//
+// Its commits do not fsync by themselves (synchronous=NORMAL, with the WAL): an alert's page waits
+// for no disk flush before it is sent. The file's WAL is the journal's, whose next commit fsyncs
+// it, these frames included, and what a power cut could take first is made again: a delivery's
+// mark is lost and the entry sent again under the same Idempotency-Key; the engine's changes are
+// made again when the restarted engine evaluates the journal's steps after the last step it had
+// saved (alerts::Engine::Restore). What only a user can give again, a silence or an
+// acknowledgement, is committed with its own fsync (Write).
 StatusOr<sqlite::Database> OpenDb(const std::string& path, bool create) {
   auto db = sqlite::Database::Open(path, {.create = create});
   if (!db.ok()) return db.status();
   if (Status s = db->UseWal(); !s.ok()) return s;
-  if (Status s = db->Exec("PRAGMA synchronous=FULL"); !s.ok()) return s;
+  if (Status s = db->Exec("PRAGMA synchronous=NORMAL"); !s.ok()) return s;
   for (const char* sql : kTables) {
     if (Status s = db->Exec(sql); !s.ok()) return s;
   }
   return db;
+}
+
+// Whether the changes hold something a user gave (a silence, an acknowledgement), which no
+// re-evaluation of the journal makes again.
+bool HoldsUserChanges(const alerts::StateChanges& states) {
+  return !states.silences.empty() || std::any_of(states.instances.begin(), states.instances.end(),
+                                                 [](const auto& entry) { return entry.second && entry.second->ack; });
 }
 
 bool SameFile(const struct stat& st, uint64_t dev, uint64_t ino) {
@@ -447,6 +462,21 @@ notify::Result<std::vector<uint64_t>> AlertStore::Write(std::vector<notify::Outb
                                                         const alerts::StateChanges& states) {
   MutexLock lock(&mu_);
   if (auto s = FollowFileLocked(); !s.ok()) return s;
+  const bool fsync = HoldsUserChanges(states);
+  if (fsync) {
+    if (Status s = db_.Exec("PRAGMA synchronous=FULL"); !s.ok()) return OutboxError(s);
+  }
+  auto written = WriteLocked(std::move(entries), states);
+  if (fsync) {
+    if (Status s = db_.Exec("PRAGMA synchronous=NORMAL"); !s.ok()) {
+      spdlog::error("outbox: restoring synchronous=NORMAL: {}", s.message());
+    }
+  }
+  return written;
+}
+
+notify::Result<std::vector<uint64_t>> AlertStore::WriteLocked(std::vector<notify::OutboxEntry> entries,
+                                                              const alerts::StateChanges& states) {
   sqlite::Transaction txn(db_, "outbox");
   if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) return notify::NotifyError(s.message());
   auto insert = StatementLocked(

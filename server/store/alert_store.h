@@ -57,6 +57,9 @@ class AlertStore final : public notify::Outbox {
   AlertStore(std::string path, sqlite::Database db);
   notify::Status FollowFileLocked() REQUIRES(mu_);                               // see Open
   notify::Status ApplyLocked(const alerts::StateChanges& states) REQUIRES(mu_);  // inside a transaction
+  // Write's transaction.
+  notify::Result<std::vector<uint64_t>> WriteLocked(std::vector<notify::OutboxEntry> entries,
+                                                    const alerts::StateChanges& states) REQUIRES(mu_);
   notify::Status SetState(uint64_t id, int state, std::string_view error) EXCLUDES(mu_);
   // The statement of `sql` (a string literal), prepared once per connection: preparing the eight
   // statements of a Write each time cost about half a millisecond of every notification's way out.
