@@ -259,11 +259,15 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
     y.slope_per_kstep = x.slope_per_kstep;
     y.kind = x.kind;
   }
+  // A run's catalog only grows (Run::ValidateCatalogLocked refuses a changed entry), and these
+  // facts are always this run's: entries filled at an earlier step keep their info, so only new
+  // ones are copied (each holds a name and a group, two strings a parameter a step otherwise).
   const std::vector<ParamInfo>& catalog = p.meta.params;
+  const size_t filled = std::min(f.params.size(), catalog.size());
   f.params.resize(catalog.size());
+  for (size_t i = filled; i < catalog.size(); ++i) f.params[i].info = catalog[i];
   for (size_t i = 0; i < catalog.size(); ++i) {
     alerts::ParamFact& pf = f.params[i];
-    pf.info = catalog[i];
     const auto value_of = [&](NormField field) -> std::optional<double> {
       const SeriesId id = i < p.param_series.size() ? p.param_series[i][static_cast<int>(field)] : kNoSeries;
       if (id == kNoSeries || id >= value_stamp_.size() || value_stamp_[id] != value_epoch_) return std::nullopt;
