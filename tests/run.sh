@@ -20,7 +20,8 @@ missing (needs root then), then runs these phases, printing the time each took:
                  any ASan, UBSan or LeakSanitizer report fails it
   fuzz           tests/fuzz/run.sh: the libFuzzer targets from that same build, each run for
                  $GRADWATCH_FUZZ_SECONDS seconds (default 20)
-  tsan build     everything and the tests with clang-14 and TSan into build-tsan/
+  tsan build     everything and the tests with clang-14 and TSan into build-tsan/, but the unit
+                 tests of modules that run one thread (core, alerts, analytics)
   tsan test      ctest -j2 on that build; any ThreadSanitizer report fails it
 The sanitizer runs stretch the tests' waits and time bounds (tests/support/time_scale.h) and use
 the suppressions in tests/sanitizers/ (third-party libraries only). Their reports are written to
