@@ -135,7 +135,7 @@ alerts::InstanceState Firing(const std::string& run) {
 
 }  // namespace
 
-TEST_CASE("a page and the outbox's marks wait for no fsync; a silence or an acknowledgement is synced", "[store]") {
+TEST_CASE("a page and the outbox's marks wait for no fsync, a silence or an acknowledgement is synced", "[store]") {
   InstallCountingVfs();
   const auto dir = TempPath();
   auto store = store::AlertStore::Open((dir / "journal.db").string());
