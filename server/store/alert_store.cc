@@ -148,7 +148,7 @@ constexpr const char* kTables[] = {
 // it, these frames included, and what a power cut could take first is made again: a delivery's
 // mark is lost and the entry sent again under the same Idempotency-Key; the engine's changes are
 // made again when the restarted engine evaluates the journal's steps after the last step it had
-// saved (alerts::Engine::Restore). What only a user can give again, a silence or an
+// saved (alerts::AlertEngine::Restore). What only a user can give again, a silence or an
 // acknowledgement, is committed with its own fsync (Write).
 StatusOr<sqlite::Database> OpenDb(const std::string& path, bool create) {
   auto db = sqlite::Database::Open(path, {.create = create});
