@@ -223,10 +223,10 @@ Status RemoteWriter::Start(store::RemoteWriteProgress* progress) {
 bool RemoteWriter::Drain(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   MutexLock lock(&mu_);
-  while (!stopping_ && !(queue_.empty() && inflight_samples_ == 0)) {
+  while (!stopping_ && !(queue_.empty() && !inflight_)) {
     if (!cv_.WaitUntil(&mu_, deadline)) break;
   }
-  return queue_.empty() && inflight_samples_ == 0;
+  return queue_.empty() && !inflight_;
 }
 
 void RemoteWriter::Stop() {
@@ -327,6 +327,7 @@ void RemoteWriter::Loop() {
       }
       queued_samples_ -= samples;
       inflight_samples_ = samples;
+      inflight_ = true;
       inflight_oldest_wall_ = batch.front().wall;
     }
     if (batch.front().rewind) {
@@ -343,6 +344,7 @@ void RemoteWriter::Loop() {
       {
         MutexLock lock(&mu_);
         inflight_samples_ = 0;
+        inflight_ = false;
       }
       cv_.SignalAll();
       continue;
@@ -352,6 +354,7 @@ void RemoteWriter::Loop() {
       const double now = WallNow();
       if (failing_since == 0) failing_since = now;
       MutexLock lock(&mu_);
+      if (stopping_) return;  // the batch stays unsent
       ++stats_.retried_requests;
       const auto until = std::chrono::steady_clock::now() + backoff;
       while (!stopping_ && cv_.WaitUntil(&mu_, until)) {
@@ -372,6 +375,7 @@ void RemoteWriter::Loop() {
     {
       MutexLock lock(&mu_);
       inflight_samples_ = 0;
+      inflight_ = false;
     }
     cv_.SignalAll();  // Drain
   }
@@ -411,7 +415,8 @@ bool RemoteWriter::Send(const std::vector<Step>& batch) {
     http_request.headers.emplace_back("Authorization", "Bearer " + options_.bearer_token);
   http_request.body = std::move(body);
   const notify::HttpResult result = http_->Send(http_request);
-  if (result.error == notify::HttpResult::Error::kAborted) return true;  // stopping: sent after a restart
+  // Stopping: the batch is not saved as sent, so the next start sends it again.
+  if (result.error == notify::HttpResult::Error::kAborted) return false;
   const double now = WallNow();
   MutexLock lock(&mu_);
   ++stats_.sent_requests;

@@ -134,6 +134,8 @@ class RemoteWriter final : public runs::StepListener {
   std::deque<Step> queue_ GUARDED_BY(mu_);
   uint64_t queued_samples_ GUARDED_BY(mu_) = 0;
   uint64_t inflight_samples_ GUARDED_BY(mu_) = 0;
+  // A batch is taken from the queue and not yet done with (a rewind carries no samples).
+  bool inflight_ GUARDED_BY(mu_) = false;
   double inflight_oldest_wall_ GUARDED_BY(mu_) = 0;
   RemoteWriteStats stats_ GUARDED_BY(mu_);
   double last_drop_log_ GUARDED_BY(mu_) = 0;
