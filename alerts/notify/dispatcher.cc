@@ -41,6 +41,17 @@ struct Dispatcher::Worker {
   bool stop GUARDED_BY(mu) = false;
   std::atomic<bool> stopping{false};
 
+  // Entries Record and Refresh wrote to the outbox, handed over with their alerts so that a worker
+  // with nothing older pending sends them without reading them back. Everything here is in the
+  // outbox already: a worker that reads the outbox drops what is here. Bounded by batch_limit;
+  // beyond it the entries are dropped and `overflowed` set, and the outbox is read instead.
+  std::vector<Handed> handed GUARDED_BY(mu);
+  bool overflowed GUARDED_BY(mu) = false;
+  // The worker thread's own: whether the outbox may hold entries not yet settled that it has not
+  // been handed (true at start, and while a retry waits); the newest entry id it read from there.
+  bool backlog = true;
+  uint64_t read_through_id = 0;
+
   std::atomic<uint64_t> sent{0};
   std::atomic<uint64_t> retries{0};
   std::atomic<uint64_t> failures{0};
@@ -51,6 +62,18 @@ struct Dispatcher::Worker {
   void Wake() EXCLUDES(mu) {
     {
       MutexLock lock(&mu);
+      wake = true;
+    }
+    cv.Signal();
+  }
+  void Hand(Handed entry, size_t limit) EXCLUDES(mu) {
+    {
+      MutexLock lock(&mu);
+      if (handed.size() < limit) {
+        handed.push_back(std::move(entry));
+      } else {
+        overflowed = true;
+      }
       wake = true;
     }
     cv.Signal();
@@ -191,7 +214,8 @@ Status Dispatcher::Record(const std::vector<Alert>& alerts, const alerts::StateC
       }
     }
     ++worker.queue_depth;
-    worker.Wake();
+    worker.Hand({HandedEntry(ids.value()[i], *worker.receiver, targets[i].fingerprint, alert.state, now), alert},
+                options_.batch_limit);
     if (record.receivers.empty() && record.resolved_ends_at == 0) records_.erase(targets[i].fingerprint);
   }
   return Status::Ok();
@@ -203,6 +227,7 @@ Status Dispatcher::Refresh(const std::vector<Alert>& active, double now) {
   std::vector<OutboxEntry> entries;
   struct Target {
     size_t worker;
+    const Alert* alert;
     std::string fingerprint;
   };
   std::vector<Target> targets;
@@ -235,7 +260,7 @@ Status Dispatcher::Refresh(const std::vector<Alert>& active, double now) {
       entry.created_at = now;
       entry.next_attempt_at = now;
       entries.push_back(std::move(entry));
-      targets.push_back({worker->index, fingerprint});
+      targets.push_back({worker->index, &alert, fingerprint});
     }
   }
   // Forget fingerprints no longer firing once nothing of theirs waits for settlement.
@@ -251,7 +276,9 @@ Status Dispatcher::Refresh(const std::vector<Alert>& active, double now) {
     records_[targets[i].fingerprint].receivers[targets[i].worker] = ResendState{ids.value()[i], false, 0};
     Worker& worker = *workers_[targets[i].worker];
     ++worker.queue_depth;
-    worker.Wake();
+    worker.Hand({HandedEntry(ids.value()[i], *worker.receiver, targets[i].fingerprint, AlertState::kFiring, now),
+                 *targets[i].alert},
+                options_.batch_limit);
   }
   return Status::Ok();
 }
@@ -312,7 +339,52 @@ void Dispatcher::RunWorker(Worker& worker) {
   }
 }
 
+OutboxEntry Dispatcher::HandedEntry(uint64_t id, const Receiver& receiver, const std::string& fingerprint,
+                                    AlertState state, double now) {
+  OutboxEntry entry;
+  entry.id = id;
+  entry.receiver = receiver.name();
+  entry.fingerprint = fingerprint;
+  entry.state = state;
+  entry.created_at = now;
+  entry.next_attempt_at = now;
+  return entry;
+}
+
 double Dispatcher::RunPass(Worker& worker) {
+  std::vector<Handed> handed;
+  bool overflowed = false;
+  {
+    MutexLock lock(&worker.mu);
+    handed.swap(worker.handed);
+    std::swap(overflowed, worker.overflowed);
+  }
+  if (overflowed) worker.backlog = true;
+  // What was handed over is in the outbox: a pass that reads it needs none of it.
+  if (worker.backlog || handed.empty()) return OutboxPass(worker);
+  return HandedPass(worker, handed);
+}
+
+double Dispatcher::HandedPass(Worker& worker, std::vector<Handed>& handed) {
+  double now = Now();
+  for (const Handed& h : handed) {
+    if (worker.stopping) return 0;
+    // Already read from the outbox by an earlier pass (ids increase in the order written).
+    if (h.entry.id <= worker.read_through_id) continue;
+    double next_at = 0;
+    const Attempt attempt = Deliver(worker, h.entry, h.alert, &now, &next_at);
+    if (attempt == Attempt::kSettled) continue;
+    if (attempt == Attempt::kAborted) return 0;
+    // A retry now waits in the outbox, and later entries of its fingerprint must wait behind it:
+    // from here on the outbox decides, the rest of what was handed over included.
+    worker.backlog = true;
+    if (attempt == Attempt::kNotMarked) return std::chrono::duration<double>(options_.idle_poll).count();
+    return 0;
+  }
+  return std::numeric_limits<double>::infinity();
+}
+
+double Dispatcher::OutboxPass(Worker& worker) {
   const double idle = std::chrono::duration<double>(options_.idle_poll).count();
   Receiver& receiver = *worker.receiver;
   auto pending = outbox_.Pending(receiver.name(), options_.batch_limit, Now());
@@ -323,22 +395,14 @@ double Dispatcher::RunPass(Worker& worker) {
   if (auto count = outbox_.PendingCount(receiver.name()); count.ok()) {
     worker.queue_depth = count.value();
   }
+  // Once the outbox holds nothing pending, entries handed over from now on are the oldest.
+  worker.backlog = !pending.value().empty();
+  for (const OutboxEntry& entry : pending.value()) worker.read_through_id = std::max(worker.read_through_id, entry.id);
 
   std::set<std::string> held;  // fingerprints with an earlier entry not yet delivered
   double next_due = std::numeric_limits<double>::infinity();
   bool progressed = false;
   double now = Now();
-  auto settle = [&](const OutboxEntry& entry, Status marked) {
-    if (!marked.ok()) {
-      spdlog::warn("notify {}: outbox entry {}: {}", receiver.name(), entry.id, marked.message());
-      return false;
-    }
-    if (worker.queue_depth > 0) --worker.queue_depth;
-    OnSettled(worker.index, entry.fingerprint, entry.id, now);
-    progressed = true;
-    return true;
-  };
-
   for (const OutboxEntry& entry : pending.value()) {
     if (worker.stopping) return 0;
     if (held.count(entry.fingerprint)) continue;
@@ -352,61 +416,87 @@ double Dispatcher::RunPass(Worker& worker) {
       worker.SetLastError(alert.status().message());
       spdlog::error("notify {}: dropping outbox entry {} (fingerprint {}): {}", receiver.name(), entry.id,
                     entry.fingerprint, alert.status().message());
-      if (!settle(entry, outbox_.MarkFailed(entry.id, alert.status().message()))) return idle;
+      if (!Settle(worker, entry, outbox_.MarkFailed(entry.id, alert.status().message()), now)) return idle;
       ++worker.failures;
+      progressed = true;
       continue;
     }
-    HttpRequest request = receiver.Build({alert.value()}, entry.state, now);
-    // The same on every attempt, and after a restart: a receiver that got the request but whose
-    // answer the daemon never saw (a crash, a timeout) can tell the repeat from a new change.
-    request.headers.emplace_back(std::string(kIdempotencyHeader), IdempotencyKey(entry.id));
-    const HttpResult result = worker.http->Send(request);
-    if (result.error == HttpResult::Error::kAborted) return 0;  // stopping; the entry stays
-    now = Now();
-    const Outcome outcome = receiver.Classify(result);
-    const uint32_t attempts = entry.attempts + 1;
-    const std::string state_name(alerts::AlertStateName(entry.state));
-
-    if (outcome == Outcome::kDelivered) {
-      spdlog::debug("notify {}: delivered {} {} (entry {}, attempt {})", receiver.name(), state_name, entry.fingerprint,
-                    entry.id, attempts);
-      if (!settle(entry, outbox_.MarkDelivered(entry.id))) return idle;
-      ++worker.sent;  // counted once settled, so that a reader of Stats() sees a settled entry
-      continue;
+    double next_at = 0;
+    switch (Deliver(worker, entry, alert.value(), &now, &next_at)) {
+      case Attempt::kSettled: progressed = true; continue;
+      case Attempt::kAborted: return 0;
+      case Attempt::kNotMarked: return idle;
+      case Attempt::kRetry:
+        held.insert(entry.fingerprint);
+        next_due = std::min(next_due, next_at);
+        continue;
+      case Attempt::kRetryLater: return std::min(next_due, next_at) - now;
     }
-    const std::string error = Describe(result);
-    worker.SetLastError(error);
-    const bool expired = options_.give_up_after_seconds > 0 && now - entry.created_at >= options_.give_up_after_seconds;
-    if (outcome == Outcome::kPermanentFailure || expired) {
-      const std::string reason = outcome == Outcome::kPermanentFailure
-                                     ? error
-                                     : "gave up after " + std::to_string(attempts) + " attempts: " + error;
-      spdlog::error("notify {}: dropping {} {} (entry {}): {}", receiver.name(), state_name, entry.fingerprint,
-                    entry.id, reason);
-      if (!settle(entry, outbox_.MarkFailed(entry.id, reason))) return idle;
-      ++worker.failures;
-      continue;
-    }
-
-    ++worker.retries;
-    std::uniform_real_distribution<double> uniform(0.0, 1.0);
-    const double delay = BackoffDelay(options_.backoff, attempts, uniform(worker.rng)).count();
-    const double next_at = now + delay;
-    spdlog::warn("notify {}: {} {} (entry {}) attempt {} failed, retrying in {:.3f} s: {}", receiver.name(), state_name,
-                 entry.fingerprint, entry.id, attempts, delay, error);
-    Status marked = outbox_.MarkRetry(entry.id, next_at, attempts, error);
-    if (!marked.ok()) {
-      spdlog::warn("notify {}: outbox entry {}: {}", receiver.name(), entry.id, marked.message());
-      return idle;
-    }
-    held.insert(entry.fingerprint);
-    next_due = std::min(next_due, next_at);
-    // Unreachable or rate-limited: the other entries would fare no better now, so end the pass.
-    // A 5xx may concern this request only, so the other fingerprints go on.
-    if (!result.has_response() || result.status == 429) return next_due - now;
   }
   if (progressed) return 0;  // look again at once: more entries may be due beyond this batch
   return next_due - now;     // +inf when nothing waits: sleep until woken or idle_poll
+}
+
+bool Dispatcher::Settle(Worker& worker, const OutboxEntry& entry, const Status& marked, double now) {
+  if (!marked.ok()) {
+    spdlog::warn("notify {}: outbox entry {}: {}", worker.receiver->name(), entry.id, marked.message());
+    return false;
+  }
+  if (worker.queue_depth > 0) --worker.queue_depth;
+  OnSettled(worker.index, entry.fingerprint, entry.id, now);
+  return true;
+}
+
+Dispatcher::Attempt Dispatcher::Deliver(Worker& worker, const OutboxEntry& entry, const Alert& alert, double* now,
+                                        double* next_at) {
+  Receiver& receiver = *worker.receiver;
+  HttpRequest request = receiver.Build({alert}, entry.state, *now);
+  // The same on every attempt, and after a restart: a receiver that got the request but whose
+  // answer the daemon never saw (a crash, a timeout) can tell the repeat from a new change.
+  request.headers.emplace_back(std::string(kIdempotencyHeader), IdempotencyKey(entry.id));
+  const HttpResult result = worker.http->Send(request);
+  if (result.error == HttpResult::Error::kAborted) return Attempt::kAborted;  // stopping; the entry stays
+  *now = Now();
+  const Outcome outcome = receiver.Classify(result);
+  const uint32_t attempts = entry.attempts + 1;
+  const std::string state_name(alerts::AlertStateName(entry.state));
+
+  if (outcome == Outcome::kDelivered) {
+    spdlog::debug("notify {}: delivered {} {} (entry {}, attempt {})", receiver.name(), state_name, entry.fingerprint,
+                  entry.id, attempts);
+    if (!Settle(worker, entry, outbox_.MarkDelivered(entry.id), *now)) return Attempt::kNotMarked;
+    ++worker.sent;  // counted once settled, so that a reader of Stats() sees a settled entry
+    return Attempt::kSettled;
+  }
+  const std::string error = Describe(result);
+  worker.SetLastError(error);
+  const bool expired = options_.give_up_after_seconds > 0 && *now - entry.created_at >= options_.give_up_after_seconds;
+  if (outcome == Outcome::kPermanentFailure || expired) {
+    const std::string reason = outcome == Outcome::kPermanentFailure
+                                   ? error
+                                   : "gave up after " + std::to_string(attempts) + " attempts: " + error;
+    spdlog::error("notify {}: dropping {} {} (entry {}): {}", receiver.name(), state_name, entry.fingerprint, entry.id,
+                  reason);
+    if (!Settle(worker, entry, outbox_.MarkFailed(entry.id, reason), *now)) return Attempt::kNotMarked;
+    ++worker.failures;
+    return Attempt::kSettled;
+  }
+
+  ++worker.retries;
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  const double delay = BackoffDelay(options_.backoff, attempts, uniform(worker.rng)).count();
+  *next_at = *now + delay;
+  spdlog::warn("notify {}: {} {} (entry {}) attempt {} failed, retrying in {:.3f} s: {}", receiver.name(), state_name,
+               entry.fingerprint, entry.id, attempts, delay, error);
+  Status marked = outbox_.MarkRetry(entry.id, *next_at, attempts, error);
+  if (!marked.ok()) {
+    spdlog::warn("notify {}: outbox entry {}: {}", receiver.name(), entry.id, marked.message());
+    return Attempt::kNotMarked;
+  }
+  // Unreachable or rate-limited: the other entries would fare no better now, so end the pass.
+  // A 5xx may concern this request only, so the other fingerprints go on.
+  if (!result.has_response() || result.status == 429) return Attempt::kRetryLater;
+  return Attempt::kRetry;
 }
 
 }  // namespace gradwatch::notify

@@ -1,6 +1,9 @@
 // Delivers alert state changes to receivers through the outbox. Enqueue() only writes to the
-// outbox and wakes the workers; one worker thread per receiver does the network I/O, so a slow or
-// dead receiver delays neither the caller nor the other receivers.
+// outbox and hands each entry written, with its alert, to its receiver's worker; one worker thread
+// per receiver does the network I/O, so a slow or dead receiver delays neither the caller nor the
+// other receivers. A worker sends what it is handed without reading it back from the outbox while
+// nothing older waits there (no retry, no entry from before a restart); otherwise it reads the
+// outbox, which holds everything it could be handed.
 //
 // Delivery is at least once and in order per fingerprint and receiver: an entry that waits for a
 // retry holds back the later entries of its fingerprint (entries of other fingerprints go on).
@@ -115,6 +118,11 @@ class Dispatcher {
 
  private:
   struct Worker;
+  // An entry as written to the outbox (without its payload) and the alert it carries.
+  struct Handed {
+    OutboxEntry entry;
+    Alert alert;
+  };
   // Per receiver: the latest firing entry enqueued for a fingerprint and when it was settled.
   struct ResendState {
     uint64_t entry_id = 0;
@@ -126,9 +134,25 @@ class Dispatcher {
     std::map<size_t, ResendState> receivers;  // by receiver index
   };
 
-  Status AddEntries(const std::vector<Alert>& alerts, double now, bool refresh_only) EXCLUDES(mu_);
   void RunWorker(Worker& worker) EXCLUDES(mu_);
-  double RunPass(Worker& worker) EXCLUDES(mu_);  // seconds until the next entry is due; may be +inf
+  // One pass, each returning the seconds until the next entry is due (may be +inf): the entries
+  // handed over, when nothing older waits in the outbox; else the outbox's pending entries.
+  double RunPass(Worker& worker) EXCLUDES(mu_);
+  double HandedPass(Worker& worker, std::vector<Handed>& handed) EXCLUDES(mu_);
+  double OutboxPass(Worker& worker) EXCLUDES(mu_);
+  // One attempt at an entry, and what it settled.
+  enum class Attempt {
+    kSettled,     // delivered or given up, and marked so
+    kRetry,       // marked for a retry at *next_at; the pass goes on with other fingerprints
+    kRetryLater,  // marked for a retry at *next_at; the receiver is unreachable, the pass ends
+    kAborted,     // Stop() aborted it; the entry stays pending
+    kNotMarked,   // the outcome could not be written to the outbox
+  };
+  Attempt Deliver(Worker& worker, const OutboxEntry& entry, const Alert& alert, double* now, double* next_at)
+      EXCLUDES(mu_);
+  bool Settle(Worker& worker, const OutboxEntry& entry, const Status& marked, double now) EXCLUDES(mu_);
+  static OutboxEntry HandedEntry(uint64_t id, const Receiver& receiver, const std::string& fingerprint,
+                                 alerts::AlertState state, double now);
   void OnSettled(size_t receiver, const std::string& fingerprint, uint64_t id, double now) EXCLUDES(mu_);
   double Now() const;
 

@@ -1,9 +1,11 @@
 #include "alerts/notify/dispatcher.h"
 
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "tests/unit/notify/test_receiver.h"
@@ -227,6 +229,90 @@ TEST_CASE("a 503 for one fingerprint does not hold back another fingerprint", "[
   // "a" resolved stays behind "a" firing, which waits for its retry.
   CHECK(DeliveredWebhooks(receiver) == std::vector<std::pair<std::string, std::string>>{{"b", "firing"}});
   CHECK(StatsOf(dispatcher).queue_depth == 2);
+}
+
+// A MemoryOutbox that counts the reads of its pending entries (each counted once it returned).
+class CountingOutbox final : public notify::Outbox {
+ public:
+  notify::Result<std::vector<uint64_t>> Write(std::vector<notify::OutboxEntry> entries,
+                                              const gradwatch::alerts::StateChanges& states) override {
+    return inner.Write(std::move(entries), states);
+  }
+  notify::Result<gradwatch::alerts::SavedState> LoadState() override { return inner.LoadState(); }
+  notify::Result<std::vector<notify::OutboxEntry>> Pending(std::string_view receiver, size_t limit,
+                                                           double now) override {
+    auto out = inner.Pending(receiver, limit, now);
+    ++pending_reads;
+    return out;
+  }
+  notify::Result<uint64_t> PendingCount(std::string_view receiver) override { return inner.PendingCount(receiver); }
+  notify::Status MarkDelivered(uint64_t id) override { return inner.MarkDelivered(id); }
+  notify::Status MarkFailed(uint64_t id, std::string_view error) override { return inner.MarkFailed(id, error); }
+  notify::Status MarkRetry(uint64_t id, double next_attempt_at, uint32_t attempts, std::string_view error) override {
+    return inner.MarkRetry(id, next_attempt_at, attempts, error);
+  }
+
+  notify::MemoryOutbox inner;
+  std::atomic<int> pending_reads{0};
+};
+
+TEST_CASE("entries recorded while nothing waits are sent as handed over, without reading the outbox", "[notify]") {
+  TestReceiver receiver;
+  CountingOutbox outbox;
+  auto options = FastOptions();
+  options.idle_poll = 3600s;  // every pass below is one the entries woke
+  notify::Dispatcher dispatcher(outbox, Receivers(Webhook("hook", receiver.url())), options);
+  REQUIRE(dispatcher.Start().ok());
+  // The first pass reads the outbox (it may hold entries from before a restart): empty.
+  REQUIRE(WaitUntil([&] { return outbox.pending_reads >= 1; }));
+  const int reads = outbox.pending_reads;
+  REQUIRE(dispatcher.Enqueue(MakeAlert("a", AlertState::kFiring, 1000)).ok());
+  REQUIRE(dispatcher.Enqueue(MakeAlert("b", AlertState::kFiring, 1001)).ok());
+  REQUIRE(dispatcher.Enqueue(MakeAlert("a", AlertState::kResolved, 1000, 1010)).ok());
+
+  REQUIRE(WaitUntil([&] { return StatsOf(dispatcher).sent == 3; }));
+  std::this_thread::sleep_for(kSettle);
+  CHECK(outbox.pending_reads == reads);
+  const auto delivered = DeliveredWebhooks(receiver);
+  CHECK(delivered.size() == 3);
+  CHECK(StatesOf(delivered, "a") == std::vector<std::string>{"firing", "resolved"});
+  CHECK(StatesOf(delivered, "b") == std::vector<std::string>{"firing"});
+  // Each request carries its own entry's key, and every entry is marked delivered.
+  const auto records = outbox.inner.Snapshot();
+  REQUIRE(records.size() == 3);
+  std::set<std::string> keys;
+  for (const auto& request : receiver.Requests()) keys.insert(request.headers.at("idempotency-key"));
+  for (const auto& record : records) {
+    CHECK(record.state == notify::MemoryOutbox::EntryState::kDelivered);
+    CHECK(keys.count(notify::IdempotencyKey(record.entry.id)) == 1);
+  }
+  CHECK(StatsOf(dispatcher).queue_depth == 0);
+}
+
+TEST_CASE("a handed-over entry that must be retried holds back its fingerprint's later entries", "[notify]") {
+  TestReceiver receiver;
+  receiver.Script({503});
+  CountingOutbox outbox;
+  notify::Dispatcher dispatcher(outbox, Receivers(Webhook("hook", receiver.url())), FastOptions());
+  REQUIRE(dispatcher.Start().ok());
+  REQUIRE(WaitUntil([&] { return outbox.pending_reads >= 1; }));
+  REQUIRE(dispatcher.Enqueue(MakeAlert("a", AlertState::kFiring, 1000)).ok());
+  REQUIRE(dispatcher.Enqueue(MakeAlert("b", AlertState::kFiring, 1001)).ok());
+  REQUIRE(dispatcher.Enqueue(MakeAlert("a", AlertState::kResolved, 1000, 1010)).ok());
+
+  REQUIRE(WaitUntil([&] { return StatsOf(dispatcher).sent == 3; }));
+  std::this_thread::sleep_for(kSettle);
+  const auto delivered = DeliveredWebhooks(receiver);
+  CHECK(delivered.size() == 3);
+  CHECK(StatesOf(delivered, "a") == std::vector<std::string>{"firing", "resolved"});
+  CHECK(StatesOf(delivered, "b") == std::vector<std::string>{"firing"});
+  CHECK(receiver.Requests().size() == 4);  // the 503, then each entry once
+  const auto stats = StatsOf(dispatcher);
+  CHECK(stats.retries == 1);
+  CHECK(stats.queue_depth == 0);
+  for (const auto& record : outbox.inner.Snapshot()) {
+    CHECK(record.state == notify::MemoryOutbox::EntryState::kDelivered);
+  }
 }
 
 TEST_CASE("a slow receiver delays neither the caller nor another receiver", "[notify]") {
