@@ -69,31 +69,57 @@ Error ClassifyError(const beast::error_code& ec) {
   return Error::kNetwork;
 }
 
+}  // namespace
+
+// Named, not anonymous: the coroutine frames of HttpClient::Impl's members hold these.
+namespace http_exchange {
+
+// What an exchange on a connection leaves of it.
+struct ExchangeEnd {
+  // The response allows another request on the connection (HTTP/1.1 keep-alive), and was read whole.
+  bool reusable = false;
+  // The connection was found closed before any byte of a response: a connection kept from an
+  // earlier request that the peer has since closed, on which the request is sent again.
+  bool closed_before_answer = false;
+};
+
 // Writes the request and reads the response on a connected (and, for TLS, handshaken) stream.
 // Every operation shares the deadline set on the lowest layer.
 template <typename Stream>
-asio::awaitable<void> Exchange(Stream& stream, http::request<http::string_body>& request, size_t max_response_bytes,
-                               HttpResult& out) {
+asio::awaitable<ExchangeEnd> Exchange(Stream& stream, http::request<http::string_body>& request,
+                                      size_t max_response_bytes, HttpResult& out) {
+  ExchangeEnd end;
   beast::error_code ec;
   co_await http::async_write(stream, request, asio::redirect_error(asio::use_awaitable, ec));
   if (ec) {
+    end.closed_before_answer = ec != beast::error::timeout;
     out = Failure(ClassifyError(ec), "write: " + ec.message());
-    co_return;
+    co_return end;
   }
   beast::flat_buffer buffer;
   http::response_parser<http::string_body> parser;
   parser.body_limit(max_response_bytes);
   co_await http::async_read(stream, buffer, parser, asio::redirect_error(asio::use_awaitable, ec));
   if (ec && !(ec == http::error::body_limit && parser.is_header_done())) {
+    // A TLS peer that closed without a close_notify (as servers close idle connections) reads
+    // as a truncated stream.
+    end.closed_before_answer =
+        !parser.got_some() && (ec == http::error::end_of_stream || ec == asio::error::connection_reset ||
+                               ec == asio::error::eof || ec == ssl::error::stream_truncated);
     out = Failure(ClassifyError(ec), "read: " + ec.message());
-    co_return;
+    co_return end;
   }
+  end.reusable = !ec && parser.keep_alive();
   out = HttpResult{};
   out.status = static_cast<int>(parser.get().result_int());
   out.body = parser.get().body();
+  co_return end;
 }
 
-}  // namespace
+}  // namespace http_exchange
+
+using http_exchange::Exchange;
+using http_exchange::ExchangeEnd;
 
 std::string_view HttpErrorName(HttpResult::Error error) {
   switch (error) {
@@ -165,6 +191,10 @@ Result<Url> ParseUrl(std::string_view text) {
 }
 
 struct HttpClient::Impl {
+  // A connection is kept for the next request at most this long: servers close idle ones (often
+  // after 60 s or more), and a request sent on one they just closed is sent again on a new one.
+  static constexpr std::chrono::seconds kKeepIdle{30};
+
   HttpClientOptions options;
   ssl::context tls{ssl::context::tls_client};
 
@@ -172,8 +202,52 @@ struct HttpClient::Impl {
   asio::io_context* running = nullptr;  // guarded by mu
   bool aborted = false;                 // guarded by mu
 
+  // Used by Send()'s thread only. The io_context lives from one request to the next with the
+  // connection kept open on it; both are dropped after a request that did not finish (a timeout,
+  // an abort), whose abandoned operations must never run.
+  std::unique_ptr<asio::io_context> io;
+  struct Kept {
+    std::string origin;  // scheme://host:port
+    std::unique_ptr<beast::tcp_stream> plain;
+    std::unique_ptr<beast::ssl_stream<beast::tcp_stream>> secure;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::optional<Kept> kept;
+
+  static std::string Origin(const Url& url) { return url.scheme + "://" + url.host + ":" + std::to_string(url.port); }
+
+  void Drop() {
+    kept.reset();  // its streams before the io_context they are registered with
+    io.reset();
+  }
+
+  // Sends on the kept connection to url's origin, if there is one; true when that settled the
+  // request (out is its result), false when a new connection is needed.
+  asio::awaitable<bool> SendOnKept(const Url& url, http::request<http::string_body>& request,
+                                   std::chrono::steady_clock::time_point deadline, HttpResult& out) {
+    if (!kept) co_return false;
+    Kept k = std::move(*kept);
+    kept.reset();
+    if (k.origin != Origin(url) || std::chrono::steady_clock::now() - k.since >= kKeepIdle) co_return false;
+    ExchangeEnd end;
+    if (k.secure) {
+      beast::get_lowest_layer(*k.secure).expires_at(deadline);
+      end = co_await Exchange(*k.secure, request, options.max_response_bytes, out);
+    } else {
+      k.plain->expires_at(deadline);
+      end = co_await Exchange(*k.plain, request, options.max_response_bytes, out);
+    }
+    if (end.closed_before_answer) co_return false;
+    if (end.reusable) {
+      k.since = std::chrono::steady_clock::now();
+      kept = std::move(k);
+    }
+    co_return true;
+  }
+
   asio::awaitable<void> Run(const Url& url, http::request<http::string_body>& request,
                             std::chrono::steady_clock::time_point deadline, HttpResult& out) {
+    if (co_await SendOnKept(url, request, deadline, out)) co_return;
     auto executor = co_await asio::this_coro::executor;
     beast::error_code ec;
     // An address is used as it is: asio's resolver runs getaddrinfo on a thread of its own, made
@@ -192,19 +266,23 @@ struct HttpClient::Impl {
       for (const auto& entry : resolved) endpoints.push_back(entry.endpoint());
     }
     if (url.scheme == "http") {
-      beast::tcp_stream stream(executor);
-      stream.expires_at(deadline);
-      co_await stream.async_connect(endpoints, asio::redirect_error(asio::use_awaitable, ec));
+      auto stream = std::make_unique<beast::tcp_stream>(executor);
+      stream->expires_at(deadline);
+      co_await stream->async_connect(endpoints, asio::redirect_error(asio::use_awaitable, ec));
       if (ec) {
         out = Failure(ClassifyError(ec), "connect " + url.host + ":" + std::to_string(url.port) + ": " + ec.message());
         co_return;
       }
-      co_await Exchange(stream, request, options.max_response_bytes, out);
-      stream.socket().shutdown(tcp::socket::shutdown_both, ec);
+      if ((co_await Exchange(*stream, request, options.max_response_bytes, out)).reusable) {
+        kept = Kept{Origin(url), std::move(stream), nullptr, std::chrono::steady_clock::now()};
+      } else {
+        stream->socket().shutdown(tcp::socket::shutdown_both, ec);
+      }
       co_return;
     }
 
-    beast::ssl_stream<beast::tcp_stream> stream(executor, tls);
+    auto secure = std::make_unique<beast::ssl_stream<beast::tcp_stream>>(executor, tls);
+    auto& stream = *secure;
     if (!IsIpLiteral(url.host) && !SSL_set_tlsext_host_name(stream.native_handle(), url.host.c_str())) {
       out = Failure(Error::kTls, "cannot set SNI host name " + url.host);
       co_return;
@@ -229,9 +307,12 @@ struct HttpClient::Impl {
       out = Failure(ec == beast::error::timeout ? Error::kTimeout : Error::kTls, std::move(message));
       co_return;
     }
-    co_await Exchange(stream, request, options.max_response_bytes, out);
-    // One request per connection: close without waiting for the peer's close_notify.
-    beast::get_lowest_layer(stream).socket().shutdown(tcp::socket::shutdown_both, ec);
+    if ((co_await Exchange(stream, request, options.max_response_bytes, out)).reusable) {
+      kept = Kept{Origin(url), nullptr, std::move(secure), std::chrono::steady_clock::now()};
+    } else {
+      // Close without waiting for the peer's close_notify.
+      beast::get_lowest_layer(stream).socket().shutdown(tcp::socket::shutdown_both, ec);
+    }
   }
 };
 
@@ -286,7 +367,6 @@ HttpResult HttpClient::Send(const HttpRequest& request, std::chrono::millisecond
     req.version(11);
     req.set(http::field::host, HostHeader(url.value()));
     req.set(http::field::user_agent, impl_->options.user_agent);
-    req.set(http::field::connection, "close");
     bool has_content_type = false;
     for (const auto& [name, value] : request.headers) {
       if (Lower(name) == "content-type") has_content_type = true;
@@ -296,7 +376,9 @@ HttpResult HttpClient::Send(const HttpRequest& request, std::chrono::millisecond
     req.body() = request.body;
     req.prepare_payload();
 
-    asio::io_context io;
+    if (!impl_->io) impl_->io = std::make_unique<asio::io_context>();
+    asio::io_context& io = *impl_->io;
+    io.restart();
     {
       std::lock_guard lock(impl_->mu);
       if (impl_->aborted) return Failure(Error::kAborted, "aborted");
@@ -331,10 +413,14 @@ HttpResult HttpClient::Send(const HttpRequest& request, std::chrono::millisecond
     } else if (!exception_message.empty()) {
       out = Failure(Error::kNetwork, exception_message);
     }
-    // Destroying io here abandons whatever is still pending; handlers never run.
+    // Destroying the io_context abandons whatever is still pending; those handlers never run.
+    if (!finished || !exception_message.empty()) impl_->Drop();
   } catch (const std::exception& e) {
-    std::lock_guard lock(impl_->mu);
-    impl_->running = nullptr;
+    {
+      std::lock_guard lock(impl_->mu);
+      impl_->running = nullptr;
+    }
+    impl_->Drop();
     return Failure(Error::kInvalidRequest, e.what());
   }
   return out;

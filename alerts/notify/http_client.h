@@ -71,8 +71,11 @@ struct HttpClientOptions {
   std::string user_agent = "gradwatch-notify/0.1";
 };
 
-// Sends one request per connection ("Connection: close"). Send() may be called by one thread at a
-// time; Abort() from any thread.
+// Keeps the connection of a response that allows it (HTTP/1.1 keep-alive) for the next request to
+// the same scheme, host and port, for at most 30 s: a page then needs no new connection, nor a TLS
+// handshake. A request that finds that connection closed by the peer before any answer is sent
+// again on a new one (its Idempotency-Key lets a receiver drop the repeat, should it have been
+// processed after all). Send() may be called by one thread at a time; Abort() from any thread.
 class HttpClient {
  public:
   // Fails when the TLS settings cannot be loaded (e.g. an unreadable CA file).

@@ -605,7 +605,10 @@ v1::TrainerMessage TotalStep(uint64_t step, double total) {
 // step 3 to its FIRING Alert on the stream, and to the webhook request carrying it.
 json AlertLatency(uint32_t alerts) {
   Log("alert latency over " + std::to_string(alerts) + " alerts");
-  notify::testing::TestReceiver receiver;
+  // Keeps connections open between requests, as Go's HTTP servers (Alertmanager's) do.
+  notify::testing::TestReceiver::Options keep_alive;
+  keep_alive.keep_alive = true;
+  notify::testing::TestReceiver receiver(keep_alive);
   TempDir data;
   const std::filesystem::path rules = data.path() / "bench_rules.yaml";
   std::ofstream(rules) << "groups:\n  - name: bench\n    rules:\n      - alert: BenchSpike\n"

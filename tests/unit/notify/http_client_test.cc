@@ -193,3 +193,74 @@ TEST_CASE("an unreadable CA file fails client creation", "[notify]") {
   options.tls.ca_file = "/nonexistent/ca.pem";
   CHECK_FALSE(notify::HttpClient::Create(options).ok());
 }
+
+TEST_CASE("http client sends further requests on the connection a keep-alive receiver keeps open", "[notify]") {
+  TestReceiver::Options keep;
+  keep.keep_alive = true;
+  TestReceiver receiver(keep);
+  auto client = Client();
+  for (int i = 0; i < 3; ++i) {
+    const HttpResult result = client->Send(Post(receiver.url("/hook")), 5s);
+    INFO(result.message);
+    REQUIRE(result.has_response());
+    CHECK(result.status == 200);
+  }
+  CHECK(receiver.Requests().size() == 3);
+  CHECK(receiver.Connections() == 1);
+  for (const auto& request : receiver.Requests()) CHECK(request.headers.count("connection") == 0);
+
+  SECTION("another origin gets a connection of its own") {
+    TestReceiver other(keep);
+    REQUIRE(client->Send(Post(other.url("/hook")), 5s).status == 200);
+    REQUIRE(client->Send(Post(receiver.url("/hook")), 5s).status == 200);
+    CHECK(other.Connections() == 1);
+    CHECK(receiver.Connections() == 2);
+  }
+}
+
+TEST_CASE("http client opens a connection per request to a receiver that closes each", "[notify]") {
+  TestReceiver receiver;
+  auto client = Client();
+  for (int i = 0; i < 3; ++i) REQUIRE(client->Send(Post(receiver.url("/hook")), 5s).status == 200);
+  CHECK(receiver.Connections() == 3);
+}
+
+TEST_CASE("a request that finds its kept connection closed by the receiver is sent on a new one, once", "[notify]") {
+  TestReceiver::Options keep;
+  keep.keep_alive = true;
+  TestReceiver receiver(keep);
+  auto client = Client();
+  REQUIRE(client->Send(Post(receiver.url("/hook"), R"({"n":1})"), 5s).status == 200);
+  // As a server closes an idle connection: the client learns it only when it uses it.
+  receiver.CloseConnections();
+  const HttpResult result = client->Send(Post(receiver.url("/hook"), R"({"n":2})"), 5s);
+  INFO(result.message);
+  REQUIRE(result.has_response());
+  CHECK(result.status == 200);
+  const auto requests = receiver.Requests();
+  REQUIRE(requests.size() == 2);
+  CHECK(requests[1].body == R"({"n":2})");
+  CHECK(receiver.Connections() == 2);
+}
+
+TEST_CASE("https keeps its connection, and its handshake, for the next request", "[notify]") {
+  TestReceiver::Options keep;
+  keep.tls = notify::testing::MakeSelfSignedCert();
+  keep.keep_alive = true;
+  TestReceiver receiver(keep);
+  notify::HttpClientOptions options;
+  options.tls.ca_pem = keep.tls->cert_pem;
+  auto client = Client(options);
+  for (int i = 0; i < 3; ++i) {
+    const HttpResult result = client->Send(Post(receiver.url("/secure")), 5s);
+    INFO(result.message);
+    REQUIRE(result.status == 200);
+  }
+  CHECK(receiver.Connections() == 1);
+  receiver.CloseConnections();
+  const HttpResult after = client->Send(Post(receiver.url("/secure")), 5s);
+  INFO(after.message);
+  CHECK(after.status == 200);
+  CHECK(receiver.Requests().size() == 4);
+  CHECK(receiver.Connections() == 2);
+}

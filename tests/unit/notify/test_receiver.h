@@ -127,10 +127,13 @@ class TestReceiver {
  public:
   struct Options {
     std::optional<SelfSignedCert> tls;  // serve HTTPS with this certificate
+    // Answer HTTP/1.1 keep-alive requests on the same connection (a Go server's default, e.g.
+    // Alertmanager's); else every response closes its connection.
+    bool keep_alive = false;
   };
 
   TestReceiver() : TestReceiver(Options{}) {}
-  explicit TestReceiver(Options options) {
+  explicit TestReceiver(Options options) : keep_alive_(options.keep_alive) {
     namespace ssl = boost::asio::ssl;
     if (options.tls) {
       tls_.emplace(ssl::context::tls_server);
@@ -180,9 +183,21 @@ class TestReceiver {
     delay_ = delay;
   }
 
-  // Stops listening: connections to the port are refused until Up().
+  // Stops listening: connections to the port are refused until Up(). Connections kept open
+  // (keep_alive) are closed too.
   void Down() {
     RunOnIo([this] { acceptor_.close(); });
+    CloseConnections();
+  }
+  // Closes the connections kept open, as a server closes idle ones.
+  void CloseConnections() {
+    std::lock_guard lock(mu_);
+    for (int fd : open_sockets_) ::shutdown(fd, SHUT_RDWR);
+  }
+  // Connections accepted so far.
+  size_t Connections() const {
+    std::lock_guard lock(mu_);
+    return accepted_;
   }
   // Listens again on the same port.
   void Up() {
@@ -247,6 +262,7 @@ class TestReceiver {
       std::lock_guard lock(mu_);
       if (stopping_) return;
       open_sockets_.insert(socket.native_handle());
+      ++accepted_;
       connections_.emplace_back([this, s = std::make_shared<tcp::socket>(std::move(socket))]() mutable { Serve(*s); });
       Accept();
     });
@@ -273,15 +289,23 @@ class TestReceiver {
     socket.close(ec);
   }
 
+  // Answers the requests on a connection: one, or while both sides keep it alive.
   template <typename Stream>
   void Exchange(Stream& stream) {
+    boost::beast::flat_buffer buffer;
+    while (Answer(stream, buffer)) {
+    }
+  }
+
+  // Reads and answers one request; true when the connection stays open for another.
+  template <typename Stream>
+  bool Answer(Stream& stream, boost::beast::flat_buffer& buffer) {
     namespace beast = boost::beast;
     namespace http = beast::http;
     beast::error_code ec;
-    beast::flat_buffer buffer;
     http::request<http::string_body> request;
     http::read(stream, buffer, request, ec);
-    if (ec) return;
+    if (ec) return false;
     RecordedRequest record;
     record.received_at = std::chrono::steady_clock::now();
     record.method = std::string(request.method_string());
@@ -303,7 +327,7 @@ class TestReceiver {
       delay = delay_;
       if (delay.count() > 0) {
         cv_.wait_for(lock, delay, [&] { return stopping_; });
-        if (stopping_) return;
+        if (stopping_) return false;
       }
       requests_.push_back(record);
       if (record.answered_status >= 200 && record.answered_status < 300) ++delivered_;
@@ -311,10 +335,12 @@ class TestReceiver {
     cv_.notify_all();
     http::response<http::string_body> response{static_cast<http::status>(record.answered_status), request.version()};
     response.set(http::field::content_type, "application/json");
-    response.keep_alive(false);
+    const bool keep = keep_alive_ && request.keep_alive();
+    response.keep_alive(keep);
     response.body() = "{}";
     response.prepare_payload();
     http::write(stream, response, ec);
+    return keep && !ec;
   }
 
   boost::asio::io_context io_;
@@ -328,6 +354,8 @@ class TestReceiver {
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   bool stopping_ = false;
+  const bool keep_alive_;
+  size_t accepted_ = 0;  // guarded by mu_
   std::deque<int> script_;
   int default_status_ = 200;
   std::chrono::milliseconds delay_{0};
