@@ -140,14 +140,51 @@ struct Shape {
   uint64_t Series() const { return uint64_t{runs} * SamplesPerMessage(); }
 };
 
-std::vector<std::pair<std::string, v1::ParamKind>> Catalog(uint32_t params) {
-  std::vector<std::pair<std::string, v1::ParamKind>> out;
+// A decoder-only transformer's tensors, as a Llama-style model names them: per layer the attention's
+// q, k, v and o projections, the MLP's gate, up and down projections (weight decay 0.1) and two
+// RMSNorm gains (no weight decay: the series the incident is about, tracked at full resolution
+// with change points and event slopes); the output layer first. Two in nine parameters are norm
+// gains, as in such a model.
+struct BenchParam {
+  std::string name;
+  v1::ParamKind kind;
+  double weight_decay;
+};
+
+std::vector<BenchParam> Catalog(uint32_t params) {
+  static const std::vector<std::pair<std::string, v1::ParamKind>> kLayer = {
+      {"self_attn.q_proj", v1::PARAM_KIND_ATTENTION},
+      {"self_attn.k_proj", v1::PARAM_KIND_ATTENTION},
+      {"self_attn.v_proj", v1::PARAM_KIND_ATTENTION},
+      {"self_attn.o_proj", v1::PARAM_KIND_ATTENTION},
+      {"mlp.gate_proj", v1::PARAM_KIND_MLP},
+      {"mlp.up_proj", v1::PARAM_KIND_MLP},
+      {"mlp.down_proj", v1::PARAM_KIND_MLP},
+      {"input_layernorm", v1::PARAM_KIND_NORM_GAIN},
+      {"post_attention_layernorm", v1::PARAM_KIND_NORM_GAIN}};
+  std::vector<BenchParam> out;
   out.reserve(params);
   for (uint32_t i = 0; i < params; ++i) {
-    const v1::ParamKind kind = i == 0 ? v1::PARAM_KIND_OUTPUT : (i % 2 ? v1::PARAM_KIND_ATTENTION : v1::PARAM_KIND_MLP);
-    out.emplace_back("layers." + std::to_string(i / 8) + ".p" + std::to_string(i % 8) + ".weight", kind);
+    if (i == 0) {
+      out.push_back({"lm_head.weight", v1::PARAM_KIND_OUTPUT, 0.1});
+      continue;
+    }
+    const auto& [name, kind] = kLayer[(i - 1) % kLayer.size()];
+    out.push_back({"model.layers." + std::to_string((i - 1) / kLayer.size()) + "." + name + ".weight", kind,
+                   kind == v1::PARAM_KIND_NORM_GAIN ? 0.0 : 0.1});
   }
   return out;
+}
+
+// The trainers' hello: the catalog with each parameter's kind and weight decay.
+v1::Hello BenchHello(const std::string& run, uint32_t rank, uint32_t world, uint32_t params) {
+  const std::vector<BenchParam> catalog = Catalog(params);
+  std::vector<std::pair<std::string, v1::ParamKind>> kinds;
+  kinds.reserve(catalog.size());
+  for (const BenchParam& p : catalog) kinds.emplace_back(p.name, p.kind);
+  v1::Hello hello = MakeHello(run, rank, world, kinds);
+  for (int i = 0; i < hello.params_size(); ++i) hello.mutable_params(i)->set_weight_decay(catalog[i].weight_decay);
+  return hello;
 }
 
 // One rank's step message, filled in place for each step (values drift slowly with the step).
@@ -177,7 +214,7 @@ class RankStream final : public grpc::ClientBidiReactor<v1::TrainerMessage, v1::
  public:
   RankStream(v1::Ingest::Stub* stub, const Shape& shape, const std::string& run, uint32_t rank, Latch* done)
       : shape_(shape), rank_(rank), done_(done), sent_at_(shape.steps + 1) {
-    *out_.mutable_hello() = MakeHello(run, rank, shape.ranks, Catalog(shape.params));
+    *out_.mutable_hello() = BenchHello(run, rank, shape.ranks, shape.params);
     latencies_us_.reserve(shape.steps);
     stub->async()->Stream(&context_, this);
     StartRead(&in_);
@@ -872,7 +909,7 @@ json SingleRunPart(const Shape& shape, json* ingest_rows) {
   daemon.emplace(options);
   const double restart_s = Seconds(Clock::now() - t0);
   StreamClient check(daemon->grpc_target());
-  check.Hello(MakeHello("solo-0", 0, 1, Catalog(shape.params)));
+  check.Hello(BenchHello("solo-0", 0, 1, shape.params));
   const v1::Accepted accepted = check.WaitAccepted();
   if (!accepted.has_durable_step() || accepted.last_durable_step() != shape.steps) {
     Fail("after the restart the run's durable step is " + std::to_string(accepted.last_durable_step()));
@@ -1007,7 +1044,7 @@ json LargeRestartPart(uint64_t extra_steps) {
     const auto t0 = Clock::now();
     DaemonProcess daemon(options);
     StreamClient check(daemon.grpc_target());
-    check.Hello(MakeHello(run, 0, 1, Catalog(shape.params)));
+    check.Hello(BenchHello(run, 0, 1, shape.params));
     const v1::Accepted accepted = check.WaitAccepted();
     const double seconds = Seconds(Clock::now() - t0);
     if (!accepted.has_durable_step() || accepted.last_durable_step() != last) {

@@ -112,7 +112,11 @@ def run_workload(runs, ranks, params, steps, workdir, time_limit):
     try:
         wait_ready(pgw, pgw_port, "pushgateway")
         wait_ready(prom, prom_port, "prometheus")
-        names = [f"layers.{i // 8}.p{i % 8}.weight" for i in range(params)]
+        # The parameters' names as gradwatch_bench's catalog gives them (a Llama-style model's).
+        layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+        names = ["lm_head.weight"] + [f"model.layers.{(i - 1) // len(layer)}.{layer[(i - 1) % len(layer)]}.weight"
+                                      for i in range(1, params)]
         grad_lines = [f'gradwatch_bench_grad_norm{{param="{n}"}} ' for n in names]
         param_lines = [f'gradwatch_bench_param_norm{{param="{n}"}} ' for n in names]
         conn = http.client.HTTPConnection("127.0.0.1", pgw_port, timeout=60)
