@@ -5,7 +5,9 @@
 #include <cmath>
 #include <map>
 #include <span>
+#include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 namespace gradwatch::alerts {
 namespace {
@@ -88,24 +90,15 @@ VarValue Count(double v) { return {VarValue::As::kCount, v}; }
 VarValue Percent(double v) { return {VarValue::As::kPercent, v}; }
 VarValue Integer(uint64_t v) { return {VarValue::As::kInteger, 0, v}; }  // without separators
 
-// vars[key] = value, formatted in place: a reused slot's entry keeps its key and buffer, so
-// setting it allocates nothing.
-void SetVar(TemplateVars& vars, std::string_view key, const VarValue& value) {
-  auto it = vars.find(key);
-  if (it == vars.end()) it = vars.emplace(std::string(key), std::string()).first;
-  std::string& out = it->second;
+void SetVar(ConditionVars& vars, std::string_view key, const VarValue& value) {
+  using As = ConditionVars::As;
   switch (value.as) {
-    case VarValue::As::kText: out.assign(value.text); break;
-    case VarValue::As::kNumber: FormatNumberTo(out, value.number); break;
-    case VarValue::As::kStep: FormatStepTo(out, value.step); break;
-    case VarValue::As::kCount: FormatCountTo(out, value.number); break;
-    case VarValue::As::kPercent: FormatPercentTo(out, value.number); break;
-    case VarValue::As::kInteger: {
-      char buf[24];
-      const auto end = std::to_chars(buf, buf + sizeof(buf), value.step).ptr;
-      out.assign(buf, static_cast<size_t>(end - buf));
-      break;
-    }
+    case VarValue::As::kText: vars.SetText(key, value.text); break;
+    case VarValue::As::kNumber: vars.SetNumber(key, As::kNumber, value.number, 0); break;
+    case VarValue::As::kStep: vars.SetNumber(key, As::kStep, 0, value.step); break;
+    case VarValue::As::kCount: vars.SetNumber(key, As::kCount, value.number, 0); break;
+    case VarValue::As::kPercent: vars.SetNumber(key, As::kPercent, value.number, 0); break;
+    case VarValue::As::kInteger: vars.SetNumber(key, As::kInteger, 0, value.step); break;
   }
 }
 
@@ -401,11 +394,12 @@ LabelSet BaseLabels(const Rule& rule, const RunFacts& facts) {
 Condition& ConditionList::Add(const LabelSet& base,
                               std::initializer_list<std::pair<std::string_view, std::string_view>> own, double value,
                               bool active) {
-  if (size_ == slots_.size()) slots_.emplace_back();
+  const bool fresh = size_ == slots_.size();
+  if (fresh) slots_.emplace_back();
   Condition& c = slots_[size_++];
   // The slot's labels are kept when they are already base + own (the same instance as at its
   // last use): rebuilding them would free and allocate nodes.
-  bool same = c.labels.size() == base.size() + own.size();
+  bool same = !fresh && c.labels.size() == base.size() + own.size();
   for (const auto& [name, v] : own) {
     if (!same) break;
     const std::string key(name);  // the instance's own label names are short: no allocation
@@ -419,11 +413,71 @@ Condition& ConditionList::Add(const LabelSet& base,
   if (!same) {
     c.labels = base;
     for (const auto& [name, v] : own) c.labels[std::string(name)] = v;
+    c.fingerprint = Fingerprint(c.labels);
   }
   c.value = value;
   c.active = active;
   c.level.reset();
+  c.vars.Clear();
   return c;
+}
+
+ConditionVars::Entry& ConditionVars::Slot(std::string_view key) {
+  // Each use of a slot sets the same keys in the same order: the next entry is the one.
+  if (size_ < entries_.size() && entries_[size_].key == key) return entries_[size_++];
+  for (size_t i = 0; i < size_; ++i) {
+    if (entries_[i].key == key) return entries_[i];  // set again
+  }
+  size_t at = size_;
+  while (at < entries_.size() && entries_[at].key != key) ++at;
+  if (at == entries_.size()) entries_.emplace_back().key = key;
+  std::swap(entries_[size_], entries_[at]);
+  return entries_[size_++];
+}
+
+void ConditionVars::SetText(std::string_view key, std::string_view text) {
+  Entry& e = Slot(key);
+  e.as = As::kText;
+  e.text.assign(text);
+}
+
+void ConditionVars::SetNumber(std::string_view key, As as, double number, uint64_t integer) {
+  Entry& e = Slot(key);
+  e.as = as;
+  e.number = number;
+  e.integer = integer;
+}
+
+void ConditionVars::FormatTo(const Entry& e, std::string& out) {
+  switch (e.as) {
+    case As::kText: out.assign(e.text); break;
+    case As::kNumber: FormatNumberTo(out, e.number); break;
+    case As::kStep: FormatStepTo(out, e.integer); break;
+    case As::kCount: FormatCountTo(out, e.number); break;
+    case As::kPercent: FormatPercentTo(out, e.number); break;
+    case As::kInteger: {
+      char buf[24];
+      const auto end = std::to_chars(buf, buf + sizeof(buf), e.integer).ptr;
+      out.assign(buf, static_cast<size_t>(end - buf));
+      break;
+    }
+  }
+}
+
+TemplateVars ConditionVars::Format() const {
+  TemplateVars out;
+  for (size_t i = 0; i < size_; ++i) FormatTo(entries_[i], out[std::string(entries_[i].key)]);
+  return out;
+}
+
+std::string ConditionVars::at(std::string_view key) const {
+  for (size_t i = 0; i < size_; ++i) {
+    if (entries_[i].key != key) continue;
+    std::string out;
+    FormatTo(entries_[i], out);
+    return out;
+  }
+  throw std::out_of_range("no template variable '" + std::string(key) + "'");
 }
 
 void Evaluate(const Rule& rule, const RunFacts& facts, const LabelSet& base, const SeriesFilter* with_instance,

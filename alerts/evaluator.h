@@ -3,6 +3,7 @@
 // state machine.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
@@ -44,13 +45,45 @@ struct LevelTest {
 bool LevelHolds(const LevelTest& test, double measure);
 bool LevelPastClear(const LevelTest& test, double measure);
 
+// A condition's template variables as the evaluator found them: text, or numbers that are
+// formatted (and the map built) only when a template needs them. Most conditions are instances
+// that do not hold, evaluated again at every step and never rendered.
+class ConditionVars {
+ public:
+  enum class As : uint8_t { kText, kNumber, kStep, kCount, kPercent, kInteger };
+  // Forgets what was set; the entries keep their buffers.
+  void Clear() { size_ = 0; }
+  // `key` is one of the evaluator's string literals, kept as a view.
+  void SetText(std::string_view key, std::string_view text);
+  // `number` formatted as `as` (kStep, kInteger: `integer`) when the variables are.
+  void SetNumber(std::string_view key, As as, double number, uint64_t integer);
+  // The variables formatted for templates.
+  TemplateVars Format() const;
+  // One variable formatted; throws std::out_of_range when it is not set.
+  std::string at(std::string_view key) const;
+
+ private:
+  struct Entry {
+    std::string_view key;
+    As as = As::kText;
+    std::string text;
+    double number = 0;
+    uint64_t integer = 0;
+  };
+  Entry& Slot(std::string_view key);
+  static void FormatTo(const Entry& e, std::string& out);
+  std::vector<Entry> entries_;  // keys unique; the first size_ are set
+  size_t size_ = 0;
+};
+
 struct Condition {
   // alertname, run, the rule's labels (severity among them), the run's labels, and the
   // instance's own: `series` (threshold, forecast, slope_change, non_finite), `param` or `group`
   // (share, growth_without_decay), `event_step` and `trigger` (slope_change).
   LabelSet labels;
-  double value = 0;   // in the unit the rule compares: the series' value, a share, a ratio, ...
-  TemplateVars vars;  // formatted for templates (see TemplateVariablesFor); no "recommendation"
+  uint64_t fingerprint = 0;  // Fingerprint(labels), set with them
+  double value = 0;          // in the unit the rule compares: the series' value, a share, a ratio, ...
+  ConditionVars vars;        // for templates (see TemplateVariablesFor); no "recommendation"
   bool active = false;
   // Set for every kind that holds (threshold, forecast, slope_change, share,
   // growth_without_decay); active == LevelHolds(*level, level->hold_measure). non_finite and
@@ -98,8 +131,8 @@ class ConditionList {
   const Condition* begin() const { return slots_.data(); }
   const Condition* end() const { return slots_.data() + size_; }
   void Clear() { size_ = 0; }
-  // The next slot: labels `base` plus `own` (name, value) pairs, value, active; `level` reset.
-  // Its template variables keep what the slot's previous use set: each kind sets the same ones.
+  // The next slot: labels `base` plus `own` (name, value) pairs, value, active; `level` and the
+  // template variables reset (their buffers kept: each kind sets the same ones in the same order).
   Condition& Add(const LabelSet& base, std::initializer_list<std::pair<std::string_view, std::string_view>> own,
                  double value, bool active);
 

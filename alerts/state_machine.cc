@@ -268,7 +268,7 @@ bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* con
   };
   if (cond && (holds || in_band)) {
     inst.alert.value = cond->value;
-    inst.alert.annotations = Render(rule, cond->vars, inst.alert.labels, recommendation);
+    inst.alert.annotations = Render(rule, cond->vars.Format(), inst.alert.labels, recommendation);
   }
 
   switch (state) {
@@ -318,7 +318,7 @@ bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* con
       if (cond) inst.alert.value = cond->value;
       Resolve(
           rule, inst,
-          cond ? cond->vars
+          cond ? cond->vars.Format()
                : TemplateVars{{"step", FormatStep(step)}, {"run", inst.run}, {"value", FormatNumber(inst.alert.value)}},
           step, now, out);
       return false;
@@ -354,7 +354,7 @@ bool AlertEngine::AdvanceLevel(const Rule& rule, Instance& inst, const Condition
   auto recent = [&](Column column) { return window.Median(column, std::min(tracker.since_mark, kLevelReports)); };
   // The value shown: the level of the reports since the mark, or the estimate itself.
   auto render = [&](double shown) {
-    TemplateVars vars = cond.vars;
+    TemplateVars vars = cond.vars.Format();
     if (level.shows_level && std::isfinite(shown)) {
       vars["value"] = level.percent ? FormatPercent(shown) : FormatNumber(shown);
     }
@@ -465,7 +465,7 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
   Evaluate(rule, facts, scratch.base[rule_index], rule.kind == RuleKind::kNonFinite ? &filter : nullptr, conditions);
   // One instance, one evaluation: the first condition of each fingerprint.
   fingerprints_.clear();
-  for (size_t i = 0; i < conditions.size(); ++i) fingerprints_.emplace_back(Fingerprint(conditions[i].labels), i);
+  for (size_t i = 0; i < conditions.size(); ++i) fingerprints_.emplace_back(conditions[i].fingerprint, i);
   std::sort(fingerprints_.begin(), fingerprints_.end());
   first_of_fingerprint_.assign(conditions.size(), 0);
   seen_.clear();
@@ -497,7 +497,7 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
   for (size_t i = 0; i < conditions.size(); ++i) {
     if (!first_of_fingerprint_[i]) continue;
     const Condition& c = conditions[i];
-    const uint64_t fp = Fingerprint(c.labels);
+    const uint64_t fp = c.fingerprint;
     LevelTracker* tracker = nullptr;
     if (c.level) {
       if (std::isnan(c.level->hold_measure) || std::isnan(c.level->clear_measure)) continue;  // no report

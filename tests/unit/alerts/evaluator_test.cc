@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -217,6 +218,48 @@ TEST_CASE("growth_without_decay: rising norm gains without decay above the ampli
   CHECK(cs[0].vars.at("growth") == "8%");
 }
 
+TEST_CASE("a reused condition list formats its variables on demand and keeps each instance's fingerprint", "[alerts]") {
+  const Rule rule =
+      LoadOne("        kind: growth_without_decay\n        param_kind: norm_gain\n        min_amplification: 4\n");
+  RunFacts facts = Facts({});
+  ParamFact a = Param("layers.0.input_layernorm.weight", ParamKind::kNormGain, 0);
+  a.norm = 362.1;
+  a.norm_slope_per_kstep = 2.5;
+  ParamFact b = Param("layers.0.post_attention_layernorm.weight", ParamKind::kNormGain, 0);
+  b.norm = 100;
+  facts.params = {a, b};
+  const LabelSet base = BaseLabels(rule, facts);
+  ConditionList list;
+  Evaluate(rule, facts, base, nullptr, list);
+  REQUIRE(list.size() == 2);
+  CHECK(list[0].fingerprint == Fingerprint(list[0].labels));
+  CHECK(list[1].fingerprint == Fingerprint(list[1].labels));
+  CHECK(list[0].fingerprint != list[1].fingerprint);
+  CHECK(list[0].vars.at("amplification") == "4.62");
+  CHECK(list[0].vars.at("slope") == "2.5");
+  CHECK(list[1].vars.at("slope") == "unknown");
+  CHECK_THROWS_AS(list[0].vars.at("no_such_variable"), std::out_of_range);
+  // Every variable the kind sets, and "value" once although it is set twice.
+  const TemplateVars formatted = list[0].vars.Format();
+  CHECK(formatted.at("param") == "layers.0.input_layernorm.weight");
+  CHECK(formatted.at("run") == facts.run_id);
+  CHECK(formatted.count("value") == 1);
+
+  // The next step: the slots are reused in another order of parameters and with other values.
+  facts.params = {b, a};
+  facts.params[0].norm_slope_per_kstep = 1.25;
+  facts.params[1].norm = 400;
+  Evaluate(rule, facts, base, nullptr, list);
+  REQUIRE(list.size() == 2);
+  CHECK(list[0].labels.at("param") == "layers.0.post_attention_layernorm.weight");
+  CHECK(list[0].fingerprint == Fingerprint(list[0].labels));
+  CHECK(list[1].fingerprint == Fingerprint(list[1].labels));
+  CHECK(list[0].vars.at("slope") == "1.25");
+  CHECK(list[1].vars.at("norm") == "400");
+  CHECK(list[1].vars.at("amplification") == "5.103");
+  CHECK(list[1].vars.Format().size() == formatted.size());
+}
+
 TEST_CASE("non_finite: NaN or Inf in any norm or the loss", "[alerts]") {
   const Rule nonfinite = DefaultRule(RuleKind::kNonFinite);
   const Rule* rule = &nonfinite;
@@ -303,7 +346,7 @@ TEST_CASE("every default rule matches an incident-shaped run and renders its ann
       if (c.active) active = &c;
     }
     REQUIRE(active);
-    TemplateVars vars = active->vars;
+    TemplateVars vars = active->vars.Format();
     vars["recommendation"] = "enable weight decay on final_norm.weight";
     for (const auto& [name, text] : rule.annotations) {
       const std::string rendered = RenderTemplate(text, vars, active->labels);
