@@ -111,6 +111,9 @@ struct RunFacts {
   bool ended_cleanly = false;
 
   std::vector<SeriesValue> latest;  // sorted by key (FindLatest binary-searches it)
+  // Set by whoever fills `latest` (0: unknown): facts with the same non-zero id hold the same keys
+  // in `latest`, in the same order, so that refilling them sets the values alone.
+  uint64_t latest_layout = 0;
   std::vector<ForecastFact> forecasts;
   std::vector<SlopeChangeFact> slope_changes;
   std::vector<ChangePointFact> change_points;

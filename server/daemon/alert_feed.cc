@@ -45,6 +45,9 @@ void AlertFeed::RankKeys() {
   value_by_id_.assign(keys_.size(), 0.0);
   value_stamp_.assign(keys_.size(), 0);
   keys_ranked_ = true;
+  // A rank may stand for another key now: the next step's keys get a new layout id.
+  layout_ranks_.clear();
+  ++layout_id_;
 }
 
 void AlertFeed::OnStep(const runs::PublishedStep& p) {
@@ -193,21 +196,32 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
     std::sort(ranked_values_.begin(), ranked_values_.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
   }
+  // The same keys as the step before (a trainer reports the same series every step): facts that
+  // already hold them take the values alone, without copying a key a series a step.
+  bool same_keys = layout_id_ != 0 && !layout_ranks_.empty() && layout_ranks_.size() == ranked_values_.size();
+  for (size_t i = 0; same_keys && i < ranked_values_.size(); ++i) {
+    same_keys = layout_ranks_[i] == ranked_values_[i].first;
+  }
+  if (!same_keys) {
+    ++layout_id_;
+    layout_ranks_.clear();
+    for (const auto& ranked : ranked_values_) layout_ranks_.push_back(ranked.first);
+  }
+  const bool keys_held = f.latest_layout == layout_id_ && f.latest.size() == ranked_values_.size();
+  f.latest.resize(ranked_values_.size());
   size_t latest = 0, nonfinite = 0;
   for (const auto& [rank, value] : ranked_values_) {
-    const std::string& key = keys_[ids_by_key_[rank]];
-    if (latest == f.latest.size()) f.latest.emplace_back();
     alerts::SeriesValue& v = f.latest[latest++];
-    v.key = key;
+    if (!keys_held) v.key = keys_[ids_by_key_[rank]];
     v.value = value;
     if (!std::isfinite(value)) {
       if (nonfinite == f.nonfinite.size()) f.nonfinite.emplace_back();
       alerts::NonFiniteFact& n = f.nonfinite[nonfinite++];
-      n.key = key;
+      n.key = keys_[ids_by_key_[rank]];
       n.step = step.step;
     }
   }
-  f.latest.resize(latest);
+  f.latest_layout = layout_id_;
   f.nonfinite.resize(nonfinite);
 
   p.analytics.StepAnalysis(analysis_, params_);

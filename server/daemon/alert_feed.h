@@ -83,6 +83,11 @@ class AlertFeed final : public runs::RunChannel {
   std::vector<SeriesId> ids_by_key_;  // series ids in key order
   bool keys_ranked_ = true;
   std::vector<std::pair<uint32_t, double>> ranked_values_;
+  // The keys of the latest step's values (their ranks, in order), and its id in
+  // RunFacts::latest_layout: a step with the same keys as the one before keeps the id, and facts
+  // filled with that id already hold those keys.
+  std::vector<uint32_t> layout_ranks_;
+  uint64_t layout_id_ = 0;
   // The current step's value of each series id, valid where value_stamp_[id] == value_epoch_.
   std::vector<double> value_by_id_;
   std::vector<uint64_t> value_stamp_;

@@ -163,3 +163,54 @@ TEST_CASE("timer rules see the run's activity through its feed", "[daemon][alert
   CHECK(heard.back().alert.labels.at("run") == "r1");
   CHECK(heard.back().alert.step == 7);
 }
+
+TEST_CASE("the facts carry each value under its own series when a step's series change", "[daemon][alerts]") {
+  auto rules = alerts::LoadRules(
+      "groups:\n  - name: g\n    rules:\n      - alert: High\n        kind: threshold\n        series: \"x/*\"\n"
+      "        op: \">=\"\n        value: 5\n        labels: {severity: warning}\n",
+      "test.yaml");
+  REQUIRE(rules.ok());
+  alerts::AlertEngine engine(std::move(rules).value());
+  std::vector<std::pair<uint64_t, std::string>> started;  // step, series of each alert that starts
+  AlertFeed feed(Meta(), std::nullopt, engine, [&](std::vector<alerts::Transition> ts, bool) {
+    for (const auto& t : ts) {
+      if (t.from == alerts::AlertState::kInactive) started.emplace_back(t.alert.step, t.alert.labels.at("series"));
+    }
+  });
+  RunMeta meta = Meta();
+  RunAnalytics analytics{AnalyticsOptions{}};
+  RunActivity activity;
+  CompletedStep step;
+  const auto add_series = [&](SeriesId id, const std::string& key) {
+    feed.OnSeries(id, key);
+    analytics.AddSeries(id, key);
+  };
+  const auto publish = [&](uint64_t n, std::vector<SeriesValue> values) {
+    step.step = n;
+    step.values = std::move(values);
+    analytics.OnStep(step);
+    activity.last_step = n;
+    feed.OnStep(PublishedStep{.step = step,
+                              .meta = meta,
+                              .param_series = {},
+                              .analytics = analytics,
+                              .activity = activity,
+                              .now = 1000.0 + static_cast<double>(n)});
+    feed.Deliver();
+  };
+  add_series(0, "x/a");
+  add_series(1, "x/b");
+  // The same series every step: the facts objects the feed reuses keep their keys.
+  for (uint64_t s = 1; s <= 6; ++s) publish(s, {{0, 1.0}, {1, 1.0}});
+  CHECK(started.empty());
+  // A new series sorts first: the next step's values take the same places in key order as the
+  // last step's, under other keys.
+  add_series(2, "x/0");
+  publish(7, {{2, 9.0}, {0, 1.0}});
+  publish(8, {{2, 9.0}, {0, 1.0}});
+  // A step with all three, then one with another pair.
+  publish(9, {{2, 9.0}, {0, 1.0}, {1, 9.0}});
+  publish(10, {{0, 9.0}, {1, 1.0}});
+  const std::vector<std::pair<uint64_t, std::string>> expected = {{7, "x/0"}, {9, "x/b"}, {10, "x/a"}};
+  CHECK(started == expected);
+}
