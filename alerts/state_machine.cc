@@ -122,20 +122,21 @@ void AlertEngine::PublishLocked(const std::vector<Transition>& transitions, bool
     return;
   }
   StateChanges changes;
+  for (uint64_t fp : dirty_levels_) {
+    auto it = levels_.find(fp);
+    if (it == levels_.end()) {
+      if (sink_) changes.levels[fp] = std::nullopt;
+      continue;
+    }
+    LevelTracker& t = it->second;
+    t.dirty = false;
+    if (sink_) changes.levels[fp] = LevelState{t.rule, t.run, t.window.raw(), t.since_mark, t.all_since_mark};
+  }
   if (sink_) {
     // Instances whose shown value moved: written with the progress, as they are at this moment.
     for (uint64_t fp : dirty_shown_) {
       auto it = instances_.find(fp);
       if (it != instances_.end()) changes.instances[fp] = it->second;
-    }
-    for (uint64_t fp : dirty_levels_) {
-      auto it = levels_.find(fp);
-      if (it == levels_.end()) {
-        changes.levels[fp] = std::nullopt;
-        continue;
-      }
-      const LevelTracker& t = it->second;
-      changes.levels[fp] = LevelState{t.rule, t.run, t.window.raw(), t.since_mark, t.all_since_mark};
     }
     for (const std::string& run : dirty_evaluated_) {
       auto it = evaluated_.find(run);
@@ -436,7 +437,7 @@ template <typename Pred>
 void AlertEngine::DropTrackers(Pred drop) {
   for (auto it = levels_.begin(); it != levels_.end();) {
     if (drop(it->second)) {
-      TouchLevel(it->first);
+      TouchLevel(it->first, it->second);
       it = levels_.erase(it);
     } else {
       ++it;
@@ -505,7 +506,7 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
       if (created) t->second.rule = rule.name, t->second.run = facts.run_id;
       tracker = &t->second;
       tracker->window.Add(c.value, c.level->hold_measure, c.level->clear_measure);
-      TouchLevel(fp);
+      TouchLevel(fp, *tracker);
     }
     auto it = instances_.find(fp);
     if (it == instances_.end()) {

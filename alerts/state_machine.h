@@ -288,6 +288,7 @@ class AlertEngine {
     ReportWindow window;
     size_t since_mark = 0;       // reports since s0 (pending, firing) or r0 (clearing)
     bool all_since_mark = true;  // every one of them held (pending) / was past the clear band
+    bool dirty = false;          // listed in dirty_levels_
     void Mark() { since_mark = 1, all_since_mark = true; }
     void Count(bool ok) { ++since_mark, all_since_mark = all_since_mark && ok; }
   };
@@ -329,7 +330,12 @@ class AlertEngine {
   void CatchUpLocked(std::string_view run, double now, std::vector<Transition>* out);
   // Records that an instance changed or ended, for the next Publish.
   void Touch(uint64_t fingerprint) { dirty_instances_.insert(fingerprint); }
-  void TouchLevel(uint64_t fingerprint) { dirty_levels_.insert(fingerprint); }
+  // Lists the tracker for the next Publish, once: every level instance is touched at every step.
+  void TouchLevel(uint64_t fingerprint, LevelTracker& tracker) {
+    if (tracker.dirty) return;
+    tracker.dirty = true;
+    dirty_levels_.push_back(fingerprint);
+  }
   // An instance's state is unchanged but the value it shows (and its annotations) moved: written
   // with the progress (every 200 ms, or with the next durable change), so that a restart shows
   // what the alert showed, not the value it had when it last changed state.
@@ -357,7 +363,7 @@ class AlertEngine {
   ChangeSink sink_;
   std::set<uint64_t> dirty_instances_;                   // since the last Publish
   std::set<std::string> dirty_silences_;                 // since the last Publish
-  std::set<uint64_t> dirty_levels_;                      // since the last Publish
+  std::vector<uint64_t> dirty_levels_;                   // since the last Publish (may repeat one)
   std::set<std::string> dirty_evaluated_;                // since the last Publish
   std::vector<uint64_t> dirty_shown_;                    // since the last Publish (progress)
   std::unordered_map<std::string, RunScratch> scratch_;  // by run
