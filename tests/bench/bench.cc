@@ -58,6 +58,7 @@
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "server/store/journal.h"
 #include "server/store/sqlite.h"
+#include "tests/bench/catalog.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
 #include "tests/support/latch.h"
@@ -140,48 +141,13 @@ struct Shape {
   uint64_t Series() const { return uint64_t{runs} * SamplesPerMessage(); }
 };
 
-// A decoder-only transformer's tensors, as a Llama-style model names them: per layer the attention's
-// q, k, v and o projections, the MLP's gate, up and down projections (weight decay 0.1) and two
-// RMSNorm gains (no weight decay: the series the incident is about, tracked at full resolution
-// with change points and event slopes); the output layer first. Two in nine parameters are norm
-// gains, as in such a model.
-struct BenchParam {
-  std::string name;
-  v1::ParamKind kind;
-  double weight_decay;
-};
-
-std::vector<BenchParam> Catalog(uint32_t params) {
-  static const std::vector<std::pair<std::string, v1::ParamKind>> kLayer = {
-      {"self_attn.q_proj", v1::PARAM_KIND_ATTENTION},
-      {"self_attn.k_proj", v1::PARAM_KIND_ATTENTION},
-      {"self_attn.v_proj", v1::PARAM_KIND_ATTENTION},
-      {"self_attn.o_proj", v1::PARAM_KIND_ATTENTION},
-      {"mlp.gate_proj", v1::PARAM_KIND_MLP},
-      {"mlp.up_proj", v1::PARAM_KIND_MLP},
-      {"mlp.down_proj", v1::PARAM_KIND_MLP},
-      {"input_layernorm", v1::PARAM_KIND_NORM_GAIN},
-      {"post_attention_layernorm", v1::PARAM_KIND_NORM_GAIN}};
-  std::vector<BenchParam> out;
-  out.reserve(params);
-  for (uint32_t i = 0; i < params; ++i) {
-    if (i == 0) {
-      out.push_back({"lm_head.weight", v1::PARAM_KIND_OUTPUT, 0.1});
-      continue;
-    }
-    const auto& [name, kind] = kLayer[(i - 1) % kLayer.size()];
-    out.push_back({"model.layers." + std::to_string((i - 1) / kLayer.size()) + "." + name + ".weight", kind,
-                   kind == v1::PARAM_KIND_NORM_GAIN ? 0.0 : 0.1});
-  }
-  return out;
-}
-
 // The trainers' hello: the catalog with each parameter's kind and weight decay.
 v1::Hello BenchHello(const std::string& run, uint32_t rank, uint32_t world, uint32_t params) {
-  const std::vector<BenchParam> catalog = Catalog(params);
+  const std::vector<bench::BenchParam> catalog = bench::Catalog(params);
   std::vector<std::pair<std::string, v1::ParamKind>> kinds;
   kinds.reserve(catalog.size());
-  for (const BenchParam& p : catalog) kinds.emplace_back(p.name, p.kind);
+  // The proto's kinds are numbered as ParamKind's (server/ingest/convert.cc relies on it too).
+  for (const bench::BenchParam& p : catalog) kinds.emplace_back(p.name, static_cast<v1::ParamKind>(p.kind));
   v1::Hello hello = MakeHello(run, rank, world, kinds);
   for (int i = 0; i < hello.params_size(); ++i) hello.mutable_params(i)->set_weight_decay(catalog[i].weight_decay);
   return hello;

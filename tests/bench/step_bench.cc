@@ -24,6 +24,7 @@
 #include "server/core/clock.h"
 #include "server/daemon/alerting.h"
 #include "server/runs/run.h"
+#include "tests/bench/catalog.h"
 
 using namespace gradwatch;
 using namespace gradwatch::runs;
@@ -49,33 +50,16 @@ double ThreadCpuSeconds() {
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
-// The catalog gradwatch_bench's trainers send (a Llama-style model): the output layer, then per
-// layer four attention and three MLP projections (weight decay 0.1) and two RMSNorm gains (none).
+// The catalog gradwatch_bench's trainers send (tests/bench/catalog.h).
 RunMeta Meta(size_t params) {
-  static const std::vector<std::pair<std::string, ParamKind>> kLayer = {
-      {"self_attn.q_proj", ParamKind::kAttention},
-      {"self_attn.k_proj", ParamKind::kAttention},
-      {"self_attn.v_proj", ParamKind::kAttention},
-      {"self_attn.o_proj", ParamKind::kAttention},
-      {"mlp.gate_proj", ParamKind::kMlp},
-      {"mlp.up_proj", ParamKind::kMlp},
-      {"mlp.down_proj", ParamKind::kMlp},
-      {"input_layernorm", ParamKind::kNormGain},
-      {"post_attention_layernorm", ParamKind::kNormGain}};
   RunMeta m;
   m.run_id = "step-bench";
-  for (size_t i = 0; i < params; ++i) {
+  for (const bench::BenchParam& b : bench::Catalog(params)) {
     ParamInfo p;
     p.numel = 4096;
-    if (i == 0) {
-      p.name = "lm_head.weight";
-      p.kind = ParamKind::kOutput;
-    } else {
-      const auto& [name, kind] = kLayer[(i - 1) % kLayer.size()];
-      p.name = "model.layers." + std::to_string((i - 1) / kLayer.size()) + "." + name + ".weight";
-      p.kind = kind;
-    }
-    p.weight_decay = p.kind == ParamKind::kNormGain ? 0.0 : 0.1;
+    p.name = b.name;
+    p.kind = b.kind;
+    p.weight_decay = b.weight_decay;
     m.params.push_back(p);
   }
   return m;
