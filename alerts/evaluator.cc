@@ -72,17 +72,18 @@ void ForEachLatest(const std::vector<std::string>& patterns, const RunFacts& fac
 
 bool Always(const SeriesValue&) { return true; }
 
-// A template variable's value: text, or a number to format (Format* in templates.h).
+// A template variable's value: text, or a number to format (ConditionVars::As).
 struct VarValue {
-  enum class As { kText, kNumber, kStep, kCount, kPercent, kInteger } as = As::kText;
+  using As = ConditionVars::As;
+  As as = As::kText;
   std::string_view text;
   double number = 0;
-  uint64_t step = 0;
+  uint64_t integer = 0;  // kStep, kInteger
   // Implicit: a string is text.
   VarValue(std::string_view t) : text(t) {}
   VarValue(const std::string& t) : text(t) {}
   VarValue(const char* t) : text(t) {}
-  VarValue(As a, double n, uint64_t s = 0) : as(a), number(n), step(s) {}
+  VarValue(As a, double n, uint64_t i = 0) : as(a), number(n), integer(i) {}
 };
 VarValue Number(double v) { return {VarValue::As::kNumber, v}; }
 VarValue Step(uint64_t s) { return {VarValue::As::kStep, 0, s}; }
@@ -91,14 +92,10 @@ VarValue Percent(double v) { return {VarValue::As::kPercent, v}; }
 VarValue Integer(uint64_t v) { return {VarValue::As::kInteger, 0, v}; }  // without separators
 
 void SetVar(ConditionVars& vars, std::string_view key, const VarValue& value) {
-  using As = ConditionVars::As;
-  switch (value.as) {
-    case VarValue::As::kText: vars.SetText(key, value.text); break;
-    case VarValue::As::kNumber: vars.SetNumber(key, As::kNumber, value.number, 0); break;
-    case VarValue::As::kStep: vars.SetNumber(key, As::kStep, 0, value.step); break;
-    case VarValue::As::kCount: vars.SetNumber(key, As::kCount, value.number, 0); break;
-    case VarValue::As::kPercent: vars.SetNumber(key, As::kPercent, value.number, 0); break;
-    case VarValue::As::kInteger: vars.SetNumber(key, As::kInteger, 0, value.step); break;
+  if (value.as == VarValue::As::kText) {
+    vars.SetText(key, value.text);
+  } else {
+    vars.SetNumber(key, value.as, value.number, value.integer);
   }
 }
 

@@ -198,7 +198,7 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
   }
   // The same keys as the step before (a trainer reports the same series every step): facts that
   // already hold them take the values alone, without copying a key a series a step.
-  bool same_keys = layout_id_ != 0 && !layout_ranks_.empty() && layout_ranks_.size() == ranked_values_.size();
+  bool same_keys = !layout_ranks_.empty() && layout_ranks_.size() == ranked_values_.size();
   for (size_t i = 0; same_keys && i < ranked_values_.size(); ++i) {
     same_keys = layout_ranks_[i] == ranked_values_[i].first;
   }
