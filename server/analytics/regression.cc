@@ -15,6 +15,7 @@ namespace {
 // Written whole by RegressionSums::SaveState: two doubles, no padding. (RegressionSums itself is
 // trivially copyable too, but has padding after its flag: it is written field by field.)
 static_assert(std::is_trivially_copyable_v<CompensatedSum> && sizeof(CompensatedSum) == 2 * sizeof(double));
+static_assert(sizeof(PackedSums) == 64);
 
 // a + b, or UINT64_MAX when that overflows (the window's bookkeeping steps saturate so).
 uint64_t SaturatingAdd(uint64_t a, uint64_t b) { return a + b > a ? a + b : UINT64_MAX; }
@@ -222,29 +223,79 @@ bool RegressionSums::LoadState(StateReader& in) {
   return true;
 }
 
+PackedSums::PackedSums(const RegressionSums& sums)
+    : first_step_(sums.first_step()),
+      value_origin_(sums.value_origin()),
+      count_(static_cast<uint32_t>(sums.count())),
+      span_(static_cast<uint32_t>(sums.last_step() - sums.first_step())),
+      sum_x_(sums.sum_x_.value()),
+      sum_y_(sums.sum_y_.value()),
+      sum_xx_(sums.sum_xx_.value()),
+      sum_xy_(sums.sum_xy_.value()),
+      sum_yy_(sums.sum_yy_.value()) {
+  assert(!sums.empty() && sums.origin_step() == sums.first_step() && sums.count() <= kMaxCount &&
+         sums.last_step() - sums.first_step() <= kMaxSpan);
+}
+
+RegressionSums PackedSums::Unpack() const {
+  RegressionSums out(first_step_, value_origin_);
+  if (count_ == 0) return out;
+  out.count_ = count_;
+  out.first_step_ = first_step_;
+  out.last_step_ = last_step();
+  out.sum_x_.Add(sum_x_);
+  out.sum_y_.Add(sum_y_);
+  out.sum_xx_.Add(sum_xx_);
+  out.sum_xy_.Add(sum_xy_);
+  out.sum_yy_.Add(sum_yy_);
+  return out;
+}
+
+void PackedSums::SaveState(StateWriter& out) const {
+  out.Put(first_step_);
+  out.Put(value_origin_);
+  out.Put(count_);
+  out.Put(span_);
+  for (const double sum : {sum_x_, sum_y_, sum_xx_, sum_xy_, sum_yy_}) out.Put(sum);
+}
+
+bool PackedSums::LoadState(StateReader& in) {
+  if (!in.Get(first_step_) || !in.Get(value_origin_) || !in.Get(count_) || !in.Get(span_)) return false;
+  for (double* sum : {&sum_x_, &sum_y_, &sum_xx_, &sum_xy_, &sum_yy_}) {
+    if (!in.Get(*sum)) return false;
+  }
+  if (first_step_ + span_ < first_step_) return in.Fail("a bucket's steps overflow");
+  return true;
+}
+
 WindowedSlope::WindowedSlope(uint64_t window_steps, size_t max_buckets)
     : window_steps_(std::max<uint64_t>(window_steps, 1)),
       bucket_steps_(1),
-      max_buckets_(std::max<size_t>(max_buckets, 1)) {
+      max_buckets_(static_cast<uint32_t>(std::clamp<size_t>(max_buckets, 1, kMaxBuckets))) {
   const uint64_t buckets = max_buckets_;
+  // A bucket spans at most PackedSums::kMaxSpan + 1 steps (no overflow: buckets ≤ 2^31).
+  window_steps_ = std::min(window_steps_, buckets * (PackedSums::kMaxSpan + 1));
   bucket_steps_ = window_steps_ / buckets + (window_steps_ % buckets != 0 ? 1 : 0);
-  // Samples in a window of window_steps steps fall into at most ceil(window / bucket) + 1 buckets.
+  // Samples in a window of window_steps steps fall into at most ceil(window / bucket) + 1 buckets,
+  // at most max_buckets + 1.
   const uint64_t spanned = window_steps_ / bucket_steps_ + (window_steps_ % bucket_steps_ != 0 ? 1 : 0) + 1;
-  ring_capacity_ = static_cast<size_t>(spanned);
+  ring_capacity_ = static_cast<uint32_t>(spanned);
 }
 
 void WindowedSlope::GrowRing() {
   // Unwrap the held buckets to the front, then extend: the ring's order is kept with head_ 0.
   std::rotate(ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(head_), ring_.end());
   head_ = 0;
-  ring_.resize(std::min(ring_capacity_ - 1, std::max<size_t>(kFirstRingSize, ring_.size() * 2)));
+  ring_.resize(std::min<size_t>(ring_capacity_ - 1, std::max<size_t>(kFirstRingSize, ring_.size() * 2)));
 }
 
 void WindowedSlope::CloseOpenBucket() {
-  closed_.Merge(open_);
   if (held_ == ring_.size()) GrowRing();
   assert(held_ < ring_.size());
-  ring_[slot(held_)] = open_;
+  // closed_ takes the packed sums, which ExpireBefore subtracts again.
+  Bucket& bucket = ring_[slot(held_)];
+  bucket = PackedSums(open_);
+  closed_.Merge(bucket.Unpack());
   ++held_;
 }
 
@@ -266,6 +317,10 @@ bool WindowedSlope::AddSample(uint64_t step, double value) {
     ++ignored_out_of_order_;
     return false;
   }
+  if (has_open_ && step < open_end_step_ && open_.count() >= PackedSums::kMaxCount) {
+    ++ignored_bucket_full_;
+    return false;
+  }
   has_samples_ = true;
   last_step_ = step;
   if (has_open_ && step >= expire_step_) ExpireBefore(step);
@@ -284,7 +339,7 @@ bool WindowedSlope::AddSample(uint64_t step, double value) {
 
 void WindowedSlope::ExpireBefore(uint64_t newest_step) {
   while (held_ > 0 && newest_step - ring_[head_].first_step() >= window_steps_) {
-    closed_.Subtract(ring_[head_]);
+    closed_.Subtract(ring_[head_].Unpack());
     head_ = slot(1);
     --held_;
     ++expiries_since_recompute_;
@@ -315,10 +370,9 @@ void WindowedSlope::MaybeRecompute() {
 
 void WindowedSlope::Recompute() {
   if (held_ == 0) return;
-  const RegressionSums& oldest = ring_[head_];
-  RegressionSums exact(oldest.origin_step(), oldest.value_origin());
-  for (size_t i = 0; i < held_; ++i) {
-    exact.Merge(ring_[slot(i)]);
+  RegressionSums exact = ring_[head_].Unpack();
+  for (size_t i = 1; i < held_; ++i) {
+    exact.Merge(ring_[slot(i)].Unpack());
   }
   closed_ = exact;
   expiries_since_recompute_ = 0;
@@ -335,12 +389,12 @@ std::optional<LinearFit> WindowedSlope::Fit() const {
 RegressionSums WindowedSlope::SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const {
   RegressionSums sums;
   for (size_t i = 0; i < count; ++i) {
-    const RegressionSums& bucket = held(i);
-    if (bucket.first_step() > to_step) {
+    const HeldSpan span = held(i);
+    if (span.first_step > to_step) {
       break;
     }
-    if (bucket.first_step() >= from_step && bucket.last_step() <= to_step) {
-      sums.Merge(bucket);
+    if (span.first_step >= from_step && span.last_step <= to_step) {
+      sums.Merge(i < held_ ? ring_[slot(i)].Unpack() : open_);
     }
   }
   return sums;
@@ -354,11 +408,11 @@ RegressionSums WindowedSlope::ClosedSumsInRange(uint64_t from_step, uint64_t to_
   return SumsOfHeldInRange(held_, from_step, to_step);
 }
 
-const RegressionSums* WindowedSlope::ClosedBy(uint64_t step, double value) const {
-  if (!has_open_ || !std::isfinite(value) || step < last_step_) {
-    return nullptr;
+std::optional<RegressionSums> WindowedSlope::ClosedBy(uint64_t step, double value) const {
+  if (!has_open_ || !std::isfinite(value) || step < last_step_ || step < open_end_step_) {
+    return std::nullopt;
   }
-  return step >= open_end_step_ ? &open_ : nullptr;
+  return PackedSums(open_).Unpack();
 }
 
 std::optional<LinearFit> WindowedSlope::FitRange(uint64_t from_step, uint64_t to_step) const {
@@ -385,6 +439,7 @@ void WindowedSlope::SaveState(StateWriter& out) const {
   out.Put(recomputes_);
   out.Put(ignored_non_finite_);
   out.Put(ignored_out_of_order_);
+  out.Put(ignored_bucket_full_);
 }
 
 bool WindowedSlope::LoadState(StateReader& in) {
@@ -412,7 +467,7 @@ bool WindowedSlope::LoadState(StateReader& in) {
   if (!in.Get(last_step_) || !in.Get(open_end_step_) || !in.Get(expire_step_) || !in.GetBool(has_open) ||
       !in.GetBool(has_samples) || !open_.LoadState(in) || !closed_.LoadState(in) ||
       !in.Get(expiries_since_recompute_) || !in.Get(recomputes_) || !in.Get(ignored_non_finite_) ||
-      !in.Get(ignored_out_of_order_)) {
+      !in.Get(ignored_out_of_order_) || !in.Get(ignored_bucket_full_)) {
     return false;
   }
   has_open_ = has_open;
@@ -425,19 +480,23 @@ bool WindowedSlope::LoadState(StateReader& in) {
   // Every held bucket (the open one last) must be a non-empty bucket of its own index, the indices
   // increasing, all of them within the window that ends at last_step_: then they are at most
   // ring_capacity_, and the window keeps to its ring as it moves on.
-  const uint64_t oldest_first = held(0).first_step();
+  const uint64_t oldest_first = held(0).first_step;
   if (open_.last_step() > last_step_ || last_step_ - oldest_first >= window_steps_) {
     return in.Fail("a window holds buckets outside it");
   }
   for (size_t i = 0; i <= held_; ++i) {
-    const Bucket& bucket = held(i);
-    const uint64_t index = bucket.first_step() / bucket_steps_;
-    if (bucket.empty() || bucket.first_step() > bucket.last_step() || bucket.last_step() / bucket_steps_ != index) {
+    const HeldSpan bucket = held(i);
+    const uint64_t index = bucket.first_step / bucket_steps_;
+    if (bucket.count == 0 || bucket.first_step > bucket.last_step || bucket.last_step / bucket_steps_ != index) {
       return in.Fail("a window's bucket is empty or spans several buckets");
     }
-    if (i > 0 && index <= held(i - 1).last_step() / bucket_steps_) {
+    if (i > 0 && index <= held(i - 1).last_step / bucket_steps_) {
       return in.Fail("a window's buckets are out of order");
     }
+  }
+  // The open bucket is packed when it closes: its origin is its first sample (OpenBucket).
+  if (open_.origin_step() != open_.first_step() || open_.count() > PackedSums::kMaxCount) {
+    return in.Fail("a window's open bucket has another origin or too many samples");
   }
   // As OpenBucket and ExpireBefore set them.
   const uint64_t open_index = open_.first_step() / bucket_steps_;

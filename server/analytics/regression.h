@@ -112,6 +112,8 @@ class alignas(64) RegressionSums {
   bool LoadState(StateReader& in);
 
  private:
+  friend class PackedSums;
+
   // Adds (sign = +1) or removes (sign = −1) other's sums, shifted to this object's origins.
   void Accumulate(const RegressionSums& other, double sign);
   // The fit of n samples with these sums, x and y measured from the origins.
@@ -128,6 +130,45 @@ class alignas(64) RegressionSums {
   CompensatedSum sum_x_, sum_y_, sum_xx_, sum_xy_, sum_yy_;
 };
 
+// What a window keeps of a closed bucket: a RegressionSums whose step origin is its first step,
+// its sums rounded to plain doubles (their compensation folded in) and its step range as an
+// offset. 64 bytes (one cache line), half a RegressionSums: a window holds up to max_buckets of them, most of a
+// slope's memory. The rounding is half an ulp of sums taken from the bucket's own origins (small
+// terms), and a window adds and removes the same rounded values, so its sums stay exact up to
+// the usual summation error.
+class alignas(64) PackedSums {
+ public:
+  // Most samples a packed bucket holds, and most steps it spans (last − first).
+  static constexpr uint64_t kMaxCount = UINT32_MAX;
+  static constexpr uint64_t kMaxSpan = UINT32_MAX;
+
+  PackedSums() = default;
+  // sums must be non-empty, with origin_step() == first_step(), at most kMaxCount samples and
+  // last_step() − first_step() ≤ kMaxSpan (as a WindowedSlope's open bucket always is).
+  explicit PackedSums(const RegressionSums& sums);
+
+  // The RegressionSums these sums stand for (origins at first_step() and the value origin).
+  RegressionSums Unpack() const;
+
+  size_t count() const { return count_; }
+  bool empty() const { return count_ == 0; }
+  uint64_t first_step() const { return first_step_; }
+  uint64_t last_step() const { return first_step_ + span_; }
+
+  // Every field, for LoadState.
+  void SaveState(StateWriter& out) const;
+  // Reads what SaveState wrote; false (in.Fail called) on a truncated input or a span that
+  // overflows the step axis. Other bytes give sums that are safe to use (see RegressionSums).
+  bool LoadState(StateReader& in);
+
+ private:
+  uint64_t first_step_ = 0;
+  double value_origin_ = 0;
+  uint32_t count_ = 0;
+  uint32_t span_ = 0;  // last step − first step
+  double sum_x_ = 0, sum_y_ = 0, sum_xx_ = 0, sum_xy_ = 0, sum_yy_ = 0;
+};
+
 // Least-squares slope over the samples whose step lies in the left-open window
 // (last_step − window_steps, last_step], last_step being the newest sample's step: with one step
 // as one second that is the range Prometheus 3 gives `deriv(v[W])` at the newest sample (Prometheus
@@ -136,9 +177,10 @@ class alignas(64) RegressionSums {
 // O(1) amortised per sample. Memory grows with the buckets held: the ring starts empty and
 // doubles (from 4 buckets) up to the most a window can span, after which AddSample never
 // allocates. Samples are aggregated into buckets of bucket_steps = ceil(window_steps / max_buckets)
-// consecutive steps (bucket k holds steps [k·bucket_steps, (k+1)·bucket_steps)), kept in a ring. A
-// sample is added to the newest (open) bucket only: the sums of the closed buckets in the window
-// add each bucket as it closes and subtract each bucket that expires, and are recomputed exactly
+// consecutive steps (bucket k holds steps [k·bucket_steps, (k+1)·bucket_steps)), kept in a ring,
+// each closed one packed into 64 bytes (PackedSums). A sample is added to the newest (open)
+// bucket only: the sums of the closed buckets in the window add each bucket's packed sums as it
+// closes and subtract them as it expires, and are recomputed exactly
 // from the buckets every max_buckets expiries (or when the window has moved 4 windows past the
 // sums' origin), so rounding error cannot build up; Fit combines them with the open bucket. A
 // sample thus costs one bucket update, and reads only the window's bookkeeping and its open bucket.
@@ -154,11 +196,15 @@ class alignas(64) RegressionSums {
 class WindowedSlope {
  public:
   static constexpr size_t kDefaultMaxBuckets = 1024;
+  static constexpr size_t kMaxBuckets = size_t{1} << 31;
 
-  // window_steps and max_buckets below 1 are raised to 1.
+  // window_steps and max_buckets below 1 are raised to 1; max_buckets above kMaxBuckets is lowered
+  // to it, and window_steps above max_buckets · 2^32 to that (a closed bucket spans at most 2^32
+  // steps).
   explicit WindowedSlope(uint64_t window_steps, size_t max_buckets = kDefaultMaxBuckets);
 
-  // Returns false when the sample was ignored (non-finite value, or step older than last_step()).
+  // Returns false when the sample was ignored: a non-finite value, a step older than last_step(),
+  // or a bucket already holding PackedSums::kMaxCount samples (repeated steps only).
   bool AddSample(uint64_t step, double value);
 
   // The fit over the window; nullopt until it holds samples at 2 distinct steps.
@@ -172,9 +218,9 @@ class WindowedSlope {
   RegressionSums ClosedSumsInRange(uint64_t from_step, uint64_t to_step) const;
   // The newest held bucket (samples may still join it); null when none is held.
   const RegressionSums* open_bucket() const { return has_open_ ? &open_ : nullptr; }
-  // The open bucket if AddSample(step, value) would close it (the sample is accepted and starts a
-  // newer bucket); else null.
-  const RegressionSums* ClosedBy(uint64_t step, double value) const;
+  // The sums the window keeps of its open bucket (PackedSums) if AddSample(step, value) would
+  // close it (the sample is accepted and starts a newer bucket); else nullopt.
+  std::optional<RegressionSums> ClosedBy(uint64_t step, double value) const;
 
   // A cache hint for an owner that adds samples to many windows in turn (runs::RunAnalytics):
   // brings in what AddSample reads for every sample (see the members). It changes nothing.
@@ -194,6 +240,7 @@ class WindowedSlope {
   uint64_t last_step() const { return last_step_; }
   uint64_t ignored_non_finite() const { return ignored_non_finite_; }
   uint64_t ignored_out_of_order() const { return ignored_out_of_order_; }
+  uint64_t ignored_bucket_full() const { return ignored_bucket_full_; }
   // Exact recomputations of the window sums so far.
   uint64_t recomputes() const { return recomputes_; }
 
@@ -210,16 +257,28 @@ class WindowedSlope {
   bool LoadState(StateReader& in);
 
  private:
-  // A held bucket is its sums: its index is first_step() / bucket_steps_.
-  using Bucket = RegressionSums;
+  // A closed bucket is its packed sums: its index is first_step() / bucket_steps_.
+  using Bucket = PackedSums;
+  // The steps and samples of a held bucket.
+  struct HeldSpan {
+    uint64_t first_step;
+    uint64_t last_step;
+    size_t count;
+  };
 
   // Ring slot of the ith closed bucket, oldest first (i < held_).
   uint32_t slot(size_t i) const {
     const size_t s = head_ + i;
     return static_cast<uint32_t>(s < ring_.size() ? s : s - ring_.size());
   }
-  // The ith held bucket, oldest first: the closed ones, then the open one (i ≤ held_).
-  const Bucket& held(size_t i) const { return i < held_ ? ring_[slot(i)] : open_; }
+  // The ith held bucket's span, oldest first: the closed ones, then the open one (i ≤ held_).
+  HeldSpan held(size_t i) const {
+    if (i < held_) {
+      const Bucket& b = ring_[slot(i)];
+      return {b.first_step(), b.last_step(), b.count()};
+    }
+    return {open_.first_step(), open_.last_step(), open_.count()};
+  }
   // The sums of the first `count` held buckets whose samples all lie in [from_step, to_step].
   RegressionSums SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const;
   static constexpr size_t kFirstRingSize = 4;
@@ -246,17 +305,18 @@ class WindowedSlope {
   uint32_t held_ = 0;      // closed buckets in the ring
   bool has_open_ = false;  // whether any bucket is held: the newest one is always open
   bool has_samples_ = false;
-  Bucket open_;
-  RegressionSums closed_;  // the sums of the closed buckets
+  RegressionSums open_;
+  RegressionSums closed_;  // the sums of the closed buckets (their packed sums)
   uint64_t expiries_since_recompute_ = 0;
 
   uint64_t window_steps_;
   uint64_t bucket_steps_;
-  size_t max_buckets_;
-  size_t ring_capacity_ = 0;  // buckets a window can span: ceil(window / bucket_steps) + 1
+  uint32_t max_buckets_;
+  uint32_t ring_capacity_ = 0;  // buckets a window can span: ceil(window / bucket_steps) + 1
   uint64_t recomputes_ = 0;
   uint64_t ignored_non_finite_ = 0;
   uint64_t ignored_out_of_order_ = 0;
+  uint64_t ignored_bucket_full_ = 0;
 };
 
 // One series, several windows (by default 1k, 5k and 20k steps), each a WindowedSlope with the

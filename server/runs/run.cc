@@ -976,9 +976,10 @@ uint64_t Run::SnapshotFingerprint() {
   // snapshots of another (state_io.h). Field order changes within the same sizes are covered by
   // kSnapshotTag, bumped with them.
   uint64_t h = kSnapshotTag;
-  for (const uint64_t size : {sizeof(store::Point), sizeof(analytics::RegressionSums), sizeof(analytics::LinearFit),
-                              sizeof(analytics::ChangePoint), sizeof(analytics::FilteredPoint),
-                              sizeof(analytics::GrowthWithoutDecay), sizeof(EventRecord), sizeof(double)}) {
+  for (const uint64_t size :
+       {sizeof(store::Point), sizeof(analytics::RegressionSums), sizeof(analytics::PackedSums),
+        sizeof(analytics::LinearFit), sizeof(analytics::ChangePoint), sizeof(analytics::FilteredPoint),
+        sizeof(analytics::GrowthWithoutDecay), sizeof(EventRecord), sizeof(double)}) {
     h = (h ^ size) * 1099511628211ull;
   }
   return h;

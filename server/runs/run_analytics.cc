@@ -241,7 +241,7 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
       // The event slopes take the robust tracker's buckets as they close (event_slope.h); its
       // other windows, if any, are fed as the longest is.
       const analytics::WindowedSlope& longest = t.robust->longest();
-      if (const analytics::RegressionSums* closed = longest.ClosedBy(p->step, p->value)) {
+      if (const std::optional<analytics::RegressionSums> closed = longest.ClosedBy(p->step, p->value)) {
         for (auto& [text, slope] : t.events) slope.AddClosedBucket(*closed);
       }
       t.robust->AddSample(p->step, p->value);

@@ -25,7 +25,7 @@ double Piecewise(uint64_t step, uint64_t event, double base, double before_slope
 // Adds one sample to `window`, first handing the bucket it closes to `slopes` (as RunAnalytics
 // feeds the event slopes of a series).
 void Feed(WindowedSlope& window, const std::vector<EventSlope*>& slopes, uint64_t step, double value) {
-  if (const RegressionSums* closed = window.ClosedBy(step, value)) {
+  if (const std::optional<RegressionSums> closed = window.ClosedBy(step, value)) {
     for (EventSlope* slope : slopes) slope->AddClosedBucket(*closed);
   }
   window.AddSample(step, value);

@@ -164,6 +164,59 @@ TEST_CASE("merging and subtracting sums with different origins equals a direct f
   CHECK_FALSE(merged.Fit());
 }
 
+TEST_CASE("packed sums keep a bucket's steps, count and fit in 64 bytes", "[analytics]") {
+  STATIC_REQUIRE(sizeof(PackedSums) == 64);
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> noise(0.0, 0.3);
+  std::vector<uint64_t> steps;
+  std::vector<double> values;
+  // A bucket far along the step axis with values near 1e6: its origins keep the terms small.
+  RegressionSums bucket;
+  for (uint64_t step = 7'000'000'000; step < 7'000'000'157; step += 3) {
+    const double v = 1e6 + 0.25 * static_cast<double>(step - 7'000'000'000) + noise(rng);
+    steps.push_back(step);
+    values.push_back(v);
+    bucket.Add(step, v);
+  }
+  const PackedSums packed(bucket);
+  CHECK(packed.count() == bucket.count());
+  CHECK(packed.first_step() == 7'000'000'000);
+  CHECK(packed.last_step() == steps.back());
+  const RegressionSums unpacked = packed.Unpack();
+  CHECK(unpacked.origin_step() == bucket.origin_step());
+  CHECK(unpacked.value_origin() == bucket.value_origin());
+  CHECK(unpacked.first_step() == bucket.first_step());
+  CHECK(unpacked.last_step() == bucket.last_step());
+  const Reference ref = TwoPassFit(steps, values);
+  const auto fit = unpacked.Fit();
+  REQUIRE(fit);
+  CHECK_THAT(fit->slope_per_step, WithinRel(ref.slope, kExact));
+  CHECK_THAT(fit->value_at_last_step, WithinRel(ref.value_at_last, kExact));
+  CHECK_THAT(fit->slope_stderr_per_step, WithinRel(bucket.Fit()->slope_stderr_per_step, 1e-9));
+
+  // Merged into sums with other origins and removed again, it leaves them empty.
+  RegressionSums window(1000, 3.0);
+  window.Merge(unpacked);
+  CHECK(window.count() == bucket.count());
+  window.Subtract(packed.Unpack());
+  CHECK(window.empty());
+}
+
+TEST_CASE("max_buckets is capped at 2^31 and a window at max_buckets times 2^32 steps", "[analytics]") {
+  const WindowedSlope huge(UINT64_MAX, 128);
+  CHECK(huge.window_steps() == 128 * (PackedSums::kMaxSpan + 1));
+  CHECK(huge.bucket_steps() == PackedSums::kMaxSpan + 1);
+  const WindowedSlope one_bucket(UINT64_MAX, 1);
+  CHECK(one_bucket.bucket_steps() == PackedSums::kMaxSpan + 1);
+  const WindowedSlope most(UINT64_MAX, SIZE_MAX);
+  CHECK(most.window_steps() == WindowedSlope::kMaxBuckets * (PackedSums::kMaxSpan + 1));
+  CHECK(most.bucket_steps() == PackedSums::kMaxSpan + 1);
+  CHECK(most.CapacityBytes() == sizeof(WindowedSlope) + WindowedSlope::kMaxBuckets * sizeof(PackedSums));
+  const WindowedSlope usual(20000, 128);
+  CHECK(usual.window_steps() == 20000);
+  CHECK(usual.bucket_steps() == 157);
+}
+
 TEST_CASE("the windowed slope is exact for every sample when bucket_steps is 1", "[analytics]") {
   WindowedSlope window(500);
   REQUIRE(window.bucket_steps() == 1);
@@ -474,12 +527,12 @@ TEST_CASE("the windowed slope holds exactly the buckets whose oldest sample is i
         const uint64_t r = rng() % 100;
         step += r < 3 ? 0 : r < 6 ? c.window_steps + rng() % (2 * c.window_steps) : 1 + rng() % 9;
         const double value = 3.0 + 1e-3 * static_cast<double>(step % 100000) + static_cast<double>(rng() % 1000) * 1e-4;
-        const RegressionSums* closes = window.ClosedBy(step, value);
+        const std::optional<RegressionSums> closes = window.ClosedBy(step, value);
         const RegressionSums* open = window.open_bucket();
         REQUIRE(window.AddSample(step, value));
         // ClosedBy names the open bucket exactly when the sample starts a new one.
         if (open != nullptr)
-          REQUIRE((closes != nullptr) ==
+          REQUIRE(closes.has_value() ==
                   (window.open_bucket()->first_step() == step && window.open_bucket()->count() == 1));
         steps.push_back(step);
         values.push_back(value);

@@ -90,6 +90,10 @@ bool Same(const RegressionSums* a, const RegressionSums* b) {
   return (a == nullptr) == (b == nullptr) && (a == nullptr || Same(*a, *b));
 }
 
+bool Same(const std::optional<RegressionSums>& a, const std::optional<RegressionSums>& b) {
+  return a.has_value() == b.has_value() && (!a || Same(*a, *b));
+}
+
 bool Same(const ChangePoint& a, const ChangePoint& b) {
   return a.step == b.step && Same(a.slope_before_per_kstep, b.slope_before_per_kstep) &&
          Same(a.slope_after_per_kstep, b.slope_after_per_kstep) && Same(a.ratio, b.ratio) &&
@@ -390,7 +394,7 @@ TEST_CASE("state: event slopes loaded with their window give the same changes, b
         events[1].Seed(window);
         late_registered = true;
       }
-      if (const RegressionSums* closed = window.ClosedBy(s.step, s.value)) {
+      if (const std::optional<RegressionSums> closed = window.ClosedBy(s.step, s.value)) {
         for (size_t e = 0; e < events.size(); ++e) {
           if (fed(e)) events[e].AddClosedBucket(*closed);
         }
@@ -451,7 +455,7 @@ TEST_CASE("state: event slopes loaded with their window give the same changes, b
       [&](EventSlope& event) {
         Tracked t;
         for (size_t i = 0; i < 5000; ++i) {
-          if (const RegressionSums* closed = t.window.ClosedBy(samples[i].step, samples[i].value)) {
+          if (const std::optional<RegressionSums> closed = t.window.ClosedBy(samples[i].step, samples[i].value)) {
             event.AddClosedBucket(*closed);
           }
           t.window.AddSample(samples[i].step, samples[i].value);
