@@ -5,11 +5,14 @@
 // machine's load; this one isolates the part whose cost grows with the run's working set.
 //
 //   gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]
+//                        [--param-recent-points N] [--param-history-buckets N] [--param-max-buckets N]
 //
 // For each N (default 1,000 and 10,000): a fresh run of N parameters (2N + 1 series a step) is
 // fed --warm steps (300), then --steps more (300) are timed with the thread's CPU clock, --repeat
 // times (3) on fresh runs; prints the best ns per sample of each, and the ratio of the largest N's
-// to the first's. Reports are built outside the timed calls.
+// to the first's. Reports are built outside the timed calls. The --param-* options set the tier of
+// the ordinary parameter series (store.param_recent_points, store.param_history_buckets,
+// analytics.param_max_buckets; the daemon's defaults otherwise), to weigh their memory.
 #include <time.h>
 
 #include <algorithm>
@@ -81,7 +84,7 @@ void FillReport(RankStep& r, uint64_t step, size_t params) {
 
 // ns per sample of `steps` steps after `warm` on a fresh run of `params` parameters; prints what
 // the run added to the process's RSS, and what its series store counts (Run::MemoryBytes), per series.
-double Measure(size_t params, uint64_t warm, uint64_t steps) {
+double Measure(size_t params, uint64_t warm, uint64_t steps, const RunOptions& base) {
   const double rss0 = RssBytes();
   FakeClock clock;
   DaemonStats stats;
@@ -91,7 +94,7 @@ double Measure(size_t params, uint64_t warm, uint64_t steps) {
     std::exit(1);
   }
   daemon::Alerting alerting(std::move(rules).value());
-  RunOptions options;
+  RunOptions options = base;
   options.listener = &alerting;
   Run run(Meta(params), options, nullptr, &stats, &clock, true);
   AttachInfo info;
@@ -126,6 +129,7 @@ int main(int argc, char** argv) {
   std::vector<size_t> params;
   uint64_t warm = 300, steps = 300;
   int repeat = 3;
+  RunOptions base;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--params" && i + 1 < argc) {
@@ -136,8 +140,17 @@ int main(int argc, char** argv) {
       steps = std::max<uint64_t>(1, std::strtoull(argv[++i], nullptr, 10));
     } else if (arg == "--repeat" && i + 1 < argc) {
       repeat = std::max(1, std::atoi(argv[++i]));
+    } else if (arg == "--param-recent-points" && i + 1 < argc) {
+      base.param_series.recent_points = std::max<size_t>(2, std::strtoull(argv[++i], nullptr, 10));
+    } else if (arg == "--param-history-buckets" && i + 1 < argc) {
+      base.param_series.history_buckets = std::max<size_t>(2, std::strtoull(argv[++i], nullptr, 10));
+    } else if (arg == "--param-max-buckets" && i + 1 < argc) {
+      base.analytics.param_max_buckets = std::max<size_t>(2, std::strtoull(argv[++i], nullptr, 10));
     } else {
-      std::fprintf(stderr, "usage: gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]\n");
+      std::fprintf(stderr,
+                   "usage: gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]\n"
+                   "                            [--param-recent-points N] [--param-history-buckets N]\n"
+                   "                            [--param-max-buckets N]\n");
       return 2;
     }
   }
@@ -146,7 +159,7 @@ int main(int argc, char** argv) {
   std::vector<double> best(params.size(), 1e300);
   for (int r = 0; r < repeat; ++r) {
     for (size_t p = 0; p < params.size(); ++p) {
-      const double ns = Measure(params[p], warm, steps);
+      const double ns = Measure(params[p], warm, steps, base);
       std::printf("params %zu: %.1f ns/sample (repeat %d)\n", params[p], ns, r + 1);
       std::fflush(stdout);
       best[p] = std::min(best[p], ns);
