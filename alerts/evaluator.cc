@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "alerts/recommendation.h"
+
 namespace gradwatch::alerts {
 namespace {
 
@@ -256,16 +258,40 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
   }
 }
 
-void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
-  const bool watch_params = !rule.param.empty() || rule.param_kind.has_value();
-  for (const ShareFact& s : facts.shares) {
-    bool match = false;
-    if (s.is_group) {
-      match = !rule.group.empty() && GlobMatches(rule.group, s.name);
-    } else if (watch_params) {
-      match = rule.param.empty() || GlobMatches(rule.param, s.name);
-      if (match && rule.param_kind) match = s.kind == *rule.param_kind;
+}  // namespace
+
+bool GrowthRuleSelects(const Rule& rule, const ParamInfo& p) {
+  if (rule.param_kind && p.kind != *rule.param_kind) return false;
+  if (!rule.param.empty() && !GlobMatches(rule.param, p.name)) return false;
+  return p.weight_decay <= rule.max_weight_decay;
+}
+
+bool ShareRuleSelectsParam(const Rule& rule, std::string_view name, ParamKind kind) {
+  if (rule.param.empty() && !rule.param_kind) return false;  // a rule on groups only
+  if (!rule.param.empty() && !GlobMatches(rule.param, name)) return false;
+  return !rule.param_kind || kind == *rule.param_kind;
+}
+
+void RulesReadFits(const std::vector<Rule>& rules, bool recommendation, const std::vector<ParamInfo>& catalog,
+                   size_t from, std::vector<uint8_t>& norm, std::vector<uint8_t>& share) {
+  if (norm.size() < catalog.size()) norm.resize(catalog.size(), 0);
+  if (share.size() < catalog.size()) share.resize(catalog.size(), 0);
+  for (size_t i = from; i < catalog.size(); ++i) {
+    const ParamInfo& p = catalog[i];
+    if (recommendation && MayBeFinalNorm(p)) norm[i] = 1;
+    for (const Rule& rule : rules) {
+      if (rule.kind == RuleKind::kGrowthWithoutDecay && GrowthRuleSelects(rule, p)) norm[i] = 1;
+      if (rule.kind == RuleKind::kShare && ShareRuleSelectsParam(rule, p.name, p.kind)) share[i] = 1;
     }
+  }
+}
+
+namespace {
+
+void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
+  for (const ShareFact& s : facts.shares) {
+    const bool match = s.is_group ? !rule.group.empty() && GlobMatches(rule.group, s.name)
+                                  : ShareRuleSelectsParam(rule, s.name, s.kind);
     if (!match) continue;
     Condition& c =
         Make(out, base, {{s.is_group ? "group" : "param", s.name}}, facts, s.share, s.share >= rule.min_share);
@@ -281,9 +307,7 @@ void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base
 
 void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   for (const ParamFact& p : facts.params) {
-    if (rule.param_kind && p.info.kind != *rule.param_kind) continue;
-    if (!rule.param.empty() && !GlobMatches(rule.param, p.info.name)) continue;
-    if (!(p.info.weight_decay <= rule.max_weight_decay)) continue;
+    if (!GrowthRuleSelects(rule, p.info)) continue;
 
     // NaN stands for unknown here.
     const double amplification = AmplificationOf(p).value_or(NAN);

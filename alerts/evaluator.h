@@ -149,6 +149,20 @@ class ConditionList {
 void Evaluate(const Rule& rule, const RunFacts& facts, const LabelSet& base, const SeriesFilter* with_instance,
               ConditionList& out);
 
+// Whether a growth_without_decay rule judges parameter p (its param_kind, param glob and
+// max_weight_decay), and whether a share rule judges the share of parameter (name, kind): the
+// selections Evaluate makes, for a reader that needs to know beforehand which parameters' fits a
+// rule reads (RulesReadFits).
+bool GrowthRuleSelects(const Rule& rule, const ParamInfo& p);
+bool ShareRuleSelectsParam(const Rule& rule, std::string_view name, ParamKind kind);
+
+// Marks in `norm` and `share` (by catalog index, grown to the catalog's size; marks already set
+// are kept) the catalog entries from index `from` on whose per-parameter fits `rules` may read: a
+// norm's slope and growth for growth_without_decay rules and, when `recommendation` (a rule's
+// template shows it), for the parameters FindFinalNorm may pick; a share's slope for share rules.
+void RulesReadFits(const std::vector<Rule>& rules, bool recommendation, const std::vector<ParamInfo>& catalog,
+                   size_t from, std::vector<uint8_t>& norm, std::vector<uint8_t>& share);
+
 // The labels every alert of `rule` in run `run_id` carries: run labels, the rule's labels,
 // alertname and run (the last ones win).
 LabelSet BaseLabels(const Rule& rule, const RunFacts& facts);

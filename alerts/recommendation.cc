@@ -119,6 +119,8 @@ const ParamFact* FindFinalNorm(const RunFacts& facts) {
   return best;
 }
 
+bool MayBeFinalNorm(const ParamInfo& p) { return p.role == "final_norm" || p.kind == ParamKind::kNormGain; }
+
 double DecayedParamsWeightDecay(const RunFacts& facts) {
   if (facts.config.weight_decay && *facts.config.weight_decay > 0) return *facts.config.weight_decay;
   std::map<double, size_t> counts;

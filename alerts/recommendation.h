@@ -15,6 +15,8 @@ namespace gradwatch::alerts {
 //  3. the norm_gain with the largest amplification over its initial norm.
 // nullptr when the run has no norm gain.
 const ParamFact* FindFinalNorm(const RunFacts& facts);
+// Whether FindFinalNorm may pick p (whose norm slope Recommend then reads).
+bool MayBeFinalNorm(const ParamInfo& p);
 
 // The weight decay the run uses for its decayed parameters: the config's weight decay when
 // positive, else the most common non-zero weight decay in the catalog; 0 when there is none.

@@ -234,6 +234,7 @@ AlertEngine::RunScratch& AlertEngine::ScratchLocked(const RunFacts& facts) {
 void AlertEngine::SetRulesLocked(std::vector<Rule> rules) {
   scratch_.clear();  // rule indices change
   rules_ = std::move(rules);
+  rules_generation_.fetch_add(1, std::memory_order_acq_rel);
   uses_recommendation_.assign(rules_.size(), false);
   for (size_t i = 0; i < rules_.size(); ++i) {
     for (const auto& [name, text] : rules_[i].annotations) {
@@ -257,6 +258,14 @@ std::vector<Transition> AlertEngine::ReplaceRules(std::vector<Rule> rules, doubl
 std::vector<Rule> AlertEngine::Rules() const {
   std::lock_guard lock(mu_);
   return rules_;
+}
+
+void AlertEngine::ReadFits(const std::vector<ParamInfo>& catalog, size_t from, std::vector<uint8_t>& norm,
+                           std::vector<uint8_t>& share) const {
+  std::lock_guard lock(mu_);
+  const bool recommendation =
+      std::find(uses_recommendation_.begin(), uses_recommendation_.end(), true) != uses_recommendation_.end();
+  RulesReadFits(rules_, recommendation, catalog, from, norm, share);
 }
 
 bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step, double now,

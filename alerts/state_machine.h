@@ -60,6 +60,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -188,6 +189,12 @@ class AlertEngine {
   // (returned, with notify as for any resolve), pending ones go inactive silently.
   std::vector<Transition> ReplaceRules(std::vector<Rule> rules, double now);
   std::vector<Rule> Rules() const;
+  // Changes with every ReplaceRules: a reader that derived something from the rules (ReadFits)
+  // derives it again when it changes.
+  uint64_t rules_generation() const { return rules_generation_.load(std::memory_order_acquire); }
+  // RulesReadFits (evaluator.h) with the rules in force.
+  void ReadFits(const std::vector<ParamInfo>& catalog, size_t from, std::vector<uint8_t>& norm,
+                std::vector<uint8_t>& share) const;
 
   // Called, under the engine's lock and so in the order the changes happened, at the end of
   // every call that changed the durable state or produced transitions, with the changes and the
@@ -354,6 +361,7 @@ class AlertEngine {
   void PublishLocked(const std::vector<Transition>& transitions, bool progress_may_wait = false);
 
   mutable std::mutex mu_;
+  std::atomic<uint64_t> rules_generation_{0};
   std::vector<Rule> rules_;
   std::vector<bool> uses_recommendation_;                   // by rule index
   std::unordered_map<uint64_t, Instance> instances_;        // by fingerprint

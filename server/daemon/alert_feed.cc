@@ -224,7 +224,15 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
   f.latest_layout = layout_id_;
   f.nonfinite.resize(nonfinite);
 
-  p.analytics.StepAnalysis(analysis_, params_);
+  // The catalog only grows; a reload of the rules marks the whole catalog again.
+  const uint64_t generation = engine_.rules_generation();
+  if (generation != fits_generation_) fits_params_ = 0;
+  if (fits_params_ < p.meta.params.size()) {
+    engine_.ReadFits(p.meta.params, fits_params_, fits_.norm, fits_.share);
+    fits_params_ = p.meta.params.size();
+    fits_generation_ = generation;
+  }
+  p.analytics.StepAnalysis(analysis_, params_, fits_);
   const runs::RunAnalysis& a = analysis_;
   f.forecasts.resize(a.forecasts.size());
   for (size_t i = 0; i < a.forecasts.size(); ++i) {

@@ -94,6 +94,12 @@ class AlertFeed final : public runs::RunChannel {
   uint64_t value_epoch_ = 0;
   runs::RunAnalysis analysis_;
   std::vector<runs::ParamAnalysis> params_;
+  // The per-parameter fits the rules read (AlertEngine::ReadFits), for the catalog's first
+  // fits_params_ entries under the rules of fits_generation_; marks are only ever added, so a
+  // step filled just before a reload holds every fit the instances that already existed read.
+  runs::StepFits fits_;
+  size_t fits_params_ = 0;
+  uint64_t fits_generation_ = 0;
   std::optional<uint64_t> evaluated_through_;
 
   // Lock order: the run's mutex, then eval_mu_, then queue_mu_, then the engine's.

@@ -967,7 +967,7 @@ namespace gradwatch::runs {
 namespace {
 
 // Leads a run's snapshot payload: catches a payload of another kind before anything is read.
-constexpr uint64_t kSnapshotTag = 0x314e5552'50414e53ull;  // "SNAPRUN1"
+constexpr uint64_t kSnapshotTag = 0x324e5552'50414e53ull;  // "SNAPRUN2"
 
 }  // namespace
 

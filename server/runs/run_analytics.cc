@@ -234,7 +234,6 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
     if (!t.slopes && (t.refused || !Materialize(t))) continue;
     if (!std::isfinite(sv.value)) continue;  // a NaN is a signal for alerts, not a slope sample
     t.slopes->AddSample(step.step, sv.value);
-    if (param_norm) UpdateNormFits(t.param, *t.slopes);
     if (t.detector) t.detector->AddSample(step.step, sv.value);
     if (!t.spike_filter) continue;
     if (const auto p = t.spike_filter->Add(step.step, sv.value)) {
@@ -313,7 +312,8 @@ T& NextSlot(std::vector<T>& v, size_t* used) {
 
 }  // namespace
 
-void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares) const {
+void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares,
+                                         const std::vector<uint8_t>* share_fits) const {
   size_t changes = 0, points = 0, forecasts = 0, shares = 0;
   for (SeriesId id : key_ids_) {
     const Tracked& t = series_[id];
@@ -363,21 +363,27 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares) co
   }
   out.forecasts.resize(forecasts);
   auto add_share = [&](const std::string& name, bool is_group, ParamKind kind, double share,
-                       const analytics::WindowedSlope& trend) {
+                       const analytics::WindowedSlope& trend, bool fit_slope) {
     ShareInfo& info = NextSlot(out.shares, &shares);
     info.name = name;
     info.is_group = is_group;
     info.kind = kind;
     info.share = share;
+    if (!fit_slope) {
+      info.slope_per_kstep = kNaN;
+      return;
+    }
     auto fit = trend.Fit();
     info.slope_per_kstep = fit ? fit->slope_per_kstep() : 0.0;
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamState& ps = param_state_[i];
-    if (ps.has_share) add_share(params_[i].name, false, params_[i].kind, ps.share, *ps.share_trend);
+    if (!ps.has_share) continue;
+    const bool fit_slope = share_fits == nullptr || (i < share_fits->size() && (*share_fits)[i] != 0);
+    add_share(params_[i].name, false, params_[i].kind, ps.share, *ps.share_trend, fit_slope);
   }
   for (const GroupState& g : groups_) {
-    if (g.has_share) add_share(g.name, true, ParamKind::kUnspecified, g.share, *g.share_trend);
+    if (g.has_share) add_share(g.name, true, ParamKind::kUnspecified, g.share, *g.share_trend, true);
   }
   out.shares.resize(shares);
   if (!order_shares) return;
@@ -393,33 +399,50 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares) co
   out.shares.swap(share_sorted_);
 }
 
-void RunAnalytics::UpdateNormFits(int param, const analytics::SlopeTracker& slopes) {
-  ParamState& ps = param_state_[param];
-  const analytics::WindowedSlope& longest = slopes.longest();
+void RunAnalytics::FillNormFits(size_t i, ParamAnalysis& out) const {
+  out.norm_slope_per_kstep.reset();
+  const ParamState& ps = param_state_[i];
+  const analytics::SlopeTracker* slopes =
+      ps.norm < series_.size() && series_[ps.norm].slopes ? &*series_[ps.norm].slopes : nullptr;
+  if (slopes == nullptr) {
+    out.growth.reset();
+    return;
+  }
+  const analytics::WindowedSlope& longest = slopes->longest();
   std::optional<analytics::LinearFit> longest_fit;
   bool longest_fitted = false;
-  ps.norm_slope_per_kstep.reset();
-  for (const auto& w : slopes.windows()) {
+  for (const auto& w : slopes->windows()) {
     if (w.window_steps() != options_.forecast_window_steps) continue;
     auto fit = w.Fit();
-    if (fit) ps.norm_slope_per_kstep = fit->slope_per_kstep();
+    if (fit) out.norm_slope_per_kstep = fit->slope_per_kstep();
     if (&w == &longest) {  // the same window: fitted once
       longest_fit = fit;
       longest_fitted = true;
     }
   }
   if (!longest_fitted) longest_fit = longest.Fit();
-  ps.growth.reset();
+  std::optional<analytics::GrowthWithoutDecay> g;
   if (const auto& fit = longest_fit) {
     analytics::GrowthOptions growth_options;
     growth_options.min_growth = options_.min_growth;
-    ps.growth = analytics::AssessGrowth(params_[param], static_cast<uint32_t>(param), fit->PredictAt(fit->first_step),
-                                        fit->value_at_last_step, fit->slope_per_kstep(), growth_options);
-    ps.growth_window_steps = longest.window_steps();
+    g = analytics::AssessGrowth(params_[i], static_cast<uint32_t>(i), fit->PredictAt(fit->first_step),
+                                fit->value_at_last_step, fit->slope_per_kstep(), growth_options);
   }
+  if (!g) {
+    out.growth.reset();
+    return;
+  }
+  // Field by field: an entry kept from the previous step keeps its name's buffer.
+  GrowthInfo& growth = out.growth ? *out.growth : out.growth.emplace();
+  growth.param = params_[i].name;
+  growth.growth_factor = g->growth_factor;
+  growth.slope_per_kstep = g->slope_per_kstep;
+  growth.window_steps = longest.window_steps();
+  growth.amplification = ps.init_norm ? analytics::Amplification(ps.norm_value, *ps.init_norm) : kNaN;
+  growth.norm = ps.norm_value;
 }
 
-void RunAnalytics::FillParamEntry(size_t i, ParamAnalysis& out) const {
+void RunAnalytics::FillParamEntry(size_t i, ParamAnalysis& out, bool fit_norm) const {
   const ParamState& ps = param_state_[i];
   out.norm.reset();
   out.init_norm.reset();
@@ -430,34 +453,26 @@ void RunAnalytics::FillParamEntry(size_t i, ParamAnalysis& out) const {
     return;
   }
   out.norm = ps.norm_value;
-  const double amplification = ps.init_norm ? analytics::Amplification(ps.norm_value, *ps.init_norm) : kNaN;
   if (ps.init_norm && params_[i].kind == ParamKind::kNormGain) {
     out.init_norm = *ps.init_norm;
-    out.amplification = amplification;
+    out.amplification = analytics::Amplification(ps.norm_value, *ps.init_norm);
   }
-  out.norm_slope_per_kstep = ps.norm_slope_per_kstep;
-  const auto& g = ps.growth;
-  if (!g) {
+  if (fit_norm) {
+    FillNormFits(i, out);
+  } else {
     out.growth.reset();
-    return;
   }
-  // Field by field: an entry kept from the previous step keeps its name's buffer.
-  GrowthInfo& growth = out.growth ? *out.growth : out.growth.emplace();
-  growth.param = params_[i].name;
-  growth.growth_factor = g->growth_factor;
-  growth.slope_per_kstep = g->slope_per_kstep;
-  growth.window_steps = ps.growth_window_steps;
-  growth.amplification = amplification;
-  growth.norm = ps.norm_value;
 }
 
-void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params) const {
+void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params, const StepFits& fits) const {
   out.slopes.clear();
   out.amplifications.clear();
   out.growth_without_decay.clear();
-  EventsForecastsShares(out, /*order_shares=*/false);
+  EventsForecastsShares(out, /*order_shares=*/false, &fits.share);
   params.resize(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) FillParamEntry(i, params[i]);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    FillParamEntry(i, params[i], i < fits.norm.size() && fits.norm[i] != 0);
+  }
 }
 
 RunAnalysis RunAnalytics::Analysis() const {
@@ -480,11 +495,11 @@ void RunAnalytics::Analysis(RunAnalysis& out) const {
     }
   }
   out.slopes.resize(slopes);
-  EventsForecastsShares(out, /*order_shares=*/true);
+  EventsForecastsShares(out, /*order_shares=*/true, nullptr);
   size_t amplifications = 0, growth = 0;
   ParamAnalysis entry;
   for (size_t i = 0; i < params_.size(); ++i) {
-    FillParamEntry(i, entry);
+    FillParamEntry(i, entry, /*fit_norm=*/true);
     if (entry.amplification) {
       AmplificationInfo& info = NextSlot(out.amplifications, &amplifications);
       info.param = params_[i].name;
@@ -503,19 +518,6 @@ void RunAnalytics::Analysis(RunAnalysis& out) const {
 namespace gradwatch::runs {
 
 namespace {
-
-void PutOptional(StateWriter& out, const std::optional<double>& v) {
-  out.Put<uint8_t>(v ? 1 : 0);
-  out.Put(v.value_or(0.0));
-}
-
-bool GetOptional(StateReader& in, std::optional<double>& v) {
-  bool has = false;
-  double value = 0;
-  if (!in.GetBool(has) || !in.Get(value)) return false;
-  v = has ? std::optional<double>(value) : std::nullopt;
-  return true;
-}
 
 // A tracker held or not: a flag, then its state.
 template <typename T>
@@ -569,10 +571,6 @@ void RunAnalytics::SaveState(StateWriter& out) const {
     out.Put<uint8_t>(ps.has_share ? 1 : 0);
     out.Put(ps.norm_value);
     out.Put<uint8_t>(ps.has_norm_value ? 1 : 0);
-    PutOptional(out, ps.norm_slope_per_kstep);
-    out.Put<uint8_t>(ps.growth ? 1 : 0);
-    out.Put(ps.growth.value_or(analytics::GrowthWithoutDecay{}));
-    out.Put(ps.growth_window_steps);
   }
   out.Put<uint64_t>(groups_.size());
   for (const GroupState& g : groups_) {
@@ -631,14 +629,10 @@ bool RunAnalytics::LoadState(StateReader& in) {
   if (!in.GetCount(count, 1, param_state_.size())) return false;
   for (uint64_t i = 0; i < count; ++i) {
     ParamState& ps = param_state_[i];
-    bool has_growth = false;
-    analytics::GrowthWithoutDecay growth;
     if (!ps.share_trend->LoadState(in) || !in.Get(ps.share) || !in.GetBool(ps.has_share) || !in.Get(ps.norm_value) ||
-        !in.GetBool(ps.has_norm_value) || !GetOptional(in, ps.norm_slope_per_kstep) || !in.GetBool(has_growth) ||
-        !in.Get(growth) || !in.Get(ps.growth_window_steps)) {
+        !in.GetBool(ps.has_norm_value)) {
       return false;
     }
-    ps.growth = has_growth ? std::optional(growth) : std::nullopt;
   }
   if (!in.GetCount(count, 1, groups_.size())) return false;
   for (uint64_t g = 0; g < count; ++g) {

@@ -136,6 +136,17 @@ struct RunAnalysis {
   std::vector<GrowthInfo> growth_without_decay;
 };
 
+// The per-parameter fits a reader of StepAnalysis uses, by catalog index (an index beyond a
+// vector: not used): `norm`, the param norm's slope and growth without decay; `share`, the slope
+// of the parameter's share trend. The fits nobody reads are left out of the step's view (no norm
+// slope or growth; a share slope of NaN): in a large run most parameters are read by no rule, and
+// fitting two windows of each at every step took about a tenth of the daemon's CPU. Analysis()
+// fits them all.
+struct StepFits {
+  std::vector<uint8_t> norm;
+  std::vector<uint8_t> share;
+};
+
 // Where a run's analytics charge their memory.
 struct AnalyticsCharging {
   MemoryBudget* budget = nullptr;  // not owned; null: unlimited
@@ -165,10 +176,10 @@ class RunAnalytics {
   void Analysis(RunAnalysis& out) const;
   // What the alert rules read at each step: Analysis() without the slopes of every series, the
   // per-parameter entries by catalog index in `params` (amplifications and growth_without_decay
-  // stay empty; the shares in catalog order). O(key series × events + parameters), not O(series ×
-  // windows); `out` and `params` are overwritten in place, so buffers reused across steps stop
-  // allocating once warm.
-  void StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params) const;
+  // stay empty; the shares in catalog order), with only the per-parameter fits `fits` names.
+  // O(key series × events + parameters + fits), not O(series × windows); `out` and `params` are
+  // overwritten in place, so buffers reused across steps stop allocating once warm.
+  void StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params, const StepFits& fits) const;
 
   // Snapshots (Run::SaveSnapshot). SaveState writes what the steps and events made of the
   // analytics: every series' trackers, the events, the shares and the parameters' fits.
@@ -216,13 +227,9 @@ class RunAnalytics {
     std::unique_ptr<analytics::WindowedSlope> share_trend;
     double share = 0;
     bool has_share = false;
-    // The param norm's latest value and fits, updated as each of its samples is added (while its
-    // trackers are in cache), so that StepAnalysis reads this entry alone.
+    // The param norm's latest value (its fits are made when read: FillNormFits).
     double norm_value = 0;
     bool has_norm_value = false;
-    std::optional<double> norm_slope_per_kstep;
-    std::optional<analytics::GrowthWithoutDecay> growth;
-    uint64_t growth_window_steps = 0;
   };
   struct GroupState {
     std::string name;
@@ -245,11 +252,15 @@ class RunAnalytics {
   bool IsForecastKey(const std::string& key) const;
   // Analysis() and StepAnalysis() but the slopes and the per-parameter entries. The shares are
   // ordered largest first when order_shares, else left in catalog order (parameters, then groups).
-  void EventsForecastsShares(RunAnalysis& out, bool order_shares) const;
-  // Parameter i's entry, written over `out` in place (a kept entry's strings keep their buffers).
-  void FillParamEntry(size_t i, ParamAnalysis& out) const;
-  // Refits parameter `param`'s norm after a sample was added to its trackers.
-  void UpdateNormFits(int param, const analytics::SlopeTracker& slopes);
+  // A parameter's share slope is fitted when share_fits is null or names it (StepFits::share);
+  // NaN otherwise. Groups' share slopes are always fitted.
+  void EventsForecastsShares(RunAnalysis& out, bool order_shares, const std::vector<uint8_t>* share_fits) const;
+  // Parameter i's entry, written over `out` in place (a kept entry's strings keep their buffers);
+  // its norm's slope and growth only when fit_norm (left empty otherwise).
+  void FillParamEntry(size_t i, ParamAnalysis& out, bool fit_norm) const;
+  // Parameter i's norm slope over forecast_window_steps and its growth without decay over the
+  // longest window, from its norm series' raw tracker, into `out`.
+  void FillNormFits(size_t i, ParamAnalysis& out) const;
 
   const AnalyticsOptions options_;
   AnalyticsCharging charging_;

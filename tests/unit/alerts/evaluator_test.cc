@@ -358,3 +358,45 @@ TEST_CASE("every default rule matches an incident-shaped run and renders its ann
     }
   }
 }
+
+TEST_CASE("the fits the rules read: growth and share selections, the recommendation's norm gains", "[evaluator]") {
+  std::vector<gradwatch::ParamInfo> catalog(5);
+  catalog[0] = {.name = "layers.0.attn_norm.weight", .kind = ParamKind::kNormGain};
+  catalog[1] = {.name = "layers.0.mlp.weight", .kind = ParamKind::kOther, .weight_decay = 0.1};
+  catalog[2] = {.name = "lm_head.weight", .kind = ParamKind::kOutput, .weight_decay = 0.1};
+  catalog[3] = {.name = "norm_out", .kind = ParamKind::kOther, .role = "final_norm"};
+  catalog[4] = {.name = "layers.1.mlp.weight", .kind = ParamKind::kOther, .weight_decay = 0.1};
+  const Rule growth = DefaultRule(RuleKind::kGrowthWithoutDecay);  // param_kind: norm_gain
+  const Rule share = DefaultRule(RuleKind::kShare);                // param_kind: output
+  std::vector<uint8_t> norm, share_fits;
+
+  RulesReadFits({growth, share}, false, catalog, 0, norm, share_fits);
+  CHECK(norm == std::vector<uint8_t>{1, 0, 0, 0, 0});
+  CHECK(share_fits == std::vector<uint8_t>{0, 0, 1, 0, 0});
+  CHECK(GrowthRuleSelects(growth, catalog[0]));
+  CHECK_FALSE(GrowthRuleSelects(growth, catalog[1]));
+  CHECK(ShareRuleSelectsParam(share, catalog[2].name, catalog[2].kind));
+
+  // The recommendation reads the norm of whichever parameter FindFinalNorm may pick.
+  RulesReadFits({growth, share}, true, catalog, 0, norm, share_fits);
+  CHECK(norm == std::vector<uint8_t>{1, 0, 0, 1, 0});
+
+  // Marks are only added; `from` skips entries already marked; a glob on any kind selects by name.
+  const Rule any_mlp = LoadOne(
+      "        kind: growth_without_decay\n        param: 'layers.*.mlp.weight'\n        min_growth: 0.05\n"
+      "        max_weight_decay: 0.2\n");
+  RulesReadFits({any_mlp}, false, catalog, 4, norm, share_fits);
+  CHECK(norm == std::vector<uint8_t>{1, 0, 0, 1, 1});
+  RulesReadFits({any_mlp}, false, catalog, 0, norm, share_fits);
+  CHECK(norm == std::vector<uint8_t>{1, 1, 0, 1, 1});
+  // max_weight_decay: a parameter with more decay than the rule allows is not judged.
+  const Rule no_decay = LoadOne("        kind: growth_without_decay\n        param: '*'\n        min_growth: 0.05\n");
+  std::vector<uint8_t> only;
+  RulesReadFits({no_decay}, false, catalog, 0, only, share_fits);
+  CHECK(only == std::vector<uint8_t>{1, 0, 0, 1, 0});
+  // A share rule on groups alone reads no parameter's share slope.
+  const Rule groups = LoadOne("        kind: share\n        group: '*'\n        min_share: 0.5\n");
+  std::vector<uint8_t> shares;
+  RulesReadFits({groups}, false, catalog, 0, only, shares);
+  CHECK(shares == std::vector<uint8_t>(5, 0));
+}

@@ -214,3 +214,63 @@ TEST_CASE("the facts carry each value under its own series when a step's series 
   const std::vector<std::pair<uint64_t, std::string>> expected = {{7, "x/0"}, {9, "x/b"}, {10, "x/a"}};
   CHECK(started == expected);
 }
+
+TEST_CASE("the feed has the fits its rules read made, and more after a reload", "[daemon][alerts]") {
+  // Two parameters without decay whose norms both grow; a growth rule on norm gains judges only
+  // the first. A reload adds a rule on the MLP: from the next step its fits are made too.
+  const auto growth_rule = [](const std::string& name, const std::string& selector) {
+    auto rules = alerts::LoadRules("groups:\n  - name: g\n    rules:\n      - alert: " + name +
+                                       "\n        kind: growth_without_decay\n        " + selector +
+                                       "\n        min_growth: 0.05\n        labels: {severity: warning}\n",
+                                   "test.yaml");
+    REQUIRE(rules.ok());
+    return (*rules)[0];
+  };
+  const alerts::Rule gains = growth_rule("GainGrows", "param_kind: norm_gain");
+  alerts::AlertEngine engine({gains});
+  std::vector<std::pair<std::string, std::string>> fired;  // alert, param
+  AlertFeed feed(Meta(), std::nullopt, engine, [&](std::vector<alerts::Transition> ts, bool) {
+    for (const auto& t : ts) {
+      if (t.to == alerts::AlertState::kFiring) fired.emplace_back(t.alert.name, t.alert.labels.at("param"));
+    }
+  });
+  RunMeta meta = Meta();
+  meta.params.push_back({.name = "mlp.weight", .numel = 6144, .kind = ParamKind::kMlp});
+  RunAnalytics analytics{AnalyticsOptions{}};
+  analytics.SetCatalog(meta.params);
+  const std::vector<std::string> keys = {"params/norm/final_norm.weight", "params/norm/mlp.weight"};
+  for (SeriesId id = 0; id < keys.size(); ++id) {
+    feed.OnSeries(id, keys[id]);
+    analytics.AddSeries(id, keys[id]);
+  }
+  std::vector<std::array<SeriesId, kNormFields>> param_series(2);
+  for (auto& ids : param_series) ids.fill(kNoSeries);
+  param_series[0][static_cast<int>(NormField::kParam)] = 0;
+  param_series[1][static_cast<int>(NormField::kParam)] = 1;
+  RunActivity activity;
+  CompletedStep step;
+  const auto publish = [&](uint64_t n) {
+    step.step = n;
+    const double norm = 10.0 + 0.01 * static_cast<double>(n);
+    step.values = {{0, norm}, {1, norm}};
+    analytics.OnStep(step);
+    activity.last_step = n;
+    feed.OnStep(PublishedStep{.step = step,
+                              .meta = meta,
+                              .param_series = param_series,
+                              .analytics = analytics,
+                              .activity = activity,
+                              .now = 1000.0 + static_cast<double>(n)});
+    feed.Deliver();
+  };
+  uint64_t n = 0;
+  while (n < 2000 && fired.empty()) publish(++n);
+  REQUIRE(fired == std::vector<std::pair<std::string, std::string>>{{"GainGrows", "final_norm.weight"}});
+  for (int i = 0; i < 100; ++i) publish(++n);
+  CHECK(fired.size() == 1);  // the MLP is judged by no rule
+
+  engine.ReplaceRules({gains, growth_rule("MlpGrows", "param: 'mlp.*'")}, 2000);
+  for (int i = 0; i < 100 && fired.size() < 2; ++i) publish(++n);
+  REQUIRE(fired.size() == 2);
+  CHECK(fired[1] == std::pair<std::string, std::string>{"MlpGrows", "mlp.weight"});
+}

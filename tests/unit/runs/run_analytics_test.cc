@@ -225,8 +225,10 @@ TEST_CASE("the per-step analysis the alert rules read equals the full one, by pa
   for (uint64_t s = 0; s <= 20000; s += 10) {
     a.OnStep(Step(s, Noisy(s), 0.5 * Noisy(s), init + 0.01 * s));
     if (s % 2000 != 0) continue;
-    // Filled again into the same buffers as a live run does at every step.
-    a.StepAnalysis(step_analysis, params);
+    // Filled again into the same buffers as a live run does at every step, every fit read.
+    const StepFits all{.norm = std::vector<uint8_t>(Catalog().size(), 1),
+                       .share = std::vector<uint8_t>(Catalog().size(), 1)};
+    a.StepAnalysis(step_analysis, params, all);
     const RunAnalysis full = a.Analysis();
     RunAnalysis expected = full;
     expected.slopes.clear();
@@ -274,5 +276,37 @@ TEST_CASE("the per-step analysis the alert rules read equals the full one, by pa
     CHECK_FALSE(params[1].growth.has_value());
     // mlp has no norm series.
     CHECK_FALSE(params[2].norm.has_value());
+
+    // Only final_norm's norm fits read: the others' norm slopes and growth, and every
+    // parameter's share slope, are left out; values, amplifications and groups' slopes stay.
+    RunAnalysis lean;
+    std::vector<ParamAnalysis> lean_params;
+    StepFits first_norm;
+    first_norm.norm = {1};
+    a.StepAnalysis(lean, lean_params, first_norm);
+    REQUIRE(lean_params.size() == params.size());
+    CHECK(lean_params[0].norm_slope_per_kstep == params[0].norm_slope_per_kstep);
+    CHECK(lean_params[0].growth.has_value() == params[0].growth.has_value());
+    if (params[0].growth) CHECK(lean_params[0].growth->growth_factor == params[0].growth->growth_factor);
+    for (size_t i = 1; i < params.size(); ++i) {
+      CHECK(lean_params[i].norm == params[i].norm);
+      CHECK(lean_params[i].amplification == params[i].amplification);
+      CHECK_FALSE(lean_params[i].norm_slope_per_kstep.has_value());
+      CHECK_FALSE(lean_params[i].growth.has_value());
+    }
+    if (s > 0) CHECK(params[1].norm_slope_per_kstep.has_value());
+    REQUIRE(lean.shares.size() == step_analysis.shares.size());
+    bool any_group = false;
+    for (size_t i = 0; i < lean.shares.size(); ++i) {
+      CHECK(lean.shares[i].name == step_analysis.shares[i].name);
+      CHECK(lean.shares[i].share == step_analysis.shares[i].share);
+      if (lean.shares[i].is_group) {
+        any_group = true;
+        CHECK(lean.shares[i].slope_per_kstep == step_analysis.shares[i].slope_per_kstep);
+      } else {
+        CHECK(std::isnan(lean.shares[i].slope_per_kstep));
+      }
+    }
+    CHECK(any_group);
   }
 }
