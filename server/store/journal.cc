@@ -158,8 +158,8 @@ const sqlite::Schema& JournalSchema() {
   return schema;
 }
 
-void PutLe(std::string& out, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+void PutLe(char* out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
 }
 
 uint64_t GetLe(const char* p, int bytes) {
@@ -170,21 +170,22 @@ uint64_t GetLe(const char* p, int bytes) {
 
 // Bit copies, never arithmetic, so NaN payloads and infinities survive exactly.
 void EncodeValues(const std::vector<SeriesValue>& values, std::string& out) {
-  out.clear();
-  out.reserve(values.size() * kValueEntryBytes);
+  out.resize(values.size() * kValueEntryBytes);
+  char* p = out.data();
   for (const SeriesValue& v : values) {
-    PutLe(out, v.id, 4);
-    PutLe(out, std::bit_cast<uint64_t>(v.value), 8);
+    PutLe(p, v.id, 4);
+    PutLe(p + 4, std::bit_cast<uint64_t>(v.value), 8);
+    p += kValueEntryBytes;
   }
 }
 
 bool DecodeValues(std::string_view blob, std::vector<SeriesValue>& out) {
   if (blob.size() % kValueEntryBytes != 0) return false;
-  out.clear();
-  out.reserve(blob.size() / kValueEntryBytes);
-  for (size_t off = 0; off < blob.size(); off += kValueEntryBytes) {
-    const char* p = blob.data() + off;
-    out.push_back({static_cast<SeriesId>(GetLe(p, 4)), std::bit_cast<double>(GetLe(p + 4, 8))});
+  out.resize(blob.size() / kValueEntryBytes);
+  const char* p = blob.data();
+  for (SeriesValue& v : out) {
+    v = {static_cast<SeriesId>(GetLe(p, 4)), std::bit_cast<double>(GetLe(p + 4, 8))};
+    p += kValueEntryBytes;
   }
   return true;
 }

@@ -48,98 +48,106 @@ uint32_t FromOrdered32(uint32_t u) { return (u >> 31) != 0 ? u & ~(uint32_t{1} <
 size_t VarintSize(uint64_t v) { return std::max<size_t>(1, (static_cast<size_t>(std::bit_width(v)) + 6) / 7); }
 size_t PackedBytes(size_t n, int width) { return (n * static_cast<size_t>(width) + 7) / 8; }
 
-// Packs values of `width` bits, low bits first.
-class StringBitWriter {
- public:
-  explicit StringBitWriter(std::string& out) : out_(out) {}
-  void Put(uint64_t v, int width) {
-    if (width == 0) return;
-    if (width < 64) v &= (uint64_t{1} << width) - 1;
-    acc_ |= v << used_;
-    const int room = 64 - used_;
+// Appends the low `width` bits of each value, low bits first, in PackedBytes(n, width) bytes.
+template <typename Value>
+void PackBits(size_t n, int width, Value value, std::string& out) {
+  const size_t at = out.size();
+  out.resize(at + PackedBytes(n, width));
+  if (width == 0) return;
+  char* dst = out.data() + at;
+  const uint64_t mask = width < 64 ? (uint64_t{1} << width) - 1 : ~uint64_t{0};
+  uint64_t acc = 0;
+  int used = 0;
+  auto emit = [&dst](uint64_t word, int bytes) {
+    for (int i = 0; i < bytes; ++i) *dst++ = static_cast<char>((word >> (8 * i)) & 0xff);
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t v = value(i) & mask;
+    acc |= v << used;
+    const int room = 64 - used;
     if (width >= room) {
-      Emit(8);
-      acc_ = room < 64 ? v >> room : 0;
-      used_ = width - room;
+      emit(acc, 8);
+      acc = room < 64 ? v >> room : 0;
+      used = width - room;
     } else {
-      used_ += width;
+      used += width;
     }
   }
-  void Finish() {
-    Emit((used_ + 7) / 8);
-    acc_ = 0, used_ = 0;
-  }
+  emit(acc, (used + 7) / 8);
+}
 
- private:
-  void Emit(int bytes) {
-    for (int i = 0; i < bytes; ++i) out_.push_back(static_cast<char>((acc_ >> (8 * i)) & 0xff));
-  }
-  std::string& out_;
-  uint64_t acc_ = 0;
-  int used_ = 0;
+// How an integer column is written (see the header): its frame, the frame's parameters and the
+// bytes it takes, computed without writing it.
+struct IntsPlan {
+  Frame frame = Frame::kReference;
+  size_t bytes = 0;
+  uint64_t base = 0;  // kReference: the minimum; else the minimum (first or second) difference
+  int width = 0;
 };
 
-// Writes an integer column (see the header) in its shortest frame.
-void EncodeInts(const std::vector<uint64_t>& v, std::string& out) {
-  const size_t n = v.size();
-  if (n == 0) return;
+IntsPlan PlanInts(const uint64_t* v, size_t n) {
+  IntsPlan plan;
+  if (n == 0) return plan;
   // Frame of reference.
-  const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
-  const uint64_t ref_base = *lo;
-  const int ref_width = std::bit_width(*hi - *lo);
-  size_t best = 2 + VarintSize(ref_base) + PackedBytes(n, ref_width);
-  Frame frame = Frame::kReference;
+  const auto [lo, hi] = std::minmax_element(v, v + n);
+  plan.base = *lo;
+  plan.width = std::bit_width(*hi - *lo);
+  plan.bytes = 2 + VarintSize(plan.base) + PackedBytes(n, plan.width);
   // Differences (wrapping, read as signed), and differences of differences.
-  int64_t d_lo = 0, d_hi = 0, dd_lo = 0, dd_hi = 0;
-  int d_width = 0, dd_width = 0;
   if (n >= 2) {
-    d_lo = d_hi = static_cast<int64_t>(v[1] - v[0]);
+    int64_t d_lo = static_cast<int64_t>(v[1] - v[0]), d_hi = d_lo;
     for (size_t i = 2; i < n; ++i) {
       const auto d = static_cast<int64_t>(v[i] - v[i - 1]);
       d_lo = std::min(d_lo, d), d_hi = std::max(d_hi, d);
     }
-    d_width = std::bit_width(static_cast<uint64_t>(d_hi) - static_cast<uint64_t>(d_lo));
-    const size_t cost = 2 + VarintSize(v[0]) + VarintSize(Zigzag(d_lo)) + PackedBytes(n - 1, d_width);
-    if (cost < best) best = cost, frame = Frame::kDelta;
+    const int width = std::bit_width(static_cast<uint64_t>(d_hi) - static_cast<uint64_t>(d_lo));
+    const size_t cost = 2 + VarintSize(v[0]) + VarintSize(Zigzag(d_lo)) + PackedBytes(n - 1, width);
+    if (cost < plan.bytes) plan = {Frame::kDelta, cost, static_cast<uint64_t>(d_lo), width};
   }
   if (n >= 3) {
-    auto dd_at = [&](size_t i) { return static_cast<int64_t>((v[i] - v[i - 1]) - (v[i - 1] - v[i - 2])); };
-    dd_lo = dd_hi = dd_at(2);
+    auto dd_at = [v](size_t i) { return static_cast<int64_t>((v[i] - v[i - 1]) - (v[i - 1] - v[i - 2])); };
+    int64_t dd_lo = dd_at(2), dd_hi = dd_lo;
     for (size_t i = 3; i < n; ++i) {
       const int64_t dd = dd_at(i);
       dd_lo = std::min(dd_lo, dd), dd_hi = std::max(dd_hi, dd);
     }
-    dd_width = std::bit_width(static_cast<uint64_t>(dd_hi) - static_cast<uint64_t>(dd_lo));
+    const int width = std::bit_width(static_cast<uint64_t>(dd_hi) - static_cast<uint64_t>(dd_lo));
     const size_t cost = 2 + VarintSize(v[0]) + VarintSize(Zigzag(static_cast<int64_t>(v[1] - v[0]))) +
-                        VarintSize(Zigzag(dd_lo)) + PackedBytes(n - 2, dd_width);
-    if (cost < best) best = cost, frame = Frame::kDelta2;
+                        VarintSize(Zigzag(dd_lo)) + PackedBytes(n - 2, width);
+    if (cost < plan.bytes) plan = {Frame::kDelta2, cost, static_cast<uint64_t>(dd_lo), width};
   }
-  out.push_back(static_cast<char>(frame));
-  StringBitWriter bits(out);
-  switch (frame) {
+  return plan;
+}
+
+void WriteInts(const uint64_t* v, size_t n, const IntsPlan& plan, std::string& out) {
+  if (n == 0) return;
+  out.push_back(static_cast<char>(plan.frame));
+  switch (plan.frame) {
     case Frame::kReference:
-      PutVarint(out, ref_base);
-      out.push_back(static_cast<char>(ref_width));
-      for (uint64_t x : v) bits.Put(x - ref_base, ref_width);
+      PutVarint(out, plan.base);
+      out.push_back(static_cast<char>(plan.width));
+      PackBits(n, plan.width, [v, &plan](size_t i) { return v[i] - plan.base; }, out);
       break;
     case Frame::kDelta:
       PutVarint(out, v[0]);
-      PutVarint(out, Zigzag(d_lo));
-      out.push_back(static_cast<char>(d_width));
-      for (size_t i = 1; i < n; ++i) bits.Put((v[i] - v[i - 1]) - static_cast<uint64_t>(d_lo), d_width);
+      PutVarint(out, Zigzag(static_cast<int64_t>(plan.base)));
+      out.push_back(static_cast<char>(plan.width));
+      PackBits(n - 1, plan.width, [v, &plan](size_t i) { return (v[i + 1] - v[i]) - plan.base; }, out);
       break;
     case Frame::kDelta2:
       PutVarint(out, v[0]);
       PutVarint(out, Zigzag(static_cast<int64_t>(v[1] - v[0])));
-      PutVarint(out, Zigzag(dd_lo));
-      out.push_back(static_cast<char>(dd_width));
-      for (size_t i = 2; i < n; ++i) {
-        bits.Put(((v[i] - v[i - 1]) - (v[i - 1] - v[i - 2])) - static_cast<uint64_t>(dd_lo), dd_width);
-      }
+      PutVarint(out, Zigzag(static_cast<int64_t>(plan.base)));
+      out.push_back(static_cast<char>(plan.width));
+      PackBits(
+          n - 2, plan.width,
+          [v, &plan](size_t i) { return ((v[i + 2] - v[i + 1]) - (v[i + 1] - v[i])) - plan.base; }, out);
       break;
   }
-  bits.Finish();
 }
+
+// Writes an integer column (see the header) in its shortest frame.
+void EncodeInts(const std::vector<uint64_t>& v, std::string& out) { WriteInts(v.data(), v.size(), PlanInts(v.data(), v.size()), out); }
 
 // The decimal exponent p ≤ 22 with v == m / 10^p for an integer |m| < 2^53, computed as the
 // decoder will; -1 when there is none.
@@ -153,31 +161,42 @@ int DecimalExponent(double v, int from) {
   return -1;
 }
 
-// Writes one value column in the shortest kind that holds every value exactly.
-void EncodeValues(const double* values, size_t n, std::vector<uint64_t>& ints, std::string& candidate,
-                  std::string& out) {
-  std::string best;
-  bool have_best = false;
-  auto consider = [&](ValueKind kind, int exponent) {
-    candidate.clear();
-    candidate.push_back(static_cast<char>(kind));
-    if (kind == ValueKind::kDecimal) candidate.push_back(static_cast<char>(exponent));
-    EncodeInts(ints, candidate);
-    if (!have_best || candidate.size() < best.size()) best.swap(candidate), have_best = true;
+// Integer columns of one value column, one per kind, reused from column to column.
+struct ValueScratch {
+  std::vector<uint64_t> float32, decimal, float64;
+};
+
+// Writes one value column in the shortest kind that holds every value exactly. Each kind's size is
+// planned without writing it; only the shortest (the first of equals, in kind order) is written.
+void EncodeValues(const double* values, size_t n, ValueScratch& scratch, std::string& out) {
+  std::vector<uint64_t>* best = nullptr;
+  IntsPlan best_plan;
+  size_t best_bytes = 0;
+  ValueKind best_kind = ValueKind::kFloat64;
+  int best_exponent = 0;
+  auto consider = [&](std::vector<uint64_t>& ints, ValueKind kind, int exponent) {
+    const IntsPlan plan = PlanInts(ints.data(), n);
+    const size_t bytes = (kind == ValueKind::kDecimal ? 2 : 1) + plan.bytes;
+    if (best == nullptr || bytes < best_bytes) {
+      best = &ints, best_plan = plan, best_bytes = bytes, best_kind = kind, best_exponent = exponent;
+    }
   };
-  ints.resize(n);
+  std::vector<uint64_t>& f32 = scratch.float32;
+  f32.resize(n);
   bool float32 = true;
   for (size_t i = 0; i < n && float32; ++i) {
     const auto narrow = std::bit_cast<uint32_t>(static_cast<float>(values[i]));
     float32 = std::bit_cast<uint64_t>(static_cast<double>(std::bit_cast<float>(narrow))) ==
               std::bit_cast<uint64_t>(values[i]);
-    ints[i] = Ordered32(narrow);
+    f32[i] = Ordered32(narrow);
   }
-  if (float32) consider(ValueKind::kFloat32, 0);
+  if (float32) consider(f32, ValueKind::kFloat32, 0);
   int exponent = 0;
   // The column's exponent is the largest its values need; each is checked at it below.
   for (size_t i = 0; i < n && exponent >= 0; ++i) exponent = DecimalExponent(values[i], exponent);
   if (exponent >= 0) {
+    std::vector<uint64_t>& dec = scratch.decimal;
+    dec.resize(n);
     const double scale = kPow10[static_cast<size_t>(exponent)];
     bool exact = true;
     for (size_t i = 0; i < n && exact; ++i) {
@@ -186,13 +205,17 @@ void EncodeValues(const double* values, size_t n, std::vector<uint64_t>& ints, s
       // undefined behaviour).
       exact = std::fabs(m) < kMaxExactInteger && std::bit_cast<uint64_t>(static_cast<double>(static_cast<int64_t>(m)) /
                                                                          scale) == std::bit_cast<uint64_t>(values[i]);
-      if (exact) ints[i] = static_cast<uint64_t>(static_cast<int64_t>(m));
+      if (exact) dec[i] = static_cast<uint64_t>(static_cast<int64_t>(m));
     }
-    if (exact) consider(ValueKind::kDecimal, exponent);
+    if (exact) consider(dec, ValueKind::kDecimal, exponent);
   }
-  for (size_t i = 0; i < n; ++i) ints[i] = Ordered64(values[i]);
-  consider(ValueKind::kFloat64, 0);
-  out += best;
+  std::vector<uint64_t>& f64 = scratch.float64;
+  f64.resize(n);
+  for (size_t i = 0; i < n; ++i) f64[i] = Ordered64(values[i]);
+  consider(f64, ValueKind::kFloat64, 0);
+  out.push_back(static_cast<char>(best_kind));
+  if (best_kind == ValueKind::kDecimal) out.push_back(static_cast<char>(best_exponent));
+  WriteInts(best->data(), n, best_plan, out);
 }
 
 // Reads a block front to back; every read is bounds-checked.
@@ -344,9 +367,9 @@ void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out) {
       for (const SeriesValue& v : s.values) gathered[next[value_columns[k++]]++] = v.value;
     }
   }
-  std::string candidate;
+  ValueScratch scratch;
   for (size_t c = 0; c < ids.size(); ++c) {
-    EncodeValues(gathered.data() + start[c], start[c + 1] - start[c], ints, candidate, out);
+    EncodeValues(gathered.data() + start[c], start[c + 1] - start[c], scratch, out);
   }
 }
 
