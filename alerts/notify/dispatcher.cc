@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "alerts/notify/payloads.h"
+#include "server/core/thread_name.h"
 
 namespace gradwatch::notify {
 
@@ -138,7 +139,10 @@ Status Dispatcher::Start() {
   started_ = true;
   for (auto& worker : workers_) {
     Worker* w = worker.get();
-    w->thread = std::thread([this, w] { RunWorker(*w); });
+    w->thread = std::thread([this, w] {
+      NameThisThread("gw-notify");
+      RunWorker(*w);
+    });
   }
   return Status::Ok();
 }

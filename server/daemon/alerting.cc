@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "alerts/rules.h"
+#include "server/core/thread_name.h"
 
 namespace gradwatch::daemon {
 
@@ -54,7 +55,10 @@ void Alerting::Start(notify::Outbox* store, std::unique_ptr<notify::Dispatcher> 
   engine_.SetChangeSink([this](alerts::StateChanges changes, const std::vector<alerts::Transition>& transitions) {
     OnChanges(std::move(changes), transitions);
   });
-  writer_ = std::thread([this] { WriterLoop(); });
+  writer_ = std::thread([this] {
+    NameThisThread("gw-alert-store");
+    WriterLoop();
+  });
 }
 
 void Alerting::OnChanges(alerts::StateChanges changes, const std::vector<alerts::Transition>& transitions) {

@@ -17,6 +17,7 @@
 
 #include <malloc.h>
 #include "alerts/notify/receivers.h"
+#include "server/core/thread_name.h"
 #include "server/daemon/alerting.h"
 #include "server/daemon/run_view.h"
 #include "server/daemon/step_fanout.h"
@@ -274,8 +275,14 @@ Status Daemon::Start() {
   http_ = std::move(http).value();
   metrics_port_ = http_->port();
 
-  ticker_ = std::thread([this] { TickLoop(); });
-  if (config_.journal_snapshot_interval_seconds > 0) snapshotter_ = std::thread([this] { SnapshotLoop(); });
+  ticker_ = std::thread([this] {
+    NameThisThread("gw-tick");
+    TickLoop();
+  });
+  if (config_.journal_snapshot_interval_seconds > 0) snapshotter_ = std::thread([this] {
+      NameThisThread("gw-snapshot");
+      SnapshotLoop();
+    });
   spdlog::info("serving gRPC on {} (port {}{}), /metrics on {} (port {}, {}), data in {}", config_.listen, grpc_port_,
                config_.tls_cert_file.empty() ? ", plain text" : ", TLS", config_.metrics_listen, metrics_port_,
                http_->tls() ? "HTTPS" : "HTTP", config_.data_dir);

@@ -11,6 +11,7 @@
 
 #include "alerts/notify/http_client.h"
 #include "prometheus/remote_write.pb.h"
+#include "server/core/thread_name.h"
 #include "server/export/text_format.h"
 #include "server/store/remote_write_progress.h"
 
@@ -213,7 +214,10 @@ Status RemoteWriter::Start(store::RemoteWriteProgress* progress) {
     started_ = true;
     saved_progress_ = std::move(saved);
   }
-  thread_ = std::thread([this] { Loop(); });
+  thread_ = std::thread([this] {
+    NameThisThread("gw-remote-write");
+    Loop();
+  });
   spdlog::info("remote_write {}: sending to {}{}", options_.name, options_.url,
                options_.series.empty() ? std::string(", every series")
                                        : ", " + std::to_string(options_.series.size()) + " series patterns");

@@ -1,5 +1,6 @@
 #include "server/store/journal.h"
 
+#include "server/core/thread_name.h"
 #include "server/store/step_block.h"
 
 #include <fcntl.h>
@@ -929,6 +930,7 @@ void Journal::NoteSuccessLocked() {
 }
 
 void Journal::Run() {
+  NameThisThread("gw-journal");
   std::vector<JournalRecord> batch;
   mu_.Lock();
   for (;;) {

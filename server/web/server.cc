@@ -32,6 +32,7 @@
 
 #include "server/core/openssl_error.h"
 #include "server/core/thread_annotations.h"
+#include "server/core/thread_name.h"
 
 namespace gradwatch::web {
 
@@ -470,7 +471,10 @@ StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options, std::vect
   Impl* raw = impl.get();
   asio::co_spawn(raw->io, raw->Accept(), asio::detached);
   const int threads = std::max(1, raw->options.threads);
-  for (int i = 0; i < threads; ++i) raw->threads.emplace_back([raw] { raw->io.run(); });
+  for (int i = 0; i < threads; ++i) raw->threads.emplace_back([raw] {
+      NameThisThread("gw-http");
+      raw->io.run();
+    });
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 

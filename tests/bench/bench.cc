@@ -103,6 +103,28 @@ double ProcessCpuSeconds(pid_t pid) {
   return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
+// User + system CPU seconds of a process's live threads, summed by thread name (the daemon names
+// its own: gw-journal, gw-http, ...; gRPC's are grpcpp_sync_ser, nexting_thread, ...).
+std::map<std::string, double> ThreadCpuSecondsByName(pid_t pid) {
+  std::map<std::string, double> out;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    std::ifstream in(entry.path() / "stat");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto open = text.find('('), close = text.rfind(')');
+    if (open == std::string::npos || close == std::string::npos || close < open) continue;  // exited meanwhile
+    std::istringstream fields(text.substr(close + 2));
+    std::string field;
+    double ticks = 0;
+    for (int i = 3; i <= 15 && fields >> field; ++i) {
+      if (i == 14 || i == 15) ticks += std::stod(field);  // utime, stime
+    }
+    out[text.substr(open + 1, close - open - 1)] += ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
+  }
+  return out;
+}
+
 // Resident set size of a process in bytes, from VmRSS in /proc/PID/status.
 double RssBytes(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
@@ -294,6 +316,9 @@ struct IngestResult {
   double rss_before = 0;
   double rss_after = 0;
   std::vector<double> ack_us;
+  // The steady state's CPU seconds by thread name (threads alive at the end of the warm-up and at
+  // the end of the workload).
+  std::map<std::string, double> thread_cpu_s;
 
   uint64_t SteadySamples() const { return shape.Samples() - warm_samples; }
   double SamplesPerCpuSecond() const {
@@ -326,7 +351,8 @@ struct IngestResult {
             // What the run's series added to the daemon's RSS (a fresh daemon's before the run).
             {"rss_per_series_bytes", (rss_after - rss_before) / static_cast<double>(shape.Series())},
             {"ack_p50_ms", Quantile(ack_us, 0.5) / 1e3},
-            {"ack_p99_ms", Quantile(ack_us, 0.99) / 1e3}};
+            {"ack_p99_ms", Quantile(ack_us, 0.99) / 1e3},
+            {"steady_thread_cpu_s", thread_cpu_s}};
   }
 };
 
@@ -364,6 +390,7 @@ IngestResult RunIngest(const std::string& target, pid_t server_pid, const Shape&
     }
     if (least >= warm_steps) {
       result.warm_cpu_s = ProcessCpuSeconds(server_pid) - cpu0;
+      result.thread_cpu_s = ThreadCpuSecondsByName(server_pid);
       result.warm_wall_s = Seconds(Clock::now() - t0);
       result.warm_samples = acked * shape.SamplesPerMessage();
       break;
@@ -377,6 +404,11 @@ IngestResult RunIngest(const std::string& target, pid_t server_pid, const Shape&
   }
   result.wall_s = Seconds(Clock::now() - t0);
   result.cpu_s = ProcessCpuSeconds(server_pid) - cpu0;
+  {
+    std::map<std::string, double> at_warm = std::move(result.thread_cpu_s);
+    result.thread_cpu_s = ThreadCpuSecondsByName(server_pid);
+    for (auto& [name, seconds] : result.thread_cpu_s) seconds -= at_warm.count(name) ? at_warm[name] : 0.0;
+  }
   result.rss_after = RssBytes(server_pid);
   for (auto& s : streams) {
     if (const std::string p = s->Problem(); !p.empty()) Fail("ingest " + shape.Name() + ": " + p);

@@ -35,6 +35,13 @@ def pgw_share(p):
     return text
 
 
+def journal_share(r):
+    """The journal writer's share of the daemon's steady-state CPU (threads summed by name)."""
+    threads = r.get("steady_thread_cpu_s", {})
+    total = sum(threads.values())
+    return f"{100 * threads.get('gw-journal', 0) / total:.0f}%" if total > 0 else "-"
+
+
 def table(header, rows):
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"
@@ -66,11 +73,12 @@ def main():
         p = pgw.get(r["shape"])
         rows.append([f"{r['runs']} x {r['ranks']} x {fmt(r['params'])}", fmt(r["steps"]), fmt(r["series"]),
                      fmt(r["samples_per_cpu_s"]), fmt(r["cpu_ns_per_sample"]), fmt(r["steps_per_s"], 1),
-                     fmt(r["ack_p99_ms"], 1), fmt(r["rss_after_bytes"] / 2**20),
+                     fmt(r["ack_p99_ms"], 1), fmt(r["rss_after_bytes"] / 2**20), journal_share(r),
                      fmt(p["samples_per_cpu_s"]) if p else "-",
                      pgw_share(p) if p else "-"])
     print(table(["runs x ranks x params", "steps", "series", "gradwatchd samples/CPU-s", "ns/sample",
-                 "steps/s", "ack p99 ms (16 steps in flight)", "RSS MB", "Pushgateway samples/CPU-s",
+                 "steps/s", "ack p99 ms (16 steps in flight)", "RSS MB", "journal thread's share of CPU",
+                 "Pushgateway samples/CPU-s",
                  "Pushgateway: rank-steps reaching Prometheus"], rows))
 
     solo = next(r for r in gw["ingest"] if r["runs"] == 1 and r["ranks"] == 1 and r["params"] == 1000)

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -1338,4 +1339,29 @@ TEST_CASE("under churn of pruned runs the database file stops growing", "[store]
   INFO("after 10 runs " << pages_after_warmup << " pages, after 40 " << pages());
   CHECK(pages() <= pages_after_warmup + 2);
   CHECK(journal->pruned_runs() == 40);
+}
+
+TEST_CASE("the journal's writer thread is named gw-journal while the journal is open", "[store]") {
+  TempDir dir;
+  auto names = [] {
+    std::multiset<std::string> out;
+    for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+      std::ifstream in(task.path() / "comm");
+      std::string name;
+      std::getline(in, name);
+      out.insert(name);
+    }
+    return out;
+  };
+  REQUIRE(names().count("gw-journal") == 0);
+  {
+    auto journal = OpenOrFail({.path = dir.db()});
+    // The thread names itself when it starts: waited for, with a generous limit.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (names().count("gw-journal") == 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    CHECK(names().count("gw-journal") == 1);
+  }
+  CHECK(names().count("gw-journal") == 0);
 }
