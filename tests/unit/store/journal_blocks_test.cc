@@ -380,3 +380,49 @@ TEST_CASE("a version-2 journal's step rows are read as they are and sealed as th
   REQUIRE(got.steps.size() == expected.size());
   for (size_t i = 0; i < expected.size(); ++i) CHECK(SameSteps(got.steps[i].second, expected[i]));
 }
+
+TEST_CASE("a new journal has 16 KiB pages, and one made with 4 KiB pages keeps them and reads and seals as before",
+          "[store][blocks]") {
+  TempDir dir;
+  std::vector<CompletedStep> expected;
+  {
+    auto journal = Open({.path = dir.db(), .block_steps = 8});
+    JournalRunRecord(*journal, "r");
+    for (uint64_t s = 1; s <= 20; ++s) {
+      expected.push_back(MakeStep(s, 300));  // 3.6 KB rows
+      Write(*journal, "r", expected.back());
+    }
+    REQUIRE(journal->Flush().ok());
+  }
+  CHECK(Query(dir.db(), "PRAGMA page_size") == "16384");
+  {
+    // The journal as an earlier version made it: SQLite's default 4 KiB pages.
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open_v2(dir.db().c_str(), &db, SQLITE_OPEN_READWRITE, nullptr) == SQLITE_OK);
+    REQUIRE(sqlite3_exec(db, "PRAGMA journal_mode=DELETE; PRAGMA page_size=4096; VACUUM; PRAGMA journal_mode=WAL",
+                         nullptr, nullptr, nullptr) == SQLITE_OK);
+    sqlite3_close(db);
+  }
+  REQUIRE(Query(dir.db(), "PRAGMA page_size") == "4096");
+  {
+    auto journal = Open({.path = dir.db(), .block_steps = 8});
+    Collector before;
+    REQUIRE(journal->Load(before).ok());
+    REQUIRE(before.steps.size() == expected.size());
+    for (uint64_t s = 21; s <= 40; ++s) {
+      expected.push_back(MakeStep(s, 300));
+      Write(*journal, "r", expected.back());
+      REQUIRE(journal->Flush().ok());
+    }
+  }
+  CHECK(Query(dir.db(), "PRAGMA page_size") == "4096");
+  CHECK(std::stoll(Query(dir.db(), "SELECT count(*) FROM steps")) < 8);  // sealed as before
+  auto journal = Open({.path = dir.db(), .block_steps = 8});
+  Collector got;
+  REQUIRE(journal->Load(got).ok());
+  REQUIRE(got.steps.size() == expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    INFO("step " << expected[i].step);
+    CHECK(SameSteps(got.steps[i].second, expected[i]));
+  }
+}
