@@ -334,17 +334,37 @@ void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out) {
   column([](const CompletedStep& s) { return s.client_dropped_steps; });
   column([](const CompletedStep& s) { return uint64_t{s.values.size()}; });
 
-  // Series columns in order of first appearance, and the column of every value.
-  std::unordered_map<SeriesId, uint32_t> column_of;
+  // Series columns in order of first appearance, and the column of every value. A run's series
+  // ids are dense, so the column of an id is looked up in an array indexed by id; ids far beyond
+  // the values' count (never the daemon's own) use a hash map instead.
+  size_t total = 0;
+  SeriesId max_id = 0;
+  for (const CompletedStep& s : steps) {
+    total += s.values.size();
+    for (const SeriesValue& v : s.values) max_id = std::max(max_id, v.id);
+  }
+  constexpr uint32_t kNoColumn = std::numeric_limits<uint32_t>::max();
+  const bool dense = max_id < 2 * total + 1024;
+  std::vector<uint32_t> dense_column(dense ? size_t{max_id} + 1 : 0, kNoColumn);
+  std::unordered_map<SeriesId, uint32_t> sparse_column;
   std::vector<uint64_t> ids;
   std::vector<uint32_t> value_columns;
+  value_columns.reserve(total);
   bool full = true;
   for (const CompletedStep& s : steps) {
     for (size_t j = 0; j < s.values.size(); ++j) {
-      const auto [it, added] = column_of.try_emplace(s.values[j].id, static_cast<uint32_t>(ids.size()));
-      if (added) ids.push_back(s.values[j].id);
-      value_columns.push_back(it->second);
-      full = full && it->second == j;
+      const SeriesId id = s.values[j].id;
+      uint32_t column = 0;
+      if (dense) {
+        column = dense_column[id];
+        if (column == kNoColumn) column = dense_column[id] = static_cast<uint32_t>(ids.size()), ids.push_back(id);
+      } else {
+        const auto [it, added] = sparse_column.try_emplace(id, static_cast<uint32_t>(ids.size()));
+        if (added) ids.push_back(id);
+        column = it->second;
+      }
+      value_columns.push_back(column);
+      full = full && column == j;
     }
   }
   for (const CompletedStep& s : steps) full = full && s.values.size() == ids.size();
