@@ -128,6 +128,32 @@ bool WaitFor(Fn done) {
   return true;
 }
 
+// Writes steps first..last of run "r", `series` values each, appending them to `expected`; a
+// flush (a commit, then the seals due) every `flush_every` steps, none when 0.
+void WriteSteps(store::Journal& journal, uint64_t first, uint64_t last, uint32_t series,
+                std::vector<CompletedStep>& expected, uint64_t flush_every = 0) {
+  for (uint64_t s = first; s <= last; ++s) {
+    expected.push_back(MakeStep(s, series));
+    Write(journal, "r", expected.back());
+    if (flush_every != 0 && s % flush_every == 0) REQUIRE(journal.Flush().ok());
+  }
+}
+
+// Opens the journal at `path` and requires Load to hand back exactly `expected`, in order;
+// returns the journal, loaded.
+std::unique_ptr<Journal> RequireLoads(const std::string& path, const std::vector<CompletedStep>& expected) {
+  auto journal = Open({.path = path, .block_steps = 8});
+  Collector got;
+  REQUIRE(journal->Load(got).ok());
+  CHECK(got.failed.empty());
+  REQUIRE(got.steps.size() == expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    INFO("step " << expected[i].step);
+    CHECK(SameSteps(got.steps[i].second, expected[i]));
+  }
+  return journal;
+}
+
 }  // namespace
 
 TEST_CASE("sealed blocks read back bit for bit, merged with the rows not yet sealed and a late rewrite",
@@ -137,11 +163,7 @@ TEST_CASE("sealed blocks read back bit for bit, merged with the rows not yet sea
   {
     auto journal = Open({.path = dir.db(), .block_steps = 8});
     JournalRunRecord(*journal, "r");
-    for (uint64_t s = 1; s <= 100; ++s) {
-      expected.push_back(MakeStep(s, 6));
-      Write(*journal, "r", expected.back());
-      if (s % 10 == 0) REQUIRE(journal->Flush().ok());  // several commits: sealing between them
-    }
+    WriteSteps(*journal, 1, 100, 6, expected, /*flush_every=*/10);  // several commits: sealing between them
     REQUIRE(journal->Flush().ok());
     // Step 5 completes again after its block was sealed: its row is the later write and wins.
     expected[4] = MakeStep(5, 6, /*salt=*/1);
@@ -159,15 +181,7 @@ TEST_CASE("sealed blocks read back bit for bit, merged with the rows not yet sea
   CHECK(rows < 8 + 1);  // the unsealed tail, and step 5's rewrite
   CHECK(Query(dir.db(), "SELECT count(*) FROM steps WHERE run_id = 'r' AND step = 5") == "1");
 
-  auto journal = Open({.path = dir.db(), .block_steps = 8});
-  Collector got;
-  REQUIRE(journal->Load(got).ok());
-  CHECK(got.failed.empty());
-  REQUIRE(got.steps.size() == expected.size());
-  for (size_t i = 0; i < expected.size(); ++i) {
-    INFO("step " << expected[i].step);
-    CHECK(SameSteps(got.steps[i].second, expected[i]));
-  }
+  const auto journal = RequireLoads(dir.db(), expected);
   const auto released = journal->ListReleased();
   REQUIRE(released.ok());
   CHECK(released->empty());  // held by Load
@@ -345,10 +359,7 @@ TEST_CASE("a version-2 journal's step rows are read as they are and sealed as th
     // Rows only, then the version-3 table dropped: the journal as version 2 left it.
     auto journal = Open({.path = dir.db(), .block_steps = 4096});
     JournalRunRecord(*journal, "r");
-    for (uint64_t s = 1; s <= 30; ++s) {
-      expected.push_back(MakeStep(s, 4));
-      Write(*journal, "r", expected.back());
-    }
+    WriteSteps(*journal, 1, 30, 4, expected);
     REQUIRE(journal->Flush().ok());
   }
   {
@@ -365,20 +376,12 @@ TEST_CASE("a version-2 journal's step rows are read as they are and sealed as th
     Collector old_rows;
     REQUIRE(journal->Load(old_rows).ok());
     REQUIRE(old_rows.steps.size() == 30);
-    for (uint64_t s = 31; s <= 60; ++s) {
-      expected.push_back(MakeStep(s, 4));
-      Write(*journal, "r", expected.back());
-      REQUIRE(journal->Flush().ok());
-    }
+    WriteSteps(*journal, 31, 60, 4, expected, /*flush_every=*/1);
   }
   // The old rows went into blocks with the new ones.
   CHECK(std::stoll(Query(dir.db(), "SELECT count(*) FROM steps")) < 8);
   CHECK(Query(dir.db(), "SELECT min(first_step) FROM step_blocks") == "1");
-  auto journal = Open({.path = dir.db(), .block_steps = 8});
-  Collector got;
-  REQUIRE(journal->Load(got).ok());
-  REQUIRE(got.steps.size() == expected.size());
-  for (size_t i = 0; i < expected.size(); ++i) CHECK(SameSteps(got.steps[i].second, expected[i]));
+  RequireLoads(dir.db(), expected);
 }
 
 TEST_CASE("a new journal has 16 KiB pages, and one made with 4 KiB pages keeps them and reads and seals as before",
@@ -388,10 +391,7 @@ TEST_CASE("a new journal has 16 KiB pages, and one made with 4 KiB pages keeps t
   {
     auto journal = Open({.path = dir.db(), .block_steps = 8});
     JournalRunRecord(*journal, "r");
-    for (uint64_t s = 1; s <= 20; ++s) {
-      expected.push_back(MakeStep(s, 300));  // 3.6 KB rows
-      Write(*journal, "r", expected.back());
-    }
+    WriteSteps(*journal, 1, 20, 300, expected);  // 3.6 KB rows
     REQUIRE(journal->Flush().ok());
   }
   CHECK(Query(dir.db(), "PRAGMA page_size") == "16384");
@@ -409,20 +409,9 @@ TEST_CASE("a new journal has 16 KiB pages, and one made with 4 KiB pages keeps t
     Collector before;
     REQUIRE(journal->Load(before).ok());
     REQUIRE(before.steps.size() == expected.size());
-    for (uint64_t s = 21; s <= 40; ++s) {
-      expected.push_back(MakeStep(s, 300));
-      Write(*journal, "r", expected.back());
-      REQUIRE(journal->Flush().ok());
-    }
+    WriteSteps(*journal, 21, 40, 300, expected, /*flush_every=*/1);
   }
   CHECK(Query(dir.db(), "PRAGMA page_size") == "4096");
   CHECK(std::stoll(Query(dir.db(), "SELECT count(*) FROM steps")) < 8);  // sealed as before
-  auto journal = Open({.path = dir.db(), .block_steps = 8});
-  Collector got;
-  REQUIRE(journal->Load(got).ok());
-  REQUIRE(got.steps.size() == expected.size());
-  for (size_t i = 0; i < expected.size(); ++i) {
-    INFO("step " << expected[i].step);
-    CHECK(SameSteps(got.steps[i].second, expected[i]));
-  }
+  RequireLoads(dir.db(), expected);
 }
