@@ -279,10 +279,12 @@ Status Daemon::Start() {
     NameThisThread("gw-tick");
     TickLoop();
   });
-  if (config_.journal_snapshot_interval_seconds > 0) snapshotter_ = std::thread([this] {
+  if (config_.journal_snapshot_interval_seconds > 0) {
+    snapshotter_ = std::thread([this] {
       NameThisThread("gw-snapshot");
       SnapshotLoop();
     });
+  }
   spdlog::info("serving gRPC on {} (port {}{}), /metrics on {} (port {}, {}), data in {}", config_.listen, grpc_port_,
                config_.tls_cert_file.empty() ? ", plain text" : ", TLS", config_.metrics_listen, metrics_port_,
                http_->tls() ? "HTTPS" : "HTTP", config_.data_dir);

@@ -126,13 +126,15 @@ void WriteInts(const uint64_t* v, size_t n, const IntsPlan& plan, std::string& o
     case Frame::kReference:
       PutVarint(out, plan.base);
       out.push_back(static_cast<char>(plan.width));
-      PackBits(n, plan.width, [v, &plan](size_t i) { return v[i] - plan.base; }, out);
+      PackBits(
+          n, plan.width, [v, &plan](size_t i) { return v[i] - plan.base; }, out);
       break;
     case Frame::kDelta:
       PutVarint(out, v[0]);
       PutVarint(out, Zigzag(static_cast<int64_t>(plan.base)));
       out.push_back(static_cast<char>(plan.width));
-      PackBits(n - 1, plan.width, [v, &plan](size_t i) { return (v[i + 1] - v[i]) - plan.base; }, out);
+      PackBits(
+          n - 1, plan.width, [v, &plan](size_t i) { return (v[i + 1] - v[i]) - plan.base; }, out);
       break;
     case Frame::kDelta2:
       PutVarint(out, v[0]);
@@ -140,14 +142,16 @@ void WriteInts(const uint64_t* v, size_t n, const IntsPlan& plan, std::string& o
       PutVarint(out, Zigzag(static_cast<int64_t>(plan.base)));
       out.push_back(static_cast<char>(plan.width));
       PackBits(
-          n - 2, plan.width,
-          [v, &plan](size_t i) { return ((v[i + 2] - v[i + 1]) - (v[i + 1] - v[i])) - plan.base; }, out);
+          n - 2, plan.width, [v, &plan](size_t i) { return ((v[i + 2] - v[i + 1]) - (v[i + 1] - v[i])) - plan.base; },
+          out);
       break;
   }
 }
 
 // Writes an integer column (see the header) in its shortest frame.
-void EncodeInts(const std::vector<uint64_t>& v, std::string& out) { WriteInts(v.data(), v.size(), PlanInts(v.data(), v.size()), out); }
+void EncodeInts(const std::vector<uint64_t>& v, std::string& out) {
+  WriteInts(v.data(), v.size(), PlanInts(v.data(), v.size()), out);
+}
 
 // The decimal exponent p ≤ 22 with v == m / 10^p for an integer |m| < 2^53, computed as the
 // decoder will; -1 when there is none.

@@ -471,10 +471,12 @@ StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options, std::vect
   Impl* raw = impl.get();
   asio::co_spawn(raw->io, raw->Accept(), asio::detached);
   const int threads = std::max(1, raw->options.threads);
-  for (int i = 0; i < threads; ++i) raw->threads.emplace_back([raw] {
+  for (int i = 0; i < threads; ++i) {
+    raw->threads.emplace_back([raw] {
       NameThisThread("gw-http");
       raw->io.run();
     });
+  }
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
