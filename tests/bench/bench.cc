@@ -88,19 +88,31 @@ void Log(const std::string& text) { std::fprintf(stderr, "[bench] %s\n", text.c_
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// User + system CPU seconds of a process, from /proc/PID/stat.
-double ProcessCpuSeconds(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+// User + system CPU seconds in a /proc stat file (a process's or a thread's), and the name it
+// gives; false when the file is gone (a thread that exited).
+bool StatCpuSeconds(const std::string& path, double* seconds, std::string* name) {
+  std::ifstream in(path);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto close = text.rfind(')');
-  if (close == std::string::npos) Fail("cannot read /proc/" + std::to_string(pid) + "/stat");
+  const auto open = text.find('('), close = text.rfind(')');
+  if (open == std::string::npos || close == std::string::npos || close < open) return false;
   std::istringstream fields(text.substr(close + 2));
   std::string field;
   double ticks = 0;
   for (int i = 3; i <= 15 && fields >> field; ++i) {
     if (i == 14 || i == 15) ticks += std::stod(field);  // utime, stime
   }
-  return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
+  *seconds = ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
+  if (name != nullptr) *name = text.substr(open + 1, close - open - 1);
+  return true;
+}
+
+// User + system CPU seconds of a process, from /proc/PID/stat.
+double ProcessCpuSeconds(pid_t pid) {
+  double seconds = 0;
+  if (!StatCpuSeconds("/proc/" + std::to_string(pid) + "/stat", &seconds, nullptr)) {
+    Fail("cannot read /proc/" + std::to_string(pid) + "/stat");
+  }
+  return seconds;
 }
 
 // User + system CPU seconds of a process's live threads, summed by thread name (the daemon names
@@ -110,17 +122,9 @@ std::map<std::string, double> ThreadCpuSecondsByName(pid_t pid) {
   const std::string dir = "/proc/" + std::to_string(pid) + "/task";
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    std::ifstream in(entry.path() / "stat");
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const auto open = text.find('('), close = text.rfind(')');
-    if (open == std::string::npos || close == std::string::npos || close < open) continue;  // exited meanwhile
-    std::istringstream fields(text.substr(close + 2));
-    std::string field;
-    double ticks = 0;
-    for (int i = 3; i <= 15 && fields >> field; ++i) {
-      if (i == 14 || i == 15) ticks += std::stod(field);  // utime, stime
-    }
-    out[text.substr(open + 1, close - open - 1)] += ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
+    double seconds = 0;
+    std::string name;
+    if (StatCpuSeconds((entry.path() / "stat").string(), &seconds, &name)) out[name] += seconds;
   }
   return out;
 }
