@@ -118,6 +118,9 @@ struct RunFacts {
   std::vector<SlopeChangeFact> slope_changes;
   std::vector<ChangePointFact> change_points;
   std::vector<ShareFact> shares;
+  // Like latest_layout, for `shares`: facts with the same non-zero id hold the same names in the
+  // same order.
+  uint64_t shares_layout = 0;
   std::vector<ParamFact> params;
   ConfigFacts config;
   std::vector<NonFiniteFact> nonfinite;

@@ -271,16 +271,28 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
     y.after_per_kstep = x.change.slope_after_per_kstep;
     y.z_score = x.change.z_score;
   }
+  // The same shares as the step before, in the same order (the analytics list them in catalog
+  // order): facts that already hold them take the figures alone, without copying a name a
+  // parameter a step.
+  bool same_shares = shares_layout_id_ != 0 && share_sources_.size() == a.shares.size();
+  for (size_t i = 0; same_shares && i < a.shares.size(); ++i) same_shares = share_sources_[i] == a.shares[i].source;
+  if (!same_shares) {
+    ++shares_layout_id_;
+    share_sources_.clear();
+    for (const runs::ShareInfo& x : a.shares) share_sources_.push_back(x.source);
+  }
+  const bool names_held = f.shares_layout == shares_layout_id_ && f.shares.size() == a.shares.size();
   f.shares.resize(a.shares.size());
   for (size_t i = 0; i < a.shares.size(); ++i) {
     const runs::ShareInfo& x = a.shares[i];
     alerts::ShareFact& y = f.shares[i];
-    y.name = x.name;
+    if (!names_held) y.name = x.name;
     y.is_group = x.is_group;
     y.share = x.share;
     y.slope_per_kstep = x.slope_per_kstep;
     y.kind = x.kind;
   }
+  f.shares_layout = shares_layout_id_;
   // A run's catalog only grows (Run::ValidateCatalogLocked refuses a changed entry), and these
   // facts are always this run's: entries filled at an earlier step keep their info, so only new
   // ones are copied (each holds a name and a group, two strings a parameter a step otherwise).

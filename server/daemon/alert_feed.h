@@ -93,6 +93,10 @@ class AlertFeed final : public runs::RunChannel {
   std::vector<uint64_t> value_stamp_;
   uint64_t value_epoch_ = 0;
   runs::RunAnalysis analysis_;
+  // The latest step's shares (their ShareInfo::source, in order), and its id in
+  // RunFacts::shares_layout: as layout_ranks_ and layout_id_ are for the values.
+  std::vector<uint64_t> share_sources_;
+  uint64_t shares_layout_id_ = 0;
   std::vector<runs::ParamAnalysis> params_;
   // The per-parameter fits the rules read (AlertEngine::ReadFits), for the catalog's first
   // fits_params_ entries under the rules of fits_generation_; marks are only ever added, so a

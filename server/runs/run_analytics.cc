@@ -1,6 +1,7 @@
 #include "server/runs/run_analytics.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 
@@ -30,6 +31,10 @@ RunAnalytics::RunAnalytics(const AnalyticsOptions& options, AnalyticsCharging ch
         AnalyticsOptions o = options;
         o.windows = WindowsWith(o.windows, o.forecast_window_steps);
         return o;
+      }()),
+      instance_([] {
+        static std::atomic<uint64_t> next{1};
+        return next.fetch_add(1, std::memory_order_relaxed);
       }()),
       charging_(std::move(charging)),
       charge_(charging_.budget),
@@ -362,10 +367,16 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares,
     info.slope_per_kstep = f.slope_per_kstep;
   }
   out.forecasts.resize(forecasts);
-  auto add_share = [&](const std::string& name, bool is_group, ParamKind kind, double share,
+  // A source is this object's instance, then whether a group, then the index: the entry a
+  // refill finds in a slot (the same one at every step in catalog order) keeps its name.
+  auto add_share = [&](const std::string& name, bool is_group, size_t index, ParamKind kind, double share,
                        const analytics::WindowedSlope& trend, bool fit_slope) {
     ShareInfo& info = NextSlot(out.shares, &shares);
-    info.name = name;
+    const uint64_t source = instance_ << 33 | uint64_t{is_group} << 32 | index;
+    if (info.source != source) {
+      info.name = name;
+      info.source = source;
+    }
     info.is_group = is_group;
     info.kind = kind;
     info.share = share;
@@ -380,10 +391,11 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares,
     const ParamState& ps = param_state_[i];
     if (!ps.has_share) continue;
     const bool fit_slope = share_fits == nullptr || (i < share_fits->size() && (*share_fits)[i] != 0);
-    add_share(params_[i].name, false, params_[i].kind, ps.share, *ps.share_trend, fit_slope);
+    add_share(params_[i].name, false, i, params_[i].kind, ps.share, *ps.share_trend, fit_slope);
   }
-  for (const GroupState& g : groups_) {
-    if (g.has_share) add_share(g.name, true, ParamKind::kUnspecified, g.share, *g.share_trend, true);
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const GroupState& g = groups_[i];
+    if (g.has_share) add_share(g.name, true, i, ParamKind::kUnspecified, g.share, *g.share_trend, true);
   }
   out.shares.resize(shares);
   if (!order_shares) return;

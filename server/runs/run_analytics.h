@@ -91,6 +91,10 @@ struct ForecastInfo {
 };
 struct ShareInfo {
   std::string name;
+  // Who the entry is about, unique in the process: entries with the same source have the same
+  // name (a run's catalog and groups only grow), so a caller refilling entries in place need not
+  // copy a name that did not move. 0: none yet.
+  uint64_t source = 0;
   bool is_group = false;
   double share = 0;
   double slope_per_kstep = 0;
@@ -263,6 +267,8 @@ class RunAnalytics {
   void FillNormFits(size_t i, ParamAnalysis& out) const;
 
   const AnalyticsOptions options_;
+  // ShareInfo::source's high bits: unique to this object in the process.
+  const uint64_t instance_;
   AnalyticsCharging charging_;
   MemoryCharge charge_;
   uint64_t refused_series_ = 0;

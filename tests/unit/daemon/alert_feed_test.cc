@@ -2,6 +2,7 @@
 // the feed evaluates them off the run's lock, in order, with a bounded queue.
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -212,6 +213,59 @@ TEST_CASE("the facts carry each value under its own series when a step's series 
   publish(9, {{2, 9.0}, {0, 1.0}, {1, 9.0}});
   publish(10, {{0, 9.0}, {1, 1.0}});
   const std::vector<std::pair<uint64_t, std::string>> expected = {{7, "x/0"}, {9, "x/b"}, {10, "x/a"}};
+  CHECK(started == expected);
+}
+
+TEST_CASE("the facts name each share right when the parameters with a share change", "[daemon][alerts]") {
+  // Facts objects are reused from step to step and keep their shares' names while the shares stay
+  // the same: when a parameter starts reporting, the entries shift and must take their new names.
+  auto rules = alerts::LoadRules(
+      "groups:\n  - name: g\n    rules:\n      - alert: Dominates\n        kind: share\n        param: \"*\"\n"
+      "        min_share: 0.9\n        labels: {severity: warning}\n",
+      "test.yaml");
+  REQUIRE(rules.ok());
+  alerts::AlertEngine engine(std::move(rules).value());
+  std::vector<std::pair<uint64_t, std::string>> started;  // step, param of each alert that starts
+  AlertFeed feed(Meta(), std::nullopt, engine, [&](std::vector<alerts::Transition> ts, bool) {
+    for (const auto& t : ts) {
+      if (t.from == alerts::AlertState::kInactive) started.emplace_back(t.alert.step, t.alert.labels.at("param"));
+    }
+  });
+  RunMeta meta = Meta();
+  meta.params = {{.name = "a.weight", .numel = 1000, .kind = ParamKind::kMlp},
+                 {.name = "b.weight", .numel = 1000, .kind = ParamKind::kMlp}};
+  RunAnalytics analytics{AnalyticsOptions{}};
+  analytics.SetCatalog(meta.params);
+  const std::vector<std::string> keys = {"grad/norm/total", "grad/norm/a.weight", "grad/norm/b.weight"};
+  for (SeriesId id = 0; id < keys.size(); ++id) {
+    feed.OnSeries(id, keys[id]);
+    analytics.AddSeries(id, keys[id]);
+  }
+  std::vector<std::array<SeriesId, kNormFields>> param_series(2);
+  for (auto& ids : param_series) ids.fill(kNoSeries);
+  param_series[0][static_cast<int>(NormField::kGrad)] = 1;
+  param_series[1][static_cast<int>(NormField::kGrad)] = 2;
+  RunActivity activity;
+  CompletedStep step;
+  const auto publish = [&](uint64_t n, std::optional<double> a, double b) {
+    step.step = n;
+    step.values = {{0, std::hypot(a.value_or(0.0), b)}, {2, b}};
+    if (a) step.values.push_back({1, *a});
+    analytics.OnStep(step);
+    activity.last_step = n;
+    feed.OnStep(PublishedStep{.step = step,
+                              .meta = meta,
+                              .param_series = param_series,
+                              .analytics = analytics,
+                              .activity = activity,
+                              .now = 1000.0 + static_cast<double>(n)});
+    feed.Deliver();
+  };
+  // b alone has a share (all of it), then a starts reporting ahead of it in the catalog and
+  // carries almost all: the first entry is a's from then on.
+  for (uint64_t s = 1; s <= 4; ++s) publish(s, std::nullopt, 1.0);
+  for (uint64_t s = 5; s <= 8; ++s) publish(s, 10.0, 1.0);
+  const std::vector<std::pair<uint64_t, std::string>> expected = {{1, "b.weight"}, {5, "a.weight"}};
   CHECK(started == expected);
 }
 

@@ -95,6 +95,52 @@ TEST_CASE("shares of the squared grad norm are computed per parameter and per gr
   CHECK(mlp_group);
 }
 
+TEST_CASE("an analysis refilled in place names its shares right across runs and reorderings", "[runs]") {
+  // Two runs' analytics with the same catalog shape under other names, and opposite leaders: one
+  // RunAnalysis refilled from each in turn (as /metrics refills one snapshot for every run), and
+  // as the order of the shares flips. Every fill must read as a fresh one, names included.
+  RunAnalytics a = Make();
+  std::vector<ParamInfo> renamed = Catalog();
+  for (ParamInfo& p : renamed) p.name = "other." + p.name;
+  RunAnalytics b(AnalyticsOptions{});
+  b.SetCatalog(renamed);
+  b.AddSeries(kTotal, "grad/norm/total");
+  b.AddSeries(kFinalNormGrad, "grad/norm/other.final_norm.weight");
+  b.AddSeries(kFinalNormNorm, "params/norm/other.final_norm.weight");
+  b.AddSeries(kLmHeadGrad, "grad/norm/other.lm_head.weight");
+  b.AddSeries(kLmHeadNorm, "params/norm/other.lm_head.weight");
+  b.AddSeries(kMlpGrad, "grad/norm/other.mlp.weight");
+  RunAnalysis refilled;
+  RunAnalysis step_refilled;
+  std::vector<ParamAnalysis> params;
+  for (uint64_t s = 1; s <= 40; ++s) {
+    // a's leader flips from lm_head to mlp at step 20; b's the other way.
+    const bool flipped = s >= 20;
+    a.OnStep(Step(s, flipped ? 1.0 : 4.0, flipped ? 4.0 : 1.0, 78.4));
+    b.OnStep(Step(s, flipped ? 4.0 : 1.0, flipped ? 1.0 : 4.0, 78.4));
+    INFO("step " << s);
+    for (const RunAnalytics* x : {&a, &b}) {
+      x->Analysis(refilled);
+      CHECK(Exact(refilled) == Exact(x->Analysis()));
+    }
+    // The step path refills its own analysis (one run's) in catalog order.
+    a.StepAnalysis(step_refilled, params, StepFits{});
+    RunAnalysis fresh;
+    std::vector<ParamAnalysis> fresh_params;
+    a.StepAnalysis(fresh, fresh_params, StepFits{});
+    CHECK(Exact(step_refilled) == Exact(fresh));
+  }
+  // The sources tell the entries apart: per entry within a run, and between the runs.
+  const RunAnalysis ra = a.Analysis();
+  const RunAnalysis rb = b.Analysis();
+  for (const ShareInfo& x : ra.shares) {
+    CHECK(x.source != 0);
+    for (const ShareInfo& y : ra.shares)
+      CHECK((x.source == y.source) == (x.name == y.name && x.is_group == y.is_group));
+    for (const ShareInfo& y : rb.shares) CHECK(x.source != y.source);
+  }
+}
+
 TEST_CASE("a norm gain without decay that rises is reported with its amplification", "[runs]") {
   RunAnalytics a = Make();
   const double init = std::sqrt(6144.0);
