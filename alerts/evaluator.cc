@@ -416,7 +416,11 @@ Condition& ConditionList::Add(const LabelSet& base,
                               std::initializer_list<std::pair<std::string_view, std::string_view>> own, double value,
                               bool active) {
   const bool fresh = size_ == slots_.size();
-  if (fresh) slots_.emplace_back();
+  if (fresh) {
+    slots_.emplace_back();
+    slot_base_.push_back(0);
+  }
+  uint64_t& built_with = slot_base_[size_];
   Condition& c = slots_[size_++];
   // The slot's labels are kept when they are already base + own (the same instance as at its
   // last use): rebuilding them would free and allocate nodes.
@@ -427,7 +431,10 @@ Condition& ConditionList::Add(const LabelSet& base,
     auto it = c.labels.find(key);
     same = it != c.labels.end() && it->second == v && !base.count(key);
   }
-  for (auto it = base.begin(); same && it != base.end(); ++it) {
+  // Built with the base UseBase holds, the slot has every base label: own labels are not base
+  // labels (checked above), and the sizes add up.
+  const bool base_held = base_version_ != 0 && built_with == base_version_;
+  for (auto it = base.begin(); same && !base_held && it != base.end(); ++it) {
     auto mine = c.labels.find(it->first);
     same = mine != c.labels.end() && mine->second == it->second;
   }
@@ -436,11 +443,18 @@ Condition& ConditionList::Add(const LabelSet& base,
     for (const auto& [name, v] : own) c.labels[std::string(name)] = v;
     c.fingerprint = Fingerprint(c.labels);
   }
+  built_with = base_version_;
   c.value = value;
   c.active = active;
   c.level.reset();
   c.vars.Clear();
   return c;
+}
+
+void ConditionList::UseBase(const LabelSet& base) {
+  if (base_version_ != 0 && base == base_) return;
+  base_ = base;
+  ++base_version_;
 }
 
 ConditionVars::Entry& ConditionVars::Slot(std::string_view key) {
@@ -504,6 +518,7 @@ std::string ConditionVars::at(std::string_view key) const {
 void Evaluate(const Rule& rule, const RunFacts& facts, const LabelSet& base, const SeriesFilter* with_instance,
               ConditionList& out) {
   out.Clear();
+  out.UseBase(base);
   switch (rule.kind) {
     case RuleKind::kThreshold: EvaluateThreshold(rule, facts, base, out); break;
     case RuleKind::kForecast: EvaluateForecast(rule, facts, base, out); break;

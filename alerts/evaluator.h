@@ -131,8 +131,13 @@ class ConditionList {
   const Condition* begin() const { return slots_.data(); }
   const Condition* end() const { return slots_.data() + size_; }
   void Clear() { size_ = 0; }
+  // The base labels of the Adds that follow (Evaluate calls it once per evaluation): compared
+  // here with the previous evaluation's once, so that a slot built with equal ones checks only
+  // its own labels in Add, not every base label again.
+  void UseBase(const LabelSet& base);
   // The next slot: labels `base` plus `own` (name, value) pairs, value, active; `level` and the
   // template variables reset (their buffers kept: each kind sets the same ones in the same order).
+  // `base` is the one UseBase was last given, if it was called.
   Condition& Add(const LabelSet& base, std::initializer_list<std::pair<std::string_view, std::string_view>> own,
                  double value, bool active);
 
@@ -142,7 +147,11 @@ class ConditionList {
 
  private:
   std::vector<Condition> slots_;
+  // By slot: the base_version_ its labels were built with (0: checked label by label).
+  std::vector<uint64_t> slot_base_;
   size_t size_ = 0;
+  LabelSet base_;              // what UseBase was last given
+  uint64_t base_version_ = 0;  // changes with base_; 0 before UseBase
 };
 
 // Evaluate into `out` (cleared first), with `base` = BaseLabels(rule, facts) computed by the caller.
