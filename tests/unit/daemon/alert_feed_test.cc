@@ -62,6 +62,61 @@ struct Publisher {
   }
 };
 
+// A feed of some rules, driven step by step as a run would, recording every transition.
+struct FeedHarness {
+  alerts::AlertEngine engine;
+  std::vector<alerts::Transition> heard;
+  RunMeta meta = Meta();
+  RunAnalytics analytics{AnalyticsOptions{}};
+  std::vector<std::array<SeriesId, kNormFields>> param_series;
+  RunActivity activity;
+  CompletedStep step;
+  AlertFeed feed;
+
+  explicit FeedHarness(std::vector<alerts::Rule> rules)
+      : engine(std::move(rules)), feed(Meta(), std::nullopt, engine, [this](std::vector<alerts::Transition> ts, bool) {
+          heard.insert(heard.end(), ts.begin(), ts.end());
+        }) {}
+
+  // The rules of one group whose rule list is `rules_yaml`.
+  static std::vector<alerts::Rule> Load(const std::string& rules_yaml) {
+    auto rules = alerts::LoadRules("groups:\n  - name: g\n    rules:\n" + rules_yaml, "test.yaml");
+    REQUIRE(rules.ok());
+    return std::move(rules).value();
+  }
+  // Each alert instance that started (left inactive): its step and its label `label`.
+  std::vector<std::pair<uint64_t, std::string>> Started(const std::string& label) const {
+    std::vector<std::pair<uint64_t, std::string>> out;
+    for (const auto& t : heard) {
+      if (t.from == alerts::AlertState::kInactive) out.emplace_back(t.alert.step, t.alert.labels.at(label));
+    }
+    return out;
+  }
+  void SetCatalog(std::vector<ParamInfo> params) {
+    meta.params = std::move(params);
+    analytics.SetCatalog(meta.params);
+    param_series.resize(meta.params.size());
+    for (auto& ids : param_series) ids.fill(kNoSeries);
+  }
+  void AddSeries(SeriesId id, const std::string& key) {
+    feed.OnSeries(id, key);
+    analytics.AddSeries(id, key);
+  }
+  void Publish(uint64_t n, std::vector<SeriesValue> values) {
+    step.step = n;
+    step.values = std::move(values);
+    analytics.OnStep(step);
+    activity.last_step = n;
+    feed.OnStep(PublishedStep{.step = step,
+                              .meta = meta,
+                              .param_series = param_series,
+                              .analytics = analytics,
+                              .activity = activity,
+                              .now = 1000.0 + static_cast<double>(n)});
+    feed.Deliver();
+  }
+};
+
 }  // namespace
 
 TEST_CASE("a run's steps are evaluated after its lock is released, and alerts reach its trainers", "[daemon][alerts]") {
@@ -166,156 +221,75 @@ TEST_CASE("timer rules see the run's activity through its feed", "[daemon][alert
 }
 
 TEST_CASE("the facts carry each value under its own series when a step's series change", "[daemon][alerts]") {
-  auto rules = alerts::LoadRules(
-      "groups:\n  - name: g\n    rules:\n      - alert: High\n        kind: threshold\n        series: \"x/*\"\n"
-      "        op: \">=\"\n        value: 5\n        labels: {severity: warning}\n",
-      "test.yaml");
-  REQUIRE(rules.ok());
-  alerts::AlertEngine engine(std::move(rules).value());
-  std::vector<std::pair<uint64_t, std::string>> started;  // step, series of each alert that starts
-  AlertFeed feed(Meta(), std::nullopt, engine, [&](std::vector<alerts::Transition> ts, bool) {
-    for (const auto& t : ts) {
-      if (t.from == alerts::AlertState::kInactive) started.emplace_back(t.alert.step, t.alert.labels.at("series"));
-    }
-  });
-  RunMeta meta = Meta();
-  RunAnalytics analytics{AnalyticsOptions{}};
-  RunActivity activity;
-  CompletedStep step;
-  const auto add_series = [&](SeriesId id, const std::string& key) {
-    feed.OnSeries(id, key);
-    analytics.AddSeries(id, key);
-  };
-  const auto publish = [&](uint64_t n, std::vector<SeriesValue> values) {
-    step.step = n;
-    step.values = std::move(values);
-    analytics.OnStep(step);
-    activity.last_step = n;
-    feed.OnStep(PublishedStep{.step = step,
-                              .meta = meta,
-                              .param_series = {},
-                              .analytics = analytics,
-                              .activity = activity,
-                              .now = 1000.0 + static_cast<double>(n)});
-    feed.Deliver();
-  };
-  add_series(0, "x/a");
-  add_series(1, "x/b");
+  FeedHarness h(FeedHarness::Load(
+      "      - alert: High\n        kind: threshold\n        series: \"x/*\"\n        op: \">=\"\n        value: 5\n"
+      "        labels: {severity: warning}\n"));
+  h.AddSeries(0, "x/a");
+  h.AddSeries(1, "x/b");
   // The same series every step: the facts objects the feed reuses keep their keys.
-  for (uint64_t s = 1; s <= 6; ++s) publish(s, {{0, 1.0}, {1, 1.0}});
-  CHECK(started.empty());
+  for (uint64_t s = 1; s <= 6; ++s) h.Publish(s, {{0, 1.0}, {1, 1.0}});
+  CHECK(h.heard.empty());
   // A new series sorts first: the next step's values take the same places in key order as the
   // last step's, under other keys.
-  add_series(2, "x/0");
-  publish(7, {{2, 9.0}, {0, 1.0}});
-  publish(8, {{2, 9.0}, {0, 1.0}});
+  h.AddSeries(2, "x/0");
+  h.Publish(7, {{2, 9.0}, {0, 1.0}});
+  h.Publish(8, {{2, 9.0}, {0, 1.0}});
   // A step with all three, then one with another pair.
-  publish(9, {{2, 9.0}, {0, 1.0}, {1, 9.0}});
-  publish(10, {{0, 9.0}, {1, 1.0}});
+  h.Publish(9, {{2, 9.0}, {0, 1.0}, {1, 9.0}});
+  h.Publish(10, {{0, 9.0}, {1, 1.0}});
   const std::vector<std::pair<uint64_t, std::string>> expected = {{7, "x/0"}, {9, "x/b"}, {10, "x/a"}};
-  CHECK(started == expected);
+  CHECK(h.Started("series") == expected);
 }
 
 TEST_CASE("the facts name each share right when the parameters with a share change", "[daemon][alerts]") {
   // Facts objects are reused from step to step and keep their shares' names while the shares stay
   // the same: when a parameter starts reporting, the entries shift and must take their new names.
-  auto rules = alerts::LoadRules(
-      "groups:\n  - name: g\n    rules:\n      - alert: Dominates\n        kind: share\n        param: \"*\"\n"
-      "        min_share: 0.9\n        labels: {severity: warning}\n",
-      "test.yaml");
-  REQUIRE(rules.ok());
-  alerts::AlertEngine engine(std::move(rules).value());
-  std::vector<std::pair<uint64_t, std::string>> started;  // step, param of each alert that starts
-  AlertFeed feed(Meta(), std::nullopt, engine, [&](std::vector<alerts::Transition> ts, bool) {
-    for (const auto& t : ts) {
-      if (t.from == alerts::AlertState::kInactive) started.emplace_back(t.alert.step, t.alert.labels.at("param"));
-    }
-  });
-  RunMeta meta = Meta();
-  meta.params = {{.name = "a.weight", .numel = 1000, .kind = ParamKind::kMlp},
-                 {.name = "b.weight", .numel = 1000, .kind = ParamKind::kMlp}};
-  RunAnalytics analytics{AnalyticsOptions{}};
-  analytics.SetCatalog(meta.params);
+  FeedHarness h(
+      FeedHarness::Load("      - alert: Dominates\n        kind: share\n        param: \"*\"\n        min_share: 0.9\n"
+                        "        labels: {severity: warning}\n"));
+  h.SetCatalog({{.name = "a.weight", .numel = 1000, .kind = ParamKind::kMlp},
+                {.name = "b.weight", .numel = 1000, .kind = ParamKind::kMlp}});
   const std::vector<std::string> keys = {"grad/norm/total", "grad/norm/a.weight", "grad/norm/b.weight"};
-  for (SeriesId id = 0; id < keys.size(); ++id) {
-    feed.OnSeries(id, keys[id]);
-    analytics.AddSeries(id, keys[id]);
-  }
-  std::vector<std::array<SeriesId, kNormFields>> param_series(2);
-  for (auto& ids : param_series) ids.fill(kNoSeries);
-  param_series[0][static_cast<int>(NormField::kGrad)] = 1;
-  param_series[1][static_cast<int>(NormField::kGrad)] = 2;
-  RunActivity activity;
-  CompletedStep step;
+  for (SeriesId id = 0; id < keys.size(); ++id) h.AddSeries(id, keys[id]);
+  h.param_series[0][static_cast<int>(NormField::kGrad)] = 1;
+  h.param_series[1][static_cast<int>(NormField::kGrad)] = 2;
   const auto publish = [&](uint64_t n, std::optional<double> a, double b) {
-    step.step = n;
-    step.values = {{0, std::hypot(a.value_or(0.0), b)}, {2, b}};
-    if (a) step.values.push_back({1, *a});
-    analytics.OnStep(step);
-    activity.last_step = n;
-    feed.OnStep(PublishedStep{.step = step,
-                              .meta = meta,
-                              .param_series = param_series,
-                              .analytics = analytics,
-                              .activity = activity,
-                              .now = 1000.0 + static_cast<double>(n)});
-    feed.Deliver();
+    std::vector<SeriesValue> values = {{0, std::hypot(a.value_or(0.0), b)}, {2, b}};
+    if (a) values.push_back({1, *a});
+    h.Publish(n, std::move(values));
   };
   // b alone has a share (all of it), then a starts reporting ahead of it in the catalog and
   // carries almost all: the first entry is a's from then on.
   for (uint64_t s = 1; s <= 4; ++s) publish(s, std::nullopt, 1.0);
   for (uint64_t s = 5; s <= 8; ++s) publish(s, 10.0, 1.0);
   const std::vector<std::pair<uint64_t, std::string>> expected = {{1, "b.weight"}, {5, "a.weight"}};
-  CHECK(started == expected);
+  CHECK(h.Started("param") == expected);
 }
 
 TEST_CASE("the feed has the fits its rules read made, and more after a reload", "[daemon][alerts]") {
   // Two parameters without decay whose norms both grow; a growth rule on norm gains judges only
   // the first. A reload adds a rule on the MLP: from the next step its fits are made too.
   const auto growth_rule = [](const std::string& name, const std::string& selector) {
-    auto rules = alerts::LoadRules("groups:\n  - name: g\n    rules:\n      - alert: " + name +
-                                       "\n        kind: growth_without_decay\n        " + selector +
-                                       "\n        min_growth: 0.05\n        labels: {severity: warning}\n",
-                                   "test.yaml");
-    REQUIRE(rules.ok());
-    return (*rules)[0];
+    return FeedHarness::Load("      - alert: " + name + "\n        kind: growth_without_decay\n        " + selector +
+                             "\n        min_growth: 0.05\n        labels: {severity: warning}\n")[0];
   };
   const alerts::Rule gains = growth_rule("GainGrows", "param_kind: norm_gain");
-  alerts::AlertEngine engine({gains});
+  FeedHarness h({gains});
+  std::vector<ParamInfo> catalog = h.meta.params;
+  catalog.push_back({.name = "mlp.weight", .numel = 6144, .kind = ParamKind::kMlp});
+  h.SetCatalog(catalog);
+  const std::vector<std::string> keys = {"params/norm/final_norm.weight", "params/norm/mlp.weight"};
+  for (SeriesId id = 0; id < keys.size(); ++id) h.AddSeries(id, keys[id]);
+  h.param_series[0][static_cast<int>(NormField::kParam)] = 0;
+  h.param_series[1][static_cast<int>(NormField::kParam)] = 1;
   std::vector<std::pair<std::string, std::string>> fired;  // alert, param
-  AlertFeed feed(Meta(), std::nullopt, engine, [&](std::vector<alerts::Transition> ts, bool) {
-    for (const auto& t : ts) {
+  const auto publish = [&](uint64_t n) {
+    const double norm = 10.0 + 0.01 * static_cast<double>(n);
+    h.Publish(n, {{0, norm}, {1, norm}});
+    fired.clear();
+    for (const auto& t : h.heard) {
       if (t.to == alerts::AlertState::kFiring) fired.emplace_back(t.alert.name, t.alert.labels.at("param"));
     }
-  });
-  RunMeta meta = Meta();
-  meta.params.push_back({.name = "mlp.weight", .numel = 6144, .kind = ParamKind::kMlp});
-  RunAnalytics analytics{AnalyticsOptions{}};
-  analytics.SetCatalog(meta.params);
-  const std::vector<std::string> keys = {"params/norm/final_norm.weight", "params/norm/mlp.weight"};
-  for (SeriesId id = 0; id < keys.size(); ++id) {
-    feed.OnSeries(id, keys[id]);
-    analytics.AddSeries(id, keys[id]);
-  }
-  std::vector<std::array<SeriesId, kNormFields>> param_series(2);
-  for (auto& ids : param_series) ids.fill(kNoSeries);
-  param_series[0][static_cast<int>(NormField::kParam)] = 0;
-  param_series[1][static_cast<int>(NormField::kParam)] = 1;
-  RunActivity activity;
-  CompletedStep step;
-  const auto publish = [&](uint64_t n) {
-    step.step = n;
-    const double norm = 10.0 + 0.01 * static_cast<double>(n);
-    step.values = {{0, norm}, {1, norm}};
-    analytics.OnStep(step);
-    activity.last_step = n;
-    feed.OnStep(PublishedStep{.step = step,
-                              .meta = meta,
-                              .param_series = param_series,
-                              .analytics = analytics,
-                              .activity = activity,
-                              .now = 1000.0 + static_cast<double>(n)});
-    feed.Deliver();
   };
   uint64_t n = 0;
   while (n < 2000 && fired.empty()) publish(++n);
@@ -323,7 +297,7 @@ TEST_CASE("the feed has the fits its rules read made, and more after a reload", 
   for (int i = 0; i < 100; ++i) publish(++n);
   CHECK(fired.size() == 1);  // the MLP is judged by no rule
 
-  engine.ReplaceRules({gains, growth_rule("MlpGrows", "param: 'mlp.*'")}, 2000);
+  h.engine.ReplaceRules({gains, growth_rule("MlpGrows", "param: 'mlp.*'")}, 2000);
   for (int i = 0; i < 100 && fired.size() < 2; ++i) publish(++n);
   REQUIRE(fired.size() == 2);
   CHECK(fired[1] == std::pair<std::string, std::string>{"MlpGrows", "mlp.weight"});

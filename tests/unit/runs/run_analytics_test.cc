@@ -24,15 +24,18 @@ std::vector<ParamInfo> Catalog() {
 // Series ids as a run would create them.
 enum : SeriesId { kTotal, kFinalNormGrad, kFinalNormNorm, kLmHeadGrad, kLmHeadNorm, kMlpGrad, kTrainAcc };
 
-RunAnalytics Make(const AnalyticsOptions& options = {}) {
+// `prefix` goes before every parameter's name: another run's catalog of the same shape.
+RunAnalytics Make(const AnalyticsOptions& options = {}, const std::string& prefix = "") {
   RunAnalytics a(options);
-  a.SetCatalog(Catalog());
+  std::vector<ParamInfo> catalog = Catalog();
+  for (ParamInfo& p : catalog) p.name = prefix + p.name;
+  a.SetCatalog(catalog);
   a.AddSeries(kTotal, "grad/norm/total");
-  a.AddSeries(kFinalNormGrad, "grad/norm/final_norm.weight");
-  a.AddSeries(kFinalNormNorm, "params/norm/final_norm.weight");
-  a.AddSeries(kLmHeadGrad, "grad/norm/lm_head.weight");
-  a.AddSeries(kLmHeadNorm, "params/norm/lm_head.weight");
-  a.AddSeries(kMlpGrad, "grad/norm/mlp.weight");
+  a.AddSeries(kFinalNormGrad, "grad/norm/" + prefix + "final_norm.weight");
+  a.AddSeries(kFinalNormNorm, "params/norm/" + prefix + "final_norm.weight");
+  a.AddSeries(kLmHeadGrad, "grad/norm/" + prefix + "lm_head.weight");
+  a.AddSeries(kLmHeadNorm, "params/norm/" + prefix + "lm_head.weight");
+  a.AddSeries(kMlpGrad, "grad/norm/" + prefix + "mlp.weight");
   a.AddSeries(kTrainAcc, "train/accuracy");
   return a;
 }
@@ -100,16 +103,7 @@ TEST_CASE("an analysis refilled in place names its shares right across runs and 
   // RunAnalysis refilled from each in turn (as /metrics refills one snapshot for every run), and
   // as the order of the shares flips. Every fill must read as a fresh one, names included.
   RunAnalytics a = Make();
-  std::vector<ParamInfo> renamed = Catalog();
-  for (ParamInfo& p : renamed) p.name = "other." + p.name;
-  RunAnalytics b(AnalyticsOptions{});
-  b.SetCatalog(renamed);
-  b.AddSeries(kTotal, "grad/norm/total");
-  b.AddSeries(kFinalNormGrad, "grad/norm/other.final_norm.weight");
-  b.AddSeries(kFinalNormNorm, "params/norm/other.final_norm.weight");
-  b.AddSeries(kLmHeadGrad, "grad/norm/other.lm_head.weight");
-  b.AddSeries(kLmHeadNorm, "params/norm/other.lm_head.weight");
-  b.AddSeries(kMlpGrad, "grad/norm/other.mlp.weight");
+  RunAnalytics b = Make({}, "other.");
   RunAnalysis refilled;
   RunAnalysis step_refilled;
   std::vector<ParamAnalysis> params;
