@@ -386,6 +386,9 @@ struct Journal::Statements {
   sqlite::Statement last_block, count_raw_after, raw_after, insert_block, delete_raw, blocks_from, delete_block,
       insert_abandoned_step;
   std::string scratch;  // the value blob being written; reused to spare allocations
+  // A block being sealed, and the step row read into it: reused from block to block.
+  StepBlockEncoder block;
+  CompletedStep row;
 
   Status PrepareAll(sqlite::Database& db) {
     const std::pair<sqlite::Statement*, const char*> all[] = {
@@ -1442,18 +1445,17 @@ void Journal::SealDue() {
   }
 }
 
-Status Journal::InsertBlockLocked(const std::string& run_id, const std::vector<CompletedStep>& steps,
-                                  const std::string& what) {
+Status Journal::InsertBlockLocked(const std::string& run_id, StepBlockEncoder& block, const std::string& what) {
   Statements& st = *statements_;
-  std::string& blob = st.scratch;
-  blob.clear();
-  EncodeStepBlock(steps, blob);
   sqlite::Query use(st.insert_block);
   use.Bind(1, run_id);
-  use.Bind(2, steps.front().step);
-  use.Bind(3, steps.back().step);
-  use.Bind(4, static_cast<int64_t>(steps.size()));
-  use.Bind(5, steps.back().wall_time);
+  use.Bind(2, block.first_step());
+  use.Bind(3, block.last_step());
+  use.Bind(4, static_cast<int64_t>(block.steps()));
+  use.Bind(5, block.last_wall_time());
+  std::string& blob = st.scratch;
+  blob.clear();
+  block.Finish(blob);
   use.BindBlob(6, blob);
   return use.Run(what);
 }
@@ -1462,39 +1464,48 @@ Status Journal::SealRunLocked(const std::string& run_id) {
   Statements& st = *statements_;
   SealState& state = seal_state_[run_id];
   const std::string what = "journal: sealing a block of run '" + run_id + "'";
-  std::vector<CompletedStep> steps;
+  // The rows go into the block one by one: only the block's values are held, not the rows.
+  StepBlockEncoder& block = st.block;
+  block.Clear();
   {
     sqlite::Query use(st.raw_after);
     use.Bind(1, run_id);
     use.Bind(2, state.sealed ? static_cast<int64_t>(state.sealed_through) : int64_t{-1});
     use.Bind(3, static_cast<int64_t>(options_.block_steps));
     Status s;
-    size_t values = 0;
     bool full = false;  // by its values, before block_steps steps
     while (!full && use.Next(&s, what)) {
-      CompletedStep step;
-      if (Status r = ReadStepRow(use, run_id, step); !r.ok()) return r;
-      values += step.values.size();
-      steps.push_back(std::move(step));
-      full = values >= kSealMaxValues;
+      if (Status r = ReadStepRow(use, run_id, st.row); !r.ok()) return r;
+      if (block.empty()) {
+        // Room for the block at the first row's size: it ends at block_steps rows, or at the row
+        // that takes it to kSealMaxValues.
+        const size_t row_values = st.row.values.size();
+        const size_t by_steps = row_values * options_.block_steps;
+        block.Reserve(options_.block_steps, std::min(by_steps, kSealMaxValues - 1 + row_values));
+      }
+      block.Add(st.row);
+      full = block.values() >= kSealMaxValues;
     }
     if (!s.ok()) return s;
-    if (!full && steps.size() < options_.block_steps) {
-      state.raw_after = steps.size();  // the count was high (a rolled-back commit)
+    if (!full && block.steps() < options_.block_steps) {
+      state.raw_after = block.steps();  // the count was high (a rolled-back commit)
       return Status::Ok();
     }
   }
-  if (Status s = InsertBlockLocked(run_id, steps, what); !s.ok()) return s;
+  const uint64_t first_step = block.first_step();
+  const uint64_t last_step = block.last_step();
+  const size_t steps = block.steps();
+  if (Status s = InsertBlockLocked(run_id, block, what); !s.ok()) return s;
   {
     sqlite::Query use(st.delete_raw);
     use.Bind(1, run_id);
-    use.Bind(2, steps.front().step);
-    use.Bind(3, steps.back().step);
+    use.Bind(2, first_step);
+    use.Bind(3, last_step);
     if (Status s = use.Run(what); !s.ok()) return s;
   }
   state.sealed = true;
-  state.sealed_through = steps.back().step;
-  state.raw_after -= std::min<uint64_t>(state.raw_after, steps.size());
+  state.sealed_through = last_step;
+  state.raw_after -= std::min<uint64_t>(state.raw_after, steps);
   return Status::Ok();
 }
 
@@ -1511,7 +1522,8 @@ Status Journal::SplitBlocksLocked(const std::string& run_id, uint64_t from_step,
     while (use.Next(&s, what)) blocks.emplace_back(use.Unsigned(0), std::string(use.Blob(1)));
     if (!s.ok()) return s;
   }
-  std::vector<CompletedStep> decoded, kept;
+  std::vector<CompletedStep> decoded;
+  StepBlockEncoder& kept = st.block;
   for (const auto& [first_step, data] : blocks) {
     if (Status s = DecodeStepBlock(data, decoded); !s.ok()) {
       return Status::Internal(what + ": a block cannot be read: " + s.message());
@@ -1522,10 +1534,10 @@ Status Journal::SplitBlocksLocked(const std::string& run_id, uint64_t from_step,
       use.Bind(2, first_step);
       if (Status s = use.Run(what); !s.ok()) return s;
     }
-    kept.clear();
-    for (CompletedStep& step : decoded) {
+    kept.Clear();
+    for (const CompletedStep& step : decoded) {
       if (step.step < from_step) {
-        kept.push_back(std::move(step));
+        kept.Add(step);
         continue;
       }
       EncodeValues(step.values, st.scratch);

@@ -27,6 +27,8 @@
 
 namespace gradwatch::store {
 
+class StepBlockEncoder;
+
 struct JournalOptions {
   // SQLite database file; its directory must exist.
   std::string path;
@@ -326,8 +328,9 @@ class Journal {
   // Seals the runs due a block, after a commit (its own transaction).
   void SealDue() EXCLUDES(db_mu_);
   Status SealRunLocked(const std::string& run_id) REQUIRES(db_mu_);
-  // Encodes `steps` (one run's, in step order, at least one) into a block row.
-  Status InsertBlockLocked(const std::string& run_id, const std::vector<CompletedStep>& steps, const std::string& what)
+  // Encodes the steps added to `block` (one run's, in step order, at least one) into a block row;
+  // `block` is emptied.
+  Status InsertBlockLocked(const std::string& run_id, StepBlockEncoder& block, const std::string& what)
       REQUIRES(db_mu_);
   // Fails when the database or its WAL is gone or replaced since it was opened.
   Status CheckFilesLocked() REQUIRES(db_mu_);

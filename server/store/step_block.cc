@@ -320,81 +320,130 @@ class Reader {
 
 Status Malformed(const char* what) { return Status::Internal(std::string("step block: ") + what); }
 
+constexpr uint32_t kNoColumn = std::numeric_limits<uint32_t>::max();
+
 }  // namespace
 
-void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out) {
-  const size_t n = steps.size();
+uint32_t StepBlockEncoder::ColumnOf(SeriesId id) {
+  if (id < dense_column_.size() && dense_column_[id] != kNoColumn) return dense_column_[id];
+  if (!sparse_column_.empty()) {
+    if (const auto it = sparse_column_.find(id); it != sparse_column_.end()) return it->second;
+  }
+  const auto column = static_cast<uint32_t>(ids_.size());
+  ids_.push_back(id);
+  // An id far beyond the values' count (never the daemon's own) takes no array of its size.
+  if (id < 2 * values_.size() + 1024) {
+    if (id >= dense_column_.size()) dense_column_.resize(size_t{id} + 1, kNoColumn);
+    dense_column_[id] = column;
+  } else {
+    sparse_column_.emplace(id, column);
+  }
+  return column;
+}
+
+void StepBlockEncoder::SpellOutColumns() {
+  value_columns_.clear();
+  value_columns_.reserve(values_.capacity());
+  for (const uint64_t count : count_column_) {
+    for (uint32_t j = 0; j < count; ++j) value_columns_.push_back(j);
+  }
+}
+
+void StepBlockEncoder::Add(const CompletedStep& step) {
+  step_column_.push_back(step.step);
+  wall_column_.push_back(Ordered64(step.wall_time));
+  partial_column_.push_back(uint64_t{step.partial});
+  ranks_column_.push_back(uint64_t{step.ranks_reported});
+  dropped_column_.push_back(step.client_dropped_steps);
+  last_wall_time_ = step.wall_time;
+  for (size_t j = 0; j < step.values.size(); ++j) {
+    const uint32_t column = ColumnOf(step.values[j].id);
+    if (in_column_order_ && column != j) {
+      // The values so far, this step's included, were each at their column's index.
+      count_column_.push_back(j);
+      SpellOutColumns();
+      count_column_.pop_back();
+      in_column_order_ = false;
+    }
+    if (!in_column_order_) value_columns_.push_back(column);
+    values_.push_back(step.values[j].value);
+  }
+  count_column_.push_back(step.values.size());
+}
+
+void StepBlockEncoder::Reserve(size_t steps, size_t values) {
+  for (auto* column :
+       {&step_column_, &wall_column_, &partial_column_, &ranks_column_, &dropped_column_, &count_column_}) {
+    column->reserve(steps);
+  }
+  values_.reserve(values);
+}
+
+void StepBlockEncoder::Clear() {
+  for (auto* column :
+       {&step_column_, &wall_column_, &partial_column_, &ranks_column_, &dropped_column_, &count_column_, &ids_}) {
+    column->clear();
+  }
+  last_wall_time_ = 0;
+  dense_column_.clear();
+  sparse_column_.clear();
+  values_.clear();
+  value_columns_.clear();
+  in_column_order_ = true;
+}
+
+void StepBlockEncoder::Finish(std::string& out) {
+  const size_t n = steps();
   out.push_back(static_cast<char>(kBlockVersion));
   PutVarint(out, n);
-  std::vector<uint64_t> ints(n);
-  auto column = [&](auto field) {
-    for (size_t i = 0; i < n; ++i) ints[i] = field(steps[i]);
-    EncodeInts(ints, out);
-  };
-  column([](const CompletedStep& s) { return s.step; });
-  column([](const CompletedStep& s) { return Ordered64(s.wall_time); });
-  column([](const CompletedStep& s) { return uint64_t{s.partial}; });
-  column([](const CompletedStep& s) { return uint64_t{s.ranks_reported}; });
-  column([](const CompletedStep& s) { return s.client_dropped_steps; });
-  column([](const CompletedStep& s) { return uint64_t{s.values.size()}; });
-
-  // Series columns in order of first appearance, and the column of every value. A run's series
-  // ids are dense, so the column of an id is looked up in an array indexed by id; ids far beyond
-  // the values' count (never the daemon's own) use a hash map instead.
-  size_t total = 0;
-  SeriesId max_id = 0;
-  for (const CompletedStep& s : steps) {
-    total += s.values.size();
-    for (const SeriesValue& v : s.values) max_id = std::max(max_id, v.id);
+  for (const auto* column :
+       {&step_column_, &wall_column_, &partial_column_, &ranks_column_, &dropped_column_, &count_column_}) {
+    EncodeInts(*column, out);
   }
-  constexpr uint32_t kNoColumn = std::numeric_limits<uint32_t>::max();
-  const bool dense = max_id < 2 * total + 1024;
-  std::vector<uint32_t> dense_column(dense ? size_t{max_id} + 1 : 0, kNoColumn);
-  std::unordered_map<SeriesId, uint32_t> sparse_column;
-  std::vector<uint64_t> ids;
-  std::vector<uint32_t> value_columns;
-  value_columns.reserve(total);
-  bool full = true;
-  for (const CompletedStep& s : steps) {
-    for (size_t j = 0; j < s.values.size(); ++j) {
-      const SeriesId id = s.values[j].id;
-      uint32_t column = 0;
-      if (dense) {
-        column = dense_column[id];
-        if (column == kNoColumn) column = dense_column[id] = static_cast<uint32_t>(ids.size()), ids.push_back(id);
-      } else {
-        const auto [it, added] = sparse_column.try_emplace(id, static_cast<uint32_t>(ids.size()));
-        if (added) ids.push_back(id);
-        column = it->second;
-      }
-      value_columns.push_back(column);
-      full = full && column == j;
-    }
-  }
-  for (const CompletedStep& s : steps) full = full && s.values.size() == ids.size();
-  PutVarint(out, ids.size());
-  EncodeInts(ids, out);
+  PutVarint(out, ids_.size());
+  EncodeInts(ids_, out);
+  // Full: every step holds every series once, in column order.
+  bool full = in_column_order_;
+  for (const uint64_t count : count_column_) full = full && count == ids_.size();
   out.push_back(static_cast<char>(full ? 0 : 1));
-  if (!full) {
-    ints.assign(value_columns.begin(), value_columns.end());
-    EncodeInts(ints, out);
-  }
-  // Each column's values, gathered in step order.
-  std::vector<size_t> start(ids.size() + 1, 0);
-  for (uint32_t c : value_columns) ++start[c + 1];
-  for (size_t c = 0; c < ids.size(); ++c) start[c + 1] += start[c];
-  std::vector<double> gathered(value_columns.size());
-  {
-    std::vector<size_t> next(start.begin(), start.end() - 1);
-    size_t k = 0;
-    for (const CompletedStep& s : steps) {
-      for (const SeriesValue& v : s.values) gathered[next[value_columns[k++]]++] = v.value;
-    }
-  }
   ValueScratch scratch;
-  for (size_t c = 0; c < ids.size(); ++c) {
-    EncodeValues(gathered.data() + start[c], start[c + 1] - start[c], scratch, out);
+  if (full) {
+    // Column c's values are every ids_.size()-th value from the cth. They are gathered a tile of
+    // columns at a time, each step's part of the tile read in one run.
+    constexpr size_t kTile = 256;
+    const size_t columns = ids_.size();
+    gathered_.resize(std::min(columns, kTile) * n);
+    for (size_t tile = 0; tile < columns; tile += kTile) {
+      const size_t width = std::min(kTile, columns - tile);
+      for (size_t i = 0; i < n; ++i) {
+        const double* row = values_.data() + i * columns + tile;
+        for (size_t c = 0; c < width; ++c) gathered_[c * n + i] = row[c];
+      }
+      for (size_t c = 0; c < width; ++c) EncodeValues(gathered_.data() + c * n, n, scratch, out);
+    }
+    Clear();
+    return;
   }
+  if (in_column_order_) SpellOutColumns();
+  ints_.assign(value_columns_.begin(), value_columns_.end());
+  EncodeInts(ints_, out);
+  // Each column's values, gathered in step order.
+  start_.assign(ids_.size() + 1, 0);
+  for (const uint32_t c : value_columns_) ++start_[c + 1];
+  for (size_t c = 0; c < ids_.size(); ++c) start_[c + 1] += start_[c];
+  gathered_.resize(values_.size());
+  next_.assign(start_.begin(), start_.end() - 1);
+  for (size_t k = 0; k < values_.size(); ++k) gathered_[next_[value_columns_[k]]++] = values_[k];
+  for (size_t c = 0; c < ids_.size(); ++c) {
+    EncodeValues(gathered_.data() + start_[c], start_[c + 1] - start_[c], scratch, out);
+  }
+  Clear();
+}
+
+void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out) {
+  StepBlockEncoder encoder;
+  for (const CompletedStep& step : steps) encoder.Add(step);
+  encoder.Finish(out);
 }
 
 Status DecodeStepBlock(std::string_view data, std::vector<CompletedStep>& out) {

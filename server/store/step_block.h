@@ -32,6 +32,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "server/core/status.h"
@@ -44,8 +45,60 @@ namespace gradwatch::store {
 inline constexpr size_t kMaxBlockSteps = 1 << 16;
 inline constexpr size_t kMaxBlockValues = 1 << 22;
 
+// Builds a block from steps added one at a time (the journal's writer seals its step rows so,
+// reading them one by one). It keeps each value once, 8 bytes, while every step holds the same
+// series in the same order (a trainer's steps), 12 bytes otherwise, and no step: a block of
+// kMaxBlockValues values built from whole CompletedSteps (16 bytes a value) and transposed took
+// 28 bytes a value. Buffers are kept from block to block. Not thread-safe.
+class StepBlockEncoder {
+ public:
+  // Adds the block's next step (its fields and values are copied).
+  void Add(const CompletedStep& step);
+  // Makes room for `steps` steps of `values` values in all, so that adding them allocates nothing
+  // (a block grown value by value would double its buffer past what it needs).
+  void Reserve(size_t steps, size_t values);
+
+  size_t steps() const { return step_column_.size(); }
+  size_t values() const { return values_.size(); }
+  bool empty() const { return steps() == 0; }
+  // Of the steps added; require !empty().
+  uint64_t first_step() const { return step_column_.front(); }
+  uint64_t last_step() const { return step_column_.back(); }
+  double last_wall_time() const { return last_wall_time_; }
+
+  // Appends the encoding of the steps added (1 ≤ steps ≤ kMaxBlockSteps, at most kMaxBlockValues
+  // values in all) to `out`, then empties the encoder.
+  void Finish(std::string& out);
+  // Empties the encoder, keeping its buffers.
+  void Clear();
+
+ private:
+  // The column of series `id`, given it a new column (first appearance order) if it has none.
+  uint32_t ColumnOf(SeriesId id);
+  // Writes the column of every value added so far, each step's values having been in column order.
+  void SpellOutColumns();
+
+  // One entry per step.
+  std::vector<uint64_t> step_column_, wall_column_, partial_column_, ranks_column_, dropped_column_, count_column_;
+  double last_wall_time_ = 0;
+  // Series columns: their ids in order of first appearance; a column looked up by id in an array
+  // while ids stay near the values' count (a run's ids are dense), in a map beyond it.
+  std::vector<uint64_t> ids_;
+  std::vector<uint32_t> dense_column_;
+  std::unordered_map<SeriesId, uint32_t> sparse_column_;
+  // Every value, in step order; and, once a value was not at its column's index in its step,
+  // every value's column (empty until then).
+  std::vector<double> values_;
+  std::vector<uint32_t> value_columns_;
+  bool in_column_order_ = true;
+  // Scratch for Finish.
+  std::vector<uint64_t> ints_;
+  std::vector<double> gathered_;
+  std::vector<size_t> start_, next_;
+};
+
 // Appends the encoding of `steps` (1 ≤ size ≤ kMaxBlockSteps, at most kMaxBlockValues values in
-// all) to `out`.
+// all) to `out`: StepBlockEncoder over them.
 void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out);
 
 // Decodes a block into `out` (replaced). Internal on anything malformed (a damaged row): never reads outside `data`,

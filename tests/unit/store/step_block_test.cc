@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -173,6 +174,65 @@ TEST_CASE("step blocks keep steps with differing series, order and duplicates", 
   steps[4].values = {{std::numeric_limits<SeriesId>::max(), 0.25}};
   steps[5].values = {{5, 7.0}, {9, 8.0}, {7, 9.0}};
   RoundTrip(steps);
+}
+
+TEST_CASE("a step block encoder fed step by step writes the block of the whole steps, and again when reused",
+          "[store][step_block]") {
+  // Blocks whose layout changes as steps arrive: in column order and full at first, then a step
+  // whose values break the order part way (the columns of every value before it are spelled out
+  // then), steps short of series, ids far beyond the values' count after dense ones, and a wide
+  // full block gathered in tiles of columns.
+  std::mt19937_64 rng(11);
+  auto value = [&rng] { return std::bit_cast<double>(rng() & ~(uint64_t{0x7ff} << 52)); };
+  std::vector<std::vector<CompletedStep>> blocks;
+  {
+    auto steps = MakeSteps(9, 40, [&](uint32_t, size_t) { return value(); });
+    std::swap(steps[5].values[17], steps[5].values[3]);  // out of column order mid-block, mid-step
+    blocks.push_back(steps);
+  }
+  {
+    auto steps = MakeSteps(6, 12, [&](uint32_t, size_t) { return value(); });
+    steps[2].values.resize(7);  // short of series, still in column order
+    blocks.push_back(steps);
+  }
+  {
+    auto steps = MakeSteps(5, 10, [&](uint32_t, size_t) { return value(); });
+    steps[3].values.push_back({std::numeric_limits<SeriesId>::max() - 3, 1.5});  // far beyond the count
+    steps[4].values.push_back({std::numeric_limits<SeriesId>::max() - 3, 2.5});
+    steps[4].values.push_back({11, 3.5});  // dense again, after it
+    blocks.push_back(steps);
+  }
+  blocks.push_back(MakeSteps(4, 1000, [&](uint32_t, size_t) { return value(); }));
+  blocks.push_back(MakeSteps(3, 257, [&](uint32_t id, size_t i) { return 0.5 * id + static_cast<double>(i); }));
+
+  StepBlockEncoder reused;
+  for (int round = 0; round < 2; ++round) {
+    for (const auto& steps : blocks) {
+      std::string whole;
+      EncodeStepBlock(steps, whole);
+      for (const CompletedStep& step : steps) reused.Add(step);
+      REQUIRE(reused.steps() == steps.size());
+      REQUIRE(reused.first_step() == steps.front().step);
+      REQUIRE(reused.last_step() == steps.back().step);
+      REQUIRE(std::bit_cast<uint64_t>(reused.last_wall_time()) == std::bit_cast<uint64_t>(steps.back().wall_time));
+      std::string step_by_step;
+      reused.Finish(step_by_step);
+      REQUIRE(reused.empty());
+      REQUIRE(step_by_step == whole);
+      std::vector<CompletedStep> back;
+      REQUIRE(DecodeStepBlock(step_by_step, back).ok());
+      RequireSameSteps(steps, back);
+    }
+  }
+  // Clear drops what was added.
+  reused.Add(blocks[0][0]);
+  reused.Clear();
+  REQUIRE(reused.empty());
+  reused.Add(blocks[1][0]);
+  std::string one, expected;
+  reused.Finish(one);
+  EncodeStepBlock(std::span(blocks[1]).first(1), expected);
+  REQUIRE(one == expected);
 }
 
 TEST_CASE("step blocks of steps without values, and of one value", "[store][step_block]") {
