@@ -27,6 +27,7 @@ missing (needs root then), then runs these phases, printing the time each took:
 The sanitizer runs stretch the tests' waits and time bounds (tests/support/time_scale.h) and use
 the suppressions in tests/sanitizers/ (third-party libraries only). Their reports are written to
 <build>/sanitizer-logs/ and printed at the end. Fails if any phase fails; later phases still run.
+The summary at the end names every test that failed, with the last 40 lines of its output.
 
   --no-sanitizers  skip the asan, fuzz and tsan phases (CI runs them all)
   --no-asan        skip the asan build and test (and the fuzzers, which use that build)
@@ -87,6 +88,39 @@ phase() {
   return 0
 }
 
+# The tests that failed in a ctest run, each with the tail of its output, kept for the summary at
+# the end: --output-on-failure prints a failure where it happens, hundreds of lines above what a
+# CI page shows. Usage: ctest_failures PHASE BUILD
+failure_report=()
+ctest_failures() {
+  local phase="$1" build="$2" failed_list="$2/Testing/Temporary/LastTestsFailed.log"
+  local log="$2/Testing/Temporary/LastTest.log" name
+  [[ -s "$failed_list" ]] || return 0
+  while IFS= read -r name; do
+    name="${name#*:}"
+    failure_report+=("--- $phase: $name")
+    if [[ -f "$log" ]]; then
+      failure_report+=("$(awk -v want="$name" '
+        $0 ~ /^[0-9]+\/[0-9]+ Test: / { sub(/^[0-9]+\/[0-9]+ Test: /, ""); cur = $0; if (cur == want) n = 0; next }
+        cur == want && /^<end of output>$/ { grab = 0; next }
+        cur == want && grab { lines[n++ % 40] = $0 }
+        cur == want && /^Output:$/ { grab = 1; getline; next }
+        cur == want && /^Test (Failed|Passed|.*Timeout|.*Exception)/ { status = $0 }
+        END { for (i = (n > 40 ? n - 40 : 0); i < n; i++) print "    " lines[i % 40]; if (status != "") print "    " status }
+      ' "$log")")
+    fi
+  done < "$failed_list"
+}
+# ctest_phase PHASE BUILD CTEST_ARGS...: ctest on BUILD, its failures kept for the summary.
+ctest_phase() {
+  local phase="$1" build="$2" rc=0
+  shift 2
+  rm -f "$build/Testing/Temporary/LastTestsFailed.log"
+  "$@" || rc=$?
+  ((rc == 0)) || ctest_failures "$phase" "$build"
+  return "$rc"
+}
+
 # Runs ctest on a sanitizer build with the runtime options below, then fails if any process
 # (a test binary, the daemon, the CLI) wrote a sanitizer report. Usage: sanitized_ctest DIR KIND
 # KIND: asan (ASan, UBSan and LeakSanitizer) or tsan. A suite built with -fsanitize=thread needs
@@ -109,8 +143,8 @@ sanitized_ctest() {
   fi
   # -j2: the tests use ephemeral ports and their own data directories; the time scale of the
   # sanitizer builds leaves room for two at once on 2 cores.
-  env "${env[@]}" "${wrapper[@]}" ctest --test-dir "$build" --output-on-failure --timeout 2400 \
-    --no-tests=error -j2 "${ctest_args[@]}" || rc=$?
+  ctest_phase "$kind test" "$build" env "${env[@]}" "${wrapper[@]}" ctest --test-dir "$build" \
+    --output-on-failure --timeout 2400 --no-tests=error -j2 "${ctest_args[@]}" || rc=$?
   local reports
   reports=$(find "$logs" -type f -size +0 | sort)
   if [[ -n "$reports" ]]; then
@@ -182,7 +216,8 @@ wait_build() {
 
 ((asan)) && background_build 'asan build' build-fuzz asan_build
 # -j2: the tests use ephemeral ports and their own data directories.
-phase test ctest --test-dir build --output-on-failure --timeout 300 --no-tests=error -j2 "${ctest_args[@]}"
+phase test ctest_phase test build ctest --test-dir build --output-on-failure --timeout 300 \
+  --no-tests=error -j2 "${ctest_args[@]}"
 if ((asan)); then
   if wait_build 'asan build' build-fuzz; then
     ((tsan)) && background_build 'tsan build' build-tsan tsan_build
@@ -230,6 +265,10 @@ fi
 gw_log "phase times:"
 printf '  %s\n' "${timings[@]}" >&2
 gw_log "total $((SECONDS - started_all)) s"
+if ((${#failure_report[@]} > 0)); then
+  gw_log "failed tests, with the last lines of their output (all of it above, and in <build>/Testing/Temporary/LastTest.log):"
+  printf '%s\n' "${failure_report[@]}" >&2
+fi
 if ((status != 0)); then
   gw_die "failed: ${failed[*]}"
 fi
