@@ -76,6 +76,17 @@ std::vector<Notice> Delivered(const notify::testing::TestReceiver& receiver) {
   return out;
 }
 
+// Waits until the daemon has marked `count` notifications to the webhook delivered. The receiver
+// holds a request before the daemon has read its answer and marked the entry: an entry not yet
+// marked when the daemon is killed or stopped is sent again after the restart (under the same
+// Idempotency-Key, as promised), which a test of what a restart sends must not race with.
+bool WaitForMarkedDelivered(const DaemonProcess& daemon, double count) {
+  return WaitUntil([&] {
+    return ParseMetric(daemon.ScrapeMetrics(), "gradwatch_notifications_sent_total", {{"receiver", "hook"}})
+               .value_or(0) >= count;
+  });
+}
+
 std::optional<v1::Alert> FindPage(const DaemonProcess& daemon, const std::string& run) {
   for (const v1::Alert& a : ListAlerts(daemon.grpc_target(), run)) {
     if (a.name() == kPage) return a;
@@ -114,6 +125,7 @@ TEST_CASE("a firing page survives a crash and is sent resolved exactly once", "[
   }
   // Once the page is delivered it is in the store: it was written with its notification.
   REQUIRE(receiver.WaitForDelivered(1, std::chrono::seconds(20)));
+  REQUIRE(WaitForMarkedDelivered(daemon, 1));
   const std::optional<v1::Alert> before = FindPage(daemon, "crash-run");
   REQUIRE(before);
 
@@ -234,6 +246,7 @@ TEST_CASE("a page resolves when its run ends, and stays resolved after a restart
   }
   // The job is gone: once the run ends its page resolves instead of staying open for ever.
   REQUIRE(receiver.WaitForDelivered(2, std::chrono::seconds(20)));
+  REQUIRE(WaitForMarkedDelivered(daemon, 2));
   CHECK_FALSE(FindPage(daemon, "ending-run"));
   CHECK(daemon.LogText().find("run ending-run: ended") != std::string::npos);
 

@@ -172,6 +172,23 @@ JournalRows ReadJournal(const std::filesystem::path& db_path, const std::string&
   return rows;
 }
 
+// Deletes a directory the running daemon writes into on its own (its LOCK, every tick; the journal's
+// files, when it rebuilds them), leaving `replacement` (a file's path, or empty for nothing) where
+// it was. Removing it in place races the daemon: an entry made between remove_all's unlinks and its
+// rmdir makes the rmdir fail. One rename takes it away at once, then the moved copy is removed
+// (again if a file the daemon was creating as it moved still got in).
+void DeleteUnderDaemon(const std::filesystem::path& dir, const std::filesystem::path& replacement = {}) {
+  const std::filesystem::path aside = dir.string() + ".deleted";
+  std::filesystem::remove_all(aside);
+  std::filesystem::rename(dir, aside);
+  if (!replacement.empty()) std::filesystem::rename(replacement, dir);
+  std::error_code error;
+  for (int attempt = 0; attempt < 10 && std::filesystem::exists(aside); ++attempt) {
+    std::filesystem::remove_all(aside, error);
+  }
+  REQUIRE_FALSE(std::filesystem::exists(aside));
+}
+
 }  // namespace
 
 TEST_CASE("a full disk: nothing is acked that is not committed, and ingest recovers without a restart",
@@ -307,8 +324,9 @@ TEST_CASE("a data directory deleted under the running daemon is rebuilt without 
   REQUIRE(Cli(daemon, {"replay", first, "--max"}).exit_code == 0);
 
   // The directory is deleted, and a file stands where it was: the journal cannot be rebuilt.
-  std::filesystem::remove_all(data);
-  { std::ofstream(data) << "not a directory\n"; }
+  const std::filesystem::path file = base.path() / "not-a-directory";
+  { std::ofstream(file) << "not a directory\n"; }
+  DeleteUnderDaemon(data, file);
   REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_storage_healthy") == 0.0; }));
   // The health follows on the daemon's next tick.
   CHECK(WaitUntil([&] { return HealthStatus(daemon.grpc_target(), kIngest) == "NOT_SERVING"; }));
@@ -337,7 +355,7 @@ TEST_CASE("a data directory deleted under the running daemon is rebuilt without 
   CHECK(json::parse(replay.out)["last_acked_step"] == 300);
 
   // Deleted once more while idle: rebuilt again, with no restart and nothing to resend.
-  std::filesystem::remove_all(data);
+  DeleteUnderDaemon(data);
   REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_journal_rebuilds_total") == 2.0; }));
   CHECK(Metric(daemon, "gradwatch_storage_healthy") == 1.0);
 

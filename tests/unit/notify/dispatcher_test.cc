@@ -327,7 +327,8 @@ TEST_CASE("a slow receiver delays neither the caller nor another receiver", "[no
   const auto start = std::chrono::steady_clock::now();
   REQUIRE(dispatcher.Enqueue(MakeAlert("a", AlertState::kFiring)).ok());
   REQUIRE(dispatcher.Enqueue(MakeAlert("b", AlertState::kFiring)).ok());
-  CHECK(std::chrono::steady_clock::now() - start < 100ms);
+  // Far below the slow receiver's 2 s, with room for a busy machine's scheduling.
+  CHECK(std::chrono::steady_clock::now() - start < 500ms);
 
   REQUIRE(WaitUntil([&] { return StatsOf(dispatcher, 1).sent == 2; }, 1500ms));
   CHECK(std::chrono::steady_clock::now() - start < 1000ms);
