@@ -61,6 +61,46 @@ double RoundTrip(const std::vector<CompletedStep>& steps) {
   return static_cast<double>(blob.size()) / static_cast<double>(values);
 }
 
+// Blocks whose layout changes as steps arrive: in column order and full at first, then a step
+// whose values break the order part way (the columns of every value before it are spelled out
+// then), steps short of series, ids far beyond the values' count after dense ones, and a wide full
+// block gathered in tiles of columns.
+std::vector<std::vector<CompletedStep>> LayoutBlocks() {
+  std::mt19937_64 rng(11);
+  auto value = [&rng] { return std::bit_cast<double>(rng() & ~(uint64_t{0x7ff} << 52)); };
+  std::vector<std::vector<CompletedStep>> blocks;
+  {
+    auto steps = MakeSteps(9, 40, [&](uint32_t, size_t) { return value(); });
+    std::swap(steps[5].values[17], steps[5].values[3]);  // out of column order mid-block, mid-step
+    blocks.push_back(steps);
+  }
+  {
+    auto steps = MakeSteps(6, 12, [&](uint32_t, size_t) { return value(); });
+    steps[2].values.resize(7);  // short of series, still in column order
+    blocks.push_back(steps);
+  }
+  {
+    auto steps = MakeSteps(5, 10, [&](uint32_t, size_t) { return value(); });
+    steps[3].values.push_back({std::numeric_limits<SeriesId>::max() - 3, 1.5});  // far beyond the count
+    steps[4].values.push_back({std::numeric_limits<SeriesId>::max() - 3, 2.5});
+    steps[4].values.push_back({11, 3.5});  // dense again, after it
+    blocks.push_back(steps);
+  }
+  blocks.push_back(MakeSteps(4, 1000, [&](uint32_t, size_t) { return value(); }));
+  blocks.push_back(MakeSteps(3, 257, [&](uint32_t id, size_t i) { return 0.5 * id + static_cast<double>(i); }));
+  return blocks;
+}
+
+// FNV-1a, 64 bits: a digest of a block's bytes.
+uint64_t Fnv1a(const std::string& bytes) {
+  uint64_t h = 0xcbf29ce484222325;
+  for (const unsigned char c : bytes) {
+    h ^= c;
+    h *= 0x100000001b3;
+  }
+  return h;
+}
+
 }  // namespace
 
 TEST_CASE("step blocks of float32 norms widened to double take under 3 bytes a value", "[store][step_block]") {
@@ -178,33 +218,7 @@ TEST_CASE("step blocks keep steps with differing series, order and duplicates", 
 
 TEST_CASE("a step block encoder fed step by step writes the block of the whole steps, and again when reused",
           "[store][step_block]") {
-  // Blocks whose layout changes as steps arrive: in column order and full at first, then a step
-  // whose values break the order part way (the columns of every value before it are spelled out
-  // then), steps short of series, ids far beyond the values' count after dense ones, and a wide
-  // full block gathered in tiles of columns.
-  std::mt19937_64 rng(11);
-  auto value = [&rng] { return std::bit_cast<double>(rng() & ~(uint64_t{0x7ff} << 52)); };
-  std::vector<std::vector<CompletedStep>> blocks;
-  {
-    auto steps = MakeSteps(9, 40, [&](uint32_t, size_t) { return value(); });
-    std::swap(steps[5].values[17], steps[5].values[3]);  // out of column order mid-block, mid-step
-    blocks.push_back(steps);
-  }
-  {
-    auto steps = MakeSteps(6, 12, [&](uint32_t, size_t) { return value(); });
-    steps[2].values.resize(7);  // short of series, still in column order
-    blocks.push_back(steps);
-  }
-  {
-    auto steps = MakeSteps(5, 10, [&](uint32_t, size_t) { return value(); });
-    steps[3].values.push_back({std::numeric_limits<SeriesId>::max() - 3, 1.5});  // far beyond the count
-    steps[4].values.push_back({std::numeric_limits<SeriesId>::max() - 3, 2.5});
-    steps[4].values.push_back({11, 3.5});  // dense again, after it
-    blocks.push_back(steps);
-  }
-  blocks.push_back(MakeSteps(4, 1000, [&](uint32_t, size_t) { return value(); }));
-  blocks.push_back(MakeSteps(3, 257, [&](uint32_t id, size_t i) { return 0.5 * id + static_cast<double>(i); }));
-
+  const std::vector<std::vector<CompletedStep>> blocks = LayoutBlocks();
   StepBlockEncoder reused;
   for (int round = 0; round < 2; ++round) {
     for (const auto& steps : blocks) {
@@ -233,6 +247,26 @@ TEST_CASE("a step block encoder fed step by step writes the block of the whole s
   reused.Finish(one);
   EncodeStepBlock(std::span(blocks[1]).first(1), expected);
   REQUIRE(one == expected);
+}
+
+TEST_CASE("step blocks are written byte for byte as the journals on disk hold them", "[store][step_block]") {
+  // Sizes and digests of LayoutBlocks() as the encoder of e4b4a19 wrote them, before sealing went
+  // step by step (6623adc): a change of the format shows here, not in a journal that reads back
+  // differently.
+  const std::vector<std::pair<size_t, uint64_t>> expected = {{3194, 0x4b565ed234b5567a},
+                                                             {676, 0xac65543f071c1930},
+                                                             {589, 0x6da6b652ba49cd6e},
+                                                             {38789, 0x03583db04cfdd50c},
+                                                             {1702, 0xc8fa2874e449f113}};
+  const std::vector<std::vector<CompletedStep>> blocks = LayoutBlocks();
+  REQUIRE(blocks.size() == expected.size());
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    INFO("block " << b);
+    std::string bytes;
+    EncodeStepBlock(blocks[b], bytes);
+    CHECK(bytes.size() == expected[b].first);
+    CHECK(Fnv1a(bytes) == expected[b].second);
+  }
 }
 
 TEST_CASE("step blocks of steps without values, and of one value", "[store][step_block]") {
