@@ -116,6 +116,34 @@ TEST_CASE("the outbox follows the journal rebuilt after its directory was delete
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("the outbox's commits never checkpoint the journal's WAL: the journal's next commit does", "[store]") {
+  const auto dir = TempPath();
+  const std::string path = (dir / "journal.db").string();
+  auto journal = store::Journal::Open({.path = path}, nullptr);
+  REQUIRE(journal.ok());
+  auto outbox = store::AlertStore::Open(path);
+  REQUIRE(outbox.ok());
+  const auto main_bytes = std::filesystem::file_size(path);
+  // 500 commits of a 20 KB payload: about 1,500 WAL frames of 16 KiB, past SQLite's auto-checkpoint
+  // (1,000 frames), which would have written them into the database file.
+  for (int i = 0; i < 500; ++i) {
+    notify::OutboxEntry e = Entry("am", "f" + std::to_string(i), alerts::AlertState::kFiring);
+    e.payload = std::string(20000, 'x');
+    REQUIRE((*outbox)->Add({e}).ok());
+  }
+  CHECK(std::filesystem::file_size(path + "-wal") > 1000 * 16384);
+  CHECK(std::filesystem::file_size(path) == main_bytes);
+  RunMeta meta;
+  meta.run_id = "run";
+  REQUIRE((*journal)->Enqueue(store::RunRecord{meta}));
+  REQUIRE((*journal)->Flush().ok());
+  CHECK(std::filesystem::file_size(path) > 500 * 20000);
+  CHECK((*outbox)->PendingCount("am").value() == 500);
+  outbox->reset();
+  (*journal)->Stop();
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("opening the outbox in a missing directory fails with a clear message", "[store]") {
   auto outbox = store::AlertStore::Open("/nonexistent-gradwatch-dir/journal.db");
   REQUIRE_FALSE(outbox.ok());

@@ -2,7 +2,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <future>
 #include <limits>
 #include <optional>
 #include <string>
@@ -246,4 +249,50 @@ TEST_CASE("sqlite: a newer or unknown schema version is refused and a failed mig
     CHECK(sqlite::UserVersion(db).value() == 1);
     CHECK(ColumnsOf(db, "t") == std::vector<std::string>{"a"});
   }
+}
+
+TEST_CASE(
+    "sqlite: a connection waiting for the write lock gets it when the holder commits, and gives up at its busy "
+    "timeout",
+    "[store][sqlite]") {
+  TempDir dir;
+  sqlite::Database holder = OpenOrFail(dir.db());
+  REQUIRE(holder.UseWal().ok());
+  REQUIRE(holder.Exec("CREATE TABLE t(a INTEGER)").ok());
+  sqlite::Database waiter = OpenOrFail(dir.db());
+  {
+    sqlite::Transaction held(holder, "holder");
+    REQUIRE(held.Begin(sqlite::Transaction::Mode::kImmediate).ok());
+    REQUIRE(holder.Exec("INSERT INTO t VALUES(1)").ok());
+    std::atomic<bool> committing{false};
+    auto waited = std::async(std::launch::async, [&] {
+      sqlite::Transaction txn(waiter, "waiter");
+      Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate);
+      const bool after_commit = committing.load();
+      if (s.ok()) s = waiter.Exec("INSERT INTO t VALUES(2)");
+      if (s.ok()) s = txn.Commit();
+      return std::make_pair(s, after_commit);
+    });
+    // The waiter is blocked for as long as the lock is held, here at least 200 ms.
+    CHECK(waited.wait_for(std::chrono::milliseconds(200)) == std::future_status::timeout);
+    committing = true;
+    REQUIRE(held.Commit().ok());
+    const auto [status, after_commit] = waited.get();
+    INFO(status.ToString());
+    CHECK(status.ok());
+    CHECK(after_commit);
+  }
+  CHECK(Scalar(holder, "SELECT group_concat(a) FROM t") == "1,2");
+
+  // A lock never released within the timeout: the waiter fails with SQLite's own message, after it.
+  auto impatient = sqlite::Database::Open(dir.db(), {.busy_timeout = std::chrono::milliseconds(150)});
+  REQUIRE(impatient.ok());
+  sqlite::Transaction held(holder, "holder");
+  REQUIRE(held.Begin(sqlite::Transaction::Mode::kImmediate).ok());
+  sqlite::Transaction blocked(*impatient, "impatient");
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status s = blocked.Begin(sqlite::Transaction::Mode::kImmediate);
+  CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(150));
+  REQUIRE_FALSE(s.ok());
+  CHECK_THAT(s.message(), Catch::StartsWith("impatient: begin transaction: ") && Catch::Contains("locked"));
 }
