@@ -6,13 +6,16 @@
 //
 //   gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]
 //                        [--param-recent-points N] [--param-history-buckets N] [--param-max-buckets N]
+//                        [--values float32|float64]
 //
 // For each N (default 1,000 and 10,000): a fresh run of N parameters (2N + 1 series a step) is
 // fed --warm steps (300), then --steps more (300) are timed with the thread's CPU clock, --repeat
 // times (3) on fresh runs; prints the best ns per sample of each, and the ratio of the largest N's
 // to the first's. Reports are built outside the timed calls. The --param-* options set the tier of
 // the ordinary parameter series (store.param_recent_points, store.param_history_buckets,
-// analytics.param_max_buckets; the daemon's defaults otherwise), to weigh their memory.
+// analytics.param_max_buckets; the daemon's defaults otherwise), to weigh their memory. --values:
+// float64 (the default) varies every bit of each value; float32 sends float32 values widened, as
+// an unsharded PyTorch trainer does (see FillReport).
 #include <time.h>
 
 #include <algorithm>
@@ -68,23 +71,27 @@ RunMeta Meta(size_t params) {
   return m;
 }
 
-// Noisy norms, 1 % wobble: no rule fires.
-void FillReport(RankStep& r, uint64_t step, size_t params) {
+// Noisy norms, 1 % wobble: no rule fires. With float32_values, the loss and the norms are float32
+// values widened to double, as a PyTorch trainer computes them (gradwatch.torch sends a float32
+// norm exactly: the square root of its square in double); otherwise every bit of the double
+// varies, as in sums of squares from sharded ranks.
+void FillReport(RankStep& r, uint64_t step, size_t params, bool float32_values) {
+  auto value = [&](double v) { return float32_values ? static_cast<double>(static_cast<float>(v)) : v; };
   r.step = step;
-  r.loss = 2.0 + 0.01 * std::sin(static_cast<double>(step));
+  r.loss = value(2.0 + 0.01 * std::sin(static_cast<double>(step)));
   r.learning_rate = 3e-4;
   r.params.resize(params);
   for (size_t i = 0; i < params; ++i) {
     const double wobble = 1.0 + 0.01 * std::sin(0.37 * static_cast<double>(step + i));
     r.params[i] = {.index = static_cast<uint32_t>(i),
-                   .norms = {NormContribution::FromNorm(0.2 / std::sqrt(static_cast<double>(params)) * wobble),
-                             NormContribution::FromNorm(50.0 * wobble), NormContribution()}};
+                   .norms = {NormContribution::FromNorm(value(0.2 / std::sqrt(static_cast<double>(params)) * wobble)),
+                             NormContribution::FromNorm(value(50.0 * wobble)), NormContribution()}};
   }
 }
 
 // ns per sample of `steps` steps after `warm` on a fresh run of `params` parameters; prints what
 // the run added to the process's RSS, and what its series store counts (Run::MemoryBytes), per series.
-double Measure(size_t params, uint64_t warm, uint64_t steps, const RunOptions& base) {
+double Measure(size_t params, uint64_t warm, uint64_t steps, const RunOptions& base, bool float32_values) {
   const double rss0 = RssBytes();
   FakeClock clock;
   DaemonStats stats;
@@ -105,7 +112,7 @@ double Measure(size_t params, uint64_t warm, uint64_t steps, const RunOptions& b
   RankStep report;
   double cpu = 0;
   for (uint64_t s = 1; s <= warm + steps; ++s) {
-    FillReport(report, s, params);
+    FillReport(report, s, params, float32_values);
     const double t0 = ThreadCpuSeconds();
     if (run.AddStep(0, report, nullptr).has_value()) {
       std::fprintf(stderr, "step %llu refused\n", static_cast<unsigned long long>(s));
@@ -129,6 +136,7 @@ int main(int argc, char** argv) {
   std::vector<size_t> params;
   uint64_t warm = 300, steps = 300;
   int repeat = 3;
+  bool float32_values = false;
   RunOptions base;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -146,11 +154,14 @@ int main(int argc, char** argv) {
       base.param_series.history_buckets = std::max<size_t>(2, std::strtoull(argv[++i], nullptr, 10));
     } else if (arg == "--param-max-buckets" && i + 1 < argc) {
       base.analytics.param_max_buckets = std::max<size_t>(2, std::strtoull(argv[++i], nullptr, 10));
+    } else if (arg == "--values" && i + 1 < argc &&
+               (argv[i + 1] == std::string("float32") || argv[i + 1] == std::string("float64"))) {
+      float32_values = argv[++i] == std::string("float32");
     } else {
       std::fprintf(stderr,
                    "usage: gradwatch_step_bench [--params N]... [--warm STEPS] [--steps STEPS] [--repeat R]\n"
                    "                            [--param-recent-points N] [--param-history-buckets N]\n"
-                   "                            [--param-max-buckets N]\n");
+                   "                            [--param-max-buckets N] [--values float32|float64]\n");
       return 2;
     }
   }
@@ -159,7 +170,7 @@ int main(int argc, char** argv) {
   std::vector<double> best(params.size(), 1e300);
   for (int r = 0; r < repeat; ++r) {
     for (size_t p = 0; p < params.size(); ++p) {
-      const double ns = Measure(params[p], warm, steps, base);
+      const double ns = Measure(params[p], warm, steps, base, float32_values);
       std::printf("params %zu: %.1f ns/sample (repeat %d)\n", params[p], ns, r + 1);
       std::fflush(stdout);
       best[p] = std::min(best[p], ns);
