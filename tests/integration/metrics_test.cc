@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <memory>
+#include <vector>
 
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
@@ -43,8 +45,11 @@ std::string WithoutServerMetrics(const std::string& text) { return text.substr(t
 
 TEST_CASE("/metrics is valid text with escaped names, and the same text gzip-compressed", "[integration]") {
   DaemonProcess daemon;
+  // The streams stay open through both scrapes: one closing between them would change
+  // gradwatch_open_streams, which the daemon counts down when it has finished the stream.
+  std::vector<std::unique_ptr<StreamClient>> streams;
   for (const std::string run : {"metrics-a", "metrics-b"}) {
-    StreamClient stream(daemon.grpc_target());
+    StreamClient& stream = *streams.emplace_back(std::make_unique<StreamClient>(daemon.grpc_target()));
     REQUIRE(stream.Hello(MakeHello(run, 0, 1, kCatalog), 1));
     stream.WaitAccepted();
     for (uint64_t s = 1; s <= 5; ++s) REQUIRE(stream.Step(Step(s), 1 + s));
