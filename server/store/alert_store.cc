@@ -159,7 +159,7 @@ StatusOr<sqlite::Database> OpenDb(const std::string& path, bool create) {
   // past 1,000 frames, whichever connection makes it, and writes and fsyncs up to 1,000 pages (16 MB
   // of the journal's) before that commit returns. Made by an alert's commit, it held the page back
   // by about 20 ms (`gradwatch_bench --only alerts` with the journal's commits made cheap: webhook
-  // p99 19-27 ms, 4.9-8.1 without). The journal's connection, whose commits fsync anyway, makes
+  // p99 21-27 ms, 4.9-8.1 without). The journal's connection, whose commits fsync anyway, makes
   // them all; the WAL the alerts add between two of its commits is a few frames an alert.
   if (Status s = db->Exec("PRAGMA wal_autocheckpoint=0"); !s.ok()) return s;
   for (const char* sql : kTables) {
