@@ -403,7 +403,7 @@ Point PointLog::PopFront() {
     // The oldest chunk is read: its slot becomes the spare after the newest.
     --chunks_used_;
     if (chunks_used_ > 0) {
-      head_ = (head_ + 1) % slots_.size();
+      head_ = SlotIndex(1);
       front_ = CodecState{};
     }
   }
