@@ -230,6 +230,21 @@ class WindowedSlope {
     PrefetchRead(reinterpret_cast<const char*>(&open_) + sizeof(open_) - 1);
   }
 
+  // Cache hints for an owner that fits many windows in turn (runs::RunAnalytics::StepAnalysis):
+  // PrefetchFitSums brings in the bookkeeping and sums Fit reads; PrefetchOldest, issued later
+  // (it reads the bookkeeping), the oldest held bucket, the only other line Fit reads. They
+  // change nothing.
+  void PrefetchFitSums() const {
+    PrefetchRead(this);
+    PrefetchRead(&open_);
+    PrefetchRead(reinterpret_cast<const char*>(&open_) + sizeof(open_) - 1);
+    PrefetchRead(&closed_);
+    PrefetchRead(reinterpret_cast<const char*>(&closed_) + sizeof(closed_) - 1);
+  }
+  void PrefetchOldest() const {
+    if (held_ > 0) PrefetchRead(&ring_[head_]);
+  }
+
   uint64_t window_steps() const { return window_steps_; }
   uint64_t bucket_steps() const { return bucket_steps_; }
   // The most memory the window can come to hold (its ring at full size), in bytes.

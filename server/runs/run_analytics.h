@@ -272,6 +272,9 @@ class RunAnalytics {
   AnalyticsCharging charging_;
   MemoryCharge charge_;
   uint64_t refused_series_ = 0;
+  // The index of forecast_window_steps among options_.windows, which every raw tracker has, in
+  // that order.
+  const size_t forecast_window_index_;
   std::vector<ParamInfo> params_;
   std::unordered_map<std::string, int> param_by_name_;
   std::vector<ParamState> param_state_;
@@ -293,6 +296,8 @@ class RunAnalytics {
   // const readers are serialised like every other call (the run's mutex).
   mutable std::vector<std::pair<double, uint32_t>> share_order_;
   mutable std::vector<ShareInfo> share_sorted_;
+  // StepAnalysis' scratch: the catalog indices of the parameters whose norm it fits.
+  mutable std::vector<uint32_t> fitted_scratch_;
 };
 
 }  // namespace gradwatch::runs

@@ -350,3 +350,80 @@ TEST_CASE("the per-step analysis the alert rules read equals the full one, by pa
     CHECK(any_group);
   }
 }
+
+TEST_CASE("per-step norm fits of many parameters, some without a norm series, with the forecast window not the longest",
+          "[runs]") {
+  // 40 norm gains (their norms rise at different rates, so each fit differs), every third with
+  // no norm series, and fits read for every other one: StepAnalysis fetches the trackers it fits
+  // ahead, skipping those it does not, and must fit exactly what Analysis does.
+  AnalyticsOptions options;
+  options.forecast_window_steps = 2000;  // not among the default windows: added, and not the longest
+  RunAnalytics a(options);
+  constexpr size_t kParams = 40;
+  std::vector<ParamInfo> catalog;
+  for (size_t i = 0; i < kParams; ++i) {
+    catalog.push_back(
+        {.name = "layers." + std::to_string(i) + ".norm.weight", .numel = 4096, .kind = ParamKind::kNormGain});
+  }
+  a.SetCatalog(catalog);
+  std::vector<SeriesId> norm_ids(kParams, kNoSeries);
+  SeriesId next_id = 0;
+  for (size_t i = 0; i < kParams; ++i) {
+    if (i % 3 == 2) continue;
+    norm_ids[i] = next_id++;
+    a.AddSeries(norm_ids[i], "params/norm/" + catalog[i].name);
+  }
+  StepFits fits;
+  fits.norm.assign(kParams, 0);
+  for (size_t i = 0; i < kParams; i += 2) fits.norm[i] = 1;
+  RunAnalysis step_analysis;
+  std::vector<ParamAnalysis> params;
+  size_t compared = 0;
+  for (uint64_t s = 0; s <= 24000; s += 8) {
+    CompletedStep step;
+    step.step = s;
+    for (size_t i = 0; i < kParams; ++i) {
+      if (norm_ids[i] == kNoSeries) continue;
+      // Rising at a rate of its own, half as fast from step 15,000 on.
+      const double rate = 1e-6 * static_cast<double>(i + 1);
+      const double x = static_cast<double>(std::min<uint64_t>(s, 15000)) +
+                       0.5 * static_cast<double>(s - std::min<uint64_t>(s, 15000));
+      step.values.push_back(
+          {norm_ids[i], 64.0 * (1.0 + rate * x) * (1.0 + 1e-4 * std::sin(1.3 * static_cast<double>(s + i)))});
+    }
+    a.OnStep(step);
+    if (s % 4000 != 0) continue;
+    a.StepAnalysis(step_analysis, params, fits);
+    const RunAnalysis full = a.Analysis();
+    REQUIRE(params.size() == kParams);
+    INFO("step " << s);
+    for (size_t i = 0; i < kParams; ++i) {
+      INFO("parameter " << i);
+      if (norm_ids[i] == kNoSeries || fits.norm[i] == 0) {
+        CHECK_FALSE(params[i].norm_slope_per_kstep.has_value());
+        CHECK_FALSE(params[i].growth.has_value());
+        continue;
+      }
+      std::optional<double> forecast_slope;
+      for (const auto& sl : full.slopes) {
+        if (sl.key == "params/norm/" + catalog[i].name && sl.window_steps == 2000) {
+          forecast_slope = sl.fit.slope_per_kstep();
+        }
+      }
+      CHECK(params[i].norm_slope_per_kstep == forecast_slope);
+      const GrowthInfo* growth = nullptr;
+      for (const auto& g : full.growth_without_decay) {
+        if (g.param == catalog[i].name) growth = &g;
+      }
+      REQUIRE(params[i].growth.has_value() == (growth != nullptr));
+      if (growth == nullptr) continue;
+      CHECK(params[i].growth->window_steps == 20000);
+      CHECK(params[i].growth->growth_factor == growth->growth_factor);
+      CHECK(params[i].growth->slope_per_kstep == growth->slope_per_kstep);
+      ++compared;
+      // The rates halved at 15,000: the 2,000-step slope is well below the 20,000-step one.
+      if (s == 24000) CHECK(*params[i].norm_slope_per_kstep < 0.8 * growth->slope_per_kstep);
+    }
+  }
+  CHECK(compared > 40);
+}
