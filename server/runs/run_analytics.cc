@@ -503,13 +503,16 @@ void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& pa
         const SeriesId norm = param_state_[fitted[k + 3 * kAhead]].norm;
         if (norm < series_.size()) PrefetchRead(&series_[norm].slopes);
       }
+      // The forecast window is the longest one by default: fetched once then.
       if (const analytics::SlopeTracker* s = norm_tracker(k + 2 * kAhead)) {
-        s->window(forecast_window_index_).PrefetchFitSums();
-        s->longest().PrefetchFitSums();
+        const analytics::WindowedSlope& forecast = s->window(forecast_window_index_);
+        forecast.PrefetchFitSums();
+        if (&s->longest() != &forecast) s->longest().PrefetchFitSums();
       }
       if (const analytics::SlopeTracker* s = norm_tracker(k + kAhead)) {
-        s->window(forecast_window_index_).PrefetchOldest();
-        s->longest().PrefetchOldest();
+        const analytics::WindowedSlope& forecast = s->window(forecast_window_index_);
+        forecast.PrefetchOldest();
+        if (&s->longest() != &forecast) s->longest().PrefetchOldest();
       }
     }
     FillParamEntry(i, params[i], fit_norm);
