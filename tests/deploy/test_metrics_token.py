@@ -50,6 +50,15 @@ def target_health(prom_port):
         return {}
     return {t["labels"]["job"]: (t["health"], t["lastError"]) for t in body["data"]["activeTargets"]}
 
+
+def scraped_targets(prom_port, count):
+    """Prometheus' targets once all `count` have been scraped (up or down), from one reading of
+    /api/v1/targets: two readings could pair an empty answer with targets not yet scraped."""
+    targets = target_health(prom_port)
+    if len(targets) == count and all(h[0] in ("up", "down") for h in targets.values()):
+        return targets
+    return None
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
@@ -112,12 +121,7 @@ class MetricsTokenTest(unittest.TestCase):
         self.processes.append(process)
         self.logs.append(log)
 
-        def health():
-            return target_health(prom_port)
-
-        wait_for(lambda: all(h[0] in ("up", "down") for h in health().values()) and len(health()) == 3, 120,
-                 "Prometheus to scrape the three jobs")
-        targets = health()
+        targets = wait_for(lambda: scraped_targets(prom_port, 3), 120, "Prometheus to scrape the three jobs")
         self.assertEqual(targets["with-token"][0], "up", targets)
         self.assertEqual(targets["without-token"][0], "down")
         self.assertIn("401", targets["without-token"][1])
@@ -191,10 +195,7 @@ class MetricsTlsTest(unittest.TestCase):
         process, log, prom_port = start_prometheus(self.dir, config)
         self.processes.append(process)
         self.logs.append(log)
-        wait_for(lambda: len(target_health(prom_port)) == 3 and
-                 all(h[0] in ("up", "down") for h in target_health(prom_port).values()), 120,
-                 "Prometheus to scrape the three jobs")
-        targets = target_health(prom_port)
+        targets = wait_for(lambda: scraped_targets(prom_port, 3), 120, "Prometheus to scrape the three jobs")
         self.assertEqual(targets["tls"][0], "up", targets)
         self.assertEqual(targets["untrusted"][0], "down")
         self.assertIn("certificate", targets["untrusted"][1])
