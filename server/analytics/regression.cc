@@ -15,7 +15,9 @@ namespace {
 // Written whole by RegressionSums::SaveState: two doubles, no padding. (RegressionSums itself is
 // trivially copyable too, but has padding after its flag: it is written field by field.)
 static_assert(std::is_trivially_copyable_v<CompensatedSum> && sizeof(CompensatedSum) == 2 * sizeof(double));
-static_assert(sizeof(PackedSums) == 64);
+static_assert(sizeof(PackedSums) == 48);
+// The rings' two pointers and sizes fit the first cache line's padding: a window is six lines.
+static_assert(sizeof(WindowedSlope) == 384);
 
 // a + b, or UINT64_MAX when that overflows (the window's bookkeeping steps saturate so).
 uint64_t SaturatingAdd(uint64_t a, uint64_t b) { return a + b > a ? a + b : UINT64_MAX; }
@@ -226,45 +228,74 @@ bool RegressionSums::LoadState(StateReader& in) {
 PackedSums::PackedSums(const RegressionSums& sums)
     : first_step_(sums.first_step()),
       value_origin_(sums.value_origin()),
-      count_(static_cast<uint32_t>(sums.count())),
+      count_word_(static_cast<uint32_t>(sums.count())),
       span_(static_cast<uint32_t>(sums.last_step() - sums.first_step())),
-      sum_x_(sums.sum_x_.value()),
       sum_y_(sums.sum_y_.value()),
-      sum_xx_(sums.sum_xx_.value()),
       sum_xy_(sums.sum_xy_.value()),
       sum_yy_(sums.sum_yy_.value()) {
   assert(!sums.empty() && sums.origin_step() == sums.first_step() && sums.count() <= kMaxCount &&
          sums.last_step() - sums.first_step() <= kMaxSpan);
+  SetStepSums(StepSumsOf(sums));
 }
 
-RegressionSums PackedSums::Unpack() const {
+StepSums PackedSums::StepSumsOf(const RegressionSums& sums) { return {sums.sum_x_.value(), sums.sum_xx_.value()}; }
+
+RegressionSums PackedSums::Rounded(const RegressionSums& sums) { return PackedSums(sums).Unpack(StepSumsOf(sums)); }
+
+std::optional<StepSums> PackedSums::EvenStepSums(uint64_t count, uint64_t span) {
+  if (count < 2) return StepSums{};
+  if (span % (count - 1) != 0) return std::nullopt;
+  // Steps first + d·i for i < n: Σx = d·n(n−1)/2, Σx² = d²·(n−1)n(2n−1)/6, exact in 128 bits
+  // (n ≤ 2^31, d ≤ 2^32) as long as d² · (n−1)n(2n−1)/6 stays below 2^120, which any bucket whose
+  // sums a double holds exactly does.
+  __extension__ using Wide = unsigned __int128;
+  const Wide n = count, d = span / (count - 1);
+  const Wide pairs = n * (n - 1) / 2;
+  const Wide squares = (n - 1) * n * (2 * n - 1) / 6;
+  if (d > 1 && squares > (Wide{1} << 120) / (d * d)) return std::nullopt;
+  return StepSums{static_cast<double>(d * pairs), static_cast<double>(d * d * squares)};
+}
+
+void PackedSums::SetStepSums(const StepSums& sums) {
+  const std::optional<StepSums> even = EvenStepSums(count(), span_);
+  const bool uneven = !even || even->sum_x != sums.sum_x || even->sum_xx != sums.sum_xx;
+  count_word_ = uneven ? (count_word_ | kUneven) : (count_word_ & ~kUneven);
+}
+
+RegressionSums PackedSums::Unpack(const StepSums& uneven) const {
   RegressionSums out(first_step_, value_origin_);
-  if (count_ == 0) return out;
-  out.count_ = count_;
+  if (empty()) return out;
+  const StepSums steps = evenly_spaced() ? *EvenStepSums(count(), span_) : uneven;
+  out.count_ = count();
   out.first_step_ = first_step_;
   out.last_step_ = last_step();
-  out.sum_x_.Add(sum_x_);
+  out.sum_x_.Add(steps.sum_x);
   out.sum_y_.Add(sum_y_);
-  out.sum_xx_.Add(sum_xx_);
+  out.sum_xx_.Add(steps.sum_xx);
   out.sum_xy_.Add(sum_xy_);
   out.sum_yy_.Add(sum_yy_);
   return out;
 }
 
-void PackedSums::SaveState(StateWriter& out) const {
+void PackedSums::SaveState(StateWriter& out, const StepSums& uneven) const {
+  const StepSums steps = evenly_spaced() ? *EvenStepSums(count(), span_) : uneven;
   out.Put(first_step_);
   out.Put(value_origin_);
-  out.Put(count_);
+  out.Put(static_cast<uint32_t>(count()));
   out.Put(span_);
-  for (const double sum : {sum_x_, sum_y_, sum_xx_, sum_xy_, sum_yy_}) out.Put(sum);
+  for (const double sum : {steps.sum_x, sum_y_, steps.sum_xx, sum_xy_, sum_yy_}) out.Put(sum);
 }
 
-bool PackedSums::LoadState(StateReader& in) {
-  if (!in.Get(first_step_) || !in.Get(value_origin_) || !in.Get(count_) || !in.Get(span_)) return false;
-  for (double* sum : {&sum_x_, &sum_y_, &sum_xx_, &sum_xy_, &sum_yy_}) {
+bool PackedSums::LoadState(StateReader& in, StepSums& step_sums) {
+  uint32_t count = 0;
+  if (!in.Get(first_step_) || !in.Get(value_origin_) || !in.Get(count) || !in.Get(span_)) return false;
+  for (double* sum : {&step_sums.sum_x, &sum_y_, &step_sums.sum_xx, &sum_xy_, &sum_yy_}) {
     if (!in.Get(*sum)) return false;
   }
+  if (count > kMaxCount) return in.Fail("a bucket holds too many samples");
   if (first_step_ + span_ < first_step_) return in.Fail("a bucket's steps overflow");
+  count_word_ = count;
+  SetStepSums(step_sums);
   return true;
 }
 
@@ -282,20 +313,46 @@ WindowedSlope::WindowedSlope(uint64_t window_steps, size_t max_buckets)
   ring_capacity_ = static_cast<uint32_t>(spanned);
 }
 
-void WindowedSlope::GrowRing() {
-  // Unwrap the held buckets to the front, then extend: the ring's order is kept with head_ 0.
-  std::rotate(ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(head_), ring_.end());
+void WindowedSlope::ResizeRing(uint32_t size) {
+  assert(size >= held_);
+  std::unique_ptr<Bucket[]> ring(new Bucket[size]);
+  std::unique_ptr<StepSums[]> uneven(uneven_ ? new StepSums[size] : nullptr);
+  for (size_t i = 0; i < held_; ++i) {
+    ring[i] = ring_[slot(i)];
+    if (uneven) uneven[i] = uneven_[slot(i)];
+  }
+  ring_ = std::move(ring);
+  uneven_ = std::move(uneven);
+  ring_size_ = size;
   head_ = 0;
-  ring_.resize(std::min<size_t>(ring_capacity_ - 1, std::max<size_t>(kFirstRingSize, ring_.size() * 2)));
+}
+
+void WindowedSlope::GrowRing() {
+  ResizeRing(static_cast<uint32_t>(
+      std::min<size_t>(ring_capacity_ - 1, std::max<size_t>(kFirstRingSize, size_t{ring_size_} * 2))));
+}
+
+void WindowedSlope::Pack(uint32_t s, const RegressionSums& sums) {
+  ring_[s] = PackedSums(sums);
+  if (ring_[s].evenly_spaced()) return;
+  if (!uneven_) uneven_.reset(new StepSums[ring_size_]);
+  uneven_[s] = PackedSums::StepSumsOf(sums);
+  ++uneven_held_;
+}
+
+void WindowedSlope::DropOldest() {
+  if (!ring_[head_].evenly_spaced() && --uneven_held_ == 0) uneven_.reset();
+  head_ = slot(1);
+  --held_;
 }
 
 void WindowedSlope::CloseOpenBucket() {
-  if (held_ == ring_.size()) GrowRing();
-  assert(held_ < ring_.size());
+  if (held_ == ring_size_) GrowRing();
+  assert(held_ < ring_size_);
   // closed_ takes the packed sums, which ExpireBefore subtracts again.
-  Bucket& bucket = ring_[slot(held_)];
-  bucket = PackedSums(open_);
-  closed_.Merge(bucket.Unpack());
+  const uint32_t s = slot(held_);
+  Pack(s, open_);
+  closed_.Merge(Unpacked(s));
   ++held_;
 }
 
@@ -339,9 +396,8 @@ bool WindowedSlope::AddSample(uint64_t step, double value) {
 
 void WindowedSlope::ExpireBefore(uint64_t newest_step) {
   while (held_ > 0 && newest_step - ring_[head_].first_step() >= window_steps_) {
-    closed_.Subtract(ring_[head_].Unpack());
-    head_ = slot(1);
-    --held_;
+    closed_.Subtract(Unpacked(head_));
+    DropOldest();
     ++expiries_since_recompute_;
   }
   if (held_ > 0) {
@@ -370,9 +426,9 @@ void WindowedSlope::MaybeRecompute() {
 
 void WindowedSlope::Recompute() {
   if (held_ == 0) return;
-  RegressionSums exact = ring_[head_].Unpack();
+  RegressionSums exact = Unpacked(head_);
   for (size_t i = 1; i < held_; ++i) {
-    exact.Merge(ring_[slot(i)].Unpack());
+    exact.Merge(Unpacked(slot(i)));
   }
   closed_ = exact;
   expiries_since_recompute_ = 0;
@@ -394,7 +450,7 @@ RegressionSums WindowedSlope::SumsOfHeldInRange(size_t count, uint64_t from_step
       break;
     }
     if (span.first_step >= from_step && span.last_step <= to_step) {
-      sums.Merge(i < held_ ? ring_[slot(i)].Unpack() : open_);
+      sums.Merge(i < held_ ? Unpacked(slot(i)) : open_);
     }
   }
   return sums;
@@ -412,7 +468,7 @@ std::optional<RegressionSums> WindowedSlope::ClosedBy(uint64_t step, double valu
   if (!has_open_ || !std::isfinite(value) || step < last_step_ || step < open_end_step_) {
     return std::nullopt;
   }
-  return PackedSums(open_).Unpack();
+  return PackedSums::Rounded(open_);
 }
 
 std::optional<LinearFit> WindowedSlope::FitRange(uint64_t from_step, uint64_t to_step) const {
@@ -425,9 +481,12 @@ void WindowedSlope::SaveState(StateWriter& out) const {
   out.Put<uint64_t>(max_buckets_);
   out.Put<uint64_t>(ring_capacity_);
   // The ring's size, not its rotation, decides when it grows.
-  out.Put<uint64_t>(ring_.size());
+  out.Put<uint64_t>(ring_size_);
   out.Put<uint64_t>(held_);
-  for (size_t i = 0; i < held_; ++i) ring_[slot(i)].SaveState(out);
+  for (size_t i = 0; i < held_; ++i) {
+    const uint32_t s = slot(i);
+    ring_[s].SaveState(out, uneven_held_ > 0 ? uneven_[s] : StepSums{});
+  }
   out.Put(last_step_);
   out.Put(open_end_step_);
   out.Put(expire_step_);
@@ -457,11 +516,21 @@ bool WindowedSlope::LoadState(StateReader& in) {
   if (ring_size > ring_capacity_ - 1) return in.Fail("a window's ring is larger than its capacity");
   if (!in.GetCount(held_count, 1, ring_size)) return false;
   // Loaded unrotated: the held buckets first, the free slots after them.
-  ring_.assign(ring_size, Bucket());
+  ring_.reset(new Bucket[ring_size]);
+  uneven_.reset();
+  ring_size_ = static_cast<uint32_t>(ring_size);
+  uneven_held_ = 0;
   head_ = 0;
-  held_ = static_cast<uint32_t>(held_count);
-  for (size_t i = 0; i < held_; ++i) {
-    if (!ring_[i].LoadState(in)) return false;
+  held_ = 0;
+  for (size_t i = 0; i < held_count; ++i) {
+    StepSums step_sums;
+    if (!ring_[i].LoadState(in, step_sums)) return false;
+    if (!ring_[i].evenly_spaced()) {
+      if (!uneven_) uneven_.reset(new StepSums[ring_size_]);
+      uneven_[i] = step_sums;
+      ++uneven_held_;
+    }
+    ++held_;
   }
   bool has_open = false, has_samples = false;
   if (!in.Get(last_step_) || !in.Get(open_end_step_) || !in.Get(expire_step_) || !in.GetBool(has_open) ||

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -130,16 +131,27 @@ class alignas(64) RegressionSums {
   CompensatedSum sum_x_, sum_y_, sum_xx_, sum_xy_, sum_yy_;
 };
 
+// A bucket's Σx and Σx², x measured from its first step (PackedSums).
+struct StepSums {
+  double sum_x = 0;
+  double sum_xx = 0;
+};
+
 // What a window keeps of a closed bucket: a RegressionSums whose step origin is its first step,
 // its sums rounded to plain doubles (their compensation folded in) and its step range as an
-// offset. 64 bytes (one cache line), half a RegressionSums: a window holds up to max_buckets of them, most of a
-// slope's memory. The rounding is half an ulp of sums taken from the bucket's own origins (small
-// terms), and a window adds and removes the same rounded values, so its sums stay exact up to
-// the usual summation error.
-class alignas(64) PackedSums {
+// offset. 48 bytes: a window holds up to max_buckets of them, most of a slope's memory. The
+// rounding is half an ulp of sums taken from the bucket's own origins (small terms), and a window
+// adds and removes the same rounded values, so its sums stay exact up to the usual summation error.
+//
+// The sums of x and x² (x the step less the first step) are integers that the steps alone decide:
+// when the bucket's steps are evenly spaced (every step, every k steps, a single step), its count
+// and span give them exactly, and they are not kept. Otherwise (a gap, a repeated step) the bucket
+// is `uneven` and its owner keeps them beside it (StepSums), to be handed back to Unpack. Either
+// way Unpack gives back the same doubles, bit for bit.
+class PackedSums {
  public:
   // Most samples a packed bucket holds, and most steps it spans (last − first).
-  static constexpr uint64_t kMaxCount = UINT32_MAX;
+  static constexpr uint64_t kMaxCount = INT32_MAX;
   static constexpr uint64_t kMaxSpan = UINT32_MAX;
 
   PackedSums() = default;
@@ -147,26 +159,45 @@ class alignas(64) PackedSums {
   // last_step() − first_step() ≤ kMaxSpan (as a WindowedSlope's open bucket always is).
   explicit PackedSums(const RegressionSums& sums);
 
-  // The RegressionSums these sums stand for (origins at first_step() and the value origin).
-  RegressionSums Unpack() const;
+  // sums' Σx and Σx² as PackedSums(sums) rounds them: what an owner keeps of an uneven bucket.
+  static StepSums StepSumsOf(const RegressionSums& sums);
+  // PackedSums(sums).Unpack(StepSumsOf(sums)): the sums a window keeps of a bucket it closes.
+  static RegressionSums Rounded(const RegressionSums& sums);
 
-  size_t count() const { return count_; }
-  bool empty() const { return count_ == 0; }
+  // Whether Σx and Σx² are not kept (count and span give them): see the class comment.
+  bool evenly_spaced() const { return (count_word_ & kUneven) == 0; }
+  // The RegressionSums these sums stand for (origins at first_step() and the value origin).
+  // `uneven` is what StepSumsOf gave for this bucket when !evenly_spaced(), ignored otherwise.
+  RegressionSums Unpack(const StepSums& uneven = {}) const;
+
+  size_t count() const { return count_word_ & ~kUneven; }
+  bool empty() const { return count() == 0; }
   uint64_t first_step() const { return first_step_; }
   uint64_t last_step() const { return first_step_ + span_; }
 
-  // Every field, for LoadState.
-  void SaveState(StateWriter& out) const;
-  // Reads what SaveState wrote; false (in.Fail called) on a truncated input or a span that
-  // overflows the step axis. Other bytes give sums that are safe to use (see RegressionSums).
-  bool LoadState(StateReader& in);
+  // Every field, Σx and Σx² too (`uneven` as for Unpack): the same bytes as when both were kept.
+  void SaveState(StateWriter& out, const StepSums& uneven = {}) const;
+  // Reads what SaveState wrote; false (in.Fail called) on a truncated input, a count above
+  // kMaxCount or a span that overflows the step axis. Sets `step_sums` to the Σx and Σx² read:
+  // the owner keeps them when !evenly_spaced(). Other bytes give sums that are safe to use (see
+  // RegressionSums).
+  bool LoadState(StateReader& in, StepSums& step_sums);
 
  private:
+  static constexpr uint32_t kUneven = 0x8000'0000u;
+  static_assert(kMaxCount < kUneven);
+
+  // The Σx and Σx² of `count` steps evenly spaced over `span`; nullopt when they cannot be (the
+  // span does not divide) or would not fit the arithmetic.
+  static std::optional<StepSums> EvenStepSums(uint64_t count, uint64_t span);
+  // Packs Σx and Σx²: marks the bucket uneven unless they are EvenStepSums(count, span).
+  void SetStepSums(const StepSums& sums);
+
   uint64_t first_step_ = 0;
   double value_origin_ = 0;
-  uint32_t count_ = 0;
-  uint32_t span_ = 0;  // last step − first step
-  double sum_x_ = 0, sum_y_ = 0, sum_xx_ = 0, sum_xy_ = 0, sum_yy_ = 0;
+  uint32_t count_word_ = 0;  // the count, and kUneven
+  uint32_t span_ = 0;        // last step − first step
+  double sum_y_ = 0, sum_xy_ = 0, sum_yy_ = 0;
 };
 
 // Least-squares slope over the samples whose step lies in the left-open window
@@ -178,9 +209,10 @@ class alignas(64) PackedSums {
 // doubles (from 4 buckets) up to the most a window can span, after which AddSample never
 // allocates. Samples are aggregated into buckets of bucket_steps = ceil(window_steps / max_buckets)
 // consecutive steps (bucket k holds steps [k·bucket_steps, (k+1)·bucket_steps)), kept in a ring,
-// each closed one packed into 64 bytes (PackedSums). A sample is added to the newest (open)
-// bucket only: the sums of the closed buckets in the window add each bucket's packed sums as it
-// closes and subtract them as it expires, and are recomputed exactly
+// each closed one packed into 48 bytes (PackedSums; the step sums of uneven buckets, 16 bytes
+// more each, in a second ring allocated only while the window holds one). A sample is added to
+// the newest (open) bucket only: the sums of the closed buckets in the window add each bucket's
+// packed sums as it closes and subtract them as it expires, and are recomputed exactly
 // from the buckets every max_buckets expiries (or when the window has moved 4 windows past the
 // sums' origin), so rounding error cannot build up; Fit combines them with the open bucket. A
 // sample thus costs one bucket update, and reads only the window's bookkeeping and its open bucket.
@@ -202,6 +234,11 @@ class WindowedSlope {
   // to it, and window_steps above max_buckets · 2^32 to that (a closed bucket spans at most 2^32
   // steps).
   explicit WindowedSlope(uint64_t window_steps, size_t max_buckets = kDefaultMaxBuckets);
+  // Moved, never copied: a copy of every bucket is never what a caller wants.
+  WindowedSlope(const WindowedSlope&) = delete;
+  WindowedSlope& operator=(const WindowedSlope&) = delete;
+  WindowedSlope(WindowedSlope&&) noexcept = default;
+  WindowedSlope& operator=(WindowedSlope&&) noexcept = default;
 
   // Returns false when the sample was ignored: a non-finite value, a step older than last_step(),
   // or a bucket already holding PackedSums::kMaxCount samples (repeated steps only).
@@ -242,7 +279,9 @@ class WindowedSlope {
     PrefetchRead(reinterpret_cast<const char*>(&closed_) + sizeof(closed_) - 1);
   }
   void PrefetchOldest() const {
-    if (held_ > 0) PrefetchRead(&ring_[head_]);
+    if (held_ == 0) return;
+    PrefetchRead(&ring_[head_]);
+    PrefetchRead(reinterpret_cast<const char*>(&ring_[head_]) + sizeof(Bucket) - 1);
   }
 
   uint64_t window_steps() const { return window_steps_; }
@@ -258,6 +297,8 @@ class WindowedSlope {
   uint64_t ignored_bucket_full() const { return ignored_bucket_full_; }
   // Exact recomputations of the window sums so far.
   uint64_t recomputes() const { return recomputes_; }
+  // Closed buckets held whose steps are not evenly spaced (PackedSums), their step sums kept aside.
+  size_t uneven_buckets() const { return uneven_held_; }
 
   // Writes the state (everything but what the constructor's arguments fix, and those arguments for
   // LoadState to check) for LoadState: the held buckets oldest first, so equal windows give equal
@@ -284,8 +325,16 @@ class WindowedSlope {
   // Ring slot of the ith closed bucket, oldest first (i < held_).
   uint32_t slot(size_t i) const {
     const size_t s = head_ + i;
-    return static_cast<uint32_t>(s < ring_.size() ? s : s - ring_.size());
+    return static_cast<uint32_t>(s < ring_size_ ? s : s - ring_size_);
   }
+  // The sums of the closed bucket in ring slot s.
+  RegressionSums Unpacked(uint32_t s) const {
+    return uneven_held_ > 0 ? ring_[s].Unpack(uneven_[s]) : ring_[s].Unpack();
+  }
+  // Stores PackedSums(sums) in ring slot s, its step sums aside if it is uneven.
+  void Pack(uint32_t s, const RegressionSums& sums);
+  // Drops the oldest closed bucket (held_ > 0).
+  void DropOldest();
   // The ith held bucket's span, oldest first: the closed ones, then the open one (i ≤ held_).
   HeldSpan held(size_t i) const {
     if (i < held_) {
@@ -303,6 +352,9 @@ class WindowedSlope {
   void Recompute();
   // Doubles the ring (up to ring_capacity_ − 1); called when every slot holds a bucket.
   void GrowRing();
+  // Reallocates the ring (and the uneven step sums, if held) with `size` slots, the held buckets
+  // first and head_ 0.
+  void ResizeRing(uint32_t size);
   // Moves the open bucket into the ring and its sums into closed_.
   void CloseOpenBucket();
   // Opens a bucket with its first sample's step and value as origins.
@@ -310,7 +362,11 @@ class WindowedSlope {
 
   // What AddSample reads for every sample, contiguous: this first cache line, then the open
   // bucket; no division, and no closed bucket.
-  std::vector<Bucket> ring_;  // closed buckets, oldest first from head_; at most ring_capacity_ − 1
+  std::unique_ptr<Bucket[]> ring_;  // closed buckets, oldest first from head_
+  // Beside ring_, slot for slot: the step sums of its uneven buckets. Allocated while any is held.
+  std::unique_ptr<StepSums[]> uneven_;
+  uint32_t ring_size_ = 0;  // at most ring_capacity_ − 1
+  uint32_t uneven_held_ = 0;
   uint64_t last_step_ = 0;
   // The open bucket takes samples at steps below this (the next bucket's first step).
   uint64_t open_end_step_ = 0;

@@ -5,14 +5,20 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "server/analytics/regression.h"
+#include "server/core/state_io.h"
 
 using namespace gradwatch::analytics;
 using Catch::Matchers::WithinAbs;
 using Catch::Matchers::WithinRel;
+using gradwatch::StateReader;
+using gradwatch::StateWriter;
 
 namespace {
 
@@ -164,8 +170,8 @@ TEST_CASE("merging and subtracting sums with different origins equals a direct f
   CHECK_FALSE(merged.Fit());
 }
 
-TEST_CASE("packed sums keep a bucket's steps, count and fit in 64 bytes", "[analytics]") {
-  STATIC_REQUIRE(sizeof(PackedSums) == 64);
+TEST_CASE("packed sums keep a bucket's steps, count and fit in 48 bytes", "[analytics]") {
+  STATIC_REQUIRE(sizeof(PackedSums) == 48);
   std::mt19937_64 rng(11);
   std::normal_distribution<double> noise(0.0, 0.3);
   std::vector<uint64_t> steps;
@@ -179,6 +185,8 @@ TEST_CASE("packed sums keep a bucket's steps, count and fit in 64 bytes", "[anal
     bucket.Add(step, v);
   }
   const PackedSums packed(bucket);
+  // Every third step: Σx and Σx² follow from the count and the span.
+  CHECK(packed.evenly_spaced());
   CHECK(packed.count() == bucket.count());
   CHECK(packed.first_step() == 7'000'000'000);
   CHECK(packed.last_step() == steps.back());
@@ -200,6 +208,133 @@ TEST_CASE("packed sums keep a bucket's steps, count and fit in 64 bytes", "[anal
   CHECK(window.count() == bucket.count());
   window.Subtract(packed.Unpack());
   CHECK(window.empty());
+}
+
+namespace {
+
+// `fit` equals `expected`, bit for bit.
+void RequireSameFit(const std::optional<LinearFit>& fit, const std::optional<LinearFit>& expected) {
+  REQUIRE(fit.has_value() == expected.has_value());
+  if (!fit) return;
+  REQUIRE(fit->samples == expected->samples);
+  REQUIRE(fit->first_step == expected->first_step);
+  REQUIRE(fit->last_step == expected->last_step);
+  REQUIRE(fit->slope_per_step == expected->slope_per_step);
+  REQUIRE(fit->value_at_last_step == expected->value_at_last_step);
+  REQUIRE(std::isnan(fit->slope_stderr_per_step) == std::isnan(expected->slope_stderr_per_step));
+  if (!std::isnan(fit->slope_stderr_per_step)) REQUIRE(fit->slope_stderr_per_step == expected->slope_stderr_per_step);
+}
+
+}  // namespace
+
+TEST_CASE("an uneven bucket's step sums come back bit for bit from beside it, an even one's from its count",
+          "[analytics]") {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> noise(0.0, 0.3);
+  // Steps as trainers report them: every step, every 10th, one step, one step twice, a gap, a
+  // repeated step, and irregular steps.
+  const std::vector<std::pair<std::vector<uint64_t>, bool>> buckets = {
+      {{100, 101, 102, 103, 104, 105, 106, 107}, true},
+      {{2000, 2010, 2020, 2030}, true},
+      {{4'000'000'000'123}, true},
+      {{77, 77}, true},
+      {{100, 101, 102, 106, 107}, false},
+      {{100, 101, 101, 102}, false},
+      {{5, 6, 9, 15, 16, 40}, false},
+  };
+  for (const auto& [steps, even] : buckets) {
+    RegressionSums bucket;
+    for (const uint64_t step : steps) bucket.Add(step, 3.5 + 1e-3 * static_cast<double>(step % 1000) + noise(rng));
+    const PackedSums packed(bucket);
+    CHECK(packed.evenly_spaced() == even);
+    const RegressionSums unpacked = packed.Unpack(PackedSums::StepSumsOf(bucket));
+    CHECK(unpacked.count() == bucket.count());
+    CHECK(unpacked.first_step() == bucket.first_step());
+    CHECK(unpacked.last_step() == bucket.last_step());
+    RequireSameFit(unpacked.Fit(), PackedSums::Rounded(bucket).Fit());
+    if (bucket.count() >= 2 && bucket.last_step() > bucket.first_step()) {
+      const auto fit = unpacked.Fit();
+      const auto exact = bucket.Fit();
+      REQUIRE(fit);
+      CHECK_THAT(fit->slope_per_step, WithinRel(exact->slope_per_step, 1e-12));
+    }
+    if (even) {
+      // The step sums are not needed: whatever is handed in, the same sums come back.
+      RequireSameFit(packed.Unpack({123.0, 456.0}).Fit(), unpacked.Fit());
+    }
+  }
+}
+
+TEST_CASE("a window with gaps and repeated steps keeps their step sums aside only while it holds them", "[analytics]") {
+  std::mt19937_64 rng(17);
+  std::normal_distribution<double> noise(0.0, 0.05);
+  WindowedSlope window(1000, 64);  // 16-step buckets
+  REQUIRE(window.bucket_steps() == 16);
+  std::vector<uint64_t> steps;
+  std::vector<double> values;
+  auto feed = [&](uint64_t step) {
+    const double v = Line(2.0, 4e-4, step) + noise(rng);
+    REQUIRE(window.AddSample(step, v));
+    steps.push_back(step);
+    values.push_back(v);
+  };
+  // The fit over the window, against the two-pass reference over the samples it covers.
+  auto check_fit = [&] {
+    const auto fit = window.Fit();
+    REQUIRE(fit);
+    std::vector<uint64_t> in_steps;
+    std::vector<double> in_values;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      if (steps[i] >= fit->first_step && steps[i] <= fit->last_step) {
+        in_steps.push_back(steps[i]);
+        in_values.push_back(values[i]);
+      }
+    }
+    REQUIRE(fit->samples == in_steps.size());
+    const Reference ref = TwoPassFit(in_steps, in_values);
+    REQUIRE_THAT(fit->slope_per_step, WithinRel(ref.slope, 1e-9));
+    REQUIRE_THAT(fit->value_at_last_step, WithinRel(ref.value_at_last, 1e-12));
+  };
+  uint64_t step = 0;
+  for (; step < 3000; ++step) feed(step);
+  CHECK(window.uneven_buckets() == 0);
+  check_fit();
+  // A gap inside the bucket of steps [2992, 3008), then a step repeated in [3040, 3056), then
+  // every 7th step (a 16-step bucket holds 2 or 3 such samples, evenly spaced).
+  for (step = 3000; step < 3003; ++step) feed(step);
+  for (step = 3005; step < 3040; ++step) feed(step);
+  feed(3040);
+  for (step = 3040; step < 3100; ++step) feed(step);
+  CHECK(window.uneven_buckets() == 2);
+  check_fit();
+  for (step = 3100; step < 3700; step += 7) feed(step);
+  check_fit();
+  CHECK(window.uneven_buckets() >= 2);
+  // Irregular steps, every bucket uneven.
+  for (step = 3700; step < 3900; step += 1 + (step % 5)) feed(step);
+  check_fit();
+  const size_t uneven = window.uneven_buckets();
+  CHECK(uneven > 2);
+
+  // Saved and loaded, the window holds the same buckets and gives the same fits.
+  std::string bytes;
+  StateWriter out(bytes);
+  window.SaveState(out);
+  WindowedSlope loaded(1000, 64);
+  StateReader in(bytes);
+  REQUIRE(loaded.LoadState(in));
+  CHECK(loaded.uneven_buckets() == uneven);
+  RequireSameFit(loaded.Fit(), window.Fit());
+  RequireSameFit(loaded.FitRange(3100, 3900), window.FitRange(3100, 3900));
+  std::string again;
+  StateWriter out_again(again);
+  loaded.SaveState(out_again);
+  CHECK(again == bytes);
+
+  // Every step again: once the window has moved past them, no uneven bucket is held.
+  for (step = 3900; step < 6000; ++step) feed(step);
+  CHECK(window.uneven_buckets() == 0);
+  check_fit();
 }
 
 TEST_CASE("max_buckets is capped at 2^31 and a window at max_buckets times 2^32 steps", "[analytics]") {

@@ -258,11 +258,12 @@ TEST_CASE("state: a windowed slope or tracker refuses a state saved with other w
   SlopeTracker tracker({1000, 5000}, 64);
   for (const Sample& s : samples) tracker.AddSample(s.step, s.value);
   const std::string tracker_bytes = StateOf(tracker);
-  for (const SlopeTracker& other : {SlopeTracker({1000, 5000}, 32), SlopeTracker({5000, 1000}, 64),
-                                    SlopeTracker({1000, 5000, 20000}, 64), SlopeTracker({1000}, 64)}) {
-    SlopeTracker copy = other;
+  const std::vector<std::pair<std::vector<uint64_t>, size_t>> others_made = {
+      {{1000, 5000}, 32}, {{5000, 1000}, 64}, {{1000, 5000, 20000}, 64}, {{1000}, 64}};
+  for (const auto& [windows, max_buckets] : others_made) {
+    SlopeTracker other(windows, max_buckets);
     StateReader in(tracker_bytes);
-    CHECK(!copy.LoadState(in));
+    CHECK(!other.LoadState(in));
     CHECK(in.failed());
   }
   SlopeTracker same({1000, 5000}, 64);
