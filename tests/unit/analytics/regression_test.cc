@@ -56,6 +56,20 @@ Reference TwoPassFit(const std::vector<uint64_t>& steps, const std::vector<doubl
           static_cast<double>(std::sqrt(ssr / (n - 2)))};
 }
 
+// The samples (steps[i], values[i]) whose step lies in [fit.first_step, fit.last_step]: those a
+// window's fit covers.
+std::pair<std::vector<uint64_t>, std::vector<double>> Covered(const LinearFit& fit, const std::vector<uint64_t>& steps,
+                                                              const std::vector<double>& values) {
+  std::pair<std::vector<uint64_t>, std::vector<double>> out;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (steps[i] >= fit.first_step && steps[i] <= fit.last_step) {
+      out.first.push_back(steps[i]);
+      out.second.push_back(values[i]);
+    }
+  }
+  return out;
+}
+
 // Σ(x − x̄)² for the consecutive steps [first, last] with one sample each.
 double ConsecutiveSxx(uint64_t first, uint64_t last) {
   const double n = static_cast<double>(last - first + 1);
@@ -282,14 +296,7 @@ TEST_CASE("a window with gaps and repeated steps keeps their step sums aside onl
   auto check_fit = [&] {
     const auto fit = window.Fit();
     REQUIRE(fit);
-    std::vector<uint64_t> in_steps;
-    std::vector<double> in_values;
-    for (size_t i = 0; i < steps.size(); ++i) {
-      if (steps[i] >= fit->first_step && steps[i] <= fit->last_step) {
-        in_steps.push_back(steps[i]);
-        in_values.push_back(values[i]);
-      }
-    }
+    const auto [in_steps, in_values] = Covered(*fit, steps, values);
     REQUIRE(fit->samples == in_steps.size());
     const Reference ref = TwoPassFit(in_steps, in_values);
     REQUIRE_THAT(fit->slope_per_step, WithinRel(ref.slope, 1e-9));
@@ -619,14 +626,7 @@ TEST_CASE("the windowed slope's ring grows as buckets arrive, wrapped or not, an
     values.push_back(value);
     const auto fit = window.Fit();
     if (!fit) return;
-    std::vector<uint64_t> in_steps;
-    std::vector<double> in_values;
-    for (size_t i = 0; i < steps.size(); ++i) {
-      if (steps[i] >= fit->first_step && steps[i] <= fit->last_step) {
-        in_steps.push_back(steps[i]);
-        in_values.push_back(values[i]);
-      }
-    }
+    const auto [in_steps, in_values] = Covered(*fit, steps, values);
     REQUIRE(fit->samples == in_steps.size());
     if (in_steps.size() < 3) return;
     const Reference ref = TwoPassFit(in_steps, in_values);
