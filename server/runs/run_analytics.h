@@ -201,12 +201,10 @@ class RunAnalytics {
   uint64_t refused_series() const { return refused_series_; }
 
  private:
-  enum class Role { kTotalGrad, kScalar, kParamGrad, kParamNorm, kParamUpdate, kExtra };
+  enum class Role : uint8_t { kTotalGrad, kScalar, kParamGrad, kParamNorm, kParamUpdate, kExtra };
+  // The fields every sample reads (OnStep, UpdateShares) come first: 73 bytes, two cache lines
+  // wherever an entry falls in series_; the rest is read when a series is added or an event is.
   struct Tracked {
-    std::string key;
-    bool added = false;  // AddSeries was called for this id
-    Role role = Role::kExtra;
-    int param = -1;
     // Raw samples: the slopes shown, as Prometheus's deriv. Empty until the first sample
     // (Materialize), and so are the trackers below. Held in the entry (its windows in one block):
     // a sample reaches them without another pointer to follow.
@@ -216,12 +214,16 @@ class RunAnalytics {
     // forecasts so that a one-step spike does not bend them (the longest window, and the
     // forecast's).
     std::unique_ptr<analytics::SpikeFilter> spike_filter;
+    double last_value = 0;
+    int param = -1;
+    Role role = Role::kExtra;
+    bool added = false;    // AddSeries was called for this id
+    bool refused = false;  // its trackers did not fit in the memory budget
+    bool has_value = false;
+    bool key_series = false;
     std::unique_ptr<analytics::SlopeTracker> robust;
     std::vector<std::pair<std::string, analytics::EventSlope>> events;  // (event text, slope)
-    bool key_series = false;
-    bool refused = false;  // its trackers did not fit in the memory budget
-    double last_value = 0;
-    bool has_value = false;
+    std::string key;
   };
   struct ParamState {
     SeriesId grad = kNoSeries;
