@@ -11,8 +11,10 @@
 // For each N (default 1,000 and 10,000): a fresh run of N parameters (2N + 1 series a step) is
 // fed --warm steps (300), then --steps more (300) are timed with the thread's CPU clock, --repeat
 // times (3) on fresh runs; prints the best ns per sample of each, and the ratio of the largest N's
-// to the first's. Reports are built outside the timed calls. The --param-* options set the tier of
-// the ordinary parameter series (store.param_recent_points, store.param_history_buckets,
+// to the first's; then this machine's CPU time for a cache line read at random in 4, 32 and
+// 256 MB (RandomLineNs), and with several sizes the larger run's extra time per sample in such
+// lines. Reports are built outside the timed calls. The --param-* options set the tier of the
+// ordinary parameter series (store.param_recent_points, store.param_history_buckets,
 // analytics.param_max_buckets; the daemon's defaults otherwise), to weigh their memory. --values:
 // float64 (the default) varies every bit of each value; float32 sends float32 values widened, as
 // an unsharded PyTorch trainer does (see FillReport).
@@ -22,6 +24,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,6 +57,25 @@ double ThreadCpuSeconds() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// This machine's CPU time for a cache line read at random in `bytes` of memory, the reads
+// independent of each other (the most misses a core overlaps): the floor under what each line of
+// a sample's state costs once the run's state outgrows the caches. 2^21 reads, ns each.
+double RandomLineNs(size_t bytes) {
+  constexpr size_t kWords = 64 / sizeof(uint64_t);
+  const size_t lines = std::max<size_t>(1, bytes / 64);
+  std::vector<uint64_t> memory(lines * kWords, 1);
+  std::vector<uint32_t> order(size_t{1} << 21);
+  std::mt19937_64 rng(7);
+  for (uint32_t& line : order) line = static_cast<uint32_t>(rng() % lines);
+  uint64_t sum = 0;
+  const double t0 = ThreadCpuSeconds();
+  for (const uint32_t line : order) sum += memory[line * kWords];
+  const double ns = (ThreadCpuSeconds() - t0) * 1e9 / static_cast<double>(order.size());
+  // Every word is 1: the sum keeps the reads, and checks them.
+  if (sum != order.size()) std::abort();
+  return ns;
 }
 
 // The catalog gradwatch_bench's trainers send (tests/bench/catalog.h).
@@ -177,8 +199,17 @@ int main(int argc, char** argv) {
     }
   }
   for (size_t p = 0; p < params.size(); ++p) std::printf("best: params %zu: %.1f ns/sample\n", params[p], best[p]);
+  // A step touches each series' state once: about 3 MB of it at 1,000 parameters (two dozen lines
+  // a series), which the caches hold, and 30 MB at 10,000, which they do not.
+  const double cached = RandomLineNs(size_t{4} << 20), cold = RandomLineNs(size_t{32} << 20);
+  std::printf("a cache line read at random: %.1f ns in 4 MB, %.1f ns in 32 MB, %.1f ns in 256 MB\n", cached, cold,
+              RandomLineNs(size_t{256} << 20));
   if (params.size() > 1) {
     std::printf("ratio %zu / %zu: %.2f\n", params.back(), params.front(), best.back() / best.front());
+    if (cold > cached) {
+      std::printf("the extra %.1f ns a sample at %zu parameters: %.1f lines read at random in 32 MB instead of 4\n",
+                  best.back() - best.front(), params.back(), (best.back() - best.front()) / (cold - cached));
+    }
   }
   return 0;
 }

@@ -425,3 +425,23 @@ TEST_CASE("a series refused growth keeps its first buffers and every sample, and
   CHECK(points.back().mean == value(1100));
   CHECK(series.recent_size() == 64);
 }
+
+TEST_CASE("what a series reserves before an append bounds what the append grows", "[store]") {
+  // Noisy values: the chunks fill and the history compacts again and again over 20,000 samples.
+  Series series({.recent_points = 64, .history_buckets = 16});
+  uint64_t reserved_appends = 0;
+  for (uint64_t s = 1; s <= 20000; ++s) {
+    const double value = std::sin(static_cast<double>(s) * 0.7) * 1e3 + 1.0 / static_cast<double>(s);
+    const size_t reserved = series.NextGrowthBytes();
+    const size_t before = series.MemoryBytes();
+    REQUIRE(series.Append(s, value));
+    INFO("step " << s);
+    CHECK(series.MemoryBytes() - before <= reserved);
+    if (reserved > 0) ++reserved_appends;
+  }
+  CHECK(series.sample_count() == 20000);
+  // Once its chunks are allocated a series reserves only when one may be needed (an owner with a
+  // budget charges the reservation first): 20 of these 20,000 appends.
+  CHECK(reserved_appends > 0);
+  CHECK(reserved_appends < 100);
+}
