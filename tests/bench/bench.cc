@@ -3,12 +3,14 @@
 //
 //   gradwatch_bench [--quick | --smoke] [--only PART]... --json FILE
 //
-// Parts (--only names them: ingest, ceilings, alerts, metrics, restart), each against the REAL
+// Parts (--only names them: ingest, ratio, ceilings, alerts, metrics, restart), each against the REAL
 // gradwatchd binary started by DaemonProcess, journal on and the default alert rules on unless said
 // otherwise:
 //  - ingest: runs x ranks x params streamed over gRPC (callback streams on one channel, at most
 //    kWindow unacknowledged steps per rank); daemon CPU from /proc/PID/stat, RSS from
 //    /proc/PID/status, steps per second, and each step's send-to-ack latency;
+//  - ratio: CPU per sample at 10,000 parameters against 1,000 in pairs of runs back to back
+//    (RatioPart);
 //  - ceilings: parsing the same serialized TrainerMessage frames in a loop, and the same streams
 //    against an empty-handler Ingest server (this binary re-executed with --serve-empty) that only
 //    answers Accepted and Ack;
@@ -929,6 +931,38 @@ json SingleRunPart(const Shape& shape, json* ingest_rows) {
           {"restart_s", restart_s}};
 }
 
+// CPU per sample at `big_params` parameters against 1,000, in `pairs` pairs of 1 x 1 x N runs back
+// to back, each on a fresh daemon as the ingest part's are: this machine's speed shifts by a third
+// from one minute to the next (its neighbours' load), which two runs minutes apart read as a change
+// of the ratio. The figures are the medians of the pairs' ratios and of each size's rates; every
+// pair's figures are in the JSON.
+json RatioPart(uint64_t steps, uint32_t big_params, int pairs) {
+  json out = {{"steps", steps}, {"big_params", big_params}, {"pairs", json::array()}};
+  std::vector<double> ratios, small_rates, big_rates;
+  for (int i = 0; i < pairs; ++i) {
+    std::vector<double> ns;
+    for (const uint32_t params : {1000u, big_params}) {
+      DaemonOptions options;
+      options.config_yaml = DaemonConfig();
+      DaemonProcess daemon(options);
+      const Shape shape{.runs = 1, .ranks = 1, .params = params, .steps = steps};
+      const IngestResult r = RunIngest(daemon.grpc_target(), daemon.pid(), shape, "ratio");
+      (params == 1000u ? small_rates : big_rates).push_back(r.SamplesPerCpuSecond());
+      ns.push_back(1e9 / r.SamplesPerCpuSecond());
+    }
+    ratios.push_back(ns[1] / ns[0]);
+    out["pairs"].push_back({{"small_ns_per_sample", ns[0]}, {"big_ns_per_sample", ns[1]}, {"ratio", ratios.back()}});
+    Log("  pair " + std::to_string(i + 1) + ": ratio " + std::to_string(ratios.back()));
+  }
+  const auto [least, most] = std::minmax_element(ratios.begin(), ratios.end());
+  out["median_ratio"] = Quantile(ratios, 0.5);
+  out["least_ratio"] = *least;
+  out["most_ratio"] = *most;
+  out["median_small_samples_per_cpu_s"] = Quantile(small_rates, 0.5);
+  out["median_big_samples_per_cpu_s"] = Quantile(big_rates, 0.5);
+  return out;
+}
+
 // Counts what a journal hands out, keeping the series ids and the last step of each run.
 struct JournalCounter final : store::JournalVisitor {
   std::map<std::string, std::vector<SeriesId>> series;
@@ -1099,19 +1133,20 @@ struct Sizes {
   int scrapes;
   double parse_seconds;
   uint64_t ceiling_steps;
+  int ratio_pairs;
 };
 
 Sizes SizesFor(const std::string& mode) {
-  if (mode == "smoke") return {"smoke", 20, 3, 5, 3, 2000, 5, 100, 2, 4, 2, 20, 2, 0.05, 20};
+  if (mode == "smoke") return {"smoke", 20, 3, 5, 3, 2000, 5, 100, 2, 4, 2, 20, 2, 0.05, 20, 1};
   // The 10,000-parameter run takes as many steps as the 1,000-parameter one: its CPU per sample is
   // compared with that run's, in the same steady state (a param series' 256 recent points full,
   // its oldest points moving into history), and its RSS per series is read there.
-  if (mode == "quick") return {"quick", 300, 20, 60, 300, 10000, 200, 1000, 5, 50, 3, 200, 3, 1.0, 3000};
-  return {"full", 3000, 200, 500, 3000, 10000, 500, 1000, 5, 50, 5, 1000, 5, 3.0, 20000};
+  if (mode == "quick") return {"quick", 300, 20, 60, 300, 10000, 200, 1000, 5, 50, 3, 200, 3, 1.0, 3000, 5};
+  return {"full", 3000, 200, 500, 3000, 10000, 500, 1000, 5, 50, 5, 1000, 5, 3.0, 20000, 3};
 }
 
 // The parts RunAll knows, in the order it runs them.
-const std::vector<std::string> kParts = {"ingest", "ceilings", "alerts", "metrics", "restart"};
+const std::vector<std::string> kParts = {"ingest", "ratio", "ceilings", "alerts", "metrics", "restart"};
 
 // Runs the parts named in `parts` (every part when empty).
 json RunAll(const Sizes& z, const std::vector<std::string>& parts) {
@@ -1133,6 +1168,7 @@ json RunAll(const Sizes& z, const std::vector<std::string>& parts) {
       out["ingest"].push_back(RunIngest(daemon.grpc_target(), daemon.pid(), shape, "load").ToJson());
     }
   }
+  if (wanted("ratio")) out["ratio"] = RatioPart(z.big_steps, z.big_params, z.ratio_pairs);
   if (wanted("ceilings")) {
     const Shape solo{.runs = 1, .ranks = 1, .params = 1000, .steps = z.solo_steps};
     out["parse_ceiling"] = ParseCeiling(solo, z.parse_seconds);
@@ -1157,8 +1193,8 @@ int Usage(int code) {
                "Usage: gradwatch_bench [--quick | --smoke] [--only PART]... [--json FILE]\n"
                "Measures the gradwatchd at GRADWATCHD_PATH (see tests/bench/run.sh); figures go to FILE as JSON\n"
                "(stdout without --json), progress to stderr. --smoke: toy sizes, fails unless every part works.\n"
-               "--only PART: run only that part (ingest, ceilings, alerts, metrics, restart; repeatable); the JSON\n"
-               "then lacks the others, so tests/bench/report.py cannot print the table from it.\n");
+               "--only PART: run only that part (ingest, ratio, ceilings, alerts, metrics, restart; repeatable); the\n"
+               "JSON then lacks the others, so tests/bench/report.py cannot print the table from it.\n");
   return code;
 }
 

@@ -125,12 +125,21 @@ def main():
          f"{lr['snapshot_stop_s']:.2f} s; the run's lock held {lr['snapshot_lock_ms']:.0f} ms to copy its state"],
     ]))
 
+    # The CPU targets read the pairs of runs back to back (gradwatch_bench's RatioPart): the machine's
+    # speed shifts between the table's runs, minutes apart.
     ratio = big["cpu_ns_per_sample"] / solo["cpu_ns_per_sample"]
+    rp = gw["ratio"]
+    pairs = len(rp["pairs"])
     alert_p99 = max(al["stream_p99_ms"], al["webhook_p99_ms"])
     targets = [
-        ["≥ 2,000,000 samples per daemon CPU-second at 1,000 params", fmt(solo["samples_per_cpu_s"]),
-         solo["samples_per_cpu_s"] >= 2e6],
-        [f"CPU per sample at {fmt(big['params'])} params ≤ 1.2 x that at 1,000", f"{ratio:.2f} x", ratio <= 1.2],
+        ["≥ 2,000,000 samples per daemon CPU-second at 1,000 params",
+         f"{fmt(rp['median_small_samples_per_cpu_s'])} (median of {pairs} runs; "
+         f"{fmt(solo['samples_per_cpu_s'])} in the table's run)",
+         rp["median_small_samples_per_cpu_s"] >= 2e6],
+        [f"CPU per sample at {fmt(rp['big_params'])} params ≤ 1.2 x that at 1,000",
+         f"{rp['median_ratio']:.2f} x (median of {pairs} pairs of runs back to back, "
+         f"{rp['least_ratio']:.2f}–{rp['most_ratio']:.2f}; {ratio:.2f} x from the table's runs)",
+         rp["median_ratio"] <= 1.2],
         [f"≤ 20 KB RSS per series at the defaults ({fmt(big['series'])} series after {fmt(big['steps'])} steps, "
          "the daemon's RSS / series)", f"{big['rss_after_bytes'] / big['series'] / 1024:.1f} KB",
          big["rss_after_bytes"] / big["series"] <= 20 * 1024],

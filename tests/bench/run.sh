@@ -10,7 +10,8 @@ Installs the Debian packages of deploy/packages.txt and deploy/packages-bench.tx
 (needs root then), builds gradwatchd and the benchmark driver in Release into build-bench/, then:
   - build-bench/tests/bench/gradwatch_bench: the real gradwatchd (ingest at 1 x 1 x 1,000,
     1 x 64 x 1,000, 8 x 8 x 200 and 1 x 1 x 10,000 runs x ranks x params, journal and default
-    alert rules on), the protobuf-parse and empty-handler gRPC ceilings, alert latency to the
+    alert rules on), CPU per sample at 10,000 against 1,000 parameters in pairs of runs back to
+    back, the protobuf-parse and empty-handler gRPC ceilings, alert latency to the
     trainer's stream and to a webhook, /metrics at ~10,000 and ~100,000 series, ingest latency
     while scraping, RSS per series, journal bytes per sample, restart time;
   - tests/bench/pushgateway.py: Debian's prometheus-pushgateway fed one push per rank per step on
