@@ -280,6 +280,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
     CompleteLocked(p);
   });
 
+  ApplyPointsLocked();
   std::optional<uint64_t> last_kept;
   for (SeriesEntry& e : series_) {
     if (!e.data) continue;
@@ -599,44 +600,29 @@ void Run::AddSeriesLocked(SeriesId id, const std::string& key) {
 }
 
 void Run::AppendLocked(const CompletedStep& step) {
-  uint64_t grown = 0;
-  // A large run's series (20,001 at 10,000 parameters) outgrow the caches, and each one's state
-  // is a chain of pointers (its Series, coding state, ring of chunks, words): the state of the
-  // series kPrefetchStride ahead is fetched a stage further each time, so that the misses of
-  // several series overlap instead of stalling every Append in turn. An Append takes about 40 ns
-  // and a miss on this 2-core VM 100 ns or more: a stage two series ahead did not cover it
-  // (gradwatch_step_bench --params 10000, 12 alternating runs: median 435 ns with 2, 410 with 3).
-  constexpr size_t kPrefetchStride = 3;
-  const std::vector<SeriesValue>& values = step.values;
-  const auto ahead = [&](size_t i) -> const store::Series* {
-    mu_.AssertHeld();  // called only below, under the caller's lock
-    if (i >= values.size() || values[i].id >= series_.size()) return nullptr;
-    return series_[values[i].id].data.get();
-  };
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (const store::Series* s = ahead(i + 4 * kPrefetchStride)) PrefetchRead(s);
-    if (const store::Series* s = ahead(i + 3 * kPrefetchStride)) s->PrefetchHeld();
-    if (const store::Series* s = ahead(i + 2 * kPrefetchStride)) s->PrefetchSlots();
-    if (const store::Series* s = ahead(i + kPrefetchStride)) s->PrefetchWords();
-    const SeriesValue& sv = values[i];
-    if (sv.id >= series_.size() || !series_[sv.id].data) continue;
-    store::Series& series = *series_[sv.id].data;
-    const size_t before = series.MemoryBytes();
-    // Growth is reserved in the budget first; refused, the series downsamples sooner instead.
-    const uint64_t reserved = options_.budget != nullptr ? series.NextGrowthBytes() : 0;
-    const bool may_grow = reserved == 0 || options_.budget->TryCharge(reserved);
-    series.Append(step.step, sv.value, may_grow);
-    if (reserved > 0 && may_grow) options_.budget->Release(reserved);
-    grown += series.MemoryBytes() - before;
+  // The points go to the series a slice at a time (ApplySliceLocked): this step's samples are
+  // set aside in their series' slice, and one slice, in turn, is appended to its series.
+  const size_t slot = unapplied_seq_ % kApplySlices;
+  unapplied_steps_[slot] = step.step;
+  for (const SeriesValue& sv : step.values) {
     if (!std::isfinite(sv.value)) {
       ++nonfinite_count_;
       last_nonfinite_step_ = step.step;
     }
+    if (sv.id >= series_.size() || !series_[sv.id].data) continue;
+    SeriesEntry& entry = series_[sv.id];
+    if (!entry.reported) {
+      // A series' first point takes its first buffers: appended at once, so that they are
+      // charged to the budget before the analytics' trackers of this step are.
+      AppendPointLocked(*entry.data, step.step, sv.value);
+      entry.reported = true;
+      continue;
+    }
+    unapplied_[sv.id % kApplySlices].points.push_back({sv.id, static_cast<uint32_t>(slot), sv.value});
   }
-  if (grown > 0 && options_.budget != nullptr) {
-    options_.budget->Charge(grown);
-    charged_bytes_ += grown;
-  }
+  for (Slice& pending : unapplied_) ++pending.steps;
+  ++unapplied_seq_;
+  ApplySliceLocked(slot);
   if (!has_first_step_) {
     first_step_ = step.step;
     has_first_step_ = true;
@@ -650,6 +636,72 @@ void Run::AppendLocked(const CompletedStep& step) {
       step.wall_time > 0 ? step.wall_time : std::chrono::duration<double>(clock_->Now().time_since_epoch()).count();
   speed_ring_[speed_count_ % kSpeedWindow] = {t, step.step};
   ++speed_count_;
+}
+
+void Run::AppendPointLocked(store::Series& series, uint64_t step, double value) const {
+  const size_t before = series.MemoryBytes();
+  // Growth is reserved in the budget first; refused, the series downsamples sooner instead.
+  const uint64_t reserved = options_.budget != nullptr ? series.NextGrowthBytes() : 0;
+  const bool may_grow = reserved == 0 || options_.budget->TryCharge(reserved);
+  series.Append(step, value, may_grow);
+  if (options_.budget == nullptr) return;
+  const uint64_t grown = series.MemoryBytes() - before;
+  // What it took is charged at once: at most what was reserved, or (refused) a series' first
+  // buffers, which are always allowed.
+  if (reserved > 0 && may_grow) {
+    options_.budget->Release(reserved - std::min(reserved, grown));
+    if (grown > reserved) options_.budget->Charge(grown - reserved);
+  } else if (grown > 0) {
+    options_.budget->Charge(grown);
+  }
+  charged_bytes_ += grown;
+}
+
+void Run::ApplyPointsLocked() const {
+  for (size_t slice = 0; slice < kApplySlices; ++slice) ApplySliceLocked(slice);
+}
+
+void Run::ApplySliceLocked(size_t slice) const {
+  Slice& pending = unapplied_[slice];
+  if (pending.points.empty()) {
+    pending.steps = 0;
+    return;
+  }
+  // Series-major when every step set aside the same series in the same order (a trainer's steps
+  // do: its catalog's order): the p-th point of each step belongs to one series, appended in step
+  // order. Otherwise (a partial step, an extra key that comes and goes), step by step.
+  const size_t steps = pending.steps;
+  const size_t per_step = pending.points.size() / steps;
+  bool aligned = per_step * steps == pending.points.size();
+  for (size_t p = 0; aligned && p < per_step; ++p) {
+    for (size_t k = 1; k < steps && aligned; ++k) aligned = pending.points[k * per_step + p].id == pending.points[p].id;
+  }
+  const size_t series_count = aligned ? per_step : pending.points.size();
+  const size_t stride = aligned ? per_step : 0;
+  const size_t points_each = aligned ? steps : 1;
+
+  // A large run's series (20,001 at 10,000 parameters) outgrow the caches, and each one's state
+  // is a chain of pointers (its Series, coding state, ring of chunks, words): the state of the
+  // series kPrefetchStride ahead is fetched a stage further each time, so that the misses of
+  // several series overlap instead of stalling every series in turn.
+  constexpr size_t kPrefetchStride = 3;
+  const auto ahead = [&](size_t i) -> const store::Series* {
+    mu_.AssertHeld();  // called only below, under the caller's lock
+    return i < series_count ? series_[pending.points[i].id].data.get() : nullptr;
+  };
+  for (size_t i = 0; i < series_count; ++i) {
+    if (const store::Series* s = ahead(i + 4 * kPrefetchStride)) PrefetchRead(s);
+    if (const store::Series* s = ahead(i + 3 * kPrefetchStride)) s->PrefetchHeld();
+    if (const store::Series* s = ahead(i + 2 * kPrefetchStride)) s->PrefetchSlots();
+    if (const store::Series* s = ahead(i + kPrefetchStride)) s->PrefetchWords();
+    store::Series& series = *series_[pending.points[i].id].data;
+    for (size_t k = 0; k < points_each; ++k) {
+      const Unapplied& u = pending.points[i + k * stride];
+      AppendPointLocked(series, unapplied_steps_[u.slot], u.value);
+    }
+  }
+  pending.points.clear();
+  pending.steps = 0;
 }
 
 std::optional<IngestError> Run::AddEvent(EventRecord event) {
@@ -832,6 +884,7 @@ RunMetricsSnapshot Run::MetricsSnapshot() const {
 
 void Run::MetricsSnapshot(RunMetricsSnapshot& out) const {
   MutexLock lock(&mu_);
+  ApplyPointsLocked();
   out.info = InfoLocked();
   auto latest = [this](SeriesId id) -> std::optional<double> {
     mu_.AssertHeld();  // called only below, under this function's lock
@@ -871,6 +924,7 @@ void Run::MetricsSnapshot(RunMetricsSnapshot& out) const {
 
 RunSummary Run::Summary() const {
   MutexLock lock(&mu_);
+  ApplyPointsLocked();
   RunSummary s;
   s.info = InfoLocked();
   s.config = meta_.config;
@@ -887,6 +941,7 @@ RunSummary Run::Summary() const {
 std::optional<std::vector<store::Point>> Run::QuerySeries(const std::string& key, uint64_t from_step, uint64_t to_step,
                                                           size_t max_points) const {
   MutexLock lock(&mu_);
+  ApplyPointsLocked();
   auto it = series_by_key_.find(key);
   if (it == series_by_key_.end() || !series_[it->second].data) return std::nullopt;
   return series_[it->second].data->Query(from_step, to_step, max_points);
@@ -894,7 +949,9 @@ std::optional<std::vector<store::Point>> Run::QuerySeries(const std::string& key
 
 size_t Run::MemoryBytes() const {
   MutexLock lock(&mu_);
+  ApplyPointsLocked();
   size_t bytes = sizeof(*this);
+  for (const Slice& pending : unapplied_) bytes += pending.points.capacity() * sizeof(Unapplied);
   for (const SeriesEntry& e : series_) {
     if (e.data) bytes += e.data->MemoryBytes() + e.key.capacity();
   }
@@ -903,6 +960,7 @@ size_t Run::MemoryBytes() const {
 
 void Run::RestoreSeries(SeriesId id, const std::string& key) {
   MutexLock lock(&mu_);
+  ApplyPointsLocked();
   if (id >= series_.size()) series_.resize(id + 1);
   AddSeriesLocked(id, key);
   series_[id] = {key, std::make_unique<store::Series>(SeriesOptionsLocked(id, key))};
@@ -1009,6 +1067,7 @@ std::optional<Run::SnapshotMark> Run::WriteSnapshot(StateWriter& w, std::optiona
   if (rebuilding_ || step_count_ == 0) return std::nullopt;
   const SnapshotMark mark{journal_branch_, last_step_};
   if (last == mark) return std::nullopt;
+  ApplyPointsLocked();
   w.Put(kSnapshotTag);
   w.Put(journal_branch_);
   w.Put(last_step_);
@@ -1114,6 +1173,7 @@ std::optional<Run::SnapshotMark> Run::RestoreSnapshot(std::string_view payload, 
   }
   // Nothing is stepped yet: the run's series and analytics are replaced as the snapshot is read,
   // so that a large run is never held twice, and made again as they were if it is refused.
+  ApplyPointsLocked();
   std::vector<bool> had_data(series_.size());
   for (size_t id = 0; id < series_.size(); ++id) had_data[id] = series_[id].data != nullptr;
   uint64_t bytes = 0;

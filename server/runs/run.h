@@ -304,6 +304,8 @@ class Run {
   struct SeriesEntry {
     std::string key;
     std::unique_ptr<store::Series> data;
+    // A point reached data since it was made; its next ones are set aside (AppendLocked).
+    bool reported = false;
   };
   struct RankState {
     StreamSink* sink = nullptr;
@@ -385,7 +387,20 @@ class Run {
   std::optional<SnapshotMark> WriteSnapshot(StateWriter& w, std::optional<SnapshotMark> last) const;
   bool LoadSnapshotStateLocked(StateReader& in, uint64_t count, const std::vector<bool>& had_data, uint64_t* bytes,
                                std::string* why) REQUIRES(mu_);
+  // Adds a completed step to the run: its points to series_ (a slice of the series at a time,
+  // see ApplySliceLocked), and its counts.
   void AppendLocked(const CompletedStep& step) REQUIRES(mu_);
+  // A large run's series outgrow the caches, and a series' state is about a dozen lines: appended
+  // step by step, every point misses on each. So each step's points are set aside in kApplySlices
+  // slices by series, and each step appends one slice, in turn, to its series: every series
+  // receives kApplySlices points at once, its state fetched once for them, and a step's work
+  // stays even (no step applies them all). Every reader of series_ calls ApplyPointsLocked first.
+  static constexpr size_t kApplySlices = 8;
+  void ApplySliceLocked(size_t slice) const REQUIRES(mu_);
+  void ApplyPointsLocked() const REQUIRES(mu_);
+  // Appends one point to `series`, charging its growth to the budget (refused, the series
+  // downsamples sooner instead).
+  void AppendPointLocked(store::Series& series, uint64_t step, double value) const REQUIRES(mu_);
   // Returns the record's journal number, 0 when it was not journaled (counted as dropped).
   uint64_t JournalLocked(store::JournalRecord record) REQUIRES(mu_);
   // Refuses a report from `rank` while the journal is not accepting (a storage fault, or its queue
@@ -424,7 +439,24 @@ class Run {
   // Steps completed while rebuilding, for the rebuilt analytics; at most max_pending_steps.
   std::vector<CompletedStep> deferred_ GUARDED_BY(mu_);
   uint32_t open_streams_ GUARDED_BY(mu_) = 0;
-  uint64_t charged_bytes_ GUARDED_BY(mu_) = 0;  // to options_.budget
+  mutable uint64_t charged_bytes_ GUARDED_BY(mu_) = 0;  // to options_.budget
+  // Completed steps' points not yet in series_ (see ApplySliceLocked): slice i holds those of
+  // the series whose id is i modulo kApplySlices, in step order; unapplied_steps_[slot] is the
+  // step of the points with that slot. They are applied, and so series_ complete, whenever
+  // series_ is read (ApplyPointsLocked, which changes no result: it is const, and these members
+  // mutable, for the readers).
+  struct Unapplied {
+    SeriesId id;
+    uint32_t slot;
+    double value;
+  };
+  struct Slice {
+    std::vector<Unapplied> points;
+    size_t steps = 0;  // steps whose points are in `points` (some may have set none aside here)
+  };
+  mutable std::array<Slice, kApplySlices> unapplied_ GUARDED_BY(mu_);
+  mutable std::array<uint64_t, kApplySlices> unapplied_steps_ GUARDED_BY(mu_){};
+  uint64_t unapplied_seq_ GUARDED_BY(mu_) = 0;  // steps appended
   RunEnd end_ GUARDED_BY(mu_);
   bool end_durable_ GUARDED_BY(mu_) = false;  // end_ is clean and committed
   SteadyTime last_activity_ GUARDED_BY(mu_);  // the last hello, detach, step or event

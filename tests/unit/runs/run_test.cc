@@ -4,6 +4,7 @@
 #include <limits>
 #include <vector>
 
+#include "server/core/byte_chunks.h"
 #include "server/runs/run.h"
 #include "tests/unit/runs/recording_listener.h"
 #include "tests/unit/runs/recording_sink.h"
@@ -437,4 +438,85 @@ TEST_CASE("restored events are ordered by step whatever order the journal record
   CHECK(events[1].text == "second");
   CHECK(events[2].text == "second, later");
   CHECK(events[3].text == "third");
+}
+
+TEST_CASE("a step's points reach every reader at once, read after each step or only at the end", "[runs]") {
+  // Run::AppendLocked sets a step's points aside and appends them a slice of the series at a
+  // time; any read applies them first. Two runs fed the same steps, one read after every step and
+  // one only at the end, must show the same points and save the same snapshot.
+  constexpr size_t kParams = 40;
+  RunMeta meta = Meta();
+  meta.params.clear();
+  for (size_t i = 0; i < kParams; ++i) meta.params.push_back({.name = "p" + std::to_string(i), .numel = 100});
+  FakeClock clock;
+  RunOptions options;
+  options.assembly_timeout = 10s;
+  options.end_after = 60s;
+  DaemonStats stats;
+  RecordingSink sink_read, sink_unread;
+  Run read_often(meta, options, nullptr, &stats, &clock, true);
+  Run read_at_end(meta, options, nullptr, &stats, &clock, true);
+  AttachInfo info;
+  REQUIRE_FALSE(read_often.Attach(meta, 0, &sink_read, &info).has_value());
+  REQUIRE_FALSE(read_at_end.Attach(meta, 0, &sink_unread, &info).has_value());
+  const auto value = [](uint64_t step, size_t param) { return 1.0 + 0.01 * static_cast<double>(step * 7 + param); };
+  constexpr uint64_t kSteps = 37;  // not a multiple of the slices
+  for (uint64_t s = 1; s <= kSteps; ++s) {
+    RankStep r;
+    r.step = s;
+    // Every third step skips a parameter, so slices do not hold the same series at every step.
+    for (size_t i = 0; i < kParams; ++i) {
+      if (s % 3 == 0 && i == s % kParams) continue;
+      r.params.push_back(
+          {.index = static_cast<uint32_t>(i), .norms = {NormContribution::FromNorm(value(s, i)), {}, {}}});
+    }
+    REQUIRE_FALSE(read_often.AddStep(0, r, &sink_read));
+    REQUIRE_FALSE(read_at_end.AddStep(0, r, &sink_unread));
+    // Every series holds this step's point as soon as the step is added.
+    const size_t i = s % kParams;
+    const auto pts = read_often.QuerySeries("grad/norm/p" + std::to_string(i), s, s, 0);
+    REQUIRE(pts);
+    if (s % 3 == 0) {
+      CHECK(pts->empty());
+    } else {
+      REQUIRE(pts->size() == 1);
+      CHECK(pts->front().last == Approx(value(s, i)));
+    }
+    CHECK(Latest(read_often, "grad/norm/total").has_value());
+  }
+  for (size_t i = 0; i < kParams; ++i) {
+    const std::string key = "grad/norm/p" + std::to_string(i);
+    const auto a = read_often.QuerySeries(key, 0, kSteps, 0);
+    const auto b = read_at_end.QuerySeries(key, 0, kSteps, 0);
+    REQUIRE(a);
+    REQUIRE(b);
+    REQUIRE(a->size() == b->size());
+    CHECK(a->size() + kSteps / 3 >= kSteps);
+    for (size_t k = 0; k < a->size(); ++k) {
+      CHECK((*a)[k].step == (*b)[k].step);
+      CHECK((*a)[k].last == (*b)[k].last);
+      CHECK((*a)[k].last == Approx(value((*a)[k].step, i)));
+    }
+  }
+  ByteChunks often, at_end;
+  REQUIRE(read_often.SaveSnapshot(often, std::nullopt).has_value());
+  REQUIRE(read_at_end.SaveSnapshot(at_end, std::nullopt).has_value());
+  CHECK(often.ToString() == at_end.ToString());
+}
+
+TEST_CASE("a snapshot taken between slices holds every step's points", "[runs]") {
+  Fixture f;
+  f.Attach(0, &f.sink);
+  for (uint64_t s = 1; s <= 11; ++s) f.run->AddStep(0, Step(s, static_cast<double>(s), 1.0), &f.sink);
+  ByteChunks saved;
+  REQUIRE(f.run->SaveSnapshot(saved, std::nullopt).has_value());
+  Fixture g;
+  g.Attach(0, &g.sink);
+  for (uint64_t s = 1; s <= 11; ++s) g.run->AddStep(0, Step(s, static_cast<double>(s), 1.0), &g.sink);
+  auto pts = g.run->QuerySeries("grad/norm/final_norm.weight", 0, 100, 0);  // applies every point
+  REQUIRE(pts);
+  REQUIRE(pts->size() == 11);
+  ByteChunks read_first;
+  REQUIRE(g.run->SaveSnapshot(read_first, std::nullopt).has_value());
+  CHECK(saved.ToString() == read_first.ToString());
 }
