@@ -10,14 +10,16 @@
 //
 // For each N (default 1,000 and 10,000): a fresh run of N parameters (2N + 1 series a step) is
 // fed --warm steps (300), then --steps more (300) are timed with the thread's CPU clock, --repeat
-// times (3) on fresh runs; prints the best ns per sample of each, and the ratio of the largest N's
-// to the first's; then this machine's CPU time for a cache line read at random in 4, 32 and
-// 256 MB (RandomLineNs), and with several sizes the larger run's extra time per sample in such
-// lines. Reports are built outside the timed calls. The --param-* options set the tier of the
-// ordinary parameter series (store.param_recent_points, store.param_history_buckets,
-// analytics.param_max_buckets; the daemon's defaults otherwise), to weigh their memory. --values:
-// float64 (the default) varies every bit of each value; float32 sends float32 values widened, as
-// an unsharded PyTorch trainer does (see FillReport).
+// times (3) on fresh runs; prints each run's memory and the CPU time of a query right after its
+// last step (which applies the points the run set aside) and of the next one, the best ns per
+// sample of each N, and the ratio of the largest N's to the first's; then this machine's CPU
+// time for a cache line read at random in 4, 32 and 256 MB (RandomLineNs), and with several sizes
+// the larger run's extra time per sample in such lines. Reports are built outside the timed
+// calls. The --param-* options set the tier of the ordinary parameter series
+// (store.param_recent_points, store.param_history_buckets, analytics.param_max_buckets; the
+// daemon's defaults otherwise), to weigh their memory. --values: float64 (the default) varies
+// every bit of each value; float32 sends float32 values widened, as an unsharded PyTorch trainer
+// does (see FillReport).
 #include <time.h>
 
 #include <algorithm>
@@ -143,6 +145,21 @@ double Measure(size_t params, uint64_t warm, uint64_t steps, const RunOptions& b
     if (s > warm) cpu += ThreadCpuSeconds() - t0;
   }
   const double series = static_cast<double>(2 * params + 1);
+  // A read right after a step applies the points the run set aside (Run::ApplySliceLocked: up to
+  // 7 steps' worth in some slices, 3.5 on average) under the run's lock; the next read has none.
+  double read_ms[2] = {0, 0};
+  for (double& ms : read_ms) {
+    const double t0 = ThreadCpuSeconds();
+    if (!run.QuerySeries("grad/norm/total", 0, 0, 0).has_value()) {
+      std::fprintf(stderr, "no total series\n");
+      std::exit(1);
+    }
+    ms = (ThreadCpuSeconds() - t0) * 1e3;
+  }
+  std::printf(
+      "params %zu: a query right after step %llu takes %.2f ms of CPU (it applies the points set aside), the "
+      "next one %.2f ms\n",
+      params, static_cast<unsigned long long>(warm + steps), read_ms[0], read_ms[1]);
   const double rss = RssBytes();
   std::printf(
       "params %zu: RSS %.1f KB per series (%.0f MB in all), the store's own count (Run::MemoryBytes) "
