@@ -76,6 +76,26 @@ struct SetAsideSlices {
     ++seq;
     return slot;
   }
+
+  // Feeds slice `slice`'s values to add(id, step, value), id by id in step order where the slice
+  // allows (SetAsideSlice::ApplyOrder), and clears it. An owner whose per-id state is a chain of
+  // cold lines fetches it in stages: prefetch(id, stage) is called for the id stage × lookahead
+  // runs ahead, for each stage from `stages` down to 1, so that the misses of several ids overlap.
+  template <typename Prefetch, typename Add>
+  void Apply(size_t slice, size_t lookahead, size_t stages, Prefetch&& prefetch, Add&& add) {
+    SetAsideSlice& s = slices[slice];
+    const SetAsideSlice::Order order = s.ApplyOrder();
+    for (size_t i = 0; i < order.runs; ++i) {
+      for (size_t stage = stages; stage >= 1; --stage) {
+        if (i + stage * lookahead < order.runs) prefetch(s.values[i + stage * lookahead].id, stage);
+      }
+      for (size_t k = 0; k < order.each; ++k) {
+        const SetAsideValue& v = s.At(order, i, k);
+        add(v.id, step_of_slot[v.slot], v.value);
+      }
+    }
+    s.Clear();
+  }
 };
 
 }  // namespace gradwatch

@@ -659,29 +659,27 @@ void Run::ApplyPointsLocked() const {
 }
 
 void Run::ApplySliceLocked(size_t slice) const {
-  SetAsideSlice& pending = unapplied_.slices[slice];
-  const SetAsideSlice::Order order = pending.ApplyOrder();
   // A large run's series (20,001 at 10,000 parameters) outgrow the caches, and each one's state
   // is a chain of pointers (its Series, coding state, ring of chunks, words): the state of the
   // series kPrefetchStride ahead is fetched a stage further each time, so that the misses of
   // several series overlap instead of stalling every series in turn.
   constexpr size_t kPrefetchStride = 3;
-  const auto ahead = [&](size_t i) -> const store::Series* {
-    mu_.AssertHeld();  // called only below, under the caller's lock
-    return i < order.runs ? series_[pending.values[i].id].data.get() : nullptr;
-  };
-  for (size_t i = 0; i < order.runs; ++i) {
-    if (const store::Series* s = ahead(i + 4 * kPrefetchStride)) PrefetchRead(s);
-    if (const store::Series* s = ahead(i + 3 * kPrefetchStride)) s->PrefetchHeld();
-    if (const store::Series* s = ahead(i + 2 * kPrefetchStride)) s->PrefetchSlots();
-    if (const store::Series* s = ahead(i + kPrefetchStride)) s->PrefetchWords();
-    store::Series& series = *series_[pending.values[i].id].data;
-    for (size_t k = 0; k < order.each; ++k) {
-      const SetAsideValue& v = pending.At(order, i, k);
-      AppendPointLocked(series, unapplied_.step_of_slot[v.slot], v.value);
-    }
-  }
-  pending.Clear();
+  unapplied_.Apply(
+      slice, kPrefetchStride, 4,
+      [&](uint32_t id, size_t stage) {
+        mu_.AssertHeld();  // called only here, under the caller's lock
+        const store::Series* s = series_[id].data.get();
+        switch (stage) {
+          case 4: PrefetchRead(s); break;
+          case 3: s->PrefetchHeld(); break;
+          case 2: s->PrefetchSlots(); break;
+          default: s->PrefetchWords(); break;
+        }
+      },
+      [&](uint32_t id, uint64_t step, double value) {
+        mu_.AssertHeld();
+        AppendPointLocked(*series_[id].data, step, value);
+      });
 }
 
 std::optional<IngestError> Run::AddEvent(EventRecord event) {

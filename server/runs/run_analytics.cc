@@ -311,31 +311,22 @@ void RunAnalytics::UpdateShares(uint64_t step, std::optional<double> total, uint
 }
 
 void RunAnalytics::ApplySetAside(size_t slice) const {
-  SetAsideSlice& samples = set_aside_.slices[slice];
-  const SetAsideSlice::Order order = samples.ApplyOrder();
-  // Each series' entry and windows are fetched a few series ahead, so that their misses overlap.
+  // Each tracker's entry, then its windows, are fetched a few trackers ahead, so that their misses
+  // overlap.
   constexpr size_t kAhead = 2;
-  for (size_t i = 0; i < order.runs; ++i) {
-    if (i + 2 * kAhead < order.runs) PrefetchRead(&series_[samples.values[i + 2 * kAhead].id]);
-    if (i + kAhead < order.runs) series_[samples.values[i + kAhead].id].slopes->Prefetch();
-    analytics::SlopeTracker& slopes = *series_[samples.values[i].id].slopes;
-    for (size_t k = 0; k < order.each; ++k) {
-      const SetAsideValue& v = samples.At(order, i, k);
-      slopes.AddSample(set_aside_.step_of_slot[v.slot], v.value);
-    }
-  }
-  samples.Clear();
-  SetAsideSlice& shares = set_aside_shares_.slices[slice];
-  const SetAsideSlice::Order share_order = shares.ApplyOrder();
-  for (size_t i = 0; i < share_order.runs; ++i) {
-    if (i + kAhead < share_order.runs) param_state_[shares.values[i + kAhead].id].share_trend->Prefetch();
-    analytics::WindowedSlope& trend = *param_state_[shares.values[i].id].share_trend;
-    for (size_t k = 0; k < share_order.each; ++k) {
-      const SetAsideValue& v = shares.At(share_order, i, k);
-      trend.AddSample(set_aside_shares_.step_of_slot[v.slot], v.value);
-    }
-  }
-  shares.Clear();
+  set_aside_.Apply(
+      slice, kAhead, 2,
+      [&](uint32_t id, size_t stage) {
+        if (stage == 2) {
+          PrefetchRead(&series_[id]);
+        } else {
+          series_[id].slopes->Prefetch();
+        }
+      },
+      [&](uint32_t id, uint64_t step, double value) { series_[id].slopes->AddSample(step, value); });
+  set_aside_shares_.Apply(
+      slice, kAhead, 1, [&](uint32_t i, size_t) { param_state_[i].share_trend->Prefetch(); },
+      [&](uint32_t i, uint64_t step, double value) { param_state_[i].share_trend->AddSample(step, value); });
 }
 
 void RunAnalytics::ApplyAllSetAside() const {
