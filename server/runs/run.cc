@@ -602,8 +602,7 @@ void Run::AddSeriesLocked(SeriesId id, const std::string& key) {
 void Run::AppendLocked(const CompletedStep& step) {
   // The points go to the series a slice at a time (ApplySliceLocked): this step's samples are
   // set aside in their series' slice, and one slice, in turn, is appended to its series.
-  const size_t slot = unapplied_seq_ % kApplySlices;
-  unapplied_steps_[slot] = step.step;
+  const uint32_t slot = unapplied_.Begin(step.step);
   for (const SeriesValue& sv : step.values) {
     if (!std::isfinite(sv.value)) {
       ++nonfinite_count_;
@@ -618,11 +617,9 @@ void Run::AppendLocked(const CompletedStep& step) {
       entry.reported = true;
       continue;
     }
-    unapplied_[sv.id % kApplySlices].points.push_back({sv.id, static_cast<uint32_t>(slot), sv.value});
+    unapplied_.Add(sv.id, slot, sv.value);
   }
-  for (Slice& pending : unapplied_) ++pending.steps;
-  ++unapplied_seq_;
-  ApplySliceLocked(slot);
+  ApplySliceLocked(unapplied_.End());
   if (!has_first_step_) {
     first_step_ = step.step;
     has_first_step_ = true;
@@ -658,50 +655,31 @@ void Run::AppendPointLocked(store::Series& series, uint64_t step, double value) 
 }
 
 void Run::ApplyPointsLocked() const {
-  for (size_t slice = 0; slice < kApplySlices; ++slice) ApplySliceLocked(slice);
+  for (size_t slice = 0; slice < kSetAsideSlices; ++slice) ApplySliceLocked(slice);
 }
 
 void Run::ApplySliceLocked(size_t slice) const {
-  Slice& pending = unapplied_[slice];
-  if (pending.points.empty()) {
-    pending.steps = 0;
-    return;
-  }
-  // Series-major when every step set aside the same series in the same order (a trainer's steps
-  // do: its catalog's order): the p-th point of each step belongs to one series, appended in step
-  // order. Otherwise (a partial step, an extra key that comes and goes), step by step.
-  const size_t steps = pending.steps;
-  const size_t per_step = pending.points.size() / steps;
-  bool aligned = per_step * steps == pending.points.size();
-  for (size_t p = 0; aligned && p < per_step; ++p) {
-    for (size_t k = 1; k < steps && aligned; ++k) aligned = pending.points[k * per_step + p].id == pending.points[p].id;
-  }
-  const size_t series_count = aligned ? per_step : pending.points.size();
-  const size_t stride = aligned ? per_step : 0;
-  const size_t points_each = aligned ? steps : 1;
-
   // A large run's series (20,001 at 10,000 parameters) outgrow the caches, and each one's state
   // is a chain of pointers (its Series, coding state, ring of chunks, words): the state of the
   // series kPrefetchStride ahead is fetched a stage further each time, so that the misses of
   // several series overlap instead of stalling every series in turn.
   constexpr size_t kPrefetchStride = 3;
-  const auto ahead = [&](size_t i) -> const store::Series* {
-    mu_.AssertHeld();  // called only below, under the caller's lock
-    return i < series_count ? series_[pending.points[i].id].data.get() : nullptr;
-  };
-  for (size_t i = 0; i < series_count; ++i) {
-    if (const store::Series* s = ahead(i + 4 * kPrefetchStride)) PrefetchRead(s);
-    if (const store::Series* s = ahead(i + 3 * kPrefetchStride)) s->PrefetchHeld();
-    if (const store::Series* s = ahead(i + 2 * kPrefetchStride)) s->PrefetchSlots();
-    if (const store::Series* s = ahead(i + kPrefetchStride)) s->PrefetchWords();
-    store::Series& series = *series_[pending.points[i].id].data;
-    for (size_t k = 0; k < points_each; ++k) {
-      const Unapplied& u = pending.points[i + k * stride];
-      AppendPointLocked(series, unapplied_steps_[u.slot], u.value);
-    }
-  }
-  pending.points.clear();
-  pending.steps = 0;
+  unapplied_.Apply(
+      slice, kPrefetchStride, 4,
+      [&](uint32_t id, size_t stage) {
+        mu_.AssertHeld();  // called only here, under the caller's lock
+        const store::Series* s = series_[id].data.get();
+        switch (stage) {
+          case 4: PrefetchRead(s); break;
+          case 3: s->PrefetchHeld(); break;
+          case 2: s->PrefetchSlots(); break;
+          default: s->PrefetchWords(); break;
+        }
+      },
+      [&](uint32_t id, uint64_t step, double value) {
+        mu_.AssertHeld();
+        AppendPointLocked(*series_[id].data, step, value);
+      });
 }
 
 std::optional<IngestError> Run::AddEvent(EventRecord event) {
@@ -951,7 +929,7 @@ size_t Run::MemoryBytes() const {
   MutexLock lock(&mu_);
   ApplyPointsLocked();
   size_t bytes = sizeof(*this);
-  for (const Slice& pending : unapplied_) bytes += pending.points.capacity() * sizeof(Unapplied);
+  for (const SetAsideSlice& pending : unapplied_.slices) bytes += pending.values.capacity() * sizeof(SetAsideValue);
   for (const SeriesEntry& e : series_) {
     if (e.data) bytes += e.data->MemoryBytes() + e.key.capacity();
   }

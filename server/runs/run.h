@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "server/core/clock.h"
+#include "server/core/set_aside.h"
 #include "server/core/thread_annotations.h"
 #include "server/core/types.h"
 #include "server/runs/daemon_stats.h"
@@ -391,11 +392,10 @@ class Run {
   // see ApplySliceLocked), and its counts.
   void AppendLocked(const CompletedStep& step) REQUIRES(mu_);
   // A large run's series outgrow the caches, and a series' state is about a dozen lines: appended
-  // step by step, every point misses on each. So each step's points are set aside in kApplySlices
-  // slices by series, and each step appends one slice, in turn, to its series: every series
-  // receives kApplySlices points at once, its state fetched once for them, and a step's work
+  // step by step, every point misses on each. So each step's points are set aside by series
+  // (core/set_aside.h), and each step appends one slice of the series, in turn: every series
+  // receives kSetAsideSlices points at once, its state fetched once for them, and a step's work
   // stays even (no step applies them all). Every reader of series_ calls ApplyPointsLocked first.
-  static constexpr size_t kApplySlices = 8;
   void ApplySliceLocked(size_t slice) const REQUIRES(mu_);
   void ApplyPointsLocked() const REQUIRES(mu_);
   // Appends one point to `series`, charging its growth to the budget (refused, the series
@@ -440,23 +440,10 @@ class Run {
   std::vector<CompletedStep> deferred_ GUARDED_BY(mu_);
   uint32_t open_streams_ GUARDED_BY(mu_) = 0;
   mutable uint64_t charged_bytes_ GUARDED_BY(mu_) = 0;  // to options_.budget
-  // Completed steps' points not yet in series_ (see ApplySliceLocked): slice i holds those of
-  // the series whose id is i modulo kApplySlices, in step order; unapplied_steps_[slot] is the
-  // step of the points with that slot. They are applied, and so series_ complete, whenever
-  // series_ is read (ApplyPointsLocked, which changes no result: it is const, and these members
-  // mutable, for the readers).
-  struct Unapplied {
-    SeriesId id;
-    uint32_t slot;
-    double value;
-  };
-  struct Slice {
-    std::vector<Unapplied> points;
-    size_t steps = 0;  // steps whose points are in `points` (some may have set none aside here)
-  };
-  mutable std::array<Slice, kApplySlices> unapplied_ GUARDED_BY(mu_);
-  mutable std::array<uint64_t, kApplySlices> unapplied_steps_ GUARDED_BY(mu_){};
-  uint64_t unapplied_seq_ GUARDED_BY(mu_) = 0;  // steps appended
+  // Completed steps' points not yet in series_ (see ApplySliceLocked), by series id. They are
+  // applied, and so series_ complete, whenever series_ is read (ApplyPointsLocked, which changes
+  // no result: it is const, and these members mutable, for the readers).
+  mutable SetAsideSlices unapplied_ GUARDED_BY(mu_);
   RunEnd end_ GUARDED_BY(mu_);
   bool end_durable_ GUARDED_BY(mu_) = false;  // end_ is clean and committed
   SteadyTime last_activity_ GUARDED_BY(mu_);  // the last hello, detach, step or event

@@ -179,12 +179,16 @@ bool RunAnalytics::Materialize(Tracked& t) {
     return false;
   }
   t.slopes.emplace(std::move(slopes));
+  const SeriesId id = static_cast<SeriesId>(&t - series_.data());
+  t.sets_aside = !robust && !t.key_series && t.param >= 0;
+  if (t.role == Role::kParamGrad && t.param >= 0 && param_state_[t.param].grad == id) {
+    param_state_[t.param].grad_tracked = true;
+  }
   if (robust) {
     t.spike_filter = std::make_unique<analytics::SpikeFilter>();
     t.robust = std::move(robust);
   }
   if (t.key_series) {
-    const SeriesId id = static_cast<SeriesId>(&t - series_.data());
     key_ids_.insert(std::lower_bound(key_ids_.begin(), key_ids_.end(), id), id);
     t.detector = std::make_unique<analytics::SlopeChangeDetector>(options_.change_points);
     t.events.reserve(events_.size());
@@ -219,15 +223,24 @@ void RunAnalytics::OnEvent(const EventRecord& event) {
 }
 
 void RunAnalytics::OnStep(const CompletedStep& step) {
-  // A large run's trackers outgrow the caches: the windows of the series kPrefetchAhead values on
-  // are fetched while this one's samples are added, so that their misses overlap (as
-  // Run::AppendLocked does for the points).
+  const uint32_t slot = set_aside_.Begin(step.step);
+  const bool set_aside = charge_.bytes() >= options_.set_aside_min_bytes;
+  set_aside_shares_.Begin(step.step);
+  if (!params_.empty()) std::fill(grad_scratch_.begin(), grad_scratch_.end(), kNaN);
+  std::optional<double> total;
+  bool any_grad = false;
+  // A large run's trackers outgrow the caches: the entries kPrefetchAhead values on, and the
+  // windows of those whose samples are added at once, are fetched while this one's samples are
+  // added, so that their misses overlap (as Run::ApplySliceLocked does for the points).
   constexpr size_t kPrefetchAhead = 4;
   const std::vector<SeriesValue>& values = step.values;
   for (size_t i = 0; i < values.size(); ++i) {
+    if (i + 2 * kPrefetchAhead < values.size() && values[i + 2 * kPrefetchAhead].id < series_.size()) {
+      PrefetchRead(&series_[values[i + 2 * kPrefetchAhead].id]);
+    }
     if (i + kPrefetchAhead < values.size() && values[i + kPrefetchAhead].id < series_.size()) {
       const Tracked& next = series_[values[i + kPrefetchAhead].id];
-      if (next.slopes) next.slopes->Prefetch();
+      if (next.slopes && (!set_aside || !next.sets_aside || next.read_each_step)) next.slopes->Prefetch();
     }
     const SeriesValue& sv = values[i];
     if (sv.id >= series_.size()) continue;
@@ -235,13 +248,23 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
     if (!t.added) continue;
     t.last_value = sv.value;
     t.has_value = true;
-    const bool param_norm = t.role == Role::kParamNorm && t.param >= 0;
-    if (param_norm) {
-      param_state_[t.param].norm_value = sv.value;
-      param_state_[t.param].has_norm_value = true;
+    if (t.param >= 0) {
+      if (t.role == Role::kParamNorm) {
+        param_state_[t.param].norm_value = sv.value;
+        param_state_[t.param].has_norm_value = true;
+      } else if (t.role == Role::kParamGrad) {
+        grad_scratch_[t.param] = sv.value;
+        any_grad = true;
+      }
+    } else if (t.role == Role::kTotalGrad && std::isfinite(sv.value)) {
+      total = sv.value;
     }
     if (!t.slopes && (t.refused || !Materialize(t))) continue;
     if (!std::isfinite(sv.value)) continue;  // a NaN is a signal for alerts, not a slope sample
+    if (set_aside && t.sets_aside && !t.read_each_step) {
+      set_aside_.Add(sv.id, slot, sv.value);
+      continue;
+    }
     t.slopes->AddSample(step.step, sv.value);
     if (t.detector) t.detector->AddSample(step.step, sv.value);
     if (!t.spike_filter) continue;
@@ -255,30 +278,17 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
       t.robust->AddSample(p->step, p->value);
     }
   }
-  UpdateShares(step);
+  if (any_grad) UpdateShares(step.step, total, slot, set_aside);
+  set_aside_shares_.End();
+  ApplySetAside(set_aside_.End());
 }
 
-void RunAnalytics::UpdateShares(const CompletedStep& step) {
-  if (params_.empty()) return;
-  std::fill(grad_scratch_.begin(), grad_scratch_.end(), kNaN);
-  std::optional<double> total;
-  bool any = false;
-  for (const SeriesValue& sv : step.values) {
-    if (sv.id >= series_.size()) continue;
-    const Tracked& t = series_[sv.id];
-    if (t.role == Role::kParamGrad && t.param >= 0) {
-      grad_scratch_[t.param] = sv.value;
-      any = true;
-    } else if (t.role == Role::kTotalGrad && std::isfinite(sv.value)) {
-      total = sv.value;
-    }
-  }
-  if (!any) return;
+void RunAnalytics::UpdateShares(uint64_t step, std::optional<double> total, uint32_t slot, bool set_aside) {
   analytics::ComputeShares(grad_scratch_, group_of_param_, groups_.size(), total, param_share_scratch_,
                            group_share_scratch_);
   constexpr size_t kPrefetchAhead = 4;  // as in OnStep
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (i + kPrefetchAhead < params_.size() && param_state_[i + kPrefetchAhead].share_trend) {
+    if (i + kPrefetchAhead < params_.size() && (!set_aside || param_state_[i + kPrefetchAhead].share_read_each_step)) {
       param_state_[i + kPrefetchAhead].share_trend->Prefetch();
     }
     if (!std::isfinite(grad_scratch_[i]) || !std::isfinite(param_share_scratch_[i])) continue;
@@ -286,14 +296,42 @@ void RunAnalytics::UpdateShares(const CompletedStep& step) {
     ps.share = param_share_scratch_[i];
     ps.has_share = true;
     // Its trend's memory is charged with its gradient series' trackers.
-    if (ps.grad != kNoSeries && series_[ps.grad].slopes) ps.share_trend->AddSample(step.step, ps.share);
+    if (!ps.grad_tracked) continue;
+    if (!set_aside || ps.share_read_each_step) {
+      ps.share_trend->AddSample(step, ps.share);
+    } else {
+      set_aside_shares_.Add(static_cast<uint32_t>(i), slot, ps.share);
+    }
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (!std::isfinite(group_share_scratch_[g])) continue;
     groups_[g].share = group_share_scratch_[g];
     groups_[g].has_share = true;
-    groups_[g].share_trend->AddSample(step.step, groups_[g].share);
+    groups_[g].share_trend->AddSample(step, groups_[g].share);
   }
+}
+
+void RunAnalytics::ApplySetAside(size_t slice) const {
+  // Each tracker's entry, then its windows, are fetched a few trackers ahead, so that their misses
+  // overlap.
+  constexpr size_t kAhead = 2;
+  set_aside_.Apply(
+      slice, kAhead, 2,
+      [&](uint32_t id, size_t stage) {
+        if (stage == 2) {
+          PrefetchRead(&series_[id]);
+        } else {
+          series_[id].slopes->Prefetch();
+        }
+      },
+      [&](uint32_t id, uint64_t step, double value) { series_[id].slopes->AddSample(step, value); });
+  set_aside_shares_.Apply(
+      slice, kAhead, 1, [&](uint32_t i, size_t) { param_state_[i].share_trend->Prefetch(); },
+      [&](uint32_t i, uint64_t step, double value) { param_state_[i].share_trend->AddSample(step, value); });
+}
+
+void RunAnalytics::ApplyAllSetAside() const {
+  for (size_t slice = 0; slice < kSetAsideSlices; ++slice) ApplySetAside(slice);
 }
 
 bool RunAnalytics::IsForecastKey(const std::string& key) const {
@@ -473,6 +511,23 @@ void RunAnalytics::FillParamEntry(size_t i, ParamAnalysis& out, bool fit_norm) c
   }
 }
 
+void RunAnalytics::MarkReadEachStep(const StepFits& fits) const {
+  // A tracker fitted here for the first time takes the samples set aside for it now, and every
+  // later one at once: its slice is applied (the samples of its other series with it), which
+  // happens once per tracker in a run's life, not at each step.
+  for (uint32_t i : fitted_scratch_) {
+    const SeriesId norm = param_state_[i].norm;
+    if (norm >= series_.size() || series_[norm].read_each_step) continue;
+    series_[norm].read_each_step = true;
+    ApplySetAside(norm % kSetAsideSlices);
+  }
+  for (size_t i = 0; i < std::min(fits.share.size(), params_.size()); ++i) {
+    if (fits.share[i] == 0 || param_state_[i].share_read_each_step) continue;
+    param_state_[i].share_read_each_step = true;
+    ApplySetAside(i % kSetAsideSlices);
+  }
+}
+
 void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params, const StepFits& fits) const {
   out.slopes.clear();
   out.amplifications.clear();
@@ -488,6 +543,7 @@ void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& pa
   for (size_t i = 0; i < std::min(fits.norm.size(), params_.size()); ++i) {
     if (fits.norm[i] != 0) fitted.push_back(static_cast<uint32_t>(i));
   }
+  MarkReadEachStep(fits);
   constexpr size_t kAhead = 2;
   const auto norm_tracker = [&](size_t k) -> const analytics::SlopeTracker* {
     if (k >= fitted.size()) return nullptr;
@@ -526,6 +582,7 @@ RunAnalysis RunAnalytics::Analysis() const {
 }
 
 void RunAnalytics::Analysis(RunAnalysis& out) const {
+  ApplyAllSetAside();
   size_t slopes = 0;
   for (const Tracked& t : series_) {
     if (!t.slopes) continue;
@@ -582,6 +639,7 @@ bool GetTracker(StateReader& in, T* tracker) {
 }  // namespace
 
 void RunAnalytics::SaveState(StateWriter& out) const {
+  ApplyAllSetAside();
   out.Put<uint64_t>(events_.size());
   for (const EventRecord& e : events_) {
     out.Put(e.step);

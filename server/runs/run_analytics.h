@@ -31,6 +31,7 @@
 #include "server/analytics/event_slope.h"
 #include "server/analytics/regression.h"
 #include "server/analytics/spike_filter.h"
+#include "server/core/set_aside.h"
 #include "server/core/state_io.h"
 #include "server/core/types.h"
 #include "server/runs/daemon_stats.h"
@@ -49,6 +50,10 @@ struct AnalyticsOptions {
   // series (most of a large run's series), and for their share trends; the run's scalars, the key
   // series and the output layer keep max_buckets. About 3.5 KB per series with 16.
   size_t param_max_buckets = 16;
+  // The samples of trackers no rule reads at each step are set aside and fed a slice at a time
+  // once the run's trackers take at least this many bytes (the caches no longer hold them);
+  // below it, where the trackers stay cached, each sample is added at once.
+  uint64_t set_aside_min_bytes = uint64_t{32} << 20;
   uint64_t event_window_steps = 5000;
   size_t event_min_after_samples = 10;
   // Events kept per series for slope changes (the most recent).
@@ -202,7 +207,7 @@ class RunAnalytics {
 
  private:
   enum class Role : uint8_t { kTotalGrad, kScalar, kParamGrad, kParamNorm, kParamUpdate, kExtra };
-  // The fields every sample reads (OnStep, UpdateShares) come first: 73 bytes, two cache lines
+  // The fields every sample reads (OnStep, ApplySetAside) come first: 75 bytes, two cache lines
   // wherever an entry falls in series_; the rest is read when a series is added or an event is.
   struct Tracked {
     // Raw samples: the slopes shown, as Prometheus's deriv. Empty until the first sample
@@ -221,6 +226,10 @@ class RunAnalytics {
     bool refused = false;  // its trackers did not fit in the memory budget
     bool has_value = false;
     bool key_series = false;
+    // A parameter series with raw trackers only: its samples are set aside (set_aside_) unless a
+    // per-step reader fits it (read_each_step, set by StepAnalysis, which reads only those).
+    bool sets_aside = false;
+    bool read_each_step = false;
     std::unique_ptr<analytics::SlopeTracker> robust;
     std::vector<std::pair<std::string, analytics::EventSlope>> events;  // (event text, slope)
     std::string key;
@@ -233,6 +242,8 @@ class RunAnalytics {
     std::unique_ptr<analytics::WindowedSlope> share_trend;
     double share = 0;
     bool has_share = false;
+    bool grad_tracked = false;          // its gradient series has trackers: share_trend is fed
+    bool share_read_each_step = false;  // StepAnalysis fits share_trend: fed at once, not set aside
     // The param norm's latest value (its fits are made when read: FillNormFits).
     double norm_value = 0;
     bool has_norm_value = false;
@@ -252,7 +263,16 @@ class RunAnalytics {
   // (and the series marked refused) otherwise.
   bool Materialize(Tracked& t);
   void ClassifyLocked(Tracked& t) const;
-  void UpdateShares(const CompletedStep& step);
+  // The step's shares, from the parameters' gradient norms OnStep gathered in grad_scratch_.
+  void UpdateShares(uint64_t step, std::optional<double> total, uint32_t slot, bool set_aside);
+  // Feeds the samples set aside in one slice (of set_aside_ and set_aside_shares_), or in all, to
+  // their trackers. Const for the const readers: it changes no result, only when the trackers
+  // take their samples (the trackers and the slices are mutable).
+  void ApplySetAside(size_t slice) const;
+  void ApplyAllSetAside() const;
+  // Marks the trackers StepAnalysis fits (fitted_scratch_'s norms, `fits`' shares) as read at
+  // each step: their samples are no longer set aside.
+  void MarkReadEachStep(const StepFits& fits) const;
   // The window of this length of the series' robust tracker (its raw one when it has none).
   const analytics::WindowedSlope* Window(const Tracked& t, uint64_t window_steps) const;
   bool IsForecastKey(const std::string& key) const;
@@ -279,9 +299,18 @@ class RunAnalytics {
   const size_t forecast_window_index_;
   std::vector<ParamInfo> params_;
   std::unordered_map<std::string, int> param_by_name_;
-  std::vector<ParamState> param_state_;
+  // Mutable for ApplySetAside.
+  mutable std::vector<ParamState> param_state_;
   std::vector<GroupState> groups_;
-  std::vector<Tracked> series_;  // by SeriesId
+  mutable std::vector<Tracked> series_;  // by SeriesId
+  // A large run's trackers outgrow the caches, and most of them (the raw slopes of parameter
+  // series, parameters' share trends) are read by no rule at each step: their samples are set
+  // aside by series id (by catalog index for shares) and fed a slice at a time, as Run does its
+  // points (core/set_aside.h), so that each tracker takes kSetAsideSlices samples while cached.
+  // Every reader of those trackers (Analysis, SaveState, StepAnalysis for what it fits) applies
+  // them first.
+  mutable SetAsideSlices set_aside_;
+  mutable SetAsideSlices set_aside_shares_;
   // Ids of the key series with trackers (those with events and change points), ascending: a
   // step's analysis visits them, not every series.
   std::vector<SeriesId> key_ids_;

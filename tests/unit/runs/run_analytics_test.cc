@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -426,4 +427,103 @@ TEST_CASE("per-step norm fits of many parameters, some without a norm series, wi
     }
   }
   CHECK(compared > 40);
+}
+
+TEST_CASE("samples set aside reach every reader: analytics read at every step or only at the end are the same",
+          "[runs]") {
+  // Most parameter series' raw slopes and most share trends take their samples a slice at a time
+  // (RunAnalytics::ApplySetAside). 40 parameters (norm gains without decay, whose norms are key
+  // series, and weights with decay, whose norms are not), grad, norm and update norms; every third
+  // step misses a parameter's gradient (so slices are applied step by step too). `every` is read
+  // after each step; `end` only at the end; `fitted` is read as the alert rules do, with norm and
+  // share fits switched on for some parameters half-way (their set-aside samples applied then).
+  constexpr size_t kParams = 40;
+  std::vector<ParamInfo> catalog;
+  for (size_t i = 0; i < kParams; ++i) {
+    const bool gain = i % 4 == 0;
+    catalog.push_back({.name = "layers." + std::to_string(i) + (gain ? ".norm.weight" : ".mlp.weight"),
+                       .numel = 4096,
+                       .kind = gain ? ParamKind::kNormGain : ParamKind::kMlp,
+                       .weight_decay = gain ? 0.0 : 0.1});
+  }
+  AnalyticsOptions options;
+  options.windows = {200, 1000};
+  options.forecast_window_steps = 1000;
+  options.set_aside_min_bytes = 0;  // a small run's trackers are set aside too here
+  auto make = [&] {
+    auto a = std::make_unique<RunAnalytics>(options);
+    a->SetCatalog(catalog);
+    a->AddSeries(0, "grad/norm/total");
+    for (size_t i = 0; i < kParams; ++i) {
+      a->AddSeries(static_cast<SeriesId>(1 + 3 * i), "grad/norm/" + catalog[i].name);
+      a->AddSeries(static_cast<SeriesId>(2 + 3 * i), "params/norm/" + catalog[i].name);
+      a->AddSeries(static_cast<SeriesId>(3 + 3 * i), "update/norm/" + catalog[i].name);
+    }
+    return a;
+  };
+  auto every = make(), end = make(), fitted = make();
+  StepFits none;
+  StepFits some;
+  some.norm.assign(kParams, 0);
+  some.share.assign(kParams, 0);
+  for (size_t i = 1; i < kParams; i += 3) some.norm[i] = 1;
+  for (size_t i = 2; i < kParams; i += 5) some.share[i] = 1;
+  RunAnalysis step_analysis;
+  std::vector<ParamAnalysis> params;
+  constexpr uint64_t kSteps = 1500;
+  for (uint64_t s = 1; s <= kSteps; ++s) {
+    CompletedStep step;
+    step.step = s;
+    double total_sq = 0;
+    for (size_t i = 0; i < kParams; ++i) {
+      const double x = static_cast<double>(s);
+      const double grad = (0.1 + 0.01 * static_cast<double>(i)) * (1.0 + 1e-4 * x) *
+                          (1.0 + 0.05 * std::sin(0.7 * x + static_cast<double>(i)));
+      if (!(s % 3 == 0 && i == s % kParams)) {
+        step.values.push_back({static_cast<SeriesId>(1 + 3 * i), grad});
+        total_sq += grad * grad;
+      }
+      step.values.push_back({static_cast<SeriesId>(2 + 3 * i), 60.0 + 1e-3 * static_cast<double>(i + 1) * x});
+      step.values.push_back({static_cast<SeriesId>(3 + 3 * i), 1e-3 * grad});
+    }
+    step.values.push_back({0, std::sqrt(total_sq)});
+    every->OnStep(step);
+    end->OnStep(step);
+    fitted->OnStep(step);
+    const RunAnalysis now = every->Analysis();
+    fitted->StepAnalysis(step_analysis, params, s < kSteps / 2 ? none : some);
+    if (s % 97 != 0 && s != kSteps) continue;
+    INFO("step " << s);
+    // What a rule reads at this step is what the full analysis, with every sample applied, says.
+    REQUIRE(params.size() == kParams);
+    for (size_t i = 0; i < kParams; ++i) {
+      if (s < kSteps / 2 || some.norm[i] == 0) continue;
+      std::optional<double> slope;
+      for (const auto& sl : now.slopes) {
+        if (sl.key == "params/norm/" + catalog[i].name && sl.window_steps == 1000) slope = sl.fit.slope_per_kstep();
+      }
+      CHECK(params[i].norm_slope_per_kstep == slope);
+    }
+    for (const auto& share : step_analysis.shares) {
+      if (share.is_group || std::isnan(share.slope_per_kstep)) continue;
+      bool found = false;
+      for (const auto& full : now.shares) {
+        if (full.name != share.name || full.is_group) continue;
+        found = true;
+        CHECK(full.slope_per_kstep == share.slope_per_kstep);
+      }
+      CHECK(found);
+    }
+  }
+  const std::string expected = Exact(every->Analysis());
+  CHECK(Exact(end->Analysis()) == expected);
+  CHECK(Exact(fitted->Analysis()) == expected);
+  std::string every_state, end_state, fitted_state;
+  StateWriter every_out(every_state), end_out(end_state), fitted_out(fitted_state);
+  every->SaveState(every_out);
+  end->SaveState(end_out);
+  fitted->SaveState(fitted_out);
+  CHECK(end_state == every_state);
+  CHECK(fitted_state == every_state);
+  CHECK(every_state.size() > 10000);
 }
