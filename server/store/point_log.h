@@ -1,11 +1,12 @@
 // A list of Points, oldest first, compressed as Prometheus's head chunks are (the Gorilla scheme,
 // Pelkonen et al., VLDB 2015; prometheus/tsdb/chunkenc/xor.go): steps as delta-of-delta, values
-// XORed with the previous value of the same field, bit-packed into fixed-size chunks.
+// XORed with the previous value of the same field (a window of meaningful bits narrowed when it
+// has grown too wide, point_log.cc), bit-packed into fixed-size chunks.
 //
 // A full-resolution point (a sample: count 1, see IsSamplePoint) is coded as its step and one
 // value: a step one past the previous step's delta takes 1 bit, a value equal to the previous one
 // 1 bit, a value that changes in its low mantissa bits only a few bits more; noisy doubles (a
-// gradient norm) take 50–70 bits, against 448 bits for the Point. A downsampled bucket also codes
+// gradient norm) take 50–64 bits, against 448 bits for the Point. A downsampled bucket also codes
 // its span, count and non-finite count (1 bit each when unchanged) and its mean, min and max.
 // Decoding is bit-exact: NaN payloads, ±Inf, −0 and denormals come back as they went in.
 //

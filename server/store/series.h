@@ -28,7 +28,7 @@ struct SeriesOptions {
 //
 // Points are held compressed (PointLog: steps as delta-of-delta, values XORed with the previous
 // one, in 512-byte chunks): a recent sample takes from 3 bits (a constant at regular steps) to 19
-// bytes, about 8 for a noisy norm; a bucket about 35 bytes with noisy values, 74 at most. The
+// bytes, about 7 for a noisy norm; a bucket about 28 bytes with noisy values, 74 at most. The
 // newest bucket is held as a Point, as merges go into it.
 // Memory grows with the samples held, not with the options: a new series allocates nothing; a
 // chunk is allocated when the held ones are full, up to what recent_points and history_buckets
