@@ -265,12 +265,15 @@ TEST_CASE("point log narrows a value window that a chunk's first value or a jump
   PointLog lognormal;
   PointLog buckets;
   std::deque<Point> wobbling_model;
+  std::deque<Point> lognormal_model;
   std::deque<Point> bucket_model;
   for (uint64_t step = 1; step <= 4096; ++step) {
     const Point p = SamplePoint(step, 50.0 * (1.0 + 0.01 * std::sin(0.37 * static_cast<double>(step))));
     REQUIRE(wobbling.Append(p, true));
     wobbling_model.push_back(p);
-    REQUIRE(lognormal.Append(SamplePoint(step, 0.5 * noise(rng)), true));
+    const Point q = SamplePoint(step, 0.5 * noise(rng));
+    REQUIRE(lognormal.Append(q, true));
+    lognormal_model.push_back(q);
   }
   for (uint64_t k = 0; k < 1024; ++k) {
     Point b = SamplePoint(k * 32 + 1, 50.0 * noise(rng));
@@ -279,6 +282,7 @@ TEST_CASE("point log narrows a value window that a chunk's first value or a jump
     bucket_model.push_back(b);
   }
   CheckSame(wobbling, wobbling_model);
+  CheckSame(lognormal, lognormal_model);
   CheckSame(buckets, bucket_model);
   // Bytes a sample (a bucket) with windows kept wide: 7.6 (8.0 for lognormal noise; a bucket 34).
   CHECK(wobbling.chunks_allocated() * PointLog::kChunkBytes <= 4096 * 7.1);
