@@ -15,7 +15,7 @@ namespace {
 // Written whole by RegressionSums::SaveState: two doubles, no padding. (RegressionSums itself is
 // trivially copyable too, but has padding after its flag: it is written field by field.)
 static_assert(std::is_trivially_copyable_v<CompensatedSum> && sizeof(CompensatedSum) == 2 * sizeof(double));
-static_assert(sizeof(PackedSums) == 48);
+static_assert(sizeof(PackedSums) == 40);
 // The rings' two pointers and sizes fit the first cache line's padding: a window is six lines.
 static_assert(sizeof(WindowedSlope) == 384);
 
@@ -225,22 +225,31 @@ bool RegressionSums::LoadState(StateReader& in) {
   return true;
 }
 
-PackedSums::PackedSums(const RegressionSums& sums)
-    : first_step_(sums.first_step()),
-      value_origin_(sums.value_origin()),
-      count_word_(static_cast<uint32_t>(sums.count())),
-      span_(static_cast<uint32_t>(sums.last_step() - sums.first_step())),
-      sum_y_(sums.sum_y_.value()),
-      sum_xy_(sums.sum_xy_.value()),
-      sum_yy_(sums.sum_yy_.value()) {
-  assert(!sums.empty() && sums.origin_step() == sums.first_step() && sums.count() <= kMaxCount &&
-         sums.last_step() - sums.first_step() <= kMaxSpan);
+PackedSums::PackedSums(const RegressionSums& given) {
+  assert(!given.empty() && given.origin_step() == given.first_step() && given.count() <= kMaxCount &&
+         given.last_step() - given.first_step() <= kMaxSpan);
+  // Shifted to a packable origin if need be (never for a WindowedSlope's buckets).
+  std::optional<RegressionSums> shifted;
+  if (!IsPackableOrigin(given.value_origin())) {
+    shifted.emplace(given.origin_step(), PackableOrigin(given.value_origin()));
+    shifted->Merge(given);
+  }
+  const RegressionSums& sums = shifted ? *shifted : given;
+  first_step_low_ = static_cast<uint32_t>(sums.first_step());
+  origin_high_ = static_cast<uint32_t>(std::bit_cast<uint64_t>(sums.value_origin()) >> 32);
+  count_word_ = static_cast<uint32_t>(sums.count());
+  span_ = static_cast<uint32_t>(sums.last_step() - sums.first_step());
+  sum_y_ = sums.sum_y_.value();
+  sum_xy_ = sums.sum_xy_.value();
+  sum_yy_ = sums.sum_yy_.value();
   SetStepSums(StepSumsOf(sums));
 }
 
 StepSums PackedSums::StepSumsOf(const RegressionSums& sums) { return {sums.sum_x_.value(), sums.sum_xx_.value()}; }
 
-RegressionSums PackedSums::Rounded(const RegressionSums& sums) { return PackedSums(sums).Unpack(StepSumsOf(sums)); }
+RegressionSums PackedSums::Rounded(const RegressionSums& sums) {
+  return PackedSums(sums).Unpack(sums.first_step(), StepSumsOf(sums));
+}
 
 std::optional<StepSums> PackedSums::EvenStepSums(uint64_t count, uint64_t span) {
   if (count < 2) return StepSums{};
@@ -262,13 +271,14 @@ void PackedSums::SetStepSums(const StepSums& sums) {
   count_word_ = uneven ? (count_word_ | kUneven) : (count_word_ & ~kUneven);
 }
 
-RegressionSums PackedSums::Unpack(const StepSums& uneven) const {
-  RegressionSums out(first_step_, value_origin_);
+RegressionSums PackedSums::Unpack(uint64_t reference, const StepSums& uneven) const {
+  const uint64_t first = first_step(reference);
+  RegressionSums out(first, value_origin());
   if (empty()) return out;
   const StepSums steps = evenly_spaced() ? *EvenStepSums(count(), span_) : uneven;
   out.count_ = count();
-  out.first_step_ = first_step_;
-  out.last_step_ = last_step();
+  out.first_step_ = first;
+  out.last_step_ = first + span_;
   out.sum_x_.Add(steps.sum_x);
   out.sum_y_.Add(sum_y_);
   out.sum_xx_.Add(steps.sum_xx);
@@ -277,23 +287,27 @@ RegressionSums PackedSums::Unpack(const StepSums& uneven) const {
   return out;
 }
 
-void PackedSums::SaveState(StateWriter& out, const StepSums& uneven) const {
+void PackedSums::SaveState(StateWriter& out, uint64_t reference, const StepSums& uneven) const {
   const StepSums steps = evenly_spaced() ? *EvenStepSums(count(), span_) : uneven;
-  out.Put(first_step_);
-  out.Put(value_origin_);
+  out.Put(first_step(reference));
+  out.Put(value_origin());
   out.Put(static_cast<uint32_t>(count()));
   out.Put(span_);
   for (const double sum : {steps.sum_x, sum_y_, steps.sum_xx, sum_xy_, sum_yy_}) out.Put(sum);
 }
 
-bool PackedSums::LoadState(StateReader& in, StepSums& step_sums) {
+bool PackedSums::LoadState(StateReader& in, uint64_t& first_step, StepSums& step_sums) {
   uint32_t count = 0;
-  if (!in.Get(first_step_) || !in.Get(value_origin_) || !in.Get(count) || !in.Get(span_)) return false;
+  double origin = 0;
+  if (!in.Get(first_step) || !in.Get(origin) || !in.Get(count) || !in.Get(span_)) return false;
   for (double* sum : {&step_sums.sum_x, &sum_y_, &step_sums.sum_xx, &sum_xy_, &sum_yy_}) {
     if (!in.Get(*sum)) return false;
   }
   if (count > kMaxCount) return in.Fail("a bucket holds too many samples");
-  if (first_step_ + span_ < first_step_) return in.Fail("a bucket's steps overflow");
+  if (first_step + span_ < first_step) return in.Fail("a bucket's steps overflow");
+  if (!IsPackableOrigin(origin)) return in.Fail("a bucket's value origin is not a packed one");
+  first_step_low_ = static_cast<uint32_t>(first_step);
+  origin_high_ = static_cast<uint32_t>(std::bit_cast<uint64_t>(origin) >> 32);
   count_word_ = count;
   SetStepSums(step_sums);
   return true;
@@ -304,8 +318,8 @@ WindowedSlope::WindowedSlope(uint64_t window_steps, size_t max_buckets)
       bucket_steps_(1),
       max_buckets_(static_cast<uint32_t>(std::clamp<size_t>(max_buckets, 1, kMaxBuckets))) {
   const uint64_t buckets = max_buckets_;
-  // A bucket spans at most PackedSums::kMaxSpan + 1 steps (no overflow: buckets ≤ 2^31).
-  window_steps_ = std::min(window_steps_, buckets * (PackedSums::kMaxSpan + 1));
+  // So a bucket spans at most PackedSums::kMaxSpan + 1 steps too.
+  window_steps_ = std::min(window_steps_, kMaxWindowSteps);
   bucket_steps_ = window_steps_ / buckets + (window_steps_ % buckets != 0 ? 1 : 0);
   // Samples in a window of window_steps steps fall into at most ceil(window / bucket) + 1 buckets,
   // at most max_buckets + 1.
@@ -352,12 +366,12 @@ void WindowedSlope::CloseOpenBucket() {
   // closed_ takes the packed sums, which ExpireBefore subtracts again.
   const uint32_t s = slot(held_);
   Pack(s, open_);
-  closed_.Merge(Unpacked(s));
+  closed_.Merge(Unpacked(s, open_.first_step()));
   ++held_;
 }
 
 void WindowedSlope::OpenBucket(uint64_t step, double value) {
-  open_ = RegressionSums(step, value);
+  open_ = RegressionSums(step, PackedSums::PackableOrigin(value));
   has_open_ = true;
   if (held_ == 0) expire_step_ = step + window_steps_ > step ? step + window_steps_ : UINT64_MAX;
   const uint64_t index = step / bucket_steps_;
@@ -378,9 +392,11 @@ bool WindowedSlope::AddSample(uint64_t step, double value) {
     ++ignored_bucket_full_;
     return false;
   }
+  // Every held bucket is read with the newest step before this one: this one may be far ahead.
+  const uint64_t reference = last_step_;
   has_samples_ = true;
   last_step_ = step;
-  if (has_open_ && step >= expire_step_) ExpireBefore(step);
+  if (has_open_ && step >= expire_step_) ExpireBefore(step, reference);
   if (!has_open_) {
     closed_ = RegressionSums(step, value);
     expiries_since_recompute_ = 0;
@@ -394,14 +410,15 @@ bool WindowedSlope::AddSample(uint64_t step, double value) {
   return true;
 }
 
-void WindowedSlope::ExpireBefore(uint64_t newest_step) {
-  while (held_ > 0 && newest_step - ring_[head_].first_step() >= window_steps_) {
-    closed_.Subtract(Unpacked(head_));
+void WindowedSlope::ExpireBefore(uint64_t newest_step, uint64_t reference) {
+  while (held_ > 0 && newest_step - ring_[head_].first_step(reference) >= window_steps_) {
+    closed_.Subtract(Unpacked(head_, reference));
     DropOldest();
     ++expiries_since_recompute_;
   }
   if (held_ > 0) {
-    const uint64_t first = ring_[head_].first_step();
+    // What is left lies within the window of newest_step, which reads it from now on.
+    const uint64_t first = FirstStep(ring_[head_]);
     expire_step_ = first + window_steps_ > first ? first + window_steps_ : UINT64_MAX;
     MaybeRecompute();
     return;
@@ -439,7 +456,7 @@ size_t WindowedSlope::CapacityBytes() const { return sizeof(*this) + (ring_capac
 
 std::optional<LinearFit> WindowedSlope::Fit() const {
   if (!has_open_) return std::nullopt;
-  return closed_.FitWith(open_, held_ > 0 ? ring_[head_].first_step() : open_.first_step(), last_step_);
+  return closed_.FitWith(open_, held_ > 0 ? FirstStep(ring_[head_]) : open_.first_step(), last_step_);
 }
 
 RegressionSums WindowedSlope::SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const {
@@ -485,7 +502,7 @@ void WindowedSlope::SaveState(StateWriter& out) const {
   out.Put<uint64_t>(held_);
   for (size_t i = 0; i < held_; ++i) {
     const uint32_t s = slot(i);
-    ring_[s].SaveState(out, uneven_held_ > 0 ? uneven_[s] : StepSums{});
+    ring_[s].SaveState(out, last_step_, uneven_held_ > 0 ? uneven_[s] : StepSums{});
   }
   out.Put(last_step_);
   out.Put(open_end_step_);
@@ -522,9 +539,11 @@ bool WindowedSlope::LoadState(StateReader& in) {
   uneven_held_ = 0;
   head_ = 0;
   held_ = 0;
+  // The first steps read, checked against last_step_ once it is read (PackedSums keeps 32 bits).
+  std::vector<uint64_t> first_steps(held_count);
   for (size_t i = 0; i < held_count; ++i) {
     StepSums step_sums;
-    if (!ring_[i].LoadState(in, step_sums)) return false;
+    if (!ring_[i].LoadState(in, first_steps[i], step_sums)) return false;
     if (!ring_[i].evenly_spaced()) {
       if (!uneven_) uneven_.reset(new StepSums[ring_size_]);
       uneven_[i] = step_sums;
@@ -549,10 +568,12 @@ bool WindowedSlope::LoadState(StateReader& in) {
   // Every held bucket (the open one last) must be a non-empty bucket of its own index, the indices
   // increasing, all of them within the window that ends at last_step_: then they are at most
   // ring_capacity_, and the window keeps to its ring as it moves on.
-  const uint64_t oldest_first = held(0).first_step;
-  if (open_.last_step() > last_step_ || last_step_ - oldest_first >= window_steps_) {
-    return in.Fail("a window holds buckets outside it");
+  first_steps.push_back(open_.first_step());
+  for (const uint64_t first : first_steps) {
+    if (first > last_step_ || last_step_ - first >= window_steps_) return in.Fail("a window holds buckets outside it");
   }
+  const uint64_t oldest_first = first_steps.front();
+  if (open_.last_step() > last_step_) return in.Fail("a window holds buckets outside it");
   for (size_t i = 0; i <= held_; ++i) {
     const HeldSpan bucket = held(i);
     const uint64_t index = bucket.first_step / bucket_steps_;
@@ -563,8 +584,10 @@ bool WindowedSlope::LoadState(StateReader& in) {
       return in.Fail("a window's buckets are out of order");
     }
   }
-  // The open bucket is packed when it closes: its origin is its first sample (OpenBucket).
-  if (open_.origin_step() != open_.first_step() || open_.count() > PackedSums::kMaxCount) {
+  // The open bucket is packed when it closes: its origins are its first step and a packable value
+  // (OpenBucket).
+  if (open_.origin_step() != open_.first_step() || !PackedSums::IsPackableOrigin(open_.value_origin()) ||
+      open_.count() > PackedSums::kMaxCount) {
     return in.Fail("a window's open bucket has another origin or too many samples");
   }
   // As OpenBucket and ExpireBefore set them.

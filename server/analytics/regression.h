@@ -10,6 +10,7 @@
 // Pure maths: no I/O, no locks. Not thread-safe: the owner serialises access.
 #pragma once
 
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -138,10 +139,17 @@ struct StepSums {
 };
 
 // What a window keeps of a closed bucket: a RegressionSums whose step origin is its first step,
-// its sums rounded to plain doubles (their compensation folded in) and its step range as an
-// offset. 48 bytes: a window holds up to max_buckets of them, most of a slope's memory. The
-// rounding is half an ulp of sums taken from the bucket's own origins (small terms), and a window
-// adds and removes the same rounded values, so its sums stay exact up to the usual summation error.
+// its sums rounded to plain doubles (their compensation folded in), in 40 bytes: a window holds up
+// to max_buckets of them, most of a slope's memory. The rounding is half an ulp of sums taken from
+// the bucket's own origins (small terms), and a window adds and removes the same rounded values, so
+// its sums stay exact up to the usual summation error.
+//
+// Two fields are kept in 32 bits. The first step keeps its low 32 bits: its owner reads it with a
+// `reference` step at or after it and at most kMaxReach past it (a window's newest step: every
+// bucket it holds started within the window, at most 2^32 steps). The value origin is a packable
+// one (PackableOrigin: the high 32 bits of a double, sign, exponent and 20 bits of mantissa), as a
+// WindowedSlope opens every bucket with the packable origin nearest its first value; sums with
+// another origin are shifted to it as they are packed, which rounds them once more.
 //
 // The sums of x and x² (x the step less the first step) are integers that the steps alone decide:
 // when the bucket's steps are evenly spaced (every step, every k steps, a single step), its count
@@ -153,35 +161,53 @@ class PackedSums {
   // Most samples a packed bucket holds, and most steps it spans (last − first).
   static constexpr uint64_t kMaxCount = INT32_MAX;
   static constexpr uint64_t kMaxSpan = UINT32_MAX;
+  // Most steps from a bucket's first step to the reference step it is read with.
+  static constexpr uint64_t kMaxReach = UINT32_MAX;
+
+  // `value` with the low 32 bits of its double cleared: a value origin PackedSums keeps as it is,
+  // within 2^-20 of `value` relatively (2^-1042 for a subnormal one; ±0 and ±Inf are kept whole).
+  static double PackableOrigin(double value) {
+    return std::bit_cast<double>(std::bit_cast<uint64_t>(value) & ~uint64_t{UINT32_MAX});
+  }
+  static bool IsPackableOrigin(double value) { return (std::bit_cast<uint64_t>(value) & UINT32_MAX) == 0; }
 
   PackedSums() = default;
   // sums must be non-empty, with origin_step() == first_step(), at most kMaxCount samples and
-  // last_step() − first_step() ≤ kMaxSpan (as a WindowedSlope's open bucket always is).
+  // last_step() − first_step() ≤ kMaxSpan (as a WindowedSlope's open bucket always is). A value
+  // origin that is not packable is replaced by PackableOrigin(sums.value_origin()).
   explicit PackedSums(const RegressionSums& sums);
 
   // sums' Σx and Σx² as PackedSums(sums) rounds them: what an owner keeps of an uneven bucket.
   static StepSums StepSumsOf(const RegressionSums& sums);
-  // PackedSums(sums).Unpack(StepSumsOf(sums)): the sums a window keeps of a bucket it closes.
+  // PackedSums(sums).Unpack(sums.first_step(), StepSumsOf(sums)): the sums a window keeps of a
+  // bucket it closes.
   static RegressionSums Rounded(const RegressionSums& sums);
 
   // Whether Σx and Σx² are not kept (count and span give them): see the class comment.
   bool evenly_spaced() const { return (count_word_ & kUneven) == 0; }
-  // The RegressionSums these sums stand for (origins at first_step() and the value origin).
-  // `uneven` is what StepSumsOf gave for this bucket when !evenly_spaced(), ignored otherwise.
-  RegressionSums Unpack(const StepSums& uneven = {}) const;
+  // The RegressionSums these sums stand for (origins at the first step and the value origin),
+  // read with `reference` (see the class comment). `uneven` is what StepSumsOf gave for this
+  // bucket when !evenly_spaced(), ignored otherwise.
+  RegressionSums Unpack(uint64_t reference, const StepSums& uneven = {}) const;
 
   size_t count() const { return count_word_ & ~kUneven; }
   bool empty() const { return count() == 0; }
-  uint64_t first_step() const { return first_step_; }
-  uint64_t last_step() const { return first_step_ + span_; }
+  // The first and last steps, read with `reference`.
+  uint64_t first_step(uint64_t reference) const {
+    return reference - static_cast<uint32_t>(static_cast<uint32_t>(reference) - first_step_low_);
+  }
+  uint64_t last_step(uint64_t reference) const { return first_step(reference) + span_; }
+  double value_origin() const { return std::bit_cast<double>(uint64_t{origin_high_} << 32); }
 
-  // Every field, Σx and Σx² too (`uneven` as for Unpack): the same bytes as when both were kept.
-  void SaveState(StateWriter& out, const StepSums& uneven = {}) const;
+  // Every field in full, Σx and Σx² too (`uneven` as for Unpack): the bytes a 48-byte bucket with
+  // both step sums kept would write.
+  void SaveState(StateWriter& out, uint64_t reference, const StepSums& uneven = {}) const;
   // Reads what SaveState wrote; false (in.Fail called) on a truncated input, a count above
-  // kMaxCount or a span that overflows the step axis. Sets `step_sums` to the Σx and Σx² read:
-  // the owner keeps them when !evenly_spaced(). Other bytes give sums that are safe to use (see
-  // RegressionSums).
-  bool LoadState(StateReader& in, StepSums& step_sums);
+  // kMaxCount, a span that overflows the step axis or a value origin that is not packable. Sets
+  // `first_step` to the first step read, which the owner checks lies within kMaxReach of the
+  // reference it reads the bucket with, and `step_sums` to the Σx and Σx² read: the owner keeps
+  // them when !evenly_spaced(). Other bytes give sums that are safe to use (see RegressionSums).
+  bool LoadState(StateReader& in, uint64_t& first_step, StepSums& step_sums);
 
  private:
   static constexpr uint32_t kUneven = 0x8000'0000u;
@@ -193,10 +219,10 @@ class PackedSums {
   // Packs Σx and Σx²: marks the bucket uneven unless they are EvenStepSums(count, span).
   void SetStepSums(const StepSums& sums);
 
-  uint64_t first_step_ = 0;
-  double value_origin_ = 0;
-  uint32_t count_word_ = 0;  // the count, and kUneven
-  uint32_t span_ = 0;        // last step − first step
+  uint32_t first_step_low_ = 0;
+  uint32_t origin_high_ = 0;  // the value origin's high 32 bits (a packable origin)
+  uint32_t count_word_ = 0;   // the count, and kUneven
+  uint32_t span_ = 0;         // last step − first step
   double sum_y_ = 0, sum_xy_ = 0, sum_yy_ = 0;
 };
 
@@ -209,7 +235,7 @@ class PackedSums {
 // doubles (from 4 buckets) up to the most a window can span, after which AddSample never
 // allocates. Samples are aggregated into buckets of bucket_steps = ceil(window_steps / max_buckets)
 // consecutive steps (bucket k holds steps [k·bucket_steps, (k+1)·bucket_steps)), kept in a ring,
-// each closed one packed into 48 bytes (PackedSums; the step sums of uneven buckets, 16 bytes
+// each closed one packed into 40 bytes (PackedSums; the step sums of uneven buckets, 16 bytes
 // more each, in a second ring allocated only while the window holds one). A sample is added to
 // the newest (open) bucket only: the sums of the closed buckets in the window add each bucket's
 // packed sums as it closes and subtract them as it expires, and are recomputed exactly
@@ -229,10 +255,11 @@ class WindowedSlope {
  public:
   static constexpr size_t kDefaultMaxBuckets = 1024;
   static constexpr size_t kMaxBuckets = size_t{1} << 31;
+  // The longest window: a bucket is read with the window's newest step (PackedSums::kMaxReach).
+  static constexpr uint64_t kMaxWindowSteps = PackedSums::kMaxReach + 1;
 
-  // window_steps and max_buckets below 1 are raised to 1; max_buckets above kMaxBuckets is lowered
-  // to it, and window_steps above max_buckets · 2^32 to that (a closed bucket spans at most 2^32
-  // steps).
+  // window_steps and max_buckets below 1 are raised to 1; max_buckets above kMaxBuckets and
+  // window_steps above kMaxWindowSteps (2^32, far beyond any run) are lowered to them.
   explicit WindowedSlope(uint64_t window_steps, size_t max_buckets = kDefaultMaxBuckets);
   // Moved, never copied: a copy of every bucket is never what a caller wants.
   WindowedSlope(const WindowedSlope&) = delete;
@@ -327,10 +354,13 @@ class WindowedSlope {
     const size_t s = head_ + i;
     return static_cast<uint32_t>(s < ring_size_ ? s : s - ring_size_);
   }
-  // The sums of the closed bucket in ring slot s.
-  RegressionSums Unpacked(uint32_t s) const {
-    return uneven_held_ > 0 ? ring_[s].Unpack(uneven_[s]) : ring_[s].Unpack();
+  // The sums of the closed bucket in ring slot s, read with `reference` (last_step_ but while a
+  // sample far ahead expires them: see AddSample).
+  RegressionSums Unpacked(uint32_t s, uint64_t reference) const {
+    return uneven_held_ > 0 ? ring_[s].Unpack(reference, uneven_[s]) : ring_[s].Unpack(reference);
   }
+  RegressionSums Unpacked(uint32_t s) const { return Unpacked(s, last_step_); }
+  uint64_t FirstStep(const Bucket& b) const { return b.first_step(last_step_); }
   // Stores PackedSums(sums) in ring slot s, its step sums aside if it is uneven.
   void Pack(uint32_t s, const RegressionSums& sums);
   // Drops the oldest closed bucket (held_ > 0).
@@ -339,14 +369,16 @@ class WindowedSlope {
   HeldSpan held(size_t i) const {
     if (i < held_) {
       const Bucket& b = ring_[slot(i)];
-      return {b.first_step(), b.last_step(), b.count()};
+      return {b.first_step(last_step_), b.last_step(last_step_), b.count()};
     }
     return {open_.first_step(), open_.last_step(), open_.count()};
   }
   // The sums of the first `count` held buckets whose samples all lie in [from_step, to_step].
   RegressionSums SumsOfHeldInRange(size_t count, uint64_t from_step, uint64_t to_step) const;
   static constexpr size_t kFirstRingSize = 4;
-  void ExpireBefore(uint64_t newest_step);
+  // Drops the buckets newest_step leaves behind; `reference` is the newest step before it, which
+  // every held bucket is read with.
+  void ExpireBefore(uint64_t newest_step, uint64_t reference);
   // Recomputes closed_ if due (see the class comment).
   void MaybeRecompute();
   void Recompute();
@@ -357,7 +389,7 @@ class WindowedSlope {
   void ResizeRing(uint32_t size);
   // Moves the open bucket into the ring and its sums into closed_.
   void CloseOpenBucket();
-  // Opens a bucket with its first sample's step and value as origins.
+  // Opens a bucket with its first sample's step and the packable origin of its value as origins.
   void OpenBucket(uint64_t step, double value);
 
   // What AddSample reads for every sample, contiguous: this first cache line, then the open

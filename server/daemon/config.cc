@@ -14,6 +14,7 @@
 
 #include "alerts/notify/http_client.h"
 #include "alerts/yaml_checks.h"
+#include "server/analytics/regression.h"
 #include "server/core/suggest.h"
 #include "server/daemon/alerting.h"
 #include "server/daemon/tls.h"
@@ -420,8 +421,11 @@ Status ValidateConfig(const Config& c) {
   if (c.slope_windows.empty() || c.slope_windows.size() > 8) {
     return bad("analytics.windows: give 1 to 8 windows (steps)");
   }
+  // A window's buckets keep 32 bits of their first step (analytics::PackedSums).
+  constexpr uint64_t kMaxWindow = analytics::WindowedSlope::kMaxWindowSteps;
   for (uint64_t w : c.slope_windows) {
     if (w < 2) return bad("analytics.windows: every window must be at least 2 steps");
+    if (w > kMaxWindow) return bad("analytics.windows: a window spans at most 4294967296 steps");
   }
   if (c.slope_max_buckets < 2 || c.slope_max_buckets > 65536) {
     return bad("analytics.max_buckets: must be between 2 and 65536");
@@ -429,9 +433,15 @@ Status ValidateConfig(const Config& c) {
   if (c.slope_param_max_buckets < 2 || c.slope_param_max_buckets > 65536) {
     return bad("analytics.param_max_buckets: must be between 2 and 65536");
   }
-  if (c.event_window_steps < 2) return bad("analytics.event_window_steps: must be at least 2");
-  if (c.forecast_window_steps < 2) return bad("analytics.forecast_window_steps: must be at least 2");
-  if (c.change_point_window_steps < 10) return bad("analytics.change_point_window_steps: must be at least 10");
+  if (c.event_window_steps < 2 || c.event_window_steps > kMaxWindow) {
+    return bad("analytics.event_window_steps: must be between 2 and 4294967296");
+  }
+  if (c.forecast_window_steps < 2 || c.forecast_window_steps > kMaxWindow) {
+    return bad("analytics.forecast_window_steps: must be between 2 and 4294967296");
+  }
+  if (c.change_point_window_steps < 10 || c.change_point_window_steps > kMaxWindow) {
+    return bad("analytics.change_point_window_steps: must be between 10 and 4294967296");
+  }
   for (const auto& [series, threshold] : c.forecasts) {
     if (series.empty() || !std::isfinite(threshold)) {
       return bad("analytics.forecasts: every entry needs a series key and a finite threshold");

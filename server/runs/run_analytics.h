@@ -11,7 +11,7 @@
 //
 // Memory grows with what the run reports: a series' trackers are allocated on its first sample
 // (a catalog entry that never reports costs a few hundred bytes), charged to the memory budget
-// at their full size (about 38 KB for a key series with the default windows) before they are
+// at their full size (about 34 KB for a key series with the default windows) before they are
 // allocated, and released when the analytics are destroyed (the run is dropped, or rewinds). A
 // series whose trackers do not fit gets no analytics (no slopes, slope changes, forecasts or
 // share trend) until the analytics are rebuilt; it is counted (DaemonStats::
@@ -43,12 +43,12 @@ struct AnalyticsOptions {
   // Slope windows (steps); the forecast and share trends use forecast_window_steps, which is
   // added to the list when missing.
   std::vector<uint64_t> windows = {1000, 5000, 20000};
-  // Buckets per window: memory per tracked series is about windows × max_buckets × 48 bytes;
+  // Buckets per window: memory per tracked series is about windows × max_buckets × 40 bytes;
   // a window's edge has a granularity of window / max_buckets steps.
   size_t max_buckets = 128;
   // Buckets per window for the series of parameters other than the output layer that are not key
   // series (most of a large run's series), and for their share trends; the run's scalars, the key
-  // series and the output layer keep max_buckets. About 3.5 KB per series with 16.
+  // series and the output layer keep max_buckets. About 3.1 KB per series with 16.
   size_t param_max_buckets = 16;
   // The samples of trackers no rule reads at each step are set aside and fed a slice at a time
   // once the run's trackers take at least this many bytes (the caches no longer hold them);

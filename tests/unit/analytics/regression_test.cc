@@ -184,8 +184,8 @@ TEST_CASE("merging and subtracting sums with different origins equals a direct f
   CHECK_FALSE(merged.Fit());
 }
 
-TEST_CASE("packed sums keep a bucket's steps, count and fit in 48 bytes", "[analytics]") {
-  STATIC_REQUIRE(sizeof(PackedSums) == 48);
+TEST_CASE("packed sums keep a bucket's steps, count and fit in 40 bytes", "[analytics]") {
+  STATIC_REQUIRE(sizeof(PackedSums) == 40);
   std::mt19937_64 rng(11);
   std::normal_distribution<double> noise(0.0, 0.3);
   std::vector<uint64_t> steps;
@@ -202,11 +202,17 @@ TEST_CASE("packed sums keep a bucket's steps, count and fit in 48 bytes", "[anal
   // Every third step: Σx and Σx² follow from the count and the span.
   CHECK(packed.evenly_spaced());
   CHECK(packed.count() == bucket.count());
-  CHECK(packed.first_step() == 7'000'000'000);
-  CHECK(packed.last_step() == steps.back());
-  const RegressionSums unpacked = packed.Unpack();
+  // The first step keeps its low 32 bits: read with any step from it to kMaxReach past it.
+  for (const uint64_t reference : {steps.front(), steps.back(), steps.front() + PackedSums::kMaxReach}) {
+    CHECK(packed.first_step(reference) == 7'000'000'000);
+    CHECK(packed.last_step(reference) == steps.back());
+  }
+  const RegressionSums unpacked = packed.Unpack(steps.back());
   CHECK(unpacked.origin_step() == bucket.origin_step());
-  CHECK(unpacked.value_origin() == bucket.value_origin());
+  // The first value's origin (not a packable one) is shifted to the packable one nearest it.
+  REQUIRE_FALSE(PackedSums::IsPackableOrigin(bucket.value_origin()));
+  CHECK(unpacked.value_origin() == PackedSums::PackableOrigin(bucket.value_origin()));
+  CHECK(std::abs(unpacked.value_origin() - bucket.value_origin()) <= std::ldexp(bucket.value_origin(), -20));
   CHECK(unpacked.first_step() == bucket.first_step());
   CHECK(unpacked.last_step() == bucket.last_step());
   const Reference ref = TwoPassFit(steps, values);
@@ -220,7 +226,7 @@ TEST_CASE("packed sums keep a bucket's steps, count and fit in 48 bytes", "[anal
   RegressionSums window(1000, 3.0);
   window.Merge(unpacked);
   CHECK(window.count() == bucket.count());
-  window.Subtract(packed.Unpack());
+  window.Subtract(packed.Unpack(steps.back()));
   CHECK(window.empty());
 }
 
@@ -240,6 +246,26 @@ void RequireSameFit(const std::optional<LinearFit>& fit, const std::optional<Lin
 }
 
 }  // namespace
+
+TEST_CASE("a packable value origin is the double's high 32 bits, kept whole for ±0 and ±Inf", "[analytics]") {
+  for (const double v : {1.0, -2.5, 0.0, -0.0, std::numeric_limits<double>::infinity(), 65536.0}) {
+    CHECK(PackedSums::IsPackableOrigin(v));
+    CHECK(std::bit_cast<uint64_t>(PackedSums::PackableOrigin(v)) == std::bit_cast<uint64_t>(v));
+  }
+  for (const double v : {0.1, 1e-300, 4.9e-324, -1e300, 50.123456789, std::numeric_limits<double>::max()}) {
+    const double origin = PackedSums::PackableOrigin(v);
+    CHECK_FALSE(PackedSums::IsPackableOrigin(v));
+    CHECK(PackedSums::IsPackableOrigin(origin));
+    CHECK(std::signbit(origin) == std::signbit(v));
+    CHECK(std::abs(origin) <= std::abs(v));
+    // Relatively within 2^-20, or 2^-1042 for a subnormal value.
+    CHECK(std::abs(v - origin) <= std::max(std::ldexp(std::abs(v), -20), std::ldexp(1.0, -1042)));
+  }
+  // A bucket whose origin is packable keeps its sums as they are, bit for bit.
+  RegressionSums bucket(100, PackedSums::PackableOrigin(50.123456789));
+  for (uint64_t step = 100; step < 108; ++step) bucket.Add(step, 50.123456789 + 0.001 * static_cast<double>(step));
+  RequireSameFit(PackedSums(bucket).Unpack(107).Fit(), bucket.Fit());
+}
 
 TEST_CASE("an uneven bucket's step sums come back bit for bit from beside it, an even one's from its count",
           "[analytics]") {
@@ -261,7 +287,7 @@ TEST_CASE("an uneven bucket's step sums come back bit for bit from beside it, an
     for (const uint64_t step : steps) bucket.Add(step, 3.5 + 1e-3 * static_cast<double>(step % 1000) + noise(rng));
     const PackedSums packed(bucket);
     CHECK(packed.evenly_spaced() == even);
-    const RegressionSums unpacked = packed.Unpack(PackedSums::StepSumsOf(bucket));
+    const RegressionSums unpacked = packed.Unpack(bucket.first_step(), PackedSums::StepSumsOf(bucket));
     CHECK(unpacked.count() == bucket.count());
     CHECK(unpacked.first_step() == bucket.first_step());
     CHECK(unpacked.last_step() == bucket.last_step());
@@ -274,7 +300,7 @@ TEST_CASE("an uneven bucket's step sums come back bit for bit from beside it, an
     }
     if (even) {
       // The step sums are not needed: whatever is handed in, the same sums come back.
-      RequireSameFit(packed.Unpack({123.0, 456.0}).Fit(), unpacked.Fit());
+      RequireSameFit(packed.Unpack(bucket.last_step(), {123.0, 456.0}).Fit(), unpacked.Fit());
     }
   }
 }
@@ -344,15 +370,16 @@ TEST_CASE("a window with gaps and repeated steps keeps their step sums aside onl
   check_fit();
 }
 
-TEST_CASE("max_buckets is capped at 2^31 and a window at max_buckets times 2^32 steps", "[analytics]") {
+TEST_CASE("max_buckets is capped at 2^31 and a window at 2^32 steps", "[analytics]") {
+  STATIC_REQUIRE(WindowedSlope::kMaxWindowSteps == uint64_t{1} << 32);
   const WindowedSlope huge(UINT64_MAX, 128);
-  CHECK(huge.window_steps() == 128 * (PackedSums::kMaxSpan + 1));
-  CHECK(huge.bucket_steps() == PackedSums::kMaxSpan + 1);
+  CHECK(huge.window_steps() == WindowedSlope::kMaxWindowSteps);
+  CHECK(huge.bucket_steps() == WindowedSlope::kMaxWindowSteps / 128);
   const WindowedSlope one_bucket(UINT64_MAX, 1);
   CHECK(one_bucket.bucket_steps() == PackedSums::kMaxSpan + 1);
   const WindowedSlope most(UINT64_MAX, SIZE_MAX);
-  CHECK(most.window_steps() == WindowedSlope::kMaxBuckets * (PackedSums::kMaxSpan + 1));
-  CHECK(most.bucket_steps() == PackedSums::kMaxSpan + 1);
+  CHECK(most.window_steps() == WindowedSlope::kMaxWindowSteps);
+  CHECK(most.bucket_steps() == 2);
   CHECK(most.CapacityBytes() == sizeof(WindowedSlope) + WindowedSlope::kMaxBuckets * sizeof(PackedSums));
   const WindowedSlope usual(20000, 128);
   CHECK(usual.window_steps() == 20000);
@@ -474,6 +501,43 @@ TEST_CASE("the windowed slope handles gaps, and a gap longer than the window emp
   REQUIRE(fit);
   CHECK(fit->samples == 2);
   CHECK_THAT(fit->slope_per_step, WithinRel(2e-3, kExact));
+}
+
+TEST_CASE("buckets keep their steps across 2^32 boundaries and gaps of more than 2^32 steps", "[analytics]") {
+  // Buckets keep their first step's low 32 bits: steps that cross a multiple of 2^32, and a gap
+  // far longer than 2^32 steps, must still expire and fit as the steps say.
+  WindowedSlope window(1000, 16);  // 63-step buckets
+  const uint64_t base = (uint64_t{5} << 32) - 700;
+  for (uint64_t step = base; step < base + 1500; ++step) REQUIRE(window.AddSample(step, Line(4.0, 1e-3, step - base)));
+  auto fit = window.Fit();
+  REQUIRE(fit);
+  CHECK(fit->last_step == base + 1499);
+  CHECK(fit->first_step > base + 499);
+  CHECK(fit->first_step <= base + 499 + window.bucket_steps());
+  CHECK(fit->samples == fit->last_step - fit->first_step + 1);
+  CHECK_THAT(fit->slope_per_step, WithinRel(1e-3, 1e-9));
+  CHECK(window.SumsInRange(0, UINT64_MAX).first_step() == fit->first_step);
+
+  // Three times 2^32 steps later (the same low 32 bits): everything before leaves.
+  const uint64_t later = base + 1499 + (uint64_t{3} << 32);
+  REQUIRE(window.AddSample(later, 9.0));
+  CHECK(window.samples_in_window() == 1);
+  CHECK_FALSE(window.Fit());
+  REQUIRE(window.AddSample(later + 100, 9.5));
+  fit = window.Fit();
+  REQUIRE(fit);
+  CHECK(fit->samples == 2);
+  CHECK(fit->first_step == later);
+  CHECK_THAT(fit->slope_per_step, WithinRel(0.005, kExact));
+
+  // Saved and loaded, it reads the same steps.
+  std::string bytes;
+  StateWriter out(bytes);
+  window.SaveState(out);
+  WindowedSlope loaded(1000, 16);
+  StateReader in(bytes);
+  REQUIRE(loaded.LoadState(in));
+  RequireSameFit(loaded.Fit(), window.Fit());
 }
 
 TEST_CASE("the window forgets old samples: after a slope change the 1k window shows the new slope", "[analytics]") {

@@ -92,6 +92,21 @@ TEST_CASE("validation rejects bad values with the key's name", "[daemon]") {
   CHECK(ValidateConfig(c).message().find("journal.block_steps") == 0);
   c.journal_block_steps = 4097;
   CHECK(ValidateConfig(c).message().find("journal.block_steps") == 0);
+  // A slope window's buckets keep 32 bits of their first step: windows up to 2^32 steps.
+  c = Config{};
+  c.slope_windows = {1000, (uint64_t{1} << 32) + 1};
+  CHECK(ValidateConfig(c).message().find("analytics.windows") == 0);
+  c.slope_windows = {1000, uint64_t{1} << 32};
+  CHECK(ValidateConfig(c).ok());
+  c = Config{};
+  c.forecast_window_steps = (uint64_t{1} << 32) + 1;
+  CHECK(ValidateConfig(c).message().find("analytics.forecast_window_steps") == 0);
+  c = Config{};
+  c.event_window_steps = UINT64_MAX;
+  CHECK(ValidateConfig(c).message().find("analytics.event_window_steps") == 0);
+  c = Config{};
+  c.change_point_window_steps = UINT64_MAX;
+  CHECK(ValidateConfig(c).message().find("analytics.change_point_window_steps") == 0);
 }
 
 TEST_CASE("a repeated key is an error naming the file and line, at any depth", "[daemon]") {
