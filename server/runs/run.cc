@@ -133,12 +133,12 @@ void Run::DropEventAcksLocked(StreamSink* sink) {
 }
 
 SeriesId Run::SeriesForKeyLocked(const std::string& key, bool journal) {
-  if (auto it = series_by_key_.find(key); it != series_by_key_.end()) return it->second;
+  if (auto it = series_by_key_.find(std::string_view(key)); it != series_by_key_.end()) return *it;
   if (series_.size() >= options_.max_series) return kNoSeries;
   const auto id = static_cast<SeriesId>(series_.size());
   AddSeriesLocked(id, key);
   series_.push_back({key, std::make_unique<store::Series>(SeriesOptionsLocked(id, key))});
-  series_by_key_.emplace(key, id);
+  series_by_key_.insert(id);
   if (journal) JournalLocked(store::SeriesRecord{id_, id, key});
   return id;
 }
@@ -161,7 +161,7 @@ std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello, bool
     }
   }
   for (size_t i = common; i < hello.params.size(); ++i) {
-    if (series_by_key_.count(keys::GradNorm(hello.params[i].name)) != 0) {
+    if (series_by_key_.contains(std::string_view(keys::GradNorm(hello.params[i].name)))) {
       return IngestError{IngestErrorReason::kCatalogMismatch, "catalog entry " + std::to_string(i) + " '" +
                                                                   hello.params[i].name +
                                                                   "' names a parameter or series the run already has"};
@@ -208,6 +208,11 @@ std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>
   }
   JournalLocked(std::move(record));
   analytics_->SetCatalog(meta_.params);
+  // The new parameters' series, allocated once rather than by doubling.
+  const size_t series_after = std::min(series_.size() + kNormFields * (params.size() - first), options_.max_series);
+  series_.reserve(series_after);
+  param_series_.reserve(params.size());
+  analytics_->ReserveSeries(series_after);
   for (size_t i = first; i < params.size(); ++i) {
     std::array<SeriesId, kNormFields> ids{};
     for (int f = 0; f < kNormFields; ++f) {
@@ -920,9 +925,9 @@ std::optional<std::vector<store::Point>> Run::QuerySeries(const std::string& key
                                                           size_t max_points) const {
   MutexLock lock(&mu_);
   ApplyPointsLocked();
-  auto it = series_by_key_.find(key);
-  if (it == series_by_key_.end() || !series_[it->second].data) return std::nullopt;
-  return series_[it->second].data->Query(from_step, to_step, max_points);
+  auto it = series_by_key_.find(std::string_view(key));
+  if (it == series_by_key_.end() || !series_[*it].data) return std::nullopt;
+  return series_[*it].data->Query(from_step, to_step, max_points);
 }
 
 size_t Run::MemoryBytes() const {
@@ -941,8 +946,15 @@ void Run::RestoreSeries(SeriesId id, const std::string& key) {
   ApplyPointsLocked();
   if (id >= series_.size()) series_.resize(id + 1);
   AddSeriesLocked(id, key);
+  // The set hashes series_[id].key: the id leaves it before its key changes, and a key restored
+  // under a second id maps to the later one, as the journal's records say.
+  for (const std::string_view k : {std::string_view(series_[id].key), std::string_view(key)}) {
+    if (auto it = series_by_key_.find(k); it != series_by_key_.end() && (*it == id || k == key)) {
+      series_by_key_.erase(it);
+    }
+  }
   series_[id] = {key, std::make_unique<store::Series>(SeriesOptionsLocked(id, key))};
-  series_by_key_[key] = id;
+  series_by_key_.insert(id);
 }
 
 void Run::RestoreProgress(const store::RankProgress& progress) {

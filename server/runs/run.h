@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "server/core/clock.h"
@@ -425,7 +426,31 @@ class Run {
   RunMeta meta_ GUARDED_BY(mu_);
   StepAssembler assembler_ GUARDED_BY(mu_);
   std::vector<SeriesEntry> series_ GUARDED_BY(mu_);
-  std::unordered_map<std::string, SeriesId> series_by_key_ GUARDED_BY(mu_);
+  // The ids of series_ by their key, which only series_ holds: the set hashes and compares
+  // series_[id].key, and finds a key (a string_view) without a copy of it.
+  struct KeyOfId {
+    const std::vector<SeriesEntry>* series;
+    std::string_view operator()(SeriesId id) const { return (*series)[id].key; }
+    std::string_view operator()(std::string_view key) const { return key; }
+  };
+  struct KeyHash {
+    using is_transparent = void;
+    KeyOfId key;
+    template <typename T>
+    size_t operator()(const T& t) const {
+      return std::hash<std::string_view>{}(key(t));
+    }
+  };
+  struct KeyEqual {
+    using is_transparent = void;
+    KeyOfId key;
+    template <typename A, typename B>
+    bool operator()(const A& a, const B& b) const {
+      return key(a) == key(b);
+    }
+  };
+  std::unordered_set<SeriesId, KeyHash, KeyEqual> series_by_key_ GUARDED_BY(mu_){0, KeyHash{KeyOfId{&series_}},
+                                                                                 KeyEqual{KeyOfId{&series_}}};
   std::vector<std::array<SeriesId, kNormFields>> param_series_ GUARDED_BY(mu_);
   std::array<SeriesId, 5> scalar_series_ GUARDED_BY(mu_){};  // total grad, loss, z-loss, lr, tokens
   std::vector<RankState> ranks_ GUARDED_BY(mu_);
