@@ -32,8 +32,8 @@ struct Config {
   size_t recent_points = 4096;
   size_t history_buckets = 1024;
   // Points kept by every other parameter series (runs::RunOptions::param_series).
-  size_t param_recent_points = 256;
-  size_t param_history_buckets = 64;
+  size_t param_recent_points = 128;
+  size_t param_history_buckets = 32;
   size_t journal_batch_max = 4096;
   int journal_max_delay_ms = 20;
   size_t journal_block_steps = 128;  // store::JournalOptions::block_steps

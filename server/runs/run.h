@@ -39,8 +39,10 @@ struct RunOptions {
   // loss, z-loss, learning rate, tokens, extra keys), the norms of the output layer and the
   // parameter norms of norm gains: the series the incident lives in (DESIGN.md).
   store::SeriesOptions series;
-  // Every other parameter series (most of a large run's): kept smaller.
-  store::SeriesOptions param_series = {.recent_points = 256, .history_buckets = 64};
+  // Every other parameter series (most of a large run's): kept smaller, a tier that takes most of
+  // a large run's memory otherwise (README "What each series keeps"). Their analytics keep their
+  // resolution (analytics.param_max_buckets), and the journal every step.
+  store::SeriesOptions param_series = {.recent_points = 128, .history_buckets = 32};
   size_t max_params = 65536;
   size_t max_series = 262144;
   // A run with no open stream and no step for this long is ended (dropped from /metrics).
