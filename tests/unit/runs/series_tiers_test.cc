@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -84,4 +85,29 @@ TEST_CASE("key series keep the full series options and other parameter series th
     CHECK(h.full <= 8 + 1);
     CHECK(h.points <= 8 + 4);
   }
+}
+
+TEST_CASE("at the defaults key series keep 4,096 points and 1,024 buckets, other parameter series 128 and 32",
+          "[runs]") {
+  const RunOptions defaults;
+  CHECK(defaults.series.recent_points == 4096);
+  CHECK(defaults.series.history_buckets == 1024);
+  CHECK(defaults.param_series.recent_points == 128);
+  CHECK(defaults.param_series.history_buckets == 32);
+  // What each tier holds once full, with full-precision norms noisy in every bit (README "What
+  // each series keeps"): the ordinary tier is most of a large run's series.
+  std::mt19937_64 rng(3);
+  std::lognormal_distribution<double> noise(0.0, 0.05);
+  store::Series key(defaults.series), ordinary(defaults.param_series);
+  for (uint64_t s = 1; s <= 25000; ++s) {
+    const double v = 50.0 * noise(rng);
+    REQUIRE(key.Append(s, v));
+    REQUIRE(ordinary.Append(s, v));
+  }
+  CHECK(key.recent_size() == 4096);
+  CHECK(key.history_size() <= 1024);
+  CHECK(ordinary.recent_size() == 128);
+  CHECK(ordinary.history_size() <= 32);
+  CHECK(key.MemoryBytes() <= 66 * 1024);
+  CHECK(ordinary.MemoryBytes() <= 3400);
 }
