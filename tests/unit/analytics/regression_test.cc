@@ -232,6 +232,14 @@ TEST_CASE("packed sums keep a bucket's steps, count and fit in 40 bytes", "[anal
 
 namespace {
 
+// What SaveState writes of `window`.
+std::string SavedBytes(const WindowedSlope& window) {
+  std::string bytes;
+  StateWriter out(bytes);
+  window.SaveState(out);
+  return bytes;
+}
+
 // `fit` equals `expected`, bit for bit.
 void RequireSameFit(const std::optional<LinearFit>& fit, const std::optional<LinearFit>& expected) {
   REQUIRE(fit.has_value() == expected.has_value());
@@ -350,19 +358,14 @@ TEST_CASE("a window with gaps and repeated steps keeps their step sums aside onl
   CHECK(uneven > 2);
 
   // Saved and loaded, the window holds the same buckets and gives the same fits.
-  std::string bytes;
-  StateWriter out(bytes);
-  window.SaveState(out);
+  const std::string bytes = SavedBytes(window);
   WindowedSlope loaded(1000, 64);
   StateReader in(bytes);
   REQUIRE(loaded.LoadState(in));
   CHECK(loaded.uneven_buckets() == uneven);
   RequireSameFit(loaded.Fit(), window.Fit());
   RequireSameFit(loaded.FitRange(3100, 3900), window.FitRange(3100, 3900));
-  std::string again;
-  StateWriter out_again(again);
-  loaded.SaveState(out_again);
-  CHECK(again == bytes);
+  CHECK(SavedBytes(loaded) == bytes);
 
   // Every step again: once the window has moved past them, no uneven bucket is held.
   for (step = 3900; step < 6000; ++step) feed(step);
@@ -530,14 +533,13 @@ TEST_CASE("buckets keep their steps across 2^32 boundaries and gaps of more than
   CHECK(fit->first_step == later);
   CHECK_THAT(fit->slope_per_step, WithinRel(0.005, kExact));
 
-  // Saved and loaded, it reads the same steps.
-  std::string bytes;
-  StateWriter out(bytes);
-  window.SaveState(out);
+  // Saved and loaded, it reads the same steps, and saves the same bytes again.
+  const std::string bytes = SavedBytes(window);
   WindowedSlope loaded(1000, 16);
   StateReader in(bytes);
   REQUIRE(loaded.LoadState(in));
   RequireSameFit(loaded.Fit(), window.Fit());
+  CHECK(SavedBytes(loaded) == bytes);
 }
 
 TEST_CASE("the window forgets old samples: after a slope change the 1k window shows the new slope", "[analytics]") {
