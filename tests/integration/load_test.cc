@@ -74,6 +74,7 @@ class RankStream final : public grpc::ClientBidiReactor<v1::TrainerMessage, v1::
       p->mutable_grad()->set_sq_sum(0.01 / kWorldSize);
       p->mutable_param()->set_sq_sum(100.0 / kWorldSize);
     }
+    written_.store(next_step_);
     ++next_step_;
     StartWrite(&out_);
   }
@@ -83,8 +84,9 @@ class RankStream final : public grpc::ClientBidiReactor<v1::TrainerMessage, v1::
     if (in_.has_error()) {
       std::lock_guard lock(mu_);
       if (error_.empty()) error_ = in_.error().message();
-    } else if (in_.has_ack() && in_.ack().durable_step() >= kSteps) {
-      MaybeWritesDone(/*all_written=*/false, /*all_acked=*/true);
+    } else if (in_.has_ack()) {
+      durable_.store(in_.ack().durable_step());
+      if (in_.ack().durable_step() >= kSteps) MaybeWritesDone(/*all_written=*/false, /*all_acked=*/true);
     }
     StartRead(&in_);
   }
@@ -99,6 +101,11 @@ class RankStream final : public grpc::ClientBidiReactor<v1::TrainerMessage, v1::
 
   void Cancel() { context_.TryCancel(); }
   bool acked() const { return acked_.load(); }
+  // Where a stream that has not ended stands: for a load that did not finish in time.
+  std::string Progress() const {
+    return "rank " + std::to_string(rank_) + ": steps written through " + std::to_string(written_.load()) +
+           ", durable through " + std::to_string(durable_.load()) + (acked_ ? ", all acked" : "");
+  }
   // Empty when the stream went well; else what went wrong.
   std::string Problem() const {
     std::lock_guard lock(mu_);
@@ -132,9 +139,11 @@ class RankStream final : public grpc::ClientBidiReactor<v1::TrainerMessage, v1::
   mutable std::mutex mu_;
   bool all_written_ = false;  // guarded by mu_
   std::atomic<bool> acked_{false};
-  bool writes_done_ = false;  // guarded by mu_
-  std::string error_;         // guarded by mu_: the first error the daemon sent
-  grpc::Status status_;       // guarded by mu_
+  std::atomic<uint64_t> written_{0};  // the last step written (its write started)
+  std::atomic<uint64_t> durable_{0};  // the last durable step acked
+  bool writes_done_ = false;          // guarded by mu_
+  std::string error_;                 // guarded by mu_: the first error the daemon sent
+  grpc::Status status_;               // guarded by mu_
 };
 
 struct ProcessUsage {
@@ -229,6 +238,15 @@ TEST_CASE("1,024 concurrent rank streams are all acked while /metrics and Query 
   const auto time_limit = Scaled(kTimeLimit);
   const bool finished = done.WaitFor(time_limit);
   if (!finished) {
+    // What did not finish, and the daemon's last words, before the streams are cancelled.
+    size_t unfinished = 0;
+    for (size_t i = 0; i < streams.size(); ++i) {
+      if (streams[i]->acked()) continue;
+      if (unfinished++ < 8) UNSCOPED_INFO("run load-" << i / kWorldSize << " " << streams[i]->Progress());
+    }
+    UNSCOPED_INFO(unfinished << " of " << streams.size() << " streams without every step acked");
+    const std::string log = daemon.LogText();
+    UNSCOPED_INFO("the daemon's log, last 4,000 bytes:\n" << log.substr(log.size() > 4000 ? log.size() - 4000 : 0));
     for (auto& s : streams) s->Cancel();
     done.WaitFor(std::chrono::seconds(10));
   }
