@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "alerts/recommendation.h"
+#include "alerts/warmup.h"
 
 namespace gradwatch::alerts {
 namespace {
@@ -101,40 +102,43 @@ void SetVar(ConditionVars& vars, std::string_view key, const VarValue& value) {
   }
 }
 
-// Sets what every condition has: value, step, run.
-Condition& Make(ConditionList& out, const LabelSet& base,
+// Sets what every condition has: value, step, run, and the rule's own hold and clear bounds (so
+// that no text repeats a number the rule or an override sets).
+Condition& Make(ConditionList& out, const Rule& rule, const LabelSet& base,
                 std::initializer_list<std::pair<std::string_view, std::string_view>> own, const RunFacts& facts,
                 double value, bool active) {
   Condition& c = out.Add(base, own, value, active);
   SetVar(c.vars, "value", Number(value));
   SetVar(c.vars, "step", Step(facts.step));
   SetVar(c.vars, "run", facts.run_id);
+  SetVar(c.vars, "for_steps", Step(rule.for_steps));
+  SetVar(c.vars, "resolve_for_steps", Step(rule.resolve_for_steps));
+  const bool percent = rule.kind == RuleKind::kShare;
+  if (rule.clear_below) SetVar(c.vars, "clear_below", percent ? Percent(*rule.clear_below) : Number(*rule.clear_below));
+  if (rule.clear_above) SetVar(c.vars, "clear_above", percent ? Percent(*rule.clear_above) : Number(*rule.clear_above));
   return c;
+}
+
+bool IsPageRule(const Rule& rule) {
+  auto it = rule.labels.find("severity");
+  return it != rule.labels.end() && it->second == "page";
 }
 
 bool SameThreshold(double a, double b) {
   return std::fabs(a - b) <= 1e-9 * std::max({1.0, std::fabs(a), std::fabs(b)});
 }
 
-std::optional<double> InitNormOf(const ParamFact& p) {
-  if (p.init_norm && *p.init_norm > 0) return p.init_norm;
-  if (p.info.init_norm && *p.info.init_norm > 0) return p.info.init_norm;
-  if (p.info.kind == ParamKind::kNormGain && p.info.numel > 0) {
-    return std::sqrt(static_cast<double>(p.info.numel));
-  }
-  return std::nullopt;
-}
-
-std::optional<double> AmplificationOf(const ParamFact& p) {
-  if (p.amplification && std::isfinite(*p.amplification)) return p.amplification;
-  auto init = InitNormOf(p);
-  if (p.norm && std::isfinite(*p.norm) && init) return *p.norm / *init;
-  return std::nullopt;
-}
-
 void EvaluateThreshold(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
+  const bool hold_pages = facts.warmup.holds_pages && IsPageRule(rule);
   ForEachLatest(rule.series, facts, Always, [&](const SeriesValue& v) {
-    Condition& c = Make(out, base, {{"series", v.key}}, facts, v.value, Compare(v.value, rule.op, rule.value));
+    const bool active = Compare(v.value, rule.op, rule.value);
+    // During warm-up a page is a warning of its own (warmup.h); a non-finite value pages at once.
+    const bool held = hold_pages && std::isfinite(v.value);
+    Condition& c =
+        held ? Make(out, rule, base, {{"series", v.key}, {"severity", "warning"}, {kPageHeldLabel, kPageHeldValue}},
+                    facts, v.value, active)
+             : Make(out, rule, base, {{"series", v.key}}, facts, v.value, active);
+    if (held) SetVar(c.vars, kPageHeldVariable, facts.warmup.reason);
     c.level = PlainLevel(rule.op, rule.value, IsUpward(rule.op) ? rule.clear_below : rule.clear_above, v.value, true);
     SetVar(c.vars, "series", v.key);
     SetVar(c.vars, "threshold", Number(rule.value));
@@ -148,7 +152,7 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
     // A forecast is about the future: once the value is there, the threshold's own rule speaks.
     const bool active = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0 &&
                         f.steps_to_threshold <= static_cast<double>(rule.within_steps);
-    Condition& c = Make(out, base, {{"series", f.key}}, facts, f.current_value, active);
+    Condition& c = Make(out, rule, base, {{"series", f.key}}, facts, f.current_value, active);
     // Judged on the steps to the threshold: the forecast itself is the value's fitted level.
     const bool gate = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0;
     c.level =
@@ -161,6 +165,16 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
     SetVar(c.vars, "within_steps", Step(rule.within_steps));
     SetVar(c.vars, "slope", Number(f.slope_per_kstep));
     SetVar(c.vars, "current", Number(f.current_value));
+    std::string& outlook = out.scratch_text;
+    if (f.current_value >= rule.threshold) {
+      outlook = "is at or above " + FormatNumber(rule.threshold);
+    } else if (!f.reachable || !std::isfinite(f.steps_to_threshold) || f.steps_to_threshold < 0) {
+      outlook = "is not rising toward " + FormatNumber(rule.threshold);
+    } else {
+      outlook = "reaches " + FormatNumber(rule.threshold) + " in ~" + FormatCount(f.steps_to_threshold) +
+                " steps (near step " + FormatStep(f.at_step) + ")";
+    }
+    SetVar(c.vars, "outlook", outlook);
   }
 }
 
@@ -226,7 +240,7 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
           RatioInterval(s->before_per_kstep, s->after_per_kstep, s->before_stderr_per_kstep, s->after_stderr_per_kstep);
       char step_text[24];
       const auto end = std::to_chars(step_text, step_text + sizeof(step_text), s->event_step).ptr;
-      Condition& c = Make(out, base,
+      Condition& c = Make(out, rule, base,
                           {{"series", s->key},
                            {"trigger", "event"},
                            {"event_step", std::string_view(step_text, static_cast<size_t>(end - step_text))}},
@@ -249,8 +263,8 @@ void EvaluateSlopeChange(const Rule& rule, const RunFacts& facts, const LabelSet
         low = 1 + (diff - kEstimateZ * diff_se) / p->before_per_kstep;
         high = 1 + (diff + kEstimateZ * diff_se) / p->before_per_kstep;
       }
-      Condition& c =
-          Make(out, base, {{"series", p->key}, {"trigger", "change_point"}}, facts, p->ratio, low >= rule.min_ratio);
+      Condition& c = Make(out, rule, base, {{"series", p->key}, {"trigger", "change_point"}}, facts, p->ratio,
+                          low >= rule.min_ratio);
       c.level = EstimateLevel(rule, low, high);
       static const std::string kNoEvent;
       fill(c, p->key, p->ratio, p->before_per_kstep, p->after_per_kstep, p->step, kNoEvent);
@@ -294,7 +308,7 @@ void EvaluateShare(const Rule& rule, const RunFacts& facts, const LabelSet& base
                                   : ShareRuleSelectsParam(rule, s.name, s.kind);
     if (!match) continue;
     Condition& c =
-        Make(out, base, {{s.is_group ? "group" : "param", s.name}}, facts, s.share, s.share >= rule.min_share);
+        Make(out, rule, base, {{s.is_group ? "group" : "param", s.name}}, facts, s.share, s.share >= rule.min_share);
     c.level = PlainLevel(CompareOp::kGe, rule.min_share, rule.clear_below, s.share, true);
     c.level->percent = true;
     SetVar(c.vars, "param", s.name);
@@ -314,14 +328,13 @@ void EvaluateGrowth(const Rule& rule, const RunFacts& facts, const LabelSet& bas
     const double growth = p.growth_factor ? *p.growth_factor - 1 : NAN;
     const std::optional<double> slope =
         p.growth_factor && p.growth_slope_per_kstep ? p.growth_slope_per_kstep : p.norm_slope_per_kstep;
-    const bool rising = (p.growth_factor && (!p.growth_slope_per_kstep || *p.growth_slope_per_kstep > 0)) ||
-                        (p.norm_slope_per_kstep && *p.norm_slope_per_kstep > 0);
+    const bool rising = NormRising(p);
     bool active = rising;
     if (rule.min_amplification) active = active && amplification >= *rule.min_amplification;
     if (rule.min_growth) active = active && growth >= *rule.min_growth;
 
     const double value = rule.min_amplification ? amplification : growth;
-    Condition& c = Make(out, base, {{"param", p.info.name}}, facts, value, active);
+    Condition& c = Make(out, rule, base, {{"param", p.info.name}}, facts, value, active);
     // The measure is the value; the other criterion and the rise are preconditions.
     bool gate = rising;
     if (rule.min_amplification && rule.min_growth) gate = gate && growth >= *rule.min_growth;
@@ -373,14 +386,14 @@ void EvaluateNonFinite(const Rule& rule, const RunFacts& facts, const LabelSet& 
   }
   std::sort(out.found.begin(), out.found.end(), by_key);
   for (const auto& [key, value] : out.found) {
-    Condition& c = Make(out, base, {{"series", key}}, facts, value, IsNonFiniteObservation(key, value));
+    Condition& c = Make(out, rule, base, {{"series", key}}, facts, value, IsNonFiniteObservation(key, value));
     SetVar(c.vars, "series", key);
   }
 }
 
 void EvaluateStalled(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   const bool active = facts.open_streams > 0 && facts.seconds_since_last_step >= rule.stalled_seconds;
-  Condition& c = Make(out, base, {}, facts, facts.seconds_since_last_step, active);
+  Condition& c = Make(out, rule, base, {}, facts, facts.seconds_since_last_step, active);
   SetVar(c.vars, "seconds", Count(facts.seconds_since_last_step));
   SetVar(c.vars, "threshold", Count(rule.stalled_seconds));
   SetVar(c.vars, "open_streams", Integer(facts.open_streams));
@@ -389,7 +402,7 @@ void EvaluateStalled(const Rule& rule, const RunFacts& facts, const LabelSet& ba
 void EvaluateRunDied(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
   const double seconds = rule.stalled_seconds > 0 ? rule.stalled_seconds : kDefaultRunDiedSeconds;
   const bool active = !facts.ended_cleanly && facts.open_streams == 0 && facts.seconds_since_activity >= seconds;
-  Condition& c = Make(out, base, {}, facts, facts.seconds_since_activity, active);
+  Condition& c = Make(out, rule, base, {}, facts, facts.seconds_since_activity, active);
   SetVar(c.vars, "seconds", Count(facts.seconds_since_activity));
   SetVar(c.vars, "threshold", Count(seconds));
 }

@@ -144,6 +144,7 @@ class ConditionList {
   // Scratch of the evaluation, reused.
   std::vector<std::pair<const void*, size_t>> picks;
   std::vector<std::pair<std::string_view, double>> found;
+  std::string scratch_text;
 
  private:
   std::vector<Condition> slots_;

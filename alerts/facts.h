@@ -86,7 +86,39 @@ struct ParamFact {
 // The run's training configuration, as far as it matters to recommendations.
 struct ConfigFacts {
   std::optional<double> z_loss_coef;
-  std::optional<double> weight_decay;  // the optimizer's default weight decay
+  std::optional<double> weight_decay;    // the optimizer's default weight decay
+  std::optional<uint64_t> warmup_steps;  // the learning-rate warm-up's length, when the trainer said
+};
+
+// The learning rate (optim/learning_rate) as reported up to the evaluated step
+// (LearningRateTracker, alerts/warmup.h, follows it step by step).
+struct LearningRateFact {
+  bool known = false;  // the run reports a learning rate
+  double value = 0;    // its latest report
+  double peak = 0;     // the largest report so far, at peak_step
+  uint64_t peak_step = 0;
+  // Still rising toward its peak: it rose, and has neither fallen below its peak nor stayed
+  // there for kWarmupFlatReports reports.
+  bool warming_up = false;
+  // The latest jump after warm-up (a report more than kJumpFactor× or less than 1/kJumpFactor of
+  // the one before it: a resume with another schedule, a change by hand); jump_step 0: none.
+  uint64_t jump_step = 0;
+  double jump_from = 0;
+  double jump_to = 0;
+};
+
+// Whether the rules with severity page hold their pages at the evaluated step (a threshold
+// rule's page becomes a warning while it holds: alerts/warmup.h), and why.
+struct WarmupFact {
+  bool holds_pages = false;
+  // "the learning rate is still rising toward its peak (2.4e-4 at step 120)"; empty when not held.
+  std::string reason;
+};
+
+// The run rewound (resumed from a checkpoint before its newest step) to from_step; 0: never.
+struct RewindFact {
+  uint64_t from_step = 0;
+  uint64_t abandoned_through = 0;  // the newest step of the abandoned branch
 };
 
 // A non-finite value seen at the evaluated step.
@@ -124,6 +156,9 @@ struct RunFacts {
   std::vector<ParamFact> params;
   ConfigFacts config;
   std::vector<NonFiniteFact> nonfinite;
+  LearningRateFact learning_rate;
+  WarmupFact warmup;
+  RewindFact rewind;  // the latest rewind
 };
 
 // The value of `key` in facts.latest (which must be sorted by key); nullptr when absent.

@@ -37,22 +37,6 @@ bool NamedLikeFinalNorm(std::string_view name) {
   return last == "norm" && parts.size() == 1;  // "norm.weight" at the top level
 }
 
-std::optional<double> InitNorm(const ParamFact& p) {
-  if (p.init_norm && *p.init_norm > 0) return p.init_norm;
-  if (p.info.init_norm && *p.info.init_norm > 0) return p.info.init_norm;
-  if (p.info.kind == ParamKind::kNormGain && p.info.numel > 0) {
-    return std::sqrt(static_cast<double>(p.info.numel));
-  }
-  return std::nullopt;
-}
-
-double AmplificationOrZero(const ParamFact& p) {
-  if (p.amplification && std::isfinite(*p.amplification)) return *p.amplification;
-  const std::optional<double> init = InitNorm(p);
-  if (p.norm && init && std::isfinite(*p.norm)) return *p.norm / *init;
-  return 0;
-}
-
 // "(×2.5 since step 81,716: switched to near-dropless EP routing)", from the newest event of the
 // parameter's norm series, else its newest change point; "" when neither is known.
 std::string SlopeChangeNote(const RunFacts& facts, const std::string& norm_key) {
@@ -75,7 +59,8 @@ std::string SlopeChangeNote(const RunFacts& facts, const std::string& norm_key) 
   return "";
 }
 
-// "lm_head.weight carries 93.9% of the squared grad norm", from the output parameters' shares.
+}  // namespace
+
 std::string OutputShareSentence(const RunFacts& facts) {
   std::map<std::string_view, double> share_of;
   for (const ShareFact& s : facts.shares) {
@@ -97,7 +82,26 @@ std::string OutputShareSentence(const RunFacts& facts) {
          " of the squared grad norm";
 }
 
-}  // namespace
+std::optional<double> InitNormOf(const ParamFact& p) {
+  if (p.init_norm && *p.init_norm > 0) return p.init_norm;
+  if (p.info.init_norm && *p.info.init_norm > 0) return p.info.init_norm;
+  if (p.info.kind == ParamKind::kNormGain && p.info.numel > 0) {
+    return std::sqrt(static_cast<double>(p.info.numel));
+  }
+  return std::nullopt;
+}
+
+std::optional<double> AmplificationOf(const ParamFact& p) {
+  if (p.amplification && std::isfinite(*p.amplification)) return p.amplification;
+  const std::optional<double> init = InitNormOf(p);
+  if (p.norm && std::isfinite(*p.norm) && init) return *p.norm / *init;
+  return std::nullopt;
+}
+
+bool NormRising(const ParamFact& p) {
+  return (p.growth_factor && (!p.growth_slope_per_kstep || *p.growth_slope_per_kstep > 0)) ||
+         (p.norm_slope_per_kstep && *p.norm_slope_per_kstep > 0);
+}
 
 const ParamFact* FindFinalNorm(const RunFacts& facts) {
   for (const ParamFact& p : facts.params) {
@@ -110,7 +114,7 @@ const ParamFact* FindFinalNorm(const RunFacts& facts) {
   double best_amplification = -1;
   for (const ParamFact& p : facts.params) {
     if (p.info.kind != ParamKind::kNormGain) continue;
-    const double a = AmplificationOrZero(p);
+    const double a = AmplificationOf(p).value_or(0);
     if (a > best_amplification) {
       best = &p;
       best_amplification = a;
@@ -138,58 +142,22 @@ double DecayedParamsWeightDecay(const RunFacts& facts) {
   return best;
 }
 
-std::string Recommend(const RunFacts& facts) {
-  std::vector<std::string> sentences;
-  const ParamFact* gain = FindFinalNorm(facts);
-  const double suggested_wd = DecayedParamsWeightDecay(facts);
-
-  if (gain) {
-    const std::string& name = gain->info.name;
-    std::string s = name + " has weight decay " + FormatNumber(gain->info.weight_decay);
-    if (gain->norm && std::isfinite(*gain->norm)) {
-      s += "; its norm is " + FormatNumber(*gain->norm);
-      const std::optional<double> init = InitNorm(*gain);
-      const double amplification = AmplificationOrZero(*gain);
-      if (init && amplification > 0) {
-        s += ", " + FormatNumber(amplification) + "× its init norm " + FormatNumber(*init);
-      }
-      std::optional<double> slope = gain->norm_slope_per_kstep;
-      if (!slope) slope = gain->growth_slope_per_kstep;
-      if (slope && std::isfinite(*slope)) {
-        s += std::string(*slope >= 0 ? ", rising " : ", falling ") + FormatNumber(std::fabs(*slope)) + " per 1k steps";
-      }
-      const std::string note = SlopeChangeNote(facts, keys::ParamNorm(name));
-      if (!note.empty()) s += " (" + note + ")";
-    }
-    sentences.push_back(s + ".");
+std::string GainSentence(const RunFacts& facts, const ParamFact& gain) {
+  const std::string& name = gain.info.name;
+  std::string s = name + " has weight decay " + FormatNumber(gain.info.weight_decay);
+  if (!gain.norm || !std::isfinite(*gain.norm)) return s;
+  s += "; its norm is " + FormatNumber(*gain.norm);
+  const std::optional<double> init = InitNormOf(gain);
+  const double amplification = AmplificationOf(gain).value_or(0);
+  if (init && amplification > 0) s += ", " + FormatNumber(amplification) + "× its init norm " + FormatNumber(*init);
+  std::optional<double> slope = gain.norm_slope_per_kstep;
+  if (!slope) slope = gain.growth_slope_per_kstep;
+  if (slope && std::isfinite(*slope)) {
+    s += std::string(*slope >= 0 ? ", rising " : ", falling ") + FormatNumber(std::fabs(*slope)) + " per 1k steps";
   }
-
-  std::string evidence = OutputShareSentence(facts);
-  // A sentence may open with a parameter name, which keeps its case; prose is capitalised.
-  const bool opens_with_name = !evidence.empty() && evidence.rfind("the ", 0) != 0;
-  if (facts.config.z_loss_coef) {
-    const std::string z =
-        *facts.config.z_loss_coef > 0 ? "z-loss coefficient " + FormatNumber(*facts.config.z_loss_coef) : "no z-loss";
-    evidence = evidence.empty() ? z : evidence + "; " + z;
-  }
-  if (!evidence.empty()) {
-    if (!opens_with_name) evidence[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(evidence[0])));
-    sentences.push_back(evidence + ".");
-  }
-
-  if (gain) {
-    const std::string& name = gain->info.name;
-    std::string action = gain->info.weight_decay > 0 ? "Recommendation: raise the weight decay on " + name
-                                                     : "Recommendation: enable weight decay on " + name;
-    if (suggested_wd > 0) {
-      action += " (the run uses " + FormatNumber(suggested_wd) + " for its decayed parameters)";
-    }
-    sentences.push_back(action + ".");
-  }
-
-  std::string out;
-  for (const std::string& s : sentences) out += (out.empty() ? "" : " ") + s;
-  return out;
+  const std::string note = SlopeChangeNote(facts, keys::ParamNorm(name));
+  if (!note.empty()) s += " (" + note + ")";
+  return s;
 }
 
 }  // namespace gradwatch::alerts

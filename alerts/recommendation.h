@@ -1,7 +1,9 @@
-// The recommendation for the grad-norm contingency: which norm gain is inflating the lm_head's
-// inputs, the evidence, and what to do about it.
+// The pieces the diagnosis (diagnosis.h) names things with: which norm gain feeds the lm_head,
+// the weight decay the run gives its decayed parameters, and the sentences that state a gain's
+// and the output layer's evidence.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "alerts/facts.h"
@@ -22,11 +24,19 @@ bool MayBeFinalNorm(const ParamInfo& p);
 // positive, else the most common non-zero weight decay in the catalog; 0 when there is none.
 double DecayedParamsWeightDecay(const RunFacts& facts);
 
-// E.g. "final_norm.weight has weight decay 0; its norm is 362.1, 4.62× its init norm 78.38,
-// rising 2.5 per 1k steps (×2.5 since step 81,716: switched to near-dropless EP routing).
-// lm_head.weight carries 93.9% of the squared grad norm; z-loss coefficient 1e-4.
-// Recommendation: enable weight decay on final_norm.weight (the run uses 0.1 for its decayed
-// parameters)." Facts the run lacks are left out; "" when there is nothing to say.
-std::string Recommend(const RunFacts& facts);
+// A parameter's init norm (the fact's, the catalog's, else sqrt(numel) for a norm gain) and its
+// norm over it; nullopt when unknown.
+std::optional<double> InitNormOf(const ParamFact& p);
+std::optional<double> AmplificationOf(const ParamFact& p);
+// Whether its norm is rising: growth reported by the analytics, or a positive slope.
+bool NormRising(const ParamFact& p);
+
+// "final_norm.weight has weight decay 0; its norm is 362.1, 4.62× its init norm 78.38, rising
+// 2.5 per 1k steps (×2.5 since step 81,716: switched to near-dropless EP routing)" (no final
+// period); facts the run lacks are left out.
+std::string GainSentence(const RunFacts& facts, const ParamFact& gain);
+// "lm_head.weight carries 93.9% of the squared grad norm", from the output parameters' shares;
+// "" when none is known.
+std::string OutputShareSentence(const RunFacts& facts);
 
 }  // namespace gradwatch::alerts

@@ -82,11 +82,13 @@ const std::vector<std::string>& DefaultNonFiniteSeries() {
 
 const std::set<std::string>& TemplateVariablesFor(RuleKind kind) {
   static const std::map<RuleKind, std::set<std::string>> kVars = [] {
-    const std::set<std::string> common = {"value", "step", "run", "recommendation"};
+    const std::set<std::string> common = {"value",       "step",        "run",       "recommendation",
+                                          "diagnosis",   "cause",       "for_steps", "resolve_for_steps",
+                                          "clear_below", "clear_above"};
     const std::map<RuleKind, std::set<std::string>> own = {
-        {RuleKind::kThreshold, {"series", "threshold", "op"}},
+        {RuleKind::kThreshold, {"series", "threshold", "op", "page_held"}},
         {RuleKind::kForecast,
-         {"series", "threshold", "steps_to_threshold", "at_step", "within_steps", "slope", "current"}},
+         {"series", "threshold", "steps_to_threshold", "at_step", "within_steps", "slope", "current", "outlook"}},
         {RuleKind::kSlopeChange,
          {"series", "ratio", "min_ratio", "slope_before", "slope_after", "event", "event_step", "at_step"}},
         {RuleKind::kShare, {"param", "share", "min_share", "slope"}},

@@ -9,7 +9,8 @@
 #include <unordered_set>
 #include <utility>
 
-#include "alerts/recommendation.h"
+#include "alerts/diagnosis.h"
+#include "alerts/warmup.h"
 
 namespace gradwatch::alerts {
 namespace {
@@ -61,18 +62,38 @@ auto DurableKey(const InstanceState& inst) {
 
 constexpr std::string_view kResolvedSummary = "resolved_summary";
 
-LabelSet Render(const Rule& rule, const TemplateVars& vars, const LabelSet& labels, const std::string* recommendation) {
+// The annotations of an alert of `rule`: its templates rendered with the condition's variables
+// and, when given (the rule shows the recommendation or the diagnosis), the diagnosis' text,
+// recommendation and remediation fields. A page held during warm-up says so.
+LabelSet Render(const Rule& rule, const TemplateVars& vars, const LabelSet& labels, const Diagnosis* diagnosis) {
   LabelSet out;
-  if (recommendation) {
+  if (diagnosis) {
     TemplateVars with = vars;
-    with["recommendation"] = *recommendation;
+    with["recommendation"] = diagnosis->recommendation;
+    with["diagnosis"] = diagnosis->text;
+    with["cause"] = std::string(CauseName(diagnosis->cause));
     for (const auto& [name, text] : rule.annotations) {
       if (name != kResolvedSummary) out[name] = RenderTemplate(text, with, labels);
     }
+    out[std::string(kCauseAnnotation)] = std::string(CauseName(diagnosis->cause));
+    if (!diagnosis->remedy.param.empty()) {
+      out[std::string(kRemediationParamAnnotation)] = diagnosis->remedy.param;
+      out[std::string(kRemediationWeightDecayAnnotation)] = FormatNumber(diagnosis->remedy.weight_decay);
+    }
+    out[std::string(kRemediationSupportedAnnotation)] = diagnosis->remedy.supported ? "true" : "false";
+    if (!diagnosis->remedy.why.empty()) out[std::string(kRemediationWhyAnnotation)] = diagnosis->remedy.why;
   } else {
     for (const auto& [name, text] : rule.annotations) {
       if (name != kResolvedSummary) out[name] = RenderTemplate(text, vars, labels);
     }
+  }
+  if (auto held = vars.find(kPageHeldVariable); held != vars.end() && !held->second.empty()) {
+    out[std::string(kPageHeldVariable)] = held->second;
+    std::string& summary = out["summary"];
+    summary = "Not paged during warm-up: " + summary;
+    std::string& description = out["description"];
+    description += std::string(description.empty() ? "" : " ") + "Not paged because " + held->second +
+                   "; it pages if the condition still holds once the warm-up is over.";
   }
   return out;
 }
@@ -92,7 +113,13 @@ std::string ResolvedSummary(const Rule& rule, const TemplateVars& vars, const La
 // Firing → resolved at `step`, its summary rendered from the values that resolved it.
 void Resolve(const Rule& rule, InstanceState& inst, const TemplateVars& vars, uint64_t step, double now,
              std::vector<Transition>* out) {
-  inst.alert.annotations["summary"] = ResolvedSummary(rule, vars, inst.alert.labels);
+  if (inst.alert.labels.count(std::string(kPageHeldLabel))) {
+    // Its condition may still hold: the held warning ends because the warm-up did.
+    inst.alert.annotations["summary"] = rule.name + " warning held during warm-up over at step " + FormatStep(step) +
+                                        " in run " + inst.run + ": the page rule judges the run from here";
+  } else {
+    inst.alert.annotations["summary"] = ResolvedSummary(rule, vars, inst.alert.labels);
+  }
   inst.alert.state = AlertState::kResolved;
   inst.alert.step = step;
   inst.alert.ends_at = now;
@@ -238,9 +265,10 @@ void AlertEngine::SetRulesLocked(std::vector<Rule> rules) {
   uses_recommendation_.assign(rules_.size(), false);
   for (size_t i = 0; i < rules_.size(); ++i) {
     for (const auto& [name, text] : rules_[i].annotations) {
-      if (TemplateUses(text, "recommendation")) uses_recommendation_[i] = true;
+      if (TemplateUses(text, "recommendation") || TemplateUses(text, "diagnosis")) uses_recommendation_[i] = true;
     }
   }
+  bounds_ = BoundsFromRules(rules_);
 }
 
 std::vector<Transition> AlertEngine::ReplaceRules(std::vector<Rule> rules, double now) {
@@ -269,7 +297,7 @@ void AlertEngine::ReadFits(const std::vector<ParamInfo>& catalog, size_t from, s
 }
 
 bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step, double now,
-                          const std::string* recommendation, std::vector<Transition>* out) {
+                          const Diagnosis* recommendation, std::vector<Transition>* out) {
   const AlertState state = inst.alert.state;
   const bool holds = cond && cond->active;
   const bool in_band = !holds && cond && state == AlertState::kFiring && InClearBand(rule, cond->value);
@@ -338,7 +366,7 @@ bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* con
 }
 
 bool AlertEngine::AdvanceLevel(const Rule& rule, Instance& inst, const Condition& cond, LevelTracker& tracker,
-                               uint64_t step, double now, const std::string* recommendation,
+                               uint64_t step, double now, const Diagnosis* recommendation,
                                std::vector<Transition>* out) {
   using Column = ReportWindow::Column;
   const LevelTest& level = *cond.level;
@@ -455,7 +483,7 @@ void AlertEngine::DropTrackers(Pred drop) {
 }
 
 void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double now,
-                               std::optional<std::string>* recommendation, std::vector<Transition>* out) {
+                               std::optional<Diagnosis>* recommendation, std::vector<Transition>* out) {
   const Rule& rule = rules_[rule_index];
   RunScratch& scratch = ScratchLocked(facts);
   // A non_finite rule looks at every series: only those with an instance need an inactive
@@ -486,14 +514,14 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
   }
   // Only instances that exist or start now reach Advance, so the recommendation is computed
   // (once per evaluation) only when some alert will carry it.
-  auto recommendation_for = [&]() -> const std::string* {
+  auto recommendation_for = [&]() -> const Diagnosis* {
     if (!uses_recommendation_[rule_index]) return nullptr;
-    if (!*recommendation) *recommendation = Recommend(facts);
+    if (!*recommendation) *recommendation = Diagnose(facts, bounds_);
     return &**recommendation;
   };
 
   // Advances one instance, recording a durable change; false when it ended.
-  auto advance = [&](auto it, const Condition* c, const std::string* rec) {
+  auto advance = [&](auto it, const Condition* c, const Diagnosis* rec) {
     const auto before = DurableKey(it->second);
     const double shown = it->second.alert.value;
     const bool keep = Advance(rule, it->second, c, facts.step, now, rec, out);
@@ -560,7 +588,7 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
 std::vector<Transition> AlertEngine::EvaluateStep(const RunFacts& facts, double now) {
   std::lock_guard lock(mu_);
   std::vector<Transition> out;
-  std::optional<std::string> recommendation;  // computed once, only if some alert needs it
+  std::optional<Diagnosis> recommendation;  // computed once, only if some alert needs it
   for (size_t i = 0; i < rules_.size(); ++i) {
     if (IsTimerRule(rules_[i].kind)) continue;
     EvaluateRule(i, facts, now, &recommendation, &out);
@@ -591,7 +619,7 @@ std::vector<Transition> AlertEngine::EvaluateTimer(const std::vector<RunFacts>& 
 std::vector<Transition> AlertEngine::EvaluateTimerRun(const RunFacts& facts, double now) {
   std::lock_guard lock(mu_);
   std::vector<Transition> out;
-  std::optional<std::string> recommendation;
+  std::optional<Diagnosis> recommendation;
   for (size_t i = 0; i < rules_.size(); ++i) {
     if (IsTimerRule(rules_[i].kind)) EvaluateRule(i, facts, now, &recommendation, &out);
   }

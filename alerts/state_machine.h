@@ -73,6 +73,7 @@
 #include <vector>
 
 #include "alerts/alert.h"
+#include "alerts/diagnosis.h"
 #include "alerts/evaluator.h"
 #include "alerts/facts.h"
 #include "alerts/matcher.h"
@@ -315,16 +316,16 @@ class AlertEngine {
   // Advances one instance. `cond` is null when the rule did not produce the instance this time.
   // Returns false when the instance ended and must be erased.
   bool Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step, double now,
-               const std::string* recommendation, std::vector<Transition>* out);
+               const Diagnosis* recommendation, std::vector<Transition>* out);
   // Advance for a condition judged on its level (Condition::level), with the instance's reports
   // (this one already added).
   bool AdvanceLevel(const Rule& rule, Instance& inst, const Condition& cond, LevelTracker& tracker, uint64_t step,
-                    double now, const std::string* recommendation, std::vector<Transition>* out);
+                    double now, const Diagnosis* recommendation, std::vector<Transition>* out);
   // Drops the trackers for which `drop` is true.
   template <typename Pred>
   void DropTrackers(Pred drop);
   // Evaluates `rule` for one run and advances its instances of that run.
-  void EvaluateRule(size_t rule_index, const RunFacts& facts, double now, std::optional<std::string>* recommendation,
+  void EvaluateRule(size_t rule_index, const RunFacts& facts, double now, std::optional<Diagnosis>* recommendation,
                     std::vector<Transition>* out);
   // Ends every instance for which `ends` is true (resolve firing, drop pending).
   template <typename Pred>
@@ -363,7 +364,8 @@ class AlertEngine {
   mutable std::mutex mu_;
   std::atomic<uint64_t> rules_generation_{0};
   std::vector<Rule> rules_;
-  std::vector<bool> uses_recommendation_;                   // by rule index
+  std::vector<bool> uses_recommendation_;  // by rule index: its templates show the diagnosis
+  DiagnosisBounds bounds_;                 // BoundsFromRules(rules_)
   std::unordered_map<uint64_t, Instance> instances_;        // by fingerprint
   std::unordered_map<uint64_t, LevelTracker> levels_;       // by fingerprint
   std::map<std::string, uint64_t, std::less<>> evaluated_;  // the last step evaluated, by run

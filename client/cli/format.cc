@@ -476,6 +476,7 @@ std::string FormatRunSummary(const v1::RunSummary& summary, double now) {
   if (c.has_z_loss_coef()) add("z_loss_coef", FormatValue(c.z_loss_coef()));
   if (!c.optimizer().empty()) add("optimizer", c.optimizer());
   if (c.has_weight_decay()) add("weight_decay", FormatValue(c.weight_decay()));
+  if (c.has_warmup_steps()) add("warmup_steps", std::to_string(c.warmup_steps()));
   std::map<std::string, std::string> extra(c.extra().begin(), c.extra().end());
   for (const auto& [k, v] : extra) add(k, v);
   head.push_back({"config", config.empty() ? "-" : config});

@@ -101,6 +101,10 @@ LineResult ParseHeader(const json& obj) {
         auto d = AsNumber(value);
         if (!d) return Error("config.weight_decay must be a number");
         h.config.set_weight_decay(*d);
+      } else if (key == "warmup_steps") {
+        auto n = AsCount(value);
+        if (!n) return Error("config.warmup_steps must be a non-negative integer (steps)");
+        h.config.set_warmup_steps(*n);
       } else if (key == "optimizer") {
         h.config.set_optimizer(AsText(value));
       } else {

@@ -49,6 +49,7 @@ struct RunConfig {
   std::optional<double> z_loss_coef;
   std::string optimizer;
   std::optional<double> weight_decay;
+  std::optional<uint64_t> warmup_steps;  // the learning-rate warm-up's length (steps)
   std::map<std::string, std::string> extra;
   bool operator==(const RunConfig&) const = default;
 };

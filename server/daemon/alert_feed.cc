@@ -14,11 +14,12 @@ constexpr size_t kSpares = 2;
 }  // namespace
 
 AlertFeed::AlertFeed(const RunMeta& meta, std::optional<uint64_t> evaluated_through, alerts::AlertEngine& engine,
-                     TransitionSink sink)
+                     TransitionSink sink, uint64_t min_steps_before_page)
     : run_id_(meta.run_id),
       engine_(engine),
       sink_(std::move(sink)),
       evaluated_through_(evaluated_through),
+      min_steps_before_page_(min_steps_before_page),
       last_(std::make_unique<alerts::RunFacts>()) {
   last_->run_id = run_id_;
   last_->run_labels = meta.labels;
@@ -31,6 +32,7 @@ void AlertFeed::OnSeries(SeriesId id, const std::string& key) {
   }
   keys_[id] = key;
   key_rank_[id] = kUnknown;
+  if (key == keys::kLearningRate && (learning_rate_id_ == kNoSeries || id < learning_rate_id_)) learning_rate_id_ = id;
   keys_ranked_ = false;
 }
 
@@ -52,6 +54,12 @@ void AlertFeed::RankKeys() {
 
 void AlertFeed::OnStep(const runs::PublishedStep& p) {
   const uint64_t step = p.step.step;
+  // The learning rate's history is the run's, evaluated or not (a restored step the engine
+  // already judged still tells where the warm-up ended).
+  for (const SeriesValue& sv : p.step.values) {
+    if (sv.id == learning_rate_id_) learning_rate_.Add(step, sv.value);
+  }
+  last_filled_step_ = std::max(last_filled_step_, step);
   if (p.restored) {
     // Restored steps after the last one evaluated before the restart are evaluated now; none if
     // the engine kept no evaluation of the run.
@@ -78,6 +86,10 @@ void AlertFeed::OnStep(const runs::PublishedStep& p) {
 
 void AlertFeed::OnRewind(uint64_t from_step, double now) {
   evaluated_through_.reset();  // the new branch's steps are evaluated as they complete
+  learning_rate_.Rewind(from_step);
+  rewind_.from_step = from_step;
+  rewind_.abandoned_through = last_filled_step_;
+  last_filled_step_ = from_step > 0 ? from_step - 1 : 0;
   Item item;
   item.kind = Item::Kind::kRewind;
   item.from_step = from_step;
@@ -324,6 +336,25 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
   }
   f.config.z_loss_coef = p.meta.config.z_loss_coef;
   f.config.weight_decay = p.meta.config.weight_decay;
+  f.config.warmup_steps = p.meta.config.warmup_steps;
+  f.learning_rate = learning_rate_.fact();
+  f.warmup = alerts::JudgeWarmup(step.step, f.learning_rate, f.config.warmup_steps, min_steps_before_page_);
+  f.rewind = rewind_;
+
+  // The diagnosis names the top contributors with how their shares move: their share trends are
+  // fitted from the next step on (marks are only ever added; a handful over a run's life).
+  top_shares_.clear();
+  for (const runs::ShareInfo& x : a.shares) {
+    if (!x.is_group && std::isfinite(x.share)) top_shares_.emplace_back(x.share, static_cast<uint32_t>(x.source));
+  }
+  const size_t top = std::min<size_t>(3, top_shares_.size());
+  std::partial_sort(top_shares_.begin(), top_shares_.begin() + static_cast<std::ptrdiff_t>(top), top_shares_.end(),
+                    [](const auto& x, const auto& y) { return x.first > y.first; });
+  for (size_t i = 0; i < top; ++i) {
+    const uint32_t index = top_shares_[i].second;
+    if (index >= fits_.share.size()) fits_.share.resize(index + 1, 0);
+    fits_.share[index] = 1;
+  }
 }
 
 }  // namespace gradwatch::daemon

@@ -21,6 +21,7 @@
 
 #include "alerts/facts.h"
 #include "alerts/state_machine.h"
+#include "alerts/warmup.h"
 #include "server/runs/run_analytics.h"
 #include "server/runs/step_listener.h"
 
@@ -37,8 +38,10 @@ class AlertFeed final : public runs::RunChannel {
   // restart (AlertEngine::EvaluatedThrough). Restored steps after it are evaluated (the daemon
   // stopped before what that evaluation changed was saved), none when it is nullopt; live steps
   // up to it are not evaluated again (a resend).
+  // `min_steps_before_page`: pages of threshold rules are held below this step number
+  // (alerts/warmup.h).
   AlertFeed(const RunMeta& meta, std::optional<uint64_t> evaluated_through, alerts::AlertEngine& engine,
-            TransitionSink sink);
+            TransitionSink sink, uint64_t min_steps_before_page = alerts::kDefaultMinStepsBeforePage);
 
   void OnSeries(SeriesId id, const std::string& key) override;
   void OnStep(const runs::PublishedStep& step) override;
@@ -105,6 +108,15 @@ class AlertFeed final : public runs::RunChannel {
   size_t fits_params_ = 0;
   uint64_t fits_generation_ = 0;
   std::optional<uint64_t> evaluated_through_;
+  // The learning rate's series (kNoSeries: none yet), followed step by step for the warm-up and
+  // the diagnosis; the latest rewind; the newest step filled.
+  SeriesId learning_rate_id_ = kNoSeries;
+  alerts::LearningRateTracker learning_rate_;
+  const uint64_t min_steps_before_page_;
+  alerts::RewindFact rewind_;
+  uint64_t last_filled_step_ = 0;
+  // Fill's scratch: (share, catalog index) of the step's parameter shares.
+  std::vector<std::pair<double, uint32_t>> top_shares_;
 
   // Lock order: the run's mutex, then eval_mu_, then queue_mu_, then the engine's.
   std::mutex eval_mu_;                      // one evaluation of this run at a time, in queue order

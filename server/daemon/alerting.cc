@@ -45,7 +45,8 @@ constexpr auto kRetryFirst = std::chrono::milliseconds(200);
 constexpr auto kRetryMax = std::chrono::seconds(10);
 }  // namespace
 
-Alerting::Alerting(std::vector<alerts::Rule> rules) : engine_(std::move(rules)) {}
+Alerting::Alerting(std::vector<alerts::Rule> rules, uint64_t min_steps_before_page)
+    : engine_(std::move(rules)), min_steps_before_page_(min_steps_before_page) {}
 
 Alerting::~Alerting() { Stop(); }
 
@@ -250,11 +251,12 @@ StatusOr<size_t> Alerting::Reload(bool default_rules, const std::vector<std::str
 }
 
 std::shared_ptr<runs::RunChannel> Alerting::Open(const RunMeta& meta, bool restored) {
-  auto feed =
-      std::make_shared<AlertFeed>(meta, restored ? engine_.EvaluatedThrough(meta.run_id) : std::nullopt, engine_,
-                                  [this](std::vector<alerts::Transition> transitions, bool to_trainers) {
-                                    Handle(std::move(transitions), to_trainers);
-                                  });
+  auto feed = std::make_shared<AlertFeed>(
+      meta, restored ? engine_.EvaluatedThrough(meta.run_id) : std::nullopt, engine_,
+      [this](std::vector<alerts::Transition> transitions, bool to_trainers) {
+        Handle(std::move(transitions), to_trainers);
+      },
+      min_steps_before_page_);
   std::lock_guard lock(feeds_mu_);
   feeds_[meta.run_id] = feed;
   return feed;

@@ -27,6 +27,7 @@
 
 #include "alerts/notify/dispatcher.h"
 #include "alerts/state_machine.h"
+#include "alerts/warmup.h"
 #include "server/core/status.h"
 #include "server/daemon/alert_feed.h"
 #include "server/runs/registry.h"
@@ -41,7 +42,9 @@ StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, cons
 
 class Alerting final : public runs::StepListener {
  public:
-  explicit Alerting(std::vector<alerts::Rule> rules);
+  // Pages of threshold rules are held below step `min_steps_before_page` (alerts/warmup.h).
+  explicit Alerting(std::vector<alerts::Rule> rules,
+                    uint64_t min_steps_before_page = alerts::kDefaultMinStepsBeforePage);
   ~Alerting() override;
 
   // Starts writing state changes to `store` (not owned; it must outlive Stop()) and, when
@@ -109,6 +112,7 @@ class Alerting final : public runs::StepListener {
   notify::Status Write(const Batch& batch);
 
   alerts::AlertEngine engine_;
+  const uint64_t min_steps_before_page_;
   notify::Outbox* store_ = nullptr;
   std::unique_ptr<notify::Dispatcher> dispatcher_;
   std::thread writer_;

@@ -242,7 +242,8 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
        {{"default_rules", Field(&Config::default_rules)},
         {"rule_files", Field(&Config::rule_files)},
         {"receivers", ReadReceivers},
-        {"external_url", Field(&Config::external_url)}}},
+        {"external_url", Field(&Config::external_url)},
+        {"min_steps_before_page", Field(&Config::min_steps_before_page)}}},
   };
   return *kSchema;
 }
@@ -587,7 +588,8 @@ std::string ConfigJson(const Config& c) {
        {{"default_rules", c.default_rules},
         {"rule_files", c.rule_files},
         {"receivers", receivers},
-        {"external_url", c.external_url}}},
+        {"external_url", c.external_url},
+        {"min_steps_before_page", c.min_steps_before_page}}},
   };
   return shown.dump(2);
 }

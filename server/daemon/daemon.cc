@@ -69,7 +69,7 @@ Status Daemon::Start() {
   auto rules = LoadConfiguredRules(config_.default_rules, config_.rule_files, config_.run_stalled_after_seconds);
   if (!rules.ok()) return Status(rules.status().code(), "alert rules: " + rules.status().message());
   spdlog::info("{} alert rules in force", rules->size());
-  alerting_ = std::make_unique<Alerting>(std::move(rules).value());
+  alerting_ = std::make_unique<Alerting>(std::move(rules).value(), config_.min_steps_before_page);
   runs::RunOptions run_options;
   run_options.assembly_timeout = Seconds(config_.assembly_timeout_seconds);
   run_options.series.recent_points = config_.recent_points;

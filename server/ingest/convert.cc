@@ -134,6 +134,7 @@ std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits
   meta->config.z_loss_coef = c.has_z_loss_coef() ? std::optional(c.z_loss_coef()) : std::nullopt;
   meta->config.optimizer = c.optimizer();
   meta->config.weight_decay = c.has_weight_decay() ? std::optional(c.weight_decay()) : std::nullopt;
+  meta->config.warmup_steps = c.has_warmup_steps() ? std::optional<uint64_t>(c.warmup_steps()) : std::nullopt;
   meta->config.extra = {c.extra().begin(), c.extra().end()};
   meta->params.clear();
   meta->params.reserve(in.params_size());
@@ -253,6 +254,7 @@ void ConfigToProto(const RunConfig& in, v1::RunConfig* out) {
   if (in.z_loss_coef) out->set_z_loss_coef(*in.z_loss_coef);
   out->set_optimizer(in.optimizer);
   if (in.weight_decay) out->set_weight_decay(*in.weight_decay);
+  if (in.warmup_steps) out->set_warmup_steps(*in.warmup_steps);
   out->mutable_extra()->insert(in.extra.begin(), in.extra.end());
 }
 

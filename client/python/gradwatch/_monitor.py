@@ -270,6 +270,8 @@ class _Stream:
                 c.optimizer = str(value)
             elif key == "weight_decay":
                 c.weight_decay = float(value)
+            elif key == "warmup_steps":
+                c.warmup_steps = int(value)
             else:
                 c.extra[str(key)] = str(value)
         return c

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "alerts/diagnosis.h"
 #include "alerts/evaluator.h"
 
 using namespace gradwatch::alerts;
@@ -348,6 +349,7 @@ TEST_CASE("every default rule matches an incident-shaped run and renders its ann
     REQUIRE(active);
     TemplateVars vars = active->vars.Format();
     vars["recommendation"] = "enable weight decay on final_norm.weight";
+    vars["diagnosis"] = Diagnose(facts, DiagnosisBounds{}).text;
     for (const auto& [name, text] : rule.annotations) {
       const std::string rendered = RenderTemplate(text, vars, active->labels);
       INFO(name << ": " << rendered);

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <string>
 
+#include "alerts/diagnosis.h"
 #include "alerts/recommendation.h"
 
 using namespace gradwatch::alerts;
@@ -54,7 +55,7 @@ RunFacts Incident() {
 }  // namespace
 
 TEST_CASE("the contingency recommendation names the final norm, the evidence and the action", "[alerts]") {
-  const std::string text = Recommend(Incident());
+  const std::string text = Diagnose(Incident(), DiagnosisBounds{}).recommendation;
   CHECK(text ==
         "final_norm.weight has weight decay 0; its norm is 362.1, 4.62× its init norm 78.38, rising 2.5 "
         "per 1k steps (×2.5 since step 81,716: switched to near-dropless EP routing). lm_head.weight "
@@ -117,26 +118,26 @@ TEST_CASE("the suggested weight decay comes from the config, else the catalog's 
   f.params.push_back(Param("a", ParamKind::kMlp, 0.05));
   f.params.push_back(Param("b", ParamKind::kMlp, 0.05));
   CHECK(DecayedParamsWeightDecay(f) == 0.05);
-  CHECK_THAT(Recommend(f), Catch::Contains("(the run uses 0.05 for its decayed parameters)"));
+  CHECK_THAT(Diagnose(f, DiagnosisBounds{}).recommendation,
+             Catch::Contains("(the run uses 0.05 for its decayed parameters)"));
   f.params = {Param("final_norm.weight", ParamKind::kNormGain, 0)};
   CHECK(DecayedParamsWeightDecay(f) == 0);
 }
 
-TEST_CASE("missing facts are left out of the recommendation", "[alerts]") {
+TEST_CASE("missing facts are left out of a gain's sentence", "[alerts]") {
   RunFacts f;
   f.params = {Param("final_norm.weight", ParamKind::kNormGain, 0)};
-  CHECK(Recommend(f) ==
-        "final_norm.weight has weight decay 0. Recommendation: enable weight decay on final_norm.weight.");
+  CHECK(GainSentence(f, f.params[0]) == "final_norm.weight has weight decay 0");
 
   f.params[0].norm = 156.8;  // amplification from sqrt(numel), no slope, no event
-  CHECK(Recommend(f) ==
-        "final_norm.weight has weight decay 0; its norm is 156.8, 2× its init norm 78.38. "
-        "Recommendation: enable weight decay on final_norm.weight.");
+  CHECK(GainSentence(f, f.params[0]) ==
+        "final_norm.weight has weight decay 0; its norm is 156.8, 2× its init norm 78.38");
 
-  RunFacts no_gain;
-  no_gain.config.z_loss_coef = 0;
-  no_gain.params = {Param("lm_head.weight", ParamKind::kOutput, 0.1)};
-  no_gain.shares = {{"lm_head.weight", false, 0.5, 0, ParamKind::kOutput}};
-  CHECK(Recommend(no_gain) == "lm_head.weight carries 50% of the squared grad norm; no z-loss.");
-  CHECK(Recommend(RunFacts{}).empty());
+  RunFacts no_output;
+  no_output.params = {Param("layers.0.mlp.w1", ParamKind::kMlp, 0.1)};
+  no_output.shares = {{"layers.0.mlp.w1", false, 0.5, 0, ParamKind::kMlp}};
+  CHECK(OutputShareSentence(no_output).empty());
+  no_output.shares.push_back({"lm_head.weight", false, 0.5, 0, ParamKind::kOutput});
+  no_output.params.push_back(Param("lm_head.weight", ParamKind::kOutput, 0.1));
+  CHECK(OutputShareSentence(no_output) == "lm_head.weight carries 50% of the squared grad norm");
 }

@@ -47,8 +47,9 @@ TEST_CASE("the default rules load: two pages (the contingency, a dead run) and s
   CHECK(page->clear_below == 4.5);
   CHECK(page->labels.at("severity") == "page");
   CHECK(page->annotations.at("recommendation") == "{{ recommendation }}");
-  CHECK(page->annotations.at("summary") == "Total grad norm {{ value }} ≥ 5 at step {{ step }} in run {{ run }}");
-  CHECK(page->source == "alerts/rules/default.yaml:11");
+  CHECK(page->annotations.at("summary") ==
+        "Total grad norm {{ value }} ≥ {{ threshold }} at step {{ step }} in run {{ run }}");
+  CHECK(page->source == "alerts/rules/default.yaml:15");
 
   const Rule* forecast = Find(*rules, "GradNormForecast");
   REQUIRE(forecast);

@@ -446,7 +446,11 @@ TEST_CASE("the contingency page carries the recommendation", "[alerts]") {
     ParamFact gain;
     gain.info = {"final_norm.weight", 6144, ParamKind::kNormGain, 0.0, std::nullopt, "final_norm", ""};
     gain.norm = 362.1;
-    f.params = {gain};
+    gain.norm_slope_per_kstep = 2.5;  // still rising
+    ParamFact head;
+    head.info = {"lm_head.weight", 788'000'000, ParamKind::kOutput, 0.1, std::nullopt, "", ""};
+    f.params = {gain, head};
+    f.shares = {{"lm_head.weight", false, 0.939, 0.01, ParamKind::kOutput}};
     ts = engine.EvaluateStep(f, kT0 + static_cast<double>(s));
   }
   REQUIRE(ts.size() == 1);
@@ -700,4 +704,95 @@ TEST_CASE("a rewind makes the run's steps from the resume point evaluable again"
   Driver{engine}.Run(0, 10, 1, 1.0);
   engine.EndRun("r1", AlertEngine::RunEnding::kLeftMemory, kT0 + 600);
   CHECK_FALSE(engine.EvaluatedThrough("r1"));
+}
+
+TEST_CASE("a warm-up spike pages nobody and a condition still holding after warm-up pages", "[alerts]") {
+  AlertEngine engine({DefaultRule("GradNormContingency")});
+  auto held_facts = [](uint64_t step, double total) {
+    RunFacts f = Step(step, total);
+    if (step < 200) {
+      f.warmup.holds_pages = true;
+      f.warmup.reason = "the run is in its first 200 steps (step " + std::to_string(step) + ")";
+    }
+    return f;
+  };
+  auto severity = [](const Transition& t) { return t.alert.labels.at("severity"); };
+
+  SECTION("a spike that decays during warm-up") {
+    std::vector<Transition> all;
+    for (uint64_t s = 0; s < 600; ++s) {
+      const double total = s < 150 ? 40 * std::exp(-0.04 * static_cast<double>(s)) + 0.3 : 0.3;
+      for (Transition& t : engine.EvaluateStep(held_facts(s, total), kT0 + static_cast<double>(s))) all.push_back(t);
+    }
+    bool warned = false;
+    for (const Transition& t : all) {
+      INFO(t.alert.annotations.at("summary"));
+      CHECK(severity(t) == "warning");
+      if (t.to == AlertState::kFiring) {
+        warned = true;
+        CHECK(t.alert.labels.at("page_held") == "warmup");
+        CHECK_THAT(t.alert.annotations.at("summary"), Catch::StartsWith("Not paged during warm-up: Total grad norm"));
+        CHECK_THAT(t.alert.annotations.at("page_held"), Catch::Contains("first 200 steps"));
+        CHECK_THAT(t.alert.annotations.at("description"), Catch::Contains("it pages if the condition still holds"));
+      }
+    }
+    CHECK(warned);
+    CHECK(engine.Active().empty());
+  }
+
+  SECTION("a level that holds past the warm-up") {
+    std::optional<Transition> page;
+    for (uint64_t s = 0; s < 400 && !page; ++s) {
+      for (Transition& t : engine.EvaluateStep(held_facts(s, 8), kT0 + static_cast<double>(s))) {
+        if (t.to == AlertState::kFiring && severity(t) == "page") page = t;
+        if (t.to == AlertState::kResolved) {
+          CHECK(severity(t) == "warning");
+          CHECK_THAT(t.alert.annotations.at("summary"), Catch::Contains("held during warm-up over at step 200"));
+        }
+      }
+    }
+    REQUIRE(page);
+    CHECK(page->notify);
+    CHECK(page->alert.step == 210);  // for_steps (10) after the warm-up's end
+    CHECK(page->alert.labels.count("page_held") == 0);
+  }
+
+  SECTION("a non-finite value pages at once") {
+    auto t = engine.EvaluateStep(held_facts(5, INFINITY), kT0 + 5);
+    REQUIRE(t.size() == 1);  // the page's own instance, pending for its for_steps
+    CHECK(t[0].to == AlertState::kPending);
+    CHECK(severity(t[0]) == "page");
+    std::optional<Transition> page;
+    for (uint64_t s = 6; s < 30 && !page; ++s) {
+      for (Transition& x : engine.EvaluateStep(held_facts(s, INFINITY), kT0 + static_cast<double>(s))) {
+        if (x.to == AlertState::kFiring) page = x;
+      }
+    }
+    REQUIRE(page);
+    CHECK(severity(*page) == "page");
+  }
+}
+
+TEST_CASE("the contingency's texts carry the rule's own numbers", "[alerts]") {
+  Rule rule = DefaultRule("GradNormContingency");
+  rule.value = 3;
+  rule.clear_below = 2.5;
+  rule.for_steps = 4;
+  AlertEngine engine({rule});
+  std::optional<Transition> fired;
+  for (uint64_t s = 1000; s < 1020 && !fired; ++s) {
+    for (Transition& t : engine.EvaluateStep(Step(s, 3.2), kT0 + static_cast<double>(s))) {
+      if (t.to == AlertState::kFiring) fired = t;
+    }
+  }
+  REQUIRE(fired);
+  const std::string& summary = fired->alert.annotations.at("summary");
+  const std::string& description = fired->alert.annotations.at("description");
+  CHECK(summary == "Total grad norm 3.2 ≥ 3 at step 1,004 in run r1");
+  CHECK_THAT(description, Catch::Contains("at or above 3 for 4 steps") && Catch::Contains("falls below 2.5"));
+  CHECK_THAT(summary + description, !Catch::Contains(" 5") && !Catch::Contains("4.5"));
+  // A run reporting only its total: the diagnosis names no cause.
+  CHECK(fired->alert.annotations.at("cause") == "no_per_parameter_norms");
+  CHECK(fired->alert.annotations.at("remediation_supported") == "false");
+  CHECK_THAT(description, Catch::Contains("reports only its total grad norm"));
 }

@@ -1,0 +1,309 @@
+#include "alerts/diagnosis.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <string_view>
+
+#include "alerts/recommendation.h"
+#include "alerts/templates.h"
+
+namespace gradwatch::alerts {
+namespace {
+
+constexpr size_t kTopContributors = 3;
+
+std::string Capitalised(std::string s) {
+  // A sentence may open with a parameter name, which keeps its case.
+  if (s.rfind("the ", 0) == 0 || s.rfind("no ", 0) == 0) s[0] = static_cast<char>(std::toupper(s[0]));
+  return s;
+}
+
+std::string Join(const std::vector<std::string>& sentences) {
+  std::string out;
+  for (const std::string& s : sentences) {
+    if (s.empty()) continue;
+    if (!out.empty()) out += ' ';
+    out += Capitalised(s) + ".";
+  }
+  return out;
+}
+
+// "rising 3.2 points per 1k steps" for a share's slope; "" when unknown or flat.
+std::string ShareMove(double slope_per_kstep) {
+  if (!std::isfinite(slope_per_kstep)) return "";
+  const double points = slope_per_kstep * 100;
+  if (std::fabs(points) < 0.05) return "";
+  return std::string(points > 0 ? "rising " : "falling ") + FormatNumber(std::fabs(points)) + " points per 1k steps";
+}
+
+// "layers.7.mlp.w2.weight carries 81% of the squared grad norm (rising 3.2 points per 1k steps);
+// lm_head.weight 12%; ..."
+std::string TopSentence(const std::vector<Contributor>& top) {
+  std::string s;
+  for (size_t i = 0; i < top.size(); ++i) {
+    const Contributor& c = top[i];
+    const std::string move = ShareMove(c.slope_per_kstep);
+    if (i == 0) {
+      s = c.name + " carries " + FormatPercent(c.share) + " of the squared grad norm";
+    } else {
+      s += "; " + c.name + " " + FormatPercent(c.share);
+    }
+    if (!move.empty()) s += " (" + move + ")";
+  }
+  return s;
+}
+
+// The learning rate's state: "the learning rate is 2.8e-4, past its peak of 3e-4 at step 2,000;
+// it jumped from 3e-4 to 1e-3 at step 61,200".
+std::string LearningRateSentence(const RunFacts& facts) {
+  const LearningRateFact& lr = facts.learning_rate;
+  if (!lr.known) return "";
+  std::string s = "the learning rate is " + FormatNumber(lr.value);
+  if (lr.warming_up) {
+    s += ", still rising in its warm-up";
+  } else if (lr.peak > lr.value) {
+    s += ", past its peak of " + FormatNumber(lr.peak) + " at step " + FormatStep(lr.peak_step);
+  }
+  if (lr.jump_step != 0) {
+    s += "; it jumped from " + FormatNumber(lr.jump_from) + " to " + FormatNumber(lr.jump_to) + " at step " +
+         FormatStep(lr.jump_step);
+  }
+  return s;
+}
+
+// The newest event (with its slope change) and the newest change point of the total grad norm at
+// or before the evaluated step.
+std::string EventSentence(const RunFacts& facts) {
+  const SlopeChangeFact* event = nullptr;
+  for (const SlopeChangeFact& s : facts.slope_changes) {
+    if (s.key != keys::kTotalGradNorm || s.event_step > facts.step) continue;
+    if (!event || s.event_step >= event->event_step) event = &s;
+  }
+  const ChangePointFact* change = nullptr;
+  for (const ChangePointFact& c : facts.change_points) {
+    if (c.key != keys::kTotalGradNorm || c.step > facts.step || !std::isfinite(c.ratio)) continue;
+    if (!change || c.step >= change->step) change = &c;
+  }
+  std::vector<std::string> parts;
+  if (event) {
+    std::string s = "the latest event is at step " + FormatStep(event->event_step);
+    if (!event->event_text.empty()) s += " (\"" + event->event_text + "\")";
+    if (std::isfinite(event->ratio) && event->after_samples > 0) {
+      s += ", since when the grad norm's slope is ×" + FormatNumber(event->ratio);
+    }
+    parts.push_back(s);
+  }
+  if (change) {
+    parts.push_back("the grad norm's slope changed ×" + FormatNumber(change->ratio) + " near step " +
+                    FormatStep(change->step) + " (no event there)");
+  }
+  std::string out;
+  for (const std::string& p : parts) out += (out.empty() ? "" : "; ") + p;
+  return out;
+}
+
+std::string RewindSentence(const RunFacts& facts) {
+  if (facts.rewind.from_step == 0) return "";
+  std::string s = "the run rewound to step " + FormatStep(facts.rewind.from_step);
+  if (facts.rewind.abandoned_through >= facts.rewind.from_step) {
+    s += " (the abandoned branch reached step " + FormatStep(facts.rewind.abandoned_through) + ")";
+  }
+  return s;
+}
+
+bool HasPerParameterGradNorms(const RunFacts& facts) {
+  for (const ShareFact& s : facts.shares) {
+    if (!s.is_group && std::isfinite(s.share)) return true;
+  }
+  for (const ParamFact& p : facts.params) {
+    if (p.grad_norm) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+DiagnosisBounds BoundsFromRules(const std::vector<Rule>& rules) {
+  DiagnosisBounds b;
+  bool growth = false, share = false;
+  for (const Rule& r : rules) {
+    if (!growth && r.kind == RuleKind::kGrowthWithoutDecay && r.param_kind == ParamKind::kNormGain &&
+        r.min_amplification) {
+      b.min_amplification = *r.min_amplification;
+      b.max_weight_decay = r.max_weight_decay;
+      growth = true;
+    }
+    if (!share && r.kind == RuleKind::kShare && r.param_kind == ParamKind::kOutput) {
+      b.min_share = r.min_share;
+      share = true;
+    }
+  }
+  return b;
+}
+
+std::string_view CauseName(Cause cause) {
+  switch (cause) {
+    case Cause::kNone: return "none";
+    case Cause::kNoPerParameterNorms: return "no_per_parameter_norms";
+    case Cause::kNormGainInflatesOutput: return "norm_gain_inflates_output";
+  }
+  return "none";
+}
+
+Diagnosis Diagnose(const RunFacts& facts, const DiagnosisBounds& bounds) {
+  Diagnosis d;
+
+  // Top contributors among the parameters, and the output layer's share.
+  std::vector<const ShareFact*> params;
+  double output_share = 0;
+  bool output_known = false;
+  for (const ShareFact& s : facts.shares) {
+    if (s.is_group || !std::isfinite(s.share)) continue;
+    params.push_back(&s);
+    if (s.kind == ParamKind::kOutput) output_share += s.share, output_known = true;
+  }
+  if (output_known) d.output_share = output_share;
+  const size_t top = std::min(kTopContributors, params.size());
+  std::partial_sort(params.begin(), params.begin() + static_cast<std::ptrdiff_t>(top), params.end(),
+                    [](const ShareFact* a, const ShareFact* b) { return a->share > b->share; });
+  for (size_t i = 0; i < top; ++i) d.top.push_back({params[i]->name, params[i]->share, params[i]->slope_per_kstep});
+
+  // Norm gains without decay, as the growth rule judges them.
+  const ParamFact* final_norm = FindFinalNorm(facts);
+  const ParamFact* grown = nullptr;
+  for (const ParamFact& p : facts.params) {
+    if (p.info.kind != ParamKind::kNormGain && p.info.role != "final_norm") continue;
+    if (!(p.info.weight_decay <= bounds.max_weight_decay)) continue;
+    GainEvidence g;
+    g.name = p.info.name;
+    g.weight_decay = p.info.weight_decay;
+    g.norm = p.norm;
+    g.init_norm = InitNormOf(p);
+    g.amplification = AmplificationOf(p);
+    g.slope_per_kstep = p.norm_slope_per_kstep ? p.norm_slope_per_kstep : p.growth_slope_per_kstep;
+    g.rising = NormRising(p);
+    g.grown = g.rising && g.amplification && *g.amplification >= bounds.min_amplification;
+    if (g.grown && (!grown || &p == final_norm ||
+                    (grown != final_norm && *g.amplification > AmplificationOf(*grown).value_or(0)))) {
+      grown = &p;
+    }
+    d.gains.push_back(std::move(g));
+  }
+  std::stable_sort(d.gains.begin(), d.gains.end(),
+                   [](const GainEvidence& a, const GainEvidence& b) { return a.grown && !b.grown; });
+
+  const bool per_parameter = HasPerParameterGradNorms(facts);
+  const bool output_dominates = output_known && output_share >= bounds.min_share;
+  const double suggested_wd = DecayedParamsWeightDecay(facts);
+
+  std::vector<std::string> evidence;
+  if (grown && output_dominates) {
+    d.cause = Cause::kNormGainInflatesOutput;
+    evidence.push_back(GainSentence(facts, *grown));
+    std::string share = OutputShareSentence(facts);
+    if (facts.config.z_loss_coef) {
+      const std::string z =
+          *facts.config.z_loss_coef > 0 ? "z-loss coefficient " + FormatNumber(*facts.config.z_loss_coef) : "no z-loss";
+      share = share.empty() ? z : share + "; " + z;
+    }
+    evidence.push_back(share);
+    const std::string& name = grown->info.name;
+    d.remedy.param = name;
+    d.remedy.weight_decay = suggested_wd;
+    d.remedy.supported = true;
+    d.remedy.why = name + " has grown to " + FormatNumber(AmplificationOf(*grown).value_or(0)) +
+                   "× its init norm without weight decay and is still rising, and the output layer carries " +
+                   FormatPercent(output_share) + " of the squared grad norm (at least " +
+                   FormatPercent(bounds.min_share) + ")";
+    std::string action = (grown->info.weight_decay > 0 ? "Recommendation: raise the weight decay on "
+                                                       : "Recommendation: enable weight decay on ") +
+                         name;
+    if (suggested_wd > 0) action += " (the run uses " + FormatNumber(suggested_wd) + " for its decayed parameters)";
+    d.text = Join(evidence) + " A norm gain without weight decay inflates the output layer: " + name +
+             " scales the output layer's inputs, and so its gradients, by its amplification.";
+    d.recommendation = Join(evidence) + " " + action + ".";
+    return d;
+  }
+
+  if (!per_parameter) {
+    d.cause = Cause::kNoPerParameterNorms;
+    std::vector<std::string> s = {LearningRateSentence(facts), EventSentence(facts), RewindSentence(facts)};
+    const std::string context = Join(s);
+    d.text = "This run reports only its total grad norm, so no cause can be named." +
+             (context.empty() ? std::string() : " " + context);
+    d.recommendation =
+        "No cause can be named from the total alone: send per-parameter norms (gradwatch.torch.Watch, or the "
+        "JSONL keys grad/norm/<param> and params/norm/<param>) and gradwatch will say where the grad norm comes "
+        "from.";
+    if (facts.warmup.holds_pages) {
+      d.recommendation = "The run is in its warm-up (" + facts.warmup.reason + "), when large grad norms are usual. " +
+                         d.recommendation;
+    }
+    d.remedy.why = "the run reports no per-parameter norms";
+    return d;
+  }
+
+  evidence.push_back(TopSentence(d.top));
+  if (!d.gains.empty()) {
+    const GainEvidence* shown = nullptr;
+    for (const GainEvidence& g : d.gains) {
+      if (g.grown) {
+        shown = &g;
+        break;
+      }
+      if (final_norm && g.name == final_norm->info.name) shown = &g;
+    }
+    if (shown && shown->grown) {
+      evidence.push_back(shown->name + " (weight decay " + FormatNumber(shown->weight_decay) + ") has grown to " +
+                         FormatNumber(*shown->amplification) + "× its init norm and is rising, but the output layer " +
+                         (output_known ? "carries " + FormatPercent(output_share) +
+                                             " of the squared grad norm, below " + FormatPercent(bounds.min_share)
+                                       : "reports no share of the grad norm"));
+    } else {
+      std::string s = "no norm gain is growing";
+      if (shown && shown->amplification) {
+        s += " (" + shown->name + " at " + FormatNumber(*shown->amplification) + "× its init norm";
+        s += std::string(shown->rising ? ", rising" : ", not rising") + ")";
+      }
+      evidence.push_back(s);
+    }
+  }
+  evidence.push_back(LearningRateSentence(facts));
+  evidence.push_back(EventSentence(facts));
+  evidence.push_back(RewindSentence(facts));
+  d.text = Join(evidence) + " No cause found in the per-parameter norms.";
+
+  const std::string& top_name = d.top.empty() ? std::string() : d.top[0].name;
+  std::string rec;
+  if (facts.warmup.holds_pages) {
+    rec = "The run is in its warm-up (" + facts.warmup.reason + "), when large grad norms are usual: no action " +
+          "unless it persists past the warm-up.";
+  } else if (!top_name.empty()) {
+    rec = "No cause found in the per-parameter norms, and no weight-decay change is indicated: look at " + top_name +
+          " (" + FormatPercent(d.top[0].share) + " of the squared grad norm), its inputs and the data at these steps.";
+  } else {
+    rec = "No cause found in the per-parameter norms.";
+  }
+  d.recommendation = rec;
+  if (final_norm) {
+    d.remedy.param = final_norm->info.name;
+    d.remedy.weight_decay = suggested_wd;
+  }
+  if (grown) {
+    d.remedy.param = grown->info.name;
+    d.remedy.why = "the output layer carries " +
+                   (output_known ? FormatPercent(output_share) : std::string("no known share")) +
+                   " of the squared grad norm, below " + FormatPercent(bounds.min_share);
+  } else if (final_norm) {
+    const std::optional<double> a = AmplificationOf(*final_norm);
+    d.remedy.why = final_norm->info.name + " has not grown significantly (" +
+                   (a ? FormatNumber(*a) + "× its init norm" : std::string("its norm is unknown")) +
+                   (NormRising(*final_norm) ? "" : ", not rising") + ")";
+  } else {
+    d.remedy.why = "the run has no norm gain without weight decay";
+  }
+  return d;
+}
+
+}  // namespace gradwatch::alerts

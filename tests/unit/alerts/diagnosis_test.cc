@@ -1,0 +1,184 @@
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <string>
+
+#include "alerts/diagnosis.h"
+#include "alerts/rules.h"
+
+using namespace gradwatch::alerts;
+using Catch::Contains;
+using gradwatch::ParamKind;
+
+namespace {
+
+ParamFact Param(const std::string& name, ParamKind kind, double wd, uint64_t numel = 6144) {
+  ParamFact p;
+  p.info.name = name;
+  p.info.kind = kind;
+  p.info.weight_decay = wd;
+  p.info.numel = numel;
+  return p;
+}
+
+// A run with a final norm (wd 0, init sqrt(6144) = 78.38), an lm_head, an MLP block and an
+// attention block, at step 61,500, weight decay 0.1 elsewhere. The caller sets the norm, its slope
+// and the shares.
+RunFacts Run(double final_norm, double final_slope, double head_share, double mlp_share) {
+  RunFacts f;
+  f.run_id = "r";
+  f.step = 61500;
+  f.config.weight_decay = 0.1;
+  ParamFact gain = Param("final_norm.weight", ParamKind::kNormGain, 0);
+  gain.norm = final_norm;
+  gain.norm_slope_per_kstep = final_slope;
+  f.params = {gain, Param("lm_head.weight", ParamKind::kOutput, 0.1, 788'000'000),
+              Param("layers.7.mlp.w2.weight", ParamKind::kMlp, 0.1, 1'000'000),
+              Param("layers.7.attn.wq.weight", ParamKind::kAttention, 0.1, 1'000'000)};
+  f.shares = {{"final_norm.weight", false, 0.0001, 0, ParamKind::kNormGain},
+              {"lm_head.weight", false, head_share, 0.001, ParamKind::kOutput},
+              {"layers.7.mlp.w2.weight", false, mlp_share, 0.032, ParamKind::kMlp},
+              {"layers.7.attn.wq.weight", false, 1 - head_share - mlp_share - 0.0001, NAN, ParamKind::kAttention},
+              {"output", true, head_share, 0}};
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("a grown norm gain without decay and a dominant output layer is the incident's cause", "[alerts]") {
+  const RunFacts f = Run(362.1, 2.5, 0.939, 0.03);
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
+  CHECK(d.cause == Cause::kNormGainInflatesOutput);
+  CHECK(d.remedy.supported);
+  CHECK(d.remedy.param == "final_norm.weight");
+  CHECK(d.remedy.weight_decay == 0.1);
+  CHECK_THAT(d.remedy.why, Contains("4.62× its init norm") && Contains("93.9%") && Contains("at least 90%"));
+  CHECK_THAT(d.text, Contains("A norm gain without weight decay inflates the output layer"));
+  CHECK_THAT(d.recommendation, Contains("Recommendation: enable weight decay on final_norm.weight (the run uses 0.1"));
+  CHECK(d.top.at(0).name == "lm_head.weight");
+  CHECK(d.output_share == Approx(0.939));
+}
+
+TEST_CASE("a spike an MLP block carries names the block and gives no weight-decay advice", "[alerts]") {
+  // final_norm.weight flat at its init norm; the MLP block carries 81% and rises.
+  const Diagnosis d = Diagnose(Run(78.4, 0.0, 0.12, 0.81), DiagnosisBounds{});
+  CHECK(d.cause == Cause::kNone);
+  CHECK_FALSE(d.remedy.supported);
+  CHECK_THAT(d.text, Contains("layers.7.mlp.w2.weight carries 81% of the squared grad norm (rising 3.2 points per "
+                              "1k steps); lm_head.weight 12%"));
+  CHECK_THAT(d.text, Contains("No norm gain is growing (final_norm.weight at 1× its init norm, not rising)"));
+  CHECK_THAT(d.text, Contains("No cause found in the per-parameter norms."));
+  CHECK_THAT(d.recommendation, Contains("No cause found in the per-parameter norms") &&
+                                   Contains("no weight-decay change is indicated") &&
+                                   Contains("layers.7.mlp.w2.weight (81% of the squared grad norm)"));
+  CHECK_THAT(d.recommendation, !Contains("enable weight decay"));
+  CHECK_THAT(d.text, !Contains("inflates"));
+  CHECK_THAT(d.remedy.why, Contains("final_norm.weight has not grown significantly (1× its init norm, not rising)"));
+}
+
+TEST_CASE("no cause is stated unless both halves of the evidence hold", "[alerts]") {
+  struct Case {
+    const char* what;
+    double norm;
+    double slope;
+    double head_share;
+    const char* text;
+  };
+  const Case cases[] = {
+      {"grown gain, output layer not dominant", 362.1, 2.5, 0.4,
+       "final_norm.weight (weight decay 0) has grown to 4.62× its init norm and is rising, but the output layer "
+       "carries 40% of the squared grad norm, below 90%"},
+      {"dominant output layer, gain not grown", 117.6, 0.5, 0.95, "No norm gain is growing (final_norm.weight at 1.5×"},
+      {"grown gain no longer rising", 362.1, -0.5, 0.95, "No norm gain is growing (final_norm.weight at 4.62×"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    const Diagnosis d = Diagnose(Run(c.norm, c.slope, c.head_share, 0.03), DiagnosisBounds{});
+    CHECK(d.cause == Cause::kNone);
+    CHECK_FALSE(d.remedy.supported);
+    CHECK_THAT(d.text, Contains(c.text));
+    CHECK_THAT(d.recommendation, !Contains("enable weight decay"));
+  }
+}
+
+TEST_CASE("a gain with weight decay above the rule's bound is not a gain without decay", "[alerts]") {
+  RunFacts f = Run(362.1, 2.5, 0.95, 0.02);
+  f.params[0].info.weight_decay = 0.1;
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
+  CHECK(d.cause == Cause::kNone);
+  CHECK(d.gains.empty());
+}
+
+TEST_CASE("the diagnosis' bounds are the rules' own", "[alerts]") {
+  auto rules = LoadRules(
+      "groups:\n  - name: g\n    rules:\n"
+      "      - alert: Growth\n        kind: growth_without_decay\n        param_kind: norm_gain\n"
+      "        min_amplification: 3\n        max_weight_decay: 0.01\n        labels: {severity: warning}\n"
+      "      - alert: Share\n        kind: share\n        param_kind: output\n        min_share: 0.35\n        labels: "
+      "{severity: warning}\n",
+      "test.yaml");
+  REQUIRE(rules.ok());
+  const DiagnosisBounds b = BoundsFromRules(*rules);
+  CHECK(b.min_amplification == 3);
+  CHECK(b.max_weight_decay == 0.01);
+  CHECK(b.min_share == 0.35);
+  // 40% of the squared grad norm is dominant for a team whose share rule says 35%.
+  CHECK(Diagnose(Run(362.1, 2.5, 0.4, 0.03), b).cause == Cause::kNormGainInflatesOutput);
+  CHECK(Diagnose(Run(362.1, 2.5, 0.4, 0.03), DiagnosisBounds{}).cause == Cause::kNone);
+
+  const DiagnosisBounds none = BoundsFromRules({});
+  CHECK(none.min_amplification == 4);
+  CHECK(none.min_share == 0.9);
+}
+
+TEST_CASE("a run with only the total grad norm gets no cause and a line on per-parameter norms", "[alerts]") {
+  RunFacts f;
+  f.run_id = "megatron";
+  f.step = 20;
+  f.latest = {{"grad/norm/total", 47}};
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
+  CHECK(d.cause == Cause::kNoPerParameterNorms);
+  CHECK_FALSE(d.remedy.supported);
+  CHECK(d.remedy.param.empty());
+  CHECK_THAT(d.text, Contains("reports only its total grad norm, so no cause can be named"));
+  CHECK_THAT(d.recommendation, Contains("gradwatch.torch.Watch") && Contains("grad/norm/<param>"));
+  CHECK_THAT(d.text + d.recommendation, !Contains("norm gain") && !Contains("lm_head"));
+
+  f.warmup.holds_pages = true;
+  f.warmup.reason = "the run is in its first 200 steps (step 20, alerts.min_steps_before_page)";
+  CHECK_THAT(Diagnose(f, DiagnosisBounds{}).recommendation,
+             Contains("The run is in its warm-up (the run is in its first 200 steps"));
+}
+
+TEST_CASE("the diagnosis names the learning rate, the latest event, a change point and a rewind", "[alerts]") {
+  RunFacts f = Run(78.4, 0, 0.12, 0.81);
+  f.learning_rate.known = true;
+  f.learning_rate.value = 2.8e-4;
+  f.learning_rate.peak = 3e-4;
+  f.learning_rate.peak_step = 2000;
+  f.learning_rate.jump_step = 61200;
+  f.learning_rate.jump_from = 2.8e-4;
+  f.learning_rate.jump_to = 1e-3;
+  f.slope_changes = {{"grad/norm/total", 61200, "switched routing", 2.1, 0.005, 0.0105, 30},
+                     {"grad/norm/total", 70000, "in the future", 1, 1, 1, 0}};
+  f.change_points = {{"grad/norm/total", 61300, 3.0, 0.005, 0.015, 8}};
+  f.rewind = {60000, 61000};
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
+  CHECK_THAT(d.text, Contains("The learning rate is 2.8e-4, past its peak of 3e-4 at step 2,000; it jumped from "
+                              "2.8e-4 to 0.001 at step 61,200."));
+  CHECK_THAT(d.text, Contains("The latest event is at step 61,200 (\"switched routing\"), since when the grad "
+                              "norm's slope is ×2.1; the grad norm's slope changed ×3 near step 61,300"));
+  CHECK_THAT(d.text, Contains("The run rewound to step 60,000 (the abandoned branch reached step 61,000)."));
+  CHECK_THAT(d.text, !Contains("in the future"));
+
+  f.learning_rate.warming_up = true;
+  f.learning_rate.jump_step = 0;
+  CHECK_THAT(Diagnose(f, DiagnosisBounds{}).text,
+             Contains("The learning rate is 2.8e-4, still rising in its warm-up."));
+}
+
+TEST_CASE("cause names are the annotation's values", "[alerts]") {
+  CHECK(CauseName(Cause::kNone) == "none");
+  CHECK(CauseName(Cause::kNoPerParameterNorms) == "no_per_parameter_norms");
+  CHECK(CauseName(Cause::kNormGainInflatesOutput) == "norm_gain_inflates_output");
+}
