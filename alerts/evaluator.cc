@@ -165,14 +165,20 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
     SetVar(c.vars, "within_steps", Step(rule.within_steps));
     SetVar(c.vars, "slope", Number(f.slope_per_kstep));
     SetVar(c.vars, "current", Number(f.current_value));
+    // Built in reused buffers: a forecast is evaluated at every step, rendered rarely.
     std::string& outlook = out.scratch_text;
+    std::string& number = out.scratch_number;
+    FormatNumberTo(number, rule.threshold);
     if (f.current_value >= rule.threshold) {
-      outlook = "is at or above " + FormatNumber(rule.threshold);
+      outlook.assign("is at or above ").append(number);
     } else if (!f.reachable || !std::isfinite(f.steps_to_threshold) || f.steps_to_threshold < 0) {
-      outlook = "is not rising toward " + FormatNumber(rule.threshold);
+      outlook.assign("is not rising toward ").append(number);
     } else {
-      outlook = "reaches " + FormatNumber(rule.threshold) + " in ~" + FormatCount(f.steps_to_threshold) +
-                " steps (near step " + FormatStep(f.at_step) + ")";
+      outlook.assign("reaches ").append(number).append(" in ~");
+      FormatCountTo(number, f.steps_to_threshold);
+      outlook.append(number).append(" steps (near step ");
+      FormatStepTo(number, f.at_step);
+      outlook.append(number).append(")");
     }
     SetVar(c.vars, "outlook", outlook);
   }

@@ -145,6 +145,7 @@ class ConditionList {
   std::vector<std::pair<const void*, size_t>> picks;
   std::vector<std::pair<std::string_view, double>> found;
   std::string scratch_text;
+  std::string scratch_number;
 
  private:
   std::vector<Condition> slots_;

@@ -36,6 +36,10 @@ v1::Hello IncidentHello(const std::string& run) {
   return h;
 }
 
+// ||final_norm.weight||: 362 at step 0, still rising 0.2 a step (200 per 1k steps), 4.618× its init
+// norm sqrt(6144) and more: a norm gain grown without weight decay, as in the incident.
+double FinalNorm(uint64_t step) { return 362.0 + 0.2 * static_cast<double>(step); }
+
 v1::StepStats Step(uint64_t step, double total) {
   v1::StepStats s;
   s.set_step(step);
@@ -45,8 +49,15 @@ v1::StepStats Step(uint64_t step, double total) {
   lm->mutable_grad()->set_norm(total * 0.95);
   auto* fn = s.add_params();
   fn->set_index(0);
-  fn->mutable_param()->set_norm(362.0);
+  fn->mutable_param()->set_norm(FinalNorm(step));
   return s;
+}
+
+// A daemon whose pages are not held on these short runs' first steps (alerts/warmup.h).
+DaemonOptions EarlyPages() {
+  DaemonOptions options;
+  options.config_yaml += "alerts: {min_steps_before_page: 0}\n";
+  return options;
 }
 
 bool IsContingency(const v1::DaemonMessage& m, v1::AlertState state) {
@@ -84,7 +95,11 @@ std::pair<uint64_t, uint64_t> Run(const DaemonProcess& daemon, const std::string
   INFO(rec);
   CHECK(rec.find("enable weight decay on final_norm.weight") != std::string::npos);
   CHECK(rec.find("0.1") != std::string::npos);
-  CHECK(rec.find("4.618× its init norm") != std::string::npos);  // 362 / sqrt(6144)
+  CHECK(rec.find("× its init norm 78.38, rising 200 per 1k steps") != std::string::npos);
+  CHECK(fired.annotations().at("remediation_param") == "final_norm.weight");
+  CHECK(fired.annotations().at("remediation_weight_decay") == "0.1");
+  CHECK(fired.annotations().at("remediation_supported") == "true");
+  CHECK(fired.annotations().at("cause") == "norm_gain_inflates_output");
   CHECK(resolved.fingerprint() == fired.fingerprint());
   CHECK(resolved.ends_at() >= fired.starts_at());
   stream.Close();
@@ -94,7 +109,7 @@ std::pair<uint64_t, uint64_t> Run(const DaemonProcess& daemon, const std::string
 }  // namespace
 
 TEST_CASE("the grad-norm contingency pages the trainer's stream at s0 + 10 and resolves", "[integration]") {
-  DaemonProcess daemon;
+  DaemonProcess daemon(EarlyPages());
   SECTION("reports every step: fires at step 60, resolves when the norm falls back") {
     const auto [fired, resolved] = Run(daemon, "every-step", 1);
     CHECK(fired == 60);
@@ -109,7 +124,7 @@ TEST_CASE("the grad-norm contingency pages the trainer's stream at s0 + 10 and r
 
 TEST_CASE("gradwatch alerts lists a firing page with its recommendation, and rules check validates files",
           "[integration]") {
-  DaemonProcess daemon;
+  DaemonProcess daemon(EarlyPages());
   StreamClient stream(daemon.grpc_target());
   REQUIRE(stream.Hello(IncidentHello("cli-run"), 1));
   stream.WaitAccepted();
@@ -219,7 +234,9 @@ double AmTotalNorm(uint64_t step) {
 // catalog (final_norm.weight: a norm gain of 6144 entries without weight decay; lm_head.weight with
 // the run's 0.1), then one line per step with the lm_head carrying 81% of the squared total grad
 // norm (below the LmHeadGradShareHigh warning's 90%: the page is the only alert Alertmanager gets)
-// and ||final_norm|| = 362, 4.618× its init norm sqrt(6144).
+// and ||final_norm|| = 362, 4.618× its init norm sqrt(6144) but flat. The evidence rule needs both a
+// gain still growing and a dominant output layer: this page states no cause and advises no weight
+// decay.
 std::string WriteAmReplay(const TempDir& dir, uint64_t last) {
   const std::string path = (dir.path() / ("to-step-" + std::to_string(last) + ".jsonl")).string();
   std::ofstream out(path);
@@ -318,7 +335,7 @@ TEST_CASE("the contingency pages a real Alertmanager with the recommendation, an
   // page Alertmanager holds is the one sent at the firing step (annotations are re-rendered later).
   DaemonOptions options;
   options.config_yaml =
-      "alerts:\n  external_url: http://gradwatch.test:9390\n  receivers:\n"
+      "alerts:\n  external_url: http://gradwatch.test:9390\n  min_steps_before_page: 0\n  receivers:\n"
       "    - {type: alertmanager, name: am, url: http://127.0.0.1:" +
       std::to_string(am.port()) + ", resend_interval_seconds: 30}\n";
   DaemonProcess daemon(options);
@@ -384,9 +401,14 @@ TEST_CASE("the contingency pages a real Alertmanager with the recommendation, an
   CHECK(page["status"]["state"] == "active");
   CHECK(page["annotations"]["summary"] == page_summary);
   const std::string rec = page["annotations"]["recommendation"].get<std::string>();
-  CHECK(rec.find("enable weight decay on final_norm.weight") != std::string::npos);
-  CHECK(rec.find("4.618× its init norm") != std::string::npos);  // 362 / sqrt(6144)
-  CHECK(rec.find("0.1") != std::string::npos);
+  INFO(rec);
+  CHECK(rec.find("No cause found in the per-parameter norms") != std::string::npos);
+  CHECK(rec.find("lm_head.weight (81% of the squared grad norm)") != std::string::npos);
+  CHECK(rec.find("enable weight decay") == std::string::npos);
+  const std::string description = page["annotations"]["description"].get<std::string>();
+  CHECK(description.find("final_norm.weight at 4.618× its init norm, not rising") != std::string::npos);
+  CHECK(page["annotations"]["remediation_supported"] == "false");
+  CHECK(page["annotations"]["cause"] == "none");
   CHECK(page["annotations"]["recommendation"] == firing["annotations"]["recommendation"]);
   CHECK(page["generatorURL"] == "http://gradwatch.test:9390/runs/am-run");
   CHECK(AmReceived(am, "resolved") == 0);

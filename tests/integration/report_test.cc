@@ -189,7 +189,9 @@ TEST_CASE("gradwatch report lists the alerts that fired and resolved, from the a
       out << R"({"_step": )" << step << R"(, "grad/norm/total": )" << (step >= 50 && step < 100 ? 5.5 : 1.0) << "}\n";
     }
   }
-  DaemonProcess daemon;
+  DaemonOptions options;
+  options.config_yaml += "alerts: {min_steps_before_page: 0}\n";  // a short run: its first steps page too
+  DaemonProcess daemon(options);
   CommandResult r =
       RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path.string(), "--run", "spiky", "--max"},
                  std::nullopt, std::chrono::seconds(120));

@@ -160,6 +160,7 @@ TEST_CASE("the alert history lists a page's pending, firing and resolved states 
   }
   DaemonOptions options;
   options.data_dir = dir.path() / "data";
+  options.config_yaml += "alerts: {min_steps_before_page: 0}\n";  // a short run: its first steps page too
   DaemonProcess daemon(options);
   const CommandResult replay = RunCommand(
       {CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path.string(), "--run", "hist-1", "--max", "--json"},

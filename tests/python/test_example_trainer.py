@@ -16,10 +16,14 @@ import tiny_trainer  # noqa: E402
 
 SMALL = ["--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "32", "--seq", "8", "--batch", "4"]
 
+# A tiny run's own bounds: its final norm, given a learning rate that makes it drift, grows about 2x by step 40
+# while the lm_head carries 60-80% of the squared grad norm and the total climbs past 1.8. Its 80 steps are all
+# "first steps" by the default alerts.min_steps_before_page: the page is not held here.
 LOW_CONTINGENCY = """
 alerts:
   default_rules: false
   rule_files: [{rules}]
+  min_steps_before_page: 0
 """
 RULES = """
 groups:
@@ -29,12 +33,22 @@ groups:
         kind: threshold
         series: grad/norm/total
         op: ">="
-        value: 0.01
+        value: 1.8
         for_steps: 2
         labels: {severity: page}
         annotations:
           summary: "Total grad norm {{ value }} at step {{ step }}"
           recommendation: "{{ recommendation }}"
+      - alert: NormGainGrowing
+        kind: growth_without_decay
+        param_kind: norm_gain
+        min_amplification: 1.5
+        labels: {severity: warning}
+      - alert: LmHeadShare
+        kind: share
+        param_kind: output
+        min_share: 0.5
+        labels: {severity: warning}
 """
 
 
@@ -108,15 +122,16 @@ class TinyTrainerTest(unittest.TestCase):
         with open(rules, "w") as f:
             f.write(RULES)
         self.daemon = Daemon("log: {level: info}\n" + LOW_CONTINGENCY.format(rules=rules))
-        args = tiny_trainer.parse_args(["--run", "tiny-fix", "--address", self.daemon.address, "--steps", "60",
-                                        "--remediate"] + SMALL)
+        args = tiny_trainer.parse_args(["--run", "tiny-fix", "--address", self.daemon.address, "--steps", "80",
+                                        "--final-norm-lr", "0.1", "--remediate"] + SMALL)
         seen = {}
 
         def hook(step, model, loss, optimizer):
             seen["model"], seen["optimizer"] = model, optimizer
-            if step == 10:
-                # The rule fired at step 3 on the daemon; its alert reaches the trainer's stream when
-                # it does (later under a sanitizer): wait for it, so that a later step applies it.
+            if step == 70:
+                # The page fired near step 40 on the daemon, with the evidence (the final norm grown without
+                # decay, the lm_head's share) and so a supported remedy; it reaches the trainer's stream when it
+                # does (later under a sanitizer): wait for it, so that a later step applies it.
                 remedy = seen["watch"].remediation
                 wait_for(lambda: bool(remedy.pending or remedy.applied), 60, "the contingency alert at the trainer")
 
@@ -128,7 +143,7 @@ class TinyTrainerTest(unittest.TestCase):
         self.assertEqual(len(owning), 1)
         self.assertEqual(len(owning[0]["params"]), 1)
         self.assertAlmostEqual(owning[0]["weight_decay"], 0.1)
-        self.assertEqual(len(opt.param_groups), 3)
+        self.assertEqual(len(opt.param_groups), 4)  # its own group (lr 0.1) left empty
         events = [e.text for e in self.daemon.run("tiny-fix").events]
         self.assertEqual(len(events), 1)
         self.assertIn("weight decay 0.1 on final_norm.weight (was 0)", events[0])

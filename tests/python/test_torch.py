@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import gradwatch.torch as gwt
+from gradwatch._catalog import Param
 from gradwatch.v1 import gradwatch_pb2 as pb
 from support import Daemon
 
@@ -81,9 +82,13 @@ class WatchTest(unittest.TestCase):
         params = {p.name: p for p in run.params}
         self.assertEqual(params["final_norm.weight"].kind, pb.PARAM_KIND_NORM_GAIN)
         self.assertEqual(params["final_norm.weight"].weight_decay, 0.0)
+        self.assertEqual(params["final_norm.weight"].role, "final_norm")
         self.assertEqual(params["lm_head.weight"].kind, pb.PARAM_KIND_OUTPUT)
         self.assertAlmostEqual(params["lm_head.weight"].weight_decay, 0.1)
         self.assertEqual(params["embed.weight"].kind, pb.PARAM_KIND_EMBEDDING)
+        rates = self.daemon.points("torch-basic", "optim/learning_rate")
+        self.assertEqual(len(rates), 20)
+        self.assertAlmostEqual(rates[-1].value, opt.param_groups[0]["lr"], places=12)
         self.assertEqual(params["mlp.bias"].weight_decay, 0.0)
         self.assertEqual(params["mlp.weight"].numel, 16 * 16)
         for name, norm in init.items():
@@ -121,29 +126,43 @@ class WatchTest(unittest.TestCase):
 
 
 class RemediationTest(unittest.TestCase):
-    def test_the_recommendation_is_read_and_applied_once_between_steps(self) -> None:
+    def test_the_remediation_fields_are_read_and_applied_once_between_steps(self) -> None:
         model = Tiny()
         opt = optimizer_for(model)
         remedy = gwt.Remediation(model, opt)
 
-        def alert(text, name="GradNormContingency", state=pb.ALERT_STATE_FIRING):
-            return pb.Alert(name=name, state=state, annotations={"recommendation": text})
+        def alert(supported="true", name="GradNormContingency", state=pb.ALERT_STATE_FIRING, param="final_norm.weight",
+                  wd="0.05"):
+            return pb.Alert(name=name, state=state, step=1000,
+                            annotations={"remediation_param": param, "remediation_weight_decay": wd,
+                                         "remediation_supported": supported,
+                                         "remediation_why": "final_norm.weight has not grown significantly"})
 
-        remedy(alert("Recommendation: enable weight decay on final_norm.weight (the run uses 0.05 for its decayed "
-                     "parameters).", state=pb.ALERT_STATE_PENDING))
-        remedy(alert("Recommendation: enable weight decay on mlp.weight.", name="OtherAlert"))
+        remedy(alert(state=pb.ALERT_STATE_PENDING))
+        remedy(alert(name="OtherAlert", param="mlp.weight"))
         self.assertEqual(remedy.apply(), [])
-        remedy(alert("final_norm.weight has weight decay 0. Recommendation: enable weight decay on "
-                     "final_norm.weight (the run uses 0.05 for its decayed parameters)."))
+        with self.assertLogs("gradwatch", "WARNING") as logs:
+            remedy(alert(supported="false"))  # the evidence does not hold the cause
+        self.assertIn("final_norm.weight has not grown significantly", logs.output[0])
+        self.assertEqual(remedy.pending, {})
+        remedy(alert())
         self.assertEqual(remedy.applied, {})  # applied by the training loop, not the alert's thread
         events = remedy.apply()
         self.assertEqual(events, ["gradwatch remediation: weight decay 0.05 on final_norm.weight (was 0)"])
         self.assertEqual(remedy.applied, {"final_norm.weight": 0.05})
-        remedy(alert("Recommendation: raise the weight decay on final_norm.weight."))
+        remedy(alert(wd="0.1"))
         self.assertEqual(remedy.apply(), [])  # once
         groups = [g for g in opt.param_groups if any(p is model.final_norm.weight for p in g["params"])]
         self.assertEqual([(len(g["params"]), g["weight_decay"]) for g in groups], [(1, 0.05)])
         self.assertEqual(sum(len(g["params"]) for g in opt.param_groups), len(list(model.parameters())))
+
+    def test_the_watch_marks_the_final_norm_and_sends_the_learning_rate(self) -> None:
+        catalog = [Param(name="blocks.0.norm.weight", numel=4), Param(name="blocks.0.mlp.weight", numel=16),
+                   Param(name="head_norm.weight", numel=4, kind="norm_gain"), Param(name="lm_head.weight", numel=16)]
+        self.assertIs(gwt._final_norm(catalog), catalog[2])  # the last norm gain before the output layer
+        catalog.append(Param(name="model.norm.weight", numel=4))
+        self.assertIs(gwt._final_norm(catalog), catalog[4])  # named like a final norm
+        self.assertIsNone(gwt._final_norm([Param(name="lm_head.weight", numel=16)]))
 
 
 def _free_port() -> int:

@@ -12,7 +12,10 @@
 The catalog comes from the model: each parameter's numel, its weight decay from the optimizer's
 param group, its kind guessed from its name (norm gains, lm_head/output, embeddings, routers;
 override with kinds={name: kind}) and its norm when the Watch is made (its init norm: make the
-Watch before training, or pass init_norms=False). Norms are computed on the parameters' device
+Watch before training, or pass init_norms=False). The final norm (a norm gain named final_norm,
+norm_f, ln_f, final_layernorm or model.norm, else the last norm gain before the output layer) gets
+the role "final_norm". Each step also sends the optimizer's learning rate (its first param
+group's), by which the daemon knows the warm-up: pages are held while it rises. Norms are computed on the parameters' device
 with fused kernels where the installed torch has them (torch._foreach_norm) and copied to the host
 once per step.
 
@@ -31,7 +34,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
-from gradwatch._catalog import Param
+from gradwatch._catalog import Param, parse_kind
 from gradwatch._monitor import Monitor
 
 
@@ -42,6 +45,33 @@ def _norms(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     if foreach_norm is not None:
         return list(foreach_norm(tensors))
     return [t.norm() for t in tensors]
+
+
+_FINAL_NORM_NAME = re.compile(r"(?:^|\.)(?:final_norm|norm_f|ln_f|final_layernorm|final_layer_norm|model\.norm)"
+                              r"(?:\.(?:weight|scale|gamma))?$")
+
+
+def _final_norm(catalog: List[Param]) -> Optional[Param]:
+    """The norm gain feeding the output layer: named like a final norm, else the last norm gain
+    before the first output parameter (in the model's order), else none."""
+    from gradwatch._catalog import infer_kind
+    from gradwatch.v1 import gradwatch_pb2 as pb
+
+    def kind(p: Param) -> int:
+        return parse_kind(p.kind) if p.kind is not None else infer_kind(p.name)
+
+    gains = [p for p in catalog if kind(p) == pb.PARAM_KIND_NORM_GAIN]
+    for p in gains:
+        if _FINAL_NORM_NAME.search(p.name):
+            return p
+    last = None
+    for p in catalog:
+        k = kind(p)
+        if k == pb.PARAM_KIND_OUTPUT:
+            return last
+        if k == pb.PARAM_KIND_NORM_GAIN:
+            last = p
+    return None
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
@@ -74,6 +104,7 @@ class Watch:
         if every < 1:
             raise ValueError(f"every={every}: must be at least 1")
         self.every = every
+        self.optimizer = optimizer
         self.update_norms = update_norms
         self.remediation = remediation
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -110,6 +141,9 @@ class Watch:
         catalog = [Param(name=n, numel=p.numel() * (self.world_size if self.sharded else 1), kind=kinds.get(n),
                          weight_decay=decay.get(id(p), 0.0), init_norm=i)
                    for n, p, i in zip(self.names, self.params, init)]
+        final = _final_norm(catalog)
+        if final is not None:
+            final.role = "final_norm"
         if monitor is None:
             if run is None:
                 raise ValueError("run: a run id is required when no monitor is given")
@@ -140,6 +174,8 @@ class Watch:
             out.update(self._norm_metrics())
         if loss is not None:
             out["train/loss"] = float(loss)
+        if self.optimizer.param_groups and "lr" in self.optimizer.param_groups[0]:
+            out["optim/learning_rate"] = float(self.optimizer.param_groups[0]["lr"])
         if metrics:
             out.update(metrics)
         return self.monitor.log(step, out, squared=self._squared)
@@ -186,21 +222,19 @@ class Watch:
         self.close(finished=exc_type is None)
 
 
-# "... Recommendation: enable weight decay on final_norm.weight (the run uses 0.1 for its decayed
-# parameters)." (alerts/recommendation.h)
-_RECOMMENDATION = re.compile(
-    r"(?:enable|raise) (?:the )?weight decay on (\S+?)(?: \(the run uses ([0-9.eE+-]+)[^)]*\)|\.?(?:\s|$))")
-
-
 class Remediation:
-    """Opt-in: an alert callback that acts on the grad-norm contingency's recommendation.
+    """Opt-in: an alert callback that acts on the grad-norm contingency's diagnosis.
 
-    When a `GradNormContingency` alert fires, the parameter its recommendation names (the norm
-    gain feeding the lm_head, e.g. final_norm.weight) is moved into a param group of its own with
-    the recommended weight decay (the run's decayed parameters' value, or `weight_decay` when
-    given), once, and the change is reported to the daemon as an event of the run. The alert
-    arrives on the Monitor's thread while training runs on another: the move is applied by
-    apply(), which the training loop calls between steps (Watch.step does).
+    When a `GradNormContingency` alert fires, its structured fields say what the run's evidence
+    supports: the annotations remediation_param (the parameter), remediation_weight_decay (the
+    run's decayed parameters' value) and remediation_supported ("true" only when the daemon's
+    diagnosis found the cause: a norm gain without weight decay that has grown while the output
+    layer carries most of the squared grad norm). Only then is that parameter moved into a param
+    group of its own with that weight decay (or `weight_decay` when given), once, and the change
+    reported to the daemon as an event of the run; otherwise the reason (remediation_why) is
+    logged and nothing changes. The alert arrives on the Monitor's thread while training runs on
+    another: the move is applied by apply(), which the training loop calls between steps
+    (Watch.step does).
 
         remedy = gradwatch.torch.Remediation(model, optimizer)
         watch = gradwatch.torch.Watch(model, optimizer, run="r", on_alert=remedy, remediation=remedy)
@@ -223,18 +257,24 @@ class Remediation:
         from gradwatch.v1 import gradwatch_pb2 as pb
         if alert.name != self.alert or alert.state != pb.ALERT_STATE_FIRING:
             return
-        match = _RECOMMENDATION.search(alert.annotations.get("recommendation", ""))
-        if match is None:
-            logging.getLogger("gradwatch").warning(
-                "gradwatch: %s fired without a weight-decay recommendation: nothing to apply", alert.name)
+        log = logging.getLogger("gradwatch")
+        fields = alert.annotations
+        name = fields.get("remediation_param", "")
+        if fields.get("remediation_supported") != "true":
+            log.warning("gradwatch: %s fired at step %d; the evidence does not support a weight-decay change (%s): "
+                        "nothing applied", alert.name, alert.step, fields.get("remediation_why", "no diagnosis"))
             return
-        name = match.group(1)
-        if self.weight_decay is None and match.group(2) is None:
-            logging.getLogger("gradwatch").warning(
-                "gradwatch: %s recommends weight decay on %s without a value, and Remediation was given none",
-                alert.name, name)
+        if not name:
+            log.warning("gradwatch: %s fired without a parameter to act on: nothing applied", alert.name)
             return
-        wd = self.weight_decay if self.weight_decay is not None else float(match.group(2))
+        suggested = fields.get("remediation_weight_decay", "")
+        if self.weight_decay is None and (not suggested or float(suggested) <= 0):
+            log.warning("gradwatch: %s recommends weight decay on %s without a value, and Remediation was given none",
+                        alert.name, name)
+            return
+        wd = self.weight_decay if self.weight_decay is not None else float(suggested)
+        log.info("gradwatch: %s: weight decay %g on %s is due (%s)", alert.name, wd, name,
+                 fields.get("remediation_why", ""))
         with self._lock:
             if name not in self.applied:
                 self._due[name] = wd
