@@ -82,8 +82,8 @@ const std::vector<std::string>& DefaultNonFiniteSeries() {
 
 const std::set<std::string>& TemplateVariablesFor(RuleKind kind) {
   static const std::map<RuleKind, std::set<std::string>> kVars = [] {
-    const std::set<std::string> common = {"value",       "step",        "run",       "recommendation",
-                                          "diagnosis",   "cause",       "for_steps", "resolve_for_steps",
+    const std::set<std::string> common = {"value",       "step",       "run",       "recommendation",
+                                          "diagnosis",   "cause",      "for_steps", "resolve_for_steps",
                                           "clear_below", "clear_above"};
     const std::map<RuleKind, std::set<std::string>> own = {
         {RuleKind::kThreshold, {"series", "threshold", "op", "page_held"}},

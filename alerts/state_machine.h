@@ -364,8 +364,8 @@ class AlertEngine {
   mutable std::mutex mu_;
   std::atomic<uint64_t> rules_generation_{0};
   std::vector<Rule> rules_;
-  std::vector<bool> uses_recommendation_;  // by rule index: its templates show the diagnosis
-  DiagnosisBounds bounds_;                 // BoundsFromRules(rules_)
+  std::vector<bool> uses_recommendation_;                   // by rule index: its templates show the diagnosis
+  DiagnosisBounds bounds_;                                  // BoundsFromRules(rules_)
   std::unordered_map<uint64_t, Instance> instances_;        // by fingerprint
   std::unordered_map<uint64_t, LevelTracker> levels_;       // by fingerprint
   std::map<std::string, uint64_t, std::less<>> evaluated_;  // the last step evaluated, by run

@@ -1,0 +1,236 @@
+// What a page says, through the real gradwatchd and the real CLI: the warm-up does not page, a
+// cause is stated only when the run's data holds it, and a run with only its total grad norm gets
+// no cause at all.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/integration/daemon_process.h"
+#include "tests/integration/stream_client.h"
+
+using namespace gradwatch;
+using namespace gradwatch::testing;
+using json = nlohmann::json;
+
+namespace {
+
+// The contingency's entries in the alert history, oldest first.
+std::vector<json> Contingency(const DaemonProcess& daemon, const std::string& run) {
+  const HttpResponse r =
+      HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/api/v1/alerts/history?run=" + run, "", {});
+  std::vector<json> out;
+  if (r.status != 200) return out;
+  const json history = json::parse(r.body);
+  for (const json& e : history["entries"]) {
+    if (e["alert"]["name"] == "GradNormContingency") out.push_back(e);
+  }
+  return out;
+}
+
+uint64_t StepOf(const json& e) { return std::stoull(e["alert"]["step"].get<std::string>()); }
+std::string Label(const json& e, const std::string& name) {
+  const json& labels = e["alert"]["labels"];
+  return labels.contains(name) ? labels[name].get<std::string>() : "";
+}
+std::string Annotation(const json& e, const std::string& name) {
+  const json& a = e["alert"]["annotations"];
+  return a.contains(name) ? a[name].get<std::string>() : "";
+}
+
+// The learning rate of a schedule with a linear warm-up to 3e-4 over 300 iterations, then a
+// cosine decay over 10,000.
+double LearningRate(uint64_t it) {
+  if (it <= 300) return 3e-4 * static_cast<double>(it) / 300;
+  return 3e-4 * 0.5 * (1 + std::cos(M_PI * static_cast<double>(it - 300) / 10000));
+}
+
+}  // namespace
+
+TEST_CASE("a tailed Megatron log: the warm-up spike pages nobody, a high norm after warm-up pages with no cause",
+          "[integration]") {
+  DaemonProcess daemon;
+  // A grad norm of 47 at iteration 1, decaying below 1 by iteration 100 while the learning rate
+  // ramps up (normal for pre-training); then, well past the warm-up, 6.0 from iteration 500 to 560.
+  std::string log;
+  for (uint64_t it = 1; it <= 600; ++it) {
+    const double grad = it >= 500 && it <= 560 ? 6.0 : 47.0 * std::exp(-0.05 * static_cast<double>(it - 1)) + 0.3;
+    char line[512];
+    std::snprintf(line, sizeof(line),
+                  " iteration %8llu/  250000 | consumed samples:  %10llu | elapsed time per iteration (ms): 812.5 | "
+                  "learning rate: %.3E | global batch size:  1024 | lm loss: 2.500000E+00 | loss scale: 1.0 | grad "
+                  "norm: %.3f | number of skipped iterations:   0 | number of nan iterations:   0 |\n",
+                  static_cast<unsigned long long>(it), static_cast<unsigned long long>(it * 1024), LearningRate(it),
+                  grad);
+    log += line;
+  }
+  const CommandResult r =
+      RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-", "--run", "megatron-warmup"},
+                 log, std::chrono::seconds(180));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+
+  // The page of iteration 500's rise is the last state change the history gets: once it is there,
+  // every earlier step was evaluated and written.
+  std::vector<json> changes;
+  REQUIRE(WaitUntil(
+      [&] {
+        changes = Contingency(daemon, "megatron-warmup");
+        for (const json& e : changes) {
+          if (Label(e, "severity") == "page" && e["alert"]["state"] == "ALERT_STATE_FIRING") return true;
+        }
+        return false;
+      },
+      std::chrono::seconds(90)));
+  INFO(json(changes).dump(1));
+  bool held_warning = false;
+  for (const json& e : changes) {
+    if (e["alert"]["state"] != "ALERT_STATE_FIRING") continue;
+    if (Label(e, "severity") == "warning") {
+      held_warning = true;
+      CHECK(StepOf(e) < 200);  // the spike, held: the learning rate rises and these are the first steps
+      CHECK(Label(e, "page_held") == "warmup");
+      CHECK(Annotation(e, "summary").rfind("Not paged during warm-up: Total grad norm", 0) == 0);
+      CHECK(Annotation(e, "page_held").find("the run is in its warm-up") != std::string::npos);
+      continue;
+    }
+    // The one page: iteration 500's rise, long after the warm-up.
+    CHECK(Label(e, "severity") == "page");
+    CHECK(StepOf(e) >= 509);
+    CHECK(StepOf(e) <= 560);
+    CHECK(Annotation(e, "cause") == "no_per_parameter_norms");
+    CHECK(Annotation(e, "remediation_supported") == "false");
+    const std::string rec = Annotation(e, "recommendation");
+    CHECK(rec.find("gradwatch.torch.Watch") != std::string::npos);
+    CHECK(rec.find("weight decay on") == std::string::npos);
+    const std::string description = Annotation(e, "description");
+    CHECK(description.find("reports only its total grad norm, so no cause can be named") != std::string::npos);
+    CHECK(description.find("norm gain") == std::string::npos);
+    CHECK(description.find("lm_head") == std::string::npos);
+    CHECK(description.find("past its peak of 3e-4") != std::string::npos);
+  }
+  CHECK(held_warning);
+}
+
+TEST_CASE("a norm still high when the warm-up ends pages then", "[integration]") {
+  DaemonProcess daemon;
+  TempDir dir("gradwatch-warmup-holds");
+  const std::string path = (dir.path() / "run.jsonl").string();
+  {
+    std::ofstream out(path);
+    // The trainer says its warm-up lasts 300 steps (and sends no learning rate).
+    out << R"({"run": "still-high", "config": {"warmup_steps": 300}})"
+        << "\n";
+    for (uint64_t s = 1; s <= 400; ++s) out << json{{"_step", s}, {"grad/norm/total", 8.0}}.dump() << "\n";
+  }
+  const CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path, "--max"},
+                                     std::nullopt, std::chrono::seconds(120));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  std::vector<json> changes;
+  json page;
+  REQUIRE(WaitUntil(
+      [&] {
+        changes = Contingency(daemon, "still-high");
+        for (const json& e : changes) {
+          if (Label(e, "severity") == "page" && e["alert"]["state"] == "ALERT_STATE_FIRING") page = e;
+        }
+        return !page.is_null();
+      },
+      std::chrono::seconds(90)));
+  INFO(json(changes).dump(1));
+  // config.warmup_steps says 300: pending from step 300, firing for_steps (10) later.
+  CHECK(StepOf(page) == 310);
+  CHECK(Label(page, "page_held").empty());
+  bool warned = false, warning_over = false;
+  for (const json& e : changes) {
+    if (Label(e, "severity") != "warning") continue;
+    if (e["alert"]["state"] == "ALERT_STATE_FIRING") {
+      warned = true;
+      CHECK(StepOf(e) < 300);
+      CHECK(Annotation(e, "page_held").find("config.warmup_steps") != std::string::npos);
+    }
+    if (e["alert"]["state"] == "ALERT_STATE_RESOLVED") {
+      warning_over = true;
+      CHECK(StepOf(e) == 300);
+      CHECK(Annotation(e, "summary").find("held during warm-up over at step 300") != std::string::npos);
+    }
+  }
+  CHECK(warned);
+  CHECK(warning_over);
+}
+
+TEST_CASE("a spike an MLP block carries names the block and gives no weight-decay advice", "[integration]") {
+  DaemonProcess daemon;
+  TempDir dir("gradwatch-mlp-spike");
+  const std::string path = (dir.path() / "run.jsonl").string();
+  {
+    std::ofstream out(path);
+    const json header = {
+        {"run", "mlp-spike"},
+        {"config", {{"weight_decay", 0.1}, {"z_loss_coef", 1e-4}}},
+        {"params",
+         json::array({{{"name", "final_norm.weight"}, {"numel", 6144}, {"kind", "norm_gain"}, {"weight_decay", 0.0}},
+                      {{"name", "lm_head.weight"}, {"numel", 6144 * 1024}, {"kind", "output"}, {"weight_decay", 0.1}},
+                      {{"name", "layers.7.mlp.w2.weight"}, {"numel", 4096 * 6144}, {"kind", "mlp"}},
+                      {{"name", "layers.7.attn.wq.weight"}, {"numel", 6144 * 6144}, {"kind", "attention"}}})}};
+    out << header.dump() << "\n";
+    for (uint64_t s = 1000; s <= 1600; ++s) {
+      // The MLP block's share of the squared grad norm climbs from 28% to 81% from step 1300.
+      const double total = s < 1300 ? 1.0 : 6.0;
+      const double mlp_share = s < 1300 ? 0.28 : 0.81;
+      const double head_share = s < 1300 ? 0.5 : 0.12;
+      const double attn_share = 1 - mlp_share - head_share;
+      out << json{{"_step", s},
+                  {"grad/norm/total", total},
+                  {"grad/norm/layers.7.mlp.w2.weight", total * std::sqrt(mlp_share)},
+                  {"grad/norm/lm_head.weight", total * std::sqrt(head_share)},
+                  {"grad/norm/layers.7.attn.wq.weight", total * std::sqrt(attn_share)},
+                  {"params/norm/final_norm.weight", 78.4},
+                  {"optim/learning_rate", 2e-4}}
+                 .dump()
+          << "\n";
+    }
+  }
+  const CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path, "--max"},
+                                     std::nullopt, std::chrono::seconds(120));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  v1::Alert page;
+  REQUIRE(WaitUntil(
+      [&] {
+        for (const v1::Alert& a : ListAlerts(daemon.grpc_target(), "mlp-spike")) {
+          if (a.name() == "GradNormContingency" && a.state() == v1::ALERT_STATE_FIRING) page = a;
+        }
+        // The page as it reads at the last step (its annotations follow every step).
+        const auto d = page.annotations().find("description");
+        return d != page.annotations().end() && d->second.find("at step 1,600") != std::string::npos;
+      },
+      std::chrono::seconds(90)));
+  const auto& an = page.annotations();
+  const std::string rec = an.at("recommendation");
+  const std::string description = an.at("description");
+  INFO(rec << "\n" << description);
+  CHECK(page.labels().at("severity") == "page");
+  CHECK(description.find("layers.7.mlp.w2.weight carries 81% of the squared grad norm") != std::string::npos);
+  CHECK(description.find("lm_head.weight 12%") != std::string::npos);
+  CHECK(description.find("No norm gain is growing (final_norm.weight at 1× its init norm, not rising)") !=
+        std::string::npos);
+  CHECK(description.find("No cause found in the per-parameter norms") != std::string::npos);
+  CHECK(rec.find("look at layers.7.mlp.w2.weight") != std::string::npos);
+  CHECK(rec.find("enable weight decay") == std::string::npos);
+  CHECK(an.at("cause") == "none");
+  CHECK(an.at("remediation_supported") == "false");
+  CHECK(an.at("remediation_why").find("final_norm.weight has not grown significantly") != std::string::npos);
+
+  // `gradwatch alerts` shows the same words.
+  const CommandResult alerts = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "alerts", "mlp-spike"});
+  INFO(alerts.out);
+  CHECK(alerts.exit_code == 0);
+  CHECK(alerts.out.find("look at layers.7.mlp.w2.weight") != std::string::npos);
+}
