@@ -113,7 +113,7 @@ struct Config {
   // The longest a silence may last (security.max_silence_seconds).
   double max_silence_seconds = 7 * 86400;
 
-  bool default_rules = true;            // load alerts/rules/default.yaml (built in)
+  bool default_rules = true;  // load alerts/rules/default.yaml (built in)
   // Pages of threshold rules are held (sent as warnings that say why) for steps numbered below
   // this, as during a learning-rate warm-up (alerts/warmup.h; alerts::kDefaultMinStepsBeforePage).
   uint64_t min_steps_before_page = 200;
