@@ -3,6 +3,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <utility>
 
 #include "alerts/templates.h"
+#include "server/core/suggest.h"
 
 namespace gradwatch::alerts {
 
@@ -369,6 +371,11 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
   Rule rule;
   const YAML::Mark at = node.Mark();
   rule.source = source_ + ":" + Line(at);
+  {
+    YAML::Emitter emitter;
+    emitter << node;
+    rule.definition = emitter.c_str();
+  }
 
   const YAML::Node alert = node["alert"];
   rule.name = alert && alert.IsScalar() ? alert.Scalar() : "";
@@ -740,6 +747,131 @@ StatusOr<std::vector<Rule>> LoadRuleFiles(const std::vector<std::string>& paths)
 Status CheckRuleFiles(const std::vector<std::string>& paths) {
   auto rules = LoadRuleFiles(paths);
   return rules.ok() ? Status::Ok() : rules.status();
+}
+
+Status ApplyOverrides(std::vector<Rule>& rules, const std::vector<RuleOverride>& overrides) {
+  std::vector<Rule> out = rules;
+  for (const RuleOverride& o : overrides) {
+    const std::string where = o.source + ": alerts.overrides." + o.rule + ": ";
+    auto it = std::find_if(out.begin(), out.end(), [&](const Rule& r) { return r.name == o.rule; });
+    if (it == out.end()) {
+      std::vector<std::string> names;
+      for (const Rule& r : out) names.push_back(r.name);
+      const std::optional<std::string> closest = Closest(o.rule, names);
+      return Status::InvalidArgument(where + "no rule of that name is in force" +
+                                     (closest ? " (did you mean '" + *closest + "'?)" : ""));
+    }
+    YAML::Node change, merged;
+    try {
+      change = YAML::Load(o.yaml);
+      merged = YAML::Load(it->definition);
+    } catch (const YAML::Exception& e) {
+      return Status::InvalidArgument(where + "invalid YAML: " + e.msg);
+    }
+    if (!change.IsMap()) return Status::InvalidArgument(where + "must be a mapping of rule keys, got " + Shown(change));
+    // A hold bound changed alone takes its clear bound along in proportion (the contingency's 4.5
+    // for 5 becomes 2.7 for 3), so that tuning one number needs one key.
+    const Rule& old = *it;
+    const auto hold = [&]() -> std::pair<const char*, double> {
+      switch (old.kind) {
+        case RuleKind::kThreshold: return {"value", old.value};
+        case RuleKind::kShare: return {"min_share", old.min_share};
+        case RuleKind::kGrowthWithoutDecay: return {"min_amplification", old.min_amplification.value_or(0)};
+        case RuleKind::kSlopeChange: return {"min_ratio", old.min_ratio};
+        default: return {nullptr, 0};
+      }
+    }();
+    if (hold.first && hold.second != 0 && change[hold.first] && change[hold.first].IsScalar() &&
+        !change["clear_below"] && !change["clear_above"]) {
+      char* end = nullptr;
+      const std::string text = change[hold.first].Scalar();
+      const double now = std::strtod(text.c_str(), &end);
+      if (end != text.c_str() && *end == '\0' && std::isfinite(now)) {
+        if (old.clear_below) merged["clear_below"] = *old.clear_below * now / hold.second;
+        if (old.clear_above) merged["clear_above"] = *old.clear_above * now / hold.second;
+      }
+    }
+    for (const auto& kv : change) {
+      const std::string key = kv.first.Scalar();
+      if (key == "alert" || key == "kind") {
+        return Status::InvalidArgument(where + "'" + key +
+                                       "' cannot be overridden: write a rule of your own (alerts.rule_files)");
+      }
+      if ((key == "labels" || key == "annotations") && kv.second.IsMap() && merged[key] && merged[key].IsMap()) {
+        for (const auto& entry : kv.second) merged[key][entry.first.Scalar()] = entry.second;
+      } else {
+        merged[key] = kv.second;
+      }
+    }
+    Parser parser(o.source);
+    YAML::Node root;
+    root["groups"].push_back(YAML::Node());
+    root["groups"][0]["name"] = "overrides";
+    root["groups"][0]["rules"].push_back(merged);
+    std::vector<Rule> parsed;
+    try {
+      parsed = parser.Parse(root);
+    } catch (const std::exception& e) {
+      return Status::InvalidArgument(where + e.what());
+    }
+    if (!parser.errors().empty() || parsed.size() != 1) {
+      // The merged rule's lines are not the file's: say where the override is, and what is wrong.
+      std::string what = parser.errors().empty() ? "invalid rule" : parser.errors().front();
+      if (const size_t rule_at = what.find("rule '"); rule_at != std::string::npos) {
+        const size_t colon = what.find("': ", rule_at);
+        if (colon != std::string::npos) what = what.substr(colon + 3);
+      }
+      return Status::InvalidArgument(where + what);
+    }
+    Rule& rule = parsed.front();
+    rule.source = it->source.substr(0, it->source.find(", overridden at")) + ", overridden at " + o.source;
+    *it = std::move(rule);
+  }
+  rules = std::move(out);
+  return Status::Ok();
+}
+
+StatusOr<AlertsSection> ReadAlertsSection(const std::string& config_yaml, const std::string& source_name) {
+  AlertsSection section;
+  YAML::Node root;
+  try {
+    root = YAML::Load(config_yaml);
+  } catch (const YAML::Exception& e) {
+    return Status::InvalidArgument(source_name + ":" + Line(e.mark) + ": invalid YAML: " + e.msg);
+  }
+  if (!root.IsMap() || !root["alerts"] || root["alerts"].IsNull()) return section;
+  const YAML::Node alerts = root["alerts"];
+  if (!alerts.IsMap())
+    return Status::InvalidArgument(source_name + ":" + Line(alerts.Mark()) + ": alerts must be a mapping");
+  try {
+    if (const YAML::Node d = alerts["default_rules"]) section.default_rules = d.as<bool>();
+    if (const YAML::Node files = alerts["rule_files"]; files && !files.IsNull()) {
+      section.rule_files = files.as<std::vector<std::string>>();
+    }
+  } catch (const YAML::Exception& e) {
+    return Status::InvalidArgument(source_name + ":" + Line(e.mark) + ": alerts: " + e.msg);
+  }
+  const YAML::Node overrides = alerts["overrides"];
+  if (!overrides || overrides.IsNull()) return section;
+  if (!overrides.IsMap()) {
+    return Status::InvalidArgument(source_name + ":" + Line(overrides.Mark()) +
+                                   ": alerts.overrides must be a mapping of rule names to rule keys");
+  }
+  for (const auto& kv : overrides) {
+    const std::string where = source_name + ":" + Line(kv.first.Mark());
+    if (!kv.first.IsScalar() || kv.first.Scalar().empty()) {
+      return Status::InvalidArgument(where + ": alerts.overrides: a rule name is expected");
+    }
+    if (!kv.second.IsMap()) {
+      return Status::InvalidArgument(where + ": alerts.overrides." + kv.first.Scalar() +
+                                     ": must be a mapping of rule keys (value, clear_below, labels, ...), got " +
+                                     Shown(kv.second));
+    }
+    YAML::Emitter emitter;
+    emitter << kv.second;
+    section.overrides.push_back({kv.first.Scalar(), emitter.c_str(), where});
+  }
+  return section;
 }
 
 StatusOr<std::vector<Rule>> LoadDefaultRules() {

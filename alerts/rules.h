@@ -130,9 +130,10 @@ struct Rule {
   std::optional<double> clear_above;
   uint64_t resolve_for_steps = 0;
 
-  LabelSet labels;       // severity among them
-  LabelSet annotations;  // templates
-  std::string source;    // "file:line" of the rule
+  LabelSet labels;         // severity among them
+  LabelSet annotations;    // templates
+  std::string source;      // "file:line" of the rule (", overridden at file:line" when an override changed it)
+  std::string definition;  // the rule as YAML, what an override (ApplyOverrides) is merged into
   bool operator==(const Rule&) const = default;
 };
 
@@ -150,6 +151,33 @@ StatusOr<std::vector<Rule>> LoadRuleFile(const std::string& path);
 StatusOr<std::vector<Rule>> LoadRuleFiles(const std::vector<std::string>& paths);
 // For `gradwatch rules check`: OK, or every error in every file.
 Status CheckRuleFiles(const std::vector<std::string>& paths);
+
+// A team's change to a rule in force, by the rule's name: the daemon's `alerts.overrides`, so
+// that tuning a built-in rule (the contingency at 3 rather than 5) needs no copy of it. Any rule
+// key but `alert` and `kind` is replaced; `labels` and `annotations` are merged key by key.
+struct RuleOverride {
+  std::string rule;    // the name of the rule it changes
+  std::string yaml;    // a YAML mapping of rule keys
+  std::string source;  // "gradwatchd.yaml:40", for errors and Rule::source
+  bool operator==(const RuleOverride&) const = default;
+};
+
+// Applies `overrides` in order to `rules` (the rules in force, of any origin). Each overridden
+// rule is checked again as a whole, so an override can break nothing a rules file could not:
+// InvalidArgument naming the override's source and the rule (an unknown rule name, with the
+// closest one; a change of `alert` or `kind`; any error of the merged rule), `rules` unchanged.
+Status ApplyOverrides(std::vector<Rule>& rules, const std::vector<RuleOverride>& overrides);
+
+// What a daemon configuration's `alerts:` section says about rules, read from its YAML text (for
+// `gradwatch rules check --config`, which must load rules as the daemon would, and the daemon's
+// own configuration): default_rules, rule_files and overrides. Keys it does not read are not
+// checked here (the daemon's configuration check does that).
+struct AlertsSection {
+  bool default_rules = true;
+  std::vector<std::string> rule_files;
+  std::vector<RuleOverride> overrides;
+};
+StatusOr<AlertsSection> ReadAlertsSection(const std::string& config_yaml, const std::string& source_name);
 
 // The rules shipped in alerts/rules/default.yaml, compiled into the library, and their text.
 inline constexpr std::string_view kDefaultRulesSource = "alerts/rules/default.yaml";

@@ -166,8 +166,18 @@ int main(int argc, char** argv) {
   }
   int sig = 0;
   while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
-    spdlog::info("received SIGHUP: reloading the rule files");
-    daemon.ReloadRules();   // logs the outcome; invalid files leave the rules unchanged
+    if (config_path.empty()) {
+      spdlog::info("received SIGHUP: reloading the rule files");
+      daemon.ReloadRules();  // logs the outcome; invalid files leave the rules unchanged
+    } else {
+      spdlog::info("received SIGHUP: reading the alerts section of {} and the rule files again", config_path);
+      auto fresh = gradwatch::daemon::LoadConfigFile(config_path);
+      if (!fresh.ok()) {
+        spdlog::error("configuration not read again, the rules in force are unchanged: {}", fresh.status().message());
+      } else {
+        daemon.ReloadAlertsConfig(*fresh);  // logs the outcome; an invalid alerts section changes nothing
+      }
+    }
     daemon.CheckTls();      // logs the certificate new connections get, or what is wrong with the files
     daemon.ReloadTokens();  // an invalid file leaves the tokens in force
   }

@@ -14,7 +14,7 @@ constexpr size_t kSpares = 2;
 }  // namespace
 
 AlertFeed::AlertFeed(const RunMeta& meta, std::optional<uint64_t> evaluated_through, alerts::AlertEngine& engine,
-                     TransitionSink sink, uint64_t min_steps_before_page)
+                     TransitionSink sink, const std::atomic<uint64_t>* min_steps_before_page)
     : run_id_(meta.run_id),
       engine_(engine),
       sink_(std::move(sink)),
@@ -338,7 +338,9 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
   f.config.weight_decay = p.meta.config.weight_decay;
   f.config.warmup_steps = p.meta.config.warmup_steps;
   f.learning_rate = learning_rate_.fact();
-  f.warmup = alerts::JudgeWarmup(step.step, f.learning_rate, f.config.warmup_steps, min_steps_before_page_);
+  f.warmup = alerts::JudgeWarmup(step.step, f.learning_rate, f.config.warmup_steps,
+                                 min_steps_before_page_ ? min_steps_before_page_->load(std::memory_order_relaxed)
+                                                        : alerts::kDefaultMinStepsBeforePage);
   f.rewind = rewind_;
 
   // The diagnosis names the top contributors with how their shares move: their share trends are

@@ -11,6 +11,7 @@
 // a rewind, the end of a rebuild) has the excess evaluated during OnStep, so memory stays bounded.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -38,10 +39,10 @@ class AlertFeed final : public runs::RunChannel {
   // restart (AlertEngine::EvaluatedThrough). Restored steps after it are evaluated (the daemon
   // stopped before what that evaluation changed was saved), none when it is nullopt; live steps
   // up to it are not evaluated again (a resend).
-  // `min_steps_before_page`: pages of threshold rules are held below this step number
-  // (alerts/warmup.h).
+  // `min_steps_before_page` (not owned, read at every step; null: the default): pages of threshold
+  // rules are held below this step number (alerts/warmup.h).
   AlertFeed(const RunMeta& meta, std::optional<uint64_t> evaluated_through, alerts::AlertEngine& engine,
-            TransitionSink sink, uint64_t min_steps_before_page = alerts::kDefaultMinStepsBeforePage);
+            TransitionSink sink, const std::atomic<uint64_t>* min_steps_before_page = nullptr);
 
   void OnSeries(SeriesId id, const std::string& key) override;
   void OnStep(const runs::PublishedStep& step) override;
@@ -112,7 +113,7 @@ class AlertFeed final : public runs::RunChannel {
   // the diagnosis; the latest rewind; the newest step filled.
   SeriesId learning_rate_id_ = kNoSeries;
   alerts::LearningRateTracker learning_rate_;
-  const uint64_t min_steps_before_page_;
+  const std::atomic<uint64_t>* const min_steps_before_page_;
   alerts::RewindFact rewind_;
   uint64_t last_filled_step_ = 0;
   // Fill's scratch: (share, catalog index) of the step's parameter shares.

@@ -13,7 +13,8 @@
 namespace gradwatch::daemon {
 
 StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, const std::vector<std::string>& files,
-                                                        double run_died_seconds) {
+                                                        double run_died_seconds,
+                                                        const std::vector<alerts::RuleOverride>& overrides) {
   std::vector<alerts::Rule> rules;
   if (default_rules) {
     auto defaults = alerts::LoadDefaultRules();
@@ -34,6 +35,7 @@ StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, cons
       rules.push_back(std::move(r));
     }
   }
+  if (Status s = alerts::ApplyOverrides(rules, overrides); !s.ok()) return s;
   for (alerts::Rule& r : rules) {
     if (r.kind == alerts::RuleKind::kRunDied && r.stalled_seconds == 0) r.stalled_seconds = run_died_seconds;
   }
@@ -238,8 +240,8 @@ void Alerting::Count(const std::vector<alerts::Transition>& transitions) {
 }
 
 StatusOr<size_t> Alerting::Reload(bool default_rules, const std::vector<std::string>& files, double run_died_seconds,
-                                  double now) {
-  auto rules = LoadConfiguredRules(default_rules, files, run_died_seconds);
+                                  const std::vector<alerts::RuleOverride>& overrides, double now) {
+  auto rules = LoadConfiguredRules(default_rules, files, run_died_seconds, overrides);
   if (!rules.ok()) {
     spdlog::error("rule reload refused, the rules in force are unchanged: {}", rules.status().message());
     return rules.status();
@@ -256,7 +258,7 @@ std::shared_ptr<runs::RunChannel> Alerting::Open(const RunMeta& meta, bool resto
       [this](std::vector<alerts::Transition> transitions, bool to_trainers) {
         Handle(std::move(transitions), to_trainers);
       },
-      min_steps_before_page_);
+      &min_steps_before_page_);
   std::lock_guard lock(feeds_mu_);
   feeds_[meta.run_id] = feed;
   return feed;

@@ -37,8 +37,11 @@ namespace gradwatch::daemon {
 // The rules in force: the built-in defaults (unless disabled) and the given files. Rule names
 // must be unique across all of them. run_died rules without `seconds` get `run_died_seconds`
 // (runs.stalled_after_seconds).
+// The rules in force: the built-in ones (when default_rules), those of `files`, then `overrides`
+// applied (alerts::ApplyOverrides).
 StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, const std::vector<std::string>& files,
-                                                        double run_died_seconds);
+                                                        double run_died_seconds,
+                                                        const std::vector<alerts::RuleOverride>& overrides = {});
 
 class Alerting final : public runs::StepListener {
  public:
@@ -84,7 +87,9 @@ class Alerting final : public runs::StepListener {
   // Replaces the rules with freshly loaded ones (as LoadConfiguredRules); on any error the rules
   // in force stay unchanged and the status says exactly why. Alerts of deleted rules resolve.
   StatusOr<size_t> Reload(bool default_rules, const std::vector<std::string>& files, double run_died_seconds,
-                          double now);
+                          const std::vector<alerts::RuleOverride>& overrides, double now);
+  // Pages are held below this step number from the next step on, in every run (alerts/warmup.h).
+  void SetMinStepsBeforePage(uint64_t steps) { min_steps_before_page_.store(steps, std::memory_order_relaxed); }
 
   // Timer rules over every run the registry holds; sends transitions to the runs' streams.
   void Tick(const runs::RunRegistry& registry, double now);
@@ -112,7 +117,7 @@ class Alerting final : public runs::StepListener {
   notify::Status Write(const Batch& batch);
 
   alerts::AlertEngine engine_;
-  const uint64_t min_steps_before_page_;
+  std::atomic<uint64_t> min_steps_before_page_;  // read by every feed at every step
   notify::Outbox* store_ = nullptr;
   std::unique_ptr<notify::Dispatcher> dispatcher_;
   std::thread writer_;

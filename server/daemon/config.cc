@@ -243,7 +243,11 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
         {"rule_files", Field(&Config::rule_files)},
         {"receivers", ReadReceivers},
         {"external_url", Field(&Config::external_url)},
-        {"min_steps_before_page", Field(&Config::min_steps_before_page)}}},
+        {"min_steps_before_page", Field(&Config::min_steps_before_page)},
+        // Read from the whole text after the schema pass (alerts::ReadAlertsSection), which keeps
+        // each override's line for its errors.
+        {"overrides",
+         [](const YAML::Node&, const std::string&, const std::string&, Config*) { return Status::Ok(); }}}},
   };
   return *kSchema;
 }
@@ -308,6 +312,11 @@ StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source,
       }
       if (Status s = field->second(sub.second, source, full, &base); !s.ok()) return s;
     }
+  }
+  if (root["alerts"] && root["alerts"].IsMap() && root["alerts"]["overrides"]) {
+    auto section = alerts::ReadAlertsSection(yaml, source);
+    if (!section.ok()) return section.status();
+    base.alert_overrides = std::move(section->overrides);
   }
   return base;
 }
@@ -484,8 +493,8 @@ Status ValidateConfig(const Config& c) {
 }
 
 Status CheckConfigFiles(const Config& c) {
-  auto rules = LoadConfiguredRules(c.default_rules, c.rule_files, c.run_stalled_after_seconds);
-  if (!rules.ok()) return Status::InvalidArgument("alerts.rule_files: " + rules.status().message());
+  auto rules = LoadConfiguredRules(c.default_rules, c.rule_files, c.run_stalled_after_seconds, c.alert_overrides);
+  if (!rules.ok()) return Status::InvalidArgument("alerts: " + rules.status().message());
   if (auto tls = CheckTlsFiles({c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file}); !tls.ok()) {
     return tls.status();
   }
@@ -523,6 +532,8 @@ std::string ConfigJson(const Config& c) {
                          {"bearer_token", Secret(r.bearer_token)},
                          {"resend_interval_seconds", r.resend_interval_seconds}});
   }
+  nlohmann::json overrides = nlohmann::json::object();
+  for (const alerts::RuleOverride& o : c.alert_overrides) overrides[o.rule] = o.yaml;
   nlohmann::json remote_write = nlohmann::json::array();
   for (const Config::RemoteWrite& r : c.remote_write) {
     remote_write.push_back(
@@ -589,7 +600,8 @@ std::string ConfigJson(const Config& c) {
         {"rule_files", c.rule_files},
         {"receivers", receivers},
         {"external_url", c.external_url},
-        {"min_steps_before_page", c.min_steps_before_page}}},
+        {"min_steps_before_page", c.min_steps_before_page},
+        {"overrides", overrides}}},
   };
   return shown.dump(2);
 }

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "alerts/rules.h"
 #include "server/core/status.h"
 
 namespace gradwatch::daemon {
@@ -117,6 +118,8 @@ struct Config {
   // Pages of threshold rules are held (sent as warnings that say why) for steps numbered below
   // this, as during a learning-rate warm-up (alerts/warmup.h; alerts::kDefaultMinStepsBeforePage).
   uint64_t min_steps_before_page = 200;
+  // alerts.overrides: rule name → the keys it changes (alerts::ApplyOverrides), in file order.
+  std::vector<alerts::RuleOverride> alert_overrides;
   std::vector<std::string> rule_files;  // more rule files
 };
 

@@ -55,7 +55,9 @@ ingest::AlertHistoryReader HistoryOf(store::AlertStore* store) {
 }
 }  // namespace
 
-Daemon::Daemon(Config config, const Clock* clock) : config_(std::move(config)), clock_(clock) {}
+Daemon::Daemon(Config config, const Clock* clock) : config_(std::move(config)), clock_(clock) {
+  alerts_config_ = {config_.default_rules, config_.rule_files, config_.alert_overrides};
+}
 
 Daemon::~Daemon() { Stop(); }
 
@@ -66,7 +68,8 @@ Status Daemon::Start() {
   if (Status s = LockDataDir(); !s.ok()) return s;
 
   stats_ = std::make_unique<runs::DaemonStats>();
-  auto rules = LoadConfiguredRules(config_.default_rules, config_.rule_files, config_.run_stalled_after_seconds);
+  auto rules = LoadConfiguredRules(config_.default_rules, config_.rule_files, config_.run_stalled_after_seconds,
+                                   config_.alert_overrides);
   if (!rules.ok()) return Status(rules.status().code(), "alert rules: " + rules.status().message());
   spdlog::info("{} alert rules in force", rules->size());
   alerting_ = std::make_unique<Alerting>(std::move(rules).value(), config_.min_steps_before_page);
@@ -377,8 +380,21 @@ void Daemon::ReloadTokens() {
 }
 
 StatusOr<size_t> Daemon::ReloadRules() {
-  return alerting_->Reload(config_.default_rules, config_.rule_files, config_.run_stalled_after_seconds,
-                           clock_->UnixSeconds());
+  std::lock_guard lock(alerts_config_mu_);
+  return alerting_->Reload(alerts_config_.default_rules, alerts_config_.rule_files, config_.run_stalled_after_seconds,
+                           alerts_config_.overrides, clock_->UnixSeconds());
+}
+
+StatusOr<size_t> Daemon::ReloadAlertsConfig(const Config& fresh) {
+  std::lock_guard lock(alerts_config_mu_);
+  auto count = alerting_->Reload(fresh.default_rules, fresh.rule_files, config_.run_stalled_after_seconds,
+                                 fresh.alert_overrides, clock_->UnixSeconds());
+  if (!count.ok()) return count;
+  alerts_config_ = {fresh.default_rules, fresh.rule_files, fresh.alert_overrides};
+  alerting_->SetMinStepsBeforePage(fresh.min_steps_before_page);
+  spdlog::info("alerts section read again: {} override(s), alerts.min_steps_before_page {}",
+               fresh.alert_overrides.size(), fresh.min_steps_before_page);
+  return count;
 }
 
 Status Daemon::StartAlerting(const std::string& journal_path) {

@@ -69,6 +69,10 @@ class Daemon {
   static constexpr unsigned kTlsRefreshSeconds = 1;
   // Reloads the rule files (SIGHUP, `gradwatch rules reload`); invalid files change nothing.
   StatusOr<size_t> ReloadRules();
+  // SIGHUP with a configuration file: its `alerts:` section, read again (`fresh`), decides the
+  // rules (default_rules, rule_files, overrides) and min_steps_before_page from now on, once its
+  // rules load; otherwise nothing changes and the status says why. Other sections need a restart.
+  StatusOr<size_t> ReloadAlertsConfig(const Config& fresh);
 
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
@@ -117,6 +121,15 @@ class Daemon {
   int metrics_port_ = 0;
 
   std::mutex tick_mu_;
+  // The alerts section in force: config_'s until ReloadAlertsConfig reads a fresh one, while a
+  // reload (`gradwatch rules reload`) may read it.
+  struct AlertsConfig {
+    bool default_rules = true;
+    std::vector<std::string> rule_files;
+    std::vector<alerts::RuleOverride> overrides;
+  };
+  std::mutex alerts_config_mu_;
+  AlertsConfig alerts_config_;  // guarded by alerts_config_mu_
   std::condition_variable tick_cv_;
   bool stopping_ = false;  // guarded by tick_mu_
   std::thread ticker_;
