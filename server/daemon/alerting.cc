@@ -36,6 +36,19 @@ StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, cons
     }
   }
   if (Status s = alerts::ApplyOverrides(rules, overrides); !s.ok()) return s;
+  // The built-in forecast warns of the built-in page's crossing: it follows an override of the
+  // page's threshold unless it was overridden itself.
+  const auto built_in = [&](const char* name, alerts::RuleKind kind) -> alerts::Rule* {
+    for (alerts::Rule& r : rules) {
+      if (r.name == name && r.kind == kind && r.source.rfind(alerts::kDefaultRulesSource, 0) == 0) return &r;
+    }
+    return nullptr;
+  };
+  alerts::Rule* page = built_in("GradNormContingency", alerts::RuleKind::kThreshold);
+  alerts::Rule* forecast = built_in("GradNormForecast", alerts::RuleKind::kForecast);
+  const bool forecast_overridden = std::any_of(
+      overrides.begin(), overrides.end(), [](const alerts::RuleOverride& o) { return o.rule == "GradNormForecast"; });
+  if (page && forecast && !forecast_overridden) forecast->threshold = page->value;
   for (alerts::Rule& r : rules) {
     if (r.kind == alerts::RuleKind::kRunDied && r.stalled_seconds == 0) r.stalled_seconds = run_died_seconds;
   }

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -88,7 +89,18 @@ Status Daemon::Start() {
   run_options.analytics.param_max_buckets = config_.slope_param_max_buckets;
   run_options.analytics.event_window_steps = config_.event_window_steps;
   run_options.analytics.forecast_window_steps = config_.forecast_window_steps;
+  // The configured forecasts, and those the forecast rules in force read (the built-in one at the
+  // contingency's own threshold when an override moved it): the run view and `plot` draw them.
   run_options.analytics.forecasts = config_.forecasts;
+  for (const alerts::Rule& r : alerting_->engine().Rules()) {
+    if (r.kind != alerts::RuleKind::kForecast) continue;
+    for (const std::string& series : r.series) {
+      if (series.find_first_of("*?") != std::string::npos) continue;
+      const auto same = [&](const auto& f) { return f.first == series && f.second == r.threshold; };
+      auto& forecasts = run_options.analytics.forecasts;
+      if (std::none_of(forecasts.begin(), forecasts.end(), same)) forecasts.emplace_back(series, r.threshold);
+    }
+  }
   run_options.analytics.change_points.window_steps = config_.change_point_window_steps;
   std::vector<runs::StepListener*> listeners = {alerting_.get()};
   for (const Config::RemoteWrite& r : config_.remote_write) {

@@ -110,7 +110,8 @@ class BuiltInAndPrometheusRuleAgree(unittest.TestCase):
                 f.write(json.dumps({"_step": 1000 + i, "_timestamp": round(t0 + i * 0.05, 3), "grad/norm/total": total,
                                     "grad/norm/lm_head.weight": lm, "grad/norm/final_norm.weight": 0.01,
                                     "grad/norm/layers.0.w1": (max(total * total - lm * lm - 1e-4, 0)) ** 0.5,
-                                    "params/norm/final_norm.weight": 80 + i * 0.1, "train/loss": 2.5}) + "\n")
+                                    # the incident's evidence: 4.3x its init norm sqrt(6144) = 78.4, still rising
+                                    "params/norm/final_norm.weight": 340 + i * 0.1, "train/loss": 2.5}) + "\n")
         crossed_at = t0 + 200 * 0.05
         replay = subprocess.run([os.environ.get("GRADWATCH_CLI_PATH", "gradwatch"), "--addr",
                                  f"127.0.0.1:{ports['grpc_port']}", "replay", history, "--speed", "1"],
@@ -151,11 +152,14 @@ class BuiltInAndPrometheusRuleAgree(unittest.TestCase):
         # The two agree on the crossing to within Prometheus's scrape and evaluation intervals.
         self.assertLess(abs(active_at - daemon_start), 5.0 * SCALE)
 
-        # Both carry the recommendation: weight decay on final_norm.
+        # Both carry the recommendation: weight decay on final_norm (the daemon's from the evidence: the final norm
+        # grown without decay, the lm_head at 90%).
         for alert in (from_prometheus, from_daemon):
             text = json.dumps(alert["annotations"])
             self.assertIn("final_norm", text)
             self.assertIn("weight decay", text)
+        self.assertEqual(from_daemon["annotations"]["cause"], "norm_gain_inflates_output")
+        self.assertEqual(from_daemon["annotations"]["remediation_supported"], "true")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -233,4 +234,85 @@ TEST_CASE("a spike an MLP block carries names the block and gives no weight-deca
   INFO(alerts.out);
   CHECK(alerts.exit_code == 0);
   CHECK(alerts.out.find("look at layers.7.mlp.w2.weight") != std::string::npos);
+}
+
+TEST_CASE("an override changes the page's threshold, its texts and the drawn threshold; a SIGHUP applies a change",
+          "[integration]") {
+  TempDir data("gradwatch-overrides");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  const std::string base = options.config_yaml;
+  options.config_yaml = base + "alerts:\n  overrides:\n    GradNormContingency: {value: 3, for_steps: 4}\n";
+  DaemonProcess daemon(options);
+  // Steps 1000..1100 at 3.2: above the team's 3, below the built-in 5.
+  const auto replay = [&](const std::string& run, uint64_t from, uint64_t to, double total) {
+    const std::string path = (data.path() / (run + ".jsonl")).string();
+    std::ofstream out(path);
+    out << json{{"run", run}}.dump() << "\n";
+    for (uint64_t s = from; s <= to; ++s) out << json{{"_step", s}, {"grad/norm/total", total}}.dump() << "\n";
+    out.close();
+    const CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path, "--max"},
+                                       std::nullopt, std::chrono::seconds(120));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+  };
+  const auto page_of = [&](const std::string& run) {
+    v1::Alert page;
+    REQUIRE(WaitUntil(
+        [&] {
+          for (const v1::Alert& a : ListAlerts(daemon.grpc_target(), run)) {
+            if (a.name() == "GradNormContingency" && a.state() == v1::ALERT_STATE_FIRING) page = a;
+          }
+          return page.state() == v1::ALERT_STATE_FIRING;
+        },
+        std::chrono::seconds(90)));
+    return page;
+  };
+  replay("tuned", 1000, 1100, 3.2);
+  const v1::Alert page = page_of("tuned");
+  CHECK(page.step() == 1004);  // for_steps 4
+  CHECK(page.labels().at("severity") == "page");
+  CHECK(page.annotations().at("summary").rfind("Total grad norm 3.2 ≥ 3 at step ", 0) == 0);
+  const std::string description = page.annotations().at("description");
+  INFO(description);
+  CHECK(description.find("at or above 3 for 4 steps") != std::string::npos);
+  CHECK(description.find("falls below 2.7") != std::string::npos);  // 4.5 × 3/5, taken along
+  CHECK(description.find(" 5 ") == std::string::npos);
+
+  // The drawn threshold: the run's forecast is at the page's 3 (the run view and `plot` draw it).
+  const CommandResult show = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "show", "tuned"});
+  INFO(show.out);
+  REQUIRE(show.exit_code == 0);
+  bool drawn_at_3 = false;
+  const json shown = json::parse(show.out);
+  for (const json& f : shown["analysis"]["forecasts"]) drawn_at_3 = drawn_at_3 || f["threshold"] == 3.0;
+  CHECK(drawn_at_3);
+
+  // The team moves its page to 4: the config file changes, SIGHUP, and a new incident pages at 4.
+  std::ofstream(data.path() / "gradwatchd.yaml")
+      << base + "alerts:\n  overrides:\n    GradNormContingency: {value: 4, for_steps: 4}\n";
+  daemon.Signal(SIGHUP);
+  REQUIRE(
+      WaitUntil([&] { return daemon.LogText().find("alerts section read again: 1 override(s)") != std::string::npos; },
+                std::chrono::seconds(30)));
+  replay("retuned", 2000, 2100, 3.5);  // above 3, below 4: no page now
+  replay("retuned-high", 2000, 2100, 4.2);
+  const v1::Alert high = page_of("retuned-high");
+  CHECK(high.step() == 2004);
+  CHECK(high.annotations().at("summary").rfind("Total grad norm 4.2 ≥ 4 at step ", 0) == 0);
+  for (const v1::Alert& a : ListAlerts(daemon.grpc_target(), "retuned")) {
+    CHECK_FALSE((a.name() == "GradNormContingency" && a.labels().at("severity") == "page"));
+  }
+
+  // A broken override on SIGHUP changes nothing, and says why.
+  std::ofstream(data.path() / "gradwatchd.yaml")
+      << base + "alerts:\n  overrides:\n    GradNormContingencyy: {value: 2}\n";
+  daemon.Signal(SIGHUP);
+  REQUIRE(WaitUntil([&] { return daemon.LogText().find("did you mean 'GradNormContingency'") != std::string::npos; },
+                    std::chrono::seconds(30)));
+  CHECK(daemon.running());
+  const CommandResult check =
+      RunCommand({DaemonBinaryPath(), "--config", (data.path() / "gradwatchd.yaml").string(), "--check-config"});
+  CHECK(check.exit_code == 2);
+  CHECK(check.err.find("alerts.overrides.GradNormContingencyy: no rule of that name is in force") != std::string::npos);
 }
