@@ -513,6 +513,30 @@ namespace gradwatch::daemon {
 
 namespace {
 
+// A YAML node as JSON, for --check-config's view of the overrides: mappings and lists as they
+// are, a scalar as a number or a bool when it reads as one (YAML's own reading), else as text.
+nlohmann::json YamlToJson(const YAML::Node& node) {
+  if (node.IsMap()) {
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& kv : node) out[kv.first.Scalar()] = YamlToJson(kv.second);
+    return out;
+  }
+  if (node.IsSequence()) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& item : node) out.push_back(YamlToJson(item));
+    return out;
+  }
+  if (!node.IsScalar()) return nullptr;
+  const std::string& text = node.Scalar();
+  if (node.Tag() != "!") {  // unquoted: YAML may read it as a number or a bool
+    double number = 0;
+    bool flag = false;
+    if (YAML::convert<double>::decode(node, number)) return number;
+    if (YAML::convert<bool>::decode(node, flag)) return flag;
+  }
+  return text;
+}
+
 nlohmann::json Secret(const std::string& value) {
   return value.empty() ? nlohmann::json("") : nlohmann::json("<secret>");
 }
@@ -533,7 +557,13 @@ std::string ConfigJson(const Config& c) {
                          {"resend_interval_seconds", r.resend_interval_seconds}});
   }
   nlohmann::json overrides = nlohmann::json::object();
-  for (const alerts::RuleOverride& o : c.alert_overrides) overrides[o.rule] = o.yaml;
+  for (const alerts::RuleOverride& o : c.alert_overrides) {
+    try {
+      overrides[o.rule] = YamlToJson(YAML::Load(o.yaml));
+    } catch (const YAML::Exception&) {
+      overrides[o.rule] = o.yaml;  // read once already: not expected
+    }
+  }
   nlohmann::json remote_write = nlohmann::json::array();
   for (const Config::RemoteWrite& r : c.remote_write) {
     remote_write.push_back(

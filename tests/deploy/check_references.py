@@ -42,9 +42,10 @@ def table_rows(path: str):
 
 
 def flatten(value, prefix=""):
-    """{"a.b": value}, and "a[].b" for the entries of lists of mappings."""
+    """{"a.b": value}, and "a[].b" for the entries of lists of mappings; an empty mapping is a value
+    (alerts.overrides: {})."""
     out = {}
-    if isinstance(value, dict):
+    if isinstance(value, dict) and (value or not prefix):
         for k, v in value.items():
             out.update(flatten(v, f"{prefix}.{k}" if prefix else k))
     elif isinstance(value, list) and value and isinstance(value[0], dict):
