@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <utility>
 
@@ -829,6 +830,43 @@ Status ApplyOverrides(std::vector<Rule>& rules, const std::vector<RuleOverride>&
   }
   rules = std::move(out);
   return Status::Ok();
+}
+
+StatusOr<std::vector<Rule>> LoadRulesInForce(bool default_rules, const std::vector<std::string>& files,
+                                             const std::vector<RuleOverride>& overrides) {
+  std::vector<Rule> rules;
+  if (default_rules) {
+    auto defaults = LoadDefaultRules();
+    if (!defaults.ok()) return Status(defaults.status().code(), "built-in rules: " + defaults.status().message());
+    rules = std::move(defaults).value();
+  }
+  if (!files.empty()) {
+    auto loaded = LoadRuleFiles(files);
+    if (!loaded.ok()) return loaded.status();
+    std::set<std::string> names;
+    for (const Rule& r : rules) names.insert(r.name);
+    for (Rule& r : loaded.value()) {
+      if (!names.insert(r.name).second) {
+        return Status::InvalidArgument(
+            r.source + ": rule '" + r.name +
+            "' has the name of a built-in rule; rename it or set alerts.default_rules: false");
+      }
+      rules.push_back(std::move(r));
+    }
+  }
+  if (Status s = ApplyOverrides(rules, overrides); !s.ok()) return s;
+  const auto built_in = [&](const char* name, RuleKind kind) -> Rule* {
+    for (Rule& r : rules) {
+      if (r.name == name && r.kind == kind && r.source.rfind(kDefaultRulesSource, 0) == 0) return &r;
+    }
+    return nullptr;
+  };
+  Rule* page = built_in("GradNormContingency", RuleKind::kThreshold);
+  Rule* forecast = built_in("GradNormForecast", RuleKind::kForecast);
+  const bool forecast_overridden = std::any_of(overrides.begin(), overrides.end(),
+                                               [](const RuleOverride& o) { return o.rule == "GradNormForecast"; });
+  if (page && forecast && !forecast_overridden) forecast->threshold = page->value;
+  return rules;
 }
 
 StatusOr<AlertsSection> ReadAlertsSection(const std::string& config_yaml, const std::string& source_name) {

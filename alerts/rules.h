@@ -168,6 +168,13 @@ struct RuleOverride {
 // closest one; a change of `alert` or `kind`; any error of the merged rule), `rules` unchanged.
 Status ApplyOverrides(std::vector<Rule>& rules, const std::vector<RuleOverride>& overrides);
 
+// The rules a daemon puts in force: the built-in ones (when default_rules), those of `files` (a
+// rule named like a built-in one is refused), then `overrides` applied. The built-in
+// GradNormForecast warns of the built-in page's crossing: it follows an override of
+// GradNormContingency's threshold unless it is overridden itself.
+StatusOr<std::vector<Rule>> LoadRulesInForce(bool default_rules, const std::vector<std::string>& files,
+                                             const std::vector<RuleOverride>& overrides);
+
 // What a daemon configuration's `alerts:` section says about rules, read from its YAML text (for
 // `gradwatch rules check --config`, which must load rules as the daemon would, and the daemon's
 // own configuration): default_rules, rule_files and overrides. Keys it does not read are not

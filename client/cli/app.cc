@@ -272,7 +272,12 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   std::vector<std::string> rule_files;
   auto* rules_check_cmd =
       rules_cmd->add_subcommand("check", "Validate rule files (errors give file:line); needs no daemon");
-  rules_check_cmd->add_option("FILE", rule_files, "Rule files")->required();
+  std::string rules_config;
+  rules_check_cmd->add_option("FILE", rule_files, "Rule files");
+  rules_check_cmd->add_option("--config", rules_config,
+                              "Check the rules a daemon with this configuration would load: the built-in ones "
+                              "(unless alerts.default_rules is false), alerts.rule_files and the FILEs, with "
+                              "alerts.overrides applied");
 
   auto* rules_reload_cmd = rules_cmd->add_subcommand("reload", "Make the daemon reload its rule files (as SIGHUP)");
 
@@ -395,7 +400,13 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     out << CompletionScript(app, completion_shell).value_or("");
     return kExitOk;
   }
-  if (*rules_check_cmd) return RunRulesCheck(global, rule_files, out, err);
+  if (*rules_check_cmd) {
+    if (rule_files.empty() && rules_config.empty()) {
+      err << "gradwatch rules check: give rule files, --config FILE, or both\n";
+      return kExitUsage;
+    }
+    return RunRulesCheck(global, rule_files, rules_config, out, err);
+  }
   if (std::string error; !token_file.empty() && !client::ReadTokenFile(token_file, &global.tls.token, &error)) {
     err << "gradwatch: " << error << "\n";
     return kExitFailure;

@@ -1,7 +1,9 @@
 #include "client/cli/commands.h"
 
 #include <chrono>
+#include <fstream>
 #include <map>
+#include <sstream>
 
 #include "alerts/matcher.h"
 #include "alerts/rules.h"
@@ -128,9 +130,26 @@ int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std
   return kExitOk;
 }
 
-int RunRulesCheck(const GlobalOptions& global, const std::vector<std::string>& files, std::ostream& out,
-                  std::ostream& err) {
-  auto rules = alerts::LoadRuleFiles(files);
+namespace {
+
+// The rules a daemon with the configuration at `path` would load, plus `files`, overrides applied.
+StatusOr<std::vector<alerts::Rule>> ConfiguredRules(const std::vector<std::string>& files, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::IoError(path + ": cannot read the configuration");
+  std::ostringstream text;
+  text << in.rdbuf();
+  auto section = alerts::ReadAlertsSection(text.str(), path);
+  if (!section.ok()) return section.status();
+  std::vector<std::string> all_files = section->rule_files;
+  all_files.insert(all_files.end(), files.begin(), files.end());
+  return alerts::LoadRulesInForce(section->default_rules, all_files, section->overrides);
+}
+
+}  // namespace
+
+int RunRulesCheck(const GlobalOptions& global, const std::vector<std::string>& files, const std::string& config,
+                  std::ostream& out, std::ostream& err) {
+  auto rules = config.empty() ? alerts::LoadRuleFiles(files) : ConfiguredRules(files, config);
   if (!rules.ok()) {
     if (global.json) {
       out << nlohmann::ordered_json{{"ok", false}, {"error", rules.status().message()}}.dump(2) << "\n";

@@ -32,10 +32,12 @@ int RunSeries(const GlobalOptions& global, client::QueryClient& query, const Ser
 // `gradwatch alerts [RUN]`: pending and firing alerts.
 int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std::string& run, std::ostream& out,
               std::ostream& err);
-// `gradwatch rules check FILE...`: loads the files as the daemon would; exit 1 with file:line
-// errors when one is invalid. Needs no daemon.
-int RunRulesCheck(const GlobalOptions& global, const std::vector<std::string>& files, std::ostream& out,
-                  std::ostream& err);
+// `gradwatch rules check [FILE...] [--config CONFIG]`: loads the files as the daemon would; with a
+// daemon configuration, the rules it would load (built-in unless alerts.default_rules is false,
+// alerts.rule_files, then FILEs) with its alerts.overrides applied. Exit 1 with file:line errors
+// when one is invalid. Needs no daemon.
+int RunRulesCheck(const GlobalOptions& global, const std::vector<std::string>& files, const std::string& config,
+                  std::ostream& out, std::ostream& err);
 // `gradwatch rules reload`: the daemon reloads its rule files, or says why it kept the old ones.
 int RunRulesReload(const GlobalOptions& global, client::QueryClient& query, std::ostream& out, std::ostream& err);
 

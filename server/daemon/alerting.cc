@@ -15,40 +15,9 @@ namespace gradwatch::daemon {
 StatusOr<std::vector<alerts::Rule>> LoadConfiguredRules(bool default_rules, const std::vector<std::string>& files,
                                                         double run_died_seconds,
                                                         const std::vector<alerts::RuleOverride>& overrides) {
-  std::vector<alerts::Rule> rules;
-  if (default_rules) {
-    auto defaults = alerts::LoadDefaultRules();
-    if (!defaults.ok()) return Status(defaults.status().code(), "built-in rules: " + defaults.status().message());
-    rules = std::move(defaults).value();
-  }
-  if (!files.empty()) {
-    auto loaded = alerts::LoadRuleFiles(files);
-    if (!loaded.ok()) return loaded.status();
-    std::set<std::string> names;
-    for (const alerts::Rule& r : rules) names.insert(r.name);
-    for (alerts::Rule& r : loaded.value()) {
-      if (!names.insert(r.name).second) {
-        return Status::InvalidArgument(
-            r.source + ": rule '" + r.name +
-            "' has the name of a built-in rule; rename it or set alerts.default_rules: false");
-      }
-      rules.push_back(std::move(r));
-    }
-  }
-  if (Status s = alerts::ApplyOverrides(rules, overrides); !s.ok()) return s;
-  // The built-in forecast warns of the built-in page's crossing: it follows an override of the
-  // page's threshold unless it was overridden itself.
-  const auto built_in = [&](const char* name, alerts::RuleKind kind) -> alerts::Rule* {
-    for (alerts::Rule& r : rules) {
-      if (r.name == name && r.kind == kind && r.source.rfind(alerts::kDefaultRulesSource, 0) == 0) return &r;
-    }
-    return nullptr;
-  };
-  alerts::Rule* page = built_in("GradNormContingency", alerts::RuleKind::kThreshold);
-  alerts::Rule* forecast = built_in("GradNormForecast", alerts::RuleKind::kForecast);
-  const bool forecast_overridden = std::any_of(
-      overrides.begin(), overrides.end(), [](const alerts::RuleOverride& o) { return o.rule == "GradNormForecast"; });
-  if (page && forecast && !forecast_overridden) forecast->threshold = page->value;
+  auto loaded = alerts::LoadRulesInForce(default_rules, files, overrides);
+  if (!loaded.ok()) return loaded.status();
+  std::vector<alerts::Rule> rules = std::move(loaded).value();
   for (alerts::Rule& r : rules) {
     if (r.kind == alerts::RuleKind::kRunDied && r.stalled_seconds == 0) r.stalled_seconds = run_died_seconds;
   }

@@ -863,3 +863,37 @@ TEST_CASE("silence list is a table with local times and how far they are", "[cli
   CHECK_THAT(row, Catch::Contains("alice") && Catch::Contains("enabling wd"));
   CHECK_THAT(r.out, !Catch::Contains(std::to_string(static_cast<long long>(now) / 1000)));  // no epoch seconds
 }
+
+TEST_CASE("rules check --config loads the rules a daemon would, its overrides applied", "[client]") {
+  const auto dir = std::filesystem::temp_directory_path() / ("gradwatch-rules-config-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream((dir / name).string()) << text;
+    return (dir / name).string();
+  };
+  const std::string extra =
+      write("extra.yaml",
+            "groups:\n  - name: x\n    rules:\n      - alert: LossHigh\n        kind: threshold\n"
+            "        series: train/loss\n        op: \">=\"\n        value: 10\n        labels: {severity: warning}\n");
+  const std::string good = write("good.yaml", "alerts:\n  rule_files: [" + extra +
+                                                  "]\n  overrides:\n    GradNormContingency: {value: 3}\n"
+                                                  "    LossHigh: {value: 8}\n");
+  CliResult r = RunCli({"--json", "rules", "check", "--config", good});
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  const auto shown = nlohmann::json::parse(r.out);
+  CHECK(shown["ok"] == true);
+  CHECK(shown["rules"].size() == 9);  // the 8 built-in ones and LossHigh
+
+  const std::string bad = write("bad.yaml", "log: {level: info}\nalerts:\n  overrides:\n    LossHigh: {value: 8}\n");
+  r = RunCli({"rules", "check", "--config", bad});  // LossHigh is not in force without its file
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("bad.yaml:4: alerts.overrides.LossHigh: no rule of that name is in force"));
+  r = RunCli({"rules", "check", extra, "--config", bad});  // with it, it is
+  CHECK(r.code == 0);
+
+  r = RunCli({"rules", "check"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("give rule files, --config FILE, or both"));
+  std::filesystem::remove_all(dir);
+}
