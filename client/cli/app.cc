@@ -266,6 +266,10 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   std::string alerts_run;
   auto* alerts_cmd = app.add_subcommand("alerts", "List pending and firing alerts, with their recommendations");
   alerts_cmd->add_option("RUN", alerts_run, "Only this run's alerts");
+  bool alerts_history = false;
+  alerts_cmd->add_flag("--history", alerts_history,
+                       "Every state change instead (pending, firing, resolved, cleared), oldest first, past "
+                       "alerts included");
 
   auto* rules_cmd = app.add_subcommand("rules", "Alert rule files");
   rules_cmd->require_subcommand(1);
@@ -419,7 +423,7 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   if (*tail_cmd) return RunTail(global, tail, out, err);
   client::QueryClient query(global.address, global.timeout(), global.tls);
   if (*runs_cmd) return RunRuns(global, query, runs_all, out, err);
-  if (*alerts_cmd) return RunAlerts(global, query, alerts_run, out, err);
+  if (*alerts_cmd) return RunAlerts(global, query, alerts_run, alerts_history, out, err);
   if (*rules_reload_cmd) return RunRulesReload(global, query, out, err);
   if (*silence_add_cmd) return RunSilenceAdd(global, query, silence, out, err);
   if (*silence_list_cmd) return RunSilenceList(global, query, out, err);

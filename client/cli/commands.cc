@@ -109,8 +109,8 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
   return kExitFailure;
 }
 
-int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std::string& run, std::ostream& out,
-              std::ostream& err) {
+int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std::string& run, bool history,
+              std::ostream& out, std::ostream& err) {
   if (!run.empty()) {
     // A run the daemon does not know is an error, not "no alerts": a typo must not look like
     // all-clear.
@@ -119,6 +119,13 @@ int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std
       return ReportRpcError(global, "alerts of run " + run, known.status, err,
                             [&] { return NotFoundHint(query, run); });
     }
+  }
+  if (history) {
+    auto changes = query.ListAlertHistory(run);
+    if (!changes.ok()) return ReportRpcError(global, "alert history", changes.status, err);
+    out << (global.json ? ProtoToJson(changes.response).dump(2) + "\n"
+                        : FormatAlertHistory(changes.response, NowSeconds()));
+    return kExitOk;
   }
   auto result = query.ListAlerts(run);
   if (!result.ok()) return ReportRpcError(global, "list alerts", result.status, err);

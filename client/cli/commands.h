@@ -30,8 +30,9 @@ int RunShow(const GlobalOptions& global, client::QueryClient& query, const std::
 int RunSeries(const GlobalOptions& global, client::QueryClient& query, const SeriesOptions& options, std::ostream& out,
               std::ostream& err);
 // `gradwatch alerts [RUN]`: pending and firing alerts.
-int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std::string& run, std::ostream& out,
-              std::ostream& err);
+// With `history`, every state change (the alert history) instead.
+int RunAlerts(const GlobalOptions& global, client::QueryClient& query, const std::string& run, bool history,
+              std::ostream& out, std::ostream& err);
 // `gradwatch rules check [FILE...] [--config CONFIG]`: loads the files as the daemon would; with a
 // daemon configuration, the rules it would load (built-in unless alerts.default_rules is false,
 // alerts.rule_files, then FILEs) with its alerts.overrides applied. Exit 1 with file:line errors

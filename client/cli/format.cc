@@ -397,10 +397,37 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
   return out.str();
 }
 
+std::string FormatAlertHistory(const v1::ListAlertHistoryResponse& history, double now) {
+  if (history.entries().empty()) return "no alert changed state\n";
+  std::vector<std::vector<std::string>> rows = {
+      {"AT", "STEP", "ALERT", "RUN", "SEVERITY", "FROM", "TO", "VALUE", "SUMMARY"}};
+  const auto state = [](v1::AlertState s) -> std::string {
+    switch (s) {
+      case v1::ALERT_STATE_PENDING: return "pending";
+      case v1::ALERT_STATE_FIRING: return "firing";
+      case v1::ALERT_STATE_RESOLVED: return "resolved";
+      case v1::ALERT_STATE_INACTIVE: return "cleared";
+      default: return "-";
+    }
+  };
+  for (const v1::AlertHistoryEntry& e : history.entries()) {
+    const v1::Alert& a = e.alert();
+    auto label = [&a](const char* name) {
+      auto it = a.labels().find(name);
+      return it == a.labels().end() ? std::string("-") : it->second;
+    };
+    auto summary = a.annotations().find("summary");
+    rows.push_back({FormatLocalTime(e.at(), now), std::to_string(a.step()), a.name(), label("run"), label("severity"),
+                    state(e.from()), state(a.state()), FormatValue(a.value()),
+                    summary == a.annotations().end() ? "" : summary->second});
+  }
+  return "Oldest first. STEP: the step of the change; SUMMARY: as the alert read then\n\n" + FormatTable(rows);
+}
+
 std::string FormatAlerts(const v1::ListAlertsResponse& alerts, double now) {
   if (alerts.alerts().empty()) return "no pending or firing alerts\n";
   std::vector<std::vector<std::string>> rows = {
-      {"STATE", "ALERT", "RUN", "SEVERITY", "STEP", "VALUE", "SINCE", "FINGERPRINT", "SUMMARY"}};
+      {"STATE", "ALERT", "RUN", "SEVERITY", "STATE AT STEP", "VALUE", "SINCE", "FINGERPRINT", "SUMMARY NOW"}};
   for (const v1::Alert& a : alerts.alerts()) {
     auto label = [&a](const char* name) {
       auto it = a.labels().find(name);
@@ -419,7 +446,10 @@ std::string FormatAlerts(const v1::ListAlertsResponse& alerts, double now) {
                     FormatAge(a.starts_at(), now), a.fingerprint(),
                     summary == a.annotations().end() ? "" : summary->second});
   }
-  std::string out = FormatTable(rows);
+  std::string out =
+      "STATE AT STEP: the step at which the alert entered its state; SUMMARY NOW: as of the latest step "
+      "evaluated\n\n" +
+      FormatTable(rows);
   for (const v1::Alert& a : alerts.alerts()) {
     if (a.has_ack()) {
       out += "\n" + a.name() + " " + a.fingerprint() + " acknowledged by " + a.ack().by() + " at " +

@@ -75,6 +75,9 @@ nlohmann::ordered_json RunSummaryToJson(const v1::RunSummary& summary);
 // value, how long it has fired, summary), then who acknowledged which and when (local time), the
 // silences muting them, then recommendations.
 std::string FormatAlerts(const v1::ListAlertsResponse& alerts, double now);
+// `gradwatch alerts --history`: every state change of the alerts, oldest first, with the step of
+// the change and the summary as it read then.
+std::string FormatAlertHistory(const v1::ListAlertHistoryResponse& history, double now);
 
 // `gradwatch series`: a table, STEP VALUE MIN MAX STEPS (the steps a point stands for).
 std::string FormatSeries(const v1::GetSeriesResponse& series);

@@ -116,6 +116,15 @@ TEST_CASE("a tailed Megatron log: the warm-up spike pages nobody, a high norm af
     CHECK(description.find("past its peak of 3e-4") != std::string::npos);
   }
   CHECK(held_warning);
+
+  // `gradwatch alerts --history` lists the past ones too: the held warning's end and the page.
+  const CommandResult history =
+      RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "alerts", "megatron-warmup", "--history"});
+  INFO(history.out << history.err);
+  CHECK(history.exit_code == 0);
+  CHECK(history.out.find("Oldest first. STEP: the step of the change") != std::string::npos);
+  CHECK(history.out.find("warning held during warm-up over") != std::string::npos);
+  CHECK(history.out.find("Total grad norm 6 ≥ 5") != std::string::npos);
 }
 
 TEST_CASE("a norm still high when the warm-up ends pages then", "[integration]") {
@@ -234,6 +243,7 @@ TEST_CASE("a spike an MLP block carries names the block and gives no weight-deca
   INFO(alerts.out);
   CHECK(alerts.exit_code == 0);
   CHECK(alerts.out.find("look at layers.7.mlp.w2.weight") != std::string::npos);
+  CHECK(alerts.out.find("STATE AT STEP: the step at which the alert entered its state") != std::string::npos);
 }
 
 TEST_CASE("an override changes the page's threshold, its texts and the drawn threshold; a SIGHUP applies a change",
