@@ -150,11 +150,15 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
   for (const ForecastFact& f : facts.forecasts) {
     if (!SameThreshold(f.threshold, rule.threshold) || !MatchesAny(rule.series, f.key)) continue;
     // A forecast is about the future: once the value is there, the threshold's own rule speaks.
-    const bool active = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0 &&
+    // Nor is it judged before its fit holds enough (kForecastMinReports).
+    const bool enough = f.fit_samples == 0 || (f.fit_samples >= kForecastMinReports &&
+                                               static_cast<double>(f.fit_span_steps) >=
+                                                   kForecastMinSpanFraction * static_cast<double>(rule.within_steps));
+    const bool active = enough && f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0 &&
                         f.steps_to_threshold <= static_cast<double>(rule.within_steps);
     Condition& c = Make(out, rule, base, {{"series", f.key}}, facts, f.current_value, active);
     // Judged on the steps to the threshold: the forecast itself is the value's fitted level.
-    const bool gate = f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0;
+    const bool gate = enough && f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0;
     c.level =
         PlainLevel(CompareOp::kLe, static_cast<double>(rule.within_steps), std::nullopt, f.steps_to_threshold, gate);
     c.level->shows_level = false;
@@ -169,7 +173,11 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
     std::string& outlook = out.scratch_text;
     std::string& number = out.scratch_number;
     FormatNumberTo(number, rule.threshold);
-    if (f.current_value >= rule.threshold) {
+    if (!enough) {
+      outlook.assign("has too few reports for a forecast toward ").append(number);
+      FormatStepTo(number, f.fit_span_steps);
+      outlook.append(" (").append(number).append(" steps so far)");
+    } else if (f.current_value >= rule.threshold) {
       outlook.assign("is at or above ").append(number);
     } else if (!f.reachable || !std::isfinite(f.steps_to_threshold) || f.steps_to_threshold < 0) {
       outlook.assign("is not rising toward ").append(number);

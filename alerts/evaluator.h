@@ -26,6 +26,11 @@ namespace gradwatch::alerts {
 // both measures to the extreme that neither holds nor stays in the clear band.
 // How many standard errors an estimate must clear its bound by (slope_change).
 inline constexpr double kEstimateZ = 2.0;
+// A forecast goes pending only once its fit holds this many reports spanning at least this
+// fraction of the rule's within_steps (2,000 steps for the built-in 20,000): a line through a
+// young run's first steps, or a resume's first reports, says little about the next 20,000.
+inline constexpr uint64_t kForecastMinReports = 20;
+inline constexpr double kForecastMinSpanFraction = 0.1;
 
 struct LevelTest {
   CompareOp op = CompareOp::kGe;  // holds when hold_measure op bound

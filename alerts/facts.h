@@ -31,6 +31,10 @@ struct ForecastFact {
   uint64_t at_step = 0;
   double current_value = 0;  // the fitted value at the fit's last step
   double slope_per_kstep = 0;
+  // What the fit holds: its reports, and the steps from its first to its last. 0 (a fact built
+  // by hand): not known, not judged.
+  uint64_t fit_samples = 0;
+  uint64_t fit_span_steps = 0;
 };
 
 // A series' slope before and after an event (analytics::SlopeChange).

@@ -321,6 +321,16 @@ std::string Trend(double slope_per_kstep, double scale) {
   return slope_per_kstep > 0 ? "rising" : "falling";
 }
 
+// "(over the last 20,000-step window)", or what a young window holds: "(over the last 300 steps;
+// the 20,000-step window is not yet full)".
+std::string WindowHeld(const v1::ThresholdForecast& f) {
+  const uint64_t window = f.window_steps();
+  const uint64_t span = f.fit_samples() > 0 ? f.fit_span_steps() + 1 : window;
+  if (span >= window) return "(over the last " + GroupedStep(static_cast<double>(window)) + "-step window)";
+  return "(over the last " + GroupedStep(static_cast<double>(span)) + " steps; the " +
+         GroupedStep(static_cast<double>(window)) + "-step window is not yet full)";
+}
+
 // Four significant digits: enough to read a slope or a ratio.
 std::string Signed(double v) { return (v >= 0 ? "+" : "") + FormatValue(v); }
 
@@ -343,8 +353,7 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
     out << "total grad norm " << FormatValue(total_now);
     if (forecast != nullptr) {
       out << ", " << Trend(forecast->slope_per_kstep(), forecast->current_value()) << " "
-          << Signed(forecast->slope_per_kstep()) << " per 1k steps (" << FormatValue(forecast->window_steps())
-          << "-step window)";
+          << Signed(forecast->slope_per_kstep()) << " per 1k steps " << WindowHeld(*forecast);
     }
     out << "\n";
   }

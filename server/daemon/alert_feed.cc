@@ -257,6 +257,8 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
     y.at_step = x.at_step;
     y.current_value = x.current_value;
     y.slope_per_kstep = x.slope_per_kstep;
+    y.fit_samples = x.fit_samples;
+    y.fit_span_steps = x.fit_span_steps;
   }
   f.slope_changes.resize(a.slope_changes.size());
   for (size_t i = 0; i < a.slope_changes.size(); ++i) {

@@ -369,6 +369,8 @@ void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out) {
     p->set_reachable(f.reachable);
     p->set_steps_to_threshold(f.steps_to_threshold);
     p->set_at_step(f.at_step);
+    p->set_fit_samples(f.fit_samples);
+    p->set_fit_span_steps(f.fit_span_steps);
   }
   for (const auto& s : in.shares) {
     v1::GradNormShare* p = out->add_shares();

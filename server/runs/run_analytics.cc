@@ -407,6 +407,8 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares,
     info.at_step = f.at_step;
     info.current_value = f.current_value;
     info.slope_per_kstep = f.slope_per_kstep;
+    info.fit_samples = fit->samples;
+    info.fit_span_steps = fit->last_step - fit->first_step;
   }
   out.forecasts.resize(forecasts);
   // A source is this object's instance, then whether a group, then the index: the entry a

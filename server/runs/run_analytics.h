@@ -93,6 +93,10 @@ struct ForecastInfo {
   uint64_t at_step = 0;
   double current_value = 0;
   double slope_per_kstep = 0;
+  // What the fit holds: its reports and the steps from its first to its last (less than
+  // window_steps while the window is not yet full, and after a rewind).
+  uint64_t fit_samples = 0;
+  uint64_t fit_span_steps = 0;
 };
 struct ShareInfo {
   std::string name;

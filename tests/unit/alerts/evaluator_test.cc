@@ -124,9 +124,39 @@ TEST_CASE("forecast: active when the threshold is reached within the horizon", "
   cs = Evaluate(rule, facts);
   CHECK_FALSE(cs[0].active);
   CHECK(cs[0].vars.at("at_step") == "never");
+  CHECK(cs[0].vars.at("outlook") == "is not rising toward 5");
   // Reached: no longer a forecast (the threshold's own rule pages).
   facts.forecasts[0] = {"grad/norm/total", 5.0, true, 0, 100000, 5.2, 0.25};
   CHECK_FALSE(Evaluate(rule, facts)[0].active);
+  CHECK(Evaluate(rule, facts)[0].vars.at("outlook") == "is at or above 5");
+}
+
+TEST_CASE("forecast: a young fit goes pending only once it holds enough reports over enough steps", "[alerts]") {
+  const Rule rule = LoadOne(
+      "        kind: forecast\n        series: grad/norm/total\n        threshold: 5\n        within_steps: 20000\n");
+  RunFacts facts = Facts({});
+  facts.forecasts = {{"grad/norm/total", 5.0, true, 2694, 2700, 1.2, 1.4}};
+  struct Case {
+    uint64_t samples;
+    uint64_t span;
+    bool active;
+  };
+  // The built-in horizon of 20,000 steps needs 20 reports over 2,000 steps.
+  for (const Case c : {Case{6, 5, false}, Case{19, 5000, false}, Case{300, 1999, false}, Case{20, 2000, true},
+                       Case{0, 0, true} /* unknown: a fact built by hand */}) {
+    INFO(c.samples << " reports over " << c.span << " steps");
+    facts.forecasts[0].fit_samples = c.samples;
+    facts.forecasts[0].fit_span_steps = c.span;
+    const auto cs = Evaluate(rule, facts);
+    REQUIRE(cs.size() == 1);
+    CHECK(cs[0].active == c.active);
+    if (!c.active) {
+      CHECK(cs[0].vars.at("outlook") ==
+            "has too few reports for a forecast toward 5 (" + FormatStep(c.span) + " steps so far)");
+    } else {
+      CHECK(cs[0].vars.at("outlook") == "reaches 5 in ~2,694 steps (near step 2,700)");
+    }
+  }
 }
 
 TEST_CASE("slope_change: events and change points are separate instances", "[alerts]") {

@@ -897,3 +897,26 @@ TEST_CASE("rules check --config loads the rules a daemon would, its overrides ap
   CHECK_THAT(r.err, Catch::Contains("give rule files, --config FILE, or both"));
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("show says what a young window holds", "[client]") {
+  gradwatch::v1::RunSummary summary;
+  auto* latest = summary.add_latest();
+  latest->set_key("grad/norm/total");
+  latest->set_value(0.8);
+  auto* f = summary.mutable_analysis()->add_forecasts();
+  f->set_key("grad/norm/total");
+  f->set_threshold(5);
+  f->set_current_value(0.8);
+  f->set_slope_per_kstep(0.1);
+  f->set_window_steps(20000);
+  f->set_fit_samples(300);
+  f->set_fit_span_steps(299);
+  f->set_reachable(true);
+  f->set_steps_to_threshold(42000);
+  f->set_at_step(42300);
+  CHECK_THAT(gradwatch::cli::FormatDiagnosis(summary),
+             Catch::Contains("(over the last 300 steps; the 20,000-step window is not yet full)"));
+  f->set_fit_samples(20000);
+  f->set_fit_span_steps(19999);
+  CHECK_THAT(gradwatch::cli::FormatDiagnosis(summary), Catch::Contains("(over the last 20,000-step window)"));
+}
