@@ -98,4 +98,11 @@ struct Diagnosis {
 
 Diagnosis Diagnose(const RunFacts& facts, const DiagnosisBounds& bounds);
 
+// A run's diagnosis at a step, and why pages are held then (WarmupFact::reason; empty: not held).
+struct DiagnosisAt {
+  uint64_t step = 0;
+  Diagnosis diagnosis;
+  std::string page_held;
+};
+
 }  // namespace gradwatch::alerts

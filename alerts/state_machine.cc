@@ -288,6 +288,11 @@ std::vector<Rule> AlertEngine::Rules() const {
   return rules_;
 }
 
+DiagnosisBounds AlertEngine::diagnosis_bounds() const {
+  std::lock_guard lock(mu_);
+  return bounds_;
+}
+
 void AlertEngine::ReadFits(const std::vector<ParamInfo>& catalog, size_t from, std::vector<uint8_t>& norm,
                            std::vector<uint8_t>& share) const {
   std::lock_guard lock(mu_);

@@ -193,6 +193,8 @@ class AlertEngine {
   // Changes with every ReplaceRules: a reader that derived something from the rules (ReadFits)
   // derives it again when it changes.
   uint64_t rules_generation() const { return rules_generation_.load(std::memory_order_acquire); }
+  // The diagnosis' bounds from the rules in force (BoundsFromRules).
+  DiagnosisBounds diagnosis_bounds() const;
   // RulesReadFits (evaluator.h) with the rules in force.
   void ReadFits(const std::vector<ParamInfo>& catalog, size_t from, std::vector<uint8_t>& norm,
                 std::vector<uint8_t>& share) const;

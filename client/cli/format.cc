@@ -339,6 +339,13 @@ std::string Signed(double v) { return (v >= 0 ? "+" : "") + FormatValue(v); }
 std::string FormatDiagnosis(const v1::RunSummary& summary) {
   const v1::Analysis& a = summary.analysis();
   std::ostringstream out;
+  if (summary.has_diagnosis()) {
+    // What every alert of the run says, from the same evidence (the daemon's diagnosis).
+    const v1::RunDiagnosis& d = summary.diagnosis();
+    out << "diagnosis at step " << GroupedStep(static_cast<double>(d.step())) << ": " << d.text() << "\n";
+    if (!d.recommendation().empty()) out << "recommendation: " << d.recommendation() << "\n";
+    if (!d.page_held().empty()) out << "pages held: " << d.page_held() << "\n";
+  }
   const std::string total_key = "grad/norm/total";
   // The total grad norm and its slope over the forecast window (the middle one by default).
   const v1::ThresholdForecast* forecast = nullptr;

@@ -59,6 +59,11 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
      << "(`gradwatch show " << s.info().run_id() << " --json`), rounded to three digits.\n\n";
   md << "![total grad norm](total-grad-norm.svg)\n\n";
   if (!data.final_param.empty()) md << "![norm of " << data.final_param << "](final-norm.svg)\n\n";
+  if (s.has_diagnosis()) {
+    // The evidence every alert's words come from (the daemon's diagnosis).
+    md << "## Diagnosis at step " << Step(s.diagnosis().step()) << "\n\n" << s.diagnosis().text() << "\n\n";
+    if (!s.diagnosis().recommendation().empty()) md << s.diagnosis().recommendation() << "\n\n";
+  }
 
   md << "## What grew, and since when\n\n";
   bool grew = false;

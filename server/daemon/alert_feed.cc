@@ -144,6 +144,7 @@ void AlertFeed::Evaluate(Item& item) {
     case Item::Kind::kStep: {
       std::vector<alerts::Transition> transitions = engine_.EvaluateStep(*item.facts, item.now);
       std::swap(last_, item.facts);  // the previous facts go back to the spares
+      evaluated_any_ = true;
       if (!transitions.empty()) sink_(std::move(transitions), /*to_trainers=*/true);
       break;
     }
@@ -153,6 +154,12 @@ void AlertFeed::Evaluate(Item& item) {
             /*to_trainers=*/false);
       break;
   }
+}
+
+std::optional<alerts::DiagnosisAt> AlertFeed::Diagnose(const alerts::DiagnosisBounds& bounds) {
+  std::lock_guard eval(eval_mu_);
+  if (!evaluated_any_) return std::nullopt;
+  return alerts::DiagnosisAt{last_->step, alerts::Diagnose(*last_, bounds), last_->warmup.reason};
 }
 
 void AlertFeed::EvaluateTimer(const runs::RunActivity& activity, double now) {

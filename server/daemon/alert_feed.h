@@ -58,6 +58,8 @@ class AlertFeed final : public runs::RunChannel {
   void EvaluateTimer(const runs::RunActivity& activity, double now);
 
   const std::string& run_id() const { return run_id_; }
+  // The diagnosis at the latest step evaluated (nullopt before the first), with `bounds`.
+  std::optional<alerts::DiagnosisAt> Diagnose(const alerts::DiagnosisBounds& bounds);
 
  private:
   struct Item {
@@ -122,6 +124,7 @@ class AlertFeed final : public runs::RunChannel {
   // Lock order: the run's mutex, then eval_mu_, then queue_mu_, then the engine's.
   std::mutex eval_mu_;                      // one evaluation of this run at a time, in queue order
   std::unique_ptr<alerts::RunFacts> last_;  // guarded by eval_mu_: the latest evaluated facts
+  bool evaluated_any_ = false;              // guarded by eval_mu_: last_ holds a step's facts
   std::mutex queue_mu_;
   // Guarded by queue_mu_. A vector: at most kMaxQueued + 1 items, so shifting them is cheap and,
   // unlike a deque's blocks, its buffer is allocated once.

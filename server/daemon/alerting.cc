@@ -246,6 +246,12 @@ std::shared_ptr<runs::RunChannel> Alerting::Open(const RunMeta& meta, bool resto
   return feed;
 }
 
+std::optional<alerts::DiagnosisAt> Alerting::DiagnosisOf(const std::string& run) {
+  const std::shared_ptr<AlertFeed> feed = FeedOf(run);
+  if (!feed) return std::nullopt;
+  return feed->Diagnose(engine_.diagnosis_bounds());
+}
+
 std::shared_ptr<AlertFeed> Alerting::FeedOf(const std::string& run_id) {
   std::lock_guard lock(feeds_mu_);
   auto it = feeds_.find(run_id);

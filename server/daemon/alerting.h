@@ -80,6 +80,10 @@ class Alerting final : public runs::StepListener {
   // once, before any run is opened.
   void SetTrainerSink(std::function<void(const alerts::Alert&)> sink) { trainer_sink_ = std::move(sink); }
 
+  // The diagnosis of `run` at the latest step its alerts evaluated (with the rules' bounds in
+  // force); nullopt for a run without one yet.
+  std::optional<alerts::DiagnosisAt> DiagnosisOf(const std::string& run);
+
   // runs::StepListener. A restored run's feed evaluates its journaled steps after the engine's
   // EvaluatedThrough (RestoreState first).
   std::shared_ptr<runs::RunChannel> Open(const RunMeta& meta, bool restored) override;

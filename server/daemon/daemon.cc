@@ -54,6 +54,11 @@ std::chrono::nanoseconds Seconds(double s) {
 ingest::AlertHistoryReader HistoryOf(store::AlertStore* store) {
   return [store](std::string_view run, size_t limit) { return store->History(run, limit); };
 }
+
+// Where queries (gRPC, the run view) read a run's diagnosis: the alerting's.
+ingest::DiagnosisReader DiagnosesOf(Alerting* alerting) {
+  return [alerting](const std::string& run) { return alerting->DiagnosisOf(run); };
+}
 }  // namespace
 
 Daemon::Daemon(Config config, const Clock* clock) : config_(std::move(config)), clock_(clock) {
@@ -188,6 +193,7 @@ Status Daemon::Start() {
   query_->set_max_silence_seconds(config_.max_silence_seconds);
   query_->set_authorizer(authorizer_.get());
   query_->set_alert_history(HistoryOf(alert_store_.get()));
+  query_->set_diagnosis(DiagnosesOf(alerting_.get()));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -277,8 +283,9 @@ Status Daemon::Start() {
       return refusal;
     };
   }
-  std::vector<web::Route> routes =
-      RunViewRoutes({registry_.get(), clock_, &alerting_->engine(), HistoryOf(alert_store_.get())}, gate);
+  std::vector<web::Route> routes = RunViewRoutes(
+      {registry_.get(), clock_, &alerting_->engine(), HistoryOf(alert_store_.get()), DiagnosesOf(alerting_.get())},
+      gate);
   routes.push_back(GatedRoute(
       "/metrics", false, gate,
       [endpoint = metrics_endpoint_.get()](const web::Request& request) { return endpoint->Handle(request); }));

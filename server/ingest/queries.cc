@@ -26,6 +26,19 @@ grpc::Status GetRun(const QuerySources& from, const v1::GetRunRequest& request, 
   auto run = from.registry->Find(request.run_id());
   if (!run) return RunNotFound(request.run_id());
   SummaryToProto(run->Summary(), response);
+  if (!from.diagnosis) return grpc::Status::OK;
+  if (const std::optional<alerts::DiagnosisAt> d = from.diagnosis(request.run_id())) {
+    v1::RunDiagnosis* out = response->mutable_diagnosis();
+    out->set_step(d->step);
+    out->set_cause(std::string(alerts::CauseName(d->diagnosis.cause)));
+    out->set_text(d->diagnosis.text);
+    out->set_recommendation(d->diagnosis.recommendation);
+    out->set_remediation_param(d->diagnosis.remedy.param);
+    out->set_remediation_weight_decay(d->diagnosis.remedy.weight_decay);
+    out->set_remediation_supported(d->diagnosis.remedy.supported);
+    out->set_remediation_why(d->diagnosis.remedy.why);
+    out->set_page_held(d->page_held);
+  }
   return grpc::Status::OK;
 }
 

@@ -10,6 +10,7 @@
 
 #include <grpcpp/support/status.h>
 
+#include "alerts/diagnosis.h"
 #include "alerts/notify/status.h"
 #include "alerts/state_machine.h"
 #include "gradwatch/v1/gradwatch.pb.h"
@@ -26,11 +27,16 @@ grpc::Status RunNotFound(const std::string& run_id);
 using AlertHistoryReader =
     std::function<notify::Result<std::vector<alerts::HistoryEntry>>(std::string_view run, size_t limit)>;
 
+// A run's diagnosis at the latest step its alerts evaluated; nullopt before the first evaluation
+// (daemon::Alerting::DiagnosisOf).
+using DiagnosisReader = std::function<std::optional<alerts::DiagnosisAt>(const std::string& run)>;
+
 struct QuerySources {
   runs::RunRegistry* registry = nullptr;
   const Clock* clock = nullptr;
   alerts::AlertEngine* engine = nullptr;  // null: no alerting (no alerts listed)
   AlertHistoryReader alert_history;       // empty: no history kept
+  DiagnosisReader diagnosis;              // empty: no diagnosis shown
 };
 
 // The most entries ListAlertHistory returns, and how many when the request does not say.

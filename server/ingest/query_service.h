@@ -28,6 +28,8 @@ class QueryService final : public v1::Query::CallbackService {
   void set_authorizer(const Authorizer* authorizer) { authorizer_ = authorizer; }
   // Where ListAlertHistory reads (unset: no history). Set before the service is registered.
   void set_alert_history(AlertHistoryReader reader) { alert_history_ = std::move(reader); }
+  // Where GetRun reads a run's diagnosis (unset: none shown). Set before the service is registered.
+  void set_diagnosis(DiagnosisReader reader) { diagnosis_ = std::move(reader); }
 
   grpc::ServerUnaryReactor* ListRuns(grpc::CallbackServerContext* context, const v1::ListRunsRequest* request,
                                      v1::ListRunsResponse* response) override;
@@ -61,10 +63,11 @@ class QueryService final : public v1::Query::CallbackService {
   double max_silence_seconds_ = 7 * 86400;
   const Authorizer* authorizer_ = nullptr;
   AlertHistoryReader alert_history_;
+  DiagnosisReader diagnosis_;
 
   grpc::Status Allow(const grpc::CallbackServerContext* context, Scope scope, std::string_view run,
                      std::string_view what) const;
-  QuerySources sources() const { return {registry_, clock_, engine_, alert_history_}; }
+  QuerySources sources() const { return {registry_, clock_, engine_, alert_history_, diagnosis_}; }
 };
 
 }  // namespace gradwatch::ingest

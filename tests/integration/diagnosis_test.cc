@@ -244,6 +244,29 @@ TEST_CASE("a spike an MLP block carries names the block and gives no weight-deca
   CHECK(alerts.exit_code == 0);
   CHECK(alerts.out.find("look at layers.7.mlp.w2.weight") != std::string::npos);
   CHECK(alerts.out.find("STATE AT STEP: the step at which the alert entered its state") != std::string::npos);
+
+  // `gradwatch show`, the run view's API and `gradwatch report` show the same diagnosis.
+  const CommandResult show = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "show", "mlp-spike"});
+  INFO(show.out);
+  CHECK(show.out.find("diagnosis at step 1,600: layers.7.mlp.w2.weight carries 81% of the squared grad norm") !=
+        std::string::npos);
+  CHECK(show.out.find("recommendation: " + rec) != std::string::npos);
+  const HttpResponse view = HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/api/v1/runs/mlp-spike", "", {});
+  REQUIRE(view.status == 200);
+  const json summary = json::parse(view.body);
+  REQUIRE(summary.contains("diagnosis"));
+  CHECK(summary["diagnosis"]["cause"] == "none");
+  CHECK(summary["diagnosis"]["recommendation"] == rec);
+  CHECK(summary["diagnosis"]["remediation_param"] == "final_norm.weight");
+  TempDir report_dir("gradwatch-diagnosis-report");
+  const CommandResult report = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "report", "mlp-spike", "--output", report_dir.path().string()});
+  INFO(report.out << report.err);
+  REQUIRE(report.exit_code == 0);
+  std::ifstream md(report_dir.path() / "report.md");
+  const std::string text((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
+  CHECK(text.find("## Diagnosis at step 1,600") != std::string::npos);
+  CHECK(text.find(rec) != std::string::npos);
 }
 
 TEST_CASE("an override changes the page's threshold, its texts and the drawn threshold; a SIGHUP applies a change",

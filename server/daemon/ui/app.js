@@ -408,6 +408,16 @@ function renderRun() {
   }
   parts.push(toolbar);
 
+  // The diagnosis: the evidence every alert's words come from.
+  const diagnosis = summary.diagnosis;
+  if (diagnosis && diagnosis.text) {
+    parts.push(el("div", {class: "diagnosis", id: "diagnosis", "data-cause": diagnosis.cause || "none"},
+      el("div", {class: "title"}, `Diagnosis at step ${fmtStep(num(diagnosis.step))}`),
+      el("div", {}, diagnosis.text),
+      diagnosis.recommendation ? el("div", {class: "recommendation"}, diagnosis.recommendation) : "",
+      diagnosis.page_held ? el("div", {class: "muted"}, `Pages held: ${diagnosis.page_held}`) : ""));
+  }
+
   const alertBox = el("div", {class: "alerts", id: "alerts"});
   for (const a of state.alerts) {
     const ann = a.annotations || {};
