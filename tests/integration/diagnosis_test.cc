@@ -269,7 +269,7 @@ TEST_CASE("a spike an MLP block carries names the block and gives no weight-deca
   CHECK(text.find(rec) != std::string::npos);
 }
 
-TEST_CASE("an override changes the page's threshold, its texts and the drawn threshold; a SIGHUP applies a change",
+TEST_CASE("an override changes the page's threshold, its texts and the drawn threshold, and a SIGHUP applies a change",
           "[integration]") {
   TempDir data("gradwatch-overrides");
   DaemonOptions options;

@@ -117,6 +117,10 @@ View Read(const DaemonProcess& daemon) {
     summary.mutable_info()->clear_open_streams();
     summary.mutable_info()->clear_state();
     summary.mutable_info()->clear_ended_at();
+    // The diagnosis is the alerting's view at the latest step it evaluated: a restart evaluates
+    // no step it already judged (snapshot or journal), so the diagnosis comes back with the next
+    // step, whichever way the run was restored. The alerts below are compared.
+    summary.clear_diagnosis();
     v.summary = summary.SerializeAsString();
     v.debug += summary.DebugString();
   }

@@ -213,9 +213,10 @@ TEST_CASE("remote_write receivers are read at the top level, as Prometheus names
 }
 
 namespace {
-// The keys of a JSON document as ConfigKeys names them: "a.b", and "a[].b" inside lists of mappings.
+// The keys of a JSON document as ConfigKeys names them: "a.b", and "a[].b" inside lists of mappings;
+// an empty mapping (alerts.overrides: {}) is a value.
 void Flatten(const nlohmann::json& j, const std::string& prefix, std::set<std::string>& out) {
-  if (j.is_object()) {
+  if (j.is_object() && (!j.empty() || prefix.empty())) {
     for (const auto& [k, v] : j.items()) Flatten(v, prefix.empty() ? k : prefix + "." + k, out);
   } else if (j.is_array() && !j.empty() && j.front().is_object()) {
     for (const auto& item : j) Flatten(item, prefix + "[]", out);
