@@ -486,7 +486,10 @@ void RunAnalytics::FillNormFits(size_t i, ParamAnalysis& out) const {
   growth.param = params_[i].name;
   growth.growth_factor = g->growth_factor;
   growth.slope_per_kstep = g->slope_per_kstep;
-  growth.window_steps = longest.window_steps();
+  // The steps the growth was measured over: the window (full to within two buckets: its oldest
+  // bucket expires whole), or what a young window holds.
+  const uint64_t held = longest_fit->last_step - longest_fit->first_step + 1;
+  growth.window_steps = held + 2 * longest.bucket_steps() >= longest.window_steps() ? longest.window_steps() : held;
   growth.amplification = ps.init_norm ? analytics::Amplification(ps.norm_value, *ps.init_norm) : kNaN;
   growth.norm = ps.norm_value;
 }

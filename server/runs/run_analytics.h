@@ -119,8 +119,8 @@ struct GrowthInfo {
   std::string param;
   double growth_factor = 0;
   double slope_per_kstep = 0;
-  uint64_t window_steps = 0;
-  double amplification = 0;  // NaN when the init norm is unknown
+  uint64_t window_steps = 0;  // the steps it was measured over: the longest window, or less while it fills
+  double amplification = 0;   // NaN when the init norm is unknown
   double norm = 0;
 };
 

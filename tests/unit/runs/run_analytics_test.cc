@@ -147,6 +147,14 @@ TEST_CASE("a norm gain without decay that rises is reported with its amplificati
   REQUIRE(r.growth_without_decay.size() == 1);  // lm_head has weight decay, mlp has no norm series
   CHECK(r.growth_without_decay[0].param == "final_norm.weight");
   CHECK(r.growth_without_decay[0].slope_per_kstep == Approx(10.0));
+  CHECK(r.growth_without_decay[0].window_steps == 20000);
+
+  // A young run's growth is over the steps it holds, not the window's 20,000.
+  RunAnalytics young = Make();
+  for (uint64_t s = 0; s <= 300; s += 10) young.OnStep(Step(s, 4.0, 3.0, init + 0.1 * s));
+  const RunAnalysis y = young.Analysis();
+  REQUIRE(y.growth_without_decay.size() == 1);
+  CHECK(y.growth_without_decay[0].window_steps == 301);
 }
 
 TEST_CASE("slopes are reported for every series and window, and forecasts use the forecast window", "[runs]") {
@@ -418,7 +426,10 @@ TEST_CASE("per-step norm fits of many parameters, some without a norm series, wi
       }
       REQUIRE(params[i].growth.has_value() == (growth != nullptr));
       if (growth == nullptr) continue;
-      CHECK(params[i].growth->window_steps == 20000);
+      CHECK(params[i].growth->window_steps == growth->window_steps);
+      // What the young window holds (within a bucket of a full window, the window).
+      CHECK((params[i].growth->window_steps == s + 1 || params[i].growth->window_steps == 20000));
+      if (s < 18000) CHECK(params[i].growth->window_steps == s + 1);
       CHECK(params[i].growth->growth_factor == growth->growth_factor);
       CHECK(params[i].growth->slope_per_kstep == growth->slope_per_kstep);
       ++compared;
