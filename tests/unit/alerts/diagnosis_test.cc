@@ -5,21 +5,14 @@
 
 #include "alerts/diagnosis.h"
 #include "alerts/rules.h"
+#include "tests/unit/alerts/param_fact.h"
 
 using namespace gradwatch::alerts;
 using Catch::Contains;
 using gradwatch::ParamKind;
+using gradwatch::alerts::testing::Param;
 
 namespace {
-
-ParamFact Param(const std::string& name, ParamKind kind, double wd, uint64_t numel = 6144) {
-  ParamFact p;
-  p.info.name = name;
-  p.info.kind = kind;
-  p.info.weight_decay = wd;
-  p.info.numel = numel;
-  return p;
-}
 
 // A run with a final norm (wd 0, init sqrt(6144) = 78.38), an lm_head, an MLP block and an
 // attention block, at step 61,500, weight decay 0.1 elsewhere. The caller sets the norm, its slope

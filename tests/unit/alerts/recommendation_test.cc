@@ -5,20 +5,13 @@
 
 #include "alerts/diagnosis.h"
 #include "alerts/recommendation.h"
+#include "tests/unit/alerts/param_fact.h"
 
 using namespace gradwatch::alerts;
 using gradwatch::ParamKind;
+using gradwatch::alerts::testing::Param;
 
 namespace {
-
-ParamFact Param(const std::string& name, ParamKind kind, double wd, uint64_t numel = 6144) {
-  ParamFact p;
-  p.info.name = name;
-  p.info.kind = kind;
-  p.info.weight_decay = wd;
-  p.info.numel = numel;
-  return p;
-}
 
 // The incident at step ~100k: final_norm.weight (wd 0, init sqrt(6144) = 78.38) at 362.1 and
 // rising 2.5 per 1k steps, ×2.5 since the routing switch; the lm_head carries 93.9% of the
