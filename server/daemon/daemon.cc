@@ -241,6 +241,7 @@ Status Daemon::Start() {
     view.resolved_transitions = alerting->resolved_transitions();
     view.store_write_failures = alerting->store_write_failures();
     view.receivers = alerting->ReceiverStats();
+    view.rules = alerting->engine().Rules();
     return view;
   });
   exporter::MetricsCollector* collector = collector_.get();

@@ -6,6 +6,58 @@
 #include "server/export/text_format.h"
 
 namespace gradwatch::exporter {
+namespace {
+
+// Appends one gradwatch_rule_bound sample per series the rule names (one without a series label
+// for rules that name none).
+void AppendRuleBound(std::string& out, const alerts::Rule& rule, std::string_view bound, double value,
+                     std::string_view op = {}) {
+  std::string labels;
+  AppendLabel(labels, "alertname", rule.name, true);
+  AppendLabel(labels, "kind", alerts::RuleKindName(rule.kind));
+  const auto severity = rule.labels.find("severity");
+  if (severity != rule.labels.end()) AppendLabel(labels, "severity", severity->second);
+  AppendLabel(labels, "bound", bound);
+  if (!op.empty()) AppendLabel(labels, "op", op);
+  if (rule.series.empty()) {
+    AppendSample(out, "gradwatch_rule_bound", labels, value);
+    return;
+  }
+  for (const std::string& series : rule.series) {
+    std::string with_series = labels;
+    AppendLabel(with_series, "series", series);
+    AppendSample(out, "gradwatch_rule_bound", with_series, value);
+  }
+}
+
+void AppendRuleBounds(std::string& out, const std::vector<alerts::Rule>& rules) {
+  AppendFamilyHeader(out, "gradwatch_rule_bound",
+                     "A bound of an alert rule in force (overrides applied): bound=\"value\" is a threshold rule's "
+                     "(with its op), \"threshold\" a forecast's, \"clear_below\"/\"clear_above\" where a firing "
+                     "alert clears, \"min_share\", \"min_amplification\", \"min_growth\", \"min_ratio\".",
+                     MetricType::kGauge);
+  for (const alerts::Rule& r : rules) {
+    switch (r.kind) {
+      case alerts::RuleKind::kThreshold:
+        AppendRuleBound(out, r, "value", r.value, alerts::CompareOpSymbol(r.op));
+        break;
+      case alerts::RuleKind::kForecast: AppendRuleBound(out, r, "threshold", r.threshold); break;
+      case alerts::RuleKind::kSlopeChange: AppendRuleBound(out, r, "min_ratio", r.min_ratio); break;
+      case alerts::RuleKind::kShare: AppendRuleBound(out, r, "min_share", r.min_share); break;
+      case alerts::RuleKind::kGrowthWithoutDecay:
+        if (r.min_amplification) AppendRuleBound(out, r, "min_amplification", *r.min_amplification);
+        if (r.min_growth) AppendRuleBound(out, r, "min_growth", *r.min_growth);
+        break;
+      case alerts::RuleKind::kNonFinite:
+      case alerts::RuleKind::kStalled:
+      case alerts::RuleKind::kRunDied: break;
+    }
+    if (r.clear_below) AppendRuleBound(out, r, "clear_below", *r.clear_below);
+    if (r.clear_above) AppendRuleBound(out, r, "clear_above", *r.clear_above);
+  }
+}
+
+}  // namespace
 
 void AlertMetricsCollector::Render(Exposition& exposition) const {
   const AlertingView view = view_();
@@ -47,6 +99,8 @@ void AlertMetricsCollector::Render(Exposition& exposition) const {
                      MetricType::kCounter);
   AppendSample(out, "gradwatch_alert_store_write_failures_total", std::string_view(),
                static_cast<double>(view.store_write_failures));
+
+  AppendRuleBounds(out, view.rules);
 
   struct ReceiverFamily {
     const char* name;

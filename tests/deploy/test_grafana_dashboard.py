@@ -62,19 +62,27 @@ class DashboardStructure(unittest.TestCase):
                 self.assertLessEqual(p["gridPos"]["x"] + p["gridPos"]["w"], 24)
                 self.assertTrue(p["targets"])
                 for t in p["targets"]:
-                    self.assertIn('run="$run"', t["expr"].replace("vector(5)", 'run="$run"'))
+                    if t["expr"].startswith("gradwatch_rule_bound{"):
+                        continue  # the rules are the daemon's, not a run's
+                    self.assertIn('run="$run"', t["expr"])
         for a in d["annotations"]["list"]:
             self.assertIn('run="$run"', a["expr"])
 
     def test_panels_the_issue_asks_for(self):
         exprs = " ".join(t["expr"] for p in self.dash["panels"] for t in p["targets"])
-        for metric in ["gradwatch_total_grad_norm", "vector(5)", "gradwatch_param_norm", "gradwatch_slope_per_kstep",
+        for metric in ["gradwatch_total_grad_norm", "gradwatch_rule_bound", "gradwatch_param_norm", "gradwatch_slope_per_kstep",
                        "gradwatch_norm_amplification", "gradwatch_group_grad_norm_share", "gradwatch_slope_change_ratio",
                        "gradwatch_steps_to_threshold", "gradwatch_alerts"]:
             self.assertIn(metric, exprs)
         total = next(p for p in self.dash["panels"] if "gradwatch_total_grad_norm" in p["targets"][0]["expr"])
-        steps = total["fieldConfig"]["defaults"]["thresholds"]["steps"]
-        self.assertIn(5, [s["value"] for s in steps], "the contingency threshold is drawn on the total grad norm")
+        drawn = [t["expr"] for t in total["targets"]]
+        self.assertIn('gradwatch_rule_bound{kind="threshold", series="grad/norm/total", severity="page", bound="value"}',
+                      drawn, "the page rule's own threshold is drawn on the total grad norm")
+        for p in self.dash["panels"]:
+            with self.subTest(panel=p["title"]):
+                steps = p.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", [])
+                self.assertEqual([s["value"] for s in steps if s["value"] is not None], [],
+                                 "no literal bound: an override would leave it behind")
 
 
 class DashboardAgainstPrometheus(unittest.TestCase):
@@ -147,6 +155,11 @@ class DashboardAgainstPrometheus(unittest.TestCase):
         body = self.api("/api/v1/label/run/values", {"match[]": "gradwatch_last_step"})
         self.assertEqual(body["status"], "success")
         self.assertIn(RUN, body["data"])
+
+    def test_the_drawn_threshold_is_the_rules(self):
+        page = self.query('gradwatch_rule_bound{kind="threshold", series="grad/norm/total", severity="page", bound="value"}')
+        self.assertEqual([(r["metric"]["alertname"], r["metric"]["op"], float(r["value"][1])) for r in page],
+                         [("GradNormContingency", ">=", 5.0)])
 
     def test_every_query_returns_data(self):
         with open(DASHBOARD) as f:

@@ -320,6 +320,14 @@ TEST_CASE("an override changes the page's threshold, its texts and the drawn thr
   const json shown = json::parse(show.out);
   for (const json& f : shown["analysis"]["forecasts"]) drawn_at_3 = drawn_at_3 || f["threshold"] == 3.0;
   CHECK(drawn_at_3);
+  // ...and /metrics exports it for the Grafana dashboard (deploy/grafana draws gradwatch_rule_bound).
+  const auto exported = [&](std::string_view bound) {
+    return "gradwatch_rule_bound{alertname=\"GradNormContingency\",kind=\"threshold\",severity=\"page\",bound=\"" +
+           std::string(bound) + "\"";
+  };
+  std::string metrics = daemon.ScrapeMetrics();
+  CHECK(metrics.find(exported("value") + ",op=\">=\",series=\"grad/norm/total\"} 3\n") != std::string::npos);
+  CHECK(metrics.find(exported("clear_below") + ",series=\"grad/norm/total\"} 2.7\n") != std::string::npos);
 
   // The team moves its page to 4: the config file changes, SIGHUP, and a new incident pages at 4.
   std::ofstream(data.path() / "gradwatchd.yaml")
@@ -328,6 +336,8 @@ TEST_CASE("an override changes the page's threshold, its texts and the drawn thr
   REQUIRE(
       WaitUntil([&] { return daemon.LogText().find("alerts section read again: 1 override(s)") != std::string::npos; },
                 std::chrono::seconds(30)));
+  metrics = daemon.ScrapeMetrics();
+  CHECK(metrics.find(exported("value") + ",op=\">=\",series=\"grad/norm/total\"} 4\n") != std::string::npos);
   replay("retuned", 2000, 2100, 3.5);  // above 3, below 4: no page now
   replay("retuned-high", 2000, 2100, 4.2);
   const v1::Alert high = page_of("retuned-high");
