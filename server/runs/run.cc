@@ -356,6 +356,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   analytics_->SetCatalog(job.params);
   for (const auto& [id, key] : job.series) analytics_->AddSeries(id, key);
   for (const EventRecord& e : job.events) analytics_->OnEvent(e);
+  analytics_->SetBranchStart(from_step);
   return job;
 }
 
@@ -364,6 +365,7 @@ void Run::RebuildAnalytics(RebuildJob job) {
   rebuilt->SetCatalog(job.params);
   for (const auto& [id, key] : job.series) rebuilt->AddSeries(id, key);
   for (const EventRecord& e : job.events) rebuilt->OnEvent(e);
+  rebuilt->SetBranchStart(job.from_step);
   StepTotals kept;
   if (journal_ != nullptr) {
     // The rewind record and every step completed before it must be committed to be read back.
@@ -1008,6 +1010,7 @@ void Run::RestoreEnded(const RunEnd& end) {
 void Run::RestoreRewind(uint64_t from_step) {
   MutexLock lock(&mu_);
   last_resume_step_ = from_step;
+  analytics_->SetBranchStart(from_step);
 }
 
 }  // namespace gradwatch::runs
@@ -1017,7 +1020,7 @@ namespace gradwatch::runs {
 namespace {
 
 // Leads a run's snapshot payload: catches a payload of another kind before anything is read.
-constexpr uint64_t kSnapshotTag = 0x324e5552'50414e53ull;  // "SNAPRUN2"
+constexpr uint64_t kSnapshotTag = 0x334e5552'50414e53ull;  // "SNAPRUN3"
 
 }  // namespace
 
@@ -1093,6 +1096,7 @@ std::unique_ptr<RunAnalytics> Run::FreshAnalyticsLocked(const std::vector<bool>&
   if (with_events) {
     for (const EventRecord& e : events_) analytics->OnEvent(e);
   }
+  analytics->SetBranchStart(last_resume_step_.value_or(0));
   return analytics;
 }
 

@@ -42,7 +42,8 @@ RunAnalytics::RunAnalytics(const AnalyticsOptions& options, AnalyticsCharging ch
       forecast_window_index_(static_cast<size_t>(
           std::find(options_.windows.begin(), options_.windows.end(), options_.forecast_window_steps) -
           options_.windows.begin())),
-      forecast_ids_(options_.forecasts.size(), kNoSeries) {}
+      forecast_ids_(options_.forecasts.size(), kNoSeries),
+      branch_sums_(options_.forecasts.size()) {}
 
 void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
   for (size_t i = params_.size(); i < params.size(); ++i) {
@@ -222,6 +223,12 @@ void RunAnalytics::OnEvent(const EventRecord& event) {
   }
 }
 
+void RunAnalytics::SetBranchStart(uint64_t step) {
+  if (step == branch_start_) return;
+  branch_start_ = step;
+  for (auto& sums : branch_sums_) sums.reset();
+}
+
 void RunAnalytics::OnStep(const CompletedStep& step) {
   const uint32_t slot = set_aside_.Begin(step.step);
   const bool set_aside = charge_.bytes() >= options_.set_aside_min_bytes;
@@ -276,6 +283,13 @@ void RunAnalytics::OnStep(const CompletedStep& step) {
         for (auto& [text, slope] : t.events) slope.AddClosedBucket(*closed);
       }
       t.robust->AddSample(p->step, p->value);
+      if (branch_start_ != 0 && p->step >= branch_start_) {
+        for (size_t k = 0; k < forecast_ids_.size(); ++k) {
+          if (forecast_ids_[k] != sv.id) continue;
+          if (!branch_sums_[k]) branch_sums_[k].emplace();
+          branch_sums_[k]->Add(p->step, p->value);
+        }
+      }
     }
   }
   if (any_grad) UpdateShares(step.step, total, slot, set_aside);
@@ -396,6 +410,10 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares,
     const analytics::WindowedSlope* w = Window(series_[id], options_.forecast_window_steps);
     if (w == nullptr) continue;
     auto fit = w->Fit();
+    if (branch_start_ != 0 && (!fit || fit->first_step < branch_start_)) {
+      // The window still holds steps from before the resume: the fit is the new branch's alone.
+      fit = branch_sums_[k] ? branch_sums_[k]->Fit() : std::nullopt;
+    }
     if (!fit) continue;
     const analytics::Forecast f = analytics::StepsToThreshold(*fit, threshold);
     ForecastInfo& info = NextSlot(out.forecasts, &forecasts);
@@ -686,6 +704,11 @@ void RunAnalytics::SaveState(StateWriter& out) const {
     out.Put(g.share);
     out.Put<uint8_t>(g.has_share ? 1 : 0);
   }
+  out.Put(branch_start_);
+  for (const auto& sums : branch_sums_) {
+    out.Put<uint8_t>(sums ? 1 : 0);
+    if (sums) sums->SaveState(out);
+  }
 }
 
 bool RunAnalytics::LoadState(StateReader& in) {
@@ -747,6 +770,13 @@ bool RunAnalytics::LoadState(StateReader& in) {
     if (!in.GetString(key)) return false;
     if (key != gs.name) return in.Fail("a parameter group is not the one the analytics hold");
     if (!gs.share_trend->LoadState(in) || !in.Get(gs.share) || !in.GetBool(gs.has_share)) return false;
+  }
+  if (!in.Get(branch_start_)) return false;
+  for (auto& sums : branch_sums_) {
+    bool held = false;
+    if (!in.GetBool(held)) return false;
+    sums.reset();
+    if (held && (!sums.emplace().LoadState(in))) return false;
   }
   return true;
 }

@@ -185,6 +185,12 @@ class RunAnalytics {
   void OnStep(const CompletedStep& step);
   // An event: the slopes of the key series before and after it are tracked.
   void OnEvent(const EventRecord& event);
+  // The run resumed from its checkpoint at `step` (its latest rewind; 0: none). A forecast fits
+  // only the samples from there on while its window still holds earlier ones, so that the jump a
+  // resume often brings is not extrapolated; with few samples yet its fit reports them
+  // (ForecastInfo::fit_samples), and the alert rules wait for enough (alerts/evaluator.h).
+  // Call before the steps from `step` on.
+  void SetBranchStart(uint64_t step);
 
   RunAnalysis Analysis() const;
   // The same, overwriting `out` in place: buffers reused from one call to the next (a /metrics
@@ -323,6 +329,10 @@ class RunAnalytics {
   std::vector<SeriesId> key_ids_;
   // The series of each options_.forecasts entry (the lowest id with its key), or kNoSeries.
   std::vector<SeriesId> forecast_ids_;
+  // SetBranchStart's step, and per forecast (options_.forecasts' order) the spike-filtered
+  // samples of its series from that step on.
+  uint64_t branch_start_ = 0;
+  std::vector<std::optional<analytics::RegressionSums>> branch_sums_;
   SeriesId total_grad_ = kNoSeries;
   std::vector<EventRecord> events_;
   // Per-step scratch, reused.
