@@ -29,27 +29,31 @@ std::string Join(const std::vector<std::string>& sentences) {
   return out;
 }
 
-// "rising 3.2 points per 1k steps" for a share's slope; "" when unknown or flat.
-std::string ShareMove(double slope_per_kstep) {
-  if (!std::isfinite(slope_per_kstep)) return "";
-  const double points = slope_per_kstep * 100;
-  if (std::fabs(points) < 0.05) return "";
-  return std::string(points > 0 ? "rising " : "falling ") + FormatNumber(std::fabs(points)) + " points per 1k steps";
+// "up from 28% at step 61,200" (or "over steps 61,200–62,449" for a mean over several steps)
+// when the share's trend holds enough reports and the share moved; "" otherwise.
+std::string ShareMove(const Contributor& c) {
+  if (c.trend_samples < kShareTrendMinReports || !std::isfinite(c.earlier_share) ||
+      std::fabs(c.share - c.earlier_share) < kShareMoveMin) {
+    return "";
+  }
+  std::string s = std::string(c.share > c.earlier_share ? "up" : "down") + " from " + FormatPercent(c.earlier_share);
+  if (c.earlier_first_step == c.earlier_last_step) return s + " at step " + FormatStep(c.earlier_first_step);
+  return s + " over steps " + FormatStep(c.earlier_first_step) + "–" + FormatStep(c.earlier_last_step);
 }
 
-// "layers.7.mlp.w2.weight carries 81% of the squared grad norm (rising 3.2 points per 1k steps);
-// lm_head.weight 12%; ..."
+// "layers.7.mlp.w2.weight carries 81% of the squared grad norm, up from 28% at step 61,200;
+// lm_head.weight 12%, down from 50% at step 61,200; ..."
 std::string TopSentence(const std::vector<Contributor>& top) {
   std::string s;
   for (size_t i = 0; i < top.size(); ++i) {
     const Contributor& c = top[i];
-    const std::string move = ShareMove(c.slope_per_kstep);
+    const std::string move = ShareMove(c);
     if (i == 0) {
       s = c.name + " carries " + FormatPercent(c.share) + " of the squared grad norm";
     } else {
       s += "; " + c.name + " " + FormatPercent(c.share);
     }
-    if (!move.empty()) s += " (" + move + ")";
+    if (!move.empty()) s += ", " + move;
   }
   return s;
 }
@@ -167,7 +171,11 @@ Diagnosis Diagnose(const RunFacts& facts, const DiagnosisBounds& bounds) {
   const size_t top = std::min(kTopContributors, params.size());
   std::partial_sort(params.begin(), params.begin() + static_cast<std::ptrdiff_t>(top), params.end(),
                     [](const ShareFact* a, const ShareFact* b) { return a->share > b->share; });
-  for (size_t i = 0; i < top; ++i) d.top.push_back({params[i]->name, params[i]->share, params[i]->slope_per_kstep});
+  for (size_t i = 0; i < top; ++i) {
+    const ShareFact& s = *params[i];
+    d.top.push_back({s.name, s.share, s.slope_per_kstep, s.earlier_share, s.earlier_first_step, s.earlier_last_step,
+                     s.trend_samples});
+  }
 
   // Norm gains without decay, as the growth rule judges them.
   const ParamFact* final_norm = FindFinalNorm(facts);

@@ -60,7 +60,18 @@ struct Contributor {
   std::string name;
   double share = 0;               // a fraction
   double slope_per_kstep = kNaN;  // of the share (a fraction per 1,000 steps); NaN: unknown
+  // Where the share stood at the start of its trend's window (ShareFact), and the reports the
+  // trend holds: the diagnosis says "up from 28% at step 61,200" only once the trend holds
+  // kShareTrendMinReports and the share moved by at least kShareMoveMin.
+  double earlier_share = kNaN;
+  uint64_t earlier_first_step = 0;
+  uint64_t earlier_last_step = 0;
+  uint64_t trend_samples = 0;
 };
+// A share's movement is stated once its trend holds this many reports...
+inline constexpr uint64_t kShareTrendMinReports = 20;
+// ...and it moved by at least this much (a fraction: 5 points of the squared grad norm).
+inline constexpr double kShareMoveMin = 0.05;
 
 // A norm gain as the evidence rule sees it.
 struct GainEvidence {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -71,6 +72,12 @@ struct ShareFact {
   double share = 0;  // a fraction, 0..1 (NaN when unknown)
   double slope_per_kstep = 0;
   ParamKind kind = ParamKind::kUnspecified;  // a parameter's catalog kind (not for groups)
+  // The share at the start of its trend's window (the mean over steps [earlier_first_step,
+  // earlier_last_step]; NaN when unknown) and the reports the trend holds.
+  double earlier_share = std::numeric_limits<double>::quiet_NaN();
+  uint64_t earlier_first_step = 0;
+  uint64_t earlier_last_step = 0;
+  uint64_t trend_samples = 0;
 };
 
 // One catalog parameter and what analytics says about it. Optional fields are unknown when empty.

@@ -154,6 +154,11 @@ void RegressionSums::Clear() {
   sum_x_ = sum_y_ = sum_xx_ = sum_xy_ = sum_yy_ = CompensatedSum();
 }
 
+double RegressionSums::mean() const {
+  if (count_ == 0) return std::numeric_limits<double>::quiet_NaN();
+  return value_origin_ + sum_y_.value() / static_cast<double>(count_);
+}
+
 std::optional<LinearFit> RegressionSums::Fit() const {
   return FitSums(count_, sum_x_.value(), sum_y_.value(), sum_xx_.value(), sum_xy_.value(), sum_yy_.value(),
                  origin_step_, value_origin_, first_step_, last_step_);

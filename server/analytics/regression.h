@@ -100,6 +100,8 @@ class alignas(64) RegressionSums {
 
   size_t count() const { return count_; }
   bool empty() const { return count_ == 0; }
+  // The mean of the values added; NaN when empty.
+  double mean() const;
   uint64_t first_step() const { return first_step_; }  // meaningful when !empty()
   uint64_t last_step() const { return last_step_; }
   uint64_t origin_step() const { return origin_step_; }

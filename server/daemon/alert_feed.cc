@@ -312,6 +312,10 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
     y.share = x.share;
     y.slope_per_kstep = x.slope_per_kstep;
     y.kind = x.kind;
+    y.earlier_share = x.earlier_share;
+    y.earlier_first_step = x.earlier_first_step;
+    y.earlier_last_step = x.earlier_last_step;
+    y.trend_samples = x.trend_samples;
   }
   f.shares_layout = shares_layout_id_;
   // A run's catalog only grows (Run::ValidateCatalogLocked refuses a changed entry), and these

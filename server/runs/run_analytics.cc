@@ -42,8 +42,9 @@ RunAnalytics::RunAnalytics(const AnalyticsOptions& options, AnalyticsCharging ch
       forecast_window_index_(static_cast<size_t>(
           std::find(options_.windows.begin(), options_.windows.end(), options_.forecast_window_steps) -
           options_.windows.begin())),
-      forecast_ids_(options_.forecasts.size(), kNoSeries),
-      branch_sums_(options_.forecasts.size()) {}
+      forecasts_(options_.forecasts),
+      forecast_ids_(forecasts_.size(), kNoSeries),
+      branch_sums_(forecasts_.size()) {}
 
 void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
   for (size_t i = params_.size(); i < params.size(); ++i) {
@@ -132,8 +133,8 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   ClassifyLocked(t);
   if (key == keys::kLoss) t.key_series = true;
   if (t.role == Role::kTotalGrad) total_grad_ = id;
-  for (size_t f = 0; f < options_.forecasts.size(); ++f) {
-    if (options_.forecasts[f].first == key && (forecast_ids_[f] == kNoSeries || id < forecast_ids_[f])) {
+  for (size_t f = 0; f < forecasts_.size(); ++f) {
+    if (forecasts_[f].first == key && (forecast_ids_[f] == kNoSeries || id < forecast_ids_[f])) {
       forecast_ids_[f] = id;
     }
   }
@@ -221,6 +222,32 @@ void RunAnalytics::OnEvent(const EventRecord& event) {
     t.events.emplace(t.events.begin() + index, event.text, std::move(slope));
     if (evict) t.events.erase(t.events.begin());
   }
+}
+
+void RunAnalytics::SetForecasts(const std::vector<std::pair<std::string, double>>& forecasts) {
+  if (forecasts == forecasts_) return;
+  std::vector<SeriesId> ids(forecasts.size(), kNoSeries);
+  std::vector<std::optional<analytics::RegressionSums>> sums(forecasts.size());
+  for (size_t k = 0; k < forecasts.size(); ++k) {
+    // A series already forecast keeps its series and its branch's samples (they do not depend on
+    // the threshold).
+    for (size_t old = 0; old < forecasts_.size(); ++old) {
+      if (forecasts_[old].first != forecasts[k].first) continue;
+      ids[k] = forecast_ids_[old];
+      sums[k] = branch_sums_[old];
+      break;
+    }
+    if (ids[k] != kNoSeries) continue;
+    for (size_t id = 0; id < series_.size(); ++id) {
+      if (series_[id].added && series_[id].key == forecasts[k].first) {
+        ids[k] = static_cast<SeriesId>(id);
+        break;
+      }
+    }
+  }
+  forecasts_ = forecasts;
+  forecast_ids_ = std::move(ids);
+  branch_sums_ = std::move(sums);
 }
 
 void RunAnalytics::SetBranchStart(uint64_t step) {
@@ -349,8 +376,7 @@ void RunAnalytics::ApplyAllSetAside() const {
 }
 
 bool RunAnalytics::IsForecastKey(const std::string& key) const {
-  return std::any_of(options_.forecasts.begin(), options_.forecasts.end(),
-                     [&](const auto& f) { return f.first == key; });
+  return std::any_of(forecasts_.begin(), forecasts_.end(), [&](const auto& f) { return f.first == key; });
 }
 
 const analytics::WindowedSlope* RunAnalytics::Window(const Tracked& t, uint64_t window_steps) const {
@@ -403,8 +429,8 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares,
   }
   out.slope_changes.resize(changes);
   out.change_points.resize(points);
-  for (size_t k = 0; k < options_.forecasts.size(); ++k) {
-    const auto& [key, threshold] = options_.forecasts[k];
+  for (size_t k = 0; k < forecasts_.size(); ++k) {
+    const auto& [key, threshold] = forecasts_[k];
     const SeriesId id = forecast_ids_[k];
     if (id == kNoSeries || !series_[id].slopes) continue;
     const analytics::WindowedSlope* w = Window(series_[id], options_.forecast_window_steps);
@@ -442,12 +468,25 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares,
     info.is_group = is_group;
     info.kind = kind;
     info.share = share;
+    info.earlier_share = kNaN;
+    info.earlier_first_step = info.earlier_last_step = info.trend_samples = 0;
     if (!fit_slope) {
       info.slope_per_kstep = kNaN;
       return;
     }
     auto fit = trend.Fit();
     info.slope_per_kstep = fit ? fit->slope_per_kstep() : 0.0;
+    if (!fit) return;
+    info.trend_samples = fit->samples;
+    // The oldest bucket: bucket k holds steps [k·bucket_steps, (k+1)·bucket_steps). A trend held
+    // in one bucket has no earlier part.
+    const uint64_t oldest_end = (fit->first_step / trend.bucket_steps() + 1) * trend.bucket_steps() - 1;
+    if (oldest_end >= fit->last_step) return;
+    const analytics::RegressionSums oldest = trend.SumsInRange(fit->first_step, oldest_end);
+    if (oldest.empty()) return;
+    info.earlier_share = oldest.mean();
+    info.earlier_first_step = oldest.first_step();
+    info.earlier_last_step = oldest.last_step();
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamState& ps = param_state_[i];
@@ -705,9 +744,11 @@ void RunAnalytics::SaveState(StateWriter& out) const {
     out.Put<uint8_t>(g.has_share ? 1 : 0);
   }
   out.Put(branch_start_);
-  for (const auto& sums : branch_sums_) {
-    out.Put<uint8_t>(sums ? 1 : 0);
-    if (sums) sums->SaveState(out);
+  out.Put<uint64_t>(branch_sums_.size());
+  for (size_t k = 0; k < branch_sums_.size(); ++k) {
+    out.PutString(forecasts_[k].first);
+    out.Put<uint8_t>(branch_sums_[k] ? 1 : 0);
+    if (branch_sums_[k]) branch_sums_[k]->SaveState(out);
   }
 }
 
@@ -771,12 +812,16 @@ bool RunAnalytics::LoadState(StateReader& in) {
     if (key != gs.name) return in.Fail("a parameter group is not the one the analytics hold");
     if (!gs.share_trend->LoadState(in) || !in.Get(gs.share) || !in.GetBool(gs.has_share)) return false;
   }
-  if (!in.Get(branch_start_)) return false;
-  for (auto& sums : branch_sums_) {
+  if (!in.Get(branch_start_) || !in.GetCount(count, 2, 1024)) return false;
+  // By series: the forecasts in force may have changed (a reload of the rules) since the save.
+  for (uint64_t i = 0; i < count; ++i) {
     bool held = false;
-    if (!in.GetBool(held)) return false;
-    sums.reset();
-    if (held && (!sums.emplace().LoadState(in))) return false;
+    analytics::RegressionSums sums;
+    if (!in.GetString(key) || !in.GetBool(held) || (held && !sums.LoadState(in))) return false;
+    if (!held) continue;
+    for (size_t k = 0; k < forecasts_.size(); ++k) {
+      if (forecasts_[k].first == key) branch_sums_[k] = sums;
+    }
   }
   return true;
 }

@@ -108,6 +108,13 @@ struct ShareInfo {
   double share = 0;
   double slope_per_kstep = 0;
   ParamKind kind = ParamKind::kUnspecified;  // a parameter's catalog kind (not for groups)
+  // Where the share stood at the start of its trend's window: the mean of its oldest bucket, over
+  // steps [earlier_first_step, earlier_last_step]; and the reports the trend holds. Set with the
+  // slope (NaN and 0 when the slope is not fitted).
+  double earlier_share = 0;
+  uint64_t earlier_first_step = 0;
+  uint64_t earlier_last_step = 0;
+  uint64_t trend_samples = 0;
 };
 struct AmplificationInfo {
   std::string param;
@@ -185,6 +192,11 @@ class RunAnalytics {
   void OnStep(const CompletedStep& step);
   // An event: the slopes of the key series before and after it are tracked.
   void OnEvent(const EventRecord& event);
+  // The (series, threshold) pairs to forecast from now on, in place of options.forecasts (a reload
+  // of the rules moved a forecast rule's threshold): a series already forecast keeps its fit, a
+  // series first forecast now is forecast if its trackers hold the forecast window (key series
+  // do; others from the next rebuild).
+  void SetForecasts(const std::vector<std::pair<std::string, double>>& forecasts);
   // The run resumed from its checkpoint at `step` (its latest rewind; 0: none). A forecast fits
   // only the samples from there on while its window still holds earlier ones, so that the jump a
   // resume often brings is not extrapolated; with few samples yet its fit reports them
@@ -327,9 +339,11 @@ class RunAnalytics {
   // Ids of the key series with trackers (those with events and change points), ascending: a
   // step's analysis visits them, not every series.
   std::vector<SeriesId> key_ids_;
-  // The series of each options_.forecasts entry (the lowest id with its key), or kNoSeries.
+  // The (series, threshold) pairs forecast: options_.forecasts, or SetForecasts'.
+  std::vector<std::pair<std::string, double>> forecasts_;
+  // The series of each forecasts_ entry (the lowest id with its key), or kNoSeries.
   std::vector<SeriesId> forecast_ids_;
-  // SetBranchStart's step, and per forecast (options_.forecasts' order) the spike-filtered
+  // SetBranchStart's step, and per forecast (forecasts_' order) the spike-filtered
   // samples of its series from that step on.
   uint64_t branch_start_ = 0;
   std::vector<std::optional<analytics::RegressionSums>> branch_sums_;

@@ -53,12 +53,16 @@ TEST_CASE("a grown norm gain without decay and a dominant output layer is the in
 }
 
 TEST_CASE("a spike an MLP block carries names the block and gives no weight-decay advice", "[alerts]") {
-  // final_norm.weight flat at its init norm; the MLP block carries 81% and rises.
-  const Diagnosis d = Diagnose(Run(78.4, 0.0, 0.12, 0.81), DiagnosisBounds{});
+  // final_norm.weight flat at its init norm; the MLP block carries 81%, up from 28%.
+  RunFacts f = Run(78.4, 0.0, 0.12, 0.81);
+  f.shares[2].earlier_share = 0.28;
+  f.shares[2].earlier_first_step = f.shares[2].earlier_last_step = 61200;
+  f.shares[2].trend_samples = 300;
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
   CHECK(d.cause == Cause::kNone);
   CHECK_FALSE(d.remedy.supported);
-  CHECK_THAT(d.text, Contains("layers.7.mlp.w2.weight carries 81% of the squared grad norm (rising 3.2 points per "
-                              "1k steps); lm_head.weight 12%"));
+  CHECK_THAT(d.text, Contains("layers.7.mlp.w2.weight carries 81% of the squared grad norm, up from 28% at step "
+                              "61,200; lm_head.weight 12%;"));
   CHECK_THAT(d.text, Contains("No norm gain is growing (final_norm.weight at 1× its init norm, not rising)"));
   CHECK_THAT(d.text, Contains("No cause found in the per-parameter norms."));
   CHECK_THAT(d.recommendation, Contains("No cause found in the per-parameter norms") &&
@@ -67,6 +71,34 @@ TEST_CASE("a spike an MLP block carries names the block and gives no weight-deca
   CHECK_THAT(d.recommendation, !Contains("enable weight decay"));
   CHECK_THAT(d.text, !Contains("inflates"));
   CHECK_THAT(d.remedy.why, Contains("final_norm.weight has not grown significantly (1× its init norm, not rising)"));
+}
+
+TEST_CASE("a share's movement is said from its trend's oldest reports, once the trend holds enough of them",
+          "[alerts]") {
+  RunFacts f = Run(78.4, 0.0, 0.12, 0.81);
+  ShareFact& mlp = f.shares[2];
+  mlp.earlier_share = 0.28;
+  mlp.earlier_first_step = 60000;
+  mlp.earlier_last_step = 61249;
+  mlp.trend_samples = kShareTrendMinReports;
+  ShareFact& head = f.shares[1];
+  head.earlier_share = 0.5;
+  head.earlier_first_step = 60000;
+  head.earlier_last_step = 61249;
+  head.trend_samples = kShareTrendMinReports;
+  CHECK_THAT(Diagnose(f, DiagnosisBounds{}).text,
+             Contains("layers.7.mlp.w2.weight carries 81% of the squared grad norm, up from 28% over steps "
+                      "60,000–61,249; lm_head.weight 12%, down from 50% over steps 60,000–61,249;"));
+  // Too few reports in the trend: no movement is claimed.
+  mlp.trend_samples = head.trend_samples = kShareTrendMinReports - 1;
+  std::string text = Diagnose(f, DiagnosisBounds{}).text;
+  CHECK_THAT(text, Contains("layers.7.mlp.w2.weight carries 81% of the squared grad norm; lm_head.weight 12%;"));
+  // A move of less than kShareMoveMin is no movement.
+  mlp.trend_samples = head.trend_samples = 500;
+  mlp.earlier_share = 0.78;
+  head.earlier_share = NAN;
+  text = Diagnose(f, DiagnosisBounds{}).text;
+  CHECK_THAT(text, Contains("layers.7.mlp.w2.weight carries 81% of the squared grad norm; lm_head.weight 12%;"));
 }
 
 TEST_CASE("no cause is stated unless both halves of the evidence hold", "[alerts]") {
