@@ -43,6 +43,22 @@
 namespace gradwatch::daemon {
 
 namespace {
+
+// The configured forecasts, and those the forecast rules in force read (the built-in one at the
+// contingency's own threshold when an override moved it): the rules find them, and the run view
+// and `plot` draw them.
+std::vector<std::pair<std::string, double>> ForecastsInForce(std::vector<std::pair<std::string, double>> forecasts,
+                                                             const std::vector<alerts::Rule>& rules) {
+  for (const alerts::Rule& r : rules) {
+    if (r.kind != alerts::RuleKind::kForecast) continue;
+    for (const std::string& series : r.series) {
+      if (series.find_first_of("*?") != std::string::npos) continue;
+      const auto same = [&](const auto& f) { return f.first == series && f.second == r.threshold; };
+      if (std::none_of(forecasts.begin(), forecasts.end(), same)) forecasts.emplace_back(series, r.threshold);
+    }
+  }
+  return forecasts;
+}
 constexpr auto kTickInterval = std::chrono::milliseconds(200);
 // How long a snapshot waits for the alert states to be saved through its last step.
 constexpr auto kSnapshotSettleTimeout = std::chrono::seconds(5);
@@ -94,18 +110,7 @@ Status Daemon::Start() {
   run_options.analytics.param_max_buckets = config_.slope_param_max_buckets;
   run_options.analytics.event_window_steps = config_.event_window_steps;
   run_options.analytics.forecast_window_steps = config_.forecast_window_steps;
-  // The configured forecasts, and those the forecast rules in force read (the built-in one at the
-  // contingency's own threshold when an override moved it): the run view and `plot` draw them.
-  run_options.analytics.forecasts = config_.forecasts;
-  for (const alerts::Rule& r : alerting_->engine().Rules()) {
-    if (r.kind != alerts::RuleKind::kForecast) continue;
-    for (const std::string& series : r.series) {
-      if (series.find_first_of("*?") != std::string::npos) continue;
-      const auto same = [&](const auto& f) { return f.first == series && f.second == r.threshold; };
-      auto& forecasts = run_options.analytics.forecasts;
-      if (std::none_of(forecasts.begin(), forecasts.end(), same)) forecasts.emplace_back(series, r.threshold);
-    }
-  }
+  run_options.analytics.forecasts = ForecastsInForce(config_.forecasts, alerting_->engine().Rules());
   run_options.analytics.change_points.window_steps = config_.change_point_window_steps;
   std::vector<runs::StepListener*> listeners = {alerting_.get()};
   for (const Config::RemoteWrite& r : config_.remote_write) {
@@ -412,6 +417,8 @@ StatusOr<size_t> Daemon::ReloadAlertsConfig(const Config& fresh) {
   if (!count.ok()) return count;
   alerts_config_ = {fresh.default_rules, fresh.rule_files, fresh.alert_overrides};
   alerting_->SetMinStepsBeforePage(fresh.min_steps_before_page);
+  // Held runs forecast the thresholds the reloaded rules read, as new runs do.
+  registry_->SetForecasts(ForecastsInForce(config_.forecasts, alerting_->engine().Rules()));
   spdlog::info("alerts section read again: {} override(s), alerts.min_steps_before_page {}",
                fresh.alert_overrides.size(), fresh.min_steps_before_page);
   return count;

@@ -34,6 +34,7 @@ class RunRegistry::Loader final : public store::JournalVisitor {
     try {
       auto run = std::make_shared<Run>(meta, registry_.options_, registry_.journal_, registry_.stats_, registry_.clock_,
                                        false);
+      if (const auto forecasts = registry_.Forecasts()) run->SetForecasts(*forecasts);
       run->AdoptCharge(bytes);
       run->RestoreEnded(end);
       runs[meta.run_id] = std::move(run);
@@ -300,6 +301,7 @@ std::shared_ptr<Run> RunRegistry::AttachOnce(const RunMeta& hello, uint32_t rank
         RunMeta meta = hello;
         meta.created_at = clock_->UnixSeconds();
         run = std::make_shared<Run>(std::move(meta), options_, journal_, stats_, clock_, true);
+        if (const auto forecasts = Forecasts()) run->SetForecasts(*forecasts);
         run->AdoptCharge(bytes);
         created = true;
         spdlog::info("run {}: created (world size {}, {} parameters)", hello.run_id, hello.world_size,
@@ -423,6 +425,21 @@ void RunRegistry::OnCommit(const store::CommitReport& report) {
   }
   std::shared_lock lock(mu_);
   for (const auto& [id, run] : runs_) run->OnCommitted(report.committed_through);
+}
+
+void RunRegistry::SetForecasts(const std::vector<std::pair<std::string, double>>& forecasts) {
+  // admit_mu_ keeps a run from being created with the old list and added after the walk below.
+  std::lock_guard admit(admit_mu_);
+  {
+    std::lock_guard lock(forecasts_mu_);
+    forecasts_ = forecasts;
+  }
+  for (const std::shared_ptr<Run>& run : All()) run->SetForecasts(forecasts);
+}
+
+std::optional<std::vector<std::pair<std::string, double>>> RunRegistry::Forecasts() const {
+  std::lock_guard lock(forecasts_mu_);
+  return forecasts_;
 }
 
 }  // namespace gradwatch::runs

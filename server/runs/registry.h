@@ -92,6 +92,10 @@ class RunRegistry {
   // The last step of the run's latest snapshot, written or restored from (nullopt: none yet); a
   // restart replays only the journal's steps after it.
   std::optional<uint64_t> SnapshotStep(const std::string& run_id) const;
+  // The (series, threshold) pairs every run forecasts from now on, held runs included (a reload
+  // of the rules moved a forecast rule's threshold): Run::SetForecasts.
+  void SetForecasts(const std::vector<std::pair<std::string, double>>& forecasts);
+
   // The budget runs are charged to (null: unlimited).
   const MemoryBudget* budget() const { return options_.budget; }
 
@@ -107,6 +111,9 @@ class RunRegistry {
   // Drops these runs from memory (already removed from runs_): the journal may prune them, their
   // alerts are told.
   void Forget(const std::vector<std::string>& run_ids);
+
+  // SetForecasts' list for a run created or restored now; nullopt: options_.analytics.forecasts.
+  std::optional<std::vector<std::pair<std::string, double>>> Forecasts() const;
 
   const RunOptions options_;
   const size_t max_runs_;
@@ -125,6 +132,10 @@ class RunRegistry {
   // Lock order: admit_mu_, then mu_, then a run's mutex.
   mutable std::shared_mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<Run>> runs_;  // guarded by mu_
+
+  // After admit_mu_ in lock order, before mu_; held only to copy the list.
+  mutable std::mutex forecasts_mu_;
+  std::optional<std::vector<std::pair<std::string, double>>> forecasts_;  // guarded by forecasts_mu_
 };
 
 }  // namespace gradwatch::runs

@@ -58,6 +58,7 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
       ranks_(std::max<uint32_t>(1, meta.world_size)),
       analytics_(
           std::make_unique<RunAnalytics>(options.analytics, AnalyticsCharging{options.budget, stats, meta.run_id})),
+      forecasts_(options.analytics.forecasts),
       last_activity_(clock->Now()),
       last_step_seen_(clock->Now()) {
   std::vector<ParamInfo> params = std::move(meta.params);
@@ -356,7 +357,9 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   analytics_->SetCatalog(job.params);
   for (const auto& [id, key] : job.series) analytics_->AddSeries(id, key);
   for (const EventRecord& e : job.events) analytics_->OnEvent(e);
+  analytics_->SetForecasts(forecasts_);
   analytics_->SetBranchStart(from_step);
+  job.forecasts = forecasts_;
   return job;
 }
 
@@ -365,6 +368,7 @@ void Run::RebuildAnalytics(RebuildJob job) {
   rebuilt->SetCatalog(job.params);
   for (const auto& [id, key] : job.series) rebuilt->AddSeries(id, key);
   for (const EventRecord& e : job.events) rebuilt->OnEvent(e);
+  rebuilt->SetForecasts(job.forecasts);
   rebuilt->SetBranchStart(job.from_step);
   StepTotals kept;
   if (journal_ != nullptr) {
@@ -1007,6 +1011,12 @@ void Run::RestoreEnded(const RunEnd& end) {
   if (!end.clean()) last_activity_ -= options_.end_after;
 }
 
+void Run::SetForecasts(const std::vector<std::pair<std::string, double>>& forecasts) {
+  MutexLock lock(&mu_);
+  forecasts_ = forecasts;
+  analytics_->SetForecasts(forecasts);
+}
+
 void Run::RestoreRewind(uint64_t from_step) {
   MutexLock lock(&mu_);
   last_resume_step_ = from_step;
@@ -1096,6 +1106,7 @@ std::unique_ptr<RunAnalytics> Run::FreshAnalyticsLocked(const std::vector<bool>&
   if (with_events) {
     for (const EventRecord& e : events_) analytics->OnEvent(e);
   }
+  analytics->SetForecasts(forecasts_);
   analytics->SetBranchStart(last_resume_step_.value_or(0));
   return analytics;
 }

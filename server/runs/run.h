@@ -256,6 +256,9 @@ class Run {
   void RestoreEvent(const EventRecord& event);
   // The run's latest rewind was to from_step (so a Hello resuming from it again is idempotent).
   void RestoreRewind(uint64_t from_step);
+  // The (series, threshold) pairs to forecast from now on (RunAnalytics::SetForecasts), kept for
+  // the analytics a rewind or a restore rebuilds.
+  void SetForecasts(const std::vector<std::pair<std::string, double>>& forecasts);
   // How the run ended (not at all when !end.ended()). An ended run's last sign of life is dated
   // from it, so a dead run keeps paging across a daemon restart; an active one starts a fresh
   // grace period, as if its streams had just closed.
@@ -343,6 +346,7 @@ class Run {
     std::vector<ParamInfo> params;
     std::vector<std::pair<SeriesId, std::string>> series;
     std::vector<EventRecord> events;  // kept events and the resume event
+    std::vector<std::pair<std::string, double>> forecasts;
   };
   // Totals of the kept steps, which the rebuild counts as it reads them.
   struct StepTotals {
@@ -456,9 +460,11 @@ class Run {
   std::vector<std::array<SeriesId, kNormFields>> param_series_ GUARDED_BY(mu_);
   std::array<SeriesId, 5> scalar_series_ GUARDED_BY(mu_){};  // total grad, loss, z-loss, lr, tokens
   std::vector<RankState> ranks_ GUARDED_BY(mu_);
-  std::vector<EventRecord> events_ GUARDED_BY(mu_);           // ordered by step
-  std::deque<PendingEventAck> event_acks_ GUARDED_BY(mu_);    // ordered by record
-  std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);   // replaced at a rewind
+  std::vector<EventRecord> events_ GUARDED_BY(mu_);          // ordered by step
+  std::deque<PendingEventAck> event_acks_ GUARDED_BY(mu_);   // ordered by record
+  std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);  // replaced at a rewind
+  // The forecasts in force (RunOptions::analytics.forecasts until SetForecasts).
+  std::vector<std::pair<std::string, double>> forecasts_ GUARDED_BY(mu_);
   std::optional<uint64_t> last_resume_step_ GUARDED_BY(mu_);  // the latest rewind's step (journaled)
   uint64_t branch_ GUARDED_BY(mu_) = 0;                       // rewinds in this process's life; tags journal progress
   uint64_t journal_branch_ GUARDED_BY(mu_) = 0;               // rewinds the journal holds (RestoreBranch)

@@ -341,6 +341,14 @@ TEST_CASE("an override changes the page's threshold, its texts and the drawn thr
                 std::chrono::seconds(30)));
   metrics = daemon.ScrapeMetrics();
   CHECK(metrics.find(exported("value") + ",op=\">=\",series=\"grad/norm/total\"} 4\n") != std::string::npos);
+  // The run held since before the reload forecasts the new threshold too (its GradNormForecast
+  // follows the page to 4 and finds its forecast there).
+  const CommandResult reshow = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "show", "tuned"});
+  REQUIRE(reshow.exit_code == 0);
+  bool drawn_at_4 = false;
+  const json reshown = json::parse(reshow.out);
+  for (const json& f : reshown["analysis"]["forecasts"]) drawn_at_4 = drawn_at_4 || f["threshold"] == 4.0;
+  CHECK(drawn_at_4);
   replay("retuned", 2000, 2100, 3.5);  // above 3, below 4: no page now
   replay("retuned-high", 2000, 2100, 4.2);
   const v1::Alert high = page_of("retuned-high");

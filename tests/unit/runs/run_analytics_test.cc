@@ -180,6 +180,26 @@ TEST_CASE("slopes are reported for every series and window, and forecasts use th
   CHECK(r.forecasts[0].steps_to_threshold == Approx((5.0 - 0.4) / 1e-5));
 }
 
+TEST_CASE("forecasts changed mid-run (a reload of the rules) forecast the new thresholds from the same fit", "[runs]") {
+  RunAnalytics a = Make();
+  for (uint64_t s = 0; s <= 10000; ++s) a.OnStep(Step(s, 0.3 + 1e-5 * s, 0.0, 78.4));
+  const uint64_t fitted = a.Analysis().forecasts.at(0).fit_samples;
+  a.SetForecasts({{"grad/norm/total", 4.0}, {"grad/norm/lm_head.weight", 2.0}, {"no/such/series", 1.0}});
+  RunAnalysis r = a.Analysis();
+  REQUIRE(r.forecasts.size() == 2);  // a series the run does not have is not forecast
+  CHECK(r.forecasts[0].key == "grad/norm/total");
+  CHECK(r.forecasts[0].threshold == 4.0);
+  CHECK(r.forecasts[0].steps_to_threshold == Approx((4.0 - 0.4) / 1e-5));
+  CHECK(r.forecasts[0].fit_samples == fitted);  // the fit it had, not a fresh one
+  CHECK(r.forecasts[1].key == "grad/norm/lm_head.weight");
+  CHECK(r.forecasts[1].threshold == 2.0);
+  // Back to the default: the same figures as a run that never changed.
+  a.SetForecasts({{"grad/norm/total", 5.0}});
+  r = a.Analysis();
+  REQUIRE(r.forecasts.size() == 1);
+  CHECK(r.forecasts[0].steps_to_threshold == Approx((5.0 - 0.4) / 1e-5));
+}
+
 TEST_CASE("an event known before its steps (journal restore order) still gets its slope change", "[runs]") {
   RunAnalytics a = Make();
   a.OnEvent({.step = 5000, .text = "routing switch"});
