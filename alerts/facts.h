@@ -165,6 +165,9 @@ struct RunFacts {
   // same order.
   uint64_t shares_layout = 0;
   std::vector<ParamFact> params;
+  // The run's catalog changes (RunMeta::catalog_changes) when `params`' info was copied: a feed
+  // that refills these facts copies every entry's info again once it moved.
+  uint64_t catalog_changes = 0;
   ConfigFacts config;
   std::vector<NonFiniteFact> nonfinite;
   LearningRateFact learning_rate;

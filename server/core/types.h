@@ -65,6 +65,9 @@ struct RunMeta {
   // Hello only (never journaled with the run): the step this process resumed from, when it
   // resumed from a checkpoint (see Hello.resume_from_step).
   std::optional<uint64_t> resume_from_step;
+  // Changes of existing catalog entries applied so far (runs/catalog_change.h; not journaled): a
+  // reader that keeps a copy of the catalog's entries refreshes it when this moves.
+  uint64_t catalog_changes = 0;
 };
 
 // How a run ended. A Goodbye on the wire is a clean end (finished or stopped); a run whose streams
@@ -185,8 +188,21 @@ struct CompletedStep {
 struct EventRecord {
   uint64_t step = 0;
   std::string text;
-  std::string source;  // "trainer", "annotate" or "daemon" (recorded by the daemon itself)
+  // "trainer", "annotate", "daemon" (recorded by the daemon itself) or "catalog" (a catalog change,
+  // whose `data` holds the change: runs/catalog_change.h).
+  std::string source;
   double recorded_at = 0;
+  std::string data;  // what a machine reads of the event; empty for most
+};
+
+// New values of one catalog entry (by name) from a step on; an unset field keeps its value.
+struct ParamChange {
+  std::string name;
+  std::optional<double> weight_decay;
+  std::optional<ParamKind> kind;
+  std::optional<std::string> role;
+  std::optional<std::string> group;
+  bool operator==(const ParamChange&) const = default;
 };
 
 bool IsFinite(double v);

@@ -318,11 +318,13 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
     y.trend_samples = x.trend_samples;
   }
   f.shares_layout = shares_layout_id_;
-  // A run's catalog only grows (Run::ValidateCatalogLocked refuses a changed entry), and these
-  // facts are always this run's: entries filled at an earlier step keep their info, so only new
-  // ones are copied (each holds a name and a group, two strings a parameter a step otherwise).
+  // A run's catalog grows, and its entries change only by a catalog change (counted in
+  // meta.catalog_changes), and these facts are always this run's: entries filled at an earlier
+  // step keep their info, so only new ones are copied (each holds a name and a group, two strings a
+  // parameter a step otherwise), all of them after a change.
   const std::vector<ParamInfo>& catalog = p.meta.params;
-  const size_t filled = std::min(f.params.size(), catalog.size());
+  const size_t filled = f.catalog_changes == p.meta.catalog_changes ? std::min(f.params.size(), catalog.size()) : 0;
+  f.catalog_changes = p.meta.catalog_changes;
   f.params.resize(catalog.size());
   for (size_t i = filled; i < catalog.size(); ++i) f.params[i].info = catalog[i];
   for (size_t i = 0; i < catalog.size(); ++i) {

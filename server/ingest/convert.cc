@@ -227,6 +227,39 @@ std::optional<IngestError> EventFromProto(const v1::Event& in, EventRecord* out)
   return std::nullopt;
 }
 
+std::optional<IngestError> CatalogUpdateFromProto(const v1::CatalogUpdate& in, size_t max_params,
+                                                  std::vector<ParamChange>* out) {
+  const auto invalid = [&](std::string why) {
+    return IngestError{IngestErrorReason::kInvalidMessage,
+                       "catalog update from step " + std::to_string(in.from_step()) + ": " + std::move(why),
+                       in.from_step()};
+  };
+  if (in.params_size() == 0) return invalid("it names no parameter");
+  if (static_cast<size_t>(in.params_size()) > max_params) {
+    return invalid("it names " + std::to_string(in.params_size()) + " parameters, more than the " +
+                   std::to_string(max_params) + " a catalog may hold");
+  }
+  out->clear();
+  for (const v1::ParamChange& p : in.params()) {
+    if (!ValidParamName(p.name())) return invalid("name '" + p.name().substr(0, 64) + "' is invalid");
+    ParamChange c{.name = p.name()};
+    if (p.has_weight_decay()) {
+      if (!std::isfinite(p.weight_decay()) || p.weight_decay() < 0) {
+        return invalid("'" + p.name() + "': weight_decay must be finite and ≥ 0");
+      }
+      c.weight_decay = p.weight_decay();
+    }
+    if (p.has_kind()) {
+      if (!v1::ParamKind_IsValid(p.kind())) return invalid("'" + p.name() + "': unknown kind");
+      c.kind = static_cast<ParamKind>(p.kind());
+    }
+    if (p.has_role()) c.role = p.role();
+    if (p.has_group()) c.group = p.group();
+    out->push_back(std::move(c));
+  }
+  return std::nullopt;
+}
+
 std::optional<IngestError> GoodbyeFromProto(const v1::Goodbye& in, EndReason* reason, std::string* message) {
   if (in.message().size() > kMaxEventText) {
     return IngestError{IngestErrorReason::kInvalidMessage,

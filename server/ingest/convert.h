@@ -33,6 +33,10 @@ std::optional<runs::IngestError> StepFromProto(const v1::StepStats& in, uint64_t
 
 // Validates an event's text (1..1024 bytes) and converts it.
 std::optional<runs::IngestError> EventFromProto(const v1::Event& in, EventRecord* out);
+// A CatalogUpdate's changes, checked for what needs no catalog (names, kinds, the weight decay's
+// range, at most max_params entries); Run::AddCatalogChange checks them against the run's.
+std::optional<runs::IngestError> CatalogUpdateFromProto(const v1::CatalogUpdate& in, size_t max_params,
+                                                        std::vector<ParamChange>* out);
 
 // Validates a Goodbye (message of at most 1024 bytes, a known reason; UNSPECIFIED reads as
 // FINISHED) and converts it.

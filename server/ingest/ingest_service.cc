@@ -180,8 +180,11 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
       case v1::TrainerMessage::kStep: return HandleStep(seq);
       case v1::TrainerMessage::kEvent: HandleEvent(seq); return false;
       case v1::TrainerMessage::kGoodbye: HandleGoodbye(seq); return false;
+      case v1::TrainerMessage::kCatalogUpdate: HandleCatalogUpdate(seq); return false;
       case v1::TrainerMessage::BODY_NOT_SET:
-        Reject({IngestErrorReason::kInvalidMessage, "message has no body (hello, step, event or goodbye)"}, seq);
+        Reject(
+            {IngestErrorReason::kInvalidMessage, "message has no body (hello, step, event, catalog_update or goodbye)"},
+            seq);
         return false;
     }
     return false;
@@ -375,6 +378,22 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     event.source = "trainer";
     event.recorded_at = service_->clock()->UnixSeconds();
     if (auto err = run->AddEvent(std::move(event), rank, seq, this)) Reject(*err, seq);
+  }
+
+  void HandleCatalogUpdate(uint64_t seq) {
+    uint32_t rank = 0;
+    std::shared_ptr<runs::Run> run = CurrentRun(&rank);
+    const uint64_t from_step = in_->catalog_update().from_step();
+    if (!run) {
+      Reject({IngestErrorReason::kNoHello, "catalog update before hello: send a Hello first", from_step}, seq);
+      return;
+    }
+    std::vector<ParamChange> changes;
+    if (auto err = CatalogUpdateFromProto(in_->catalog_update(), service_->options().hello.max_params, &changes)) {
+      Reject(*err, seq);
+      return;
+    }
+    if (auto err = run->AddCatalogChange(from_step, std::move(changes), rank, seq, this)) Reject(*err, seq);
   }
 
   void HandleGoodbye(uint64_t seq) {

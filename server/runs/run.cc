@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "server/core/prefetch.h"
+#include "server/runs/catalog_change.h"
 
 namespace gradwatch::runs {
 
@@ -25,9 +26,9 @@ std::string FieldKey(NormField field, std::string_view param) {
   return {};
 }
 
-bool SameCatalogEntry(const ParamInfo& a, const ParamInfo& b) {
-  return a.name == b.name && a.kind == b.kind && a.numel == b.numel;
-}
+// A Hello's entry and the run's are one parameter: its weight decay, kind, role and group may
+// differ (a resume applies them: runs/catalog_change.h).
+bool SameCatalogEntry(const ParamInfo& a, const ParamInfo& b) { return a.name == b.name && a.numel == b.numel; }
 
 // Calls the channel's Deliver as it goes out of scope: declared before a method's MutexLock, it
 // does so after the lock is released.
@@ -106,6 +107,8 @@ void Run::FinishRestore() {
     param_series_.push_back(ids);
   }
   assembler_.SetParamCount(meta_.params.size());
+  // Changes due at steps a snapshot covered (no step of theirs was replayed).
+  if (has_first_step_) ApplyDueCatalogChangesLocked(last_step_);
 }
 
 uint64_t Run::JournalLocked(store::JournalRecord record) {
@@ -157,8 +160,7 @@ std::optional<IngestError> Run::ValidateCatalogLocked(const RunMeta& hello, bool
     if (!SameCatalogEntry(hello.params[i], meta_.params[i])) {
       return IngestError{IngestErrorReason::kCatalogMismatch,
                          "catalog entry " + std::to_string(i) + " is '" + hello.params[i].name + "' but the run has '" +
-                             meta_.params[i].name +
-                             "' (name, kind and numel must match; new entries may only be appended)"};
+                             meta_.params[i].name + "' (name and numel must match; new entries may only be appended)"};
     }
   }
   for (size_t i = common; i < hello.params.size(); ++i) {
@@ -234,6 +236,24 @@ std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, Stre
     if (auto err = ValidateCatalogLocked(hello, rewind)) return err;
     if (auto err = ExtendCatalogLocked(hello.params, /*prepaid=*/false)) return err;
     if (rewind) job = RewindLocked(*hello.resume_from_step, hello.world_size);
+    if (std::vector<ParamChange> diff = CatalogDiff(meta_.params, hello.params); !diff.empty()) {
+      if (hello.resume_from_step) {
+        // The resumed job's catalog rules from its resume point, as its steps do.
+        EventRecord e = CatalogChangeEvent(*hello.resume_from_step, diff, meta_.params, clock_->UnixSeconds());
+        JournalLocked(store::EventJournalRecord{id_, e});
+        events_.insert(std::upper_bound(events_.begin(), events_.end(), e.step,
+                                        [](uint64_t s, const EventRecord& x) { return s < x.step; }),
+                       e);
+        analytics_->OnEvent(e);
+        if (job) job->events = events_;
+        ScheduleCatalogChangeLocked(*hello.resume_from_step, std::move(diff));
+      } else {
+        spdlog::info(
+            "run {} rank {}: the hello's catalog differs from the run's in {} entr{} (weight decay, kind, role or "
+            "group); only a resume or a CatalogUpdate changes them",
+            id_, rank, diff.size(), diff.size() == 1 ? "y" : "ies");
+      }
+    }
     AttachLocked(rank, sink, info);
   }
   if (job) RebuildAnalytics(std::move(*job));
@@ -296,6 +316,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   events_.erase(std::lower_bound(events_.begin(), events_.end(), from_step,
                                  [](const EventRecord& e, uint64_t s) { return e.step < s; }),
                 events_.end());
+  UndoCatalogChangesFromLocked(from_step);
 
   // Ranks beyond an elastic job's new size belong to the old world.
   for (size_t r = world_size; r < ranks_.size(); ++r) {
@@ -593,6 +614,7 @@ void Run::CompleteLocked(const PendingStep& p) {
 }
 
 void Run::AnalyzeLocked(const CompletedStep& step, bool restored) {
+  if (!catalog_pending_.empty() && catalog_pending_.front().step <= step.step) ApplyDueCatalogChangesLocked(step.step);
   analytics_->OnStep(step);
   if (!channel_) return;
   const RunActivity activity = ActivityLocked();
@@ -713,28 +735,108 @@ std::optional<IngestError> Run::AddEvent(EventRecord event, uint32_t rank, uint6
                        event.step};
   }
   if (auto err = StorageRefusalLocked(rank, event.step)) return err;
+  RecordEventLocked(event, rank, seq, sink);
+  return std::nullopt;
+}
+
+bool Run::RecordEventLocked(const EventRecord& event, uint32_t rank, uint64_t seq, StreamSink* sink) {
   last_activity_ = clock_->Now();
   const auto [first, last] =
       std::equal_range(events_.begin(), events_.end(), event,
                        [](const EventRecord& a, const EventRecord& b) { return a.step < b.step; });
-  const bool held = std::any_of(
-      first, last, [&event](const EventRecord& e) { return e.text == event.text && e.source == event.source; });
+  // A catalog change is the same change whatever its text (which tells the catalog before it).
+  const bool held = std::any_of(first, last, [&event](const EventRecord& e) {
+    return e.source == event.source &&
+           (event.source == kCatalogEventSource ? e.data == event.data : e.text == event.text);
+  });
   uint64_t record = 0;
   if (held) {
     // A resend: what the run holds was enqueued at the latest by the last record so far.
     record = journal_ != nullptr ? journal_->last_enqueued() : 0;
   } else {
     record = JournalLocked(store::EventJournalRecord{id_, event});
-    if (journal_ != nullptr && record == 0) return std::nullopt;  // dropped and counted: never acked
+    if (journal_ != nullptr && record == 0) return false;  // dropped and counted: never acked
     events_.insert(last, event);
     analytics_->OnEvent(event);
   }
   if (journal_ == nullptr || (held && journal_->last_committed() >= record)) {
     if (sink != nullptr) sink->SendEventAck(seq, event.step);
-    return std::nullopt;
+    return !held;
   }
   event_acks_.push_back({record, rank, sink, seq, event.step});
+  return !held;
+}
+
+std::optional<IngestError> Run::AddCatalogChange(uint64_t from_step, std::vector<ParamChange> changes, uint32_t rank,
+                                                 uint64_t seq, StreamSink* sink) {
+  DeliverOnExit deliver(channel_);
+  MutexLock lock(&mu_);
+  if (rank >= ranks_.size()) {
+    return IngestError{IngestErrorReason::kSuperseded,
+                       "rank " + std::to_string(rank) + " is not in the run's world of " +
+                           std::to_string(ranks_.size()) + " since it resumed; this catalog change is not stored",
+                       from_step};
+  }
+  if (auto why = CheckCatalogChange(changes, meta_.params)) {
+    return IngestError{
+        IngestErrorReason::kInvalidMessage,
+        "catalog update from step " + std::to_string(from_step) + ": " + *why + "; nothing of it is applied",
+        from_step};
+  }
+  if (auto err = StorageRefusalLocked(rank, from_step)) return err;
+  const EventRecord event = CatalogChangeEvent(from_step, changes, meta_.params, clock_->UnixSeconds());
+  if (RecordEventLocked(event, rank, seq, sink)) ScheduleCatalogChangeLocked(from_step, std::move(changes));
   return std::nullopt;
+}
+
+void Run::ScheduleCatalogChangeLocked(uint64_t step, std::vector<ParamChange> change) {
+  const auto pos = std::upper_bound(catalog_pending_.begin(), catalog_pending_.end(), step,
+                                    [](uint64_t s, const CatalogChangeEntry& e) { return s < e.step; });
+  catalog_pending_.insert(pos, CatalogChangeEntry{step, std::move(change), {}});
+  if (has_first_step_ && step <= last_step_) ApplyDueCatalogChangesLocked(last_step_);
+}
+
+void Run::ApplyDueCatalogChangesLocked(uint64_t through_step) {
+  size_t due = 0;
+  while (due < catalog_pending_.size() && catalog_pending_[due].step <= through_step) {
+    CatalogChangeEntry& e = catalog_pending_[due++];
+    spdlog::info("run {}: {} (from step {})", id_, DescribeCatalogChange(e.change, meta_.params), e.step);
+    e.undo = ApplyCatalogChange(e.change, meta_.params);
+    catalog_applied_.push_back(std::move(e));
+  }
+  if (due == 0) return;
+  catalog_pending_.erase(catalog_pending_.begin(), catalog_pending_.begin() + static_cast<std::ptrdiff_t>(due));
+  CatalogChangedLocked();
+}
+
+void Run::UndoCatalogChangesFromLocked(uint64_t from_step) {
+  catalog_pending_.erase(std::lower_bound(catalog_pending_.begin(), catalog_pending_.end(), from_step,
+                                          [](const CatalogChangeEntry& e, uint64_t s) { return e.step < s; }),
+                         catalog_pending_.end());
+  // Undone newest first down to the oldest applied change from from_step on; the earlier-step
+  // changes applied after it are applied again.
+  const auto first = std::find_if(catalog_applied_.begin(), catalog_applied_.end(),
+                                  [&](const CatalogChangeEntry& e) { return e.step >= from_step; });
+  if (first == catalog_applied_.end()) return;
+  for (auto it = catalog_applied_.end(); it != first;) {
+    --it;
+    ApplyCatalogChange(it->undo, meta_.params);
+  }
+  std::vector<CatalogChangeEntry> again;
+  for (auto it = first; it != catalog_applied_.end(); ++it) {
+    if (it->step < from_step) again.push_back(std::move(*it));
+  }
+  catalog_applied_.erase(first, catalog_applied_.end());
+  for (CatalogChangeEntry& e : again) {
+    e.undo = ApplyCatalogChange(e.change, meta_.params);
+    catalog_applied_.push_back(std::move(e));
+  }
+  CatalogChangedLocked();
+}
+
+void Run::CatalogChangedLocked() {
+  ++meta_.catalog_changes;
+  analytics_->UpdateCatalog(meta_.params);
 }
 
 void Run::OnCommitted(uint64_t through) {
@@ -989,6 +1091,21 @@ void Run::RestoreEvent(const EventRecord& event) {
                                   [](uint64_t s, const EventRecord& e) { return s < e.step; }),
                  event);
   analytics_->OnEvent(event);
+  if (event.source != kCatalogEventSource) return;
+  auto change = ParseCatalogChangeData(event.data);
+  if (!change.ok()) {
+    spdlog::error("run {}: the catalog change journaled at step {} cannot be read ({}); the catalog goes without it",
+                  id_, event.step, change.status().message());
+    return;
+  }
+  if (auto why = CheckCatalogChange(*change, meta_.params)) {
+    spdlog::error("run {}: the catalog change journaled at step {} does not fit the catalog ({}); skipped", id_,
+                  event.step, *why);
+    return;
+  }
+  catalog_pending_.insert(std::upper_bound(catalog_pending_.begin(), catalog_pending_.end(), event.step,
+                                           [](uint64_t s, const CatalogChangeEntry& e) { return s < e.step; }),
+                          CatalogChangeEntry{event.step, std::move(change).value(), {}});
 }
 
 void Run::RestoreSilentSince(double unix_seconds) {

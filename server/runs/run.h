@@ -212,6 +212,13 @@ class Run {
   // is committed. While the journal is not accepting (store::Journal::accepting) the event is
   // refused with STORAGE_UNAVAILABLE, as steps are.
   std::optional<IngestError> AddEvent(EventRecord event, uint32_t rank, uint64_t seq, StreamSink* sink);
+  // A catalog change from `from_step` on (runs/catalog_change.h), sent by `rank` as message `seq`:
+  // checked against the catalog (INVALID_MESSAGE naming what is wrong), then recorded as an event
+  // of the run (source "catalog"; journaled and acked as AddEvent does, a resend acked again but
+  // not applied twice) and applied from from_step on: at once when the run has completed a step at
+  // or after it, else when it does. A rewind to a step at or before from_step undoes it.
+  std::optional<IngestError> AddCatalogChange(uint64_t from_step, std::vector<ParamChange> changes, uint32_t rank,
+                                              uint64_t seq, StreamSink* sink);
 
   // A Goodbye from `rank` on `sink`: the run ends at once, cleanly (`reason` is kFinished or
   // kStopped), for every rank; its alerts resolve. `sink` gets SendFinished(seq) once the end is
@@ -364,6 +371,18 @@ class Run {
   bool RewindsLocked(uint64_t from_step, uint32_t rank) const REQUIRES(mu_);
   // The locked part of a rewind: everything but the analytics rebuild, which it prepares.
   RebuildJob RewindLocked(uint64_t from_step, uint32_t world_size) REQUIRES(mu_);
+  // Records an event sent on a stream (AddEvent, AddCatalogChange): false when the run already
+  // held it (a resend); the ack is arranged either way.
+  bool RecordEventLocked(const EventRecord& event, uint32_t rank, uint64_t seq, StreamSink* sink) REQUIRES(mu_);
+  // A catalog change due from `step` on: applied now if the run completed a step at or after it,
+  // else kept until it does (ApplyDueCatalogChangesLocked).
+  void ScheduleCatalogChangeLocked(uint64_t step, std::vector<ParamChange> change) REQUIRES(mu_);
+  // Applies the kept catalog changes due at or before `through_step`, in step order.
+  void ApplyDueCatalogChangesLocked(uint64_t through_step) REQUIRES(mu_);
+  // Undoes the applied catalog changes from `from_step` on and drops the kept ones (a rewind).
+  void UndoCatalogChangesFromLocked(uint64_t from_step) REQUIRES(mu_);
+  // meta_.params changed in place: the analytics and the listener's readers follow.
+  void CatalogChangedLocked() REQUIRES(mu_);
   // Rebuilds the analytics off the lock and installs them, unless a newer rewind came first.
   void RebuildAnalytics(RebuildJob job);
   std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const REQUIRES(mu_);
@@ -465,6 +484,15 @@ class Run {
   std::unique_ptr<RunAnalytics> analytics_ GUARDED_BY(mu_);  // replaced at a rewind
   // The forecasts in force (RunOptions::analytics.forecasts until SetForecasts).
   std::vector<std::pair<std::string, double>> forecasts_ GUARDED_BY(mu_);
+  // Catalog changes (AddCatalogChange, a resuming Hello, the journal's catalog events): those not
+  // yet due, by step; and those applied, in the order applied, each with what undoes it.
+  struct CatalogChangeEntry {
+    uint64_t step = 0;
+    std::vector<ParamChange> change;
+    std::vector<ParamChange> undo;
+  };
+  std::vector<CatalogChangeEntry> catalog_pending_ GUARDED_BY(mu_);
+  std::vector<CatalogChangeEntry> catalog_applied_ GUARDED_BY(mu_);
   std::optional<uint64_t> last_resume_step_ GUARDED_BY(mu_);  // the latest rewind's step (journaled)
   uint64_t branch_ GUARDED_BY(mu_) = 0;                       // rewinds in this process's life; tags journal progress
   uint64_t journal_branch_ GUARDED_BY(mu_) = 0;               // rewinds the journal holds (RestoreBranch)

@@ -74,6 +74,30 @@ void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
   }
 }
 
+void RunAnalytics::UpdateCatalog(const std::vector<ParamInfo>& params) {
+  const size_t n = std::min(params.size(), params_.size());
+  for (size_t i = 0; i < n; ++i) {
+    const ParamInfo& p = params[i];
+    if (p.name != params_[i].name) continue;
+    const std::string group(p.EffectiveGroup());
+    if (group != params_[i].EffectiveGroup()) {
+      auto g = std::find_if(groups_.begin(), groups_.end(), [&](const GroupState& s) { return s.name == group; });
+      if (g == groups_.end()) {
+        groups_.push_back(
+            {group, std::make_unique<analytics::WindowedSlope>(options_.forecast_window_steps, options_.max_buckets)});
+        g = groups_.end() - 1;
+      }
+      param_state_[i].group = static_cast<int>(g - groups_.begin());
+      group_of_param_[i] = static_cast<uint32_t>(param_state_[i].group);
+    }
+    params_[i].kind = p.kind;
+    params_[i].weight_decay = p.weight_decay;
+    params_[i].role = p.role;
+    params_[i].group = p.group;
+  }
+  group_share_scratch_.assign(groups_.size(), 0.0);
+}
+
 void RunAnalytics::ClassifyLocked(Tracked& t) const {
   t.role = Role::kExtra;
   t.param = -1;

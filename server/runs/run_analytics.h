@@ -180,6 +180,11 @@ class RunAnalytics {
 
   // The catalog, grown or not; call before adding the series of new parameters.
   void SetCatalog(const std::vector<ParamInfo>& params);
+  // The catalog's entries changed in place (a catalog change: runs/catalog_change.h): their kind,
+  // weight decay, role and group are taken from `params` (same entries, same order), a parameter
+  // moved to another group counts in that group's share from the next step. A series keeps the
+  // trackers it was given (a norm that gains weight decay keeps its change-point detector).
+  void UpdateCatalog(const std::vector<ParamInfo>& params);
   // A series exists under `id`; its role is read from the key and the catalog.
   void AddSeries(SeriesId id, const std::string& key);
   // Room for `count` series ids in all, so that a catalog's series do not grow the entries by

@@ -34,9 +34,10 @@ using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
 // Version 2 adds how a run ended, events found by run, and the rewind tables (kRewindTables);
-// version 3 the compressed blocks of steps (kStepBlocks). Older journals are migrated at open; their
+// version 3 the compressed blocks of steps (kStepBlocks); version 4 what a machine reads of an
+// event (kEventData: a catalog change's new values). Older journals are migrated at open; their
 // step rows stay readable as they are and are sealed into blocks as their runs go on.
-constexpr int kSchemaVersion = 3;
+constexpr int kSchemaVersion = 4;
 // A block holds at most this many values, whatever block_steps says (the decoder's bound is 4×).
 constexpr size_t kSealMaxValues = size_t{1} << 20;
 // Back-off between attempts at a commit that failed (full disk, read-only or vanished files).
@@ -149,13 +150,20 @@ CREATE TABLE IF NOT EXISTS step_blocks(
   PRIMARY KEY(run_id, first_step));
 )sql";
 
+// Version 4: an event's data (EventRecord::data), kept with it when a rewind abandons it.
+constexpr const char* kEventData = R"sql(
+ALTER TABLE events ADD COLUMN data TEXT NOT NULL DEFAULT '';
+ALTER TABLE abandoned_events ADD COLUMN data TEXT NOT NULL DEFAULT '';
+)sql";
+
 // The journal's schema (sqlite::ApplySchema sets user_version).
 const sqlite::Schema& JournalSchema() {
   static const sqlite::Schema schema{.name = "journal",
                                      .version = kSchemaVersion,
-                                     .scripts = {kSchema, kRewindTables, kStepBlocks},
+                                     .scripts = {kSchema, kRewindTables, kStepBlocks, kEventData},
                                      .migrations = {{.from_version = 1, .scripts = {kMigrateFrom1, kRewindTables}},
-                                                    {.from_version = 2, .scripts = {kStepBlocks}}}};
+                                                    {.from_version = 2, .scripts = {kStepBlocks}},
+                                                    {.from_version = 3, .scripts = {kEventData}}}};
   return schema;
 }
 
@@ -412,7 +420,8 @@ struct Journal::Statements {
          "INSERT INTO rank_progress(run_id, rank, step, seq) VALUES(?1, ?2, ?3, ?4) "
          "ON CONFLICT(run_id, rank) DO UPDATE SET step = max(step, excluded.step), "
          "seq = max(seq, excluded.seq)"},
-        {&insert_event, "INSERT INTO events(run_id, step, text, source, recorded_at) VALUES(?1, ?2, ?3, ?4, ?5)"},
+        {&insert_event,
+         "INSERT INTO events(run_id, step, text, source, recorded_at, data) VALUES(?1, ?2, ?3, ?4, ?5, ?6)"},
         {&end_run, "UPDATE runs SET ended_at = ?2, end_reason = ?3, end_message = ?4 WHERE run_id = ?1"},
         {&prune_candidates,
          "SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?1 ORDER BY ended_at LIMIT 64"},
@@ -466,8 +475,8 @@ struct Journal::Statements {
          "ranks_reported, client_dropped, vals FROM steps WHERE run_id = ?1 AND step >= ?3"},
         {&delete_steps, "DELETE FROM steps WHERE run_id = ?1 AND step >= ?2"},
         {&abandon_events,
-         "INSERT INTO abandoned_events(run_id, branch, step, text, source, recorded_at) "
-         "SELECT run_id, ?2, step, text, source, recorded_at FROM events "
+         "INSERT INTO abandoned_events(run_id, branch, step, text, source, recorded_at, data) "
+         "SELECT run_id, ?2, step, text, source, recorded_at, data FROM events "
          "WHERE run_id = ?1 AND step >= ?3 ORDER BY id"},
         {&delete_events, "DELETE FROM events WHERE run_id = ?1 AND step >= ?2"},
         {&rewind_progress, "UPDATE rank_progress SET step = ?2 - 1 WHERE run_id = ?1 AND step >= ?2"},
@@ -1281,6 +1290,7 @@ Status Journal::Apply(const JournalRecord& record) {
           use.Bind(3, r.event.text);
           use.Bind(4, r.event.source);
           use.Bind(5, r.event.recorded_at);
+          use.Bind(6, r.event.data);
           return use.Run("journal: writing event of run '" + r.run_id + "'");
         } else if constexpr (std::is_same_v<T, RewindRecord>) {
           db_mu_.AssertHeld();  // the analysis does not follow Apply's lock into this lambda
@@ -1644,7 +1654,7 @@ struct Journal::Reader {
         {&steps,
          "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
          "WHERE run_id = ?1 AND step < ?2 AND step >= ?3 ORDER BY step"},
-        {&events, "SELECT step, text, source, recorded_at FROM events WHERE run_id = ?1 ORDER BY id"},
+        {&events, "SELECT step, text, source, recorded_at, data FROM events WHERE run_id = ?1 ORDER BY id"},
     };
     for (const auto& [stmt, sql] : all) {
       auto prepared = db.Prepare(sql);
@@ -1736,6 +1746,7 @@ struct Journal::Reader {
         event.text = q.Text(1);
         event.source = q.Text(2);
         event.recorded_at = q.Real(3);
+        event.data = q.Text(4);
         visitor.OnEvent(meta.run_id, event);
       }
       if (!status.ok()) return status;

@@ -376,7 +376,7 @@ TEST_CASE("a version 1 journal is migrated: its ended runs ended by inactivity",
   CHECK(got.runs[0].end == RunEnd{5.0, EndReason::kInactive, ""});
   CHECK(got.runs[1].end == RunEnd{});
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "3");
+  CHECK(raw.Query("PRAGMA user_version") == "4");
 }
 
 TEST_CASE("progress is reported after commit, merged to one entry per run and rank", "[store]") {
@@ -527,7 +527,7 @@ TEST_CASE("the journal runs in WAL mode", "[store]") {
   CHECK(fs::exists(dir.db() + "-wal"));
   RawDb raw(dir.db());
   CHECK(raw.Query("PRAGMA journal_mode") == "wal");
-  CHECK(raw.Query("PRAGMA user_version") == "3");
+  CHECK(raw.Query("PRAGMA user_version") == "4");
 }
 
 TEST_CASE("a failed commit is retried with its records, acked only once it succeeds", "[store]") {
@@ -1030,7 +1030,7 @@ PRAGMA user_version = 1;
   }
   CHECK(LoadFrom(dir.db()).steps.empty());
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "3");
+  CHECK(raw.Query("PRAGMA user_version") == "4");
   CHECK(raw.Query("SELECT count(*) FROM abandoned_steps") == "1");
 }
 
@@ -1217,16 +1217,25 @@ INSERT INTO alert_progress VALUES('r', 2);
   }
 
   // Opened, read and written to (a new step) with no change to the schema but the step blocks of
-  // version 3 and the alert history.
+  // version 3, the data column of events of version 4 and the alert history.
   {
     auto journal = OpenOrFail({.path = dir.db()});
     REQUIRE(journal->Enqueue(MakeStep("r", 3, {{0, 2.0}})));
     REQUIRE(journal->Flush().ok());
   }
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "3");
+  CHECK(raw.Query("PRAGMA user_version") == "4");
   CHECK(raw.Query("SELECT count(*) FROM steps") == "3");
-  CHECK(schema_text() == schema_before);
+  std::string schema_after = schema_before;
+  for (const std::string table : {"abandoned_events", "events"}) {
+    const size_t at = schema_after.find("table " + table + " CREATE TABLE");
+    REQUIRE(at != std::string::npos);
+    const std::string last = "recorded_at REAL NOT NULL)";
+    const size_t end = schema_after.find(last, at);
+    REQUIRE(end != std::string::npos);
+    schema_after.replace(end, last.size(), "recorded_at REAL NOT NULL, data TEXT NOT NULL DEFAULT '')");
+  }
+  CHECK(schema_text() == schema_after);
   CHECK(raw.Query("SELECT count(*) FROM step_blocks") == "0");
   CHECK(raw.Query("SELECT count(*) FROM alert_history") == "0");
 }
