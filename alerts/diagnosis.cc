@@ -180,9 +180,20 @@ Diagnosis Diagnose(const RunFacts& facts, const DiagnosisBounds& bounds) {
   // Norm gains without decay, as the growth rule judges them.
   const ParamFact* final_norm = FindFinalNorm(facts);
   const ParamFact* grown = nullptr;
+  // A gain grown to the bound that has weight decay (above the growth rule's): a remedy already
+  // made (a catalog change), or a decay too weak for it.
+  const ParamFact* decayed_grown = nullptr;
   for (const ParamFact& p : facts.params) {
     if (p.info.kind != ParamKind::kNormGain && p.info.role != "final_norm") continue;
-    if (!(p.info.weight_decay <= bounds.max_weight_decay)) continue;
+    if (!(p.info.weight_decay <= bounds.max_weight_decay)) {
+      const std::optional<double> a = AmplificationOf(p);
+      if (a && *a >= bounds.min_amplification &&
+          (!decayed_grown || &p == final_norm ||
+           (decayed_grown != final_norm && *a > AmplificationOf(*decayed_grown).value_or(0)))) {
+        decayed_grown = &p;
+      }
+      continue;
+    }
     GainEvidence g;
     g.name = p.info.name;
     g.weight_decay = p.info.weight_decay;
@@ -269,13 +280,18 @@ Diagnosis Diagnose(const RunFacts& facts, const DiagnosisBounds& bounds) {
                                              " of the squared grad norm, below " + FormatPercent(bounds.min_share)
                                        : "reports no share of the grad norm"));
     } else {
-      std::string s = "no norm gain is growing";
+      std::string s = decayed_grown ? "no norm gain without weight decay is growing" : "no norm gain is growing";
       if (shown && shown->amplification) {
         s += " (" + shown->name + " at " + FormatNumber(*shown->amplification) + "× its init norm";
         s += std::string(shown->rising ? ", rising" : ", not rising") + ")";
       }
       evidence.push_back(s);
     }
+  }
+  if (decayed_grown && !grown) {
+    evidence.push_back(decayed_grown->info.name + " is at " + FormatNumber(*AmplificationOf(*decayed_grown)) +
+                       "× its init norm with weight decay " + FormatNumber(decayed_grown->info.weight_decay) +
+                       (NormRising(*decayed_grown) ? ", still rising" : ", no longer rising"));
   }
   evidence.push_back(LearningRateSentence(facts));
   evidence.push_back(EventSentence(facts));
@@ -287,6 +303,12 @@ Diagnosis Diagnose(const RunFacts& facts, const DiagnosisBounds& bounds) {
   if (facts.warmup.holds_pages) {
     rec = "The run is in its warm-up (" + facts.warmup.reason + "), when large grad norms are usual: no action " +
           "unless it persists past the warm-up.";
+  } else if (decayed_grown && !grown) {
+    rec = decayed_grown->info.name + " already has weight decay " + FormatNumber(decayed_grown->info.weight_decay) +
+          ": no further weight-decay change is indicated; follow its norm as the decay acts" +
+          (top_name.empty()
+               ? std::string(".")
+               : ", and look at " + top_name + " (" + FormatPercent(d.top[0].share) + " of the squared grad norm).");
   } else if (!top_name.empty()) {
     rec = "No cause found in the per-parameter norms, and no weight-decay change is indicated: look at " + top_name +
           " (" + FormatPercent(d.top[0].share) + " of the squared grad norm), its inputs and the data at these steps.";
@@ -298,7 +320,11 @@ Diagnosis Diagnose(const RunFacts& facts, const DiagnosisBounds& bounds) {
     d.remedy.param = final_norm->info.name;
     d.remedy.weight_decay = suggested_wd;
   }
-  if (grown) {
+  if (decayed_grown && !grown) {
+    d.remedy.param = decayed_grown->info.name;
+    d.remedy.why =
+        decayed_grown->info.name + " already has weight decay " + FormatNumber(decayed_grown->info.weight_decay);
+  } else if (grown) {
     d.remedy.param = grown->info.name;
     d.remedy.why = "the output layer carries " +
                    (output_known ? FormatPercent(output_share) : std::string("no known share")) +

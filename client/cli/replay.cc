@@ -72,7 +72,8 @@ ReplayPlan ScanReplay(std::istream& in) {
       const auto& record = std::get<StepRecord>(*result.line);
       plan.catalog.AddFrom(record);
       if (record.event) ++plan.events;
-      if (record.has_metrics || !record.event) {
+      if (!record.catalog_update.empty()) ++plan.catalog_updates;
+      if (record.is_step()) {
         ++plan.step_lines;
         plan.step_numbers.push_back(record.step);
       }
@@ -144,6 +145,7 @@ json ReplaySummaryToJson(const ReplaySummary& s) {
       {"lines", s.lines},
       {"steps_sent", s.steps_sent},
       {"events", s.events_sent},
+      {"catalog_updates", s.catalog_updates_sent},
       {"already_held_steps", s.already_held_steps},
       {"resumed_from_step", s.resumed_from_step ? json(*s.resumed_from_step) : json(nullptr)},
       {"skipped_lines", s.skipped_lines},
@@ -203,6 +205,7 @@ std::string FormatReplaySummary(const ReplaySummary& s) {
        std::to_string(s.steps_sent) +
            (s.already_held_steps > 0 ? " (" + std::to_string(s.already_held_steps) + " already held)" : "")},
       {"events", std::to_string(s.events_sent)},
+      {"catalog updates", std::to_string(s.catalog_updates_sent)},
       {"daemon errors", errors.empty() ? "none" : errors},
       {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
   };
@@ -296,7 +299,7 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   if (plan.bad_line_count > plan.bad_lines.size()) {
     err << options.file << ": " << plan.bad_line_count - plan.bad_lines.size() << " more bad lines not shown\n";
   }
-  if (plan.step_lines == 0 && plan.events == 0) {
+  if (plan.step_lines == 0 && plan.events == 0 && plan.catalog_updates == 0) {
     // An empty or unreadable file must not create an empty run on the daemon.
     err << "gradwatch: " << options.file << " holds no step to replay (" << plan.lines << " lines, "
         << plan.bad_line_count << " skipped); nothing was sent\n";
@@ -450,17 +453,25 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
   // Hands the record to one daemon; false once that daemon is left behind.
   auto send_to = [&](Target& t, const StepRecord& record) {
     const bool held = t.resume_after && record.step <= *t.resume_after;
-    if (held && (record.has_metrics || !record.event)) ++t.summary.already_held_steps;
-    // Events are sent even at steps the daemon holds: it may hold those steps but not the event
-    // (refused while its storage failed, say), and it keeps one copy of an event sent twice.
-    if (held && !record.event) return true;
+    if (held && record.is_step()) ++t.summary.already_held_steps;
+    // Events and catalog changes are sent even at steps the daemon holds: it may hold those steps
+    // but not the event (refused while its storage failed, say), and it keeps one copy of an event
+    // sent twice.
+    if (held && !record.event && record.catalog_update.empty()) return true;
     // Both wait for room as long as the daemon keeps acknowledging; they fail once it has
     // acknowledged nothing for the stall timeout, or when a signal stopped the Monitor.
     if (record.event) {
       if (!t.monitor->EventBlocking(record.step, *record.event, stall_timeout)) return false;
       ++t.summary.events_sent;
     }
-    if (!held && (record.has_metrics || !record.event)) {
+    if (!record.catalog_update.empty()) {
+      v1::CatalogUpdate update;
+      update.set_from_step(record.step);
+      for (const v1::ParamChange& c : record.catalog_update) *update.add_params() = c;
+      if (!t.monitor->CatalogUpdateBlocking(std::move(update), stall_timeout)) return false;
+      ++t.summary.catalog_updates_sent;
+    }
+    if (!held && record.is_step()) {
       if (!t.monitor->LogBlocking(ToStepStats(record, plan.catalog), stall_timeout)) return false;
       ++t.summary.steps_sent;
     }
@@ -484,7 +495,7 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
         return false;
       }
     }
-    if (record->has_metrics || !record->event) line_of_step[record->step] = line_number;
+    if (record->is_step()) line_of_step[record->step] = line_number;
     size_t going = 0;
     for (auto& t : targets) {
       if (t->lagging) continue;
@@ -503,7 +514,7 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
       }
     }
     if (going == 0) return false;
-    if (record->has_metrics || !record->event) ++steps_read;
+    if (record->is_step()) ++steps_read;
     const auto now = Clock::now();
     if (now - last_messages >= kMessagesInterval) {
       last_messages = now;

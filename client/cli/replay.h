@@ -54,6 +54,7 @@ struct ReplayPlan {
   uint64_t lines = 0;       // lines read, blank ones included
   uint64_t step_lines = 0;  // lines that carry metrics
   uint64_t events = 0;
+  uint64_t catalog_updates = 0;  // lines with a step's "params"
   // The step number of every line that carries metrics, in file order.
   std::vector<uint64_t> step_numbers;
   uint64_t bad_line_count = 0;
@@ -85,6 +86,7 @@ struct ReplaySummary {
   uint64_t lines = 0;
   uint64_t steps_sent = 0;
   uint64_t events_sent = 0;
+  uint64_t catalog_updates_sent = 0;
   // Steps not sent because the daemon had already received them (a replay run again).
   uint64_t already_held_steps = 0;
   // The checkpoint step this replay resumed the run from, if it did.

@@ -29,7 +29,7 @@ struct ParamValue {
   double value;
 };
 
-// A line with a `_step`: the metrics it carries and/or an event.
+// A line with a `_step`: the metrics it carries, an event and/or a catalog change.
 struct StepRecord {
   uint64_t step = 0;
   std::optional<double> timestamp;  // `_timestamp`, seconds since the Unix epoch
@@ -39,6 +39,13 @@ struct StepRecord {
   std::vector<ParamValue> params;
   bool has_metrics = false;          // at least one numeric key besides `_`-keys
   std::optional<std::string> event;  // `"event": "text"`
+  // `"params": [{"name": ..., "weight_decay": ...}, ...]`: catalog entries' new weight decay,
+  // kind, role or group from this step on (the header's `params` shape; numel and init_norm are
+  // the header's alone).
+  std::vector<v1::ParamChange> catalog_update;
+
+  // A step's metrics are sent for this line: it has some, or it is a bare `_step` line.
+  bool is_step() const { return has_metrics || (!event && catalog_update.empty()); }
 };
 
 // The optional first line: run name, config, labels, parameter catalog.

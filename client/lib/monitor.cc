@@ -143,6 +143,14 @@ bool Monitor::EventBlocking(uint64_t step, std::string text, std::chrono::millis
   return true;
 }
 
+bool Monitor::CatalogUpdateBlocking(v1::CatalogUpdate update, std::chrono::milliseconds stall_timeout) {
+  std::unique_lock lock(mu_);
+  WaitWhileProgressing(lock, space_cv_, stall_timeout, [this] { return buffer_.HasRoomForEvent(); });
+  if (stopping_ || !buffer_.PushCatalogUpdate(std::move(update))) return false;
+  sender_cv_.notify_one();
+  return true;
+}
+
 bool Monitor::Flush(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
   flush_cv_.wait_for(lock, timeout, [this] { return DrainedLocked() || stopping_ || stats_.rejected; });
@@ -322,7 +330,9 @@ bool Monitor::RunConnection(Connection& conn) {
       const v1::TrainerMessage& msg = claimed->message;
       const size_t size = msg.ByteSizeLong();
       if (conn.max_message_bytes != 0 && size > conn.max_message_bytes) {
-        const uint64_t step = msg.has_step() ? msg.step().step() : msg.event().step();
+        const uint64_t step = msg.has_step()             ? msg.step().step()
+                              : msg.has_catalog_update() ? msg.catalog_update().from_step()
+                                                         : msg.event().step();
         const std::string text = "message of " + std::to_string(size) + " bytes exceeds the daemon's limit of " +
                                  std::to_string(conn.max_message_bytes);
         lock.unlock();

@@ -110,6 +110,9 @@ class Monitor {
   bool Event(uint64_t step, std::string text);
   // Event, waiting for room as LogBlocking does.
   bool EventBlocking(uint64_t step, std::string text, std::chrono::milliseconds stall_timeout);
+  // Enqueues a catalog update (CatalogUpdate: entries' new weight decay, kind, role or group from
+  // update.from_step on), held, resent and acked as an event is; waits for room as EventBlocking.
+  bool CatalogUpdateBlocking(v1::CatalogUpdate update, std::chrono::milliseconds stall_timeout);
   // Waits until every logged step and event is durable, and every step the daemon said it had
   // received (Accepted.last_received_step, possibly from an earlier process) is acked: received is
   // not kept. False on timeout, when stopped, or when the daemon has rejected this stream (see

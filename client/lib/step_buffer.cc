@@ -36,6 +36,16 @@ bool StepBuffer::PushEvent(v1::Event event) {
   return true;
 }
 
+bool StepBuffer::PushCatalogUpdate(v1::CatalogUpdate update) {
+  if (!HasRoomForEvent()) return false;
+  Entry e;
+  e.id = next_id_++;
+  *e.message.mutable_catalog_update() = std::move(update);
+  Count(e);
+  entries_.push_back(std::move(e));
+  return true;
+}
+
 bool StepBuffer::HasUnwritten() {
   while (cursor_ < entries_.size() && entries_[cursor_].written) ++cursor_;
   return cursor_ < entries_.size();

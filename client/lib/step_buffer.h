@@ -26,7 +26,8 @@ struct SendWindow {
 
 class StepBuffer {
  public:
-  // One logged message. `message` holds a step or an event; its seq is set by the sender.
+  // One logged message. `message` holds a step, an event or a catalog update (held and acked as
+  // an event); its seq is set by the sender.
   struct Entry {
     uint64_t id = 0;        // buffer-local, increasing in log order
     bool written = false;   // written on the current connection
@@ -35,7 +36,11 @@ class StepBuffer {
     v1::TrainerMessage message;
 
     bool is_step() const { return message.has_step(); }
-    uint64_t step() const { return is_step() ? message.step().step() : message.event().step(); }
+    uint64_t step() const {
+      return is_step()                      ? message.step().step()
+             : message.has_catalog_update() ? message.catalog_update().from_step()
+                                            : message.event().step();
+    }
   };
 
   // `step_capacity` bounds steps held (queued plus written but not yet durable), and
@@ -49,6 +54,8 @@ class StepBuffer {
   bool PushStep(v1::StepStats step);
   // Appends an event; false (and nothing counted as a dropped step) when the event bound is hit.
   bool PushEvent(v1::Event event);
+  // Appends a catalog update, under the events' bound, as PushEvent.
+  bool PushCatalogUpdate(v1::CatalogUpdate update);
 
   bool HasRoomForStep() const { return steps_ < step_capacity_ && held_bytes_ < byte_capacity_; }
   bool HasRoomForEvent() const { return events_ < event_capacity_; }

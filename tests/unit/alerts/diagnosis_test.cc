@@ -73,6 +73,19 @@ TEST_CASE("a spike an MLP block carries names the block and gives no weight-deca
   CHECK_THAT(d.remedy.why, Contains("final_norm.weight has not grown significantly (1× its init norm, not rising)"));
 }
 
+TEST_CASE("a grown norm gain that already has weight decay (a remedy made) gets no advice to enable it", "[alerts]") {
+  RunFacts f = Run(362.1, 2.5, 0.939, 0.03);
+  f.params[0].info.weight_decay = 0.1;  // a catalog change gave it weight decay
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
+  CHECK(d.cause == Cause::kNone);
+  CHECK_FALSE(d.remedy.supported);
+  CHECK(d.remedy.why == "final_norm.weight already has weight decay 0.1");
+  CHECK_THAT(d.text, Contains("final_norm.weight is at 4.62× its init norm with weight decay 0.1, still rising"));
+  CHECK_THAT(d.recommendation, Contains("final_norm.weight already has weight decay 0.1: no further weight-decay "
+                                        "change is indicated; follow its norm as the decay acts"));
+  CHECK_THAT(d.recommendation, !Contains("enable weight decay"));
+}
+
 TEST_CASE("a share's movement is said from its trend's oldest reports, once the trend holds enough of them",
           "[alerts]") {
   RunFacts f = Run(78.4, 0.0, 0.12, 0.81);
