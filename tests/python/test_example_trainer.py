@@ -144,9 +144,13 @@ class TinyTrainerTest(unittest.TestCase):
         self.assertEqual(len(owning[0]["params"]), 1)
         self.assertAlmostEqual(owning[0]["weight_decay"], 0.1)
         self.assertEqual(len(opt.param_groups), 4)  # its own group (lr 0.1) left empty
-        events = [e.text for e in self.daemon.run("tiny-fix").events]
+        run = self.daemon.run("tiny-fix")
+        events = [e for e in run.events if e.source == "trainer"]
         self.assertEqual(len(events), 1)
-        self.assertIn("weight decay 0.1 on final_norm.weight (was 0)", events[0])
+        self.assertIn("weight decay 0.1 on final_norm.weight (was 0)", events[0].text)
+        # The Watch saw the move and updated the run's catalog from the same step.
+        self.assertEqual([e.step for e in run.events if e.source == "catalog"], [events[0].step])
+        self.assertAlmostEqual({p.name: p for p in run.params}["final_norm.weight"].weight_decay, 0.1)
         # Other norm gains keep no decay.
         attn_norm = model.blocks[0].attn_norm.weight
         self.assertTrue(any(any(p is attn_norm for p in g["params"]) and g["weight_decay"] == 0.0

@@ -35,6 +35,19 @@ def metrics(step: int, total: float = 0.5) -> dict:
     }
 
 
+def stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (SIGSTOP)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:  # the thread exited
+            continue
+        if state != "T":
+            return False
+    return True
+
+
 class MonitorTest(unittest.TestCase):
     def setUp(self) -> None:
         self.daemon = Daemon()
@@ -243,6 +256,129 @@ class MonitorTest(unittest.TestCase):
         latest = {v.key: v.value for v in self.daemon.run("py-ranks").latest}
         self.assertAlmostEqual(latest["grad/norm/total"], 5.0)
         self.assertAlmostEqual(latest["grad/norm/lm_head.weight"], math.sqrt(2.0))
+
+    def catalog_events(self, run: str) -> list:
+        return [e for e in self.daemon.run(run).events if e.source == "catalog"]
+
+    def test_update_params_is_acked_and_the_runs_catalog_follows_it(self) -> None:
+        with self.monitor("py-update") as mon:
+            for s in range(1, 51):
+                mon.log(s, metrics(s))
+            self.assertTrue(mon.update_params(51, [
+                {"name": "final_norm.weight", "weight_decay": 0.1},
+                {"name": "layers.0.mlp.weight", "kind": "router", "role": "gate", "group": "routing"}]))
+            for s in range(51, 101):
+                mon.log(s, metrics(s))
+            self.assertTrue(mon.flush(30))  # the update's EventAck included
+            stats = mon.stats()
+            self.assertEqual((stats.catalog_updates_sent, stats.unacked, stats.errors), (1, 0, 0), stats)
+        run = self.daemon.run("py-update")
+        params = {p.name: p for p in run.params}
+        self.assertAlmostEqual(params["final_norm.weight"].weight_decay, 0.1)
+        self.assertEqual(params["final_norm.weight"].kind, pb.PARAM_KIND_NORM_GAIN)
+        self.assertEqual(params["layers.0.mlp.weight"].kind, pb.PARAM_KIND_ROUTER)
+        self.assertEqual((params["layers.0.mlp.weight"].role, params["layers.0.mlp.weight"].group), ("gate", "routing"))
+        self.assertAlmostEqual(params["lm_head.weight"].weight_decay, 0.1)  # not named: unchanged
+        [event] = self.catalog_events("py-update")
+        self.assertEqual(event.step, 51)
+        self.assertIn("final_norm.weight", event.text)
+        self.assertIn("layers.0.mlp.weight", event.text)
+
+    def test_a_reconnect_hello_carries_the_updated_catalog(self) -> None:
+        mon = self.monitor("py-update-hello")
+        for s in range(1, 21):
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.update_params(21, [{"name": "final_norm.weight", "weight_decay": 0.05}]))
+        for s in range(21, 31):  # the daemon applies the change with the first step it covers
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.flush(30))
+        self.daemon.restart()
+        for s in range(31, 41):
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.flush(60))
+        self.assertGreaterEqual(mon.stats().reconnects, 1)
+        self.assertTrue(mon.close(finished=False))
+        # Another process's Monitor, made with the catalog as it was: its Hello differs from the run's
+        # (which the daemon logs, and does not apply without a resume). The reconnect's Hello did not.
+        other = self.monitor("py-update-hello")
+        other.log(41, metrics(41))
+        self.assertTrue(other.close())
+        differs = [line for line in self.daemon.log().splitlines()
+                   if "py-update-hello" in line and "catalog differs" in line]
+        self.assertEqual(len(differs), 1, differs)
+        params = {p.name: p for p in self.daemon.run("py-update-hello").params}
+        self.assertAlmostEqual(params["final_norm.weight"].weight_decay, 0.05)
+        self.assertEqual([e.step for e in self.catalog_events("py-update-hello")], [21])
+
+    def test_an_unacknowledged_update_is_sent_again_after_a_reconnect(self) -> None:
+        mon = self.monitor("py-update-resend")
+        for s in range(1, 21):
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.flush(30))
+        os.kill(self.daemon.proc.pid, signal.SIGSTOP)  # takes nothing in, acks nothing
+        wait_for(lambda: stopped(self.daemon.proc.pid), 30, "gradwatchd to stop")
+        self.assertTrue(mon.update_params(21, [{"name": "final_norm.weight", "weight_decay": 0.1}]))
+        mon.log(21, metrics(21))
+        wait_for(lambda: mon.stats().catalog_updates_sent == 1, 30, "the update to be written")
+        self.assertGreaterEqual(mon.stats().unacked, 1)
+        self.daemon.stop(signal.SIGKILL)
+        self.daemon.start()
+        for s in range(22, 41):
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.flush(60))
+        stats = mon.stats()
+        self.assertEqual((stats.catalog_updates_sent, stats.errors), (2, 0), stats)
+        self.assertTrue(mon.close())
+        run = self.daemon.run("py-update-resend")
+        self.assertEqual(run.info.step_count, 40)
+        self.assertAlmostEqual({p.name: p for p in run.params}["final_norm.weight"].weight_decay, 0.1)
+        self.assertEqual([e.step for e in self.catalog_events("py-update-resend")], [21])
+
+
+class UpdateParamsValidationTest(unittest.TestCase):
+    """update_params checks its input before it queues anything; no daemon is needed."""
+
+    def setUp(self) -> None:
+        self.mon = gradwatch.Monitor("py-validate", address="127.0.0.1:1", params=CATALOG, start=False)
+
+    def tearDown(self) -> None:
+        self.mon.close(finished=False, timeout=1)
+
+    def test_each_mistake_is_named(self) -> None:
+        cases = [
+            ([{"name": "final_norm.weight", "decay": 0.1}], ValueError, r"unknown fields \['decay'\]"),
+            ([{"weight_decay": 0.1}], ValueError, "has no name"),
+            ([{"name": "nope.weight", "weight_decay": 0.1}], ValueError, "'nope.weight' is not in the catalog"),
+            ([{"name": "final_norm.weight"}], ValueError, "'final_norm.weight': no field to change"),
+            ([{"name": "final_norm.weight", "weight_decay": -0.1}], ValueError,
+             "'final_norm.weight': weight_decay must be finite and >= 0, not -0.1"),
+            ([{"name": "final_norm.weight", "weight_decay": float("nan")}], ValueError,
+             "weight_decay must be finite and >= 0, not nan"),
+            ([{"name": "final_norm.weight", "weight_decay": "high"}], ValueError,
+             "weight_decay 'high' is not a number"),
+            ([{"name": "final_norm.weight", "kind": "gain"}], ValueError,
+             r"'final_norm.weight': unknown parameter kind 'gain' \(one of norm_gain, output"),
+            ([{"name": "final_norm.weight", "role": 3}], ValueError, "role must be text"),
+            ([{"name": "final_norm.weight", "group": "g" * 257}], ValueError, "group is over 256 bytes"),
+            ([{"name": "final_norm.weight", "weight_decay": 0.1}, {"name": "final_norm.weight", "role": "x"}],
+             ValueError, "'final_norm.weight' is named twice"),
+            ([], ValueError, "no parameter to change"),
+            ({"name": "final_norm.weight", "weight_decay": 0.1}, TypeError, "a sequence of mappings"),
+            (["final_norm.weight"], TypeError, "a change is a mapping with a name, not str"),
+        ]
+        for params, error, message in cases:
+            with self.subTest(params=params), self.assertRaisesRegex(error, message):
+                self.mon.update_params(10, params)
+        with self.assertRaisesRegex(ValueError, "step -1 is negative"):
+            self.mon.update_params(-1, [{"name": "final_norm.weight", "weight_decay": 0.1}])
+        self.assertEqual(self.mon.stats().queued, 0)  # nothing queued by a refused call
+
+    def test_a_valid_change_is_queued(self) -> None:
+        self.mon.log(1, {"grad/norm/layers.1.attn.weight": 0.3})  # log() extends the catalog
+        self.assertTrue(self.mon.update_params(2, [
+            {"name": "final_norm.weight", "weight_decay": 0.1, "kind": "norm", "role": "final_norm", "group": ""},
+            {"name": "layers.1.attn.weight", "weight_decay": 0}]))
+        self.assertEqual(self.mon.stats().queued, 2)  # the step and the update
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import gradwatch
 import gradwatch.torch as gwt
 from gradwatch._catalog import Param
 from gradwatch.v1 import gradwatch_pb2 as pb
@@ -35,6 +36,20 @@ def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
     no_decay = [p for n, p in model.named_parameters() if "norm" in n or n.endswith("bias")]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                              lr=1e-2)
+
+
+def move_into_new_group(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, weight_decay: float) -> None:
+    """What a trainer does by hand to give one parameter its own weight decay."""
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if p is not param]
+    optimizer.add_param_group({"params": [param], "weight_decay": weight_decay})
+
+
+def contingency(param: str = "final_norm.weight", wd: str = "0.1") -> pb.Alert:
+    """A firing GradNormContingency whose diagnosis supports weight decay on `param`."""
+    return pb.Alert(name="GradNormContingency", state=pb.ALERT_STATE_FIRING, step=5,
+                    annotations={"remediation_param": param, "remediation_weight_decay": wd,
+                                 "remediation_supported": "true", "remediation_why": "the final norm grew"})
 
 
 def train_step(model, optimizer, generator):
@@ -124,6 +139,56 @@ class WatchTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             gwt.Watch(model, opt, run="x", address=self.daemon.address, kinds={"nope.weight": "mlp"})
 
+    def catalog_events(self, run: str) -> list:
+        return [e for e in self.daemon.run(run).events if e.source == "catalog"]
+
+    def test_weight_decay_changed_by_hand_reaches_the_runs_catalog(self) -> None:
+        model = Tiny()
+        opt = optimizer_for(model)
+        generator = torch.Generator().manual_seed(3)
+        with gwt.Watch(model, opt, run="torch-wd", address=self.daemon.address) as watch:
+            for step in range(1, 16):
+                if step == 6:
+                    move_into_new_group(opt, model.final_norm.weight, 0.1)
+                if step == 11:
+                    opt.param_groups[0]["weight_decay"] = 0.05  # the decayed parameters' group
+                self.assertTrue(watch.step(step, loss=train_step(model, opt, generator)))
+                opt.zero_grad()
+            self.assertTrue(watch.monitor.flush(30))
+            self.assertEqual(watch.monitor.stats().catalog_updates_sent, 2)
+        params = {p.name: p for p in self.daemon.run("torch-wd").params}
+        self.assertAlmostEqual(params["final_norm.weight"].weight_decay, 0.1)
+        for name in ("embed.weight", "mlp.weight", "lm_head.weight"):
+            self.assertAlmostEqual(params[name].weight_decay, 0.05, msg=name)
+        self.assertEqual(params["mlp.bias"].weight_decay, 0.0)
+        events = self.catalog_events("torch-wd")
+        self.assertEqual([e.step for e in events], [6, 11])
+        self.assertIn("final_norm.weight", events[0].text)
+        self.assertIn("lm_head.weight", events[1].text)
+        self.assertNotIn("final_norm.weight", events[1].text)
+        self.assertNotIn("mlp.bias", events[1].text)
+
+    def test_a_remediation_reaches_the_runs_catalog(self) -> None:
+        model = Tiny()
+        opt = optimizer_for(model)
+        remedy = gwt.Remediation(model, opt)
+        generator = torch.Generator().manual_seed(4)
+        with gwt.Watch(model, opt, run="torch-remedy", address=self.daemon.address, on_alert=remedy,
+                       remediation=remedy) as watch:
+            for step in range(1, 11):
+                if step == 6:
+                    remedy(contingency())  # as the daemon's alert would, on the Monitor's thread
+                self.assertTrue(watch.step(step, loss=train_step(model, opt, generator)))
+                opt.zero_grad()
+        self.assertEqual(remedy.applied, {"final_norm.weight": 0.1})
+        run = self.daemon.run("torch-remedy")
+        self.assertAlmostEqual({p.name: p for p in run.params}["final_norm.weight"].weight_decay, 0.1)
+        self.assertEqual([(e.step, e.text) for e in run.events if e.source == "trainer"],
+                         [(6, "gradwatch remediation: weight decay 0.1 on final_norm.weight (was 0)")])
+        [event] = self.catalog_events("torch-remedy")
+        self.assertEqual(event.step, 6)
+        self.assertIn("final_norm.weight", event.text)
+
 
 class RemediationTest(unittest.TestCase):
     def test_the_remediation_fields_are_read_and_applied_once_between_steps(self) -> None:
@@ -163,6 +228,86 @@ class RemediationTest(unittest.TestCase):
         catalog.append(Param(name="model.norm.weight", numel=4))
         self.assertIs(gwt._final_norm(catalog), catalog[4])  # named like a final norm
         self.assertIsNone(gwt._final_norm([Param(name="lm_head.weight", numel=16)]))
+
+
+class RecordingMonitor:
+    """The training loop's side of a Monitor, recording what the Watch queues; `accept` is what
+    update_params answers (False: not queued)."""
+
+    def __init__(self) -> None:
+        self.updates = []
+        self.events = []
+        self.accept = True
+
+    def log(self, step, metrics, squared=False) -> bool:
+        return True
+
+    def event(self, step, text) -> bool:
+        self.events.append((step, text))
+        return True
+
+    def update_params(self, step, params) -> bool:
+        self.updates.append((step, list(params)))
+        return self.accept
+
+
+class WeightDecayChangeTest(unittest.TestCase):
+    """Watch.step reports the weight decays that changed in the param groups, and only those."""
+
+    def setUp(self) -> None:
+        torch.manual_seed(0)
+        self.model = Tiny()
+        self.opt = optimizer_for(self.model)
+        self.mon = RecordingMonitor()
+
+    def test_only_changes_are_reported_and_a_change_not_queued_is_tried_again(self) -> None:
+        watch = gwt.Watch(self.model, self.opt, monitor=self.mon, init_norms=False)
+        watch.step(1)
+        self.assertEqual(self.mon.updates, [])
+        move_into_new_group(self.opt, self.model.final_norm.weight, 0.1)
+        watch.step(2)
+        watch.step(3)
+        self.assertEqual(self.mon.updates, [(2, [{"name": "final_norm.weight", "weight_decay": 0.1}])])
+        self.opt.param_groups[0]["weight_decay"] = 0.05
+        watch.step(4)
+        self.assertEqual(self.mon.updates[1:], [(4, [{"name": n, "weight_decay": 0.05}
+                                                     for n in ("embed.weight", "mlp.weight", "lm_head.weight")])])
+        # A group of tensors the model does not have changes the groups but no watched weight decay.
+        self.opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.3})
+        watch.step(5)
+        self.assertEqual(len(self.mon.updates), 2)
+        self.mon.accept = False
+        self.opt.param_groups[-2]["weight_decay"] = 0.2  # final_norm.weight's own group
+        watch.step(6)
+        watch.step(7)
+        self.mon.accept = True
+        watch.step(8)
+        watch.step(9)
+        change = [{"name": "final_norm.weight", "weight_decay": 0.2}]
+        self.assertEqual(self.mon.updates[2:], [(6, change), (7, change), (8, change)])
+
+    def test_a_remediation_is_reported_at_the_step_that_applies_it(self) -> None:
+        remedy = gwt.Remediation(self.model, self.opt, weight_decay=0.05)
+        watch = gwt.Watch(self.model, self.opt, monitor=self.mon, init_norms=False, remediation=remedy)
+        watch.step(1)
+        remedy(contingency())
+        watch.step(2)
+        watch.step(3)
+        self.assertEqual(self.mon.events, [(2, "gradwatch remediation: weight decay 0.05 on final_norm.weight (was 0)")])
+        self.assertEqual(self.mon.updates, [(2, [{"name": "final_norm.weight", "weight_decay": 0.05}])])
+
+    def test_a_change_the_monitor_cannot_take_is_logged_once(self) -> None:
+        mon = gradwatch.Monitor("torch-partial", address="127.0.0.1:1", params=["lm_head.weight"], start=False)
+        try:
+            watch = gwt.Watch(self.model, self.opt, monitor=mon, init_norms=False)
+            move_into_new_group(self.opt, self.model.final_norm.weight, 0.1)
+            with self.assertLogs("gradwatch", "WARNING") as logs:
+                watch.step(1)
+            self.assertIn("'final_norm.weight' is not in the catalog", logs.output[0])
+            with self.assertNoLogs("gradwatch", "WARNING"):
+                watch.step(2)
+        finally:
+            mon.close(finished=False, timeout=1)
 
 
 def _free_port() -> int:

@@ -1,12 +1,14 @@
 """gradwatch.Monitor: a trainer rank's stream of per-step norms to gradwatchd.
 
-The training loop calls log() and event(), which only queue; a background thread connects, sends,
-resends what the daemon has not acknowledged after a reconnect, and hands alerts to a callback.
+The training loop calls log(), event() and update_params(), which only queue; a background thread
+connects, sends, resends what the daemon has not acknowledged after a reconnect, and hands alerts to a
+callback.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import random
@@ -14,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import grpc
 
@@ -34,10 +36,11 @@ _END = object()  # ends a connection's request iterator
 class MonitorStats:
     """What the Monitor has done so far (a copy; see Monitor.stats())."""
 
-    queued: int = 0  # steps and events waiting to be written
+    queued: int = 0  # steps, events and catalog updates waiting to be written
     unacked: int = 0  # written, not yet durable
     sent: int = 0  # step messages written, resends included
     events_sent: int = 0
+    catalog_updates_sent: int = 0  # CatalogUpdates written, resends included
     acked_through_step: Optional[int] = None  # the last durable step
     dropped: int = 0  # steps refused because the queue was full
     errors: int = 0  # Errors from the daemon
@@ -51,14 +54,79 @@ class MonitorStats:
 
 @dataclass
 class _Item:
-    kind: str  # "step", "event" or "goodbye"
+    kind: str  # "step", "event", "catalog" or "goodbye"
     seq: int
-    step: int = 0
+    step: int = 0  # a catalog update's from_step
     wall_time: float = 0.0
     values: Optional[Dict[str, float]] = None
     dropped_before: int = 0  # steps dropped before this one, reported with it
     text: str = ""
     squared: bool = False  # norms given as squared (partial) sums
+    changes: Optional[List[pb.ParamChange]] = None  # a catalog update's
+    # The catalog fields the update replaced, as they were, once it was first written: a refused
+    # update puts them back.
+    undo: Optional[List[pb.ParamChange]] = None
+
+
+_CHANGE_FIELDS = ("weight_decay", "kind", "role", "group")
+_MAX_LABEL_BYTES = 256  # a role's or group's length, as the daemon allows it
+
+
+def _param_change(entry: Any, index: Mapping[str, int]) -> pb.ParamChange:
+    """One update_params() entry as a ParamChange, checked as the daemon checks it."""
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"update_params: a change is a mapping with a name, not {type(entry).__name__}")
+    unknown = set(entry) - {"name", *_CHANGE_FIELDS}
+    if unknown:
+        raise ValueError(f"update_params: {dict(entry)!r}: unknown fields {sorted(unknown)} "
+                         f"(name, {', '.join(_CHANGE_FIELDS)})")
+    name = entry.get("name")
+    if not name:
+        raise ValueError(f"update_params: {dict(entry)!r} has no name")
+    if name not in index:
+        raise ValueError(f"update_params: {name!r} is not in the catalog (log() or the params argument "
+                         f"adds parameters; an update only changes them)")
+    if not any(f in entry for f in _CHANGE_FIELDS):
+        raise ValueError(f"update_params: {name!r}: no field to change ({', '.join(_CHANGE_FIELDS)})")
+    change = pb.ParamChange(name=name)
+    if "weight_decay" in entry:
+        try:
+            wd = float(entry["weight_decay"])
+        except (TypeError, ValueError):
+            raise ValueError(f"update_params: {name!r}: weight_decay {entry['weight_decay']!r} is not a number") \
+                from None
+        if not (math.isfinite(wd) and wd >= 0):
+            raise ValueError(f"update_params: {name!r}: weight_decay must be finite and >= 0, not {wd!r}")
+        change.weight_decay = wd
+    if "kind" in entry:
+        try:
+            change.kind = _catalog.parse_kind(str(entry["kind"]))
+        except ValueError as e:
+            raise ValueError(f"update_params: {name!r}: {e}") from None
+    for field_name in ("role", "group"):
+        if field_name in entry:
+            text = entry[field_name]
+            if not isinstance(text, str):
+                raise ValueError(f"update_params: {name!r}: {field_name} must be text, not {text!r}")
+            if len(text.encode()) > _MAX_LABEL_BYTES:
+                raise ValueError(f"update_params: {name!r}: {field_name} is over {_MAX_LABEL_BYTES} bytes")
+            setattr(change, field_name, text)
+    return change
+
+
+def _param_changes(params: Sequence[Mapping[str, Any]], index: Mapping[str, int]) -> List[pb.ParamChange]:
+    """update_params()'s entries as ParamChanges; ValueError or TypeError names what is wrong."""
+    if isinstance(params, (str, bytes, Mapping)):
+        raise TypeError("update_params: params is a sequence of mappings, one per parameter")
+    changes = [_param_change(entry, index) for entry in params]
+    if not changes:
+        raise ValueError("update_params: no parameter to change")
+    seen = set()
+    for c in changes:
+        if c.name in seen:
+            raise ValueError(f"update_params: {c.name!r} is named twice")
+        seen.add(c.name)
+    return changes
 
 
 class _Stream:
@@ -75,9 +143,9 @@ class _Stream:
     resuming from a checkpoint (the daemon drops what it held from there on). on_alert: called with
     each gradwatch.v1.Alert the daemon sends this stream, on the Monitor's thread.
 
-    Never blocks training: log() and event() queue, up to queue_capacity steps held (queued or
-    written and not yet durable); beyond it a step is dropped and counted, and the daemon is told
-    with the next step sent.
+    Never blocks training: log(), event() and update_params() queue, up to queue_capacity steps
+    held (queued or written and not yet durable); beyond it a step is dropped and counted, and the
+    daemon is told with the next step sent. Events and catalog updates share event_capacity.
     """
 
     def __init__(
@@ -214,6 +282,26 @@ class _Stream:
             self._pump_locked()
             return True
 
+    def update_params(self, step: int, params: Sequence[Mapping[str, Any]]) -> bool:
+        """Queues a change of catalog entries from `step` on, in order with the steps (see
+        Monitor.update_params for `params`); False when it was not queued (closing, or
+        event_capacity events and updates held). Kept until the daemon acknowledges it (EventAck),
+        sent again after a reconnect. Once written, the catalog this stream's Hellos carry holds the
+        new values; an update the daemon refuses puts back the values it replaced. Raises
+        ValueError or TypeError naming what is wrong; nothing is queued then."""
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"update_params: step {step} is negative")
+        with self._lock:
+            changes = _param_changes(params, self._index)
+            if self._stopping or self._events_held >= self._event_capacity:
+                return False
+            self._seq += 1
+            self._pending.append(_Item("catalog", self._seq, step=step, changes=changes))
+            self._events_held += 1
+            self._pump_locked()
+            return True
+
     def flush(self, timeout: Optional[float] = 30.0) -> bool:
         """Waits until everything logged is durable at the daemon; False on timeout or rejection."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -282,6 +370,27 @@ class _Stream:
         self._index[param.name] = len(self._params)
         self._params.append(param.to_proto(self._default_wd))
 
+    def _change_catalog_locked(self, changes: List[pb.ParamChange]) -> List[pb.ParamChange]:
+        """Sets the fields `changes` carry in the catalog; returns the values they replaced."""
+        undo = []
+        for change in changes:
+            info = self._params[self._index[change.name]]
+            before = pb.ParamChange(name=change.name)
+            for f in _CHANGE_FIELDS:
+                if change.HasField(f):
+                    setattr(before, f, getattr(info, f))
+                    setattr(info, f, getattr(change, f))
+            undo.append(before)
+        return undo
+
+    def _refused_catalog_locked(self, item: _Item) -> None:
+        """Puts back what a refused update replaced, in the fields no later update changed since."""
+        for change, before in zip(item.changes, item.undo):
+            info = self._params[self._index[change.name]]
+            for f in _CHANGE_FIELDS:
+                if before.HasField(f) and getattr(info, f) == getattr(change, f):
+                    setattr(info, f, getattr(before, f))
+
     def _hello_locked(self) -> pb.TrainerMessage:
         self._seq += 1
         self._hello_seq = self._seq
@@ -303,6 +412,9 @@ class _Stream:
     def _message(self, item: _Item) -> pb.TrainerMessage:
         if item.kind == "event":
             return pb.TrainerMessage(seq=item.seq, event=pb.Event(step=item.step, text=item.text))
+        if item.kind == "catalog":
+            return pb.TrainerMessage(seq=item.seq,
+                                     catalog_update=pb.CatalogUpdate(from_step=item.step, params=item.changes))
         if item.kind == "goodbye":
             return pb.TrainerMessage(seq=item.seq,
                                      goodbye=pb.Goodbye(reason=pb.GOODBYE_REASON_FINISHED))
@@ -342,6 +454,12 @@ class _Stream:
             if item.kind == "goodbye" and any(i.kind != "goodbye" for i in self._inflight):
                 break  # sent once everything before it is durable
             self._pending.popleft()
+            if item.kind == "catalog" and not self._acks_events:
+                # A daemon that does not ack events predates CatalogUpdate: it would refuse it.
+                self._events_held -= 1
+                log.warning("gradwatch: the daemon at %s does not take catalog updates: the change of %s from "
+                            "step %d is not sent", self._address, ", ".join(c.name for c in item.changes), item.step)
+                continue
             # Built into a message on the stream's thread, not the trainer's: the catalog's indexes
             # never change once given, so reading them there needs no lock.
             self._outbox.put(item)
@@ -357,6 +475,11 @@ class _Stream:
                     self._inflight.append(item)
                 else:
                     self._events_held -= 1
+            elif item.kind == "catalog":
+                if item.undo is None:  # first written: later Hellos carry the new values
+                    item.undo = self._change_catalog_locked(item.changes)
+                self._stats.catalog_updates_sent += 1
+                self._inflight.append(item)
 
     def _requests(self, outbox: queue.Queue):
         while True:
@@ -452,7 +575,7 @@ class _Stream:
                 self._ack_locked(message.ack.durable_step)
             elif which == "event_ack":
                 seq = message.event_ack.seq
-                kept = [i for i in self._inflight if not (i.kind == "event" and i.seq == seq)]
+                kept = [i for i in self._inflight if not (i.kind in ("event", "catalog") and i.seq == seq)]
                 self._events_held -= len(self._inflight) - len(kept)
                 self._inflight = kept
             elif which == "finished":
@@ -469,7 +592,8 @@ class _Stream:
                     log.error("gradwatch: the daemon refused run %s rank %d: %s", self._run, self._rank,
                               self._stats.last_error)
                 else:
-                    # A refused step or event is not kept: it is not held for an ack either.
+                    # A refused step, event or catalog update is not kept: it is not held for an
+                    # ack either.
                     kept = [i for i in self._inflight if i.seq != e.seq]
                     for i in self._inflight:
                         if i.seq == e.seq:
@@ -477,6 +601,8 @@ class _Stream:
                                 self._steps_held -= 1
                             else:
                                 self._events_held -= 1
+                            if i.kind == "catalog":
+                                self._refused_catalog_locked(i)
                     self._inflight = kept
                     log.warning("gradwatch: %s", self._stats.last_error)
             self._pump_locked()
@@ -575,9 +701,9 @@ class Monitor:
     GRADWATCH_TLS_SERVER_NAME; none of them: plain text. token: the bearer token for a daemon with
     security.tokens_file (unset: GRADWATCH_TOKEN).
 
-    Never blocks training: log() and event() queue, up to queue_capacity steps held per daemon
-    (queued or written and not yet durable); beyond it a step is dropped and counted, and the daemon
-    is told with the next step sent.
+    Never blocks training: log(), event() and update_params() queue, up to queue_capacity steps
+    held per daemon (queued or written and not yet durable); beyond it a step is dropped and counted,
+    and the daemon is told with the next step sent.
     """
 
     def __init__(self, run: str, address: Any = DEFAULT_ADDRESS, **kwargs: Any) -> None:
@@ -614,6 +740,25 @@ class Monitor:
         """Queues an event (a change the run went through at `step`), in order with the steps."""
         return any([s.event(step, text) for s in self._streams])
 
+    def update_params(self, step: int, params: Sequence[Mapping[str, Any]]) -> bool:
+        """Queues a change of catalog entries from `step` on (a remediation moved a parameter into a
+        param group with weight decay, a role or group was corrected), in order with the steps; False
+        when no daemon's stream queued it (closing, or event_capacity events and updates held).
+
+        params: one mapping per parameter, with its "name" (in the catalog) and the fields that
+        change: "weight_decay" (a number, finite and >= 0), "kind" (a kind's name, as the catalog
+        takes it: "norm_gain", "output", ...), "role", "group" (text, up to 256 bytes; an empty
+        group means the kind's). Delivered as events are: kept until each daemon acknowledges it and
+        sent again after a reconnect; each daemon records it as an event of the run (source
+        "catalog"). Once written to a daemon, the catalog the Monitor's Hellos to it carry (on a
+        reconnect, or when log() extends the catalog) holds the new values too. Raises ValueError
+        (TypeError for what is not a mapping) naming the entry and what is wrong: an unknown field,
+        a missing or unknown name, a name given twice, no field to change, a weight decay that is
+        negative or not finite, an unknown kind, a role or group that is not text or too long;
+        nothing is queued then.
+        """
+        return any([s.update_params(step, params) for s in self._streams])
+
     def flush(self, timeout: Optional[float] = 30.0) -> bool:
         """Waits until everything logged is durable at every daemon; False on timeout or rejection."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -646,9 +791,9 @@ class Monitor:
 
     def stats(self) -> MonitorStats:
         """What the Monitor has done. With several daemons: counts summed (sent, events_sent,
-        errors, reconnects), the largest backlog (queued, unacked, dropped), the step every daemon
-        holds (acked_through_step: the lowest), connected when any is, rejected and finished when
-        all are; stats_by_daemon() has each."""
+        catalog_updates_sent, errors, reconnects), the largest backlog (queued, unacked, dropped),
+        the step every daemon holds (acked_through_step: the lowest), connected when any is,
+        rejected and finished when all are; stats_by_daemon() has each."""
         each = [s.stats() for s in self._streams]
         if len(each) == 1:
             return each[0]
@@ -658,6 +803,7 @@ class Monitor:
         out.dropped = max(e.dropped for e in each)
         out.sent = sum(e.sent for e in each)
         out.events_sent = sum(e.events_sent for e in each)
+        out.catalog_updates_sent = sum(e.catalog_updates_sent for e in each)
         out.errors = sum(e.errors for e in each)
         out.reconnects = sum(e.reconnects for e in each)
         for e in each:

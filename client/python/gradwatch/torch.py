@@ -17,7 +17,9 @@ norm_f, ln_f, final_layernorm or model.norm, else the last norm gain before the 
 the role "final_norm". Each step also sends the optimizer's learning rate (its first param
 group's), by which the daemon knows the warm-up: pages are held while it rises. Norms are computed on the parameters' device
 with fused kernels where the installed torch has them (torch._foreach_norm) and copied to the host
-once per step.
+once per step. A weight decay that changes in the optimizer's param groups (a parameter moved into
+another group, as Remediation does, or a group's weight_decay set by hand) is seen at the next
+step() and sent as a catalog update from that step (Monitor.update_params).
 
 Under torch.distributed every rank reports each step (its loss; the daemon averages it over the
 ranks). A sharded model (FSDP, or sharded=True) sends each rank's squared sums of its own shards,
@@ -74,6 +76,16 @@ def _final_norm(catalog: List[Param]) -> Optional[Param]:
     return None
 
 
+def _decay_by_param(optimizer: torch.optim.Optimizer) -> Dict[int, float]:
+    """id(parameter) -> the weight decay of its param group (0 when the group has none)."""
+    return {id(p): float(group.get("weight_decay", 0.0)) for group in optimizer.param_groups for p in group["params"]}
+
+
+def _group_signature(optimizer: torch.optim.Optimizer) -> tuple:
+    """What changes when a parameter's weight decay does: each group's identity, weight decay and size."""
+    return tuple((id(g), g.get("weight_decay", 0.0), len(g["params"])) for g in optimizer.param_groups)
+
+
 def _is_fsdp(model: torch.nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -85,7 +97,19 @@ def _is_fsdp(model: torch.nn.Module) -> bool:
 class Watch:
     """Sends `model`'s grad norms, param norms (update norms with update_norms=True) and the total
     grad norm after each optimizer step (every `every` steps) through a gradwatch.Monitor: the one
-    given, or one made with monitor_kwargs (run, address, labels, config, on_alert, ...)."""
+    given, or one made with monitor_kwargs (run, address, labels, config, on_alert, ...).
+
+    Each step() (sent or not) also reports the watched parameters whose weight decay changed in
+    optimizer.param_groups since the previous one: a parameter moved into another group (as
+    Remediation does) or a group's weight_decay set. It compares each group's identity, weight
+    decay and size, and reads the parameters' weight decays again only when they changed (a swap
+    of two parameters between groups of the same size goes unseen); the changed parameters go to
+    Monitor.update_params with their new weight decay, from the step being reported. A change the
+    Monitor did not queue (a full queue) is tried again at the next step. Every rank reports it:
+    each rank's Monitor sends the catalog in its Hellos. A given monitor must have the watched
+    parameters in its catalog; a change it cannot take (a parameter it lacks, a weight decay
+    below 0) is logged and not sent.
+    """
 
     def __init__(
         self,
@@ -113,10 +137,7 @@ class Watch:
         self._param_keys = [f"params/norm/{n}" for n in self.names]
         self._update_keys = [f"updates/norm/{n}" for n in self.names]
         self.params = [p for _, p in named]
-        decay: Dict[int, float] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                decay[id(p)] = float(group.get("weight_decay", 0.0))
+        decay = _decay_by_param(optimizer)
         kinds = dict(kinds or {})
         unknown = set(kinds) - set(self.names)
         if unknown:
@@ -151,17 +172,22 @@ class Watch:
             monitor_kwargs.setdefault("world_size", self.world_size)
             monitor = Monitor(run, params=catalog, **monitor_kwargs)
         self.monitor = monitor
+        # The param groups and weight decays as last reported (the catalog's, at first).
+        self._signature = _group_signature(optimizer)
+        self._decays = [decay.get(id(p), 0.0) for p in self.params]
         self._before: Optional[List[torch.Tensor]] = None
         if update_norms:
             self._before = [p.detach().clone() for p in self.params]
 
     def step(self, step: int, loss: Any = None, metrics: Optional[Mapping[str, Any]] = None) -> bool:
-        """Call after optimizer.step() and before zero_grad(). Sends this step's norms (and `loss`
-        and `metrics`, any JSONL keys) on steps that are multiples of `every`; False otherwise, or
-        when the Monitor dropped it."""
+        """Call after optimizer.step() and before zero_grad(). Applies the remediation due, reports
+        weight decays that changed (see the class), then sends this step's norms (and `loss` and
+        `metrics`, any JSONL keys) on steps that are multiples of `every`; False otherwise, or when
+        the Monitor dropped it."""
         if self.remediation is not None:
             for text in self.remediation.apply():
                 self.monitor.event(step, text)
+        self._report_weight_decay(step)
         send = step % self.every == 0
         if not send:
             if self._before is not None:
@@ -179,6 +205,24 @@ class Watch:
         if metrics:
             out.update(metrics)
         return self.monitor.log(step, out, squared=self._squared)
+
+    def _report_weight_decay(self, step: int) -> None:
+        """Sends the watched parameters' weight decays that changed since the last report, if the
+        param groups did."""
+        signature = _group_signature(self.optimizer)
+        if signature == self._signature:
+            return
+        decay = _decay_by_param(self.optimizer)
+        decays = [decay.get(id(p), 0.0) for p in self.params]
+        changes = [{"name": n, "weight_decay": wd} for n, wd, was in zip(self.names, decays, self._decays) if wd != was]
+        if changes:
+            try:
+                if not self.monitor.update_params(step, changes):
+                    return  # not queued: the next step tries again
+            except ValueError as e:
+                logging.getLogger("gradwatch").warning("gradwatch: the weight-decay change at step %d is not "
+                                                       "reported: %s", step, e)
+        self._signature, self._decays = signature, decays
 
     def _norm_metrics(self) -> Dict[str, float]:
         # Under no_grad the norms track no autograd history: no detach() per tensor is needed.
@@ -231,7 +275,8 @@ class Remediation:
     diagnosis found the cause: a norm gain without weight decay that has grown while the output
     layer carries most of the squared grad norm). Only then is that parameter moved into a param
     group of its own with that weight decay (or `weight_decay` when given), once, and the change
-    reported to the daemon as an event of the run; otherwise the reason (remediation_why) is
+    reported to the daemon as an event of the run (and, by Watch.step, as a catalog update: the
+    run's catalog then carries the new weight decay); otherwise the reason (remediation_why) is
     logged and nothing changes. The alert arrives on the Monitor's thread while training runs on
     another: the move is applied by apply(), which the training loop calls between steps
     (Watch.step does).
