@@ -154,11 +154,14 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
     const bool enough = f.fit_samples == 0 || (f.fit_samples >= kForecastMinReports &&
                                                static_cast<double>(f.fit_span_steps) >=
                                                    kForecastMinSpanFraction * static_cast<double>(rule.within_steps));
-    const bool active = enough && f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0 &&
-                        f.steps_to_threshold <= static_cast<double>(rule.within_steps);
+    // A crossing after the run's last step (config.total_steps) is no crossing this run will see.
+    const bool after_end = facts.config.total_steps && f.reachable && f.at_step > *facts.config.total_steps;
+    const bool active = enough && f.reachable && !after_end && f.current_value < rule.threshold &&
+                        f.steps_to_threshold >= 0 && f.steps_to_threshold <= static_cast<double>(rule.within_steps);
     Condition& c = Make(out, rule, base, {{"series", f.key}}, facts, f.current_value, active);
     // Judged on the steps to the threshold: the forecast itself is the value's fitted level.
-    const bool gate = enough && f.reachable && f.current_value < rule.threshold && f.steps_to_threshold >= 0;
+    const bool gate =
+        enough && f.reachable && !after_end && f.current_value < rule.threshold && f.steps_to_threshold >= 0;
     c.level =
         PlainLevel(CompareOp::kLe, static_cast<double>(rule.within_steps), std::nullopt, f.steps_to_threshold, gate);
     c.level->shows_level = false;
@@ -186,7 +189,15 @@ void EvaluateForecast(const Rule& rule, const RunFacts& facts, const LabelSet& b
       FormatCountTo(number, f.steps_to_threshold);
       outlook.append(number).append(" steps (near step ");
       FormatStepTo(number, f.at_step);
-      outlook.append(number).append(")");
+      outlook.append(number);
+      if (after_end) {
+        FormatStepTo(number, *facts.config.total_steps);
+        outlook.append(", after the run's last step ").append(number);
+      } else if (facts.config.total_steps) {
+        FormatStepTo(number, *facts.config.total_steps);
+        outlook.append(", before the run's last step ").append(number);
+      }
+      outlook.append(")");
     }
     SetVar(c.vars, "outlook", outlook);
   }

@@ -99,6 +99,7 @@ struct ConfigFacts {
   std::optional<double> z_loss_coef;
   std::optional<double> weight_decay;    // the optimizer's default weight decay
   std::optional<uint64_t> warmup_steps;  // the learning-rate warm-up's length, when the trainer said
+  std::optional<uint64_t> total_steps;   // the run's last step, when the trainer said
 };
 
 // The learning rate (optim/learning_rate) as reported up to the evaluated step

@@ -372,7 +372,12 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
       out << "is not rising: it does not reach " << FormatValue(f.threshold()) << " at the current slope\n";
     } else {
       out << "reaches " << FormatValue(f.threshold()) << " in ~" << FormatValue(std::round(f.steps_to_threshold()))
-          << " steps, near step " << GroupedStep(static_cast<double>(f.at_step())) << "\n";
+          << " steps, near step " << GroupedStep(static_cast<double>(f.at_step()));
+      if (summary.config().has_total_steps()) {
+        out << (f.at_step() > summary.config().total_steps() ? ", after" : ", before") << " the run's last step "
+            << GroupedStep(static_cast<double>(summary.config().total_steps()));
+      }
+      out << "\n";
     }
   }
   int shown = 0;
@@ -523,6 +528,7 @@ std::string FormatRunSummary(const v1::RunSummary& summary, double now) {
   if (!c.optimizer().empty()) add("optimizer", c.optimizer());
   if (c.has_weight_decay()) add("weight_decay", FormatValue(c.weight_decay()));
   if (c.has_warmup_steps()) add("warmup_steps", std::to_string(c.warmup_steps()));
+  if (c.has_total_steps()) add("total_steps", std::to_string(c.total_steps()));
   std::map<std::string, std::string> extra(c.extra().begin(), c.extra().end());
   for (const auto& [k, v] : extra) add(k, v);
   head.push_back({"config", config.empty() ? "-" : config});

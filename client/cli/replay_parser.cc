@@ -105,6 +105,11 @@ LineResult ParseHeader(const json& obj) {
         auto n = AsCount(value);
         if (!n) return Error("config.warmup_steps must be a non-negative integer (steps)");
         h.config.set_warmup_steps(*n);
+      } else if (key == "total_steps" || key == "train_steps" || key == "max_steps" || key == "train_iters") {
+        // The run's length, under the names trainers give it.
+        auto n = AsCount(value);
+        if (!n) return Error("config." + key + " must be a non-negative integer (steps)");
+        h.config.set_total_steps(*n);
       } else if (key == "optimizer") {
         h.config.set_optimizer(AsText(value));
       } else {

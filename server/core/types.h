@@ -50,6 +50,7 @@ struct RunConfig {
   std::string optimizer;
   std::optional<double> weight_decay;
   std::optional<uint64_t> warmup_steps;  // the learning-rate warm-up's length (steps)
+  std::optional<uint64_t> total_steps;   // the run's last step (steps)
   std::map<std::string, std::string> extra;
   bool operator==(const RunConfig&) const = default;
 };

@@ -135,6 +135,7 @@ std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits
   meta->config.optimizer = c.optimizer();
   meta->config.weight_decay = c.has_weight_decay() ? std::optional(c.weight_decay()) : std::nullopt;
   meta->config.warmup_steps = c.has_warmup_steps() ? std::optional<uint64_t>(c.warmup_steps()) : std::nullopt;
+  meta->config.total_steps = c.has_total_steps() ? std::optional<uint64_t>(c.total_steps()) : std::nullopt;
   meta->config.extra = {c.extra().begin(), c.extra().end()};
   meta->params.clear();
   meta->params.reserve(in.params_size());
@@ -288,6 +289,7 @@ void ConfigToProto(const RunConfig& in, v1::RunConfig* out) {
   out->set_optimizer(in.optimizer);
   if (in.weight_decay) out->set_weight_decay(*in.weight_decay);
   if (in.warmup_steps) out->set_warmup_steps(*in.warmup_steps);
+  if (in.total_steps) out->set_total_steps(*in.total_steps);
   out->mutable_extra()->insert(in.extra.begin(), in.extra.end());
 }
 

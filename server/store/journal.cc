@@ -218,6 +218,7 @@ std::string ConfigJson(const RunConfig& config) {
     if (config.z_loss_coef) j["z_loss_coef"] = *config.z_loss_coef;
     if (config.weight_decay) j["weight_decay"] = *config.weight_decay;
     if (config.warmup_steps) j["warmup_steps"] = *config.warmup_steps;
+    if (config.total_steps) j["total_steps"] = *config.total_steps;
     return Dump(j);
   } catch (const std::exception& e) {
     spdlog::error("journal: encoding run config: {}", e.what());
@@ -270,9 +271,12 @@ Status ParseConfig(const std::string& text, const std::string& run_id, RunConfig
       }
       ok = ok && ParseOptionalDouble(j, "z_loss_coef", out.z_loss_coef);
       ok = ok && ParseOptionalDouble(j, "weight_decay", out.weight_decay);
-      if (const auto it = j.find("warmup_steps"); it != j.end() && !it->is_null()) {
-        ok = ok && it->is_number_unsigned();
-        if (ok) out.warmup_steps = it->get<uint64_t>();
+      for (const auto& [key, field] :
+           {std::pair{"warmup_steps", &out.warmup_steps}, std::pair{"total_steps", &out.total_steps}}) {
+        if (const auto it = j.find(key); it != j.end() && !it->is_null()) {
+          ok = ok && it->is_number_unsigned();
+          if (ok) *field = it->get<uint64_t>();
+        }
       }
       if (ok) return Status::Ok();
     }

@@ -427,3 +427,52 @@ TEST_CASE("after a resume the forecast fits the new branch alone: a jump at the 
   for (const v1::Alert& a : ListAlerts(daemon.grpc_target(), "resumed")) CHECK(a.name() != "GradNormForecast");
   CHECK((!f.value("reachable", false) || number(f["steps_to_threshold"]) > 20000));
 }
+
+TEST_CASE("a forecast whose crossing falls after the run's last step (config.total_steps) stays quiet, and says so",
+          "[integration]") {
+  DaemonProcess daemon;
+  TempDir dir("gradwatch-forecast-end");
+  // The total grad norm rises 0.5 per 1k steps from 1: at step 4,000 it is at 3 and reaches 5 near
+  // step 8,000, within the built-in forecast's 20,000 steps.
+  const auto write = [&](const std::string& run, std::optional<uint64_t> total_steps) {
+    const std::string path = (dir.path() / (run + ".jsonl")).string();
+    std::ofstream out(path);
+    json header = {{"run", run}, {"config", json::object()}};
+    if (total_steps) header["config"]["train_iters"] = *total_steps;  // as Megatron names it
+    out << header.dump() << "\n";
+    for (uint64_t s = 1; s <= 4000; ++s) {
+      out << json{{"_step", s}, {"grad/norm/total", 1.0 + 5e-4 * static_cast<double>(s)}}.dump() << "\n";
+    }
+    return path;
+  };
+  for (const auto& [run, total] : {std::pair<std::string, std::optional<uint64_t>>{"ends-first", 6000},
+                                   std::pair<std::string, std::optional<uint64_t>>{"runs-on", std::nullopt}}) {
+    const CommandResult r =
+        RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", write(run, total), "--max"},
+                   std::nullopt, std::chrono::seconds(120));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+  }
+  // Without a known end the forecast warning fires (500 steps after it holds)...
+  REQUIRE(WaitUntil(
+      [&] {
+        for (const v1::Alert& a : ListAlerts(daemon.grpc_target(), "runs-on")) {
+          if (a.name() == "GradNormForecast" && a.state() == v1::ALERT_STATE_FIRING) return true;
+        }
+        return false;
+      },
+      std::chrono::seconds(90)));
+  // ...and with the run ending at 6,000 it does not; show says why.
+  REQUIRE(WaitUntil(
+      [&] {
+        const CommandResult s = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "show", "ends-first"});
+        return s.out.find("before the run's last step") != std::string::npos ||
+               s.out.find("after the run's last step 6,000") != std::string::npos;
+      },
+      std::chrono::seconds(60)));
+  for (const v1::Alert& a : ListAlerts(daemon.grpc_target(), "ends-first")) CHECK(a.name() != "GradNormForecast");
+  const CommandResult show = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "show", "ends-first"});
+  INFO(show.out);
+  CHECK(show.out.find(", after the run's last step 6,000") != std::string::npos);
+  CHECK(show.out.find("total_steps=6000") != std::string::npos);
+}

@@ -360,6 +360,8 @@ class _Stream:
                 c.weight_decay = float(value)
             elif key == "warmup_steps":
                 c.warmup_steps = int(value)
+            elif key in ("total_steps", "train_steps", "max_steps", "train_iters"):
+                c.total_steps = int(value)  # the run's length, under the names trainers give it
             else:
                 c.extra[str(key)] = str(value)
         return c

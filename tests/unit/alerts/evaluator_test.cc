@@ -159,6 +159,25 @@ TEST_CASE("forecast: a young fit goes pending only once it holds enough reports 
   }
 }
 
+TEST_CASE("forecast: a crossing after the run's last step (config.total_steps) is said and does not hold", "[alerts]") {
+  const Rule rule = LoadOne(
+      "        kind: forecast\n        series: grad/norm/total\n        threshold: 5\n        within_steps: 200000\n");
+  RunFacts facts = Facts({});
+  facts.forecasts = {{"grad/norm/total", 5.0, true, 146000, 528000, 4.1, 0.006}};
+  facts.config.total_steps = 390251;
+  auto cs = Evaluate(rule, facts);
+  REQUIRE(cs.size() == 1);
+  CHECK_FALSE(cs[0].active);
+  CHECK(cs[0].vars.at("outlook") ==
+        "reaches 5 in ~146,000 steps (near step 528,000, after the run's last step 390,251)");
+  // Before the end: it holds, and says so.
+  facts.config.total_steps = 600000;
+  cs = Evaluate(rule, facts);
+  CHECK(cs[0].active);
+  CHECK(cs[0].vars.at("outlook") ==
+        "reaches 5 in ~146,000 steps (near step 528,000, before the run's last step 600,000)");
+}
+
 TEST_CASE("slope_change: events and change points are separate instances", "[alerts]") {
   const Rule at_event =
       LoadOne("        kind: slope_change\n        series: grad/norm/total\n        min_ratio: 1.5\n");
