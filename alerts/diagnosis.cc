@@ -7,11 +7,14 @@
 
 #include "alerts/recommendation.h"
 #include "alerts/templates.h"
+#include "server/analytics/projection.h"
 
 namespace gradwatch::alerts {
 namespace {
 
 constexpr size_t kTopContributors = 3;
+// How far ahead the what-if of a recommended weight decay looks (steps).
+constexpr uint64_t kProjectionSteps = 20000;
 
 std::string Capitalised(std::string s) {
   // A sentence may open with a parameter name, which keeps its case.
@@ -54,6 +57,51 @@ std::string TopSentence(const std::vector<Contributor>& top) {
       s += "; " + c.name + " " + FormatPercent(c.share);
     }
     if (!move.empty()) s += ", " + move;
+  }
+  return s;
+}
+
+// "With weight decay 0.1 from step 101,316 (learning rate 7.7e-4; final_norm.weight growing 6.9 per
+// 1k steps without decay), final_norm.weight goes from 410 to ~287 by step 121,316 (equilibrium
+// ~180, time constant ~13,000 steps), ..." (analytics/projection.h), without its closing period;
+// "" without the learning rate, the norm or its slope.
+std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double weight_decay, double output_share) {
+  const std::optional<double> slope =
+      gain.norm_slope_per_kstep ? gain.norm_slope_per_kstep : gain.growth_slope_per_kstep;
+  if (!(weight_decay > 0) || !facts.learning_rate.known || !(facts.learning_rate.value > 0) || !gain.norm || !slope) {
+    return "";
+  }
+  const double lr = facts.learning_rate.value;
+  const analytics::NormDynamics dynamics = analytics::EstimateDynamics(
+      *gain.norm, *slope / 1000, lr, gain.info.weight_decay, gain.update_norm.value_or(std::nan("")), std::nan(""));
+  const analytics::NormProjection p = analytics::ProjectNorm(*gain.norm, dynamics, lr, weight_decay, kProjectionSteps);
+  const std::string& name = gain.info.name;
+  std::string s = "With weight decay " + FormatNumber(weight_decay) + " from step " + FormatStep(facts.step) +
+                  " (learning rate " + FormatNumber(lr) + "; " + name + " " +
+                  (*slope >= 0 ? "growing " : "shrinking ") + FormatNumber(std::fabs(*slope)) + " per 1k steps " +
+                  (gain.info.weight_decay > 0 ? "with weight decay " + FormatNumber(gain.info.weight_decay)
+                                              : std::string("without decay")) +
+                  "), " + name + " goes from " + FormatNumber(*gain.norm) + " to ~" + FormatNumber(p.norm_at_end) +
+                  " by step " + FormatStep(facts.step + kProjectionSteps);
+  if (std::isfinite(p.equilibrium_norm)) {
+    s += " (equilibrium ~" + FormatNumber(p.equilibrium_norm) + ", time constant ~" +
+         FormatCount(p.time_constant_steps) + " steps)";
+  }
+  s += std::string(", if the learning rate and its update's radial") +
+       (dynamics.orthogonal_known ? " and rotational parts" : " part (no update norm is reported, so no rotation)") +
+       " stay at their recent values (decoupled decay, ηλ a step)";
+  const SeriesValue* total = FindLatest(facts, keys::kTotalGradNorm);
+  if (total != nullptr && std::isfinite(total->value) && output_share > 0 && output_share <= 1) {
+    // If the output layer's gradient scales with the gain's norm: its part of the squared total
+    // scales with the norm's square.
+    const double k = p.norm_at_end / *gain.norm;
+    const double out_sq = output_share * k * k;
+    s += "; if the output layer's gradient scales with " + name +
+         "'s norm, its share of the squared grad norm goes "
+         "from " +
+         FormatPercent(output_share) + " to ~" + FormatPercent(out_sq / (out_sq + 1 - output_share)) +
+         " and the total grad norm from " + FormatNumber(total->value) + " to ~" +
+         FormatNumber(total->value * std::sqrt(out_sq + 1 - output_share));
   }
   return s;
 }
@@ -239,6 +287,9 @@ Diagnosis Diagnose(const RunFacts& facts, const DiagnosisBounds& bounds) {
                                                        : "Recommendation: enable weight decay on ") +
                          name;
     if (suggested_wd > 0) action += " (the run uses " + FormatNumber(suggested_wd) + " for its decayed parameters)";
+    if (const std::string what_if = WhatIfSentence(facts, *grown, suggested_wd, output_share); !what_if.empty()) {
+      action += ". " + what_if;
+    }
     d.text = Join(evidence) + " A norm gain without weight decay inflates the output layer: " + name +
              " scales the output layer's inputs, and so its gradients, by its amplification.";
     d.recommendation = Join(evidence) + " " + action + ".";

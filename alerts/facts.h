@@ -85,6 +85,7 @@ struct ParamFact {
   ParamInfo info;
   std::optional<double> norm;           // params/norm/<name> at the evaluated step
   std::optional<double> grad_norm;      // grad/norm/<name> at the evaluated step
+  std::optional<double> update_norm;    // updates/norm/<name> at the evaluated step (|Δw| of a step)
   std::optional<double> init_norm;      // catalog init_norm, else sqrt(numel) for a norm gain
   std::optional<double> amplification;  // norm / init_norm
   // Set when analytics reports growth without decay: norm now / norm at the window's start, and

@@ -5,4 +5,5 @@ set(GRADWATCH_ANALYTICS_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/change_point.cc
   ${CMAKE_CURRENT_LIST_DIR}/attribution.cc
   ${CMAKE_CURRENT_LIST_DIR}/spike_filter.cc
+  ${CMAKE_CURRENT_LIST_DIR}/projection.cc
 )

@@ -336,6 +336,7 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
     };
     pf.norm = value_of(NormField::kParam);
     pf.grad_norm = value_of(NormField::kGrad);
+    pf.update_norm = value_of(NormField::kUpdate);
     static const runs::ParamAnalysis kNone;
     const runs::ParamAnalysis& pa = i < params_.size() ? params_[i] : kNone;
     pf.init_norm = pa.init_norm;

@@ -5,6 +5,8 @@
 
 #include "alerts/diagnosis.h"
 #include "alerts/rules.h"
+#include "alerts/templates.h"
+#include "server/analytics/projection.h"
 #include "tests/unit/alerts/param_fact.h"
 
 using namespace gradwatch::alerts;
@@ -50,6 +52,38 @@ TEST_CASE("a grown norm gain without decay and a dominant output layer is the in
   CHECK_THAT(d.recommendation, Contains("Recommendation: enable weight decay on final_norm.weight (the run uses 0.1"));
   CHECK(d.top.at(0).name == "lm_head.weight");
   CHECK(d.output_share == Approx(0.939));
+}
+
+TEST_CASE("the recommendation projects what its weight decay does to the gain, the output share and the total",
+          "[alerts]") {
+  RunFacts f = Run(362.1, 2.5, 0.939, 0.03);
+  // Without a learning rate no projection is made.
+  CHECK_THAT(Diagnose(f, DiagnosisBounds{}).recommendation, !Contains("goes from"));
+  f.learning_rate.known = true;
+  f.learning_rate.value = 7.7e-4;
+  f.params[0].update_norm = 0.004;
+  f.latest = {{"grad/norm/total", 6.1}};
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
+  REQUIRE(d.cause == Cause::kNormGainInflatesOutput);
+  // The same figures as the projection itself (analytics/projection.h, tested against AdamW).
+  const gradwatch::analytics::NormDynamics dyn =
+      gradwatch::analytics::EstimateDynamics(362.1, 2.5e-3, 7.7e-4, 0, 0.004, NAN);
+  const gradwatch::analytics::NormProjection p = gradwatch::analytics::ProjectNorm(362.1, dyn, 7.7e-4, 0.1, 20000);
+  INFO(d.recommendation);
+  CHECK(p.norm_at_end < 362.1);
+  CHECK_THAT(d.recommendation,
+             Contains("With weight decay 0.1 from step 61,500 (learning rate 7.7e-4; final_norm.weight growing 2.5 per "
+                      "1k steps without decay), final_norm.weight goes from 362.1 to ~" +
+                      FormatNumber(p.norm_at_end) + " by step 81,500 (equilibrium ~" +
+                      FormatNumber(p.equilibrium_norm) + ", time constant ~" + FormatCount(p.time_constant_steps) +
+                      " steps), if the learning rate and its update's radial and rotational parts stay at their recent "
+                      "values"));
+  const double k = p.norm_at_end / 362.1;
+  const double out_sq = 0.939 * k * k;
+  CHECK_THAT(
+      d.recommendation,
+      Contains("its share of the squared grad norm goes from 93.9% to ~" + FormatPercent(out_sq / (out_sq + 0.061)) +
+               " and the total grad norm from 6.1 to ~" + FormatNumber(6.1 * std::sqrt(out_sq + 0.061))));
 }
 
 TEST_CASE("a spike an MLP block carries names the block and gives no weight-decay advice", "[alerts]") {
