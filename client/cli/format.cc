@@ -380,6 +380,24 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
       out << "\n";
     }
   }
+  for (const auto& p : a.projections()) {
+    out << "what-if: weight decay " << FormatValue(p.weight_decay()) << " on " << p.param() << " from step "
+        << GroupedStep(static_cast<double>(p.from_step())) << ": " << FormatValue(p.norm_now()) << " → ~"
+        << FormatValue(p.norm()) << " by step " << GroupedStep(static_cast<double>(p.to_step()));
+    if (std::isfinite(p.equilibrium_norm())) {
+      out << " (equilibrium ~" << FormatValue(p.equilibrium_norm()) << ", time constant ~"
+          << FormatValue(std::round(p.time_constant_steps())) << " steps)";
+    }
+    if (std::isfinite(p.total_grad_norm())) out << "; total grad norm ~" << FormatValue(p.total_grad_norm());
+    out << "\n";
+  }
+  for (const auto& r : a.remediations()) {
+    out << "remediation: " << r.param() << " weight decay " << FormatValue(r.previous_weight_decay()) << " → "
+        << FormatValue(r.weight_decay()) << " at step " << GroupedStep(static_cast<double>(r.step())) << ": "
+        << r.verdict() << " (norm " << FormatValue(r.norm_at_step()) << " then, " << FormatValue(r.actual_norm())
+        << " at step " << GroupedStep(static_cast<double>(r.at_step())) << ", projected ~"
+        << FormatValue(r.projected_norm()) << ")\n";
+  }
   int shown = 0;
   std::string shares;
   for (const auto& s : a.shares()) {

@@ -430,6 +430,35 @@ void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out) {
     p->set_amplification(g.amplification);
     p->set_norm(g.norm);
   }
+  for (const runs::ProjectionInfo& x : in.projections) {
+    v1::NormProjection* p = out->add_projections();
+    p->set_param(x.param);
+    p->set_weight_decay(x.weight_decay);
+    p->set_from_step(x.from_step);
+    p->set_to_step(x.to_step);
+    p->set_norm_now(x.norm_now);
+    p->set_norm(x.norm);
+    p->set_equilibrium_norm(x.equilibrium_norm);
+    p->set_time_constant_steps(x.time_constant_steps);
+    p->set_learning_rate(x.learning_rate);
+    p->set_radial(x.radial);
+    p->set_orthogonal(x.orthogonal);
+    p->set_orthogonal_known(x.orthogonal_known);
+    p->set_total_grad_norm(x.total_grad_norm);
+  }
+  for (const runs::RemediationInfo& x : in.remediations) {
+    v1::RemediationCheck* p = out->add_remediations();
+    p->set_param(x.param);
+    p->set_step(x.step);
+    p->set_weight_decay(x.weight_decay);
+    p->set_previous_weight_decay(x.previous_weight_decay);
+    p->set_norm_at_step(x.norm_at_step);
+    p->set_at_step(x.at_step);
+    p->set_projected_norm(x.projected_norm);
+    p->set_actual_norm(x.actual_norm);
+    p->set_time_constant_steps(x.time_constant_steps);
+    p->set_verdict(x.verdict);
+  }
 }
 
 void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out) {

@@ -65,6 +65,7 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
   std::vector<ParamInfo> params = std::move(meta.params);
   meta.params.clear();
   meta_ = std::move(meta);
+  analytics_->SetDefaultWeightDecay(meta_.config.weight_decay);
   if (journal_new) {
     JournalLocked(store::RunRecord{meta_});
     for (size_t i = 0; i < kScalarKeys.size(); ++i) {
@@ -108,7 +109,7 @@ void Run::FinishRestore() {
   }
   assembler_.SetParamCount(meta_.params.size());
   // Changes due at steps a snapshot covered (no step of theirs was replayed).
-  if (has_first_step_) ApplyDueCatalogChangesLocked(last_step_);
+  if (has_first_step_) ApplyDueCatalogChangesLocked(last_step_, /*live=*/false);
 }
 
 uint64_t Run::JournalLocked(store::JournalRecord record) {
@@ -376,17 +377,20 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   // Until the rebuild is installed, the analytics hold only the kept events.
   analytics_ = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   analytics_->SetCatalog(job.params);
+  analytics_->SetDefaultWeightDecay(meta_.config.weight_decay);
   for (const auto& [id, key] : job.series) analytics_->AddSeries(id, key);
   for (const EventRecord& e : job.events) analytics_->OnEvent(e);
   analytics_->SetForecasts(forecasts_);
   analytics_->SetBranchStart(from_step);
   job.forecasts = forecasts_;
+  job.default_weight_decay = meta_.config.weight_decay;
   return job;
 }
 
 void Run::RebuildAnalytics(RebuildJob job) {
   auto rebuilt = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   rebuilt->SetCatalog(job.params);
+  rebuilt->SetDefaultWeightDecay(job.default_weight_decay);
   for (const auto& [id, key] : job.series) rebuilt->AddSeries(id, key);
   for (const EventRecord& e : job.events) rebuilt->OnEvent(e);
   rebuilt->SetForecasts(job.forecasts);
@@ -614,7 +618,9 @@ void Run::CompleteLocked(const PendingStep& p) {
 }
 
 void Run::AnalyzeLocked(const CompletedStep& step, bool restored) {
-  if (!catalog_pending_.empty() && catalog_pending_.front().step <= step.step) ApplyDueCatalogChangesLocked(step.step);
+  if (!catalog_pending_.empty() && catalog_pending_.front().step <= step.step) {
+    ApplyDueCatalogChangesLocked(step.step, /*live=*/true);
+  }
   analytics_->OnStep(step);
   if (!channel_) return;
   const RunActivity activity = ActivityLocked();
@@ -793,20 +799,21 @@ void Run::ScheduleCatalogChangeLocked(uint64_t step, std::vector<ParamChange> ch
   const auto pos = std::upper_bound(catalog_pending_.begin(), catalog_pending_.end(), step,
                                     [](uint64_t s, const CatalogChangeEntry& e) { return s < e.step; });
   catalog_pending_.insert(pos, CatalogChangeEntry{step, std::move(change), {}});
-  if (has_first_step_ && step <= last_step_) ApplyDueCatalogChangesLocked(last_step_);
+  if (has_first_step_ && step <= last_step_) ApplyDueCatalogChangesLocked(last_step_, /*live=*/true);
 }
 
-void Run::ApplyDueCatalogChangesLocked(uint64_t through_step) {
+void Run::ApplyDueCatalogChangesLocked(uint64_t through_step, bool live) {
   size_t due = 0;
   while (due < catalog_pending_.size() && catalog_pending_[due].step <= through_step) {
     CatalogChangeEntry& e = catalog_pending_[due++];
     spdlog::info("run {}: {} (from step {})", id_, DescribeCatalogChange(e.change, meta_.params), e.step);
     e.undo = ApplyCatalogChange(e.change, meta_.params);
+    ++meta_.catalog_changes;
+    // A live change starts its remediation check from the analytics as they are now.
+    analytics_->UpdateCatalog(meta_.params, live ? std::optional<uint64_t>(e.step) : std::nullopt);
     catalog_applied_.push_back(std::move(e));
   }
-  if (due == 0) return;
   catalog_pending_.erase(catalog_pending_.begin(), catalog_pending_.begin() + static_cast<std::ptrdiff_t>(due));
-  CatalogChangedLocked();
 }
 
 void Run::UndoCatalogChangesFromLocked(uint64_t from_step) {
@@ -1217,6 +1224,7 @@ std::optional<Run::SnapshotMark> Run::WriteSnapshot(StateWriter& w, std::optiona
 std::unique_ptr<RunAnalytics> Run::FreshAnalyticsLocked(const std::vector<bool>& tracked, bool with_events) {
   auto analytics = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   analytics->SetCatalog(meta_.params);
+  analytics->SetDefaultWeightDecay(meta_.config.weight_decay);
   for (size_t id = 0; id < tracked.size(); ++id) {
     if (tracked[id]) analytics->AddSeries(static_cast<SeriesId>(id), series_[id].key);
   }

@@ -354,6 +354,7 @@ class Run {
     std::vector<std::pair<SeriesId, std::string>> series;
     std::vector<EventRecord> events;  // kept events and the resume event
     std::vector<std::pair<std::string, double>> forecasts;
+    std::optional<double> default_weight_decay;
   };
   // Totals of the kept steps, which the rebuild counts as it reads them.
   struct StepTotals {
@@ -377,11 +378,12 @@ class Run {
   // A catalog change due from `step` on: applied now if the run completed a step at or after it,
   // else kept until it does (ApplyDueCatalogChangesLocked).
   void ScheduleCatalogChangeLocked(uint64_t step, std::vector<ParamChange> change) REQUIRES(mu_);
-  // Applies the kept catalog changes due at or before `through_step`, in step order.
-  void ApplyDueCatalogChangesLocked(uint64_t through_step) REQUIRES(mu_);
+  // Applies the kept catalog changes due at or before `through_step`, in step order; `live` (not a
+  // restore catching up past a snapshot) starts the remediation checks of raised weight decays.
+  void ApplyDueCatalogChangesLocked(uint64_t through_step, bool live) REQUIRES(mu_);
   // Undoes the applied catalog changes from `from_step` on and drops the kept ones (a rewind).
   void UndoCatalogChangesFromLocked(uint64_t from_step) REQUIRES(mu_);
-  // meta_.params changed in place: the analytics and the listener's readers follow.
+  // meta_.params changed in place (undone): the analytics and the listener's readers follow.
   void CatalogChangedLocked() REQUIRES(mu_);
   // Rebuilds the analytics off the lock and installs them, unless a newer rewind came first.
   void RebuildAnalytics(RebuildJob job);

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include <spdlog/spdlog.h>
 
@@ -74,11 +75,20 @@ void RunAnalytics::SetCatalog(const std::vector<ParamInfo>& params) {
   }
 }
 
-void RunAnalytics::UpdateCatalog(const std::vector<ParamInfo>& params) {
+void RunAnalytics::UpdateCatalog(const std::vector<ParamInfo>& params, std::optional<uint64_t> from_step) {
   const size_t n = std::min(params.size(), params_.size());
   for (size_t i = 0; i < n; ++i) {
     const ParamInfo& p = params[i];
     if (p.name != params_[i].name) continue;
+    if (from_step && p.weight_decay > params_[i].weight_decay) {
+      // The projection this remediation is held to, from the dynamics before it.
+      const double lr = LearningRate();
+      if (const auto dynamics = DynamicsOf(i, lr)) {
+        std::erase_if(remediations_, [&](const Remediation& r) { return r.param == i; });
+        remediations_.push_back(
+            {i, *from_step, p.weight_decay, params_[i].weight_decay, param_state_[i].norm_value, lr, *dynamics});
+      }
+    }
     const std::string group(p.EffectiveGroup());
     if (group != params_[i].EffectiveGroup()) {
       auto g = std::find_if(groups_.begin(), groups_.end(), [&](const GroupState& s) { return s.name == group; });
@@ -164,6 +174,8 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   }
   if (t.param >= 0 && t.role == Role::kParamGrad) param_state_[t.param].grad = id;
   if (t.param >= 0 && t.role == Role::kParamNorm) param_state_[t.param].norm = id;
+  if (t.param >= 0 && t.role == Role::kParamUpdate) param_state_[t.param].update = id;
+  if (key == keys::kLearningRate) learning_rate_ = id;
 }
 
 bool RunAnalytics::Materialize(Tracked& t) {
@@ -280,7 +292,124 @@ void RunAnalytics::SetBranchStart(uint64_t step) {
   for (auto& sums : branch_sums_) sums.reset();
 }
 
+namespace {
+
+// A remediation works while its norm stays within this fraction of its projection.
+constexpr double kRemediationTolerance = 0.25;
+
+}  // namespace
+
+double RunAnalytics::LearningRate() const {
+  if (learning_rate_ >= series_.size() || !series_[learning_rate_].has_value) return kNaN;
+  return series_[learning_rate_].last_value;
+}
+
+std::optional<analytics::NormDynamics> RunAnalytics::DynamicsOf(size_t i, double lr) const {
+  const ParamState& ps = param_state_[i];
+  if (!ps.has_norm_value || !(lr > 0) || ps.norm >= series_.size() || !series_[ps.norm].slopes) return std::nullopt;
+  // The shortest window: the dynamics as they are now, not as they were over a long window (a
+  // norm's growth slows as it grows, and Adam's first steps move it differently).
+  const analytics::WindowedSlope* shortest = nullptr;
+  for (const analytics::WindowedSlope& w : series_[ps.norm].slopes->windows()) {
+    if (shortest == nullptr || w.window_steps() < shortest->window_steps()) shortest = &w;
+  }
+  const std::optional<analytics::LinearFit> fit = shortest->Fit();
+  if (!fit) return std::nullopt;
+  const bool update_known = ps.update < series_.size() && series_[ps.update].has_value;
+  return analytics::EstimateDynamics(ps.norm_value, fit->slope_per_step, lr, params_[i].weight_decay,
+                                     update_known ? series_[ps.update].last_value : kNaN, kNaN);
+}
+
+double RunAnalytics::ProjectedWeightDecay() const {
+  if (default_weight_decay_ && *default_weight_decay_ > 0) return *default_weight_decay_;
+  std::map<double, size_t> counts;
+  for (const ParamInfo& p : params_) {
+    if (p.weight_decay > 0 && std::isfinite(p.weight_decay)) ++counts[p.weight_decay];
+  }
+  double best = 0;
+  size_t most = 0;
+  for (const auto& [wd, count] : counts) {
+    if (count > most) best = wd, most = count;
+  }
+  return best;
+}
+
+void RunAnalytics::FillProjections(RunAnalysis& out) const {
+  out.projections.clear();
+  out.remediations.clear();
+  const double lr = LearningRate();
+  const double wd = ProjectedWeightDecay();
+  double output_share = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].kind == ParamKind::kOutput && param_state_[i].has_share) output_share += param_state_[i].share;
+  }
+  const double total =
+      total_grad_ < series_.size() && series_[total_grad_].has_value ? series_[total_grad_].last_value : kNaN;
+  for (const GrowthInfo& g : out.growth_without_decay) {
+    const auto it = param_by_name_.find(g.param);
+    if (it == param_by_name_.end() || !(wd > 0)) continue;
+    const auto i = static_cast<size_t>(it->second);
+    const auto dynamics = DynamicsOf(i, lr);
+    if (!dynamics) continue;
+    const double norm = param_state_[i].norm_value;
+    const analytics::NormProjection p = analytics::ProjectNorm(norm, *dynamics, lr, wd, options_.projection_steps);
+    ProjectionInfo& info = out.projections.emplace_back();
+    info.param = g.param;
+    info.weight_decay = wd;
+    info.from_step = last_step_;
+    info.to_step = last_step_ + options_.projection_steps;
+    info.norm_now = norm;
+    info.norm = p.norm_at_end;
+    info.equilibrium_norm = p.equilibrium_norm;
+    info.time_constant_steps = p.time_constant_steps;
+    info.learning_rate = lr;
+    info.radial = dynamics->radial;
+    info.orthogonal = dynamics->orthogonal;
+    info.orthogonal_known = dynamics->orthogonal_known;
+    info.total_grad_norm = kNaN;
+    if (std::isfinite(total) && output_share > 0 && output_share <= 1 && norm > 0) {
+      // If the output layer's gradient scales with the gain's norm (the incident's mechanism).
+      const double k = p.norm_at_end / norm;
+      info.total_grad_norm = total * std::sqrt(output_share * k * k + 1 - output_share);
+    }
+  }
+  for (const Remediation& r : remediations_) {
+    const ParamState& ps = param_state_[r.param];
+    if (!ps.has_norm_value || last_step_ < r.step) continue;
+    const analytics::NormProjection p =
+        analytics::ProjectNorm(r.norm, r.dynamics, r.learning_rate, r.weight_decay, last_step_ - r.step);
+    RemediationInfo& info = out.remediations.emplace_back();
+    info.param = params_[r.param].name;
+    info.step = r.step;
+    info.weight_decay = r.weight_decay;
+    info.previous_weight_decay = r.previous_weight_decay;
+    info.norm_at_step = r.norm;
+    info.at_step = last_step_;
+    info.projected_norm = p.norm_at_end;
+    info.actual_norm = ps.norm_value;
+    info.time_constant_steps = p.time_constant_steps;
+    // Where the norm would be without the change, to tell a decay that acts slowly from none.
+    const double unchanged =
+        analytics::ProjectNorm(r.norm, r.dynamics, r.learning_rate, r.previous_weight_decay, last_step_ - r.step)
+            .norm_at_end;
+    const double elapsed = static_cast<double>(last_step_ - r.step);
+    const double actual = ps.norm_value;
+    if (elapsed < p.time_constant_steps / 2) {
+      info.verdict = "too early";
+    } else if (std::abs(actual - p.norm_at_end) <= kRemediationTolerance * p.norm_at_end) {
+      info.verdict = "working";
+    } else if (actual < p.norm_at_end) {
+      info.verdict = "faster than projected";
+    } else if (std::abs(actual - unchanged) < std::abs(actual - p.norm_at_end)) {
+      info.verdict = "not working";
+    } else {
+      info.verdict = "slower than projected";
+    }
+  }
+}
+
 void RunAnalytics::OnStep(const CompletedStep& step) {
+  last_step_ = std::max(last_step_, step.step);
   const uint32_t slot = set_aside_.Begin(step.step);
   const bool set_aside = charge_.bytes() >= options_.set_aside_min_bytes;
   set_aside_shares_.Begin(step.step);
@@ -698,6 +827,7 @@ void RunAnalytics::Analysis(RunAnalysis& out) const {
   }
   out.amplifications.resize(amplifications);
   out.growth_without_decay.resize(growth);
+  FillProjections(out);
 }
 
 }  // namespace gradwatch::runs

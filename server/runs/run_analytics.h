@@ -29,6 +29,7 @@
 #include "server/analytics/attribution.h"
 #include "server/analytics/change_point.h"
 #include "server/analytics/event_slope.h"
+#include "server/analytics/projection.h"
 #include "server/analytics/regression.h"
 #include "server/analytics/spike_filter.h"
 #include "server/core/set_aside.h"
@@ -65,6 +66,8 @@ struct AnalyticsOptions {
   // Growth without decay is reported when the norm rose by at least this fraction over the
   // longest window.
   double min_growth = 0.02;
+  // How far ahead the what-if of weight decay on a growing parameter looks (steps).
+  uint64_t projection_steps = 20000;
 };
 
 struct SeriesSlopeInfo {
@@ -131,6 +134,45 @@ struct GrowthInfo {
   double norm = 0;
 };
 
+// What weight decay would do to a parameter whose norm grows without it (analytics/projection.h),
+// from the run's latest step, with the learning rate and the update's parts held.
+struct ProjectionInfo {
+  std::string param;
+  double weight_decay = 0;  // the decay projected (the run's default, else its decayed parameters')
+  uint64_t from_step = 0;
+  uint64_t to_step = 0;  // from_step + AnalyticsOptions::projection_steps
+  double norm_now = 0;
+  double norm = 0;  // projected at to_step
+  double equilibrium_norm = 0;
+  double time_constant_steps = 0;
+  double learning_rate = 0;
+  double radial = 0;      // ρ, per unit learning rate
+  double orthogonal = 0;  // |u⊥|, per unit learning rate (0 when no update norm is reported)
+  bool orthogonal_known = false;
+  // Where the output layer's gradient scales with the norm: the total grad norm at to_step (NaN
+  // when the run has no total or no output share).
+  double total_grad_norm = 0;
+};
+
+// The check after a remediation: a catalog change that gave a parameter weight decay (or more of
+// it), the projection made at that step held against what the norm did since.
+struct RemediationInfo {
+  std::string param;
+  uint64_t step = 0;  // the change's
+  double weight_decay = 0;
+  double previous_weight_decay = 0;
+  double norm_at_step = 0;
+  uint64_t at_step = 0;  // the run's latest
+  double projected_norm = 0;
+  double actual_norm = 0;
+  double time_constant_steps = 0;
+  // "too early" (before half a time constant), "working" (within 25% of the projection),
+  // "faster than projected" (more than 25% below it), "slower than projected" (more than 25%
+  // above it, nearer it than where the norm would be without the change), "not working" (nearer
+  // where it would be without the change).
+  std::string verdict;
+};
+
 // A catalog parameter's analytics, as the alert rules read them at each step. Unknown fields are
 // empty.
 struct ParamAnalysis {
@@ -154,6 +196,9 @@ struct RunAnalysis {
   std::vector<ShareInfo> shares;
   std::vector<AmplificationInfo> amplifications;
   std::vector<GrowthInfo> growth_without_decay;
+  // Analysis() only (not StepAnalysis).
+  std::vector<ProjectionInfo> projections;
+  std::vector<RemediationInfo> remediations;
 };
 
 // The per-parameter fits a reader of StepAnalysis uses, by catalog index (an index beyond a
@@ -184,7 +229,11 @@ class RunAnalytics {
   // weight decay, role and group are taken from `params` (same entries, same order), a parameter
   // moved to another group counts in that group's share from the next step. A series keeps the
   // trackers it was given (a norm that gains weight decay keeps its change-point detector).
-  void UpdateCatalog(const std::vector<ParamInfo>& params);
+  // A weight decay raised from `from_step` on (a live change, not a restore catching up) starts
+  // a remediation check (RunAnalysis::remediations), from the dynamics measured before it.
+  void UpdateCatalog(const std::vector<ParamInfo>& params, std::optional<uint64_t> from_step = std::nullopt);
+  // The run's default weight decay (config.weight_decay), which projections use first.
+  void SetDefaultWeightDecay(std::optional<double> weight_decay) { default_weight_decay_ = weight_decay; }
   // A series exists under `id`; its role is read from the key and the catalog.
   void AddSeries(SeriesId id, const std::string& key);
   // Room for `count` series ids in all, so that a catalog's series do not grow the entries by
@@ -267,6 +316,7 @@ class RunAnalytics {
   struct ParamState {
     SeriesId grad = kNoSeries;
     SeriesId norm = kNoSeries;
+    SeriesId update = kNoSeries;
     int group = 0;
     std::optional<double> init_norm;
     std::unique_ptr<analytics::WindowedSlope> share_trend;
@@ -353,6 +403,29 @@ class RunAnalytics {
   uint64_t branch_start_ = 0;
   std::vector<std::optional<analytics::RegressionSums>> branch_sums_;
   SeriesId total_grad_ = kNoSeries;
+  SeriesId learning_rate_ = kNoSeries;
+  uint64_t last_step_ = 0;  // the latest step analysed
+  std::optional<double> default_weight_decay_;
+  // Remediations under check: the parameter, the change, and the projection's inputs then.
+  struct Remediation {
+    size_t param = 0;
+    uint64_t step = 0;
+    double weight_decay = 0;
+    double previous_weight_decay = 0;
+    double norm = 0;
+    double learning_rate = 0;
+    analytics::NormDynamics dynamics;
+  };
+  std::vector<Remediation> remediations_;
+  // The parameter's norm dynamics now (its norm's slope over the forecast window, its update
+  // norm, the learning rate `lr`); nullopt without a norm or a slope.
+  std::optional<analytics::NormDynamics> DynamicsOf(size_t i, double lr) const;
+  // The learning rate's latest report; NaN when unknown.
+  double LearningRate() const;
+  // The weight decay a projection uses: the run's default, else the most common one among its
+  // decayed parameters; 0: none known.
+  double ProjectedWeightDecay() const;
+  void FillProjections(RunAnalysis& out) const;
   std::vector<EventRecord> events_;
   // Per-step scratch, reused.
   std::vector<double> grad_scratch_;

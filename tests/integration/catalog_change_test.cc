@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fstream>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -200,4 +201,126 @@ TEST_CASE("a resumed job whose hello carries the new weight decay changes the ca
   ExpectRemedied(daemon, "resumed", 700);
   const json shown = Shown(daemon, "resumed");
   CHECK(WeightDecayShown(shown, "final_norm.weight") == 0.1);
+}
+
+namespace {
+
+// A norm gain trained by AdamW (as tests/unit/analytics/projection_test.cc): its gradient pulls
+// the norm outward, with a little noise. Steps are written to `out` every `every` steps from
+// `from` to `to` with decay `wd` applied.
+class SimulatedGain {
+ public:
+  SimulatedGain() : w_(256), m_(256), v_(256) {
+    std::normal_distribution<double> init(0.0, 1.0);
+    for (double& x : w_) x = init(rng_);
+  }
+  double Norm() const {
+    double s = 0;
+    for (double x : w_) s += x * x;
+    return std::sqrt(s);
+  }
+  void Run(std::ofstream& out, uint64_t from, uint64_t to, uint64_t every, double wd) {
+    for (uint64_t s = from; s <= to; ++s) {
+      ++t_;
+      const double n = Norm();
+      double change2 = 0;
+      for (size_t i = 0; i < w_.size(); ++i) {
+        const double g = -w_[i] / n + 0.05 * normal_(rng_);
+        m_[i] = 0.9 * m_[i] + 0.1 * g;
+        v_[i] = 0.999 * v_[i] + 0.001 * g * g;
+        const double u = (m_[i] / (1 - std::pow(0.9, t_))) / (std::sqrt(v_[i] / (1 - std::pow(0.999, t_))) + 1e-8);
+        const double next = (1 - kLr * wd) * w_[i] - kLr * u;
+        change2 += (next - w_[i]) * (next - w_[i]);
+        w_[i] = next;
+      }
+      if (s % every != 0) continue;
+      out << json{{"_step", s},
+                  {"grad/norm/total", 2.0},
+                  {"grad/norm/lm_head.weight", 2.0 * std::sqrt(0.95)},
+                  {"grad/norm/layers.0.mlp.weight", 2.0 * std::sqrt(0.05)},
+                  {"params/norm/final_norm.weight", Norm()},
+                  {"updates/norm/final_norm.weight", std::sqrt(change2)},
+                  {"optim/learning_rate", kLr}}
+                 .dump()
+          << "\n";
+    }
+  }
+  static constexpr double kLr = 1e-3;
+
+ private:
+  std::vector<double> w_, m_, v_;
+  std::mt19937 rng_{11};
+  std::normal_distribution<double> normal_{0.0, 1.0};
+  double t_ = 0;
+};
+
+json Projection(const json& shown, const std::string& param) {
+  for (const json& p : shown["analysis"]["projections"]) {
+    if (p["param"] == param) return p;
+  }
+  return json();
+}
+
+double Number(const json& v) { return v.is_string() ? std::stod(v.get<std::string>()) : v.get<double>(); }
+
+}  // namespace
+
+TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, and the check says whether it works",
+          "[integration]") {
+  DaemonProcess daemon;
+  TempDir dir("gradwatch-what-if");
+  for (const bool decays : {true, false}) {
+    const std::string run = decays ? "remedy-works" : "remedy-ignored";
+    INFO(run);
+    SimulatedGain gain;
+    const std::string first = (dir.path() / (run + "-1.jsonl")).string();
+    {
+      std::ofstream out(first);
+      out << Header(run, 0.0).dump() << "\n";
+      gain.Run(out, 1, 3000, 1, 0.0);
+    }
+    CommandResult r = Replay(daemon, first);
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    // The projection of weight decay 0.1 (the run's default) from step 3,000 to 23,000.
+    const json before = Projection(Shown(daemon, run), "final_norm.weight");
+    INFO(before.dump());
+    REQUIRE_FALSE(before.is_null());
+    CHECK(Number(before["weight_decay"]) == 0.1);
+    CHECK(Number(before["from_step"]) == 3000);
+    CHECK(Number(before["to_step"]) == 23000);
+    CHECK(before["orthogonal_known"] == true);
+    CHECK(Number(before["time_constant_steps"]) == Approx(10000).epsilon(0.05));
+
+    // The remedy from step 3,001, then 20,000 steps of AdamW: with the decay, or (the trainer did
+    // not apply it) without.
+    const std::string second = (dir.path() / (run + "-2.jsonl")).string();
+    {
+      std::ofstream out(second);
+      out << Header(run, 0.0).dump() << "\n";
+      out << json{{"_step", 3001}, {"params", {{{"name", "final_norm.weight"}, {"weight_decay", 0.1}}}}}.dump() << "\n";
+      gain.Run(out, 3001, 23000, 10, decays ? 0.1 : 0.0);
+    }
+    r = Replay(daemon, second);
+    REQUIRE(r.exit_code == 0);
+    const json shown = Shown(daemon, run);
+    REQUIRE(shown["analysis"]["remediations"].size() == 1);
+    const json check = shown["analysis"]["remediations"][0];
+    INFO(check.dump());
+    CHECK(check["param"] == "final_norm.weight");
+    CHECK(Number(check["step"]) == 3001);
+    CHECK(Number(check["at_step"]) == 23000);
+    CHECK(Number(check["actual_norm"]) == Approx(gain.Norm()));
+    if (decays) {
+      // Made at step 3,000, the projection is within 10% of AdamW's norm 20,000 steps later.
+      CHECK(Number(before["norm"]) == Approx(gain.Norm()).epsilon(0.10));
+      CHECK(Number(check["projected_norm"]) == Approx(gain.Norm()).epsilon(0.10));
+      CHECK(check["verdict"] == "working");
+    } else {
+      CHECK(check["verdict"] == "not working");
+    }
+    const CommandResult text = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "show", run});
+    CHECK(text.out.find("remediation: final_norm.weight weight decay 0 → 0.1 at step 3,001: " +
+                        check["verdict"].get<std::string>()) != std::string::npos);
+  }
 }
