@@ -137,6 +137,30 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
     }
   }
   if (!forecast) md << "No forecast configured for this run's series.\n";
+  if (a.projections_size() > 0 || a.remediations_size() > 0) {
+    md << "\n## Weight decay: what-if and remediations\n\n";
+    for (const auto& p : a.projections()) {
+      md << "- With weight decay " << Num(p.weight_decay()) << " from step " << Step(p.from_step()) << ", **"
+         << p.param() << "** goes from " << Num(p.norm_now()) << " to ~" << Num(p.norm()) << " by step "
+         << Step(p.to_step());
+      if (std::isfinite(p.equilibrium_norm())) {
+        md << " (equilibrium ~" << Num(p.equilibrium_norm()) << ", time constant ~"
+           << Step(static_cast<uint64_t>(std::llround(p.time_constant_steps()))) << " steps)";
+      }
+      if (std::isfinite(p.total_grad_norm())) {
+        md << "; if the output layer's gradient scales with its norm, the total grad norm reaches ~"
+           << Num(p.total_grad_norm());
+      }
+      md << " (learning rate " << Num(p.learning_rate()) << " and the update's "
+         << (p.orthogonal_known() ? "radial and rotational parts" : "radial part") << " held).\n";
+    }
+    for (const auto& r : a.remediations()) {
+      md << "- **" << r.param() << "**: weight decay " << Num(r.previous_weight_decay()) << " → "
+         << Num(r.weight_decay()) << " from step " << Step(r.step()) << " (norm " << Num(r.norm_at_step())
+         << "); at step " << Step(r.at_step()) << " it is " << Num(r.actual_norm()) << " against ~"
+         << Num(r.projected_norm()) << " projected: **" << r.verdict() << "**.\n";
+    }
+  }
   md << "\n## Alerts\n\n";
   // Each alert's latest recommendation: as it is now for the alerts still active, as it was when
   // it last fired for the others; the same text once.

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <random>
 #include <string>
@@ -322,5 +323,15 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
     const CommandResult text = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "show", run});
     CHECK(text.out.find("remediation: final_norm.weight weight decay 0 → 0.1 at step 3,001: " +
                         check["verdict"].get<std::string>()) != std::string::npos);
+    // `gradwatch report` tells it too.
+    const auto report = dir.path() / (run + "-report");
+    const CommandResult rep =
+        RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "report", run, "-o", report.string()});
+    REQUIRE(rep.exit_code == 0);
+    std::ifstream md_file(report / "report.md");
+    const std::string md((std::istreambuf_iterator<char>(md_file)), std::istreambuf_iterator<char>());
+    CHECK(md.find("## Weight decay: what-if and remediations") != std::string::npos);
+    CHECK(md.find("from step 3,001 (norm ") != std::string::npos);
+    CHECK(md.find("projected: **" + check["verdict"].get<std::string>() + "**") != std::string::npos);
   }
 }
