@@ -129,7 +129,7 @@ TEST_CASE("a catalog update applies from its step on, once, as an event of the r
   CHECK(WeightDecayOf(run, "final_norm.weight") == 0.1);
 }
 
-TEST_CASE("a rewind before a catalog change undoes it; a resuming hello's catalog applies from its resume step",
+TEST_CASE("a rewind before a catalog change undoes it and a resuming hello's catalog applies from its resume step",
           "[runs][catalog]") {
   FakeClock clock;
   RunOptions options;
