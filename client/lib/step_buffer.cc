@@ -27,20 +27,22 @@ bool StepBuffer::PushStep(v1::StepStats step) {
 }
 
 bool StepBuffer::PushEvent(v1::Event event) {
-  if (!HasRoomForEvent()) return false;
-  Entry e;
-  e.id = next_id_++;
-  *e.message.mutable_event() = std::move(event);
-  Count(e);
-  entries_.push_back(std::move(e));
-  return true;
+  v1::TrainerMessage message;
+  *message.mutable_event() = std::move(event);
+  return PushAcked(std::move(message));
 }
 
 bool StepBuffer::PushCatalogUpdate(v1::CatalogUpdate update) {
+  v1::TrainerMessage message;
+  *message.mutable_catalog_update() = std::move(update);
+  return PushAcked(std::move(message));
+}
+
+bool StepBuffer::PushAcked(v1::TrainerMessage message) {
   if (!HasRoomForEvent()) return false;
   Entry e;
   e.id = next_id_++;
-  *e.message.mutable_catalog_update() = std::move(update);
+  e.message = std::move(message);
   Count(e);
   entries_.push_back(std::move(e));
   return true;

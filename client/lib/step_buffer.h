@@ -104,6 +104,8 @@ class StepBuffer {
   uint64_t dropped() const { return dropped_; }  // steps refused since construction
 
  private:
+  // Appends an event or a catalog update: held until its EventAck, under the events' bound.
+  bool PushAcked(v1::TrainerMessage message);
   // Removes the entries of [0, limit) that match `pred`, keeping order; cheap at the front.
   template <typename Pred>
   size_t EraseFront(size_t limit, Pred pred);

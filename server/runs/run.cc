@@ -488,12 +488,7 @@ std::optional<IngestError> Run::AddStep(uint32_t rank, const RankStep& report, S
   if (held != nullptr) *held = false;
   DeliverOnExit deliver(channel_);
   MutexLock lock(&mu_);
-  if (rank >= ranks_.size()) {
-    return IngestError{IngestErrorReason::kSuperseded,
-                       "rank " + std::to_string(rank) + " is not in the run's world of " +
-                           std::to_string(ranks_.size()) + " since it resumed; this report is not stored",
-                       report.step};
-  }
+  if (auto err = OutsideWorldLocked(rank, "report", report.step)) return err;
   if (auto err = StorageRefusalLocked(rank, report.step)) return err;
   RankState& rs = ranks_[rank];
   if (rs.has_received && report.step < rs.last_received) {
@@ -734,15 +729,18 @@ std::optional<IngestError> Run::AddEvent(EventRecord event) {
 
 std::optional<IngestError> Run::AddEvent(EventRecord event, uint32_t rank, uint64_t seq, StreamSink* sink) {
   MutexLock lock(&mu_);
-  if (rank >= ranks_.size()) {
-    return IngestError{IngestErrorReason::kSuperseded,
-                       "rank " + std::to_string(rank) + " is not in the run's world of " +
-                           std::to_string(ranks_.size()) + " since it resumed; this event is not stored",
-                       event.step};
-  }
+  if (auto err = OutsideWorldLocked(rank, "event", event.step)) return err;
   if (auto err = StorageRefusalLocked(rank, event.step)) return err;
   RecordEventLocked(event, rank, seq, sink);
   return std::nullopt;
+}
+
+std::optional<IngestError> Run::OutsideWorldLocked(uint32_t rank, std::string_view what, uint64_t step) const {
+  if (rank < ranks_.size()) return std::nullopt;
+  return IngestError{IngestErrorReason::kSuperseded,
+                     "rank " + std::to_string(rank) + " is not in the run's world of " + std::to_string(ranks_.size()) +
+                         " since it resumed; this " + std::string(what) + " is not stored",
+                     step};
 }
 
 bool Run::RecordEventLocked(const EventRecord& event, uint32_t rank, uint64_t seq, StreamSink* sink) {
@@ -777,12 +775,7 @@ std::optional<IngestError> Run::AddCatalogChange(uint64_t from_step, std::vector
                                                  uint64_t seq, StreamSink* sink) {
   DeliverOnExit deliver(channel_);
   MutexLock lock(&mu_);
-  if (rank >= ranks_.size()) {
-    return IngestError{IngestErrorReason::kSuperseded,
-                       "rank " + std::to_string(rank) + " is not in the run's world of " +
-                           std::to_string(ranks_.size()) + " since it resumed; this catalog change is not stored",
-                       from_step};
-  }
+  if (auto err = OutsideWorldLocked(rank, "catalog change", from_step)) return err;
   if (auto why = CheckCatalogChange(changes, meta_.params)) {
     return IngestError{
         IngestErrorReason::kInvalidMessage,

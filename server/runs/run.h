@@ -372,6 +372,9 @@ class Run {
   bool RewindsLocked(uint64_t from_step, uint32_t rank) const REQUIRES(mu_);
   // The locked part of a rewind: everything but the analytics rebuild, which it prepares.
   RebuildJob RewindLocked(uint64_t from_step, uint32_t world_size) REQUIRES(mu_);
+  // SUPERSEDED for a rank beyond the world of a resumed run (`what` it sent, at `step`).
+  std::optional<IngestError> OutsideWorldLocked(uint32_t rank, std::string_view what, uint64_t step) const
+      REQUIRES(mu_);
   // Records an event sent on a stream (AddEvent, AddCatalogChange): false when the run already
   // held it (a resend); the ack is arranged either way.
   bool RecordEventLocked(const EventRecord& event, uint32_t rank, uint64_t seq, StreamSink* sink) REQUIRES(mu_);

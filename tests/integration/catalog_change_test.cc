@@ -91,6 +91,20 @@ void ExpectTheIncident(const DaemonProcess& daemon, const std::string& run) {
   CHECK(page.annotations().at("recommendation").find("enable weight decay on final_norm.weight") != std::string::npos);
 }
 
+// Steps 1..600 of the incident's shape for `run`, replayed; then as ExpectTheIncident.
+void ReplayTheIncident(const DaemonProcess& daemon, const TempDir& dir, const std::string& run) {
+  const std::string first = (dir.path() / (run + "-first.jsonl")).string();
+  {
+    std::ofstream out(first);
+    out << Header(run, 0.0).dump() << "\n";
+    for (uint64_t s = 1; s <= 600; ++s) out << StepLine(s).dump() << "\n";
+  }
+  const CommandResult r = Replay(daemon, first);
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  ExpectTheIncident(daemon, run);
+}
+
 // From the change on: the growth warning resolved, the page's advice no longer weight decay.
 void ExpectRemedied(const DaemonProcess& daemon, const std::string& run, uint64_t last_step) {
   const std::string at_last = "at step " + std::to_string(last_step);
@@ -121,16 +135,7 @@ TEST_CASE("a history's params line changes the catalog from its step: the growth
           "[integration]") {
   DaemonProcess daemon;
   TempDir dir("gradwatch-catalog-line");
-  const std::string first = (dir.path() / "first.jsonl").string();
-  {
-    std::ofstream out(first);
-    out << Header("remedied", 0.0).dump() << "\n";
-    for (uint64_t s = 1; s <= 600; ++s) out << StepLine(s).dump() << "\n";
-  }
-  const CommandResult r1 = Replay(daemon, first);
-  INFO(r1.out << r1.err);
-  REQUIRE(r1.exit_code == 0);
-  ExpectTheIncident(daemon, "remedied");
+  ReplayTheIncident(daemon, dir, "remedied");
 
   // The on-call engineer moves final_norm.weight into a param group with weight decay 0.1 at step
   // 601; the history says so in a line of its own, and the norm goes on (its decay shows later).
@@ -178,16 +183,7 @@ TEST_CASE("a resumed job whose hello carries the new weight decay changes the ca
           "[integration]") {
   DaemonProcess daemon;
   TempDir dir("gradwatch-catalog-resume");
-  const std::string first = (dir.path() / "first.jsonl").string();
-  {
-    std::ofstream out(first);
-    out << Header("resumed", 0.0).dump() << "\n";
-    for (uint64_t s = 1; s <= 600; ++s) out << StepLine(s).dump() << "\n";
-  }
-  const CommandResult r1 = Replay(daemon, first);
-  INFO(r1.out << r1.err);
-  REQUIRE(r1.exit_code == 0);
-  ExpectTheIncident(daemon, "resumed");
+  ReplayTheIncident(daemon, dir, "resumed");
 
   // The job is restarted from its step-550 checkpoint with weight decay 0.1 on the final norm.
   const std::string second = (dir.path() / "second.jsonl").string();

@@ -58,6 +58,20 @@ size_t CatalogEvents(const Run& run) {
 
 const std::vector<ParamChange> kDecayFinalNorm = {{.name = "final_norm.weight", .weight_decay = 0.1}};
 
+// A run without a journal, attached on `sink`, with steps 1..last.
+struct Fixture {
+  FakeClock clock;
+  RunOptions options;
+  DaemonStats stats;
+  Run run{Meta(), options, nullptr, &stats, &clock, true};
+  RecordingSink sink;
+  AttachInfo info;
+  explicit Fixture(uint64_t last) {
+    REQUIRE_FALSE(run.Attach(Meta(), 0, &sink, &info));
+    for (uint64_t s = 1; s <= last; ++s) REQUIRE_FALSE(run.AddStep(0, Step(s), &sink));
+  }
+};
+
 }  // namespace
 
 TEST_CASE("a catalog change is checked, described and carried as data that reads back", "[runs][catalog]") {
@@ -91,14 +105,9 @@ TEST_CASE("a catalog change is checked, described and carried as data that reads
 }
 
 TEST_CASE("a catalog update applies from its step on, once, as an event of the run", "[runs][catalog]") {
-  FakeClock clock;
-  RunOptions options;
-  DaemonStats stats;
-  Run run(Meta(), options, nullptr, &stats, &clock, true);
-  RecordingSink sink;
-  AttachInfo info;
-  REQUIRE_FALSE(run.Attach(Meta(), 0, &sink, &info));
-  for (uint64_t s = 1; s <= 10; ++s) REQUIRE_FALSE(run.AddStep(0, Step(s), &sink));
+  Fixture f(10);
+  Run& run = f.run;
+  RecordingSink& sink = f.sink;
 
   // From step 12: not before that step completes.
   REQUIRE_FALSE(run.AddCatalogChange(12, kDecayFinalNorm, 0, 7, &sink));
@@ -131,14 +140,10 @@ TEST_CASE("a catalog update applies from its step on, once, as an event of the r
 
 TEST_CASE("a rewind before a catalog change undoes it and a resuming hello's catalog applies from its resume step",
           "[runs][catalog]") {
-  FakeClock clock;
-  RunOptions options;
-  DaemonStats stats;
-  Run run(Meta(), options, nullptr, &stats, &clock, true);
-  RecordingSink sink;
-  AttachInfo info;
-  REQUIRE_FALSE(run.Attach(Meta(), 0, &sink, &info));
-  for (uint64_t s = 1; s <= 30; ++s) REQUIRE_FALSE(run.AddStep(0, Step(s), &sink));
+  Fixture f(30);
+  Run& run = f.run;
+  RecordingSink& sink = f.sink;
+  AttachInfo& info = f.info;
   REQUIRE_FALSE(run.AddCatalogChange(20, kDecayFinalNorm, 0, 1, &sink));
   REQUIRE(WeightDecayOf(run, "final_norm.weight") == 0.1);
 
