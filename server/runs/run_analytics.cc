@@ -85,8 +85,9 @@ void RunAnalytics::UpdateCatalog(const std::vector<ParamInfo>& params, std::opti
       const double lr = LearningRate();
       if (const auto dynamics = DynamicsOf(i, lr)) {
         std::erase_if(remediations_, [&](const Remediation& r) { return r.param == i; });
+        const double norm = param_state_[i].norm_value;
         remediations_.push_back(
-            {i, *from_step, p.weight_decay, params_[i].weight_decay, param_state_[i].norm_value, lr, *dynamics});
+            {i, *from_step, p.weight_decay, params_[i].weight_decay, norm, lr, *dynamics, *from_step, norm, norm});
       }
     }
     const std::string group(p.EffectiveGroup());
@@ -373,11 +374,18 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
       info.total_grad_norm = total * std::sqrt(output_share * k * k + 1 - output_share);
     }
   }
-  for (const Remediation& r : remediations_) {
+  for (Remediation& r : remediations_) {
     const ParamState& ps = param_state_[r.param];
     if (!ps.has_norm_value || last_step_ < r.step) continue;
-    const analytics::NormProjection p =
-        analytics::ProjectNorm(r.norm, r.dynamics, r.learning_rate, r.weight_decay, last_step_ - r.step);
+    if (last_step_ < r.advanced_to) r.advanced_to = r.step, r.projected = r.unchanged = r.norm;
+    const uint64_t more = last_step_ - r.advanced_to;
+    r.projected = analytics::ProjectNorm(r.projected, r.dynamics, r.learning_rate, r.weight_decay, more).norm_at_end;
+    r.unchanged =
+        analytics::ProjectNorm(r.unchanged, r.dynamics, r.learning_rate, r.previous_weight_decay, more).norm_at_end;
+    r.advanced_to = last_step_;
+    // The equilibrium and time constant (no step iterated).
+    analytics::NormProjection p = analytics::ProjectNorm(r.norm, r.dynamics, r.learning_rate, r.weight_decay, 0);
+    p.norm_at_end = r.projected;
     RemediationInfo& info = out.remediations.emplace_back();
     info.param = params_[r.param].name;
     info.step = r.step;
@@ -389,9 +397,7 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
     info.actual_norm = ps.norm_value;
     info.time_constant_steps = p.time_constant_steps;
     // Where the norm would be without the change, to tell a decay that acts slowly from none.
-    const double unchanged =
-        analytics::ProjectNorm(r.norm, r.dynamics, r.learning_rate, r.previous_weight_decay, last_step_ - r.step)
-            .norm_at_end;
+    const double unchanged = r.unchanged;
     const double elapsed = static_cast<double>(last_step_ - r.step);
     const double actual = ps.norm_value;
     if (elapsed < p.time_constant_steps / 2) {

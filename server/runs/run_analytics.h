@@ -415,8 +415,15 @@ class RunAnalytics {
     double norm = 0;
     double learning_rate = 0;
     analytics::NormDynamics dynamics;
+    // The two paths as far as they were iterated (FillProjections carries them on from there, so
+    // that a reader pays for the steps since its last read, not since the change): with the new
+    // weight decay, and with the previous one.
+    uint64_t advanced_to = 0;
+    double projected = 0;
+    double unchanged = 0;
   };
-  std::vector<Remediation> remediations_;
+  // Mutable: FillProjections, a const reader under the run's lock, advances the paths.
+  mutable std::vector<Remediation> remediations_;
   // The parameter's norm dynamics now (its norm's slope over the forecast window, its update
   // norm, the learning rate `lr`); nullopt without a norm or a slope.
   std::optional<analytics::NormDynamics> DynamicsOf(size_t i, double lr) const;
