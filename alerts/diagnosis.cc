@@ -72,8 +72,9 @@ std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double 
     return "";
   }
   const double lr = facts.learning_rate.value;
-  const analytics::NormDynamics dynamics = analytics::EstimateDynamics(
-      *gain.norm, *slope / 1000, lr, gain.info.weight_decay, gain.update_norm.value_or(std::nan("")), std::nan(""));
+  const analytics::NormDynamics dynamics =
+      analytics::EstimateDynamics(*gain.norm, *slope / 1000, lr, gain.info.weight_decay,
+                                  gain.update_norm.value_or(std::nan("")), gain.radial_per_step.value_or(std::nan("")));
   const analytics::NormProjection p = analytics::ProjectNorm(*gain.norm, dynamics, lr, weight_decay, kProjectionSteps);
   const std::string& name = gain.info.name;
   std::string s = "With weight decay " + FormatNumber(weight_decay) + " from step " + FormatStep(facts.step) +
@@ -87,7 +88,11 @@ std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double 
     s += " (equilibrium ~" + FormatNumber(p.equilibrium_norm) + ", time constant ~" +
          FormatCount(p.time_constant_steps) + " steps)";
   }
-  s += std::string(", if the learning rate and its update's radial") +
+  // The radial part as the trainer reports it, else as the norm's slope implies.
+  const std::string radial_source = gain.radial_per_step
+                                        ? " (reported: ⟨Δw, w⟩/|w| " + FormatNumber(*gain.radial_per_step) + " a step)"
+                                        : std::string();
+  s += ", if the learning rate and its update's radial" + radial_source +
        (dynamics.orthogonal_known ? " and rotational parts" : " part (no update norm is reported, so no rotation)") +
        " stay at their recent values (decoupled decay, ηλ a step)";
   const SeriesValue* total = FindLatest(facts, keys::kTotalGradNorm);

@@ -83,9 +83,11 @@ struct ShareFact {
 // One catalog parameter and what analytics says about it. Optional fields are unknown when empty.
 struct ParamFact {
   ParamInfo info;
-  std::optional<double> norm;           // params/norm/<name> at the evaluated step
-  std::optional<double> grad_norm;      // grad/norm/<name> at the evaluated step
-  std::optional<double> update_norm;    // updates/norm/<name> at the evaluated step (|Δw| of a step)
+  std::optional<double> norm;         // params/norm/<name> at the evaluated step
+  std::optional<double> grad_norm;    // grad/norm/<name> at the evaluated step
+  std::optional<double> update_norm;  // updates/norm/<name> at the evaluated step (|Δw| of a step)
+  // ⟨Δw, w⟩/|w| as it is now (updates/radial/<name>, fitted over the shortest window), when sent.
+  std::optional<double> radial_per_step;
   std::optional<double> init_norm;      // catalog init_norm, else sqrt(numel) for a norm gain
   std::optional<double> amplification;  // norm / init_norm
   // Set when analytics reports growth without decay: norm now / norm at the window's start, and

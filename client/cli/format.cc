@@ -389,7 +389,7 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
           << FormatValue(std::round(p.time_constant_steps())) << " steps)";
     }
     if (std::isfinite(p.total_grad_norm())) out << "; total grad norm ~" << FormatValue(p.total_grad_norm());
-    out << "\n";
+    out << (p.radial_known() ? " [radial update as reported]" : " [radial update from the norm's slope]") << "\n";
   }
   for (const auto& r : a.remediations()) {
     out << "remediation: " << r.param() << " weight decay " << FormatValue(r.previous_weight_decay()) << " → "

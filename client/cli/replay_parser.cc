@@ -16,6 +16,7 @@ using nlohmann::json;
 constexpr std::string_view kGradPrefix = "grad/norm/";
 constexpr std::string_view kParamPrefix = "params/norm/";
 constexpr std::string_view kUpdatePrefix = "updates/norm/";
+constexpr std::string_view kRadialPrefix = "updates/radial/";
 constexpr std::string_view kTotalGradKey = "grad/norm/total";
 constexpr std::string_view kTotalParamKey = "params/norm/total";
 constexpr std::string_view kTotalUpdateKey = "updates/norm/total";
@@ -217,7 +218,7 @@ bool IsBuiltInKey(const std::string& key) {
       key == "train/tokens") {
     return true;
   }
-  for (std::string_view prefix : {kGradPrefix, kParamPrefix, kUpdatePrefix}) {
+  for (std::string_view prefix : {kGradPrefix, kParamPrefix, kUpdatePrefix, kRadialPrefix}) {
     if (key.compare(0, prefix.size(), prefix) == 0) return true;
   }
   return false;
@@ -249,6 +250,7 @@ std::optional<std::string> AddMetric(StepRecord& rec, const std::string& key, do
       {kGradPrefix, NormField::kGrad},
       {kParamPrefix, NormField::kParam},
       {kUpdatePrefix, NormField::kUpdate},
+      {kRadialPrefix, NormField::kRadial},
   };
   for (const auto& [prefix, field] : prefixes) {
     if (key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0) {
@@ -491,6 +493,7 @@ v1::StepStats ToStepStats(const StepRecord& record, const ReplayCatalog& catalog
       case NormField::kGrad: p.mutable_grad()->set_norm(v.value); break;
       case NormField::kParam: p.mutable_param()->set_norm(v.value); break;
       case NormField::kUpdate: p.mutable_update()->set_norm(v.value); break;
+      case NormField::kRadial: p.mutable_radial_update()->set_radial(v.value); break;
     }
   }
   for (auto& [index, p] : by_index) *stats.add_params() = std::move(p);

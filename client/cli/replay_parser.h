@@ -20,8 +20,9 @@ namespace gradwatch::cli {
 // parser then reads as numbers.
 std::string QuoteNonFiniteTokens(std::string_view line);
 
-// Which of a parameter's norms a key names.
-enum class NormField { kGrad, kParam, kUpdate };
+// Which of a parameter's values a key names: its three norms, or its radial update
+// (updates/radial/<param>, ⟨Δw, w⟩/|w|, signed).
+enum class NormField { kGrad, kParam, kUpdate, kRadial };
 
 struct ParamValue {
   std::string param;

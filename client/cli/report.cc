@@ -42,7 +42,6 @@ std::string ShortName(std::string name, std::string_view prefix) {
   return name;
 }
 
-std::string StateName(v1::AlertState state) { return ShortName(v1::AlertState_Name(state), "ALERT_STATE_"); }
 std::string RunStateName(v1::RunState state) { return ShortName(v1::RunState_Name(state), "RUN_STATE_"); }
 
 }  // namespace
@@ -152,7 +151,8 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
            << Num(p.total_grad_norm());
       }
       md << " (learning rate " << Num(p.learning_rate()) << " and the update's "
-         << (p.orthogonal_known() ? "radial and rotational parts" : "radial part") << " held).\n";
+         << (p.orthogonal_known() ? "radial and rotational parts" : "radial part") << " held; the radial part "
+         << (p.radial_known() ? "as the trainer reports it" : "from the norm's slope") << ").\n";
     }
     for (const auto& r : a.remediations()) {
       md << "- **" << r.param() << "**: weight decay " << Num(r.previous_weight_decay()) << " → "

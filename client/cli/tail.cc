@@ -37,10 +37,13 @@ constexpr std::string_view kSkippedKey = "train/skipped_iterations";
 constexpr std::string_view kGradPrefix = "grad/norm/";
 constexpr std::string_view kParamPrefix = "params/norm/";
 constexpr std::string_view kUpdatePrefix = "updates/norm/";
+constexpr std::string_view kRadialPrefix = "updates/radial/";
 
-// A per-parameter key of a JSONL line: its parameter and which norm; nullopt for other keys.
+// A per-parameter key of a JSONL line: its parameter and which value (0-2 its norms, 3 its radial
+// update); nullopt for other keys.
 std::optional<std::pair<std::string, int>> ParamKey(const std::string& key) {
-  const std::pair<std::string_view, int> prefixes[] = {{kGradPrefix, 0}, {kParamPrefix, 1}, {kUpdatePrefix, 2}};
+  const std::pair<std::string_view, int> prefixes[] = {
+      {kGradPrefix, 0}, {kParamPrefix, 1}, {kUpdatePrefix, 2}, {kRadialPrefix, 3}};
   for (const auto& [prefix, field] : prefixes) {
     if (key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0) {
       std::string param = key.substr(prefix.size());
@@ -434,10 +437,12 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
           ps = stats.add_params();
           ps->set_index(index);
         }
-        (param->second == 0   ? ps->mutable_grad()
-         : param->second == 1 ? ps->mutable_param()
-                              : ps->mutable_update())
-            ->set_norm(value);
+        switch (param->second) {
+          case 0: ps->mutable_grad()->set_norm(value); break;
+          case 1: ps->mutable_param()->set_norm(value); break;
+          case 2: ps->mutable_update()->set_norm(value); break;
+          default: ps->mutable_radial_update()->set_radial(value); break;
+        }
       } else if (key != "train/tokens") {
         (*stats.mutable_extra())[key] = value;
       }

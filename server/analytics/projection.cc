@@ -17,6 +17,7 @@ NormDynamics EstimateDynamics(double norm, double slope_per_step, double learnin
   double along = slope_per_step;
   if (std::isfinite(radial_per_step)) {
     along = radial_per_step;
+    d.radial_known = true;
   } else if (update_known) {
     along = ((norm + slope_per_step) * (norm + slope_per_step) - update_norm * update_norm - norm * norm) / (2 * norm);
   }

@@ -24,6 +24,7 @@ struct NormDynamics {
   double radial = 0;              // ρ: the update's part along the weight (signed: > 0 grows the norm)
   double orthogonal = 0;          // |u⊥|: the norm of the rest
   bool orthogonal_known = false;  // from an update norm; else 0 was assumed
+  bool radial_known = false;      // from a reported radial update; else from the norm's slope
 };
 
 // The dynamics behind a norm `norm` moving `slope_per_step` per step under weight decay

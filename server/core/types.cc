@@ -92,6 +92,7 @@ namespace keys {
 std::string GradNorm(std::string_view param) { return std::string(kGradNormPrefix) + std::string(param); }
 std::string ParamNorm(std::string_view param) { return std::string(kParamNormPrefix) + std::string(param); }
 std::string UpdateNorm(std::string_view param) { return std::string(kUpdateNormPrefix) + std::string(param); }
+std::string RadialUpdate(std::string_view param) { return std::string(kRadialUpdatePrefix) + std::string(param); }
 }  // namespace keys
 
 namespace {
@@ -118,6 +119,8 @@ bool RankStep::SameValues(const RankStep& o) const {
     for (int f = 0; f < kNormFields; ++f) {
       if (!SameNorm(params[i].norms[f], o.params[i].norms[f])) return false;
     }
+    const RadialContribution &a = params[i].radial, &b = o.params[i].radial;
+    if (a.form != b.form || (a.present() && !SameDouble(a.value, b.value))) return false;
   }
   for (size_t i = 0; i < extra.size(); ++i) {
     if (extra[i].first != o.extra[i].first || !SameDouble(extra[i].second, o.extra[i].second)) {

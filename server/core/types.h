@@ -107,6 +107,8 @@ inline constexpr std::string_view kTokens = "train/tokens";
 inline constexpr std::string_view kGradNormPrefix = "grad/norm/";
 inline constexpr std::string_view kParamNormPrefix = "params/norm/";
 inline constexpr std::string_view kUpdateNormPrefix = "updates/norm/";
+// A parameter's radial update ⟨Δw, w⟩/|w| (signed: RadialContribution).
+inline constexpr std::string_view kRadialUpdatePrefix = "updates/radial/";
 // The whole model's parameter and update norms, as a trainer's log prints them ("params norm"):
 // extra series, since no parameter may be named "total".
 inline constexpr std::string_view kTotalParamNorm = "params/norm/total";
@@ -119,6 +121,7 @@ inline constexpr std::string_view kNanIterations = "train/nan_iterations";
 std::string GradNorm(std::string_view param);
 std::string ParamNorm(std::string_view param);
 std::string UpdateNorm(std::string_view param);
+std::string RadialUpdate(std::string_view param);
 }  // namespace keys
 
 // Whether `text` matches `pattern`, where '*' matches any run of characters (none included), '?'
@@ -145,9 +148,21 @@ struct NormContribution {
   bool operator==(const NormContribution&) const = default;
 };
 
+// A parameter's radial update ⟨Δw, w⟩/|w| as a rank reported it: ranks merge by summing, so a
+// rank holding the whole parameter gives `radial`, a rank holding a shard its partial inner
+// product ⟨Δw_s, w_s⟩ (`dot`), which the merged step divides by the merged parameter norm.
+struct RadialContribution {
+  enum class Form : uint8_t { kNone, kRadial, kDot };
+  Form form = Form::kNone;
+  double value = 0;
+  bool present() const { return form != Form::kNone; }
+  bool operator==(const RadialContribution&) const = default;
+};
+
 struct ParamContribution {
   uint32_t index = 0;
   NormContribution norms[kNormFields];
+  RadialContribution radial;
   bool operator==(const ParamContribution&) const = default;
 };
 

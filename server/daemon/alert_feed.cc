@@ -349,6 +349,7 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
       pf.growth_slope_per_kstep = pa.growth->slope_per_kstep;
     }
     pf.norm_slope_per_kstep = pa.norm_slope_per_kstep;
+    pf.radial_per_step = pa.radial_per_step;
   }
   f.config.z_loss_coef = p.meta.config.z_loss_coef;
   f.config.weight_decay = p.meta.config.weight_decay;

@@ -50,7 +50,8 @@ bool IsBuiltInKey(std::string_view key) {
   for (std::string_view fixed : {keys::kTotalGradNorm, keys::kLoss, keys::kZLoss, keys::kLearningRate, keys::kTokens}) {
     if (key == fixed) return true;
   }
-  for (std::string_view prefix : {keys::kGradNormPrefix, keys::kParamNormPrefix, keys::kUpdateNormPrefix}) {
+  for (std::string_view prefix :
+       {keys::kGradNormPrefix, keys::kParamNormPrefix, keys::kUpdateNormPrefix, keys::kRadialUpdatePrefix}) {
     if (key.substr(0, prefix.size()) == prefix) return true;
   }
   return false;
@@ -191,6 +192,23 @@ std::optional<IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, 
         err->message = "parameter index " + std::to_string(ps.index()) + ": " + err->message;
         return err;
       }
+    }
+    switch (ps.radial_update().value_case()) {
+      case v1::RadialValue::kRadial:
+        pc.radial = {RadialContribution::Form::kRadial, ps.radial_update().radial()};
+        break;
+      case v1::RadialValue::kDot:
+        // The merged step divides the ranks' dots by the merged parameter norm: a rank that sends
+        // its part of the inner product sends its part of the norm.
+        if (!pc.norms[static_cast<int>(NormField::kParam)].present) {
+          return IngestError{IngestErrorReason::kInvalidMessage,
+                             "parameter index " + std::to_string(ps.index()) +
+                                 ": radial_update.dot needs this rank's parameter norm (param) in the same report",
+                             in.step()};
+        }
+        pc.radial = {RadialContribution::Form::kDot, ps.radial_update().dot()};
+        break;
+      case v1::RadialValue::VALUE_NOT_SET: pc.radial = {}; break;
     }
   }
   // Protobuf maps iterate in no fixed order: sort so repeats compare equal.
@@ -444,6 +462,7 @@ void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out) {
     p->set_radial(x.radial);
     p->set_orthogonal(x.orthogonal);
     p->set_orthogonal_known(x.orthogonal_known);
+    p->set_radial_known(x.radial_known);
     p->set_total_grad_norm(x.total_grad_norm);
   }
   for (const runs::RemediationInfo& x : in.remediations) {

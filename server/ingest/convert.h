@@ -27,8 +27,9 @@ std::optional<runs::IngestError> HelloFromProto(const v1::Hello& in, const Hello
 
 // Converts StepStats into *out (whose buffers are reused). Rejects negative finite norms and extra
 // keys that name a built-in series (grad/norm/total, train/loss, train/z_loss,
-// optim/learning_rate, train/tokens, or under grad/norm/, params/norm/, updates/norm/); NaN and
-// ±Inf pass (they are signals). Catalog checks happen in the run.
+// optim/learning_rate, train/tokens, or under grad/norm/, params/norm/, updates/norm/,
+// updates/radial/) and a radial update's `dot` without the rank's parameter norm; NaN and ±Inf
+// pass (they are signals). Catalog checks happen in the run.
 std::optional<runs::IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, RankStep* out);
 
 // Validates an event's text (1..1024 bytes) and converts it.

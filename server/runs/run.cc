@@ -573,6 +573,7 @@ void Run::CompleteLocked(const PendingStep& p) {
       }
     }
   }
+  if (p.radial_any) PutRadialLocked(p, out);
   for (size_t e = 0; e < p.extra_used; ++e) {
     put(SeriesForKeyLocked(p.extra[e].key, true), p.extra[e].sum / p.extra[e].n);
   }
@@ -610,6 +611,24 @@ void Run::CompleteLocked(const PendingStep& p) {
     rp.branch = branch_;
   }
   JournalLocked(std::move(record));
+}
+
+void Run::PutRadialLocked(const PendingStep& p, CompletedStep& out) {
+  const size_t n = std::min({p.radial.size(), meta_.params.size(), p.param_sq.size() / kNormFields});
+  if (radial_series_.size() < n) radial_series_.resize(n, kNoSeries);
+  for (size_t i = 0; i < n; ++i) {
+    const PendingStep::Radial& r = p.radial[i];
+    if (!r.present) continue;
+    double value = r.radial;
+    if (r.has_dot) {
+      // Every rank that sent a dot sent its part of the norm (ingest/convert.h).
+      const long double norm = std::sqrt(p.param_sq[i * kNormFields + static_cast<int>(NormField::kParam)]);
+      value += static_cast<double>(r.dot / norm);
+    }
+    if (radial_series_[i] == kNoSeries)
+      radial_series_[i] = SeriesForKeyLocked(keys::RadialUpdate(meta_.params[i].name), true);
+    if (radial_series_[i] != kNoSeries) out.values.push_back({radial_series_[i], value});
+  }
 }
 
 void Run::AnalyzeLocked(const CompletedStep& step, bool restored) {

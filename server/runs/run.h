@@ -404,6 +404,8 @@ class Run {
   void AnswerGoodbyesLocked() REQUIRES(mu_);
   SeriesId SeriesForKeyLocked(const std::string& key, bool journal) REQUIRES(mu_);
   void CompleteLocked(const PendingStep& p) REQUIRES(mu_);
+  // Puts the step's merged radial updates into `out` (RadialContribution).
+  void PutRadialLocked(const PendingStep& p, CompletedStep& out) REQUIRES(mu_);
   // Analytics of one completed step and its publication to the listener (deferred while
   // rebuilding).
   void AnalyzeLocked(const CompletedStep& step, bool restored) REQUIRES(mu_);
@@ -482,6 +484,8 @@ class Run {
   std::unordered_set<SeriesId, KeyHash, KeyEqual> series_by_key_ GUARDED_BY(mu_){0, KeyHash{KeyOfId{&series_}},
                                                                                  KeyEqual{KeyOfId{&series_}}};
   std::vector<std::array<SeriesId, kNormFields>> param_series_ GUARDED_BY(mu_);
+  // Per catalog index: its updates/radial/ series, made on its first value (kNoSeries until then).
+  std::vector<SeriesId> radial_series_ GUARDED_BY(mu_);
   std::array<SeriesId, 5> scalar_series_ GUARDED_BY(mu_){};  // total grad, loss, z-loss, lr, tokens
   std::vector<RankState> ranks_ GUARDED_BY(mu_);
   std::vector<EventRecord> events_ GUARDED_BY(mu_);          // ordered by step

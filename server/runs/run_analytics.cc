@@ -123,7 +123,8 @@ void RunAnalytics::ClassifyLocked(Tracked& t) const {
     };
     static constexpr Prefix kPrefixes[] = {{keys::kGradNormPrefix, Role::kParamGrad},
                                            {keys::kParamNormPrefix, Role::kParamNorm},
-                                           {keys::kUpdateNormPrefix, Role::kParamUpdate}};
+                                           {keys::kUpdateNormPrefix, Role::kParamUpdate},
+                                           {keys::kRadialUpdatePrefix, Role::kParamRadial}};
     for (const Prefix& p : kPrefixes) {
       if (!StartsWith(t.key, p.prefix)) continue;
       auto it = param_by_name_.find(t.key.substr(p.prefix.size()));
@@ -146,6 +147,7 @@ bool RunAnalytics::IsKeySeries(Role role, int param) const {
     case Role::kParamNorm: return param >= 0 && params_[param].weight_decay == 0.0;
     case Role::kParamGrad: return param >= 0 && params_[param].kind == ParamKind::kOutput;
     case Role::kParamUpdate:
+    case Role::kParamRadial:
     case Role::kExtra: return false;
   }
   return false;
@@ -176,6 +178,7 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   if (t.param >= 0 && t.role == Role::kParamGrad) param_state_[t.param].grad = id;
   if (t.param >= 0 && t.role == Role::kParamNorm) param_state_[t.param].norm = id;
   if (t.param >= 0 && t.role == Role::kParamUpdate) param_state_[t.param].update = id;
+  if (t.param >= 0 && t.role == Role::kParamRadial) param_state_[t.param].radial = id;
   if (key == keys::kLearningRate) learning_rate_ = id;
 }
 
@@ -305,20 +308,30 @@ double RunAnalytics::LearningRate() const {
   return series_[learning_rate_].last_value;
 }
 
-std::optional<analytics::NormDynamics> RunAnalytics::DynamicsOf(size_t i, double lr) const {
-  const ParamState& ps = param_state_[i];
-  if (!ps.has_norm_value || !(lr > 0) || ps.norm >= series_.size() || !series_[ps.norm].slopes) return std::nullopt;
-  // The shortest window: the dynamics as they are now, not as they were over a long window (a
-  // norm's growth slows as it grows, and Adam's first steps move it differently).
+std::optional<analytics::LinearFit> RunAnalytics::RecentFit(SeriesId id) const {
+  if (id >= series_.size() || !series_[id].slopes) return std::nullopt;
+  // The shortest window: the series as it is now, not as it was over a long window (a norm's
+  // growth slows as it grows, and Adam's first steps move it differently).
   const analytics::WindowedSlope* shortest = nullptr;
-  for (const analytics::WindowedSlope& w : series_[ps.norm].slopes->windows()) {
+  for (const analytics::WindowedSlope& w : series_[id].slopes->windows()) {
     if (shortest == nullptr || w.window_steps() < shortest->window_steps()) shortest = &w;
   }
-  const std::optional<analytics::LinearFit> fit = shortest->Fit();
+  return shortest->Fit();
+}
+
+double RunAnalytics::RadialOf(size_t i) const {
+  const std::optional<analytics::LinearFit> fit = RecentFit(param_state_[i].radial);
+  return fit ? fit->value_at_last_step : kNaN;
+}
+
+std::optional<analytics::NormDynamics> RunAnalytics::DynamicsOf(size_t i, double lr) const {
+  const ParamState& ps = param_state_[i];
+  if (!ps.has_norm_value || !(lr > 0)) return std::nullopt;
+  const std::optional<analytics::LinearFit> fit = RecentFit(ps.norm);
   if (!fit) return std::nullopt;
   const bool update_known = ps.update < series_.size() && series_[ps.update].has_value;
   return analytics::EstimateDynamics(ps.norm_value, fit->slope_per_step, lr, params_[i].weight_decay,
-                                     update_known ? series_[ps.update].last_value : kNaN, kNaN);
+                                     update_known ? series_[ps.update].last_value : kNaN, RadialOf(i));
 }
 
 double RunAnalytics::ProjectedWeightDecay() const {
@@ -367,6 +380,7 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
     info.radial = dynamics->radial;
     info.orthogonal = dynamics->orthogonal;
     info.orthogonal_known = dynamics->orthogonal_known;
+    info.radial_known = dynamics->radial_known;
     info.total_grad_norm = kNaN;
     if (std::isfinite(total) && output_share > 0 && output_share <= 1 && norm > 0) {
       // If the output layer's gradient scales with the gain's norm (the incident's mechanism).
@@ -673,6 +687,7 @@ void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares,
 
 void RunAnalytics::FillNormFits(size_t i, ParamAnalysis& out) const {
   out.norm_slope_per_kstep.reset();
+  out.radial_per_step.reset();
   const ParamState& ps = param_state_[i];
   const analytics::SlopeTracker* slopes =
       ps.norm < series_.size() && series_[ps.norm].slopes ? &*series_[ps.norm].slopes : nullptr;
@@ -684,6 +699,7 @@ void RunAnalytics::FillNormFits(size_t i, ParamAnalysis& out) const {
   const analytics::WindowedSlope& forecast = slopes->window(forecast_window_index_);
   const std::optional<analytics::LinearFit> forecast_fit = forecast.Fit();
   if (forecast_fit) out.norm_slope_per_kstep = forecast_fit->slope_per_kstep();
+  if (const double radial = RadialOf(i); std::isfinite(radial)) out.radial_per_step = radial;
   // By default the same window: fitted once.
   const std::optional<analytics::LinearFit> longest_fit = &forecast == &longest ? forecast_fit : longest.Fit();
   std::optional<analytics::GrowthWithoutDecay> g;
@@ -716,6 +732,7 @@ void RunAnalytics::FillParamEntry(size_t i, ParamAnalysis& out, bool fit_norm) c
   out.init_norm.reset();
   out.amplification.reset();
   out.norm_slope_per_kstep.reset();
+  out.radial_per_step.reset();
   if (ps.norm == kNoSeries || !ps.has_norm_value) {
     out.growth.reset();
     return;

@@ -149,6 +149,7 @@ struct ProjectionInfo {
   double radial = 0;      // ρ, per unit learning rate
   double orthogonal = 0;  // |u⊥|, per unit learning rate (0 when no update norm is reported)
   bool orthogonal_known = false;
+  bool radial_known = false;  // ρ from the reported radial update (updates/radial/), else from the slope
   // Where the output layer's gradient scales with the norm: the total grad norm at to_step (NaN
   // when the run has no total or no output share).
   double total_grad_norm = 0;
@@ -184,6 +185,9 @@ struct ParamAnalysis {
   std::optional<GrowthInfo> growth;
   // The norm's slope over forecast_window_steps, raw samples (as RunAnalysis::slopes lists it).
   std::optional<double> norm_slope_per_kstep;
+  // Its radial update ⟨Δw, w⟩/|w| as it is now (updates/radial/<param>: the line fitted over the
+  // shortest window, at its last step), when the trainer sends it; filled with the norm's fits.
+  std::optional<double> radial_per_step;
 };
 
 struct RunAnalysis {
@@ -285,7 +289,7 @@ class RunAnalytics {
   uint64_t refused_series() const { return refused_series_; }
 
  private:
-  enum class Role : uint8_t { kTotalGrad, kScalar, kParamGrad, kParamNorm, kParamUpdate, kExtra };
+  enum class Role : uint8_t { kTotalGrad, kScalar, kParamGrad, kParamNorm, kParamUpdate, kParamRadial, kExtra };
   // The fields every sample reads (OnStep, ApplySetAside) come first: 75 bytes, two cache lines
   // wherever an entry falls in series_; the rest is read when a series is added or an event is.
   struct Tracked {
@@ -317,6 +321,7 @@ class RunAnalytics {
     SeriesId grad = kNoSeries;
     SeriesId norm = kNoSeries;
     SeriesId update = kNoSeries;
+    SeriesId radial = kNoSeries;
     int group = 0;
     std::optional<double> init_norm;
     std::unique_ptr<analytics::WindowedSlope> share_trend;
@@ -424,8 +429,13 @@ class RunAnalytics {
   };
   // Mutable: FillProjections, a const reader under the run's lock, advances the paths.
   mutable std::vector<Remediation> remediations_;
-  // The parameter's norm dynamics now (its norm's slope over the forecast window, its update
-  // norm, the learning rate `lr`); nullopt without a norm or a slope.
+  // The line fitted over a series' shortest window (what it is doing now); nullopt without one.
+  std::optional<analytics::LinearFit> RecentFit(SeriesId id) const;
+  // Parameter i's radial update now (RecentFit of updates/radial/<param> at its last step); NaN
+  // when the trainer does not send it.
+  double RadialOf(size_t i) const;
+  // The parameter's norm dynamics now (its norm's recent slope, its update norm, its radial update
+  // when sent, the learning rate `lr`); nullopt without a norm or a slope.
   std::optional<analytics::NormDynamics> DynamicsOf(size_t i, double lr) const;
   // The learning rate's latest report; NaN when unknown.
   double LearningRate() const;

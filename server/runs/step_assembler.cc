@@ -19,6 +19,7 @@ void PendingStep::Reset(uint64_t new_step, SteadyTime now, uint32_t world_size, 
   tokens_present = false;
   param_sq.assign(param_count * kNormFields, 0.0L);
   param_present.assign(param_count * kNormFields, 0);
+  radial_any = false;
   extra_used = 0;
   client_dropped_steps = 0;
 }
@@ -46,6 +47,20 @@ void PendingStep::Accumulate(uint32_t rank, const RankStep& r) {
       if (!pc.norms[f].present) continue;
       param_sq[base + f] += pc.norms[f].sq;
       param_present[base + f] = 1;
+    }
+    if (!pc.radial.present()) continue;
+    if (!radial_any) {
+      radial.assign(param_sq.size() / kNormFields, Radial{});
+      radial_any = true;
+    }
+    if (pc.index >= radial.size()) radial.resize(pc.index + 1);
+    Radial& r = radial[pc.index];
+    r.present = true;
+    if (pc.radial.form == RadialContribution::Form::kDot) {
+      r.dot += pc.radial.value;
+      r.has_dot = true;
+    } else {
+      r.radial += pc.radial.value;
     }
   }
   for (const auto& [key, value] : r.extra) {

@@ -2,7 +2,7 @@
 // of the world has reported it; a step still waiting when a later step completes, or when the
 // assembly timeout passes, is completed as partial (ranks report steps in increasing order, so a
 // rank that reported a later step will never report the earlier one). Norms merge as the sum of
-// squared contributions.
+// squared contributions, radial updates as the sum of the ranks' parts.
 #pragma once
 
 #include <algorithm>
@@ -37,6 +37,16 @@ struct PendingStep {
   // any rank reported it.
   std::vector<long double> param_sq;
   std::vector<uint8_t> param_present;
+  // Per catalog index: the ranks' radial updates, summed (RadialContribution); sized on the
+  // step's first radial report only (most runs send none).
+  struct Radial {
+    double radial = 0;  // summed `radial` forms
+    double dot = 0;     // summed `dot` forms, divided by the merged parameter norm at completion
+    bool present = false;
+    bool has_dot = false;
+  };
+  std::vector<Radial> radial;
+  bool radial_any = false;
   struct Extra {
     std::string key;
     double sum = 0;

@@ -9,6 +9,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -204,7 +205,8 @@ namespace {
 
 // A norm gain trained by AdamW (as tests/unit/analytics/projection_test.cc): its gradient pulls
 // the norm outward, with a little noise. Steps are written to `out` every `every` steps from
-// `from` to `to` with decay `wd` applied.
+// `from` to `to` with decay `wd` applied; with `radial`, each step's ⟨Δw, w⟩/|w| too (as
+// gradwatch.torch.Watch(radial_updates=True) sends it).
 class SimulatedGain {
  public:
   SimulatedGain() : w_(256), m_(256), v_(256) {
@@ -216,11 +218,11 @@ class SimulatedGain {
     for (double x : w_) s += x * x;
     return std::sqrt(s);
   }
-  void Run(std::ofstream& out, uint64_t from, uint64_t to, uint64_t every, double wd) {
+  void Run(std::ofstream& out, uint64_t from, uint64_t to, uint64_t every, double wd, bool radial = false) {
     for (uint64_t s = from; s <= to; ++s) {
       ++t_;
       const double n = Norm();
-      double change2 = 0;
+      double change2 = 0, along = 0;
       for (size_t i = 0; i < w_.size(); ++i) {
         const double g = -w_[i] / n + 0.05 * normal_(rng_);
         m_[i] = 0.9 * m_[i] + 0.1 * g;
@@ -228,18 +230,19 @@ class SimulatedGain {
         const double u = (m_[i] / (1 - std::pow(0.9, t_))) / (std::sqrt(v_[i] / (1 - std::pow(0.999, t_))) + 1e-8);
         const double next = (1 - kLr * wd) * w_[i] - kLr * u;
         change2 += (next - w_[i]) * (next - w_[i]);
+        along += (next - w_[i]) * w_[i] / n;
         w_[i] = next;
       }
       if (s % every != 0) continue;
-      out << json{{"_step", s},
-                  {"grad/norm/total", 2.0},
-                  {"grad/norm/lm_head.weight", 2.0 * std::sqrt(0.95)},
-                  {"grad/norm/layers.0.mlp.weight", 2.0 * std::sqrt(0.05)},
-                  {"params/norm/final_norm.weight", Norm()},
-                  {"updates/norm/final_norm.weight", std::sqrt(change2)},
-                  {"optim/learning_rate", kLr}}
-                 .dump()
-          << "\n";
+      json line = {{"_step", s},
+                   {"grad/norm/total", 2.0},
+                   {"grad/norm/lm_head.weight", 2.0 * std::sqrt(0.95)},
+                   {"grad/norm/layers.0.mlp.weight", 2.0 * std::sqrt(0.05)},
+                   {"params/norm/final_norm.weight", Norm()},
+                   {"updates/norm/final_norm.weight", std::sqrt(change2)},
+                   {"optim/learning_rate", kLr}};
+      if (radial) line["updates/radial/final_norm.weight"] = along;
+      out << line.dump() << "\n";
     }
   }
   static constexpr double kLr = 1e-3;
@@ -266,15 +269,18 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
           "[integration]") {
   DaemonProcess daemon;
   TempDir dir("gradwatch-what-if");
-  for (const bool decays : {true, false}) {
-    const std::string run = decays ? "remedy-works" : "remedy-ignored";
+  // Without and with the trainer's radial updates (updates/radial/): with them, ρ is read, not
+  // inferred from the norm's slope.
+  for (const auto& [run, decays, radial] :
+       {std::tuple{"remedy-works", true, false}, std::tuple{"remedy-ignored", false, false},
+        std::tuple{"remedy-works-radial", true, true}}) {
     INFO(run);
     SimulatedGain gain;
-    const std::string first = (dir.path() / (run + "-1.jsonl")).string();
+    const std::string first = (dir.path() / (std::string(run) + "-1.jsonl")).string();
     {
       std::ofstream out(first);
       out << Header(run, 0.0).dump() << "\n";
-      gain.Run(out, 1, 3000, 1, 0.0);
+      gain.Run(out, 1, 3000, 1, 0.0, radial);
     }
     CommandResult r = Replay(daemon, first);
     INFO(r.out << r.err);
@@ -287,16 +293,17 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
     CHECK(Number(before["from_step"]) == 3000);
     CHECK(Number(before["to_step"]) == 23000);
     CHECK(before["orthogonal_known"] == true);
+    CHECK(before.value("radial_known", false) == radial);
     CHECK(Number(before["time_constant_steps"]) == Approx(10000).epsilon(0.05));
 
     // The remedy from step 3,001, then 20,000 steps of AdamW: with the decay, or (the trainer did
     // not apply it) without.
-    const std::string second = (dir.path() / (run + "-2.jsonl")).string();
+    const std::string second = (dir.path() / (std::string(run) + "-2.jsonl")).string();
     {
       std::ofstream out(second);
       out << Header(run, 0.0).dump() << "\n";
       out << json{{"_step", 3001}, {"params", {{{"name", "final_norm.weight"}, {"weight_decay", 0.1}}}}}.dump() << "\n";
-      gain.Run(out, 3001, 23000, 10, decays ? 0.1 : 0.0);
+      gain.Run(out, 3001, 23000, 10, decays ? 0.1 : 0.0, radial);
     }
     r = Replay(daemon, second);
     REQUIRE(r.exit_code == 0);
@@ -320,7 +327,7 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
     CHECK(text.out.find("remediation: final_norm.weight weight decay 0 → 0.1 at step 3,001: " +
                         check["verdict"].get<std::string>()) != std::string::npos);
     // `gradwatch report` tells it too.
-    const auto report = dir.path() / (run + "-report");
+    const auto report = dir.path() / (std::string(run) + "-report");
     const CommandResult rep =
         RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "report", run, "-o", report.string()});
     REQUIRE(rep.exit_code == 0);

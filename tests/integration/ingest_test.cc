@@ -118,6 +118,42 @@ TEST_CASE("two ranks stream sharded squared sums, and merged norms show in the q
   CHECK(rank1.Close().ok());
 }
 
+TEST_CASE("radial updates merge over the ranks: shards' inner products over the merged norm, signed", "[integration]") {
+  DaemonProcess daemon;
+  StreamClient rank0(daemon.grpc_target()), rank1(daemon.grpc_target());
+  REQUIRE(rank0.Hello(MakeHello("radial", 0, 2, kCatalog), 1));
+  REQUIRE(rank1.Hello(MakeHello("radial", 1, 2, kCatalog), 1));
+  rank0.WaitAccepted();
+  rank1.WaitAccepted();
+  // final_norm.weight is sharded: ⟨Δw_s, w_s⟩ is −2·s on rank 0 and −s on rank 1, |w|² = 6144.
+  // lm_head.weight is whole on rank 0, whose radial update is 0.5.
+  constexpr int kSteps = 5;
+  for (int s = 1; s <= kSteps; ++s) {
+    v1::StepStats r0 = ShardStep(s, 9.0, 3000.0), r1 = ShardStep(s, 16.0, 3144.0);
+    r0.mutable_params(1)->mutable_radial_update()->set_dot(-2.0 * s);
+    r1.mutable_params(1)->mutable_radial_update()->set_dot(-1.0 * s);
+    r0.mutable_params(0)->mutable_radial_update()->set_radial(0.5);
+    REQUIRE(rank0.Step(r0, 1 + s));
+    REQUIRE(rank1.Step(r1, 1 + s));
+  }
+  CHECK(rank0.WaitAck(kSteps).durable_step() == kSteps);
+  CHECK(rank1.WaitAck(kSteps).durable_step() == kSteps);
+  const auto sharded = GetSeries(daemon.grpc_target(), "radial", "updates/radial/final_norm.weight");
+  REQUIRE(sharded.size() == kSteps);
+  for (int s = 1; s <= kSteps; ++s) CHECK(sharded[s - 1].value() == Approx(-3.0 * s / std::sqrt(6144.0)));
+  const auto whole = GetSeries(daemon.grpc_target(), "radial", "updates/radial/lm_head.weight");
+  REQUIRE(whole.size() == kSteps);
+  CHECK(whole.back().value() == 0.5);
+
+  // A shard's inner product without its part of the norm is refused, and the stream goes on.
+  v1::StepStats bad = ShardStep(kSteps + 1, 9.0, 3000.0);
+  bad.mutable_params(1)->clear_param();
+  bad.mutable_params(1)->mutable_radial_update()->set_dot(1.0);
+  REQUIRE(rank0.Step(bad, 100));
+  const v1::Error err = rank0.WaitError(100);
+  CHECK_THAT(err.message(), Catch::Contains("radial_update.dot needs this rank's parameter norm"));
+}
+
 TEST_CASE("a bad message gets its error, is counted by reason, and the stream goes on", "[integration]") {
   DaemonOptions options;
   options.config_yaml = "log: {level: debug}\nlimits: {max_message_bytes: 4096}\n";

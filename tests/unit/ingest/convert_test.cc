@@ -121,6 +121,33 @@ TEST_CASE("step stats convert norms and squared sums, refuse negatives and pass 
   CHECK_FALSE(StepFromProto(s, 9, &out));  // -Inf is a signal, not a negative number
 }
 
+TEST_CASE("a radial update is signed, and its shard form needs the rank's parameter norm", "[ingest]") {
+  v1::StepStats s;
+  s.set_step(9);
+  auto* p = s.add_params();
+  p->set_index(2);
+  p->mutable_radial_update()->set_radial(-0.25);
+  RankStep out;
+  REQUIRE_FALSE(StepFromProto(s, 1, &out));
+  CHECK(out.params[0].radial.form == RadialContribution::Form::kRadial);
+  CHECK(out.params[0].radial.value == -0.25);
+
+  p->mutable_radial_update()->set_dot(-3.0);
+  auto err = StepFromProto(s, 2, &out);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kInvalidMessage);
+  CHECK_THAT(err->message, Catch::Contains("parameter index 2") && Catch::Contains("radial_update.dot needs"));
+
+  p->mutable_param()->set_sq_sum(4.0);
+  REQUIRE_FALSE(StepFromProto(s, 3, &out));
+  CHECK(out.params[0].radial.form == RadialContribution::Form::kDot);
+  CHECK(out.params[0].radial.value == -3.0);
+
+  p->clear_radial_update();
+  REQUIRE_FALSE(StepFromProto(s, 4, &out));
+  CHECK_FALSE(out.params[0].radial.present());
+}
+
 TEST_CASE("events need text of 1 to 1024 bytes", "[ingest]") {
   v1::Event e;
   e.set_step(81716);
@@ -166,7 +193,7 @@ TEST_CASE("run label names must be Prometheus label names", "[ingest]") {
 
 TEST_CASE("extra keys cannot name a built-in series", "[ingest]") {
   for (const std::string key : {"grad/norm/total", "train/loss", "train/z_loss", "optim/learning_rate", "train/tokens",
-                                "grad/norm/lm_head.weight", "params/norm/x", "updates/norm/x"}) {
+                                "grad/norm/lm_head.weight", "params/norm/x", "updates/norm/x", "updates/radial/x"}) {
     CAPTURE(key);
     v1::StepStats in;
     in.set_step(7);

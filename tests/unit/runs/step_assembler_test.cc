@@ -65,6 +65,41 @@ TEST_CASE("a step completes when every rank reported, summing squares", "[runs]"
   CHECK_FALSE(done[0].partial);
 }
 
+TEST_CASE("radial updates merge as a sum: whole parameters' radials, shards' dots", "[runs]") {
+  StepAssembler a(3, 30s);
+  a.SetParamCount(2);
+  std::vector<PendingStep::Radial> radial;
+  bool any = true;
+  auto collect = [&](const PendingStep& p) {
+    any = p.radial_any;
+    radial = p.radial;
+  };
+  // Parameter 1 is sharded: each rank sends ⟨Δw_s, w_s⟩ and its part of |w|².
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    RankStep r;
+    r.step = 4;
+    r.params.push_back({.index = 1,
+                        .norms = {{}, NormContribution::FromSqSum(3.0), {}},
+                        .radial = {RadialContribution::Form::kDot, -0.5 * (rank + 1)}});
+    // Parameter 0 is whole on rank 0 only.
+    if (rank == 0) r.params.push_back({.index = 0, .radial = {RadialContribution::Form::kRadial, 0.125}});
+    a.Add(rank, r, kT0, collect);
+  }
+  REQUIRE(any);
+  REQUIRE(radial.size() == 2);
+  CHECK(radial[0].present);
+  CHECK_FALSE(radial[0].has_dot);
+  CHECK(radial[0].radial == 0.125);
+  CHECK(radial[1].present);
+  CHECK(radial[1].has_dot);
+  CHECK(radial[1].dot == -3.0);
+  // The next step has none: nothing carried over.
+  a.Add(0, Report(5, 1.0), kT0, collect);
+  a.Add(1, Report(5, 1.0), kT0, collect);
+  a.Add(2, Report(5, 1.0), kT0, collect);
+  CHECK_FALSE(any);
+}
+
 TEST_CASE("a step still waiting when a later step completes is completed as partial first", "[runs]") {
   StepAssembler a(2, 30s);
   a.SetParamCount(1);
