@@ -113,7 +113,7 @@ Condition& Make(ConditionList& out, const Rule& rule, const LabelSet& base,
   SetVar(c.vars, "run", facts.run_id);
   SetVar(c.vars, "for_steps", Step(rule.for_steps));
   SetVar(c.vars, "resolve_for_steps", Step(rule.resolve_for_steps));
-  const bool percent = rule.kind == RuleKind::kShare;
+  const bool percent = rule.kind == RuleKind::kShare || rule.kind == RuleKind::kRemediation;
   if (rule.clear_below) SetVar(c.vars, "clear_below", percent ? Percent(*rule.clear_below) : Number(*rule.clear_below));
   if (rule.clear_above) SetVar(c.vars, "clear_above", percent ? Percent(*rule.clear_above) : Number(*rule.clear_above));
   return c;
@@ -553,6 +553,69 @@ std::string ConditionVars::at(std::string_view key) const {
   throw std::out_of_range("no template variable '" + std::string(key) + "'");
 }
 
+namespace {
+
+void EvaluateRemediation(const Rule& rule, const RunFacts& facts, const LabelSet& base, ConditionList& out) {
+  for (const RemediationFact& r : facts.remediations) {
+    if (!rule.param.empty() && !GlobMatches(rule.param, r.param)) continue;
+    if (!(r.projected_norm > 0) || !std::isfinite(r.projected_norm) || facts.step < r.step) continue;
+    const double departure = std::fabs(r.actual_norm - r.projected_norm) / r.projected_norm;  // NaN: unknown
+    const uint64_t elapsed = facts.step - r.step;
+    // Judged once the approach had time to show: never when it has no time constant (no decay).
+    const bool judged = static_cast<double>(elapsed) >= rule.after_time_constants * r.time_constant_steps;
+    char step_label[24];
+    const auto [end, ec] = std::to_chars(step_label, step_label + sizeof(step_label), r.step);
+    Condition& c = Make(out, rule, base,
+                        {{"param", r.param}, {"remediation_step", std::string_view(step_label, end - step_label)}},
+                        facts, departure, judged && departure > rule.max_departure);
+    c.level = PlainLevel(CompareOp::kGt, rule.max_departure, rule.clear_below, departure, judged);
+    c.level->percent = true;
+    // Which path the norm follows: the projected one, or the one it had without the change.
+    const bool unchanged_nearer =
+        std::fabs(r.actual_norm - r.unchanged_norm) < std::fabs(r.actual_norm - r.projected_norm);
+    std::string_view verdict = "working";
+    std::string_view finding = "";
+    if (!judged) {
+      verdict = "too early";
+    } else if (!(departure <= rule.max_departure)) {
+      if (r.actual_norm < r.projected_norm) {
+        verdict = "faster than projected";
+        finding =
+            "The norm falls faster than the what-if projected: the update's radial part or the learning rate dropped "
+            "since the change.";
+      } else if (unchanged_nearer) {
+        verdict = "not working";
+        finding =
+            "The norm follows the path it had without the change: check that the optimizer applies the new weight "
+            "decay to this parameter (its param group) and that the change reached the trainer that is running.";
+      } else {
+        verdict = "slower than projected";
+        finding =
+            "The norm falls slower than the what-if projected: the update's radial part grew since the change, or the "
+            "learning rate fell.";
+      }
+    }
+    SetVar(c.vars, "param", r.param);
+    SetVar(c.vars, "weight_decay", Number(r.weight_decay));
+    SetVar(c.vars, "previous_weight_decay", Number(r.previous_weight_decay));
+    SetVar(c.vars, "remediation_step", Step(r.step));
+    SetVar(c.vars, "norm_at_step", Number(r.norm_at_step));
+    SetVar(c.vars, "projected_norm", Number(r.projected_norm));
+    SetVar(c.vars, "unchanged_norm", Number(r.unchanged_norm));
+    SetVar(c.vars, "actual_norm", Number(r.actual_norm));
+    SetVar(c.vars, "departure", Percent(departure));
+    SetVar(c.vars, "value", Percent(departure));
+    SetVar(c.vars, "max_departure", Percent(rule.max_departure));
+    SetVar(c.vars, "time_constant_steps",
+           std::isfinite(r.time_constant_steps) ? Count(r.time_constant_steps) : VarValue("unbounded"));
+    SetVar(c.vars, "elapsed_steps", Step(elapsed));
+    SetVar(c.vars, "verdict", verdict);
+    SetVar(c.vars, "finding", finding);
+  }
+}
+
+}  // namespace
+
 void Evaluate(const Rule& rule, const RunFacts& facts, const LabelSet& base, const SeriesFilter* with_instance,
               ConditionList& out) {
   out.Clear();
@@ -566,6 +629,7 @@ void Evaluate(const Rule& rule, const RunFacts& facts, const LabelSet& base, con
     case RuleKind::kNonFinite: EvaluateNonFinite(rule, facts, base, with_instance, out); break;
     case RuleKind::kStalled: EvaluateStalled(rule, facts, base, out); break;
     case RuleKind::kRunDied: EvaluateRunDied(rule, facts, base, out); break;
+    case RuleKind::kRemediation: EvaluateRemediation(rule, facts, base, out); break;
   }
 }
 

@@ -136,6 +136,20 @@ struct RewindFact {
   uint64_t abandoned_through = 0;  // the newest step of the abandoned branch
 };
 
+// A remediation under check: a catalog change that raised `param`'s weight decay at `step`, and
+// the norm the what-if made then projects for the evaluated step, against the actual one.
+struct RemediationFact {
+  std::string param;
+  uint64_t step = 0;
+  double weight_decay = 0;
+  double previous_weight_decay = 0;
+  double norm_at_step = 0;
+  double projected_norm = 0;  // with the new weight decay
+  double unchanged_norm = 0;  // with the previous one
+  double actual_norm = 0;
+  double time_constant_steps = 0;  // of the projected approach (+inf: none)
+};
+
 // A non-finite value seen at the evaluated step.
 struct NonFiniteFact {
   std::string key;
@@ -177,6 +191,7 @@ struct RunFacts {
   LearningRateFact learning_rate;
   WarmupFact warmup;
   RewindFact rewind;  // the latest rewind
+  std::vector<RemediationFact> remediations;
 };
 
 // The value of `key` in facts.latest (which must be sorted by key); nullptr when absent.

@@ -30,6 +30,7 @@ std::string_view RuleKindName(RuleKind kind) {
     case RuleKind::kNonFinite: return "non_finite";
     case RuleKind::kStalled: return "stalled";
     case RuleKind::kRunDied: return "run_died";
+    case RuleKind::kRemediation: return "remediation";
   }
   return "threshold";
 }
@@ -38,7 +39,8 @@ bool IsTimerRule(RuleKind kind) { return kind == RuleKind::kStalled || kind == R
 
 std::optional<RuleKind> ParseRuleKind(std::string_view name) {
   for (RuleKind k : {RuleKind::kThreshold, RuleKind::kForecast, RuleKind::kSlopeChange, RuleKind::kShare,
-                     RuleKind::kGrowthWithoutDecay, RuleKind::kNonFinite, RuleKind::kStalled, RuleKind::kRunDied}) {
+                     RuleKind::kGrowthWithoutDecay, RuleKind::kNonFinite, RuleKind::kStalled, RuleKind::kRunDied,
+                     RuleKind::kRemediation}) {
     if (RuleKindName(k) == name) return k;
   }
   return std::nullopt;
@@ -101,6 +103,10 @@ const std::set<std::string>& TemplateVariablesFor(RuleKind kind) {
         {RuleKind::kNonFinite, {"series"}},
         {RuleKind::kStalled, {"seconds", "threshold", "open_streams"}},
         {RuleKind::kRunDied, {"seconds", "threshold"}},
+        {RuleKind::kRemediation,
+         {"param", "weight_decay", "previous_weight_decay", "remediation_step", "norm_at_step", "projected_norm",
+          "unchanged_norm", "actual_norm", "departure", "max_departure", "time_constant_steps", "elapsed_steps",
+          "verdict", "finding"}},
     };
     std::map<RuleKind, std::set<std::string>> all;
     for (const auto& [k, names] : own) {
@@ -131,13 +137,14 @@ const std::set<std::string>& KindKeys(RuleKind kind) {
       {RuleKind::kNonFinite, {"series"}},
       {RuleKind::kStalled, {"seconds"}},
       {RuleKind::kRunDied, {"seconds"}},
+      {RuleKind::kRemediation, {"param", "max_departure", "after_time_constants"}},
   };
   return k.at(kind);
 }
 
 bool IsKnownKey(const std::string& key) {
   if (CommonKeys().count(key)) return true;
-  for (int k = 0; k <= static_cast<int>(RuleKind::kRunDied); ++k) {
+  for (int k = 0; k <= static_cast<int>(RuleKind::kRemediation); ++k) {
     if (KindKeys(static_cast<RuleKind>(k)).count(key)) return true;
   }
   return false;
@@ -394,11 +401,11 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
   if (!kind_node) {
     Error(at,
           "missing 'kind' (threshold, forecast, slope_change, share, growth_without_decay, "
-          "non_finite, stalled or run_died)");
+          "non_finite, stalled, run_died or remediation)");
   } else if (!kind_node.IsScalar() || !(kind = ParseRuleKind(kind_node.Scalar()))) {
     Error(kind_node.Mark(), "unknown kind " + Shown(kind_node) +
                                 " (threshold, forecast, slope_change, share, "
-                                "growth_without_decay, non_finite, stalled or run_died)");
+                                "growth_without_decay, non_finite, stalled, run_died or remediation)");
   }
   if (!kind) return std::nullopt;  // every other key depends on the kind
   rule.kind = *kind;
@@ -453,7 +460,8 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
       case RuleKind::kThreshold: applies = true; break;
       case RuleKind::kSlopeChange:
       case RuleKind::kShare:
-      case RuleKind::kGrowthWithoutDecay: applies = below; break;
+      case RuleKind::kGrowthWithoutDecay:
+      case RuleKind::kRemediation: applies = below; break;
       default: applies = false;
     }
     if (!applies) {
@@ -642,6 +650,34 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
       }
       break;
     }
+    case RuleKind::kRemediation: {
+      if (has("param")) {
+        if (auto v = String(get("param"), "param")) rule.param = *v;
+      }
+      if (require("max_departure")) {
+        if (auto v = Number(get("max_departure"), "max_departure")) {
+          if (!(*v > 0) || !std::isfinite(*v)) {
+            Error(get("max_departure").Mark(),
+                  "max_departure is a fraction above 0: 0.25 for 25% off the projection, got " + FormatNumber(*v));
+          }
+          rule.max_departure = *v;
+        }
+      }
+      if (has("after_time_constants")) {
+        if (auto v = Number(get("after_time_constants"), "after_time_constants")) {
+          if (!(*v >= 0) || !std::isfinite(*v)) {
+            Error(get("after_time_constants").Mark(),
+                  "after_time_constants must be finite and ≥ 0 (time constants of the projected approach), got " +
+                      FormatNumber(*v));
+          }
+          rule.after_time_constants = *v;
+        }
+      }
+      if (rule.clear_below && has("max_departure") && *rule.clear_below > rule.max_departure) {
+        Error(get("clear_below").Mark(), "clear_below must not exceed max_departure");
+      }
+      break;
+    }
   }
 
   context_.clear();
@@ -779,6 +815,7 @@ Status ApplyOverrides(std::vector<Rule>& rules, const std::vector<RuleOverride>&
         case RuleKind::kShare: return {"min_share", old.min_share};
         case RuleKind::kGrowthWithoutDecay: return {"min_amplification", old.min_amplification.value_or(0)};
         case RuleKind::kSlopeChange: return {"min_ratio", old.min_ratio};
+        case RuleKind::kRemediation: return {"max_departure", old.max_departure};
         default: return {nullptr, 0};
       }
     }();

@@ -39,6 +39,11 @@
 //                         a run with no open stream that said no Goodbye and showed no sign of life
 //                         for that long. Evaluated on a timer; fires at once, resolves when the run
 //                         comes back (a stream attaches, a step arrives), not when the run ends.
+//   remediation           param (glob, optional), max_departure (a fraction: 0.25 = the norm is
+//                         25% off), after_time_constants (default 0.5), clear_below: a catalog
+//                         change that raised a parameter's weight decay, whose norm departs from
+//                         the what-if made at the change by more than max_departure once
+//                         after_time_constants of its time constants have passed.
 //
 // Loading never throws. Errors read "file:line: rule 'name': what is wrong", one per line, all of
 // them at once.
@@ -66,6 +71,7 @@ enum class RuleKind : int {
   kNonFinite,
   kStalled,
   kRunDied,
+  kRemediation,
 };
 // Timer rules (stalled, run_died) are evaluated on the daemon's timer, not on steps.
 bool IsTimerRule(RuleKind kind);
@@ -120,6 +126,10 @@ struct Rule {
   // stalled, run_died (0 for run_died: the daemon's runs.stalled_after_seconds, else
   // kDefaultRunDiedSeconds)
   double stalled_seconds = 0;
+
+  // remediation (and `param`)
+  double max_departure = 0;
+  double after_time_constants = 0.5;
 
   // Pending until the condition has held for this many steps (see state_machine.h).
   uint64_t for_steps = 0;

@@ -360,6 +360,20 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
                                  min_steps_before_page_ ? min_steps_before_page_->load(std::memory_order_relaxed)
                                                         : alerts::kDefaultMinStepsBeforePage);
   f.rewind = rewind_;
+  f.remediations.resize(a.remediations.size());
+  for (size_t i = 0; i < a.remediations.size(); ++i) {
+    const runs::RemediationInfo& x = a.remediations[i];
+    alerts::RemediationFact& y = f.remediations[i];
+    y.param = x.param;  // keeps the slot's buffer
+    y.step = x.step;
+    y.weight_decay = x.weight_decay;
+    y.previous_weight_decay = x.previous_weight_decay;
+    y.norm_at_step = x.norm_at_step;
+    y.projected_norm = x.projected_norm;
+    y.unchanged_norm = x.unchanged_norm;
+    y.actual_norm = x.actual_norm;
+    y.time_constant_steps = x.time_constant_steps;
+  }
 
   // The diagnosis names the top contributors with how their shares move: their share trends are
   // fitted from the next step on (marks are only ever added; a handful over a run's life).

@@ -31,11 +31,12 @@ void AppendRuleBound(std::string& out, const alerts::Rule& rule, std::string_vie
 }
 
 void AppendRuleBounds(std::string& out, const std::vector<alerts::Rule>& rules) {
-  AppendFamilyHeader(out, "gradwatch_rule_bound",
-                     "A bound of an alert rule in force (overrides applied): bound=\"value\" is a threshold rule's "
-                     "(with its op), \"threshold\" a forecast's, \"clear_below\"/\"clear_above\" where a firing "
-                     "alert clears, \"min_share\", \"min_amplification\", \"min_growth\", \"min_ratio\".",
-                     MetricType::kGauge);
+  AppendFamilyHeader(
+      out, "gradwatch_rule_bound",
+      "A bound of an alert rule in force (overrides applied): bound=\"value\" is a threshold rule's "
+      "(with its op), \"threshold\" a forecast's, \"clear_below\"/\"clear_above\" where a firing "
+      "alert clears, \"min_share\", \"min_amplification\", \"min_growth\", \"min_ratio\", \"max_departure\".",
+      MetricType::kGauge);
   for (const alerts::Rule& r : rules) {
     switch (r.kind) {
       case alerts::RuleKind::kThreshold:
@@ -48,6 +49,7 @@ void AppendRuleBounds(std::string& out, const std::vector<alerts::Rule>& rules) 
         if (r.min_amplification) AppendRuleBound(out, r, "min_amplification", *r.min_amplification);
         if (r.min_growth) AppendRuleBound(out, r, "min_growth", *r.min_growth);
         break;
+      case alerts::RuleKind::kRemediation: AppendRuleBound(out, r, "max_departure", r.max_departure); break;
       case alerts::RuleKind::kNonFinite:
       case alerts::RuleKind::kStalled:
       case alerts::RuleKind::kRunDied: break;

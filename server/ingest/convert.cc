@@ -476,6 +476,7 @@ void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out) {
     p->set_projected_norm(x.projected_norm);
     p->set_actual_norm(x.actual_norm);
     p->set_time_constant_steps(x.time_constant_steps);
+    p->set_unchanged_norm(x.unchanged_norm);
     p->set_verdict(x.verdict);
   }
 }

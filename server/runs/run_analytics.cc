@@ -301,6 +301,14 @@ namespace {
 // A remediation works while its norm stays within this fraction of its projection.
 constexpr double kRemediationTolerance = 0.25;
 
+// The next entry of `v` to overwrite, the (*used)th: assigning into an entry kept from an earlier
+// fill reuses its strings' buffers. The caller trims `v` to *used at the end.
+template <typename T>
+T& NextSlot(std::vector<T>& v, size_t* used) {
+  if (*used == v.size()) v.emplace_back();
+  return v[(*used)++];
+}
+
 }  // namespace
 
 double RunAnalytics::LearningRate() const {
@@ -350,7 +358,6 @@ double RunAnalytics::ProjectedWeightDecay() const {
 
 void RunAnalytics::FillProjections(RunAnalysis& out) const {
   out.projections.clear();
-  out.remediations.clear();
   const double lr = LearningRate();
   const double wd = ProjectedWeightDecay();
   double output_share = 0;
@@ -388,6 +395,10 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
       info.total_grad_norm = total * std::sqrt(output_share * k * k + 1 - output_share);
     }
   }
+}
+
+void RunAnalytics::FillRemediations(RunAnalysis& out) const {
+  size_t used = 0;
   for (Remediation& r : remediations_) {
     const ParamState& ps = param_state_[r.param];
     if (!ps.has_norm_value || last_step_ < r.step) continue;
@@ -400,7 +411,7 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
     // The equilibrium and time constant (no step iterated).
     analytics::NormProjection p = analytics::ProjectNorm(r.norm, r.dynamics, r.learning_rate, r.weight_decay, 0);
     p.norm_at_end = r.projected;
-    RemediationInfo& info = out.remediations.emplace_back();
+    RemediationInfo& info = NextSlot(out.remediations, &used);  // keeps the slot's buffers
     info.param = params_[r.param].name;
     info.step = r.step;
     info.weight_decay = r.weight_decay;
@@ -412,6 +423,7 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
     info.time_constant_steps = p.time_constant_steps;
     // Where the norm would be without the change, to tell a decay that acts slowly from none.
     const double unchanged = r.unchanged;
+    info.unchanged_norm = unchanged;
     const double elapsed = static_cast<double>(last_step_ - r.step);
     const double actual = ps.norm_value;
     if (elapsed < p.time_constant_steps / 2) {
@@ -426,6 +438,7 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
       info.verdict = "slower than projected";
     }
   }
+  out.remediations.resize(used);
 }
 
 void RunAnalytics::OnStep(const CompletedStep& step) {
@@ -559,18 +572,6 @@ const analytics::WindowedSlope* RunAnalytics::Window(const Tracked& t, uint64_t 
   }
   return nullptr;
 }
-
-namespace {
-
-// The next entry of `v` to overwrite, the (*used)th: assigning into an entry kept from an earlier
-// fill reuses its strings' buffers. The caller trims `v` to *used at the end.
-template <typename T>
-T& NextSlot(std::vector<T>& v, size_t* used) {
-  if (*used == v.size()) v.emplace_back();
-  return v[(*used)++];
-}
-
-}  // namespace
 
 void RunAnalytics::EventsForecastsShares(RunAnalysis& out, bool order_shares,
                                          const std::vector<uint8_t>* share_fits) const {
@@ -771,6 +772,7 @@ void RunAnalytics::StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& pa
   out.amplifications.clear();
   out.growth_without_decay.clear();
   EventsForecastsShares(out, /*order_shares=*/false, &fits.share);
+  FillRemediations(out);
   params.resize(params_.size());
   // The norm trackers fitted are cold in a large run (a rule reading every norm gain's growth
   // fits 2,222 of them a step at 10,000 parameters): they are fetched in stages a few fitted
@@ -851,6 +853,7 @@ void RunAnalytics::Analysis(RunAnalysis& out) const {
   out.amplifications.resize(amplifications);
   out.growth_without_decay.resize(growth);
   FillProjections(out);
+  FillRemediations(out);
 }
 
 }  // namespace gradwatch::runs

@@ -166,6 +166,7 @@ struct RemediationInfo {
   uint64_t at_step = 0;  // the run's latest
   double projected_norm = 0;
   double actual_norm = 0;
+  double unchanged_norm = 0;  // where the previous weight decay would have taken it
   double time_constant_steps = 0;
   // "too early" (before half a time constant), "working" (within 25% of the projection),
   // "faster than projected" (more than 25% below it), "slower than projected" (more than 25%
@@ -202,6 +203,7 @@ struct RunAnalysis {
   std::vector<GrowthInfo> growth_without_decay;
   // Analysis() only (not StepAnalysis).
   std::vector<ProjectionInfo> projections;
+  // Analysis() and StepAnalysis().
   std::vector<RemediationInfo> remediations;
 };
 
@@ -420,14 +422,14 @@ class RunAnalytics {
     double norm = 0;
     double learning_rate = 0;
     analytics::NormDynamics dynamics;
-    // The two paths as far as they were iterated (FillProjections carries them on from there, so
+    // The two paths as far as they were iterated (FillRemediations carries them on from there, so
     // that a reader pays for the steps since its last read, not since the change): with the new
     // weight decay, and with the previous one.
     uint64_t advanced_to = 0;
     double projected = 0;
     double unchanged = 0;
   };
-  // Mutable: FillProjections, a const reader under the run's lock, advances the paths.
+  // Mutable: FillRemediations, a const reader under the run's lock, advances the paths.
   mutable std::vector<Remediation> remediations_;
   // The line fitted over a series' shortest window (what it is doing now); nullopt without one.
   std::optional<analytics::LinearFit> RecentFit(SeriesId id) const;
@@ -442,7 +444,10 @@ class RunAnalytics {
   // The weight decay a projection uses: the run's default, else the most common one among its
   // decayed parameters; 0: none known.
   double ProjectedWeightDecay() const;
+  // The what-if of weight decay on each parameter growing without it (Analysis only).
   void FillProjections(RunAnalysis& out) const;
+  // The check of each remediation (Analysis and StepAnalysis: the remediation rule reads it).
+  void FillRemediations(RunAnalysis& out) const;
   std::vector<EventRecord> events_;
   // Per-step scratch, reused.
   std::vector<double> grad_scratch_;

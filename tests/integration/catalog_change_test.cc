@@ -320,8 +320,27 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
       CHECK(Number(before["norm"]) == Approx(gain.Norm()).epsilon(0.10));
       CHECK(Number(check["projected_norm"]) == Approx(gain.Norm()).epsilon(0.10));
       CHECK(check["verdict"] == "working");
+      CHECK_FALSE(Find(daemon, run, "RemediationOffProjection"));
     } else {
       CHECK(check["verdict"] == "not working");
+      // The warning: the norm departs from the projection after half a time constant.
+      REQUIRE(WaitUntil(
+          [&] {
+            const auto a = Find(daemon, run, "RemediationOffProjection");
+            return a && a->state() == v1::ALERT_STATE_FIRING;
+          },
+          std::chrono::seconds(60)));
+      const v1::Alert warning = *Find(daemon, run, "RemediationOffProjection");
+      const auto& an = warning.annotations();
+      INFO(an.at("summary") << "\n" << an.at("description") << "\n" << an.at("recommendation"));
+      CHECK(warning.labels().at("param") == "final_norm.weight");
+      CHECK(warning.labels().at("remediation_step") == "3001");
+      CHECK(warning.labels().at("severity") == "warning");
+      CHECK(an.at("summary").find("(not working)") != std::string::npos);
+      CHECK(an.at("description").find("went from 0 to 0.1 at step 3,001") != std::string::npos);
+      CHECK(an.at("recommendation").find("follows the path it had without the change") != std::string::npos);
+      // Its step is past half a time constant (~10,000 steps) after the change.
+      CHECK(warning.step() >= 3001 + 5000);
     }
     const CommandResult text = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "show", run});
     CHECK(text.out.find("remediation: final_norm.weight weight decay 0 → 0.1 at step 3,001: " +

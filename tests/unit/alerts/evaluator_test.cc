@@ -351,6 +351,62 @@ TEST_CASE("non_finite: a count of NaN iterations above 0 is non-finite, and skip
   CHECK_FALSE(Evaluate(other, Facts({{"train/loss_scale", 65536}}))[0].active);
 }
 
+TEST_CASE("remediation: judged after half a time constant, active beyond max_departure, with its verdict", "[alerts]") {
+  const Rule rule = DefaultRule(RuleKind::kRemediation);
+  RunFacts facts = Facts({});
+  RemediationFact r{.param = "final_norm.weight",
+                    .step = 3001,
+                    .weight_decay = 0.1,
+                    .norm_at_step = 300,
+                    .projected_norm = 100,
+                    .unchanged_norm = 400,
+                    .actual_norm = 390,
+                    .time_constant_steps = 10000};
+  facts.remediations = {r};
+  // 4,999 steps after the change: under half a time constant, not judged however far off.
+  facts.step = 8000;
+  auto cs = Evaluate(rule, facts);
+  REQUIRE(cs.size() == 1);
+  CHECK_FALSE(cs[0].active);
+  CHECK(cs[0].labels.at("param") == "final_norm.weight");
+  CHECK(cs[0].labels.at("remediation_step") == "3001");
+  CHECK(cs[0].vars.at("verdict") == "too early");
+  CHECK(cs[0].vars.at("finding").empty());
+  // From half a time constant on: 290% off, nearer the path without the change.
+  facts.step = 8001;
+  cs = Evaluate(rule, facts);
+  CHECK(cs[0].active);
+  CHECK(cs[0].vars.at("departure") == "290%");
+  CHECK(cs[0].vars.at("max_departure") == "25%");
+  CHECK(cs[0].vars.at("verdict") == "not working");
+  CHECK_THAT(cs[0].vars.at("finding"), Catch::Contains("follows the path it had without the change"));
+  CHECK(cs[0].vars.at("elapsed_steps") == "5,000");
+  // Off, but nearer the projection than the old path: slower than projected.
+  facts.remediations[0].actual_norm = 200;
+  cs = Evaluate(rule, facts);
+  CHECK(cs[0].active);
+  CHECK(cs[0].vars.at("verdict") == "slower than projected");
+  // Below it: faster.
+  facts.remediations[0].actual_norm = 70;
+  cs = Evaluate(rule, facts);
+  CHECK(cs[0].active);
+  CHECK(cs[0].vars.at("verdict") == "faster than projected");
+  // Within 25%: working, not active; the level clears below 20%.
+  facts.remediations[0].actual_norm = 118;
+  cs = Evaluate(rule, facts);
+  CHECK_FALSE(cs[0].active);
+  CHECK(cs[0].vars.at("verdict") == "working");
+  REQUIRE(cs[0].level);
+  CHECK(cs[0].level->clear_bound == 0.2);
+  // No decay, no time constant: never judged.
+  facts.remediations[0].time_constant_steps = std::numeric_limits<double>::infinity();
+  facts.remediations[0].actual_norm = 390;
+  CHECK_FALSE(Evaluate(rule, facts)[0].active);
+  // A param glob filters.
+  const Rule other = LoadOne("        kind: remediation\n        param: \"layers.*\"\n        max_departure: 0.5\n");
+  CHECK(Evaluate(other, facts).empty());
+}
+
 TEST_CASE("stalled: an open run silent for the limit", "[alerts]") {
   const Rule rule = LoadOne("        kind: stalled\n        seconds: 600\n");
   RunFacts facts = Facts({});
@@ -382,6 +438,16 @@ TEST_CASE("every default rule matches an incident-shaped run and renders its ann
   final_norm.growth_slope_per_kstep = 2.5;
   facts.params = {final_norm, Param("lm_head.weight", ParamKind::kOutput, 0.1)};
   facts.shares = {{"lm_head.weight", false, 0.939, 0.01, ParamKind::kOutput}};
+
+  // final_norm.weight got weight decay 0.1 at step 60,000 and did not come down.
+  facts.remediations = {{.param = "final_norm.weight",
+                         .step = 60000,
+                         .weight_decay = 0.1,
+                         .norm_at_step = 300,
+                         .projected_norm = 110,
+                         .unchanged_norm = 360,
+                         .actual_norm = 362.1,
+                         .time_constant_steps = 10000}};
 
   RunFacts gone = facts;  // the same run once its job vanished without a Goodbye
   gone.open_streams = 0;

@@ -32,10 +32,10 @@ std::filesystem::path DefaultRulesPath() {
 
 }  // namespace
 
-TEST_CASE("the default rules load: two pages (the contingency, a dead run) and six warnings", "[alerts]") {
+TEST_CASE("the default rules load: two pages (the contingency, a dead run) and seven warnings", "[alerts]") {
   auto rules = LoadDefaultRules();
   REQUIRE(rules.ok());
-  REQUIRE(rules->size() == 8);
+  REQUIRE(rules->size() == 9);
 
   const Rule* page = Find(*rules, "GradNormContingency");
   REQUIRE(page);
@@ -79,6 +79,12 @@ TEST_CASE("the default rules load: two pages (the contingency, a dead run) and s
   CHECK(died->kind == RuleKind::kRunDied);
   CHECK(died->stalled_seconds == 0);  // the daemon's runs.stalled_after_seconds
   CHECK(died->labels.at("severity") == "page");
+  const Rule* remediation = Find(*rules, "RemediationOffProjection");
+  REQUIRE(remediation);
+  CHECK(remediation->kind == RuleKind::kRemediation);
+  CHECK(remediation->max_departure == 0.25);
+  CHECK(remediation->after_time_constants == 0.5);
+  CHECK(remediation->clear_below == 0.2);
 
   for (const Rule& r : *rules) {
     INFO(r.name);
@@ -97,7 +103,7 @@ TEST_CASE("the compiled-in default rules are the file in the tree", "[alerts]") 
   CHECK(DefaultRulesYaml() == text.str());
   auto from_file = LoadRuleFile(DefaultRulesPath().string());
   REQUIRE(from_file.ok());
-  CHECK(from_file->size() == 8);
+  CHECK(from_file->size() == 9);
 }
 
 TEST_CASE("every rule kind loads with its own fields", "[alerts]") {
@@ -229,6 +235,14 @@ TEST_CASE("bad rule files are rejected with file:line and what is wrong", "[aler
        "bad.yaml:6: rule 'A': seconds must be a positive duration"},
       {kHead + "        kind: stalled\n        seconds: 60\n        resolve_for_steps: 3\n" + kSeverity,
        "bad.yaml:7: rule 'A': resolve_for_steps does not apply to kind stalled"},
+      {kHead + "        kind: remediation\n" + kSeverity,
+       "bad.yaml:4: rule 'A': missing 'max_departure' (required by kind remediation)"},
+      {kHead + "        kind: remediation\n        max_departure: 25\n        clear_below: 30\n" + kSeverity,
+       "bad.yaml:7: rule 'A': clear_below must not exceed max_departure"},
+      {kHead + "        kind: remediation\n        max_departure: 0\n" + kSeverity,
+       "bad.yaml:6: rule 'A': max_departure is a fraction above 0: 0.25 for 25% off the projection, got 0"},
+      {kHead + "        kind: remediation\n        max_departure: 0.25\n        after_time_constants: -1\n" + kSeverity,
+       "bad.yaml:7: rule 'A': after_time_constants must be finite and ≥ 0"},
       {kHead + "        kind: share\n        param_kind: output\n        min_share: 90\n" + kSeverity,
        "bad.yaml:7: rule 'A': min_share is a fraction in (0, 1]: 0.9 for 90%, got 90"},
       {kHead + "        kind: share\n        min_share: 0.9\n" + kSeverity,
