@@ -11,6 +11,7 @@ import unittest
 import numpy as np
 
 import gradwatch
+from gradwatch import _catalog
 from gradwatch.v1 import gradwatch_pb2 as pb
 import grpc
 
@@ -379,6 +380,47 @@ class UpdateParamsValidationTest(unittest.TestCase):
             {"name": "final_norm.weight", "weight_decay": 0.1, "kind": "norm", "role": "final_norm", "group": ""},
             {"name": "layers.1.attn.weight", "weight_decay": 0}]))
         self.assertEqual(self.mon.stats().queued, 2)  # the step and the update
+
+
+class RadialUpdateMessageTest(unittest.TestCase):
+    """updates/radial/<param> goes into the step's ParamStats.radial_update; no daemon is needed."""
+
+    def setUp(self) -> None:
+        self.mon = gradwatch.Monitor("py-radial", address="127.0.0.1:1", params=CATALOG, start=False)
+        self.stream = self.mon._streams[0]
+
+    def tearDown(self) -> None:
+        self.mon.close(finished=False, timeout=1)
+
+    def built(self) -> dict:
+        """The last queued step as the stream writes it: parameter name -> ParamStats."""
+        message = self.stream._message(self.stream._pending[-1])
+        names = [p.name for p in self.stream._params]
+        return {names[p.index]: p for p in message.step.params}
+
+    def test_the_key_is_split_as_a_parameters(self) -> None:
+        self.assertEqual(_catalog.split_key("updates/radial/final_norm.weight"), ("radial", "final_norm.weight"))
+        self.assertIsNone(_catalog.split_key("updates/radial/"))
+
+    def test_a_radial_update_is_signed_and_a_squared_one_is_a_dot(self) -> None:
+        self.assertTrue(self.mon.log(1, {"updates/radial/x": -0.25, "params/norm/x": 2.0}))
+        x = self.built()["x"]  # a parameter the catalog lacked: added
+        self.assertEqual(x.radial_update.WhichOneof("value"), "radial")
+        self.assertEqual(x.radial_update.radial, -0.25)
+        self.assertEqual(x.param.norm, 2.0)
+        self.assertTrue(self.mon.log(2, {"updates/radial/x": -0.5, "params/norm/x": 4.0}, squared=True))
+        x = self.built()["x"]
+        self.assertEqual(x.radial_update.WhichOneof("value"), "dot")
+        self.assertEqual(x.radial_update.dot, -0.5)
+        self.assertEqual(x.param.sq_sum, 4.0)
+        self.assertTrue(self.mon.log(3, {"updates/radial/final_norm.weight": float("nan")}))
+        self.assertTrue(math.isnan(self.built()["final_norm.weight"].radial_update.radial))
+
+    def test_a_dot_without_the_ranks_parameter_norm_is_refused(self) -> None:
+        with self.assertRaisesRegex(ValueError, r"'updates/radial/lm_head.weight' with squared=True is this rank's "
+                                                r".*log 'params/norm/lm_head.weight' with it"):
+            self.mon.log(1, {"updates/radial/lm_head.weight": 0.1, "grad/norm/lm_head.weight": 1.0}, squared=True)
+        self.assertEqual(self.mon.stats().queued, 0)
 
 
 if __name__ == "__main__":

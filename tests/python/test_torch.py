@@ -124,6 +124,29 @@ class WatchTest(unittest.TestCase):
                     want = e[field][name]
                     self.assertAlmostEqual(got[step], want, delta=1e-5 * max(want, 1e-12), msg=f"{prefix}{name}@{step}")
 
+    def test_radial_updates_from_adam_state_reach_the_daemon(self) -> None:
+        model = Tiny()
+        opt = optimizer_for(model)
+        watch = gwt.Watch(model, opt, run="torch-radial", address=self.daemon.address, radial_updates=True)
+        generator = torch.Generator().manual_seed(2)
+        expected = {}
+        for step in range(1, 11):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            train_step(model, opt, generator)
+            expected[step] = {n: (torch.dot((p.detach() - before[n]).flatten(), before[n].flatten())
+                                  / before[n].norm()).item() for n, p in model.named_parameters()}
+            self.assertTrue(watch.step(step))
+            opt.zero_grad()
+        self.assertTrue(watch.close())
+        for name in expected[1]:
+            got = {p.step: p.value for p in self.daemon.points("torch-radial", "updates/radial/" + name)}
+            self.assertEqual(sorted(got), list(range(1, 11)), msg=name)
+            weight = model.get_parameter(name).detach().norm().item()
+            for step, e in expected.items():
+                # float32 rounding of the stepped weight bounds the error (see RadialUpdateTest).
+                self.assertAlmostEqual(got[step], e[name], delta=1e-5 * abs(e[name]) + 2 ** -22 * weight,
+                                       msg=f"updates/radial/{name}@{step}")
+
     def test_every_n_steps_and_kind_overrides(self) -> None:
         model = Tiny()
         opt = optimizer_for(model)
@@ -235,11 +258,13 @@ class RecordingMonitor:
     update_params answers (False: not queued)."""
 
     def __init__(self) -> None:
+        self.logs = []  # (step, metrics, squared)
         self.updates = []
         self.events = []
         self.accept = True
 
     def log(self, step, metrics, squared=False) -> bool:
+        self.logs.append((step, dict(metrics), squared))
         return True
 
     def event(self, step, text) -> bool:
@@ -310,6 +335,226 @@ class WeightDecayChangeTest(unittest.TestCase):
             mon.close(finished=False, timeout=1)
 
 
+# The floor of the tolerance, relative to |w| + |Δw|: the step rounds each element of w(t+1) to float32
+# (by up to 2**-24 of it), which the optimizer's state does not record, so r from the state may be off
+# by 2**-24·|w| whatever r is; twice that covers the arithmetic too.
+ROUNDING = 2.0 ** -23
+
+
+def radial_reference(before: torch.Tensor, after: torch.Tensor) -> tuple:
+    """r = ⟨Δw, w⟩/|w| of a step from copies of the weight before and after it, in float64, and the
+    tolerance of a value computed in float32: 1e-5 relative, plus ROUNDING·(|w| + |Δw|)."""
+    w = before.double()
+    dw = after.double() - w
+    r = (dw * w).sum().item() / w.norm().item()
+    return r, 1e-5 * abs(r) + ROUNDING * (w.norm().item() + dw.norm().item())
+
+
+class Gain(torch.nn.Module):
+    """A norm gain at ones: loss() pushes it outward (sign +1), inward (-1) or not at all (0)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def loss(self, sign: float) -> torch.Tensor:
+        return -sign * self.weight.sum()
+
+
+class RadialUpdateTest(unittest.TestCase):
+    """Watch(radial_updates=True): updates/radial/<param> from Adam's state or from update_norms'
+    copy, held against r computed from copies of the weights; no daemon."""
+
+    def setUp(self) -> None:
+        torch.manual_seed(0)
+
+    def train(self, model, opt, watch, mon, steps: int, seed: int = 5):
+        """Trains `steps` steps; yields (step, r sent per name, (r, tolerance) from copies per name)."""
+        generator = torch.Generator().manual_seed(seed)
+        for step in range(1, steps + 1):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            train_step(model, opt, generator)
+            self.assertTrue(watch.step(step))
+            opt.zero_grad()
+            logged_step, metrics, squared = mon.logs[-1]
+            self.assertEqual((logged_step, squared), (step, False))
+            sent = {k[len("updates/radial/"):]: v for k, v in metrics.items() if k.startswith("updates/radial/")}
+            yield step, sent, {n: radial_reference(before[n], p.detach()) for n, p in model.named_parameters()}
+
+    def test_from_adam_state_it_equals_r_from_a_copy(self) -> None:
+        def adamw(model, **kwargs):
+            return torch.optim.AdamW(model.parameters(), lr=1e-2, **kwargs)
+
+        cases = {
+            "AdamW, weight decay 0": lambda m: adamw(m, weight_decay=0.0),
+            "AdamW, weight decay 0.1 on some groups": optimizer_for,
+            "AdamW, amsgrad": lambda m: adamw(m, weight_decay=0.1, amsgrad=True),
+            "AdamW, foreach and maximize": lambda m: adamw(m, weight_decay=0.1, foreach=True, maximize=True),
+            "Adam, L2 weight decay": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=0.1),
+            "Adam, amsgrad, betas": lambda m: torch.optim.Adam(m.parameters(), lr=3e-3, betas=(0.8, 0.95),
+                                                               eps=1e-6, amsgrad=True),
+        }
+        for case, make in cases.items():
+            with self.subTest(case):
+                model = Tiny()
+                opt = make(model)
+                mon = RecordingMonitor()
+                watch = gwt.Watch(model, opt, monitor=mon, radial_updates=True)
+                for step, sent, want in self.train(model, opt, watch, mon, steps=6):
+                    self.assertEqual(set(sent), set(want), f"step {step}")
+                    for name, (r, tolerance) in want.items():
+                        self.assertAlmostEqual(sent[name], r, delta=tolerance, msg=f"{name} at step {step}")
+                self.assertFalse(any(k.startswith("updates/norm/") for k in mon.logs[-1][1]))  # no copy kept
+
+    def test_its_sign_says_whether_the_step_grows_the_norm(self) -> None:
+        lr, dim = 1e-2, 8
+        for sign, wd in ((1.0, 0.0), (-1.0, 0.0), (0.0, 0.5)):
+            with self.subTest(sign=sign, weight_decay=wd):
+                model = Gain(dim)
+                opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+                mon = RecordingMonitor()
+                watch = gwt.Watch(model, opt, monitor=mon, radial_updates=True)
+                for step in range(1, 4):
+                    norm_before = model.weight.detach().norm().item()
+                    model.loss(sign).backward()
+                    opt.step()
+                    watch.step(step)
+                    opt.zero_grad()
+                    r = mon.logs[-1][1]["updates/radial/weight"]
+                    # Adam moves each element by lr·sign (its gradient is the same at every step);
+                    # without a gradient, AdamW's decay alone scales the weight by 1 − lr·wd.
+                    want = sign * lr * dim ** 0.5 if wd == 0 else -lr * wd * norm_before
+                    self.assertAlmostEqual(r, want, delta=1e-5 * abs(want), msg=f"step {step}")
+                    self.assertEqual(r > 0, sign > 0)
+
+    def test_from_the_copy_of_update_norms_with_any_optimizer(self) -> None:
+        model = Tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        mon = RecordingMonitor()
+        watch = gwt.Watch(model, opt, monitor=mon, update_norms=True, radial_updates=True)
+        for step, sent, want in self.train(model, opt, watch, mon, steps=5):
+            self.assertEqual(set(sent), set(want), f"step {step}")
+            for name, (r, tolerance) in want.items():
+                self.assertAlmostEqual(sent[name], r, delta=tolerance, msg=f"{name} at step {step}")
+
+    def test_without_a_copy_or_adam_nothing_is_sent_and_why_is_logged_once(self) -> None:
+        model = Tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        mon = RecordingMonitor()
+        with self.assertLogs("gradwatch", "WARNING") as logs:
+            watch = gwt.Watch(model, opt, monitor=mon, radial_updates=True)
+        [line] = logs.output
+        self.assertIn("no updates/radial/ for 5 parameters (embed.weight, mlp.weight, mlp.bias, final_norm.weight, "
+                      "lm_head.weight): torch.optim.sgd.SGD is not torch.optim.Adam or AdamW", line)
+        self.assertIn("update_norms=True", line)
+        generator = torch.Generator().manual_seed(6)
+        with self.assertNoLogs("gradwatch", "WARNING"):
+            for step in range(1, 3):
+                train_step(model, opt, generator)
+                watch.step(step)
+                opt.zero_grad()
+        self.assertFalse(any(k.startswith("updates/radial/") for _, metrics, _ in mon.logs for k in metrics))
+
+    def test_a_parameter_without_adam_state_is_skipped_and_one_not_stepped_sends_0(self) -> None:
+        model = Tiny()
+        opt = optimizer_for(model)
+        mon = RecordingMonitor()
+        watch = gwt.Watch(model, opt, monitor=mon, radial_updates=True)
+        generator = torch.Generator().manual_seed(7)
+        late = model.final_norm.weight
+
+        def step(n: int, late_grad: bool) -> dict:
+            before = late.detach().clone()
+            tokens = torch.randint(0, 32, (4, 8), generator=generator)
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1)).backward()
+            if not late_grad:
+                late.grad = None  # the optimizer leaves it: no state at first, then no step
+            opt.step()
+            watch.step(n)
+            opt.zero_grad()
+            self.assertEqual(torch.equal(before, late.detach()), not late_grad)
+            return mon.logs[-1][1]
+
+        with self.assertLogs("gradwatch", "WARNING") as logs:
+            metrics = step(1, late_grad=False)
+        self.assertNotIn("updates/radial/final_norm.weight", metrics)  # skipped, not sent as 0
+        self.assertIn("updates/radial/lm_head.weight", metrics)
+        [line] = logs.output
+        self.assertIn("no updates/radial/ for 1 parameter (final_norm.weight): no Adam state", line)
+        with self.assertNoLogs("gradwatch", "WARNING"):
+            step(2, late_grad=False)
+            metrics = step(3, late_grad=True)
+        self.assertNotEqual(metrics["updates/radial/final_norm.weight"], 0.0)
+        metrics = step(4, late_grad=False)
+        self.assertEqual(metrics["updates/radial/final_norm.weight"], 0.0)  # w(t+1) = w(t)
+        self.assertNotEqual(metrics["updates/radial/lm_head.weight"], 0.0)
+
+    def test_unsent_steps_keep_the_step_counts(self) -> None:
+        model = Tiny()
+        opt = optimizer_for(model)
+        mon = RecordingMonitor()
+        watch = gwt.Watch(model, opt, monitor=mon, radial_updates=True, every=3)
+        generator = torch.Generator().manual_seed(8)
+        for step in range(1, 7):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            train_step(model, opt, generator)
+            watch.step(step)
+            opt.zero_grad()
+        self.assertEqual([s for s, _, _ in mon.logs], [3, 6])
+        sent = mon.logs[-1][1]
+        for name, p in model.named_parameters():  # the last step's update, not the 3 since step 3
+            r, tolerance = radial_reference(before[name], p.detach())
+            self.assertAlmostEqual(sent[f"updates/radial/{name}"], r, delta=tolerance, msg=name)
+
+    def test_the_radial_update_reaches_the_step_message(self) -> None:
+        mon = gradwatch.Monitor("torch-radial", address="127.0.0.1:1", start=False)
+        try:
+            model = Tiny()
+            opt = optimizer_for(model)
+            watch = gwt.Watch(model, opt, monitor=mon, radial_updates=True)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            train_step(model, opt, torch.Generator().manual_seed(9))
+            self.assertTrue(watch.step(1))
+            stream = mon._streams[0]
+            message = stream._message(stream._pending[-1])
+            names = [p.name for p in stream._params]
+            sent = {names[p.index]: p for p in message.step.params}
+            for name, p in model.named_parameters():
+                self.assertEqual(sent[name].radial_update.WhichOneof("value"), "radial", name)
+                r, tolerance = radial_reference(before[name], p.detach())
+                self.assertAlmostEqual(sent[name].radial_update.radial, r, delta=tolerance, msg=name)
+        finally:
+            mon.close(finished=False, timeout=1)
+
+
+def _sharded_rank(rank: int, world: int, port: int, out) -> None:
+    """A rank of a sharded model (each rank its own shard: its own Tiny), reporting to a recorder."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    model = Tiny()
+    opt = optimizer_for(model)
+    mon = RecordingMonitor()
+    watch = gwt.Watch(model, opt, monitor=mon, sharded=True, radial_updates=True)
+    generator = torch.Generator().manual_seed(20 + rank)
+    want = {}
+    for step in range(1, 4):
+        before = {n: p.detach().clone().double() for n, p in model.named_parameters()}
+        train_step(model, opt, generator)
+        watch.step(step)
+        opt.zero_grad()
+        want[step] = {}
+        for n, p in model.named_parameters():
+            dw = p.detach().double() - before[n]
+            # ⟨Δw_s, w_s⟩, and its tolerance (radial_reference's, times |w_s|).
+            dot, w = (dw * before[n]).sum().item(), before[n].norm().item()
+            want[step][n] = (dot, 1e-5 * abs(dot) + ROUNDING * (w + dw.norm().item()) * w)
+    out.put((rank, mon.logs, want))
+    dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -335,6 +580,27 @@ def _ddp_rank(rank: int, world: int, port: int, address: str, out) -> None:
     out.put((rank, totals, losses, watch.monitor.flush(60)))
     watch.close(finished=False)
     dist.destroy_process_group()
+
+
+class ShardedRadialTest(unittest.TestCase):
+    def test_each_rank_of_a_sharded_model_sends_its_partial_inner_product(self) -> None:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_sharded_rank, args=(r, 2, port, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+            self.assertEqual(p.exitcode, 0)
+        for rank, logs, want in results:
+            self.assertEqual([(s, squared) for s, _, squared in logs], [(1, True), (2, True), (3, True)])
+            for step, metrics, _ in logs:
+                for name, (dot, tolerance) in want[step].items():
+                    self.assertIn(f"params/norm/{name}", metrics)  # the daemon divides by the merged norm
+                    self.assertAlmostEqual(metrics[f"updates/radial/{name}"], dot, delta=tolerance,
+                                           msg=f"rank {rank} {name} at step {step}")
 
 
 class DistributedTest(unittest.TestCase):

@@ -1,9 +1,16 @@
 """The parameter catalog and the metric keys, as gradwatch's JSONL replay reads them.
 
 Keys: ``grad/norm/total`` (the total gradient norm), ``grad/norm/<param>``, ``params/norm/<param>``,
-``updates/norm/<param>`` (a parameter's gradient, weight and optimizer-update norms), ``train/loss``,
+``updates/norm/<param>`` (a parameter's gradient, weight and optimizer-update norms),
+``updates/radial/<param>`` (the radial part of the step's update, r = ⟨Δw, w⟩/|w| with Δw = w(t+1) − w(t)
+and w = w(t), the weight before the step; signed, > 0 when the step grows the norm), ``train/loss``,
 ``train/z_loss``, ``optim/learning_rate``, ``train/tokens``; any other numeric key is kept as an extra
 series under its own name.
+
+A rank that holds a shard of its parameters logs with squared=True: its norms are then the squared
+partial sums of its shards, and ``updates/radial/<param>`` is its shard's partial inner product
+⟨Δw_s, w_s⟩, which the daemon sums over the ranks and divides by the merged parameter norm (so the rank
+logs ``params/norm/<param>`` with it).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ TOTAL_GRAD = "grad/norm/total"
 GRAD_PREFIX = "grad/norm/"
 PARAM_PREFIX = "params/norm/"
 UPDATE_PREFIX = "updates/norm/"
+RADIAL_PREFIX = "updates/radial/"
 
 KINDS = {
     "norm_gain": pb.PARAM_KIND_NORM_GAIN,
@@ -116,18 +124,20 @@ def to_float(key: str, value: Any) -> float:
 
 @functools.lru_cache(maxsize=1 << 16)
 def split_key(key: str):
-    """(field, param) for a per-parameter key, else None. Cached: a trainer sends the same keys
-    every step."""
+    """(field, param) for a per-parameter key, else None; field is "grad", "param" or "update" (a norm:
+    ParamStats' NormValue of that name) or "radial" (ParamStats.radial_update). Cached: a trainer sends
+    the same keys every step."""
     if key == TOTAL_GRAD:
         return None
-    for prefix, field in ((GRAD_PREFIX, "grad"), (PARAM_PREFIX, "param"), (UPDATE_PREFIX, "update")):
+    for prefix, field in ((GRAD_PREFIX, "grad"), (PARAM_PREFIX, "param"), (UPDATE_PREFIX, "update"),
+                          (RADIAL_PREFIX, "radial")):
         if key.startswith(prefix) and len(key) > len(prefix):
             return field, key[len(prefix):]
     return None
 
 
 def set_scalar(stats: pb.StepStats, key: str, value: float) -> None:
-    """Puts a key that is not a parameter's norm into the step."""
+    """Puts a key that is not a per-parameter key (split_key) into the step."""
     if key == TOTAL_GRAD:
         stats.total_grad.norm = value
     elif key == "train/loss":

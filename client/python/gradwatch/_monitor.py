@@ -3,6 +3,10 @@
 The training loop calls log(), event() and update_params(), which only queue; a background thread
 connects, sends, resends what the daemon has not acknowledged after a reconnect, and hands alerts to a
 callback.
+
+log() takes the JSONL keys (gradwatch._catalog lists them). updates/radial/<param>, the radial part of a
+step's update r = ⟨Δw, w⟩/|w| (signed), goes into ParamStats.radial_update: as `radial`, or, under
+log(..., squared=True), as `dot`, the rank's ⟨Δw_s, w_s⟩ over its shard.
 """
 
 from __future__ import annotations
@@ -129,6 +133,17 @@ def _param_changes(params: Sequence[Mapping[str, Any]], index: Mapping[str, int]
     return changes
 
 
+def _check_radial_dots(values: Mapping[str, float]) -> None:
+    """A squared step's radial updates are partial inner products, which the daemon divides by the
+    merged parameter norm: each needs the rank's params/norm/<param> (the daemon refuses the step
+    without it)."""
+    for key in values:
+        split = _catalog.split_key(key)
+        if split is not None and split[0] == "radial" and _catalog.PARAM_PREFIX + split[1] not in values:
+            raise ValueError(f"{key!r} with squared=True is this rank's ⟨Δw_s, w_s⟩, which the daemon divides by "
+                             f"the merged parameter norm: log {_catalog.PARAM_PREFIX + split[1]!r} with it")
+
+
 class _Stream:
     """Streams one rank of a run to one gradwatchd from a background thread (Monitor's per daemon).
 
@@ -238,14 +253,20 @@ class _Stream:
         """Queues one step's metrics (the JSONL keys) without blocking; False when it was dropped.
 
         Values are anything float() takes. A key naming a parameter the catalog lacks adds it.
-        squared: the norms (grad/norm/..., params/norm/..., updates/norm/...) are this rank's
-        squared partial sums, which the daemon adds up over the ranks. Raises TypeError or
-        ValueError for a value that is not a number or a negative step.
+        updates/radial/<param> is the radial part of the step's update, r = ⟨Δw, w⟩/|w| (Δw = w(t+1) −
+        w(t), w = w(t)), signed: no sign is checked. squared: the norms (grad/norm/..., params/norm/...,
+        updates/norm/...) are this rank's squared partial sums, which the daemon adds up over the ranks,
+        and updates/radial/<param> is this rank's ⟨Δw_s, w_s⟩ over its shard, which the daemon sums
+        and divides by the merged parameter norm: it needs params/norm/<param> in the same call.
+        Raises TypeError or ValueError for a value that is not a number, a negative step, or a
+        squared radial update without its parameter norm.
         """
         step = int(step)
         if step < 0:
             raise ValueError(f"step {step} is negative")
         values = {str(k): _catalog.to_float(str(k), v) for k, v in metrics.items()}
+        if squared:
+            _check_radial_dots(values)
         now = time.time() if wall_time is None else float(wall_time)
         with self._lock:
             if self._stopping:
@@ -435,7 +456,12 @@ class _Stream:
             p = by_index.get(index)
             if p is None:
                 p = by_index[index] = pb.ParamStats(index=index)
-            if item.squared:
+            if field_name == "radial":  # signed: merged by summing, not as squares
+                if item.squared:
+                    p.radial_update.dot = value
+                else:
+                    p.radial_update.radial = value
+            elif item.squared:
                 getattr(p, field_name).sq_sum = value
             else:
                 getattr(p, field_name).norm = value
@@ -727,9 +753,13 @@ class Monitor:
         queue dropped it.
 
         Values are anything float() takes. A key naming a parameter the catalog lacks adds it.
-        squared: the norms (grad/norm/..., params/norm/..., updates/norm/...) are this rank's
-        squared partial sums, which the daemon adds up over the ranks. Raises TypeError or
-        ValueError for a value that is not a number or a negative step.
+        updates/radial/<param> is the radial part of the step's update, r = ⟨Δw, w⟩/|w| (Δw = w(t+1) −
+        w(t), w = w(t)), signed: no sign is checked. squared: the norms (grad/norm/..., params/norm/...,
+        updates/norm/...) are this rank's squared partial sums, which the daemon adds up over the ranks,
+        and updates/radial/<param> is this rank's ⟨Δw_s, w_s⟩ over its shard, which the daemon sums
+        and divides by the merged parameter norm: it needs params/norm/<param> in the same call.
+        Raises TypeError or ValueError for a value that is not a number, a negative step, or a
+        squared radial update without its parameter norm.
         """
         if len(self._streams) == 1:
             return self._streams[0].log(step, metrics, wall_time, squared)
