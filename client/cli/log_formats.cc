@@ -308,9 +308,20 @@ std::optional<LogRecord> ParseJsonl(std::string_view line) {
       rec.event = value.get<std::string>();
       continue;
     }
+    if (key == "params" && value.is_array()) {
+      if (auto problem = ParseCatalogChanges(value, &rec.catalog_update)) {
+        rec.catalog_update.clear();
+        rec.catalog_error = *problem;
+      }
+      continue;
+    }
     Add(rec, key, JsonNumber(value));
   }
-  if (rec.values.empty() && !rec.event.empty()) rec.kind = LogRecord::Kind::kEvent;
+  if (rec.values.empty() && (!rec.catalog_update.empty() || !rec.catalog_error.empty())) {
+    rec.kind = LogRecord::Kind::kCatalog;
+  } else if (rec.values.empty() && !rec.event.empty()) {
+    rec.kind = LogRecord::Kind::kEvent;
+  }
   return rec;
 }
 

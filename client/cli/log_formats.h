@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "gradwatch/v1/gradwatch.pb.h"
+
 namespace gradwatch::cli {
 
 enum class LogFormat { kJsonl, kMegatron, kHfTrainer, kTorchtitan, kNanoGpt, kLlmc, kDeepSpeed };
@@ -33,13 +35,17 @@ std::string CleanLogLine(std::string_view raw);
 // train/tokens_per_second, train/epoch, val/loss, train/loss_eval, train/num_zeros, and hf/<key> for the
 // other numbers of a Hugging Face log dict.
 struct LogRecord {
-  enum class Kind { kStep, kEvent, kProgress };
+  // kCatalog: a JSONL line's `"params"` (a catalog change from its step on) without metrics.
+  enum class Kind { kStep, kEvent, kProgress, kCatalog };
   Kind kind = Kind::kStep;
   // The step the line names; nullopt for lines that print none (Hugging Face dicts, llm.c "val loss",
   // events): the caller attaches those to the step it last saw or counts.
   std::optional<uint64_t> step;
   std::vector<std::pair<std::string, double>> values;  // NaN and ±inf are kept
   std::string event;                                   // kEvent: the text to record
+  // A JSONL line's `"params"` (ParseCatalogChanges), or why it cannot be sent.
+  std::vector<v1::ParamChange> catalog_update;
+  std::string catalog_error;
   // The count of a tqdm progress bar on the line (Hugging Face, DeepSpeed), when there is one.
   std::optional<uint64_t> progress_step;
 };

@@ -173,45 +173,6 @@ LineResult ParseHeader(const json& obj) {
   return r;
 }
 
-// A step line's `"params"`: the catalog entries it changes from that step on.
-std::optional<std::string> ParseCatalogChanges(const json& list, std::vector<v1::ParamChange>* out) {
-  if (!list.is_array() || list.empty()) return "\"params\" on a step line must be a non-empty array";
-  size_t i = 0;
-  for (const json& p : list) {
-    const std::string where = "params[" + std::to_string(i++) + "]";
-    if (!p.is_object()) return where + " must be an object";
-    auto name = p.find("name");
-    if (name == p.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) {
-      return where + " needs a non-empty string \"name\"";
-    }
-    v1::ParamChange c;
-    c.set_name(name->get<std::string>());
-    for (const auto& [key, value] : p.items()) {
-      if (key == "name") continue;
-      if (key == "weight_decay") {
-        const auto d = AsNumber(value);
-        if (!d || !std::isfinite(*d) || *d < 0) return where + ".weight_decay must be a number ≥ 0";
-        c.set_weight_decay(*d);
-      } else if (key == "kind") {
-        const auto kind = value.is_string() ? ParseParamKind(value.get_ref<const std::string&>()) : std::nullopt;
-        if (!kind) return where + ".kind " + value.dump() + " is not a known kind";
-        c.set_kind(*kind);
-      } else if (key == "role") {
-        c.set_role(AsText(value));
-      } else if (key == "group") {
-        c.set_group(AsText(value));
-      } else {
-        return where + "." + key + " cannot change during a run (weight_decay, kind, role and group can)";
-      }
-    }
-    if (!c.has_weight_decay() && !c.has_kind() && !c.has_role() && !c.has_group()) {
-      return where + " changes nothing: give weight_decay, kind, role or group";
-    }
-    out->push_back(std::move(c));
-  }
-  return std::nullopt;
-}
-
 // A key the daemon fills from a StepStats field: its value must be a number.
 bool IsBuiltInKey(const std::string& key) {
   if (key == kTotalGradKey || key == "train/loss" || key == "train/z_loss" || key == "optim/learning_rate" ||
@@ -278,6 +239,44 @@ std::optional<std::string> AddMetric(StepRecord& rec, const std::string& key, do
 }
 
 }  // namespace
+
+std::optional<std::string> ParseCatalogChanges(const json& list, std::vector<v1::ParamChange>* out) {
+  if (!list.is_array() || list.empty()) return "\"params\" on a step line must be a non-empty array";
+  size_t i = 0;
+  for (const json& p : list) {
+    const std::string where = "params[" + std::to_string(i++) + "]";
+    if (!p.is_object()) return where + " must be an object";
+    auto name = p.find("name");
+    if (name == p.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) {
+      return where + " needs a non-empty string \"name\"";
+    }
+    v1::ParamChange c;
+    c.set_name(name->get<std::string>());
+    for (const auto& [key, value] : p.items()) {
+      if (key == "name") continue;
+      if (key == "weight_decay") {
+        const auto d = AsNumber(value);
+        if (!d || !std::isfinite(*d) || *d < 0) return where + ".weight_decay must be a number ≥ 0";
+        c.set_weight_decay(*d);
+      } else if (key == "kind") {
+        const auto kind = value.is_string() ? ParseParamKind(value.get_ref<const std::string&>()) : std::nullopt;
+        if (!kind) return where + ".kind " + value.dump() + " is not a known kind";
+        c.set_kind(*kind);
+      } else if (key == "role") {
+        c.set_role(AsText(value));
+      } else if (key == "group") {
+        c.set_group(AsText(value));
+      } else {
+        return where + "." + key + " cannot change during a run (weight_decay, kind, role and group can)";
+      }
+    }
+    if (!c.has_weight_decay() && !c.has_kind() && !c.has_role() && !c.has_group()) {
+      return where + " changes nothing: give weight_decay, kind, role or group";
+    }
+    out->push_back(std::move(c));
+  }
+  return std::nullopt;
+}
 
 std::string QuoteNonFiniteTokens(std::string_view line) {
   static constexpr std::string_view kTokens[] = {"-Infinity", "Infinity", "-NaN", "NaN"};

@@ -11,6 +11,8 @@
 #include <variant>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "gradwatch/v1/gradwatch.pb.h"
 
 namespace gradwatch::cli {
@@ -48,6 +50,10 @@ struct StepRecord {
   // A step's metrics are sent for this line: it has some, or it is a bare `_step` line.
   bool is_step() const { return has_metrics || (!event && catalog_update.empty()); }
 };
+
+// A step line's `"params"` (a non-empty array of the header's entries, by name): the catalog
+// changes it makes from its step on, or why they cannot be sent. `replay` and `tail` read it.
+std::optional<std::string> ParseCatalogChanges(const nlohmann::json& list, std::vector<v1::ParamChange>* out);
 
 // The optional first line: run name, config, labels, parameter catalog.
 struct HeaderRecord {

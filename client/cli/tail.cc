@@ -155,6 +155,10 @@ class Sender {
   void CountDrop() { ++dropped_; }
 
   bool Event(uint64_t step, std::string text) { return monitor_->Event(step, std::move(text)); }
+  // Waits for room as long as the daemon makes progress (a catalog change is never dropped).
+  bool CatalogUpdate(v1::CatalogUpdate update, std::chrono::milliseconds stall) {
+    return monitor_->CatalogUpdateBlocking(std::move(update), stall);
+  }
 
   client::Monitor* monitor() { return monitor_.get(); }
 
@@ -228,6 +232,8 @@ json TailSummaryToJson(const TailSummary& s) {
       {"metric_lines", s.metric_lines},
       {"steps_sent", s.steps_sent},
       {"events", s.events_sent},
+      {"catalog_changes", s.catalog_changes_sent},
+      {"catalog_changes_refused", s.catalog_changes_refused},
       {"repeated_steps", s.repeated_steps},
       {"already_held_steps", s.already_held_steps},
       {"resumes", s.resumes},
@@ -279,6 +285,10 @@ std::string FormatTailSummary(const TailSummary& s) {
       {"not parsed", unparsed},
       {"steps sent", sent},
       {"events", std::to_string(s.events_sent)},
+      {"catalog changes",
+       std::to_string(s.catalog_changes_sent) +
+           (s.catalog_changes_refused > 0 ? ", " + std::to_string(s.catalog_changes_refused) + " not sent (printed)"
+                                          : "")},
       {"daemon errors", errors.empty() ? "none" : errors},
       {"last acked step", s.has_acked ? std::to_string(s.last_acked_step) : "none"},
       {"ended", s.ended},
@@ -514,6 +524,39 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     }
     if (record->progress_step) progress_step = record->progress_step;
     if (record->kind == LogRecord::Kind::kProgress) return true;
+    if (!record->catalog_error.empty()) {
+      progress.Print() << options.file << ":" << line_number << ": " << record->catalog_error
+                       << "; this catalog change is not sent\n";
+      ++summary.catalog_changes_refused;
+    }
+    if (!record->catalog_update.empty() && record->step) {
+      // After the steps before it, and known to this tail's catalog: the Hellos of a reconnect
+      // carry the new values.
+      if (!flush_held()) return false;
+      v1::CatalogUpdate update;
+      update.set_from_step(*record->step);
+      for (const v1::ParamChange& c : record->catalog_update) {
+        *update.add_params() = c;
+        v1::ParamInfo& p = catalog.params[catalog.Index(c.name())];
+        if (c.has_weight_decay()) p.set_weight_decay(c.weight_decay());
+        if (c.has_kind()) p.set_kind(c.kind());
+        if (c.has_role()) p.set_role(c.role());
+        if (c.has_group()) p.set_group(c.group());
+      }
+      for (auto& t : targets) {
+        if (!ensure(*t, std::nullopt)) continue;
+        t->connected = true;
+        if (t->sender->CatalogUpdate(update, stall)) ++t->summary.catalog_changes_sent;
+      }
+    }
+    if (record->kind == LogRecord::Kind::kCatalog) {
+      if (!record->event.empty()) {
+        for (auto& t : targets) {
+          if (ensure(*t, std::nullopt) && t->sender->Event(*record->step, record->event)) ++t->summary.events_sent;
+        }
+      }
+      return live();
+    }
     if (record->kind == LogRecord::Kind::kEvent) {
       const uint64_t at = record->step ? *record->step : held_step ? *held_step : last_step.value_or(0);
       for (auto& t : targets) {
@@ -621,6 +664,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     TailSummary ts = summary;
     ts.steps_sent = t->summary.steps_sent;
     ts.events_sent = t->summary.events_sent;
+    ts.catalog_changes_sent = t->summary.catalog_changes_sent;
     ts.already_held_steps = t->summary.already_held_steps;
     ts.complete = t->failure.empty() && sender.Drain(stall);
     if (options.finish && ts.complete && signal == 0 && sender.monitor() != nullptr) {

@@ -42,9 +42,11 @@ struct TailSummary {
   uint64_t metric_lines = 0;  // lines that gave a step
   uint64_t steps_sent = 0;
   uint64_t events_sent = 0;
-  uint64_t repeated_steps = 0;      // lines naming a step already read (every rank prints it): merged, sent once
-  uint64_t already_held_steps = 0;  // held by the daemon before this tail started
-  uint64_t resumes = 0;             // the step went back: the job resumed from a checkpoint
+  uint64_t catalog_changes_sent = 0;     // `"params"` lines: catalog changes from their step on
+  uint64_t catalog_changes_refused = 0;  // `"params"` lines that could not be sent (printed)
+  uint64_t repeated_steps = 0;           // lines naming a step already read (every rank prints it): merged, sent once
+  uint64_t already_held_steps = 0;       // held by the daemon before this tail started
+  uint64_t resumes = 0;                  // the step went back: the job resumed from a checkpoint
   uint64_t unparsed_lines = 0;
   std::vector<BadLine> first_unparsed;
   uint64_t truncations = 0;

@@ -231,6 +231,41 @@ TEST_CASE("tail of JSONL grows the catalog as new parameters appear, and a daemo
   CHECK(Series(daemon, "jsonl-tail", "grad/norm/lm_head.weight").size() == 20);
 }
 
+TEST_CASE("tail of JSONL sends a params line as a catalog change from its step, and prints one it cannot send",
+          "[integration]") {
+  DaemonProcess daemon;
+  std::string lines;
+  for (int step = 1; step <= 30; ++step) {
+    if (step == 21) {
+      lines += R"({"_step": 21, "params": [{"name": "final_norm.weight", "weight_decay": 0.1}]})"
+               "\n";
+      lines += R"({"_step": 21, "params": [{"name": "final_norm.weight", "weight_decay": -1}]})"
+               "\n";
+    }
+    lines += R"({"_step": )" + std::to_string(step) + R"(, "grad/norm/total": 0.5)";
+    lines += R"(, "params/norm/final_norm.weight": )" + std::to_string(10.0 + step) + "}\n";
+  }
+  const CommandResult r = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-", "--run", "jsonl-params", "--finish"},
+      lines, std::chrono::seconds(120));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const json summary = json::parse(r.out);
+  CHECK(summary["steps_sent"] == 30);
+  CHECK(summary["catalog_changes"] == 1);
+  CHECK(summary["catalog_changes_refused"] == 1);
+  CHECK(r.err.find("-:22: params[0].weight_decay must be a number ≥ 0; this catalog change is not sent") !=
+        std::string::npos);
+  const json show = json::parse(Cli(daemon, {"show", "jsonl-params", "--json"}).out);
+  REQUIRE(show["params"].size() == 1);
+  CHECK(show["params"][0]["weight_decay"] == 0.1);
+  bool event = false;
+  for (const json& e : show["events"]) {
+    if (e.value("source", "") == "catalog" && AsStep(e["step"]) == 21) event = true;
+  }
+  CHECK(event);
+}
+
 TEST_CASE("the sidecar recipe runs a trainer unchanged, streams its log and exits with its status", "[integration]") {
   DaemonProcess daemon;
   TempDir dir("gradwatch-sidecar");

@@ -883,7 +883,7 @@ TEST_CASE("rules check --config loads the rules a daemon would, its overrides ap
   CHECK(r.code == 0);
   const auto shown = nlohmann::json::parse(r.out);
   CHECK(shown["ok"] == true);
-  CHECK(shown["rules"].size() == 9);  // the 8 built-in ones and LossHigh
+  CHECK(shown["rules"].size() == 10);  // the 9 built-in ones and LossHigh
 
   const std::string bad = write("bad.yaml", "log: {level: info}\nalerts:\n  overrides:\n    LossHigh: {value: 8}\n");
   r = RunCli({"rules", "check", "--config", bad});  // LossHigh is not in force without its file
