@@ -68,17 +68,21 @@ std::string TopSentence(const std::vector<Contributor>& top) {
 std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double weight_decay, double output_share) {
   const std::optional<double> slope =
       gain.norm_slope_per_kstep ? gain.norm_slope_per_kstep : gain.growth_slope_per_kstep;
-  if (!(weight_decay > 0) || !facts.learning_rate.known || !(facts.learning_rate.value > 0) || !gain.norm || !slope) {
+  // The parameter's own learning rate when its param group has one (optim/learning_rate/<name>).
+  const SeriesValue* own = FindLatest(facts, std::string(keys::kParamLearningRatePrefix) + gain.info.name);
+  const bool own_lr = own != nullptr && own->value > 0 && std::isfinite(own->value);
+  if (!(weight_decay > 0) || !(own_lr || (facts.learning_rate.known && facts.learning_rate.value > 0)) || !gain.norm ||
+      !slope) {
     return "";
   }
-  const double lr = facts.learning_rate.value;
+  const double lr = own_lr ? own->value : facts.learning_rate.value;
   const analytics::NormDynamics dynamics =
       analytics::EstimateDynamics(*gain.norm, *slope / 1000, lr, gain.info.weight_decay,
                                   gain.update_norm.value_or(std::nan("")), gain.radial_per_step.value_or(std::nan("")));
   const analytics::NormProjection p = analytics::ProjectNorm(*gain.norm, dynamics, lr, weight_decay, kProjectionSteps);
   const std::string& name = gain.info.name;
   std::string s = "With weight decay " + FormatNumber(weight_decay) + " from step " + FormatStep(facts.step) +
-                  " (learning rate " + FormatNumber(lr) + "; " + name + " " +
+                  (own_lr ? " (its learning rate " : " (learning rate ") + FormatNumber(lr) + "; " + name + " " +
                   (*slope >= 0 ? "growing " : "shrinking ") + FormatNumber(std::fabs(*slope)) + " per 1k steps " +
                   (gain.info.weight_decay > 0 ? "with weight decay " + FormatNumber(gain.info.weight_decay)
                                               : std::string("without decay")) +

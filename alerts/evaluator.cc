@@ -581,8 +581,8 @@ void EvaluateRemediation(const Rule& rule, const RunFacts& facts, const LabelSet
       if (r.actual_norm < r.projected_norm) {
         verdict = "faster than projected";
         finding =
-            "The norm falls faster than the what-if projected: the update's radial part or the learning rate dropped "
-            "since the change.";
+            "The norm falls faster than the what-if projected with the learning rate as it went: the update pushes "
+            "the weight outward less than it did at the change (its radial part shrank).";
       } else if (unchanged_nearer) {
         verdict = "not working";
         finding =
@@ -591,8 +591,8 @@ void EvaluateRemediation(const Rule& rule, const RunFacts& facts, const LabelSet
       } else {
         verdict = "slower than projected";
         finding =
-            "The norm falls slower than the what-if projected: the update's radial part grew since the change, or the "
-            "learning rate fell.";
+            "The norm falls slower than the what-if projected with the learning rate as it went: the update pushes "
+            "the weight outward more than it did at the change (its radial part grew).";
       }
     }
     SetVar(c.vars, "param", r.param);

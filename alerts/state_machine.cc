@@ -110,6 +110,32 @@ std::string ResolvedSummary(const Rule& rule, const TemplateVars& vars, const La
   return rule.name + " resolved at step " + var("step") + " in run " + var("run") + ": value " + var("value");
 }
 
+// The summary of an instance resolved because the rule no longer yields it: the rule no longer
+// selects its parameter (a catalog change), or nothing of it was reported.
+std::string NoLongerJudgedSummary(const Rule& rule, const LabelSet& labels, const RunFacts& facts,
+                                  const std::string& run) {
+  std::string who, why;
+  for (const char* label : {"param", "series", "group"}) {
+    if (auto it = labels.find(label); it != labels.end() && who.empty()) who = it->second;
+  }
+  if (auto param = labels.find("param"); param != labels.end()) {
+    for (const ParamFact& p : facts.params) {
+      if (p.info.name != param->second) continue;
+      if (rule.kind == RuleKind::kGrowthWithoutDecay && !GrowthRuleSelects(rule, p.info)) {
+        why = p.info.weight_decay > rule.max_weight_decay
+                  ? "its weight decay is now " + FormatNumber(p.info.weight_decay) + ", above the rule's " +
+                        FormatNumber(rule.max_weight_decay)
+                  : "the rule no longer selects its kind";
+      } else if (rule.kind == RuleKind::kShare && !ShareRuleSelectsParam(rule, p.info.name, p.info.kind)) {
+        why = "the rule no longer selects its kind";
+      }
+    }
+  }
+  if (why.empty()) why = "nothing of it was reported at this step";
+  return rule.name + " resolved at step " + FormatStep(facts.step) + " in run " + run + ": " +
+         (who.empty() ? std::string("it") : who) + " is no longer judged by this rule (" + why + ")";
+}
+
 // Firing → resolved at `step`, its summary rendered from the values that resolved it.
 void Resolve(const Rule& rule, InstanceState& inst, const TemplateVars& vars, uint64_t step, double now,
              std::vector<Transition>* out) {
@@ -301,8 +327,9 @@ void AlertEngine::ReadFits(const std::vector<ParamInfo>& catalog, size_t from, s
   RulesReadFits(rules_, recommendation, catalog, from, norm, share);
 }
 
-bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step, double now,
+bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* cond, const RunFacts& facts, double now,
                           const Diagnosis* recommendation, std::vector<Transition>* out) {
+  const uint64_t step = facts.step;
   const AlertState state = inst.alert.state;
   const bool holds = cond && cond->active;
   const bool in_band = !holds && cond && state == AlertState::kFiring && InClearBand(rule, cond->value);
@@ -358,12 +385,18 @@ bool AlertEngine::Advance(const Rule& rule, Instance& inst, const Condition* con
         inst.clearing_since_step = step;
       }
       if (step < inst.clearing_since_step + rule.resolve_for_steps) return true;
-      if (cond) inst.alert.value = cond->value;
-      Resolve(
-          rule, inst,
-          cond ? cond->vars.Format()
-               : TemplateVars{{"step", FormatStep(step)}, {"run", inst.run}, {"value", FormatNumber(inst.alert.value)}},
-          step, now, out);
+      if (cond) {
+        inst.alert.value = cond->value;
+        Resolve(rule, inst, cond->vars.Format(), step, now, out);
+      } else {
+        // No condition: the rule's own resolved_summary would speak of a value that was not
+        // measured (a warning held during warm-up says why it ended: Resolve).
+        Resolve(rule, inst, {}, step, now, out);
+        if (!inst.alert.labels.count(std::string(kPageHeldLabel))) {
+          out->back().alert.annotations["summary"] = inst.alert.annotations["summary"] =
+              NoLongerJudgedSummary(rule, inst.alert.labels, facts, inst.run);
+        }
+      }
       return false;
     }
   }
@@ -529,7 +562,7 @@ void AlertEngine::EvaluateRule(size_t rule_index, const RunFacts& facts, double 
   auto advance = [&](auto it, const Condition* c, const Diagnosis* rec) {
     const auto before = DurableKey(it->second);
     const double shown = it->second.alert.value;
-    const bool keep = Advance(rule, it->second, c, facts.step, now, rec, out);
+    const bool keep = Advance(rule, it->second, c, facts, now, rec, out);
     if (!keep || DurableKey(it->second) != before) {
       Touch(it->first);
     } else if (std::bit_cast<uint64_t>(it->second.alert.value) != std::bit_cast<uint64_t>(shown)) {

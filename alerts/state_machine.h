@@ -317,7 +317,8 @@ class AlertEngine {
   bool IsMutedLocked(const Alert& alert, double now) const;
   // Advances one instance. `cond` is null when the rule did not produce the instance this time.
   // Returns false when the instance ended and must be erased.
-  bool Advance(const Rule& rule, Instance& inst, const Condition* cond, uint64_t step, double now,
+  // `cond` is null when the instance has no condition at this step (`facts` then say why it ended).
+  bool Advance(const Rule& rule, Instance& inst, const Condition* cond, const RunFacts& facts, double now,
                const Diagnosis* recommendation, std::vector<Transition>* out);
   // Advance for a condition judged on its level (Condition::level), with the instance's reports
   // (this one already added).

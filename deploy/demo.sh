@@ -10,8 +10,9 @@ Installs the Debian packages listed in deploy/packages.txt that are missing (nee
 builds gradwatch into build/ (Release), starts gradwatchd with deploy/gradwatchd.yaml, replays an
 incident-shaped training run (deploy/examples/make_incident_run.py) into it, shows the run with the
 `gradwatch` CLI, a few of its /metrics lines and its alerts, then lets the run go on untreated
-until the total grad norm reaches 5 and the contingency pages (with its recommendation), and stops
-the daemon with SIGTERM.
+until the total grad norm reaches 5 and the contingency pages (with its recommendation), replays
+the run remedied instead at step 110,100 (weight decay 0.1 on final_norm.weight) and shows the
+remedy checked against the what-if made then, and stops the daemon with SIGTERM.
 
 Options:
   --serve   leave the daemon running at the end and print its PID and how to stop it
@@ -122,6 +123,10 @@ later_file="$work_dir/$RUN_ID-untreated.jsonl"
 "$GW_PYTHON" "$GW_REPO_ROOT/deploy/examples/make_incident_run.py" --out "$later_file" \
   --from-step 110100 --to-step 600000 --every 100
 gw_log "generated $later_file ($(wc -l <"$later_file") lines)"
+remedied_file="$work_dir/$RUN_ID-remedied.jsonl"
+"$GW_PYTHON" "$GW_REPO_ROOT/deploy/examples/make_incident_run.py" --out "$remedied_file" \
+  --from-step 110100 --to-step 200000 --every 100 --remedy-weight-decay 0.1
+gw_log "generated $remedied_file ($(wc -l <"$remedied_file") lines)"
 
 prepare_data_dir
 gw_log "starting gradwatchd on $data_dir (log: $data_dir/gradwatchd.log)"
@@ -178,6 +183,19 @@ echo "\$ gradwatch replay $RUN_ID-untreated.jsonl --max"
 echo
 echo "\$ gradwatch alerts $RUN_ID"
 "$CLI" alerts "$RUN_ID"
+echo
+echo "The same run remedied instead at step 110,100: weight decay 0.1 on final_norm.weight (a params line,"
+echo "as gradwatch.torch.Watch sends it when the optimizer's param groups change), to step 200,000:"
+echo "\$ gradwatch replay $RUN_ID.jsonl --run $RUN_ID-remedied --max"
+"$CLI" replay "$run_file" --run "$RUN_ID-remedied" --max >/dev/null
+echo "\$ gradwatch replay $RUN_ID-remedied.jsonl --run $RUN_ID-remedied --max"
+"$CLI" replay "$remedied_file" --run "$RUN_ID-remedied" --max
+echo
+echo "\$ gradwatch show $RUN_ID-remedied | grep remediation"
+"$CLI" show "$RUN_ID-remedied" | grep remediation
+echo
+echo "\$ gradwatch alerts $RUN_ID-remedied"
+"$CLI" alerts "$RUN_ID-remedied"
 
 if [[ "$serve" == true ]]; then
   echo "gradwatchd keeps running as pid $daemon_pid (data: $data_dir, log: $data_dir/gradwatchd.log)."

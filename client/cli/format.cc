@@ -396,7 +396,7 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
         << FormatValue(r.weight_decay()) << " at step " << GroupedStep(static_cast<double>(r.step())) << ": "
         << r.verdict() << " (norm " << FormatValue(r.norm_at_step()) << " then, " << FormatValue(r.actual_norm())
         << " at step " << GroupedStep(static_cast<double>(r.at_step())) << ", projected ~"
-        << FormatValue(r.projected_norm()) << ")\n";
+        << FormatValue(r.projected_norm()) << ", ~" << FormatValue(r.unchanged_norm()) << " without the change)\n";
   }
   int shown = 0;
   std::string shares;

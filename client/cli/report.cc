@@ -158,7 +158,8 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
       md << "- **" << r.param() << "**: weight decay " << Num(r.previous_weight_decay()) << " → "
          << Num(r.weight_decay()) << " from step " << Step(r.step()) << " (norm " << Num(r.norm_at_step())
          << "); at step " << Step(r.at_step()) << " it is " << Num(r.actual_norm()) << " against ~"
-         << Num(r.projected_norm()) << " projected: **" << r.verdict() << "**.\n";
+         << Num(r.projected_norm()) << " projected and ~" << Num(r.unchanged_norm()) << " without the change: **"
+         << r.verdict() << "**.\n";
     }
   }
   md << "\n## Alerts\n\n";

@@ -18,6 +18,13 @@ The shape, with steps on the x-axis:
 
 Every value at a step depends only on --seed and the step, so a finer --every gives a superset of
 the same samples. Uses the Python standard library only.
+
+--remedy-weight-decay WD writes the run remedied from --from-step instead: a catalog change line
+({"_step": FROM, "params": [{"name": "final_norm.weight", "weight_decay": WD}]}) first, then steps
+where the final norm follows AdamW's norm map with decoupled decay WD at the run's learning rate,
+its update's radial part per unit learning rate the one that made it grow 2.5 per 1k steps at the
+change (an Adam update scales with the learning rate), and the lm_head's gradient (and so the
+total) scales with it, the incident's mechanism.
 """
 
 import argparse
@@ -225,16 +232,51 @@ def header():
     }
 
 
-def generate(out, first, last, every, seed, nan_steps):
+class Remedy:
+    """The final norm from a weight-decay change at `first` on: n ← (1 − ηλ)·n + η·ρ, step by step."""
+
+    def __init__(self, first, weight_decay):
+        self.step = first
+        self.weight_decay = weight_decay
+        self.norm = final_norm_trend(first)
+        # ρ: the growth a step without decay at the change, per unit learning rate.
+        self.radial = (final_norm_trend(first) - final_norm_trend(first - 1)) / learning_rate(first)
+
+    def advance_to(self, step):
+        while self.step < step:
+            self.step += 1
+            lr = learning_rate(self.step)
+            self.norm = (1.0 - lr * self.weight_decay) * self.norm + lr * self.radial
+        return self.norm
+
+    def apply(self, record):
+        """The untreated record at its step, with the remedied final norm and what it drives."""
+        step = record["_step"]
+        k = self.advance_to(step) / final_norm_trend(step)
+        lm_sq = record["grad/norm/lm_head.weight"] ** 2
+        total_sq = record["grad/norm/total"] ** 2
+        record["grad/norm/lm_head.weight"] = _sig(math.sqrt(lm_sq) * k, 5)
+        record["grad/norm/total"] = _sig(math.sqrt(total_sq - lm_sq + lm_sq * k * k), 5)
+        record["params/norm/final_norm.weight"] = _sig(record["params/norm/final_norm.weight"] * k, 5)
+        return record
+
+
+def generate(out, first, last, every, seed, nan_steps, remedy_weight_decay=None):
     dumps = lambda obj: json.dumps(obj, allow_nan=True, separators=(",", ":"))
     out.write(dumps(header()) + "\n")
+    remedy = None
+    if remedy_weight_decay is not None:
+        remedy = Remedy(first, remedy_weight_decay)
+        out.write(dumps({"_step": first, "params": [{"name": "final_norm.weight",
+                                                     "weight_decay": remedy_weight_decay}]}) + "\n")
     spikes = spike_steps(seed, first, last, every)
     event_written = not (first <= EVENT_STEP <= last)
     for step in range(first, last + 1, every):
         if not event_written and step > EVENT_STEP:
             out.write(dumps({"_step": EVENT_STEP, "event": EVENT_TEXT}) + "\n")
             event_written = True
-        out.write(dumps(step_record(step, seed, step in spikes, step in nan_steps)) + "\n")
+        record = step_record(step, seed, step in spikes, step in nan_steps)
+        out.write(dumps(remedy.apply(record) if remedy else record) + "\n")
         if not event_written and step == EVENT_STEP:
             out.write(dumps({"_step": EVENT_STEP, "event": EVENT_TEXT}) + "\n")
             event_written = True
@@ -254,7 +296,12 @@ def parse_args(argv):
     parser.add_argument("--nan-step", type=int, action="append", default=[], metavar="STEP",
                         help="write NaN for grad/norm/total and lm_head's grad norm at this reported step "
                              "(repeatable; default none)")
+    parser.add_argument("--remedy-weight-decay", type=float, metavar="WD",
+                        help="the run remedied from --from-step: weight decay WD on final_norm.weight (a params "
+                             "line), its norm following AdamW's norm map")
     args = parser.parse_args(argv)
+    if args.remedy_weight_decay is not None and not args.remedy_weight_decay > 0:
+        parser.error("--remedy-weight-decay must be above 0")
     if args.every < 1:
         parser.error("--every must be at least 1")
     if args.from_step < 0 or args.to_step < args.from_step:
@@ -267,7 +314,8 @@ def main(argv):
     nan_steps = set(args.nan_step)
     if args.out == "-":
         try:
-            generate(sys.stdout, args.from_step, args.to_step, args.every, args.seed, nan_steps)
+            generate(sys.stdout, args.from_step, args.to_step, args.every, args.seed, nan_steps,
+                     args.remedy_weight_decay)
             sys.stdout.flush()
         except BrokenPipeError:
             # A reader such as `head` went away: stop quietly, like other Unix filters.
@@ -275,7 +323,7 @@ def main(argv):
             return 1
     else:
         with open(args.out, "w", encoding="utf-8") as out:
-            generate(out, args.from_step, args.to_step, args.every, args.seed, nan_steps)
+            generate(out, args.from_step, args.to_step, args.every, args.seed, nan_steps, args.remedy_weight_decay)
     return 0
 
 

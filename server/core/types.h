@@ -103,6 +103,9 @@ inline constexpr std::string_view kTotalGradNorm = "grad/norm/total";
 inline constexpr std::string_view kLoss = "train/loss";
 inline constexpr std::string_view kZLoss = "train/z_loss";
 inline constexpr std::string_view kLearningRate = "optim/learning_rate";
+// A parameter's own learning rate, when its param group's differs from the run's (an extra series
+// the trainer sends: the what-if projects that parameter with it).
+inline constexpr std::string_view kParamLearningRatePrefix = "optim/learning_rate/";
 inline constexpr std::string_view kTokens = "train/tokens";
 inline constexpr std::string_view kGradNormPrefix = "grad/norm/";
 inline constexpr std::string_view kParamNormPrefix = "params/norm/";

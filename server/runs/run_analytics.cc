@@ -82,7 +82,7 @@ void RunAnalytics::UpdateCatalog(const std::vector<ParamInfo>& params, std::opti
     if (p.name != params_[i].name) continue;
     if (from_step && p.weight_decay > params_[i].weight_decay) {
       // The projection this remediation is held to, from the dynamics before it.
-      const double lr = LearningRate();
+      const double lr = LearningRateOf(i);
       if (const auto dynamics = DynamicsOf(i, lr)) {
         std::erase_if(remediations_, [&](const Remediation& r) { return r.param == i; });
         const double norm = param_state_[i].norm_value;
@@ -124,7 +124,8 @@ void RunAnalytics::ClassifyLocked(Tracked& t) const {
     static constexpr Prefix kPrefixes[] = {{keys::kGradNormPrefix, Role::kParamGrad},
                                            {keys::kParamNormPrefix, Role::kParamNorm},
                                            {keys::kUpdateNormPrefix, Role::kParamUpdate},
-                                           {keys::kRadialUpdatePrefix, Role::kParamRadial}};
+                                           {keys::kRadialUpdatePrefix, Role::kParamRadial},
+                                           {keys::kParamLearningRatePrefix, Role::kParamLearningRate}};
     for (const Prefix& p : kPrefixes) {
       if (!StartsWith(t.key, p.prefix)) continue;
       auto it = param_by_name_.find(t.key.substr(p.prefix.size()));
@@ -148,6 +149,7 @@ bool RunAnalytics::IsKeySeries(Role role, int param) const {
     case Role::kParamGrad: return param >= 0 && params_[param].kind == ParamKind::kOutput;
     case Role::kParamUpdate:
     case Role::kParamRadial:
+    case Role::kParamLearningRate:
     case Role::kExtra: return false;
   }
   return false;
@@ -179,6 +181,7 @@ void RunAnalytics::AddSeries(SeriesId id, const std::string& key) {
   if (t.param >= 0 && t.role == Role::kParamNorm) param_state_[t.param].norm = id;
   if (t.param >= 0 && t.role == Role::kParamUpdate) param_state_[t.param].update = id;
   if (t.param >= 0 && t.role == Role::kParamRadial) param_state_[t.param].radial = id;
+  if (t.param >= 0 && t.role == Role::kParamLearningRate) param_state_[t.param].learning_rate = id;
   if (key == keys::kLearningRate) learning_rate_ = id;
 }
 
@@ -316,6 +319,12 @@ double RunAnalytics::LearningRate() const {
   return series_[learning_rate_].last_value;
 }
 
+double RunAnalytics::LearningRateOf(size_t i) const {
+  const SeriesId own = param_state_[i].learning_rate;
+  if (own < series_.size() && series_[own].has_value) return series_[own].last_value;
+  return LearningRate();
+}
+
 std::optional<analytics::LinearFit> RunAnalytics::RecentFit(SeriesId id) const {
   if (id >= series_.size() || !series_[id].slopes) return std::nullopt;
   // The shortest window: the series as it is now, not as it was over a long window (a norm's
@@ -358,7 +367,6 @@ double RunAnalytics::ProjectedWeightDecay() const {
 
 void RunAnalytics::FillProjections(RunAnalysis& out) const {
   out.projections.clear();
-  const double lr = LearningRate();
   const double wd = ProjectedWeightDecay();
   double output_share = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -370,6 +378,7 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
     const auto it = param_by_name_.find(g.param);
     if (it == param_by_name_.end() || !(wd > 0)) continue;
     const auto i = static_cast<size_t>(it->second);
+    const double lr = LearningRateOf(i);
     const auto dynamics = DynamicsOf(i, lr);
     if (!dynamics) continue;
     const double norm = param_state_[i].norm_value;
@@ -404,9 +413,12 @@ void RunAnalytics::FillRemediations(RunAnalysis& out) const {
     if (!ps.has_norm_value || last_step_ < r.step) continue;
     if (last_step_ < r.advanced_to) r.advanced_to = r.step, r.projected = r.unchanged = r.norm;
     const uint64_t more = last_step_ - r.advanced_to;
-    r.projected = analytics::ProjectNorm(r.projected, r.dynamics, r.learning_rate, r.weight_decay, more).norm_at_end;
-    r.unchanged =
-        analytics::ProjectNorm(r.unchanged, r.dynamics, r.learning_rate, r.previous_weight_decay, more).norm_at_end;
+    // The paths follow the learning rate as it went (a schedule's decay is not the remedy's fault):
+    // the steps since the last read at the rate reported now.
+    const double lr_now = LearningRateOf(r.param);
+    const double lr = lr_now > 0 && std::isfinite(lr_now) ? lr_now : r.learning_rate;
+    r.projected = analytics::ProjectNorm(r.projected, r.dynamics, lr, r.weight_decay, more).norm_at_end;
+    r.unchanged = analytics::ProjectNorm(r.unchanged, r.dynamics, lr, r.previous_weight_decay, more).norm_at_end;
     r.advanced_to = last_step_;
     // The equilibrium and time constant (no step iterated).
     analytics::NormProjection p = analytics::ProjectNorm(r.norm, r.dynamics, r.learning_rate, r.weight_decay, 0);

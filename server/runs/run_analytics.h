@@ -291,7 +291,16 @@ class RunAnalytics {
   uint64_t refused_series() const { return refused_series_; }
 
  private:
-  enum class Role : uint8_t { kTotalGrad, kScalar, kParamGrad, kParamNorm, kParamUpdate, kParamRadial, kExtra };
+  enum class Role : uint8_t {
+    kTotalGrad,
+    kScalar,
+    kParamGrad,
+    kParamNorm,
+    kParamUpdate,
+    kParamRadial,
+    kParamLearningRate,
+    kExtra
+  };
   // The fields every sample reads (OnStep, ApplySetAside) come first: 75 bytes, two cache lines
   // wherever an entry falls in series_; the rest is read when a series is added or an event is.
   struct Tracked {
@@ -324,6 +333,7 @@ class RunAnalytics {
     SeriesId norm = kNoSeries;
     SeriesId update = kNoSeries;
     SeriesId radial = kNoSeries;
+    SeriesId learning_rate = kNoSeries;  // optim/learning_rate/<param>, when its group's differs
     int group = 0;
     std::optional<double> init_norm;
     std::unique_ptr<analytics::WindowedSlope> share_trend;
@@ -441,6 +451,8 @@ class RunAnalytics {
   std::optional<analytics::NormDynamics> DynamicsOf(size_t i, double lr) const;
   // The learning rate's latest report; NaN when unknown.
   double LearningRate() const;
+  // Parameter i's: its own (optim/learning_rate/<param>) when reported, else the run's.
+  double LearningRateOf(size_t i) const;
   // The weight decay a projection uses: the run's default, else the most common one among its
   // decayed parameters; 0: none known.
   double ProjectedWeightDecay() const;

@@ -354,6 +354,6 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
     const std::string md((std::istreambuf_iterator<char>(md_file)), std::istreambuf_iterator<char>());
     CHECK(md.find("## Weight decay: what-if and remediations") != std::string::npos);
     CHECK(md.find("from step 3,001 (norm ") != std::string::npos);
-    CHECK(md.find("projected: **" + check["verdict"].get<std::string>() + "**") != std::string::npos);
+    CHECK(md.find(" without the change: **" + check["verdict"].get<std::string>() + "**") != std::string::npos);
   }
 }

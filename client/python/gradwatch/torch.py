@@ -15,7 +15,9 @@ override with kinds={name: kind}) and its norm when the Watch is made (its init 
 Watch before training, or pass init_norms=False). The final norm (a norm gain named final_norm,
 norm_f, ln_f, final_layernorm or model.norm, else the last norm gain before the output layer) gets
 the role "final_norm". Each step also sends the optimizer's learning rate (its first param
-group's), by which the daemon knows the warm-up: pages are held while it rises. Norms are computed on the parameters' device
+group's), by which the daemon knows the warm-up: pages are held while it rises; and, for each
+parameter in a group with another learning rate, that one (optim/learning_rate/<name>), which the
+daemon's what-if projects the parameter with. Norms are computed on the parameters' device
 with fused kernels where the installed torch has them (torch._foreach_norm) and copied to the host
 once per step. A weight decay that changes in the optimizer's param groups (a parameter moved into
 another group, as Remediation does, or a group's weight_decay set by hand) is seen at the next
@@ -218,6 +220,7 @@ class Watch:
         self._param_keys = [f"params/norm/{n}" for n in self.names]
         self._update_keys = [f"updates/norm/{n}" for n in self.names]
         self.params = [p for _, p in named]
+        self._name_of = {id(p): n for n, p in named}
         decay = _decay_by_param(optimizer)
         kinds = dict(kinds or {})
         unknown = set(kinds) - set(self.names)
@@ -294,11 +297,29 @@ class Watch:
             out.update(self._norm_metrics())
         if loss is not None:
             out["train/loss"] = float(loss)
-        if self.optimizer.param_groups and "lr" in self.optimizer.param_groups[0]:
-            out["optim/learning_rate"] = float(self.optimizer.param_groups[0]["lr"])
+        out.update(self._learning_rates())
         if metrics:
             out.update(metrics)
         return self.monitor.log(step, out, squared=self._squared)
+
+    def _learning_rates(self) -> Dict[str, float]:
+        """optim/learning_rate (the first param group's) and, for each watched parameter in a group
+        whose learning rate differs, optim/learning_rate/<name>: the daemon's what-if projects that
+        parameter with its own."""
+        groups = self.optimizer.param_groups
+        if not groups or "lr" not in groups[0]:
+            return {}
+        run_lr = float(groups[0]["lr"])
+        out = {"optim/learning_rate": run_lr}
+        for group in groups[1:]:
+            lr = group.get("lr")
+            if lr is None or float(lr) == run_lr:
+                continue
+            for p in group["params"]:
+                name = self._name_of.get(id(p))
+                if name is not None:
+                    out[f"optim/learning_rate/{name}"] = float(lr)
+        return out
 
     def _report_weight_decay(self, step: int) -> None:
         """Sends the watched parameters' weight decays that changed since the last report, if the

@@ -86,6 +86,28 @@ TEST_CASE("the recommendation projects what its weight decay does to the gain, t
                " and the total grad norm from 6.1 to ~" + FormatNumber(6.1 * std::sqrt(out_sq + 0.061))));
 }
 
+TEST_CASE("the projection uses the gain's own learning rate and its reported radial update when the trainer sends them",
+          "[alerts]") {
+  RunFacts f = Run(362.1, 2.5, 0.939, 0.03);
+  f.learning_rate.known = true;
+  f.learning_rate.value = 7.7e-4;
+  f.params[0].update_norm = 0.004;
+  f.params[0].radial_per_step = 0.002;
+  // Sorted by key, as the feed fills them.
+  f.latest = {{"grad/norm/total", 6.1}, {"optim/learning_rate/final_norm.weight", 2e-3}};
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
+  REQUIRE(d.cause == Cause::kNormGainInflatesOutput);
+  const gradwatch::analytics::NormDynamics dyn =
+      gradwatch::analytics::EstimateDynamics(362.1, 2.5e-3, 2e-3, 0, 0.004, 0.002);
+  CHECK(dyn.radial_known);
+  const gradwatch::analytics::NormProjection p = gradwatch::analytics::ProjectNorm(362.1, dyn, 2e-3, 0.1, 20000);
+  INFO(d.recommendation);
+  CHECK_THAT(d.recommendation, Contains("With weight decay 0.1 from step 61,500 (its learning rate 0.002; ") &&
+                                   Contains("goes from 362.1 to ~" + FormatNumber(p.norm_at_end) + " by step 81,500") &&
+                                   Contains("its update's radial (reported: ⟨Δw, w⟩/|w| 0.002 a step) and rotational "
+                                            "parts stay at their recent values"));
+}
+
 TEST_CASE("a spike an MLP block carries names the block and gives no weight-decay advice", "[alerts]") {
   // final_norm.weight flat at its init norm; the MLP block carries 81%, up from 28%.
   RunFacts f = Run(78.4, 0.0, 0.12, 0.81);

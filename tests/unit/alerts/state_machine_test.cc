@@ -796,3 +796,29 @@ TEST_CASE("the contingency's texts carry the rule's own numbers", "[alerts]") {
   CHECK(fired->alert.annotations.at("remediation_supported") == "false");
   CHECK_THAT(description, Catch::Contains("reports only its total grad norm"));
 }
+
+TEST_CASE("a growth alert whose parameter got weight decay resolves saying so, not with a value never measured",
+          "[alerts]") {
+  AlertEngine engine(
+      Load("      - alert: Growing\n        kind: growth_without_decay\n        param_kind: norm_gain\n"
+           "        min_amplification: 1.5\n        labels: {severity: warning}\n        annotations:\n"
+           "          resolved_summary: \"{{ param }} at {{ value }}x (below {{ clear_below }})\"\n"));
+  const auto facts = [](uint64_t step, double weight_decay) {
+    RunFacts f = Step(step, 1.0);
+    ParamFact p;
+    p.info = {.name = "final_norm.weight", .numel = 16, .kind = ParamKind::kNormGain, .weight_decay = weight_decay};
+    p.norm = 8;
+    p.init_norm = 4;
+    p.growth_factor = 1.2;
+    p.growth_slope_per_kstep = 1;
+    f.params = {p};
+    return f;
+  };
+  REQUIRE(StepOf(engine.EvaluateStep(facts(100, 0), kT0 + 100), AlertState::kFiring) == 100u);
+  const auto ts = engine.EvaluateStep(facts(110, 0.1), kT0 + 110);
+  REQUIRE(ts.size() == 1);
+  CHECK(ts[0].to == AlertState::kResolved);
+  CHECK(ts[0].alert.annotations.at("summary") ==
+        "Growing resolved at step 110 in run r1: final_norm.weight is no longer judged by this rule (its weight decay "
+        "is now 0.1, above the rule's 0)");
+}
