@@ -10,6 +10,10 @@ sends every parameter's grad and param norm and the total grad norm (gradwatch.t
     ... --checkpoint-dir ckpt --resume                    # resumes from the latest (a rewind)
     ... --remediate                                       # acts on GradNormContingency
 
+With --remediate the trainer prints each alert that reaches it (the contingency with its
+recommendation: the weight decay and what it projects), the catalog change it makes, and at the end
+the daemon's check of that change against the projection (analysis.remediations).
+
 Exit codes: 0 trained and the run recorded as finished, 1 the daemon did not confirm everything,
 2 usage.
 """
@@ -23,10 +27,13 @@ import os
 import sys
 from typing import Callable, Optional
 
+import grpc
 import torch
 
 import gradwatch
 import gradwatch.torch as gwt
+from gradwatch.v1 import gradwatch_pb2 as pb
+from gradwatch.v1 import gradwatch_pb2_grpc as pb_grpc
 
 
 class RMSNorm(torch.nn.Module):
@@ -138,6 +145,32 @@ def parse_args(argv=None):
     return args
 
 
+def alert_printer(remedy: gwt.Remediation) -> Callable[[pb.Alert], None]:
+    """An on_alert callback that prints the alert (a firing page with its recommendation) and hands
+    it to the remediation."""
+    def on_alert(alert: pb.Alert) -> None:
+        state = pb.AlertState.Name(alert.state).replace("ALERT_STATE_", "").lower()
+        summary = alert.annotations.get("summary", "")
+        print(f"gradwatch alert: {alert.name} {state} at step {alert.step}" + (f": {summary}" if summary else ""),
+              file=sys.stderr)
+        recommendation = alert.annotations.get("recommendation", "")
+        if alert.state == pb.ALERT_STATE_FIRING and recommendation:
+            print(f"  {recommendation}", file=sys.stderr)
+        remedy(alert)
+    return on_alert
+
+
+def print_remediation_checks(address: str, run: str) -> None:
+    """The daemon's check of each catalog change that raised a weight decay, as `gradwatch show` has it."""
+    with grpc.insecure_channel(address) as channel:
+        summary = pb_grpc.QueryStub(channel).GetRun(pb.GetRunRequest(run_id=run), timeout=30)
+    for r in summary.analysis.remediations:
+        print(f"remediation check: {r.param} weight decay {r.previous_weight_decay:g} -> {r.weight_decay:g} at step "
+              f"{r.step}: {r.verdict} (norm {r.norm_at_step:.4g} then, {r.actual_norm:.4g} at step {r.at_step}, "
+              f"projected ~{r.projected_norm:.4g}, ~{r.unchanged_norm:.4g} without the change; time constant "
+              f"~{r.time_constant_steps:.0f} steps)", file=sys.stderr)
+
+
 def train(args, hook: Optional[Callable[..., None]] = None, on_watch: Optional[Callable[..., None]] = None) -> int:
     """Trains; `hook(step, model, loss, optimizer)` runs after each optimizer step, before zero_grad;
     `on_watch(watch)` is handed the gradwatch Watch once it is made."""
@@ -155,7 +188,7 @@ def train(args, hook: Optional[Callable[..., None]] = None, on_watch: Optional[C
             print(f"resumed from {path} at step {first}", file=sys.stderr)
     remedy = gwt.Remediation(model, optimizer) if args.remediate else None
     watch = gwt.Watch(model, optimizer, run=args.run, address=args.address, every=args.every,
-                      init_norms=first == 1, remediation=remedy, on_alert=remedy,
+                      init_norms=first == 1, remediation=remedy, on_alert=alert_printer(remedy) if remedy else None,
                       config={"weight_decay": args.weight_decay, "optimizer": "adamw", "hidden_size": args.dim},
                       resume_from_step=first if args.resume else None)
     if on_watch is not None:
@@ -166,7 +199,12 @@ def train(args, hook: Optional[Callable[..., None]] = None, on_watch: Optional[C
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
         optimizer.step()
+        applied = dict(remedy.applied) if remedy else {}
         watch.step(step, loss=loss)
+        for name, wd in (remedy.applied.items() if remedy else ()):
+            if name not in applied:
+                print(f"catalog change at step {step}: weight decay {wd:g} on {name} (its own param group), sent to "
+                      f"the daemon", file=sys.stderr)
         if hook is not None:
             hook(step, model, loss, optimizer)
         optimizer.zero_grad()
@@ -182,6 +220,8 @@ def train(args, hook: Optional[Callable[..., None]] = None, on_watch: Optional[C
     stats = watch.monitor.stats()
     print(f"trained through step {args.steps}; dropped {stats.dropped}, reconnects {stats.reconnects}"
           + (f", remediation {remedy.applied}" if remedy else ""), file=sys.stderr)
+    if remedy and remedy.applied:
+        print_remediation_checks(args.address, args.run)
     return 0 if ok else 1
 
 

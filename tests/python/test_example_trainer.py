@@ -1,5 +1,7 @@
 """deploy/examples/tiny_trainer.py, run small and fast against the real gradwatchd."""
 
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -135,8 +137,19 @@ class TinyTrainerTest(unittest.TestCase):
                 remedy = seen["watch"].remediation
                 wait_for(lambda: bool(remedy.pending or remedy.applied), 60, "the contingency alert at the trainer")
 
-        self.assertEqual(tiny_trainer.train(args, hook, on_watch=lambda w: seen.update(watch=w)), 0)
+        printed = io.StringIO()
+        with contextlib.redirect_stderr(printed):
+            self.assertEqual(tiny_trainer.train(args, hook, on_watch=lambda w: seen.update(watch=w)), 0)
         opt, model = seen["optimizer"], seen["model"]
+        # What the trainer printed: the page with its what-if, the catalog change, the daemon's check.
+        text = printed.getvalue()
+        self.assertIn("gradwatch alert: GradNormContingency firing at step", text)
+        self.assertIn("With weight decay 0.1 from step", text)
+        self.assertIn("(its learning rate 0.1;", text)  # the final norm's own param group's
+        self.assertRegex(text, r"catalog change at step \d+: weight decay 0.1 on final_norm.weight")
+        self.assertRegex(text, r"remediation check: final_norm.weight weight decay 0 -> 0.1 at step \d+: "
+                               r"(too early|working|faster than projected|slower than projected|not working) "
+                               r"\(norm [0-9.]+ then")
         # The final norm's weight now sits alone in a group with the run's decay.
         final = model.final_norm.weight
         owning = [g for g in opt.param_groups if any(p is final for p in g["params"])]
