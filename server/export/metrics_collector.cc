@@ -38,6 +38,7 @@ enum RunFamily : size_t {
   kGradNorm,
   kParamNorm,
   kUpdateNorm,
+  kParamWeightDecay,
   kLoss,
   kZLoss,
   kLearningRate,
@@ -69,6 +70,9 @@ constexpr std::array<FamilyInfo, kRunFamilyCount> kRunFamilies = {{
     {"gradwatch_grad_norm", "Gradient L2 norm of one parameter at the latest step.", MetricType::kGauge},
     {"gradwatch_param_norm", "L2 norm of one parameter at the latest step.", MetricType::kGauge},
     {"gradwatch_update_norm", "L2 norm of one parameter's optimizer update at the latest step.", MetricType::kGauge},
+    {"gradwatch_param_weight_decay",
+     "A parameter's weight decay in the run's catalog as of its latest step (a catalog change moves it).",
+     MetricType::kGauge},
     {"gradwatch_loss", "Training loss at the latest step (nats per token).", MetricType::kGauge},
     {"gradwatch_z_loss", "Logit z-loss term at the latest step.", MetricType::kGauge},
     {"gradwatch_learning_rate", "Learning rate at the latest step.", MetricType::kGauge},
@@ -304,11 +308,12 @@ void MetricsCollector::Render(Exposition& out) {
     for (size_t i = 0; i < s.params.size(); ++i) {
       const auto& p = s.params[i];
       if (!param_shown_[i]) continue;
-      const size_t n = (p.norms[0] ? 1 : 0) + (p.norms[1] ? 1 : 0) + (p.norms[2] ? 1 : 0);
+      const size_t n = 1 + (p.norms[0] ? 1 : 0) + (p.norms[1] ? 1 : 0) + (p.norms[2] ? 1 : 0);
       if (!take(n)) continue;
       labels_ = run_label;
       AppendLabel(labels_, "param", p.name);
       AppendLabel(labels_, "group", p.group);
+      sample(kParamWeightDecay, p.weight_decay);
       if (p.norms[0]) sample(kGradNorm, *p.norms[0]);
       if (p.norms[1]) sample(kParamNorm, *p.norms[1]);
       if (p.norms[2]) sample(kUpdateNorm, *p.norms[2]);

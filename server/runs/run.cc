@@ -374,6 +374,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
     if (series_[id].data) job.series.emplace_back(static_cast<SeriesId>(id), series_[id].key);
   }
   job.events = events_;
+  job.remediations = analytics_->RemediationsBefore(from_step);
   // Until the rebuild is installed, the analytics hold only the kept events.
   analytics_ = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   analytics_->SetCatalog(job.params);
@@ -382,6 +383,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   for (const EventRecord& e : job.events) analytics_->OnEvent(e);
   analytics_->SetForecasts(forecasts_);
   analytics_->SetBranchStart(from_step);
+  analytics_->AdoptRemediations(job.remediations);
   job.forecasts = forecasts_;
   job.default_weight_decay = meta_.config.weight_decay;
   return job;
@@ -395,6 +397,7 @@ void Run::RebuildAnalytics(RebuildJob job) {
   for (const EventRecord& e : job.events) rebuilt->OnEvent(e);
   rebuilt->SetForecasts(job.forecasts);
   rebuilt->SetBranchStart(job.from_step);
+  rebuilt->AdoptRemediations(std::move(job.remediations));
   StepTotals kept;
   if (journal_ != nullptr) {
     // The rewind record and every step completed before it must be committed to be read back.
@@ -1166,7 +1169,7 @@ namespace gradwatch::runs {
 namespace {
 
 // Leads a run's snapshot payload: catches a payload of another kind before anything is read.
-constexpr uint64_t kSnapshotTag = 0x334e5552'50414e53ull;  // "SNAPRUN3"
+constexpr uint64_t kSnapshotTag = 0x344e5552'50414e53ull;  // "SNAPRUN4"
 
 }  // namespace
 

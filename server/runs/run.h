@@ -355,6 +355,7 @@ class Run {
     std::vector<EventRecord> events;  // kept events and the resume event
     std::vector<std::pair<std::string, double>> forecasts;
     std::optional<double> default_weight_decay;
+    std::vector<RunAnalytics::Remediation> remediations;  // checks of changes before from_step
   };
   // Totals of the kept steps, which the rebuild counts as it reads them.
   struct StepTotals {

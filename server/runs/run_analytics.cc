@@ -406,6 +406,22 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
   }
 }
 
+std::vector<RunAnalytics::Remediation> RunAnalytics::RemediationsBefore(uint64_t step) const {
+  std::vector<Remediation> kept;
+  for (const Remediation& r : remediations_) {
+    if (r.step >= step) continue;
+    Remediation& k = kept.emplace_back(r);
+    // Paths iterated past the rewind are iterated again along the new branch.
+    if (k.advanced_to >= step) k.advanced_to = k.step, k.projected = k.unchanged = k.norm;
+  }
+  return kept;
+}
+
+void RunAnalytics::AdoptRemediations(std::vector<Remediation> kept) {
+  std::erase_if(kept, [&](const Remediation& r) { return r.param >= params_.size(); });
+  remediations_ = std::move(kept);
+}
+
 void RunAnalytics::FillRemediations(RunAnalysis& out) const {
   size_t used = 0;
   for (Remediation& r : remediations_) {
@@ -942,6 +958,23 @@ void RunAnalytics::SaveState(StateWriter& out) const {
     out.Put<uint8_t>(branch_sums_[k] ? 1 : 0);
     if (branch_sums_[k]) branch_sums_[k]->SaveState(out);
   }
+  out.Put(last_step_);
+  out.Put<uint64_t>(remediations_.size());
+  for (const Remediation& r : remediations_) {
+    out.Put<uint64_t>(r.param);
+    out.Put(r.step);
+    out.Put(r.weight_decay);
+    out.Put(r.previous_weight_decay);
+    out.Put(r.norm);
+    out.Put(r.learning_rate);
+    out.Put(r.dynamics.radial);
+    out.Put(r.dynamics.orthogonal);
+    out.Put<uint8_t>(r.dynamics.orthogonal_known ? 1 : 0);
+    out.Put<uint8_t>(r.dynamics.radial_known ? 1 : 0);
+    out.Put(r.advanced_to);
+    out.Put(r.projected);
+    out.Put(r.unchanged);
+  }
 }
 
 bool RunAnalytics::LoadState(StateReader& in) {
@@ -1014,6 +1047,20 @@ bool RunAnalytics::LoadState(StateReader& in) {
     for (size_t k = 0; k < forecasts_.size(); ++k) {
       if (forecasts_[k].first == key) branch_sums_[k] = sums;
     }
+  }
+  // The remediation checks: a projection made at a change is not made again from later data.
+  if (!in.Get(last_step_) || !in.GetCount(count, 8 * 11 + 2, params_.size())) return false;
+  remediations_.resize(count);
+  for (Remediation& r : remediations_) {
+    uint64_t param = 0;
+    if (!in.Get(param) || !in.Get(r.step) || !in.Get(r.weight_decay) || !in.Get(r.previous_weight_decay) ||
+        !in.Get(r.norm) || !in.Get(r.learning_rate) || !in.Get(r.dynamics.radial) || !in.Get(r.dynamics.orthogonal) ||
+        !in.GetBool(r.dynamics.orthogonal_known) || !in.GetBool(r.dynamics.radial_known) || !in.Get(r.advanced_to) ||
+        !in.Get(r.projected) || !in.Get(r.unchanged)) {
+      return false;
+    }
+    if (param >= params_.size()) return in.Fail("a remediation check names a parameter the catalog lacks");
+    r.param = static_cast<size_t>(param);
   }
   return true;
 }

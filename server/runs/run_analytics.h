@@ -275,6 +275,27 @@ class RunAnalytics {
   // overwritten in place, so buffers reused across steps stop allocating once warm.
   void StepAnalysis(RunAnalysis& out, std::vector<ParamAnalysis>& params, const StepFits& fits) const;
 
+  // A remediation under check: the parameter, the change, and the projection's inputs then.
+  struct Remediation {
+    size_t param = 0;
+    uint64_t step = 0;
+    double weight_decay = 0;
+    double previous_weight_decay = 0;
+    double norm = 0;
+    double learning_rate = 0;
+    analytics::NormDynamics dynamics;
+    // The two paths as far as they were iterated (FillRemediations carries them on from there, so
+    // that a reader pays for the steps since its last read, not since the change): with the new
+    // weight decay, and with the previous one.
+    uint64_t advanced_to = 0;
+    double projected = 0;
+    double unchanged = 0;
+  };
+  // A rewind to `step` keeps the checks of changes before it (their projections were made from
+  // the kept branch): RemediationsBefore of the old analytics, AdoptRemediations into the new.
+  std::vector<Remediation> RemediationsBefore(uint64_t step) const;
+  void AdoptRemediations(std::vector<Remediation> kept);
+
   // Snapshots (Run::SaveSnapshot). SaveState writes what the steps and events made of the
   // analytics: every series' trackers, the events, the shares and the parameters' fits.
   void SaveState(StateWriter& out) const;
@@ -423,22 +444,6 @@ class RunAnalytics {
   SeriesId learning_rate_ = kNoSeries;
   uint64_t last_step_ = 0;  // the latest step analysed
   std::optional<double> default_weight_decay_;
-  // Remediations under check: the parameter, the change, and the projection's inputs then.
-  struct Remediation {
-    size_t param = 0;
-    uint64_t step = 0;
-    double weight_decay = 0;
-    double previous_weight_decay = 0;
-    double norm = 0;
-    double learning_rate = 0;
-    analytics::NormDynamics dynamics;
-    // The two paths as far as they were iterated (FillRemediations carries them on from there, so
-    // that a reader pays for the steps since its last read, not since the change): with the new
-    // weight decay, and with the previous one.
-    uint64_t advanced_to = 0;
-    double projected = 0;
-    double unchanged = 0;
-  };
   // Mutable: FillRemediations, a const reader under the run's lock, advances the paths.
   mutable std::vector<Remediation> remediations_;
   // The line fitted over a series' shortest window (what it is doing now); nullopt without one.

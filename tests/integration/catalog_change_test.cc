@@ -162,6 +162,12 @@ TEST_CASE("a history's params line changes the catalog from its step: the growth
                       e["text"] == "catalog change: final_norm.weight weight decay 0 → 0.1");
   }
   CHECK(event);
+  // The exported catalog follows it.
+  CHECK(ParseMetric(daemon.ScrapeMetrics(), "gradwatch_param_weight_decay",
+                    {{"run", "remedied"}, {"param", "final_norm.weight"}, {"group", "norm_gain"}}) == 0.1);
+  // And the check after the remediation starts from it.
+  REQUIRE(shown["analysis"]["remediations"].size() == 1);
+  const json check = shown["analysis"]["remediations"][0];
 
   // A params line the catalog cannot take is refused by the daemon, with the reason.
   const std::string bad = (dir.path() / "bad.jsonl").string();
@@ -175,9 +181,16 @@ TEST_CASE("a history's params line changes the catalog from its step: the growth
   CHECK(r3.exit_code != 0);
   CHECK((r3.out + r3.err).find("'no_such.weight' is not in the run's catalog") != std::string::npos);
 
-  // The change survives a restart of the daemon.
+  // The change survives a restart of the daemon, and so does its check.
   daemon.Restart();
-  CHECK(WeightDecayShown(Shown(daemon, "remedied"), "final_norm.weight") == 0.1);
+  const json restarted = Shown(daemon, "remedied");
+  CHECK(WeightDecayShown(restarted, "final_norm.weight") == 0.1);
+  INFO(restarted["analysis"].dump());
+  REQUIRE(restarted["analysis"]["remediations"].size() == 1);
+  const json after = restarted["analysis"]["remediations"][0];
+  CHECK(after["step"] == check["step"]);
+  CHECK(after["norm_at_step"] == check["norm_at_step"]);
+  CHECK(after["projected_norm"] == check["projected_norm"]);
 }
 
 TEST_CASE("a resumed job whose hello carries the new weight decay changes the catalog from its resume step",

@@ -281,8 +281,9 @@ TEST_CASE_METHOD(CollectorFixture, "a run beyond metrics.max_series_per_run show
       Scrape(registry_, stats_, {.params = {"*"}, .slope_series = {"*"}, .max_series_per_run = 1'000'000});
   size_t per_param = 0;
   for (const char* family :
-       {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm", "gradwatch_grad_norm_share",
-        "gradwatch_norm_amplification", "gradwatch_growth_without_decay_factor", "gradwatch_slope_per_kstep"}) {
+       {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm", "gradwatch_param_weight_decay",
+        "gradwatch_grad_norm_share", "gradwatch_norm_amplification", "gradwatch_growth_without_decay_factor",
+        "gradwatch_slope_per_kstep"}) {
     per_param += Named(full, family).size();
   }
   REQUIRE(per_param > 40);
@@ -290,12 +291,13 @@ TEST_CASE_METHOD(CollectorFixture, "a run beyond metrics.max_series_per_run show
   const Samples capped = Scrape(registry_, stats_, {.params = {"*"}, .slope_series = {"*"}, .max_series_per_run = 30});
   size_t shown = 0;
   for (const char* family :
-       {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm", "gradwatch_grad_norm_share",
-        "gradwatch_norm_amplification", "gradwatch_growth_without_decay_factor", "gradwatch_slope_per_kstep"}) {
+       {"gradwatch_grad_norm", "gradwatch_param_norm", "gradwatch_update_norm", "gradwatch_param_weight_decay",
+        "gradwatch_grad_norm_share", "gradwatch_norm_amplification", "gradwatch_growth_without_decay_factor",
+        "gradwatch_slope_per_kstep"}) {
     shown += Named(capped, family).size();
   }
   CHECK(shown <= 30);
-  CHECK(shown >= 28);  // a parameter's three norms go together
+  CHECK(shown >= 27);  // a parameter's norms and weight decay go together
   const Samples left_out = Named(capped, "gradwatch_run_series_capped");
   REQUIRE(left_out.size() == 1);
   CHECK(Label(left_out[0], "run") == "wide");

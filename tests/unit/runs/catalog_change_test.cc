@@ -222,3 +222,40 @@ TEST_CASE("catalog changes are journaled and read back at a restart, an abandone
   REQUIRE(CatalogEvents(*run) == 1);
   CHECK(s.events[0].text == "catalog change: lm_head.weight group \"\" → head");
 }
+
+TEST_CASE("a remediation check outlives a rewind after its change and goes with a rewind before it",
+          "[runs][catalog]") {
+  FakeClock clock;
+  RunOptions options;
+  DaemonStats stats;
+  Run run{Meta(), options, nullptr, &stats, &clock, true};
+  RecordingSink sink;
+  AttachInfo info;
+  REQUIRE_FALSE(run.Attach(Meta(), 0, &sink, &info));
+  // final_norm.weight grows 0.05 a step without decay, at learning rate 1e-3.
+  const auto growing = [](uint64_t s) {
+    RankStep r = Step(s);
+    r.params[0].norms[1] = NormContribution::FromNorm(80 + 0.05 * static_cast<double>(s));
+    r.learning_rate = 1e-3;
+    return r;
+  };
+  for (uint64_t s = 1; s <= 300; ++s) REQUIRE_FALSE(run.AddStep(0, growing(s), &sink));
+  REQUIRE_FALSE(run.AddCatalogChange(301, kDecayFinalNorm, 0, 1, &sink));
+  for (uint64_t s = 301; s <= 400; ++s) REQUIRE_FALSE(run.AddStep(0, growing(s), &sink));
+  REQUIRE(run.Summary().analysis.remediations.size() == 1);
+  CHECK(run.Summary().analysis.remediations[0].step == 301);
+
+  // Resumed from step 350: the change at 301 stands, and so does its check.
+  RecordingSink resumed;
+  REQUIRE_FALSE(run.Attach(Meta(350), 0, &resumed, &info));
+  for (uint64_t s = 350; s <= 360; ++s) REQUIRE_FALSE(run.AddStep(0, growing(s), &resumed));
+  REQUIRE(run.Summary().analysis.remediations.size() == 1);
+  CHECK(run.Summary().analysis.remediations[0].step == 301);
+  CHECK(run.Summary().analysis.remediations[0].norm_at_step == Approx(95));
+
+  // Resumed from step 250: the change is undone, its check gone.
+  RecordingSink earlier;
+  REQUIRE_FALSE(run.Attach(Meta(250), 0, &earlier, &info));
+  CHECK(run.Summary().analysis.remediations.empty());
+  CHECK(WeightDecayOf(run, "final_norm.weight") == 0);
+}
