@@ -128,10 +128,13 @@ class RunViewBrowserTest(unittest.TestCase):
         self.assertTrue(dom.find("line", **{"class": "fit-before"}), "the slope before the event")
         self.assertTrue(dom.find("line", **{"class": "fit-after"}), "the slope after the event")
         self.assertTrue(dom.find("line", **{"class": "event"}), "the event")
+        # The what-if of weight decay on the final norm, drawn from its last step on.
+        self.assertTrue(dom.find("line", **{"class": "projection"}), "the what-if's path")
         text = " ".join(dom.text)
         self.assertIn("Norm of final_norm.weight", text)
         self.assertIn("switched to near-dropless EP routing", text)
         self.assertIn("Recommendation: enable weight decay on final_norm.weight", text)
+        self.assertIn("Dotted: the what-if of weight decay 0.1 from step", text)
         bars = [a for a in dom.find("rect") if "data-value" in a]
         self.assertTrue(bars, "shares and amplification bars")
 

@@ -107,6 +107,31 @@ function ticks(lo, hi, count) {
   return out;
 }
 
+// The what-if's path as segments: AdamW's norm map n(t+1)² = ((1 − ηλ)·n(t) + η·ρ)² + η²·|u⊥|²
+// iterated from p.from_step to p.to_step (server/analytics/projection.h), one segment per piece.
+function projectionSegments(p) {
+  const eta = num(p.learning_rate), lambda = num(p.weight_decay), rho = num(p.radial), perp = num(p.orthogonal) || 0;
+  const from = num(p.from_step), to = num(p.to_step);
+  if (!(eta > 0) || !(to > from) || !Number.isFinite(rho)) return [];
+  const pieces = 40, stride = Math.max(1, Math.floor((to - from) / pieces));
+  const out = [];
+  let n = num(p.norm_now), step = from;
+  while (step < to) {
+    const next = Math.min(to, step + stride);
+    let m = n;
+    for (let s = step; s < next; s += 1) {
+      const along = (1 - eta * lambda) * m + eta * rho;
+      m = Math.sqrt(along * along + eta * eta * perp * perp);
+    }
+    out.push({x0: step, y0: n, x1: next, y1: m, cls: "projection"});
+    n = m;
+    step = next;
+  }
+  out[out.length - 1].label = `with weight decay ${fmt(lambda)}: ~${fmt(n)} by step ${fmtStep(to)}`;
+  out[out.length - 1].labelCls = "projection-label";
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Charts
 
@@ -121,12 +146,19 @@ function lineChart(options) {
   let x0 = options.xrange ? options.xrange[0] : Math.min(...pts.map((p) => p.step));
   let x1 = options.xrange ? options.xrange[1] : Math.max(...pts.map((p) => p.last));
   // A forecast may reach far beyond the data: the axis goes at most half the data's span further,
-  // and a longer segment is cut there (its label still says where it ends).
+  // and a longer segment is cut there (its label still says where it ends); a path's pieces
+  // beyond it are left out, their label carried by the last piece drawn.
   const xLimit = x1 + (x1 - x0) * 0.5;
-  const segments = (options.segments || []).map((s) => {
-    if (!(s.x1 > xLimit && s.x1 > s.x0) || options.xrange) return s;
-    return {...s, x1: xLimit, y1: s.y0 + (s.y1 - s.y0) * (xLimit - s.x0) / (s.x1 - s.x0)};
-  });
+  const segments = [];
+  for (const s of options.segments || []) {
+    if (options.xrange || !(s.x1 > xLimit && s.x1 > s.x0)) {
+      segments.push(s);
+    } else if (s.x0 < xLimit) {
+      segments.push({...s, x1: xLimit, y1: s.y0 + (s.y1 - s.y0) * (xLimit - s.x0) / (s.x1 - s.x0)});
+    } else if (s.label && segments.length && segments[segments.length - 1].cls === s.cls) {
+      segments[segments.length - 1] = {...segments[segments.length - 1], label: s.label, labelCls: s.labelCls};
+    }
+  }
   if (!options.xrange) for (const s of segments) x1 = Math.max(x1, s.x1);
   if (!Number.isFinite(x0) || !Number.isFinite(x1)) {
     svg.append(svgEl("text", {x: width / 2, y: height / 2, "text-anchor": "middle", class: "label"}, "no data yet"));
@@ -471,6 +503,21 @@ function renderRun() {
     const amp = (analysis.amplifications || []).find((a) => a.param === state.finalParam);
     let finalNote = "Lines: the daemon's least-squares slopes before (green) and after (red) each event.";
     if (amp) finalNote += ` Now ${fmt(num(amp.norm))}, ${fmt(num(amp.amplification), 3)}× its initial norm ${fmt(num(amp.init_norm))}.`;
+    // The what-if of weight decay on it, and the check of a weight-decay change made.
+    const projection = (analysis.projections || []).find((p) => p.param === state.finalParam);
+    if (projection && !state.range) {
+      fits.push(...projectionSegments(projection));
+      finalNote += ` Dotted: the what-if of weight decay ${fmt(num(projection.weight_decay))} from step ${fmtStep(num(projection.from_step))} (equilibrium ~${fmt(num(projection.equilibrium_norm))}).`;
+    }
+    for (const r of (analysis.remediations || []).filter((x) => x.param === state.finalParam)) {
+      const at = num(r.step), now = num(r.at_step);
+      if (!(now > at)) continue;
+      fits.push({x0: at, y0: num(r.norm_at_step), x1: now, y1: num(r.projected_norm), cls: "remediation",
+        label: `projected ~${fmt(num(r.projected_norm))}: ${r.verdict}`, labelCls: "projection-label"});
+      fits.push({x0: at, y0: num(r.norm_at_step), x1: now, y1: num(r.unchanged_norm), cls: "unchanged",
+        label: `without the change ~${fmt(num(r.unchanged_norm))}`, labelCls: "fit-label"});
+      finalNote += ` Weight decay ${fmt(num(r.previous_weight_decay))} → ${fmt(num(r.weight_decay))} at step ${fmtStep(at)}: ${r.verdict}.`;
+    }
     charts.append(panel(`Norm of ${state.finalParam}`, finalNote,
       lineChart({name: "final", points, segments: fits, vlines: events, xrange: state.range, onZoom: zoom})));
   }
