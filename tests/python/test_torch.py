@@ -276,6 +276,25 @@ class RecordingMonitor:
         return self.accept
 
 
+class LearningRateTest(unittest.TestCase):
+    def test_a_param_group_with_its_own_learning_rate_sends_it_per_parameter(self) -> None:
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = optimizer_for(model)
+        move_into_new_group(opt, model.final_norm.weight, 0.0)
+        opt.param_groups[-1]["lr"] = 0.1
+        mon = RecordingMonitor()
+        watch = gwt.Watch(model, opt, monitor=mon)
+        train_step(model, opt, torch.Generator().manual_seed(1))
+        watch.step(1)
+        metrics = mon.logs[-1][1]
+        self.assertEqual(metrics["optim/learning_rate"], 1e-2)
+        self.assertEqual(metrics["optim/learning_rate/final_norm.weight"], 0.1)
+        # Parameters in groups at the run's rate get no key of their own.
+        self.assertEqual([k for k in metrics if k.startswith("optim/learning_rate/")],
+                         ["optim/learning_rate/final_norm.weight"])
+
+
 class WeightDecayChangeTest(unittest.TestCase):
     """Watch.step reports the weight decays that changed in the param groups, and only those."""
 
