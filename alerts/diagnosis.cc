@@ -13,8 +13,6 @@ namespace gradwatch::alerts {
 namespace {
 
 constexpr size_t kTopContributors = 3;
-// How far ahead the what-if of a recommended weight decay looks (steps).
-constexpr uint64_t kProjectionSteps = 20000;
 
 std::string Capitalised(std::string s) {
   // A sentence may open with a parameter name, which keeps its case.
@@ -79,7 +77,8 @@ std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double 
   const analytics::NormDynamics dynamics =
       analytics::EstimateDynamics(*gain.norm, *slope / 1000, lr, gain.info.weight_decay,
                                   gain.update_norm.value_or(std::nan("")), gain.radial_per_step.value_or(std::nan("")));
-  const analytics::NormProjection p = analytics::ProjectNorm(*gain.norm, dynamics, lr, weight_decay, kProjectionSteps);
+  const analytics::NormProjection p =
+      analytics::ProjectNorm(*gain.norm, dynamics, lr, weight_decay, facts.projection_steps);
   const std::string& name = gain.info.name;
   std::string s = "With weight decay " + FormatNumber(weight_decay) + " from step " + FormatStep(facts.step) +
                   (own_lr ? " (its learning rate " : " (learning rate ") + FormatNumber(lr) + "; " + name + " " +
@@ -87,7 +86,7 @@ std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double 
                   (gain.info.weight_decay > 0 ? "with weight decay " + FormatNumber(gain.info.weight_decay)
                                               : std::string("without decay")) +
                   "), " + name + " goes from " + FormatNumber(*gain.norm) + " to ~" + FormatNumber(p.norm_at_end) +
-                  " by step " + FormatStep(facts.step + kProjectionSteps);
+                  " by step " + FormatStep(facts.step + facts.projection_steps);
   if (std::isfinite(p.equilibrium_norm)) {
     s += " (equilibrium ~" + FormatNumber(p.equilibrium_norm) + ", time constant ~" +
          FormatCount(p.time_constant_steps) + " steps)";

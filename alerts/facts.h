@@ -192,6 +192,8 @@ struct RunFacts {
   WarmupFact warmup;
   RewindFact rewind;  // the latest rewind
   std::vector<RemediationFact> remediations;
+  // How far the what-if in a weight-decay recommendation projects (analytics.projection_steps).
+  uint64_t projection_steps = 20000;
 };
 
 // The value of `key` in facts.latest (which must be sorted by key); nullptr when absent.

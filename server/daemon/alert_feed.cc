@@ -360,6 +360,7 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
                                  min_steps_before_page_ ? min_steps_before_page_->load(std::memory_order_relaxed)
                                                         : alerts::kDefaultMinStepsBeforePage);
   f.rewind = rewind_;
+  f.projection_steps = p.analytics.projection_steps();
   f.remediations.resize(a.remediations.size());
   for (size_t i = 0; i < a.remediations.size(); ++i) {
     const runs::RemediationInfo& x = a.remediations[i];

@@ -236,6 +236,7 @@ const std::map<std::string, std::map<std::string, Setter>>& Schema() {
         {"param_max_buckets", Field(&Config::slope_param_max_buckets)},
         {"event_window_steps", Field(&Config::event_window_steps)},
         {"forecast_window_steps", Field(&Config::forecast_window_steps)},
+        {"projection_steps", Field(&Config::projection_steps)},
         {"forecasts", ReadForecasts},
         {"change_point_window_steps", Field(&Config::change_point_window_steps)}}},
       {"alerts",
@@ -449,6 +450,10 @@ Status ValidateConfig(const Config& c) {
   if (c.forecast_window_steps < 2 || c.forecast_window_steps > kMaxWindow) {
     return bad("analytics.forecast_window_steps: must be between 2 and 4294967296");
   }
+  // The what-if iterates AdamW's norm map a step at a time, whenever a page renders its advice.
+  if (c.projection_steps < 1 || c.projection_steps > 200000) {
+    return bad("analytics.projection_steps: must be between 1 and 200000");
+  }
   if (c.change_point_window_steps < 10 || c.change_point_window_steps > kMaxWindow) {
     return bad("analytics.change_point_window_steps: must be between 10 and 4294967296");
   }
@@ -623,6 +628,7 @@ std::string ConfigJson(const Config& c) {
         {"param_max_buckets", c.slope_param_max_buckets},
         {"event_window_steps", c.event_window_steps},
         {"forecast_window_steps", c.forecast_window_steps},
+        {"projection_steps", c.projection_steps},
         {"forecasts", forecasts},
         {"change_point_window_steps", c.change_point_window_steps}}},
       {"alerts",

@@ -59,6 +59,8 @@ struct Config {
   size_t slope_param_max_buckets = 16;
   uint64_t event_window_steps = 5000;
   uint64_t forecast_window_steps = 20000;
+  // How far the weight-decay what-if projects (steps; runs::AnalyticsOptions::projection_steps).
+  uint64_t projection_steps = 20000;
   // (series key, threshold) pairs forecast for every run.
   std::vector<std::pair<std::string, double>> forecasts = {{"grad/norm/total", 5.0}};
   uint64_t change_point_window_steps = 3000;

@@ -110,6 +110,7 @@ Status Daemon::Start() {
   run_options.analytics.param_max_buckets = config_.slope_param_max_buckets;
   run_options.analytics.event_window_steps = config_.event_window_steps;
   run_options.analytics.forecast_window_steps = config_.forecast_window_steps;
+  run_options.analytics.projection_steps = config_.projection_steps;
   run_options.analytics.forecasts = ForecastsInForce(config_.forecasts, alerting_->engine().Rules());
   run_options.analytics.change_points.window_steps = config_.change_point_window_steps;
   std::vector<runs::StepListener*> listeners = {alerting_.get()};

@@ -308,6 +308,8 @@ class RunAnalytics {
 
   // Bytes charged to the budget (held until destruction).
   uint64_t charged_bytes() const { return charge_.bytes(); }
+  // How far the weight-decay what-if projects (AnalyticsOptions::projection_steps).
+  uint64_t projection_steps() const { return options_.projection_steps; }
   // Series refused analytics for memory.
   uint64_t refused_series() const { return refused_series_; }
 

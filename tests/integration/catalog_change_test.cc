@@ -370,3 +370,28 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
     CHECK(md.find(" without the change: **" + check["verdict"].get<std::string>() + "**") != std::string::npos);
   }
 }
+
+TEST_CASE("the what-if projects as far as the daemon's analytics.projection_steps says", "[integration]") {
+  DaemonOptions options;
+  options.config_yaml = "log: {format: text, level: info}\nanalytics: {projection_steps: 10000}\n";
+  DaemonProcess daemon(options);
+  TempDir dir("gradwatch-what-if-steps");
+  SimulatedGain gain;
+  const std::string history = (dir.path() / "gain.jsonl").string();
+  {
+    std::ofstream out(history);
+    out << Header("short-what-if", 0.0).dump() << "\n";
+    gain.Run(out, 1, 3000, 1, 0.0);
+  }
+  const CommandResult r = Replay(daemon, history);
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const json projection = Projection(Shown(daemon, "short-what-if"), "final_norm.weight");
+  INFO(projection.dump());
+  REQUIRE_FALSE(projection.is_null());
+  CHECK(Number(projection["from_step"]) == 3000);
+  CHECK(Number(projection["to_step"]) == 13000);
+  const CommandResult text = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "show", "short-what-if"});
+  CHECK(text.out.find("what-if: weight decay 0.1 on final_norm.weight from step 3,000:") != std::string::npos);
+  CHECK(text.out.find("by step 13,000") != std::string::npos);
+}

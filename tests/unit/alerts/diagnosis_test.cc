@@ -276,3 +276,16 @@ TEST_CASE("cause names are the annotation's values", "[alerts]") {
   CHECK(CauseName(Cause::kNoPerParameterNorms) == "no_per_parameter_norms");
   CHECK(CauseName(Cause::kNormGainInflatesOutput) == "norm_gain_inflates_output");
 }
+
+TEST_CASE("the what-if projects as far as analytics.projection_steps says", "[alerts]") {
+  RunFacts f = Run(362.1, 2.5, 0.939, 0.03);
+  f.learning_rate.known = true;
+  f.learning_rate.value = 7.7e-4;
+  f.projection_steps = 5000;
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
+  const gradwatch::analytics::NormDynamics dyn =
+      gradwatch::analytics::EstimateDynamics(362.1, 2.5e-3, 7.7e-4, 0, NAN, NAN);
+  const gradwatch::analytics::NormProjection p = gradwatch::analytics::ProjectNorm(362.1, dyn, 7.7e-4, 0.1, 5000);
+  INFO(d.recommendation);
+  CHECK_THAT(d.recommendation, Contains("goes from 362.1 to ~" + FormatNumber(p.norm_at_end) + " by step 66,500"));
+}

@@ -107,6 +107,13 @@ TEST_CASE("validation rejects bad values with the key's name", "[daemon]") {
   c = Config{};
   c.change_point_window_steps = UINT64_MAX;
   CHECK(ValidateConfig(c).message().find("analytics.change_point_window_steps") == 0);
+  c = Config{};
+  c.projection_steps = 0;
+  CHECK(ValidateConfig(c).message() == "analytics.projection_steps: must be between 1 and 200000");
+  c.projection_steps = 200001;
+  CHECK_FALSE(ValidateConfig(c).ok());
+  c.projection_steps = 50000;
+  CHECK(ValidateConfig(c).ok());
 }
 
 TEST_CASE("a repeated key is an error naming the file and line, at any depth", "[daemon]") {
