@@ -77,16 +77,23 @@ std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double 
   const analytics::NormDynamics dynamics =
       analytics::EstimateDynamics(*gain.norm, *slope / 1000, lr, gain.info.weight_decay,
                                   gain.update_norm.value_or(std::nan("")), gain.radial_per_step.value_or(std::nan("")));
+  const analytics::LearningRateSchedule& schedule = facts.config.schedule;
   const analytics::NormProjection p =
-      analytics::ProjectNorm(*gain.norm, dynamics, lr, weight_decay, facts.projection_steps);
+      analytics::ProjectNorm(*gain.norm, dynamics, lr, weight_decay, facts.projection_steps, &schedule, facts.step);
+  // No further than the run's last step, when the trainer said which it is.
+  uint64_t to_step = facts.step + facts.projection_steps;
+  const bool to_end = schedule.total_steps && *schedule.total_steps < to_step;
+  if (to_end) to_step = std::max(facts.step, *schedule.total_steps);
   const std::string& name = gain.info.name;
+  const std::string followed = schedule.Describe();
   std::string s = "With weight decay " + FormatNumber(weight_decay) + " from step " + FormatStep(facts.step) +
-                  (own_lr ? " (its learning rate " : " (learning rate ") + FormatNumber(lr) + "; " + name + " " +
+                  (own_lr ? " (its learning rate " : " (learning rate ") + FormatNumber(lr) +
+                  (followed.empty() ? "" : ", " + followed) + "; " + name + " " +
                   (*slope >= 0 ? "growing " : "shrinking ") + FormatNumber(std::fabs(*slope)) + " per 1k steps " +
                   (gain.info.weight_decay > 0 ? "with weight decay " + FormatNumber(gain.info.weight_decay)
                                               : std::string("without decay")) +
                   "), " + name + " goes from " + FormatNumber(*gain.norm) + " to ~" + FormatNumber(p.norm_at_end) +
-                  " by step " + FormatStep(facts.step + facts.projection_steps);
+                  " by step " + FormatStep(to_step) + (to_end ? ", the run's last" : "");
   if (std::isfinite(p.equilibrium_norm)) {
     s += " (equilibrium ~" + FormatNumber(p.equilibrium_norm) + ", time constant ~" +
          FormatCount(p.time_constant_steps) + " steps)";
@@ -95,9 +102,11 @@ std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double 
   const std::string radial_source = gain.radial_per_step
                                         ? " (reported: ⟨Δw, w⟩/|w| " + FormatNumber(*gain.radial_per_step) + " a step)"
                                         : std::string();
-  s += ", if the learning rate and its update's radial" + radial_source +
+  s += std::string(followed.empty() ? ", if the learning rate and its update's radial" : ", if its update's radial") +
+       radial_source +
        (dynamics.orthogonal_known ? " and rotational parts" : " part (no update norm is reported, so no rotation)") +
-       " stay at their recent values (decoupled decay, ηλ a step)";
+       (followed.empty() || dynamics.orthogonal_known ? " stay at their recent values" : " stays at its recent value") +
+       (followed.empty() ? "" : " and the learning rate follows its schedule") + " (decoupled decay, ηλ a step)";
   const SeriesValue* total = FindLatest(facts, keys::kTotalGradNorm);
   if (total != nullptr && std::isfinite(total->value) && output_share > 0 && output_share <= 1) {
     // If the output layer's gradient scales with the gain's norm: its part of the squared total

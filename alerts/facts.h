@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "alerts/alert.h"
+#include "server/analytics/projection.h"
 #include "server/core/types.h"
 
 namespace gradwatch::alerts {
@@ -103,6 +104,9 @@ struct ConfigFacts {
   std::optional<double> weight_decay;    // the optimizer's default weight decay
   std::optional<uint64_t> warmup_steps;  // the learning-rate warm-up's length, when the trainer said
   std::optional<uint64_t> total_steps;   // the run's last step, when the trainer said
+  // The learning-rate schedule the what-if follows (config lr_schedule, min_lr, warmup_steps,
+  // total_steps); a constant shape holds the rate.
+  analytics::LearningRateSchedule schedule;
 };
 
 // The learning rate (optim/learning_rate) as reported up to the evaluated step

@@ -389,7 +389,8 @@ std::string FormatDiagnosis(const v1::RunSummary& summary) {
           << FormatValue(std::round(p.time_constant_steps())) << " steps)";
     }
     if (std::isfinite(p.total_grad_norm())) out << "; total grad norm ~" << FormatValue(p.total_grad_norm());
-    out << (p.radial_known() ? " [radial update as reported]" : " [radial update from the norm's slope]") << "\n";
+    out << (p.radial_known() ? " [radial update as reported]" : " [radial update from the norm's slope]");
+    out << (p.schedule().empty() ? " [learning rate held]" : " [learning rate " + p.schedule() + "]") << "\n";
   }
   for (const auto& r : a.remediations()) {
     out << "remediation: " << r.param() << " weight decay " << FormatValue(r.previous_weight_decay()) << " → "

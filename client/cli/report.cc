@@ -150,9 +150,10 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
         md << "; if the output layer's gradient scales with its norm, the total grad norm reaches ~"
            << Num(p.total_grad_norm());
       }
-      md << " (learning rate " << Num(p.learning_rate()) << " and the update's "
-         << (p.orthogonal_known() ? "radial and rotational parts" : "radial part") << " held; the radial part "
-         << (p.radial_known() ? "as the trainer reports it" : "from the norm's slope") << ").\n";
+      md << " (learning rate " << Num(p.learning_rate()) << (p.schedule().empty() ? " held" : " now, " + p.schedule())
+         << "; the update's " << (p.orthogonal_known() ? "radial and rotational parts" : "radial part")
+         << " held, the radial part " << (p.radial_known() ? "as the trainer reports it" : "from the norm's slope")
+         << ").\n";
     }
     for (const auto& r : a.remediations()) {
       md << "- **" << r.param() << "**: weight decay " << Num(r.previous_weight_decay()) << " → "

@@ -1,7 +1,12 @@
 #include "server/analytics/projection.h"
 
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <numbers>
 
 namespace gradwatch::analytics {
 
@@ -29,18 +34,94 @@ NormDynamics EstimateDynamics(double norm, double slope_per_step, double learnin
   return d;
 }
 
+LearningRateSchedule LearningRateSchedule::FromConfig(std::optional<uint64_t> warmup_steps,
+                                                      std::optional<uint64_t> total_steps,
+                                                      const std::map<std::string, std::string>& extra,
+                                                      std::string* why) {
+  LearningRateSchedule s;
+  s.warmup_steps = warmup_steps.value_or(0);
+  s.total_steps = total_steps;
+  if (auto it = extra.find("lr_schedule"); it != extra.end()) {
+    if (it->second == "cosine") {
+      s.shape = Shape::kCosine;
+    } else if (it->second == "linear") {
+      s.shape = Shape::kLinear;
+    } else if (it->second != "constant") {
+      *why = "config lr_schedule '" + it->second + "' is not cosine, linear or constant: the rate is held";
+    }
+    if (s.shape != Shape::kConstant && !total_steps) {
+      *why = "config lr_schedule '" + it->second + "' needs total_steps (the run's last step): the rate is held";
+      s.shape = Shape::kConstant;
+    }
+  }
+  if (auto it = extra.find("min_lr"); it != extra.end()) {
+    errno = 0;
+    char* end = nullptr;
+    const double v = std::strtod(it->second.c_str(), &end);
+    if (errno != 0 || end == it->second.c_str() || *end != '\0' || !std::isfinite(v) || v < 0) {
+      *why = "config min_lr '" + it->second + "' is not a rate ≥ 0: 0 is assumed";
+    } else {
+      s.min_lr = v;
+    }
+  }
+  return s;
+}
+
+double LearningRateSchedule::RateAt(double rate_now, uint64_t now, uint64_t step) const {
+  if (shape == Shape::kConstant || !total_steps || *total_steps <= warmup_steps || step > *total_steps) return rate_now;
+  const auto f = [&](uint64_t t) {
+    const double span = static_cast<double>(*total_steps - warmup_steps);
+    const double p = t <= warmup_steps ? 0.0 : std::min(1.0, static_cast<double>(t - warmup_steps) / span);
+    return shape == Shape::kCosine ? 0.5 * (1 + std::cos(std::numbers::pi * p)) : 1 - p;
+  };
+  const double at_now = f(now);
+  if (!(at_now > 1e-9)) return rate_now;
+  return min_lr + (rate_now - min_lr) * f(step) / at_now;
+}
+
+std::string LearningRateSchedule::Describe() const {
+  if (shape == Shape::kConstant || !total_steps) return "";
+  char min[32];
+  std::snprintf(min, sizeof(min), "%.4g", min_lr);
+  // The step with thousands separators, as every text of the daemon writes steps.
+  const std::string digits = std::to_string(*total_steps);
+  std::string step;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) step += ',';
+    step += digits[i];
+  }
+  return std::string(shape == Shape::kCosine ? "following its cosine schedule" : "following its linear schedule") +
+         " to " + min + " at step " + step;
+}
+
 NormProjection ProjectNorm(double norm, const NormDynamics& dynamics, double learning_rate, double weight_decay,
-                           uint64_t steps) {
+                           uint64_t steps, const LearningRateSchedule* schedule, uint64_t from_step) {
+  NormProjection p;
+  double n = norm;
+  if (schedule != nullptr && schedule->total_steps) {
+    // No step past the run's last one.
+    steps = *schedule->total_steps > from_step ? std::min(steps, *schedule->total_steps - from_step) : 0;
+  }
+  if (schedule == nullptr || schedule->shape == LearningRateSchedule::Shape::kConstant) {
+    const double a = 1 - learning_rate * weight_decay;
+    const double b = learning_rate * dynamics.radial;
+    const double c = learning_rate * learning_rate * dynamics.orthogonal * dynamics.orthogonal;
+    for (uint64_t i = 0; i < steps; ++i) {
+      const double along = a * n + b;
+      n = std::sqrt(along * along + c);
+    }
+  } else {
+    const double u2 = dynamics.orthogonal * dynamics.orthogonal;
+    for (uint64_t i = 1; i <= steps; ++i) {
+      const double eta = schedule->RateAt(learning_rate, from_step, from_step + i);
+      const double along = (1 - eta * weight_decay) * n + eta * dynamics.radial;
+      n = std::sqrt(along * along + eta * eta * u2);
+    }
+  }
+  p.norm_at_end = n;
   const double a = 1 - learning_rate * weight_decay;
   const double b = learning_rate * dynamics.radial;
   const double c = learning_rate * learning_rate * dynamics.orthogonal * dynamics.orthogonal;
-  NormProjection p;
-  double n = norm;
-  for (uint64_t i = 0; i < steps; ++i) {
-    const double along = a * n + b;
-    n = std::sqrt(along * along + c);
-  }
-  p.norm_at_end = n;
   // The fixed point of n² = (a·n + b)² + c: (1 − a²)·n² − 2ab·n − (b² + c) = 0.
   const double q = 1 - a * a;
   if (q > 0) {

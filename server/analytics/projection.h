@@ -10,12 +10,16 @@
 // the weight and grows its norm too, by the Pythagorean term. The map's fixed point is the
 // equilibrium norm n*; a weight whose radial part dominates approaches it with the time constant
 // 1/(ηλ), a rotational one about twice as fast. The projection iterates the map step by step
-// with ρ, |u⊥| and η held at their recent values.
+// with ρ and |u⊥| held at their recent values, and η held too unless the run's schedule is known
+// (LearningRateSchedule); no step is iterated past the run's last step when that is known.
 //
 // Pure maths: no I/O.
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
 
 namespace gradwatch::analytics {
 
@@ -41,8 +45,31 @@ struct NormProjection {
   double time_constant_steps = 0;  // steps to close 1 − 1/e of a small gap to it (+inf without decay)
 };
 
-// Iterates the map `steps` times from `norm` with weight decay `weight_decay`.
+// The run's learning-rate schedule after its warm-up, as the trainer names it in its config:
+// extra "lr_schedule" (cosine, linear or constant) and "min_lr" (the rate at the last step,
+// default 0), with warmup_steps and total_steps. Its shape is anchored at the rate reported now,
+// so its peak need not be known.
+struct LearningRateSchedule {
+  enum class Shape : uint8_t { kConstant, kCosine, kLinear };
+  Shape shape = Shape::kConstant;
+  uint64_t warmup_steps = 0;
+  std::optional<uint64_t> total_steps;  // the run's last step; no step is projected past it
+  double min_lr = 0;
+
+  // From a config's fields; `why` says what is wrong with an "lr_schedule" or "min_lr" given.
+  static LearningRateSchedule FromConfig(std::optional<uint64_t> warmup_steps, std::optional<uint64_t> total_steps,
+                                         const std::map<std::string, std::string>& extra, std::string* why);
+  // "cosine to 3e-5 at step 150,000" and the like; empty for a constant rate.
+  std::string Describe() const;
+  // The rate at `step`, given `rate_now` at `now`: min_lr + (rate_now − min_lr)·f(step)/f(now),
+  // f the shape's decay from 1 at the warm-up's end to 0 at total_steps; rate_now when the shape
+  // is constant, unknown past total_steps, or spent (f(now) ≈ 0).
+  double RateAt(double rate_now, uint64_t now, uint64_t step) const;
+};
+
+// Iterates the map `steps` times from `norm` with weight decay `weight_decay`: with `schedule`,
+// from step `from_step` at its rates, and never past its total_steps.
 NormProjection ProjectNorm(double norm, const NormDynamics& dynamics, double learning_rate, double weight_decay,
-                           uint64_t steps);
+                           uint64_t steps, const LearningRateSchedule* schedule = nullptr, uint64_t from_step = 0);
 
 }  // namespace gradwatch::analytics

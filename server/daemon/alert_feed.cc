@@ -355,6 +355,9 @@ void AlertFeed::Fill(const runs::PublishedStep& p, alerts::RunFacts& f) {
   f.config.weight_decay = p.meta.config.weight_decay;
   f.config.warmup_steps = p.meta.config.warmup_steps;
   f.config.total_steps = p.meta.config.total_steps;
+  schedule_problem_.clear();  // the run said what was wrong at its creation
+  f.config.schedule = analytics::LearningRateSchedule::FromConfig(p.meta.config.warmup_steps, p.meta.config.total_steps,
+                                                                  p.meta.config.extra, &schedule_problem_);
   f.learning_rate = learning_rate_.fact();
   f.warmup = alerts::JudgeWarmup(step.step, f.learning_rate, f.config.warmup_steps,
                                  min_steps_before_page_ ? min_steps_before_page_->load(std::memory_order_relaxed)

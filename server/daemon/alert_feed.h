@@ -117,6 +117,7 @@ class AlertFeed final : public runs::RunChannel {
   alerts::LearningRateTracker learning_rate_;
   const std::atomic<uint64_t>* const min_steps_before_page_;
   alerts::RewindFact rewind_;
+  std::string schedule_problem_;  // scratch: a config's schedule read each step
   uint64_t last_filled_step_ = 0;
   // Fill's scratch: (share, catalog index) of the step's parameter shares.
   std::vector<std::pair<double, uint32_t>> top_shares_;

@@ -463,6 +463,7 @@ void AnalysisToProto(const runs::RunAnalysis& in, v1::Analysis* out) {
     p->set_orthogonal(x.orthogonal);
     p->set_orthogonal_known(x.orthogonal_known);
     p->set_radial_known(x.radial_known);
+    p->set_schedule(x.schedule);
     p->set_total_grad_norm(x.total_grad_norm);
   }
   for (const runs::RemediationInfo& x : in.remediations) {

@@ -13,6 +13,12 @@ namespace gradwatch::runs {
 
 namespace {
 
+// The run's learning-rate schedule from its config (analytics/projection.h); `why` says what of
+// it was ignored.
+analytics::LearningRateSchedule ScheduleOf(const RunConfig& config, std::string* why) {
+  return analytics::LearningRateSchedule::FromConfig(config.warmup_steps, config.total_steps, config.extra, why);
+}
+
 constexpr size_t kTotalGrad = 0, kLoss = 1, kZLoss = 2, kLearningRate = 3, kTokens = 4;
 const std::array<std::string_view, 5> kScalarKeys = {keys::kTotalGradNorm, keys::kLoss, keys::kZLoss,
                                                      keys::kLearningRate, keys::kTokens};
@@ -66,6 +72,9 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
   meta.params.clear();
   meta_ = std::move(meta);
   analytics_->SetDefaultWeightDecay(meta_.config.weight_decay);
+  std::string schedule_problem;
+  analytics_->SetSchedule(ScheduleOf(meta_.config, &schedule_problem));
+  if (!schedule_problem.empty()) spdlog::warn("run {}: {}", id_, schedule_problem);
   if (journal_new) {
     JournalLocked(store::RunRecord{meta_});
     for (size_t i = 0; i < kScalarKeys.size(); ++i) {
@@ -375,10 +384,13 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   }
   job.events = events_;
   job.remediations = analytics_->RemediationsBefore(from_step);
+  std::string ignored;  // said at the run's creation
+  job.schedule = ScheduleOf(meta_.config, &ignored);
   // Until the rebuild is installed, the analytics hold only the kept events.
   analytics_ = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   analytics_->SetCatalog(job.params);
   analytics_->SetDefaultWeightDecay(meta_.config.weight_decay);
+  analytics_->SetSchedule(job.schedule);
   for (const auto& [id, key] : job.series) analytics_->AddSeries(id, key);
   for (const EventRecord& e : job.events) analytics_->OnEvent(e);
   analytics_->SetForecasts(forecasts_);
@@ -393,6 +405,7 @@ void Run::RebuildAnalytics(RebuildJob job) {
   auto rebuilt = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   rebuilt->SetCatalog(job.params);
   rebuilt->SetDefaultWeightDecay(job.default_weight_decay);
+  rebuilt->SetSchedule(job.schedule);
   for (const auto& [id, key] : job.series) rebuilt->AddSeries(id, key);
   for (const EventRecord& e : job.events) rebuilt->OnEvent(e);
   rebuilt->SetForecasts(job.forecasts);
@@ -1240,6 +1253,8 @@ std::unique_ptr<RunAnalytics> Run::FreshAnalyticsLocked(const std::vector<bool>&
   auto analytics = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
   analytics->SetCatalog(meta_.params);
   analytics->SetDefaultWeightDecay(meta_.config.weight_decay);
+  std::string ignored;  // said at the run's creation
+  analytics->SetSchedule(ScheduleOf(meta_.config, &ignored));
   for (size_t id = 0; id < tracked.size(); ++id) {
     if (tracked[id]) analytics->AddSeries(static_cast<SeriesId>(id), series_[id].key);
   }

@@ -356,6 +356,7 @@ class Run {
     std::vector<std::pair<std::string, double>> forecasts;
     std::optional<double> default_weight_decay;
     std::vector<RunAnalytics::Remediation> remediations;  // checks of changes before from_step
+    analytics::LearningRateSchedule schedule;
   };
   // Totals of the kept steps, which the rebuild counts as it reads them.
   struct StepTotals {

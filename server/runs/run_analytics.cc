@@ -382,12 +382,17 @@ void RunAnalytics::FillProjections(RunAnalysis& out) const {
     const auto dynamics = DynamicsOf(i, lr);
     if (!dynamics) continue;
     const double norm = param_state_[i].norm_value;
-    const analytics::NormProjection p = analytics::ProjectNorm(norm, *dynamics, lr, wd, options_.projection_steps);
+    const analytics::NormProjection p =
+        analytics::ProjectNorm(norm, *dynamics, lr, wd, options_.projection_steps, &schedule_, last_step_);
     ProjectionInfo& info = out.projections.emplace_back();
     info.param = g.param;
     info.weight_decay = wd;
     info.from_step = last_step_;
     info.to_step = last_step_ + options_.projection_steps;
+    if (schedule_.total_steps && *schedule_.total_steps < info.to_step) {
+      info.to_step = std::max(last_step_, *schedule_.total_steps);
+    }
+    info.schedule = schedule_.Describe();
     info.norm_now = norm;
     info.norm = p.norm_at_end;
     info.equilibrium_norm = p.equilibrium_norm;

@@ -140,7 +140,8 @@ struct ProjectionInfo {
   std::string param;
   double weight_decay = 0;  // the decay projected (the run's default, else its decayed parameters')
   uint64_t from_step = 0;
-  uint64_t to_step = 0;  // from_step + AnalyticsOptions::projection_steps
+  uint64_t to_step = 0;  // from_step + AnalyticsOptions::projection_steps, or the run's last step
+  std::string schedule;  // the learning-rate schedule followed (LearningRateSchedule::Describe), or empty: held
   double norm_now = 0;
   double norm = 0;  // projected at to_step
   double equilibrium_norm = 0;
@@ -240,6 +241,8 @@ class RunAnalytics {
   void UpdateCatalog(const std::vector<ParamInfo>& params, std::optional<uint64_t> from_step = std::nullopt);
   // The run's default weight decay (config.weight_decay), which projections use first.
   void SetDefaultWeightDecay(std::optional<double> weight_decay) { default_weight_decay_ = weight_decay; }
+  // The run's learning-rate schedule and last step (its config), which projections follow.
+  void SetSchedule(const analytics::LearningRateSchedule& schedule) { schedule_ = schedule; }
   // A series exists under `id`; its role is read from the key and the catalog.
   void AddSeries(SeriesId id, const std::string& key);
   // Room for `count` series ids in all, so that a catalog's series do not grow the entries by
@@ -446,6 +449,7 @@ class RunAnalytics {
   SeriesId learning_rate_ = kNoSeries;
   uint64_t last_step_ = 0;  // the latest step analysed
   std::optional<double> default_weight_decay_;
+  analytics::LearningRateSchedule schedule_;
   // Mutable: FillRemediations, a const reader under the run's lock, advances the paths.
   mutable std::vector<Remediation> remediations_;
   // The line fitted over a series' shortest window (what it is doing now); nullopt without one.

@@ -394,4 +394,25 @@ TEST_CASE("the what-if projects as far as the daemon's analytics.projection_step
   const CommandResult text = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "show", "short-what-if"});
   CHECK(text.out.find("what-if: weight decay 0.1 on final_norm.weight from step 3,000:") != std::string::npos);
   CHECK(text.out.find("by step 13,000") != std::string::npos);
+  CHECK(text.out.find("[learning rate held]") != std::string::npos);
+
+  // A run whose config names its schedule and its last step: the what-if follows the one and stops
+  // at the other.
+  SimulatedGain scheduled;
+  const std::string with_schedule = (dir.path() / "scheduled.jsonl").string();
+  {
+    std::ofstream out(with_schedule);
+    json header = Header("scheduled-what-if", 0.0);
+    header["config"]["total_steps"] = 8000;
+    header["config"]["lr_schedule"] = "linear";
+    header["config"]["min_lr"] = 1e-4;
+    out << header.dump() << "\n";
+    scheduled.Run(out, 1, 3000, 1, 0.0);
+  }
+  REQUIRE(Replay(daemon, with_schedule).exit_code == 0);
+  const json to_end = Projection(Shown(daemon, "scheduled-what-if"), "final_norm.weight");
+  INFO(to_end.dump());
+  REQUIRE_FALSE(to_end.is_null());
+  CHECK(Number(to_end["to_step"]) == 8000);
+  CHECK(to_end["schedule"] == "following its linear schedule to 0.0001 at step 8,000");
 }

@@ -289,3 +289,28 @@ TEST_CASE("the what-if projects as far as analytics.projection_steps says", "[al
   INFO(d.recommendation);
   CHECK_THAT(d.recommendation, Contains("goes from 362.1 to ~" + FormatNumber(p.norm_at_end) + " by step 66,500"));
 }
+
+TEST_CASE("with the run's schedule and last step known, the what-if follows the schedule to the run's end",
+          "[alerts]") {
+  RunFacts f = Run(362.1, 2.5, 0.939, 0.03);
+  f.learning_rate.known = true;
+  f.learning_rate.value = 7.7e-4;
+  std::string why;
+  f.config.total_steps = 70000;
+  f.config.schedule =
+      gradwatch::analytics::LearningRateSchedule::FromConfig(std::nullopt, 70000, {{"lr_schedule", "cosine"}}, &why);
+  REQUIRE(why.empty());
+  const Diagnosis d = Diagnose(f, DiagnosisBounds{});
+  const gradwatch::analytics::NormDynamics dyn =
+      gradwatch::analytics::EstimateDynamics(362.1, 2.5e-3, 7.7e-4, 0, NAN, NAN);
+  const gradwatch::analytics::NormProjection p =
+      gradwatch::analytics::ProjectNorm(362.1, dyn, 7.7e-4, 0.1, 20000, &f.config.schedule, 61500);
+  INFO(d.recommendation);
+  CHECK_THAT(d.recommendation,
+             Contains("With weight decay 0.1 from step 61,500 (learning rate 7.7e-4, following its cosine schedule to "
+                      "0 at step 70,000; final_norm.weight growing 2.5 per 1k steps without decay), final_norm.weight "
+                      "goes from 362.1 to ~" +
+                      FormatNumber(p.norm_at_end) + " by step 70,000, the run's last") &&
+                 Contains("if its update's radial part (no update norm is reported, so no rotation) stays at its "
+                          "recent value and the learning rate follows its schedule"));
+}

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "server/analytics/projection.h"
@@ -102,6 +103,70 @@ TEST_CASE("the projection of a norm under AdamW weight decay tracks AdamW within
       CHECK(p.time_constant_steps <= 1.05 / (kLr * wd));
     }
   }
+}
+
+TEST_CASE("a projection that follows the run's cosine schedule tracks AdamW on it and stops at the run's last step",
+          "[analytics][projection]") {
+  constexpr double kPeak = 1e-3, kMin = 1e-4;
+  constexpr uint64_t kNow = 3000, kFit = 500, kLast = 13000;
+  std::string why;
+  const LearningRateSchedule schedule =
+      LearningRateSchedule::FromConfig(std::nullopt, kLast, {{"lr_schedule", "cosine"}, {"min_lr", "1e-4"}}, &why);
+  REQUIRE(why.empty());
+  CHECK(schedule.Describe() == "following its cosine schedule to 0.0001 at step 13,000");
+  const auto rate = [&](uint64_t t) {
+    return kMin + (kPeak - kMin) * 0.5 * (1 + std::cos(M_PI * static_cast<double>(t) / kLast));
+  };
+  // Anchored at the rate now, the schedule gives the rate at any later step without knowing its peak.
+  CHECK(schedule.RateAt(rate(kNow), kNow, 8000) == Approx(rate(8000)));
+  CHECK(schedule.RateAt(rate(kNow), kNow, kLast) == Approx(kMin));
+
+  AdamWWeight w(256, 1.0, 0.05, 7);
+  double norm_before_fit = 0, update_sum = 0;
+  for (uint64_t t = 0; t < kNow; ++t) {
+    if (t == kNow - kFit) norm_before_fit = w.Norm();
+    const double update = w.Step(rate(t), 0.0);
+    if (t >= kNow - kFit) update_sum += update;
+  }
+  const double norm = w.Norm();
+  const double lr = rate(kNow);
+  const NormDynamics d =
+      EstimateDynamics(norm, (norm - norm_before_fit) / kFit, lr, 0.0, update_sum / kFit, std::nan(""));
+  // 20,000 steps asked for, 10,000 left in the run: the projection stops at its last step.
+  const NormProjection scheduled = ProjectNorm(norm, d, lr, 0.3, 20000, &schedule, kNow);
+  CHECK(scheduled.norm_at_end == ProjectNorm(norm, d, lr, 0.3, kLast - kNow, &schedule, kNow).norm_at_end);
+  const NormProjection held = ProjectNorm(norm, d, lr, 0.3, kLast - kNow);
+  for (uint64_t t = kNow; t < kLast; ++t) w.Step(rate(t + 1), 0.3);
+  INFO("from " << norm << ": scheduled " << scheduled.norm_at_end << ", held " << held.norm_at_end << ", AdamW "
+               << w.Norm());
+  CHECK(scheduled.norm_at_end == Approx(w.Norm()).epsilon(0.05));
+  CHECK(std::abs(scheduled.norm_at_end - w.Norm()) < std::abs(held.norm_at_end - w.Norm()));
+}
+
+TEST_CASE("a schedule the config names wrongly is held, and says why", "[analytics][projection]") {
+  std::string why;
+  LearningRateSchedule s = LearningRateSchedule::FromConfig(std::nullopt, 1000, {{"lr_schedule", "cosin"}}, &why);
+  CHECK(s.shape == LearningRateSchedule::Shape::kConstant);
+  CHECK(why == "config lr_schedule 'cosin' is not cosine, linear or constant: the rate is held");
+  why.clear();
+  s = LearningRateSchedule::FromConfig(std::nullopt, std::nullopt, {{"lr_schedule", "linear"}}, &why);
+  CHECK(s.shape == LearningRateSchedule::Shape::kConstant);
+  CHECK(why == "config lr_schedule 'linear' needs total_steps (the run's last step): the rate is held");
+  why.clear();
+  s = LearningRateSchedule::FromConfig(100, 1100, {{"lr_schedule", "linear"}, {"min_lr", "-1"}}, &why);
+  CHECK(s.shape == LearningRateSchedule::Shape::kLinear);
+  CHECK(s.min_lr == 0);
+  CHECK(why == "config min_lr '-1' is not a rate ≥ 0: 0 is assumed");
+  // Linear from the warm-up's end (step 100) to step 1,100: half way, half the rate left.
+  CHECK(s.RateAt(1.0, 100, 600) == Approx(0.5));
+  CHECK(s.RateAt(1.0, 600, 1100) == Approx(0.0).margin(1e-12));
+  // Past the run's last step the rate is not known: held.
+  CHECK(s.RateAt(0.25, 600, 2000) == 0.25);
+  // Without a schedule no step is projected past the run's last either.
+  LearningRateSchedule held;
+  held.total_steps = 1000;
+  const NormDynamics d{.radial = 1.0, .orthogonal = 0, .orthogonal_known = true};
+  CHECK(ProjectNorm(10, d, 1e-3, 0.1, 5000, &held, 1000).norm_at_end == 10);
 }
 
 TEST_CASE("the norm map's fixed point, time constant and limits", "[analytics][projection]") {
