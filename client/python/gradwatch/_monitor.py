@@ -250,17 +250,8 @@ class _Stream:
 
     def log(self, step: int, metrics: Mapping[str, Any], wall_time: Optional[float] = None,
             squared: bool = False) -> bool:
-        """Queues one step's metrics (the JSONL keys) without blocking; False when it was dropped.
-
-        Values are anything float() takes. A key naming a parameter the catalog lacks adds it.
-        updates/radial/<param> is the radial part of the step's update, r = ⟨Δw, w⟩/|w| (Δw = w(t+1) −
-        w(t), w = w(t)), signed: no sign is checked. squared: the norms (grad/norm/..., params/norm/...,
-        updates/norm/...) are this rank's squared partial sums, which the daemon adds up over the ranks,
-        and updates/radial/<param> is this rank's ⟨Δw_s, w_s⟩ over its shard, which the daemon sums
-        and divides by the merged parameter norm: it needs params/norm/<param> in the same call.
-        Raises TypeError or ValueError for a value that is not a number, a negative step, or a
-        squared radial update without its parameter norm.
-        """
+        """Queues one step's metrics for this daemon without blocking (Monitor.log says what they are
+        and what it raises); False when it was dropped."""
         step = int(step)
         if step < 0:
             raise ValueError(f"step {step} is negative")

@@ -225,13 +225,10 @@ TEST_CASE("catalog changes are journaled and read back at a restart, an abandone
 
 TEST_CASE("a remediation check outlives a rewind after its change and goes with a rewind before it",
           "[runs][catalog]") {
-  FakeClock clock;
-  RunOptions options;
-  DaemonStats stats;
-  Run run{Meta(), options, nullptr, &stats, &clock, true};
-  RecordingSink sink;
-  AttachInfo info;
-  REQUIRE_FALSE(run.Attach(Meta(), 0, &sink, &info));
+  Fixture f(0);
+  Run& run = f.run;
+  RecordingSink& sink = f.sink;
+  AttachInfo& info = f.info;
   // final_norm.weight grows 0.05 a step without decay, at learning rate 1e-3.
   const auto growing = [](uint64_t s) {
     RankStep r = Step(s);
