@@ -74,10 +74,10 @@ std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double 
     return "";
   }
   const double lr = own_lr ? own->value : facts.learning_rate.value;
-  const analytics::NormDynamics dynamics =
-      analytics::EstimateDynamics(*gain.norm, *slope / 1000, lr, gain.info.weight_decay,
-                                  gain.update_norm.value_or(std::nan("")), gain.radial_per_step.value_or(std::nan("")));
   const analytics::LearningRateSchedule& schedule = facts.config.schedule;
+  const analytics::NormDynamics dynamics = analytics::EstimateDynamics(
+      *gain.norm, *slope / 1000, lr, gain.info.weight_decay, gain.update_norm.value_or(std::nan("")),
+      gain.radial_per_step.value_or(std::nan("")), &schedule);
   const analytics::NormProjection p =
       analytics::ProjectNorm(*gain.norm, dynamics, lr, weight_decay, facts.projection_steps, &schedule, facts.step);
   // No further than the run's last step, when the trainer said which it is.
@@ -106,7 +106,8 @@ std::string WhatIfSentence(const RunFacts& facts, const ParamFact& gain, double 
        radial_source +
        (dynamics.orthogonal_known ? " and rotational parts" : " part (no update norm is reported, so no rotation)") +
        (followed.empty() || dynamics.orthogonal_known ? " stay at their recent values" : " stays at its recent value") +
-       (followed.empty() ? "" : " and the learning rate follows its schedule") + " (decoupled decay, ηλ a step)";
+       (followed.empty() ? "" : " and the learning rate follows its schedule") + " (" +
+       std::string(schedule.DecayText()) + ")";
   const SeriesValue* total = FindLatest(facts, keys::kTotalGradNorm);
   if (total != nullptr && std::isfinite(total->value) && output_share > 0 && output_share <= 1) {
     // If the output layer's gradient scales with the gain's norm: its part of the squared total

@@ -11,7 +11,7 @@
 namespace gradwatch::analytics {
 
 NormDynamics EstimateDynamics(double norm, double slope_per_step, double learning_rate, double weight_decay,
-                              double update_norm, double radial_per_step) {
+                              double update_norm, double radial_per_step, const LearningRateSchedule* convention) {
   NormDynamics d;
   if (!(norm > 0) || !(learning_rate > 0) || !std::isfinite(slope_per_step)) return d;
   const double eta = learning_rate;
@@ -26,7 +26,8 @@ NormDynamics EstimateDynamics(double norm, double slope_per_step, double learnin
   } else if (update_known) {
     along = ((norm + slope_per_step) * (norm + slope_per_step) - update_norm * update_norm - norm * norm) / (2 * norm);
   }
-  d.radial = (along + eta * weight_decay * norm) / eta;
+  const double decay = convention != nullptr ? convention->DecayPerStep(eta, weight_decay) : eta * weight_decay;
+  d.radial = (along + decay * norm) / eta;
   if (update_known) {
     d.orthogonal = std::sqrt(std::max(0.0, update_norm * update_norm - along * along)) / eta;
     d.orthogonal_known = true;
@@ -54,6 +55,14 @@ LearningRateSchedule LearningRateSchedule::FromConfig(std::optional<uint64_t> wa
       s.shape = Shape::kConstant;
     }
   }
+  if (auto it = extra.find("weight_decay_convention"); it != extra.end()) {
+    if (it->second == "independent") {
+      s.decay = Decay::kIndependent;
+    } else if (it->second != "decoupled") {
+      *why =
+          "config weight_decay_convention '" + it->second + "' is not decoupled or independent: decoupled is assumed";
+    }
+  }
   if (auto it = extra.find("min_lr"); it != extra.end()) {
     errno = 0;
     char* end = nullptr;
@@ -79,6 +88,10 @@ double LearningRateSchedule::RateAt(double rate_now, uint64_t now, uint64_t step
   return min_lr + (rate_now - min_lr) * f(step) / at_now;
 }
 
+std::string_view LearningRateSchedule::DecayText() const {
+  return decay == Decay::kIndependent ? "independent decay, λ a step" : "decoupled decay, ηλ a step";
+}
+
 std::string LearningRateSchedule::Describe() const {
   if (shape == Shape::kConstant || !total_steps) return "";
   char min[32];
@@ -102,8 +115,10 @@ NormProjection ProjectNorm(double norm, const NormDynamics& dynamics, double lea
     // No step past the run's last one.
     steps = *schedule->total_steps > from_step ? std::min(steps, *schedule->total_steps - from_step) : 0;
   }
-  if (schedule == nullptr || schedule->shape == LearningRateSchedule::Shape::kConstant) {
-    const double a = 1 - learning_rate * weight_decay;
+  const LearningRateSchedule held;  // decoupled, the rate held
+  const LearningRateSchedule& s = schedule != nullptr ? *schedule : held;
+  if (s.shape == LearningRateSchedule::Shape::kConstant) {
+    const double a = 1 - s.DecayPerStep(learning_rate, weight_decay);
     const double b = learning_rate * dynamics.radial;
     const double c = learning_rate * learning_rate * dynamics.orthogonal * dynamics.orthogonal;
     for (uint64_t i = 0; i < steps; ++i) {
@@ -113,13 +128,13 @@ NormProjection ProjectNorm(double norm, const NormDynamics& dynamics, double lea
   } else {
     const double u2 = dynamics.orthogonal * dynamics.orthogonal;
     for (uint64_t i = 1; i <= steps; ++i) {
-      const double eta = schedule->RateAt(learning_rate, from_step, from_step + i);
-      const double along = (1 - eta * weight_decay) * n + eta * dynamics.radial;
+      const double eta = s.RateAt(learning_rate, from_step, from_step + i);
+      const double along = (1 - s.DecayPerStep(eta, weight_decay)) * n + eta * dynamics.radial;
       n = std::sqrt(along * along + eta * eta * u2);
     }
   }
   p.norm_at_end = n;
-  const double a = 1 - learning_rate * weight_decay;
+  const double a = 1 - s.DecayPerStep(learning_rate, weight_decay);
   const double b = learning_rate * dynamics.radial;
   const double c = learning_rate * learning_rate * dynamics.orthogonal * dynamics.orthogonal;
   // The fixed point of n² = (a·n + b)² + c: (1 − a²)·n² − 2ab·n − (b² + c) = 0.

@@ -20,6 +20,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace gradwatch::analytics {
 
@@ -31,20 +32,6 @@ struct NormDynamics {
   bool radial_known = false;      // from a reported radial update; else from the norm's slope
 };
 
-// The dynamics behind a norm `norm` moving `slope_per_step` per step under weight decay
-// `weight_decay` at learning rate `learning_rate`, with `update_norm` the norm of a step's change
-// of the weight (|Δw|; NaN or ≤ 0 when unknown: then |u⊥| = 0, all of the slope radial). A
-// `radial_per_step` (⟨Δw, w⟩/|w|, a step's change along the weight; NaN when unknown) gives ρ
-// directly.
-NormDynamics EstimateDynamics(double norm, double slope_per_step, double learning_rate, double weight_decay,
-                              double update_norm, double radial_per_step);
-
-struct NormProjection {
-  double norm_at_end = 0;          // after `steps` steps
-  double equilibrium_norm = 0;     // the map's fixed point (+inf without decay and with growth)
-  double time_constant_steps = 0;  // steps to close 1 − 1/e of a small gap to it (+inf without decay)
-};
-
 // The run's learning-rate schedule after its warm-up, as the trainer names it in its config:
 // extra "lr_schedule" (cosine, linear or constant) and "min_lr" (the rate at the last step,
 // default 0), with warmup_steps and total_steps. Its shape is anchored at the rate reported now,
@@ -52,23 +39,51 @@ struct NormProjection {
 struct LearningRateSchedule {
   enum class Shape : uint8_t { kConstant, kCosine, kLinear };
   Shape shape = Shape::kConstant;
+  // How weight decay meets the rate, from extra "weight_decay_convention": decoupled (PyTorch's
+  // AdamW, the default: w ← (1 − ηλ)·w, the decay scales with the rate) or independent
+  // (w ← (1 − λ)·w, λ a step whatever the rate: a trainer that applies decay apart from the rate).
+  enum class Decay : uint8_t { kDecoupled, kIndependent };
+  Decay decay = Decay::kDecoupled;
   uint64_t warmup_steps = 0;
   std::optional<uint64_t> total_steps;  // the run's last step; no step is projected past it
   double min_lr = 0;
 
-  // From a config's fields; `why` says what is wrong with an "lr_schedule" or "min_lr" given.
+  // From a config's fields; `why` says what is wrong with an "lr_schedule", "min_lr" or
+  // "weight_decay_convention" given.
   static LearningRateSchedule FromConfig(std::optional<uint64_t> warmup_steps, std::optional<uint64_t> total_steps,
                                          const std::map<std::string, std::string>& extra, std::string* why);
-  // "cosine to 3e-5 at step 150,000" and the like; empty for a constant rate.
+  // "following its cosine schedule to 3e-05 at step 150,000" and the like; empty for a constant
+  // rate.
   std::string Describe() const;
   // The rate at `step`, given `rate_now` at `now`: min_lr + (rate_now − min_lr)·f(step)/f(now),
   // f the shape's decay from 1 at the warm-up's end to 0 at total_steps; rate_now when the shape
   // is constant, unknown past total_steps, or spent (f(now) ≈ 0).
   double RateAt(double rate_now, uint64_t now, uint64_t step) const;
+  // The fraction of the weight a step's decay removes at rate `rate`: ηλ, or λ (Decay).
+  double DecayPerStep(double rate, double weight_decay) const {
+    return decay == Decay::kIndependent ? weight_decay : rate * weight_decay;
+  }
+  // "decoupled decay, ηλ a step" or "independent decay, λ a step".
+  std::string_view DecayText() const;
+};
+
+// The dynamics behind a norm `norm` moving `slope_per_step` per step under weight decay
+// `weight_decay` at learning rate `learning_rate`, with `update_norm` the norm of a step's change
+// of the weight (|Δw|; NaN or ≤ 0 when unknown: then |u⊥| = 0, all of the slope radial). A
+// `radial_per_step` (⟨Δw, w⟩/|w|, a step's change along the weight; NaN when unknown) gives ρ
+// directly. `convention` says how the decay meets the rate (its Decay; decoupled without one).
+NormDynamics EstimateDynamics(double norm, double slope_per_step, double learning_rate, double weight_decay,
+                              double update_norm, double radial_per_step,
+                              const LearningRateSchedule* convention = nullptr);
+
+struct NormProjection {
+  double norm_at_end = 0;          // after `steps` steps
+  double equilibrium_norm = 0;     // the map's fixed point (+inf without decay and with growth)
+  double time_constant_steps = 0;  // steps to close 1 − 1/e of a small gap to it (+inf without decay)
 };
 
 // Iterates the map `steps` times from `norm` with weight decay `weight_decay`: with `schedule`,
-// from step `from_step` at its rates, and never past its total_steps.
+// from step `from_step` at its rates, with its decay convention, and never past its total_steps.
 NormProjection ProjectNorm(double norm, const NormDynamics& dynamics, double learning_rate, double weight_decay,
                            uint64_t steps, const LearningRateSchedule* schedule = nullptr, uint64_t from_step = 0);
 

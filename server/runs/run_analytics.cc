@@ -348,7 +348,7 @@ std::optional<analytics::NormDynamics> RunAnalytics::DynamicsOf(size_t i, double
   if (!fit) return std::nullopt;
   const bool update_known = ps.update < series_.size() && series_[ps.update].has_value;
   return analytics::EstimateDynamics(ps.norm_value, fit->slope_per_step, lr, params_[i].weight_decay,
-                                     update_known ? series_[ps.update].last_value : kNaN, RadialOf(i));
+                                     update_known ? series_[ps.update].last_value : kNaN, RadialOf(i), &schedule_);
 }
 
 double RunAnalytics::ProjectedWeightDecay() const {
@@ -429,6 +429,9 @@ void RunAnalytics::AdoptRemediations(std::vector<Remediation> kept) {
 
 void RunAnalytics::FillRemediations(RunAnalysis& out) const {
   size_t used = 0;
+  // The paths follow the rates reported (below), with the run's decay convention.
+  analytics::LearningRateSchedule convention;
+  convention.decay = schedule_.decay;
   for (Remediation& r : remediations_) {
     const ParamState& ps = param_state_[r.param];
     if (!ps.has_norm_value || last_step_ < r.step) continue;
@@ -438,11 +441,13 @@ void RunAnalytics::FillRemediations(RunAnalysis& out) const {
     // the steps since the last read at the rate reported now.
     const double lr_now = LearningRateOf(r.param);
     const double lr = lr_now > 0 && std::isfinite(lr_now) ? lr_now : r.learning_rate;
-    r.projected = analytics::ProjectNorm(r.projected, r.dynamics, lr, r.weight_decay, more).norm_at_end;
-    r.unchanged = analytics::ProjectNorm(r.unchanged, r.dynamics, lr, r.previous_weight_decay, more).norm_at_end;
+    r.projected = analytics::ProjectNorm(r.projected, r.dynamics, lr, r.weight_decay, more, &convention).norm_at_end;
+    r.unchanged =
+        analytics::ProjectNorm(r.unchanged, r.dynamics, lr, r.previous_weight_decay, more, &convention).norm_at_end;
     r.advanced_to = last_step_;
     // The equilibrium and time constant (no step iterated).
-    analytics::NormProjection p = analytics::ProjectNorm(r.norm, r.dynamics, r.learning_rate, r.weight_decay, 0);
+    analytics::NormProjection p =
+        analytics::ProjectNorm(r.norm, r.dynamics, r.learning_rate, r.weight_decay, 0, &convention);
     p.norm_at_end = r.projected;
     RemediationInfo& info = NextSlot(out.remediations, &used);  // keeps the slot's buffers
     info.param = params_[r.param].name;

@@ -200,3 +200,24 @@ TEST_CASE("the norm map's fixed point, time constant and limits", "[analytics][p
   CHECK(slope_only.radial == Approx(2.0));
   CHECK_FALSE(slope_only.orthogonal_known);
 }
+
+TEST_CASE("a trainer's independent decay convention projects λ a step, whatever the rate", "[analytics][projection]") {
+  std::string why;
+  const LearningRateSchedule independent =
+      LearningRateSchedule::FromConfig(std::nullopt, std::nullopt, {{"weight_decay_convention", "independent"}}, &why);
+  REQUIRE(why.empty());
+  CHECK(independent.DecayText() == "independent decay, λ a step");
+  CHECK(LearningRateSchedule{}.DecayText() == "decoupled decay, ηλ a step");
+  // A norm growing 0.01 a step under λ 1e-4 a step at rate 1e-3: ρ = (0.01 + 1e-4·100)/1e-3.
+  const NormDynamics d = EstimateDynamics(100, 0.01, 1e-3, 1e-4, std::nan(""), std::nan(""), &independent);
+  CHECK(d.radial == Approx(20));
+  // The map with a = 1 − λ: iterated by hand.
+  double n = 100;
+  for (int i = 0; i < 500; ++i) n = (1 - 1e-3) * n + 1e-3 * d.radial;
+  const NormProjection p = ProjectNorm(100, d, 1e-3, 1e-3, 500, &independent);
+  CHECK(p.norm_at_end == Approx(n));
+  CHECK(p.time_constant_steps == Approx(1000).epsilon(0.01));
+  why.clear();
+  LearningRateSchedule::FromConfig(std::nullopt, std::nullopt, {{"weight_decay_convention", "coupled"}}, &why);
+  CHECK(why == "config weight_decay_convention 'coupled' is not decoupled or independent: decoupled is assumed");
+}
