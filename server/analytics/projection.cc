@@ -42,7 +42,11 @@ LearningRateSchedule LearningRateSchedule::FromConfig(std::optional<uint64_t> wa
   LearningRateSchedule s;
   s.warmup_steps = warmup_steps.value_or(0);
   s.total_steps = total_steps;
-  if (auto it = extra.find("lr_schedule"); it != extra.end()) {
+  // Looked up without making a key (a step's alert facts read the config: no allocation).
+  const auto find = [&extra](std::string_view key) {
+    return std::find_if(extra.begin(), extra.end(), [key](const auto& kv) { return kv.first == key; });
+  };
+  if (auto it = find("lr_schedule"); it != extra.end()) {
     if (it->second == "cosine") {
       s.shape = Shape::kCosine;
     } else if (it->second == "linear") {
@@ -55,7 +59,7 @@ LearningRateSchedule LearningRateSchedule::FromConfig(std::optional<uint64_t> wa
       s.shape = Shape::kConstant;
     }
   }
-  if (auto it = extra.find("weight_decay_convention"); it != extra.end()) {
+  if (auto it = find("weight_decay_convention"); it != extra.end()) {
     if (it->second == "independent") {
       s.decay = Decay::kIndependent;
     } else if (it->second != "decoupled") {
@@ -63,7 +67,7 @@ LearningRateSchedule LearningRateSchedule::FromConfig(std::optional<uint64_t> wa
           "config weight_decay_convention '" + it->second + "' is not decoupled or independent: decoupled is assumed";
     }
   }
-  if (auto it = extra.find("min_lr"); it != extra.end()) {
+  if (auto it = find("min_lr"); it != extra.end()) {
     errno = 0;
     char* end = nullptr;
     const double v = std::strtod(it->second.c_str(), &end);
