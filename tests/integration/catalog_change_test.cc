@@ -284,12 +284,13 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
   TempDir dir("gradwatch-what-if");
   // Without and with the trainer's radial updates (updates/radial/): with them, ρ is read, not
   // inferred from the norm's slope.
-  for (const auto& [run, decays, radial] :
+  for (const auto& [name, decays, radial] :
        {std::tuple{"remedy-works", true, false}, std::tuple{"remedy-ignored", false, false},
         std::tuple{"remedy-works-radial", true, true}}) {
+    const std::string run = name;  // a structured binding: clang 14 cannot capture it in a lambda
     INFO(run);
     SimulatedGain gain;
-    const std::string first = (dir.path() / (std::string(run) + "-1.jsonl")).string();
+    const std::string first = (dir.path() / (run + "-1.jsonl")).string();
     {
       std::ofstream out(first);
       out << Header(run, 0.0).dump() << "\n";
@@ -311,7 +312,7 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
 
     // The remedy from step 3,001, then 20,000 steps of AdamW: with the decay, or (the trainer did
     // not apply it) without.
-    const std::string second = (dir.path() / (std::string(run) + "-2.jsonl")).string();
+    const std::string second = (dir.path() / (run + "-2.jsonl")).string();
     {
       std::ofstream out(second);
       out << Header(run, 0.0).dump() << "\n";
@@ -359,7 +360,7 @@ TEST_CASE("the what-if made before a remediation tracks an AdamW-trained norm, a
     CHECK(text.out.find("remediation: final_norm.weight weight decay 0 → 0.1 at step 3,001: " +
                         check["verdict"].get<std::string>()) != std::string::npos);
     // `gradwatch report` tells it too.
-    const auto report = dir.path() / (std::string(run) + "-report");
+    const auto report = dir.path() / (run + "-report");
     const CommandResult rep =
         RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "report", run, "-o", report.string()});
     REQUIRE(rep.exit_code == 0);
