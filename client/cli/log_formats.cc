@@ -295,7 +295,8 @@ std::optional<uint64_t> JsonStep(const json& v) {
 std::optional<LogRecord> ParseJsonl(std::string_view line) {
   const std::string_view t = Trim(line);
   if (t.empty() || t.front() != '{' || t.find("\"_step\"") == std::string_view::npos) return std::nullopt;
-  const json obj = json::parse(QuoteNonFiniteTokens(t), nullptr, /*allow_exceptions=*/false);
+  std::string error;  // not JSON, or a key given twice: not a record
+  const json obj = ParseJsonLine(t, &error);
   if (!obj.is_object()) return std::nullopt;
   const auto step_it = obj.find("_step");
   if (step_it == obj.end()) return std::nullopt;

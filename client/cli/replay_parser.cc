@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <utility>
 
 namespace gradwatch::cli {
@@ -68,6 +69,32 @@ std::string StripJsonExceptionPrefix(std::string what) {
   return what;
 }
 
+// The largest step the daemon keeps (2^63 - 1: its journal stores signed 64-bit integers), and
+// the float it rounds up to.
+constexpr uint64_t kMaxStep = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+constexpr double kLargestStepBound = 9223372036854775808.0;
+
+std::string TooLargeStep(std::string_view what, const json& v) {
+  return std::string(what) + " " + v.dump() + " is above the largest step the daemon keeps, " +
+         std::to_string(kMaxStep) + " (2^63 - 1)";
+}
+
+// The first key that appears twice in one object of `text` (valid JSON); empty when none does.
+std::string RepeatedKey(const std::string& text) {
+  std::vector<std::set<std::string>> open;  // keys of each object being read
+  std::string repeated;
+  const json whole = json::parse(text, [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) open.emplace_back();
+    if (event == json::parse_event_t::object_end) open.pop_back();
+    if (event == json::parse_event_t::key && !open.back().insert(parsed.get<std::string>()).second &&
+        repeated.empty()) {
+      repeated = parsed.get<std::string>();
+    }
+    return true;
+  });
+  return whole.is_discarded() ? std::string() : repeated;
+}
+
 LineResult Error(std::string reason) {
   LineResult r;
   r.error = std::move(reason);
@@ -85,6 +112,7 @@ LineResult ParseHeader(const json& obj) {
   if (auto it = obj.find("resume_from_step"); it != obj.end()) {
     const std::optional<uint64_t> n = AsCount(*it);
     if (!n) return Error("header \"resume_from_step\" must be a non-negative integer (a step)");
+    if (*n > kMaxStep) return Error(TooLargeStep("header \"resume_from_step\"", *it));
     h.resume_from_step = *n;
   }
   if (auto it = obj.find("config"); it != obj.end()) {
@@ -325,6 +353,33 @@ std::string QuoteNonFiniteTokens(std::string_view line) {
   return out;
 }
 
+json ParseJsonLine(std::string_view line, std::string* error) {
+  const std::string text = QuoteNonFiniteTokens(line);
+  std::vector<size_t> keys;  // keys read so far in each object being read
+  bool repeats = false;
+  json obj;
+  try {
+    obj = json::parse(text, [&](int, json::parse_event_t event, json& parsed) {
+      if (event == json::parse_event_t::object_start) keys.push_back(0);
+      if (event == json::parse_event_t::key) ++keys.back();
+      if (event == json::parse_event_t::object_end) {
+        repeats = repeats || keys.back() != parsed.size();
+        keys.pop_back();
+      }
+      return true;
+    });
+  } catch (const json::exception& e) {
+    *error = "invalid JSON: " + StripJsonExceptionPrefix(e.what());
+    return json(json::value_t::discarded);
+  }
+  if (repeats) {
+    *error = "key \"" + RepeatedKey(text).substr(0, 256) +
+             "\" appears twice in one object (a JSON object keeps one value per key; which one is meant?)";
+    return json(json::value_t::discarded);
+  }
+  return obj;
+}
+
 LineResult ParseReplayLine(std::string_view text, bool first_line) {
   const auto first = text.find_first_not_of(" \t\r\n");
   if (first == std::string_view::npos) {
@@ -332,12 +387,9 @@ LineResult ParseReplayLine(std::string_view text, bool first_line) {
     r.line = BlankLine{};
     return r;
   }
-  json obj;
-  try {
-    obj = json::parse(QuoteNonFiniteTokens(text));
-  } catch (const json::exception& e) {
-    return Error("invalid JSON: " + StripJsonExceptionPrefix(e.what()));
-  }
+  std::string parse_error;
+  const json obj = ParseJsonLine(text, &parse_error);
+  if (!parse_error.empty()) return Error(std::move(parse_error));
   if (!obj.is_object()) return Error("not a JSON object");
 
   auto step_it = obj.find("_step");
@@ -354,7 +406,9 @@ LineResult ParseReplayLine(std::string_view text, bool first_line) {
   if (step.is_number_float() && step.get<double>() < 0) return Error("negative _step");
   if (!step.is_number()) return Error("_step is not a number: " + step.dump());
   auto step_value = AsCount(step);
+  if (step.is_number_float() && step.get<double>() >= kLargestStepBound) return Error(TooLargeStep("_step", step));
   if (!step_value) return Error("non-integer _step: " + step.dump());
+  if (*step_value > kMaxStep) return Error(TooLargeStep("_step", step));
   rec.step = *step_value;
   rec.stats.set_step(rec.step);
 

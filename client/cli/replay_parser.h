@@ -22,6 +22,11 @@ namespace gradwatch::cli {
 // parser then reads as numbers.
 std::string QuoteNonFiniteTokens(std::string_view line);
 
+// Parses one line of JSON as replay and tail read it (bare NaN and ±Infinity allowed). A key
+// that appears twice in one object is an error, never a silent last-one-wins. On an error sets
+// *error (why, naming the key) and returns a discarded value.
+nlohmann::json ParseJsonLine(std::string_view line, std::string* error);
+
 // Which of a parameter's values a key names: its three norms, or its radial update
 // (updates/radial/<param>, ⟨Δw, w⟩/|w|, signed).
 enum class NormField { kGrad, kParam, kUpdate, kRadial };

@@ -93,6 +93,10 @@ struct RunEnd {
   bool operator==(const RunEnd&) const = default;
 };
 
+// The largest step the daemon keeps (2^63 - 1): the journal stores steps as SQLite's signed 64-bit
+// integers, so a larger step is refused where it arrives, never acknowledged.
+inline constexpr uint64_t kMaxStep = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+
 // Index of a series within its run's SeriesCatalog.
 using SeriesId = uint32_t;
 inline constexpr SeriesId kNoSeries = std::numeric_limits<SeriesId>::max();

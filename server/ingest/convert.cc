@@ -62,12 +62,17 @@ bool ValidParamName(const std::string& name) {
   return std::none_of(name.begin(), name.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; });
 }
 
-// Reads a NormValue; a negative finite value is an error.
+std::string TooLargeStep(std::string_view what, uint64_t step) {
+  return std::string(what) + " " + std::to_string(step) + " is above the largest step the daemon keeps, " +
+         std::to_string(kMaxStep) + " (2^63 - 1)";
+}
+
+// Reads a NormValue; a negative value (−Inf too: a norm is ≥ 0, +Inf or NaN) is an error.
 std::optional<IngestError> ReadNorm(const v1::NormValue& in, const char* what, uint64_t step, NormContribution* out) {
   switch (in.value_case()) {
     case v1::NormValue::kNorm: {
       const double v = in.norm();
-      if (v < 0 && std::isfinite(v)) {
+      if (v < 0) {
         return IngestError{IngestErrorReason::kNegativeNorm,
                            std::string(what) + " norm is negative (" + std::to_string(v) + ")", step};
       }
@@ -76,7 +81,7 @@ std::optional<IngestError> ReadNorm(const v1::NormValue& in, const char* what, u
     }
     case v1::NormValue::kSqSum: {
       const double v = in.sq_sum();
-      if (v < 0 && std::isfinite(v)) {
+      if (v < 0) {
         return IngestError{IngestErrorReason::kNegativeNorm,
                            std::string(what) + " squared sum is negative (" + std::to_string(v) + ")", step};
       }
@@ -126,6 +131,9 @@ std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits
                      ": run label names must match [a-zA-Z_][a-zA-Z0-9_]* and not start with '__'");
     }
   }
+  if (in.has_resume_from_step() && in.resume_from_step() > kMaxStep) {
+    return invalid(TooLargeStep("resume_from_step", in.resume_from_step()));
+  }
   meta->run_id = in.run_id();
   meta->world_size = in.world_size();
   meta->resume_from_step = in.has_resume_from_step() ? std::optional<uint64_t>(in.resume_from_step()) : std::nullopt;
@@ -171,6 +179,8 @@ std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits
 }
 
 std::optional<IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, RankStep* out) {
+  if (in.step() > kMaxStep)
+    return IngestError{IngestErrorReason::kInvalidMessage, TooLargeStep("step", in.step()), in.step()};
   out->step = in.step();
   out->seq = seq;
   out->wall_time = in.wall_time();
@@ -237,6 +247,9 @@ std::optional<IngestError> StepFromProto(const v1::StepStats& in, uint64_t seq, 
 }
 
 std::optional<IngestError> EventFromProto(const v1::Event& in, EventRecord* out) {
+  if (in.step() > kMaxStep) {
+    return IngestError{IngestErrorReason::kInvalidMessage, TooLargeStep("event step", in.step()), in.step()};
+  }
   if (in.text().empty() || in.text().size() > kMaxEventText) {
     return IngestError{IngestErrorReason::kInvalidMessage,
                        "event text must be 1 to 1024 bytes (got " + std::to_string(in.text().size()) + ")", in.step()};
@@ -253,6 +266,7 @@ std::optional<IngestError> CatalogUpdateFromProto(const v1::CatalogUpdate& in, s
                        "catalog update from step " + std::to_string(in.from_step()) + ": " + std::move(why),
                        in.from_step()};
   };
+  if (in.from_step() > kMaxStep) return invalid(TooLargeStep("from_step", in.from_step()));
   if (in.params_size() == 0) return invalid("it names no parameter");
   if (static_cast<size_t>(in.params_size()) > max_params) {
     return invalid("it names " + std::to_string(in.params_size()) + " parameters, more than the " +

@@ -1339,9 +1339,15 @@ int64_t StepBound(uint64_t step) {
   return static_cast<int64_t>(std::min<uint64_t>(step, static_cast<uint64_t>(std::numeric_limits<int64_t>::max())));
 }
 
+// The last step below `before_step`, for a `step <= ?` bound: the column is a signed 64-bit
+// integer, so "below 2^64 - 1" must read as "at most 2^63 - 1", the largest step kept, not as a
+// `step < 2^63 - 1` that would leave that step out. -1 (nothing) below 0.
+int64_t LastStepBefore(uint64_t before_step) { return before_step == 0 ? -1 : StepBound(before_step - 1); }
+
 // Hands on_step the run's steps below before_step in step order: its blocks (`blocks`: SELECT
-// data ... WHERE run_id = ?1 AND first_step < ?2 ORDER BY first_step) merged with its step rows
-// (`rows`: as ReadStepRow reads them, WHERE run_id = ?1 AND step < ?2 ORDER BY step). A step in
+// data ... WHERE run_id = ?1 AND first_step <= ?2 ORDER BY first_step) merged with its step rows
+// (`rows`: as ReadStepRow reads them, WHERE run_id = ?1 AND step <= ?2 ORDER BY step), ?2 being
+// LastStepBefore(before_step). A step in
 // both (a row rewritten after its block was sealed, which only a late out-of-order step does) is
 // taken from its row, the later write.
 Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std::string& run_id, uint64_t from_step,
@@ -1349,7 +1355,7 @@ Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std:
   const std::string what = "journal: reading steps of run '" + run_id + "'";
   sqlite::Query raw(rows);
   raw.Bind(1, run_id);
-  raw.Bind(2, StepBound(before_step));
+  raw.Bind(2, LastStepBefore(before_step));
   raw.Bind(3, StepBound(from_step));
   Status raw_status;
   CompletedStep row;
@@ -1362,7 +1368,7 @@ Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std:
   if (Status s = next_row(); !s.ok()) return s;
   sqlite::Query block(blocks);
   block.Bind(1, run_id);
-  block.Bind(2, StepBound(before_step));
+  block.Bind(2, LastStepBefore(before_step));
   block.Bind(3, StepBound(from_step));
   Status block_status;
   std::vector<CompletedStep> decoded;
@@ -1652,12 +1658,12 @@ struct Journal::Reader {
         {&blocks,
          // From the block holding ?3 on, found by a seek of the primary key (not a scan of the
          // run's blocks: a restart from a snapshot reads only the blocks after it).
-         "SELECT data FROM step_blocks WHERE run_id = ?1 AND first_step < ?2 AND first_step >= "
+         "SELECT data FROM step_blocks WHERE run_id = ?1 AND first_step <= ?2 AND first_step >= "
          "COALESCE((SELECT MAX(first_step) FROM step_blocks WHERE run_id = ?1 AND first_step <= ?3), 0) "
          "AND last_step >= ?3 ORDER BY first_step"},
         {&steps,
          "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
-         "WHERE run_id = ?1 AND step < ?2 AND step >= ?3 ORDER BY step"},
+         "WHERE run_id = ?1 AND step <= ?2 AND step >= ?3 ORDER BY step"},
         {&events, "SELECT step, text, source, recorded_at, data FROM events WHERE run_id = ?1 ORDER BY id"},
     };
     for (const auto& [stmt, sql] : all) {

@@ -303,6 +303,66 @@ TEST_CASE("killed with SIGKILL, the daemon still has every step it acked", "[int
   CHECK(summary.info().step_count() >= acked);
 }
 
+TEST_CASE("the largest step, 2^63 - 1, survives a SIGKILL in order, and larger steps are refused, never acked",
+          "[integration]") {
+  constexpr uint64_t kLargest = 9223372036854775807ULL;  // 2^63 - 1
+  TempDir dir("gradwatch-largest-step");
+  DaemonOptions options;
+  options.data_dir = dir.path();
+  DaemonProcess daemon(options);
+  const std::vector<uint64_t> kept = {1, 2, kLargest - 1, kLargest};
+  {
+    StreamClient stream(daemon.grpc_target());
+    REQUIRE(stream.Hello(MakeHello("largest", 0, 1, kCatalog), 1));
+    stream.WaitAccepted();
+    uint64_t seq = 2;
+    for (uint64_t step : kept) {
+      v1::StepStats s = ShardStep(step, 1.0, static_cast<double>(step % 97));
+      s.set_wall_time(1.7e9 + static_cast<double>(seq));
+      REQUIRE(stream.Step(s, seq++));
+    }
+    CHECK(stream.WaitAck(kLargest).durable_step() == kLargest);
+    for (uint64_t step : {kLargest + 1, uint64_t{18446744073709551615ULL}}) {
+      REQUIRE(stream.Step(ShardStep(step, 1.0, 1.0), seq));
+      const v1::Error e = stream.WaitError(seq++);
+      CHECK(e.reason() == v1::ERROR_REASON_INVALID_MESSAGE);
+      CHECK(e.message().find("above the largest step the daemon keeps, 9223372036854775807") != std::string::npos);
+    }
+    v1::TrainerMessage event;
+    event.set_seq(seq);
+    event.mutable_event()->set_step(kLargest + 1);
+    event.mutable_event()->set_text("past the end");
+    REQUIRE(stream.Send(event));
+    CHECK(stream.WaitError(seq).reason() == v1::ERROR_REASON_INVALID_MESSAGE);
+    for (const v1::DaemonMessage& m : stream.Received()) {
+      if (m.has_ack()) CHECK(m.ack().durable_step() <= kLargest);
+    }
+    daemon.Signal(SIGKILL);
+  }
+  daemon.Stop();
+  daemon.Restart();
+  const auto points = GetSeries(daemon.grpc_target(), "largest", "params/norm/final_norm.weight");
+  for (const auto& p : points) UNSCOPED_INFO("step " << p.step() << " = " << p.value());
+  REQUIRE(points.size() == kept.size());
+  for (size_t i = 0; i < kept.size(); ++i) {
+    CHECK(points[i].step() == kept[i]);
+    CHECK(points[i].value() == Approx(std::sqrt(static_cast<double>(kept[i] % 97))));
+  }
+  const v1::RunSummary summary = GetRun(daemon.grpc_target(), "largest");
+  CHECK(summary.info().last_step() == kLargest);
+  CHECK(summary.events_size() == 0);
+  StreamClient again(daemon.grpc_target());
+  v1::Hello resume = MakeHello("largest", 0, 1, kCatalog);
+  REQUIRE(again.Hello(resume, 1));
+  const v1::Accepted accepted = again.WaitAccepted();
+  CHECK(accepted.last_durable_step() == kLargest);
+  v1::Hello past = MakeHello("largest", 0, 1, kCatalog);
+  past.set_resume_from_step(kLargest + 1);
+  StreamClient resumer(daemon.grpc_target());
+  REQUIRE(resumer.Hello(past, 1));
+  CHECK(resumer.WaitError(1).reason() == v1::ERROR_REASON_INVALID_HELLO);
+}
+
 TEST_CASE("an ended run leaves /metrics but stays queryable", "[integration]") {
   DaemonOptions options;
   options.config_yaml = "runs: {end_after_seconds: 1}\n";

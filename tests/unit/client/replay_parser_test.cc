@@ -115,6 +115,16 @@ TEST_CASE("bad lines are rejected with a reason", "[client]") {
   CHECK(ErrorOf(R"({"_step": -3, "train/loss": 1.0})") == "negative _step");
   CHECK(ErrorOf(R"({"_step": -3.0})") == "negative _step");
   CHECK_THAT(ErrorOf(R"({"_step": 2.5})"), Catch::Contains("non-integer _step"));
+  CHECK_THAT(ErrorOf(R"({"_step": 1e+30})"),
+             Catch::Contains("_step 1e+30 is above the largest step the daemon keeps, 9223372036854775807"));
+  CHECK_THAT(ErrorOf(R"({"_step": 9223372036854775808})"), Catch::Contains("above the largest step"));
+  CHECK_THAT(ErrorOf(R"({"_step": 18446744073709551615})"), Catch::Contains("above the largest step"));
+  CHECK(ErrorOf(R"({"_step": 9223372036854775807, "train/loss": 1.0})").empty());
+  CHECK_THAT(ErrorOf(R"({"resume_from_step": 9223372036854775808})", true), Catch::Contains("above the largest step"));
+  CHECK_THAT(ErrorOf(R"({"_step": 3, "train/loss": 1.0, "train/loss": 2.0})"),
+             Catch::Contains("key \"train/loss\" appears twice in one object"));
+  CHECK_THAT(ErrorOf(R"({"_step": 3, "params": [{"name": "a", "weight_decay": 0.1, "weight_decay": 0}]})"),
+             Catch::Contains("key \"weight_decay\" appears twice"));
   CHECK_THAT(ErrorOf(R"({"_step": "7"})"), Catch::Contains("_step is not a number"));
   CHECK_THAT(ErrorOf(R"({"_step": NaN})"), Catch::Contains("_step is not a number"));
   CHECK(ErrorOf(R"({"_step": 1, "event": ""})") == "empty event text");

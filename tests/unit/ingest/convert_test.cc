@@ -117,8 +117,59 @@ TEST_CASE("step stats convert norms and squared sums, refuse negatives and pass 
   CHECK(err->reason == IngestErrorReason::kNegativeNorm);
   CHECK(err->step == 42);
 
+  // A norm is ≥ 0, +Inf or NaN: −Inf is refused, not kept as the +Inf its square would be.
   p->mutable_update()->set_sq_sum(-std::numeric_limits<double>::infinity());
-  CHECK_FALSE(StepFromProto(s, 9, &out));  // -Inf is a signal, not a negative number
+  err = StepFromProto(s, 9, &out);
+  REQUIRE(err);
+  CHECK(err->reason == IngestErrorReason::kNegativeNorm);
+  CHECK_THAT(err->message, Catch::Contains("-inf"));
+  p->mutable_update()->set_norm(std::numeric_limits<double>::infinity());
+  REQUIRE_FALSE(StepFromProto(s, 10, &out));
+  CHECK(std::isinf(out.params[0].norms[2].sq));
+}
+
+TEST_CASE("steps above 2^63 - 1 are refused wherever a step arrives", "[ingest]") {
+  constexpr uint64_t kLargest = 9223372036854775807ULL;
+  v1::StepStats s;
+  s.set_step(kLargest);
+  RankStep out;
+  REQUIRE_FALSE(StepFromProto(s, 1, &out));
+  CHECK(out.step == kLargest);
+  for (uint64_t step : {kLargest + 1, uint64_t{18446744073709551615ULL}}) {
+    s.set_step(step);
+    auto err = StepFromProto(s, 2, &out);
+    REQUIRE(err);
+    CHECK(err->reason == IngestErrorReason::kInvalidMessage);
+    CHECK_THAT(err->message, Catch::Contains(std::to_string(step)) && Catch::Contains("2^63 - 1"));
+
+    v1::Event e;
+    e.set_step(step);
+    e.set_text("past the end");
+    EventRecord event;
+    REQUIRE(EventFromProto(e, &event));
+    CHECK(EventFromProto(e, &event)->reason == IngestErrorReason::kInvalidMessage);
+
+    v1::CatalogUpdate update;
+    update.set_from_step(step);
+    update.add_params()->set_name("final_norm.weight");
+    std::vector<ParamChange> changes;
+    REQUIRE(CatalogUpdateFromProto(update, 10, &changes));
+    CHECK_THAT(CatalogUpdateFromProto(update, 10, &changes)->message, Catch::Contains("largest step"));
+
+    v1::Hello h = GoodHello();
+    h.set_resume_from_step(step);
+    RunMeta meta;
+    uint32_t rank = 0;
+    auto hello_err = HelloFromProto(h, HelloLimits{}, &meta, &rank);
+    REQUIRE(hello_err);
+    CHECK(hello_err->reason == IngestErrorReason::kInvalidHello);
+  }
+  v1::Hello h = GoodHello();
+  h.set_resume_from_step(kLargest);
+  RunMeta meta;
+  uint32_t rank = 0;
+  REQUIRE_FALSE(HelloFromProto(h, HelloLimits{}, &meta, &rank));
+  CHECK(meta.resume_from_step == kLargest);
 }
 
 TEST_CASE("a radial update is signed, and its shard form needs the rank's parameter norm", "[ingest]") {
