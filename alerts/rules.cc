@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "alerts/templates.h"
+#include "server/core/file_text.h"
 #include "server/core/suggest.h"
 
 namespace gradwatch::alerts {
@@ -687,6 +688,10 @@ std::optional<Rule> Parser::ParseRule(const YAML::Node& node) {
 
 StatusOr<std::vector<Rule>> ParseOrError(const std::string& yaml_text, const std::string& source_name,
                                          std::vector<std::string>* errors) {
+  if (Status s = CheckAliasExpansion(yaml_text, source_name); !s.ok()) {
+    errors->push_back(s.message());
+    return s;
+  }
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);
@@ -725,15 +730,10 @@ std::string Join(const std::vector<std::string>& lines) {
 StatusOr<std::string> ReadFile(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) return Status::IoError(path + ": is a directory, not a rules file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return Status::IoError(path + ": cannot read rules file" +
-                           (std::filesystem::exists(path, ec) ? "" : ": no such file"));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::IoError(path + ": error reading rules file");
-  return text.str();
+  if (!std::filesystem::exists(path, ec)) return Status::IoError(path + ": cannot read rules file: no such file");
+  auto text = ReadRegularFile("rules file", path);  // a FIFO or a device is refused, not waited on
+  if (!text.ok()) return Status::IoError(path + ": cannot read rules file (" + text.status().message() + ")");
+  return text;
 }
 
 }  // namespace

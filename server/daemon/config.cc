@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include <yaml-cpp/yaml.h>
 #include <nlohmann/json.hpp>
@@ -15,6 +16,7 @@
 #include "alerts/notify/http_client.h"
 #include "alerts/yaml_checks.h"
 #include "server/analytics/regression.h"
+#include "server/core/file_text.h"
 #include "server/core/suggest.h"
 #include "server/daemon/alerting.h"
 #include "server/daemon/tls.h"
@@ -36,17 +38,58 @@ std::string Where(const std::string& source, const YAML::Node& node, const std::
   return where;
 }
 
-// Reads one scalar into *out, with a message naming source:line and key on failure.
+// 4096, 0.001, 1e+30: whole numbers in full below 10^16.
+std::string FormatNumber(double v) {
+  char buf[32];
+  if (v == std::floor(v) && std::fabs(v) < 1e16) {
+    std::snprintf(buf, sizeof buf, "%.0f", v);
+  } else {
+    std::snprintf(buf, sizeof buf, "%g", v);
+  }
+  return buf;
+}
+
+const SettingRange* RangeOf(const std::string& key) {
+  for (const auto& [name, range] : SettingRanges()) {
+    if (name == key) return &range;
+  }
+  return nullptr;
+}
+
+// A number read for `key` outside its documented range (SettingRanges) is an error naming
+// source:line (yaml-cpp itself refuses a negative number for an unsigned setting).
+template <typename T>
+Status CheckNumber(const YAML::Node& node, const std::string& source, const std::string& key, T value) {
+  const SettingRange* range = RangeOf(key);
+  if (range == nullptr || range->Admits(static_cast<double>(value))) return Status::Ok();
+  return Status::InvalidArgument(Where(source, node, key) + ": " + node.Scalar() + " is out of range: must be " +
+                                 range->Text());
+}
+
+template <typename T>
+struct IsNumberList : std::false_type {};
+template <typename T>
+struct IsNumberList<std::vector<T>> : std::is_arithmetic<T> {};
+
+// Reads one scalar (or a list of them) into *out, with a message naming source:line and key on
+// failure; a number outside its setting's range is a failure.
 template <typename T>
 Status Read(const YAML::Node& node, const std::string& source, const std::string& key, T* out) {
   try {
     *out = node.as<T>();
-    return Status::Ok();
   } catch (const YAML::Exception&) {
     return Status::InvalidArgument(Where(source, node, key) + ": cannot read '" +
                                    (node.IsScalar() ? node.Scalar() : std::string("(not a scalar)")) +
                                    "' as the expected type");
   }
+  if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+    return CheckNumber(node, source, key, *out);
+  } else if constexpr (IsNumberList<T>::value) {
+    for (size_t i = 0; i < out->size(); ++i) {
+      if (Status s = CheckNumber(node[i], source, key, (*out)[i]); !s.ok()) return s;
+    }
+  }
+  return Status::Ok();
 }
 
 // A mapping key as text. A key that is not a scalar (`? [a, b]: c`, `{[x]: 1}`) is an error:
@@ -97,7 +140,7 @@ Status ReadReceivers(const YAML::Node& node, const std::string& source, const st
     for (const auto& kv : item) {
       std::string k;
       if (Status s = ReadKey(kv.first, source, key, &k); !s.ok()) return s;
-      const std::string full = key + "." + k;
+      const std::string full = key + "[]." + k;
       Status s;
       if (k == "type")
         s = Read(kv.second, source, full, &r.type);
@@ -144,7 +187,7 @@ Status ReadRemoteWrite(const YAML::Node& node, const std::string& source, const 
     for (const auto& kv : item) {
       std::string k;
       if (Status s = ReadKey(kv.first, source, key, &k); !s.ok()) return s;
-      const std::string full = key + "." + k;
+      const std::string full = key + "[]." + k;
       Status s;
       if (k == "url")
         s = Read(kv.second, source, full, &r.url);
@@ -161,7 +204,7 @@ Status ReadRemoteWrite(const YAML::Node& node, const std::string& source, const 
         for (const auto& q : kv.second) {
           std::string qk;
           if (Status qs = ReadKey(q.first, source, full, &qk); !qs.ok()) return qs;
-          const std::string qfull = full + "." + qk;
+          const std::string qfull = full + "." + qk;  // remote_write[].queue_config.capacity
           if (qk == "max_samples_per_send")
             s = Read(q.second, source, qfull, &r.max_samples_per_send);
           else if (qk == "capacity")
@@ -269,7 +312,56 @@ bool ValidAddress(const std::string& addr) {
 
 }  // namespace
 
+std::string SettingRange::Text() const {
+  return "between " + FormatNumber(lo) + " and " + FormatNumber(hi) + (zero_is_off ? ", or 0 (off)" : "");
+}
+
+const std::vector<std::pair<std::string, SettingRange>>& SettingRanges() {
+  constexpr double kDay = 86400;
+  constexpr double kTenYears = 3650 * kDay;
+  // A window's buckets keep 32 bits of their first step (analytics::PackedSums).
+  constexpr double kMaxWindow = static_cast<double>(analytics::WindowedSlope::kMaxWindowSteps);
+  static const auto* kRanges = new std::vector<std::pair<std::string, SettingRange>>{
+      {"security.max_silence_seconds", {1, kTenYears}},
+      {"metrics.max_series_per_run", {0, 1 << 24}},
+      {"limits.max_message_bytes", {1024, 256 << 20}},
+      {"limits.max_runs", {1, 65536}},
+      {"limits.max_params_per_run", {1, 1 << 20}},
+      {"limits.max_series_per_run", {8, 1 << 24}},
+      {"limits.max_streams", {1, 1 << 20}},
+      {"limits.memory_budget_bytes", {1 << 20, 1125899906842624.0, true}},  // 1 MiB .. 1 PiB
+      {"assembly.timeout_seconds", {0.001, kDay}},
+      {"store.recent_points", {2, 1 << 24}},
+      {"store.history_buckets", {2, 1 << 24}},
+      {"store.param_recent_points", {2, 1 << 24}},
+      {"store.param_history_buckets", {2, 1 << 24}},
+      {"journal.batch_max", {1, 1 << 20}},
+      {"journal.max_delay_ms", {0, 10000}},
+      {"journal.block_steps", {1, 4096}},
+      {"journal.snapshot_interval_seconds", {1, kDay, true}},
+      {"runs.end_after_seconds", {0.1, kTenYears}},
+      {"runs.stalled_after_seconds", {0.1, kTenYears}},
+      {"runs.retention_seconds", {0, kTenYears}},
+      {"retention.journal_days", {0, 3650}},
+      {"retention.outbox_days", {0.0001, 3650}},
+      {"analytics.windows", {2, kMaxWindow}},
+      {"analytics.max_buckets", {2, 65536}},
+      {"analytics.param_max_buckets", {2, 65536}},
+      {"analytics.event_window_steps", {2, kMaxWindow}},
+      {"analytics.forecast_window_steps", {2, kMaxWindow}},
+      {"analytics.projection_steps", {1, 200000}},  // iterated a step at a time when advice renders
+      {"analytics.change_point_window_steps", {10, kMaxWindow}},
+      {"alerts.min_steps_before_page", {0, 1e15}},
+      {"alerts.receivers[].resend_interval_seconds", {0.1, kDay}},
+      {"remote_write[].remote_timeout_seconds", {0.1, 3600}},
+      {"remote_write[].queue_config.max_samples_per_send", {1, 1000000}},
+      {"remote_write[].queue_config.capacity", {1, 1e9}},
+  };
+  return *kRanges;
+}
+
 StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source, Config base) {
+  if (Status s = alerts::CheckAliasExpansion(yaml, source); !s.ok()) return s;
   YAML::Node root;
   try {
     root = YAML::Load(yaml);
@@ -323,11 +415,9 @@ StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source,
 }
 
 StatusOr<Config> LoadConfigFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::NotFound("cannot read config file " + path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return ParseConfig(text.str(), path);
+  auto text = ReadRegularFile("config file", path);
+  if (!text.ok()) return Status::NotFound("cannot read " + text.status().message());
+  return ParseConfig(*text, path);
 }
 
 bool IsLoopbackAddress(const std::string& address) {
@@ -383,79 +473,59 @@ Status ValidateConfig(const Config& c) {
   if (c.metrics_require_token && c.tokens_file.empty()) {
     return bad("security.metrics_require_token: needs security.tokens_file (the tokens /metrics accepts)");
   }
-  if (!(c.max_silence_seconds > 0) || !std::isfinite(c.max_silence_seconds)) {
-    return bad("security.max_silence_seconds: must be > 0 (a silence that never ends mutes the pager for good)");
-  }
   if (c.log_format != "text" && c.log_format != "json") return bad("log.format: must be text or json");
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   bool level_ok = false;
   for (const char* l : kLevels) level_ok = level_ok || c.log_level == l;
   if (!level_ok) return bad("log.level: must be one of trace, debug, info, warn, error, critical, off");
-  if (c.max_message_bytes < 1024 || c.max_message_bytes > (256u << 20)) {
-    return bad("limits.max_message_bytes: must be between 1 KiB and 256 MiB");
-  }
-  if (c.max_runs == 0) return bad("limits.max_runs: must be at least 1");
-  if (c.max_params_per_run == 0) return bad("limits.max_params_per_run: must be at least 1");
-  if (c.max_series_per_run < 8) return bad("limits.max_series_per_run: must be at least 8");
-  if (c.max_streams == 0) return bad("limits.max_streams: must be at least 1");
-  if (!(c.assembly_timeout_seconds > 0)) return bad("assembly.timeout_seconds: must be > 0");
-  if (c.recent_points < 2) return bad("store.recent_points: must be at least 2");
-  if (c.history_buckets < 2) return bad("store.history_buckets: must be at least 2");
-  if (c.param_recent_points < 2) return bad("store.param_recent_points: must be at least 2");
-  if (c.param_history_buckets < 2) return bad("store.param_history_buckets: must be at least 2");
-  if (c.journal_batch_max == 0) return bad("journal.batch_max: must be at least 1");
-  if (c.journal_max_delay_ms < 0 || c.journal_max_delay_ms > 10000) {
-    return bad("journal.max_delay_ms: must be between 0 and 10000");
-  }
-  if (c.journal_block_steps < 1 || c.journal_block_steps > 4096) {
-    return bad("journal.block_steps: must be between 1 and 4096");
-  }
-  if (!(c.journal_snapshot_interval_seconds >= 0) || !std::isfinite(c.journal_snapshot_interval_seconds)) {
-    return bad("journal.snapshot_interval_seconds: must be ≥ 0 (0: no snapshots)");
-  }
-  if (!(c.run_end_after_seconds > 0)) return bad("runs.end_after_seconds: must be > 0");
-  if (!(c.run_stalled_after_seconds > 0) || !std::isfinite(c.run_stalled_after_seconds)) {
-    return bad("runs.stalled_after_seconds: must be > 0");
-  }
-  if (!(c.run_retention_seconds >= 0) || !std::isfinite(c.run_retention_seconds)) {
-    return bad("runs.retention_seconds: must be ≥ 0");
-  }
-  if (!(c.journal_retention_days >= 0) || !std::isfinite(c.journal_retention_days)) {
-    return bad("retention.journal_days: must be ≥ 0 (0 keeps every run)");
+  const std::pair<const char*, double> numbers[] = {
+      {"security.max_silence_seconds", c.max_silence_seconds},
+      {"metrics.max_series_per_run", static_cast<double>(c.metrics_max_series_per_run)},
+      {"limits.max_message_bytes", static_cast<double>(c.max_message_bytes)},
+      {"limits.max_runs", static_cast<double>(c.max_runs)},
+      {"limits.max_params_per_run", static_cast<double>(c.max_params_per_run)},
+      {"limits.max_series_per_run", static_cast<double>(c.max_series_per_run)},
+      {"limits.max_streams", static_cast<double>(c.max_streams)},
+      {"limits.memory_budget_bytes", static_cast<double>(c.memory_budget_bytes)},
+      {"assembly.timeout_seconds", c.assembly_timeout_seconds},
+      {"store.recent_points", static_cast<double>(c.recent_points)},
+      {"store.history_buckets", static_cast<double>(c.history_buckets)},
+      {"store.param_recent_points", static_cast<double>(c.param_recent_points)},
+      {"store.param_history_buckets", static_cast<double>(c.param_history_buckets)},
+      {"journal.batch_max", static_cast<double>(c.journal_batch_max)},
+      {"journal.max_delay_ms", static_cast<double>(c.journal_max_delay_ms)},
+      {"journal.block_steps", static_cast<double>(c.journal_block_steps)},
+      {"journal.snapshot_interval_seconds", c.journal_snapshot_interval_seconds},
+      {"runs.end_after_seconds", c.run_end_after_seconds},
+      {"runs.stalled_after_seconds", c.run_stalled_after_seconds},
+      {"runs.retention_seconds", c.run_retention_seconds},
+      {"retention.journal_days", c.journal_retention_days},
+      {"retention.outbox_days", c.outbox_retention_days},
+      {"analytics.max_buckets", static_cast<double>(c.slope_max_buckets)},
+      {"analytics.param_max_buckets", static_cast<double>(c.slope_param_max_buckets)},
+      {"analytics.event_window_steps", static_cast<double>(c.event_window_steps)},
+      {"analytics.forecast_window_steps", static_cast<double>(c.forecast_window_steps)},
+      {"analytics.projection_steps", static_cast<double>(c.projection_steps)},
+      {"analytics.change_point_window_steps", static_cast<double>(c.change_point_window_steps)},
+      {"alerts.min_steps_before_page", static_cast<double>(c.min_steps_before_page)},
+  };
+  for (const auto& [key, value] : numbers) {
+    const SettingRange* range = RangeOf(key);
+    if (range != nullptr && !range->Admits(value)) {
+      return bad(std::string(key) + ": " + FormatNumber(value) + " is out of range: must be " + range->Text());
+    }
   }
   if (c.journal_retention_days > 0 && c.journal_retention_days * 86400 < c.run_retention_seconds) {
     return bad("retention.journal_days: must cover runs.retention_seconds (a run in memory stays in the journal)");
   }
-  if (!(c.outbox_retention_days > 0) || !std::isfinite(c.outbox_retention_days)) {
-    return bad("retention.outbox_days: must be > 0");
-  }
   if (c.slope_windows.empty() || c.slope_windows.size() > 8) {
     return bad("analytics.windows: give 1 to 8 windows (steps)");
   }
-  // A window's buckets keep 32 bits of their first step (analytics::PackedSums).
-  constexpr uint64_t kMaxWindow = analytics::WindowedSlope::kMaxWindowSteps;
   for (uint64_t w : c.slope_windows) {
-    if (w < 2) return bad("analytics.windows: every window must be at least 2 steps");
-    if (w > kMaxWindow) return bad("analytics.windows: a window spans at most 4294967296 steps");
-  }
-  if (c.slope_max_buckets < 2 || c.slope_max_buckets > 65536) {
-    return bad("analytics.max_buckets: must be between 2 and 65536");
-  }
-  if (c.slope_param_max_buckets < 2 || c.slope_param_max_buckets > 65536) {
-    return bad("analytics.param_max_buckets: must be between 2 and 65536");
-  }
-  if (c.event_window_steps < 2 || c.event_window_steps > kMaxWindow) {
-    return bad("analytics.event_window_steps: must be between 2 and 4294967296");
-  }
-  if (c.forecast_window_steps < 2 || c.forecast_window_steps > kMaxWindow) {
-    return bad("analytics.forecast_window_steps: must be between 2 and 4294967296");
-  }
-  // The what-if iterates AdamW's norm map a step at a time, whenever a page renders its advice.
-  if (c.projection_steps < 1 || c.projection_steps > 200000) {
-    return bad("analytics.projection_steps: must be between 1 and 200000");
-  }
-  if (c.change_point_window_steps < 10 || c.change_point_window_steps > kMaxWindow) {
-    return bad("analytics.change_point_window_steps: must be between 10 and 4294967296");
+    if (!RangeOf("analytics.windows")->Admits(static_cast<double>(w))) {
+      return bad("analytics.windows: " + std::to_string(w) + " is out of range: every window must be " +
+                 RangeOf("analytics.windows")->Text() + " steps");
+    }
   }
   for (const auto& [series, threshold] : c.forecasts) {
     if (series.empty() || !std::isfinite(threshold)) {

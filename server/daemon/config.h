@@ -130,6 +130,23 @@ struct Config {
 StatusOr<Config> LoadConfigFile(const std::string& path);
 // Parses YAML text (the file's contents) over `base`; `source` names it in errors.
 StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source, Config base = {});
+
+// The documented range of a numeric setting, both ends included, in the unit its key names; with
+// `zero_is_off`, 0 is allowed too and turns the feature off. Durations stay far inside int64
+// nanoseconds (292 years), so no conversion or sum of them can overflow.
+struct SettingRange {
+  double lo = 0;
+  double hi = 0;
+  bool zero_is_off = false;
+  bool Admits(double v) const { return (zero_is_off && v == 0) || (v >= lo && v <= hi); }
+  // "between 1 and 86400, or 0 (off)"
+  std::string Text() const;
+};
+
+// Every numeric setting's range, by key (receivers[] and remote_write[] entries under their list's
+// key): ParseConfig checks each value as it reads it (its error names file:line), ValidateConfig
+// checks a whole Config, and docs/configuration.md states each one (a test holds them equal).
+const std::vector<std::pair<std::string, SettingRange>>& SettingRanges();
 // Checks ranges, addresses and receiver URLs; the message names the offending key.
 Status ValidateConfig(const Config& config);
 // Whether HOST:PORT's host is a loopback address (127.0.0.0/8, ::1, localhost).

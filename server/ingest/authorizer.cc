@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cctype>
 
+#include "alerts/yaml_checks.h"
+#include "server/core/file_text.h"
 #include "server/core/types.h"
 
 namespace gradwatch::ingest {
@@ -89,9 +91,12 @@ std::string TokenSha256(std::string_view token) {
 }
 
 StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& path) {
+  auto text = ReadRegularFile("security.tokens_file", path);  // a FIFO is refused, not waited on
+  if (!text.ok()) return Status::InvalidArgument(text.status().message());
+  if (Status s = alerts::CheckAliasExpansion(*text, "security.tokens_file " + path); !s.ok()) return s;
   YAML::Node root;
   try {
-    root = YAML::LoadFile(path);
+    root = YAML::Load(*text);
   } catch (const YAML::Exception& e) {
     return Status::InvalidArgument("security.tokens_file " + path + ": " + e.what());
   }
