@@ -206,10 +206,16 @@ Status Daemon::Start() {
   grpc::ServerBuilder builder;
   // A second daemon must not share the port while this one runs or shuts down.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  const TlsFiles tls{config_.tls_cert_file, config_.tls_key_file, config_.tls_client_ca_file};
+  TlsFiles tls{config_.tls_cert_file, config_.tls_key_file, config_.tls_client_ca_file};
   if (tls.enabled()) {
-    auto checked = CheckTlsFiles(tls);
+    auto pem = ReadTlsFiles(tls);
+    if (!pem.ok()) return pem.status();
+    auto checked = CheckTlsPem(tls, *pem);
     if (!checked.ok()) return checked.status();
+    auto stage = TlsStage::Create(tls, *pem, (std::filesystem::path(config_.data_dir) / "tls").string());
+    if (!stage.ok()) return stage.status();
+    tls_stage_ = std::move(stage).value();
+    tls = tls_stage_->staged();
     spdlog::info("gRPC: TLS with {}", checked.value());
   }
   builder.AddListeningPort(config_.listen, MakeServerCredentials(tls, kTlsRefreshSeconds), &grpc_port_);
@@ -373,16 +379,19 @@ void Daemon::RelockDataDirIfGone() {
   spdlog::warn("data_dir {}: its LOCK file was deleted; locked a new one", config_.data_dir);
 }
 
-void Daemon::CheckTls() const {
-  const TlsFiles tls{config_.tls_cert_file, config_.tls_key_file, config_.tls_client_ca_file};
-  if (!tls.enabled()) return;
-  auto checked = CheckTlsFiles(tls);
-  if (checked.ok()) {
-    spdlog::info("gRPC: TLS files checked: new connections get {}", checked.value());
+void Daemon::RefreshTls(bool report_unchanged) const {
+  if (tls_stage_ == nullptr) return;
+  const TlsStage::Refresh r = tls_stage_->Reload();
+  if (!r.changed && !report_unchanged) return;
+  if (r.status.ok()) {
+    spdlog::info("gRPC: TLS files {}: new connections get {}", r.changed ? "reloaded" : "checked", r.line);
   } else {
-    spdlog::error("gRPC: TLS files: {}; new connections keep the last certificate that loaded",
-                  checked.status().message());
+    spdlog::error("gRPC: TLS files not loaded ({}); new connections keep {}", r.status.message(), r.line);
   }
+}
+
+void Daemon::CheckTls() const {
+  RefreshTls(/*report_unchanged=*/true);
   if (http_ == nullptr || !http_->tls()) return;
   auto reloaded = http_->ReloadTls();
   if (reloaded.ok()) {
@@ -480,6 +489,7 @@ void Daemon::TickLoop() {
     if (++ticks % kTicksPerAlertTimer == 0) {
       alerting_->Tick(*registry_, clock_->UnixSeconds());
       PruneOld();
+      RefreshTls(/*report_unchanged=*/false);
     }
     lock.lock();
   }

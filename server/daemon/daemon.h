@@ -12,6 +12,7 @@
 #include "server/core/clock.h"
 #include "server/core/status.h"
 #include "server/daemon/config.h"
+#include "server/daemon/tls.h"
 
 namespace grpc {
 class Server;
@@ -61,8 +62,9 @@ class Daemon {
   // Stops accepting, lets streams finish (up to `grace`), commits the journal and closes it.
   void Stop(std::chrono::milliseconds grace = std::chrono::seconds(5));
 
-  // Checks the TLS files again (SIGHUP) and logs what new connections get: the listener reads
-  // them every kTlsRefreshSeconds, so a renewed certificate needs no restart.
+  // Checks the TLS files again (SIGHUP) and logs what new connections get on both listeners. The
+  // daemon also rereads them every second: a renewed pair, once complete and valid, needs no
+  // restart; a broken one keeps the last good pair (TlsStage).
   void CheckTls() const;
   // Reads security.tokens_file again (SIGHUP): a file with an error leaves the tokens in force.
   void ReloadTokens();
@@ -93,6 +95,8 @@ class Daemon {
   // The data directory (or its LOCK file) was deleted under the daemon: lock a new LOCK file, so
   // that a second daemon cannot start on the recreated directory. On the ticker thread.
   void RelockDataDirIfGone();
+  // Rereads the TLS files (TlsStage::Reload) and logs a change, or the state when asked.
+  void RefreshTls(bool report_unchanged) const;
   // Opens the alert store, builds the dispatcher when receivers are configured, starts alerting.
   Status StartAlerting(const std::string& journal_path);
 
@@ -117,6 +121,7 @@ class Daemon {
   std::unique_ptr<exporter::AlertMetricsCollector> alert_collector_;
   std::unique_ptr<exporter::MetricsEndpoint> metrics_endpoint_;  // outlives http_, which serves its buffers
   std::unique_ptr<web::Server> http_;
+  std::unique_ptr<TlsStage> tls_stage_;  // the gRPC listener's copies of the TLS files; null without TLS
   int grpc_port_ = 0;
   int metrics_port_ = 0;
 

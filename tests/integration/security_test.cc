@@ -9,8 +9,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -157,8 +159,12 @@ TEST_CASE("a renewed certificate is served to new connections without a restart,
         return Runs(daemon, {"--tls-ca", c("other-ca.pem")}).exit_code == 0;
       },
       std::chrono::seconds(60)));
-  CHECK(WaitUntil([&] { return daemon.LogText().find("TLS files checked: new connections get") != std::string::npos; },
-                  std::chrono::seconds(30)));
+  CHECK(WaitUntil(
+      [&] {
+        const std::string log = daemon.LogText();
+        return log.find("gRPC: TLS files reloaded: new connections get /CN=") != std::string::npos;
+      },
+      std::chrono::seconds(30)));
   CHECK(Runs(daemon, {"--tls-ca", c("ca.pem")}).exit_code == 1);  // the old certificate is gone
 
   // The stream opened before the renewal is still there and still delivers.
@@ -170,6 +176,78 @@ TEST_CASE("a renewed certificate is served to new connections without a restart,
   INFO(r.out << r.err);
   CHECK(r.exit_code == 0);
   CHECK(json::parse(r.out)["steps_sent"] == 9);
+}
+
+TEST_CASE("a renewal written in place in every broken way keeps the last good pair on both listeners",
+          "[integration][tls]") {
+  // Found by a hostile pass: an empty certificate or key file aborted the daemon (gRPC's assertion)
+  // within a second; a broken PEM, or a certificate written before its key, made every new gRPC
+  // connection fail until the files were fixed.
+  Certs c;
+  TempDir live("gradwatch-broken-renewal");
+  const auto cert = live.path() / "server.pem";
+  const auto key = live.path() / "server.key";
+  std::filesystem::copy_file(c("server.pem"), cert);
+  std::filesystem::copy_file(c("server.key"), key);
+  DaemonOptions options;
+  options.config_yaml = TlsConfig(cert.string(), key.string(), "");
+  DaemonProcess daemon(options);
+  const auto grpc_ok = [&](const std::string& ca) { return Runs(daemon, {"--tls-ca", ca}).exit_code == 0; };
+  const auto https_ok = [&](const std::string& ca) {
+    try {
+      return HttpsRequest("GET", "127.0.0.1", daemon.metrics_port(), "/metrics", {ca, "", "", ""}).status == 200;
+    } catch (const std::exception&) {
+      return false;
+    }
+  };
+  REQUIRE(grpc_ok(c("ca.pem")));
+  REQUIRE(https_ok(c("ca.pem")));
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const auto write = [](const std::filesystem::path& path, const std::string& text) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+  };
+  const std::string good_cert = read(c("server.pem")), good_key = read(c("server.key"));
+  const std::string new_cert = read(c("other-server.pem")), new_key = read(c("other-server.key"));
+  size_t refusals = 0;
+  const auto count_refusals = [&] {
+    const std::string log = daemon.LogText();
+    size_t n = 0;
+    for (size_t at = log.find("gRPC: TLS files not loaded ("); at != std::string::npos;
+         at = log.find("gRPC: TLS files not loaded (", at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  for (const auto& [what, cert_text, key_text, reason] :
+       std::vector<std::tuple<std::string, std::string, std::string, std::string>>{
+           {"an empty certificate (a shell's > before the write)", "", good_key, "is empty"},
+           {"an empty key", good_cert, "", "is empty"},
+           {"a truncated certificate", good_cert.substr(0, good_cert.size() / 2), good_key, "no PEM certificate"},
+           {"the new certificate written before its key", new_cert, good_key, "is not the key of"},
+           {"the new key written before its certificate", good_cert, new_key, "is not the key of"},
+       }) {
+    INFO(what);
+    write(cert, cert_text);
+    write(key, key_text);
+    // The daemon rereads the files every second and reports each broken pair once.
+    REQUIRE(WaitUntil([&] { return count_refusals() > refusals; }, std::chrono::seconds(30)));
+    refusals = count_refusals();
+    CHECK_THAT(daemon.LogText(), Catch::Contains(reason) && Catch::Contains("new connections keep /CN=gradwatchd"));
+    REQUIRE(daemon.running());
+    CHECK(grpc_ok(c("ca.pem")));  // the last good pair, still served
+    CHECK(https_ok(c("ca.pem")));
+  }
+  // Written whole at last: both listeners serve it, without a restart.
+  write(cert, new_cert);
+  write(key, new_key);
+  CHECK(WaitUntil([&] { return grpc_ok(c("other-ca.pem")); }, std::chrono::seconds(60)));
+  CHECK(WaitUntil([&] { return https_ok(c("other-ca.pem")); }, std::chrono::seconds(60)));
+  CHECK_THAT(daemon.LogText(), Catch::Contains("gRPC: TLS files reloaded: new connections get /CN=gradwatchd"));
+  CHECK_FALSE(grpc_ok(c("ca.pem")));
+  REQUIRE(daemon.running());
 }
 
 TEST_CASE("a TLS configuration that cannot work is refused before the daemon starts", "[integration][tls]") {
@@ -192,7 +270,7 @@ TEST_CASE("a TLS configuration that cannot work is refused before the daemon sta
   CHECK_THAT(r.err, Catch::Contains("expired at 2020-01-02T00:00:00Z"));
   r = check(TlsConfig(c("server.pem"), c("server.key"), c("missing.pem")));
   CHECK(r.exit_code == 2);
-  CHECK_THAT(r.err, Catch::Contains("security.tls_client_ca_file " + c("missing.pem") + ": cannot be read"));
+  CHECK_THAT(r.err, Catch::Contains("security.tls_client_ca_file " + c("missing.pem") + ": no such file"));
   r = check(TlsConfig(c("server.pem"), c("server.key"), c("ca.pem")));
   INFO(r.err);
   CHECK(r.exit_code == 0);
@@ -531,7 +609,7 @@ TEST_CASE("the HTTP listener beyond loopback needs TLS or --insecure, and http_t
   r = check({"--tls-cert", c("server.pem"), "--tls-key", c("server.key")},
             "security: {http_client_ca_file: " + c("missing.pem") + "}\n");
   CHECK(r.exit_code == 2);
-  CHECK_THAT(r.err, Catch::Contains("security.http_client_ca_file " + c("missing.pem") + ": cannot be read"));
+  CHECK_THAT(r.err, Catch::Contains("security.http_client_ca_file " + c("missing.pem") + ": no such file"));
 
   // gRPC over TLS, /metrics plain on loopback.
   DaemonOptions options;
