@@ -3,6 +3,7 @@ waited for by its ready file, stopped or killed, and restarted on the same port.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import unittest
 from typing import Callable, List, Optional
 
 import grpc
@@ -41,14 +43,83 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def mount_tmpfs(test: unittest.TestCase, size_mb: int) -> str:
+    """A tmpfs of `size_mb` MiB mounted on a new temporary directory, unmounted and removed at the
+    test's cleanup (cleanups run last first: register what writes into it afterwards). Skips the
+    test when it cannot be mounted (not root, no CAP_SYS_ADMIN)."""
+    if os.geteuid() != 0:
+        test.skipTest("mounting a tmpfs needs root")
+    mnt = tempfile.mkdtemp(prefix="gradwatch-py-tmpfs-")
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", mnt],
+                                 capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        mounted = subprocess.CompletedProcess([], 1, "", str(e))
+    if mounted.returncode != 0:
+        os.rmdir(mnt)
+        test.skipTest(f"cannot mount a tmpfs: {mounted.stderr.strip() or mounted.returncode}")
+
+    def unmount() -> None:
+        if subprocess.run(["umount", mnt], capture_output=True, timeout=60).returncode != 0:
+            subprocess.run(["umount", "-l", mnt], capture_output=True, timeout=60)
+        shutil.rmtree(mnt, ignore_errors=True)
+
+    test.addCleanup(unmount)
+    return mnt
+
+
+def fill(path: str) -> None:
+    """Appends zeros to the file `path` until its file system has no room left (ENOSPC)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (1 << 20, 1 << 12, 1):
+            chunk = b"\0" * size
+            while True:
+                try:
+                    os.write(fd, chunk)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+    finally:
+        os.close(fd)
+
+
+STORAGE_UNAVAILABLE = "ERROR_REASON_STORAGE_UNAVAILABLE"
+
+
+def fill_until_refused(address: str, filler: str, seconds: float = 60) -> None:
+    """Fills the file system of the file `filler` (the one of a daemon's data directory) until the
+    daemon at `address` refuses a step of a probe run with ERROR_REASON_STORAGE_UNAVAILABLE: its
+    journal has failed to commit, and from then on it refuses every step and event, of every run,
+    until a commit succeeds again. (Steps it received before the failure stay held, not refused.)"""
+    import gradwatch  # the package under test, found on PYTHONPATH as the tests' own imports are
+
+    probe = gradwatch.Monitor("storage-probe", address=address, initial_backoff=0.05, max_backoff=0.2)
+    step = 0
+
+    def refused() -> bool:
+        nonlocal step
+        fill(filler)  # the daemon may have freed some room since
+        step += 1
+        probe.log(step, {"train/loss": 1.0})
+        return probe.stats().errors_by_reason.get(STORAGE_UNAVAILABLE, 0) > 0
+
+    try:
+        wait_for(refused, seconds, "the daemon to refuse a step with STORAGE_UNAVAILABLE")
+    finally:
+        probe.close(finished=False, timeout=0)
+
+
 class Daemon:
-    """gradwatchd in a temporary data directory; grpc_port is kept across restart()."""
+    """gradwatchd in a temporary data directory (or `data_dir`); grpc_port is kept across restart()."""
 
     def __init__(self, config_yaml: str = "log: {level: info}\n",
-                 credentials: Optional[grpc.ChannelCredentials] = None) -> None:
+                 credentials: Optional[grpc.ChannelCredentials] = None, data_dir: Optional[str] = None) -> None:
         self.binary = os.environ.get("GRADWATCHD_PATH", "gradwatchd")
         self.credentials = credentials  # for the queries, when the daemon serves TLS
         self.dir = tempfile.mkdtemp(prefix="gradwatch-py-")
+        self.data_dir = data_dir or os.path.join(self.dir, "data")
         self.config = os.path.join(self.dir, "gradwatchd.yaml")
         with open(self.config, "w") as f:
             f.write(config_yaml)
@@ -66,7 +137,7 @@ class Daemon:
             os.unlink(ready)
         self.stderr = open(os.path.join(self.dir, "gradwatchd.stderr.log"), "a")
         self.proc = subprocess.Popen(
-            [self.binary, "--config", self.config, "--data-dir", os.path.join(self.dir, "data"),
+            [self.binary, "--config", self.config, "--data-dir", self.data_dir,
              "--listen", f"127.0.0.1:{self.grpc_port}", "--metrics-listen", "127.0.0.1:0", "--ready-file", ready],
             stdout=subprocess.DEVNULL, stderr=self.stderr)
 

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -15,7 +16,8 @@ from gradwatch import _catalog
 from gradwatch.v1 import gradwatch_pb2 as pb
 import grpc
 
-from support import Daemon, make_test_certs, wait_for
+from support import (STORAGE_UNAVAILABLE, Daemon, fill, fill_until_refused, make_test_certs, mount_tmpfs,
+                     time_scale, wait_for)
 
 CATALOG = [
     {"name": "final_norm.weight", "numel": 64},
@@ -372,7 +374,20 @@ class UpdateParamsValidationTest(unittest.TestCase):
                 self.mon.update_params(10, params)
         with self.assertRaisesRegex(ValueError, "step -1 is negative"):
             self.mon.update_params(-1, [{"name": "final_norm.weight", "weight_decay": 0.1}])
+        with self.assertRaisesRegex(ValueError, "update_params: step 9223372036854775808 is above the largest step"):
+            self.mon.update_params(2 ** 63, [{"name": "final_norm.weight", "weight_decay": 0.1}])
         self.assertEqual(self.mon.stats().queued, 0)  # nothing queued by a refused call
+
+    def test_steps_above_2_63_minus_1_are_refused_before_they_are_queued(self) -> None:
+        for step in (2 ** 63, 2 ** 64 - 1, 10 ** 30):
+            with self.subTest(step=step):
+                with self.assertRaisesRegex(ValueError, f"step {step} is above the largest step the daemon keeps, "
+                                                        "9223372036854775807"):
+                    self.mon.log(step, {"train/loss": 1.0})
+                with self.assertRaisesRegex(ValueError, "event: step .* is above the largest step"):
+                    self.mon.event(step, "past the end")
+        self.assertEqual(self.mon.stats().queued, 0)
+        self.assertTrue(self.mon.log(2 ** 63 - 1, {"train/loss": 1.0}))
 
     def test_a_valid_change_is_queued(self) -> None:
         self.mon.log(1, {"grad/norm/layers.1.attn.weight": 0.3})  # log() extends the catalog
@@ -421,10 +436,6 @@ class RadialUpdateMessageTest(unittest.TestCase):
                                                 r".*log 'params/norm/lm_head.weight' with it"):
             self.mon.log(1, {"updates/radial/lm_head.weight": 0.1, "grad/norm/lm_head.weight": 1.0}, squared=True)
         self.assertEqual(self.mon.stats().queued, 0)
-
-
-if __name__ == "__main__":
-    unittest.main()
 
 
 class TlsTest(unittest.TestCase):
@@ -520,3 +531,172 @@ class TokenTest(unittest.TestCase):
             mon.close(finished=False, timeout=1)
         self.assertTrue(any("requires a bearer token" in m for m in refused), refused)
         self.assertTrue(any("may write only runs matching py-*" in m for m in refused), refused)
+
+
+
+def in_threads(*calls):
+    """Runs each call on a thread of its own; their results, in order, once all returned."""
+    results = [None] * len(calls)
+
+    def run(i: int) -> None:
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300 * time_scale())
+        if t.is_alive():
+            raise AssertionError("a call did not return in 300 s")
+    return results
+
+
+class StorageFaultTest(unittest.TestCase):
+    """A daemon whose data directory is a small tmpfs, filled up until its journal fails to commit: it
+    refuses steps and events with the retryable ERROR_REASON_STORAGE_UNAVAILABLE until the filler
+    file is deleted. The Monitor keeps everything refused and sends it again after its back-off."""
+
+    def setUp(self) -> None:
+        mnt = mount_tmpfs(self, 16)
+        self.filler = os.path.join(mnt, "filler")
+        self.daemon = Daemon(data_dir=os.path.join(mnt, "data"))
+        self.addCleanup(self.daemon.close)  # before the unmount
+        self.addCleanup(self.free)  # before the daemon stops, which writes its snapshots
+
+    def free(self) -> None:
+        if os.path.exists(self.filler):
+            os.unlink(self.filler)
+
+    def monitor(self, run: str, **kwargs) -> gradwatch.Monitor:
+        mon = gradwatch.Monitor(run, address=self.daemon.address, params=CATALOG, **kwargs)
+        self.addCleanup(mon.close, finished=False, timeout=0)  # a no-op once the test closed it
+        wait_for(lambda: mon.stats().connected, 60, f"{run}'s stream to be accepted")
+        return mon
+
+    def wait_refused(self, *monitors: gradwatch.Monitor) -> None:
+        """Keeps the disk full until each monitor got a STORAGE_UNAVAILABLE (more than it had). Each
+        must have something to send the daemon does not hold already: what it received before its
+        journal failed is held (awaiting the commit), not refused."""
+        before = [m.stats().errors_by_reason.get(STORAGE_UNAVAILABLE, 0) for m in monitors]
+
+        def refused() -> bool:
+            fill(self.filler)  # the daemon may have freed some room since
+            return all(m.stats().errors_by_reason.get(STORAGE_UNAVAILABLE, 0) > b for m, b in zip(monitors, before))
+
+        wait_for(refused, 60, "the daemon to refuse with STORAGE_UNAVAILABLE")
+
+    def test_steps_and_an_event_refused_on_a_full_disk_are_kept_and_delivered_once(self) -> None:
+        mon = self.monitor("py-full", initial_backoff=0.05, max_backoff=0.5)
+        fill_until_refused(self.daemon.address, self.filler)
+        for s in range(1, 2001):
+            self.assertTrue(mon.log(s, metrics(s)))
+            if s == 1000:
+                self.assertTrue(mon.event(s, "routing switch"))
+        self.wait_refused(mon)
+        fill(self.filler)
+
+        with self.assertLogs("gradwatch", "WARNING") as logs:
+            self.assertFalse(mon.flush(2))  # nothing more becomes durable while the disk is full
+        gave_up = [r.getMessage() for r in logs.records if "flush gave up" in r.getMessage()]
+        self.assertEqual(len(gave_up), 1, logs.output)
+        counts = re.search(r"(\d+) steps and (\d+) events not acknowledged", gave_up[0])
+        self.assertIsNotNone(counts, gave_up[0])
+        self.assertTrue(1 <= int(counts[1]) <= 2000, gave_up[0])
+        self.assertEqual(int(counts[2]), 1, gave_up[0])
+        stats = mon.stats()
+        self.assertTrue(stats.storage_retrying)
+        self.assertEqual((stats.dropped, stats.refused, stats.rejected), (0, 0, False), stats)
+        self.assertGreaterEqual(stats.queued + stats.unacked, int(counts[1]))
+        self.assertLess(self.daemon.run("py-full").info.step_count, 2000)
+
+        self.free()
+        self.assertTrue(mon.flush(120))
+        stats = mon.stats()
+        self.assertEqual(stats.acked_through_step, 2000)
+        self.assertEqual((stats.queued, stats.unacked, stats.dropped, stats.refused), (0, 0, 0, 0), stats)
+        self.assertFalse(stats.storage_retrying)
+        # Nothing was refused for good: no resend came back as a regression or a conflict.
+        self.assertEqual(set(stats.errors_by_reason), {STORAGE_UNAVAILABLE}, stats)
+        self.assertGreaterEqual(stats.reconnects, 1)
+        self.assertTrue(mon.close(finished=True, timeout=60))
+
+        run = self.daemon.run("py-full")
+        self.assertEqual(run.info.state, pb.RUN_STATE_FINISHED)
+        self.assertEqual(run.info.step_count, 2000)
+        losses = self.daemon.points("py-full", "train/loss")
+        self.assertEqual([p.step for p in losses], list(range(1, 2001)))
+        for p in losses:
+            self.assertAlmostEqual(p.value, 3.0 - p.step * 1e-3, places=9)
+        self.assertEqual([(e.step, e.text) for e in run.events], [(1000, "routing switch")])
+
+    def test_flush_and_close_shorter_than_the_back_off_wait_for_one_reconnect(self) -> None:
+        backoff = 6.0  # every reconnect waits 4.8 to 7.2 s; each call below gives 1 s
+        mons = {run: self.monitor(run, initial_backoff=backoff, max_backoff=backoff)
+                for run in ("py-short-flush", "py-short-close", "py-short-finish")}
+        fill_until_refused(self.daemon.address, self.filler)
+        for mon in mons.values():
+            for s in range(1, 51):
+                self.assertTrue(mon.log(s, metrics(s)))
+            self.assertTrue(mon.event(25, "routing switch"))
+        self.wait_refused(*mons.values())  # each now backs off before it tries again
+
+        # Still full: each call gives up, but only once a reconnect was tried and refused again.
+        flushing, closing = mons["py-short-flush"], mons["py-short-close"]
+        before = {run: m.stats() for run, m in mons.items()}
+        fill(self.filler)
+        flushed, closed = in_threads(lambda: flushing.flush(1), lambda: closing.close(finished=True, timeout=1))
+        self.assertFalse(flushed)
+        self.assertFalse(closed)
+        for run in ("py-short-flush", "py-short-close"):
+            after = mons[run].stats()
+            self.assertGreater(after.errors_by_reason[STORAGE_UNAVAILABLE],
+                               before[run].errors_by_reason[STORAGE_UNAVAILABLE], run)
+            self.assertGreater(after.reconnects, before[run].reconnects, run)
+            self.assertEqual((after.dropped, after.refused), (0, 0), run)
+        self.assertFalse(closing.stats().finished)
+        self.assertNotEqual(self.daemon.run("py-short-close").info.state, pb.RUN_STATE_FINISHED)
+
+        # Room again: the calls wait for the reconnect after the back-off, which delivers everything.
+        self.free()
+        wait_for(lambda: "storage recovered" in self.daemon.log(), 60, "the daemon's journal to recover")
+        finishing = mons["py-short-finish"]
+        flushed, finished = in_threads(lambda: flushing.flush(1), lambda: finishing.close(finished=True, timeout=1))
+        self.assertTrue(flushed)
+        self.assertTrue(finished)
+        self.assertTrue(flushing.close(finished=True, timeout=60))
+        for run in ("py-short-flush", "py-short-finish"):
+            stats = mons[run].stats()
+            self.assertEqual((stats.acked_through_step, stats.dropped, stats.refused), (50, 0, 0), run)
+            info = self.daemon.run(run)
+            self.assertEqual(info.info.state, pb.RUN_STATE_FINISHED, run)
+            self.assertEqual([p.step for p in self.daemon.points(run, "train/loss")], list(range(1, 51)), run)
+            self.assertEqual([(e.step, e.text) for e in info.events], [(25, "routing switch")], run)
+
+
+class PermanentErrorTest(unittest.TestCase):
+    """An Error that is not retryable refuses the step it names for good: dropped and counted, the rest delivered."""
+
+    def setUp(self) -> None:
+        self.daemon = Daemon()
+
+    def tearDown(self) -> None:
+        self.daemon.close()
+
+    def test_a_conflicting_step_is_refused_and_counted_and_the_others_are_kept(self) -> None:
+        mon = gradwatch.Monitor("py-conflict", address=self.daemon.address, params=CATALOG)
+        for s in range(1, 11):
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.flush(30))
+        mon.log(10, metrics(10, total=9.0))  # step 10 again, other values: STEP_CONFLICT
+        for s in range(11, 21):
+            mon.log(s, metrics(s))
+        self.assertTrue(mon.flush(30))
+        stats = mon.stats()
+        self.assertEqual((stats.refused, stats.dropped, stats.acked_through_step), (1, 0, 20), stats)
+        self.assertEqual(stats.errors_by_reason, {"ERROR_REASON_STEP_CONFLICT": 1})
+        self.assertTrue(mon.close())
+        self.assertEqual([p.step for p in self.daemon.points("py-conflict", "train/loss")], list(range(1, 21)))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -3,6 +3,7 @@
 import os
 import socket
 import sys
+import threading
 import unittest
 
 import torch
@@ -13,7 +14,7 @@ import gradwatch
 import gradwatch.torch as gwt
 from gradwatch._catalog import Param
 from gradwatch.v1 import gradwatch_pb2 as pb
-from support import Daemon
+from support import STORAGE_UNAVAILABLE, Daemon, fill, fill_until_refused, mount_tmpfs, time_scale, wait_for
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "examples"))
 from tiny_trainer import RMSNorm  # noqa: E402
@@ -655,6 +656,83 @@ class DistributedTest(unittest.TestCase):
             self.assertAlmostEqual(results[0][0][step], results[1][0][step], places=5)
             self.assertAlmostEqual(total[step], results[0][0][step], delta=1e-5 * results[0][0][step])
             self.assertAlmostEqual(loss[step], (results[0][1][step] + results[1][1][step]) / 2, places=5)
+
+
+class WatchStorageFaultTest(unittest.TestCase):
+    """A Watch whose daemon's data directory is a small tmpfs, filled up until its journal fails to
+    commit: the daemon refuses steps and events with the retryable ERROR_REASON_STORAGE_UNAVAILABLE
+    until the filler file is deleted."""
+
+    def setUp(self) -> None:
+        torch.manual_seed(0)
+        mnt = mount_tmpfs(self, 16)
+        self.filler = os.path.join(mnt, "filler")
+        self.daemon = Daemon(data_dir=os.path.join(mnt, "data"))
+        self.addCleanup(self.daemon.close)  # before the unmount
+        self.addCleanup(self.free)  # before the daemon stops, which writes its snapshots
+
+    def free(self) -> None:
+        if os.path.exists(self.filler):
+            os.unlink(self.filler)
+
+    def refusals(self, mon: gradwatch.Monitor) -> int:
+        return mon.stats().errors_by_reason.get(STORAGE_UNAVAILABLE, 0)
+
+    def test_close_confirms_every_step_only_once_the_disk_has_room_again(self) -> None:
+        model = Tiny()
+        opt = optimizer_for(model)
+        watch = gwt.Watch(model, opt, run="torch-full", address=self.daemon.address, initial_backoff=0.05,
+                          max_backoff=0.5)
+        self.addCleanup(watch.close, finished=False, timeout=0)  # a no-op once the test closed it
+        mon = watch.monitor
+        wait_for(lambda: mon.stats().connected, 60, "the stream to be accepted")
+        fill_until_refused(self.daemon.address, self.filler)
+        generator = torch.Generator().manual_seed(1)
+        losses = {}
+        for step in range(1, 301):
+            loss = train_step(model, opt, generator)
+            losses[step] = loss.item()
+            self.assertTrue(watch.step(step, loss=loss))
+            opt.zero_grad()
+            if step == 150:
+                self.assertTrue(mon.event(step, "lr drop"))
+        wait_for(lambda: fill(self.filler) or self.refusals(mon) > 0, 60,
+                 "the daemon to refuse with STORAGE_UNAVAILABLE")
+        fill(self.filler)
+        self.assertFalse(mon.flush(2))
+        stats = mon.stats()
+        self.assertTrue(stats.storage_retrying)
+        self.assertEqual((stats.dropped, stats.refused), (0, 0), stats)
+
+        # close(finished=True) while the disk is full keeps everything and tries again, unconfirmed...
+        before = self.refusals(mon)
+        result = []
+        closing = threading.Thread(target=lambda: result.append(watch.close(finished=True,
+                                                                            timeout=120 * time_scale())))
+        closing.start()
+        wait_for(lambda: fill(self.filler) or self.refusals(mon) > before, 60, "the close's resends to be refused")
+        self.assertTrue(closing.is_alive())
+        self.assertEqual(result, [])
+        self.assertNotEqual(self.daemon.run("torch-full").info.state, pb.RUN_STATE_FINISHED)
+        # ...until the disk has room again: then every step and the event are delivered, once.
+        self.free()
+        closing.join(300 * time_scale())
+        self.assertFalse(closing.is_alive())
+        self.assertEqual(result, [True])
+        stats = mon.stats()
+        self.assertEqual((stats.acked_through_step, stats.dropped, stats.refused), (300, 0, 0), stats)
+        self.assertTrue(stats.finished)
+        self.assertEqual(set(stats.errors_by_reason), {STORAGE_UNAVAILABLE}, stats)
+
+        run = self.daemon.run("torch-full")
+        self.assertEqual(run.info.state, pb.RUN_STATE_FINISHED)
+        self.assertEqual(run.info.step_count, 300)
+        points = self.daemon.points("torch-full", "train/loss")
+        self.assertEqual([p.step for p in points], list(range(1, 301)))
+        for p in points:
+            self.assertAlmostEqual(p.value, losses[p.step], places=5)
+        self.assertEqual([p.step for p in self.daemon.points("torch-full", "grad/norm/total")], list(range(1, 301)))
+        self.assertEqual([(e.step, e.text) for e in run.events], [(150, "lr drop")])
 
 
 if __name__ == "__main__":

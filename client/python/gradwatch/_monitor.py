@@ -35,6 +35,24 @@ log = logging.getLogger("gradwatch")
 
 _END = object()  # ends a connection's request iterator
 
+# The largest step the daemon keeps (2^63 - 1: its journal stores signed 64-bit integers).
+MAX_STEP = (1 << 63) - 1
+
+
+def _step(step: Any, what: str) -> int:
+    """`step` as an int in 0..MAX_STEP; ValueError naming `what` otherwise."""
+    step = int(step)
+    if step < 0:
+        raise ValueError(f"{what}step {step} is negative")
+    if step > MAX_STEP:
+        raise ValueError(f"{what}step {step} is above the largest step the daemon keeps, {MAX_STEP} (2^63 - 1)")
+    return step
+
+# Errors after which the daemon asks for the message again: it took neither it nor any later one
+# on the stream. The client keeps them all and resends them on a new stream after a back-off; any
+# other Error naming a step, event or catalog update refuses that message for good.
+_RETRYABLE = frozenset({pb.ERROR_REASON_STORAGE_UNAVAILABLE})
+
 
 @dataclass
 class MonitorStats:
@@ -47,10 +65,17 @@ class MonitorStats:
     catalog_updates_sent: int = 0  # CatalogUpdates written, resends included
     acked_through_step: Optional[int] = None  # the last durable step
     dropped: int = 0  # steps refused because the queue was full
-    errors: int = 0  # Errors from the daemon
+    # Steps, events and catalog updates the daemon refused for good (a permanent Error: invalid,
+    # a regression, a conflict...): not kept, never durable. A retryable refusal
+    # (ERROR_REASON_STORAGE_UNAVAILABLE) is not counted here: those are kept and sent again.
+    refused: int = 0
+    errors: int = 0  # Errors from the daemon, retryable ones included
     errors_by_reason: Dict[str, int] = field(default_factory=dict)
     reconnects: int = 0  # streams accepted after the first
     connected: bool = False
+    # The daemon cannot store now (ERROR_REASON_STORAGE_UNAVAILABLE since its last ack): what it
+    # refused is kept and sent again on a new stream after a back-off.
+    storage_retrying: bool = False
     rejected: bool = False  # the daemon refused this rank's Hello: nothing more becomes durable
     finished: bool = False  # the daemon confirmed the Goodbye of close(finished=True)
     last_error: str = ""
@@ -229,6 +254,15 @@ class _Stream:
         self._goodbye: Optional[_Item] = None
         self._stopping = False
         self._call = None
+        self._backoff = initial_backoff  # the next reconnect's delay (before jitter)
+        self._delay = 0.0  # the delay before the current (or next) stream
+        # The current stream got a retryable Error: it is being ended, nothing more is written on it.
+        self._ending = False
+        # Streams opened so far (the current one's number), when the current one was opened, and the
+        # number of the last one that ended: flush() and close() wait through a reconnect with them.
+        self._opened = 0
+        self._opened_at = 0.0
+        self._ended = 0
         self._thread: Optional[threading.Thread] = None
         self._channel = _channel(address, tls_ca, tls_cert, tls_key, tls_server_name)
         token = token or os.environ.get("GRADWATCH_TOKEN") or None
@@ -252,9 +286,7 @@ class _Stream:
             squared: bool = False) -> bool:
         """Queues one step's metrics for this daemon without blocking (Monitor.log says what they are
         and what it raises); False when it was dropped."""
-        step = int(step)
-        if step < 0:
-            raise ValueError(f"step {step} is negative")
+        step = _step(step, "")
         values = {str(k): _catalog.to_float(str(k), v) for k, v in metrics.items()}
         if squared:
             _check_radial_dots(values)
@@ -285,11 +317,12 @@ class _Stream:
         """Queues an event (a change the run went through at `step`), in order with the steps."""
         if not text:
             raise ValueError("an event needs a text")
+        step = _step(step, "event: ")
         with self._lock:
             if self._stopping or self._events_held >= self._event_capacity:
                 return False
             self._seq += 1
-            self._pending.append(_Item("event", self._seq, step=int(step), text=str(text)))
+            self._pending.append(_Item("event", self._seq, step=step, text=str(text)))
             self._events_held += 1
             self._pump_locked()
             return True
@@ -301,9 +334,7 @@ class _Stream:
         sent again after a reconnect. Once written, the catalog this stream's Hellos carry holds the
         new values; an update the daemon refuses puts back the values it replaced. Raises
         ValueError or TypeError naming what is wrong; nothing is queued then."""
-        step = int(step)
-        if step < 0:
-            raise ValueError(f"update_params: step {step} is negative")
+        step = _step(step, "update_params: ")
         with self._lock:
             changes = _param_changes(params, self._index)
             if self._stopping or self._events_held >= self._event_capacity:
@@ -315,37 +346,33 @@ class _Stream:
             return True
 
     def flush(self, timeout: Optional[float] = 30.0) -> bool:
-        """Waits until everything logged is durable at the daemon; False on timeout or rejection."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Waits until everything logged is durable at the daemon (acked), and the steps it said it
+        had received are too; False on rejection, or once it gives up (logged as a warning with what
+        is not acknowledged). timeout: seconds, None for no limit. It gives up at the timeout, except
+        while the Monitor waits to reconnect (a back-off longer than the timeout, as after
+        ERROR_REASON_STORAGE_UNAVAILABLE): then it waits for that reconnect and gives the new stream
+        as long as the timeout, or as the back-off before it if longer, to get everything
+        acknowledged, unless that stream ends first (refused again, the daemon unreachable)."""
         with self._lock:
-            while not self._drained_locked():
-                if self._stats.rejected or self._thread is None:
-                    return False
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._lock.wait(remaining if remaining is not None else 1.0)
-            return True
+            return self._wait_locked(self._drained_locked, time.monotonic(), timeout, self._opened, "flush")
 
     def close(self, finished: bool = True, timeout: float = 30.0) -> bool:
         """Flushes, then (finished=True) ends the run cleanly: the daemon records it as finished,
         resolves its alerts and will not page it as dead. finished=False leaves the run open (a
-        rank that stops while others go on). Stops the thread. True when all of it was confirmed.
+        rank that stops while others go on). Stops the thread. True when all of it was confirmed;
+        False (logged as a warning with what is not acknowledged) when it gave up, as flush()
+        does: what is still held is lost.
         """
-        deadline = time.monotonic() + timeout
-        ok = self.flush(timeout)
-        if ok and finished:
-            with self._lock:
+        start = time.monotonic()
+        with self._lock:
+            opened = self._opened
+            ok = self._wait_locked(self._drained_locked, start, timeout, opened, "close")
+            if ok and finished:
                 self._seq += 1
                 self._goodbye = _Item("goodbye", self._seq)
                 self._pending.append(self._goodbye)
                 self._pump_locked()
-                while not self._stats.finished and not self._stats.rejected:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    self._lock.wait(remaining)
-                ok = self._stats.finished
+                ok = self._wait_locked(lambda: self._stats.finished, start, timeout, opened, "close")
         self._stop()
         return ok
 
@@ -415,6 +442,57 @@ class _Stream:
         self._catalog_sent = len(self._params)
         return pb.TrainerMessage(seq=self._seq, hello=hello)
 
+    def _wait_locked(self, done: Callable[[], bool], start: float, timeout: Optional[float], opened: int,
+                     what: str) -> bool:
+        """Waits, holding the lock, until done(): True. False, logged with what is not acknowledged,
+        when this rank was rejected, the Monitor is not running, or the wait gives up: at start +
+        timeout, unless a reconnect is due (see _give_up_at_locked). `opened`: self._opened when the
+        caller began to wait."""
+        deadline = None if timeout is None else start + max(0.0, timeout)
+        while not done():
+            if self._stopping:
+                return False  # closed: the close said what it left
+            if self._stats.rejected or self._thread is None or not self._thread.is_alive():
+                self._gave_up_locked(what)
+                return False
+            if deadline is None:
+                self._lock.wait(1.0)
+                continue
+            give_up_at = self._give_up_at_locked(deadline, max(0.0, timeout), opened)
+            now = time.monotonic()
+            if give_up_at is not None and now >= give_up_at:
+                self._gave_up_locked(what)
+                return False
+            # Woken by every answer and by each stream that opens or ends; the second is a safety net.
+            self._lock.wait(1.0 if give_up_at is None else min(1.0, give_up_at - now))
+        return True
+
+    def _give_up_at_locked(self, deadline: float, timeout: float, opened: int) -> Optional[float]:
+        """When a wait that began with `opened` streams opened gives up: at its deadline, but never
+        before one reconnect was tried since it began. None while that reconnect is still due (the
+        Monitor is backing off, or ending a stream the daemon asked to be reopened)."""
+        if self._ended > opened:
+            return deadline  # a stream opened during the wait has ended: the reconnect was tried
+        if self._call is not None and not self._ending:
+            # A stream is open, or opening: it has up to `timeout` from when it was opened, and one
+            # opened during the wait as long as the back-off before it, if that is longer.
+            allowance = timeout if self._opened <= opened else max(timeout, self._delay)
+            return max(deadline, self._opened_at + allowance)
+        return None
+
+    def _gave_up_locked(self, what: str) -> None:
+        acked = self._stats.acked_through_step
+        owed = ""
+        if self._owed_through is not None and (acked is None or acked < self._owed_through):
+            owed = f", and steps through {self._owed_through} the daemon received are not durable yet"
+        end = ""
+        if self._goodbye is not None and not self._stats.finished:
+            end = "; the end of the run is not confirmed"
+        error = f" (last error: {self._stats.last_error})" if self._stats.last_error else ""
+        log.warning("gradwatch: %s gave up on run %s rank %d at %s: %d steps and %d events not acknowledged%s%s%s",
+                    what, self._run, self._rank, self._address, self._steps_held, self._events_held, owed, end,
+                    error)
+
     def _drained_locked(self) -> bool:
         if self._pending or self._inflight:
             return False
@@ -461,7 +539,7 @@ class _Stream:
 
     def _pump_locked(self) -> None:
         """Writes what the window allows on the current stream."""
-        if self._outbox is None or not self._accepted:
+        if self._outbox is None or not self._accepted or self._ending:
             return
         if len(self._params) > self._catalog_sent:
             self._outbox.put(self._hello_locked())  # extends the catalog on the same stream
@@ -508,7 +586,6 @@ class _Stream:
             yield self._message(message) if isinstance(message, _Item) else message
 
     def _run_loop(self) -> None:
-        backoff = self._initial_backoff
         ever_accepted = False
         while True:
             with self._lock:
@@ -517,10 +594,15 @@ class _Stream:
                 outbox: queue.Queue = queue.Queue()
                 self._outbox = outbox
                 self._accepted = False
-                # What the last stream did not get acknowledged is sent again, first.
+                self._ending = False
+                self._opened += 1
+                self._opened_at = time.monotonic()
+                # What the last stream did not get acknowledged is sent again, first (steps the
+                # daemon says it received wait for their ack instead: see _handle's Accepted).
                 self._pending.extendleft(reversed(self._inflight))
                 self._inflight = []
                 outbox.put(self._hello_locked())
+                self._lock.notify_all()
             accepted = False
             try:
                 call = self._stub.Stream(self._requests(outbox), metadata=self._metadata)
@@ -535,23 +617,27 @@ class _Stream:
             except grpc.RpcError as e:
                 if not self._stopping:
                     with self._lock:
-                        self._stats.last_error = f"{e.code().name}: {e.details()}"
+                        if not self._ending:  # a stream ended on purpose keeps the Error that ended it
+                            self._stats.last_error = f"{e.code().name}: {e.details()}"
                     log.debug("gradwatch: stream to %s ended: %s", self._address, e)
             finally:
                 outbox.put(_END)
                 with self._lock:
                     self._outbox = None
                     self._call = None
+                    self._ended = self._opened
                     self._stats.connected = False
                     self._lock.notify_all()
             with self._lock:
                 if self._stopping or self._stats.rejected:
                     return
-            if accepted:
-                backoff = self._initial_backoff
-            delay = backoff * random.uniform(0.8, 1.2)
-            backoff = min(self._max_backoff, backoff * 2)
-            with self._lock:
+                # A daemon that cannot store keeps the back-off growing, accepted streams or not,
+                # until it acknowledges something again.
+                if accepted and not self._stats.storage_retrying:
+                    self._backoff = self._initial_backoff
+                delay = self._delay = self._backoff * random.uniform(0.8, 1.2)
+                self._backoff = min(self._max_backoff, self._backoff * 2)
+                log.debug("gradwatch: reconnecting to %s in %.3f s", self._address, delay)
                 self._lock.wait_for(lambda: self._stopping, timeout=delay)
 
     def _handle(self, message: pb.DaemonMessage, reconnect: bool) -> bool:
@@ -569,6 +655,7 @@ class _Stream:
                 self._on_error(message.error)
             except Exception:
                 log.exception("gradwatch: the on_error callback raised")
+        cancel = None
         with self._lock:
             if which == "accepted":
                 a = message.accepted
@@ -580,19 +667,28 @@ class _Stream:
                 # Sent until the daemon accepts a stream: a later reconnect must not rewind the
                 # steps this process reported since.
                 self._resume_from_step = None
+                if a.has_durable_step:
+                    self._ack_locked(a.last_durable_step, held=True)
                 if a.has_received_step:
                     # Received from this rank, maybe by an earlier process, and kept only once
                     # durable: flush() waits for it too.
                     owed = self._owed_through
                     self._owed_through = a.last_received_step if owed is None else max(owed, a.last_received_step)
-                if a.has_durable_step:
-                    self._ack_locked(a.last_durable_step)
+                    # Held steps it received wait for their ack, unsent: sent again, any but the last
+                    # would be a regression. The steps after it are sent again, in order.
+                    received = a.last_received_step
+                    waiting = [i for i in self._pending if i.kind == "step" and i.step <= received]
+                    if waiting:
+                        self._pending = deque(i for i in self._pending if not (i.kind == "step" and i.step <= received))
+                        self._inflight.extend(waiting)
                 self._pump_locked()
                 self._lock.notify_all()
                 return True
             if which == "ack":
+                self._storage_ok_locked()
                 self._ack_locked(message.ack.durable_step)
             elif which == "event_ack":
+                self._storage_ok_locked()
                 seq = message.event_ack.seq
                 kept = [i for i in self._inflight if not (i.kind in ("event", "catalog") and i.seq == seq)]
                 self._events_held -= len(self._inflight) - len(kept)
@@ -602,33 +698,61 @@ class _Stream:
                 self._inflight = [i for i in self._inflight if i.kind != "goodbye"]
             elif which == "error":
                 e = message.error
-                reason = pb.ErrorReason.Name(e.reason)
+                reason = pb.ErrorReason.Name(e.reason) if e.reason in pb.ErrorReason.values() \
+                    else f"ERROR_REASON_{e.reason}"
                 self._stats.errors += 1
                 self._stats.errors_by_reason[reason] = self._stats.errors_by_reason.get(reason, 0) + 1
                 self._stats.last_error = f"{reason}: {e.message}"
-                if e.seq == self._hello_seq:
+                if e.reason in _RETRYABLE:
+                    # The daemon took neither this message nor will it take any later one on this
+                    # stream: keep them all (they stay held, in order), end the stream, and send them
+                    # again on a new one after the back-off, which keeps growing until an ack.
+                    if not self._stats.storage_retrying:
+                        log.warning("gradwatch: the daemon at %s cannot store run %s rank %d now (%s); keeping "
+                                    "%d steps and %d events and sending them again after a back-off",
+                                    self._address, self._run, self._rank, self._stats.last_error,
+                                    self._steps_held, self._events_held)
+                    self._stats.storage_retrying = True
+                    if not self._ending:
+                        self._ending = True  # nothing more is written on this stream
+                        cancel = self._call
+                elif e.seq == self._hello_seq:
                     self._stats.rejected = True
                     log.error("gradwatch: the daemon refused run %s rank %d: %s", self._run, self._rank,
                               self._stats.last_error)
                 else:
-                    # A refused step, event or catalog update is not kept: it is not held for an
-                    # ack either.
-                    kept = [i for i in self._inflight if i.seq != e.seq]
+                    # Refused for good: the step, event or catalog update is not kept, nor held for
+                    # an ack.
+                    kept = []
                     for i in self._inflight:
-                        if i.seq == e.seq:
-                            if i.kind == "step":
-                                self._steps_held -= 1
-                            else:
-                                self._events_held -= 1
-                            if i.kind == "catalog":
-                                self._refused_catalog_locked(i)
+                        if i.seq != e.seq:
+                            kept.append(i)
+                            continue
+                        if i.kind == "step":
+                            self._steps_held -= 1
+                        elif i.kind in ("event", "catalog"):
+                            self._events_held -= 1
+                        if i.kind != "goodbye":
+                            self._stats.refused += 1
+                        if i.kind == "catalog":
+                            self._refused_catalog_locked(i)
                     self._inflight = kept
                     log.warning("gradwatch: %s", self._stats.last_error)
             self._pump_locked()
             self._lock.notify_all()
+        if cancel is not None:
+            cancel.cancel()  # _run_loop sees the stream end and reconnects after its back-off
         return False
 
-    def _ack_locked(self, durable_step: int) -> None:
+    def _storage_ok_locked(self) -> None:
+        """The daemon acknowledged something: it stores again."""
+        if self._stats.storage_retrying:
+            self._stats.storage_retrying = False
+            log.info("gradwatch: the daemon at %s stores run %s rank %d again", self._address, self._run, self._rank)
+
+    def _ack_locked(self, durable_step: int, held: bool = False) -> None:
+        """Releases the written steps through durable_step; held: the queued ones too (a new
+        stream's Accepted, after which the steps the last one left unacknowledged are queued)."""
         acked = self._stats.acked_through_step
         if acked is None or durable_step > acked:
             self._stats.acked_through_step = durable_step
@@ -639,6 +763,14 @@ class _Stream:
             else:
                 kept.append(item)
         self._inflight = kept
+        if held and any(i.kind == "step" and i.step <= durable_step for i in self._pending):
+            pending = deque()
+            for item in self._pending:
+                if item.kind == "step" and item.step <= durable_step:
+                    self._steps_held -= 1
+                else:
+                    pending.append(item)
+            self._pending = pending
 
     def _stop(self) -> None:
         with self._lock:
@@ -722,7 +854,13 @@ class Monitor:
 
     Never blocks training: log(), event() and update_params() queue, up to queue_capacity steps
     held per daemon (queued or written and not yet durable); beyond it a step is dropped and counted,
-    and the daemon is told with the next step sent.
+    and the daemon is told with the next step sent. Everything is held until the daemon
+    acknowledges it durable. A daemon that cannot store now (ERROR_REASON_STORAGE_UNAVAILABLE: full
+    disk, read-only journal) takes neither the message it names nor any later one on that stream:
+    the Monitor keeps them all, ends the stream and sends them again, in order, on a new one after
+    a back-off (initial_backoff doubling up to max_backoff, ±20% jitter), which keeps growing until
+    the daemon acknowledges something. Other Errors naming a step, event or catalog update refuse
+    it for good: it is dropped and counted (stats().refused).
     """
 
     def __init__(self, run: str, address: Any = DEFAULT_ADDRESS, **kwargs: Any) -> None:
@@ -783,7 +921,12 @@ class Monitor:
         return any([s.update_params(step, params) for s in self._streams])
 
     def flush(self, timeout: Optional[float] = 30.0) -> bool:
-        """Waits until everything logged is durable at every daemon; False on timeout or rejection."""
+        """Waits until everything logged is durable (acknowledged) at every daemon; False on
+        rejection or when it gives up, with a warning (logger "gradwatch") saying how many steps and
+        events are not acknowledged. It gives up after `timeout` seconds (None: never), but not
+        before a stream that is waiting to reconnect (backing off, e.g. after the daemon answered
+        ERROR_REASON_STORAGE_UNAVAILABLE) has tried once: then the new stream gets as long as the
+        timeout, or as the back-off if longer, unless it ends first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         ok = True
         for s in self._streams:
@@ -795,7 +938,9 @@ class Monitor:
         """Flushes, then (finished=True) ends the run cleanly: the daemon records it as finished,
         resolves its alerts and will not page it as dead. finished=False leaves the run open (a
         rank that stops while others go on). Stops the threads. True when every daemon confirmed
-        all of it. The daemons are closed together: one that is down costs `timeout` once.
+        all of it; False when it gave up, as flush() does (logged as a warning): what a daemon did
+        not acknowledge then is lost. The daemons are closed together: one that is down costs
+        `timeout` (or one back-off and reconnect, if longer) once.
         """
         results: List[bool] = [False] * len(self._streams)
 
@@ -814,9 +959,9 @@ class Monitor:
 
     def stats(self) -> MonitorStats:
         """What the Monitor has done. With several daemons: counts summed (sent, events_sent,
-        catalog_updates_sent, errors, reconnects), the largest backlog (queued, unacked, dropped),
-        the step every daemon holds (acked_through_step: the lowest), connected when any is,
-        rejected and finished when all are; stats_by_daemon() has each."""
+        catalog_updates_sent, errors, reconnects), the largest backlog (queued, unacked, dropped,
+        refused), the step every daemon holds (acked_through_step: the lowest), connected and
+        storage_retrying when any is, rejected and finished when all are; stats_by_daemon() has each."""
         each = [s.stats() for s in self._streams]
         if len(each) == 1:
             return each[0]
@@ -824,6 +969,7 @@ class Monitor:
         out.queued = max(e.queued for e in each)
         out.unacked = max(e.unacked for e in each)
         out.dropped = max(e.dropped for e in each)
+        out.refused = max(e.refused for e in each)
         out.sent = sum(e.sent for e in each)
         out.events_sent = sum(e.events_sent for e in each)
         out.catalog_updates_sent = sum(e.catalog_updates_sent for e in each)
@@ -835,6 +981,7 @@ class Monitor:
         acked = [e.acked_through_step for e in each]
         out.acked_through_step = None if any(a is None for a in acked) else min(acked)
         out.connected = any(e.connected for e in each)
+        out.storage_retrying = any(e.storage_retrying for e in each)
         out.rejected = all(e.rejected for e in each)
         out.finished = all(e.finished for e in each)
         out.last_error = next((e.last_error for e in each if e.last_error), "")
