@@ -153,8 +153,34 @@ bool Monitor::CatalogUpdateBlocking(v1::CatalogUpdate update, std::chrono::milli
 
 bool Monitor::Flush(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
-  flush_cv_.wait_for(lock, timeout, [this] { return DrainedLocked() || stopping_ || stats_.rejected; });
-  return DrainedLocked();
+  return WaitThroughReconnect(
+      lock, timeout, [this] { return DrainedLocked(); }, "flush");
+}
+
+template <typename Done>
+bool Monitor::WaitThroughReconnect(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout, Done done,
+                                   const char* what) {
+  using SteadyClock = std::chrono::steady_clock;
+  const uint64_t opened = streams_opened_;
+  auto give_up_at = SteadyClock::now() + timeout;
+  while (!done()) {
+    if (stopping_ || stats_.rejected) return false;
+    const auto now = SteadyClock::now();
+    if (now >= give_up_at) {
+      // Backing off with no stream opened since the wait began: the reconnect is part of the wait.
+      if (reconnect_at_ && streams_opened_ == opened) {
+        give_up_at = std::max(give_up_at, *reconnect_at_ + std::max(timeout, reconnect_delay_));
+        continue;
+      }
+      spdlog::warn("gradwatch monitor: {} gave up on run {} rank {} at {}: {} steps and events not acknowledged{}",
+                   what, options_.hello.run_id(), options_.hello.rank(), options_.address,
+                   buffer_.queued() + buffer_.unacked(),
+                   stats_.last_error.empty() ? "" : " (last error: " + stats_.last_error + ")");
+      return false;
+    }
+    flush_cv_.wait_until(lock, std::min(give_up_at, now + std::chrono::seconds(1)));
+  }
+  return true;
 }
 
 bool Monitor::FlushWhileProgressing(std::chrono::milliseconds stall_timeout) {
@@ -199,8 +225,8 @@ bool Monitor::Finish(std::chrono::milliseconds timeout, v1::GoodbyeReason reason
     goodbye.set_message(std::move(message));
     goodbye_ = std::move(goodbye);
     sender_cv_.notify_all();
-    flush_cv_.wait_for(lock, timeout, [this] { return stats_.finished || stopping_ || stats_.rejected; });
-    finished = stats_.finished;
+    finished = WaitThroughReconnect(
+        lock, timeout, [this] { return stats_.finished; }, "finish");
   }
   Stop();
   return finished;
@@ -261,6 +287,11 @@ void Monitor::SenderLoop() {
       }
       delay = NextBackoff();
       spdlog::debug("gradwatch monitor: reconnecting to {} in {} ms", options_.address, delay.count());
+      {
+        std::lock_guard lock(mu_);
+        reconnect_at_ = std::chrono::steady_clock::now() + delay;
+        reconnect_delay_ = delay;
+      }
       SleepBackoff(delay);
     }
   } catch (const std::exception& e) {
@@ -281,6 +312,9 @@ bool Monitor::RunConnection(Connection& conn) {
     std::lock_guard lock(mu_);
     if (stopping_) return false;
     current_ = &conn;
+    ++streams_opened_;
+    reconnect_at_.reset();
+    flush_cv_.notify_all();
     hello.set_seq(next_seq_++);
     resumed = accepted_streams_ > 0;
   }

@@ -117,7 +117,10 @@ class Monitor {
   // received (Accepted.last_received_step, possibly from an earlier process) is acked: received is
   // not kept. False on timeout, when stopped, or when the daemon has rejected this stream (see
   // MonitorStats::rejected). A daemon that cannot store (ERROR_REASON_STORAGE_UNAVAILABLE) keeps
-  // Flush waiting while the Monitor holds the data and reconnects with back-off.
+  // Flush waiting while the Monitor holds the data and reconnects with back-off: a Flush that
+  // reaches its timeout while the Monitor waits to reconnect waits for that reconnect, and gives
+  // the new stream `timeout` (or the back-off, if longer) too. Giving up logs a warning with what
+  // is not acknowledged.
   bool Flush(std::chrono::milliseconds timeout);
   // Flush without a deadline: waits as long as the daemon makes progress (see StallTimer), and
   // returns false once it has made none for `stall_timeout` (stopped, gone, unable to store), when
@@ -159,6 +162,11 @@ class Monitor {
   void ProgressLocked();
   void RecordLocalError(v1::ErrorReason reason, uint64_t step, std::string message);
   void SleepBackoff(std::chrono::milliseconds delay);
+  // Waits (lock held) until done(), as Flush says: past `timeout` only for one reconnect that is
+  // due. False, logged with what is held and naming `what`, when it gives up, stops or is rejected.
+  template <typename Done>
+  bool WaitThroughReconnect(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout, Done done,
+                            const char* what);
   std::chrono::milliseconds NextBackoff();
 
   const MonitorOptions options_;
@@ -182,6 +190,10 @@ class Monitor {
   uint64_t progress_ = 0;
   MonitorStats stats_;
   Connection* current_ = nullptr;  // the open stream, cancelled by Stop()
+  uint64_t streams_opened_ = 0;    // RunConnection calls so far
+  // Between streams: when the next one opens, and the back-off before it.
+  std::optional<std::chrono::steady_clock::time_point> reconnect_at_;
+  std::chrono::milliseconds reconnect_delay_{0};
   std::chrono::milliseconds backoff_;
   std::mt19937 rng_;
 

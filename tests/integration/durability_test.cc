@@ -236,6 +236,84 @@ TEST_CASE("a full disk: nothing is acked that is not committed, and ingest recov
   CHECK(rows.events == std::vector<std::pair<uint64_t, std::string>>{{200, "switched routing"}});
 }
 
+TEST_CASE(
+    "a full disk under the C++ Monitor: refused steps and events are kept, resent after the back-off, "
+    "and a flush shorter than the back-off waits for the reconnect",
+    "[integration][durability]") {
+  TempDir base("gradwatch-fulldisk-monitor");
+  const std::filesystem::path data = base.path() / "data";
+  TmpfsMount mount(data, "2m");
+  if (!mount.ok()) {
+    WARN("skipped: cannot mount a tmpfs (needs root): " << mount.error());
+    return;
+  }
+  DaemonOptions options;
+  options.data_dir = data;
+  DaemonProcess daemon(options);
+  const auto monitor_options = [&](const std::string& run, std::chrono::milliseconds backoff) {
+    client::MonitorOptions mo;
+    mo.address = daemon.grpc_target();
+    mo.hello.set_run_id(run);
+    mo.hello.set_world_size(1);
+    mo.initial_backoff = backoff;
+    mo.max_backoff = backoff * 2;
+    return mo;
+  };
+  const auto step = [](uint64_t s) {
+    v1::StepStats st;
+    st.set_step(s);
+    st.mutable_total_grad()->set_norm(0.5 + 0.001 * static_cast<double>(s));
+    return st;
+  };
+  REQUIRE(FillDisk(data / "filler") > 0);
+  // The daemon learns the disk is full from a failed commit: a probe's steps make one.
+  client::Monitor probe(monitor_options("probe", std::chrono::milliseconds(50)));
+  probe.Start();
+  REQUIRE(probe.WaitAccepted(std::chrono::seconds(20)));
+  for (uint64_t s = 1; s <= 20; ++s) REQUIRE(probe.Log(step(s)));
+  REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_storage_healthy") == 0.0; }, std::chrono::seconds(60)));
+
+  client::Monitor quick(monitor_options("quick-backoff", std::chrono::milliseconds(50)));
+  client::Monitor slow(monitor_options("slow-backoff", std::chrono::seconds(4)));
+  for (client::Monitor* m : {&quick, &slow}) {
+    m->Start();
+    for (uint64_t s = 1; s <= 300; ++s) REQUIRE(m->Log(step(s)));
+    REQUIRE(m->Event(150, "switched routing"));
+  }
+  const auto refused = [](const client::Monitor& m) {
+    const client::MonitorStats st = m.Stats();
+    const auto it = st.errors_by_reason.find("ERROR_REASON_STORAGE_UNAVAILABLE");
+    return it == st.errors_by_reason.end() ? uint64_t{0} : it->second;
+  };
+  REQUIRE(WaitUntil([&] { return refused(quick) > 0 && refused(slow) > 0; }, std::chrono::seconds(60)));
+  CHECK_FALSE(quick.Flush(std::chrono::milliseconds(500)));  // nothing durable while the disk is full
+  for (const client::Monitor* m : {&quick, &slow}) {
+    const client::MonitorStats st = m->Stats();
+    CHECK(st.dropped == 0);
+    CHECK_FALSE(st.rejected);
+    CHECK(st.queued + st.unacked == 301);  // every step and the event, held
+  }
+
+  std::filesystem::remove(data / "filler");
+  REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_storage_healthy") == 1.0; }, std::chrono::seconds(60)));
+  // The slow Monitor is backing off (4 s or more): a 200 ms flush waits for its reconnect.
+  CHECK(slow.Flush(std::chrono::milliseconds(200)));
+  CHECK(quick.Flush(std::chrono::seconds(60)));
+  CHECK(probe.Flush(std::chrono::seconds(60)));
+  CHECK(slow.Finish(std::chrono::seconds(60)));
+  CHECK(quick.Finish(std::chrono::seconds(60)));
+  probe.Stop();
+
+  REQUIRE(daemon.Stop() == 0);
+  for (const char* run : {"quick-backoff", "slow-backoff"}) {
+    INFO(run);
+    const JournalRows rows = ReadJournal(data / "journal.db", run);
+    CHECK(rows.steps.size() == 300);
+    CHECK(std::set<uint64_t>(rows.steps.begin(), rows.steps.end()).size() == 300);
+    CHECK(rows.events == std::vector<std::pair<uint64_t, std::string>>{{150, "switched routing"}});
+  }
+}
+
 TEST_CASE("a replay run again sends the events at steps the daemon already holds, and each is kept once",
           "[integration][durability]") {
   // The daemon may hold a rank's steps but not an event among them: an event refused while its
