@@ -24,6 +24,11 @@ struct Config {
   size_t max_params_per_run = 65536;
   size_t max_series_per_run = 262144;
   size_t max_streams = 4096;
+  // Streams one caller (a token's or certificate's name in the policy) may hold open: a job, or a
+  // runaway client, cannot take every slot from the others. Streams the policy refuses hold none.
+  size_t max_streams_per_identity = 4096;
+  // A stream that sends no Hello this long after opening is closed.
+  double hello_timeout_seconds = 30;
   // The memory all runs together may be charged (runs::MemoryBudget); 0: a quarter of the
   // machine's physical memory.
   size_t memory_budget_bytes = 0;

@@ -183,6 +183,9 @@ Status Daemon::Start() {
   ingest_options.max_message_bytes = config_.max_message_bytes;
   ingest_options.hello.max_params = config_.max_params_per_run;
   ingest_options.max_streams = config_.max_streams;
+  ingest_options.max_streams_per_identity = config_.max_streams_per_identity;
+  ingest_options.hello_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::duration<double>(config_.hello_timeout_seconds));
   authorizer_ = std::make_unique<ingest::Authorizer>();
   if (!config_.tokens_file.empty()) {
     auto policy = ingest::LoadPolicy(config_.tokens_file);
@@ -485,6 +488,10 @@ void Daemon::TickLoop() {
     lock.unlock();
     UpdateIngestHealth();
     RelockDataDirIfGone();
+    if (const size_t closed = ingest_->CloseStreamsWithoutHello(std::chrono::steady_clock::now()); closed > 0) {
+      spdlog::warn("closed {} stream(s) that sent no Hello within {} s of opening (limits.hello_timeout_seconds)",
+                   closed, config_.hello_timeout_seconds);
+    }
     registry_->Tick();
     if (++ticks % kTicksPerAlertTimer == 0) {
       alerting_->Tick(*registry_, clock_->UnixSeconds());

@@ -18,14 +18,25 @@ namespace {
 constexpr std::string_view kScopeNames[kScopeCount] = {"read", "write", "silence", "ack", "admin"};
 
 // The bearer token of the call's "authorization" metadata; empty when none.
+// The token of an Authorization value "Bearer TOKEN": the scheme in any case (RFC 9110: it is
+// case-insensitive), then one or more spaces; empty for any other value.
+std::string_view BearerCredentials(std::string_view value) {
+  constexpr std::string_view kBearer = "bearer";
+  if (value.size() <= kBearer.size() + 1) return {};
+  for (size_t i = 0; i < kBearer.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(value[i])) != kBearer[i]) return {};
+  }
+  if (value[kBearer.size()] != ' ') return {};
+  value.remove_prefix(kBearer.size());
+  while (!value.empty() && value.front() == ' ') value.remove_prefix(1);
+  return value;
+}
+
 std::string_view BearerToken(const grpc::ServerContextBase& context) {
   const auto& metadata = context.client_metadata();
   const auto it = metadata.find("authorization");
   if (it == metadata.end()) return {};
-  std::string_view value(it->second.data(), it->second.size());
-  constexpr std::string_view kBearer = "Bearer ";
-  if (value.size() <= kBearer.size() || value.substr(0, kBearer.size()) != kBearer) return {};
-  return value.substr(kBearer.size());
+  return BearerCredentials(std::string_view(it->second.data(), it->second.size()));
 }
 
 std::string PeerIdentity(const grpc::ServerContextBase& context) {
@@ -164,7 +175,7 @@ std::string Authorizer::Who(const grpc::ServerContextBase& context) const {
 }
 
 Authorizer::Decision Authorizer::Decide(std::string_view token, std::string_view identity, Scope scope,
-                                        std::string_view run, std::string_view what, std::string_view peer,
+                                        const std::string_view* run, std::string_view what, std::string_view peer,
                                         std::string_view how_to_send_a_token) const {
   const auto p = policy();
   if (p == nullptr) return {};
@@ -182,12 +193,12 @@ Authorizer::Decision Authorizer::Decide(std::string_view token, std::string_view
   std::string denied;
   if (!grant->scopes[static_cast<size_t>(scope)]) {
     denied = who + " has no '" + std::string(ScopeName(scope)) + "' scope";
-  } else if (scope == Scope::kWrite && !grant->runs.empty() &&
+  } else if (scope == Scope::kWrite && run != nullptr && !grant->runs.empty() &&
              std::none_of(grant->runs.begin(), grant->runs.end(),
-                          [&](const std::string& pattern) { return GlobMatches(pattern, run); })) {
+                          [&](const std::string& pattern) { return GlobMatches(pattern, *run); })) {
     denied = who + " may write only runs matching " + grant->runs.front() +
              (grant->runs.size() > 1 ? " (and " + std::to_string(grant->runs.size() - 1) + " more patterns)" : "") +
-             ", not " + std::string(run);
+             ", not " + std::string(*run);
   }
   if (denied.empty()) return {};
   refusals_[kPermissionDenied].fetch_add(1, std::memory_order_relaxed);
@@ -197,7 +208,15 @@ Authorizer::Decision Authorizer::Decide(std::string_view token, std::string_view
 
 grpc::Status Authorizer::Check(const grpc::ServerContextBase& context, Scope scope, std::string_view run,
                                std::string_view what) const {
-  const Decision d = Decide(BearerToken(context), PeerIdentity(context), scope, run, what, context.peer(),
+  const Decision d = Decide(BearerToken(context), PeerIdentity(context), scope, &run, what, context.peer(),
+                            "give one with --token-file or GRADWATCH_TOKEN");
+  if (d.refusal == kNone) return grpc::Status::OK;
+  return {d.refusal == kUnauthenticated ? grpc::StatusCode::UNAUTHENTICATED : grpc::StatusCode::PERMISSION_DENIED,
+          d.message};
+}
+
+grpc::Status Authorizer::CheckScope(const grpc::ServerContextBase& context, Scope scope, std::string_view what) const {
+  const Decision d = Decide(BearerToken(context), PeerIdentity(context), scope, nullptr, what, context.peer(),
                             "give one with --token-file or GRADWATCH_TOKEN");
   if (d.refusal == kNone) return grpc::Status::OK;
   return {d.refusal == kUnauthenticated ? grpc::StatusCode::UNAUTHENTICATED : grpc::StatusCode::PERMISSION_DENIED,
@@ -206,12 +225,8 @@ grpc::Status Authorizer::Check(const grpc::ServerContextBase& context, Scope sco
 
 std::pair<int, std::string> Authorizer::CheckHttp(std::string_view authorization, std::string_view identity,
                                                   Scope scope, std::string_view what, std::string_view peer) const {
-  constexpr std::string_view kBearer = "Bearer ";
-  const std::string_view token =
-      authorization.size() > kBearer.size() && authorization.substr(0, kBearer.size()) == kBearer
-          ? authorization.substr(kBearer.size())
-          : std::string_view();
-  const Decision d = Decide(token, identity, scope, "", what, peer,
+  const std::string_view token = BearerCredentials(authorization);
+  const Decision d = Decide(token, identity, scope, nullptr, what, peer,
                             "send it as \"Authorization: Bearer TOKEN\" (Prometheus: authorization.credentials_file in "
                             "the scrape config)");
   if (d.refusal == kNone) return {200, ""};

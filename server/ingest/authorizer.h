@@ -59,6 +59,10 @@ class Authorizer {
   // message that says what to do. Refusals are counted and logged, never with the secret.
   grpc::Status Check(const grpc::ServerContextBase& context, Scope scope, std::string_view run,
                      std::string_view what) const EXCLUDES(mu_);
+  // Check without a run: the caller is known and has `scope` (a stream before its Hello names
+  // its run). OK without a policy.
+  grpc::Status CheckScope(const grpc::ServerContextBase& context, Scope scope, std::string_view what) const
+      EXCLUDES(mu_);
   // An HTTP request's Authorization header (empty when absent) and verified client certificate
   // identity (empty without one) against `scope`: 200, or 401 (neither known to the policy) / 403
   // (known, without the scope) with a message; counted and logged as the gRPC refusals are.
@@ -79,7 +83,8 @@ class Authorizer {
   // The caller's token (empty: none) or certificate identity against `scope` (and `run` for
   // write); a refusal is counted and logged with `peer`. `how_to_send_a_token` ends the message
   // to a caller without one.
-  Decision Decide(std::string_view token, std::string_view identity, Scope scope, std::string_view run,
+  // `run` null: no run to check (CheckScope).
+  Decision Decide(std::string_view token, std::string_view identity, Scope scope, const std::string_view* run,
                   std::string_view what, std::string_view peer, std::string_view how_to_send_a_token) const
       EXCLUDES(mu_);
 

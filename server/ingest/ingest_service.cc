@@ -21,18 +21,34 @@ using runs::IngestErrorReason;
 
 class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>,
                            public runs::StreamSink,
-                           public AlertReceiver {
+                           public AlertReceiver,
+                           public HelloWaiter {
  public:
   IngestStream(IngestService* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context), peer_(context->peer()) {
-    const int64_t open = service_->stats()->open_streams.fetch_add(1, std::memory_order_relaxed) + 1;
-    if (static_cast<size_t>(open) > service_->options().max_streams) {
-      spdlog::warn("refusing a stream from {}: {} streams open (limits.max_streams)", peer_, open - 1);
-      FinishWhenDrained(
-          grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "too many open streams (limits.max_streams)"));
-      return;
+    service_->stats()->open_streams.fetch_add(1, std::memory_order_relaxed);
+    // Authentication comes before a slot: a caller the policy refuses cannot hold one. Its Hello
+    // is still read (until the Hello deadline), to answer it as a refused Hello.
+    if (const Authorizer* auth = service_->authorizer(); auth != nullptr && auth->enabled()) {
+      refused_ = auth->CheckScope(*context_, Scope::kWrite, "opening a stream");
+      if (refused_.ok()) identity_ = auth->Who(*context_);
     }
+    if (refused_.ok()) {
+      if (grpc::Status slot = service_->TakeSlot(identity_, peer_); !slot.ok()) {
+        FinishWhenDrained(std::move(slot));
+        return;
+      }
+      has_slot_ = true;
+    }
+    service_->AwaitHello(this);
     StartRead(NextMessage());
+  }
+
+  // HelloWaiter: called by the service's sweep, with its list locked (OnDone waits for it).
+  void CloseForNoHello() override {
+    spdlog::debug("stream from {}: no Hello within {} ms of opening; closed", peer_,
+                  service_->options().hello_timeout.count());
+    context_->TryCancel();
   }
 
   void OnReadDone(bool ok) override {
@@ -90,6 +106,8 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
 
   void OnDone() override {
     DetachFromRun();
+    service_->HelloDone(this);
+    if (has_slot_) service_->ReleaseSlot(identity_);
     service_->stats()->open_streams.fetch_sub(1, std::memory_order_relaxed);
     delete this;
   }
@@ -175,6 +193,10 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
              seq);
       return false;
     }
+    if (!refused_.ok() && !in_->has_hello()) {
+      FinishWhenDrained(refused_);  // refused when it opened: nothing but its Hello is answered
+      return false;
+    }
     switch (in_->body_case()) {
       case v1::TrainerMessage::kHello: HandleHello(seq); return false;
       case v1::TrainerMessage::kStep: return HandleStep(seq);
@@ -191,6 +213,17 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   }
 
   void HandleHello(uint64_t seq) {
+    service_->HelloDone(this);
+    if (!refused_.ok()) {
+      // Refused when it opened: the Error tells the client to stop; the stream ends with the status.
+      Reject({IngestErrorReason::kInvalidHello,
+              std::string(refused_.error_code() == grpc::StatusCode::UNAUTHENTICATED ? "UNAUTHENTICATED: "
+                                                                                     : "PERMISSION_DENIED: ") +
+                  refused_.error_message()},
+             seq);
+      FinishWhenDrained(refused_);
+      return;
+    }
     RunMeta meta;
     uint32_t rank = 0;
     if (auto err = HelloFromProto(in_->hello(), service_->options().hello, &meta, &rank)) {
@@ -523,6 +556,11 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
   std::optional<google::protobuf::Arena> arena_;
   v1::TrainerMessage* in_ = nullptr;  // on arena_; only touched by the read path
   RankStep step_;                     // reused conversion buffer, read path only
+  // Set in the constructor, read after: the policy's refusal of the caller (OK: allowed), its
+  // name in the policy, and whether it holds a slot (IngestService::TakeSlot).
+  grpc::Status refused_;
+  std::string identity_;
+  bool has_slot_ = false;
 
   // Lock order: a run's mutex, then this one (the run calls StreamSink methods with its mutex
   // held); never the other way round: run methods are called with mu_ released. gRPC calls
@@ -576,6 +614,59 @@ void IngestService::Unsubscribe(const std::string& run_id, AlertReceiver* receiv
   if (it == receivers_.end()) return;
   std::erase(it->second, receiver);
   if (it->second.empty()) receivers_.erase(it);
+}
+
+grpc::Status IngestService::TakeSlot(const std::string& identity, const std::string& peer) {
+  MutexLock lock(&slots_mu_);
+  if (open_ >= options_.max_streams) {
+    spdlog::warn("refusing a stream from {}: {} streams open (limits.max_streams)", peer, open_);
+    return {grpc::StatusCode::RESOURCE_EXHAUSTED, "too many open streams (limits.max_streams)"};
+  }
+  size_t& mine = open_by_identity_[identity];
+  if (mine >= options_.max_streams_per_identity) {
+    const std::string who = identity.empty() ? "callers without a policy" : identity;
+    spdlog::warn("refusing a stream from {}: {} has {} streams open (limits.max_streams_per_identity)", peer, who,
+                 mine);
+    return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+            who + " has " + std::to_string(mine) + " streams open (limits.max_streams_per_identity)"};
+  }
+  ++mine;
+  ++open_;
+  return grpc::Status::OK;
+}
+
+void IngestService::ReleaseSlot(const std::string& identity) {
+  MutexLock lock(&slots_mu_);
+  --open_;
+  const auto it = open_by_identity_.find(identity);
+  if (it != open_by_identity_.end() && --it->second == 0) open_by_identity_.erase(it);
+}
+
+void IngestService::AwaitHello(HelloWaiter* stream) {
+  MutexLock lock(&hello_mu_);
+  awaiting_hello_.push_back({std::chrono::steady_clock::now(), stream});
+  awaiting_index_[stream] = std::prev(awaiting_hello_.end());
+}
+
+void IngestService::HelloDone(HelloWaiter* stream) {
+  MutexLock lock(&hello_mu_);
+  const auto it = awaiting_index_.find(stream);
+  if (it == awaiting_index_.end()) return;
+  awaiting_hello_.erase(it->second);
+  awaiting_index_.erase(it);
+}
+
+size_t IngestService::CloseStreamsWithoutHello(std::chrono::steady_clock::time_point now) {
+  MutexLock lock(&hello_mu_);
+  size_t closed = 0;
+  while (!awaiting_hello_.empty() && now - awaiting_hello_.front().opened >= options_.hello_timeout) {
+    HelloWaiter* stream = awaiting_hello_.front().stream;
+    awaiting_index_.erase(stream);
+    awaiting_hello_.pop_front();
+    stream->CloseForNoHello();  // under hello_mu_: the stream's OnDone waits for it (HelloDone)
+    ++closed;
+  }
+  return closed;
 }
 
 grpc::ServerBidiReactor<v1::TrainerMessage, v1::DaemonMessage>* IngestService::Stream(

@@ -6,7 +6,9 @@
 // its own mutex held); a stream calls into its run only with its own mutex released.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
+#include <list>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -15,6 +17,7 @@
 #include "alerts/alert.h"
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "server/core/clock.h"
+#include "server/core/thread_annotations.h"
 #include "server/ingest/convert.h"
 #include "server/runs/daemon_stats.h"
 #include "server/runs/registry.h"
@@ -30,7 +33,21 @@ struct IngestOptions {
   // Answers waiting to be written on one stream before errors are dropped (acks coalesce).
   size_t max_queued_answers = 1024;
   HelloLimits hello;
+  // Streams open at once, and of one caller (its token's or certificate's name in the policy;
+  // without a policy, every caller is one). Only authenticated streams count: one refused by the
+  // policy is answered and closed without taking a slot.
   size_t max_streams = 4096;
+  size_t max_streams_per_identity = 4096;
+  // A stream that sends no Hello this long after it opens is closed (CloseStreamsWithoutHello).
+  std::chrono::milliseconds hello_timeout{30'000};
+};
+
+// A stream waiting for its Hello (IngestService::CloseStreamsWithoutHello).
+class HelloWaiter {
+ public:
+  virtual ~HelloWaiter() = default;
+  // Cancels the call: it sent no Hello in time.
+  virtual void CloseForNoHello() = 0;
 };
 
 // A stream that hears its run's alerts (IngestService::SendAlert).
@@ -62,6 +79,20 @@ class IngestService final : public v1::Ingest::CallbackService {
   void Subscribe(const std::string& run_id, AlertReceiver* receiver);
   void Unsubscribe(const std::string& run_id, AlertReceiver* receiver);
 
+  // Counts a new authenticated stream of `identity` against max_streams and
+  // max_streams_per_identity: OK, or RESOURCE_EXHAUSTED saying which limit. ReleaseSlot undoes an
+  // OK.
+  grpc::Status TakeSlot(const std::string& identity, const std::string& peer);
+  void ReleaseSlot(const std::string& identity);
+
+  // Streams wait for their Hello in the order they opened; a stream whose Hello came (or that
+  // ended) leaves the list. Thread-safe.
+  void AwaitHello(HelloWaiter* stream);
+  void HelloDone(HelloWaiter* stream);
+  // Closes the streams that opened more than hello_timeout before `now` without a Hello (the
+  // daemon's tick calls it); returns how many.
+  size_t CloseStreamsWithoutHello(std::chrono::steady_clock::time_point now);
+
  private:
   const IngestOptions options_;
   runs::RunRegistry* const registry_;
@@ -70,6 +101,18 @@ class IngestService final : public v1::Ingest::CallbackService {
   const Authorizer* authorizer_ = nullptr;
   std::mutex receivers_mu_;
   std::unordered_map<std::string, std::vector<AlertReceiver*>> receivers_;  // guarded by receivers_mu_
+
+  Mutex slots_mu_;
+  size_t open_ GUARDED_BY(slots_mu_) = 0;
+  std::unordered_map<std::string, size_t> open_by_identity_ GUARDED_BY(slots_mu_);
+
+  struct Waiting {
+    std::chrono::steady_clock::time_point opened;
+    HelloWaiter* stream;
+  };
+  Mutex hello_mu_;
+  std::list<Waiting> awaiting_hello_ GUARDED_BY(hello_mu_);  // in order of opening
+  std::unordered_map<HelloWaiter*, std::list<Waiting>::iterator> awaiting_index_ GUARDED_BY(hello_mu_);
 };
 
 }  // namespace gradwatch::ingest

@@ -11,13 +11,17 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
+#include <regex>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "client/lib/monitor.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/stream_client.h"
 #include "tests/support/test_certs.h"
 
 using namespace gradwatch::testing;
@@ -533,6 +537,10 @@ TEST_CASE("HTTPS /metrics with tokens: each wrong client refused with a reason, 
   r = Scrape(daemon, ca, "write-secret-5");
   CHECK(r.status == 403);
   CHECK(r.body == "GET /metrics: token writer has no 'read' scope\n");
+  // The scheme is case-insensitive (RFC 9110), as Go's and Prometheus' servers read it.
+  r = HttpsRequest("GET", "127.0.0.1", daemon.metrics_port(), "/metrics", ca, "",
+                   {{"Authorization", "bearer  scrape-secret-4"}});
+  CHECK(r.status == 200);
   r = Scrape(daemon, ca, "scrape-secret-4");
   REQUIRE(r.status == 200);
   CHECK_THAT(r.body, Catch::Contains("gradwatch_auth_refusals_total{reason=\"unauthenticated\"} 2") &&
@@ -617,4 +625,64 @@ TEST_CASE("the HTTP listener beyond loopback needs TLS or --insecure, and http_t
   DaemonProcess daemon(options);
   CHECK_THAT(daemon.ScrapeMetrics(), Catch::Contains("gradwatch_insecure_listener 0"));
   CHECK(Runs(daemon, {"--tls-ca", c("ca.pem")}).exit_code == 0);
+}
+
+TEST_CASE(
+    "streams the policy refuses take no slot, a silent stream is closed at the Hello deadline, and one caller "
+    "cannot take every slot",
+    "[integration][security]") {
+  // Found by a hostile pass: with tokens on and max_streams 4096, 4,200 Stream RPCs with no token
+  // and no message held every slot; a trainer with a valid token got RESOURCE_EXHAUSTED.
+  TempDir dir("gradwatch-stream-slots");
+  const auto tokens = dir.path() / "tokens.yaml";
+  std::ofstream(tokens) << TokensYaml();
+  DaemonOptions options;
+  options.config_yaml = "security: {tokens_file: " + tokens.string() +
+                        "}\nlimits: {max_streams: 6, max_streams_per_identity: 4, hello_timeout_seconds: 2}\n";
+  DaemonProcess daemon(options);
+
+  std::vector<std::unique_ptr<StreamClient>> silent;
+  for (int i = 0; i < 40; ++i) silent.push_back(std::make_unique<StreamClient>(daemon.grpc_target()));
+
+  const auto monitor = [&](const std::string& token, const std::string& run, uint32_t rank) {
+    gradwatch::client::MonitorOptions mo;
+    mo.address = daemon.grpc_target();
+    mo.tls.token = token;
+    mo.hello.set_run_id(run);
+    mo.hello.set_rank(rank);
+    mo.hello.set_world_size(8);
+    mo.initial_backoff = std::chrono::milliseconds(200);
+    mo.max_backoff = std::chrono::seconds(1);
+    auto m = std::make_unique<gradwatch::client::Monitor>(mo);
+    m->Start();
+    return m;
+  };
+  std::vector<std::unique_ptr<gradwatch::client::Monitor>> trainer;
+  for (uint32_t rank = 0; rank < 4; ++rank) {
+    trainer.push_back(monitor("trainer-secret-1", "pre-slots", rank));
+    REQUIRE(trainer.back()->WaitAccepted(std::chrono::seconds(30)));  // the 40 silent streams hold no slot
+  }
+  // A fifth stream of the same caller is refused, naming the limit; another caller still gets one.
+  auto fifth = monitor("trainer-secret-1", "pre-slots", 4);
+  CHECK(WaitUntil([&] { return fifth->Stats().last_error.find("max_streams_per_identity") != std::string::npos; },
+                  std::chrono::seconds(30)));
+  CHECK_FALSE(fifth->Stats().connected);
+  fifth->Stop();
+  auto admin = monitor("admin-secret-3", "adm-slots", 0);
+  CHECK(admin->WaitAccepted(std::chrono::seconds(30)));
+
+  // The silent streams are closed at the Hello deadline.
+  const auto closed = [&] {
+    const std::string log = daemon.LogText();
+    const std::regex line("closed ([0-9]+) stream\\(s\\) that sent no Hello within 2 s of opening");
+    int total = 0;
+    for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator(); ++it) {
+      total += std::stoi((*it)[1]);
+    }
+    return total;
+  };
+  CHECK(WaitUntil([&] { return closed() >= 40; }, std::chrono::seconds(60)));
+  CHECK(closed() == 40);  // the streams that sent their Hello were not
+  for (const auto& m : trainer) CHECK(m->Stats().connected);
+  CHECK_THAT(daemon.LogText(), Catch::Contains("refused opening a stream from") && Catch::Contains("no token"));
 }
