@@ -94,6 +94,12 @@ struct Config {
   };
   std::vector<RemoteWrite> remote_write;
 
+  // The HTTP listener's limits against slow and hostile clients (web::ServerOptions).
+  size_t http_max_connections = 256;
+  size_t http_max_connections_per_peer = 64;
+  double http_header_timeout_seconds = 10;
+  double http_idle_timeout_seconds = 60;
+
   // What /metrics shows per run beyond its scalars (exporter::ExportOptions).
   std::vector<std::string> metrics_params = {"key"};
   std::vector<std::string> metrics_slope_series = {"key"};

@@ -284,6 +284,12 @@ Status Daemon::Start() {
       }});
   web::ServerOptions http_options;
   http_options.listen = config_.metrics_listen;
+  http_options.max_connections = config_.http_max_connections;
+  http_options.max_connections_per_peer = config_.http_max_connections_per_peer;
+  http_options.header_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::duration<double>(config_.http_header_timeout_seconds));
+  http_options.idle_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::duration<double>(config_.http_idle_timeout_seconds));
   if (HttpTls(config_)) http_options.tls = {config_.tls_cert_file, config_.tls_key_file, config_.http_client_ca_file};
   // With security.metrics_require_token, every read on the HTTP listener (/metrics, the run view
   // and its API) needs a token or client certificate with the read scope.

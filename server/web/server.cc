@@ -13,6 +13,7 @@
 #include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/ssl.hpp>
 #include <boost/asio/strand.hpp>
@@ -27,8 +28,10 @@
 #include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <list>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 
 #include "server/core/openssl_error.h"
 #include "server/core/thread_annotations.h"
@@ -221,11 +224,25 @@ bool HasControlChars(std::string_view s) {
 }  // namespace
 
 struct Server::Impl {
+  // A connection as the accept loop sees it. `waiting`: no request in progress (idle, sending a
+  // head, or in its TLS handshake), since `since`; such a connection may be closed for a new one.
+  struct Conn {
+    std::string ip;
+    asio::any_io_executor executor;  // its strand
+    std::list<std::shared_ptr<Conn>>::iterator at;
+    std::chrono::steady_clock::time_point since;  // guarded by conns_mu, as are the two below
+    bool waiting = true;
+    bool evicted = false;
+    beast::tcp_stream* lowest = nullptr;  // its socket's stream; touched on its strand only
+  };
+
   // Declared before `io`: the connections it still holds when destroyed use them.
   ServerOptions options;
   std::vector<Route> routes;
   int port = 0;
-  std::atomic<size_t> connections{0};
+  Mutex conns_mu;
+  std::list<std::shared_ptr<Conn>> conns GUARDED_BY(conns_mu);  // in order of acceptance
+  std::unordered_map<std::string, size_t> conns_by_ip GUARDED_BY(conns_mu);
   Mutex tls_mu;
   std::shared_ptr<ssl::context> tls_context GUARDED_BY(tls_mu);
   std::string tls_stamp GUARDED_BY(tls_mu);
@@ -318,17 +335,39 @@ struct Server::Impl {
     co_return !ec;
   }
 
-  // Requests on one connection until it closes, idles out, or one asks to close.
+  void SetWaiting(Conn& conn, bool waiting) EXCLUDES(conns_mu) {
+    MutexLock lock(&conns_mu);
+    conn.waiting = waiting;
+    if (waiting) conn.since = std::chrono::steady_clock::now();
+  }
+
+  // Requests on one connection until it closes, idles out, is closed for a new one, or asks to
+  // close.
   template <class Stream>
-  asio::awaitable<void> Serve(Stream& stream, beast::flat_buffer& buffer, const std::string& peer,
+  asio::awaitable<void> Serve(Stream& stream, beast::flat_buffer& buffer, Conn& conn, const std::string& peer,
                               const std::string& identity, bool tls) {
+    auto& lowest = beast::get_lowest_layer(stream);
+    conn.lowest = &lowest;
     for (;;) {
       bhttp::request_parser<bhttp::string_body> parser;
       parser.header_limit(kMaxHeadBytes);
       parser.body_limit(options.max_body_bytes);
-      beast::get_lowest_layer(stream).expires_after(options.idle_timeout);
+      SetWaiting(conn, true);
       beast::error_code ec;
-      co_await bhttp::async_read(stream, buffer, parser, asio::redirect_error(asio::use_awaitable, ec));
+      if (buffer.size() == 0) {  // idle until the next request's first byte
+        lowest.expires_after(options.idle_timeout);
+        const size_t n = co_await stream.async_read_some(buffer.prepare(kMaxHeadBytes),
+                                                         asio::redirect_error(asio::use_awaitable, ec));
+        if (ec) break;
+        buffer.commit(n);
+      }
+      lowest.expires_after(options.header_timeout);  // then the whole head, at once
+      co_await bhttp::async_read_header(stream, buffer, parser, asio::redirect_error(asio::use_awaitable, ec));
+      if (!ec) {
+        lowest.expires_after(options.idle_timeout);
+        co_await bhttp::async_read(stream, buffer, parser, asio::redirect_error(asio::use_awaitable, ec));
+      }
+      if (!ec) SetWaiting(conn, false);  // a whole request: in progress until answered
       if (ec) {
         int status = 0;
         if (ec == bhttp::error::header_limit) status = 431;
@@ -365,16 +404,18 @@ struct Server::Impl {
     }
   }
 
-  asio::awaitable<void> Plain(beast::tcp_stream stream, beast::flat_buffer buffer, std::string peer) {
-    co_await Serve(stream, buffer, peer, "", false);
+  asio::awaitable<void> Plain(beast::tcp_stream stream, beast::flat_buffer buffer, Conn& conn, std::string peer) {
+    co_await Serve(stream, buffer, conn, peer, "", false);
+    conn.lowest = nullptr;
     beast::error_code ec;
     stream.socket().shutdown(tcp::socket::shutdown_send, ec);
   }
 
-  asio::awaitable<void> Tls(beast::tcp_stream tcp, beast::flat_buffer buffer, std::string peer,
+  asio::awaitable<void> Tls(beast::tcp_stream tcp, beast::flat_buffer buffer, Conn& conn, std::string peer,
                             std::shared_ptr<ssl::context> context) {
     beast::ssl_stream<beast::tcp_stream> stream(std::move(tcp), *context);
-    beast::get_lowest_layer(stream).expires_after(options.idle_timeout);
+    conn.lowest = &beast::get_lowest_layer(stream);
+    beast::get_lowest_layer(stream).expires_after(options.header_timeout);
     beast::error_code ec;
     const size_t used = co_await stream.async_handshake(ssl::stream_base::server, buffer.data(),
                                                         asio::redirect_error(asio::use_awaitable, ec));
@@ -387,31 +428,35 @@ struct Server::Impl {
     }
     buffer.consume(used);
     const std::string identity = ClientIdentity(stream.native_handle());
-    co_await Serve(stream, buffer, peer, identity, true);
+    co_await Serve(stream, buffer, conn, peer, identity, true);
     beast::get_lowest_layer(stream).expires_after(std::chrono::seconds(2));
     co_await stream.async_shutdown(asio::redirect_error(asio::use_awaitable, ec));
+    conn.lowest = nullptr;
   }
 
   // One connection: with TLS on, plain HTTP gets a 400 that says to use https://.
-  asio::awaitable<void> Connection(tcp::socket socket) {
-    struct Count {
-      std::atomic<size_t>& n;
-      ~Count() { n.fetch_sub(1); }
-    } count{connections};
+  asio::awaitable<void> Connection(tcp::socket socket, std::shared_ptr<Conn> conn) {
+    struct Leave {
+      Impl* impl;
+      std::shared_ptr<Conn> conn;
+      ~Leave() { impl->Forget(*conn); }
+    } leave{this, conn};
     beast::error_code ec;
     const tcp::endpoint remote = socket.remote_endpoint(ec);
     const std::string peer = ec ? std::string("?") : remote.address().to_string() + ":" + std::to_string(remote.port());
     beast::tcp_stream stream(std::move(socket));
     beast::flat_buffer buffer;
     if (!options.tls.enabled()) {
-      co_await Plain(std::move(stream), std::move(buffer), peer);
+      co_await Plain(std::move(stream), std::move(buffer), *conn, peer);
       co_return;
     }
-    stream.expires_after(options.idle_timeout);
+    conn->lowest = &stream;
+    stream.expires_after(options.header_timeout);
     const bool is_tls = co_await beast::async_detect_ssl(stream, buffer, asio::redirect_error(asio::use_awaitable, ec));
+    conn->lowest = nullptr;
     if (ec) co_return;
     if (is_tls) {
-      co_await Tls(std::move(stream), std::move(buffer), peer, CurrentTls());
+      co_await Tls(std::move(stream), std::move(buffer), *conn, peer, CurrentTls());
       co_return;
     }
     spdlog::info("HTTP: plain HTTP from {} on the TLS listener: answered 400", peer);
@@ -433,15 +478,69 @@ struct Server::Impl {
         spdlog::warn("HTTP: accept failed: {}", ec.message());
         continue;
       }
-      if (connections.fetch_add(1) >= options.max_connections) {
-        connections.fetch_sub(1);
-        spdlog::warn("HTTP: {} connections open (the most allowed): closed a new one", options.max_connections);
+      auto conn = std::make_shared<Conn>();
+      const tcp::endpoint remote = socket.remote_endpoint(ec);
+      conn->ip = ec ? std::string("?") : remote.address().to_string();
+      conn->executor = socket.get_executor();
+      if (!Admit(conn)) {
         socket.close(ec);
         continue;
       }
-      auto strand = socket.get_executor();
-      asio::co_spawn(strand, Connection(std::move(socket)), asio::detached);
+      asio::co_spawn(conn->executor, Connection(std::move(socket), conn), asio::detached);
     }
+  }
+
+  // Counts a new connection in, making room if it must (see the header); false when there is no
+  // room to make: every connection counted against the full limit has a request in progress.
+  bool Admit(const std::shared_ptr<Conn>& conn) EXCLUDES(conns_mu) {
+    std::shared_ptr<Conn> victim;
+    {
+      MutexLock lock(&conns_mu);
+      const auto mine = conns_by_ip.find(conn->ip);
+      const size_t from_peer = mine == conns_by_ip.end() ? 0 : mine->second;
+      const bool peer_full = from_peer >= options.max_connections_per_peer;
+      const bool full = conns.size() >= options.max_connections;
+      if (peer_full || full) {
+        for (const std::shared_ptr<Conn>& c : conns) {
+          if (!c->waiting || c->evicted || (peer_full && c->ip != conn->ip)) continue;
+          if (victim == nullptr || c->since < victim->since) victim = c;
+        }
+        if (victim == nullptr) {
+          spdlog::warn("HTTP: {} connections open{}, each with a request in progress: closed a new one from {}",
+                       peer_full ? from_peer : conns.size(),
+                       peer_full ? " from " + conn->ip + " (the most one address may hold)" : " (the most allowed)",
+                       conn->ip);
+          return false;
+        }
+        victim->evicted = true;
+      }
+      conn->since = std::chrono::steady_clock::now();
+      conns.push_back(conn);
+      conn->at = std::prev(conns.end());
+      ++conns_by_ip[conn->ip];
+    }
+    if (victim != nullptr) {
+      spdlog::debug("HTTP: closed a connection from {} that waited longest without a request, for a new one",
+                    victim->ip);
+      asio::post(victim->executor, [this, victim] {
+        {
+          MutexLock lock(&conns_mu);
+          if (!victim->waiting) {  // a request began meanwhile: it stays
+            victim->evicted = false;
+            return;
+          }
+        }
+        if (victim->lowest != nullptr) victim->lowest->cancel();
+      });
+    }
+    return true;
+  }
+
+  void Forget(Conn& conn) EXCLUDES(conns_mu) {
+    MutexLock lock(&conns_mu);
+    conns.erase(conn.at);
+    const auto it = conns_by_ip.find(conn.ip);
+    if (it != conns_by_ip.end() && --it->second == 0) conns_by_ip.erase(it);
   }
 };
 

@@ -8,9 +8,14 @@
 // connections without a restart, and connections already open keep theirs.
 //
 // Hostile clients: a request's head is limited to 16 KiB and its body to max_body_bytes (431 and
-// 413), a connection idle for idle_timeout or slower than write_timeout is closed, and at most
-// max_connections are open at once (more are closed as they arrive). Plain HTTP on a TLS listener
-// gets a 400 that says to use https://.
+// 413). A connection must send a request's whole head within header_timeout of its first byte
+// (and finish a TLS handshake as fast), as Go's ReadHeaderTimeout asks; it may idle between
+// requests for idle_timeout and be slower than write_timeout to read an answer, no longer. At most
+// max_connections are open at once, max_connections_per_peer from one address; a new connection
+// beyond either takes the place of the one (of that address, for the second) that has waited
+// longest without a request in progress (idle, or still sending a head or its handshake), so slow
+// clients cannot keep a scraper out, not even from the scraper's own address. Plain HTTP on a TLS
+// listener gets a 400 that says to use https://.
 #pragma once
 
 #include <chrono>
@@ -77,6 +82,8 @@ struct ServerOptions {
   TlsFiles tls;
   size_t max_body_bytes = 1 << 20;
   size_t max_connections = 256;
+  size_t max_connections_per_peer = 64;
+  std::chrono::milliseconds header_timeout{std::chrono::seconds(10)};
   std::chrono::milliseconds idle_timeout{std::chrono::seconds(60)};
   std::chrono::milliseconds write_timeout{std::chrono::seconds(60)};
 };

@@ -180,7 +180,7 @@ TEST_CASE("hostile requests get a status that says what is wrong, and the listen
   CHECK(HttpRequest("GET", "127.0.0.1", port, "/metrics").status == 200);
 }
 
-TEST_CASE("idle connections are closed, and connections beyond the limit are refused", "[web]") {
+TEST_CASE("slow and idle connections are closed, and make room for new ones beyond the limits", "[web]") {
   SECTION("idle") {
     web::ServerOptions options;
     options.idle_timeout = std::chrono::milliseconds(300);
@@ -189,32 +189,48 @@ TEST_CASE("idle connections are closed, and connections beyond the limit are ref
     idle.ReadUntilClosed();  // nothing sent: closed after the idle timeout
     CHECK(idle.closed());
   }
-  SECTION("beyond the limit") {
+  SECTION("a head sent a line at a time is cut at the header timeout") {
+    web::ServerOptions options;
+    options.header_timeout = std::chrono::milliseconds(500);
+    auto server = StartServer(options, {Echo("/metrics")});
+    Raw slow(server->port());
+    slow.Send("GET /metrics HTTP/1.1\r\n");
+    const auto started = std::chrono::steady_clock::now();
+    slow.ReadUntilClosed();
+    CHECK(slow.closed());
+    CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(60));  // not the 60 s idle timeout
+  }
+  SECTION("beyond the limit, a new connection takes the place of the one that waited longest") {
     web::ServerOptions options;
     options.max_connections = 2;
     auto server = StartServer(options, {Echo("/metrics")});
     const int port = server->port();
-    // Two idle connections take every place; a third, accepted after them, is closed at once
-    // without an answer.
-    auto a = std::make_unique<Raw>(port);
-    auto b = std::make_unique<Raw>(port);
-    Raw third(port);
-    third.Send("GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    const std::string reply = third.ReadUntilClosed();
-    CHECK(third.closed());
-    CHECK(reply.empty());
-    a.reset();
-    b.reset();
-    // Places free again once the server has seen them close.
-    int status = 0;
-    for (int i = 0; i < 400 && status != 200; ++i) {
-      try {
-        status = HttpRequest("GET", "127.0.0.1", port, "/metrics").status;
-      } catch (const std::exception&) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
+    Raw oldest(port);
+    Raw slow_body(port);  // a whole head, then a body that never comes: still no request in progress
+    slow_body.Send("POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab");
+    Raw third(port);  // keep-alive: it stays, idle once answered
+    third.Send("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    CHECK(third.ReadUntilClosed(std::chrono::milliseconds(500)).rfind("HTTP/1.1 200 OK", 0) == 0);
+    CHECK_FALSE(third.closed());
+    CHECK(oldest.ReadUntilClosed().empty());  // closed without a word for the third
+    CHECK(oldest.closed());
+    Raw fourth(port);  // the slow body has waited longer than the third: its turn
+    fourth.Send("GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    CHECK(fourth.ReadUntilClosed().rfind("HTTP/1.1 200 OK", 0) == 0);
+    slow_body.ReadUntilClosed();
+    CHECK(slow_body.closed());
+  }
+  SECTION("beyond the limit of one address, its own oldest makes room") {
+    web::ServerOptions options;
+    options.max_connections_per_peer = 3;
+    auto server = StartServer(options, {Echo("/metrics")});
+    std::vector<std::unique_ptr<Raw>> idle;
+    for (int i = 0; i < 3; ++i) idle.push_back(std::make_unique<Raw>(server->port()));
+    for (int scrape = 0; scrape < 5; ++scrape) {
+      CHECK(HttpRequest("GET", "127.0.0.1", server->port(), "/metrics").status == 200);
     }
-    CHECK(status == 200);
+    idle[0]->ReadUntilClosed();
+    CHECK(idle[0]->closed());
   }
 }
 
