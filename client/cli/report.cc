@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -42,6 +43,40 @@ std::string ShortName(std::string name, std::string_view prefix) {
   return name;
 }
 
+// MarkdownText, short.
+std::string Md(std::string_view text) { return MarkdownText(text); }
+
+}  // namespace
+
+std::string MarkdownText(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    switch (c) {
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '&': out += "&amp;"; break;
+      case '\n':
+      case '\r': out += ' '; break;
+      case '\\':
+      case '`':
+      case '*':
+      case '_':
+      case '[':
+      case ']':
+      case '|':
+      case '~':
+        out += '\\';
+        out += c;
+        break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+namespace {
+
 std::string RunStateName(v1::RunState state) { return ShortName(v1::RunState_Name(state), "RUN_STATE_"); }
 
 }  // namespace
@@ -51,26 +86,26 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   const v1::RunSummary& s = data.summary;
   const v1::Analysis& a = s.analysis();
   std::ostringstream md;
-  md << "# " << s.info().run_id() << ": what the gradients did\n\n";
+  md << "# " << Md(s.info().run_id()) << ": what the gradients did\n\n";
   md << "From gradwatchd at " << daemon << ": steps " << Step(s.info().first_step()) << " to "
      << Step(s.info().last_step()) << " (" << Step(s.info().step_count()) << " held), run "
      << RunStateName(s.info().state()) << ". Every number below is the daemon's analysis "
      << "(`gradwatch show " << s.info().run_id() << " --json`), rounded to three digits.\n\n";
   md << "![total grad norm](total-grad-norm.svg)\n\n";
-  if (!data.final_param.empty()) md << "![norm of " << data.final_param << "](final-norm.svg)\n\n";
+  if (!data.final_param.empty()) md << "![norm of " << Md(data.final_param) << "](final-norm.svg)\n\n";
   if (s.has_diagnosis()) {
     // The evidence every alert's words come from (the daemon's diagnosis).
-    md << "## Diagnosis at step " << Step(s.diagnosis().step()) << "\n\n" << s.diagnosis().text() << "\n\n";
-    if (!s.diagnosis().recommendation().empty()) md << s.diagnosis().recommendation() << "\n\n";
+    md << "## Diagnosis at step " << Step(s.diagnosis().step()) << "\n\n" << Md(s.diagnosis().text()) << "\n\n";
+    if (!s.diagnosis().recommendation().empty()) md << Md(s.diagnosis().recommendation()) << "\n\n";
   }
 
   md << "## What grew, and since when\n\n";
   bool grew = false;
   for (const auto& g : a.growth_without_decay()) {
     grew = true;
-    md << "- The norm of **" << g.param() << "** (weight decay 0) grew ×" << Num(g.growth_factor()) << " over the last "
-       << Step(g.window_steps()) << " steps, at " << Num(g.slope_per_kstep()) << " per 1k steps; it is now "
-       << Num(g.norm());
+    md << "- The norm of **" << Md(g.param()) << "** (weight decay 0) grew ×" << Num(g.growth_factor())
+       << " over the last " << Step(g.window_steps()) << " steps, at " << Num(g.slope_per_kstep())
+       << " per 1k steps; it is now " << Num(g.norm());
     if (std::isfinite(g.amplification())) md << ", " << Num(g.amplification()) << "× its initial norm";
     md << ".\n";
   }
@@ -84,10 +119,10 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
     }
     if (at != nullptr) {
       grew = true;
-      md << "- The norm of **" << data.final_param << "** had reached " << Num(at->value());
+      md << "- The norm of **" << Md(data.final_param) << "** had reached " << Num(at->value());
       if (std::isfinite(init) && init > 0)
         md << " (" << Num(at->value() / init) << "× its initial norm " << Num(init) << ")";
-      md << " before step " << Step(c.event_step()) << " (" << c.event_text() << "); the event changed its slope ×"
+      md << " before step " << Step(c.event_step()) << " (" << Md(c.event_text()) << "); the event changed its slope ×"
          << Num(c.ratio()) << ", from " << Num(c.before_per_kstep()) << " to " << Num(c.after_per_kstep())
          << " per 1k steps.\n";
     }
@@ -98,8 +133,9 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   int listed = 0;
   for (const auto& share : a.shares()) {
     if (listed++ == 5) break;
-    md << "- " << (share.is_group() ? "group " : "") << "**" << share.name() << "** carries " << Percent(share.share())
-       << " of the squared total grad norm (trend " << Num(share.slope_per_kstep() * 100) << " points per 1k steps).\n";
+    md << "- " << (share.is_group() ? "group " : "") << "**" << Md(share.name()) << "** carries "
+       << Percent(share.share()) << " of the squared total grad norm (trend " << Num(share.slope_per_kstep() * 100)
+       << " points per 1k steps).\n";
   }
   md << "\n## Amplification\n\n";
   if (a.amplifications().empty()) {
@@ -107,7 +143,7 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   } else {
     md << "| parameter | norm | initial norm | amplification |\n| --- | ---: | ---: | ---: |\n";
     for (const auto& amp : a.amplifications()) {
-      md << "| " << amp.param() << " | " << Num(amp.norm()) << " | " << Num(amp.init_norm()) << " | "
+      md << "| " << Md(amp.param()) << " | " << Num(amp.norm()) << " | " << Num(amp.init_norm()) << " | "
          << Num(amp.amplification()) << "× |\n";
     }
   }
@@ -118,7 +154,7 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
     md << "| series | event | before (per 1k steps) | after (per 1k steps) | ratio |\n| --- | --- | ---: | ---: | ---: "
           "|\n";
     for (const auto& c : a.slope_changes()) {
-      md << "| " << c.key() << " | step " << Step(c.event_step()) << ": " << c.event_text() << " | "
+      md << "| " << Md(c.key()) << " | step " << Step(c.event_step()) << ": " << Md(c.event_text()) << " | "
          << Num(c.before_per_kstep()) << " | " << Num(c.after_per_kstep()) << " | ×" << Num(c.ratio()) << " |\n";
     }
   }
@@ -126,8 +162,8 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   bool forecast = false;
   for (const auto& f : a.forecasts()) {
     forecast = true;
-    md << "- **" << f.key() << "** is " << Num(f.current_value()) << " against a threshold of " << Num(f.threshold())
-       << ": ";
+    md << "- **" << Md(f.key()) << "** is " << Num(f.current_value()) << " against a threshold of "
+       << Num(f.threshold()) << ": ";
     if (f.reachable()) {
       md << "at " << Num(f.slope_per_kstep()) << " per 1k steps it reaches it at step " << Step(f.at_step()) << ", "
          << Step(static_cast<uint64_t>(std::llround(f.steps_to_threshold()))) << " steps after the last one.\n";
@@ -140,7 +176,7 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
     md << "\n## Weight decay: what-if and remediations\n\n";
     for (const auto& p : a.projections()) {
       md << "- With weight decay " << Num(p.weight_decay()) << " from step " << Step(p.from_step()) << ", **"
-         << p.param() << "** goes from " << Num(p.norm_now()) << " to ~" << Num(p.norm()) << " by step "
+         << Md(p.param()) << "** goes from " << Num(p.norm_now()) << " to ~" << Num(p.norm()) << " by step "
          << Step(p.to_step());
       if (std::isfinite(p.equilibrium_norm())) {
         md << " (equilibrium ~" << Num(p.equilibrium_norm()) << ", time constant ~"
@@ -150,17 +186,17 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
         md << "; if the output layer's gradient scales with its norm, the total grad norm reaches ~"
            << Num(p.total_grad_norm());
       }
-      md << " (learning rate " << Num(p.learning_rate()) << (p.schedule().empty() ? " held" : " now, " + p.schedule())
-         << "; the update's " << (p.orthogonal_known() ? "radial and rotational parts" : "radial part")
-         << " held, the radial part " << (p.radial_known() ? "as the trainer reports it" : "from the norm's slope")
-         << ").\n";
+      md << " (learning rate " << Num(p.learning_rate())
+         << (p.schedule().empty() ? " held" : " now, " + Md(p.schedule())) << "; the update's "
+         << (p.orthogonal_known() ? "radial and rotational parts" : "radial part") << " held, the radial part "
+         << (p.radial_known() ? "as the trainer reports it" : "from the norm's slope") << ").\n";
     }
     for (const auto& r : a.remediations()) {
-      md << "- **" << r.param() << "**: weight decay " << Num(r.previous_weight_decay()) << " → "
+      md << "- **" << Md(r.param()) << "**: weight decay " << Num(r.previous_weight_decay()) << " → "
          << Num(r.weight_decay()) << " from step " << Step(r.step()) << " (norm " << Num(r.norm_at_step())
          << "); at step " << Step(r.at_step()) << " it is " << Num(r.actual_norm()) << " against ~"
          << Num(r.projected_norm()) << " projected and ~" << Num(r.unchanged_norm()) << " without the change: **"
-         << r.verdict() << "**.\n";
+         << Md(r.verdict()) << "**.\n";
     }
   }
   md << "\n## Alerts\n\n";
@@ -199,13 +235,13 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
     const v1::Alert& alert = entries[i].alert();
     if (alert.state() != v1::ALERT_STATE_FIRING) continue;
     ++fired;
-    md << "- **" << alert.name() << "** fired at step " << Step(alert.step()) << ", value " << Num(alert.value());
-    if (const std::string summary = annotation(alert, "summary"); !summary.empty()) md << ": " << summary;
+    md << "- **" << Md(alert.name()) << "** fired at step " << Step(alert.step()) << ", value " << Num(alert.value());
+    if (const std::string summary = annotation(alert, "summary"); !summary.empty()) md << ": " << Md(summary);
     const int j = next[static_cast<size_t>(i)];
     const v1::Alert* end = j < 0 ? nullptr : &entries[j].alert();
     if (end != nullptr && end->state() == v1::ALERT_STATE_RESOLVED) {
       md << ". Resolved at step " << Step(end->step());
-      if (const std::string summary = annotation(*end, "summary"); !summary.empty()) md << ": " << summary;
+      if (const std::string summary = annotation(*end, "summary"); !summary.empty()) md << ": " << Md(summary);
     } else {
       md << ". Still firing";
     }
@@ -214,8 +250,9 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   }
   for (const auto& alert : alerts.alerts()) {
     if (alert.state() != v1::ALERT_STATE_PENDING) continue;
-    md << "- **" << alert.name() << "** pending since step " << Step(alert.step()) << ", value " << Num(alert.value());
-    if (const std::string summary = annotation(alert, "summary"); !summary.empty()) md << ": " << summary;
+    md << "- **" << Md(alert.name()) << "** pending since step " << Step(alert.step()) << ", value "
+       << Num(alert.value());
+    if (const std::string summary = annotation(alert, "summary"); !summary.empty()) md << ": " << Md(summary);
     md << ".\n";
   }
   for (const auto& alert : alerts.alerts()) recommend(alert);
@@ -228,7 +265,7 @@ std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& ale
   }
   md << "\n## Recommendation\n\n";
   if (recommendations.empty()) md << "No alert carries a recommendation.\n";
-  for (const std::string& r : recommendations) md << "- " << r << "\n";
+  for (const std::string& r : recommendations) md << "- " << Md(r) << "\n";
   return md.str();
 }
 

@@ -7,6 +7,7 @@
 
 #include <ostream>
 #include <string>
+#include <string_view>
 
 #include "client/cli/options.h"
 #include "client/cli/plot.h"
@@ -14,7 +15,14 @@
 
 namespace gradwatch::cli {
 
-// The Markdown text of the report (its charts named as RunReport writes them).
+// Text from the run (names, event texts, summaries, the daemon's words) as literal Markdown:
+// HTML's specials become entities and Markdown's emphasis, code, link and table punctuation is
+// backslash-escaped, line breaks become spaces. No name can open a tag, a link or a table cell,
+// whatever renderer reads report.md.
+std::string MarkdownText(std::string_view text);
+
+// The Markdown text of the report (its charts named as RunReport writes them); every text from
+// the run goes through MarkdownText.
 std::string RenderReport(const PlotData& data, const v1::ListAlertsResponse& alerts,
                          const v1::ListAlertHistoryResponse& history, const std::string& daemon);
 

@@ -11,7 +11,10 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "client/cli/format.h"
+#include "client/cli/report.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
@@ -133,7 +136,7 @@ TEST_CASE("gradwatch report writes the incident up from the analysis, every numb
   CHECK(std::filesystem::file_size(out / "total-grad-norm.svg") > 1000);
   CHECK(std::filesystem::file_size(out / "final-norm.svg") > 1000);
   CHECK_THAT(md, Catch::Contains("![total grad norm](total-grad-norm.svg)") &&
-                     Catch::Contains("![norm of final_norm.weight](final-norm.svg)"));
+                     Catch::Contains("![norm of final\\_norm.weight](final-norm.svg)"));
 
   const v1::RunSummary summary = incident.Summary();
   const v1::Analysis& a = summary.analysis();
@@ -150,15 +153,16 @@ TEST_CASE("gradwatch report writes the incident up from the analysis, every numb
   CHECK(found);
   // The parameter that dominates the grad norm.
   REQUIRE(a.shares_size() > 0);
-  CHECK_THAT(md, Catch::Contains("**" + a.shares(0).name() + "** carries " + Num(a.shares(0).share() * 100) + " %"));
+  CHECK_THAT(md, Catch::Contains("**" + cli::MarkdownText(a.shares(0).name()) + "** carries " +
+                                 Num(a.shares(0).share() * 100) + " %"));
   // Amplification, growth without decay, the forecast.
   for (const auto& amp : a.amplifications()) {
-    CHECK_THAT(md, Catch::Contains("| " + amp.param() + " | " + Num(amp.norm()) + " | " + Num(amp.init_norm()) + " | " +
-                                   Num(amp.amplification()) + "× |"));
+    CHECK_THAT(md, Catch::Contains("| " + cli::MarkdownText(amp.param()) + " | " + Num(amp.norm()) + " | " +
+                                   Num(amp.init_norm()) + " | " + Num(amp.amplification()) + "× |"));
   }
   REQUIRE(a.growth_without_decay_size() > 0);
-  CHECK_THAT(md, Catch::Contains("The norm of **" + a.growth_without_decay(0).param() + "** (weight decay 0) grew ×" +
-                                 Num(a.growth_without_decay(0).growth_factor())));
+  CHECK_THAT(md, Catch::Contains("The norm of **" + cli::MarkdownText(a.growth_without_decay(0).param()) +
+                                 "** (weight decay 0) grew ×" + Num(a.growth_without_decay(0).growth_factor())));
   for (const auto& f : a.forecasts()) {
     if (f.key() != "grad/norm/total") continue;
     CHECK_THAT(md, Catch::Contains("**grad/norm/total** is " + Num(f.current_value()) + " against a threshold of " +
@@ -171,12 +175,12 @@ TEST_CASE("gradwatch report writes the incident up from the analysis, every numb
   for (const auto& e : history.entries()) {
     if (e.alert().state() != v1::ALERT_STATE_FIRING) continue;
     ++fired;
-    CHECK_THAT(md,
-               Catch::Contains("- **" + e.alert().name() + "** fired at step " + Step(e.alert().step()) + ", value " +
-                               Num(e.alert().value()) + ": " + Annotation(e.alert(), "summary") + ". Still firing."));
+    CHECK_THAT(md, Catch::Contains("- **" + cli::MarkdownText(e.alert().name()) + "** fired at step " +
+                                   Step(e.alert().step()) + ", value " + Num(e.alert().value()) + ": " +
+                                   cli::MarkdownText(Annotation(e.alert(), "summary")) + ". Still firing."));
   }
   CHECK(fired >= 2);
-  CHECK_THAT(md, Catch::Contains("## Recommendation\n\n- final_norm.weight has weight decay 0"));
+  CHECK_THAT(md, Catch::Contains("## Recommendation\n\n- final\\_norm.weight has weight decay 0"));
 }
 
 TEST_CASE("gradwatch report lists the alerts that fired and resolved, from the alert history", "[integration]") {
@@ -221,8 +225,47 @@ TEST_CASE("gradwatch report lists the alerts that fired and resolved, from the a
   const std::string md = ReadFile(out / "report.md");
   INFO(md);
   CHECK_THAT(md, Catch::Contains("- **GradNormContingency** fired at step " + Step(fired.step()) + ", value " +
-                                 Num(fired.value()) + ": " + Annotation(fired, "summary") + ". Resolved at step " +
-                                 Step(resolved.step()) + ": " + Annotation(resolved, "summary") + "."));
+                                 Num(fired.value()) + ": " + cli::MarkdownText(Annotation(fired, "summary")) +
+                                 ". Resolved at step " + Step(resolved.step()) + ": " +
+                                 cli::MarkdownText(Annotation(resolved, "summary")) + "."));
   CHECK_THAT(md, Catch::Contains("Total grad norm back to"));
   CHECK_THAT(md, Catch::Contains("## Recommendation\n\n- "));
+}
+
+TEST_CASE("gradwatch report writes names as text: markup in a parameter's name or an event renders as itself",
+          "[integration]") {
+  // Found by a hostile pass: a parameter named with an <img onerror> and a <script> went raw into
+  // report.md, which Markdown renderers that pass HTML render.
+  TempDir dir("gradwatch-report-markup");
+  const std::string hostile = "lm_head\"><img src=x onerror=alert(1)><script>alert(2)</script>";
+  const auto path = dir.path() / "run.jsonl";
+  {
+    std::ofstream out(path);
+    const nlohmann::json header = {{"run", "markup"},
+                                   {"params", {{{"name", hostile}, {"kind", "output"}, {"weight_decay", 0.1}}}}};
+    out << header.dump() << "\n";
+    for (int step = 1; step <= 300; ++step) {
+      nlohmann::json line = {{"_step", step}, {"grad/norm/total", 1.0 + step * 0.001}};
+      line["grad/norm/" + hostile] = 1.0 + step * 0.001;
+      if (step == 150) line["event"] = "[click](javascript:alert(3)) | <b>bold</b>";
+      out << line.dump() << "\n";
+    }
+  }
+  DaemonProcess daemon;
+  CommandResult r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", path.string(), "--max"},
+                               std::nullopt, std::chrono::seconds(120));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const auto out = dir.path() / "report";
+  r = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "report", "markup", "-o", out.string()},
+                 std::nullopt, std::chrono::seconds(120));
+  REQUIRE(r.exit_code == 0);
+  const std::string md = ReadFile(out / "report.md");
+  INFO(md);
+  CHECK(md.find("<img") == std::string::npos);
+  CHECK(md.find("<script") == std::string::npos);
+  CHECK(md.find("<b>") == std::string::npos);
+  CHECK(md.find("[click](") == std::string::npos);  // escaped when shown: never a link
+  CHECK_THAT(md, Catch::Contains(
+                     "**lm\\_head\"&gt;&lt;img src=x onerror=alert(1)&gt;&lt;script&gt;alert(2)&lt;/script&gt;**"));
 }
