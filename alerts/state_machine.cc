@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -118,6 +119,14 @@ std::string NoLongerJudgedSummary(const Rule& rule, const LabelSet& labels, cons
   for (const char* label : {"param", "series", "group"}) {
     if (auto it = labels.find(label); it != labels.end() && who.empty()) who = it->second;
   }
+  if (auto event = labels.find("event_step"); event != labels.end() && !who.empty()) {
+    uint64_t at = 0;
+    const auto [end, ec] = std::from_chars(event->second.data(), event->second.data() + event->second.size(), at);
+    if (ec == std::errc() && end == event->second.data() + event->second.size()) {
+      who = "the slope change of " + who + " at step " + FormatStep(at);
+    }
+  }
+  if (why.empty() && rule.kind == RuleKind::kSlopeChange) why = "its slopes are no longer measured around the event";
   if (auto param = labels.find("param"); param != labels.end()) {
     for (const ParamFact& p : facts.params) {
       if (p.info.name != param->second) continue;

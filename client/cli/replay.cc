@@ -163,6 +163,20 @@ json ReplaySummaryToJson(const ReplaySummary& s) {
   };
 }
 
+namespace {
+
+// Errors that refused something for good: a STORAGE_UNAVAILABLE refusal is retried, and once
+// every step is acknowledged it cost nothing.
+uint64_t PermanentErrors(const ReplaySummary& s) {
+  uint64_t n = 0;
+  for (const auto& [reason, count] : s.daemon_errors) {
+    if (reason != v1::ErrorReason_Name(v1::ERROR_REASON_STORAGE_UNAVAILABLE)) n += count;
+  }
+  return n;
+}
+
+}  // namespace
+
 std::string FormatReplaySummaryLine(const ReplaySummary& s) {
   std::string line = "replayed " + s.file + " as run " + s.run + ": " + StepCountText(s.steps_sent);
   if (s.already_held_steps > 0) line += " (" + FormatStepCount(s.already_held_steps) + " already held)";
@@ -180,7 +194,11 @@ std::string FormatReplaySummaryLine(const ReplaySummary& s) {
   }
   uint64_t errors = 0;
   for (const auto& [reason, count] : s.daemon_errors) errors += count;
-  if (errors > 0) line += "; " + FormatStepCount(errors) + (errors == 1 ? " daemon error" : " daemon errors");
+  if (errors > 0) {
+    const uint64_t retried = errors - PermanentErrors(s);
+    line += "; " + FormatStepCount(errors) + (errors == 1 ? " daemon error" : " daemon errors");
+    if (retried > 0) line += " (" + FormatStepCount(retried) + " retried: the daemon could not store for a while)";
+  }
   return line;
 }
 
@@ -610,8 +628,8 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
       err << "gradwatch: the daemon at " << t->address << " did not confirm the end of run " << ts.run
           << (stats.last_error.empty() ? "" : " (last error: " + stats.last_error + ")") << "\n";
       any_failure = true;
-    } else if (ts.skipped_lines > 0 || !ts.daemon_errors.empty()) {
-      any_partial = true;
+    } else if (ts.skipped_lines > 0 || PermanentErrors(ts) > 0) {
+      any_partial = true;  // a retried refusal (the daemon could not store for a while) lost nothing
     }
   }
   if (global.json) out << (several ? json_daemons : json_daemons.front()).dump(2) << "\n";

@@ -218,8 +218,25 @@ TEST_CASE("a full disk: nothing is acked that is not committed, and ingest recov
   CHECK(Metric(daemon, "gradwatch_journal_storage_faults_total") >= 1.0);
   CHECK(Metric(daemon, "gradwatch_journal_failed_commits_total") >= 1.0);
 
+  // A replay that meets the full disk and outlasts it: the refused steps are sent again, and once
+  // all are acknowledged it exits 0, saying the refusals were retried.
+  const double refused_before =
+      Metric(daemon, "gradwatch_ingest_errors_total", {{"reason", "storage_unavailable"}}).value_or(0);
+  BackgroundCommand patient(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "replay", file, "--max", "--stall-timeout", "300"});
+  REQUIRE(WaitUntil(
+      [&] {
+        return Metric(daemon, "gradwatch_ingest_errors_total", {{"reason", "storage_unavailable"}}).value_or(0) >
+               refused_before;
+      },
+      std::chrono::seconds(60)));
+
   // Space comes back: the held commit goes through, ingest serves again, the replay completes.
   std::filesystem::remove(data / "filler");
+  const CommandResult outlasted = patient.Wait(std::chrono::seconds(300));
+  INFO(outlasted.out << outlasted.err);
+  CHECK(outlasted.exit_code == 0);
+  CHECK_THAT(outlasted.out, Catch::Contains("all acknowledged") && Catch::Contains("retried"));
   REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_storage_healthy") == 1.0; }));
   CHECK(WaitUntil([&] { return HealthStatus(daemon.grpc_target(), kIngest) == "SERVING"; }));
   const CommandResult replay = Cli(daemon, {"replay", file, "--max", "--json"});

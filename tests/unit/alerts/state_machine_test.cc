@@ -822,3 +822,45 @@ TEST_CASE("a growth alert whose parameter got weight decay resolves saying so, n
         "Growing resolved at step 110 in run r1: final_norm.weight is no longer judged by this rule (its weight decay "
         "is now 0.1, above the rule's 0)");
 }
+
+TEST_CASE("a slope change that resolves speaks of its event and numbers, whether it cleared or vanished", "[alerts]") {
+  // Found by a hostile pass: "slope change at step  now ×, below ×" (empty fields).
+  for (const bool vanishes : {false, true}) {
+    INFO((vanishes ? "the fact vanishes" : "the ratio falls"));
+    AlertEngine engine({DefaultRule("GradNormSlopeChangeAtEvent")});
+    const auto facts = [](uint64_t step, double ratio, bool with_fact) {
+      RunFacts f = Step(step, 2.0);
+      if (with_fact) {
+        SlopeChangeFact s;
+        s.key = "grad/norm/total";
+        s.event_step = 1000;
+        s.event_text = "switched routing";
+        s.before_per_kstep = 0.1;
+        s.after_per_kstep = 0.1 * ratio;
+        s.ratio = ratio;
+        s.after_samples = 500;
+        f.slope_changes.push_back(s);
+      }
+      return f;
+    };
+    std::vector<Transition> all;
+    for (uint64_t step = 1300; step < 1400; ++step) {
+      for (Transition& t : engine.EvaluateStep(facts(step, 3.0, true), kT0 + static_cast<double>(step))) {
+        all.push_back(std::move(t));
+      }
+    }
+    REQUIRE(StepOf(all, AlertState::kFiring));
+    std::optional<Transition> resolved;
+    for (uint64_t step = 1400; step < 1600 && !resolved; ++step) {
+      for (Transition& t : engine.EvaluateStep(facts(step, 1.0, !vanishes), kT0 + static_cast<double>(step))) {
+        if (t.to == AlertState::kResolved) resolved = t;
+      }
+    }
+    REQUIRE(resolved);
+    const std::string summary = resolved->alert.annotations.at("summary");
+    INFO(summary);
+    CHECK(summary.find("  ") == std::string::npos);
+    CHECK(summary.find("×,") == std::string::npos);
+    CHECK(summary.find("step 1,000") != std::string::npos);
+  }
+}
