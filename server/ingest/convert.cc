@@ -14,6 +14,8 @@ namespace {
 constexpr size_t kMaxParamName = 256;
 constexpr size_t kMaxEventText = 1024;
 constexpr size_t kMaxLabelBytes = 1024;
+// Labels become label names on /metrics and ride on every alert: a handful is what a run needs.
+constexpr size_t kMaxLabels = 64;
 
 // Prometheus's label name syntax, [a-zA-Z_][a-zA-Z0-9_]*, without the reserved "__" prefix: run
 // labels become label names on /metrics (the alerts' labels).
@@ -121,6 +123,11 @@ std::optional<IngestError> HelloFromProto(const v1::Hello& in, const HelloLimits
     return IngestError{IngestErrorReason::kLimitExceeded, "catalog has " + std::to_string(in.params_size()) +
                                                               " parameters; the limit is " +
                                                               std::to_string(limits.max_params)};
+  }
+  if (static_cast<size_t>(in.labels_size()) > kMaxLabels) {
+    return IngestError{IngestErrorReason::kLimitExceeded, "a run has at most " + std::to_string(kMaxLabels) +
+                                                              " labels; this Hello has " +
+                                                              std::to_string(in.labels_size())};
   }
   for (const auto& [k, v] : in.labels()) {
     if (k.empty() || k.size() > kMaxLabelBytes || v.size() > kMaxLabelBytes) {

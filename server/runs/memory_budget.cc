@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 namespace gradwatch::runs {
 
 namespace {
@@ -14,7 +16,19 @@ constexpr uint64_t kBytesPerParam = 4096;
 // Each name is held about eight times (catalog entries, series keys, map keys).
 constexpr uint64_t kNameCopies = 8;
 
+// A rank's state in its run (Run's RankState with an empty last report, and its
+// StepAssembler contributor entry), rounded up; run.cc checks sizeof(RankState) against it.
+constexpr uint64_t kBytesPerRank = 320;
+
 }  // namespace
+
+uint64_t MemoryBudget::WorldBytes(const RunMeta& meta, size_t max_pending_steps) {
+  const uint64_t world = std::max<uint32_t>(1, meta.world_size);
+  uint64_t bytes = world * kBytesPerRank;
+  if (world > 32) bytes += (world + 63) / 64 * 8 * max_pending_steps;  // PendingStep::rank_bits
+  for (const auto& [key, value] : meta.labels) bytes += kNameCopies * (key.size() + value.size());
+  return bytes;
+}
 
 bool MemoryBudget::TryCharge(uint64_t bytes) {
   uint64_t used = used_.load(std::memory_order_relaxed);

@@ -36,6 +36,10 @@ class MemoryBudget {
   // What a catalog of params[first..] costs a run before any of them reports: the entries, their
   // names, their three series and their analytics state, all of it still empty.
   static uint64_t CatalogBytes(const std::vector<ParamInfo>& params, size_t first = 0);
+  // What a run of `meta` costs before any step, beyond its catalog (CatalogBytes): its state per
+  // rank of the world, a rank set per pending step at most (`max_pending_steps`, once more than
+  // a few ranks report a step) and its labels. A world of 2^20 ranks is hundreds of MiB.
+  static uint64_t WorldBytes(const RunMeta& meta, size_t max_pending_steps);
   // The default limit: a quarter of the machine's physical memory (sysconf), or 4 GiB when it
   // cannot be read.
   static uint64_t DefaultLimitBytes();

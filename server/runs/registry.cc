@@ -23,11 +23,13 @@ class RunRegistry::Loader final : public store::JournalVisitor {
       ++archived;
       return false;
     }
-    const uint64_t bytes = MemoryBudget::CatalogBytes(meta.params);
+    const uint64_t bytes =
+        MemoryBudget::CatalogBytes(meta.params) + MemoryBudget::WorldBytes(meta, registry_.options_.max_pending_steps);
     MemoryBudget* budget = registry_.options_.budget;
     if (budget != nullptr && !budget->TryCharge(bytes)) {
-      Skip(meta.run_id, "its catalog of " + std::to_string(meta.params.size()) + " parameters needs about " +
-                            std::to_string(bytes) + " bytes, beyond the memory budget (limits.memory_budget_bytes " +
+      Skip(meta.run_id, "its catalog of " + std::to_string(meta.params.size()) + " parameters and world of " +
+                            std::to_string(meta.world_size) + " ranks need about " + std::to_string(bytes) +
+                            " bytes, beyond the memory budget (limits.memory_budget_bytes " +
                             std::to_string(budget->limit()) + ", " + std::to_string(budget->used()) + " in use)");
       return false;
     }
@@ -289,13 +291,15 @@ std::shared_ptr<Run> RunRegistry::AttachOnce(const RunMeta& hello, uint32_t rank
       }
       if (!run) {
         // Charged before anything of the run is allocated or journaled.
-        const uint64_t bytes = MemoryBudget::CatalogBytes(hello.params);
+        const uint64_t bytes =
+            MemoryBudget::CatalogBytes(hello.params) + MemoryBudget::WorldBytes(hello, options_.max_pending_steps);
         if (options_.budget != nullptr && !options_.budget->TryCharge(bytes)) {
           *error = {IngestErrorReason::kLimitExceeded,
-                    "a catalog of " + std::to_string(hello.params.size()) + " parameters needs about " +
-                        std::to_string(bytes) + " bytes, beyond the daemon's memory budget " +
-                        "(limits.memory_budget_bytes " + std::to_string(options_.budget->limit()) + ", " +
-                        std::to_string(options_.budget->used()) + " in use)"};
+                    "a catalog of " + std::to_string(hello.params.size()) + " parameters and a world of " +
+                        std::to_string(hello.world_size) + " ranks need about " + std::to_string(bytes) +
+                        " bytes, beyond the daemon's memory budget " + "(limits.memory_budget_bytes " +
+                        std::to_string(options_.budget->limit()) + ", " + std::to_string(options_.budget->used()) +
+                        " in use)"};
           return nullptr;
         }
         RunMeta meta = hello;

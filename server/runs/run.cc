@@ -68,6 +68,8 @@ Run::Run(RunMeta meta, const RunOptions& options, store::Journal* journal, Daemo
       forecasts_(options.analytics.forecasts),
       last_activity_(clock->Now()),
       last_step_seen_(clock->Now()) {
+  // MemoryBudget::WorldBytes charges 320 bytes a rank for this and its assembler entry.
+  static_assert(sizeof(RankState) <= 300, "MemoryBudget::WorldBytes' kBytesPerRank no longer covers a rank");
   std::vector<ParamInfo> params = std::move(meta.params);
   meta.params.clear();
   meta_ = std::move(meta);
@@ -471,7 +473,7 @@ bool Run::MustHoldLocked(uint32_t rank, uint64_t step) const {
   if (!assembler_.FullFor(step)) return false;
   const PendingStep& oldest = assembler_.oldest();
   for (uint32_t r = 0; r < ranks_.size(); ++r) {
-    if (r == rank || (r < oldest.rank_seen.size() && oldest.rank_seen[r])) continue;
+    if (r == rank || (r < oldest.world && oldest.Seen(r))) continue;
     // Ranks report in step order: one that reported a later step will never report this one.
     const RankState& rs = ranks_[r];
     if (!rs.has_received || rs.last_received < oldest.step) return true;

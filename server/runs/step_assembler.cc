@@ -10,7 +10,8 @@ void PendingStep::Reset(uint64_t new_step, SteadyTime now, uint32_t world_size, 
   wall_time = 0;
   ranks_reported = 0;
   partial = false;
-  rank_seen.assign(world_size, 0);
+  world = world_size;
+  rank_bits.clear();
   contributors.clear();
   total_grad = {};
   loss_sum = z_loss_sum = lr_sum = 0;
@@ -25,9 +26,14 @@ void PendingStep::Reset(uint64_t new_step, SteadyTime now, uint32_t world_size, 
 }
 
 void PendingStep::Accumulate(uint32_t rank, const RankStep& r) {
-  rank_seen[rank] = 1;
   ++ranks_reported;
   contributors.emplace_back(rank, r.seq);
+  if (rank_bits.empty() && contributors.size() > kSparseRanks) {
+    rank_bits.assign((static_cast<size_t>(world) + 63) / 64, 0);
+    for (const auto& [seen, seq] : contributors) rank_bits[seen / 64] |= uint64_t{1} << (seen % 64);
+  } else if (!rank_bits.empty()) {
+    rank_bits[rank / 64] |= uint64_t{1} << (rank % 64);
+  }
   wall_time = std::max(wall_time, r.wall_time);
   if (r.total_grad.present) {
     total_grad.present = true;

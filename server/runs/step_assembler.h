@@ -25,8 +25,19 @@ struct PendingStep {
   double wall_time = 0;  // the latest wall time any rank reported
   uint32_t ranks_reported = 0;
   bool partial = false;                                     // set when completed without every rank
-  std::vector<uint8_t> rank_seen;                           // per rank
-  std::vector<std::pair<uint32_t, uint64_t>> contributors;  // (rank, seq)
+  std::vector<std::pair<uint32_t, uint64_t>> contributors;  // (rank, seq), in order of arrival
+  // Which ranks reported: `contributors` while at most kSparseRanks did (a scan), then a bitset of
+  // the world, so that a large world with few ranks reporting holds no world-sized array per
+  // pending step.
+  static constexpr uint32_t kSparseRanks = 32;
+  uint32_t world = 1;
+  std::vector<uint64_t> rank_bits;  // empty while sparse
+  bool Seen(uint32_t rank) const {
+    if (rank_bits.empty()) {
+      return std::any_of(contributors.begin(), contributors.end(), [rank](const auto& c) { return c.first == rank; });
+    }
+    return (rank_bits[rank / 64] >> (rank % 64)) & 1;
+  }
 
   NormContribution total_grad;  // summed squares
   double loss_sum = 0, z_loss_sum = 0, lr_sum = 0;
@@ -135,7 +146,7 @@ template <typename OnComplete>
 AddResult StepAssembler::Add(uint32_t rank, const RankStep& report, SteadyTime now, OnComplete&& on_complete) {
   if (has_completed_ && report.step <= last_completed_step_) return AddResult::kLate;
   PendingStep* p = FindOrInsert(report.step, now);
-  if (p->rank_seen[rank]) return AddResult::kDuplicate;
+  if (p->Seen(rank)) return AddResult::kDuplicate;
   p->Accumulate(rank, report);
   if (p->ranks_reported == world_size_) {
     // Every step before it can no longer get reports: complete them (partial) and then it.

@@ -277,6 +277,41 @@ TEST_CASE("a replay of a file with no step creates no run and fails", "[integrat
   CHECK(ListRuns(daemon.grpc_target()).empty());
 }
 
+TEST_CASE("a world of 2^20 ranks is charged to the memory budget, and few ranks reporting hold no world-sized arrays",
+          "[integration]") {
+  // Found by a hostile pass: world size 2^20 with one rank reporting took RSS from 22.6 MB to
+  // 2.88 GB over 3 runs under a 64 MiB budget, which showed 0 bytes used.
+  DaemonOptions options;
+  options.config_yaml = "limits: {memory_budget_bytes: 67108864}\n";
+  DaemonProcess daemon(options);
+  {
+    StreamClient huge(daemon.grpc_target());
+    REQUIRE(huge.Hello(MakeHello("world-2-20", 0, 1u << 20, {{"final_norm.weight", v1::PARAM_KIND_NORM_GAIN}}), 1));
+    const v1::Error error = huge.WaitError(1);
+    CHECK(error.reason() == v1::ERROR_REASON_LIMIT_EXCEEDED);
+    CHECK_THAT(error.message(),
+               Catch::Contains("a world of 1048576 ranks") && Catch::Contains("limits.memory_budget_bytes"));
+  }
+  // A world of 65,536 fits (about 28 MiB charged); one rank reports 3,000 steps that all wait for
+  // the others: 1,024 pending steps, none with a world-sized array.
+  const uint64_t rss_before = PeakRssBytes(daemon.pid());
+  StreamClient one(daemon.grpc_target());
+  REQUIRE(one.Hello(MakeHello("world-2-16", 0, 1u << 16, {{"final_norm.weight", v1::PARAM_KIND_NORM_GAIN}}), 1));
+  one.WaitAccepted();
+  const double used = ParseMetric(daemon.ScrapeMetrics(), "gradwatch_memory_budget_used_bytes").value_or(0);
+  CHECK(used > 20.0 * (1 << 20));
+  for (uint64_t step = 1; step <= 3000; ++step) {
+    v1::TrainerMessage m;
+    m.set_seq(step + 1);
+    *m.mutable_step() = GradStep(step, 0, 0.5);
+    REQUIRE(one.Send(m));
+  }
+  // The run holds back once 1,024 steps wait (back-pressure): wait for the reads to settle.
+  REQUIRE(WaitUntil(
+      [&] { return ParseMetric(daemon.ScrapeMetrics(), "gradwatch_ingest_held_reports_total").value_or(0) > 0; }));
+  CHECK(PeakRssBytes(daemon.pid()) - rss_before < kRssScale * (64u << 20));
+}
+
 namespace {
 
 // `count` loopback connections to `port` that never finish a request: half send a request line
