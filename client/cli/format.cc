@@ -598,7 +598,12 @@ std::string FormatRunSummary(const v1::RunSummary& summary, double now) {
     out << Indent(FormatTable(rows), "  ");
   }
 
-  out << "\nevents (" << summary.events_size() << ")\n";
+  // The daemon lists the latest events (GetRunRequest.max_events) and counts them all.
+  const uint64_t event_count = std::max<uint64_t>(summary.event_count(), summary.events_size());
+  out << "\nevents (" << event_count;
+  if (event_count > static_cast<uint64_t>(summary.events_size()))
+    out << ", the latest " << summary.events_size() << " shown";
+  out << ")\n";
   if (summary.events().empty()) {
     out << "  -\n";
   } else {

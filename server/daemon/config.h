@@ -23,6 +23,8 @@ struct Config {
   size_t max_runs = 256;
   size_t max_params_per_run = 65536;
   size_t max_series_per_run = 262144;
+  // Events (trainer events, annotations, catalog changes) one run holds at most.
+  size_t max_events_per_run = 10000;
   size_t max_streams = 4096;
   // Streams one caller (a token's or certificate's name in the policy) may hold open: a job, or a
   // runaway client, cannot take every slot from the others. Streams the policy refuses hold none.

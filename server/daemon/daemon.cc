@@ -103,6 +103,7 @@ Status Daemon::Start() {
   run_options.param_series.history_buckets = config_.param_history_buckets;
   run_options.max_params = config_.max_params_per_run;
   run_options.max_series = config_.max_series_per_run;
+  run_options.max_events = config_.max_events_per_run;
   run_options.end_after = Seconds(config_.run_end_after_seconds);
   run_options.retention = Seconds(config_.run_retention_seconds);
   run_options.analytics.windows = config_.slope_windows;

@@ -183,6 +183,16 @@ web::Response Api(const ingest::QuerySources& sources, const web::Request& reque
     if (series) return Series(sources, *run, request);
     v1::GetRunRequest q;
     q.set_run_id(*run);
+    // The view reloads the run every few seconds: the latest 200 events by default (?events=N).
+    q.set_max_events(200);
+    if (const auto events = QueryParam(request.query, "events")) {
+      uint32_t n = 0;
+      const auto [end, ec] = std::from_chars(events->data(), events->data() + events->size(), n);
+      if (ec != std::errc() || end != events->data() + events->size() || n == 0) {
+        return JsonError(400, "INVALID_ARGUMENT", "events=" + *events + " is not a count of 1 or more");
+      }
+      q.set_max_events(n);
+    }
     v1::RunSummary response;
     return FromStatus(ingest::GetRun(sources, q, &response), response);
   }

@@ -524,6 +524,7 @@ void SummaryToProto(const runs::RunSummary& in, v1::RunSummary* out) {
   out->set_nonfinite_count(in.info.nonfinite_count);
   out->set_last_nonfinite_step(in.info.last_nonfinite_step);
   out->set_client_dropped_steps(in.info.client_dropped_steps);
+  out->set_event_count(in.event_count);
 }
 
 }  // namespace gradwatch::ingest

@@ -25,7 +25,8 @@ grpc::Status ListRuns(const QuerySources& from, const v1::ListRunsRequest& reque
 grpc::Status GetRun(const QuerySources& from, const v1::GetRunRequest& request, v1::RunSummary* response) {
   auto run = from.registry->Find(request.run_id());
   if (!run) return RunNotFound(request.run_id());
-  SummaryToProto(run->Summary(), response);
+  constexpr uint32_t kDefaultEvents = 1000;  // 1,000 events of at most 1 KiB: within gRPC's 4 MiB
+  SummaryToProto(run->Summary(request.max_events() == 0 ? kDefaultEvents : request.max_events()), response);
   if (!from.diagnosis) return grpc::Status::OK;
   if (const std::optional<alerts::DiagnosisAt> d = from.diagnosis(request.run_id())) {
     v1::RunDiagnosis* out = response->mutable_diagnosis();

@@ -95,6 +95,12 @@ Run::~Run() {
   if (options_.budget != nullptr) options_.budget->Release(charged_bytes_);
 }
 
+void Run::ChargeEventLocked(const EventRecord& event) {
+  const uint64_t bytes = sizeof(EventRecord) + event.text.size() + event.source.size() + event.data.size();
+  if (options_.budget != nullptr) options_.budget->Charge(bytes);
+  charged_bytes_ += bytes;
+}
+
 void Run::AdoptCharge(uint64_t bytes) {
   MutexLock lock(&mu_);
   charged_bytes_ += bytes;
@@ -755,9 +761,11 @@ void Run::ApplySliceLocked(size_t slice) const {
 
 std::optional<IngestError> Run::AddEvent(EventRecord event) {
   MutexLock lock(&mu_);
+  if (auto err = EventRoomLocked(event)) return err;
   auto pos = std::upper_bound(events_.begin(), events_.end(), event.step,
                               [](uint64_t s, const EventRecord& e) { return s < e.step; });
   events_.insert(pos, event);
+  ChargeEventLocked(event);
   analytics_->OnEvent(event);
   JournalLocked(store::EventJournalRecord{id_, std::move(event)});
   last_activity_ = clock_->Now();
@@ -768,8 +776,28 @@ std::optional<IngestError> Run::AddEvent(EventRecord event, uint32_t rank, uint6
   MutexLock lock(&mu_);
   if (auto err = OutsideWorldLocked(rank, "event", event.step)) return err;
   if (auto err = StorageRefusalLocked(rank, event.step)) return err;
+  if (auto err = EventRoomLocked(event)) return err;
   RecordEventLocked(event, rank, seq, sink);
   return std::nullopt;
+}
+
+bool Run::HoldsEventLocked(const EventRecord& event) const {
+  const auto [first, last] =
+      std::equal_range(events_.begin(), events_.end(), event,
+                       [](const EventRecord& a, const EventRecord& b) { return a.step < b.step; });
+  // A catalog change is the same change whatever its text (which tells the catalog before it).
+  return std::any_of(first, last, [&event](const EventRecord& e) {
+    return e.source == event.source &&
+           (event.source == kCatalogEventSource ? e.data == event.data : e.text == event.text);
+  });
+}
+
+std::optional<IngestError> Run::EventRoomLocked(const EventRecord& event) const {
+  if (events_.size() < options_.max_events || HoldsEventLocked(event)) return std::nullopt;
+  return IngestError{IngestErrorReason::kLimitExceeded,
+                     "run " + id_ + " holds " + std::to_string(events_.size()) +
+                         " events, the most it may (limits.max_events_per_run); this one is not stored",
+                     event.step};
 }
 
 std::optional<IngestError> Run::OutsideWorldLocked(uint32_t rank, std::string_view what, uint64_t step) const {
@@ -782,14 +810,7 @@ std::optional<IngestError> Run::OutsideWorldLocked(uint32_t rank, std::string_vi
 
 bool Run::RecordEventLocked(const EventRecord& event, uint32_t rank, uint64_t seq, StreamSink* sink) {
   last_activity_ = clock_->Now();
-  const auto [first, last] =
-      std::equal_range(events_.begin(), events_.end(), event,
-                       [](const EventRecord& a, const EventRecord& b) { return a.step < b.step; });
-  // A catalog change is the same change whatever its text (which tells the catalog before it).
-  const bool held = std::any_of(first, last, [&event](const EventRecord& e) {
-    return e.source == event.source &&
-           (event.source == kCatalogEventSource ? e.data == event.data : e.text == event.text);
-  });
+  const bool held = HoldsEventLocked(event);
   uint64_t record = 0;
   if (held) {
     // A resend: what the run holds was enqueued at the latest by the last record so far.
@@ -797,7 +818,10 @@ bool Run::RecordEventLocked(const EventRecord& event, uint32_t rank, uint64_t se
   } else {
     record = JournalLocked(store::EventJournalRecord{id_, event});
     if (journal_ != nullptr && record == 0) return false;  // dropped and counted: never acked
-    events_.insert(last, event);
+    const auto after = std::upper_bound(events_.begin(), events_.end(), event.step,
+                                        [](uint64_t s, const EventRecord& e) { return s < e.step; });
+    events_.insert(after, event);
+    ChargeEventLocked(event);
     analytics_->OnEvent(event);
   }
   if (journal_ == nullptr || (held && journal_->last_committed() >= record)) {
@@ -821,6 +845,7 @@ std::optional<IngestError> Run::AddCatalogChange(uint64_t from_step, std::vector
   }
   if (auto err = StorageRefusalLocked(rank, from_step)) return err;
   const EventRecord event = CatalogChangeEvent(from_step, changes, meta_.params, clock_->UnixSeconds());
+  if (auto err = EventRoomLocked(event)) return err;
   if (RecordEventLocked(event, rank, seq, sink)) ScheduleCatalogChangeLocked(from_step, std::move(changes));
   return std::nullopt;
 }
@@ -1050,7 +1075,7 @@ void Run::MetricsSnapshot(RunMetricsSnapshot& out) const {
   analytics_->Analysis(out.analysis);
 }
 
-RunSummary Run::Summary() const {
+RunSummary Run::Summary(size_t max_events) const {
   MutexLock lock(&mu_);
   ApplyPointsLocked();
   RunSummary s;
@@ -1061,7 +1086,8 @@ RunSummary Run::Summary() const {
     if (!e.data) continue;
     if (auto p = e.data->Latest()) s.latest.push_back({e.key, p->last_step, p->last});
   }
-  s.events = events_;
+  s.event_count = events_.size();
+  s.events.assign(events_.end() - static_cast<std::ptrdiff_t>(std::min(max_events, events_.size())), events_.end());
   s.analysis = analytics_->Analysis();
   return s;
 }

@@ -45,6 +45,9 @@ struct RunOptions {
   store::SeriesOptions param_series = {.recent_points = 128, .history_buckets = 32};
   size_t max_params = 65536;
   size_t max_series = 262144;
+  // Events (trainer events, annotations, catalog changes) a run holds at most; one more is refused
+  // with LIMIT_EXCEEDED. Each is charged to the budget.
+  size_t max_events = 10000;
   // A run with no open stream and no step for this long is ended (dropped from /metrics).
   std::chrono::nanoseconds end_after = std::chrono::minutes(10);
   // An ended run with no open stream stays in memory this long, then the registry drops it.
@@ -130,7 +133,8 @@ struct RunSummary {
   RunConfig config;
   std::vector<ParamInfo> params;
   std::vector<LatestSample> latest;
-  std::vector<EventRecord> events;
+  std::vector<EventRecord> events;  // the latest `max_events` the caller asked for, in step order
+  size_t event_count = 0;           // events the run holds
   RunAnalysis analysis;
 };
 
@@ -249,7 +253,8 @@ class Run {
   // allocating once warm). An ended run leaves /metrics: only its info is filled, the rest
   // cleared.
   void MetricsSnapshot(RunMetricsSnapshot& out) const;
-  RunSummary Summary() const;
+  // The run's summary, with its latest `max_events` events.
+  RunSummary Summary(size_t max_events = 1000) const;
   // nullopt when the key is unknown.
   std::optional<std::vector<store::Point>> QuerySeries(const std::string& key, uint64_t from_step, uint64_t to_step,
                                                        size_t max_points) const;
@@ -380,6 +385,12 @@ class Run {
   // Records an event sent on a stream (AddEvent, AddCatalogChange): false when the run already
   // held it (a resend); the ack is arranged either way.
   bool RecordEventLocked(const EventRecord& event, uint32_t rank, uint64_t seq, StreamSink* sink) REQUIRES(mu_);
+  // Charges a held event's bytes to the budget (MemoryBudget::Charge: it is already kept).
+  void ChargeEventLocked(const EventRecord& event) REQUIRES(mu_);
+  // Whether the run holds `event` already (a resend).
+  bool HoldsEventLocked(const EventRecord& event) const REQUIRES(mu_);
+  // LIMIT_EXCEEDED when the run holds max_events and `event` is not one of them.
+  std::optional<IngestError> EventRoomLocked(const EventRecord& event) const REQUIRES(mu_);
   // A catalog change due from `step` on: applied now if the run completed a step at or after it,
   // else kept until it does (ApplyDueCatalogChangesLocked).
   void ScheduleCatalogChangeLocked(uint64_t step, std::vector<ParamChange> change) REQUIRES(mu_);

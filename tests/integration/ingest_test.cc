@@ -4,6 +4,8 @@
 #include <cmath>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
 
@@ -361,6 +363,53 @@ TEST_CASE("the largest step, 2^63 - 1, survives a SIGKILL in order, and larger s
   StreamClient resumer(daemon.grpc_target());
   REQUIRE(resumer.Hello(past, 1));
   CHECK(resumer.WaitError(1).reason() == v1::ERROR_REASON_INVALID_HELLO);
+}
+
+TEST_CASE("a run holds at most limits.max_events_per_run events, and GetRun and the API list the latest with the total",
+          "[integration]") {
+  // Found by a hostile pass: 100,000 events of 1 KB on one run made GetRun 108 MB (past gRPC's
+  // 4 MiB: show, report and plot failed) and the run view's API 2.6 s a reload.
+  DaemonOptions options;
+  options.config_yaml = "limits: {max_events_per_run: 50}\n";
+  DaemonProcess daemon(options);
+  StreamClient stream(daemon.grpc_target());
+  REQUIRE(stream.Hello(MakeHello("events", 0, 1, kCatalog), 1));
+  stream.WaitAccepted();
+  const std::string text(1000, 'e');
+  for (uint64_t i = 1; i <= 60; ++i) {
+    v1::TrainerMessage m;
+    m.set_seq(1 + i);
+    m.mutable_event()->set_step(i * 10);
+    m.mutable_event()->set_text(text + std::to_string(i));
+    REQUIRE(stream.Send(m));
+  }
+  for (uint64_t i = 51; i <= 60; ++i) {
+    const v1::Error e = stream.WaitError(1 + i);
+    CHECK(e.reason() == v1::ERROR_REASON_LIMIT_EXCEEDED);
+    CHECK_THAT(e.message(), Catch::Contains("limits.max_events_per_run"));
+  }
+  stream.WaitFor([](const v1::DaemonMessage& m) { return m.has_event_ack() && m.event_ack().seq() == 51; });
+
+  auto stub = QueryStub(daemon.grpc_target());
+  grpc::ClientContext ctx;
+  v1::GetRunRequest req;
+  req.set_run_id("events");
+  req.set_max_events(5);
+  v1::RunSummary summary;
+  REQUIRE(stub->GetRun(&ctx, req, &summary).ok());
+  CHECK(summary.event_count() == 50);
+  REQUIRE(summary.events_size() == 5);
+  CHECK(summary.events(0).step() == 460);
+  CHECK(summary.events(4).step() == 500);
+  CHECK(GetRun(daemon.grpc_target(), "events").events_size() == 50);  // the default lists up to 1,000
+
+  const HttpResponse api = HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/api/v1/runs/events?events=3");
+  REQUIRE(api.status == 200);
+  const nlohmann::json body = nlohmann::json::parse(api.body);
+  CHECK(body.at("events").size() == 3);
+  CHECK(body.at("event_count") == "50");
+  CHECK(HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/api/v1/runs/events?events=0").status == 400);
+  CHECK(ParseMetric(daemon.ScrapeMetrics(), "gradwatch_memory_budget_used_bytes").value_or(0) > 50 * 1000);
 }
 
 TEST_CASE("an ended run leaves /metrics but stays queryable", "[integration]") {
