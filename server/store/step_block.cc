@@ -7,13 +7,34 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string_view>
 #include <unordered_map>
 
 namespace gradwatch::store {
 
 namespace {
 
-constexpr uint8_t kBlockVersion = 1;
+// Version 1 blocks (journals before the checksum) are read unverified; blocks are written as
+// version 2: the same layout followed by the CRC-32C of every byte before it (4 bytes,
+// little-endian), so that a block changed on disk is refused rather than read as other values.
+constexpr uint8_t kBlockVersionUnchecked = 1;
+constexpr uint8_t kBlockVersion = 2;
+
+// CRC-32C (Castagnoli), as iSCSI and ext4 use it.
+uint32_t Crc32c(std::string_view bytes) {
+  static const std::array<uint32_t, 256> kTable = [] {
+    std::array<uint32_t, 256> table{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) != 0 ? 0x82F63B78u ^ (c >> 1) : c >> 1;
+      table[i] = c;
+    }
+    return table;
+  }();
+  uint32_t crc = ~0u;
+  for (const char b : bytes) crc = kTable[(crc ^ static_cast<uint8_t>(b)) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
 
 enum class ValueKind : uint8_t { kFloat32 = 0, kDecimal = 1, kFloat64 = 2 };
 enum class Frame : uint8_t { kReference = 0, kDelta = 1, kDelta2 = 2 };
@@ -393,6 +414,13 @@ void StepBlockEncoder::Clear() {
 }
 
 void StepBlockEncoder::Finish(std::string& out) {
+  const size_t begin = out.size();
+  EncodeBody(out);
+  const uint32_t crc = Crc32c(std::string_view(out).substr(begin));
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((crc >> (8 * i)) & 0xff));
+}
+
+void StepBlockEncoder::EncodeBody(std::string& out) {
   const size_t n = steps();
   out.push_back(static_cast<char>(kBlockVersion));
   PutVarint(out, n);
@@ -447,10 +475,20 @@ void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out) {
 }
 
 Status DecodeStepBlock(std::string_view data, std::vector<CompletedStep>& out) {
+  if (data.empty()) return Malformed("empty");
+  if (static_cast<uint8_t>(data[0]) == kBlockVersion) {
+    if (data.size() < 5) return Malformed("too short for its checksum");
+    const std::string_view body = data.substr(0, data.size() - 4);
+    uint32_t stored = 0;
+    for (int i = 0; i < 4; ++i) stored |= uint32_t{static_cast<uint8_t>(data[body.size() + i])} << (8 * i);
+    if (Crc32c(body) != stored) return Malformed("checksum mismatch: the block changed on disk");
+    data = body;
+  } else if (static_cast<uint8_t>(data[0]) != kBlockVersionUnchecked) {
+    return Malformed("unknown version");
+  }
   Reader in(data);
   uint8_t version = 0;
   if (!in.Byte(&version)) return Malformed("empty");
-  if (version != kBlockVersion) return Malformed("unknown version");
   uint64_t n = 0;
   if (!in.Varint(&n) || n == 0 || n > kMaxBlockSteps) return Malformed("bad step count");
   out.resize(n);

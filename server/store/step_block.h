@@ -3,7 +3,8 @@
 // decodes to the same bits; the values of each step come back in the order they were given).
 //
 // Layout (all integers little-endian varints unless said otherwise):
-//   version byte (1), step count,
+//   version byte (2; blocks of version 1, written before the checksum, are read unverified),
+//   step count,
 //   five integer columns, one entry per step: step, wall time (the double's ordered bits),
 //     partial, ranks reported, client-dropped steps;
 //   an integer column of each step's value count;
@@ -19,6 +20,8 @@
 //     - kFloat64: the ordered bits of the double (any value; the fallback).
 //     The encoder tries each kind that represents every value of the column exactly and keeps the
 //     shortest.
+//   and last, the CRC-32C of every byte before it (4 bytes, little-endian): a block changed on
+//   disk is refused ("checksum mismatch"), never read as other values.
 // An integer column of n values is stored as one of three frames, whichever is shortest:
 // frame of reference (min, then value − min), first differences (first value, then the
 // differences − their min) or second differences, each packed at the bit width of its largest
@@ -73,6 +76,8 @@ class StepBlockEncoder {
   void Clear();
 
  private:
+  // Finish without the checksum.
+  void EncodeBody(std::string& out);
   // The column of series `id`, given it a new column (first appearance order) if it has none.
   uint32_t ColumnOf(SeriesId id);
   // Writes the column of every value added so far, each step's values having been in column order.

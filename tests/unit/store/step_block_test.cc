@@ -250,9 +250,9 @@ TEST_CASE("a step block encoder fed step by step writes the block of the whole s
 }
 
 TEST_CASE("step blocks are written byte for byte as the journals on disk hold them", "[store][step_block]") {
-  // Sizes and digests of LayoutBlocks() as the encoder of e4b4a19 wrote them, before sealing went
-  // step by step (6623adc): a change of the format shows here, not in a journal that reads back
-  // differently.
+  // Sizes and digests of LayoutBlocks() as the encoder of e4b4a19 wrote them (version 1), before
+  // sealing went step by step (6623adc): a change of the format shows here, not in a journal that
+  // reads back differently.
   const std::vector<std::pair<size_t, uint64_t>> expected = {{3194, 0x4b565ed234b5567a},
                                                              {676, 0xac65543f071c1930},
                                                              {589, 0x6da6b652ba49cd6e},
@@ -264,8 +264,12 @@ TEST_CASE("step blocks are written byte for byte as the journals on disk hold th
     INFO("block " << b);
     std::string bytes;
     EncodeStepBlock(blocks[b], bytes);
-    CHECK(bytes.size() == expected[b].first);
-    CHECK(Fnv1a(bytes) == expected[b].second);
+    // Since the checksum (version 2): the same bytes with version 2 and 4 bytes of CRC-32C after.
+    REQUIRE(bytes.size() == expected[b].first + 4);
+    CHECK(static_cast<uint8_t>(bytes[0]) == 2);
+    std::string layout = bytes.substr(0, bytes.size() - 4);
+    layout[0] = 1;
+    CHECK(Fnv1a(layout) == expected[b].second);
   }
 }
 
@@ -297,4 +301,32 @@ TEST_CASE("damaged step blocks are refused, never misread", "[store][step_block]
   // A claim of more steps than a block may hold.
   std::string huge = "\x01\xff\xff\xff\x0f";
   REQUIRE_FALSE(DecodeStepBlock(huge, back).ok());
+}
+
+TEST_CASE("a block changed on disk is refused by its checksum, and blocks written before it still read",
+          "[store][step_block]") {
+  // Found by a hostile pass: 200 flipped bytes in a stopped journal were served as other values.
+  const auto steps = MakeSteps(128, 40, [](size_t s, uint32_t c) { return 0.5 + 1e-3 * static_cast<double>(s * c); });
+  std::string block;
+  EncodeStepBlock(steps, block);
+  REQUIRE(static_cast<uint8_t>(block[0]) == 2);
+  std::vector<CompletedStep> decoded;
+  REQUIRE(DecodeStepBlock(block, decoded).ok());
+  RequireSameSteps(steps, decoded);
+  size_t refused = 0;
+  for (size_t at = 1; at < block.size(); at += 7) {
+    for (const uint8_t flip : {uint8_t{0x01}, uint8_t{0x80}}) {
+      std::string damaged = block;
+      damaged[at] = static_cast<char>(static_cast<uint8_t>(damaged[at]) ^ flip);
+      const gradwatch::Status s = DecodeStepBlock(damaged, decoded);
+      REQUIRE_FALSE(s.ok());  // every single-bit change is caught, never decoded as other values
+      refused += s.message().find("checksum mismatch") != std::string::npos;
+    }
+  }
+  CHECK(refused > 0);
+  // A version-1 block (no checksum) reads as before.
+  std::string old = block.substr(0, block.size() - 4);
+  old[0] = 1;
+  REQUIRE(DecodeStepBlock(old, decoded).ok());
+  RequireSameSteps(steps, decoded);
 }
