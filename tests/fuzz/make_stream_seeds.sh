@@ -62,3 +62,17 @@ seed errors \
   "$(frame 0 'seq: 5 step { step: 1 params { index: 99 grad { norm: 1 } } }')" \
   "$(frame 2 "$(hello 0)")" "$(frame 0 'seq: 6 event { step: 1 text: "" }')" \
   "$(frame 0 'seq: 7 goodbye { reason: 99 }')"
+# Extreme values: the largest step kept (2^63 - 1) and the first ones refused (2^63, 2^64 - 1), a
+# world at the limit (2^20) and one past it, a catalog change mid-run and one refused.
+seed extremes \
+  "$(frame 0 "$(hello 0)")" "$(frame 1 "$(hello 1)")" \
+  "$(frame 0 "$(step 2 9223372036854775806 0.25)")" "$(frame 1 "$(step 2 9223372036854775806 0.25)")" \
+  "$(frame 0 "$(step 3 9223372036854775807 0.25)")" "$(frame 0 "$(step 4 9223372036854775808 0.25)")" \
+  "$(frame 1 "$(step 3 18446744073709551615 0.25)")" \
+  "$(frame 0 'seq: 5 catalog_update { from_step: 9223372036854775807 params { name: "final_norm.weight" weight_decay: 0.1 } }')" \
+  "$(frame 0 'seq: 6 catalog_update { from_step: 18446744073709551615 params { name: "final_norm.weight" weight_decay: 0.1 } }')" \
+  "$(frame 0 'seq: 7 catalog_update { from_step: 3 params { name: "nope" weight_decay: -1 } }')" \
+  "$(frame 0 'seq: 8 event { step: 18446744073709551615 text: "past the end" }')" \
+  "$(frame 2 'seq: 1 hello { run_id: "w" rank: 1048575 world_size: 1048576 }')" \
+  "$(frame 3 'seq: 1 hello { run_id: "w2" rank: 0 world_size: 1048577 }')" \
+  "$(frame 2 'seq: 2 step { step: 1 total_grad { norm: -inf } }')"

@@ -1,8 +1,8 @@
 // Fuzzes what the ingest service does with trainer messages, without gRPC: each message is
 // converted and validated (server/ingest/convert.h) and handed to the run registry exactly as
 // IngestService's stream reactor does (Hello → Attach, Step → AddStep, Event → AddEvent,
-// Goodbye → Finish), with the daemon's alerting and its default rules evaluating every completed
-// step and, on each tick, the timer rules.
+// CatalogUpdate → AddCatalogChange, Goodbye → Finish), with the daemon's alerting and its default rules evaluating
+// every completed step and, on each tick, the timer rules.
 //
 // Input: frames of one control byte and one TrainerMessage in protobuf's delimited format (its
 // length as a varint, then its bytes). The control byte's low two bits pick one of four streams;
@@ -73,6 +73,15 @@ class FuzzStream final : public runs::StreamSink {
         event.source = "trainer";
         event.recorded_at = clock_->UnixSeconds();
         if (auto err = run_->AddEvent(std::move(event))) Count(*err);
+        return;
+      }
+      case v1::TrainerMessage::kCatalogUpdate: {
+        if (!run_) return Count({IngestErrorReason::kNoHello, ""});
+        std::vector<ParamChange> changes;
+        if (auto err = ingest::CatalogUpdateFromProto(in.catalog_update(), 65536, &changes)) return Count(*err);
+        if (auto err = run_->AddCatalogChange(in.catalog_update().from_step(), std::move(changes), rank_, seq, this)) {
+          Count(*err);
+        }
         return;
       }
       case v1::TrainerMessage::kGoodbye: {
