@@ -131,7 +131,7 @@ TEST_CASE("every number in the configuration is checked against its range, namin
            {"runs: {end_after_seconds: 1e10}\n",
             "c.yaml:1: runs.end_after_seconds: 1e10 is out of range: must be between 0.1 and 315360000"},
            {"journal:\n  snapshot_interval_seconds: 1e-300\n",
-            "c.yaml:2: journal.snapshot_interval_seconds: 1e-300 is out of range: must be between 1 and 86400, or 0 "
+            "c.yaml:2: journal.snapshot_interval_seconds: 1e-300 is out of range: must be between 0.1 and 86400, or 0 "
             "(off)"},
            {"runs: {retention_seconds: .nan}\n", "c.yaml:1: runs.retention_seconds: .nan is out of range"},
            {"limits:\n  max_runs: -1\n", "c.yaml:2: limits.max_runs: cannot read '-1'"},
