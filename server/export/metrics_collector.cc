@@ -436,6 +436,15 @@ void MetricsCollector::Render(Exposition& out) {
            MetricType::kGauge);
   d.Sample("gradwatch_journal_salvaged_runs", "outcome", "salvaged", static_cast<double>(r.salvaged_runs));
   d.Sample("gradwatch_journal_salvaged_runs", "outcome", "lost", static_cast<double>(r.lost_runs));
+  const store::DamageLog& damage = journal_->damage();
+  d.Header("gradwatch_journal_damaged_total",
+           "Step blocks (kind=block) and step rows (kind=row) whose checksum failed since start-up, each counted once: "
+           "their steps are not served (the log names each run and step range; gradwatchd --repair).",
+           MetricType::kCounter);
+  d.Sample("gradwatch_journal_damaged_total", "kind", "block", static_cast<double>(damage.blocks()));
+  d.Sample("gradwatch_journal_damaged_total", "kind", "row", static_cast<double>(damage.rows()));
+  d.One("gradwatch_journal_damaged_steps_total", "Steps held by the damaged blocks and rows (not served).",
+        MetricType::kCounter, static_cast<double>(damage.steps()));
   d.One("gradwatch_journal_files_lost_total",
         "Times the journal's files vanished or were replaced while the daemon ran (data directory deleted...).",
         MetricType::kCounter, static_cast<double>(journal_->files_lost_count()));

@@ -37,7 +37,7 @@ using json = nlohmann::json;
 // version 3 the compressed blocks of steps (kStepBlocks); version 4 what a machine reads of an
 // event (kEventData: a catalog change's new values). Older journals are migrated at open; their
 // step rows stay readable as they are and are sealed into blocks as their runs go on.
-constexpr int kSchemaVersion = 4;
+constexpr int kSchemaVersion = 5;
 // A block holds at most this many values, whatever block_steps says (the decoder's bound is 4×).
 constexpr size_t kSealMaxValues = size_t{1} << 20;
 // Back-off between attempts at a commit that failed (full disk, read-only or vanished files).
@@ -156,14 +156,21 @@ ALTER TABLE events ADD COLUMN data TEXT NOT NULL DEFAULT '';
 ALTER TABLE abandoned_events ADD COLUMN data TEXT NOT NULL DEFAULT '';
 )sql";
 
+// Version 5: a step row's checksum (StepRowChecksum, journal_check.h); NULL in rows written before.
+constexpr const char* kRowChecksums = R"sql(
+ALTER TABLE steps ADD COLUMN crc INTEGER;
+ALTER TABLE abandoned_steps ADD COLUMN crc INTEGER;
+)sql";
+
 // The journal's schema (sqlite::ApplySchema sets user_version).
 const sqlite::Schema& JournalSchema() {
   static const sqlite::Schema schema{.name = "journal",
                                      .version = kSchemaVersion,
-                                     .scripts = {kSchema, kRewindTables, kStepBlocks, kEventData},
+                                     .scripts = {kSchema, kRewindTables, kStepBlocks, kEventData, kRowChecksums},
                                      .migrations = {{.from_version = 1, .scripts = {kMigrateFrom1, kRewindTables}},
                                                     {.from_version = 2, .scripts = {kStepBlocks}},
-                                                    {.from_version = 3, .scripts = {kEventData}}}};
+                                                    {.from_version = 3, .scripts = {kEventData}},
+                                                    {.from_version = 4, .scripts = {kRowChecksums}}}};
   return schema;
 }
 
@@ -419,7 +426,7 @@ struct Journal::Statements {
         {&insert_series, "INSERT OR REPLACE INTO series(run_id, id, key) VALUES(?1, ?2, ?3)"},
         {&insert_step,
          "INSERT OR REPLACE INTO steps(run_id, step, wall_time, partial, ranks_reported, "
-         "client_dropped, vals) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)"},
+         "client_dropped, vals, crc) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"},
         {&upsert_progress,
          "INSERT INTO rank_progress(run_id, rank, step, seq) VALUES(?1, ?2, ?3, ?4) "
          "ON CONFLICT(run_id, rank) DO UPDATE SET step = max(step, excluded.step), "
@@ -457,26 +464,27 @@ struct Journal::Statements {
         {&last_block, "SELECT max(last_step) FROM step_blocks WHERE run_id = ?1"},
         {&count_raw_after, "SELECT count(*) FROM steps WHERE run_id = ?1 AND step > ?2"},
         {&raw_after,
-         "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
+         "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals, crc FROM steps "
          "WHERE run_id = ?1 AND step > ?2 ORDER BY step LIMIT ?3"},
         {&insert_block,
          "INSERT OR REPLACE INTO step_blocks(run_id, first_step, last_step, steps, wall_time, data) "
          "VALUES(?1, ?2, ?3, ?4, ?5, ?6)"},
         {&delete_raw, "DELETE FROM steps WHERE run_id = ?1 AND step >= ?2 AND step <= ?3"},
         {&blocks_from,
-         "SELECT first_step, data FROM step_blocks WHERE run_id = ?1 AND last_step >= ?2 ORDER BY first_step"},
+         "SELECT first_step, data, last_step, steps FROM step_blocks WHERE run_id = ?1 AND last_step >= ?2 "
+         "ORDER BY first_step"},
         {&delete_block, "DELETE FROM step_blocks WHERE run_id = ?1 AND first_step = ?2"},
         {&insert_abandoned_step,
          "INSERT OR REPLACE INTO abandoned_steps(run_id, branch, step, wall_time, partial, ranks_reported, "
-         "client_dropped, vals) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"},
+         "client_dropped, vals, crc) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"},
         {&count_rewinds, "SELECT count(*) FROM rewinds WHERE run_id = ?1"},
         {&insert_rewind,
          "INSERT INTO rewinds(run_id, branch, from_step, world_size, rewound_at) "
          "VALUES(?1, ?2, ?3, ?4, ?5)"},
         {&abandon_steps,
          "INSERT OR REPLACE INTO abandoned_steps(run_id, branch, step, wall_time, partial, "
-         "ranks_reported, client_dropped, vals) SELECT run_id, ?2, step, wall_time, partial, "
-         "ranks_reported, client_dropped, vals FROM steps WHERE run_id = ?1 AND step >= ?3"},
+         "ranks_reported, client_dropped, vals, crc) SELECT run_id, ?2, step, wall_time, partial, "
+         "ranks_reported, client_dropped, vals, crc FROM steps WHERE run_id = ?1 AND step >= ?3"},
         {&delete_steps, "DELETE FROM steps WHERE run_id = ?1 AND step >= ?2"},
         {&abandon_events,
          "INSERT INTO abandoned_events(run_id, branch, step, text, source, recorded_at, data) "
@@ -837,6 +845,18 @@ StatusOr<std::unique_ptr<Journal>> Journal::Open(const JournalOptions& options, 
   normalized.batch_max = std::max<size_t>(normalized.batch_max, 1);
   std::unique_ptr<Journal> journal(new Journal(std::move(normalized), std::move(on_commit), std::move(conn)));
   journal->recovery_ = std::move(recovery);
+  if (check || journal->recovery_.moved_aside) {
+    // Contents quick_check cannot see: the checksums of every block and step row.
+    MutexLock db_lock(&journal->db_mu_);
+    if (Status s = ScrubSteps(journal->db_, "main", journal->damage_); !s.ok()) {
+      spdlog::error("journal '{}': checking the steps' checksums stopped: {}", options.path, s.message());
+    } else if (const DamageLog& d = journal->damage_; d.blocks() + d.rows() > 0) {
+      spdlog::error(
+          "journal '{}': {} block(s) and {} row(s) of steps are damaged ({} step(s), listed above); the rest of "
+          "their runs is served. `gradwatchd --repair` copies what is sound into a fresh journal",
+          options.path, d.blocks(), d.rows(), d.steps());
+    }
+  }
   MutexLock stop_lock(&journal->stop_mu_);
   try {
     journal->thread_ = std::thread(&Journal::Run, journal.get());
@@ -1266,6 +1286,8 @@ Status Journal::Apply(const JournalRecord& record) {
             use.Bind(5, r.step.ranks_reported);
             use.Bind(6, r.step.client_dropped_steps);
             use.BindBlob(7, st.scratch);
+            use.Bind(8, StepRowChecksum(r.run_id, r.step.step, r.step.wall_time, r.step.partial, r.step.ranks_reported,
+                                        r.step.client_dropped_steps, st.scratch));
             if (Status s =
                     use.Run("journal: writing step " + std::to_string(r.step.step) + " of run '" + r.run_id + "'");
                 !s.ok()) {
@@ -1319,20 +1341,24 @@ Status Journal::Apply(const JournalRecord& record) {
 
 namespace {
 
-// One row of `SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps`.
-Status ReadStepRow(sqlite::Query& row, const std::string& run_id, CompletedStep& step) {
+// One row of `SELECT step, wall_time, partial, ranks_reported, client_dropped, vals, crc FROM
+// steps`. Returns why the row is damaged (StepRowDamage), empty when `step` holds it.
+std::string ReadStepRow(sqlite::Query& row, const std::string& run_id, CompletedStep& step) {
   step.step = row.Unsigned(0);
   step.wall_time = row.Real(1);
   step.partial = row.Int(2) != 0;
   step.ranks_reported = static_cast<uint32_t>(row.Int(3));
   step.client_dropped_steps = row.Unsigned(4);
   const std::string_view blob = row.Blob(5);
-  if (!DecodeValues(blob, step.values)) {
-    return Status::Internal("journal: run '" + run_id + "' step " + std::to_string(step.step) + ": value blob of " +
-                            std::to_string(blob.size()) + " bytes is not a whole number of " +
-                            std::to_string(kValueEntryBytes) + "-byte entries");
-  }
-  return Status::Ok();
+  std::string why =
+      StepRowDamage(run_id, step.step, step.wall_time, step.partial, step.ranks_reported, step.client_dropped_steps,
+                    blob, row.IsNull(6) ? std::nullopt : std::optional<int64_t>(row.Int(6)));
+  if (why.empty() && !DecodeValues(blob, step.values)) why = "its value blob cannot be read";
+  return why;
+}
+
+DamagedSteps RowDamage(const std::string& run_id, uint64_t step, std::string why) {
+  return {.run_id = run_id, .first_step = step, .last_step = step, .steps = 1, .why = std::move(why)};
 }
 
 int64_t StepBound(uint64_t step) {
@@ -1345,13 +1371,13 @@ int64_t StepBound(uint64_t step) {
 int64_t LastStepBefore(uint64_t before_step) { return before_step == 0 ? -1 : StepBound(before_step - 1); }
 
 // Hands on_step the run's steps below before_step in step order: its blocks (`blocks`: SELECT
-// data ... WHERE run_id = ?1 AND first_step <= ?2 ORDER BY first_step) merged with its step rows
-// (`rows`: as ReadStepRow reads them, WHERE run_id = ?1 AND step <= ?2 ORDER BY step), ?2 being
-// LastStepBefore(before_step). A step in
-// both (a row rewritten after its block was sealed, which only a late out-of-order step does) is
-// taken from its row, the later write.
+// first_step, last_step, steps, data ... WHERE run_id = ?1 AND first_step <= ?2 ORDER BY
+// first_step) merged with its step rows (`rows`: as ReadStepRow reads them, WHERE run_id = ?1 AND
+// step <= ?2 ORDER BY step), ?2 being LastStepBefore(before_step). A step in both (a row rewritten
+// after its block was sealed, which only a late out-of-order step does) is taken from its row, the
+// later write. A damaged block or row is noted in `damage` and skipped: the rest is read.
 Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std::string& run_id, uint64_t from_step,
-                  uint64_t before_step, const std::function<void(const CompletedStep&)>& on_step) {
+                  uint64_t before_step, DamageLog& damage, const std::function<void(const CompletedStep&)>& on_step) {
   const std::string what = "journal: reading steps of run '" + run_id + "'";
   sqlite::Query raw(rows);
   raw.Bind(1, run_id);
@@ -1360,12 +1386,14 @@ Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std:
   Status raw_status;
   CompletedStep row;
   bool have_row = false;
-  auto next_row = [&]() -> Status {
-    have_row = raw.Next(&raw_status, what);
-    if (have_row) return ReadStepRow(raw, run_id, row);
-    return raw_status;
+  auto next_row = [&] {
+    while ((have_row = raw.Next(&raw_status, what))) {
+      std::string why = ReadStepRow(raw, run_id, row);
+      if (why.empty()) return;
+      damage.Note(RowDamage(run_id, row.step, std::move(why)));
+    }
   };
-  if (Status s = next_row(); !s.ok()) return s;
+  next_row();
   sqlite::Query block(blocks);
   block.Bind(1, run_id);
   block.Bind(2, LastStepBefore(before_step));
@@ -1373,15 +1401,21 @@ Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std:
   Status block_status;
   std::vector<CompletedStep> decoded;
   while (block.Next(&block_status, what)) {
-    if (Status s = DecodeStepBlock(block.Blob(0), decoded); !s.ok()) {
-      return Status::Internal("journal: run '" + run_id + "': a block of steps cannot be read: " + s.message());
+    if (Status s = DecodeStepBlock(block.Blob(3), decoded); !s.ok()) {
+      damage.Note({.run_id = run_id,
+                   .first_step = block.Unsigned(0),
+                   .last_step = block.Unsigned(1),
+                   .steps = block.Unsigned(2),
+                   .block = true,
+                   .why = s.message()});
+      continue;
     }
     for (const CompletedStep& step : decoded) {
       if (step.step < from_step) continue;
       if (step.step >= before_step) break;
       while (have_row && row.step < step.step) {
         on_step(row);
-        if (Status s = next_row(); !s.ok()) return s;
+        next_row();
       }
       if (have_row && row.step == step.step) continue;
       on_step(step);
@@ -1390,9 +1424,9 @@ Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std:
   if (!block_status.ok()) return block_status;
   while (have_row) {
     on_step(row);
-    if (Status s = next_row(); !s.ok()) return s;
+    next_row();
   }
-  return Status::Ok();
+  return raw_status;
 }
 
 }  // namespace
@@ -1492,6 +1526,7 @@ Status Journal::SealRunLocked(const std::string& run_id) {
   // The rows go into the block one by one: only the block's values are held, not the rows.
   StepBlockEncoder& block = st.block;
   block.Clear();
+  uint64_t rows = 0, first_row = 0, last_row = 0;  // rows read, damaged ones included
   {
     sqlite::Query use(st.raw_after);
     use.Bind(1, run_id);
@@ -1500,7 +1535,15 @@ Status Journal::SealRunLocked(const std::string& run_id) {
     Status s;
     bool full = false;  // by its values, before block_steps steps
     while (!full && use.Next(&s, what)) {
-      if (Status r = ReadStepRow(use, run_id, st.row); !r.ok()) return r;
+      std::string why = ReadStepRow(use, run_id, st.row);
+      if (rows == 0) first_row = st.row.step;
+      last_row = st.row.step;
+      ++rows;
+      if (!why.empty()) {
+        // Lost either way: the block leaves it out, and its row goes with the others.
+        damage_.Note(RowDamage(run_id, st.row.step, std::move(why) + " (left out of its block)"));
+        continue;
+      }
       if (block.empty()) {
         // Room for the block at the first row's size: it ends at block_steps rows, or at the row
         // that takes it to kSealMaxValues.
@@ -1512,22 +1555,23 @@ Status Journal::SealRunLocked(const std::string& run_id) {
       full = block.values() >= kSealMaxValues;
     }
     if (!s.ok()) return s;
-    if (!full && block.steps() < options_.block_steps) {
-      state.raw_after = block.steps();  // the count was high (a rolled-back commit)
+    if (!full && rows < options_.block_steps) {
+      state.raw_after = rows;  // the count was high (a rolled-back commit)
       return Status::Ok();
     }
   }
-  const uint64_t first_step = block.first_step();
-  const uint64_t last_step = block.last_step();
-  const size_t steps = block.steps();
-  if (Status s = InsertBlockLocked(run_id, block, what); !s.ok()) return s;
+  if (!block.empty()) {
+    if (Status s = InsertBlockLocked(run_id, block, what); !s.ok()) return s;
+  }
   {
     sqlite::Query use(st.delete_raw);
     use.Bind(1, run_id);
-    use.Bind(2, first_step);
-    use.Bind(3, last_step);
+    use.Bind(2, first_row);
+    use.Bind(3, last_row);
     if (Status s = use.Run(what); !s.ok()) return s;
   }
+  const uint64_t last_step = last_row;
+  const uint64_t steps = rows;
   state.sealed = true;
   state.sealed_through = last_step;
   state.raw_after -= std::min<uint64_t>(state.raw_after, steps);
@@ -1538,26 +1582,39 @@ Status Journal::SplitBlocksLocked(const std::string& run_id, uint64_t from_step,
   Statements& st = *statements_;
   seal_state_.erase(run_id);  // learnt again at the run's next step
   const std::string what = "journal: rewinding the blocks of run '" + run_id + "'";
-  std::vector<std::pair<uint64_t, std::string>> blocks;
+  struct Block {
+    uint64_t first_step, last_step, steps;
+    std::string data;
+  };
+  std::vector<Block> blocks;
   {
     sqlite::Query use(st.blocks_from);
     use.Bind(1, run_id);
     use.Bind(2, StepBound(from_step));
     Status s;
-    while (use.Next(&s, what)) blocks.emplace_back(use.Unsigned(0), std::string(use.Blob(1)));
+    while (use.Next(&s, what)) {
+      blocks.push_back({use.Unsigned(0), use.Unsigned(2), use.Unsigned(3), std::string(use.Blob(1))});
+    }
     if (!s.ok()) return s;
   }
   std::vector<CompletedStep> decoded;
   StepBlockEncoder& kept = st.block;
-  for (const auto& [first_step, data] : blocks) {
-    if (Status s = DecodeStepBlock(data, decoded); !s.ok()) {
-      return Status::Internal(what + ": a block cannot be read: " + s.message());
-    }
+  for (const Block& b : blocks) {
     {
       sqlite::Query use(st.delete_block);
       use.Bind(1, run_id);
-      use.Bind(2, first_step);
+      use.Bind(2, b.first_step);
       if (Status s = use.Run(what); !s.ok()) return s;
+    }
+    if (Status s = DecodeStepBlock(b.data, decoded); !s.ok()) {
+      // Its steps are lost either way; refusing the rewind would stop every later commit.
+      damage_.Note({.run_id = run_id,
+                    .first_step = b.first_step,
+                    .last_step = b.last_step,
+                    .steps = b.steps,
+                    .block = true,
+                    .why = s.message() + " (dropped by a rewind to step " + std::to_string(from_step) + ")"});
+      continue;
     }
     kept.Clear();
     for (const CompletedStep& step : decoded) {
@@ -1575,6 +1632,8 @@ Status Journal::SplitBlocksLocked(const std::string& run_id, uint64_t from_step,
       use.Bind(6, step.ranks_reported);
       use.Bind(7, step.client_dropped_steps);
       use.BindBlob(8, st.scratch);
+      use.Bind(9, StepRowChecksum(run_id, step.step, step.wall_time, step.partial, step.ranks_reported,
+                                  step.client_dropped_steps, st.scratch));
       if (Status s = use.Run(what); !s.ok()) return s;
     }
     if (kept.empty()) continue;
@@ -1658,11 +1717,12 @@ struct Journal::Reader {
         {&blocks,
          // From the block holding ?3 on, found by a seek of the primary key (not a scan of the
          // run's blocks: a restart from a snapshot reads only the blocks after it).
-         "SELECT data FROM step_blocks WHERE run_id = ?1 AND first_step <= ?2 AND first_step >= "
+         "SELECT first_step, last_step, steps, data FROM step_blocks WHERE run_id = ?1 AND first_step <= ?2 AND "
+         "first_step >= "
          "COALESCE((SELECT MAX(first_step) FROM step_blocks WHERE run_id = ?1 AND first_step <= ?3), 0) "
          "AND last_step >= ?3 ORDER BY first_step"},
         {&steps,
-         "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals FROM steps "
+         "SELECT step, wall_time, partial, ranks_reported, client_dropped, vals, crc FROM steps "
          "WHERE run_id = ?1 AND step <= ?2 AND step >= ?3 ORDER BY step"},
         {&events, "SELECT step, text, source, recorded_at, data FROM events WHERE run_id = ?1 ORDER BY id"},
     };
@@ -1676,7 +1736,7 @@ struct Journal::Reader {
 
   // Reads the run at the current row of `rows` and hands it, then (if the visitor keeps it) its
   // series, progress, latest rewind, events and steps, to `visitor`.
-  Status Visit(sqlite::Query& rows, JournalVisitor& visitor, bool* kept) {
+  Status Visit(sqlite::Query& rows, JournalVisitor& visitor, DamageLog& damage, bool* kept) {
     RunMeta meta;
     meta.run_id = rows.Text(0);
     meta.world_size = static_cast<uint32_t>(rows.Int(1));
@@ -1762,7 +1822,7 @@ struct Journal::Reader {
       if (!status.ok()) return status;
     }
     const uint64_t from_step = visitor.OnStepsBegin(meta.run_id, branch);
-    return VisitSteps(blocks, steps, meta.run_id, from_step, std::numeric_limits<uint64_t>::max(),
+    return VisitSteps(blocks, steps, meta.run_id, from_step, std::numeric_limits<uint64_t>::max(), damage,
                       [&](const CompletedStep& step) { visitor.OnStep(meta.run_id, step); });
   }
 };
@@ -1775,7 +1835,7 @@ Status Journal::LoadRunSteps(const std::string& run_id, uint64_t before_step,
   if (Status s = reader.Prepare(db_); !s.ok()) return s;
   sqlite::Transaction txn(db_, "journal");
   if (Status s = txn.Begin(sqlite::Transaction::Mode::kDeferred); !s.ok()) return s;
-  return VisitSteps(reader.blocks, reader.steps, run_id, 0, before_step, on_step);
+  return VisitSteps(reader.blocks, reader.steps, run_id, 0, before_step, damage_, on_step);
 }
 
 Status Journal::Load(JournalVisitor& visitor) {
@@ -1790,7 +1850,7 @@ Status Journal::Load(JournalVisitor& visitor) {
   sqlite::Query rows(reader.runs);
   while (rows.Next(&status, "journal: reading runs")) {
     bool kept = false;
-    if (Status s = reader.Visit(rows, visitor, &kept); !s.ok()) {
+    if (Status s = reader.Visit(rows, visitor, damage_, &kept); !s.ok()) {
       // One run that cannot be read must not keep the others (and the daemon) from starting.
       visitor.OnRunFailed(rows.Text(0), s);
       continue;
@@ -1828,7 +1888,7 @@ Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
     return status.ok() ? Status::NotFound("no run '" + run_id + "' in the journal") : status;
   }
   bool kept = false;
-  return reader.Visit(rows, visitor, &kept);
+  return reader.Visit(rows, visitor, damage_, &kept);
 }
 
 void Journal::Release(const std::string& run_id) {

@@ -23,6 +23,7 @@
 #include "server/core/status.h"
 #include "server/core/thread_annotations.h"
 #include "server/core/types.h"
+#include "server/store/journal_check.h"
 #include "server/store/sqlite.h"
 
 namespace gradwatch::store {
@@ -281,6 +282,9 @@ class Journal {
 
   // What opening the journal found; logged at Open (an error when !ok()).
   const RecoveryReport& recovery() const { return recovery_; }
+  // Step blocks and rows found damaged (their checksums, journal_check.h) since open: by the scrub
+  // at open (when quick_check runs, see quick_check_max_bytes), and whenever steps are read.
+  const DamageLog& damage() const { return damage_; }
 
   // Storage faults. A commit that fails (full disk, read-only, immutable or vanished files, I/O
   // errors) is rolled back and tried again with the same records, after a back-off doubling from
@@ -402,6 +406,8 @@ class Journal {
   bool prune_due_ GUARDED_BY(mu_) = false;  // SetPruneCutoff asked, not yet done
   std::chrono::steady_clock::time_point fault_started_ GUARDED_BY(mu_);
   std::chrono::milliseconds retry_delay_ GUARDED_BY(mu_){0};
+
+  DamageLog damage_;
 
   std::atomic<bool> healthy_{true};  // written under mu_ by the writer thread
   std::atomic<uint64_t> storage_faults_{0};

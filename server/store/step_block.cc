@@ -10,6 +10,8 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "server/store/crc32c.h"
+
 namespace gradwatch::store {
 
 namespace {
@@ -19,22 +21,6 @@ namespace {
 // little-endian), so that a block changed on disk is refused rather than read as other values.
 constexpr uint8_t kBlockVersionUnchecked = 1;
 constexpr uint8_t kBlockVersion = 2;
-
-// CRC-32C (Castagnoli), as iSCSI and ext4 use it.
-uint32_t Crc32c(std::string_view bytes) {
-  static const std::array<uint32_t, 256> kTable = [] {
-    std::array<uint32_t, 256> table{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) != 0 ? 0x82F63B78u ^ (c >> 1) : c >> 1;
-      table[i] = c;
-    }
-    return table;
-  }();
-  uint32_t crc = ~0u;
-  for (const char b : bytes) crc = kTable[(crc ^ static_cast<uint8_t>(b)) & 0xff] ^ (crc >> 8);
-  return ~crc;
-}
 
 enum class ValueKind : uint8_t { kFloat32 = 0, kDecimal = 1, kFloat64 = 2 };
 enum class Frame : uint8_t { kReference = 0, kDelta = 1, kDelta2 = 2 };
@@ -474,18 +460,33 @@ void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out) {
   encoder.Finish(out);
 }
 
-Status DecodeStepBlock(std::string_view data, std::vector<CompletedStep>& out) {
+namespace {
+
+// Checks the block's version and (version 2) its checksum; *body is the block without it.
+Status CheckBlock(std::string_view data, std::string_view* body) {
   if (data.empty()) return Malformed("empty");
   if (static_cast<uint8_t>(data[0]) == kBlockVersion) {
     if (data.size() < 5) return Malformed("too short for its checksum");
-    const std::string_view body = data.substr(0, data.size() - 4);
+    *body = data.substr(0, data.size() - 4);
     uint32_t stored = 0;
-    for (int i = 0; i < 4; ++i) stored |= uint32_t{static_cast<uint8_t>(data[body.size() + i])} << (8 * i);
-    if (Crc32c(body) != stored) return Malformed("checksum mismatch: the block changed on disk");
-    data = body;
-  } else if (static_cast<uint8_t>(data[0]) != kBlockVersionUnchecked) {
-    return Malformed("unknown version");
+    for (int i = 0; i < 4; ++i) stored |= uint32_t{static_cast<uint8_t>(data[body->size() + i])} << (8 * i);
+    if (Crc32c(*body) != stored) return Malformed("checksum mismatch: the block changed on disk");
+    return Status::Ok();
   }
+  if (static_cast<uint8_t>(data[0]) != kBlockVersionUnchecked) return Malformed("unknown version");
+  *body = data;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status VerifyStepBlock(std::string_view data) {
+  std::string_view body;
+  return CheckBlock(data, &body);
+}
+
+Status DecodeStepBlock(std::string_view data, std::vector<CompletedStep>& out) {
+  if (Status s = CheckBlock(data, &data); !s.ok()) return s;
   Reader in(data);
   uint8_t version = 0;
   if (!in.Byte(&version)) return Malformed("empty");

@@ -110,4 +110,8 @@ void EncodeStepBlock(std::span<const CompletedStep> steps, std::string& out);
 // never allocates beyond the bounds above.
 Status DecodeStepBlock(std::string_view data, std::vector<CompletedStep>& out);
 
+// Checks a block's version and checksum without decoding it (a start-up scrub reads every block
+// this way). Version 1 blocks, written before the checksum, pass unverified.
+Status VerifyStepBlock(std::string_view data);
+
 }  // namespace gradwatch::store

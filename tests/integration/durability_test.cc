@@ -23,6 +23,7 @@
 #include <mutex>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -563,40 +564,134 @@ TEST_CASE("a damaged page: the daemon starts on a fresh journal with the runs th
   CHECK(GetRun(daemon.grpc_target(), "a-lost").info().step_count() == 1500);
 }
 
-TEST_CASE("a run whose rows cannot be read is skipped at start with an error, the others are served",
-          "[integration][durability]") {
+namespace {
+
+// One blob of the stopped journal, by its SQL.
+std::string JournalBlob(const std::filesystem::path& db_path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open_v2(db_path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK);
+  sqlite3_stmt* stmt = nullptr;
+  std::string blob;
+  if (sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt, nullptr) == SQLITE_OK && sqlite3_step(stmt) == SQLITE_ROW) {
+    blob.assign(static_cast<const char*>(sqlite3_column_blob(stmt, 0)),
+                static_cast<size_t>(sqlite3_column_bytes(stmt, 0)));
+  }
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+  return blob;
+}
+
+// Flips one bit of `blob` where it lies in the file, as a bad disk would: the file's structure
+// stays sound, only the value's bytes change. Call Compact first, so that no free page holds a
+// stale copy; blocks share runs of bytes, so the bit is flipped in a stretch found only once.
+void FlipInFile(const std::filesystem::path& file, const std::string& blob) {
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  constexpr size_t kWindow = 24;
+  REQUIRE(blob.size() >= kWindow);
+  for (size_t from = 0; from + kWindow <= blob.size(); ++from) {
+    const std::string_view needle(blob.data() + from, kWindow);
+    const size_t at = bytes.find(needle);
+    REQUIRE(at != std::string::npos);
+    if (bytes.find(needle, at + 1) != std::string::npos) continue;
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(at + kWindow / 2));
+    const char flipped = static_cast<char>(bytes[at + kWindow / 2] ^ 0x10);
+    f.write(&flipped, 1);
+    return;
+  }
+  FAIL("no stretch of the blob is found only once in the file");
+}
+
+// Rewrites the stopped journal without free pages (VACUUM).
+void Compact(const std::filesystem::path& db_path) {
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open_v2(db_path.c_str(), &db, SQLITE_OPEN_READWRITE, nullptr) == SQLITE_OK);
+  REQUIRE(sqlite3_exec(db, "VACUUM; PRAGMA wal_checkpoint(TRUNCATE)", nullptr, nullptr, nullptr) == SQLITE_OK);
+  sqlite3_close(db);
+}
+
+// The raw points of a series as the daemon serves them: step → value.
+std::map<uint64_t, double> ServedSeries(const DaemonProcess& daemon, const std::string& run, const std::string& key) {
+  const CommandResult r = Cli(daemon, {"series", run, key, "--max-points", "0", "--json"});
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  std::map<uint64_t, double> points;
+  for (const json& p : json::parse(r.out)) points[p["step"].get<uint64_t>()] = p["value"].get<double>();
+  return points;
+}
+
+// The value WriteHistory writes for grad/norm/total at `step`, as the daemon parses it.
+double WrittenGradNorm(uint64_t step) {
+  std::ostringstream text;
+  text << 0.3 + 1e-4 * static_cast<double>(step);
+  return std::stod(text.str());
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a bit changed on disk in a block or a row of steps: those steps are reported by run and range and never "
+    "served, the rest of the run is",
+    "[integration][durability][damage]") {
   TempDir data("gradwatch-bad-rows");
   DaemonOptions options;
   options.data_dir = data.path();
-  // Without snapshots: a run restored from its snapshot reads none of its steps before it, the
-  // damaged one included (tests/integration/snapshot_test.cc).
-  options.config_yaml += "journal: {snapshot_interval_seconds: 0}\n";
+  // Without snapshots every step is read back from the journal; blocks of 64 steps, so 1,000 steps
+  // are 15 sealed blocks and 40 rows.
+  options.config_yaml += "journal: {snapshot_interval_seconds: 0, block_steps: 64}\n";
   DaemonProcess daemon(options);
-  for (const char* run : {"bad-rows", "good-rows"}) {
-    const std::string file = (data.path() / (std::string(run) + ".jsonl")).string();
-    WriteHistory(file, run, 1, 100);
+  // The other run's steps are others, so that no block of it holds the same bytes.
+  for (const auto& [run, first] : {std::pair<std::string, uint64_t>{"bad-rows", 1}, {"good-rows", 5001}}) {
+    const std::string file = (data.path() / (run + ".jsonl")).string();
+    WriteHistory(file, run, first, first + 999);
     REQUIRE(Cli(daemon, {"replay", file, "--max"}).exit_code == 0);
   }
+  // Served as acked before anything happens.
+  const std::map<uint64_t, double> before = ServedSeries(daemon, "bad-rows", "grad/norm/total");
+  REQUIRE(before.size() == 1000);
+  for (const auto& [step, value] : before) REQUIRE(value == WrittenGradNorm(step));
   REQUIRE(daemon.Stop() == 0);
-  {
-    sqlite3* db = nullptr;
-    REQUIRE(sqlite3_open_v2((data.path() / "journal.db").c_str(), &db, SQLITE_OPEN_READWRITE, nullptr) == SQLITE_OK);
-    // Step 60 is in a sealed block (or, were blocks larger, a row of its own).
-    REQUIRE(sqlite3_exec(db,
-                         "UPDATE steps SET vals = x'010203' WHERE run_id = 'bad-rows' AND step = 60; "
-                         "UPDATE step_blocks SET data = x'010203' WHERE run_id = 'bad-rows' AND first_step <= 60 "
-                         "AND last_step >= 60",
-                         nullptr, nullptr, nullptr) == SQLITE_OK);
-    REQUIRE(sqlite3_total_changes(db) == 1);
-    sqlite3_close(db);
-  }
+  const std::filesystem::path db = data.path() / "journal.db";
+  Compact(db);
+  REQUIRE_FALSE(std::filesystem::exists(data.path() / "journal.db-wal"));
+  FlipInFile(db, JournalBlob(db, "SELECT data FROM step_blocks WHERE run_id = 'bad-rows' AND first_step = 129"));
+  FlipInFile(db, JournalBlob(db, "SELECT vals FROM steps WHERE run_id = 'bad-rows' AND step = 990"));
+
   daemon.Restart();
   INFO(daemon.LogText());
-  CHECK(daemon.LogText().find("run bad-rows: not restored from the journal") != std::string::npos);
-  CHECK(Metric(daemon, "gradwatch_runs_not_restored_total") == 1.0);
-  CHECK(GetRun(daemon.grpc_target(), "good-rows").info().step_count() == 100);
-  CHECK_THROWS(GetRun(daemon.grpc_target(), "bad-rows"));
+  // SQLite sees nothing wrong: the file is sound, two values are not.
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "damaged"}}) == 0.0);
+  CHECK(daemon.LogText().find(
+            "run 'bad-rows': steps 129-192 (a sealed block of 64 step(s)) damaged, not served: step block: "
+            "checksum mismatch") != std::string::npos);
+  CHECK(daemon.LogText().find("run 'bad-rows': step 990 (a step row) damaged, not served: checksum mismatch") !=
+        std::string::npos);
+  CHECK(daemon.LogText().find("1 block(s) and 1 row(s) of steps are damaged (65 step(s)") != std::string::npos);
+  CHECK(Metric(daemon, "gradwatch_journal_damaged_total", {{"kind", "block"}}) == 1.0);
+  CHECK(Metric(daemon, "gradwatch_journal_damaged_total", {{"kind", "row"}}) == 1.0);
+  CHECK(Metric(daemon, "gradwatch_journal_damaged_steps_total") == 65.0);
   CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "SERVING");
+
+  // Every value served is the one acked; the damaged steps are missing, not changed.
+  const std::map<uint64_t, double> after = ServedSeries(daemon, "bad-rows", "grad/norm/total");
+  CHECK(after.size() == 1000 - 65);
+  for (const auto& [step, value] : after) {
+    INFO("step " << step);
+    CHECK(value == WrittenGradNorm(step));
+    CHECK_FALSE((step >= 129 && step <= 192));
+    CHECK(step != 990);
+  }
+  CHECK(GetRun(daemon.grpc_target(), "bad-rows").info().step_count() == 1000 - 65);
+  CHECK(GetRun(daemon.grpc_target(), "good-rows").info().step_count() == 1000);
+  // The run goes on.
+  const std::string more = (data.path() / "more.jsonl").string();
+  WriteHistory(more, "bad-rows", 1001, 1100);
+  REQUIRE(Cli(daemon, {"replay", more, "--max"}).exit_code == 0);
+  CHECK(GetRun(daemon.grpc_target(), "bad-rows").info().step_count() == 1100 - 65);
 }
 
 TEST_CASE("a WAL deleted while the daemon was stopped is reported at start", "[integration][durability]") {

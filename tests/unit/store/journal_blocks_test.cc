@@ -356,7 +356,7 @@ TEST_CASE("a version-2 journal's step rows are read as they are and sealed as th
   TempDir dir;
   std::vector<CompletedStep> expected;
   {
-    // Rows only, then the version-3 table and the version-4 columns dropped: the journal as
+    // Rows only, then the version-3 table and the version-4 and -5 columns dropped: the journal as
     // version 2 left it.
     auto journal = Open({.path = dir.db(), .block_steps = 4096});
     JournalRunRecord(*journal, "r");
@@ -368,14 +368,15 @@ TEST_CASE("a version-2 journal's step rows are read as they are and sealed as th
     REQUIRE(sqlite3_open_v2(dir.db().c_str(), &db, SQLITE_OPEN_READWRITE, nullptr) == SQLITE_OK);
     REQUIRE(sqlite3_exec(db,
                          "DROP TABLE step_blocks; ALTER TABLE events DROP COLUMN data; "
-                         "ALTER TABLE abandoned_events DROP COLUMN data; PRAGMA user_version = 2",
+                         "ALTER TABLE abandoned_events DROP COLUMN data; ALTER TABLE steps DROP COLUMN crc; "
+                         "ALTER TABLE abandoned_steps DROP COLUMN crc; PRAGMA user_version = 2",
                          nullptr, nullptr, nullptr) == SQLITE_OK);
     sqlite3_close(db);
   }
   REQUIRE(Query(dir.db(), "SELECT count(*) FROM steps") == "30");
   {
     auto journal = Open({.path = dir.db(), .block_steps = 8});
-    CHECK(Query(dir.db(), "PRAGMA user_version") == "4");
+    CHECK(Query(dir.db(), "PRAGMA user_version") == "5");
     Collector old_rows;
     REQUIRE(journal->Load(old_rows).ok());
     REQUIRE(old_rows.steps.size() == 30);

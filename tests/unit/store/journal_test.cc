@@ -376,7 +376,7 @@ TEST_CASE("a version 1 journal is migrated: its ended runs ended by inactivity",
   CHECK(got.runs[0].end == RunEnd{5.0, EndReason::kInactive, ""});
   CHECK(got.runs[1].end == RunEnd{});
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "4");
+  CHECK(raw.Query("PRAGMA user_version") == "5");
 }
 
 TEST_CASE("progress is reported after commit, merged to one entry per run and rank", "[store]") {
@@ -527,7 +527,7 @@ TEST_CASE("the journal runs in WAL mode", "[store]") {
   CHECK(fs::exists(dir.db() + "-wal"));
   RawDb raw(dir.db());
   CHECK(raw.Query("PRAGMA journal_mode") == "wal");
-  CHECK(raw.Query("PRAGMA user_version") == "4");
+  CHECK(raw.Query("PRAGMA user_version") == "5");
 }
 
 TEST_CASE("a failed commit is retried with its records, acked only once it succeeds", "[store]") {
@@ -593,30 +593,46 @@ TEST_CASE("records still failing at Stop are counted as dropped, never acked", "
   CHECK(commits == 0);
 }
 
-TEST_CASE("a run with a corrupt value blob is handed to OnRunFailed and Load goes on with the others", "[store]") {
+TEST_CASE("a damaged step row is reported by run and step and skipped, and the rest of its run is read",
+          "[store][damage]") {
   TempDir dir;
   auto journal = OpenOrFail({.path = dir.db()});
   for (const char* id : {"bad-run", "good-run"}) {
     RunMeta meta;
     meta.run_id = id;
     REQUIRE(journal->Enqueue(RunRecord{meta}));
-    REQUIRE(journal->Enqueue(MakeStep(id, 42, {{0, 1.0}})));
+    REQUIRE(journal->Enqueue(MakeStep(id, 41, {{0, 1.0}})));
+    REQUIRE(journal->Enqueue(MakeStep(id, 42, {{0, 2.0}})));
   }
   REQUIRE(journal->Flush().ok());
-  {
+  SECTION("a value changed in place: the checksum sees it") {
     RawDb raw(dir.db());
-    raw.Exec("UPDATE steps SET vals = x'0102030405' WHERE run_id = 'bad-run'");
+    // 2.0 as a float64 is 0x4000000000000000: 0x4000000000000001 is the next value up.
+    raw.Exec("UPDATE steps SET vals = x'000000000100000000000040' WHERE run_id = 'bad-run' AND step = 42");
+  }
+  SECTION("a blob that is not whole entries") {
+    RawDb raw(dir.db());
+    raw.Exec("UPDATE steps SET vals = x'0102030405', crc = NULL WHERE run_id = 'bad-run' AND step = 42");
   }
   Recorder recorder;
   REQUIRE(journal->Load(recorder).ok());
-  REQUIRE(recorder.failed.size() == 1);
-  CHECK(recorder.failed[0].first == "bad-run");
-  CHECK(recorder.failed[0].second.code() == StatusCode::kInternal);
-  CHECK_THAT(recorder.failed[0].second.message(), Catch::Contains("bad-run") && Catch::Contains("42"));
-  CHECK_FALSE(journal->IsHeld("bad-run"));
-  CHECK(journal->IsHeld("good-run"));
-  REQUIRE(recorder.steps.size() == 1);
-  CHECK(recorder.steps[0].run_id == "good-run");
+  CHECK(recorder.failed.empty());
+  CHECK(journal->IsHeld("bad-run"));
+  std::vector<std::pair<std::string, uint64_t>> read;
+  for (const auto& s : recorder.steps) read.emplace_back(s.run_id, s.step.step);
+  CHECK(read == std::vector<std::pair<std::string, uint64_t>>{{"bad-run", 41}, {"good-run", 41}, {"good-run", 42}});
+  CHECK(journal->damage().rows() == 1);
+  CHECK(journal->damage().blocks() == 0);
+  CHECK(journal->damage().steps() == 1);
+  const std::vector<DamagedSteps> found = journal->damage().Found();
+  REQUIRE(found.size() == 1);
+  CHECK(found[0].run_id == "bad-run");
+  CHECK(found[0].first_step == 42);
+  CHECK(found[0].last_step == 42);
+  CHECK_FALSE(found[0].block);
+  // Read again (a run coming back): counted once.
+  REQUIRE(journal->LoadRunSteps("bad-run", 100, [](const CompletedStep&) {}).ok());
+  CHECK(journal->damage().rows() == 1);
 }
 
 TEST_CASE("a run with corrupt JSON is handed to OnRunFailed before OnRun", "[store]") {
@@ -1030,7 +1046,7 @@ PRAGMA user_version = 1;
   }
   CHECK(LoadFrom(dir.db()).steps.empty());
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "4");
+  CHECK(raw.Query("PRAGMA user_version") == "5");
   CHECK(raw.Query("SELECT count(*) FROM abandoned_steps") == "1");
 }
 
@@ -1224,7 +1240,7 @@ INSERT INTO alert_progress VALUES('r', 2);
     REQUIRE(journal->Flush().ok());
   }
   RawDb raw(dir.db());
-  CHECK(raw.Query("PRAGMA user_version") == "4");
+  CHECK(raw.Query("PRAGMA user_version") == "5");
   CHECK(raw.Query("SELECT count(*) FROM steps") == "3");
   std::string schema_after = schema_before;
   for (const std::string table : {"abandoned_events", "events"}) {
@@ -1234,6 +1250,11 @@ INSERT INTO alert_progress VALUES('r', 2);
     const size_t end = schema_after.find(last, at);
     REQUIRE(end != std::string::npos);
     schema_after.replace(end, last.size(), "recorded_at REAL NOT NULL, data TEXT NOT NULL DEFAULT '')");
+  }
+  // Version 5: the step rows' checksums.
+  for (size_t at = 0; (at = schema_after.find("vals BLOB NOT NULL,", at)) != std::string::npos;) {
+    schema_after.replace(at, 19, "vals BLOB NOT NULL, crc INTEGER,");
+    at += 19;
   }
   CHECK(schema_text() == schema_after);
   CHECK(raw.Query("SELECT count(*) FROM step_blocks") == "0");
