@@ -17,6 +17,7 @@
 #include "server/daemon/config.h"
 #include "server/daemon/daemon.h"
 #include "server/daemon/logging.h"
+#include "server/daemon/repair.h"
 
 namespace {
 
@@ -73,7 +74,8 @@ int main(int argc, char** argv) {
       "parameter norms over gRPC; it keeps them durably and exports Prometheus metrics."};
   app.footer(
       "Flags override the config file. Exit codes: 0 clean stop or valid config, 1 failed to start, "
-      "2 bad configuration or usage.\nSignals: SIGTERM/SIGINT stop accepting, commit the journal, exit 0; SIGHUP "
+      "2 bad configuration or usage (--repair: 0 sound, 3 damage found, 1 failed).\nSignals: SIGTERM/SIGINT stop "
+      "accepting, commit the journal, exit 0; SIGHUP "
       "reloads "
       "the rule files and the tokens file, and checks the TLS files (which new connections get within a second of "
       "being "
@@ -99,6 +101,14 @@ int main(int argc, char** argv) {
                "allow a gRPC listener beyond loopback without mutual TLS: any host that reaches it may write runs, "
                "silence alerts and reload rules (security.allow_insecure)");
   app.add_flag("--check-config", check_config, "validate the configuration, print it as JSON, and exit");
+  bool repair = false, dry_run = false, json = false;
+  app.add_flag("--repair", repair,
+               "check the journal in the data directory (the daemon stopped): SQLite's quick_check and every step "
+               "checksum; when damaged, copy every run that can be read into a fresh journal, leaving out the "
+               "damaged steps, and keep the old files beside it. Exit 0 sound (unchanged), 3 damage found (and "
+               "repaired unless --dry-run), 1 failed");
+  app.add_flag("--dry-run", dry_run, "with --repair: report only, change nothing");
+  app.add_flag("--json", json, "with --repair: print the report as JSON");
   app.set_version_flag("--version", std::string("gradwatchd ") + gradwatch::kVersion);
   try {
     app.parse(argc, argv);
@@ -134,6 +144,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gradwatchd: invalid configuration: %s\n", s.message().c_str());
     return kExitConfig;
   }
+  if (!repair && (dry_run || json)) {
+    std::fprintf(stderr, "gradwatchd: --dry-run and --json go with --repair\n");
+    return kExitConfig;
+  }
   if (check_config) {
     std::cout << gradwatch::daemon::ConfigJson(config) << "\nconfiguration OK\n";
     return kExitOk;
@@ -142,6 +156,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gradwatchd: %s\n", s.message().c_str());
     return kExitConfig;
   }
+  if (repair) return gradwatch::daemon::RunRepair(config.data_dir, dry_run, json);
 
   // Block the stop signals in every thread; the main thread waits for them below.
   sigset_t signals;

@@ -431,11 +431,12 @@ void MetricsCollector::Render(Exposition& out) {
   d.Sample("gradwatch_journal_recovery_problems", "problem", "damaged", r.damaged ? 1.0 : 0.0);
   d.Sample("gradwatch_journal_recovery_problems", "problem", "moved_aside", r.moved_aside ? 1.0 : 0.0);
   d.Header("gradwatch_journal_salvaged_runs",
-           "Runs of a damaged journal copied into the fresh one at start-up (outcome=salvaged), and those that could "
-           "not be read (outcome=lost).",
+           "Runs of a damaged journal copied into the fresh one at start-up (outcome=salvaged), and those it lost "
+           "(outcome=lost): unreadable, or named only by their snapshots.",
            MetricType::kGauge);
   d.Sample("gradwatch_journal_salvaged_runs", "outcome", "salvaged", static_cast<double>(r.salvaged_runs));
-  d.Sample("gradwatch_journal_salvaged_runs", "outcome", "lost", static_cast<double>(r.lost_runs));
+  d.Sample("gradwatch_journal_salvaged_runs", "outcome", "lost",
+           static_cast<double>(r.lost_runs + (stats_ != nullptr ? stats_->runs_lost_known_from_snapshots.load() : 0)));
   const store::DamageLog& damage = journal_->damage();
   d.Header("gradwatch_journal_damaged_total",
            "Step blocks (kind=block) and step rows (kind=row) whose checksum failed since start-up, each counted once: "

@@ -36,7 +36,10 @@ struct DaemonStats {
   std::atomic<uint64_t> messages_received{0};
   std::atomic<uint64_t> samples_received{0};
   std::atomic<uint64_t> journal_dropped_records{0};
-  std::atomic<uint64_t> runs_evicted{0};              // ended runs dropped from memory
+  std::atomic<uint64_t> runs_evicted{0};  // ended runs dropped from memory
+  // Runs a damaged journal lost that only their snapshots still name (not among the journal's own
+  // lost_run_ids): their snapshots were set aside with the damaged journal.
+  std::atomic<uint64_t> runs_lost_known_from_snapshots{0};
   std::atomic<uint64_t> runs_not_restored{0};         // journaled runs skipped: beyond the budget, or out of memory
   std::atomic<uint64_t> outbox_pruned_rows{0};        // delivered or given-up notifications deleted
   std::atomic<uint64_t> analytics_refused_series{0};  // series left without analytics: beyond the budget

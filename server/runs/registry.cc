@@ -4,6 +4,7 @@
 #include <chrono>
 #include <map>
 #include <new>
+#include <set>
 
 #include <spdlog/spdlog.h>
 
@@ -153,6 +154,19 @@ Status RunRegistry::Load() {
     }
     std::vector<std::string> held;
     for (const auto& [id, run] : loader.runs) held.push_back(id);
+    if (const store::RecoveryReport& recovery = journal_->recovery();
+        recovery.moved_aside && !recovery.moved_files.empty()) {
+      // The snapshots of runs the damaged journal lost are their last record: kept beside it.
+      const std::string aside = recovery.moved_files.front() + ".snapshots";
+      const std::set<std::string> known_lost(recovery.lost_run_ids.begin(), recovery.lost_run_ids.end());
+      for (const std::string& id : snapshots_->SetAsideAllBut(held, aside)) {
+        if (known_lost.count(id) == 0 && stats_ != nullptr) {
+          stats_->runs_lost_known_from_snapshots.fetch_add(1, std::memory_order_relaxed);
+        }
+        spdlog::error("run {}: lost with the damaged journal (its snapshot names it); the snapshot is kept in {}", id,
+                      aside);
+      }
+    }
     if (const size_t removed = snapshots_->RemoveAllBut(held)) {
       spdlog::info("deleted {} snapshot(s) of runs no longer held", removed);
     }

@@ -145,6 +145,22 @@ struct RecoveryReport {
   bool ok() const { return !wal_missing && discarded_frames == 0 && !damaged; }
 };
 
+// What Journal::Repair found in a journal and did with it.
+struct RepairReport {
+  std::string journal;                    // its path
+  std::string sqlite_problem;             // what SQLite said (open, quick_check), empty when it read the file
+  std::vector<DamagedSteps> damaged;      // blocks and rows whose checksum failed: left out
+  uint64_t damaged_steps = 0;             // steps they held
+  uint64_t runs_copied = 0;               // runs in the repaired journal
+  std::vector<std::string> lost_run_ids;  // runs that could not be read
+  std::vector<std::string> lost_tables;   // other tables (the alert store's) that could not be read
+  bool replaced = false;                  // the repaired copy took the journal's place
+  std::vector<std::string> moved_files;   // where the old files went then (kept, never deleted)
+  bool sound() const {
+    return sqlite_problem.empty() && damaged.empty() && lost_run_ids.empty() && lost_tables.empty();
+  }
+};
+
 // Receives runs from the journal, one after the other in creation order: each run, then (unless
 // OnRun declines it) its series, rank progress and latest rewind, its events (so that analytics
 // know them before the steps they concern), then (OnStepsBegin) its steps in step order: the
@@ -214,6 +230,14 @@ class Journal {
   // one rather than refused, so a damaged journal never stops the daemon from starting.
   static StatusOr<std::unique_ptr<Journal>> Open(const JournalOptions& options, CommitCallback on_commit);
   ~Journal();  // Stop()s
+
+  // `gradwatchd --repair`: checks the journal at `path` (not open elsewhere: the caller holds the
+  // data directory's lock) with quick_check and every step checksum. When it finds damage and
+  // !dry_run, copies every run that can be read into a fresh journal, leaving out the damaged
+  // blocks and rows (and runs SQLite cannot read), renames the old files aside
+  // (`<path>.before-repair-<time>`) and puts the copy in their place. A sound journal is left as it
+  // is. Error only when the repair could not be made (the old files are then untouched).
+  static Status Repair(const std::string& path, bool dry_run, RepairReport& report);
 
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;

@@ -105,8 +105,19 @@ Status ScrubSteps(sqlite::Database& db, const std::string& schema, DamageLog& lo
     }
     if (!s.ok()) return s;
   }
-  auto rows = db.Prepare("SELECT run_id, step, wall_time, partial, ranks_reported, client_dropped, vals, crc FROM " +
-                         schema + ".steps");
+  // A journal of version 4 or older (read by --repair before it is migrated) has no crc column.
+  bool has_crc = false;
+  {
+    auto columns = db.Prepare("PRAGMA " + schema + ".table_info(steps)");
+    if (!columns.ok()) return columns.status();
+    sqlite::Query q(*columns);
+    Status s;
+    while (q.Next(&s, what)) has_crc = has_crc || q.Text(1) == "crc";
+    if (!s.ok()) return s;
+  }
+  auto rows =
+      db.Prepare(std::string("SELECT run_id, step, wall_time, partial, ranks_reported, client_dropped, vals, ") +
+                 (has_crc ? "crc" : "NULL") + " FROM " + schema + ".steps");
   if (!rows.ok()) return rows.status();
   sqlite::Query q(*rows);
   Status s;

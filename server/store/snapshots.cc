@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
@@ -222,6 +223,31 @@ size_t SnapshotStore::RemoveAllBut(const std::vector<std::string>& keep) const {
     if (drop && std::filesystem::remove(entry.path(), ec)) ++removed;
   }
   return removed;
+}
+
+std::vector<std::string> SnapshotStore::SetAsideAllBut(const std::vector<std::string>& keep,
+                                                       const std::string& to_dir) const {
+  const std::set<std::string> kept(keep.begin(), keep.end());
+  std::vector<std::string> moved;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir_, ec)) return moved;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.ends_with(kSuffix)) continue;
+    std::ifstream f(entry.path(), std::ios::binary);
+    std::string head(256 + kMaxRunIdBytes, '\0');
+    f.read(head.data(), static_cast<std::streamsize>(head.size()));
+    head.resize(static_cast<size_t>(f.gcount()));
+    StateReader in(head);
+    Header h;
+    std::string why;
+    if (!ParseHeader(in, h, &why) || kept.count(h.run_id) != 0 || entry.path().string() != PathFor(h.run_id)) continue;
+    std::filesystem::create_directories(to_dir, ec);
+    std::filesystem::rename(entry.path(), std::filesystem::path(to_dir) / name, ec);
+    if (!ec) moved.push_back(h.run_id);
+  }
+  std::sort(moved.begin(), moved.end());
+  return moved;
 }
 
 uint64_t SnapshotStore::DiskBytes() const {

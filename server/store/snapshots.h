@@ -39,6 +39,10 @@ class SnapshotStore {
   // Deletes every snapshot (and leftover temporary file) whose run is not in `keep`, or whose
   // header cannot be read; returns how many files it deleted.
   size_t RemoveAllBut(const std::vector<std::string>& keep) const;
+  // Moves the snapshot of every run not in `keep` into `to_dir` (created when needed), under its
+  // own name, and returns those runs' ids, sorted: after a damaged journal was set aside, the
+  // snapshots of the runs it lost go with it, as their last record.
+  std::vector<std::string> SetAsideAllBut(const std::vector<std::string>& keep, const std::string& to_dir) const;
   // Bytes of the snapshot files.
   uint64_t DiskBytes() const;
 
