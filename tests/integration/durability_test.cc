@@ -694,6 +694,147 @@ TEST_CASE(
   CHECK(GetRun(daemon.grpc_target(), "bad-rows").info().step_count() == 1100 - 65);
 }
 
+namespace {
+
+CommandResult Repair(const std::filesystem::path& data_dir, std::vector<std::string> args) {
+  std::vector<std::string> argv = {DaemonBinaryPath(), "--data-dir", data_dir.string(), "--repair"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunCommand(argv, std::nullopt, std::chrono::seconds(120));
+}
+
+std::string FileBytes(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+}  // namespace
+
+TEST_CASE("gradwatchd --repair lists damaged steps by run and range, and replaces the journal with a sound copy",
+          "[integration][durability][damage][repair]") {
+  TempDir data("gradwatch-repair");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  options.config_yaml += "journal: {snapshot_interval_seconds: 0, block_steps: 64}\n";
+  DaemonProcess daemon(options);
+  for (const auto& [run, first] : {std::pair<std::string, uint64_t>{"bad-rows", 1}, {"good-rows", 5001}}) {
+    const std::string file = (data.path() / (run + ".jsonl")).string();
+    WriteHistory(file, run, first, first + 999, {{first + 500, "lr decay"}});
+    REQUIRE(Cli(daemon, {"replay", file, "--max"}).exit_code == 0);
+  }
+  {
+    // Refused while the daemon runs.
+    const CommandResult busy = Repair(data.path(), {});
+    INFO(busy.out << busy.err);
+    CHECK(busy.exit_code == 1);
+    CHECK(busy.err.find("in use by a running gradwatchd") != std::string::npos);
+  }
+  REQUIRE(daemon.Stop() == 0);
+  const std::filesystem::path db = data.path() / "journal.db";
+  {
+    const CommandResult sound = Repair(data.path(), {"--json"});
+    INFO(sound.out << sound.err);
+    CHECK(sound.exit_code == 0);
+    CHECK(json::parse(sound.out)["sound"] == true);
+  }
+  Compact(db);
+  FlipInFile(db, JournalBlob(db, "SELECT data FROM step_blocks WHERE run_id = 'bad-rows' AND first_step = 129"));
+  FlipInFile(db, JournalBlob(db, "SELECT vals FROM steps WHERE run_id = 'bad-rows' AND step = 990"));
+  const std::string damaged_bytes = FileBytes(db);
+
+  const CommandResult dry = Repair(data.path(), {"--dry-run", "--json"});
+  INFO(dry.out << dry.err);
+  REQUIRE(dry.exit_code == 3);
+  const json found = json::parse(dry.out);
+  CHECK(found["sound"] == false);
+  CHECK(found["replaced"] == false);
+  REQUIRE(found["damaged"].size() == 2);
+  CHECK(found["damaged"][0]["run"] == "bad-rows");
+  CHECK(found["damaged"][0]["kind"] == "block");
+  CHECK(found["damaged"][0]["first_step"] == 129);
+  CHECK(found["damaged"][0]["last_step"] == 192);
+  CHECK(found["damaged"][1]["kind"] == "row");
+  CHECK(found["damaged"][1]["first_step"] == 990);
+  CHECK(found["damaged_steps"] == 65);
+  CHECK(FileBytes(db) == damaged_bytes);  // a dry run changes nothing
+
+  const CommandResult text = Repair(data.path(), {"--dry-run"});
+  CHECK(text.exit_code == 3);
+  CHECK(text.out.find("run 'bad-rows': steps 129-192 (a block of 64 step(s)): step block: checksum mismatch") !=
+        std::string::npos);
+
+  const CommandResult fixed = Repair(data.path(), {"--json"});
+  INFO(fixed.out << fixed.err);
+  REQUIRE(fixed.exit_code == 3);
+  const json repaired = json::parse(fixed.out);
+  CHECK(repaired["replaced"] == true);
+  CHECK(repaired["runs_copied"] == 2);
+  CHECK(repaired["damaged_steps"] == 65);
+  REQUIRE(repaired["moved_files"].size() >= 1);
+  CHECK(FileBytes(repaired["moved_files"][0].get<std::string>()) == damaged_bytes);  // kept as it was
+  CHECK(Repair(data.path(), {}).exit_code == 0);                                     // sound now
+
+  daemon.Restart();
+  INFO(daemon.LogText());
+  CHECK(Metric(daemon, "gradwatch_journal_damaged_total", {{"kind", "block"}}) == 0.0);
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "damaged"}}) == 0.0);
+  const std::map<uint64_t, double> served = ServedSeries(daemon, "bad-rows", "grad/norm/total");
+  CHECK(served.size() == 1000 - 65);
+  for (const auto& [step, value] : served) CHECK(value == WrittenGradNorm(step));
+  const v1::RunSummary good = GetRun(daemon.grpc_target(), "good-rows");
+  CHECK(good.info().step_count() == 1000);
+  CHECK(good.events_size() == 1);
+  // Trainers go on writing to the repaired journal.
+  const std::string more = (data.path() / "more.jsonl").string();
+  WriteHistory(more, "bad-rows", 1001, 1050);
+  REQUIRE(Cli(daemon, {"replay", more, "--max"}).exit_code == 0);
+  CHECK(GetRun(daemon.grpc_target(), "bad-rows").info().step_count() == 1050 - 65);
+}
+
+TEST_CASE("a journal cut in half: the runs it lost are counted truly, named by their snapshots, which are kept",
+          "[integration][durability][damage]") {
+  TempDir data("gradwatch-cut");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  options.config_yaml += "journal: {snapshot_interval_seconds: 0.2}\n";
+  DaemonProcess daemon(options);
+  for (const char* run : {"r1", "r2", "r3", "r4"}) {
+    const std::string file = (data.path() / (std::string(run) + ".jsonl")).string();
+    WriteHistory(file, run, 1, 5000);
+    REQUIRE(Cli(daemon, {"replay", file, "--max"}).exit_code == 0);
+  }
+  REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_snapshots_written_total").value_or(0) >= 4; },
+                    std::chrono::seconds(60)));
+  REQUIRE(daemon.Stop() == 0);
+  const std::filesystem::path db = data.path() / "journal.db";
+  std::filesystem::resize_file(db, std::filesystem::file_size(db) / 2);
+
+  daemon.Restart();
+  INFO(daemon.LogText());
+  CHECK(Metric(daemon, "gradwatch_journal_recovery_problems", {{"problem", "moved_aside"}}) == 1.0);
+  const double salvaged = Metric(daemon, "gradwatch_journal_salvaged_runs", {{"outcome", "salvaged"}}).value_or(-1);
+  const double lost = Metric(daemon, "gradwatch_journal_salvaged_runs", {{"outcome", "lost"}}).value_or(-1);
+  CHECK(salvaged + lost == 4.0);  // every run the journal held is accounted for
+  CHECK(lost >= 1.0);
+  size_t named = 0;
+  for (const char* run : {"r1", "r2", "r3", "r4"}) {
+    const bool served =
+        Metric(daemon, "gradwatch_run_steps_total", {{"run", run}}).has_value() ||
+        daemon.LogText().find(std::string("run ") + run + ": lost with the damaged journal") == std::string::npos;
+    if (!served) ++named;
+  }
+  CHECK(named >= 1);
+  // The lost runs' snapshots are kept beside the damaged journal, not deleted.
+  size_t kept_snapshots = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(data.path())) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("journal.db.damaged-", 0) == 0 && name.ends_with(".snapshots")) {
+      for ([[maybe_unused]] const auto& f : std::filesystem::directory_iterator(entry.path())) ++kept_snapshots;
+    }
+  }
+  CHECK(kept_snapshots == static_cast<size_t>(lost));
+  CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "SERVING");
+}
+
 TEST_CASE("a WAL deleted while the daemon was stopped is reported at start", "[integration][durability]") {
   TempDir data("gradwatch-nowal");
   DaemonOptions options;
