@@ -143,8 +143,25 @@ RunRegistry::RunRegistry(const RunOptions& options, size_t max_runs, DaemonStats
 
 Status RunRegistry::Load() {
   if (journal_ == nullptr) return Status::FailedPrecondition("no journal to load from");
+  // A journal salvaged at start (set aside as damaged) may hold fewer steps of a run than its
+  // snapshot: no snapshot is used, and those of the runs it lost are their last record, kept
+  // beside the damaged journal.
+  const store::RecoveryReport& recovery = journal_->recovery();
+  std::vector<std::string> set_aside;
+  std::string aside_dir;
+  if (snapshots_ != nullptr && recovery.moved_aside && !recovery.moved_files.empty()) {
+    aside_dir = recovery.moved_files.front() + ".snapshots";
+    set_aside = snapshots_->SetAsideAllBut({}, aside_dir);
+  }
   Loader loader(*this, /*skip_archived=*/true);
   Status s = journal_->Load(loader);
+  const std::set<std::string> known_lost(recovery.lost_run_ids.begin(), recovery.lost_run_ids.end());
+  for (const std::string& id : set_aside) {
+    if (loader.runs.count(id) != 0 || known_lost.count(id) != 0) continue;
+    if (stats_ != nullptr) stats_->runs_lost_known_from_snapshots.fetch_add(1, std::memory_order_relaxed);
+    spdlog::error("run {}: lost with the damaged journal (its snapshot names it); the snapshot is kept in {}", id,
+                  aside_dir);
+  }
   loader.Finish();
   if (loader.archived > 0) spdlog::info("{} ended runs stay archived in the journal", loader.archived);
   if (snapshots_ != nullptr) {
@@ -154,19 +171,6 @@ Status RunRegistry::Load() {
     }
     std::vector<std::string> held;
     for (const auto& [id, run] : loader.runs) held.push_back(id);
-    if (const store::RecoveryReport& recovery = journal_->recovery();
-        recovery.moved_aside && !recovery.moved_files.empty()) {
-      // The snapshots of runs the damaged journal lost are their last record: kept beside it.
-      const std::string aside = recovery.moved_files.front() + ".snapshots";
-      const std::set<std::string> known_lost(recovery.lost_run_ids.begin(), recovery.lost_run_ids.end());
-      for (const std::string& id : snapshots_->SetAsideAllBut(held, aside)) {
-        if (known_lost.count(id) == 0 && stats_ != nullptr) {
-          stats_->runs_lost_known_from_snapshots.fetch_add(1, std::memory_order_relaxed);
-        }
-        spdlog::error("run {}: lost with the damaged journal (its snapshot names it); the snapshot is kept in {}", id,
-                      aside);
-      }
-    }
     if (const size_t removed = snapshots_->RemoveAllBut(held)) {
       spdlog::info("deleted {} snapshot(s) of runs no longer held", removed);
     }

@@ -6,11 +6,17 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+#include <string_view>
 
 #include <spdlog/spdlog.h>
 
 #include "server/store/journal_check.h"
+#include "server/store/page_recovery.h"
 #include "server/store/sqlite.h"
+#include "server/store/step_block.h"
 
 namespace gradwatch::store {
 
@@ -35,6 +41,164 @@ std::vector<std::string> Columns(sqlite::Database& db, const char* schema, const
   Status s;
   while (use.Next(&s, "table_info")) out.push_back(use.Text(1));
   return out;
+}
+
+// Binds a recovered value as SQLite stored it.
+void BindRecovered(sqlite::Query& q, int index, const RecoveredValue& v) {
+  switch (v.type) {
+    case RecoveredValue::Type::kNull: q.BindNull(index); break;
+    case RecoveredValue::Type::kInteger: q.Bind(index, v.integer); break;
+    case RecoveredValue::Type::kReal: q.Bind(index, v.real); break;
+    case RecoveredValue::Type::kText: q.Bind(index, std::string_view(v.bytes)); break;
+    case RecoveredValue::Type::kBlob: q.BindBlob(index, std::string_view(v.bytes)); break;
+  }
+}
+
+// Why a recovered row of `table` must not be kept (its checksum fails), empty when it may.
+std::string RecoveredDamage(const std::string& table, const RecoveredRecord& r) {
+  const auto& v = r.values;
+  if (table == "steps" && v.size() >= 7) {
+    const bool typed = v[0].type == RecoveredValue::Type::kText && v[1].type == RecoveredValue::Type::kInteger &&
+                       v[6].type == RecoveredValue::Type::kBlob;
+    if (!typed) return "unexpected column types";
+    std::optional<int64_t> crc;
+    if (v.size() >= 8 && v[7].type == RecoveredValue::Type::kInteger) crc = v[7].integer;
+    const double wall_time = v[2].type == RecoveredValue::Type::kReal ? v[2].real : static_cast<double>(v[2].integer);
+    return StepRowDamage(v[0].bytes, static_cast<uint64_t>(v[1].integer), wall_time, v[3].integer != 0,
+                         static_cast<uint32_t>(v[4].integer), static_cast<uint64_t>(v[5].integer), v[6].bytes, crc);
+  }
+  if (table == "step_blocks" && v.size() >= 6) {
+    if (v[5].type != RecoveredValue::Type::kBlob) return "unexpected column types";
+    if (Status st = VerifyStepBlock(v[5].bytes); !st.ok()) return st.message();
+  }
+  return {};
+}
+
+// SQLite cannot read the damaged file at all (a journal cut short names root pages past its end):
+// its records are read page by page (page_recovery.h) into the fresh journal's run tables, in one
+// transaction. Step rows and blocks must pass their checksums. Rows of a run whose runs row was not
+// recovered are left out and the run counted lost. A run whose recovered steps end below what its
+// ranks were acked for has its progress lowered to them, so that its trainers resend the rest.
+void SalvageFromPages(sqlite::Database& db, const std::string& damaged_path, RecoveryReport& report) {
+  sqlite::Transaction txn(db, "journal");
+  if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) {
+    report.detail += "salvage page by page: " + s.message() + ". ";
+    return;
+  }
+  std::map<std::pair<std::string, size_t>, sqlite::Statement> inserts;  // (table, values) → INSERT
+  std::map<std::string, std::vector<std::string>> columns;
+  uint64_t kept = 0, refused = 0;
+  auto on_record = [&](const std::string& table, const RecoveredRecord& record) {
+    if (std::find(kRunTables.begin(), kRunTables.end(), table) == kRunTables.end()) return;
+    if (!RecoveredDamage(table, record).empty()) {
+      ++refused;
+      return;
+    }
+    auto cols = columns.find(table);
+    if (cols == columns.end()) cols = columns.emplace(table, Columns(db, "main", table)).first;
+    const size_t n = record.values.size();
+    if (n == 0 || n > cols->second.size()) {
+      ++refused;
+      return;
+    }
+    auto insert = inserts.find({table, n});
+    if (insert == inserts.end()) {
+      std::string names, params;
+      for (size_t i = 0; i < n; ++i) {
+        names += (i ? ", " : "") + QuoteName(cols->second[i]);
+        params += (i ? ", ?" : "?") + std::to_string(i + 1);
+      }
+      auto prepared = db.Prepare("INSERT OR IGNORE INTO main." + table + "(" + names + ") VALUES(" + params + ")");
+      if (!prepared.ok()) {
+        ++refused;
+        return;
+      }
+      insert = inserts.emplace(std::make_pair(table, n), std::move(prepared).value()).first;
+    }
+    sqlite::Query use(insert->second);
+    for (size_t i = 0; i < n; ++i) BindRecovered(use, static_cast<int>(i + 1), record.values[i]);
+    if (use.Run("salvage").ok()) {
+      ++kept;
+    } else {
+      ++refused;
+    }
+  };
+  auto read = RecoverRecords(damaged_path, on_record);
+  if (!read.ok()) {
+    report.detail += "read page by page: " + read.status().message() + ". ";
+    return;
+  }
+  report.detail += "read page by page: " + std::to_string(kept) + " row(s) recovered, " + std::to_string(refused) +
+                   " refused (checksum or shape)";
+  uint64_t unreadable = 0;
+  for (const RecoveredTableReport& t : read->tables) {
+    unreadable += t.unreadable_pages;
+    if (std::find(kRunTables.begin(), kRunTables.end(), t.name) == kRunTables.end() && t.records > 0) {
+      report.lost_tables.push_back(t.name);
+    }
+  }
+  report.detail += ", " + std::to_string(unreadable) + " page(s) unreadable. ";
+  inserts.clear();
+  auto ids = [&](const std::string& sql) {
+    std::vector<std::string> out;
+    if (auto q = db.Prepare(sql); q.ok()) {
+      sqlite::Query use(*q);
+      Status st;
+      while (use.Next(&st, "salvage")) out.push_back(use.Text(0));
+    }
+    return out;
+  };
+  // Rows of runs whose runs row is gone cannot be served: those runs are lost.
+  std::set<std::string> lost;
+  for (const char* table : kRunTables) {
+    if (std::string_view(table) == "runs") continue;
+    const std::string where =
+        std::string(" FROM main.") + table + " WHERE run_id NOT IN (SELECT run_id FROM main.runs)";
+    for (std::string& id : ids("SELECT DISTINCT run_id" + where)) lost.insert(std::move(id));
+    if (Status st = db.Exec("DELETE" + where); !st.ok()) spdlog::warn("journal: salvage: {}", st.message());
+  }
+  report.lost_run_ids.assign(lost.begin(), lost.end());
+  report.lost_runs = lost.size();
+  for (const std::string& id : ids("SELECT run_id FROM main.runs ORDER BY run_id")) {
+    ++report.salvaged_runs;
+    auto q = db.Prepare(
+        "SELECT (SELECT count(*) FROM main.steps WHERE run_id = ?1) + "
+        "(SELECT coalesce(sum(steps), 0) FROM main.step_blocks WHERE run_id = ?1), "
+        "max((SELECT coalesce(max(step), -1) FROM main.steps WHERE run_id = ?1), "
+        "(SELECT coalesce(max(last_step), -1) FROM main.step_blocks WHERE run_id = ?1)), "
+        "(SELECT max(step) FROM main.rank_progress WHERE run_id = ?1)");
+    if (!q.ok()) continue;
+    int64_t steps = 0, last = -1;
+    std::optional<int64_t> acked;
+    {
+      sqlite::Query use(*q);
+      use.Bind(1, id);
+      Status st;
+      if (!use.Next(&st, "salvage")) continue;
+      steps = use.Int(0);
+      last = use.Int(1);
+      if (!use.IsNull(2)) acked = use.Int(2);
+    }
+    if (acked && *acked > last) {
+      auto lower = db.Prepare(last < 0 ? "DELETE FROM main.rank_progress WHERE run_id = ?1"
+                                       : "UPDATE main.rank_progress SET step = ?2 WHERE run_id = ?1 AND step > ?2");
+      if (lower.ok()) {
+        sqlite::Query use(*lower);
+        use.Bind(1, id);
+        if (last >= 0) use.Bind(2, last);
+        if (Status st = use.Run("salvage"); !st.ok()) spdlog::warn("journal: salvage: {}", st.message());
+      }
+    }
+    spdlog::error("journal: run {} salvaged page by page: {} step(s) recovered{}{}", id, steps,
+                  last >= 0 ? ", the last " + std::to_string(last) : std::string(),
+                  acked && *acked > last ? "; its ranks were acked through step " + std::to_string(*acked) +
+                                               ": they resend what was not recovered"
+                                         : std::string());
+  }
+  if (Status s = txn.Commit(); !s.ok()) {
+    report.detail += "salvage page by page: " + s.message() + ". ";
+    report.salvaged_runs = 0;
+  }
 }
 
 }  // namespace
@@ -112,7 +276,8 @@ void Salvage(sqlite::Database& db, const std::string& damaged_path, RecoveryRepo
     sqlite::Query use(*attach);
     use.Bind(1, uri);
     if (Status s = use.Run("attaching the damaged journal"); !s.ok()) {
-      report.detail += "cannot read the damaged file: " + s.message() + ". ";
+      report.detail += "SQLite cannot read the damaged file (" + s.message() + "): read page by page. ";
+      SalvageFromPages(db, damaged_path, report);
       return;
     }
   }
@@ -128,8 +293,12 @@ void Salvage(sqlite::Database& db, const std::string& damaged_path, RecoveryRepo
     }
   }
   if (!listed.ok()) {
-    report.detail += "its schema cannot be read (" + listed.message() + "): nothing could be salvaged. ";
-    tables.clear();
+    report.detail += "SQLite cannot read its schema (" + listed.message() + "): read page by page. ";
+    if (Status d = db.Exec("DETACH DATABASE damaged"); !d.ok()) {
+      spdlog::warn("journal: detaching the damaged journal: {}", d.message());
+    }
+    SalvageFromPages(db, damaged_path, report);
+    return;
   }
   auto has_table = [&](const std::string& name) {
     return std::any_of(tables.begin(), tables.end(), [&](const auto& t) { return t.first == name; });
