@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace gradwatch::client {
@@ -78,7 +79,35 @@ QueryResult<v1::AckResponse> QueryClient::Ack(const std::string& fingerprint, co
 QueryResult<v1::RunSummary> QueryClient::GetRun(const std::string& run_id) {
   v1::GetRunRequest request;
   request.set_run_id(run_id);
-  return Call<v1::GetRunRequest, v1::RunSummary>(request, &v1::Query::Stub::GetRun);
+  request.set_max_params(2000);
+  QueryResult<v1::RunSummary> whole = Call<v1::GetRunRequest, v1::RunSummary>(request, &v1::Query::Stub::GetRun);
+  // The rest of the catalog, a page at a time (each answer stays under gRPC's 4 MiB).
+  v1::RunSummary& all = whole.response;
+  while (whole.ok() && static_cast<uint64_t>(all.params_size()) < all.param_count()) {
+    request.set_params_offset(static_cast<uint32_t>(all.params_size()));
+    QueryResult<v1::RunSummary> page = Call<v1::GetRunRequest, v1::RunSummary>(request, &v1::Query::Stub::GetRun);
+    if (!page.ok()) return page;
+    if (page.response.params_size() == 0) break;  // the catalog shrank meanwhile (a catalog update)
+    v1::RunSummary& p = page.response;
+    all.mutable_params()->MergeFrom(p.params());
+    all.mutable_latest()->MergeFrom(p.latest());
+    v1::Analysis* a = all.mutable_analysis();
+    const v1::Analysis& more = p.analysis();
+    a->mutable_slopes()->MergeFrom(more.slopes());
+    a->mutable_slope_changes()->MergeFrom(more.slope_changes());
+    a->mutable_change_points()->MergeFrom(more.change_points());
+    a->mutable_forecasts()->MergeFrom(more.forecasts());
+    a->mutable_shares()->MergeFrom(more.shares());
+    a->mutable_amplifications()->MergeFrom(more.amplifications());
+    a->mutable_growth_without_decay()->MergeFrom(more.growth_without_decay());
+    a->mutable_projections()->MergeFrom(more.projections());
+    a->mutable_remediations()->MergeFrom(more.remediations());
+  }
+  // Shares come largest first, as a single answer lists them.
+  auto* shares = all.mutable_analysis()->mutable_shares();
+  std::stable_sort(shares->begin(), shares->end(),
+                   [](const v1::GradNormShare& x, const v1::GradNormShare& y) { return x.share() > y.share(); });
+  return whole;
 }
 
 QueryResult<v1::GetSeriesResponse> QueryClient::GetSeries(const v1::GetSeriesRequest& request) {

@@ -31,6 +31,7 @@ class QueryClient {
 
   // The runs the daemon holds in memory; with `include_archived`, also those only its journal holds.
   QueryResult<v1::ListRunsResponse> ListRuns(bool include_archived = false);
+  // The whole run: every page of its catalog (GetRunRequest.max_params), merged.
   QueryResult<v1::RunSummary> GetRun(const std::string& run_id);
   QueryResult<v1::GetSeriesResponse> GetSeries(const v1::GetSeriesRequest& request);
   QueryResult<v1::AnnotateResponse> Annotate(const std::string& run_id, uint64_t step, const std::string& text);

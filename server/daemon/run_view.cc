@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <tuple>
 
 #include "server/daemon/ui_assets.h"
 
@@ -185,13 +186,20 @@ web::Response Api(const ingest::QuerySources& sources, const web::Request& reque
     q.set_run_id(*run);
     // The view reloads the run every few seconds: the latest 200 events by default (?events=N).
     q.set_max_events(200);
-    if (const auto events = QueryParam(request.query, "events")) {
+    // ?events=N (1 or more), ?params=N (a page of the catalog, 1 or more) and ?params_offset=K.
+    for (const auto& [name, set, min] : {std::tuple<const char*, void (v1::GetRunRequest::*)(uint32_t), uint32_t>{
+                                             "events", &v1::GetRunRequest::set_max_events, 1},
+                                         {"params", &v1::GetRunRequest::set_max_params, 1},
+                                         {"params_offset", &v1::GetRunRequest::set_params_offset, 0}}) {
+      const auto text = QueryParam(request.query, name);
+      if (!text) continue;
       uint32_t n = 0;
-      const auto [end, ec] = std::from_chars(events->data(), events->data() + events->size(), n);
-      if (ec != std::errc() || end != events->data() + events->size() || n == 0) {
-        return JsonError(400, "INVALID_ARGUMENT", "events=" + *events + " is not a count of 1 or more");
+      const auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), n);
+      if (ec != std::errc() || end != text->data() + text->size() || n < min) {
+        return JsonError(400, "INVALID_ARGUMENT",
+                         std::string(name) + "=" + *text + " is not a count of " + std::to_string(min) + " or more");
       }
-      q.set_max_events(n);
+      (q.*set)(n);
     }
     v1::RunSummary response;
     return FromStatus(ingest::GetRun(sources, q, &response), response);

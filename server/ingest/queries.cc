@@ -3,12 +3,129 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
 
 #include "server/ingest/convert.h"
 
 namespace gradwatch::ingest {
 
-namespace {}  // namespace
+namespace {
+
+constexpr size_t kDefaultParams = 1000;
+constexpr size_t kMaxParams = 2000;
+// A page's entries take at most this much (protobuf bytes), so that the answer, events included,
+// stays under gRPC's default 4 MiB limit however many series each parameter has.
+constexpr size_t kPageBytes = size_t{3} << 20;
+constexpr size_t kRunWide = static_cast<size_t>(-1);
+
+// Removes the elements of `field` that `keep` refuses, keeping the order of the others.
+template <typename Field, typename Keep>
+void KeepOnly(Field* field, Keep keep) {
+  int kept = 0;
+  for (int i = 0; i < field->size(); ++i) {
+    if (!keep(field->Get(i))) continue;
+    if (kept != i) field->SwapElements(kept, i);
+    ++kept;
+  }
+  field->DeleteSubrange(kept, field->size() - kept);
+}
+
+// Applies `visit(owner, bytes)` to every per-series or per-parameter entry of `s`, with the catalog
+// position of the parameter it belongs to (kRunWide for the run's own: the total grad norm, the
+// loss, groups) and its size. A series key belongs to the parameter its last segments name
+// ("grad/norm/<param>", "updates/radial/<param>").
+class Owners {
+ public:
+  explicit Owners(const v1::RunSummary& s) {
+    position_.reserve(static_cast<size_t>(s.params_size()));
+    for (int i = 0; i < s.params_size(); ++i) position_.emplace(s.params(i).name(), static_cast<size_t>(i));
+  }
+  size_t OfName(const std::string& name) const {
+    const auto it = position_.find(name);
+    return it == position_.end() ? kRunWide : it->second;
+  }
+  size_t OfKey(const std::string& key) const {
+    for (size_t slash = key.find('/'); slash != std::string::npos; slash = key.find('/', slash + 1)) {
+      if (const auto it = position_.find(std::string_view(key).substr(slash + 1)); it != position_.end()) {
+        return it->second;
+      }
+    }
+    return kRunWide;
+  }
+
+ private:
+  std::unordered_map<std::string_view, size_t> position_;  // views into the summary's names
+};
+
+template <typename Visit>
+void ForEachEntry(v1::RunSummary* s, const Owners& owners, Visit visit) {
+  v1::Analysis* a = s->mutable_analysis();
+  auto by_key = [&](auto* field) {
+    KeepOnly(field, [&](const auto& e) { return visit(owners.OfKey(e.key()), e.ByteSizeLong()); });
+  };
+  auto by_param = [&](auto* field) {
+    KeepOnly(field, [&](const auto& e) { return visit(owners.OfName(e.param()), e.ByteSizeLong()); });
+  };
+  by_key(s->mutable_latest());
+  by_key(a->mutable_slopes());
+  by_key(a->mutable_slope_changes());
+  by_key(a->mutable_change_points());
+  by_key(a->mutable_forecasts());
+  KeepOnly(a->mutable_shares(), [&](const v1::GradNormShare& e) {
+    return visit(e.is_group() ? kRunWide : owners.OfName(e.name()), e.ByteSizeLong());
+  });
+  by_param(a->mutable_amplifications());
+  by_param(a->mutable_growth_without_decay());
+  by_param(a->mutable_projections());
+  by_param(a->mutable_remediations());
+}
+
+// Keeps in `s` the catalog page the request asks for and what belongs to it (see GetRunRequest):
+// as many parameters from `offset` as were asked, fewer when their entries would pass kPageBytes
+// (at least one).
+void KeepParamPage(v1::RunSummary* s, size_t offset, size_t asked) {
+  const size_t total = static_cast<size_t>(s->params_size());
+  s->set_param_count(total);
+  offset = std::min(offset, total);
+  asked = std::min(asked == 0 ? kDefaultParams : asked, kMaxParams);
+  const bool first = offset == 0;
+  if (!first) s->clear_events();
+  {
+    // First pass: what each parameter of the page would cost; nothing is removed.
+    const Owners owners(*s);
+    std::vector<size_t> bytes(std::min(asked, total - offset), 0);
+    size_t run_wide = 0;
+    ForEachEntry(s, owners, [&](size_t owner, size_t b) {
+      if (owner == kRunWide) {
+        run_wide += b;
+      } else if (owner >= offset && owner - offset < bytes.size()) {
+        bytes[owner - offset] += b;
+      }
+      return true;
+    });
+    size_t used = first ? run_wide : 0;
+    for (const v1::EventInfo& e : s->events()) used += e.ByteSizeLong() + 4;
+    size_t count = 0;
+    for (; count < bytes.size(); ++count) {
+      used += bytes[count] + static_cast<size_t>(s->params(static_cast<int>(offset + count)).ByteSizeLong());
+      if (count > 0 && used > kPageBytes) break;
+    }
+    asked = count;
+  }
+  {
+    const Owners owners(*s);
+    ForEachEntry(s, owners, [&](size_t owner, size_t) {
+      return owner == kRunWide ? first : owner >= offset && owner - offset < asked;
+    });
+  }
+  auto* params = s->mutable_params();
+  params->DeleteSubrange(static_cast<int>(offset + asked), params->size() - static_cast<int>(offset + asked));
+  params->DeleteSubrange(0, static_cast<int>(offset));
+}
+
+}  // namespace
 
 grpc::Status ListRuns(const QuerySources& from, const v1::ListRunsRequest& request, v1::ListRunsResponse* response) {
   for (const auto& run : from.registry->All()) RunInfoToProto(run->Info(), response->add_runs());
@@ -27,6 +144,7 @@ grpc::Status GetRun(const QuerySources& from, const v1::GetRunRequest& request, 
   if (!run) return RunNotFound(request.run_id());
   constexpr uint32_t kDefaultEvents = 1000;  // 1,000 events of at most 1 KiB: within gRPC's 4 MiB
   SummaryToProto(run->Summary(request.max_events() == 0 ? kDefaultEvents : request.max_events()), response);
+  KeepParamPage(response, request.params_offset(), request.max_params());
   if (!from.diagnosis) return grpc::Status::OK;
   if (const std::optional<alerts::DiagnosisAt> d = from.diagnosis(request.run_id())) {
     v1::RunDiagnosis* out = response->mutable_diagnosis();

@@ -11,9 +11,12 @@
 #include <atomic>
 #include <cmath>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
@@ -152,6 +155,95 @@ TEST_CASE("a 65,536-parameter run costs memory by what it reports, across a rest
   const auto runs = ListRuns(daemon.grpc_target());
   REQUIRE(runs.size() == 1);
   CHECK(runs[0].step_count() == 50);
+}
+
+TEST_CASE("a 65,536-parameter run is read in pages that stay under gRPC's default 4 MiB, by the API and the CLI",
+          "[integration]") {
+  DaemonOptions options;
+  options.ready_timeout = std::chrono::seconds(120);
+  DaemonProcess daemon(options);
+  {
+    StreamClient stream(daemon.grpc_target());
+    REQUIRE(stream.Hello(LargeHello("wide", 65536), 1));
+    stream.WaitFor([](const v1::DaemonMessage& m) { return m.has_accepted(); }, std::chrono::seconds(120));
+    // Every parameter's grad and param norms at 3 steps: 131,073 series and their slopes.
+    for (uint64_t s = 1; s <= 3; ++s) {
+      v1::StepStats step;
+      step.set_step(s);
+      step.set_wall_time(1.7e9 + static_cast<double>(s));
+      for (uint32_t i = 0; i < 65536; ++i) {
+        auto* p = step.add_params();
+        p->set_index(i);
+        p->mutable_grad()->set_norm(0.01 + 1e-6 * i + 1e-3 * static_cast<double>(s));
+        p->mutable_param()->set_norm(10 + 1e-4 * i);
+      }
+      REQUIRE(stream.Step(step, 1 + s));
+    }
+    stream.WaitFor([](const v1::DaemonMessage& m) { return m.has_ack() && m.ack().durable_step() >= 3; },
+                   std::chrono::seconds(120));
+  }
+  // A client with gRPC's default limits reads every page.
+  auto stub = QueryStub(daemon.grpc_target());
+  std::set<std::string> names, latest_keys;
+  size_t pages = 0, run_wide_latest = 0;
+  for (uint32_t offset = 0;;) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + Scaled(std::chrono::seconds(60)));
+    v1::GetRunRequest req;
+    req.set_run_id("wide");
+    req.set_max_params(2000);
+    req.set_params_offset(offset);
+    v1::RunSummary page;
+    const grpc::Status st = stub->GetRun(&ctx, req, &page);
+    INFO("offset " << offset << ": " << st.error_message());
+    REQUIRE(st.ok());
+    CHECK(page.ByteSizeLong() < (size_t{4} << 20));
+    CHECK(page.param_count() == 65536);
+    ++pages;
+    REQUIRE(page.params_size() > 0);
+    std::set<std::string> in_page;
+    for (const v1::ParamInfo& p : page.params()) {
+      CHECK(names.insert(p.name()).second);
+      in_page.insert(p.name());
+    }
+    for (const v1::LatestValue& v : page.latest()) {
+      CHECK(latest_keys.insert(v.key()).second);
+      const size_t slash = v.key().rfind('/');
+      if (v.key() == "grad/norm/total") {
+        ++run_wide_latest;
+        CHECK(offset == 0);  // run-wide entries come with the first page only
+      } else {
+        CHECK(in_page.count(v.key().substr(slash + 1)) == 1);  // a page's values are its own parameters'
+      }
+    }
+    offset += static_cast<uint32_t>(page.params_size());
+    if (offset >= page.param_count()) break;
+  }
+  CHECK(names.size() == 65536);
+  CHECK(latest_keys.size() == 2 * 65536 + 1);
+  CHECK(run_wide_latest == 1);
+  CHECK(pages >= 33);
+  // The JSON API behind the run view answers a page too.
+  const HttpResponse first = HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/api/v1/runs/wide");
+  REQUIRE(first.status == 200);
+  CHECK(first.body.size() < (size_t{8} << 20));
+  const nlohmann::json summary = nlohmann::json::parse(first.body);
+  CHECK(summary["param_count"] == "65536");
+  CHECK(summary["params"].size() == 1000);
+  const HttpResponse last =
+      HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/api/v1/runs/wide?params=10&params_offset=65530");
+  REQUIRE(last.status == 200);
+  const nlohmann::json tail = nlohmann::json::parse(last.body);
+  REQUIRE(tail["params"].size() == 6);
+  CHECK(tail["params"][5]["name"] == "model.layers.65535.mlp.weight");
+  CHECK(HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/api/v1/runs/wide?params=0").status == 400);
+  // The CLI reads the whole run.
+  const CommandResult show = RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "show", "wide", "--json"},
+                                        std::nullopt, std::chrono::seconds(180));
+  INFO(show.err);
+  REQUIRE(show.exit_code == 0);
+  const nlohmann::json shown = nlohmann::json::parse(show.out);
+  CHECK(shown.dump().find("model.layers.65535.mlp.weight") != std::string::npos);
 }
 
 TEST_CASE("run label names that are not Prometheus label names are refused, and values are escaped", "[integration]") {
