@@ -22,10 +22,15 @@ constexpr uint64_t kBytesPerRank = 320;
 
 }  // namespace
 
-uint64_t MemoryBudget::WorldBytes(const RunMeta& meta, size_t max_pending_steps) {
-  const uint64_t world = std::max<uint32_t>(1, meta.world_size);
+uint64_t MemoryBudget::RankBytes(uint32_t world_size, size_t max_pending_steps) {
+  const uint64_t world = std::max<uint32_t>(1, world_size);
   uint64_t bytes = world * kBytesPerRank;
   if (world > 32) bytes += (world + 63) / 64 * 8 * max_pending_steps;  // PendingStep::rank_bits
+  return bytes;
+}
+
+uint64_t MemoryBudget::WorldBytes(const RunMeta& meta, size_t max_pending_steps) {
+  uint64_t bytes = RankBytes(meta.world_size, max_pending_steps);
   for (const auto& [key, value] : meta.labels) bytes += kNameCopies * (key.size() + value.size());
   return bytes;
 }

@@ -40,6 +40,8 @@ class MemoryBudget {
   // rank of the world, a rank set per pending step at most (`max_pending_steps`, once more than
   // a few ranks report a step) and its labels. A world of 2^20 ranks is hundreds of MiB.
   static uint64_t WorldBytes(const RunMeta& meta, size_t max_pending_steps);
+  // The part of WorldBytes that depends on the world's size (a resume may change it).
+  static uint64_t RankBytes(uint32_t world_size, size_t max_pending_steps);
   // The default limit: a quarter of the machine's physical memory (sysconf), or 4 GiB when it
   // cannot be read.
   static uint64_t DefaultLimitBytes();

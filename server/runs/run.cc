@@ -95,10 +95,43 @@ Run::~Run() {
   if (options_.budget != nullptr) options_.budget->Release(charged_bytes_);
 }
 
+namespace {
+
+uint64_t EventBytes(const EventRecord& event) {
+  return sizeof(EventRecord) + event.text.size() + event.source.size() + event.data.size();
+}
+
+}  // namespace
+
 void Run::ChargeEventLocked(const EventRecord& event) {
-  const uint64_t bytes = sizeof(EventRecord) + event.text.size() + event.source.size() + event.data.size();
+  const uint64_t bytes = EventBytes(event);
   if (options_.budget != nullptr) options_.budget->Charge(bytes);
   charged_bytes_ += bytes;
+}
+
+void Run::ReleaseLocked(uint64_t bytes) {
+  bytes = std::min(bytes, charged_bytes_);
+  if (options_.budget != nullptr) options_.budget->Release(bytes);
+  charged_bytes_ -= bytes;
+}
+
+std::optional<IngestError> Run::RechargeWorldLocked(uint32_t world_size) {
+  const uint64_t before = MemoryBudget::RankBytes(meta_.world_size, options_.max_pending_steps);
+  const uint64_t after = MemoryBudget::RankBytes(world_size, options_.max_pending_steps);
+  if (after <= before) {
+    ReleaseLocked(before - after);
+    return std::nullopt;
+  }
+  if (options_.budget != nullptr && !options_.budget->TryCharge(after - before)) {
+    return IngestError{IngestErrorReason::kLimitExceeded,
+                       "resuming run " + id_ + " with a world of " + std::to_string(world_size) +
+                           " ranks needs about " + std::to_string(after - before) +
+                           " more bytes, beyond the daemon's memory budget (limits.memory_budget_bytes " +
+                           std::to_string(options_.budget->limit()) + ", " + std::to_string(options_.budget->used()) +
+                           " in use)"};
+  }
+  charged_bytes_ += after - before;
+  return std::nullopt;
 }
 
 void Run::AdoptCharge(uint64_t bytes) {
@@ -252,7 +285,24 @@ std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, Stre
     MutexLock lock(&mu_);
     const bool rewind = hello.resume_from_step && RewindsLocked(*hello.resume_from_step, rank);
     if (auto err = ValidateCatalogLocked(hello, rewind)) return err;
-    if (auto err = ExtendCatalogLocked(hello.params, /*prepaid=*/false)) return err;
+    if (rewind) {
+      if (auto err = RechargeWorldLocked(hello.world_size)) return err;
+    }
+    if (auto err = ExtendCatalogLocked(hello.params, /*prepaid=*/false)) {
+      if (rewind) {
+        // The world keeps its size: give back what was charged for the new one, or take back
+        // what was released.
+        const uint64_t now = MemoryBudget::RankBytes(meta_.world_size, options_.max_pending_steps);
+        const uint64_t asked = MemoryBudget::RankBytes(hello.world_size, options_.max_pending_steps);
+        if (asked > now) {
+          ReleaseLocked(asked - now);
+        } else {
+          if (options_.budget != nullptr) options_.budget->Charge(now - asked);
+          charged_bytes_ += now - asked;
+        }
+      }
+      return err;
+    }
     if (rewind) job = RewindLocked(*hello.resume_from_step, hello.world_size);
     if (std::vector<ParamChange> diff = CatalogDiff(meta_.params, hello.params); !diff.empty()) {
       if (hello.resume_from_step) {
@@ -331,9 +381,12 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
     e.data->TruncateFrom(from_step);
     if (const auto p = e.data->Latest()) last_kept = std::max(last_kept.value_or(0), p->last_step);
   }
-  events_.erase(std::lower_bound(events_.begin(), events_.end(), from_step,
-                                 [](const EventRecord& e, uint64_t s) { return e.step < s; }),
-                events_.end());
+  const auto dropped = std::lower_bound(events_.begin(), events_.end(), from_step,
+                                        [](const EventRecord& e, uint64_t s) { return e.step < s; });
+  uint64_t dropped_bytes = 0;
+  for (auto e = dropped; e != events_.end(); ++e) dropped_bytes += EventBytes(*e);
+  ReleaseLocked(dropped_bytes);
+  events_.erase(dropped, events_.end());
   UndoCatalogChangesFromLocked(from_step);
 
   // Ranks beyond an elastic job's new size belong to the old world.
@@ -375,6 +428,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   if (channel_) channel_->OnRewind(from_step, now);
   RebuildJob job;
   EventRecord resumed{from_step, "resumed from the checkpoint at step " + std::to_string(from_step), "daemon", now};
+  ChargeEventLocked(resumed);
   events_.push_back(resumed);
   JournalLocked(store::EventJournalRecord{id_, std::move(resumed)});
   last_activity_ = clock_->Now();

@@ -387,6 +387,11 @@ class Run {
   bool RecordEventLocked(const EventRecord& event, uint32_t rank, uint64_t seq, StreamSink* sink) REQUIRES(mu_);
   // Charges a held event's bytes to the budget (MemoryBudget::Charge: it is already kept).
   void ChargeEventLocked(const EventRecord& event) REQUIRES(mu_);
+  // Gives back to the budget what the run no longer holds (events a rewind dropped, ranks of a
+  // smaller world).
+  void ReleaseLocked(uint64_t bytes) REQUIRES(mu_);
+  // Charges the change of world size a resume makes (refused beyond the budget), or releases it.
+  std::optional<IngestError> RechargeWorldLocked(uint32_t world_size) REQUIRES(mu_);
   // Whether the run holds `event` already (a resend).
   bool HoldsEventLocked(const EventRecord& event) const REQUIRES(mu_);
   // LIMIT_EXCEEDED when the run holds max_events and `event` is not one of them.

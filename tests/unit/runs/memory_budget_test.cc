@@ -278,3 +278,70 @@ TEST_CASE("a series whose analytics do not fit gets none, counted, and its run g
   CHECK(r.forecasts.size() == 1);         // the total grad norm's, which fitted
   CHECK(r.growth_without_decay.empty());  // the norm series has no trackers
 }
+
+TEST_CASE("a resume that changes the world's size is charged or released, and the events it drops are released",
+          "[runs]") {
+  TempDir dir;
+  FakeClock clock;
+  DaemonStats stats;
+  RecordingSink sink;
+  auto journal = store::Journal::Open({.path = dir.db()}, nullptr);
+  REQUIRE(journal.ok());
+  RunOptions options;
+  MemoryBudget budget(64u << 20);
+  options.budget = &budget;
+  RunRegistry registry(options, 8, &stats, &clock);
+  registry.set_journal(journal->get());
+  RunMeta hello = Hello("elastic", 4);
+  hello.world_size = 4;
+  AttachInfo info;
+  IngestError error;
+  auto run = registry.Attach(hello, 0, &sink, &info, &error);
+  REQUIRE(run);
+  for (uint64_t s = 1; s <= 100; ++s) {
+    EventRecord e{s, std::string(1000, 'x') + std::to_string(s), "trainer", 1.7e9};
+    REQUIRE_FALSE(run->AddEvent(std::move(e)));
+  }
+  const uint64_t with_events = budget.used();
+
+  // Resumed at step 51 on 4,096 ranks: 50 events of about 1 KB dropped, 4,092 ranks more charged.
+  RunMeta wider = hello;
+  wider.world_size = 4096;
+  wider.resume_from_step = 51;
+  REQUIRE(registry.Attach(wider, 0, &sink, &info, &error));
+  const uint64_t ranks_more =
+      MemoryBudget::RankBytes(4096, options.max_pending_steps) - MemoryBudget::RankBytes(4, options.max_pending_steps);
+  // An event costs its record and its strings; the resume adds one of its own.
+  auto event_bytes = [](const std::string& text, const std::string& source) {
+    return sizeof(EventRecord) + text.size() + source.size();
+  };
+  uint64_t dropped = 0;
+  for (uint64_t s = 51; s <= 100; ++s) dropped += event_bytes(std::string(1000, 'x') + std::to_string(s), "trainer");
+  const uint64_t resumed = budget.used();
+  CHECK(resumed ==
+        with_events + ranks_more - dropped + event_bytes("resumed from the checkpoint at step 51", "daemon"));
+
+  // A world beyond the budget is refused and changes nothing.
+  RunMeta huge = hello;
+  huge.world_size = 1u << 20;
+  huge.resume_from_step = 40;
+  CHECK(registry.Attach(huge, 0, &sink, &info, &error) == nullptr);
+  CHECK(error.reason == IngestErrorReason::kLimitExceeded);
+  CHECK_THAT(error.message, Catch::Contains("limits.memory_budget_bytes"));
+  CHECK(run->Info().world_size == 4096);
+  CHECK(budget.used() == resumed);
+
+  // Back to 2 ranks at step 31: the ranks and 20 more events are released.
+  RunMeta narrower = hello;
+  narrower.world_size = 2;
+  narrower.resume_from_step = 31;
+  REQUIRE(registry.Attach(narrower, 0, &sink, &info, &error));
+  const uint64_t ranks_less =
+      MemoryBudget::RankBytes(4096, options.max_pending_steps) - MemoryBudget::RankBytes(2, options.max_pending_steps);
+  uint64_t dropped_again = event_bytes("resumed from the checkpoint at step 51", "daemon");
+  for (uint64_t s = 31; s <= 50; ++s) {
+    dropped_again += event_bytes(std::string(1000, 'x') + std::to_string(s), "trainer");
+  }
+  CHECK(budget.used() ==
+        resumed - ranks_less - dropped_again + event_bytes("resumed from the checkpoint at step 31", "daemon"));
+}
