@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <system_error>
 
@@ -200,6 +201,18 @@ void SnapshotStore::Remove(const std::string& run_id) const {
   std::filesystem::remove(PathFor(run_id), ec);
 }
 
+std::optional<std::string> SnapshotStore::RunOfFile(const std::string& path) const {
+  std::ifstream f(path, std::ios::binary);
+  std::string head(256 + kMaxRunIdBytes, '\0');
+  f.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(f.gcount()));
+  StateReader in(head);
+  Header h;
+  std::string why;
+  if (!ParseHeader(in, h, &why) || path != PathFor(h.run_id)) return std::nullopt;
+  return h.run_id;
+}
+
 size_t SnapshotStore::RemoveAllBut(const std::vector<std::string>& keep) const {
   const std::set<std::string> kept(keep.begin(), keep.end());
   std::error_code ec;
@@ -211,14 +224,8 @@ size_t SnapshotStore::RemoveAllBut(const std::vector<std::string>& keep) const {
     if (!temp && !name.ends_with(kSuffix)) continue;
     bool drop = temp;
     if (!drop) {
-      std::ifstream f(entry.path(), std::ios::binary);
-      std::string head(256 + kMaxRunIdBytes, '\0');
-      f.read(head.data(), static_cast<std::streamsize>(head.size()));
-      head.resize(static_cast<size_t>(f.gcount()));
-      StateReader in(head);
-      Header h;
-      std::string why;
-      drop = !ParseHeader(in, h, &why) || kept.count(h.run_id) == 0 || entry.path().string() != PathFor(h.run_id);
+      const std::optional<std::string> run = RunOfFile(entry.path().string());
+      drop = !run || kept.count(*run) == 0;
     }
     if (drop && std::filesystem::remove(entry.path(), ec)) ++removed;
   }
@@ -234,17 +241,11 @@ std::vector<std::string> SnapshotStore::SetAsideAllBut(const std::vector<std::st
   for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
     const std::string name = entry.path().filename().string();
     if (!name.ends_with(kSuffix)) continue;
-    std::ifstream f(entry.path(), std::ios::binary);
-    std::string head(256 + kMaxRunIdBytes, '\0');
-    f.read(head.data(), static_cast<std::streamsize>(head.size()));
-    head.resize(static_cast<size_t>(f.gcount()));
-    StateReader in(head);
-    Header h;
-    std::string why;
-    if (!ParseHeader(in, h, &why) || kept.count(h.run_id) != 0 || entry.path().string() != PathFor(h.run_id)) continue;
+    const std::optional<std::string> run = RunOfFile(entry.path().string());
+    if (!run || kept.count(*run) != 0) continue;
     std::filesystem::create_directories(to_dir, ec);
     std::filesystem::rename(entry.path(), std::filesystem::path(to_dir) / name, ec);
-    if (!ec) moved.push_back(h.run_id);
+    if (!ec) moved.push_back(*run);
   }
   std::sort(moved.begin(), moved.end());
   return moved;

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,6 +51,8 @@ class SnapshotStore {
   std::string PathFor(const std::string& run_id) const;
 
  private:
+  // The run whose snapshot the file at `path` is: its header reads and it sits at the run's own path.
+  std::optional<std::string> RunOfFile(const std::string& path) const;
   Status WritePieces(const std::string& run_id, const std::vector<std::string_view>& pieces) const;
   const std::string dir_;
   const uint64_t fingerprint_;

@@ -614,6 +614,27 @@ void Compact(const std::filesystem::path& db_path) {
   sqlite3_close(db);
 }
 
+// Runs "bad-rows" (steps 1-1000) and "good-rows" (5001-6000: other values, so that no block of
+// it holds the same bytes), replayed in full; with an event at their 501st step when `events`.
+void ReplayBadAndGoodRows(const DaemonProcess& daemon, const std::filesystem::path& dir, bool events) {
+  for (const auto& [run, first] : {std::pair<std::string, uint64_t>{"bad-rows", 1}, {"good-rows", 5001}}) {
+    const std::string file = (dir / (run + ".jsonl")).string();
+    std::map<uint64_t, std::string> marks;
+    if (events) marks[first + 500] = "lr decay";
+    WriteHistory(file, run, first, first + 999, marks);
+    REQUIRE(Cli(daemon, {"replay", file, "--max"}).exit_code == 0);
+  }
+}
+
+// The stopped journal `db`, compacted, with a bit flipped in bad-rows' block of steps 129-192 and
+// in its row of step 990 (blocks of 64 steps).
+void DamageBadRows(const std::filesystem::path& db) {
+  Compact(db);
+  REQUIRE_FALSE(std::filesystem::exists(db.string() + "-wal"));
+  FlipInFile(db, JournalBlob(db, "SELECT data FROM step_blocks WHERE run_id = 'bad-rows' AND first_step = 129"));
+  FlipInFile(db, JournalBlob(db, "SELECT vals FROM steps WHERE run_id = 'bad-rows' AND step = 990"));
+}
+
 // The raw points of a series as the daemon serves them: step → value.
 std::map<uint64_t, double> ServedSeries(const DaemonProcess& daemon, const std::string& run, const std::string& key) {
   const CommandResult r = Cli(daemon, {"series", run, key, "--max-points", "0", "--json"});
@@ -644,22 +665,14 @@ TEST_CASE(
   // are 15 sealed blocks and 40 rows.
   options.config_yaml += "journal: {snapshot_interval_seconds: 0, block_steps: 64}\n";
   DaemonProcess daemon(options);
-  // The other run's steps are others, so that no block of it holds the same bytes.
-  for (const auto& [run, first] : {std::pair<std::string, uint64_t>{"bad-rows", 1}, {"good-rows", 5001}}) {
-    const std::string file = (data.path() / (run + ".jsonl")).string();
-    WriteHistory(file, run, first, first + 999);
-    REQUIRE(Cli(daemon, {"replay", file, "--max"}).exit_code == 0);
-  }
+  ReplayBadAndGoodRows(daemon, data.path(), false);
   // Served as acked before anything happens.
   const std::map<uint64_t, double> before = ServedSeries(daemon, "bad-rows", "grad/norm/total");
   REQUIRE(before.size() == 1000);
   for (const auto& [step, value] : before) REQUIRE(value == WrittenGradNorm(step));
   REQUIRE(daemon.Stop() == 0);
   const std::filesystem::path db = data.path() / "journal.db";
-  Compact(db);
-  REQUIRE_FALSE(std::filesystem::exists(data.path() / "journal.db-wal"));
-  FlipInFile(db, JournalBlob(db, "SELECT data FROM step_blocks WHERE run_id = 'bad-rows' AND first_step = 129"));
-  FlipInFile(db, JournalBlob(db, "SELECT vals FROM steps WHERE run_id = 'bad-rows' AND step = 990"));
+  DamageBadRows(db);
 
   daemon.Restart();
   INFO(daemon.LogText());
@@ -716,11 +729,7 @@ TEST_CASE("gradwatchd --repair lists damaged steps by run and range, and replace
   options.data_dir = data.path();
   options.config_yaml += "journal: {snapshot_interval_seconds: 0, block_steps: 64}\n";
   DaemonProcess daemon(options);
-  for (const auto& [run, first] : {std::pair<std::string, uint64_t>{"bad-rows", 1}, {"good-rows", 5001}}) {
-    const std::string file = (data.path() / (run + ".jsonl")).string();
-    WriteHistory(file, run, first, first + 999, {{first + 500, "lr decay"}});
-    REQUIRE(Cli(daemon, {"replay", file, "--max"}).exit_code == 0);
-  }
+  ReplayBadAndGoodRows(daemon, data.path(), true);
   {
     // Refused while the daemon runs.
     const CommandResult busy = Repair(data.path(), {});
@@ -736,9 +745,7 @@ TEST_CASE("gradwatchd --repair lists damaged steps by run and range, and replace
     CHECK(sound.exit_code == 0);
     CHECK(json::parse(sound.out)["sound"] == true);
   }
-  Compact(db);
-  FlipInFile(db, JournalBlob(db, "SELECT data FROM step_blocks WHERE run_id = 'bad-rows' AND first_step = 129"));
-  FlipInFile(db, JournalBlob(db, "SELECT vals FROM steps WHERE run_id = 'bad-rows' AND step = 990"));
+  DamageBadRows(db);
   const std::string damaged_bytes = FileBytes(db);
 
   const CommandResult dry = Repair(data.path(), {"--dry-run", "--json"});
