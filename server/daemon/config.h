@@ -147,10 +147,14 @@ StatusOr<Config> ParseConfig(const std::string& yaml, const std::string& source,
 // The documented range of a numeric setting, both ends included, in the unit its key names; with
 // `zero_is_off`, 0 is allowed too and turns the feature off. Durations stay far inside int64
 // nanoseconds (292 years), so no conversion or sum of them can overflow.
+struct Config;
 struct SettingRange {
   double lo = 0;
   double hi = 0;
   bool zero_is_off = false;
+  // The setting's value in a Config, for ValidateConfig; null for list entries (receivers[],
+  // remote_write[], analytics.windows), which are checked as they are read.
+  double (*of)(const Config&) = nullptr;
   bool Admits(double v) const { return (zero_is_off && v == 0) || (v >= lo && v <= hi); }
   // "between 1 and 86400, or 0 (off)"
   std::string Text() const;

@@ -212,16 +212,21 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     return false;
   }
 
+  // A Hello the authorizer refused: the Error tells the client to stop, and the stream ends with
+  // the refusal's status (UNAUTHENTICATED or PERMISSION_DENIED).
+  void RefuseHello(const grpc::Status& refusal, uint64_t seq) {
+    Reject({IngestErrorReason::kInvalidHello,
+            std::string(refusal.error_code() == grpc::StatusCode::UNAUTHENTICATED ? "UNAUTHENTICATED: "
+                                                                                  : "PERMISSION_DENIED: ") +
+                refusal.error_message()},
+           seq);
+    FinishWhenDrained(refusal);
+  }
+
   void HandleHello(uint64_t seq) {
     service_->HelloDone(this);
     if (!refused_.ok()) {
-      // Refused when it opened: the Error tells the client to stop; the stream ends with the status.
-      Reject({IngestErrorReason::kInvalidHello,
-              std::string(refused_.error_code() == grpc::StatusCode::UNAUTHENTICATED ? "UNAUTHENTICATED: "
-                                                                                     : "PERMISSION_DENIED: ") +
-                  refused_.error_message()},
-             seq);
-      FinishWhenDrained(refused_);
+      RefuseHello(refused_, seq);  // refused when it opened
       return;
     }
     RunMeta meta;
@@ -233,13 +238,7 @@ class IngestStream final : public grpc::ServerBidiReactor<v1::TrainerMessage, v1
     if (const Authorizer* auth = service_->authorizer()) {
       const grpc::Status allowed = auth->Check(*context_, Scope::kWrite, meta.run_id, "streaming run " + meta.run_id);
       if (!allowed.ok()) {
-        // The Error tells the client to stop (a refused Hello); the stream ends with the status.
-        Reject({IngestErrorReason::kInvalidHello,
-                std::string(allowed.error_code() == grpc::StatusCode::UNAUTHENTICATED ? "UNAUTHENTICATED: "
-                                                                                      : "PERMISSION_DENIED: ") +
-                    allowed.error_message()},
-               seq);
-        FinishWhenDrained(allowed);
+        RefuseHello(allowed, seq);
         return;
       }
     }
