@@ -10,7 +10,7 @@ usage() {
   cat <<'USAGE'
 Usage: tests/fuzz/run.sh [--seconds N] [--help] [TARGET...]
 
-TARGET: stream, http, replay_parser, log_formats, config, rules, templates, step_block (default: all). Each runs for N seconds
+TARGET: stream, http, replay_parser, log_formats, config, rules, templates, step_block, page_recovery (default: all). Each runs for N seconds
 (default $GRADWATCH_FUZZ_SECONDS, else 20), starting from tests/fuzz/corpus/<target>/; inputs it
 finds that add coverage go to build-fuzz/corpus/<target>/, which later runs start from too.
 For a longer local run: tests/fuzz/run.sh --seconds 3600 stream
@@ -27,7 +27,7 @@ while (($# > 0)); do
     *) targets+=("$1"); shift ;;
   esac
 done
-((${#targets[@]} > 0)) || targets=(stream http replay_parser log_formats config rules templates step_block)
+((${#targets[@]} > 0)) || targets=(stream http replay_parser log_formats config rules templates step_block page_recovery)
 
 # shellcheck source=deploy/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../../deploy/lib.sh"
