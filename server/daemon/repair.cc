@@ -79,15 +79,35 @@ int RunRepair(const std::string& data_dir, bool dry_run, bool json) {
   }
   store::RepairReport report;
   const Status s = store::Journal::Repair((std::filesystem::path(data_dir) / "journal.db").string(), dry_run, report);
+  std::string snapshots_moved;
+  if (s.ok() && report.replaced && !report.moved_files.empty()) {
+    // The snapshots cache the old journal's runs, steps it may no longer hold: they go with it, and
+    // the daemon rebuilds the runs from the repaired journal.
+    const std::filesystem::path snapshots = std::filesystem::path(data_dir) / "snapshots";
+    std::error_code ec;
+    if (std::filesystem::exists(snapshots, ec)) {
+      snapshots_moved = report.moved_files.front() + ".snapshots";
+      std::filesystem::rename(snapshots, snapshots_moved, ec);
+      if (ec) {
+        std::cerr << "gradwatchd: --repair: cannot move " << snapshots.string() << " aside (" << ec.message()
+                  << "): delete it before starting the daemon\n";
+        ::close(lock_fd);
+        return kRepairFailed;
+      }
+    }
+  }
   ::close(lock_fd);
   if (!s.ok()) {
     std::cerr << "gradwatchd: --repair: " << s.message() << "\n";
     return kRepairFailed;
   }
   if (json) {
-    std::cout << Json(report, dry_run).dump(2) << "\n";
+    nlohmann::json out = Json(report, dry_run);
+    out["snapshots_moved_to"] = snapshots_moved;
+    std::cout << out.dump(2) << "\n";
   } else {
     PrintText(report, dry_run);
+    if (!snapshots_moved.empty()) std::cout << "the runs' snapshots are kept in " << snapshots_moved << "\n";
   }
   return report.sound() ? kRepairSound : kRepairDamaged;
 }

@@ -88,19 +88,12 @@ void SalvageFromPages(sqlite::Database& db, const std::string& damaged_path, Rec
   std::map<std::pair<std::string, size_t>, sqlite::Statement> inserts;  // (table, values) → INSERT
   std::map<std::string, std::vector<std::string>> columns;
   uint64_t kept = 0, refused = 0;
-  auto on_record = [&](const std::string& table, const RecoveredRecord& record) {
-    if (std::find(kRunTables.begin(), kRunTables.end(), table) == kRunTables.end()) return;
-    if (!RecoveredDamage(table, record).empty()) {
-      ++refused;
-      return;
-    }
+  // Inserts a record into main.<table> by column position; false when it does not fit.
+  auto insert_record = [&](const std::string& table, const RecoveredRecord& record) {
     auto cols = columns.find(table);
     if (cols == columns.end()) cols = columns.emplace(table, Columns(db, "main", table)).first;
     const size_t n = record.values.size();
-    if (n == 0 || n > cols->second.size()) {
-      ++refused;
-      return;
-    }
+    if (n == 0 || n > cols->second.size()) return false;
     auto insert = inserts.find({table, n});
     if (insert == inserts.end()) {
       std::string names, params;
@@ -108,20 +101,38 @@ void SalvageFromPages(sqlite::Database& db, const std::string& damaged_path, Rec
         names += (i ? ", " : "") + QuoteName(cols->second[i]);
         params += (i ? ", ?" : "?") + std::to_string(i + 1);
       }
-      auto prepared = db.Prepare("INSERT OR IGNORE INTO main." + table + "(" + names + ") VALUES(" + params + ")");
-      if (!prepared.ok()) {
-        ++refused;
-        return;
-      }
+      auto prepared =
+          db.Prepare("INSERT OR IGNORE INTO main." + QuoteName(table) + "(" + names + ") VALUES(" + params + ")");
+      if (!prepared.ok()) return false;
       insert = inserts.emplace(std::make_pair(table, n), std::move(prepared).value()).first;
     }
     sqlite::Query use(insert->second);
     for (size_t i = 0; i < n; ++i) BindRecovered(use, static_cast<int>(i + 1), record.values[i]);
-    if (use.Run("salvage").ok()) {
-      ++kept;
-    } else {
-      ++refused;
+    return use.Run("salvage").ok();
+  };
+  // Other tables (the alert store's) are created from their recovered schema once it is read:
+  // their records wait in memory, up to kMaxHeldBytes in all (beyond it, those tables are lost).
+  constexpr size_t kMaxHeldBytes = size_t{64} << 20;
+  std::map<std::string, std::vector<RecoveredRecord>> held;
+  std::set<std::string> too_large;
+  size_t held_bytes = 0;
+  auto on_record = [&](const std::string& table, const RecoveredRecord& record) {
+    if (std::find(kRunTables.begin(), kRunTables.end(), table) == kRunTables.end()) {
+      if (too_large.count(table) != 0) return;
+      for (const RecoveredValue& v : record.values) held_bytes += sizeof v + v.bytes.size();
+      if (held_bytes > kMaxHeldBytes) {
+        too_large.insert(table);
+        held.erase(table);
+        return;
+      }
+      held[table].push_back(record);
+      return;
     }
+    if (!RecoveredDamage(table, record).empty() || !insert_record(table, record)) {
+      ++refused;
+      return;
+    }
+    ++kept;
   };
   auto read = RecoverRecords(damaged_path, on_record);
   if (!read.ok()) {
@@ -133,10 +144,22 @@ void SalvageFromPages(sqlite::Database& db, const std::string& damaged_path, Rec
   uint64_t unreadable = 0;
   for (const RecoveredTableReport& t : read->tables) {
     unreadable += t.unreadable_pages;
-    if (std::find(kRunTables.begin(), kRunTables.end(), t.name) == kRunTables.end() && t.records > 0) {
+    if (std::find(kRunTables.begin(), kRunTables.end(), t.name) != kRunTables.end()) continue;
+    // CREATE TABLE IF NOT EXISTS: the table's owner creates it so again when it opens.
+    const std::string create = "CREATE TABLE IF NOT EXISTS " + QuoteName(t.name) + " ";
+    const size_t body = t.sql.find('(');
+    bool ok = too_large.count(t.name) == 0 && t.unreadable_pages == 0 && t.lost_records == 0 &&
+              body != std::string::npos && db.Exec(create + t.sql.substr(body)).ok();
+    columns.erase(t.name);
+    for (const RecoveredRecord& r : held[t.name]) ok = ok && insert_record(t.name, r);
+    if (!ok) {
       report.lost_tables.push_back(t.name);
+      if (Status d = db.Exec("DELETE FROM main." + QuoteName(t.name)); !d.ok()) {
+        spdlog::warn("journal: salvage: {}", d.message());
+      }
     }
   }
+  held.clear();
   report.detail += ", " + std::to_string(unreadable) + " page(s) unreadable. ";
   inserts.clear();
   auto ids = [&](const std::string& sql) {
@@ -192,7 +215,8 @@ void SalvageFromPages(sqlite::Database& db, const std::string& damaged_path, Rec
     spdlog::error("journal: run {} salvaged page by page: {} step(s) recovered{}{}", id, steps,
                   last >= 0 ? ", the last " + std::to_string(last) : std::string(),
                   acked && *acked > last ? "; its ranks were acked through step " + std::to_string(*acked) +
-                                               ": they resend what was not recovered"
+                                               ": they resend the steps after " + std::to_string(last) +
+                                               "; steps missing below it are lost"
                                          : std::string());
   }
   if (Status s = txn.Commit(); !s.ok()) {

@@ -854,6 +854,58 @@ TEST_CASE(
   CHECK(HealthStatus(daemon.grpc_target(), kIngest) == "SERVING");
 }
 
+TEST_CASE(
+    "gradwatchd --repair of a journal cut short: the runs as recovered, their snapshots set aside, the tail "
+    "resent by the trainers",
+    "[integration][durability][damage][repair]") {
+  TempDir data("gradwatch-repair-cut");
+  DaemonOptions options;
+  options.data_dir = data.path();
+  options.config_yaml += "journal: {snapshot_interval_seconds: 0.2}\n";
+  DaemonProcess daemon(options);
+  const std::vector<std::string> runs = {"c1", "c2"};
+  for (const std::string& run : runs) {
+    WriteHistory(data.path() / (run + ".jsonl"), run, 1, 5000);
+    REQUIRE(Cli(daemon, {"replay", (data.path() / (run + ".jsonl")).string(), "--max"}).exit_code == 0);
+  }
+  REQUIRE(WaitUntil([&] { return Metric(daemon, "gradwatch_snapshots_written_total").value_or(0) >= 2; },
+                    std::chrono::seconds(60)));
+  REQUIRE(daemon.Stop() == 0);
+  const std::filesystem::path db = data.path() / "journal.db";
+  std::filesystem::resize_file(db, std::filesystem::file_size(db) * 2 / 3);
+
+  const CommandResult fixed = Repair(data.path(), {"--json"});
+  INFO(fixed.out << fixed.err);
+  REQUIRE(fixed.exit_code == 3);
+  const json repaired = json::parse(fixed.out);
+  CHECK(repaired["replaced"] == true);
+  CHECK(repaired["runs_copied"] == 2);
+  CHECK(repaired["sqlite_problem"].get<std::string>().find("read page by page") != std::string::npos);
+  const std::string snapshots = repaired["snapshots_moved_to"].get<std::string>();
+  REQUIRE_FALSE(snapshots.empty());
+  CHECK(std::distance(std::filesystem::directory_iterator(snapshots), std::filesystem::directory_iterator()) == 2);
+  CHECK_FALSE(std::filesystem::exists(data.path() / "snapshots"));
+
+  daemon.Restart();
+  INFO(daemon.LogText());
+  for (const std::string& run : runs) {
+    const std::string said = "run " + run + " salvaged page by page: ";
+    const size_t at = fixed.err.find(said);
+    REQUIRE(at != std::string::npos);
+    const uint64_t recovered = std::stoull(fixed.err.substr(at + said.size()));
+    // Served as recovered, not as the snapshot had it.
+    const v1::RunSummary summary = GetRun(daemon.grpc_target(), run);
+    CHECK(summary.info().step_count() == recovered);
+    const std::map<uint64_t, double> served = ServedSeries(daemon, run, "grad/norm/total");
+    for (const auto& [step, value] : served) CHECK(value == WrittenGradNorm(step));
+    // The trainer resends the steps after the last one recovered.
+    const CommandResult again = Cli(daemon, {"replay", (data.path() / (run + ".jsonl")).string(), "--max", "--json"});
+    INFO(again.out << again.err);
+    CHECK(again.exit_code == 0);
+    CHECK(GetRun(daemon.grpc_target(), run).info().last_step() == 5000);
+  }
+}
+
 TEST_CASE("a WAL deleted while the daemon was stopped is reported at start", "[integration][durability]") {
   TempDir data("gradwatch-nowal");
   DaemonOptions options;
