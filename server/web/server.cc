@@ -5,6 +5,7 @@
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
 #include <spdlog/spdlog.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -217,6 +218,12 @@ std::string Head(const Response& r, bool keep_alive, size_t body_size) {
   return head;
 }
 
+// Whether bytes the peer sent wait unread on the socket `fd`.
+bool BytesWaiting(int fd) {
+  int n = 0;
+  return fd >= 0 && ::ioctl(fd, FIONREAD, &n) == 0 && n > 0;
+}
+
 bool HasControlChars(std::string_view s) {
   return std::any_of(s.begin(), s.end(), [](char c) { return c == '\r' || c == '\n' || c == '\0'; });
 }
@@ -233,6 +240,13 @@ struct Server::Impl {
     std::chrono::steady_clock::time_point since;  // guarded by conns_mu, as are the two below
     bool waiting = true;
     bool evicted = false;
+    // The peer has sent something: a TLS hello, or a whole request. Connections that never did
+    // (silent, or a head sent a byte at a time) are closed for a new one first.
+    bool heard = false;
+    // Its socket, to see whether bytes wait unread (a TLS hello not yet read when the machine is
+    // busy). Read-only; should the number be reused after the socket closes, the worst outcome is
+    // another victim.
+    int fd = -1;
     beast::tcp_stream* lowest = nullptr;  // its socket's stream; touched on its strand only
   };
 
@@ -339,6 +353,12 @@ struct Server::Impl {
     MutexLock lock(&conns_mu);
     conn.waiting = waiting;
     if (waiting) conn.since = std::chrono::steady_clock::now();
+    if (!waiting) conn.heard = true;
+  }
+
+  void SetHeard(Conn& conn) EXCLUDES(conns_mu) {
+    MutexLock lock(&conns_mu);
+    conn.heard = true;
   }
 
   // Requests on one connection until it closes, idles out, is closed for a new one, or asks to
@@ -456,6 +476,7 @@ struct Server::Impl {
     conn->lowest = nullptr;
     if (ec) co_return;
     if (is_tls) {
+      SetHeard(*conn);
       co_await Tls(std::move(stream), std::move(buffer), *conn, peer, CurrentTls());
       co_return;
     }
@@ -482,6 +503,7 @@ struct Server::Impl {
       const tcp::endpoint remote = socket.remote_endpoint(ec);
       conn->ip = ec ? std::string("?") : remote.address().to_string();
       conn->executor = socket.get_executor();
+      conn->fd = socket.native_handle();
       if (!Admit(conn)) {
         socket.close(ec);
         continue;
@@ -503,7 +525,12 @@ struct Server::Impl {
       if (peer_full || full) {
         for (const std::shared_ptr<Conn>& c : conns) {
           if (!c->waiting || c->evicted || (peer_full && c->ip != conn->ip)) continue;
-          if (victim == nullptr || c->since < victim->since) victim = c;
+          // Those that never sent anything first, then the longest waiting.
+          if (!c->heard) c->heard = BytesWaiting(c->fd);
+          if (victim == nullptr || (victim->heard && !c->heard) ||
+              (victim->heard == c->heard && c->since < victim->since)) {
+            victim = c;
+          }
         }
         if (victim == nullptr) {
           spdlog::warn("HTTP: {} connections open{}, each with a request in progress: closed a new one from {}",

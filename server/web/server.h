@@ -12,9 +12,10 @@
 // (and finish a TLS handshake as fast), as Go's ReadHeaderTimeout asks; it may idle between
 // requests for idle_timeout and be slower than write_timeout to read an answer, no longer. At most
 // max_connections are open at once, max_connections_per_peer from one address; a new connection
-// beyond either takes the place of the one (of that address, for the second) that has waited
-// longest without a request in progress (idle, or still sending a head or its handshake), so slow
-// clients cannot keep a scraper out, not even from the scraper's own address. Plain HTTP on a TLS
+// beyond either takes the place of one (of that address, for the second) without a request in
+// progress (idle, or still sending a head or its handshake): one that never sent anything (no TLS
+// hello, no whole request) first, else the one that has waited longest. So slow or silent clients
+// cannot keep a scraper out, not even from the scraper's own address. Plain HTTP on a TLS
 // listener gets a 400 that says to use https://.
 #pragma once
 

@@ -601,6 +601,10 @@ std::string OpenSslErrors() {
 HttpResponse HttpsRequest(const std::string& method, const std::string& host, int port, const std::string& path,
                           const TlsClient& tls, const std::string& body,
                           const std::map<std::string, std::string>& headers, std::chrono::milliseconds timeout) {
+  // OpenSSL writes with write(2): a connection the daemon closed must fail the request, not kill
+  // the test with SIGPIPE.
+  static const bool kIgnoreSigpipe = std::signal(SIGPIPE, SIG_IGN) != SIG_ERR;
+  (void)kIgnoreSigpipe;
   const auto deadline = Clock::now() + Scaled(timeout);
   const std::string where = host + ":" + std::to_string(port);
   Fd sock = ConnectTcp(host, port, deadline);
@@ -873,6 +877,54 @@ std::optional<double> ParseMetric(const std::string& exposition, const std::stri
     if (sample.name == name && sample.labels == labels) return sample.value;
   }
   return std::nullopt;
+}
+
+SlowClients::SlowClients(int port, int count, bool silent) : port_(port), silent_(silent), fds_(count, -1) {
+  for (int& fd : fds_) fd = Open();
+  thread_ = std::thread([this] { Run(); });
+}
+
+SlowClients::~SlowClients() {
+  stop_ = true;
+  thread_.join();
+  for (int fd : fds_) ::close(fd);
+}
+
+int SlowClients::Open() const {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port_));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+void SlowClients::Run() {
+  for (int tick = 0; !stop_; ++tick) {
+    for (size_t i = 0; i < fds_.size() && !stop_; ++i) {
+      if (fds_[i] >= 0) {
+        bool alive = false;
+        if (silent_ || i % 2 == 1) {
+          // A silent one learns that the daemon closed it by reading the end of the stream.
+          char byte = 0;
+          const ssize_t n = ::recv(fds_[i], &byte, 1, MSG_DONTWAIT);
+          alive = n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));
+        } else {
+          const std::string line = tick == 0 ? "GET /metrics HTTP/1.1\r\n" : "X-Slow: " + std::to_string(tick) + "\r\n";
+          alive = ::send(fds_[i], line.data(), line.size(), MSG_NOSIGNAL) >= 0;
+        }
+        if (alive) continue;
+        ::close(fds_[i]);
+      }
+      fds_[i] = Open();
+      reopened_.fetch_add(1);
+    }
+    for (int i = 0; i < 10 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
 }
 
 bool WaitUntil(const std::function<bool()>& pred, std::chrono::milliseconds limit) {

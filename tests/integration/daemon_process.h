@@ -8,6 +8,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/support/temp_dir.h"
@@ -204,6 +206,30 @@ std::vector<MetricSample> ParseExposition(const std::string& exposition);
 // is none.
 std::optional<double> ParseMetric(const std::string& exposition, const std::string& name,
                                   const std::map<std::string, std::string>& labels = {});
+
+// `count` loopback connections to `port` that never finish a request, as a slow-client attack
+// holds them: half send a request line and then a header line every second and half send nothing
+// (all send nothing when `silent`). A closed one is opened again, as an attacker would. Stops when
+// destroyed.
+class SlowClients {
+ public:
+  SlowClients(int port, int count, bool silent = false);
+  ~SlowClients();
+  SlowClients(const SlowClients&) = delete;
+  SlowClients& operator=(const SlowClients&) = delete;
+  int reopened() const { return reopened_.load(); }
+
+ private:
+  int Open() const;
+  void Run();
+
+  const int port_;
+  const bool silent_;
+  std::vector<int> fds_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> reopened_{0};
+  std::thread thread_;
+};
 
 // Polls `pred` every 50 ms until it holds or `limit` (scaled by the sanitizers' time scale)
 // passes; returns its last answer.

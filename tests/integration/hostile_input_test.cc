@@ -404,61 +404,6 @@ TEST_CASE("a world of 2^20 ranks is charged to the memory budget, and few ranks 
   CHECK(PeakRssBytes(daemon.pid()) - rss_before < kRssScale * (64u << 20));
 }
 
-namespace {
-
-// `count` loopback connections to `port` that never finish a request: half send a request line
-// and then a header line every second, half send nothing. A closed one is opened again, as an
-// attacker would. Stops when destroyed.
-class SlowClients {
- public:
-  SlowClients(int port, int count) : port_(port), fds_(count, -1) {
-    for (int& fd : fds_) fd = Open();
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~SlowClients() {
-    stop_ = true;
-    thread_.join();
-    for (int fd : fds_) ::close(fd);
-  }
-  int reopened() const { return reopened_.load(); }
-
- private:
-  int Open() const {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port_));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-      ::close(fd);
-      return -1;
-    }
-    return fd;
-  }
-  void Run() {
-    for (int tick = 0; !stop_; ++tick) {
-      for (size_t i = 0; i < fds_.size() && !stop_; ++i) {
-        if (i % 2 == 1 && fds_[i] >= 0) continue;  // the silent half
-        const std::string line = tick == 0 ? "GET /metrics HTTP/1.1\r\n" : "X-Slow: " + std::to_string(tick) + "\r\n";
-        if (fds_[i] < 0 || ::send(fds_[i], line.data(), line.size(), MSG_NOSIGNAL) < 0) {
-          if (fds_[i] >= 0) ::close(fds_[i]);
-          fds_[i] = Open();
-          reopened_.fetch_add(1);
-        }
-      }
-      for (int i = 0; i < 10 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
-
-  const int port_;
-  std::vector<int> fds_;
-  std::atomic<bool> stop_{false};
-  std::atomic<int> reopened_{0};
-  std::thread thread_;
-};
-
-}  // namespace
-
 TEST_CASE("300 slow HTTP clients from the scraper's own address cannot keep it from /metrics", "[integration]") {
   // Found by a hostile pass: 256 connections sending a header line every 5 s made /metrics
   // unreachable for 55 s. Defaults here: 256 connections, 64 per address, 10 s for a head.
