@@ -1,5 +1,7 @@
 #include "server/daemon/config.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -482,6 +484,18 @@ bool InsecureListener(const Config& c) {
 
 bool HttpTls(const Config& c) { return c.http_tls && !c.tls_cert_file.empty(); }
 
+std::string ExternalUrl(const Config& c) {
+  if (!c.external_url.empty()) return c.external_url;
+  const size_t colon = c.metrics_listen.rfind(':');
+  std::string host = c.metrics_listen.substr(0, colon);
+  const std::string port = colon == std::string::npos ? "" : c.metrics_listen.substr(colon);
+  if (host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]") {
+    char name[256] = {0};
+    host = ::gethostname(name, sizeof name - 1) == 0 && name[0] != '\0' ? name : "localhost";
+  }
+  return std::string(HttpTls(c) ? "https://" : "http://") + host + port;
+}
+
 bool InsecureHttpListener(const Config& c) { return !IsLoopbackAddress(c.metrics_listen) && !HttpTls(c); }
 
 Status ValidateConfig(const Config& c) {
@@ -575,8 +589,8 @@ Status ValidateConfig(const Config& c) {
       if (pattern.empty()) return bad(where + "series: an empty pattern matches nothing");
     }
   }
-  if (auto url = notify::ParseUrl(c.external_url); !url.ok()) {
-    return bad("alerts.external_url: '" + c.external_url + "': " + url.status().message());
+  if (auto url = notify::ParseUrl(ExternalUrl(c)); !url.ok()) {
+    return bad("alerts.external_url: '" + ExternalUrl(c) + "': " + url.status().message());
   }
   return Status::Ok();
 }
@@ -727,7 +741,7 @@ std::string ConfigJson(const Config& c) {
        {{"default_rules", c.default_rules},
         {"rule_files", c.rule_files},
         {"receivers", receivers},
-        {"external_url", c.external_url},
+        {"external_url", ExternalUrl(c)},
         {"min_steps_before_page", c.min_steps_before_page},
         {"overrides", overrides}}},
   };

@@ -81,7 +81,8 @@ struct Config {
     double resend_interval_seconds = 60;  // alertmanager
   };
   std::vector<Receiver> receivers;
-  std::string external_url = "http://127.0.0.1:9390";  // base of generatorURL links
+  // Base of generatorURL links; empty: derived from metrics_listen (ExternalUrl).
+  std::string external_url;
 
   // remote_write: [{url: ..., name: ..., series: [...], queue_config: {...}}] at the top level, as
   // Prometheus names it (exporter::RemoteWriteOptions).
@@ -173,6 +174,10 @@ bool IsLoopbackAddress(const std::string& address);
 bool InsecureListener(const Config& config);
 // Whether the HTTP listener serves HTTPS (TLS files set and security.http_tls).
 bool HttpTls(const Config& config);
+// The base of the links notifications carry: alerts.external_url when set, else the HTTP
+// listener's own address (https when it serves TLS; this machine's name for a wildcard host such as
+// 0.0.0.0), so that links follow --metrics-listen.
+std::string ExternalUrl(const Config& config);
 // An HTTP listener beyond loopback without TLS (allowed only with security.allow_insecure).
 bool InsecureHttpListener(const Config& config);
 // Reads and checks what the configuration names on disk: the rule files (with the built-in rules,

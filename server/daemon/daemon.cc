@@ -458,7 +458,7 @@ Status Daemon::StartAlerting(const std::string& journal_path) {
     notify::ReceiverConfig base;
     base.name = r.name;
     base.url = r.url;
-    base.external_url = config_.external_url;
+    base.external_url = ExternalUrl(config_);
     if (r.type == "alertmanager") {
       receivers.push_back(
           std::make_unique<notify::AlertmanagerReceiver>(notify::AlertmanagerConfig{base, r.resend_interval_seconds}));

@@ -1,5 +1,7 @@
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -330,4 +332,25 @@ TEST_CASE("the configuration printed by check-config shows every key the schema 
   CHECK(text.find("secret\"") == std::string::npos);
   CHECK(text.find("rk-secret") == std::string::npos);
   CHECK(text.find("\"<secret>\"") != std::string::npos);
+}
+
+TEST_CASE("the links in notifications follow the HTTP listener unless alerts.external_url is set", "[daemon]") {
+  Config c;
+  CHECK(ExternalUrl(c) == "http://127.0.0.1:9390");
+  c.metrics_listen = "127.0.0.1:9500";  // as --metrics-listen sets it
+  CHECK(ExternalUrl(c) == "http://127.0.0.1:9500");
+  c.metrics_listen = "[::1]:9501";
+  CHECK(ExternalUrl(c) == "http://[::1]:9501");
+  char name[256] = {0};
+  REQUIRE(::gethostname(name, sizeof name - 1) == 0);
+  c.metrics_listen = "0.0.0.0:9502";  // a wildcard host: this machine's name
+  CHECK(ExternalUrl(c) == "http://" + std::string(name) + ":9502");
+  c.tls_cert_file = "server.pem";
+  c.tls_key_file = "server.key";
+  CHECK(ExternalUrl(c) == "https://" + std::string(name) + ":9502");
+  c.external_url = "https://gradwatch.example.com";  // a proxy in front
+  CHECK(ExternalUrl(c) == "https://gradwatch.example.com");
+  auto parsed = ParseConfig("metrics_listen: 127.0.0.1:9600\n", "gw.yaml", Config{});
+  REQUIRE(parsed.ok());
+  CHECK(nlohmann::json::parse(ConfigJson(*parsed))["alerts"]["external_url"] == "http://127.0.0.1:9600");
 }
