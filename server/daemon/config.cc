@@ -589,8 +589,10 @@ Status ValidateConfig(const Config& c) {
       if (pattern.empty()) return bad(where + "series: an empty pattern matches nothing");
     }
   }
-  if (auto url = notify::ParseUrl(ExternalUrl(c)); !url.ok()) {
-    return bad("alerts.external_url: '" + ExternalUrl(c) + "': " + url.status().message());
+  if (!c.external_url.empty()) {
+    if (auto url = notify::ParseUrl(c.external_url); !url.ok()) {
+      return bad("alerts.external_url: '" + c.external_url + "': " + url.status().message());
+    }
   }
   return Status::Ok();
 }
