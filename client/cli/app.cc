@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -23,7 +24,70 @@
 #include "server/core/version.h"
 
 namespace gradwatch::cli {
+
 namespace {
+
+// The command line's deepest subcommand, as "series " (empty for none), for the hint.
+std::string ActiveCommand(const CLI::App& app) {
+  std::string path;
+  const CLI::App* at = &app;
+  for (;;) {
+    const auto subs = at->get_subcommands();
+    if (subs.empty()) break;
+    at = subs.front();
+    path += at->get_name() + " ";
+  }
+  return path;
+}
+
+// CLI11's messages for an unknown option and a value that does not convert, said as a sentence
+// with a suggestion; empty for the errors whose own words are clear.
+std::string UsageError(const CLI::App& app, const CLI::ParseError& e) {
+  const std::string what = e.what();
+  if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+    const size_t colon = what.find(": ");
+    const std::string extra = colon == std::string::npos ? what : what.substr(colon + 2);
+    // CLI11 lists them last first: the option among them, if any.
+    std::string first;
+    for (size_t at = 0; at < extra.size() && first.empty();) {
+      const size_t end = std::min(extra.find(' ', at), extra.size());
+      if (extra[at] == '-') first = extra.substr(at, end - at);
+      at = end + 1;
+    }
+    if (first.empty()) return "";  // stray positionals: CLI11's words name them
+    std::vector<std::string> known;
+    const CLI::App* at = &app;
+    for (;;) {
+      for (const CLI::Option* opt : at->get_options()) {
+        for (const std::string& name : opt->get_lnames()) known.push_back("--" + name);
+      }
+      const auto subs = at->get_subcommands();
+      if (subs.empty()) break;
+      at = subs.front();
+    }
+    return "unknown option " + first + DidYouMean(first, known);
+  }
+  if (dynamic_cast<const CLI::ConversionError*>(&e) != nullptr) {
+    // "Could not convert: --from = abc"
+    const size_t colon = what.find(": ");
+    const size_t equals = what.find(" = ");
+    if (colon == std::string::npos || equals == std::string::npos || equals < colon) return "";
+    const std::string option = what.substr(colon + 2, equals - colon - 2);
+    const std::string value = what.substr(equals + 3);
+    std::string type;
+    for (const CLI::App* at = &app; at != nullptr;) {
+      if (const CLI::Option* opt = at->get_option_no_throw(option)) type = opt->get_type_name();
+      const auto subs = at->get_subcommands();
+      at = subs.empty() ? nullptr : subs.front();
+    }
+    const std::string kind = type == "UINT"    ? "a whole number of 0 or more"
+                             : type == "INT"   ? "a whole number"
+                             : type == "FLOAT" ? "a number"
+                                               : "a value of its kind (" + (type.empty() ? "see --help" : type) + ")";
+    return option + ": '" + value + "' is not " + kind;
+  }
+  return "";
+}
 
 constexpr char kFooter[] = R"(Exit codes:
   0  success
@@ -394,6 +458,10 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       throw CLI::ValidationError("--rank", "must be below --world-size (" + std::to_string(replay.world_size) + ")");
     }
   } catch (const CLI::ParseError& e) {
+    if (std::string said = UsageError(app, e); !said.empty()) {
+      err << "gradwatch: " << said << "\n  `gradwatch " << ActiveCommand(app) << "--help` lists its options\n";
+      return kExitUsage;
+    }
     const int code = app.exit(e, out, err);
     return code == 0 ? kExitOk : kExitUsage;
   }

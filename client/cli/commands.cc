@@ -101,8 +101,20 @@ int ReportRpcError(const GlobalOptions& global, const std::string& what, const g
       err << what << ": " << (status.error_message().empty() ? "not found" : status.error_message());
       if (hint) err << hint();
       break;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+    case grpc::StatusCode::OUT_OF_RANGE:
+    case grpc::StatusCode::ALREADY_EXISTS:
+      err << "the daemon refused " << what << ": " << status.error_message();
+      break;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      err << "the daemon at " << global.address << " is at a limit and refused " << what << ": "
+          << status.error_message();
+      break;
     default:
-      err << what << " failed: code " << static_cast<int>(status.error_code()) << ": " << status.error_message();
+      // INTERNAL, UNKNOWN, ...: the daemon's own failure, in its words; the code for a bug report.
+      err << what << " failed in the daemon: " << status.error_message() << " (gRPC status "
+          << static_cast<int>(status.error_code()) << ")";
       break;
   }
   err << "\n";

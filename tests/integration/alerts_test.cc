@@ -503,6 +503,12 @@ TEST_CASE("rules reload via the CLI and SIGHUP keeps the old rules when a file i
   CHECK(cli({"silence", "remove", id}).exit_code == 0);
   CHECK(cli({"silence", "list"}).out.find("no silences") != std::string::npos);
   CHECK(cli({"silence", "add", "run=~("}).exit_code == 2);
+  // The daemon's refusal reads as a sentence, not as a gRPC code.
+  const CommandResult too_long = cli({"silence", "add", "run=ack-run", "--duration", "31536000"});
+  INFO(too_long.err);
+  CHECK(too_long.exit_code == 1);
+  CHECK(too_long.err.find("gradwatch: the daemon refused ") != std::string::npos);
+  CHECK(too_long.err.find("code 3") == std::string::npos);
   stream.Close();
 }
 
