@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 import gradwatch
 import gradwatch.torch as gwt
-from gradwatch._catalog import Param
+from gradwatch._catalog import Param, parse_kind
 from gradwatch.v1 import gradwatch_pb2 as pb
 from support import STORAGE_UNAVAILABLE, Daemon, fill, fill_until_refused, mount_tmpfs, time_scale, wait_for
 
@@ -353,6 +353,283 @@ class WeightDecayChangeTest(unittest.TestCase):
                 watch.step(2)
         finally:
             mon.close(finished=False, timeout=1)
+
+
+def tree(**children: torch.nn.Module) -> torch.nn.Module:
+    """A module holding `children` under their names: a model family's module tree, names and all."""
+    module = torch.nn.Module()
+    for name, child in children.items():
+        module.add_module(name, child)
+    return module
+
+
+def linear(n_in: int, n_out: int, bias: bool = False) -> torch.nn.Linear:
+    return torch.nn.Linear(n_in, n_out, bias=bias)
+
+
+def each_layer(layers: int, kinds: dict) -> dict:
+    """{name with {i}: kind} for layers 0 .. layers - 1."""
+    return {name.format(i=i): kind for i in range(layers) for name, kind in kinds.items()}
+
+
+class MoEGate(torch.nn.Module):
+    """DeepSeek's router: a [n_experts, hidden] weight of its own (and V3's score correction)."""
+
+    def __init__(self, experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden))
+        self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(experts))
+
+
+H, F, V = 8, 16, 32  # hidden, MLP width, vocabulary
+
+
+def llama(layers: int = 2) -> torch.nn.Module:  # Llama, Mistral, Qwen2 (Hugging Face)
+    def layer():
+        return tree(self_attn=tree(q_proj=linear(H, H), k_proj=linear(H, H), v_proj=linear(H, H), o_proj=linear(H, H)),
+                    mlp=tree(gate_proj=linear(H, F), up_proj=linear(H, F), down_proj=linear(F, H)),
+                    input_layernorm=RMSNorm(H), post_attention_layernorm=RMSNorm(H))
+    return tree(model=tree(embed_tokens=torch.nn.Embedding(V, H),
+                           layers=torch.nn.ModuleList(layer() for _ in range(layers)), norm=RMSNorm(H)),
+                lm_head=linear(H, V))
+
+
+LLAMA = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "norm_gain", "lm_head.weight": "output",
+         **each_layer(2, {"model.layers.{i}.self_attn.q_proj.weight": "attention",
+                          "model.layers.{i}.self_attn.k_proj.weight": "attention",
+                          "model.layers.{i}.self_attn.v_proj.weight": "attention",
+                          "model.layers.{i}.self_attn.o_proj.weight": "attention",
+                          "model.layers.{i}.mlp.gate_proj.weight": "mlp",
+                          "model.layers.{i}.mlp.up_proj.weight": "mlp",
+                          "model.layers.{i}.mlp.down_proj.weight": "mlp",
+                          "model.layers.{i}.input_layernorm.weight": "norm_gain",
+                          "model.layers.{i}.post_attention_layernorm.weight": "norm_gain"})}
+
+
+def gpt2(layers: int = 2) -> torch.nn.Module:
+    def block():
+        return tree(ln_1=torch.nn.LayerNorm(H),
+                    attn=tree(c_attn=linear(H, 3 * H, bias=True), c_proj=linear(H, H, bias=True)),
+                    ln_2=torch.nn.LayerNorm(H), mlp=tree(c_fc=linear(H, F, bias=True), c_proj=linear(F, H, bias=True)))
+    return tree(transformer=tree(wte=torch.nn.Embedding(V, H), wpe=torch.nn.Embedding(16, H),
+                                 h=torch.nn.ModuleList(block() for _ in range(layers)), ln_f=torch.nn.LayerNorm(H)),
+                lm_head=linear(H, V))
+
+
+GPT2 = {"transformer.wte.weight": "embedding", "transformer.wpe.weight": "embedding",
+        "transformer.ln_f.weight": "norm_gain", "transformer.ln_f.bias": "norm_gain", "lm_head.weight": "output",
+        **each_layer(2, {"transformer.h.{i}.ln_1.weight": "norm_gain", "transformer.h.{i}.ln_1.bias": "norm_gain",
+                         "transformer.h.{i}.attn.c_attn.weight": "attention",
+                         "transformer.h.{i}.attn.c_attn.bias": "attention",
+                         "transformer.h.{i}.attn.c_proj.weight": "attention",  # c_proj inside attn
+                         "transformer.h.{i}.attn.c_proj.bias": "attention",
+                         "transformer.h.{i}.ln_2.weight": "norm_gain", "transformer.h.{i}.ln_2.bias": "norm_gain",
+                         "transformer.h.{i}.mlp.c_fc.weight": "mlp", "transformer.h.{i}.mlp.c_fc.bias": "mlp",
+                         "transformer.h.{i}.mlp.c_proj.weight": "mlp",  # c_proj inside mlp
+                         "transformer.h.{i}.mlp.c_proj.bias": "mlp"})}
+
+
+def mixtral(experts: int = 4) -> torch.nn.Module:
+    # hidden = experts: the gate's weight is square, a router by the experts beside it.
+    h = experts
+    layer = tree(self_attn=tree(q_proj=linear(h, h), k_proj=linear(h, h), v_proj=linear(h, h), o_proj=linear(h, h)),
+                 block_sparse_moe=tree(gate=linear(h, experts), experts=torch.nn.ModuleList(
+                     tree(w1=linear(h, F), w2=linear(F, h), w3=linear(h, F)) for _ in range(experts))),
+                 input_layernorm=RMSNorm(h), post_attention_layernorm=RMSNorm(h))
+    return tree(model=tree(embed_tokens=torch.nn.Embedding(V, h), layers=torch.nn.ModuleList([layer]), norm=RMSNorm(h)),
+                lm_head=linear(h, V))
+
+
+MIXTRAL = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "norm_gain", "lm_head.weight": "output",
+           "model.layers.0.input_layernorm.weight": "norm_gain",
+           "model.layers.0.post_attention_layernorm.weight": "norm_gain",
+           "model.layers.0.block_sparse_moe.gate.weight": "router",
+           **{f"model.layers.0.self_attn.{m}.weight": "attention" for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+           **{f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight": "mlp"
+              for e in range(4) for w in ("w1", "w2", "w3")}}
+
+
+def deepseek_moe() -> torch.nn.Module:
+    def swiglu():
+        return tree(gate_proj=linear(H, F), up_proj=linear(H, F), down_proj=linear(F, H))
+
+    def layer(mlp):
+        return tree(self_attn=tree(q_proj=linear(H, H), kv_a_proj_with_mqa=linear(H, H), kv_a_layernorm=RMSNorm(H),
+                                   kv_b_proj=linear(H, 2 * H), o_proj=linear(H, H)),
+                    mlp=mlp, input_layernorm=RMSNorm(H), post_attention_layernorm=RMSNorm(H))
+    moe = tree(gate=MoEGate(4, H), experts=torch.nn.ModuleList(swiglu() for _ in range(2)), shared_experts=swiglu())
+    # A first dense layer, then an MoE one.
+    return tree(model=tree(embed_tokens=torch.nn.Embedding(V, H),
+                           layers=torch.nn.ModuleList([layer(swiglu()), layer(moe)]), norm=RMSNorm(H)),
+                lm_head=linear(H, V))
+
+
+DEEPSEEK = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "norm_gain", "lm_head.weight": "output",
+            **each_layer(2, {"model.layers.{i}.self_attn.q_proj.weight": "attention",
+                             "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight": "attention",
+                             "model.layers.{i}.self_attn.kv_a_layernorm.weight": "norm_gain",
+                             "model.layers.{i}.self_attn.kv_b_proj.weight": "attention",
+                             "model.layers.{i}.self_attn.o_proj.weight": "attention",
+                             "model.layers.{i}.input_layernorm.weight": "norm_gain",
+                             "model.layers.{i}.post_attention_layernorm.weight": "norm_gain"}),
+            **{f"model.layers.0.mlp.{m}.weight": "mlp" for m in ("gate_proj", "up_proj", "down_proj")},
+            "model.layers.1.mlp.gate.weight": "router", "model.layers.1.mlp.gate.e_score_correction_bias": "router",
+            **{f"model.layers.1.mlp.{e}.{m}.weight": "mlp" for e in ("experts.0", "experts.1", "shared_experts")
+               for m in ("gate_proj", "up_proj", "down_proj")}}
+
+
+def megatron(layers: int = 2) -> torch.nn.Module:  # Megatron-LM's legacy GPT (and GPT-NeoX, BLOOM, Falcon's names)
+    def layer():
+        return tree(input_layernorm=torch.nn.LayerNorm(H),
+                    self_attention=tree(query_key_value=linear(H, 3 * H, bias=True), dense=linear(H, H, bias=True)),
+                    post_attention_layernorm=torch.nn.LayerNorm(H),
+                    mlp=tree(dense_h_to_4h=linear(H, F, bias=True), dense_4h_to_h=linear(F, H, bias=True)))
+    return tree(language_model=tree(
+        embedding=tree(word_embeddings=torch.nn.Embedding(V, H), position_embeddings=torch.nn.Embedding(16, H)),
+        encoder=tree(layers=torch.nn.ModuleList(layer() for _ in range(layers)), final_layernorm=torch.nn.LayerNorm(H)),
+        output_layer=linear(H, V)))
+
+
+MEGATRON = {"language_model.embedding.word_embeddings.weight": "embedding",
+            "language_model.embedding.position_embeddings.weight": "embedding",
+            "language_model.encoder.final_layernorm.weight": "norm_gain",
+            "language_model.encoder.final_layernorm.bias": "norm_gain",
+            "language_model.output_layer.weight": "output",
+            **each_layer(2, {f"language_model.encoder.layers.{{i}}.{name}": kind for name, kind in {
+                "input_layernorm.weight": "norm_gain", "input_layernorm.bias": "norm_gain",
+                "self_attention.query_key_value.weight": "attention",
+                "self_attention.query_key_value.bias": "attention",
+                "self_attention.dense.weight": "attention", "self_attention.dense.bias": "attention",
+                "post_attention_layernorm.weight": "norm_gain", "post_attention_layernorm.bias": "norm_gain",
+                "mlp.dense_h_to_4h.weight": "mlp", "mlp.dense_h_to_4h.bias": "mlp",
+                "mlp.dense_4h_to_h.weight": "mlp", "mlp.dense_4h_to_h.bias": "mlp"}.items()})}
+
+
+class TELinear(torch.nn.Linear):
+    """Transformer Engine's LayerNormLinear: the layer norm's gain is a parameter of the linear layer."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out, bias=False)
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(n_in))
+
+
+def megatron_core() -> torch.nn.Module:
+    layer = tree(self_attention=tree(linear_qkv=TELinear(H, 3 * H), linear_proj=linear(H, H)),
+                 mlp=tree(linear_fc1=TELinear(H, F), linear_fc2=linear(F, H)))
+    return tree(embedding=tree(word_embeddings=torch.nn.Embedding(V, H)),
+                decoder=tree(layers=torch.nn.ModuleList([layer]), final_layernorm=torch.nn.LayerNorm(H)),
+                output_layer=linear(H, V))
+
+
+MEGATRON_CORE = {"embedding.word_embeddings.weight": "embedding", "output_layer.weight": "output",
+                 "decoder.final_layernorm.weight": "norm_gain", "decoder.final_layernorm.bias": "norm_gain",
+                 "decoder.layers.0.self_attention.linear_qkv.weight": "attention",
+                 "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": "norm_gain",
+                 "decoder.layers.0.self_attention.linear_proj.weight": "attention",
+                 "decoder.layers.0.mlp.linear_fc1.weight": "mlp",
+                 "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": "norm_gain",
+                 "decoder.layers.0.mlp.linear_fc2.weight": "mlp"}
+
+
+def torchtitan_llama(layers: int = 2) -> torch.nn.Module:
+    def block():
+        return tree(attention=tree(wq=linear(H, H), wk=linear(H, H), wv=linear(H, H), wo=linear(H, H)),
+                    feed_forward=tree(w1=linear(H, F), w2=linear(F, H), w3=linear(H, F)),
+                    attention_norm=RMSNorm(H), ffn_norm=RMSNorm(H))
+    return tree(tok_embeddings=torch.nn.Embedding(V, H),
+                layers=torch.nn.ModuleDict({str(i): block() for i in range(layers)}),
+                norm=RMSNorm(H), output=linear(H, V))
+
+
+TORCHTITAN = {"tok_embeddings.weight": "embedding", "norm.weight": "norm_gain", "output.weight": "output",
+              **each_layer(2, {"layers.{i}.attention.wq.weight": "attention",
+                               "layers.{i}.attention.wk.weight": "attention",
+                               "layers.{i}.attention.wv.weight": "attention",
+                               "layers.{i}.attention.wo.weight": "attention",
+                               "layers.{i}.feed_forward.w1.weight": "mlp", "layers.{i}.feed_forward.w2.weight": "mlp",
+                               "layers.{i}.feed_forward.w3.weight": "mlp",
+                               "layers.{i}.attention_norm.weight": "norm_gain",
+                               "layers.{i}.ffn_norm.weight": "norm_gain"})}
+
+
+class KindTest(unittest.TestCase):
+    """The kind Watch's catalog gives each parameter (infer_kinds) on the module trees of the common
+    model families, with their real module names."""
+
+    def catalog_kinds(self, model: torch.nn.Module, **watch_kwargs) -> dict:
+        watch = gwt.Watch(model, torch.optim.SGD(model.parameters(), lr=0.1), monitor=RecordingMonitor(),
+                          init_norms=False, **watch_kwargs)
+        kinds = {p.name: p.kind for p in watch.catalog}
+        # What the daemon gets: each kind a name it knows.
+        self.assertEqual([p.to_proto(0.0).kind for p in watch.catalog], [parse_kind(k) for k in kinds.values()])
+        self.assertEqual(list(kinds), [n for n, _ in model.named_parameters()])
+        return kinds
+
+    def assert_kinds(self, model: torch.nn.Module, expected: dict) -> None:
+        kinds = self.catalog_kinds(model)
+        self.assertEqual(kinds, expected)  # every parameter, none "other"
+        self.assertEqual(gwt.infer_kinds(model), expected)
+
+    def test_llama_and_mistral(self) -> None:
+        self.assert_kinds(llama(), LLAMA)
+
+    def test_gpt2_c_proj_by_its_parent(self) -> None:
+        self.assert_kinds(gpt2(), GPT2)
+
+    def test_mixtral_router_and_experts(self) -> None:
+        self.assert_kinds(mixtral(), MIXTRAL)
+
+    def test_deepseek_moe_gate_is_the_router_and_its_experts_mlp(self) -> None:
+        self.assert_kinds(deepseek_moe(), DEEPSEEK)
+
+    def test_megatron(self) -> None:
+        self.assert_kinds(megatron(), MEGATRON)
+        self.assert_kinds(megatron_core(), MEGATRON_CORE)
+
+    def test_torchtitan_llama(self) -> None:
+        self.assert_kinds(torchtitan_llama(), TORCHTITAN)
+
+    def test_the_final_norm_of_each_family(self) -> None:
+        for model, final in ((llama(), "model.norm.weight"), (gpt2(), "transformer.ln_f.weight"),
+                             (megatron(), "language_model.encoder.final_layernorm.weight"),
+                             (torchtitan_llama(), "norm.weight")):
+            watch = gwt.Watch(model, torch.optim.SGD(model.parameters(), lr=0.1), monitor=RecordingMonitor(),
+                              init_norms=False)
+            self.assertEqual([p.name for p in watch.catalog if p.role == "final_norm"], [final])
+
+    def test_only_whole_names_match(self) -> None:
+        model = tree(
+            update_gate=linear(H, H),           # not "up", not the router "gate"
+            upsample=linear(H, H), downsample=torch.nn.Sequential(linear(H, H)),  # not up_proj, down_proj
+            output_layernorm=torch.nn.LayerNorm(H),  # a norm gain, not the output layer
+            output_proj=linear(H, H), gating=linear(H, 2), uplift=linear(H, H),
+            gate=linear(H, H),                  # square and without experts: not a router
+            dense=linear(H, H), key=linear(H, H), c_proj=linear(H, H),  # attention only inside an attention module
+            blocks=torch.nn.ModuleList([tree(
+                qkv=linear(H, 3 * H), attn_out=linear(H, H),           # the example trainer's
+                mlp=tree(gate=linear(H, F), up=linear(H, F), down=linear(F, H)),  # a SwiGLU's gate: [F, H], no experts
+                proj=tree(gate_proj=linear(H, F)))]))
+        self.assertEqual(self.catalog_kinds(model), {
+            "update_gate.weight": "other", "upsample.weight": "other", "downsample.0.weight": "other",
+            "output_layernorm.weight": "norm_gain", "output_layernorm.bias": "norm_gain",
+            "output_proj.weight": "other", "gating.weight": "other", "uplift.weight": "other", "gate.weight": "other",
+            "dense.weight": "other", "key.weight": "other", "c_proj.weight": "other",
+            "blocks.0.qkv.weight": "attention", "blocks.0.attn_out.weight": "attention",
+            "blocks.0.mlp.gate.weight": "mlp", "blocks.0.mlp.up.weight": "mlp", "blocks.0.mlp.down.weight": "mlp",
+            "blocks.0.proj.gate_proj.weight": "mlp"})
+
+    def test_overrides_win_and_other_modules_keep_their_kinds(self) -> None:
+        model = llama(layers=1)
+        kinds = self.catalog_kinds(model, kinds={"model.layers.0.mlp.up_proj.weight": "router"})
+        self.assertEqual(kinds["model.layers.0.mlp.up_proj.weight"], "router")
+        self.assertEqual(kinds["model.layers.0.mlp.down_proj.weight"], "mlp")
+        # A bare nn.Embedding, a MultiheadAttention and a norm layer of any name, a bias with its weight.
+        model = tree(tokens=torch.nn.Embedding(V, H), mixer=torch.nn.MultiheadAttention(H, 2),
+                     scale=torch.nn.GroupNorm(2, H), head=linear(H, V, bias=True))
+        self.assertEqual(self.catalog_kinds(model), {
+            "tokens.weight": "embedding", "mixer.in_proj_weight": "attention", "mixer.in_proj_bias": "attention",
+            "mixer.out_proj.weight": "attention", "mixer.out_proj.bias": "attention",
+            "scale.weight": "norm_gain", "scale.bias": "norm_gain", "head.weight": "other", "head.bias": "other"})
 
 
 # The floor of the tolerance, relative to |w| + |Δw|: the step rounds each element of w(t+1) to float32

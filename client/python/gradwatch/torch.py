@@ -10,8 +10,9 @@
     watch.close()
 
 The catalog comes from the model: each parameter's numel, its weight decay from the optimizer's
-param group, its kind guessed from its name (norm gains, lm_head/output, embeddings, routers;
-override with kinds={name: kind}) and its norm when the Watch is made (its init norm: make the
+param group, its kind guessed from its module names (infer_kinds: norm gains, output, embeddings,
+routers, attention and MLP layers as the common model families name them; override with
+kinds={name: kind}) and its norm when the Watch is made (its init norm: make the
 Watch before training, or pass init_norms=False). The final norm (a norm gain named final_norm,
 norm_f, ln_f, final_layernorm or model.norm, else the last norm gain before the output layer) gets
 the role "final_norm". Each step also sends the optimizer's learning rate (its first param
@@ -96,6 +97,140 @@ _STATE_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128
 _RADIAL_BATCH_ELEMENTS = 1 << 25
 
 
+# ---- parameter kinds ------------------------------------------------------------------------------
+# infer_kinds() reads a parameter's dotted name component by component (its modules, then its own
+# name), lowercased; where a rule speaks of words, a component is cut into words at "_" and digits
+# ("update_gate" is the words update and gate: neither the module "gate" nor "up_proj").
+
+# Module names that are attention's projections wherever they are (unless inside an MLP module:
+# T5's DenseReluDense.wo is its MLP's).
+_ATTENTION_MODULES = frozenset({
+    "q_proj", "k_proj", "v_proj", "o_proj", "qkv", "qkv_proj", "kv_proj", "c_attn", "query_key_value",
+    "wq", "wk", "wv", "wo", "wqkv", "w_pack", "out_proj", "linear_qkv", "linear_proj",
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"})
+# Module names that are an MLP's (or an MoE expert's) layers wherever they are (unless inside an
+# attention module).
+_MLP_MODULES = frozenset({
+    "gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3", "fc1", "fc2", "c_fc", "fc_in", "fc_out",
+    "dense_h_to_4h", "dense_4h_to_h", "linear_fc1", "linear_fc2", "wi", "wi_0", "wi_1"})
+# Modules whose parameters (and their descendants') are an MLP's, besides names with mlp, ffn, expert
+# or the word moe in them.
+_MLP_CONTAINERS = frozenset({"feed_forward", "feedforward", "ff", "intermediate", "densereludense"})
+_EMBEDDING_MODULES = frozenset({"wte", "wpe"})  # besides names with "embed" in them
+_OUTPUT_MODULES = frozenset({"lm_head", "output_layer", "embed_out"})
+
+
+def _words(component: str) -> List[str]:
+    return [w for w in re.split(r"[_\d]+", component) if w]
+
+
+def _is_norm_word(word: str) -> bool:
+    """norm, layernorm, rmsnorm, norm1, normalization, ... and ln (ln_1, ln_f, ln_attn)."""
+    return word == "ln" or word.startswith("norm") or word.endswith("norm")
+
+
+def _is_norm_module(module: Optional[torch.nn.Module]) -> bool:
+    """A normalization layer: LayerNorm, RMSNorm, GroupNorm, BatchNorm..., or a class of that name."""
+    return module is not None and any("Norm" in c.__name__ for c in type(module).__mro__)
+
+
+def _container(component: str, module: Optional[torch.nn.Module]) -> Optional[str]:
+    """The kind of the parameters inside a module named `component` (lowercased), when its name says."""
+    if "attn" in component or "attention" in component or isinstance(module, torch.nn.MultiheadAttention):
+        return "attention"
+    if ("mlp" in component or "ffn" in component or "expert" in component or component in _MLP_CONTAINERS
+            or "moe" in _words(component)):
+        return "mlp"
+    return None
+
+
+def _in_attention(components: Sequence[str]) -> bool:
+    return any("attn" in c or "attention" in c for c in components)
+
+
+# Wrappers' module names, which FSDP's named_parameters() leaves out of the parameters' names.
+_WRAPPER_MODULES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def infer_kinds(model: torch.nn.Module) -> Dict[str, str]:
+    """The kind Watch gives each of `model`'s parameters when `kinds` does not: name (as in
+    model.named_parameters()) -> "norm_gain", "router", "output", "embedding", "attention", "mlp" or
+    "other". It reads the name's components, modules first (lowercased; a word is a part of a component
+    between "_" and digits), and takes the first rule that holds:
+
+    - norm_gain: a word norm…/…norm (norm, layernorm, rmsnorm, norm1, attention_norm, ffn_norm,
+      input_layernorm, output_layernorm, final_layernorm) or ln (ln_1, ln_f), or a 1-D parameter
+      (weight or bias) of a normalization layer (a class named …Norm…);
+    - router: a word router (router, moe_router), or the module named exactly gate of an MoE (beside
+      an experts module, or with a 2-D weight of fewer rows than columns, [num_experts, hidden]),
+      outside attention: Mixtral's block_sparse_moe.gate, DeepSeek's mlp.gate;
+    - output: a module lm_head, or a parameter of a module output_layer (Megatron) or embed_out;
+    - embedding: a component with embed in it (embed_tokens, tok_embeddings, word_embeddings,
+      embeddings, position_embeddings, pos_embed) or the module wte or wpe;
+    - attention or mlp: the nearest module (from the parameter up) that names one: attn or attention
+      in its name, or torch.nn.MultiheadAttention, is attention; mlp, ffn, expert in its name, the
+      word moe, feed_forward, ff, intermediate or DenseReluDense is mlp. So GPT-2's attn.c_proj is
+      attention and mlp.c_proj mlp; self_attention.dense and attention.self.query attention;
+      mlp.experts.0.w1 and shared_experts.up_proj mlp;
+    - outside those, the parameter's module's own name: q_proj, k_proj, v_proj, o_proj, qkv, qkv_proj,
+      kv_proj, c_attn, query_key_value, wq, wk, wv, wo, Wqkv, W_pack, out_proj, linear_qkv,
+      linear_proj (and DeepSeek's q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj) are attention;
+      gate_proj, up_proj, down_proj, gate_up_proj, w1, w2, w3, fc1, fc2, c_fc, fc_in, fc_out,
+      dense_h_to_4h, dense_4h_to_h, linear_fc1, linear_fc2, wi are mlp; output (torchtitan's
+      output.weight) is output; BERT's output.dense (the MLP's second layer) is mlp; a
+      torch.nn.Embedding is embedding;
+    - else other.
+
+    A bias goes with its module's weight. Only whole components count: update_gate, upsample or
+    downsample match nothing, gate_proj is not a router, output_layernorm is a norm gain."""
+    params = dict(model.named_parameters())
+    modules: Dict[str, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        modules.setdefault(name, module)
+        modules.setdefault(".".join(c for c in name.split(".") if c not in _WRAPPER_MODULES), module)
+    # Every module path the parameters' names hold: where the experts beside a gate are looked for.
+    paths = {".".join(parts[:i]) for parts in (n.split(".") for n in params) for i in range(1, len(parts))}
+    return {name: _infer_kind(name, p, params, modules, paths) for name, p in params.items()}
+
+
+def _infer_kind(name: str, param: torch.Tensor, params: Mapping[str, torch.Tensor],
+                modules: Mapping[str, torch.nn.Module], paths: Set[str]) -> str:
+    parts = name.split(".")
+    lowered = [c.lower() for c in parts]
+    path = lowered[:-1]  # the modules'
+    owner = path[-1] if path else ""
+    module = modules.get(".".join(parts[:-1]))
+    if any(_is_norm_word(w) for c in lowered for w in _words(c)) or (param.dim() <= 1 and _is_norm_module(module)):
+        return "norm_gain"
+    if any("router" in _words(c) for c in lowered):
+        return "router"
+    if owner == "gate" and not _in_attention(path):
+        parent = parts[:-2]
+        weight = params.get(".".join(parts[:-1] + ["weight"]))
+        if (".".join(parent + ["experts"]) in paths
+                or (weight is not None and weight.dim() == 2 and weight.shape[0] < weight.shape[1])):
+            return "router"
+    if "lm_head" in path or owner in _OUTPUT_MODULES:
+        return "output"
+    if any("embed" in c for c in lowered) or any(c in _EMBEDDING_MODULES for c in path):
+        return "embedding"
+    for i in range(len(parts) - 1, -1, -1):  # the parameter's own name, its module, ... up to the model's
+        kind = _container(lowered[i], modules.get(".".join(parts[:i + 1])) if i < len(parts) - 1 else None)
+        if kind is not None:
+            return kind
+    if owner in _ATTENTION_MODULES:
+        return "attention"
+    if owner in _MLP_MODULES:
+        return "mlp"
+    if owner == "output":
+        return "output"
+    if owner == "dense" and len(path) >= 2 and path[-2] == "output":
+        return "mlp"
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return "embedding"
+    return "other"
+
+
 _FINAL_NORM_NAME = re.compile(r"(?:^|\.)(?:final_norm|norm_f|ln_f|final_layernorm|final_layer_norm|model\.norm)"
                               r"(?:\.(?:weight|scale|gamma))?$")
 
@@ -145,6 +280,8 @@ class Watch:
     """Sends `model`'s grad norms, param norms (update norms with update_norms=True) and the total
     grad norm after each optimizer step (every `every` steps) through a gradwatch.Monitor: the one
     given, or one made with monitor_kwargs (run, address, labels, config, on_alert, ...).
+    watch.catalog is the catalog it built (a gradwatch.Param per watched parameter, its kind from
+    `kinds` or else infer_kinds(model)).
 
     Each step() (sent or not) also reports the watched parameters whose weight decay changed in
     optimizer.param_groups since the previous one: a parameter moved into another group (as
@@ -243,12 +380,15 @@ class Watch:
                 if self.distributed and self.sharded:
                     torch.distributed.all_reduce(squares)
                 init = [float(v) ** 0.5 for v in squares.cpu().tolist()]
-        catalog = [Param(name=n, numel=p.numel() * (self.world_size if self.sharded else 1), kind=kinds.get(n),
+        guessed = infer_kinds(model)
+        catalog = [Param(name=n, numel=p.numel() * (self.world_size if self.sharded else 1),
+                         kind=kinds[n] if n in kinds else guessed.get(n, "other"),
                          weight_decay=decay.get(id(p), 0.0), init_norm=i)
                    for n, p, i in zip(self.names, self.params, init)]
         final = _final_norm(catalog)
         if final is not None:
             final.role = "final_norm"
+        self.catalog = catalog  # as built: the one a Monitor made here is given
         if monitor is None:
             if run is None:
                 raise ValueError("run: a run id is required when no monitor is given")
