@@ -78,6 +78,13 @@ class DashboardStructure(unittest.TestCase):
         drawn = [t["expr"] for t in total["targets"]]
         self.assertIn('gradwatch_rule_bound{kind="threshold", series="grad/norm/total", severity="page", bound="value"}',
                       drawn, "the page rule's own threshold is drawn on the total grad norm")
+        # The learning rate is orders of magnitude below the loss: on the loss's axis it draws flat.
+        loss = next(p for p in self.dash["panels"] if any("gradwatch_loss" in t["expr"] for t in p["targets"]))
+        rate = next(t for t in loss["targets"] if "gradwatch_learning_rate" in t["expr"])
+        own_axis = [o for o in loss["fieldConfig"]["overrides"]
+                    if o["matcher"] == {"id": "byFrameRefID", "options": rate["refId"]}]
+        self.assertEqual(len(own_axis), 1, "the learning rate has an override of its own")
+        self.assertIn({"id": "custom.axisPlacement", "value": "right"}, own_axis[0]["properties"])
         for p in self.dash["panels"]:
             with self.subTest(panel=p["title"]):
                 steps = p.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", [])
