@@ -12,6 +12,7 @@
 
 #include "client/cli/commands.h"
 #include "client/cli/completion.h"
+#include "client/cli/log_formats.h"
 #include "client/cli/options.h"
 #include "client/cli/plot.h"
 #include "client/cli/replay.h"
@@ -297,6 +298,14 @@ int Run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   tail_cmd->add_flag("-q,--quiet", tail.quiet,
                      "No progress line (steps, rate, step reached) on stderr; it is drawn only when stderr is a "
                      "terminal, and the report at the end is printed either way");
+  tail_cmd
+      ->add_option("--log-tz", tail.log_tz,
+                   "Zone of the log's timestamps that carry none: local, UTC or an offset such as +02:00 (a step "
+                   "takes its time from its line's timestamp, else the time it was read)")
+      ->check([](const std::string& v) {
+        return ParseLogTimeZone(v) ? std::string() : "'" + v + "' is not local, UTC or an offset such as +02:00";
+      })
+      ->capture_default_str();
   tail_cmd->add_option("--rank", tail.rank, "This rank")->capture_default_str();
   tail_cmd->add_option("--world-size", tail.world_size, "Ranks reporting each step")
       ->capture_default_str()

@@ -1,8 +1,11 @@
 #include "client/cli/log_formats.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <exception>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -805,6 +808,111 @@ std::string CleanLogLine(std::string_view raw) {
   while (StripRankPrefix(s)) {
   }
   return std::string(s);
+}
+
+std::optional<LogTimeZone> ParseLogTimeZone(std::string_view text) {
+  std::string lower;
+  for (char c : text) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "local") return LogTimeZone{};
+  if (lower == "utc" || lower == "z" || lower == "gmt") return LogTimeZone{.local = false, .offset_seconds = 0};
+  if (lower.size() < 2 || (lower[0] != '+' && lower[0] != '-')) return std::nullopt;
+  const int sign = lower[0] == '-' ? -1 : 1;
+  std::string digits;
+  for (size_t i = 1; i < lower.size(); ++i) {
+    if (lower[i] == ':' && i == 3) continue;
+    if (!std::isdigit(static_cast<unsigned char>(lower[i]))) return std::nullopt;
+    digits += lower[i];
+  }
+  int hours = 0, minutes = 0;
+  if (digits.size() <= 2) {
+    hours = std::stoi(digits);
+  } else if (digits.size() == 4) {
+    hours = std::stoi(digits.substr(0, 2));
+    minutes = std::stoi(digits.substr(2));
+  } else {
+    return std::nullopt;
+  }
+  if (hours > 14 || minutes > 59) return std::nullopt;
+  return LogTimeZone{.local = false, .offset_seconds = sign * (hours * 3600 + minutes * 60)};
+}
+
+namespace {
+
+// Reads `n` digits at text[at...] into *out; false when any is not a digit.
+bool Digits(std::string_view text, size_t at, size_t n, int* out) {
+  if (at + n > text.size()) return false;
+  int v = 0;
+  for (size_t i = at; i < at + n; ++i) {
+    if (!IsDigit(text[i])) return false;
+    v = v * 10 + (text[i] - '0');
+  }
+  *out = v;
+  return true;
+}
+
+// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's days_from_civil).
+int64_t DaysFromCivil(int64_t y, int m, int d) {
+  y -= m <= 2;
+  const int64_t era = (y >= 0 ? y : y - 399) / 400;
+  const int64_t yoe = y - era * 400;
+  const int64_t doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+  const int64_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+  return era * 146097 + doe - 719468;
+}
+
+}  // namespace
+
+std::optional<double> LineTime(std::string_view cleaned, const LogTimeZone& zone) {
+  constexpr size_t kSearch = 80;
+  const std::string_view head = cleaned.substr(0, std::min(cleaned.size(), kSearch + 19));
+  for (size_t at = 0; at + 19 <= head.size() && at <= kSearch; ++at) {
+    if (at > 0 && IsDigit(head[at - 1])) continue;
+    int year = 0, month = 0, day = 0, hour = 0, minute = 0, second = 0;
+    if (!Digits(head, at, 4, &year) || head[at + 4] != '-' || !Digits(head, at + 5, 2, &month) || head[at + 7] != '-' ||
+        !Digits(head, at + 8, 2, &day) || (head[at + 10] != ' ' && head[at + 10] != 'T') ||
+        !Digits(head, at + 11, 2, &hour) || head[at + 13] != ':' || !Digits(head, at + 14, 2, &minute) ||
+        head[at + 16] != ':' || !Digits(head, at + 17, 2, &second)) {
+      continue;
+    }
+    if (year < 1970 || month < 1 || month > 12 || day < 1 || day > 31 || hour > 23 || minute > 59 || second > 60) {
+      continue;
+    }
+    // Fractional seconds, then an optional zone.
+    size_t end = at + 19;
+    double fraction = 0;
+    if (end < cleaned.size() && (cleaned[end] == '.' || cleaned[end] == ',') && end + 1 < cleaned.size() &&
+        IsDigit(cleaned[end + 1])) {
+      double scale = 0.1;
+      for (++end; end < cleaned.size() && IsDigit(cleaned[end]); ++end, scale /= 10) {
+        fraction += (cleaned[end] - '0') * scale;
+      }
+    }
+    std::optional<int> offset;
+    if (end < cleaned.size() && cleaned[end] == 'Z') {
+      offset = 0;
+    } else if (end + 5 <= cleaned.size() && (cleaned[end] == '+' || cleaned[end] == '-')) {
+      int oh = 0, om = 0;
+      const size_t mm = cleaned[end + 3] == ':' ? end + 4 : end + 3;
+      if (Digits(cleaned, end + 1, 2, &oh) && Digits(cleaned, mm, 2, &om) && oh <= 14 && om <= 59) {
+        offset = (cleaned[end] == '-' ? -1 : 1) * (oh * 3600 + om * 60);
+      }
+    }
+    const int64_t civil = DaysFromCivil(year, month, day) * 86400 + hour * 3600 + minute * 60 + second;
+    if (offset) return static_cast<double>(civil - *offset) + fraction;
+    if (!zone.local) return static_cast<double>(civil - zone.offset_seconds) + fraction;
+    std::tm tm{};
+    tm.tm_year = year - 1900;
+    tm.tm_mon = month - 1;
+    tm.tm_mday = day;
+    tm.tm_hour = hour;
+    tm.tm_min = minute;
+    tm.tm_sec = second;
+    tm.tm_isdst = -1;  // as the local zone had it on that day
+    const std::time_t t = std::mktime(&tm);
+    if (t == static_cast<std::time_t>(-1)) return std::nullopt;
+    return static_cast<double>(t) + fraction;
+  }
+  return std::nullopt;
 }
 
 std::optional<LogRecord> ParseLogLine(LogFormat f, std::string_view cleaned) {

@@ -50,6 +50,22 @@ struct LogRecord {
   std::optional<uint64_t> progress_step;
 };
 
+// The zone of log timestamps that carry none of their own: the machine's local time (as Megatron's
+// datetime.now() and Python's logging print it), or a fixed offset from UTC.
+struct LogTimeZone {
+  bool local = true;
+  int offset_seconds = 0;  // east of UTC, when !local
+};
+// "local", "UTC" (or "Z"), or an offset "+02:00", "-0530", "+2"; nullopt for anything else.
+std::optional<LogTimeZone> ParseLogTimeZone(std::string_view text);
+
+// The time a cleaned line was written, as Unix seconds, when it carries one within its first 80
+// characters: YYYY-MM-DD, a space or T, HH:MM:SS, optional fractional seconds after '.' or ','
+// (Megatron's "[2026-12-07 00:00:01]", torchtitan's and Python logging's "2026-05-18
+// 16:04:46,338", DeepSpeed's "[2024-03-07 15:27:02,646]", ISO 8601), and an optional zone (Z,
+// +HH:MM); a time without one is read in `zone`. nullopt when the line has no valid time.
+std::optional<double> LineTime(std::string_view cleaned, const LogTimeZone& zone);
+
 // Parses one line cleaned by CleanLogLine as format f. nullopt: the line is not one this format
 // reports (banner, warning, argument dump...). Never throws.
 std::optional<LogRecord> ParseLogLine(LogFormat f, std::string_view cleaned);

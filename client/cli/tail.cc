@@ -405,10 +405,13 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
   // the input has nothing more for now.
   std::optional<uint64_t> held_step;
   std::vector<std::pair<std::string, double>> held_values;
+  double held_time = 0;  // Unix seconds: the step's line's timestamp, or when it was read
+  const LogTimeZone zone = ParseLogTimeZone(options.log_tz).value_or(LogTimeZone{});
   std::string line;
 
   // Sends one step's values to every daemon; false when none is left.
-  const auto send_step = [&](uint64_t step, std::vector<std::pair<std::string, double>>& values) -> bool {
+  const auto send_step = [&](uint64_t step, std::vector<std::pair<std::string, double>>& values,
+                             double wall_time) -> bool {
     std::optional<uint64_t> resume;
     if (last_step && step <= *last_step) {
       if (step == *last_step) {
@@ -423,6 +426,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     }
     v1::StepStats stats;
     stats.set_step(step);
+    stats.set_wall_time(wall_time);
     for (auto& [key, value] : values) {
       if (key == "train/loss") {
         stats.set_loss(value);
@@ -499,7 +503,7 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
     if (!held_step) return true;
     const uint64_t step = *held_step;
     held_step.reset();
-    return send_step(step, held_values);
+    return send_step(step, held_values, held_time);
   };
   // Called at every poll while the input has nothing new: the line's rate falls while the job is quiet.
   const auto keep_waiting_after_flush = [&] {
@@ -583,6 +587,9 @@ int RunTail(const GlobalOptions& global, const TailOptions& options, std::ostrea
       if (!flush_held()) return false;
       held_step = step;
       held_values.clear();
+      held_time =
+          LineTime(cleaned, zone)
+              .value_or(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
     }
     for (auto& value : stepless) record->values.insert(record->values.begin(), std::move(value));
     stepless.clear();

@@ -32,6 +32,9 @@ struct TailOptions {
   double stall_timeout_seconds = kDefaultStallTimeoutSeconds;
   // --quiet: no progress line on a terminal's stderr (there is none elsewhere).
   bool quiet = false;
+  // --log-tz: the zone of the lines' timestamps that carry none ("local", "UTC", "+02:00"). A step
+  // takes its time from its line (LineTime), else the time the line was read.
+  std::string log_tz = "local";
 };
 
 struct TailSummary {

@@ -18,6 +18,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const std::string cleaned = CleanLogLine(raw);
     (void)DetectLogFormat(cleaned);
     for (const LogFormat format : AllLogFormats()) (void)ParseLogLine(format, cleaned);
+    (void)LineTime(cleaned, LogTimeZone{});
+    (void)LineTime(cleaned, LogTimeZone{.local = false, .offset_seconds = 3600});
+    (void)ParseLogTimeZone(cleaned);
   }
   return 0;
 }

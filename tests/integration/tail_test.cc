@@ -4,7 +4,9 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <cmath>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -204,6 +206,45 @@ TEST_CASE("tail reads every trainer's format from a pipe into the series of the 
   REQUIRE(grad.size() == 2);
   CHECK(grad.at(10) == 1.5);   // the first dict: 1 × --step-interval
   CHECK(grad.at(20) == 1.25);  // the bar said 20
+}
+
+TEST_CASE("tail gives each step the time its line carries: a Megatron log read at once has the job's pace",
+          "[integration]") {
+  // Found by a new user: a followed log's steps had no time; /metrics said 61,145 steps/s for a
+  // job doing one step every 12 s. Megatron-LM prints " [YYYY-MM-DD HH:MM:SS] iteration ...".
+  DaemonProcess daemon;
+  std::string log;
+  constexpr double kStart = 1796601600.0;  // 2026-12-07 00:00:00 UTC
+  for (uint64_t step = 1; step <= 40; ++step) {
+    const std::time_t t = static_cast<std::time_t>(kStart) + static_cast<std::time_t>(12 * step);
+    std::tm utc{};
+    gmtime_r(&t, &utc);
+    char stamp[32];
+    std::strftime(stamp, sizeof stamp, " [%Y-%m-%d %H:%M:%S]", &utc);
+    log += stamp + MegatronLine(step, "2.5", "0.3", 0);
+  }
+  const CommandResult r = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "--json", "tail", "-", "--run", "paced", "--log-tz", "UTC"},
+      log, std::chrono::seconds(120));
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  REQUIRE(json::parse(r.out)["steps_sent"] == 40);
+  const double rate =
+      ParseMetric(daemon.ScrapeMetrics(), "gradwatch_steps_per_second", {{"run", "paced"}}).value_or(-1);
+  CHECK(rate == Approx(1.0 / 12).epsilon(0.01));
+  const CommandResult runs = Cli(daemon, {"runs", "--json"});
+  REQUIRE(runs.exit_code == 0);
+  const json listed = json::parse(runs.out)["runs"];
+  const auto paced = std::find_if(listed.begin(), listed.end(), [](const json& r) { return r["run_id"] == "paced"; });
+  REQUIRE(paced != listed.end());
+  CHECK((*paced)["last_wall_time"].get<double>() == kStart + 12 * 40);
+
+  // A bad zone is a usage error.
+  const CommandResult bad = RunCommand(
+      {CliBinaryPath(), "--addr", daemon.grpc_target(), "tail", "-", "--run", "x", "--log-tz", "Europe/Paris"},
+      std::string(), std::chrono::seconds(60));
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.err.find("is not local, UTC or an offset") != std::string::npos);
 }
 
 TEST_CASE("tail of JSONL grows the catalog as new parameters appear, and a daemon restart loses nothing",

@@ -2,6 +2,7 @@
 
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <ctime>
 #include <fstream>
 #include <map>
 #include <random>
@@ -671,5 +672,49 @@ TEST_CASE("random splices of real lines never crash", "[client][tail]") {
       if (rec && rec->kind == Kind::kProgress) CHECK(rec->step == rec->progress_step);
     }
     REQUIRE_NOTHROW(DetectLogFormat(cleaned));
+  }
+}
+
+TEST_CASE("a line's timestamp gives its step a time, in the zone the log was written in", "[tail][time]") {
+  const LogTimeZone utc{.local = false, .offset_seconds = 0};
+  // 2026-12-07 00:00:01 UTC is 1796601601.
+  constexpr double kAt = 1796601601.0;
+  CHECK(LineTime(" [2026-12-07 00:00:01] iteration      122/  250000 | lm loss: 2.5 |", utc) == kAt);
+  CHECK(LineTime("[titan] 2026-12-07 00:00:01,338 - root - INFO - step: 14  loss:  3.24", utc) ==
+        Approx(kAt + 0.338).epsilon(1e-12));
+  CHECK(LineTime("[2026-12-07 00:00:01,608] [INFO] [logging.py:60:log_dist] [Rank 0] step=25", utc) ==
+        Approx(kAt + 0.608).epsilon(1e-12));
+  CHECK(LineTime("[2026-12-07 00:00:01.123456] iteration 1/ 10 |", utc) == Approx(kAt + 0.123456).epsilon(1e-12));
+  // ISO 8601 with its own zone: the zone given is not used.
+  CHECK(LineTime("2026-12-07T02:00:01+02:00 step 3", utc) == kAt);
+  CHECK(LineTime("2026-12-07T00:00:01Z step 3", LogTimeZone{.local = false, .offset_seconds = 3600}) == kAt);
+  // A zone for those that carry none.
+  CHECK(LineTime("[2026-12-07 01:00:01] iteration 1/ 10 |", *ParseLogTimeZone("+01:00")) == kAt);
+  CHECK(LineTime("[2026-12-06 19:00:01] iteration 1/ 10 |", *ParseLogTimeZone("-0500")) == kAt);
+  // Local time, as the machine's zone reads it.
+  std::tm tm{};
+  tm.tm_year = 2026 - 1900;
+  tm.tm_mon = 11;
+  tm.tm_mday = 7;
+  tm.tm_sec = 1;
+  tm.tm_isdst = -1;
+  CHECK(LineTime("[2026-12-07 00:00:01] iteration 1/ 10 |", LogTimeZone{}) == static_cast<double>(std::mktime(&tm)));
+  // No time, or not one: nothing.
+  CHECK_FALSE(LineTime(" iteration      122/  250000 | lm loss: 2.5 |", utc));
+  CHECK_FALSE(LineTime("[2026-13-07 00:00:01] bad month", utc));
+  CHECK_FALSE(LineTime("step 12026-12-07 00:00:01", utc));                    // digits before: not a date
+  CHECK_FALSE(LineTime(std::string(100, 'x') + "2026-12-07 00:00:01", utc));  // past the line's head
+}
+
+TEST_CASE("--log-tz reads local, UTC and offsets, and refuses the rest", "[tail][time]") {
+  CHECK(ParseLogTimeZone("local")->local);
+  CHECK(ParseLogTimeZone("UTC")->offset_seconds == 0);
+  CHECK_FALSE(ParseLogTimeZone("utc")->local);
+  CHECK(ParseLogTimeZone("+02:00")->offset_seconds == 7200);
+  CHECK(ParseLogTimeZone("-0530")->offset_seconds == -(5 * 3600 + 30 * 60));
+  CHECK(ParseLogTimeZone("+9")->offset_seconds == 9 * 3600);
+  for (const char* bad : {"", "Europe/Paris", "+25:00", "+02:99", "2", "+0:300"}) {
+    CAPTURE(bad);
+    CHECK_FALSE(ParseLogTimeZone(bad));
   }
 }
