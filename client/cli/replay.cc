@@ -363,6 +363,7 @@ int RunReplay(const GlobalOptions& global, const ReplayOptions& options, std::os
     // so memory stays bounded whatever the file's size.
     monitor_options.queue_capacity = monitor_options.max_unacked_steps + kReadAheadSteps;
     monitor_options.queue_capacity_bytes = monitor_options.max_unacked_bytes + kReadAheadBytes;
+    monitor_options.warnings = false;  // the replay reports a daemon away or refusing in its own words
     Target* raw = t.get();
     monitor_options.on_error = [raw](const v1::Error& e) { raw->messages.AddError(e); };
     monitor_options.on_alert = [raw](const v1::Alert& a) { raw->messages.AddAlert(a); };

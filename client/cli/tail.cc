@@ -102,6 +102,7 @@ class Sender {
     mo.address = address_;
     mo.tls = global_.tls;
     mo.queue_capacity = kQueueCapacity;
+    mo.warnings = false;  // the tail reports a daemon away or refusing in its own words
     v1::Hello& hello = mo.hello;
     hello.set_run_id(run_);
     hello.set_rank(options_.rank);

@@ -105,7 +105,9 @@ bool Monitor::Log(v1::StepStats step) {
     ++stats_.dropped;
     return false;
   }
-  if (!buffer_.PushStep(std::move(step))) return false;
+  const bool pushed = buffer_.PushStep(std::move(step));
+  NoteQueuedLocked(pushed);
+  if (!pushed) return false;
   sender_cv_.notify_one();
   return true;
 }
@@ -117,9 +119,57 @@ bool Monitor::LogBlocking(v1::StepStats step, std::chrono::milliseconds stall_ti
     ++stats_.dropped;
     return false;
   }
-  if (!buffer_.PushStep(std::move(step))) return false;
+  const bool pushed = buffer_.PushStep(std::move(step));
+  NoteQueuedLocked(pushed);
+  if (!pushed) return false;
   sender_cv_.notify_one();
   return true;
+}
+
+bool Monitor::MayWarnLocked(Warning kind) {
+  if (!options_.warnings) return false;
+  const auto now = std::chrono::steady_clock::now();
+  auto& last = warned_at_[static_cast<int>(kind)];
+  if (last && now - *last < options_.warn_interval) return false;
+  last = now;
+  return true;
+}
+
+void Monitor::NoteQueuedLocked(bool pushed) {
+  const auto now = std::chrono::steady_clock::now();
+  if (!first_step_at_) {
+    first_step_at_ = now;
+    if (!stats_.connected) down_since_ = now;
+  }
+  if (!stats_.connected && down_since_ && now - *down_since_ >= options_.unreachable_warning_after &&
+      MayWarnLocked(Warning::kUnreachable)) {
+    outage_warned_since_ = *down_since_;
+    spdlog::warn(
+        "gradwatch monitor: cannot reach the daemon at {} for run {} ({} for {:.0f} s); {} step(s) queued of {}, kept "
+        "and sent once it answers (beyond the queue, steps are dropped)",
+        options_.address, options_.hello.run_id(),
+        stats_.last_error.empty() ? std::string("no answer") : stats_.last_error,
+        std::chrono::duration<double>(now - *down_since_).count(), buffer_.steps(), options_.queue_capacity);
+  }
+  if (!pushed) {
+    ++drops_untold_;
+    if (MayWarnLocked(Warning::kDropped)) {
+      spdlog::warn(
+          "gradwatch monitor: dropped {} step(s) of run {}: the queue of {} is full and the daemon at {} is not "
+          "taking them{}",
+          drops_untold_, options_.hello.run_id(), options_.queue_capacity, options_.address,
+          stats_.last_error.empty() ? std::string() : " (" + stats_.last_error + ")");
+      drops_untold_ = 0;
+    }
+    return;
+  }
+  if (buffer_.steps() * 2 >= options_.queue_capacity && options_.queue_capacity >= 2 &&
+      MayWarnLocked(Warning::kQueueHalf)) {
+    spdlog::warn(
+        "gradwatch monitor: {} of {} steps of run {} wait for the daemon at {}; once the queue is full, steps are "
+        "dropped (counted in Stats().dropped)",
+        buffer_.steps(), options_.queue_capacity, options_.hello.run_id(), options_.address);
+  }
 }
 
 bool Monitor::Event(uint64_t step, std::string text) {
@@ -405,6 +455,7 @@ bool Monitor::RunConnection(Connection& conn) {
     std::lock_guard lock(mu_);
     stopping = stopping_;
     current_ = nullptr;
+    if (stats_.connected && !stopping_) down_since_ = std::chrono::steady_clock::now();
     stats_.connected = false;
     if (!status.ok() && !stopping_) {
       stats_.last_error = "stream to " + options_.address + " ended: " + status.error_message();
@@ -467,6 +518,15 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
       }
       stats_.connected = true;
       stats_.rejected = false;
+      down_since_.reset();
+      if (outage_warned_since_) {
+        spdlog::warn(
+            "gradwatch monitor: reached the daemon at {} again after {:.0f} s; {} step(s) queued are being sent",
+            options_.address,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - *outage_warned_since_).count(),
+            buffer_.steps());
+        outage_warned_since_.reset();
+      }
       if (++accepted_streams_ > 1) ++stats_.reconnects;
       if (!storage_retrying_) backoff_ = options_.initial_backoff;
       sender_cv_.notify_all();
@@ -503,6 +563,10 @@ void Monitor::HandleMessage(Connection& conn, const v1::DaemonMessage& msg) {
         conn.rejected = true;
         conn.superseded = e.reason() == v1::ERROR_REASON_SUPERSEDED;
         stats_.rejected = true;
+        if (!conn.accepted && MayWarnLocked(Warning::kRefused)) {
+          spdlog::warn("gradwatch monitor: the daemon at {} refused run {} rank {}: {}; its steps are not sent",
+                       options_.address, options_.hello.run_id(), options_.hello.rank(), text);
+        }
       } else if (e.reason() == v1::ERROR_REASON_STORAGE_UNAVAILABLE) {
         if (!conn.storage_unavailable) {
           spdlog::warn("gradwatch monitor: the daemon cannot store data now ({}); keeping it and retrying",

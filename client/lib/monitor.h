@@ -58,6 +58,15 @@ struct MonitorOptions {
   std::chrono::milliseconds max_backoff{10'000};
   // How long Stop() lets the daemon close the stream after WritesDone before cancelling it.
   std::chrono::milliseconds close_grace{500};
+  // Loud when it matters: warnings (spdlog) when the daemon cannot be reached this long after the
+  // first step was logged, when it refuses the Hello, when the queue passes half of
+  // queue_capacity and when steps are dropped; each kind at most once per warn_interval, and a
+  // line when the daemon is reached again after a warned outage. Nothing while all is well.
+  std::chrono::milliseconds unreachable_warning_after{5'000};
+  std::chrono::milliseconds warn_interval{60'000};
+  // Off for callers that report these conditions in their own words (the CLI's replay and tail,
+  // whose queue is full by design).
+  bool warnings = true;
 
   // Called on the Monitor's reader thread, before the state they announce is visible (Flush
   // and WaitAccepted return after the callbacks of what they waited for). Keep them short, do
@@ -196,6 +205,17 @@ class Monitor {
   std::chrono::milliseconds reconnect_delay_{0};
   std::chrono::milliseconds backoff_;
   std::mt19937 rng_;
+  // Warnings (MonitorOptions::warn_interval): when each kind was last given, the first step's
+  // time, an outage warned of (for the line when it ends), drops not yet told.
+  enum class Warning { kUnreachable, kRefused, kQueueHalf, kDropped, kCount };
+  bool MayWarnLocked(Warning kind);
+  void NoteQueuedLocked(bool pushed);
+  std::optional<std::chrono::steady_clock::time_point> warned_at_[static_cast<int>(Warning::kCount)];
+  std::optional<std::chrono::steady_clock::time_point> first_step_at_;
+  // Since when no stream is accepted (from the first step, or from the loss of an accepted one).
+  std::optional<std::chrono::steady_clock::time_point> down_since_;
+  std::optional<std::chrono::steady_clock::time_point> outage_warned_since_;
+  uint64_t drops_untold_ = 0;
 
   std::mutex stop_mu_;  // serialises Stop()
   std::thread sender_;

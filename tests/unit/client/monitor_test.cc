@@ -3,7 +3,13 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <functional>
+#include <memory>
+#include <sstream>
 #include <thread>
+
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include "tests/unit/client/fake_daemon.h"
 
@@ -394,4 +400,123 @@ TEST_CASE("Stop ends a wait on a stalled daemon at once", "[client][flow]") {
   CHECK(std::chrono::steady_clock::now() - started < 30s);
   stopper.join();
   CHECK(monitor.Stats().unacked + monitor.Stats().queued == 5);
+}
+
+namespace {
+
+// Captures what the default spdlog logger says at warn and above while it lives.
+class CapturedWarnings {
+ public:
+  CapturedWarnings() : previous_(spdlog::default_logger()) {
+    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(text_);
+    auto logger = std::make_shared<spdlog::logger>("captured", sink);
+    logger->set_level(spdlog::level::warn);
+    logger->set_pattern("%v");
+    spdlog::set_default_logger(logger);
+  }
+  ~CapturedWarnings() { spdlog::set_default_logger(previous_); }
+  std::string Text() {
+    spdlog::default_logger()->flush();
+    return text_.str();
+  }
+  size_t Count(const std::string& needle) {
+    const std::string t = Text();
+    size_t n = 0;
+    for (size_t at = t.find(needle); at != std::string::npos; at = t.find(needle, at + 1)) ++n;
+    return n;
+  }
+
+ private:
+  std::ostringstream text_;
+  std::shared_ptr<spdlog::logger> previous_;
+};
+
+bool Eventually(const std::function<bool()>& pred, std::chrono::milliseconds limit = 30s) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return pred();
+}
+
+}  // namespace
+
+TEST_CASE("a daemon out of reach is warned of once per interval, a full queue and drops too, and the return said",
+          "[client][warnings]") {
+  CapturedWarnings warnings;
+  const int port = UnusedPort();
+  MonitorOptions o = Options("127.0.0.1:" + std::to_string(port));
+  o.queue_capacity = 40;
+  o.unreachable_warning_after = 200ms;
+  o.warn_interval = 60s;
+  Monitor monitor(o);
+  monitor.Start();
+  // A trainer logs a step every 20 ms; 200 ms after the first, the warning.
+  uint64_t logged = 0;
+  REQUIRE(Eventually([&] {
+    if (logged < 30) monitor.Log(Step(++logged));
+    return warnings.Count("cannot reach the daemon at 127.0.0.1:") == 1;
+  }));
+  CHECK(warnings.Text().find(" step(s) queued of 40, kept and sent once it answers") != std::string::npos);
+  // Past half the queue, then past its end: one warning each, however many steps.
+  while (logged < 70) monitor.Log(Step(++logged));
+  CHECK(warnings.Count("20 of 40 steps of run unit-run wait for the daemon") == 1);
+  CHECK(warnings.Count("steps of run unit-run wait for the daemon") == 1);
+  CHECK(warnings.Count("dropped 1 step(s) of run unit-run: the queue of 40 is full") == 1);
+  CHECK(monitor.Stats().dropped == 30);
+  CHECK(warnings.Count("cannot reach the daemon") == 1);
+  // Retries go on within the interval (the back-off is at most 200 ms here): still one warning.
+  std::this_thread::sleep_for(500ms);
+  CHECK(warnings.Count("cannot reach the daemon") == 1);
+
+  // The daemon comes up on that port: the return is said, and the steps queued are sent.
+  FakeIngest ingest;
+  FakeServer server({&ingest}, port);
+  REQUIRE(server.ok());
+  REQUIRE(monitor.Flush(30s));
+  CHECK(warnings.Count("reached the daemon at 127.0.0.1:" + std::to_string(port) + " again after") == 1);
+  CHECK(ingest.Steps() == Range(1, 40));
+  monitor.Stop();
+}
+
+TEST_CASE("a refused Hello is warned of with the daemon's reason, and a run that goes well says nothing",
+          "[client][warnings]") {
+  {
+    CapturedWarnings warnings;
+    FakeIngest ingest;
+    ingest.set_reject([](const v1::TrainerMessage& m) -> std::optional<v1::Error> {
+      if (!m.has_hello()) return std::nullopt;
+      v1::Error e;
+      e.set_seq(m.seq());
+      e.set_reason(v1::ERROR_REASON_INVALID_HELLO);
+      e.set_message("UNAUTHENTICATED: this stream needs a bearer token");
+      return e;
+    });
+    FakeServer server({&ingest});
+    REQUIRE(server.ok());
+    MonitorOptions o = Options(server.address());
+    o.warn_interval = 60s;
+    Monitor monitor(o);
+    monitor.Start();
+    monitor.Log(Step(1));
+    const bool refused = Eventually([&] { return warnings.Count("refused run unit-run rank 0") == 1; }, 5s);
+    INFO(warnings.Text());
+    REQUIRE(refused);
+    CHECK(warnings.Text().find("UNAUTHENTICATED: this stream needs a bearer token") != std::string::npos);
+    std::this_thread::sleep_for(500ms);  // retries within the interval say nothing more
+    CHECK(warnings.Count("refused run unit-run") == 1);
+    monitor.Stop();
+  }
+  CapturedWarnings warnings;
+  FakeIngest ingest;
+  FakeServer server({&ingest});
+  REQUIRE(server.ok());
+  Monitor monitor(Options(server.address()));
+  monitor.Start();
+  for (uint64_t n = 1; n <= 200; ++n) REQUIRE(monitor.Log(Step(n)));
+  REQUIRE(monitor.Flush(10s));
+  REQUIRE(monitor.Finish(10s));
+  monitor.Stop();
+  CHECK(warnings.Text().empty());
 }
