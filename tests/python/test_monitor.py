@@ -1,5 +1,6 @@
 """gradwatch.Monitor against the real gradwatchd."""
 
+import logging
 import math
 import os
 import re
@@ -7,12 +8,14 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import unittest
+from unittest import mock
 
 import numpy as np
 
 import gradwatch
-from gradwatch import _catalog
+from gradwatch import _catalog, _monitor
 from gradwatch.v1 import gradwatch_pb2 as pb
 import grpc
 
@@ -36,6 +39,23 @@ def metrics(step: int, total: float = 0.5) -> dict:
         "grad/norm/layers.0.mlp.weight": 0.2,
         "optim/learning_rate": 3e-4,
     }
+
+
+def messages(logs, text: str) -> list:
+    """The messages of the records assertLogs caught so far that contain `text`."""
+    return [r.getMessage() for r in list(logs.records) if text in r.getMessage()]
+
+
+def log_until(mon: gradwatch.Monitor, step: int, condition, seconds: float, what: str) -> int:
+    """Logs a step every ~20 ms after `step` until condition() holds; the last step logged."""
+    def logged() -> bool:
+        nonlocal step
+        step += 1
+        mon.log(step, metrics(step))
+        return condition()
+
+    wait_for(logged, seconds, what)
+    return step
 
 
 def stopped(pid: int) -> bool:
@@ -231,6 +251,62 @@ class MonitorTest(unittest.TestCase):
         self.assertIn("ERROR_REASON_WORLD_SIZE_CHANGED", stats.errors_by_reason)
         self.assertFalse(other.close())
 
+    def test_a_refused_hello_is_warned_of_once_with_the_daemons_reason(self) -> None:
+        with self.monitor("py-world-warned") as mon:
+            mon.log(1, metrics(1))
+        other = self.monitor("py-world-warned", rank=0, world_size=2)
+        with self.assertLogs("gradwatch", "WARNING") as logs:
+            other.log(2, metrics(2))
+            wait_for(lambda: other.stats().rejected, 30, "the Hello to be refused")
+            for s in range(3, 30):  # logged on, after the refusal: no more warnings
+                other.log(s, metrics(s))
+            self.assertEqual(len(logs.records), 1, logs.output)
+            self.assertFalse(other.close(timeout=1))  # and says what it leaves unsent
+        [refused] = [r for r in logs.records if "refused run" in r.getMessage()]
+        self.assertGreaterEqual(refused.levelno, logging.WARNING)
+        self.assertIn(f"the daemon at {self.daemon.address} refused run py-world-warned rank 0", refused.getMessage())
+        self.assertIn("ERROR_REASON_WORLD_SIZE_CHANGED", refused.getMessage())
+        self.assertIn("this run's steps and events are not sent to it", refused.getMessage())
+        [gave_up] = messages(logs, "close gave up")
+        self.assertIn("28 steps and 0 events not acknowledged (steps 2 to 29); close leaves them unsent", gave_up)
+
+    def test_a_normal_run_logs_no_warning(self) -> None:
+        with self.assertNoLogs("gradwatch", "WARNING"):
+            with self.monitor("py-quiet") as mon:
+                for s in range(1, 301):
+                    self.assertTrue(mon.log(s, metrics(s)))
+                    if s == 100:
+                        self.assertTrue(mon.event(s, "routing switch"))
+                    if s == 150:
+                        self.assertTrue(mon.update_params(s, [{"name": "final_norm.weight", "weight_decay": 0.1}]))
+                self.assertTrue(mon.flush(30))
+        stats = mon.stats()
+        self.assertTrue(stats.finished)
+        self.assertEqual((stats.acked_through_step, stats.dropped, stats.refused), (300, 0, 0), stats)
+
+    def test_a_daemon_up_late_is_warned_of_then_reconnected_and_gets_every_step(self) -> None:
+        self.daemon.stop()  # its port is kept: nothing listens there until start()
+        with mock.patch.object(_monitor, "_UNREACHABLE_AFTER", 1.0):
+            mon = self.monitor("py-late")
+            with self.assertLogs("gradwatch", "WARNING") as logs:
+                step = log_until(mon, 0, lambda: messages(logs, "cannot reach"), 30, "the unreachable warning")
+                self.daemon.start()  # the same port
+                step = log_until(mon, step, lambda: messages(logs, "reconnected"), 60, "the reconnection")
+            self.assertTrue(mon.flush(60))
+        [down] = messages(logs, "cannot reach")
+        self.assertIn(f"cannot reach the daemon at {self.daemon.address}", down)
+        [up] = messages(logs, "reconnected")
+        back = re.search(r"reconnected to the daemon at (\S+) after (\d+) s \(run py-late rank 0\); (\d+) steps? and "
+                         r"0 events queued are being sent", up)
+        self.assertIsNotNone(back, up)
+        self.assertEqual(back[1], self.daemon.address)
+        self.assertTrue(1 <= int(back[3]) <= step, up)
+        self.assertEqual(len(logs.records), 2, logs.output)  # nothing else: the queue stayed below half
+        stats = mon.stats()
+        self.assertEqual((stats.acked_through_step, stats.dropped, stats.refused), (step, 0, 0), stats)
+        self.assertTrue(mon.close())
+        self.assertEqual(self.daemon.run("py-late").info.step_count, step)
+
     def test_resume_from_a_checkpoint_replaces_the_steps_after_it(self) -> None:
         mon = self.monitor("py-resume")
         for s in range(1, 101):
@@ -336,6 +412,87 @@ class MonitorTest(unittest.TestCase):
         self.assertEqual(run.info.step_count, 40)
         self.assertAlmostEqual({p.name: p for p in run.params}["final_norm.weight"].weight_decay, 0.1)
         self.assertEqual([e.step for e in self.catalog_events("py-update-resend")], [21])
+
+
+class UnreachableDaemonTest(unittest.TestCase):
+    """Warnings about a daemon that cannot be reached (127.0.0.1:1: nothing listens) and about its queue."""
+
+    def monitor(self, run: str, **kwargs) -> gradwatch.Monitor:
+        mon = gradwatch.Monitor(run, address="127.0.0.1:1", params=CATALOG, **kwargs)
+        self.addCleanup(mon.close, finished=False, timeout=0)
+        return mon
+
+    def test_it_is_warned_of_once_and_close_says_what_it_leaves_unsent(self) -> None:
+        mon = self.monitor("py-unreachable")
+        with self.assertLogs("gradwatch", "WARNING") as logs:
+            start = time.monotonic()
+            step = log_until(mon, 0, lambda: messages(logs, "cannot reach"), 30, "the unreachable warning")
+            warned_after = time.monotonic() - start
+            # Logging on for a while (it warns once a minute at most): no second warning.
+            until = time.monotonic() + 2
+            step = log_until(mon, step, lambda: time.monotonic() > until, 30, "two more seconds")
+            began = time.monotonic()
+            self.assertFalse(mon.close(timeout=1))
+            closed_in = time.monotonic() - began
+        self.assertGreaterEqual(warned_after, _monitor._UNREACHABLE_AFTER)  # quiet for the first seconds
+        self.assertLess(warned_after, _monitor._UNREACHABLE_AFTER + 5 * time_scale())
+        [line] = messages(logs, "cannot reach")
+        self.assertIn("cannot reach the daemon at 127.0.0.1:1 for 5 s (UNAVAILABLE: ", line)
+        queued = re.search(r"run py-unreachable rank 0: (\d+) steps? and 0 events queued \(capacity 10000 steps\)", line)
+        self.assertIsNotNone(queued, line)
+        self.assertTrue(1 <= int(queued[1]) < step, line)
+        self.assertLess(closed_in, 5 * time_scale())
+        [gave_up] = messages(logs, "close gave up")
+        self.assertIn(f"{step} steps and 0 events not acknowledged (steps 1 to {step}); close leaves them unsent",
+                      gave_up)
+        self.assertEqual(len(logs.records), 2, logs.output)
+
+    def test_it_is_warned_of_again_only_after_the_interval(self) -> None:
+        interval = 0.5
+        with mock.patch.object(_monitor, "_WARN_INTERVAL", interval), \
+                mock.patch.object(_monitor, "_UNREACHABLE_AFTER", 0.2):
+            mon = self.monitor("py-unreachable-rate")
+            with self.assertLogs("gradwatch", "WARNING") as logs:
+                step = log_until(mon, 0, lambda: messages(logs, "cannot reach"), 30, "the unreachable warning")
+                first = time.monotonic()
+                log_until(mon, step, lambda: time.monotonic() > first + 3, 30, "three more seconds")
+                span = time.monotonic() - first
+                self.assertFalse(mon.close(timeout=0))
+        warned = [r for r in logs.records if "cannot reach" in r.getMessage()]
+        self.assertGreaterEqual(len(warned), 2, logs.output)  # again once the interval passed
+        self.assertLessEqual(len(warned), 1 + span / interval, logs.output)
+        for before, after in zip(warned, warned[1:]):
+            self.assertGreaterEqual(after.created - before.created, interval - 0.05, logs.output)
+
+    def test_a_queue_past_half_then_dropping_is_warned_of_with_counts(self) -> None:
+        with mock.patch.object(_monitor, "_WARN_INTERVAL", 0.3):
+            mon = self.monitor("py-small-queue", queue_capacity=10)
+            with self.assertLogs("gradwatch", "WARNING") as logs:
+                for s in range(1, 6):
+                    self.assertTrue(mon.log(s, metrics(s)))
+                self.assertEqual(messages(logs, "past half"), [])  # 5 of 10: not past half
+                self.assertTrue(mon.log(6, metrics(6)))
+                [half] = messages(logs, "past half")
+                for s in range(7, 11):
+                    self.assertTrue(mon.log(s, metrics(s)))
+                self.assertEqual(messages(logs, "is full"), [])
+                self.assertFalse(mon.log(11, metrics(11)))
+                [full] = messages(logs, "is full")
+                # Dropping on: the next warning, an interval later, counts the drops since this one.
+                log_until(mon, 11, lambda: len(messages(logs, "is full")) > 1, 30, "the second drop warning")
+                dropped = mon.stats().dropped
+                self.assertFalse(mon.close(timeout=0))
+        self.assertIn("the queue for the daemon at 127.0.0.1:1 is past half full: 6 of 10 steps held "
+                      "(run py-small-queue rank 0; not connected: ", half)
+        self.assertIn("once full, further steps are dropped (counted in stats().dropped)", half)
+        self.assertIn("the queue for the daemon at 127.0.0.1:1 is full (10 steps; run py-small-queue rank 0; ", full)
+        self.assertIn("1 step dropped since the queue filled, 1 in all (stats().dropped)", full)
+        [_, again] = messages(logs, "is full")
+        counts = re.search(r"(\d+) steps? dropped since the last warning, (\d+) in all \(stats\(\)\.dropped\)", again)
+        self.assertIsNotNone(counts, again)
+        self.assertEqual(int(counts[1]), int(counts[2]) - 1, again)  # all but the one the first warning counted
+        self.assertTrue(2 <= int(counts[2]) <= dropped, again)
+        self.assertEqual(len(messages(logs, "past half")), 1, logs.output)  # it stayed past half: not again
 
 
 class UpdateParamsValidationTest(unittest.TestCase):

@@ -11,6 +11,7 @@ log(..., squared=True), as `dot`, the rank's ⟨Δw_s, w_s⟩ over its shard.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -35,8 +36,23 @@ log = logging.getLogger("gradwatch")
 
 _END = object()  # ends a connection's request iterator
 
+# The client's warnings (logger "gradwatch", WARNING): each kind at most once per this many seconds per
+# daemon (the unreachable daemon, the queue past half its capacity, steps dropped).
+_WARN_INTERVAL = 60.0
+
+# Seconds the daemon may stay unreachable, with steps or events to send, before the Monitor warns.
+_UNREACHABLE_AFTER = 5.0
+
+# close()'s default timeout, in seconds.
+DEFAULT_CLOSE_TIMEOUT = 10.0
+
 # The largest step the daemon keeps (2^63 - 1: its journal stores signed 64-bit integers).
 MAX_STEP = (1 << 63) - 1
+
+
+def _count(n: int, what: str) -> str:
+    """"1 step", "2 steps"."""
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def _step(step: Any, what: str) -> int:
@@ -56,28 +72,53 @@ _RETRYABLE = frozenset({pb.ERROR_REASON_STORAGE_UNAVAILABLE})
 
 @dataclass
 class MonitorStats:
-    """What the Monitor has done so far (a copy; see Monitor.stats())."""
+    """What the Monitor has done so far, a copy taken by Monitor.stats() (with several daemons, see
+    Monitor.stats() for how each field is merged; stats_by_daemon() has each daemon's).
 
-    queued: int = 0  # steps, events and catalog updates waiting to be written
-    unacked: int = 0  # written, not yet durable
-    sent: int = 0  # step messages written, resends included
+    Counts are of messages (steps, events, catalog updates) since the Monitor was made; a step is
+    one log() call.
+
+    queued: steps, events and catalog updates (and the Goodbye of close()) waiting to be written
+        on the stream: not sent yet, or to be sent again after a reconnect.
+    unacked: those written on the current stream and not yet acknowledged (steps not yet durable,
+        events and catalog updates not yet acked). queued + unacked is what would be lost now.
+    sent: step messages written, resends after a reconnect included.
+    events_sent: event messages written, resends included.
+    catalog_updates_sent: CatalogUpdate messages (update_params()) written, resends included.
+    acked_through_step: the last step the daemon acknowledged durable (None: none yet).
+    dropped: steps log() did not take: the queue held queue_capacity steps already (each is
+        reported to the daemon with the next step sent), or the Monitor was closing.
+    refused: steps, events and catalog updates the daemon refused for good (a permanent Error:
+        invalid, a regression, a conflict...): not kept, never durable. A retryable refusal
+        (ERROR_REASON_STORAGE_UNAVAILABLE) is not counted here: those are kept and sent again.
+    errors: Error messages from the daemon, retryable ones included.
+    errors_by_reason: errors by the ErrorReason's name ("ERROR_REASON_STEP_CONFLICT": 2).
+    reconnects: streams the daemon accepted after the first one.
+    connected: a stream is open and accepted now.
+    storage_retrying: the daemon cannot store now (ERROR_REASON_STORAGE_UNAVAILABLE since its last
+        ack): what it refused is kept and sent again on a new stream after a back-off.
+    rejected: the daemon refused this rank's Hello (errors_by_reason and last_error say why):
+        nothing more is sent to it, nothing more becomes durable.
+    finished: the daemon confirmed the Goodbye of close(finished=True).
+    last_error: the last failure, as text: the daemon's Error ("REASON: message") or the stream's
+        gRPC status ("UNAVAILABLE: ..."); empty while there has been none.
+    """
+
+    queued: int = 0
+    unacked: int = 0
+    sent: int = 0
     events_sent: int = 0
-    catalog_updates_sent: int = 0  # CatalogUpdates written, resends included
-    acked_through_step: Optional[int] = None  # the last durable step
-    dropped: int = 0  # steps refused because the queue was full
-    # Steps, events and catalog updates the daemon refused for good (a permanent Error: invalid,
-    # a regression, a conflict...): not kept, never durable. A retryable refusal
-    # (ERROR_REASON_STORAGE_UNAVAILABLE) is not counted here: those are kept and sent again.
+    catalog_updates_sent: int = 0
+    acked_through_step: Optional[int] = None
+    dropped: int = 0
     refused: int = 0
-    errors: int = 0  # Errors from the daemon, retryable ones included
+    errors: int = 0
     errors_by_reason: Dict[str, int] = field(default_factory=dict)
-    reconnects: int = 0  # streams accepted after the first
+    reconnects: int = 0
     connected: bool = False
-    # The daemon cannot store now (ERROR_REASON_STORAGE_UNAVAILABLE since its last ack): what it
-    # refused is kept and sent again on a new stream after a back-off.
     storage_retrying: bool = False
-    rejected: bool = False  # the daemon refused this rank's Hello: nothing more becomes durable
-    finished: bool = False  # the daemon confirmed the Goodbye of close(finished=True)
+    rejected: bool = False
+    finished: bool = False
     last_error: str = ""
 
 
@@ -263,6 +304,18 @@ class _Stream:
         self._opened = 0
         self._opened_at = 0.0
         self._ended = 0
+        self._backing_off = False  # _run_loop waits before the next stream
+        self._retry_now = False  # flush() or close() cut that wait short (the daemon was unreachable)
+        # Warnings: when each kind was last logged; since when steps or events wait with no stream
+        # accepted; whether that outage was warned of (its end is then logged too); the last stream's
+        # gRPC failure; whether the queue passing half its capacity is to be warned of; the steps
+        # dropped since the last warning about drops.
+        self._warned_at: Dict[str, float] = {}
+        self._down_since: Optional[float] = None
+        self._outage_warned = False
+        self._rpc_error = ""
+        self._half_armed = True
+        self._dropped_since_warning = 0
         self._thread: Optional[threading.Thread] = None
         self._channel = _channel(address, tls_ca, tls_cert, tls_key, tls_server_name)
         token = token or os.environ.get("GRADWATCH_TOKEN") or None
@@ -302,6 +355,8 @@ class _Stream:
             if self._steps_held >= self._queue_capacity:
                 self._stats.dropped += 1
                 self._dropped_unreported += 1
+                self._dropped_since_warning += 1
+                self._check_locked()
                 return False
             self._seq += 1
             item = _Item("step", self._seq, step=step, wall_time=now, values=values,
@@ -311,6 +366,7 @@ class _Stream:
             self._steps_held += 1
             self._last_logged_step = step
             self._pump_locked()
+            self._check_locked()
             return True
 
     def event(self, step: int, text: str) -> bool:
@@ -325,6 +381,7 @@ class _Stream:
             self._pending.append(_Item("event", self._seq, step=step, text=str(text)))
             self._events_held += 1
             self._pump_locked()
+            self._check_locked()
             return True
 
     def update_params(self, step: int, params: Sequence[Mapping[str, Any]]) -> bool:
@@ -343,25 +400,27 @@ class _Stream:
             self._pending.append(_Item("catalog", self._seq, step=step, changes=changes))
             self._events_held += 1
             self._pump_locked()
+            self._check_locked()
             return True
 
     def flush(self, timeout: Optional[float] = 30.0) -> bool:
         """Waits until everything logged is durable at the daemon (acked), and the steps it said it
         had received are too; False on rejection, or once it gives up (logged as a warning with what
         is not acknowledged). timeout: seconds, None for no limit. It gives up at the timeout, except
-        while the Monitor waits to reconnect (a back-off longer than the timeout, as after
-        ERROR_REASON_STORAGE_UNAVAILABLE): then it waits for that reconnect and gives the new stream
-        as long as the timeout, or as the back-off before it if longer, to get everything
-        acknowledged, unless that stream ends first (refused again, the daemon unreachable)."""
+        while the Monitor waits to reconnect after ERROR_REASON_STORAGE_UNAVAILABLE (a back-off
+        longer than the timeout): then it waits for that reconnect and gives the new stream as long
+        as the timeout, or as the back-off before it if longer, to get everything acknowledged,
+        unless that stream ends first (refused again, the daemon unreachable). A daemon that could
+        not be reached is tried again at once, not after the back-off."""
         with self._lock:
             return self._wait_locked(self._drained_locked, time.monotonic(), timeout, self._opened, "flush")
 
-    def close(self, finished: bool = True, timeout: float = 30.0) -> bool:
+    def close(self, finished: bool = True, timeout: Optional[float] = DEFAULT_CLOSE_TIMEOUT) -> bool:
         """Flushes, then (finished=True) ends the run cleanly: the daemon records it as finished,
         resolves its alerts and will not page it as dead. finished=False leaves the run open (a
         rank that stops while others go on). Stops the thread. True when all of it was confirmed;
-        False (logged as a warning with what is not acknowledged) when it gave up, as flush()
-        does: what is still held is lost.
+        False when it gave up after `timeout` seconds, as flush() does, with a warning saying what
+        it leaves unsent (steps, their range, events): what is still held is lost.
         """
         start = time.monotonic()
         with self._lock:
@@ -449,19 +508,25 @@ class _Stream:
         timeout, unless a reconnect is due (see _give_up_at_locked). `opened`: self._opened when the
         caller began to wait."""
         deadline = None if timeout is None else start + max(0.0, timeout)
+        if not done() and self._backing_off and not self._stats.storage_retrying:
+            # The last stream failed (the daemon unreachable, or gone): try again now rather than
+            # wait out a back-off that may be longer than the timeout.
+            self._retry_now = True
+            self._lock.notify_all()
         while not done():
             if self._stopping:
                 return False  # closed: the close said what it left
             if self._stats.rejected or self._thread is None or not self._thread.is_alive():
-                self._gave_up_locked(what)
+                self._gave_up_locked(what, start)
                 return False
+            self._check_locked()
             if deadline is None:
                 self._lock.wait(1.0)
                 continue
             give_up_at = self._give_up_at_locked(deadline, max(0.0, timeout), opened)
             now = time.monotonic()
             if give_up_at is not None and now >= give_up_at:
-                self._gave_up_locked(what)
+                self._gave_up_locked(what, start)
                 return False
             # Woken by every answer and by each stream that opens or ends; the second is a safety net.
             self._lock.wait(1.0 if give_up_at is None else min(1.0, give_up_at - now))
@@ -480,18 +545,81 @@ class _Stream:
             return max(deadline, self._opened_at + allowance)
         return None
 
-    def _gave_up_locked(self, what: str) -> None:
+    def _gave_up_locked(self, what: str, start: float) -> None:
         acked = self._stats.acked_through_step
+        steps = [i.step for i in itertools.chain(self._inflight, self._pending) if i.kind == "step"]
+        held = ""
+        if steps:
+            first, last = min(steps), max(steps)
+            held = f" (step {first})" if first == last else f" (steps {first} to {last})"
         owed = ""
         if self._owed_through is not None and (acked is None or acked < self._owed_through):
             owed = f", and steps through {self._owed_through} the daemon received are not durable yet"
         end = ""
         if self._goodbye is not None and not self._stats.finished:
             end = "; the end of the run is not confirmed"
+        lost = ""
+        if what == "close" and (steps or self._events_held):
+            lost = "; close leaves them unsent: they are lost"
+        if self._stats.dropped:
+            lost += f"; {self._stats.dropped} steps were dropped before (stats().dropped)"
         error = f" (last error: {self._stats.last_error})" if self._stats.last_error else ""
-        log.warning("gradwatch: %s gave up on run %s rank %d at %s: %d steps and %d events not acknowledged%s%s%s",
-                    what, self._run, self._rank, self._address, self._steps_held, self._events_held, owed, end,
-                    error)
+        log.warning("gradwatch: %s gave up after %.1f s on run %s rank %d at %s: %d steps and %d events not "
+                    "acknowledged%s%s%s%s%s", what, time.monotonic() - start, self._run, self._rank, self._address,
+                    self._steps_held, self._events_held, held, owed, end, lost, error)
+
+    def _warn_locked(self, kind: str, message: str, *args: Any) -> bool:
+        """Logs a warning of `kind` unless one was logged less than _WARN_INTERVAL seconds ago."""
+        now = time.monotonic()
+        last = self._warned_at.get(kind)
+        if last is not None and now - last < _WARN_INTERVAL:
+            return False
+        self._warned_at[kind] = now
+        log.warning(message, *args)
+        return True
+
+    def _state_locked(self) -> str:
+        """Why steps wait, for a warning."""
+        if self._stats.storage_retrying:
+            return f"the daemon cannot store now: {self._stats.last_error}"
+        if not self._stats.connected:
+            return f"not connected: {self._rpc_error or 'no answer yet'}"
+        return "connected, the daemon acknowledges slower than steps are logged"
+
+    def _check_locked(self) -> None:
+        """Warns, at most once per _WARN_INTERVAL each, when the daemon stays unreachable, when the
+        queue passes half its capacity and when it drops steps; quiet otherwise (and once closing, or
+        rejected: the rejection said that nothing more is sent)."""
+        if self._stopping or self._stats.rejected:
+            return
+        held = self._steps_held
+        if self._down_since is None and not self._stats.connected and (held or self._events_held):
+            self._down_since = time.monotonic()  # something waits for a stream to be accepted
+        if (self._down_since is not None and not self._stats.connected and not self._stats.storage_retrying
+                and self._thread is not None):
+            down = time.monotonic() - self._down_since
+            if down >= _UNREACHABLE_AFTER and self._warn_locked(
+                    "unreachable", "gradwatch: cannot reach the daemon at %s for %.0f s (%s); run %s rank %d: %s "
+                    "and %s queued (capacity %d steps), sent once it answers",
+                    self._address, down, self._rpc_error or "no answer yet", self._run, self._rank,
+                    _count(held, "step"), _count(self._events_held, "event"), self._queue_capacity):
+                self._outage_warned = True
+        if held * 2 > self._queue_capacity:
+            if self._half_armed and self._warn_locked(
+                    "half", "gradwatch: the queue for the daemon at %s is past half full: %d of %d steps held "
+                    "(run %s rank %d; %s); once full, further steps are dropped (counted in stats().dropped)",
+                    self._address, held, self._queue_capacity, self._run, self._rank, self._state_locked()):
+                self._half_armed = False
+        else:
+            self._half_armed = True
+        if self._dropped_since_warning:
+            since = "the last warning" if "dropped" in self._warned_at else "the queue filled"
+            if self._warn_locked(
+                    "dropped", "gradwatch: the queue for the daemon at %s is full (%d steps; run %s rank %d; %s): "
+                    "%s dropped since %s, %d in all (stats().dropped)", self._address, self._queue_capacity,
+                    self._run, self._rank, self._state_locked(), _count(self._dropped_since_warning, "step"), since,
+                    self._stats.dropped):
+                self._dropped_since_warning = 0
 
     def _drained_locked(self) -> bool:
         if self._pending or self._inflight:
@@ -595,6 +723,8 @@ class _Stream:
                 self._outbox = outbox
                 self._accepted = False
                 self._ending = False
+                self._backing_off = False
+                self._retry_now = False
                 self._opened += 1
                 self._opened_at = time.monotonic()
                 # What the last stream did not get acknowledged is sent again, first (steps the
@@ -617,8 +747,9 @@ class _Stream:
             except grpc.RpcError as e:
                 if not self._stopping:
                     with self._lock:
+                        self._rpc_error = f"{e.code().name}: {e.details()}"
                         if not self._ending:  # a stream ended on purpose keeps the Error that ended it
-                            self._stats.last_error = f"{e.code().name}: {e.details()}"
+                            self._stats.last_error = self._rpc_error
                     log.debug("gradwatch: stream to %s ended: %s", self._address, e)
             finally:
                 outbox.put(_END)
@@ -627,6 +758,8 @@ class _Stream:
                     self._call = None
                     self._ended = self._opened
                     self._stats.connected = False
+                    if self._down_since is None and (self._steps_held or self._events_held):
+                        self._down_since = time.monotonic()  # something waits for the next stream
                     self._lock.notify_all()
             with self._lock:
                 if self._stopping or self._stats.rejected:
@@ -638,7 +771,18 @@ class _Stream:
                 delay = self._delay = self._backoff * random.uniform(0.8, 1.2)
                 self._backoff = min(self._max_backoff, self._backoff * 2)
                 log.debug("gradwatch: reconnecting to %s in %.3f s", self._address, delay)
-                self._lock.wait_for(lambda: self._stopping, timeout=delay)
+                # Warnings are due meanwhile too (the trainer may not log); flush() and close() may
+                # cut the wait short (_wait_locked).
+                self._backing_off = True
+                began = time.monotonic()
+                while not (self._stopping or self._retry_now):
+                    self._check_locked()
+                    left = began + delay - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._lock.wait(min(left, 1.0))
+                if self._retry_now:
+                    self._delay = time.monotonic() - began  # the back-off the next stream had
 
     def _handle(self, message: pb.DaemonMessage, reconnect: bool) -> bool:
         """Handles one daemon message; True when it is the stream's Accepted."""
@@ -669,6 +813,13 @@ class _Stream:
                 self._resume_from_step = None
                 if a.has_durable_step:
                     self._ack_locked(a.last_durable_step, held=True)
+                if self._outage_warned:
+                    log.warning("gradwatch: reconnected to the daemon at %s after %.0f s (run %s rank %d); %s and %s "
+                                "queued are being sent", self._address, time.monotonic() - self._down_since,
+                                self._run, self._rank, _count(self._steps_held, "step"),
+                                _count(self._events_held, "event"))
+                self._down_since = None
+                self._outage_warned = False
                 if a.has_received_step:
                     # Received from this rank, maybe by an earlier process, and kept only once
                     # durable: flush() waits for it too.
@@ -718,8 +869,10 @@ class _Stream:
                         cancel = self._call
                 elif e.seq == self._hello_seq:
                     self._stats.rejected = True
-                    log.error("gradwatch: the daemon refused run %s rank %d: %s", self._run, self._rank,
-                              self._stats.last_error)
+                    log.error("gradwatch: the daemon at %s refused run %s rank %d (%s): this run's steps and events "
+                              "are not sent to it (%s and %s held stay unsent)", self._address, self._run,
+                              self._rank, self._stats.last_error, _count(self._steps_held, "step"),
+                              _count(self._events_held, "event"))
                 else:
                     # Refused for good: the step, event or catalog update is not kept, nor held for
                     # an ack.
@@ -861,6 +1014,13 @@ class Monitor:
     a back-off (initial_backoff doubling up to max_backoff, ±20% jitter), which keeps growing until
     the daemon acknowledges something. Other Errors naming a step, event or catalog update refuse
     it for good: it is dropped and counted (stats().refused).
+
+    Quiet while all is well; warns on the logger "gradwatch" (each kind at most once a minute per
+    daemon) when a daemon cannot be reached 5 s after a step or event began to wait for it (its
+    address, the gRPC error, what is queued and the capacity), and then when it is reached again;
+    when a daemon refuses the run's Hello (an error: its reason; nothing more is sent to it); when
+    a daemon's queue passes half of queue_capacity; when steps are dropped (how many since the last
+    such warning); and when flush() or close() give up (what is left unacknowledged).
     """
 
     def __init__(self, run: str, address: Any = DEFAULT_ADDRESS, **kwargs: Any) -> None:
@@ -924,9 +1084,10 @@ class Monitor:
         """Waits until everything logged is durable (acknowledged) at every daemon; False on
         rejection or when it gives up, with a warning (logger "gradwatch") saying how many steps and
         events are not acknowledged. It gives up after `timeout` seconds (None: never), but not
-        before a stream that is waiting to reconnect (backing off, e.g. after the daemon answered
-        ERROR_REASON_STORAGE_UNAVAILABLE) has tried once: then the new stream gets as long as the
-        timeout, or as the back-off if longer, unless it ends first."""
+        before a stream that is waiting to reconnect after the daemon answered
+        ERROR_REASON_STORAGE_UNAVAILABLE has tried once: then the new stream gets as long as the
+        timeout, or as the back-off if longer, unless it ends first. A daemon that could not be
+        reached is tried again at once."""
         deadline = None if timeout is None else time.monotonic() + timeout
         ok = True
         for s in self._streams:
@@ -934,13 +1095,15 @@ class Monitor:
             ok = s.flush(left) and ok
         return ok
 
-    def close(self, finished: bool = True, timeout: float = 30.0) -> bool:
+    def close(self, finished: bool = True, timeout: Optional[float] = DEFAULT_CLOSE_TIMEOUT) -> bool:
         """Flushes, then (finished=True) ends the run cleanly: the daemon records it as finished,
         resolves its alerts and will not page it as dead. finished=False leaves the run open (a
         rank that stops while others go on). Stops the threads. True when every daemon confirmed
-        all of it; False when it gave up, as flush() does (logged as a warning): what a daemon did
-        not acknowledge then is lost. The daemons are closed together: one that is down costs
-        `timeout` (or one back-off and reconnect, if longer) once.
+        all of it; False when it gave up, as flush() does, after `timeout` seconds (10 by default;
+        None: never), with a warning (logger "gradwatch") saying what it leaves unsent: the steps
+        and events a daemon did not acknowledge, and the steps' range. Those are lost. The daemons
+        are closed together: one that is down costs `timeout` once (a daemon refusing to store,
+        ERROR_REASON_STORAGE_UNAVAILABLE, gets one back-off and reconnect, if longer).
         """
         results: List[bool] = [False] * len(self._streams)
 

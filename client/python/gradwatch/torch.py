@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import torch
 
 from gradwatch._catalog import Param, parse_kind
-from gradwatch._monitor import Monitor
+from gradwatch._monitor import DEFAULT_CLOSE_TIMEOUT, Monitor
 
 
 def _norms(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -636,7 +636,9 @@ class Watch:
             self._radial_not_sent(zeroed, "lr × weight_decay = 1: the step erased the weight before its update, "
                                           "which leaves nothing to recover it from")
 
-    def close(self, finished: bool = True, timeout: float = 30.0) -> bool:
+    def close(self, finished: bool = True, timeout: Optional[float] = DEFAULT_CLOSE_TIMEOUT) -> bool:
+        """The Monitor's close(): see Monitor.close (10 s by default; False, with a warning saying
+        what is left unsent, when it gives up)."""
         return self.monitor.close(finished=finished, timeout=timeout)
 
     def __enter__(self) -> "Watch":
