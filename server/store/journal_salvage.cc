@@ -148,14 +148,17 @@ void SalvageFromPages(sqlite::Database& db, const std::string& damaged_path, Rec
     // CREATE TABLE IF NOT EXISTS: the table's owner creates it so again when it opens.
     const std::string create = "CREATE TABLE IF NOT EXISTS " + QuoteName(t.name) + " ";
     const size_t body = t.sql.find('(');
-    bool ok = too_large.count(t.name) == 0 && t.unreadable_pages == 0 && t.lost_records == 0 &&
-              body != std::string::npos && db.Exec(create + t.sql.substr(body)).ok();
+    const bool created = too_large.count(t.name) == 0 && t.unreadable_pages == 0 && t.lost_records == 0 &&
+                         body != std::string::npos && db.Exec(create + t.sql.substr(body)).ok();
+    bool ok = created;
     columns.erase(t.name);
     for (const RecoveredRecord& r : held[t.name]) ok = ok && insert_record(t.name, r);
     if (!ok) {
       report.lost_tables.push_back(t.name);
-      if (Status d = db.Exec("DELETE FROM main." + QuoteName(t.name)); !d.ok()) {
-        spdlog::warn("journal: salvage: {}", d.message());
+      if (created) {
+        if (Status d = db.Exec("DELETE FROM main." + QuoteName(t.name)); !d.ok()) {
+          spdlog::warn("journal: salvage: {}", d.message());
+        }
       }
     }
   }
