@@ -487,7 +487,8 @@ class UnreachableDaemonTest(unittest.TestCase):
         self.assertIn("once full, further steps are dropped (counted in stats().dropped)", half)
         self.assertIn("the queue for the daemon at 127.0.0.1:1 is full (10 steps; run py-small-queue rank 0; ", full)
         self.assertIn("1 step dropped since the queue filled, 1 in all (stats().dropped)", full)
-        [_, again] = messages(logs, "is full")
+        # The second drop warning (on a busy machine a third may follow before close).
+        again = messages(logs, "is full")[1]
         counts = re.search(r"(\d+) steps? dropped since the last warning, (\d+) in all \(stats\(\)\.dropped\)", again)
         self.assertIsNotNone(counts, again)
         self.assertEqual(int(counts[1]), int(counts[2]) - 1, again)  # all but the one the first warning counted

@@ -706,7 +706,7 @@ TEST_CASE("a line's timestamp gives its step a time, in the zone the log was wri
   CHECK_FALSE(LineTime(std::string(100, 'x') + "2026-12-07 00:00:01", utc));  // past the line's head
 }
 
-TEST_CASE("--log-tz reads local, UTC and offsets, and refuses the rest", "[tail][time]") {
+TEST_CASE("the zone of a log (tail --log-tz) is local, UTC or an offset, and nothing else", "[tail][time]") {
   CHECK(ParseLogTimeZone("local")->local);
   CHECK(ParseLogTimeZone("UTC")->offset_seconds == 0);
   CHECK_FALSE(ParseLogTimeZone("utc")->local);
