@@ -277,6 +277,126 @@ class RecordingMonitor:
         return self.accept
 
 
+class FakeEvent:
+    """A CUDA event's part the copy path uses, completed by the test: query() is False until done."""
+
+    made = []
+
+    def __init__(self) -> None:
+        self.done = False
+        self.recorded = False
+        self.synchronized = False
+        FakeEvent.made.append(self)
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+        self.done = True
+
+
+class DeviceCopyTest(unittest.TestCase):
+    """The CUDA path (a pinned buffer written with non_blocking=True, read when its event is done)
+    through its seam on the CPU: plain buffers and events the test completes."""
+
+    def setUp(self) -> None:
+        FakeEvent.made = []
+        torch.manual_seed(0)
+        self.model = Tiny()
+        self.opt = optimizer_for(self.model)
+        self.gen = torch.Generator().manual_seed(1)
+
+    def watches(self):
+        """A Watch on the copy path and one on the CPU path, each with its RecordingMonitor."""
+        asynchronous, synchronous = RecordingMonitor(), RecordingMonitor()
+        a = gwt.Watch(self.model, self.opt, monitor=asynchronous, update_norms=True)
+        a._copies = gwt._HostCopies(lambda n: torch.empty(n, dtype=torch.float64), FakeEvent)
+        s = gwt.Watch(self.model, self.opt, monitor=synchronous, update_norms=True)
+        return a, asynchronous, s, synchronous
+
+    def test_a_step_is_sent_by_a_later_step_once_its_copy_is_done_with_the_values_read_at_once(self) -> None:
+        a, amon, s, smon = self.watches()
+        for step in (1, 2, 3):
+            loss = train_step(self.model, self.opt, self.gen)
+            self.assertTrue(a.step(step, loss=loss.detach(), metrics={"train/tokens": 28}))
+            s.step(step, loss=loss.detach(), metrics={"train/tokens": 28})
+            self.opt.zero_grad()
+            # The copy of this step is not done: nothing waited for it, it stays queued.
+            self.assertTrue(FakeEvent.made[-1].recorded)
+            self.assertFalse(any(e.synchronized for e in FakeEvent.made))
+            self.assertEqual([log[0] for log in amon.logs], list(range(1, step)))
+            FakeEvent.made[-1].done = True
+        a.step(4)  # sends step 3, whose copy is done; step 4's own copy stays pending
+        self.assertEqual([log[0] for log in amon.logs], [1, 2, 3])
+        for (step, got, _), (_, want, _) in zip(amon.logs, smon.logs):
+            self.assertEqual(got.keys(), want.keys(), f"step {step}")
+            for key in want:
+                self.assertAlmostEqual(got[key], want[key], places=9, msg=f"step {step} {key}")
+
+    def test_copies_are_sent_in_step_order_and_close_waits_for_the_last(self) -> None:
+        a, amon, _, _ = self.watches()
+        amon.close = lambda finished=True, timeout=None: True
+        for step in (1, 2, 3):
+            train_step(self.model, self.opt, self.gen)
+            a.step(step)
+            self.opt.zero_grad()
+        FakeEvent.made[1].done = True  # step 2's copy is done, step 1's is not: nothing goes out of order
+        train_step(self.model, self.opt, self.gen)
+        a.step(4)
+        self.assertEqual(amon.logs, [])
+        FakeEvent.made[0].done = True
+        a.step(5)
+        self.assertEqual([log[0] for log in amon.logs], [1, 2])
+        self.assertTrue(a.close())
+        self.assertEqual([log[0] for log in amon.logs], [1, 2, 3, 4, 5])
+        self.assertTrue(all(e.synchronized for e in FakeEvent.made[2:]))
+        self.assertFalse(FakeEvent.made[0].synchronized)
+
+    def test_buffers_are_reused_once_read(self) -> None:
+        made = []
+
+        def buffer(n):
+            made.append(n)
+            return torch.empty(n, dtype=torch.float64)
+
+        copies = gwt._HostCopies(buffer, FakeEvent)
+        first = copies.start(torch.arange(4, dtype=torch.float64))
+        FakeEvent.made[-1].done = True
+        self.assertEqual(copies.values(first, wait=False), [0.0, 1.0, 2.0, 3.0])
+        second = copies.start(torch.arange(3, dtype=torch.float64) + 10)
+        self.assertIsNone(copies.values(second, wait=False))
+        self.assertEqual(copies.values(second, wait=True), [10.0, 11.0, 12.0])
+        self.assertEqual(made, [4], "the second copy reused the first one's buffer")
+
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device here: the copy path runs through its seam above")
+    def test_on_cuda_the_training_thread_never_synchronizes(self) -> None:
+        model = Tiny().cuda()
+        opt = optimizer_for(model)
+        mon = RecordingMonitor()
+        mon.close = lambda finished=True, timeout=None: True
+        watch = gwt.Watch(model, opt, monitor=mon, update_norms=True, radial_updates=True)
+        tokens = torch.randint(0, 32, (4, 8), device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(1, 6):
+                logits = model(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+                loss.backward()
+                opt.step()
+                watch.step(step, loss=loss.detach())
+                opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        watch.close()
+        self.assertEqual([log[0] for log in mon.logs], [1, 2, 3, 4, 5])
+        self.assertIn("train/loss", mon.logs[-1][1])
+
+
 class LearningRateTest(unittest.TestCase):
     def test_a_param_group_with_its_own_learning_rate_sends_it_per_parameter(self) -> None:
         torch.manual_seed(0)

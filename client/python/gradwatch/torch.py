@@ -20,7 +20,8 @@ group's), by which the daemon knows the warm-up: pages are held while it rises; 
 parameter in a group with another learning rate, that one (optim/learning_rate/<name>), which the
 daemon's what-if projects the parameter with. Norms are computed on the parameters' device
 with fused kernels where the installed torch has them (torch._foreach_norm) and copied to the host
-once per step. A weight decay that changes in the optimizer's param groups (a parameter moved into
+once per step; on CUDA that copy is asynchronous (a pinned buffer, non_blocking=True) and the step
+is sent at the next step(), so the training thread never waits for the device (Watch.step). A weight decay that changes in the optimizer's param groups (a parameter moved into
 another group, as Remediation does, or a group's weight_decay set by hand) is seen at the next
 step() and sent as a catalog update from that step (Monitor.update_params). radial_updates=True
 adds each parameter's radial update (updates/radial/<param>): from the copy update_norms=True keeps,
@@ -34,11 +35,12 @@ asks of a parameter held whole on several ranks.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import re
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -400,6 +402,10 @@ class Watch:
         self._signature = _group_signature(optimizer)
         self._decays = [decay.get(id(p), 0.0) for p in self.params]
         self._before: Optional[List[torch.Tensor]] = None
+        # Steps whose values are on their way from the device (CUDA): (step, host values, finish,
+        # keys of device scalars, norm count, copy), oldest first; see step().
+        self._copies: Optional[_HostCopies] = None
+        self._copied: Deque[Tuple[int, Dict[str, Any], Any, List[str], int, Any]] = collections.deque()
         if update_norms:
             self._before = [p.detach().clone() for p in self.params]
 
@@ -418,7 +424,14 @@ class Watch:
         """Call after optimizer.step() and before zero_grad(). Applies the remediation due, reports
         weight decays that changed (see the class), then sends this step's norms (and `loss` and
         `metrics`, any JSONL keys) on steps that are multiples of `every`; False otherwise, or when
-        the Monitor dropped it."""
+        the Monitor dropped it.
+
+        On CUDA the training thread never waits for the device: the step's norms (and a loss or
+        metric given as a device tensor) are copied with non_blocking=True into a pinned host buffer,
+        and sent by a later step() once the copy is done, normally the next one: the daemon sees
+        each step one step() late, and close() sends the last. True then says the copy started. On
+        the CPU (or with every norm on the host) the values are read and sent at once."""
+        self._send_copied(wait=False)
         if self.remediation is not None:
             for text in self.remediation.apply():
                 self.monitor.event(step, text)
@@ -433,14 +446,57 @@ class Watch:
                 self._adam_steps = self._step_counts()
             return False
         out: Dict[str, Any] = {}
-        if self._sends_norms:
-            out.update(self._norm_metrics())
+        on_device: Dict[str, torch.Tensor] = {}
         if loss is not None:
-            out["train/loss"] = float(loss)
+            if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
+                on_device["train/loss"] = loss
+            else:
+                out["train/loss"] = float(loss)
         out.update(self._learning_rates())
-        if metrics:
-            out.update(metrics)
-        return self.monitor.log(step, out, squared=self._squared)
+        for key, value in (metrics or {}).items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu" and value.numel() == 1:
+                on_device[key] = value
+            else:
+                out[key] = value
+        tensors: List[torch.Tensor] = []
+        finish: Optional[Callable[[List[float]], Dict[str, float]]] = None
+        if self._sends_norms:
+            flat, finish = self._norm_tensors()
+            if flat is not None:
+                tensors.append(flat)
+        n_norms = sum(t.numel() for t in tensors)
+        with torch.no_grad():
+            tensors += [v.detach().reshape(1).double() for v in on_device.values()]
+            values = torch.cat([t.to(tensors[0].device) for t in tensors]) if tensors else None
+        copies = self._copies_for(values)
+        if copies is None:
+            host = values.cpu().tolist() if values is not None else []
+            return self.monitor.log(step, self._assemble(out, finish, on_device, host, n_norms), squared=self._squared)
+        self._copied.append((step, out, finish, list(on_device), n_norms, copies.start(values)))
+        return True
+
+    def _copies_for(self, values: Optional[torch.Tensor]) -> Optional["_HostCopies"]:
+        """The asynchronous copies for values on a CUDA device (made at the first one), else None."""
+        if self._copies is None and values is not None and values.device.type == "cuda":
+            self._copies = _HostCopies.for_cuda()
+        return self._copies if values is not None and self._copies is not None else None
+
+    def _assemble(self, out: Dict[str, Any], finish: Optional[Callable[[List[float]], Dict[str, float]]],
+                  device_keys: Sequence[str], host: List[float], n_norms: int) -> Dict[str, Any]:
+        values: Dict[str, Any] = finish(host[:n_norms]) if finish is not None else {}
+        values.update(out)
+        values.update(zip(device_keys, host[n_norms:]))
+        return values
+
+    def _send_copied(self, wait: bool) -> None:
+        """Sends the copied steps whose copy is done, in step order (all of them, waiting, with wait)."""
+        while self._copied:
+            step, out, finish, device_keys, n_norms, copy = self._copied[0]
+            host = self._copies.values(copy, wait=wait)
+            if host is None:
+                return
+            self._copied.popleft()
+            self.monitor.log(step, self._assemble(out, finish, device_keys, host, n_norms), squared=self._squared)
 
     def _learning_rates(self) -> Dict[str, float]:
         """optim/learning_rate (the first param group's) and, for each watched parameter in a group
@@ -479,7 +535,10 @@ class Watch:
                                                        "reported: %s", step, e)
         self._signature, self._decays = signature, decays
 
-    def _norm_metrics(self) -> Dict[str, float]:
+    def _norm_tensors(self) -> Tuple[Optional[torch.Tensor], Callable[[List[float]], Dict[str, float]]]:
+        """This step's norms as one float64 tensor on the parameters' device (every norm squared, then
+        the radial updates' inner products), or None when there are none, and the function that
+        turns its values, once on the host, into the step's keys and values."""
         # Under no_grad the norms track no autograd history: no detach() per tensor is needed.
         with torch.no_grad():
             have_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
@@ -499,32 +558,36 @@ class Watch:
             elif self._from_state:
                 self._adam_radial_terms(radial)
             parts = grads + weights + updates + radial.norms
-            # One device-to-host copy: every norm, squared, then the radial updates' inner products.
             values = [torch.stack(parts).double() ** 2] if parts else []
             if radial.dots:
                 values.append(torch.stack(radial.dots).double())
-            squares = torch.cat(values).cpu().tolist() if values else []
+            flat = torch.cat(values) if values else None
         n_norms = len(parts) - len(radial.norms)
-        squares, radial_values = squares[:n_norms], squares[n_norms:]
-        n_weights = len(have_grad) + len(self.params)
-        radial_out = radial.values(self._radial_keys, squares[len(have_grad):n_weights], radial_values,
-                                   self._squared)
-        total = sum(squares[: len(have_grad)])
-        if not self._squared:
-            squares = [sq ** 0.5 for sq in squares]
-            total = total ** 0.5
-        n_grads = len(have_grad)
-        if n_grads == len(self.params):
-            out: Dict[str, float] = dict(zip(self._grad_keys, squares))
-        else:
-            out = {self._grad_keys[i]: squares[k] for k, i in enumerate(have_grad)}
-        if have_grad:
-            out["grad/norm/total"] = total
-        out.update(zip(self._param_keys, squares[n_grads:n_grads + len(self.params)]))
-        if updates:
-            out.update(zip(self._update_keys, squares[n_grads + len(self.params):]))
-        out.update(radial_out)
-        return out
+        has_updates = bool(updates)
+
+        def finish(host: List[float]) -> Dict[str, float]:
+            squares, radial_values = host[:n_norms], host[n_norms:]
+            n_weights = len(have_grad) + len(self.params)
+            radial_out = radial.values(self._radial_keys, squares[len(have_grad):n_weights], radial_values,
+                                       self._squared)
+            total = sum(squares[: len(have_grad)])
+            if not self._squared:
+                squares = [sq ** 0.5 for sq in squares]
+                total = total ** 0.5
+            n_grads = len(have_grad)
+            if n_grads == len(self.params):
+                out: Dict[str, float] = dict(zip(self._grad_keys, squares))
+            else:
+                out = {self._grad_keys[i]: squares[k] for k, i in enumerate(have_grad)}
+            if have_grad:
+                out["grad/norm/total"] = total
+            out.update(zip(self._param_keys, squares[n_grads:n_grads + len(self.params)]))
+            if has_updates:
+                out.update(zip(self._update_keys, squares[n_grads + len(self.params):]))
+            out.update(radial_out)
+            return out
+
+        return flat, finish
 
     # ---- radial updates -------------------------------------------------------------------------
 
@@ -637,8 +700,10 @@ class Watch:
                                           "which leaves nothing to recover it from")
 
     def close(self, finished: bool = True, timeout: Optional[float] = DEFAULT_CLOSE_TIMEOUT) -> bool:
-        """The Monitor's close(): see Monitor.close (10 s by default; False, with a warning saying
-        what is left unsent, when it gives up)."""
+        """Sends the steps whose copy from the device is still under way (waiting for it), then the
+        Monitor's close(): see Monitor.close (10 s by default; False, with a warning saying what is
+        left unsent, when it gives up)."""
+        self._send_copied(wait=True)
         return self.monitor.close(finished=finished, timeout=timeout)
 
     def __enter__(self) -> "Watch":
@@ -646,6 +711,47 @@ class Watch:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(finished=exc_type is None)
+
+
+class _HostCopies:
+    """Device-to-host copies that the training thread does not wait for: each one goes into a pinned
+    host buffer with non_blocking=True and records an event after it on the current stream; its
+    values are read once the event says the copy is done. Buffers are reused once read.
+
+    The buffers and events come from the two factories: for CUDA, pinned memory and torch.cuda.Event
+    (for_cuda); a test on the CPU gives plain buffers and events it completes itself, which runs the
+    same bookkeeping (tests/python/test_torch.py)."""
+
+    def __init__(self, make_buffer: Callable[[int], torch.Tensor], make_event: Callable[[], Any]) -> None:
+        self._make_buffer = make_buffer
+        self._make_event = make_event
+        self._free: List[torch.Tensor] = []
+
+    @classmethod
+    def for_cuda(cls) -> "_HostCopies":
+        return cls(lambda n: torch.empty(n, dtype=torch.float64, pin_memory=True), torch.cuda.Event)
+
+    def start(self, values: torch.Tensor) -> Tuple[torch.Tensor, Any, int]:
+        n = values.numel()
+        fitting = [b for b in self._free if b.numel() >= n]
+        buffer = fitting[0] if fitting else self._make_buffer(max(n, 1))
+        if fitting:
+            self._free.remove(buffer)
+        buffer[:n].copy_(values, non_blocking=True)
+        event = self._make_event()
+        event.record()
+        return buffer, event, n
+
+    def values(self, copy: Tuple[torch.Tensor, Any, int], wait: bool) -> Optional[List[float]]:
+        """The copied values, or None when the copy is not done and wait is False."""
+        buffer, event, n = copy
+        if not event.query():
+            if not wait:
+                return None
+            event.synchronize()
+        host = buffer[:n].tolist()
+        self._free.append(buffer)
+        return host
 
 
 class _RadialTerms:
