@@ -19,8 +19,8 @@
 #include "client/cli/report.h"
 #include "client/cli/tail.h"
 #include "client/cli/values.h"
-#include "client/lib/monitor.h"
-#include "client/lib/query_client.h"
+#include "gradwatch/monitor.h"
+#include "gradwatch/query_client.h"
 #include "server/core/suggest.h"
 #include "server/core/version.h"
 

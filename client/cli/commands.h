@@ -10,7 +10,7 @@
 #include <string>
 
 #include "client/cli/options.h"
-#include "client/lib/query_client.h"
+#include "gradwatch/query_client.h"
 
 namespace gradwatch::cli {
 

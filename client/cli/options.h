@@ -4,7 +4,7 @@
 #include <chrono>
 #include <string>
 
-#include "client/lib/channel_security.h"
+#include "gradwatch/channel_security.h"
 
 namespace gradwatch::cli {
 

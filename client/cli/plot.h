@@ -9,7 +9,7 @@
 
 #include "client/cli/format.h"
 #include "client/cli/options.h"
-#include "client/lib/query_client.h"
+#include "gradwatch/query_client.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 
 namespace gradwatch::cli {

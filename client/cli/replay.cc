@@ -21,9 +21,10 @@
 #include "client/cli/format.h"
 #include "client/cli/progress.h"
 #include "client/cli/signal_watch.h"
-#include "client/lib/monitor.h"
-#include "client/lib/monitor_set.h"
-#include "client/lib/query_client.h"
+#include "gradwatch/monitor.h"
+#include "gradwatch/monitor_set.h"
+#include "gradwatch/query_client.h"
+#include "gradwatch/version.h"
 
 namespace gradwatch::cli {
 namespace {
@@ -113,7 +114,7 @@ v1::Hello BuildHello(const ReplayPlan& plan, const ReplayOptions& options, const
   hello.set_run_id(run_id);
   hello.set_rank(options.rank);
   hello.set_world_size(options.world_size);
-  hello.set_client("gradwatch-cli/0.1.0");
+  hello.set_client("gradwatch-cli/" GRADWATCH_CLIENT_VERSION);
   if (plan.header) {
     hello.mutable_labels()->insert(plan.header->labels.begin(), plan.header->labels.end());
     *hello.mutable_config() = plan.header->config;

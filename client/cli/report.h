@@ -11,7 +11,7 @@
 
 #include "client/cli/options.h"
 #include "client/cli/plot.h"
-#include "client/lib/query_client.h"
+#include "gradwatch/query_client.h"
 
 namespace gradwatch::cli {
 

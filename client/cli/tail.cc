@@ -17,9 +17,10 @@
 #include "client/cli/format.h"
 #include "client/cli/progress.h"
 #include "client/cli/signal_watch.h"
-#include "client/lib/monitor.h"
-#include "client/lib/monitor_set.h"
-#include "client/lib/query_client.h"
+#include "gradwatch/monitor.h"
+#include "gradwatch/monitor_set.h"
+#include "gradwatch/query_client.h"
+#include "gradwatch/version.h"
 
 namespace gradwatch::cli {
 namespace {
@@ -107,7 +108,7 @@ class Sender {
     hello.set_run_id(run_);
     hello.set_rank(options_.rank);
     hello.set_world_size(options_.world_size);
-    hello.set_client("gradwatch-tail/0.1.0");
+    hello.set_client("gradwatch-tail/" GRADWATCH_CLIENT_VERSION);
     if (resume_from) hello.set_resume_from_step(*resume_from);
     for (const v1::ParamInfo& p : catalog_->params) *hello.add_params() = p;
     mo.on_error = [this](const v1::Error& e) { messages_->AddError(e); };

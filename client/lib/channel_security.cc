@@ -1,4 +1,4 @@
-#include "client/lib/channel_security.h"
+#include "gradwatch/channel_security.h"
 
 #include <cerrno>
 #include <cstdlib>

@@ -1,4 +1,4 @@
-#include "client/lib/monitor.h"
+#include "gradwatch/monitor.h"
 
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>

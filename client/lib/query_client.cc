@@ -1,4 +1,4 @@
-#include "client/lib/query_client.h"
+#include "gradwatch/query_client.h"
 
 #include <grpcpp/grpcpp.h>
 

@@ -1,4 +1,4 @@
-#include "client/lib/step_buffer.h"
+#include "gradwatch/step_buffer.h"
 
 #include <algorithm>
 #include <utility>

@@ -32,7 +32,7 @@
 #include <google/protobuf/util/message_differencer.h>
 #include <nlohmann/json.hpp>
 
-#include "client/lib/monitor.h"
+#include "gradwatch/monitor.h"
 #include "server/store/step_block.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"

@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "client/lib/query_client.h"
+#include "gradwatch/query_client.h"
 #include "tests/integration/daemon_process.h"
 
 using namespace gradwatch::testing;

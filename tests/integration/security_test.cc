@@ -20,7 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "client/lib/monitor.h"
+#include "gradwatch/monitor.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stream_client.h"
 #include "tests/support/test_certs.h"
@@ -341,7 +341,7 @@ TEST_CASE("silences have a maximum duration and record who made them", "[integra
 
 namespace {
 
-// A token's SHA-256 in hex, as the tokens file holds it, computed as the README says to.
+// A token's SHA-256 in hex, as the tokens file holds it, computed as docs/security.md says to.
 std::string Sha256Hex(const std::string& token) {
   const CommandResult r = RunCommand({"bash", "-c", "printf %s '" + token + "' | sha256sum | cut -d' ' -f1"},
                                      std::nullopt, std::chrono::seconds(30));

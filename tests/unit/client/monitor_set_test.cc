@@ -1,4 +1,4 @@
-#include "client/lib/monitor_set.h"
+#include "gradwatch/monitor_set.h"
 
 #include <catch2/catch.hpp>
 #include <chrono>

@@ -1,4 +1,4 @@
-#include "client/lib/monitor.h"
+#include "gradwatch/monitor.h"
 
 #include <atomic>
 #include <catch2/catch.hpp>

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "client/lib/monitor.h"
+#include "gradwatch/monitor.h"
 
 namespace gradwatch::client {
 

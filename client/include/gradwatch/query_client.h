@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "client/lib/channel_security.h"
+#include "gradwatch/channel_security.h"
 #include "gradwatch/v1/gradwatch.grpc.pb.h"
 #include "gradwatch/v1/gradwatch.pb.h"
 

@@ -15,9 +15,10 @@
 #include <string>
 #include <thread>
 
-#include "client/lib/channel_security.h"
-#include "client/lib/step_buffer.h"
+#include "gradwatch/channel_security.h"
+#include "gradwatch/step_buffer.h"
 #include "gradwatch/v1/gradwatch.pb.h"
+#include "gradwatch/version.h"
 
 namespace grpc {
 class Channel;
@@ -27,7 +28,7 @@ class ClientContext;
 namespace gradwatch::client {
 
 inline constexpr char kDefaultAddress[] = "127.0.0.1:7390";
-inline constexpr char kClientName[] = "gradwatch-cpp/0.1.0";
+inline constexpr char kClientName[] = "gradwatch-cpp/" GRADWATCH_CLIENT_VERSION;
 
 struct MonitorOptions {
   // host:port of the daemon.
