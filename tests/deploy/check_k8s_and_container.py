@@ -25,9 +25,10 @@ DOCKERFILE = os.path.join(ROOT, "deploy", "container", "Dockerfile")
 K8S = os.path.join(ROOT, "deploy", "k8s")
 
 
-def dockerfile_stages():
-    """[(FROM line, [instructions])] with continuation lines joined."""
-    with open(DOCKERFILE) as f:
+def dockerfile_stages(path=DOCKERFILE):
+    """[(FROM line, [instructions])] with continuation lines joined; ARG lines before the first FROM
+    are left out."""
+    with open(path) as f:
         text = re.sub(r"\\\n", " ", f.read())
     stages = []
     for line in text.splitlines():
@@ -36,7 +37,7 @@ def dockerfile_stages():
             continue
         if line.upper().startswith("FROM "):
             stages.append((line, []))
-        else:
+        elif stages:
             stages[-1][1].append(line)
     return stages
 
@@ -78,9 +79,10 @@ class Container(unittest.TestCase):
 
     def test_runtime_packages_provide_every_library_the_binaries_load(self):
         runtime = " ".join(self.stages[1][1])
-        install = re.search(r"apt-get install -y --no-install-recommends ([^&]+)&&", runtime)
-        self.assertIsNotNone(install)
-        listed = set(install.group(1).split())
+        self.assertIn("COPY deploy/container/runtime-packages.txt", runtime)
+        self.assertRegex(runtime, r"runtime-packages.txt \| xargs apt-get install -y --no-install-recommends")
+        with open(os.path.join(ROOT, "deploy", "container", "runtime-packages.txt")) as f:
+            listed = {line.strip() for line in f if line.strip() and not line.startswith("#")}
         for binary in (DAEMON, CLI):
             libs = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
             if re.search(r"lib(asan|tsan|ubsan|clang_rt)", libs):
@@ -88,6 +90,21 @@ class Container(unittest.TestCase):
         needed = packages_of(DAEMON) | packages_of(CLI)
         missing = sorted(needed - listed)
         self.assertEqual(missing, [], "libraries the binaries load whose packages the image lacks")
+
+    def test_the_image_of_built_binaries_matches_the_runtime_stage(self):
+        """Dockerfile.binaries (the container test's image) runs what the Dockerfile's runtime stage
+        runs: the same user, volume, ports, config and entrypoint."""
+        (binaries,) = dockerfile_stages(os.path.join(ROOT, "deploy", "container", "Dockerfile.binaries"))
+        self.assertEqual(binaries[0], "FROM ${BASE}")
+
+        def runtime_shape(instructions):
+            keep = ("USER ", "VOLUME ", "EXPOSE ", "ENTRYPOINT ")
+            shape = [i for i in instructions if i.startswith(keep)]
+            shape += [m.strip() for i in instructions for m in re.findall(r"useradd [^&]*", i)]
+            shape += [i.split()[-1] for i in instructions if i.startswith("COPY ") and "gradwatchd.yaml" in i]
+            return shape
+
+        self.assertEqual(runtime_shape(binaries[1]), runtime_shape(self.stages[1][1]))
 
     def test_entrypoint_flags_are_accepted_and_ports_match(self):
         entry = [i for i in self.stages[1][1] if i.startswith("ENTRYPOINT ")]
