@@ -153,6 +153,11 @@ class ContainerBuiltAndRun(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls._stop_private_dockerd()
+        # What a stopped dockerd leaves mounted under its state (its network namespace's bind mount).
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1] for line in f if line.split()[1].startswith(cls.dir + "/")]
+        for mount in sorted(mounts, reverse=True):
+            subprocess.run(["umount", "--lazy", mount], capture_output=True)
         shutil.rmtree(cls.dir, ignore_errors=True)
 
     def setUp(self):
