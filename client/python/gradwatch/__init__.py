@@ -9,5 +9,7 @@
 
 from gradwatch._catalog import Param, infer_kind, parse_kind
 from gradwatch._monitor import CLIENT_NAME, DEFAULT_ADDRESS, Monitor, MonitorStats
+from gradwatch._version import __version__
 
-__all__ = ["Monitor", "MonitorStats", "Param", "infer_kind", "parse_kind", "DEFAULT_ADDRESS", "CLIENT_NAME"]
+__all__ = ["Monitor", "MonitorStats", "Param", "infer_kind", "parse_kind", "DEFAULT_ADDRESS", "CLIENT_NAME",
+           "__version__"]

@@ -26,11 +26,12 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional
 import grpc
 
 from gradwatch import _catalog
+from gradwatch._version import __version__
 from gradwatch.v1 import gradwatch_pb2 as pb
 from gradwatch.v1 import gradwatch_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:7390"
-CLIENT_NAME = "gradwatch-python/0.1.0"
+CLIENT_NAME = f"gradwatch-python/{__version__}"
 
 log = logging.getLogger("gradwatch")
 
