@@ -148,6 +148,26 @@ class WatchTest(unittest.TestCase):
                 self.assertAlmostEqual(got[step], e[name], delta=1e-5 * abs(e[name]) + 2 ** -22 * weight,
                                        msg=f"updates/radial/{name}@{step}")
 
+    def test_a_model_with_layernorm_and_zero_initialised_tensors_is_accepted(self) -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+        torch.nn.init.zeros_(model[2].weight)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        watch = gwt.Watch(model, opt, run="torch-layernorm", address=self.daemon.address)
+        init = {p.name: p.init_norm for p in watch.catalog}
+        self.assertIsNone(init["1.bias"], "a LayerNorm's bias starts at zero: its init norm is unknown")
+        self.assertIsNone(init["2.weight"])
+        self.assertAlmostEqual(init["1.weight"], 8 ** 0.5, places=5)  # float32 ones
+        for step in range(1, 4):
+            loss = model(torch.randn(2, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            self.assertTrue(watch.step(step, loss=loss))
+            opt.zero_grad()
+        self.assertTrue(watch.close())
+        run = self.daemon.run("torch-layernorm")
+        self.assertEqual(run.info.step_count, 3)
+        self.assertEqual(run.info.state, pb.RUN_STATE_FINISHED)
+
     def test_every_n_steps_and_kind_overrides(self) -> None:
         model = Tiny()
         opt = optimizer_for(model)

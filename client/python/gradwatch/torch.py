@@ -381,7 +381,9 @@ class Watch:
                     if self.params else torch.zeros(0)
                 if self.distributed and self.sharded:
                     torch.distributed.all_reduce(squares)
-                init = [float(v) ** 0.5 for v in squares.cpu().tolist()]
+                # A tensor initialised at zero (a LayerNorm's bias, a zero-init projection) has no init
+                # norm to scale against: sent as unknown, which the daemon takes, not as 0, which it refuses.
+                init = [float(v) ** 0.5 if 0.0 < v < math.inf else None for v in squares.cpu().tolist()]
         guessed = infer_kinds(model)
         catalog = [Param(name=n, numel=p.numel() * (self.world_size if self.sharded else 1),
                          kind=kinds[n] if n in kinds else guessed.get(n, "other"),
