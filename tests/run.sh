@@ -112,12 +112,18 @@ ctest_failures() {
   done < "$failed_list"
 }
 # ctest_phase PHASE BUILD CTEST_ARGS...: ctest on BUILD, its failures kept for the summary.
+# Tests ctest reports as skipped (a test that exits with its SKIP_RETURN_CODE, e.g. the container
+# test where no Docker daemon can run) are listed by name in the summary: skipped is never passed.
+skipped_report=()
 ctest_phase() {
-  local phase="$1" build="$2" rc=0
+  local phase="$1" build="$2" rc=0 name
   shift 2
   rm -f "$build/Testing/Temporary/LastTestsFailed.log"
-  "$@" || rc=$?
+  { "$@" 2>&1 | tee "$build/ctest-output.log"; } || rc=$?
   ((rc == 0)) || ctest_failures "$phase" "$build"
+  while IFS= read -r name; do
+    skipped_report+=("--- $phase: $name")
+  done < <(sed -n -E 's/^[[:space:]]+[0-9]+ - (.*) \(Skipped\)$/\1/p' "$build/ctest-output.log")
   return "$rc"
 }
 
@@ -268,6 +274,10 @@ gw_log "total $((SECONDS - started_all)) s"
 if ((${#failure_report[@]} > 0)); then
   gw_log "failed tests, with the last lines of their output (all of it above, and in <build>/Testing/Temporary/LastTest.log):"
   printf '%s\n' "${failure_report[@]}" >&2
+fi
+if ((${#skipped_report[@]} > 0)); then
+  gw_log "skipped tests (they did not run; each says why in its output above):"
+  printf '%s\n' "${skipped_report[@]}" >&2
 fi
 if ((status != 0)); then
   gw_die "failed: ${failed[*]}"
