@@ -337,13 +337,13 @@ Status Daemon::Start() {
     spdlog::warn(
         "gRPC on {} is reachable beyond loopback without mutual TLS (--insecure): any host that reaches "
         "the port may stream steps into runs, silence alerts and reload rules "
-        "(gradwatch_insecure_listener 1; README \"Security\")",
+        "(gradwatch_insecure_listener 1; docs/security.md)",
         config_.listen);
   }
   if (InsecureHttpListener(config_)) {
     spdlog::warn(
         "HTTP on {} is reachable beyond loopback without TLS (--insecure): /metrics, and any token a "
-        "scraper sends, cross the network in clear (gradwatch_insecure_listener 1; README \"Security\")",
+        "scraper sends, cross the network in clear (gradwatch_insecure_listener 1; docs/security.md)",
         config_.metrics_listen);
   }
   return Status::Ok();

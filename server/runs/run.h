@@ -40,7 +40,7 @@ struct RunOptions {
   // parameter norms of norm gains: the series the incident lives in (DESIGN.md).
   store::SeriesOptions series;
   // Every other parameter series (most of a large run's): kept smaller, a tier that takes most of
-  // a large run's memory otherwise (README "What each series keeps"). Their analytics keep their
+  // a large run's memory otherwise (docs/operations.md, "What each series keeps"). Their analytics keep their
   // resolution (analytics.param_max_buckets), and the journal every step.
   store::SeriesOptions param_series = {.recent_points = 128, .history_buckets = 32};
   size_t max_params = 65536;

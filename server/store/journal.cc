@@ -545,7 +545,7 @@ Status Journal::OpenConnection(const std::string& path, bool check, RecoveryRepo
   // A new journal's pages are 16 KiB (SQLite's default is 4): a step row of 1,000 parameters
   // (24 KB) then takes two pages instead of seven, and a sealed block a quarter of the pages, so
   // that the writer makes a quarter of the page writes, WAL frames and syscalls (the writer's CPU
-  // at 1 x 1 x 1,000: about a fifth less, README "Performance"). It applies only before the file's
+  // at 1 x 1 x 1,000: about a fifth less, docs/performance.md). It applies only before the file's
   // first page is written: an existing journal keeps its page size.
   if (Status s = db.Exec("PRAGMA page_size=16384"); !s.ok()) return failed(s);
   if (Status s = db.UseWal(); !s.ok()) return failed(s);

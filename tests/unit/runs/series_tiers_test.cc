@@ -94,8 +94,8 @@ TEST_CASE("at the defaults key series keep 4,096 points and 1,024 buckets, other
   CHECK(defaults.series.history_buckets == 1024);
   CHECK(defaults.param_series.recent_points == 128);
   CHECK(defaults.param_series.history_buckets == 32);
-  // What each tier holds once full, with full-precision norms noisy in every bit (README "What
-  // each series keeps"): the ordinary tier is most of a large run's series.
+  // What each tier holds once full, with full-precision norms noisy in every bit (docs/operations.md,
+  // "What each series keeps"): the ordinary tier is most of a large run's series.
   std::mt19937_64 rng(3);
   std::lognormal_distribution<double> noise(0.0, 0.05);
   store::Series key(defaults.series), ordinary(defaults.param_series);
