@@ -18,43 +18,59 @@ class DocBlock:
         self.marker_line = marker_line  # the marker's line, or None
 
 
+def _page(path):
+    """The page at `path` as its label and a list, in order, of ("fence", line, language, text) for
+    every fenced block (line: its opening fence) and ("line", number, text) for every line outside
+    them. Raises on a fence left open."""
+    label = os.path.relpath(path, ROOT)
+    items = []
+    fence = None  # (line, language, lines) while inside a fenced block
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for number, line in enumerate(lines, start=1):
+        m = FENCE.match(line)
+        if fence is not None:
+            if m and m.group(1) == "":
+                items.append(("fence", fence[0], fence[1], "\n".join(fence[2]) + "\n"))
+                fence = None
+            else:
+                fence[2].append(line)
+        elif m:
+            fence = (number, m.group(1), [])
+        else:
+            items.append(("line", number, line))
+    if fence is not None:
+        raise AssertionError(f"{label}:{fence[0]}: fenced block never closed")
+    return label, items
+
+
 def yaml_blocks(path, marker_name):
     """Every ```yaml block of the page at `path`, with the `marker_name` marker of the line before it
     (blank lines aside). Raises on a marker that is not followed by a yaml block, on a comment that
     names the marker but is not one, on a fence left open, and on a block whose language looks like
     YAML but is not exactly `yaml` (it would be skipped silently)."""
-    label = os.path.relpath(path, ROOT)
+    label, items = _page(path)
     marker_re = re.compile(r"^<!--\s*" + re.escape(marker_name) + r":\s*(.*?)\s*-->\s*$")
     blocks = []
     pending = None  # (line, text) of a marker not yet followed by its block
-    fence = None    # (line, language, lines) while inside a fenced block
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
 
     def dangling():
         return AssertionError(f"{label}:{pending[0]}: {marker_name} marker not followed by a yaml block")
 
-    for number, line in enumerate(lines, start=1):
-        m = FENCE.match(line)
-        if fence is not None:
-            if m and m.group(1) == "":
-                start, language, body = fence
-                if language == "yaml":
-                    marker_line, marker = pending if pending else (None, None)
-                    pending = None
-                    blocks.append(DocBlock(start, "\n".join(body) + "\n", marker, marker_line))
-                fence = None
-            else:
-                fence[2].append(line)
-            continue
-        if m:
-            language = m.group(1)
+    for item in items:
+        if item[0] == "fence":
+            _, start, language, text = item
             if language != "yaml" and re.match(r"(?i)ya?ml", language):
-                raise AssertionError(f"{label}:{number}: fence language {language!r}: use yaml")
-            if pending is not None and language != "yaml":
-                raise dangling()
-            fence = (number, language, [])
+                raise AssertionError(f"{label}:{start}: fence language {language!r}: use yaml")
+            if language != "yaml":
+                if pending is not None:
+                    raise dangling()
+                continue
+            marker_line, marker = pending if pending else (None, None)
+            pending = None
+            blocks.append(DocBlock(start, text, marker, marker_line))
             continue
+        _, number, line = item
         marker = marker_re.match(line)
         if marker:
             if pending is not None:
@@ -64,8 +80,6 @@ def yaml_blocks(path, marker_name):
             raise AssertionError(f"{label}:{number}: malformed {marker_name} marker: {line}")
         elif line.strip() and pending is not None:
             raise dangling()
-    if fence is not None:
-        raise AssertionError(f"{label}:{fence[0]}: fenced block never closed")
     if pending is not None:
         raise dangling()
     return blocks
@@ -111,38 +125,29 @@ def command_blocks(path):
     language (it could hold commands that would be skipped silently), on a command block without a
     marker, on a marker not followed by a command block, on a malformed marker or an unknown WHAT,
     and on a fence left open."""
-    label = os.path.relpath(path, ROOT)
+    label, items = _page(path)
     blocks = []
     pending = None  # (line, marker) not yet followed by its block
-    fence = None    # (line, language, lines) while inside a fenced block
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    for number, line in enumerate(lines, start=1):
-        m = FENCE.match(line)
-        if fence is not None:
-            if m and m.group(1) == "":
-                start, language, body = fence
-                if language in COMMAND_LANGUAGES:
-                    if pending is None:
-                        raise AssertionError(f"{label}:{start}: a {language} block without a marker (<!-- runnable -->, "
-                                             f"<!-- runnable: daemon --> or <!-- needs: {'|'.join(NEEDS)} -->)")
-                    block = CommandBlock(start, language, "\n".join(body) + "\n", pending[1], pending[0])
-                    if block.starts_daemon and language not in ("sh", "bash"):
-                        raise AssertionError(f"{label}:{pending[0]}: runnable: daemon marks sh or bash blocks only")
-                    blocks.append(block)
-                    pending = None
-                fence = None
-            else:
-                fence[2].append(line)
-            continue
-        if m:
-            language = m.group(1)
+    for item in items:
+        if item[0] == "fence":
+            _, start, language, text = item
             if language == "":
-                raise AssertionError(f"{label}:{number}: a fenced block without a language (```text for output)")
-            if pending is not None and language not in COMMAND_LANGUAGES:
-                raise AssertionError(f"{label}:{pending[0]}: marker followed by a {language} block, not a command block")
-            fence = (number, language, [])
+                raise AssertionError(f"{label}:{start}: a fenced block without a language (```text for output)")
+            if language not in COMMAND_LANGUAGES:
+                if pending is not None:
+                    raise AssertionError(f"{label}:{pending[0]}: marker followed by a {language} block, not a "
+                                         f"command block")
+                continue
+            if pending is None:
+                raise AssertionError(f"{label}:{start}: a {language} block without a marker (<!-- runnable -->, "
+                                     f"<!-- runnable: daemon --> or <!-- needs: {'|'.join(NEEDS)} -->)")
+            block = CommandBlock(start, language, text, pending[1], pending[0])
+            if block.starts_daemon and language not in ("sh", "bash"):
+                raise AssertionError(f"{label}:{pending[0]}: runnable: daemon marks sh or bash blocks only")
+            blocks.append(block)
+            pending = None
             continue
+        _, number, line = item
         marker = COMMAND_MARKER.match(line)
         if marker:
             if pending is not None:
@@ -154,8 +159,6 @@ def command_blocks(path):
             raise AssertionError(f"{label}:{number}: malformed marker: {line}")
         elif line.strip() and pending is not None:
             raise AssertionError(f"{label}:{pending[0]}: marker not followed by a command block")
-    if fence is not None:
-        raise AssertionError(f"{label}:{fence[0]}: fenced block never closed")
     if pending is not None:
         raise AssertionError(f"{label}:{pending[0]}: marker not followed by a command block")
     return blocks
