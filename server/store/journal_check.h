@@ -17,7 +17,7 @@
 #include "server/core/status.h"
 #include "server/core/thread_annotations.h"
 
-namespace gradwatch::sqlite {
+namespace gradwatch::store::sqlite {
 class Database;
 }
 

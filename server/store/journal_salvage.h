@@ -8,7 +8,7 @@
 #include "server/core/status.h"
 #include "server/store/journal.h"
 
-namespace gradwatch::sqlite {
+namespace gradwatch::store::sqlite {
 class Database;
 }
 

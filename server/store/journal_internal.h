@@ -1,0 +1,115 @@
+// What the journal's rooms share, and no one else: the on-disk format's codecs and the reading of
+// step rows and blocks (journal_format.cc), the prepared statements and the connection. The rooms:
+// journal.cc, the commit queue and its writer thread; journal_open.cc, opening, salvage, repair and
+// the rebuild of lost files; journal_blocks.cc, sealing steps into blocks, and rewinds;
+// journal_load.cc, reading runs back; journal_prune.cc, pruning ended runs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "server/core/status.h"
+#include "server/core/types.h"
+#include "server/store/journal.h"
+#include "server/store/journal_check.h"
+#include "server/store/sqlite.h"
+#include "server/store/step_block.h"
+
+namespace gradwatch::store {
+namespace journal_internal {
+
+// A block holds at most this many values, whatever block_steps says (the decoder's bound is 4×).
+inline constexpr size_t kSealMaxValues = size_t{1} << 20;
+// A larger catalog index can only come from corruption; refuse it rather than allocate for it.
+inline constexpr int64_t kMaxParamIndex = 1 << 24;
+
+// The journal's schema, with the migrations of older versions (sqlite::ApplySchema sets
+// user_version).
+const sqlite::Schema& JournalSchema();
+
+// A step's value blob: (uint32 series id, float64 value) pairs, little-endian. Bit copies, never
+// arithmetic, so NaN payloads and infinities survive exactly. Decode fails on a torn blob.
+void EncodeValues(const std::vector<SeriesValue>& values, std::string& out);
+bool DecodeValues(std::string_view blob, std::vector<SeriesValue>& out);
+
+// A run's labels and config as the runs table holds them (JSON). Encoding never fails (invalid
+// UTF-8 is replaced, an error logged and "{}" written); parsing says which run's row is bad.
+std::string LabelsJson(const std::map<std::string, std::string>& labels);
+std::string ConfigJson(const RunConfig& config);
+Status ParseLabels(const std::string& text, const std::string& run_id, std::map<std::string, std::string>& out);
+Status ParseConfig(const std::string& text, const std::string& run_id, RunConfig& out);
+
+// One row of `SELECT step, wall_time, partial, ranks_reported, client_dropped, vals, crc FROM
+// steps`. Returns why the row is damaged (StepRowDamage), empty when `step` holds it.
+std::string ReadStepRow(sqlite::Query& row, const std::string& run_id, CompletedStep& step);
+DamagedSteps RowDamage(const std::string& run_id, uint64_t step, std::string why);
+// A step as the signed 64-bit column holds it (clamped to 2^63 - 1).
+int64_t StepBound(uint64_t step);
+// The last step below `before_step`, for a `step <= ?` bound: the column is a signed 64-bit
+// integer, so "below 2^64 - 1" must read as "at most 2^63 - 1", the largest step kept, not as a
+// `step < 2^63 - 1` that would leave that step out. -1 (nothing) below 0.
+int64_t LastStepBefore(uint64_t before_step);
+
+// Hands on_step the run's steps below before_step in step order: its blocks (`blocks`: SELECT
+// first_step, last_step, steps, data ... WHERE run_id = ?1 AND first_step <= ?2 ORDER BY
+// first_step) merged with its step rows (`rows`: as ReadStepRow reads them, WHERE run_id = ?1 AND
+// step <= ?2 ORDER BY step), ?2 being LastStepBefore(before_step). A step in both (a row rewritten
+// after its block was sealed, which only a late out-of-order step does) is taken from its row, the
+// later write. A damaged block or row is noted in `damage` and skipped: the rest is read.
+Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std::string& run_id, uint64_t from_step,
+                  uint64_t before_step, DamageLog& damage, const std::function<void(const CompletedStep&)>& on_step);
+
+}  // namespace journal_internal
+
+struct Journal::Statements {
+  sqlite::Statement insert_run, insert_param, insert_series, insert_step, upsert_progress, insert_event, end_run;
+  sqlite::Statement count_rewinds, insert_rewind, abandon_steps, delete_steps, abandon_events, delete_events,
+      rewind_progress, drop_progress, set_world_size;
+  sqlite::Statement prune_candidates, prune_steps, prune_events, prune_series, prune_params, prune_progress, prune_run,
+      prune_rewinds, prune_abandoned_steps, prune_abandoned_events, prune_blocks, prune_old_branch_steps,
+      prune_old_branch_events;
+  sqlite::Statement last_block, count_raw_after, raw_after, insert_block, delete_raw, blocks_from, delete_block,
+      insert_abandoned_step;
+  std::string scratch;  // the value blob being written; reused to spare allocations
+  // A block being sealed, and the step row read into it: reused from block to block.
+  StepBlockEncoder block;
+  CompletedStep row;
+
+  Status PrepareAll(sqlite::Database& db);  // journal_format.cc
+};
+
+// An open connection with its statements, and the identity (device, inode) of the files it
+// opened. Closes on destruction; one whose files must stay as they are (damaged, or lost) is
+// closed without the checkpoint SQLite makes at close, which would also delete the WAL by name.
+struct Journal::Connection {
+  sqlite::Database db;
+  std::unique_ptr<Statements> statements;
+  uint64_t db_dev = 0, db_ino = 0, wal_dev = 0, wal_ino = 0;
+  bool keep_files = true;  // until it opened cleanly
+
+  Connection() = default;
+  Connection(Connection&& o) noexcept { *this = std::move(o); }
+  Connection& operator=(Connection&& o) noexcept {
+    Close();
+    db = std::move(o.db);
+    statements = std::move(o.statements);
+    db_dev = o.db_dev, db_ino = o.db_ino, wal_dev = o.wal_dev, wal_ino = o.wal_ino;
+    keep_files = o.keep_files;
+    return *this;
+  }
+  ~Connection() { Close(); }
+
+  void Close() {
+    statements.reset();  // a connection with live statements cannot close
+    if (keep_files) db.SkipCheckpointOnClose();
+    db.Close();
+  }
+};
+
+}  // namespace gradwatch::store
