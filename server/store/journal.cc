@@ -60,6 +60,7 @@ Journal::Journal(JournalOptions options, CommitCallback on_commit, Connection co
   MutexLock db_lock(&db_mu_);
   db_ = std::move(connection.db);
   statements_ = std::move(connection.statements);
+  sealer_ = std::make_unique<journal_internal::StepSealer>(options_.block_steps, damage_);
   db_dev_ = connection.db_dev, db_ino_ = connection.db_ino;
   wal_dev_ = connection.wal_dev, wal_ino_ = connection.wal_ino;
   MutexLock lock(&mu_);
@@ -306,7 +307,7 @@ Status Journal::Commit(std::vector<JournalRecord>& batch, CommitReport& report) 
 }
 
 Status Journal::Apply(const JournalRecord& record) {
-  Statements& st = *statements_;
+  journal_internal::Statements& st = *statements_;
   return std::visit(
       [&](const auto& r) -> Status {
         using T = std::decay_t<decltype(r)>;
@@ -364,7 +365,7 @@ Status Journal::Apply(const JournalRecord& record) {
             }
           }
           db_mu_.AssertHeld();  // as below
-          if (Status s = NoteStepLocked(r.run_id, r.step.step); !s.ok()) return s;
+          if (Status s = sealer_->NoteStep(st, r.run_id, r.step.step); !s.ok()) return s;
           for (const RankProgress& p : r.progress) {
             sqlite::Query use(st.upsert_progress);
             use.Bind(1, p.run_id);
@@ -406,6 +407,86 @@ Status Journal::Apply(const JournalRecord& record) {
         }
       },
       record);
+}
+
+void Journal::SealDue() {
+  MutexLock db_lock(&db_mu_);
+  if (!sealer_->any_due() || !db_.is_open() || !CheckFilesLocked().ok()) return;
+  // Not synced by itself: the next commit's fsync of the WAL covers these frames too, and losing
+  // them loses nothing (the step rows they replace are still there).
+  if (Status s = db_.Exec("PRAGMA synchronous=NORMAL"); !s.ok()) {
+    spdlog::warn("journal '{}': sealing blocks: {}", options_.path, s.message());
+    return;
+  }
+  Status status;
+  {
+    sqlite::Transaction txn(db_, "journal");
+    status = txn.Begin(sqlite::Transaction::Mode::kImmediate);
+    if (status.ok()) status = sealer_->SealDue(*statements_);
+    if (status.ok()) status = txn.Commit();
+  }
+  if (!status.ok()) {
+    // The rows stay as they are; the runs' counts are learnt again at their next step.
+    spdlog::warn("journal '{}': sealing blocks failed, the step rows stay: {}", options_.path, status.ToString());
+    sealer_->ForgetAll();
+  }
+  if (Status s = db_.Exec("PRAGMA synchronous=FULL"); !s.ok()) {
+    spdlog::error("journal '{}': restoring synchronous=FULL: {}", options_.path, s.message());
+  }
+}
+
+Status Journal::ApplyRewind(const RewindRecord& r) {
+  journal_internal::Statements& st = *statements_;
+  const std::string what = "journal: rewinding run '" + r.run_id + "' to step " + std::to_string(r.from_step);
+  int64_t branch = 0;  // the branch that ends here
+  {
+    sqlite::Query use(st.count_rewinds);
+    use.Bind(1, r.run_id);
+    Status s;
+    if (!use.Next(&s, what)) return s.ok() ? Status::Internal(what + ": count returned no row") : s;
+    branch = use.Int(0);
+  }
+  {
+    sqlite::Query use(st.insert_rewind);
+    use.Bind(1, r.run_id);
+    use.Bind(2, branch);
+    use.Bind(3, r.from_step);
+    use.Bind(4, r.world_size);
+    use.Bind(5, r.rewound_at);
+    if (Status s = use.Run(what); !s.ok()) return s;
+  }
+  if (Status s = sealer_->SplitBlocks(st, r.run_id, r.from_step, branch); !s.ok()) return s;
+  for (sqlite::Statement* move : {&st.abandon_steps, &st.abandon_events}) {
+    sqlite::Query use(*move);
+    use.Bind(1, r.run_id);
+    use.Bind(2, branch);
+    use.Bind(3, r.from_step);
+    if (Status s = use.Run(what); !s.ok()) return s;
+  }
+  for (sqlite::Statement* drop : {&st.delete_steps, &st.delete_events}) {
+    sqlite::Query use(*drop);
+    use.Bind(1, r.run_id);
+    use.Bind(2, r.from_step);
+    if (Status s = use.Run(what); !s.ok()) return s;
+  }
+  if (r.from_step > 0) {
+    sqlite::Query use(st.rewind_progress);
+    use.Bind(1, r.run_id);
+    use.Bind(2, r.from_step);
+    if (Status s = use.Run(what); !s.ok()) return s;
+  }
+  {
+    // After the update only a rewind to step 0 leaves progress at or above from_step: none is kept.
+    sqlite::Query use(st.drop_progress);
+    use.Bind(1, r.run_id);
+    use.Bind(2, r.world_size);
+    use.Bind(3, r.from_step);
+    if (Status s = use.Run(what); !s.ok()) return s;
+  }
+  sqlite::Query use(st.set_world_size);
+  use.Bind(1, r.run_id);
+  use.Bind(2, r.world_size);
+  return use.Run(what);
 }
 
 }  // namespace gradwatch::store

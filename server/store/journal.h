@@ -28,6 +28,11 @@
 
 namespace gradwatch::store {
 
+namespace journal_internal {
+struct Statements;
+class StepSealer;
+}  // namespace journal_internal
+
 class StepBlockEncoder;
 
 struct JournalOptions {
@@ -331,8 +336,7 @@ class Journal {
   uint64_t rebuild_count() const { return rebuilds_.load(std::memory_order_relaxed); }
 
  private:
-  struct Statements;  // prepared once at open, reused by every commit
-  struct Reader;      // the queries of Load and LoadRun
+  struct Reader;  // the queries of Load and LoadRun
   // An open connection with its statements, and the identity of the files it opened.
   struct Connection;
 
@@ -348,18 +352,8 @@ class Journal {
   Status Commit(std::vector<JournalRecord>& batch, CommitReport& report) EXCLUDES(db_mu_);
   Status Apply(const JournalRecord& record) REQUIRES(db_mu_);       // inside a transaction
   Status ApplyRewind(const RewindRecord& record) REQUIRES(db_mu_);  // likewise
-  // The run's blocks from `from_step` on: their steps before it become a smaller block, the others
-  // rows of the abandoned branch. Inside the rewind's transaction.
-  Status SplitBlocksLocked(const std::string& run_id, uint64_t from_step, int64_t branch) REQUIRES(db_mu_);
-  // Counts a step row just written (inside the commit's transaction) toward its run's next block.
-  Status NoteStepLocked(const std::string& run_id, uint64_t step) REQUIRES(db_mu_);
   // Seals the runs due a block, after a commit (its own transaction).
   void SealDue() EXCLUDES(db_mu_);
-  Status SealRunLocked(const std::string& run_id) REQUIRES(db_mu_);
-  // Encodes the steps added to `block` (one run's, in step order, at least one) into a block row;
-  // `block` is emptied.
-  Status InsertBlockLocked(const std::string& run_id, StepBlockEncoder& block, const std::string& what)
-      REQUIRES(db_mu_);
   // Fails when the database or its WAL is gone or replaced since it was opened.
   Status CheckFilesLocked() REQUIRES(db_mu_);
   // CheckFilesLocked, and when the files are lost, rebuilds them (see the class comment).
@@ -388,21 +382,11 @@ class Journal {
   // Serialises use of the connection between the writer thread, Load and Stop.
   Mutex db_mu_ ACQUIRED_AFTER(stop_mu_);
   sqlite::Database db_ GUARDED_BY(db_mu_);  // closed once stopped
-  std::unique_ptr<Statements> statements_ GUARDED_BY(db_mu_);
+  std::unique_ptr<journal_internal::Statements> statements_ GUARDED_BY(db_mu_);
+  std::unique_ptr<journal_internal::StepSealer> sealer_ GUARDED_BY(db_mu_);
   uint64_t db_dev_ GUARDED_BY(db_mu_) = 0, db_ino_ GUARDED_BY(db_mu_) = 0;    // the database file open
   uint64_t wal_dev_ GUARDED_BY(db_mu_) = 0, wal_ino_ GUARDED_BY(db_mu_) = 0;  // its WAL
   std::string pruning_run_ GUARDED_BY(db_mu_);                                // the run being pruned, if any
-  // Per run the writer touched: steps at or below sealed_through are in blocks (none when
-  // !sealed), and raw_after step rows lie above it. Learnt from the database at the run's first
-  // step since open; an over-count (a rolled-back commit) only costs a seal that finds too few.
-  struct SealState {
-    bool sealed = false;
-    uint64_t sealed_through = 0;
-    uint64_t raw_after = 0;
-    bool due = false;
-  };
-  std::map<std::string, SealState> seal_state_ GUARDED_BY(db_mu_);
-  std::vector<std::string> seal_due_ GUARDED_BY(db_mu_);
   // The last transaction committed to files that were lost meanwhile: the batch is retried by
   // rebuilding, not by applying it again.
   bool committed_to_lost_files_ GUARDED_BY(db_mu_) = false;

@@ -345,7 +345,7 @@ Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std:
 
 }  // namespace journal_internal
 
-Status Journal::Statements::PrepareAll(sqlite::Database& db) {
+Status journal_internal::Statements::PrepareAll(sqlite::Database& db) {
   const std::pair<sqlite::Statement*, const char*> all[] = {
       {&insert_run,
        "INSERT OR REPLACE INTO runs(run_id, world_size, labels_json, config_json, created_at, "

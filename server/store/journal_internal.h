@@ -1,8 +1,9 @@
 // What the journal's rooms share, and no one else: the on-disk format's codecs and the reading of
-// step rows and blocks (journal_format.cc), the prepared statements and the connection. The rooms:
-// journal.cc, the commit queue and its writer thread; journal_open.cc, opening, salvage, repair and
-// the rebuild of lost files; journal_blocks.cc, sealing steps into blocks, and rewinds;
-// journal_load.cc, reading runs back; journal_prune.cc, pruning ended runs.
+// step rows and blocks (journal_format.cc), the prepared statements, the StepSealer
+// (journal_sealer.cc) and the connection. The rooms: journal.cc, the commit queue, its writer
+// thread and what a commit applies (rewinds included); journal_open.cc, opening, salvage, repair
+// and the rebuild of lost files; journal_load.cc, reading runs back; journal_prune.cc, pruning
+// ended runs.
 #pragma once
 
 #include <cstddef>
@@ -65,9 +66,8 @@ int64_t LastStepBefore(uint64_t before_step);
 Status VisitSteps(sqlite::Statement& blocks, sqlite::Statement& rows, const std::string& run_id, uint64_t from_step,
                   uint64_t before_step, DamageLog& damage, const std::function<void(const CompletedStep&)>& on_step);
 
-}  // namespace journal_internal
-
-struct Journal::Statements {
+// The journal's prepared statements: made once at open, reused by every commit.
+struct Statements {
   sqlite::Statement insert_run, insert_param, insert_series, insert_step, upsert_progress, insert_event, end_run;
   sqlite::Statement count_rewinds, insert_rewind, abandon_steps, delete_steps, abandon_events, delete_events,
       rewind_progress, drop_progress, set_world_size;
@@ -84,12 +84,60 @@ struct Journal::Statements {
   Status PrepareAll(sqlite::Database& db);  // journal_format.cc
 };
 
+// Sealing one journal's step rows into compressed blocks (step_block.h): which runs have
+// block_steps rows past their last block (learnt from the database at a run's first step since
+// open, then counted as rows are written; an over-count, from a rolled-back commit, only costs a
+// seal that finds too few) and the sealing itself, and the split of a run's blocks at a rewind.
+// Every call runs inside the caller's transaction. Not thread-safe: the Journal holds it under
+// its connection's lock.
+class StepSealer {
+ public:
+  StepSealer(size_t block_steps, DamageLog& damage) : block_steps_(block_steps), damage_(damage) {}
+
+  // Counts a step row just written toward its run's next block.
+  Status NoteStep(Statements& st, const std::string& run_id, uint64_t step);
+  bool any_due() const { return !due_.empty(); }
+  // Seals the runs due a block, a few blocks per call, so that commits wait for little (a run far
+  // behind, from a migrated journal, takes several calls). The runs still due stay due.
+  Status SealDue(Statements& st);
+  // The run's blocks from `from_step` on, at a rewind: their steps before it become a smaller
+  // block, the others rows of the abandoned `branch`.
+  Status SplitBlocks(Statements& st, const std::string& run_id, uint64_t from_step, int64_t branch);
+  // Forgets a run's counts (pruned, rewound), or every run's (a failed seal): learnt again from the
+  // database at the run's next step.
+  void Forget(const std::string& run_id) { state_.erase(run_id); }
+  void ForgetAll() {
+    state_.clear();
+    due_.clear();
+  }
+
+ private:
+  struct RunState {
+    bool sealed = false;          // steps at or below sealed_through are in blocks
+    uint64_t sealed_through = 0;  // valid when sealed
+    uint64_t raw_after = 0;       // step rows above it
+    bool due = false;             // listed in due_
+  };
+  // One block of the run's oldest rows past its last block.
+  Status SealRun(Statements& st, const std::string& run_id);
+  // Encodes the steps added to `block` (one run's, in step order, at least one) into a block row;
+  // `block` is emptied.
+  Status InsertBlock(Statements& st, const std::string& run_id, StepBlockEncoder& block, const std::string& what);
+
+  const size_t block_steps_;
+  DamageLog& damage_;
+  std::map<std::string, RunState> state_;
+  std::vector<std::string> due_;
+};
+
+}  // namespace journal_internal
+
 // An open connection with its statements, and the identity (device, inode) of the files it
 // opened. Closes on destruction; one whose files must stay as they are (damaged, or lost) is
 // closed without the checkpoint SQLite makes at close, which would also delete the WAL by name.
 struct Journal::Connection {
   sqlite::Database db;
-  std::unique_ptr<Statements> statements;
+  std::unique_ptr<journal_internal::Statements> statements;
   uint64_t db_dev = 0, db_ino = 0, wal_dev = 0, wal_ino = 0;
   bool keep_files = true;  // until it opened cleanly
 

@@ -155,7 +155,7 @@ Status Journal::OpenConnection(const std::string& path, bool check, RecoveryRepo
     *damaged = db.last_error_is_damage();
     return s;  // names the journal already
   }
-  conn.statements = std::make_unique<Statements>();
+  conn.statements = std::make_unique<journal_internal::Statements>();
   if (Status s = conn.statements->PrepareAll(db); !s.ok()) return failed(s);
   if (!FileId(path, conn.db_dev, conn.db_ino)) {
     return Status::IoError("journal '" + path + "': stat after open: " + std::strerror(errno));

@@ -57,7 +57,7 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
     MutexLock lock(&mu_);
     cutoff = prune_cutoff_;
   }
-  Statements& st = *statements_;
+  journal_internal::Statements& st = *statements_;
   sqlite::Transaction txn(db_, "journal");
   if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) return s;
   if (pruning_run_.empty()) {
@@ -132,7 +132,7 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
   pruned_rows_.fetch_add(deleted, std::memory_order_relaxed);
   if (run_done) {
     spdlog::info("journal: run {} pruned (ended before the retention cutoff)", pruning_run_);
-    seal_state_.erase(pruning_run_);
+    sealer_->Forget(pruning_run_);
     pruning_run_.clear();
     pruned_runs_.fetch_add(1, std::memory_order_relaxed);
   }
