@@ -61,6 +61,7 @@ Journal::Journal(JournalOptions options, CommitCallback on_commit, Connection co
   db_ = std::move(connection.db);
   statements_ = std::move(connection.statements);
   sealer_ = std::make_unique<journal_internal::StepSealer>(options_.block_steps, damage_);
+  pruner_ = std::make_unique<journal_internal::RunPruner>(options_.block_steps);
   db_dev_ = connection.db_dev, db_ino_ = connection.db_ino;
   wal_dev_ = connection.wal_dev, wal_ino_ = connection.wal_ino;
   MutexLock lock(&mu_);

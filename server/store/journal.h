@@ -31,6 +31,7 @@ namespace gradwatch::store {
 namespace journal_internal {
 struct Statements;
 class StepSealer;
+class RunPruner;
 }  // namespace journal_internal
 
 class StepBlockEncoder;
@@ -384,9 +385,9 @@ class Journal {
   sqlite::Database db_ GUARDED_BY(db_mu_);  // closed once stopped
   std::unique_ptr<journal_internal::Statements> statements_ GUARDED_BY(db_mu_);
   std::unique_ptr<journal_internal::StepSealer> sealer_ GUARDED_BY(db_mu_);
+  std::unique_ptr<journal_internal::RunPruner> pruner_ GUARDED_BY(db_mu_);
   uint64_t db_dev_ GUARDED_BY(db_mu_) = 0, db_ino_ GUARDED_BY(db_mu_) = 0;    // the database file open
   uint64_t wal_dev_ GUARDED_BY(db_mu_) = 0, wal_ino_ GUARDED_BY(db_mu_) = 0;  // its WAL
-  std::string pruning_run_ GUARDED_BY(db_mu_);                                // the run being pruned, if any
   // The last transaction committed to files that were lost meanwhile: the batch is retried by
   // rebuilding, not by applying it again.
   bool committed_to_lost_files_ GUARDED_BY(db_mu_) = false;

@@ -6,6 +6,7 @@
 // ended runs.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -128,6 +129,31 @@ class StepSealer {
   DamageLog& damage_;
   std::map<std::string, RunState> state_;
   std::vector<std::string> due_;
+};
+
+// Pruning one journal, a transaction at a time: the abandoned branches rewound before the cutoff
+// first (of any run), then, run by run, the rows of runs that ended before it and are not held,
+// table by table and at most max_rows per transaction (a block counts as block_steps rows), the
+// runs row last, so that a run half pruned stays listed (and LoadRun finishes it) rather than
+// leaving orphans. Not thread-safe: the Journal holds it under its connection's lock.
+class RunPruner {
+ public:
+  explicit RunPruner(size_t block_steps) : block_rows_(std::max<size_t>(block_steps, 1)) {}
+
+  struct Batch {
+    uint64_t rows = 0;          // rows deleted (blocks counted as block_steps rows)
+    std::string pruned_run;     // a run whose last rows went in this batch
+    bool nothing_left = false;  // no branch nor run left to prune before this cutoff
+  };
+  // One transaction of at most max_rows rows; is_held(run) says which runs must stay.
+  Status PruneBatch(sqlite::Database& db, Statements& st, double cutoff, size_t max_rows,
+                    const std::function<bool(const std::string&)>& is_held, Batch& out);
+  // The run being pruned, empty between runs.
+  const std::string& pruning_run() const { return pruning_run_; }
+
+ private:
+  const size_t block_rows_;
+  std::string pruning_run_;
 };
 
 }  // namespace journal_internal

@@ -202,9 +202,9 @@ Status Journal::LoadRun(const std::string& run_id, JournalVisitor& visitor) {
     MutexLock held_lock(&held_mu_);
     held_.insert(run_id);
   }
-  if (run_id == pruning_run_) {
+  if (run_id == pruner_->pruning_run()) {
     // Half pruned: finish the job, and the caller starts the run afresh.
-    while (!pruning_run_.empty()) {
+    while (!pruner_->pruning_run().empty()) {
       if (Status s = PruneBatchLocked(std::numeric_limits<size_t>::max()); !s.ok()) return s;
     }
     return Status::NotFound("run '" + run_id + "' was pruned from the journal");
@@ -252,7 +252,7 @@ StatusOr<std::vector<StoredRun>> Journal::ListReleased() {
   while (rows.Next(&status, "journal: listing runs")) {
     StoredRun r;
     r.meta.run_id = rows.Text(0);
-    if (IsHeld(r.meta.run_id) || r.meta.run_id == pruning_run_) continue;
+    if (IsHeld(r.meta.run_id) || r.meta.run_id == pruner_->pruning_run()) continue;
     r.meta.world_size = static_cast<uint32_t>(rows.Int(1));
     if (!journal_internal::ParseLabels(rows.Text(2), r.meta.run_id, r.meta.labels).ok()) r.meta.labels.clear();
     r.meta.created_at = rows.Real(3);

@@ -57,8 +57,32 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
     MutexLock lock(&mu_);
     cutoff = prune_cutoff_;
   }
-  journal_internal::Statements& st = *statements_;
-  sqlite::Transaction txn(db_, "journal");
+  journal_internal::RunPruner::Batch batch;
+  if (Status s = pruner_->PruneBatch(
+          db_, *statements_, cutoff, max_rows, [this](const std::string& run_id) { return IsHeld(run_id); }, batch);
+      !s.ok()) {
+    return s;
+  }
+  pruned_rows_.fetch_add(batch.rows, std::memory_order_relaxed);
+  if (!batch.pruned_run.empty()) {
+    spdlog::info("journal: run {} pruned (ended before the retention cutoff)", batch.pruned_run);
+    sealer_->Forget(batch.pruned_run);
+    pruned_runs_.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (batch.nothing_left) {
+    MutexLock lock(&mu_);
+    // Done until the cutoff moves; if it moved while this pass ran, the next pass uses it.
+    if (prune_cutoff_ == cutoff) prune_due_ = false;
+  }
+  return Status::Ok();
+}
+
+namespace journal_internal {
+
+Status RunPruner::PruneBatch(sqlite::Database& db, Statements& st, double cutoff, size_t max_rows,
+                             const std::function<bool(const std::string&)>& is_held, Batch& out) {
+  out = {};
+  sqlite::Transaction txn(db, "journal");
   if (Status s = txn.Begin(sqlite::Transaction::Mode::kImmediate); !s.ok()) return s;
   if (pruning_run_.empty()) {
     // Abandoned branches (of any run) rewound before the cutoff go first.
@@ -68,45 +92,41 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
       use.Bind(1, cutoff);
       use.Bind(2, static_cast<int64_t>(std::min<size_t>(max_rows - deleted, INT64_MAX)));
       if (Status s = use.Run("journal: pruning abandoned branches"); !s.ok()) return s;
-      deleted += static_cast<uint64_t>(db_.changes());
+      deleted += static_cast<uint64_t>(db.changes());
       if (deleted >= max_rows) break;
     }
     if (deleted > 0) {
       if (Status s = txn.Commit(); !s.ok()) return s;
-      pruned_rows_.fetch_add(deleted, std::memory_order_relaxed);
-      return Status::Ok();  // prune_due_ stays: the next round goes on
+      out.rows = deleted;
+      return Status::Ok();  // the next round goes on
     }
     Status status;
     sqlite::Query rows(st.prune_candidates);
     rows.Bind(1, cutoff);
     while (rows.Next(&status, "journal: finding runs to prune")) {
       std::string id = rows.Text(0);
-      if (!IsHeld(id)) {
+      if (!is_held(id)) {
         pruning_run_ = std::move(id);
         break;
       }
     }
     if (!status.ok()) return status;
     if (pruning_run_.empty()) {
-      MutexLock lock(&mu_);
-      // Done until the cutoff moves; if it moved while this pass ran, the next pass uses it.
-      if (prune_cutoff_ == cutoff) prune_due_ = false;
+      out.nothing_left = true;
       return Status::Ok();
     }
   }
-  // A run's rows go table by table, at most max_rows per transaction; its runs row goes last, so a
-  // half pruned run stays listed (and is finished by LoadRun) rather than leaving orphans.
+  // A run's rows go table by table, at most max_rows per transaction; its runs row goes last.
   uint64_t deleted = 0;
   {
     // A block counts as block_steps rows; at least one goes per transaction.
-    const size_t block_rows = std::max<size_t>(options_.block_steps, 1);
     sqlite::Query use(st.prune_blocks);
     use.Bind(1, pruning_run_);
-    const auto limit = static_cast<int64_t>(std::max<size_t>(std::min<size_t>(max_rows / block_rows, INT64_MAX), 1));
+    const auto limit = static_cast<int64_t>(std::max<size_t>(std::min<size_t>(max_rows / block_rows_, INT64_MAX), 1));
     use.Bind(2, limit);
     if (Status s = use.Run("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
-    const auto changes = static_cast<uint64_t>(db_.changes());
-    deleted += changes * block_rows;
+    const auto changes = static_cast<uint64_t>(db.changes());
+    deleted += changes * block_rows_;
     // Blocks may remain: the run's other rows wait for the next transaction.
     if (changes == static_cast<uint64_t>(limit)) deleted = std::max<uint64_t>(deleted, max_rows);
   }
@@ -118,25 +138,22 @@ Status Journal::PruneBatchLocked(size_t max_rows) {
     use.Bind(1, pruning_run_);
     use.Bind(2, static_cast<int64_t>(std::min<size_t>(max_rows - deleted, INT64_MAX)));
     if (Status s = use.Run("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
-    deleted += static_cast<uint64_t>(db_.changes());
+    deleted += static_cast<uint64_t>(db.changes());
   }
   bool run_done = false;
   if (deleted < max_rows) {
     sqlite::Query use(st.prune_run);
     use.Bind(1, pruning_run_);
     if (Status s = use.Run("journal: pruning run '" + pruning_run_ + "'"); !s.ok()) return s;
-    deleted += static_cast<uint64_t>(db_.changes());
+    deleted += static_cast<uint64_t>(db.changes());
     run_done = true;
   }
   if (Status s = txn.Commit(); !s.ok()) return s;
-  pruned_rows_.fetch_add(deleted, std::memory_order_relaxed);
-  if (run_done) {
-    spdlog::info("journal: run {} pruned (ended before the retention cutoff)", pruning_run_);
-    sealer_->Forget(pruning_run_);
-    pruning_run_.clear();
-    pruned_runs_.fetch_add(1, std::memory_order_relaxed);
-  }
+  out.rows = deleted;
+  if (run_done) out.pruned_run = std::exchange(pruning_run_, {});
   return Status::Ok();
 }
+
+}  // namespace journal_internal
 
 }  // namespace gradwatch::store
