@@ -2,7 +2,8 @@
 // series, events and the streams attached to it. Thread-safe: every public method takes the run's
 // mutex for a bounded, I/O-free amount of work (journal records are only queued); the one
 // exception is a rewind (see Attach), which reads the kept history back from the journal
-// without holding the mutex.
+// without holding the mutex. Its code is in rooms (run_internal.h names them): the session and the
+// step path in run.cc, events and catalog changes, rewinds, read views and restore in their own files.
 #pragma once
 
 #include <array>

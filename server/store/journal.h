@@ -6,6 +6,7 @@
 // abandoned_events, numbered by the branch they belonged to (0 for the run's first), so the
 // abandoned branch stays inspectable but is never mixed with the new one nor returned by Load. Callers enqueue without
 // blocking on I/O; after each commit the journal reports the durable progress so that acks can go out.
+// Its code is in rooms (journal_internal.h names them), with the StepSealer and the RunPruner.
 #pragma once
 
 #include <atomic>
