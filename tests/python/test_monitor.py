@@ -456,8 +456,10 @@ class UnreachableDaemonTest(unittest.TestCase):
                 step = log_until(mon, 0, lambda: messages(logs, "cannot reach"), 30, "the unreachable warning")
                 first = time.monotonic()
                 log_until(mon, step, lambda: time.monotonic() > first + 3, 30, "three more seconds")
-                span = time.monotonic() - first
+                # close() tries one reconnect before it gives up, and warns while it does: on a busy
+                # machine that takes seconds, so the span ends when close returns.
                 self.assertFalse(mon.close(timeout=0))
+                span = time.monotonic() - first
         warned = [r for r in logs.records if "cannot reach" in r.getMessage()]
         self.assertGreaterEqual(len(warned), 2, logs.output)  # again once the interval passed
         self.assertLessEqual(len(warned), 1 + span / interval, logs.output)
