@@ -5,6 +5,8 @@
 #include <limits>
 #include <utility>
 
+#include "server/core/thread_name.h"
+
 namespace gradwatch::daemon {
 
 namespace {
@@ -13,11 +15,51 @@ constexpr uint32_t kUnknown = std::numeric_limits<uint32_t>::max();
 constexpr size_t kSpares = 2;
 }  // namespace
 
+FeedDrainer::FeedDrainer()
+    : thread_([this] {
+        NameThisThread("gw-alert-drain");
+        Loop();
+      }) {}
+
+FeedDrainer::~FeedDrainer() { Stop(); }
+
+bool FeedDrainer::Request(std::weak_ptr<AlertFeed> feed) {
+  MutexLock lock(&mu_);
+  if (stopping_) return false;
+  requests_.push_back(std::move(feed));
+  cv_.Signal();
+  return true;
+}
+
+void FeedDrainer::Stop() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    cv_.SignalAll();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void FeedDrainer::Loop() {
+  MutexLock lock(&mu_);
+  for (;;) {
+    while (requests_.empty() && !stopping_) cv_.Wait(&mu_);
+    if (requests_.empty()) return;  // stopping, and every request is served
+    std::weak_ptr<AlertFeed> request = std::move(requests_.front());
+    requests_.pop_front();
+    mu_.Unlock();
+    // A feed whose run is gone has no one waiting on it.
+    if (const std::shared_ptr<AlertFeed> feed = request.lock()) feed->Drain();
+    mu_.Lock();
+  }
+}
+
 AlertFeed::AlertFeed(const RunMeta& meta, std::optional<uint64_t> evaluated_through, alerts::AlertEngine& engine,
-                     TransitionSink sink, const std::atomic<uint64_t>* min_steps_before_page)
+                     TransitionSink sink, const std::atomic<uint64_t>* min_steps_before_page, FeedDrainer* drainer)
     : run_id_(meta.run_id),
       engine_(engine),
       sink_(std::move(sink)),
+      drainer_(drainer),
       evaluated_through_(evaluated_through),
       min_steps_before_page_(min_steps_before_page),
       last_(std::make_unique<alerts::RunFacts>()) {
@@ -110,10 +152,27 @@ void AlertFeed::Push(Item item) {
   queue_.push_back(std::move(item));
   queued_ = true;
   if (queue_.size() <= kMaxQueued) return;
-  // A burst: evaluate what waits now rather than let it grow.
+  // A burst: the queue is full. Back-pressure: the run's thread waits for room while the drainer
+  // evaluates, never evaluating under the run's lock itself.
+  if (std::weak_ptr<AlertFeed> self = weak_from_this(); drainer_ != nullptr && !self.expired()) {
+    if (!drain_requested_) drain_requested_ = drainer_->Request(std::move(self));
+    if (drain_requested_) {
+      room_.wait(queue_lock, [this] { return queue_.size() <= kMaxQueued; });
+      return;
+    }
+  }
+  // No drainer (a feed tested alone, or the daemon stopping): evaluate what waits now rather
+  // than let it grow.
   queue_lock.unlock();
   std::lock_guard eval(eval_mu_);
   queue_lock.lock();
+  DrainLocked(queue_lock);
+}
+
+void AlertFeed::Drain() {
+  std::lock_guard eval(eval_mu_);
+  std::unique_lock queue_lock(queue_mu_);
+  drain_requested_ = false;
   DrainLocked(queue_lock);
 }
 
@@ -131,6 +190,7 @@ void AlertFeed::DrainLocked(std::unique_lock<std::mutex>& queue_lock) {
     Item item = std::move(queue_.front());
     queue_.erase(queue_.begin());
     queued_ = !queue_.empty();
+    room_.notify_all();
     queue_lock.unlock();
     Evaluate(item);
     queue_lock.lock();

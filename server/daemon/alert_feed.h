@@ -1,34 +1,66 @@
 // AlertFeed: the alerting's side of one run's channel (runs::RunChannel). It keeps the run's alert
 // facts up to date from what the run publishes and has the engine evaluate them off the run's
 // lock:
-//  - OnStep (under the run's lock) copies the step into a queued alerts::RunFacts: its values
-//    listed by key through a key rank per series id (no string comparisons), the analytics'
-//    per-step view, the catalog; O(the step's values + parameters), into reused buffers;
+//  - OnStep (under the run's lock) copies the step into a queued alerts::RunFacts, tagged with its
+//    step and time: its values listed by key through a key rank per series id (no string
+//    comparisons), the analytics' per-step view, the catalog; O(the step's values + parameters),
+//    into reused buffers;
 //  - Deliver (without the run's lock) evaluates what is queued, in order, under the feed's own
 //    mutex, and hands the transitions to the alerting (counted, logged, sent to the trainers);
 //  - the last evaluated facts stay, for the timer rules (EvaluateTimer).
-// At most kMaxQueued steps wait: a burst of steps completed under one lock (an assembly timeout,
-// a rewind, the end of a rebuild) has the excess evaluated during OnStep, so memory stays bounded.
+// At most kMaxQueued steps wait. A burst of steps completed under one lock (an assembly timeout,
+// a rewind, the end of a rebuild) is back-pressure, not work under the lock: the run's thread
+// waits for room while the FeedDrainer's thread evaluates the queue, in order.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "alerts/facts.h"
 #include "alerts/state_machine.h"
 #include "alerts/warmup.h"
+#include "server/core/thread_annotations.h"
 #include "server/runs/run_analytics.h"
 #include "server/runs/step_listener.h"
 
 namespace gradwatch::daemon {
 
-class AlertFeed final : public runs::RunChannel {
+class AlertFeed;
+
+// Evaluates, on its own thread, the queues of feeds that filled up: the run that filled one waits
+// for room under its lock while this thread works through it. One per Alerting, shared by its feeds.
+class FeedDrainer {
+ public:
+  FeedDrainer();
+  ~FeedDrainer();
+  FeedDrainer(const FeedDrainer&) = delete;
+  FeedDrainer& operator=(const FeedDrainer&) = delete;
+
+  // Has `feed`'s queue evaluated soon. False once stopped (the caller evaluates it then).
+  bool Request(std::weak_ptr<AlertFeed> feed);
+  // Evaluates what was requested, then ends the thread; later requests are refused.
+  void Stop();
+
+ private:
+  void Loop();
+
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::weak_ptr<AlertFeed>> requests_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+class AlertFeed final : public runs::RunChannel, public std::enable_shared_from_this<AlertFeed> {
  public:
   // What the feed hands its evaluations' transitions to (the alerting), in order per run.
   // `to_trainers`: firing and resolved alerts among them go to the run's streams too.
@@ -41,14 +73,19 @@ class AlertFeed final : public runs::RunChannel {
   // up to it are not evaluated again (a resend).
   // `min_steps_before_page` (not owned, read at every step; null: the default): pages of threshold
   // rules are held below this step number (alerts/warmup.h).
+  // `drainer` (not owned) evaluates a full queue while the run waits; the feed must then be owned
+  // by a shared_ptr. Null (a feed tested alone): the run's thread evaluates it, under its lock.
   AlertFeed(const RunMeta& meta, std::optional<uint64_t> evaluated_through, alerts::AlertEngine& engine,
-            TransitionSink sink, const std::atomic<uint64_t>* min_steps_before_page = nullptr);
+            TransitionSink sink, const std::atomic<uint64_t>* min_steps_before_page = nullptr,
+            FeedDrainer* drainer = nullptr);
 
   void OnSeries(SeriesId id, const std::string& key) override;
   void OnStep(const runs::PublishedStep& step) override;
   void OnRewind(uint64_t from_step, double now) override;
   void OnEnded(bool clean, double now) override;
   void Deliver() override;
+  // Evaluates what is queued, in order (the FeedDrainer's thread).
+  void Drain();
   // Restored steps up to evaluated_through are not evaluated again: a run restored from a
   // snapshot through `step` needs none of them when step ≤ evaluated_through (or no evaluation of
   // the run was kept, and restored steps are not evaluated at all).
@@ -82,6 +119,7 @@ class AlertFeed final : public runs::RunChannel {
   const std::string run_id_;
   alerts::AlertEngine& engine_;
   const TransitionSink sink_;
+  FeedDrainer* const drainer_;
 
   // Touched only in the On* calls, which the run makes under its lock, one at a time.
   std::vector<std::string> keys_;     // by series id
@@ -130,6 +168,8 @@ class AlertFeed final : public runs::RunChannel {
   // Guarded by queue_mu_. A vector: at most kMaxQueued + 1 items, so shifting them is cheap and,
   // unlike a deque's blocks, its buffer is allocated once.
   std::vector<Item> queue_;
+  std::condition_variable room_;                          // with queue_mu_: the queue shrank
+  bool drain_requested_ = false;                          // guarded by queue_mu_: the drainer will evaluate the queue
   std::vector<std::unique_ptr<alerts::RunFacts>> spare_;  // guarded by queue_mu_
   bool queued_ = false;                                   // guarded by queue_mu_: !queue_.empty()
 };

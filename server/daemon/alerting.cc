@@ -146,6 +146,7 @@ void Alerting::WriterLoop() {
 }
 
 void Alerting::Stop() {
+  drainer_.Stop();                                  // what the runs queued is evaluated before the progress is kept
   if (writer_.joinable()) engine_.FlushProgress();  // the evaluated steps are kept for the restart
   {
     std::lock_guard lock(mu_);
@@ -240,7 +241,7 @@ std::shared_ptr<runs::RunChannel> Alerting::Open(const RunMeta& meta, bool resto
       [this](std::vector<alerts::Transition> transitions, bool to_trainers) {
         Handle(std::move(transitions), to_trainers);
       },
-      &min_steps_before_page_);
+      &min_steps_before_page_, &drainer_);
   std::lock_guard lock(feeds_mu_);
   feeds_[meta.run_id] = feed;
   return feed;

@@ -140,6 +140,9 @@ class Alerting final : public runs::StepListener {
   std::unordered_map<std::string, std::weak_ptr<AlertFeed>> feeds_;  // guarded by feeds_mu_
   std::atomic<uint64_t> firing_{0};
   std::atomic<uint64_t> resolved_{0};
+  // Evaluates the feeds' bursts off the runs' locks (AlertFeed). Last: its thread, which hands
+  // transitions to Handle, ends before the members above go.
+  FeedDrainer drainer_;
 };
 
 }  // namespace gradwatch::daemon

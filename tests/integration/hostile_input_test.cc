@@ -239,9 +239,9 @@ TEST_CASE("a 65,536-parameter run is read in pages that stay under gRPC's defaul
   CHECK(HttpRequest("GET", "127.0.0.1", daemon.metrics_port(), "/api/v1/runs/wide?params=0").status == 400);
   // The CLI reads the whole run. Each page is an RPC that can take more than the CLI's default
   // 10 s under a sanitizer on a busy machine; the test is about pages, not their speed.
-  const CommandResult show = RunCommand(
-      {CliBinaryPath(), "--addr", daemon.grpc_target(), "--timeout", "120", "show", "wide", "--json"}, std::nullopt,
-      std::chrono::seconds(600));
+  const CommandResult show =
+      RunCommand({CliBinaryPath(), "--addr", daemon.grpc_target(), "--timeout", "120", "show", "wide", "--json"},
+                 std::nullopt, std::chrono::seconds(600));
   INFO(show.err);
   REQUIRE(show.exit_code == 0);
   const nlohmann::json shown = nlohmann::json::parse(show.out);

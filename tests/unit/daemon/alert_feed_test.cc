@@ -2,9 +2,12 @@
 // the feed evaluates them off the run's lock, in order, with a bounded queue.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "server/daemon/alert_feed.h"
@@ -147,7 +150,76 @@ TEST_CASE("a run's steps are evaluated after its lock is released, and alerts re
   CHECK(alerting.resolved_transitions() == 1);
 }
 
-TEST_CASE("a burst of steps published under one lock is evaluated in order, never more than a few waiting",
+TEST_CASE("a burst of steps completed under the run's lock is evaluated by the drainer while the run waits, in order",
+          "[daemon][alerts]") {
+  FakeClock clock;
+  DaemonStats stats;
+  daemon::Alerting alerting({DefaultRule("GradNormContingency")});
+  RunOptions options;
+  options.listener = &alerting;
+  RunMeta meta = Meta();
+  meta.world_size = 2;
+  Run run(meta, options, nullptr, &stats, &clock, true);
+  const std::thread::id ingest = std::this_thread::get_id();
+  std::vector<alerts::Alert> heard;
+  std::atomic<bool> heard_on_ingest{false};
+  alerting.SetTrainerSink([&](const alerts::Alert& alert) {
+    if (std::this_thread::get_id() == ingest) heard_on_ingest = true;
+    heard.push_back(alert);
+  });
+  AttachInfo info;
+  REQUIRE_FALSE(run.Attach(meta, 0, nullptr, &info).has_value());
+  // Rank 1 never reports: 100 steps wait for it, then the assembly timeout completes them all
+  // under one lock.
+  for (uint64_t s = 1; s <= 100; ++s) REQUIRE_FALSE(run.AddStep(0, Total(s, 6.0), nullptr).has_value());
+  CHECK_FALSE(alerting.engine().EvaluatedThrough("r1").has_value());
+  clock.Advance(std::chrono::minutes(1));
+  run.Tick();
+  CHECK(run.Info().last_step == 100u);
+  CHECK(alerting.engine().EvaluatedThrough("r1") == 100u);
+  REQUIRE(heard.size() == 1);
+  CHECK(heard[0].name == "GradNormContingency");
+  CHECK(heard[0].step == 11);  // every step evaluated, in order: ≥ 5 from step 1, for 10 steps
+  // Past the first few, the steps were evaluated on the drainer's thread, while the run waited:
+  // the alert at step 11 among them.
+  CHECK_FALSE(heard_on_ingest);
+}
+
+TEST_CASE("a burst published to a feed with a drainer waits for room and is evaluated off the publisher's thread",
+          "[daemon][alerts]") {
+  alerts::AlertEngine engine({DefaultRule("GradNormContingency")});
+  daemon::FeedDrainer drainer;
+  const std::thread::id publisher = std::this_thread::get_id();
+  std::vector<uint64_t> firing_steps;
+  std::atomic<bool> evaluated_by_publisher{false};
+  auto feed = std::make_shared<AlertFeed>(
+      Meta(), std::nullopt, engine,
+      [&](std::vector<alerts::Transition> ts, bool) {
+        if (std::this_thread::get_id() == publisher) evaluated_by_publisher = true;
+        for (const auto& t : ts) {
+          if (t.to == alerts::AlertState::kFiring) firing_steps.push_back(t.alert.step);
+        }
+      },
+      nullptr, &drainer);
+  Publisher pub(*feed);
+  // 100 steps without a Deliver (as a run's lock held throughout): each past the queue's room
+  // waits for the drainer, so at most kMaxQueued wait at the end, and one may be in evaluation.
+  for (uint64_t s = 1; s <= 100; ++s) pub.Publish(*feed, s, s < 50 ? 1.0 : 6.0);
+  const auto evaluated = engine.EvaluatedThrough("r1");
+  REQUIRE(evaluated.has_value());
+  CHECK(*evaluated >= 100 - AlertFeed::kMaxQueued - 1);
+  CHECK_FALSE(evaluated_by_publisher);  // step 60 fired on the drainer's thread
+  feed->Deliver();
+  CHECK(engine.EvaluatedThrough("r1") == 100u);
+  CHECK(firing_steps == std::vector<uint64_t>{60});
+
+  // A stopped drainer takes no more: the publisher evaluates a full queue itself.
+  drainer.Stop();
+  for (uint64_t s = 101; s <= 120; ++s) pub.Publish(*feed, s, 6.0);
+  CHECK(*engine.EvaluatedThrough("r1") >= 120 - AlertFeed::kMaxQueued);
+}
+
+TEST_CASE("a burst published to a feed alone is evaluated in order, never more than a few waiting",
           "[daemon][alerts]") {
   alerts::AlertEngine engine({DefaultRule("GradNormContingency")});
   std::vector<uint64_t> firing_steps;
