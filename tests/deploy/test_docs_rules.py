@@ -8,7 +8,7 @@ the code:
 - there is a valid example of every rule kind. The kinds are read from the code in two ways that
   must agree: the names in RuleKindName's table in alerts/rules.cc (`case RuleKind::kX: return
   "name";`), and the list `gradwatch rules check` prints for a rule without a kind;
-- the page's kinds table lists, for each kind, exactly the keys of that kind in alerts/rules.cc's
+- the page's kinds table lists, for each kind, exactly the keys of that kind in alerts/rule_parser.cc's
   KindKeys table (the keys every rule takes, CommonKeys, aside);
 - the page's template variable table gives each kind exactly the variables `rules check` accepts
   for it (its "unknown variable ... (known: ...)" error lists them);
@@ -34,6 +34,7 @@ CLI = os.environ.get("GRADWATCH_CLI_PATH", "gradwatch")
 DAEMON = os.environ.get("GRADWATCHD_PATH", "gradwatchd")
 DOC = os.path.join(ROOT, "docs", "rules.md")
 RULES_CC = os.path.join(ROOT, "alerts", "rules.cc")
+RULE_PARSER_CC = os.path.join(ROOT, "alerts", "rule_parser.cc")
 DEFAULT_RULES = os.path.join(ROOT, "alerts", "rules", "default.yaml")
 
 FAILS = re.compile(r'^fails\s+"((?:[^"\\]|\\.)*)"$')
@@ -84,8 +85,8 @@ def kinds_from_source():
 
 def keys_from_source():
     """(common keys, {kind name: keys of that kind}) from CommonKeys() and KindKeys() in
-    alerts/rules.cc."""
-    with open(RULES_CC, encoding="utf-8") as f:
+    alerts/rule_parser.cc."""
+    with open(RULE_PARSER_CC, encoding="utf-8") as f:
         source = f.read()
     enumerators = kinds_from_source()
     common_body = cpp_function_body(source, "const std::set<std::string>& CommonKeys()")
@@ -95,7 +96,7 @@ def keys_from_source():
     for enumerator, keys in re.findall(r"\{RuleKind::(k\w+),\s*\{([^{}]*)\}\}", kind_body):
         per_kind[enumerators[enumerator]] = set(re.findall(r'"([a-z_]+)"', keys))
     if not common or len(per_kind) != len(enumerators):
-        raise AssertionError("could not read CommonKeys and KindKeys from alerts/rules.cc")
+        raise AssertionError("could not read CommonKeys and KindKeys from alerts/rule_parser.cc")
     return common, per_kind
 
 
@@ -210,7 +211,7 @@ class RulesReference(unittest.TestCase):
             with self.subTest(kind=kind):
                 documented = set(backticked(row[3])) | set(backticked(row[4]))
                 self.assertEqual(sorted(documented - common), sorted(per_kind[kind]),
-                                 f"keys of {kind}: the table against KindKeys in alerts/rules.cc")
+                                 f"keys of {kind}: the table against KindKeys in alerts/rule_parser.cc")
         every_rule = {backticked(row[0])[0] for row in table_rows(section(self.doc, "## Keys of every rule"))}
         self.assertEqual(sorted(every_rule), sorted(common), "the keys of every rule against CommonKeys")
 
