@@ -220,7 +220,7 @@ std::optional<IngestError> Run::ExtendCatalogLocked(const std::vector<ParamInfo>
 }
 
 std::optional<IngestError> Run::Attach(const RunMeta& hello, uint32_t rank, StreamSink* sink, AttachInfo* info) {
-  std::optional<RebuildJob> job;
+  std::optional<RewindJob> job;
   {
     run_internal::DeliverOnExit deliver(channel_);
     MutexLock lock(&mu_);

@@ -25,6 +25,7 @@
 #include "server/runs/daemon_stats.h"
 #include "server/runs/errors.h"
 #include "server/runs/memory_budget.h"
+#include "server/runs/rewind_rebuild.h"
 #include "server/runs/run_analytics.h"
 #include "server/runs/step_assembler.h"
 #include "server/runs/step_listener.h"
@@ -352,34 +353,10 @@ class Run {
     uint64_t step = 0;
   };
 
-  // What a rewind hands from the locked part to the rebuild of the analytics.
-  struct RebuildJob {
-    uint64_t from_step = 0;
-    uint64_t branch = 0;
-    std::vector<ParamInfo> params;
-    std::vector<std::pair<SeriesId, std::string>> series;
-    std::vector<EventRecord> events;  // kept events and the resume event
-    std::vector<std::pair<std::string, double>> forecasts;
-    std::optional<double> default_weight_decay;
-    std::vector<RunAnalytics::Remediation> remediations;  // checks of changes before from_step
-    analytics::LearningRateSchedule schedule;
-  };
-  // Totals of the kept steps, which the rebuild counts as it reads them.
-  struct StepTotals {
-    uint64_t count = 0;
-    bool has_first = false;
-    uint64_t first_step = 0;
-    uint64_t last_step = 0;
-    uint64_t partial = 0;
-    uint64_t nonfinite = 0;
-    uint64_t last_nonfinite_step = 0;
-    uint64_t client_dropped = 0;
-  };
-
   // Whether a Hello resuming from `from_step` on `rank` rewinds (see Attach).
   bool RewindsLocked(uint64_t from_step, uint32_t rank) const REQUIRES(mu_);
   // The locked part of a rewind: everything but the analytics rebuild, which it prepares.
-  RebuildJob RewindLocked(uint64_t from_step, uint32_t world_size) REQUIRES(mu_);
+  RewindJob RewindLocked(uint64_t from_step, uint32_t world_size) REQUIRES(mu_);
   // SUPERSEDED for a rank beyond the world of a resumed run (`what` it sent, at `step`).
   std::optional<IngestError> OutsideWorldLocked(uint32_t rank, std::string_view what, uint64_t step) const
       REQUIRES(mu_);
@@ -407,8 +384,9 @@ class Run {
   void UndoCatalogChangesFromLocked(uint64_t from_step) REQUIRES(mu_);
   // meta_.params changed in place (undone): the analytics and the listener's readers follow.
   void CatalogChangedLocked() REQUIRES(mu_);
-  // Rebuilds the analytics off the lock and installs them, unless a newer rewind came first.
-  void RebuildAnalytics(RebuildJob job);
+  // Rebuilds the analytics off the lock (RebuildAfterRewind) and installs them, unless a newer
+  // rewind came first.
+  void RebuildAnalytics(RewindJob job);
   std::optional<IngestError> ValidateCatalogLocked(const RunMeta& hello, bool world_may_change) const REQUIRES(mu_);
   void AttachLocked(uint32_t rank, StreamSink* sink, AttachInfo* info) REQUIRES(mu_);
   // The options of series `id` under `key` (RunOptions::series or param_series).

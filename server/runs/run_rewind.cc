@@ -2,7 +2,6 @@
 #include "server/runs/run_internal.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include <spdlog/spdlog.h>
 
@@ -15,7 +14,7 @@ bool Run::RewindsLocked(uint64_t from_step, uint32_t rank) const {
   return rank < ranks_.size() && ranks_[rank].has_received && ranks_[rank].last_received >= from_step;
 }
 
-Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
+RewindJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   const double now = clock_->UnixSeconds();
   spdlog::info(
       "run {}: resumed from the checkpoint at step {} (world size {} → {}); the branch from there on "
@@ -79,7 +78,7 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
 
   JournalLocked(store::RewindRecord{id_, from_step, world_size, now});
   if (channel_) channel_->OnRewind(from_step, now);
-  RebuildJob job;
+  RewindJob job;
   EventRecord resumed{from_step, "resumed from the checkpoint at step " + std::to_string(from_step), "daemon", now};
   ChargeEventLocked(resumed);
   events_.push_back(resumed);
@@ -116,43 +115,16 @@ Run::RebuildJob Run::RewindLocked(uint64_t from_step, uint32_t world_size) {
   return job;
 }
 
-void Run::RebuildAnalytics(RebuildJob job) {
-  auto rebuilt = std::make_unique<RunAnalytics>(options_.analytics, AnalyticsCharging{options_.budget, stats_, id_});
-  rebuilt->SetCatalog(job.params);
-  rebuilt->SetDefaultWeightDecay(job.default_weight_decay);
-  rebuilt->SetSchedule(job.schedule);
-  for (const auto& [id, key] : job.series) rebuilt->AddSeries(id, key);
-  for (const EventRecord& e : job.events) rebuilt->OnEvent(e);
-  rebuilt->SetForecasts(job.forecasts);
-  rebuilt->SetBranchStart(job.from_step);
-  rebuilt->AdoptRemediations(std::move(job.remediations));
-  StepTotals kept;
-  if (journal_ != nullptr) {
-    // The rewind record and every step completed before it must be committed to be read back.
-    Status s = journal_->Flush();
-    if (s.ok()) {
-      s = journal_->LoadRunSteps(id_, job.from_step, [&](const CompletedStep& step) {
-        rebuilt->OnStep(step);
-        if (!kept.has_first) kept.first_step = step.step, kept.has_first = true;
-        ++kept.count;
-        kept.last_step = step.step;
-        if (step.partial) ++kept.partial;
-        kept.client_dropped += step.client_dropped_steps;
-        for (const SeriesValue& sv : step.values) {
-          if (!std::isfinite(sv.value)) ++kept.nonfinite, kept.last_nonfinite_step = step.step;
-        }
-      });
-    }
-    if (!s.ok()) {
-      spdlog::error("run {}: reading the history kept at the rewind to step {}: {}; analytics miss it", id_,
-                    job.from_step, s.ToString());
-    }
-  }
+void Run::RebuildAnalytics(RewindJob job) {
+  const uint64_t branch = job.branch, from_step = job.from_step;
+  RebuiltAnalytics rebuilt = RebuildAfterRewind(id_, std::move(job), options_.analytics,
+                                                AnalyticsCharging{options_.budget, stats_, id_}, journal_);
+  const StepTotals& kept = rebuilt.kept;
 
   run_internal::DeliverOnExit deliver(channel_);
   MutexLock lock(&mu_);
-  if (branch_ != job.branch) return;  // a newer rewind rebuilds for itself
-  analytics_ = std::move(rebuilt);
+  if (branch_ != branch) return;  // a newer rewind rebuilds for itself
+  analytics_ = std::move(rebuilt.analytics);
   rebuilding_ = false;
   step_count_ += kept.count;
   partial_steps_ += kept.partial;
@@ -168,7 +140,7 @@ void Run::RebuildAnalytics(RebuildJob job) {
     if (!kept.has_first || step.step > kept.last_step) AnalyzeLocked(step, /*restored=*/false);
   }
   spdlog::info("run {}: analytics rebuilt from {} kept steps below step {}, then {} that arrived meanwhile", id_,
-               kept.count, job.from_step, deferred_.size());
+               kept.count, from_step, deferred_.size());
   deferred_.clear();
 }
 
