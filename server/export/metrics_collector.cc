@@ -359,7 +359,7 @@ void MetricsCollector::Render(Exposition& out) {
         "Records never committed: not queued (queue full or stopped) or still failing at shutdown.",
         MetricType::kCounter,
         static_cast<double>(stats_->journal_dropped_records.load() +
-                            (journal_ != nullptr ? journal_->dropped_record_count() : 0)));
+                            (journal_ != nullptr ? journal_->stats().dropped_records : 0)));
   d.One("gradwatch_store_memory_bytes", "Memory held by the in-memory series store.", MetricType::kGauge,
         static_cast<double>(memory));
   d.Header("gradwatch_journal_commit_duration_seconds", "Duration of journal transactions (group commits).",
@@ -409,18 +409,19 @@ void MetricsCollector::Render(Exposition& out) {
                  static_cast<double>(budget->used()));
   }
   if (journal_ == nullptr) return;
+  const store::JournalStats js = journal_->stats();
   d.One("gradwatch_journal_queue_depth", "Records waiting for a journal commit.", MetricType::kGauge,
-        static_cast<double>(journal_->queue_depth()));
+        static_cast<double>(js.queue_depth));
   d.One("gradwatch_journal_failed_commits_total",
         "Journal transaction attempts that failed (each is retried with its records).", MetricType::kCounter,
-        static_cast<double>(journal_->failed_commit_count()));
+        static_cast<double>(js.failed_commits));
   d.One("gradwatch_storage_healthy",
         "1 while the journal commits, 0 from a failed commit to the next success (ingest refuses data and is "
         "NOT_SERVING meanwhile).",
         MetricType::kGauge, journal_->healthy() ? 1.0 : 0.0);
   d.One("gradwatch_journal_storage_faults_total",
         "Times the journal's commits started failing (full disk, read-only or vanished files, I/O errors).",
-        MetricType::kCounter, static_cast<double>(journal_->storage_fault_count()));
+        MetricType::kCounter, static_cast<double>(js.storage_faults));
   d.Header("gradwatch_journal_recovery_problems",
            "Problems found when the journal was opened at start-up (1 when found), by kind: wal_missing, "
            "discarded_tail, damaged, moved_aside (a damaged journal renamed aside and salvaged into a fresh one).",
@@ -448,18 +449,18 @@ void MetricsCollector::Render(Exposition& out) {
         MetricType::kCounter, static_cast<double>(damage.steps()));
   d.One("gradwatch_journal_files_lost_total",
         "Times the journal's files vanished or were replaced while the daemon ran (data directory deleted...).",
-        MetricType::kCounter, static_cast<double>(journal_->files_lost_count()));
+        MetricType::kCounter, static_cast<double>(js.files_lost));
   d.One("gradwatch_journal_rebuilds_total",
         "Times the journal was rebuilt from its open connection after its files were lost.", MetricType::kCounter,
-        static_cast<double>(journal_->rebuild_count()));
+        static_cast<double>(js.rebuilds));
   d.One("gradwatch_journal_disk_bytes",
         "Size of the journal database with its WAL and shared-memory files (outbox included).", MetricType::kGauge,
         static_cast<double>(journal_->DiskBytes()));
   d.One("gradwatch_journal_pruned_runs_total", "Ended runs deleted from the journal (retention.journal_days).",
-        MetricType::kCounter, static_cast<double>(journal_->pruned_runs()));
+        MetricType::kCounter, static_cast<double>(js.pruned_runs));
   d.One("gradwatch_journal_pruned_rows_total",
         "Rows (steps, events, series, catalog, progress, runs) deleted from the journal.", MetricType::kCounter,
-        static_cast<double>(journal_->pruned_rows()));
+        static_cast<double>(js.pruned_rows));
 }
 
 }  // namespace gradwatch::exporter

@@ -132,19 +132,19 @@ StepJournalRecord Journal::AcquireStepRecord() {
   return record;
 }
 
-size_t Journal::queue_depth() const {
+JournalStats Journal::stats() const {
+  JournalStats out;
+  out.storage_faults = storage_faults_.load(std::memory_order_relaxed);
+  out.dropped_records = dropped_records_.load(std::memory_order_relaxed);
+  out.files_lost = files_lost_.load(std::memory_order_relaxed);
+  out.rebuilds = rebuilds_.load(std::memory_order_relaxed);
+  out.pruned_runs = pruned_runs_.load(std::memory_order_relaxed);
+  out.pruned_rows = pruned_rows_.load(std::memory_order_relaxed);
   MutexLock lock(&mu_);
-  return queue_.size();
-}
-
-uint64_t Journal::commit_count() const {
-  MutexLock lock(&mu_);
-  return commits_;
-}
-
-uint64_t Journal::failed_commit_count() const {
-  MutexLock lock(&mu_);
-  return failed_commits_;
+  out.queue_depth = queue_.size();
+  out.commits = commits_;
+  out.failed_commits = failed_commits_;
+  return out;
 }
 
 void Journal::NoteFailureLocked(const Status& status, size_t held) {

@@ -228,6 +228,23 @@ struct StoredRun {
 // renamed into place and used from then on. So every record committed before (runs, catalogs,
 // steps, events, progress, and the alert store's tables) is kept, and a commit made to the lost
 // files is acked only once the rebuilt file holds it. Lost if the process ends before the rebuild.
+// What a journal has done since open (Journal::stats), for /metrics and tests.
+struct JournalStats {
+  size_t queue_depth = 0;       // records waiting for a commit (not the batch being committed)
+  uint64_t commits = 0;         // successful commits
+  uint64_t failed_commits = 0;  // failed (rolled back) commit attempts
+  uint64_t storage_faults = 0;  // times it went from healthy to failing
+  // Records given up: still failing to commit when Stop() ran (never acked, so resent by their
+  // ranks to the next daemon).
+  uint64_t dropped_records = 0;
+  // Times its files were found vanished or replaced while it ran, and times it rebuilt them from
+  // its open connection (see Journal's storage faults).
+  uint64_t files_lost = 0;
+  uint64_t rebuilds = 0;
+  uint64_t pruned_runs = 0;  // ended runs deleted (SetPruneCutoff)
+  uint64_t pruned_rows = 0;  // their rows
+};
+
 class Journal {
  public:
   using CommitCallback = std::function<void(const CommitReport&)>;
@@ -277,9 +294,7 @@ class Journal {
   // Runs that ended before `ended_before` (seconds since the Unix epoch) and are not held may be
   // pruned; call periodically (the cutoff only moves forward). Returns at once.
   void SetPruneCutoff(double ended_before) EXCLUDES(mu_);
-  // Runs and rows pruned since open; bytes of the database, its WAL and shared-memory files.
-  uint64_t pruned_runs() const { return pruned_runs_.load(std::memory_order_relaxed); }
-  uint64_t pruned_rows() const { return pruned_rows_.load(std::memory_order_relaxed); }
+  // Bytes of the database, its WAL and shared-memory files.
   uint64_t DiskBytes() const;
 
   // Queues a record for the next commit. Never blocks on I/O. Returns the record's number (1 for
@@ -305,11 +320,8 @@ class Journal {
   // ingest path does not allocate once warm. Fields hold stale values: overwrite all of them.
   StepJournalRecord AcquireStepRecord() EXCLUDES(mu_);
 
-  // Records waiting for a commit (not counting the batch being committed).
-  size_t queue_depth() const EXCLUDES(mu_);
-  // Successful commits, and failed (rolled back) commit attempts, since open.
-  uint64_t commit_count() const EXCLUDES(mu_);
-  uint64_t failed_commit_count() const EXCLUDES(mu_);
+  // What the journal has done since open (see JournalStats).
+  JournalStats stats() const EXCLUDES(mu_);
 
   // What opening the journal found; logged at Open (an error when !ok()).
   const RecoveryReport& recovery() const { return recovery_; }
@@ -327,15 +339,6 @@ class Journal {
   // Whether new data should be taken: healthy, and the queue below three quarters of queue_max,
   // so that records of data already taken always find room (Enqueue never drops them).
   bool accepting() const EXCLUDES(mu_);
-  // Times the journal went from healthy to failing, since open.
-  uint64_t storage_fault_count() const { return storage_faults_.load(std::memory_order_relaxed); }
-  // Records given up: still failing to commit when Stop() ran (never acked, so resent by their
-  // ranks to the next daemon).
-  uint64_t dropped_record_count() const { return dropped_records_.load(std::memory_order_relaxed); }
-  // Times the journal's files were found vanished or replaced while it ran, and times it rebuilt
-  // them from its open connection (see above), since open.
-  uint64_t files_lost_count() const { return files_lost_.load(std::memory_order_relaxed); }
-  uint64_t rebuild_count() const { return rebuilds_.load(std::memory_order_relaxed); }
 
  private:
   struct Reader;  // the queries of Load and LoadRun

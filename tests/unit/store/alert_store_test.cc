@@ -101,7 +101,7 @@ TEST_CASE("the outbox follows the journal rebuilt after its directory was delete
   meta.run_id = "run";
   REQUIRE((*journal)->Enqueue(store::RunRecord{meta}));
   REQUIRE((*journal)->Flush().ok());  // rebuilds the journal
-  REQUIRE((*journal)->rebuild_count() == 1);
+  REQUIRE((*journal)->stats().rebuilds == 1);
   REQUIRE((*outbox)->Add({Entry("am", "after", alerts::AlertState::kFiring)}).ok());
   outbox->reset();
   (*journal)->Stop();

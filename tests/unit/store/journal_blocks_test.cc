@@ -277,7 +277,7 @@ TEST_CASE("pruning deletes an ended run's blocks, and abandoned branches once th
 
   // The branch abandoned at 1500 is kept while the cutoff is before it.
   journal->SetPruneCutoff(1200.0);
-  REQUIRE(WaitFor([&] { return journal->pruned_runs() == 1; }));
+  REQUIRE(WaitFor([&] { return journal->stats().pruned_runs == 1; }));
   CHECK(Query(dir.db(), "SELECT count(*) FROM step_blocks WHERE run_id = 'ended'") == "0");
   CHECK(Query(dir.db(), "SELECT count(*) FROM steps WHERE run_id = 'ended'") == "0");
   CHECK(Query(dir.db(), "SELECT count(*) FROM abandoned_steps WHERE run_id = 'live'") == "51");

@@ -448,11 +448,11 @@ TEST_CASE("group commit puts many records in few transactions", "[store]") {
     REQUIRE(journal->Enqueue(MakeStep("run", s, {{0, static_cast<double>(s)}}, {{"run", 0, s, s}})));
   }
   REQUIRE(journal->Flush().ok());
-  CHECK(journal->queue_depth() == 0);
+  CHECK(journal->stats().queue_depth == 0);
   CHECK(reported == kSteps);
-  CHECK(journal->commit_count() >= 1);
-  CHECK(journal->commit_count() < kSteps / 10);
-  CHECK(journal->failed_commit_count() == 0);
+  CHECK(journal->stats().commits >= 1);
+  CHECK(journal->stats().commits < kSteps / 10);
+  CHECK(journal->stats().failed_commits == 0);
   journal->Stop();
 
   RawDb raw(dir.db());
@@ -551,11 +551,11 @@ TEST_CASE("a failed commit is retried with its records, acked only once it succe
   const Status failed = journal->Flush();
   CHECK_FALSE(failed.ok());
   CHECK_THAT(failed.message(), Catch::Contains("injected fault"));
-  CHECK(journal->failed_commit_count() >= 1);
-  CHECK(journal->commit_count() == 0);
+  CHECK(journal->stats().failed_commits >= 1);
+  CHECK(journal->stats().commits == 0);
   CHECK_FALSE(journal->healthy());
   CHECK_FALSE(journal->accepting());
-  CHECK(journal->storage_fault_count() == 1);
+  CHECK(journal->stats().storage_faults == 1);
 
   // A later record waits behind the failing one: nothing is acked, not even step 14.
   REQUIRE(journal->Enqueue(MakeStep("a", 14, {{0, 1.0}}, {{"a", 0, 14, 140}})) == 2);
@@ -573,7 +573,7 @@ TEST_CASE("a failed commit is retried with its records, acked only once it succe
   CHECK(journal->Flush().ok());
   CHECK(journal->healthy());
   CHECK(journal->last_committed() == 2);
-  CHECK(journal->dropped_record_count() == 0);
+  CHECK(journal->stats().dropped_records == 0);
   std::lock_guard<std::mutex> lock(mu);
   REQUIRE_FALSE(acked.empty());
   CHECK(acked.back().step == 14);
@@ -589,7 +589,7 @@ TEST_CASE("records still failing at Stop are counted as dropped, never acked", "
   REQUIRE(journal->Enqueue(MakeStep("a", 1, {{0, 1.0}}, {{"a", 0, 1, 10}})));
   CHECK_FALSE(journal->Flush().ok());
   journal->Stop();
-  CHECK(journal->dropped_record_count() == 1);
+  CHECK(journal->stats().dropped_records == 1);
   CHECK(commits == 0);
 }
 
@@ -807,17 +807,17 @@ TEST_CASE("journal files deleted under an open journal are rebuilt from its conn
   for (uint64_t s = 101; s <= 200; ++s) REQUIRE(journal->Enqueue(MakeStep("run", s, {{0, 1.0}}, {{"run", 0, s, s}})));
   REQUIRE(journal->Flush().ok());
   CHECK(durable == 200);
-  CHECK(journal->files_lost_count() == 1);
-  CHECK(journal->rebuild_count() == 1);
+  CHECK(journal->stats().files_lost == 1);
+  CHECK(journal->stats().rebuilds == 1);
   CHECK(journal->healthy());
   CHECK(fs::exists(db));
   // The idle check notices a loss without any record to commit.
   for (const char* suffix : {"", "-wal", "-shm"}) fs::remove(db + suffix);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (journal->rebuild_count() < 2 && std::chrono::steady_clock::now() < deadline) {
+  while (journal->stats().rebuilds < 2 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  CHECK(journal->rebuild_count() == 2);
+  CHECK(journal->stats().rebuilds == 2);
   journal->Stop();
   const Recorder recorder = LoadFrom(db);
   CHECK(recorder.steps.size() == 200);
@@ -842,7 +842,7 @@ TEST_CASE("a journal file replaced under an open journal is moved aside, not wri
   fs::rename(foreign, dir.db());
   REQUIRE(journal->Enqueue(MakeStep("run", 1, {{0, 1.0}})));
   REQUIRE(journal->Flush().ok());
-  CHECK(journal->rebuild_count() == 1);
+  CHECK(journal->stats().rebuilds == 1);
   size_t detached = 0;
   for (const auto& entry : fs::directory_iterator(dir.path())) {
     const std::string name = entry.path().filename().string();
@@ -1288,7 +1288,7 @@ int64_t RowsOf(RawDb& raw, const std::string& id) {
 
 bool WaitPrunedRuns(const Journal& journal, uint64_t n) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (journal.pruned_runs() < n) {
+  while (journal.stats().pruned_runs < n) {
     if (std::chrono::steady_clock::now() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -1318,7 +1318,7 @@ TEST_CASE("pruning deletes every row of ended runs not held, in bounded batches,
   journal->SetPruneCutoff(500.0);
   REQUIRE(WaitPrunedRuns(*journal, 1));
   CHECK(RowsOf(raw, "old") == 0);
-  CHECK(journal->pruned_rows() == static_cast<uint64_t>(old_rows));
+  CHECK(journal->stats().pruned_rows == static_cast<uint64_t>(old_rows));
   CHECK(RowsOf(raw, "old-but-held") == old_rows);
   CHECK(RowsOf(raw, "recent") == 1 + 1 + 1 + 5 + 1 + 1);
   CHECK(RowsOf(raw, "active") == 1 + 1 + 1 + 5 + 1 + 1);
@@ -1368,7 +1368,7 @@ TEST_CASE("under churn of pruned runs the database file stops growing", "[store]
   }
   INFO("after 10 runs " << pages_after_warmup << " pages, after 40 " << pages());
   CHECK(pages() <= pages_after_warmup + 2);
-  CHECK(journal->pruned_runs() == 40);
+  CHECK(journal->stats().pruned_runs == 40);
 }
 
 TEST_CASE("the journal's writer thread is named gw-journal while the journal is open", "[store]") {
