@@ -607,14 +607,10 @@ HttpResponse HttpsRequest(const std::string& method, const std::string& host, in
   (void)kIgnoreSigpipe;
   const auto deadline = Clock::now() + Scaled(timeout);
   const std::string where = host + ":" + std::to_string(port);
-  Fd sock = ConnectTcp(host, port, deadline);
-  // Blocking from here, each call bounded by what is left of the deadline.
-  ::fcntl(sock.get(), F_SETFL, ::fcntl(sock.get(), F_GETFL) & ~O_NONBLOCK);
-  const int left_ms = std::max(1, RemainingMs(deadline));
-  timeval tv{left_ms / 1000, (left_ms % 1000) * 1000};
-  ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  ::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-
+  // The TLS context first, then the connection, whose hello follows at once: as a real client
+  // (Prometheus) does. A context loaded after connecting leaves the daemon a connection that says
+  // nothing for as long as loading the files takes on a busy machine, the first to be closed for
+  // a new one when silent clients crowd the listener.
   std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_client_method()), SSL_CTX_free);
   auto fail = [&](const std::string& what) -> std::runtime_error {
     return std::runtime_error("HTTPS " + where + ": " + what + ": " + OpenSslErrors());
@@ -633,6 +629,13 @@ HttpResponse HttpsRequest(const std::string& method, const std::string& host, in
   const std::string name = tls.server_name.empty() ? host : tls.server_name;
   SSL_set1_host(ssl.get(), name.c_str());
   if (in_addr a{}; ::inet_pton(AF_INET, name.c_str(), &a) != 1) SSL_set_tlsext_host_name(ssl.get(), name.c_str());
+  Fd sock = ConnectTcp(host, port, deadline);
+  // Blocking from here, each call bounded by what is left of the deadline.
+  ::fcntl(sock.get(), F_SETFL, ::fcntl(sock.get(), F_GETFL) & ~O_NONBLOCK);
+  const int left_ms = std::max(1, RemainingMs(deadline));
+  timeval tv{left_ms / 1000, (left_ms % 1000) * 1000};
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   SSL_set_fd(ssl.get(), sock.get());
   if (SSL_connect(ssl.get()) != 1) {
     const long verify = SSL_get_verify_result(ssl.get());
