@@ -9,6 +9,7 @@
 
 #include "alerts/rules.h"
 #include "server/core/thread_name.h"
+#include "server/runs/run_restore.h"
 
 namespace gradwatch::daemon {
 
@@ -179,7 +180,7 @@ void Alerting::FinishRestore(const runs::RunRegistry& registry, double now) {
   for (const alerts::Alert& a : engine_.Active()) {
     auto run = a.labels.find("run");
     if (!run_died_rules.count(a.name) || run == a.labels.end()) continue;
-    if (auto held = registry.Find(run->second)) held->RestoreSilentSince(a.starts_at - a.value);
+    if (auto held = registry.Find(run->second)) runs::RunRestore(*held).SilentSince(a.starts_at - a.value);
   }
   // Alerts of runs that ended or that the daemon no longer holds resolve, but for the run_died
   // pages of runs that ended without a Goodbye (see AlertEngine::EndRun).

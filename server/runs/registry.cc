@@ -8,6 +8,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "server/runs/run_restore.h"
+
 namespace gradwatch::runs {
 
 // Builds runs from what the journal hands out (start-up, or one run coming back). A run it cannot
@@ -39,7 +41,7 @@ class RunRegistry::Loader final : public store::JournalVisitor {
                                        false);
       if (const auto forecasts = registry_.Forecasts()) run->SetForecasts(*forecasts);
       run->AdoptCharge(bytes);
-      run->RestoreEnded(end);
+      RunRestore(*run).Ended(end);
       runs[meta.run_id] = std::move(run);
     } catch (const std::bad_alloc&) {
       if (budget != nullptr) budget->Release(bytes);
@@ -49,24 +51,24 @@ class RunRegistry::Loader final : public store::JournalVisitor {
     return true;
   }
   void OnSeries(const std::string& run_id, SeriesId id, const std::string& key) override {
-    Guarded(run_id, [&](Run& run) { run.RestoreSeries(id, key); });
+    Guarded(run_id, [&](Run& run) { RunRestore(run).Series(id, key); });
   }
   void OnRankProgress(const store::RankProgress& progress) override {
-    Guarded(progress.run_id, [&](Run& run) { run.RestoreProgress(progress); });
+    Guarded(progress.run_id, [&](Run& run) { RunRestore(run).Progress(progress); });
   }
   void OnStep(const std::string& run_id, const CompletedStep& step) override {
-    Guarded(run_id, [&](Run& run) { run.RestoreStep(step); });
+    Guarded(run_id, [&](Run& run) { RunRestore(run).Step(step); });
   }
   void OnEvent(const std::string& run_id, const EventRecord& event) override {
-    Guarded(run_id, [&](Run& run) { run.RestoreEvent(event); });
+    Guarded(run_id, [&](Run& run) { RunRestore(run).Event(event); });
   }
   void OnRewind(const std::string& run_id, uint64_t from_step) override {
-    Guarded(run_id, [&](Run& run) { run.RestoreRewind(from_step); });
+    Guarded(run_id, [&](Run& run) { RunRestore(run).Rewind(from_step); });
   }
   uint64_t OnStepsBegin(const std::string& run_id, uint64_t branch) override {
     uint64_t from_step = 0;
     Guarded(run_id, [&](Run& run) {
-      run.RestoreBranch(branch);
+      RunRestore(run).Branch(branch);
       if (registry_.snapshots_ == nullptr) return;
       auto payload = registry_.snapshots_->Read(run_id);
       if (!payload.ok()) {
@@ -77,7 +79,7 @@ class RunRegistry::Loader final : public store::JournalVisitor {
         return;
       }
       std::string why;
-      const auto mark = run.RestoreSnapshot(*payload, &why);
+      const auto mark = RunRestore(run).Snapshot(*payload, &why);
       if (!mark) {
         spdlog::warn("run {}: its snapshot is not used: {}; replaying its steps from the journal", run_id, why);
         return;
@@ -98,7 +100,7 @@ class RunRegistry::Loader final : public store::JournalVisitor {
   void Finish() {
     for (auto it = runs.begin(); it != runs.end();) {
       try {
-        it->second->FinishRestore();
+        RunRestore(*it->second).Finish();
         ++it;
       } catch (const std::bad_alloc&) {
         const std::string id = it->first;

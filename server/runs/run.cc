@@ -664,4 +664,10 @@ void Run::OnDurable(const store::RankProgress& progress) {
   if (rs.sink != nullptr) rs.sink->SendAck(rs.durable_step, rs.durable_seq);
 }
 
+void Run::SetForecasts(const std::vector<std::pair<std::string, double>>& forecasts) {
+  MutexLock lock(&mu_);
+  forecasts_ = forecasts;
+  analytics_->SetForecasts(forecasts);
+}
+
 }  // namespace gradwatch::runs

@@ -262,46 +262,16 @@ class Run {
                                                        size_t max_points) const;
   size_t MemoryBytes() const;
 
-  // Restore from the journal (start-up, before any stream).
-  void RestoreSeries(SeriesId id, const std::string& key);
-  void RestoreProgress(const store::RankProgress& progress);
-  // Adds a journaled step (in step order), published to the listener as restored.
-  void RestoreStep(const CompletedStep& step);
-  void RestoreEvent(const EventRecord& event);
-  // The run's latest rewind was to from_step (so a Hello resuming from it again is idempotent).
-  void RestoreRewind(uint64_t from_step);
   // The (series, threshold) pairs to forecast from now on (RunAnalytics::SetForecasts), kept for
   // the analytics a rewind or a restore rebuilds.
   void SetForecasts(const std::vector<std::pair<std::string, double>>& forecasts);
-  // How the run ended (not at all when !end.ended()). An ended run's last sign of life is dated
-  // from it, so a dead run keeps paging across a daemon restart; an active one starts a fresh
-  // grace period, as if its streams had just closed.
-  void RestoreEnded(const RunEnd& end);
-  // A RunDied page restored from before a restart says the run was last alive at `unix_seconds`:
-  // an active run with no stream yet is treated as silent since then (not given a fresh grace
-  // period), so the page neither resolves nor pages again. Ignored once a stream is open.
-  void RestoreSilentSince(double unix_seconds);
-  // Where a snapshot stands: the journal branch (RestoreBranch) it was taken on and the last step
-  // it covers.
+  // Where a snapshot stands: the journal branch (RunRestore::Branch) it was taken on and the last
+  // step it covers.
   struct SnapshotMark {
     uint64_t branch = 0;
     uint64_t step = 0;
     bool operator==(const SnapshotMark&) const = default;
   };
-  // The run's current branch in the journal (JournalVisitor::OnStepsBegin): the number of its
-  // rewinds. Snapshots are taken on a branch and only restored on it.
-  void RestoreBranch(uint64_t branch);
-  // At restore, after the run's series, progress, rewind and events and before its steps: reads
-  // `payload` (a snapshot SaveSnapshot wrote) and, when it is true to the journal (taken on the
-  // current branch, of series the journal holds under the same ids) and the listener can take the
-  // run up from it (RunChannel::AcceptsRestoreThrough), installs its series, counters and
-  // analytics, then adds the journaled events it did not know. Returns the step it covers through:
-  // the journal's steps after it are to be restored (RestoreStep). Otherwise the run is left as it
-  // was (its series and analytics, replaced while the snapshot is read so that a large run is
-  // never held twice, are made again with no step), nullopt is returned and *why says why (every
-  // step is then restored from the journal).
-  std::optional<SnapshotMark> RestoreSnapshot(std::string_view payload, std::string* why);
-
   // Snapshots (server/store/snapshots.h). Writes into `out` (overwritten) the run's state after
   // its last completed step: its counters, every series' points and its analytics, so that a
   // restart restores them and replays only the steps after it. Returns the branch and step it covers;
@@ -317,11 +287,11 @@ class Run {
   // A fingerprint of the layouts a snapshot holds, for store::SnapshotStore.
   static uint64_t SnapshotFingerprint();
 
-  // After the journal is loaded: maps the fixed and catalog series to their restored ids,
-  // creating (and journaling) any that are missing.
-  void FinishRestore();
-
  private:
+  // Restore from the journal and snapshots reads the run back through its private state
+  // (run_restore.h).
+  friend class RunRestore;
+
   struct SeriesEntry {
     std::string key;
     std::unique_ptr<store::Series> data;
@@ -408,16 +378,8 @@ class Run {
   void AnalyzeLocked(const CompletedStep& step, bool restored) REQUIRES(mu_);
   // Registers series `id` under `key` with the analytics and the listener.
   void AddSeriesLocked(SeriesId id, const std::string& key) REQUIRES(mu_);
-  // Analytics with no step: the catalog, the series whose `tracked` entry is set and, when
-  // with_events, the run's events.
-  std::unique_ptr<RunAnalytics> FreshAnalyticsLocked(const std::vector<bool>& tracked, bool with_events) REQUIRES(mu_);
-  // RestoreSnapshot's body after the counters: reads `count` series and the analytics from `in`
-  // into the run, replacing its unstepped ones, and charges their bytes (*bytes). False with *why
-  // when the snapshot is refused; the run is then partly replaced.
   // SaveSnapshot and SnapshotBytes: the snapshot through `w`.
   std::optional<SnapshotMark> WriteSnapshot(StateWriter& w, std::optional<SnapshotMark> last) const;
-  bool LoadSnapshotStateLocked(StateReader& in, uint64_t count, const std::vector<bool>& had_data, uint64_t* bytes,
-                               std::string* why) REQUIRES(mu_);
   // Adds a completed step to the run: its points to series_ (a slice of the series at a time,
   // see ApplySliceLocked), and its counts.
   void AppendLocked(const CompletedStep& step) REQUIRES(mu_);

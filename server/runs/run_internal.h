@@ -1,11 +1,12 @@
 // What the rooms of a Run share, and no one else: run.cc (the session: streams, assembly, series,
 // journaling and acks, end of life), run_events.cc (events and catalog changes), run_rewind.cc
-// (rewinds and the rebuild after one), run_views.cc (the read views) and run_restore.cc (restore
-// from the journal and snapshots).
+// (rewinds and the rebuild after one), run_views.cc (the read views), run_snapshot.cc (its
+// snapshot) and RunRestore (run_restore.h: restore from the journal and snapshots).
 #pragma once
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -20,6 +21,9 @@ namespace gradwatch::runs::run_internal {
 inline analytics::LearningRateSchedule ScheduleOf(const RunConfig& config, std::string* why) {
   return analytics::LearningRateSchedule::FromConfig(config.warmup_steps, config.total_steps, config.extra, why);
 }
+
+// Leads a run's snapshot payload: catches a payload of another kind before anything is read.
+inline constexpr uint64_t kSnapshotTag = 0x344e5552'50414e53ull;  // "SNAPRUN4"
 
 // The run-wide scalar series, by their index in Run::scalar_series_.
 inline constexpr size_t kTotalGrad = 0, kLoss = 1, kZLoss = 2, kLearningRate = 3, kTokens = 4;

@@ -6,6 +6,7 @@
 
 #include "server/core/byte_chunks.h"
 #include "server/runs/run.h"
+#include "server/runs/run_restore.h"
 #include "tests/unit/runs/recording_listener.h"
 #include "tests/unit/runs/recording_sink.h"
 
@@ -358,14 +359,14 @@ TEST_CASE("a run restored with a RunDied page stays silent since its last sign o
   Fixture f;
   f.clock.Advance(10000s);
   f.run = std::make_unique<Run>(Meta(), f.options, nullptr, &f.stats, &f.clock, false);  // as restored
-  f.run->RestoreEnded({});  // active when the daemon stopped: a fresh grace period
+  RunRestore(*f.run).Ended({});  // active when the daemon stopped: a fresh grace period
   CHECK(f.run->Activity().seconds_since_activity == Approx(0));
-  f.run->RestoreSilentSince(f.clock.UnixSeconds() - 900);  // its page fired for 900 s of silence
+  RunRestore(*f.run).SilentSince(f.clock.UnixSeconds() - 900);  // its page fired for 900 s of silence
   CHECK(f.run->Activity().seconds_since_activity == Approx(900));
-  f.run->RestoreSilentSince(f.clock.UnixSeconds() - 100);  // never moves the last sign of life later
+  RunRestore(*f.run).SilentSince(f.clock.UnixSeconds() - 100);  // never moves the last sign of life later
   CHECK(f.run->Activity().seconds_since_activity == Approx(900));
   f.Attach(0, &f.sink);  // it came back
-  f.run->RestoreSilentSince(f.clock.UnixSeconds() - 5000);
+  RunRestore(*f.run).SilentSince(f.clock.UnixSeconds() - 5000);
   CHECK(f.run->Activity().seconds_since_activity == Approx(0));
 }
 
@@ -427,11 +428,11 @@ TEST_CASE("restored events are ordered by step whatever order the journal record
   FakeClock clock;
   RunOptions options;
   Run run(Meta(), options, nullptr, nullptr, &clock, false);
-  run.RestoreEvent({500, "third", "trainer", 3});
-  run.RestoreEvent({100, "first", "annotation", 1});
-  run.RestoreEvent({300, "second", "annotation", 2});
-  run.RestoreEvent({300, "second, later", "annotation", 4});
-  run.FinishRestore();
+  RunRestore(run).Event({500, "third", "trainer", 3});
+  RunRestore(run).Event({100, "first", "annotation", 1});
+  RunRestore(run).Event({300, "second", "annotation", 2});
+  RunRestore(run).Event({300, "second, later", "annotation", 4});
+  RunRestore(run).Finish();
   const auto events = run.Summary().events;
   REQUIRE(events.size() == 4);
   CHECK(events[0].text == "first");
