@@ -189,13 +189,15 @@ void AlertFeed::DrainLocked(std::unique_lock<std::mutex>& queue_lock) {
   while (!queue_.empty()) {
     Item item = std::move(queue_.front());
     queue_.erase(queue_.begin());
-    queued_ = !queue_.empty();
     room_.notify_all();
     queue_lock.unlock();
     Evaluate(item);
     queue_lock.lock();
     if (item.facts && spare_.size() < kSpares) spare_.push_back(std::move(item.facts));
   }
+  // Only now: a Deliver that finds the queue empty while the drainer still evaluates its last item
+  // waits for it (on eval_mu_), so that what its caller queued is evaluated when it returns.
+  queued_ = false;
 }
 
 void AlertFeed::Evaluate(Item& item) {

@@ -171,7 +171,7 @@ class AlertFeed final : public runs::RunChannel, public std::enable_shared_from_
   std::condition_variable room_;                          // with queue_mu_: the queue shrank
   bool drain_requested_ = false;                          // guarded by queue_mu_: the drainer will evaluate the queue
   std::vector<std::unique_ptr<alerts::RunFacts>> spare_;  // guarded by queue_mu_
-  bool queued_ = false;                                   // guarded by queue_mu_: !queue_.empty()
+  bool queued_ = false;                                   // guarded by queue_mu_: an item waits or is being evaluated
 };
 
 }  // namespace gradwatch::daemon
